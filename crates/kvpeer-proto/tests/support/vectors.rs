@@ -1,0 +1,79 @@
+//! Loads `../shared/vectors/wire-vectors.json`, the wire vectors made with vLLM's own encoder.
+//!
+//! Shared by the library's and the CLI's vector tests. A missing or malformed file is an error,
+//! never a skip: CI always has `../shared` beside the checkout. `KVPEER_VECTORS` names another
+//! file (for vectors generated from other random values).
+
+use std::path::PathBuf;
+
+use kvpeer_proto::Outcome;
+use serde_json::Value as Json;
+
+/// One vector.
+pub struct Vector {
+    pub name: String,
+    pub expect: Outcome,
+    /// For valid vectors: encoding `message` must give exactly `payload`.
+    pub roundtrip: bool,
+    /// For valid vectors: the message in JSON form.
+    pub message: Option<Json>,
+    /// The msgpack payload.
+    pub payload: Vec<u8>,
+    pub hex: String,
+}
+
+pub fn path() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVPEER_VECTORS") {
+        return PathBuf::from(p);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors/wire-vectors.json")
+}
+
+fn outcome(name: &str) -> Result<Outcome, String> {
+    [
+        Outcome::Valid,
+        Outcome::Undecodable,
+        Outcome::Ignored,
+        Outcome::ProtocolError,
+    ]
+    .into_iter()
+    .find(|o| o.as_str() == name)
+    .ok_or_else(|| format!("unknown expect {name:?}"))
+}
+
+pub fn load() -> Result<Vec<Vector>, String> {
+    let path = path();
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read wire vectors at {}: {e}", path.display()))?;
+    let doc: Json =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    let list = doc["vectors"]
+        .as_array()
+        .ok_or_else(|| format!("{}: no \"vectors\" list", path.display()))?;
+    let mut vectors = Vec::with_capacity(list.len());
+    for v in list {
+        let name = v["name"]
+            .as_str()
+            .ok_or("vector without a name")?
+            .to_owned();
+        let hex = v["msgpack_hex"]
+            .as_str()
+            .ok_or_else(|| format!("{name}: no msgpack_hex"))?
+            .to_owned();
+        let payload = hex::decode(&hex).map_err(|e| format!("{name}: bad hex: {e}"))?;
+        let expect = outcome(v["expect"].as_str().unwrap_or_default())
+            .map_err(|e| format!("{name}: {e}"))?;
+        vectors.push(Vector {
+            expect,
+            roundtrip: v["roundtrip"].as_bool().unwrap_or(false),
+            message: v.get("message").filter(|m| !m.is_null()).cloned(),
+            payload,
+            hex,
+            name,
+        });
+    }
+    if vectors.is_empty() {
+        return Err(format!("{}: no vectors", path.display()));
+    }
+    Ok(vectors)
+}
