@@ -1,0 +1,257 @@
+//! The decoding rules one by one: what vLLM accepts, what kvpeer refuses on top, the limits,
+//! and the precision of error messages. Payloads are written in JSON form for readability.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use kvpeer_proto::json::payload_from_json;
+use kvpeer_proto::{
+    decode, decode_with_limits, DecodeError, DecodeLimits, EncodeError, Fetch, FieldError,
+    FieldPath, IgnoredReason, KvRequestId, Message, MessageType, MsgpackErrorKind, OffloadKey,
+    Outcome, ProtocolError, RoundSeq,
+};
+use serde_json::json;
+
+fn bytes(doc: serde_json::Value) -> Vec<u8> {
+    payload_from_json(&doc).unwrap()
+}
+
+fn protocol_error(payload: &[u8]) -> ProtocolError {
+    match decode(payload) {
+        Err(DecodeError::Protocol(e)) => e,
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+}
+
+fn fetch_json() -> serde_json::Value {
+    json!({"type": "fetch", "kv_request_id": "req-1",
+           "keys": [{"$bin": "00".repeat(36)}, {"$bin": "11".repeat(36)}],
+           "block_indexes": [3, 4], "round_seq": 1})
+}
+
+#[test]
+fn duplicate_fields_keep_the_last_like_a_dict() {
+    let mut payload = vec![0x83];
+    payload.extend(bytes(json!("type")));
+    payload.extend(bytes(json!("abort_ack")));
+    payload.extend(bytes(json!("kv_request_id")));
+    payload.extend(bytes(json!("first")));
+    payload.extend(bytes(json!("round_seq")));
+    payload.extend(bytes(json!(2)));
+    payload[0] = 0x84;
+    payload.extend(bytes(json!("kv_request_id")));
+    payload.extend(bytes(json!("second")));
+    match decode(&payload).unwrap() {
+        Message::AbortAck(a) => assert_eq!(a.kv_request_id.as_str(), "second"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn unknown_fields_of_any_shape_are_ignored() {
+    let mut doc = fetch_json();
+    doc["trace"] = json!({"spans": [1, -2, 3.5, null, {"$bin": "ff"}, {"deep": [[[]]]}]});
+    doc["auth"] = json!({"$ext": [5, "0102"]});
+    assert!(matches!(decode(&bytes(doc)).unwrap(), Message::Fetch(_)));
+    let extra = bytes(json!({"type": "disconnect", "reason": "bye", "n": 7}));
+    assert_eq!(decode(&extra).unwrap(), Message::Disconnect);
+}
+
+#[test]
+fn a_fault_in_an_unknown_field_still_makes_the_payload_undecodable() {
+    // msgspec decodes the whole payload first, so invalid UTF-8 anywhere is fatal.
+    let mut payload = bytes(json!({"type": "disconnect", "x": "ab"}));
+    let len = payload.len();
+    payload[len - 2] = 0xff;
+    assert_eq!(
+        decode(&payload).unwrap_err().outcome(),
+        Outcome::Undecodable
+    );
+}
+
+#[test]
+fn ints_are_accepted_in_any_encoding() {
+    // round_seq 5 as int8 (signed marker, positive value), as vLLM's msgspec would accept.
+    let mut payload = bytes(json!({"type": "abort_fetch", "kv_request_id": "r"}));
+    payload[0] = 0x83;
+    payload.extend(bytes(json!("round_seq")));
+    payload.extend([0xd0, 0x05]);
+    match decode(&payload).unwrap() {
+        Message::AbortFetch(a) => assert_eq!(a.round_seq, RoundSeq(5)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn u64_addresses_above_i64_survive() {
+    let doc = json!({"type": "connect", "peer_id": "10.0.0.1:5710", "agent_metadata": {"$bin": ""},
+                     "base_addr": u64::MAX, "num_blocks": 1, "block_len": 16, "hash_seed": "0"});
+    match decode(&bytes(doc)).unwrap() {
+        Message::Connect(c) => {
+            assert_eq!(c.base_addr, u64::MAX);
+            assert_eq!(c.config_fingerprint, None);
+            assert_eq!(c.fingerprint(), "");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn errors_name_message_field_index_and_reason() {
+    let mut doc = fetch_json();
+    doc["block_indexes"] = json!([3, -4]);
+    let e = protocol_error(&bytes(doc));
+    assert_eq!(e.message_type, MessageType::Fetch);
+    assert_eq!(e.field, FieldPath::element("block_indexes", 1));
+    assert_eq!(e.reason, FieldError::Negative(-4));
+    assert_eq!(
+        e.to_string(),
+        "fetch: block_indexes[1]: expected a non-negative int, got -4"
+    );
+
+    let mut doc = fetch_json();
+    doc["keys"][1] = json!("not-bytes");
+    let e = protocol_error(&bytes(doc));
+    assert_eq!(e.to_string(), "fetch: keys[1]: expected bin, got str");
+
+    let doc = json!({"type": "connect", "peer_id": "h:1", "agent_metadata": {"$bin": ""},
+                     "base_addr": 0, "num_blocks": -3, "block_len": 16, "hash_seed": "0"});
+    let e = protocol_error(&bytes(doc));
+    assert_eq!(
+        e.to_string(),
+        "connect: num_blocks: expected a positive int, got -3"
+    );
+}
+
+#[test]
+fn kvpeer_is_stricter_than_vllm_where_vllm_is_lenient_by_accident() {
+    // bool as int: Python's isinstance(True, int) is True; kvpeer refuses.
+    let mut doc = fetch_json();
+    doc["block_indexes"] = json!([true, 4]);
+    assert_eq!(
+        protocol_error(&bytes(doc)).reason,
+        FieldError::WrongType {
+            expected: "int",
+            got: "bool"
+        }
+    );
+    // A config_fingerprint that is present must be a str.
+    let doc = json!({"type": "connect", "peer_id": "h:1", "agent_metadata": {"$bin": ""},
+                     "base_addr": 0, "num_blocks": 1, "block_len": 16, "hash_seed": "0",
+                     "config_fingerprint": 5});
+    assert_eq!(
+        protocol_error(&bytes(doc)).field,
+        FieldPath::field("config_fingerprint")
+    );
+}
+
+#[test]
+fn ignored_payloads_say_why() {
+    let cases = [
+        (json!([1, 2]), IgnoredReason::NotAMap("array")),
+        (json!({"kind": "x"}), IgnoredReason::MissingType),
+        (json!({"type": 5}), IgnoredReason::TypeNotStr("int")),
+        (
+            json!({"type": "hello"}),
+            IgnoredReason::UnknownType("hello".into()),
+        ),
+    ];
+    for (doc, reason) in cases {
+        assert_eq!(decode(&bytes(doc)), Err(DecodeError::Ignored(reason)));
+    }
+    let long = "t".repeat(1000);
+    match decode(&bytes(json!({ "type": long }))) {
+        Err(DecodeError::Ignored(IgnoredReason::UnknownType(quoted))) => {
+            assert_eq!(quoted.len(), 64)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn payload_limit_is_checked_first() {
+    let payload = bytes(fetch_json());
+    let limits = DecodeLimits {
+        max_payload_bytes: payload.len() - 1,
+        ..DecodeLimits::default()
+    };
+    let err = decode_with_limits(&payload, &limits).unwrap_err();
+    match err {
+        DecodeError::Undecodable(e) => assert_eq!(
+            e.kind,
+            MsgpackErrorKind::TooLarge {
+                size: payload.len(),
+                limit: payload.len() - 1
+            }
+        ),
+        other => panic!("{other:?}"),
+    }
+    let exact = DecodeLimits {
+        max_payload_bytes: payload.len(),
+        ..DecodeLimits::default()
+    };
+    assert!(decode_with_limits(&payload, &exact).is_ok());
+}
+
+#[test]
+fn list_limit_is_a_protocol_error_before_allocation() {
+    let limits = DecodeLimits {
+        max_list_len: 1,
+        ..DecodeLimits::default()
+    };
+    let err = decode_with_limits(&bytes(fetch_json()), &limits).unwrap_err();
+    match err {
+        DecodeError::Protocol(e) => {
+            assert_eq!(e.reason, FieldError::TooManyEntries { len: 2, limit: 1 })
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn depth_limit_applies_to_unknown_fields() {
+    let mut doc = json!({"type": "disconnect"});
+    let mut nested = json!(0);
+    for _ in 0..10 {
+        nested = json!([nested]);
+    }
+    doc["x"] = nested;
+    let payload = bytes(doc);
+    assert!(decode(&payload).is_ok());
+    let shallow = DecodeLimits {
+        max_depth: 8,
+        ..DecodeLimits::default()
+    };
+    let err = decode_with_limits(&payload, &shallow).unwrap_err();
+    assert!(
+        matches!(&err, DecodeError::Undecodable(e) if e.kind == MsgpackErrorKind::TooDeep { limit: 8 }),
+        "{err}"
+    );
+}
+
+#[test]
+fn encode_refuses_what_a_peer_must_reject_and_writes_nothing() {
+    let bad = Message::Fetch(Fetch {
+        kv_request_id: KvRequestId::from("r"),
+        keys: vec![OffloadKey::from_parts(&[1; 32], 0)],
+        block_indexes: vec![],
+        round_seq: RoundSeq(0),
+    });
+    let mut out = vec![0xaa];
+    let err = bad.encode_into(&mut out).unwrap_err();
+    assert!(matches!(err, EncodeError::Invalid(_)), "{err}");
+    assert_eq!(out, [0xaa], "a refused message leaves the buffer as it was");
+}
+
+#[test]
+fn terminal_fetch_is_recognised() {
+    let doc = json!({"type": "fetch", "kv_request_id": "r", "keys": [], "block_indexes": [],
+                     "round_seq": 4});
+    match decode(&bytes(doc)).unwrap() {
+        Message::Fetch(f) => assert!(f.is_terminal()),
+        other => panic!("{other:?}"),
+    }
+    match decode(&bytes(fetch_json())).unwrap() {
+        Message::Fetch(f) => assert!(!f.is_terminal()),
+        other => panic!("{other:?}"),
+    }
+}
