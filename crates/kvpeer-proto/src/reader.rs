@@ -58,24 +58,30 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
 
+    #[inline]
     pub(crate) fn position(&self) -> usize {
         self.pos
     }
 
+    #[inline]
     pub(crate) fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
     /// The bytes from `start` up to the current position.
+    #[inline]
     pub(crate) fn since(&self, start: usize) -> &'a [u8] {
         &self.buf[start.min(self.pos)..self.pos]
     }
 
+    #[cold]
+    #[inline(never)]
     fn error(&self, offset: usize, kind: MsgpackErrorKind) -> MsgpackError {
         MsgpackError { offset, kind }
     }
 
     /// Takes `n` bytes of a fixed-size field.
+    #[inline]
     fn take_fixed(&mut self, at: usize, n: usize) -> Result<&'a [u8], MsgpackError> {
         let available = self.remaining();
         if n > available {
@@ -92,6 +98,7 @@ impl<'a> Reader<'a> {
         Ok(bytes)
     }
 
+    #[inline]
     fn take_array<const N: usize>(&mut self, at: usize) -> Result<[u8; N], MsgpackError> {
         let bytes = self.take_fixed(at, N)?;
         let mut out = [0u8; N];
@@ -99,23 +106,28 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    #[inline]
     fn be_u8(&mut self, at: usize) -> Result<u8, MsgpackError> {
         Ok(self.take_array::<1>(at)?[0])
     }
 
+    #[inline]
     fn be_u16(&mut self, at: usize) -> Result<u16, MsgpackError> {
         Ok(u16::from_be_bytes(self.take_array(at)?))
     }
 
+    #[inline]
     fn be_u32(&mut self, at: usize) -> Result<u32, MsgpackError> {
         Ok(u32::from_be_bytes(self.take_array(at)?))
     }
 
+    #[inline]
     fn be_u64(&mut self, at: usize) -> Result<u64, MsgpackError> {
         Ok(u64::from_be_bytes(self.take_array(at)?))
     }
 
     /// Takes a length-prefixed body, refusing a length the payload cannot hold.
+    #[inline]
     fn take_body(
         &mut self,
         at: usize,
@@ -141,6 +153,7 @@ impl<'a> Reader<'a> {
         Ok(bytes)
     }
 
+    #[inline]
     fn str_body(&mut self, at: usize, len: u64) -> Result<Token<'a>, MsgpackError> {
         let bytes = self.take_body(at, "str", len)?;
         match std::str::from_utf8(bytes) {
@@ -161,6 +174,7 @@ impl<'a> Reader<'a> {
 
     /// A container header: every element needs at least one byte, so a count larger than the
     /// remaining bytes (twice the count for a map) cannot be honest.
+    #[inline]
     fn container(&mut self, at: usize, map: bool, count: u64) -> Result<Token<'a>, MsgpackError> {
         let remaining = self.remaining();
         let min_bytes = if map { count.saturating_mul(2) } else { count };
@@ -180,6 +194,7 @@ impl<'a> Reader<'a> {
         Ok(if map { Token::Map(n) } else { Token::Array(n) })
     }
 
+    #[inline]
     fn int(value: i64) -> Token<'a> {
         if value >= 0 {
             Token::Uint(value as u64)
@@ -190,6 +205,7 @@ impl<'a> Reader<'a> {
 
     /// Reads the next token. At the end of the payload this is a `Truncated` (or `Empty` for an
     /// empty payload) error.
+    #[inline]
     pub(crate) fn next_token(&mut self) -> Result<Token<'a>, MsgpackError> {
         let at = self.pos;
         if self.buf.is_empty() {

@@ -1,2 +1,2 @@
 //! Helpers shared by the integration tests.
-pub mod vectors;
+pub(crate) mod vectors;

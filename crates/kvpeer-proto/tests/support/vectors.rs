@@ -4,25 +4,28 @@
 //! never a skip: CI always has `../shared` beside the checkout. `KVPEER_VECTORS` names another
 //! file (for vectors generated from other random values).
 
+// Included by several test binaries; each reads a different subset of the fields.
+#![allow(dead_code)]
+
 use std::path::PathBuf;
 
 use kvpeer_proto::Outcome;
 use serde_json::Value as Json;
 
 /// One vector.
-pub struct Vector {
-    pub name: String,
-    pub expect: Outcome,
+pub(crate) struct Vector {
+    pub(crate) name: String,
+    pub(crate) expect: Outcome,
     /// For valid vectors: encoding `message` must give exactly `payload`.
-    pub roundtrip: bool,
+    pub(crate) roundtrip: bool,
     /// For valid vectors: the message in JSON form.
-    pub message: Option<Json>,
+    pub(crate) message: Option<Json>,
     /// The msgpack payload.
-    pub payload: Vec<u8>,
-    pub hex: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) hex: String,
 }
 
-pub fn path() -> PathBuf {
+pub(crate) fn path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVPEER_VECTORS") {
         return PathBuf::from(p);
     }
@@ -41,7 +44,7 @@ fn outcome(name: &str) -> Result<Outcome, String> {
     .ok_or_else(|| format!("unknown expect {name:?}"))
 }
 
-pub fn load() -> Result<Vec<Vector>, String> {
+pub(crate) fn load() -> Result<Vec<Vector>, String> {
     let path = path();
     let text = std::fs::read_to_string(&path)
         .map_err(|e| format!("cannot read wire vectors at {}: {e}", path.display()))?;

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs every test of kvpeer. This is the README's test command, and what CI runs.
+#
+#   1. `cargo test --workspace`: unit, property, rule and doc tests, and every wire vector of
+#      ../shared/vectors/wire-vectors.json through the library and through `kvpeer wire`.
+#   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
+#      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
+#      KVPEER_VECTOR_SEED=N repeats a run.
+#
+# Needs the Rust toolchain and python3 (with its venv module); the Python packages go into a
+# venv under target/ (KVPEER_VENV to put it elsewhere), made on first use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${KVPEER_VENV:-target/kvpeer-venv}
+if ! "$venv/bin/python" -c 'import msgspec' 2>/dev/null; then
+  echo "== setting up $venv (msgspec)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
+fi
+
+echo "== cargo test --workspace"
+cargo test --workspace
+
+generated=target/generated-vectors.json
+seed_args=()
+if [ -n "${KVPEER_VECTOR_SEED:-}" ]; then seed_args=(--seed "$KVPEER_VECTOR_SEED"); fi
+echo "== fresh random vectors from msgspec"
+"$venv/bin/python" tests/vectors/gen_vectors.py "$generated" --per-kind 20 "${seed_args[@]}"
+KVPEER_VECTORS=$generated cargo test -p kvpeer-proto --test vectors -q
+KVPEER_VECTORS=$generated cargo test -p kvpeer --test wire_cli_vectors -q
