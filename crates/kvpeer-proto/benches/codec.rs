@@ -129,7 +129,9 @@ fn encode_message(bencher: Bencher, name: &str) {
 #[divan::bench(args = ["bin32_claims_4gib", "deep_nesting_100k"])]
 fn reject_hostile(bencher: Bencher, name: &str) {
     let payload = match name {
-        "bin32_claims_4gib" => vec![0x81, 0xa4, b't', b'y', b'p', b'e', 0xc6, 0xff, 0xff, 0xff, 0xff],
+        "bin32_claims_4gib" => vec![
+            0x81, 0xa4, b't', b'y', b'p', b'e', 0xc6, 0xff, 0xff, 0xff, 0xff,
+        ],
         _ => {
             let mut p = vec![0x91u8; 100_000];
             p.push(0xc0);

@@ -10,8 +10,8 @@ mod support;
 
 use kvpeer_proto::json::{message_from_json, payload_from_json, payload_to_json};
 use kvpeer_proto::{decode, DecodeLimits, Outcome};
-use libtest_mimic::{Arguments, Failed, Trial};
-use support::vectors::{load, Vector};
+use libtest_mimic::Failed;
+use support::vectors::{self, Vector};
 
 fn check(v: &Vector) -> Result<(), Failed> {
     let decoded = decode(&v.payload);
@@ -53,17 +53,5 @@ fn check(v: &Vector) -> Result<(), Failed> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
-    let vectors = match load() {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(1);
-        }
-    };
-    let trials = vectors
-        .into_iter()
-        .map(|v| Trial::test(format!("vector::{}", v.name), move || check(&v)))
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    vectors::run_each("vector", check)
 }

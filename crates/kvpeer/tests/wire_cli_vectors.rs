@@ -13,9 +13,9 @@ use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
 use kvpeer_proto::Outcome;
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Failed;
 use serde_json::Value as Json;
-use vectors::{load, Vector};
+use vectors::Vector;
 
 fn kvpeer(args: &[&str], stdin: &[u8]) -> Result<Output, Failed> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvpeer"))
@@ -81,17 +81,5 @@ fn check(v: &Vector) -> Result<(), Failed> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
-    let vectors = match load() {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(1);
-        }
-    };
-    let trials = vectors
-        .into_iter()
-        .map(|v| Trial::test(format!("cli_vector::{}", v.name), move || check(&v)))
-        .collect();
-    libtest_mimic::run(&args, trials).exit();
+    vectors::run_each("cli_vector", check)
 }

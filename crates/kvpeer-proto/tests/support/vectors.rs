@@ -80,3 +80,24 @@ pub(crate) fn load() -> Result<Vec<Vector>, String> {
     }
     Ok(vectors)
 }
+
+/// Runs `check` on every vector as one libtest trial each (named `prefix::<vector name>`), and
+/// exits with libtest's status. A vector file that cannot be loaded fails the run.
+pub(crate) fn run_each(
+    prefix: &'static str,
+    check: fn(&Vector) -> Result<(), libtest_mimic::Failed>,
+) -> ! {
+    let args = libtest_mimic::Arguments::from_args();
+    let vectors = match load() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let trials = vectors
+        .into_iter()
+        .map(|v| libtest_mimic::Trial::test(format!("{prefix}::{}", v.name), move || check(&v)))
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
+}
