@@ -22,7 +22,7 @@ fi
 echo "== cargo test --workspace"
 cargo test --workspace
 
-generated=target/generated-vectors.json
+generated="$PWD/target/generated-vectors.json"
 seed_args=()
 if [ -n "${KVPEER_VECTOR_SEED:-}" ]; then seed_args=(--seed "$KVPEER_VECTOR_SEED"); fi
 echo "== fresh random vectors from msgspec"
