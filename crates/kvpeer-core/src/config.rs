@@ -1,0 +1,91 @@
+//! Every number the core uses, with vLLM 0.33's values as defaults.
+
+use std::time::Duration;
+
+use kvpeer_proto::PeerId;
+
+/// Timeouts and limits of the protocol core. `Default` is vLLM 0.33's behaviour.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoreConfig {
+    /// Most sessions at once, inbound and outbound (`VLLM_P2P_MAX_PEERS`).
+    pub max_peers: usize,
+    /// A session must finish its handshake within this (`VLLM_P2P_HANDSHAKE_TIMEOUT_S`).
+    pub handshake_timeout: Duration,
+    /// Idle sessions older than this are evicted when few peer slots are left
+    /// (`VLLM_P2P_IDLE_TIMEOUT_S`); zero disables eviction.
+    pub idle_timeout: Duration,
+    /// Idle eviction runs only when at least `max_peers - idle_headroom` sessions exist.
+    pub idle_headroom: usize,
+    /// A consumer's lookup without progress for this long disconnects the peer.
+    pub lookup_timeout: Duration,
+    /// A load (fetch round) not done within this is aborted.
+    pub load_timeout: Duration,
+    /// An aborted load whose `abort_ack` does not come within this is failed.
+    pub abort_ack_timeout: Duration,
+    /// A store job (a pin held for a peer) older than this is failed.
+    pub store_timeout: Duration,
+    /// HIT_PENDING/RETRY keys of an inbound lookup become MISS after this.
+    pub lookup_pending_timeout: Duration,
+    /// How often pending keys of inbound lookups are looked up again.
+    pub lookup_repoll_interval: Duration,
+    /// An abort still draining after this is logged (the ack still waits for the drain).
+    pub cancel_drain_warning: Duration,
+    /// Least time between two wait-mode cancel attempts of one round.
+    pub cancel_retry_interval: Duration,
+    /// A data-plane fault disconnects the peer once inflight writes drain, or after this.
+    pub peer_fault_drain: Duration,
+    /// First reconnect backoff after a repeated data-plane fault (the first fault waits 0).
+    pub reconnect_min_backoff: Duration,
+    /// Longest reconnect backoff; also how long a fault is remembered after its wait ends.
+    pub reconnect_max_backoff: Duration,
+    /// A PD producer's stored blocks wait this long for the consumer's fetch.
+    pub unbound_store_timeout: Duration,
+    /// How long ids of reaped unbound stores are remembered, so late fetches fail at once.
+    pub reaped_id_retention: Duration,
+    /// Consecutive internal errors in dispatch that disconnect a peer.
+    pub max_consecutive_dispatch_errors: u32,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            max_peers: 128,
+            handshake_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(300),
+            idle_headroom: 8,
+            lookup_timeout: Duration::from_secs(30),
+            load_timeout: Duration::from_secs(30),
+            abort_ack_timeout: Duration::from_secs(10),
+            store_timeout: Duration::from_secs(30),
+            lookup_pending_timeout: Duration::from_secs(5),
+            lookup_repoll_interval: Duration::from_millis(1),
+            cancel_drain_warning: Duration::from_secs(10),
+            cancel_retry_interval: Duration::from_millis(100),
+            peer_fault_drain: Duration::from_secs(10),
+            reconnect_min_backoff: Duration::from_secs(1),
+            reconnect_max_backoff: Duration::from_secs(60),
+            unbound_store_timeout: Duration::from_secs(60),
+            reaped_id_retention: Duration::from_secs(60),
+            max_consecutive_dispatch_errors: 5,
+        }
+    }
+}
+
+/// What this node tells its peers in `connect`, and checks theirs against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalNode {
+    /// This node's identity, `host:port` of its control socket.
+    pub peer_id: PeerId,
+    /// Data-plane metadata advertised in `connect`.
+    pub agent_metadata: Vec<u8>,
+    /// Base address of the block region (informational for non-RDMA planes).
+    pub base_addr: u64,
+    /// Blocks in the region.
+    pub num_blocks: u64,
+    /// Bytes per block; peers must match it exactly.
+    pub block_len: u64,
+    /// Model configuration fingerprint; empty matches anything.
+    pub config_fingerprint: String,
+    /// Prefix-cache hash seed; peers must match it exactly.
+    pub hash_seed: String,
+}

@@ -1,0 +1,817 @@
+//! The tier: all sessions of one node, the roles of its requests, and what outlives a single
+//! session (failed request ids, a PD producer's parked stores, reconnect backoff, limits).
+//!
+//! Sans-IO: every entry point takes `now` and returns at once. The caller feeds inputs
+//! (decoded payloads, connection events, data-plane progress, engine calls, timeouts) and
+//! drains outputs in this order: [`Core::poll_transmit`] until empty, then [`Core::poll_event`]
+//! until empty, then sleeps until [`Core::poll_timeout`] or the next input. When inputs and a
+//! deadline are both due, feed the inputs first: a reply already received must win over the
+//! timeout it answers.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use kvpeer_proto::{
+    decode_with_limits, DecodeError, DecodeLimits, KvRequestId, Message, OffloadKey, PeerId,
+};
+use tracing::{debug, info, warn};
+
+use crate::config::{CoreConfig, LocalNode};
+use crate::output::{Event, Outbox, Transmit};
+use crate::session::{Cx, Session};
+use crate::timer::{earliest, Lane};
+use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent};
+
+/// Where a consumer request gets its blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// The producer.
+    pub peer: PeerId,
+    /// Probe with `lookup` first (`remote_kv_source`, symmetric); without probing every key is
+    /// assumed held (`remote_prefiller`, PD).
+    pub probe: bool,
+}
+
+/// The roles one request plays on this node (vLLM's `kv_transfer_params`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestRoles {
+    /// This node fetches the request's blocks from a peer.
+    pub source: Option<Source>,
+    /// This node produces the request's blocks for a peer that fetches them
+    /// (`remote_decoder`): its stores wait for the peer's fetch.
+    pub decoder: bool,
+}
+
+impl RequestRoles {
+    /// A symmetric consumer (`remote_kv_source`): probes `peer`, then fetches the hits.
+    pub fn kv_source(peer: PeerId) -> Self {
+        RequestRoles {
+            source: Some(Source { peer, probe: true }),
+            decoder: false,
+        }
+    }
+
+    /// A PD consumer (`remote_prefiller`): fetches from `peer` without probing.
+    pub fn prefiller(peer: PeerId) -> Self {
+        RequestRoles {
+            source: Some(Source { peer, probe: false }),
+            decoder: false,
+        }
+    }
+
+    /// A PD producer (`remote_decoder`): stores wait for the peer's fetch.
+    pub fn decoder() -> Self {
+        RequestRoles {
+            source: None,
+            decoder: true,
+        }
+    }
+}
+
+/// How much of a request the engine should offload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadPolicy {
+    /// The engine's usual policy.
+    Default,
+    /// Every block of the request, prefix hits included (a PD producer: the peer needs all).
+    RequestLevel,
+}
+
+/// Counts of open state, for metrics and for tests' leak checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreStats {
+    /// Live sessions.
+    pub sessions: usize,
+    /// Requests with engine roles registered.
+    pub requests: usize,
+    /// Consumer-side request state across sessions.
+    pub client_requests: usize,
+    /// Producer-side request state across sessions.
+    pub server_requests: usize,
+    /// Store jobs (pins) held by sessions.
+    pub store_jobs: usize,
+    /// Data-plane transfers in flight.
+    pub inflight: usize,
+    /// Messages waiting for a peer's ack.
+    pub queued: usize,
+    /// Store batches parked for a fetch that has not come.
+    pub unbound_batches: usize,
+    /// Request ids whose lookups answer MISS.
+    pub failed_ids: usize,
+}
+
+#[derive(Debug)]
+struct Batch {
+    job: JobId,
+    keys: Vec<OffloadKey>,
+    blocks: Vec<BlockIndex>,
+    submitted_at: Instant,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Backoff {
+    wait: Duration,
+    retry_at: Instant,
+}
+
+/// The protocol core of one node. See the [module documentation](self) for how to drive it.
+#[derive(Debug)]
+pub struct Core<P: Parent, D: DataPlane> {
+    config: CoreConfig,
+    local: LocalNode,
+    limits: DecodeLimits,
+    parent: P,
+    plane: D,
+    out: Outbox,
+    now: Instant,
+    sessions: HashMap<PeerId, Session>,
+    requests: HashMap<KvRequestId, RequestRoles>,
+    /// Requests whose lookups answer MISS (their peer failed them).
+    failed: HashSet<KvRequestId>,
+    /// PD producer ids bound to the session whose peer fetched them.
+    bound: HashMap<KvRequestId, PeerId>,
+    unbound: HashMap<KvRequestId, Vec<Batch>>,
+    unbound_lane: Lane<KvRequestId>,
+    reaped: HashMap<KvRequestId, Instant>,
+    reaped_lane: Lane<KvRequestId>,
+    backoff: HashMap<PeerId, Backoff>,
+    faults: HashMap<PeerId, u32>,
+}
+
+impl<P: Parent, D: DataPlane> Core<P, D> {
+    /// A core with no sessions. `now` is the starting time; later calls must not go back.
+    pub fn new(config: CoreConfig, local: LocalNode, parent: P, plane: D, now: Instant) -> Self {
+        let unbound_lane = Lane::new(config.unbound_store_timeout);
+        let reaped_lane = Lane::new(config.reaped_id_retention);
+        Core {
+            config,
+            local,
+            limits: DecodeLimits::default(),
+            parent,
+            plane,
+            out: Outbox::default(),
+            now,
+            sessions: HashMap::new(),
+            requests: HashMap::new(),
+            failed: HashSet::new(),
+            bound: HashMap::new(),
+            unbound: HashMap::new(),
+            unbound_lane,
+            reaped: HashMap::new(),
+            reaped_lane,
+            backoff: HashMap::new(),
+            faults: HashMap::new(),
+        }
+    }
+
+    /// Replaces the decoding limits applied by [`Core::handle_payload`].
+    pub fn set_decode_limits(&mut self, limits: DecodeLimits) {
+        self.limits = limits;
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
+    }
+
+    /// This node's identity and layout.
+    pub fn local(&self) -> &LocalNode {
+        &self.local
+    }
+
+    /// The local store.
+    pub fn parent(&self) -> &P {
+        &self.parent
+    }
+
+    /// The local store, mutably (the engine stores and allocates blocks through it).
+    pub fn parent_mut(&mut self) -> &mut P {
+        &mut self.parent
+    }
+
+    /// The data plane.
+    pub fn plane(&self) -> &D {
+        &self.plane
+    }
+
+    /// The data plane, mutably.
+    pub fn plane_mut(&mut self) -> &mut D {
+        &mut self.plane
+    }
+
+    fn advance(&mut self, now: Instant) {
+        if now > self.now {
+            self.now = now;
+        }
+    }
+
+    /// Runs `f` on one session with everything it may touch.
+    fn with_session<R>(
+        &mut self,
+        peer: &PeerId,
+        f: impl FnOnce(&mut Session, &mut Cx<'_>, &LocalNode) -> R,
+    ) -> Option<R> {
+        let session = self.sessions.get_mut(peer)?;
+        let mut cx = Cx {
+            now: self.now,
+            config: &self.config,
+            parent: &mut self.parent,
+            plane: &mut self.plane,
+            out: &mut self.out,
+        };
+        Some(f(session, &mut cx, &self.local))
+    }
+
+    /// Runs `f` on every session.
+    fn each_session(&mut self, mut f: impl FnMut(&mut Session, &mut Cx<'_>)) {
+        let mut cx = Cx {
+            now: self.now,
+            config: &self.config,
+            parent: &mut self.parent,
+            plane: &mut self.plane,
+            out: &mut self.out,
+        };
+        for session in self.sessions.values_mut() {
+            f(session, &mut cx);
+        }
+    }
+
+    // ---------------------------------------------------------------- outputs
+
+    /// The next message to send, if any.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.out.transmits.pop_front()
+    }
+
+    /// The next event to act on, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.out.events.pop_front()
+    }
+
+    /// When [`Core::handle_timeout`] must next be called, if ever.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let sessions = self.sessions.values().map(Session::next_deadline);
+        earliest(sessions.chain([
+            self.unbound_lane.next_deadline(),
+            self.reaped_lane.next_deadline(),
+            self.idle_deadline(),
+        ]))
+    }
+
+    /// Counts of open state.
+    pub fn stats(&self) -> CoreStats {
+        let mut stats = CoreStats {
+            sessions: self.sessions.len(),
+            requests: self.requests.len(),
+            unbound_batches: self.unbound.values().map(Vec::len).sum(),
+            failed_ids: self.failed.len(),
+            ..CoreStats::default()
+        };
+        for session in self.sessions.values() {
+            let (client, server, jobs, inflight, queued) = session.counts();
+            stats.client_requests += client;
+            stats.server_requests += server;
+            stats.store_jobs += jobs;
+            stats.inflight += inflight;
+            stats.queued += queued;
+        }
+        stats
+    }
+
+    /// Whether a session with `peer` exists, and whether the peer has acked our `connect`.
+    pub fn session_state(&self, peer: &PeerId) -> Option<SessionState> {
+        self.sessions.get(peer).map(|s| SessionState {
+            ready: s.link.ready,
+            pending_work: s.has_pending_work(),
+        })
+    }
+
+    // ---------------------------------------------------------------- control channel
+
+    /// A control connection from a peer without a session. Returns whether it was accepted;
+    /// a refusal comes with an [`Event::Refused`] (and a `disconnect` during backoff, so the
+    /// peer fails at once).
+    pub fn handle_inbound(&mut self, now: Instant, peer: PeerId) -> bool {
+        self.advance(now);
+        let refusal = if self.sessions.contains_key(&peer) {
+            Some(format!("duplicate connection from {peer}"))
+        } else if self.sessions.len() >= self.config.max_peers {
+            Some(format!(
+                "session limit reached ({}/{})",
+                self.sessions.len(),
+                self.config.max_peers
+            ))
+        } else {
+            let wait = self.reconnect_wait(&peer);
+            if wait > Duration::ZERO {
+                self.out.transmit(&peer, Message::Disconnect);
+                Some(format!(
+                    "reconnect backoff after a data-plane fault ({:.1}s left)",
+                    wait.as_secs_f64()
+                ))
+            } else {
+                None
+            }
+        };
+        if let Some(reason) = refusal {
+            warn!(%peer, %reason, "refusing inbound peer");
+            self.out.event(Event::Refused { peer, reason });
+            return false;
+        }
+        info!(%peer, "accepting inbound peer");
+        let session = Session::open(
+            peer.clone(),
+            &self.local,
+            &self.config,
+            &mut self.out,
+            self.now,
+        );
+        self.sessions.insert(peer, session);
+        true
+    }
+
+    /// One payload from `peer`'s control connection: decoded, classified, dispatched.
+    pub fn handle_payload(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
+        self.advance(now);
+        match decode_with_limits(payload, &self.limits) {
+            Ok(message) => self.handle_message(now, peer, message),
+            Err(DecodeError::Protocol(e)) => {
+                self.with_session(peer, |s, cx, _| {
+                    s.on_invalid_message(cx, format!("malformed message: {e}"))
+                });
+                self.settle();
+            }
+            Err(DecodeError::Ignored(e)) => {
+                warn!(%peer, error = %e, "ignoring a payload that is no known message")
+            }
+            Err(e) => warn!(%peer, error = %e, "dropping an undecodable payload"),
+        }
+    }
+
+    /// One decoded message from `peer`.
+    pub fn handle_message(&mut self, now: Instant, peer: &PeerId, message: Message) {
+        self.advance(now);
+        let handled = self.with_session(peer, |s, cx, local| {
+            s.on_message(cx, local, message);
+            std::mem::take(&mut s.new_fetch_ids)
+        });
+        match handled {
+            Some(fetched) => self.bind_fetches(peer, fetched),
+            None => debug!(%peer, "message for a peer without a session dropped"),
+        }
+        self.settle();
+    }
+
+    /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).
+    pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId) {
+        self.advance(now);
+        if let Some(session) = self.sessions.get_mut(peer) {
+            session.mark_dead("control connection lost");
+        }
+        self.settle();
+    }
+
+    // ---------------------------------------------------------------- data plane
+
+    /// The data plane may have progressed (a registration, a completion, a fault).
+    pub fn handle_data_plane(&mut self, now: Instant) {
+        self.advance(now);
+        self.each_session(|s, cx| s.on_data_plane(cx));
+        self.settle();
+    }
+
+    // ---------------------------------------------------------------- timers
+
+    /// Fires every deadline at or before `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.advance(now);
+        self.each_session(|s, cx| s.handle_timeout(cx));
+        self.reap_unbound();
+        self.expire_reaped();
+        self.evict_idle();
+        self.settle();
+    }
+
+    // ---------------------------------------------------------------- engine
+
+    /// A new request and its roles. A consumer opens (or reuses) a session to its producer;
+    /// if that is not possible the request's lookups answer MISS.
+    pub fn on_new_request(
+        &mut self,
+        now: Instant,
+        id: KvRequestId,
+        roles: RequestRoles,
+    ) -> OffloadPolicy {
+        self.advance(now);
+        if let Some(source) = &roles.source {
+            let peer = source.peer.clone();
+            if !self.ensure_session(&peer) {
+                self.failed.insert(id.clone());
+            }
+        }
+        let policy = if roles.decoder {
+            OffloadPolicy::RequestLevel
+        } else {
+            OffloadPolicy::Default
+        };
+        self.requests.insert(id, roles);
+        policy
+    }
+
+    /// Whether the request's producer holds `key`: `Hit`, `Miss`, or `Retry` (asked; look again
+    /// after the next [`Core::flush_lookups`] has been answered).
+    pub fn lookup(&mut self, now: Instant, id: &KvRequestId, key: &OffloadKey) -> LookupResult {
+        self.advance(now);
+        let Some(source) = self.requests.get(id).and_then(|r| r.source.clone()) else {
+            return LookupResult::Miss;
+        };
+        if self.failed.contains(id) {
+            return LookupResult::Miss;
+        }
+        if !source.probe {
+            return LookupResult::Hit;
+        }
+        match self.sessions.get_mut(&source.peer) {
+            None => LookupResult::Miss,
+            Some(session) => match session.register_lookup(id, key) {
+                Some(true) => LookupResult::Hit,
+                Some(false) => LookupResult::Miss,
+                None => LookupResult::Retry,
+            },
+        }
+    }
+
+    /// Sends the probes registered since the last flush (one `lookup` per request and peer).
+    /// vLLM does this once per scheduler step.
+    pub fn flush_lookups(&mut self, now: Instant) {
+        self.advance(now);
+        let now = self.now;
+        for session in self.sessions.values_mut() {
+            session.flush_lookups(&mut self.out, now);
+        }
+    }
+
+    /// Asks the store again about inbound lookups waiting on pending keys (call when blocks
+    /// being written become readable; a timer does it anyway every `lookup_repoll_interval`).
+    pub fn serve(&mut self, now: Instant) {
+        self.advance(now);
+        self.each_session(|s, cx| s.serve(cx));
+        self.settle();
+    }
+
+    /// Fetches `keys` into local `blocks` (one round); the result comes as
+    /// [`Event::LoadDone`] for `job`.
+    pub fn submit_load(
+        &mut self,
+        now: Instant,
+        job: JobId,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+    ) {
+        self.advance(now);
+        let Some(source) = self.requests.get(id).and_then(|r| r.source.clone()) else {
+            warn!(kv_request_id = %id, job, "load for a request that has no producer");
+            self.out.load_done(job, id.clone(), false);
+            self.settle();
+            return;
+        };
+        if keys.is_empty() {
+            self.out.load_done(job, id.clone(), true);
+            return;
+        }
+        let now = self.now;
+        match self.sessions.get_mut(&source.peer) {
+            Some(session) if !session.is_dead() => {
+                session.request_blocks(&mut self.out, now, job, id, keys, blocks)
+            }
+            _ => {
+                warn!(kv_request_id = %id, job, peer = %source.peer, "load with no session to the producer");
+                self.out.load_done(job, id.clone(), false);
+            }
+        }
+        self.settle();
+    }
+
+    /// Blocks the engine stored for a request (already pinned in the store as job `job`).
+    /// For a PD producer they wait for the peer's fetch; otherwise the job completes at once.
+    pub fn submit_store(
+        &mut self,
+        now: Instant,
+        job: JobId,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+    ) {
+        self.advance(now);
+        let decoder = self.requests.get(id).is_some_and(|r| r.decoder);
+        if !decoder {
+            self.complete_store(job, true);
+            return;
+        }
+        if self.reaped.contains_key(id) {
+            warn!(kv_request_id = %id, job, "store for a request whose parked stores were reaped; failing it");
+            self.complete_store(job, false);
+            return;
+        }
+        if let Some(peer) = self.bound.get(id).cloned() {
+            self.with_session(&peer, |s, cx, _| {
+                s.add_stored_blocks(cx, id, &keys, &blocks, job)
+            });
+            self.settle();
+            return;
+        }
+        let batches = self.unbound.entry(id.clone()).or_default();
+        if batches.is_empty() {
+            self.unbound_lane.arm(self.now, id.clone());
+        }
+        batches.push(Batch {
+            job,
+            keys,
+            blocks,
+            submitted_at: self.now,
+        });
+    }
+
+    /// The request finished on this node: consumer loads are aborted and lookup state
+    /// released at the producer; a PD producer's rounds end.
+    pub fn finish(&mut self, now: Instant, id: &KvRequestId) {
+        self.advance(now);
+        self.failed.remove(id);
+        let Some(roles) = self.requests.remove(id) else {
+            return;
+        };
+        let peer = match roles.source {
+            Some(source) => Some(source.peer),
+            None => self.bound.remove(id),
+        };
+        if let Some(peer) = peer {
+            self.with_session(&peer, |s, cx, _| s.finish_request(cx, id));
+        }
+        self.settle();
+    }
+
+    // ---------------------------------------------------------------- shutdown
+
+    /// First step of a graceful shutdown: asks the data plane to stop inflight transfers
+    /// without abandoning any that may still land. Returns `true` once none remain; call again
+    /// (after data-plane progress) until then or until the caller's drain bound passes.
+    pub fn shutdown_drain(&mut self, now: Instant) -> bool {
+        self.advance(now);
+        let ids: Vec<u64> = self
+            .sessions
+            .values()
+            .flat_map(Session::inflight_ids)
+            .collect();
+        if ids.is_empty() {
+            return true;
+        }
+        let still = self.plane.cancel(&ids, CancelMode::Wait);
+        self.each_session(|s, cx| s.on_data_plane(cx));
+        self.settle();
+        still.is_empty() && self.sessions.values().all(|s| s.inflight_ids().is_empty())
+    }
+
+    /// Ends everything: remaining transfers are abandoned, every session sends `disconnect`
+    /// and closes, parked stores fail.
+    pub fn shutdown(&mut self, now: Instant) {
+        self.advance(now);
+        let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
+        for peer in peers {
+            self.end_session(&peer);
+        }
+        for (_, batches) in std::mem::take(&mut self.unbound) {
+            for batch in batches {
+                self.complete_store(batch.job, false);
+            }
+        }
+        self.unbound_lane.clear();
+        self.reaped.clear();
+        self.reaped_lane.clear();
+        self.bound.clear();
+    }
+
+    // ---------------------------------------------------------------- internals
+
+    fn complete_store(&mut self, job: JobId, success: bool) {
+        self.parent.complete_store_job(job, success);
+        self.out.event(Event::StoreDone { job, success });
+    }
+
+    /// Opens a session toward `peer` unless one exists; `false` if it cannot.
+    fn ensure_session(&mut self, peer: &PeerId) -> bool {
+        if self.sessions.contains_key(peer) {
+            return true;
+        }
+        if self.reconnect_wait(peer) > Duration::ZERO {
+            warn!(%peer, "not dialing: reconnect backoff after a data-plane fault");
+            return false;
+        }
+        if self.sessions.len() >= self.config.max_peers {
+            warn!(%peer, limit = self.config.max_peers, "not dialing: session limit reached");
+            return false;
+        }
+        info!(%peer, "opening a session");
+        self.out.event(Event::Dial(peer.clone()));
+        let session = Session::open(
+            peer.clone(),
+            &self.local,
+            &self.config,
+            &mut self.out,
+            self.now,
+        );
+        self.sessions.insert(peer.clone(), session);
+        true
+    }
+
+    /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
+    /// for a reaped id fails in one round trip.
+    fn bind_fetches(&mut self, peer: &PeerId, fetched: Vec<KvRequestId>) {
+        for id in fetched {
+            if self.reaped.contains_key(&id) {
+                self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
+                for batch in self.unbound.remove(&id).unwrap_or_default() {
+                    self.complete_store(batch.job, false);
+                }
+                continue;
+            }
+            self.bound.insert(id.clone(), peer.clone());
+            for batch in self.unbound.remove(&id).unwrap_or_default() {
+                self.with_session(peer, |s, cx, _| {
+                    s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
+                });
+            }
+        }
+    }
+
+    /// After every entry point: failed loads mark their ids, dead sessions are reaped.
+    fn settle(&mut self) {
+        for id in std::mem::take(&mut self.out.failed_loads) {
+            if self.requests.contains_key(&id) {
+                self.failed.insert(id);
+            }
+        }
+        let dead: Vec<PeerId> = self
+            .sessions
+            .values()
+            .filter(|s| s.is_dead())
+            .map(|s| s.peer().clone())
+            .collect();
+        for peer in dead {
+            self.end_session(&peer);
+        }
+    }
+
+    fn end_session(&mut self, peer: &PeerId) {
+        let Some(mut session) = self.sessions.remove(peer) else {
+            return;
+        };
+        self.bound.retain(|_, p| p != peer);
+        let closed = {
+            let mut cx = Cx {
+                now: self.now,
+                config: &self.config,
+                parent: &mut self.parent,
+                plane: &mut self.plane,
+                out: &mut self.out,
+            };
+            session.close(&mut cx)
+        };
+        for (job, id) in closed.client.failed_jobs {
+            self.out.load_done(job, id, false);
+        }
+        for id in closed.client.failed_ids {
+            if self.requests.contains_key(&id) {
+                self.failed.insert(id);
+            }
+        }
+        for id in std::mem::take(&mut self.out.failed_loads) {
+            if self.requests.contains_key(&id) {
+                self.failed.insert(id);
+            }
+        }
+        self.plane.remove_remote_peer(peer);
+        let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
+        if session.data_plane_fault().is_some() {
+            let count = self.faults.entry(peer.clone()).or_default();
+            *count += 1;
+            reason = format!("{reason}; data-plane fault #{count}");
+            let wait = self.schedule_backoff(peer);
+            if wait > Duration::ZERO {
+                reason = format!("{reason}; reconnect backoff {}s", wait.as_secs());
+            }
+        }
+        warn!(%peer, %reason, "peer down");
+        self.out.event(Event::Close {
+            peer: peer.clone(),
+            reason,
+        });
+    }
+
+    fn schedule_backoff(&mut self, peer: &PeerId) -> Duration {
+        let (now, min, max) = (
+            self.now,
+            self.config.reconnect_min_backoff,
+            self.config.reconnect_max_backoff,
+        );
+        self.backoff.retain(|_, b| now <= b.retry_at + max);
+        let wait = match self.backoff.get(peer) {
+            Some(prev) => (prev.wait * 2).max(min).min(max),
+            None => Duration::ZERO,
+        };
+        self.backoff.insert(
+            peer.clone(),
+            Backoff {
+                wait,
+                retry_at: now + wait,
+            },
+        );
+        wait
+    }
+
+    fn reconnect_wait(&self, peer: &PeerId) -> Duration {
+        self.backoff.get(peer).map_or(Duration::ZERO, |b| {
+            b.retry_at.saturating_duration_since(self.now)
+        })
+    }
+
+    fn reap_unbound(&mut self) {
+        let delay = self.unbound_lane.delay();
+        while let Some((deadline, id)) = self.unbound_lane.pop_due(self.now) {
+            let current = self
+                .unbound
+                .get(&id)
+                .and_then(|b| b.first())
+                .map(|b| b.submitted_at + delay);
+            if current != Some(deadline) {
+                continue;
+            }
+            let batches = self.unbound.remove(&id).unwrap_or_default();
+            warn!(kv_request_id = %id, jobs = batches.len(), "parked stores were never fetched; failing them");
+            for batch in batches {
+                self.complete_store(batch.job, false);
+            }
+            self.reaped.insert(id.clone(), self.now);
+            self.reaped_lane.arm(self.now, id);
+        }
+    }
+
+    fn expire_reaped(&mut self) {
+        let delay = self.reaped_lane.delay();
+        while let Some((deadline, id)) = self.reaped_lane.pop_due(self.now) {
+            if self.reaped.get(&id).map(|at| *at + delay) == Some(deadline) {
+                self.reaped.remove(&id);
+            }
+        }
+    }
+
+    fn idle_eviction_active(&self) -> bool {
+        let headroom = self
+            .config
+            .idle_headroom
+            .min(self.config.max_peers.saturating_sub(1));
+        !self.config.idle_timeout.is_zero()
+            && self.sessions.len() >= self.config.max_peers.saturating_sub(headroom)
+    }
+
+    fn idle_deadline(&self) -> Option<Instant> {
+        if !self.idle_eviction_active() {
+            return None;
+        }
+        self.sessions
+            .values()
+            .filter(|s| !s.has_pending_work())
+            .map(|s| s.link.last_activity + self.config.idle_timeout)
+            .min()
+    }
+
+    fn evict_idle(&mut self) {
+        if !self.idle_eviction_active() {
+            return;
+        }
+        let idle: Vec<PeerId> = self
+            .sessions
+            .values()
+            .filter(|s| {
+                !s.has_pending_work() && s.link.last_activity + self.config.idle_timeout <= self.now
+            })
+            .map(|s| s.peer().clone())
+            .collect();
+        for peer in idle {
+            info!(%peer, "evicting an idle peer");
+            if let Some(s) = self.sessions.get_mut(&peer) {
+                s.disconnect(&mut self.out, self.now, "idle");
+            }
+            self.end_session(&peer);
+        }
+    }
+}
+
+/// What the caller can see of one session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionState {
+    /// The peer acked our `connect`: messages flow.
+    pub ready: bool,
+    /// Loads, transfers or a registration outstanding.
+    pub pending_work: bool,
+}

@@ -1,0 +1,151 @@
+//! What the core asks of its caller: messages to send and events to act on, drained with
+//! [`Core::poll_transmit`](crate::Core::poll_transmit) and
+//! [`Core::poll_event`](crate::Core::poll_event).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use kvpeer_proto::{KvRequestId, Message, PeerId};
+
+use crate::traits::JobId;
+
+/// One message for one peer's control connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// The peer.
+    pub peer: PeerId,
+    /// The message.
+    pub message: Message,
+}
+
+/// Something the caller must act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A load job ended: the fetched blocks landed (`success`), or the load failed and its
+    /// destination blocks must be freed.
+    LoadDone {
+        /// The job given to [`Core::submit_load`](crate::Core::submit_load).
+        job: JobId,
+        /// Its request.
+        kv_request_id: KvRequestId,
+        /// Whether every block landed.
+        success: bool,
+    },
+    /// A store job ended; the core has already completed it at the [`Parent`](crate::Parent).
+    StoreDone {
+        /// The job.
+        job: JobId,
+        /// Whether its blocks reached the peer.
+        success: bool,
+    },
+    /// Open a control connection to this peer (a session toward it was created).
+    Dial(PeerId),
+    /// Close the control connection to this peer: its session ended.
+    Close {
+        /// The peer.
+        peer: PeerId,
+        /// Why the session ended.
+        reason: String,
+    },
+    /// An inbound connection was refused before any session existed; close it.
+    Refused {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The queues behind `poll_transmit` and `poll_event`.
+#[derive(Debug, Default)]
+pub(crate) struct Outbox {
+    pub(crate) transmits: VecDeque<Transmit>,
+    pub(crate) events: VecDeque<Event>,
+    /// Requests whose load failed since the tier last looked: their lookups answer MISS.
+    pub(crate) failed_loads: Vec<KvRequestId>,
+}
+
+impl Outbox {
+    pub(crate) fn transmit(&mut self, peer: &PeerId, message: Message) {
+        self.transmits.push_back(Transmit {
+            peer: peer.clone(),
+            message,
+        });
+    }
+
+    pub(crate) fn event(&mut self, event: Event) {
+        self.events.push_back(event);
+    }
+
+    /// Reports a load's end (exactly once per load job).
+    pub(crate) fn load_done(&mut self, job: JobId, kv_request_id: KvRequestId, success: bool) {
+        if !success {
+            self.failed_loads.push(kv_request_id.clone());
+        }
+        self.events.push_back(Event::LoadDone {
+            job,
+            kv_request_id,
+            success,
+        });
+    }
+}
+
+/// One session's way out: gating (nothing but `connect`/`connect_ack` before the peer's ack),
+/// and closing (nothing at all after `disconnect`).
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) peer: PeerId,
+    /// The peer acked our `connect`: it has registered our memory, we may send.
+    pub(crate) ready: bool,
+    /// Messages waiting for the peer's ack, in order.
+    queued: Vec<Message>,
+    /// The session is over: nothing more is sent.
+    pub(crate) closed: bool,
+    /// Last time a message went out or came in.
+    pub(crate) last_activity: Instant,
+}
+
+impl Link {
+    pub(crate) fn new(peer: PeerId, now: Instant) -> Self {
+        Link {
+            peer,
+            ready: false,
+            queued: Vec::new(),
+            closed: false,
+            last_activity: now,
+        }
+    }
+
+    /// Sends now if the peer is ready, else queues until its ack.
+    pub(crate) fn send(&mut self, out: &mut Outbox, now: Instant, message: Message) {
+        if self.closed {
+            return;
+        }
+        if !self.ready {
+            self.queued.push(message);
+            return;
+        }
+        self.send_now(out, now, message);
+    }
+
+    /// Sends without gating (`connect`, `connect_ack`, `disconnect`).
+    pub(crate) fn send_now(&mut self, out: &mut Outbox, now: Instant, message: Message) {
+        if self.closed {
+            return;
+        }
+        out.transmit(&self.peer, message);
+        self.last_activity = now;
+    }
+
+    /// The peer's ack arrived: flush the queue in order.
+    pub(crate) fn set_ready(&mut self, out: &mut Outbox, now: Instant) {
+        self.ready = true;
+        for message in std::mem::take(&mut self.queued) {
+            self.send_now(out, now, message);
+        }
+    }
+
+    pub(crate) fn queued_len(&self) -> usize {
+        self.queued.len()
+    }
+}

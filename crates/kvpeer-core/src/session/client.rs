@@ -1,0 +1,393 @@
+//! The consumer side of one peer session: lookups (probes), fetch rounds, load timeouts and
+//! aborts.
+//!
+//! Driven by [`Session`](super::Session) on the core's thread. Sends through the session's
+//! [`Link`] (gated until the peer's ack) and reports load results as events. Every wait has a
+//! deadline on a [`Lane`]: lookups 30 s without progress, loads 30 s, abort acks 10 s.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, RoundSeq};
+use tracing::{debug, warn};
+
+use crate::config::CoreConfig;
+use crate::output::{Link, Outbox};
+use crate::timer::{earliest, Lane};
+use crate::traits::{BlockIndex, JobId};
+
+/// One fetch round in flight.
+#[derive(Debug)]
+struct Load {
+    job: JobId,
+    submitted_at: Instant,
+    aborted_at: Option<Instant>,
+}
+
+/// Per-request consumer state. Dropped as soon as it holds nothing live.
+#[derive(Debug, Default)]
+struct Request {
+    /// Probe result per key: `None` while unanswered.
+    probes: HashMap<OffloadKey, Option<bool>>,
+    /// Probes still `None`, so "all answered" is O(1).
+    unanswered: usize,
+    /// Keys registered but not yet sent in a `lookup`.
+    unsent: Vec<OffloadKey>,
+    /// Already on the flush work-list.
+    in_flush_list: bool,
+    /// The current round; each fetch closes it and moves to the next.
+    round: u64,
+    /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
+    peer_lookup_open: bool,
+    /// Fetch rounds in flight, by round.
+    loads: Vec<(u64, Load)>,
+    /// When the lookup phase gives up without progress.
+    lookup_deadline: Option<Instant>,
+}
+
+impl Request {
+    fn is_idle(&self) -> bool {
+        self.loads.is_empty() && self.probes.is_empty() && self.unsent.is_empty()
+    }
+
+    fn load_mut(&mut self, round: u64) -> Option<&mut Load> {
+        self.loads
+            .iter_mut()
+            .find(|(r, _)| *r == round)
+            .map(|(_, l)| l)
+    }
+
+    fn take_load(&mut self, round: u64) -> Option<Load> {
+        let at = self.loads.iter().position(|(r, _)| *r == round)?;
+        Some(self.loads.swap_remove(at).1)
+    }
+}
+
+/// What a closed session leaves for the tier to fail.
+#[derive(Debug, Default)]
+pub(crate) struct ClientClose {
+    /// Loads in flight: each fails.
+    pub(crate) failed_jobs: Vec<(JobId, KvRequestId)>,
+    /// Requests whose lookups can no longer be answered (loads or unanswered probes).
+    pub(crate) failed_ids: Vec<KvRequestId>,
+}
+
+/// The consumer side of one session.
+#[derive(Debug)]
+pub(crate) struct ClientRole {
+    requests: HashMap<KvRequestId, Request>,
+    /// Requests with unsent probes, visited by the next flush.
+    flush_list: Vec<KvRequestId>,
+    /// Loads in flight across all requests.
+    active_loads: usize,
+    load_lane: Lane<(KvRequestId, u64)>,
+    abort_lane: Lane<(KvRequestId, u64)>,
+    lookup_lane: Lane<KvRequestId>,
+}
+
+impl ClientRole {
+    pub(crate) fn new(config: &CoreConfig) -> Self {
+        ClientRole {
+            requests: HashMap::new(),
+            flush_list: Vec::new(),
+            active_loads: 0,
+            load_lane: Lane::new(config.load_timeout),
+            abort_lane: Lane::new(config.abort_ack_timeout),
+            lookup_lane: Lane::new(config.lookup_timeout),
+        }
+    }
+
+    pub(crate) fn has_active_loads(&self) -> bool {
+        self.active_loads > 0
+    }
+
+    /// Open requests (for invariant checks and stats).
+    pub(crate) fn open_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    fn prune(&mut self, id: &KvRequestId) {
+        if self.requests.get(id).is_some_and(Request::is_idle) {
+            self.requests.remove(id);
+        }
+    }
+
+    /// Registers a probe, or returns its answer. `None` means "ask again later" (RETRY).
+    /// Answers stay until a fetch closes the round or the request finishes.
+    pub(crate) fn register_lookup(&mut self, id: &KvRequestId, key: &OffloadKey) -> Option<bool> {
+        let req = self.requests.entry(id.clone()).or_default();
+        if let Some(answer) = req.probes.get(key) {
+            return *answer;
+        }
+        req.probes.insert(key.clone(), None);
+        req.unanswered += 1;
+        req.unsent.push(key.clone());
+        if !req.in_flush_list {
+            req.in_flush_list = true;
+            self.flush_list.push(id.clone());
+        }
+        None
+    }
+
+    /// Sends one `lookup` per request with new probes. Nothing before the peer's ack: the
+    /// lookup deadline must not run while the peer cannot answer.
+    pub(crate) fn flush(&mut self, link: &mut Link, out: &mut Outbox, now: Instant) {
+        if !link.ready {
+            return;
+        }
+        for id in std::mem::take(&mut self.flush_list) {
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            req.in_flush_list = false;
+            if req.unsent.is_empty() {
+                continue;
+            }
+            req.peer_lookup_open = true;
+            if req.lookup_deadline.is_none() {
+                req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
+            }
+            let keys = std::mem::take(&mut req.unsent);
+            let round = RoundSeq(req.round);
+            debug!(peer = %link.peer, kv_request_id = %id, keys = keys.len(), "send lookup");
+            link.send(
+                out,
+                now,
+                Message::Lookup(Lookup {
+                    kv_request_id: id,
+                    keys,
+                    round_seq: round,
+                }),
+            );
+        }
+    }
+
+    /// Applies a `lookup_resp`. Pairs for unknown keys are ignored, so replies may be split
+    /// or merged. Progress (a newly answered probe) re-arms the deadline; nothing else does.
+    pub(crate) fn on_lookup_resp(
+        &mut self,
+        now: Instant,
+        id: &KvRequestId,
+        keys: &[OffloadKey],
+        hits: &[bool],
+    ) {
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
+        let mut progressed = false;
+        for (key, hit) in keys.iter().zip(hits) {
+            if let Some(answer) = req.probes.get_mut(key) {
+                if answer.is_none() {
+                    req.unanswered -= 1;
+                    progressed = true;
+                }
+                *answer = Some(*hit);
+            }
+        }
+        if req.unanswered == 0 {
+            req.lookup_deadline = None;
+        } else if progressed {
+            req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
+        }
+    }
+
+    /// Sends the `fetch` that closes the current round, and starts its load.
+    pub(crate) fn request_blocks(
+        &mut self,
+        link: &mut Link,
+        out: &mut Outbox,
+        now: Instant,
+        job: JobId,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+    ) {
+        let req = self.requests.entry(id.clone()).or_default();
+        let round = req.round;
+        req.round += 1;
+        req.loads.push((
+            round,
+            Load {
+                job,
+                submitted_at: now,
+                aborted_at: None,
+            },
+        ));
+        self.active_loads += 1;
+        self.load_lane.arm(now, (id.clone(), round));
+        req.peer_lookup_open = false;
+        // The fetch closes the round: the next round probes afresh, since served blocks are
+        // unpinned at the producer and may be evicted.
+        req.probes.clear();
+        req.unanswered = 0;
+        req.lookup_deadline = None;
+        debug!(peer = %link.peer, kv_request_id = %id, round, blocks = keys.len(), "send fetch");
+        link.send(
+            out,
+            now,
+            Message::Fetch(Fetch {
+                kv_request_id: id.clone(),
+                keys,
+                block_indexes: blocks,
+                round_seq: RoundSeq(round),
+            }),
+        );
+    }
+
+    /// The request finished locally: abort its loads (kept until acked or timed out), send
+    /// the terminal empty fetch if the peer holds lookup state, drop the probes.
+    pub(crate) fn finish(
+        &mut self,
+        link: &mut Link,
+        out: &mut Outbox,
+        now: Instant,
+        id: &KvRequestId,
+    ) {
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
+        for (round, load) in &mut req.loads {
+            if load.aborted_at.is_some() {
+                continue;
+            }
+            load.aborted_at = Some(now);
+            self.abort_lane.arm(now, (id.clone(), *round));
+            link.send(
+                out,
+                now,
+                Message::AbortFetch(Abort {
+                    kv_request_id: id.clone(),
+                    round_seq: RoundSeq(*round),
+                }),
+            );
+        }
+        if req.peer_lookup_open {
+            req.peer_lookup_open = false;
+            link.send(
+                out,
+                now,
+                Message::Fetch(Fetch {
+                    kv_request_id: id.clone(),
+                    keys: Vec::new(),
+                    block_indexes: Vec::new(),
+                    round_seq: RoundSeq(req.round),
+                }),
+            );
+        }
+        req.probes.clear();
+        req.unanswered = 0;
+        req.unsent.clear();
+        req.lookup_deadline = None;
+        self.prune(id);
+    }
+
+    fn complete(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64, success: bool) -> bool {
+        let Some(req) = self.requests.get_mut(id) else {
+            return false;
+        };
+        let Some(load) = req.take_load(round) else {
+            return false;
+        };
+        self.active_loads -= 1;
+        out.load_done(load.job, id.clone(), success);
+        self.prune(id);
+        true
+    }
+
+    pub(crate) fn on_transfer_done(
+        &mut self,
+        out: &mut Outbox,
+        id: &KvRequestId,
+        success: bool,
+        round: u64,
+    ) {
+        if !self.complete(out, id, round, success) {
+            warn!(kv_request_id = %id, round, "transfer_done for no load in flight (duplicate, or raced with an abort)");
+        }
+    }
+
+    pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64) {
+        if !self.complete(out, id, round, false) {
+            warn!(kv_request_id = %id, round, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
+        }
+    }
+
+    /// Fires due deadlines: loads past their timeout are aborted, aborts past theirs fail.
+    /// Returns a request whose lookup phase expired, if any (the session then disconnects).
+    pub(crate) fn handle_timeout(
+        &mut self,
+        link: &mut Link,
+        out: &mut Outbox,
+        now: Instant,
+    ) -> Option<KvRequestId> {
+        while let Some((deadline, (id, round))) = self.load_lane.pop_due(now) {
+            let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
+                continue;
+            };
+            // A request id can come back after it finished, with round numbers from 0 again:
+            // only the load started exactly one delay before this deadline is the one armed.
+            if load.aborted_at.is_some() || load.submitted_at + self.load_lane.delay() != deadline {
+                continue;
+            }
+            warn!(peer = %link.peer, kv_request_id = %id, round, "load timed out; sending abort_fetch");
+            load.aborted_at = Some(now);
+            self.abort_lane.arm(now, (id.clone(), round));
+            link.send(
+                out,
+                now,
+                Message::AbortFetch(Abort {
+                    kv_request_id: id,
+                    round_seq: RoundSeq(round),
+                }),
+            );
+        }
+        let abort_delay = self.abort_lane.delay();
+        while let Some((deadline, (id, round))) = self.abort_lane.pop_due(now) {
+            let fired = self
+                .requests
+                .get_mut(&id)
+                .and_then(|r| r.load_mut(round))
+                .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
+            if fired {
+                warn!(peer = %link.peer, kv_request_id = %id, round, "abort_ack timed out; failing the load");
+                self.complete(out, &id, round, false);
+            }
+        }
+        let mut expired = None;
+        while let Some((deadline, id)) = self.lookup_lane.pop_due(now) {
+            let current = self.requests.get(&id).and_then(|r| r.lookup_deadline);
+            if current == Some(deadline) && expired.is_none() {
+                expired = Some(id);
+            }
+        }
+        expired
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        earliest([
+            self.load_lane.next_deadline(),
+            self.abort_lane.next_deadline(),
+            self.lookup_lane.next_deadline(),
+        ])
+    }
+
+    /// Tears down: every load in flight fails; every request with a load or an unanswered
+    /// probe is reported so its lookups answer MISS from now on.
+    pub(crate) fn close(&mut self) -> ClientClose {
+        let mut result = ClientClose::default();
+        for (id, req) in self.requests.drain() {
+            if !req.loads.is_empty() || req.unanswered > 0 {
+                result.failed_ids.push(id.clone());
+            }
+            for (_, load) in req.loads {
+                result.failed_jobs.push((load.job, id.clone()));
+            }
+        }
+        self.flush_list.clear();
+        self.active_loads = 0;
+        self.load_lane.clear();
+        self.abort_lane.clear();
+        self.lookup_lane.clear();
+        result
+    }
+}

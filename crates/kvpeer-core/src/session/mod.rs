@@ -1,0 +1,477 @@
+//! One session per peer: the handshake, send gating, dispatch of inbound messages to the two
+//! roles, and the reasons a session ends.
+//!
+//! Called by the [`Core`](crate::Core) on its thread. A session never tears itself down: it
+//! marks itself dead (recording the first reason) and the core reaps it at the end of the
+//! same entry point. After `disconnect` (sent or received) it sends nothing more.
+
+pub(crate) mod client;
+pub(crate) mod server;
+
+use std::time::Instant;
+
+use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId};
+use tracing::{error, info, warn};
+
+use crate::config::{CoreConfig, LocalNode};
+use crate::output::{Link, Outbox};
+use crate::timer::earliest;
+use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory};
+use client::{ClientClose, ClientRole};
+use server::{ServerClose, ServerRole};
+
+/// Everything a session may touch during one entry point of the core.
+pub(crate) struct Cx<'a> {
+    pub(crate) now: Instant,
+    pub(crate) config: &'a CoreConfig,
+    pub(crate) parent: &'a mut dyn Parent,
+    pub(crate) plane: &'a mut dyn DataPlane,
+    pub(crate) out: &'a mut Outbox,
+}
+
+/// What a reaped session leaves behind.
+#[derive(Debug)]
+pub(crate) struct SessionClose {
+    pub(crate) client: ClientClose,
+    pub(crate) server: ServerClose,
+}
+
+/// One peer's session.
+#[derive(Debug)]
+pub(crate) struct Session {
+    pub(crate) link: Link,
+    /// This node's identity, sent in `connect_ack`.
+    local_id: PeerId,
+    peer_fault_drain: std::time::Duration,
+    client: ClientRole,
+    server: ServerRole,
+    /// The peer's memory registration is running; `connect_ack` waits for it.
+    registering: bool,
+    /// The peer's `connect` was accepted and registered.
+    registered: bool,
+    /// Blocks in the peer's region (from its `connect`), to check fetch indexes against.
+    peer_num_blocks: Option<u64>,
+    handshake_deadline: Instant,
+    dispatch_errors: u32,
+    peer_fault_at: Option<Instant>,
+    /// Why the session ended (the first reason wins).
+    pub(crate) death: Option<String>,
+    /// Requests whose `fetch` arrived since the core last asked (PD binding).
+    pub(crate) new_fetch_ids: Vec<KvRequestId>,
+}
+
+impl Session {
+    /// A session on a fresh connection: announces this node with `connect` at once.
+    pub(crate) fn open(
+        peer: PeerId,
+        local: &LocalNode,
+        config: &CoreConfig,
+        out: &mut Outbox,
+        now: Instant,
+    ) -> Self {
+        let mut link = Link::new(peer.clone(), now);
+        link.send_now(
+            out,
+            now,
+            Message::Connect(Connect {
+                peer_id: local.peer_id.clone(),
+                agent_metadata: local.agent_metadata.clone(),
+                base_addr: local.base_addr,
+                num_blocks: local.num_blocks,
+                block_len: local.block_len,
+                config_fingerprint: Some(local.config_fingerprint.clone()),
+                hash_seed: local.hash_seed.clone(),
+            }),
+        );
+        Session {
+            link,
+            local_id: local.peer_id.clone(),
+            peer_fault_drain: config.peer_fault_drain,
+            client: ClientRole::new(config),
+            server: ServerRole::new(peer, config),
+            registering: false,
+            registered: false,
+            peer_num_blocks: None,
+            handshake_deadline: now + config.handshake_timeout,
+            dispatch_errors: 0,
+            peer_fault_at: None,
+            death: None,
+            new_fetch_ids: Vec::new(),
+        }
+    }
+
+    pub(crate) fn peer(&self) -> &PeerId {
+        &self.link.peer
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.death.is_some()
+    }
+
+    /// Loads or transfers outstanding, or a registration running.
+    pub(crate) fn has_pending_work(&self) -> bool {
+        self.registering || self.client.has_active_loads() || self.server.has_inflight()
+    }
+
+    pub(crate) fn data_plane_fault(&self) -> Option<&str> {
+        self.server.peer_fault.as_deref()
+    }
+
+    /// Ends the session without a message (the connection is gone, or the peer said goodbye).
+    pub(crate) fn mark_dead(&mut self, reason: impl Into<String>) {
+        if self.death.is_none() {
+            self.death = Some(reason.into());
+        }
+        self.link.closed = true;
+    }
+
+    /// Ends the session with a `disconnect`, so the peer learns at once.
+    pub(crate) fn disconnect(&mut self, out: &mut Outbox, now: Instant, reason: impl Into<String>) {
+        let reason = reason.into();
+        if self.death.is_none() {
+            self.link.send_now(out, now, Message::Disconnect);
+        }
+        self.mark_dead(reason);
+    }
+
+    fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: String) {
+        error!(peer = %self.link.peer, %reason, "protocol error; disconnecting");
+        self.disconnect(cx.out, cx.now, format!("protocol error: {reason}"));
+    }
+
+    /// An internal error while handling a peer's message: counted; enough in a row end the
+    /// session (a peer may be wedging us into a bad state).
+    fn internal_error(&mut self, cx: &mut Cx<'_>, reason: String) {
+        self.dispatch_errors += 1;
+        error!(peer = %self.link.peer, %reason, count = self.dispatch_errors, "internal error handling a message");
+        if self.dispatch_errors >= cx.config.max_consecutive_dispatch_errors {
+            let count = self.dispatch_errors;
+            self.protocol_error(
+                cx,
+                format!("too many consecutive dispatch errors ({count})"),
+            );
+        }
+    }
+
+    /// A payload the decoder refused as a protocol error.
+    pub(crate) fn on_invalid_message(&mut self, cx: &mut Cx<'_>, reason: String) {
+        if !self.is_dead() {
+            self.protocol_error(cx, reason);
+        }
+    }
+
+    /// Dispatches one inbound message.
+    pub(crate) fn on_message(&mut self, cx: &mut Cx<'_>, local: &LocalNode, message: Message) {
+        if self.is_dead() {
+            return;
+        }
+        self.link.last_activity = cx.now;
+        let result = match message {
+            Message::Connect(c) => {
+                self.on_connect(cx, local, c);
+                Ok(())
+            }
+            Message::ConnectAck(_) => {
+                self.link.set_ready(cx.out, cx.now);
+                Ok(())
+            }
+            Message::Disconnect => {
+                info!(peer = %self.link.peer, "peer disconnected");
+                self.mark_dead("peer disconnected");
+                Ok(())
+            }
+            Message::Fetch(f) => self.on_fetch(cx, f),
+            Message::AbortFetch(a) => {
+                self.server
+                    .on_abort_fetch(&mut self.link, cx, &a.kv_request_id, a.round_seq.0);
+                Ok(())
+            }
+            Message::Lookup(l) => {
+                match self.server.on_lookup(
+                    &mut self.link,
+                    cx,
+                    &l.kv_request_id,
+                    l.keys,
+                    l.round_seq.0,
+                ) {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(Fault::Internal(e)),
+                }
+            }
+            Message::LookupResp(r) => {
+                self.client
+                    .on_lookup_resp(cx.now, &r.kv_request_id, &r.keys, &r.hits);
+                Ok(())
+            }
+            Message::TransferDone(t) => {
+                self.client
+                    .on_transfer_done(cx.out, &t.kv_request_id, t.success, t.round_seq.0);
+                Ok(())
+            }
+            Message::AbortAck(a) => {
+                self.client
+                    .on_abort_ack(cx.out, &a.kv_request_id, a.round_seq.0);
+                Ok(())
+            }
+        };
+        match result {
+            Ok(()) => self.dispatch_errors = 0,
+            Err(Fault::Protocol(reason)) => self.protocol_error(cx, reason),
+            Err(Fault::Internal(reason)) => self.internal_error(cx, reason),
+        }
+    }
+
+    fn on_fetch(&mut self, cx: &mut Cx<'_>, f: kvpeer_proto::Fetch) -> Result<(), Fault> {
+        // kvpeer's check: an index outside the peer's own region can only be a broken or
+        // hostile peer (vLLM leaves it to NIXL to fail the write).
+        if let Some(limit) = self.peer_num_blocks {
+            if let Some((i, idx)) = f
+                .block_indexes
+                .iter()
+                .enumerate()
+                .find(|(_, idx)| **idx >= limit)
+            {
+                return Err(Fault::Protocol(format!(
+                    "fetch: block_indexes[{i}] = {idx} is outside the peer's {limit} blocks"
+                )));
+            }
+        }
+        self.server
+            .on_fetch(
+                &mut self.link,
+                cx,
+                &f.kv_request_id,
+                &f.keys,
+                &f.block_indexes,
+                f.round_seq.0,
+            )
+            .map_err(Fault::Protocol)?;
+        self.new_fetch_ids.push(f.kv_request_id);
+        Ok(())
+    }
+
+    fn on_connect(&mut self, cx: &mut Cx<'_>, local: &LocalNode, c: Connect) {
+        if self.link.ready || self.registering || self.registered {
+            self.protocol_error(cx, "duplicate connect after handshake".into());
+            return;
+        }
+        let refusal = if c.block_len != local.block_len {
+            Some(format!(
+                "block_len mismatch: remote={}, local={}",
+                c.block_len, local.block_len
+            ))
+        } else if !local.config_fingerprint.is_empty()
+            && !c.fingerprint().is_empty()
+            && c.fingerprint() != local.config_fingerprint
+        {
+            Some(format!(
+                "config fingerprint mismatch: remote={:?}, local={:?}",
+                c.fingerprint(),
+                local.config_fingerprint
+            ))
+        } else if c.hash_seed != local.hash_seed {
+            Some(format!(
+                "hash seed mismatch: remote={:?}, local={:?}; PYTHONHASHSEED must match on all peers",
+                c.hash_seed, local.hash_seed
+            ))
+        } else {
+            let memory = RemoteMemory {
+                agent_metadata: c.agent_metadata,
+                base_addr: c.base_addr,
+                num_blocks: c.num_blocks,
+                block_len: c.block_len,
+            };
+            cx.plane
+                .add_remote_peer(&self.link.peer, &memory)
+                .err()
+                .map(|e| format!("data plane refused the peer: {e}"))
+        };
+        if let Some(reason) = refusal {
+            // vLLM drops the peer silently and it waits 30 s for an ack; kvpeer tells it.
+            warn!(peer = %self.link.peer, %reason, "rejecting peer connect");
+            self.disconnect(cx.out, cx.now, format!("rejected peer connect: {reason}"));
+            return;
+        }
+        self.registering = true;
+        self.peer_num_blocks = Some(c.num_blocks);
+        self.poll_registration(cx);
+    }
+
+    /// Sends `connect_ack` once the peer's memory is registered; a failed registration ends
+    /// the session.
+    fn poll_registration(&mut self, cx: &mut Cx<'_>) {
+        if !self.registering || self.is_dead() {
+            return;
+        }
+        match cx.plane.registration(&self.link.peer) {
+            Registration::Pending => {}
+            Registration::Done => {
+                self.registering = false;
+                self.registered = true;
+                let ack = Message::ConnectAck(ConnectAck {
+                    peer_id: self.local_id.clone(),
+                });
+                self.link.send_now(cx.out, cx.now, ack);
+            }
+            Registration::Failed(e) => {
+                self.registering = false;
+                warn!(peer = %self.link.peer, error = %e, "peer registration failed; rejecting peer");
+                self.disconnect(cx.out, cx.now, format!("peer registration failed: {e}"));
+            }
+        }
+    }
+
+    /// The data plane may have progressed: registrations, completions, faults.
+    pub(crate) fn on_data_plane(&mut self, cx: &mut Cx<'_>) {
+        if self.is_dead() {
+            return;
+        }
+        self.poll_registration(cx);
+        if !self.is_dead() {
+            self.server.poll_plane(&mut self.link, cx);
+            self.escalate_peer_fault(cx);
+        }
+    }
+
+    /// A data-plane fault ends the session once inflight writes drain (or after the cap).
+    fn escalate_peer_fault(&mut self, cx: &mut Cx<'_>) {
+        let Some(fault) = self.server.peer_fault.clone() else {
+            return;
+        };
+        if self.is_dead() {
+            return;
+        }
+        let since = *self.peer_fault_at.get_or_insert_with(|| {
+            warn!(peer = %self.link.peer, %fault, "data plane faulted; disconnecting once inflight transfers drain");
+            cx.now
+        });
+        if self.server.has_inflight() && cx.now < since + cx.config.peer_fault_drain {
+            return;
+        }
+        self.disconnect(cx.out, cx.now, format!("data plane: {fault}"));
+    }
+
+    pub(crate) fn handle_timeout(&mut self, cx: &mut Cx<'_>) {
+        if self.is_dead() {
+            return;
+        }
+        if !self.link.ready && cx.now >= self.handshake_deadline {
+            warn!(peer = %self.link.peer, "handshake timed out");
+            self.mark_dead("handshake timed out");
+            return;
+        }
+        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx.out, cx.now) {
+            warn!(peer = %self.link.peer, kv_request_id = %expired, "lookup response timed out; disconnecting the peer");
+            self.disconnect(cx.out, cx.now, "lookup response timed out");
+            return;
+        }
+        if let Err(e) = self.server.handle_timeout(&mut self.link, cx) {
+            self.internal_error(cx, e);
+        }
+        self.escalate_peer_fault(cx);
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        if self.is_dead() {
+            return None;
+        }
+        let handshake = (!self.link.ready).then_some(self.handshake_deadline);
+        let fault = self.peer_fault_at.map(|at| at + self.peer_fault_drain);
+        earliest([
+            handshake,
+            self.client.next_deadline(),
+            self.server.next_deadline(),
+            fault,
+        ])
+    }
+
+    // ---- engine-facing ----
+
+    pub(crate) fn register_lookup(&mut self, id: &KvRequestId, key: &OffloadKey) -> Option<bool> {
+        self.client.register_lookup(id, key)
+    }
+
+    pub(crate) fn flush_lookups(&mut self, out: &mut Outbox, now: Instant) {
+        if !self.is_dead() {
+            self.client.flush(&mut self.link, out, now);
+        }
+    }
+
+    pub(crate) fn request_blocks(
+        &mut self,
+        out: &mut Outbox,
+        now: Instant,
+        job: JobId,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+    ) {
+        self.client
+            .request_blocks(&mut self.link, out, now, job, id, keys, blocks);
+    }
+
+    pub(crate) fn add_stored_blocks(
+        &mut self,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        keys: &[OffloadKey],
+        blocks: &[BlockIndex],
+        job: JobId,
+    ) {
+        self.server
+            .add_stored_blocks(&mut self.link, cx, id, keys, blocks, job, 0, false);
+    }
+
+    pub(crate) fn serve(&mut self, cx: &mut Cx<'_>) {
+        if self.is_dead() {
+            return;
+        }
+        if let Err(e) = self.server.serve(&mut self.link, cx) {
+            self.internal_error(cx, e);
+        }
+    }
+
+    /// The request finished locally: both roles wind it down.
+    pub(crate) fn finish_request(&mut self, cx: &mut Cx<'_>, id: &KvRequestId) {
+        self.client.finish(&mut self.link, cx.out, cx.now, id);
+        self.server.finish(&mut self.link, cx, id);
+    }
+
+    /// Inflight transfer ids (shutdown drain).
+    pub(crate) fn inflight_ids(&self) -> Vec<u64> {
+        self.server.inflight_ids()
+    }
+
+    /// Open state, for invariant checks: (client requests, server requests, store jobs,
+    /// inflight transfers, queued messages).
+    pub(crate) fn counts(&self) -> (usize, usize, usize, usize, usize) {
+        let (requests, jobs, inflight) = self.server.counts();
+        (
+            self.client.open_requests(),
+            requests,
+            jobs,
+            inflight,
+            self.link.queued_len(),
+        )
+    }
+
+    /// Tears the session down, sending `disconnect` if it has not ended yet.
+    pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> SessionClose {
+        if self.death.is_none() {
+            self.disconnect(cx.out, cx.now, "closed locally");
+        }
+        self.link.closed = true;
+        SessionClose {
+            client: self.client.close(),
+            server: self.server.close(cx),
+        }
+    }
+}
+
+/// Why handling a message failed.
+enum Fault {
+    /// The peer broke the protocol: disconnect now.
+    Protocol(String),
+    /// Something went wrong on our side: count it.
+    Internal(String),
+}

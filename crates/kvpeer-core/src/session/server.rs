@@ -1,0 +1,1087 @@
+//! The producer side of one peer session: serving lookups from the local store, matching
+//! supply (pinned blocks) with demand (the peer's fetch) per round, writing blocks through the
+//! data plane, `transfer_done`, abort drains and store timeouts.
+//!
+//! Driven by [`Session`](super::Session) on the core's thread. The rules that matter most:
+//!
+//! * every inbound `lookup` gets exactly one `lookup_resp`, all its keys in wire order, within
+//!   the pending deadline (HIT_PENDING/RETRY keys become MISS at 5 s);
+//! * a pin (store job) is released exactly once, and never while a write still reads its
+//!   blocks;
+//! * `abort_ack` goes out only once no write of the round can still land, however long that
+//!   takes (a write that may land is never reported stopped).
+//!
+//! Per-operation cost does not grow with the number of requests: lookups waiting on pending
+//! keys sit on a work-list, deadlines on [`Lane`]s, and each job counts the transfers reading it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use kvpeer_proto::{
+    Abort, KvRequestId, LookupResp, Message, OffloadKey, PeerId, RoundSeq, TransferDone,
+};
+use tracing::{debug, warn};
+
+use super::Cx;
+use crate::config::CoreConfig;
+use crate::output::{Event, Link};
+use crate::timer::{earliest, Lane};
+use crate::traits::{BlockIndex, CancelMode, JobId, LookupResult, ServeCtx, TransferId};
+
+/// One fetch round of one request: supply (blocks pinned for it) against demand (the fetch).
+#[derive(Debug)]
+struct Round {
+    /// Distinguishes this round from a later one under the same key.
+    serial: u64,
+    /// Supply came from lookup pins: no store can come later, so unmatched demand fails now.
+    lookup_supplied: bool,
+    demand_received: bool,
+    /// Blocks we hold for the round, not yet demanded: key → (job, local block).
+    available: HashMap<OffloadKey, (JobId, BlockIndex)>,
+    /// Blocks the peer wants that we do not hold yet: key → its block.
+    demanded: HashMap<OffloadKey, BlockIndex>,
+    /// Blocks still to be written before the round succeeds.
+    remaining: usize,
+    /// Finish as soon as nothing is in flight.
+    finishing: bool,
+    /// Transfers of this round in flight.
+    inflight: usize,
+    /// Failed or aborted while transfers may still be writing.
+    cancelled: bool,
+    last_cancel_at: Option<Instant>,
+    /// Store jobs supplying the round that have not completed.
+    pending_jobs: HashSet<JobId>,
+}
+
+impl Round {
+    fn new(serial: u64) -> Self {
+        Round {
+            serial,
+            lookup_supplied: false,
+            demand_received: false,
+            available: HashMap::new(),
+            demanded: HashMap::new(),
+            remaining: 0,
+            finishing: false,
+            inflight: 0,
+            cancelled: false,
+            last_cancel_at: None,
+            pending_jobs: HashSet::new(),
+        }
+    }
+}
+
+/// Local → remote block pairs ready to write, and the jobs they read.
+#[derive(Debug, Default)]
+struct Matched {
+    local: Vec<BlockIndex>,
+    remote: Vec<BlockIndex>,
+    jobs: Vec<JobId>,
+}
+
+impl Matched {
+    fn add(&mut self, local: BlockIndex, remote: BlockIndex, job: JobId) {
+        self.local.push(local);
+        self.remote.push(remote);
+        if !self.jobs.contains(&job) {
+            self.jobs.push(job);
+        }
+    }
+}
+
+/// An inbound lookup whose keys are not all answered yet.
+#[derive(Debug)]
+struct ActiveLookup {
+    ctx: ServeCtx,
+    round: u64,
+    keys: Vec<OffloadKey>,
+    answers: HashMap<OffloadKey, bool>,
+    /// Unique keys still HIT_PENDING/RETRY.
+    pending: Vec<OffloadKey>,
+    deadline: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Request {
+    rounds: BTreeMap<u64, Round>,
+    lookups: BTreeMap<u64, ActiveLookup>,
+    inflight: HashSet<TransferId>,
+    /// Aborts of this request still draining.
+    aborts: usize,
+}
+
+impl Request {
+    fn is_idle(&self) -> bool {
+        self.rounds.is_empty()
+            && self.lookups.is_empty()
+            && self.inflight.is_empty()
+            && self.aborts == 0
+    }
+}
+
+#[derive(Debug)]
+struct Inflight {
+    id: KvRequestId,
+    round: u64,
+    serial: u64,
+    blocks: usize,
+    jobs: Vec<JobId>,
+}
+
+#[derive(Debug)]
+struct StoreJob {
+    submitted_at: Instant,
+    id: KvRequestId,
+    round: u64,
+    serial: u64,
+}
+
+/// What a closed session leaves behind (already completed at the parent).
+#[derive(Debug, Default)]
+pub(crate) struct ServerClose {
+    pub(crate) failed_stores: usize,
+    pub(crate) released_serves: usize,
+}
+
+/// The producer side of one session.
+#[derive(Debug)]
+pub(crate) struct ServerRole {
+    peer: PeerId,
+    requests: HashMap<KvRequestId, Request>,
+    /// Requests with lookups waiting on pending keys.
+    serve_list: HashSet<KvRequestId>,
+    inflight: HashMap<TransferId, Inflight>,
+    /// How many inflight transfers read each job's blocks.
+    readers: HashMap<JobId, u32>,
+    store_jobs: HashMap<JobId, StoreJob>,
+    store_lane: Lane<JobId>,
+    lookup_lane: Lane<(KvRequestId, u64)>,
+    next_lookup_id: u64,
+    next_serial: u64,
+    /// Aborts draining: (request, round) → when the abort arrived.
+    aborts: HashMap<(KvRequestId, u64), Instant>,
+    slow_aborts: HashSet<(KvRequestId, u64)>,
+    abort_warn_lane: Lane<(KvRequestId, u64)>,
+    /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
+    retry_lane: Lane<(KvRequestId, u64, u64)>,
+    /// When pending lookup keys are next asked again.
+    repoll_at: Option<Instant>,
+    /// The data plane reported this peer unusable; no new writes.
+    pub(crate) peer_fault: Option<String>,
+}
+
+fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
+    ServeCtx {
+        id: format!("p2p:{peer}:{id}:lu{n}"),
+    }
+}
+
+impl ServerRole {
+    pub(crate) fn new(peer: PeerId, config: &CoreConfig) -> Self {
+        ServerRole {
+            peer,
+            requests: HashMap::new(),
+            serve_list: HashSet::new(),
+            inflight: HashMap::new(),
+            readers: HashMap::new(),
+            store_jobs: HashMap::new(),
+            store_lane: Lane::new(config.store_timeout),
+            lookup_lane: Lane::new(config.lookup_pending_timeout),
+            next_lookup_id: 0,
+            next_serial: 0,
+            aborts: HashMap::new(),
+            slow_aborts: HashSet::new(),
+            abort_warn_lane: Lane::new(config.cancel_drain_warning),
+            retry_lane: Lane::new(config.cancel_retry_interval),
+            repoll_at: None,
+            peer_fault: None,
+        }
+    }
+
+    pub(crate) fn has_inflight(&self) -> bool {
+        !self.inflight.is_empty()
+    }
+
+    /// Open requests, store jobs and inflight transfers (for invariant checks and stats).
+    pub(crate) fn counts(&self) -> (usize, usize, usize) {
+        (
+            self.requests.len(),
+            self.store_jobs.len(),
+            self.inflight.len(),
+        )
+    }
+
+    fn prune(&mut self, id: &KvRequestId) {
+        if self.requests.get(id).is_some_and(Request::is_idle) {
+            self.requests.remove(id);
+        }
+    }
+
+    fn round_mut(&mut self, id: &KvRequestId, round: u64, serial: u64) -> Option<&mut Round> {
+        self.requests
+            .get_mut(id)?
+            .rounds
+            .get_mut(&round)
+            .filter(|r| r.serial == serial)
+    }
+
+    fn round_or_new(&mut self, id: &KvRequestId, round: u64) -> &mut Round {
+        let serial = &mut self.next_serial;
+        self.requests
+            .entry(id.clone())
+            .or_default()
+            .rounds
+            .entry(round)
+            .or_insert_with(|| {
+                *serial += 1;
+                Round::new(*serial)
+            })
+    }
+
+    /// Completes a store job at the parent, once; `false` if it already completed.
+    fn settle_job(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) -> bool {
+        if self.store_jobs.remove(&job).is_none() {
+            return false;
+        }
+        cx.parent.complete_store_job(job, success);
+        cx.out.event(Event::StoreDone { job, success });
+        true
+    }
+
+    fn is_read(&self, job: JobId) -> bool {
+        self.readers.get(&job).is_some_and(|n| *n > 0)
+    }
+
+    // ---- supply ----
+
+    /// Blocks pinned for `id`'s round `round` (lookup pins, or a PD producer's stored blocks):
+    /// matched against the round's demand, the rest kept as supply.
+    pub(crate) fn add_stored_blocks(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        keys: &[OffloadKey],
+        blocks: &[BlockIndex],
+        job: JobId,
+        round: u64,
+        from_lookup: bool,
+    ) {
+        let rnd = self.round_or_new(id, round);
+        let serial = rnd.serial;
+        if rnd.cancelled {
+            cx.parent.complete_store_job(job, false);
+            cx.out.event(Event::StoreDone {
+                job,
+                success: false,
+            });
+            return;
+        }
+        rnd.lookup_supplied |= from_lookup;
+        rnd.pending_jobs.insert(job);
+        let mut matched = Matched::default();
+        for (key, &local) in keys.iter().zip(blocks) {
+            match rnd.demanded.remove(key) {
+                Some(remote) => matched.add(local, remote, job),
+                None => {
+                    rnd.available.insert(key.clone(), (job, local));
+                }
+            }
+        }
+        let demand_received = rnd.demand_received;
+        self.store_jobs.insert(
+            job,
+            StoreJob {
+                submitted_at: cx.now,
+                id: id.clone(),
+                round,
+                serial,
+            },
+        );
+        self.store_lane.arm(cx.now, job);
+        if !matched.local.is_empty() && demand_received {
+            self.submit_transfer(link, cx, id, round, serial, matched);
+        }
+    }
+
+    // ---- demand ----
+
+    /// A `fetch`. A non-empty fetch closes its round; the empty one closes the request. A
+    /// second fetch for a round is a protocol violation (`Err`).
+    pub(crate) fn on_fetch(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        keys: &[OffloadKey],
+        indexes: &[BlockIndex],
+        round: u64,
+    ) -> Result<(), String> {
+        let existing = self.requests.get(id).and_then(|r| r.rounds.get(&round));
+        if existing.is_some_and(|r| r.demand_received) {
+            return Err(format!(
+                "duplicate fetch for kv_request_id={id} round={round}"
+            ));
+        }
+        let rnd = self.round_or_new(id, round);
+        let serial = rnd.serial;
+        rnd.demand_received = true;
+        rnd.remaining = keys.len();
+        let mut matched = Matched::default();
+        for (key, &remote) in keys.iter().zip(indexes) {
+            match rnd.available.remove(key) {
+                Some((job, local)) => matched.add(local, remote, job),
+                None => {
+                    rnd.demanded.insert(key.clone(), remote);
+                }
+            }
+        }
+        if keys.is_empty() {
+            // Terminal fetch: the request is over on the peer's side. No transfer_done.
+            self.finish_lookups(cx, id);
+            let rounds: Vec<u64> = self
+                .requests
+                .get(id)
+                .map(|r| r.rounds.keys().copied().collect())
+                .unwrap_or_default();
+            for key in rounds {
+                self.finalize(link, cx, id, key, None, false);
+            }
+            return Ok(());
+        }
+        let (symmetric_miss, finishing, inflight) = (
+            rnd.lookup_supplied && !rnd.demanded.is_empty(),
+            rnd.finishing,
+            rnd.inflight,
+        );
+        if symmetric_miss {
+            // A symmetric round's supply always comes before its fetch: unmatched demand can
+            // never be served, so fail now rather than at the peer's load timeout.
+            warn!(peer = %self.peer, kv_request_id = %id, round, "fetch wants blocks no lookup pinned; failing the round");
+            self.finalize(link, cx, id, round, Some(false), true);
+        } else if !matched.local.is_empty() {
+            self.submit_transfer(link, cx, id, round, serial, matched);
+        } else if finishing && inflight == 0 {
+            self.finalize(link, cx, id, round, None, true);
+        }
+        Ok(())
+    }
+
+    fn submit_transfer(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: u64,
+        serial: u64,
+        matched: Matched,
+    ) {
+        let tid = match self.peer_fault {
+            None => cx
+                .plane
+                .write_blocks(&self.peer, &matched.local, &matched.remote),
+            Some(_) => None,
+        };
+        let Some(tid) = tid else {
+            warn!(peer = %self.peer, kv_request_id = %id, round, blocks = matched.local.len(), "write_blocks failed");
+            let Some(rnd) = self.round_mut(id, round, serial) else {
+                return;
+            };
+            rnd.finishing = true;
+            if rnd.inflight == 0 {
+                self.finalize(link, cx, id, round, Some(false), true);
+            }
+            return;
+        };
+        for job in &matched.jobs {
+            *self.readers.entry(*job).or_default() += 1;
+        }
+        if let Some(rnd) = self.round_mut(id, round, serial) {
+            rnd.inflight += 1;
+        }
+        self.requests
+            .entry(id.clone())
+            .or_default()
+            .inflight
+            .insert(tid);
+        self.inflight.insert(
+            tid,
+            Inflight {
+                id: id.clone(),
+                round,
+                serial,
+                blocks: matched.local.len(),
+                jobs: matched.jobs,
+            },
+        );
+    }
+
+    fn pop_inflight(&mut self, tid: TransferId) -> Option<Inflight> {
+        let xfer = self.inflight.remove(&tid)?;
+        for job in &xfer.jobs {
+            if let Some(n) = self.readers.get_mut(job) {
+                *n -= 1;
+                if *n == 0 {
+                    self.readers.remove(job);
+                }
+            }
+        }
+        if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
+            rnd.inflight -= 1;
+        }
+        if let Some(req) = self.requests.get_mut(&xfer.id) {
+            req.inflight.remove(&tid);
+        }
+        Some(xfer)
+    }
+
+    /// Completes the jobs a terminal transfer read, unless another transfer still reads them.
+    fn settle_transfer_jobs(&mut self, cx: &mut Cx<'_>, xfer: &Inflight, success: bool) {
+        for &job in &xfer.jobs {
+            if self.is_read(job) {
+                continue;
+            }
+            if self.settle_job(cx, job, success) {
+                if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
+                    rnd.pending_jobs.remove(&job);
+                }
+            }
+        }
+    }
+
+    /// Fails a round's jobs that no inflight transfer reads (those keep their pins).
+    fn fail_unread_jobs(&mut self, cx: &mut Cx<'_>, id: &KvRequestId, round: u64, serial: u64) {
+        let Some(rnd) = self.round_mut(id, round, serial) else {
+            return;
+        };
+        let jobs: Vec<JobId> = rnd.pending_jobs.iter().copied().collect();
+        for job in jobs {
+            if self.is_read(job) {
+                continue;
+            }
+            if let Some(rnd) = self.round_mut(id, round, serial) {
+                rnd.pending_jobs.remove(&job);
+            }
+            self.settle_job(cx, job, false);
+        }
+    }
+
+    /// Ends one round: its jobs complete (success only if every block was written), and the
+    /// peer gets `transfer_done` when `send_done` and it asked. A cancelled round with
+    /// transfers still in flight waits for them.
+    fn finalize(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: u64,
+        success: Option<bool>,
+        send_done: bool,
+    ) {
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
+        let Some(rnd) = req.rounds.get(&round) else {
+            return;
+        };
+        if rnd.cancelled && rnd.inflight > 0 {
+            return;
+        }
+        let Some(rnd) = req.rounds.remove(&round) else {
+            return;
+        };
+        let success =
+            !rnd.cancelled && success.unwrap_or(rnd.demand_received && rnd.remaining == 0);
+        for job in rnd.pending_jobs {
+            // A job still read by a transfer completes when that transfer ends.
+            if !self.is_read(job) {
+                self.settle_job(cx, job, success);
+            }
+        }
+        debug!(peer = %self.peer, kv_request_id = %id, round, success, send_done, "round finalized");
+        if send_done && rnd.demand_received {
+            link.send(
+                cx.out,
+                cx.now,
+                Message::TransferDone(TransferDone {
+                    kv_request_id: id.clone(),
+                    success,
+                    round_seq: RoundSeq(round),
+                }),
+            );
+        }
+        self.prune(id);
+    }
+
+    /// A cancelled round whose last transfer ended: no `transfer_done` if an abort is draining
+    /// (the `abort_ack` answers the peer instead).
+    fn finalize_cancelled(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: u64,
+    ) {
+        let aborting = self.aborts.contains_key(&(id.clone(), round));
+        self.finalize(link, cx, id, round, Some(false), !aborting);
+    }
+
+    // ---- completions ----
+
+    /// Collects this peer's transfer completions and faults from the data plane.
+    pub(crate) fn poll_plane(&mut self, link: &mut Link, cx: &mut Cx<'_>) {
+        let poll = cx.plane.poll(&self.peer);
+        if let Some(fault) = poll.peer_fault {
+            if self.peer_fault.is_none() {
+                self.peer_fault = Some(fault);
+            }
+        }
+        for tid in poll.done {
+            let Some(xfer) = self.pop_inflight(tid) else {
+                warn!(peer = %self.peer, tid, "data plane reported an unknown transfer done");
+                continue;
+            };
+            let cancelled = self
+                .round_mut(&xfer.id, xfer.round, xfer.serial)
+                .map(|r| r.cancelled);
+            self.settle_transfer_jobs(cx, &xfer, cancelled != Some(true));
+            if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
+                rnd.remaining = rnd.remaining.saturating_sub(xfer.blocks);
+                let (cancelled, remaining, finishing, inflight) =
+                    (rnd.cancelled, rnd.remaining, rnd.finishing, rnd.inflight);
+                if cancelled {
+                    if inflight == 0 {
+                        self.finalize_cancelled(link, cx, &xfer.id, xfer.round);
+                    }
+                } else if remaining == 0 {
+                    self.finalize(link, cx, &xfer.id, xfer.round, Some(true), true);
+                } else if finishing && inflight == 0 {
+                    self.finalize(link, cx, &xfer.id, xfer.round, Some(false), true);
+                }
+            }
+            self.after_transfer_end(link, cx, &xfer);
+        }
+        for tid in poll.failed {
+            let Some(xfer) = self.pop_inflight(tid) else {
+                warn!(peer = %self.peer, tid, "data plane reported an unknown transfer failed");
+                continue;
+            };
+            let in_round = self.round_mut(&xfer.id, xfer.round, xfer.serial).map(|r| {
+                let first = !r.cancelled;
+                r.cancelled = true;
+                first
+            });
+            if in_round == Some(true) {
+                // The round fails, but its other transfers may still be writing: their jobs
+                // keep their pins until those end.
+                self.fail_unread_jobs(cx, &xfer.id, xfer.round, xfer.serial);
+            }
+            self.settle_transfer_jobs(cx, &xfer, false);
+            if self
+                .round_mut(&xfer.id, xfer.round, xfer.serial)
+                .is_some_and(|r| r.inflight == 0)
+            {
+                self.finalize_cancelled(link, cx, &xfer.id, xfer.round);
+            }
+            self.after_transfer_end(link, cx, &xfer);
+        }
+    }
+
+    fn after_transfer_end(&mut self, link: &mut Link, cx: &mut Cx<'_>, xfer: &Inflight) {
+        let key = (xfer.id.clone(), xfer.round);
+        if self.aborts.contains_key(&key) {
+            self.drain_abort(link, cx, &xfer.id, xfer.round);
+        }
+        self.prune(&xfer.id);
+    }
+
+    // ---- aborts ----
+
+    /// An `abort_fetch`: cancel the round, ack once no write of it can land. Idempotent.
+    pub(crate) fn on_abort_fetch(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: u64,
+    ) {
+        let key = (id.clone(), round);
+        if !self.aborts.contains_key(&key) {
+            if !self.requests.contains_key(id) {
+                warn!(peer = %self.peer, kv_request_id = %id, round, "abort_fetch for an unknown request (acked anyway)");
+            }
+            self.aborts.insert(key.clone(), cx.now);
+            self.abort_warn_lane.arm(cx.now, key);
+            self.requests.entry(id.clone()).or_default().aborts += 1;
+        }
+        self.drain_abort(link, cx, id, round);
+    }
+
+    fn drain_abort(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId, round: u64) {
+        let serial = self
+            .requests
+            .get(id)
+            .and_then(|r| r.rounds.get(&round))
+            .map(|r| r.serial);
+        if let Some(serial) = serial {
+            let first = self.round_mut(id, round, serial).is_some_and(|r| {
+                let first = !r.cancelled;
+                r.cancelled = true;
+                first
+            });
+            if first {
+                self.fail_unread_jobs(cx, id, round, serial);
+            }
+        }
+        let ids: Vec<TransferId> = self
+            .requests
+            .get(id)
+            .map(|r| {
+                r.inflight
+                    .iter()
+                    .copied()
+                    .filter(|t| self.inflight.get(t).is_some_and(|x| x.round == round))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !ids.is_empty() {
+            let Some(serial) = serial.or_else(|| {
+                ids.first()
+                    .and_then(|t| self.inflight.get(t))
+                    .map(|x| x.serial)
+            }) else {
+                return;
+            };
+            if !self.cancel_due(id, round, serial, cx.now) {
+                return;
+            }
+            let still = cx.plane.cancel(&ids, CancelMode::Wait);
+            for tid in &ids {
+                if !still.contains(tid) {
+                    if let Some(xfer) = self.pop_inflight(*tid) {
+                        self.settle_transfer_jobs(cx, &xfer, false);
+                    }
+                }
+            }
+            if !still.is_empty() {
+                self.retry_lane.arm(cx.now, (id.clone(), round, serial));
+                return;
+            }
+        }
+        if serial.is_some() {
+            self.finalize(link, cx, id, round, Some(false), false);
+        }
+        self.finish_abort(link, cx, id, round);
+    }
+
+    fn finish_abort(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId, round: u64) {
+        let key = (id.clone(), round);
+        if self.aborts.remove(&key).is_some() {
+            if let Some(req) = self.requests.get_mut(id) {
+                req.aborts -= 1;
+            }
+        }
+        self.slow_aborts.remove(&key);
+        link.send(
+            cx.out,
+            cx.now,
+            Message::AbortAck(Abort {
+                kv_request_id: id.clone(),
+                round_seq: RoundSeq(round),
+            }),
+        );
+        self.prune(id);
+    }
+
+    /// At most one wait-mode cancel per round per retry interval.
+    fn cancel_due(&mut self, id: &KvRequestId, round: u64, serial: u64, now: Instant) -> bool {
+        let interval = self.retry_lane.delay();
+        let Some(rnd) = self.round_mut(id, round, serial) else {
+            return true;
+        };
+        if rnd.last_cancel_at.is_some_and(|at| now < at + interval) {
+            return false;
+        }
+        rnd.last_cancel_at = Some(now);
+        true
+    }
+
+    /// Cancels a round whose store jobs timed out: wait-mode, released transfers settle.
+    fn cancel_round(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: u64,
+        serial: u64,
+    ) {
+        if self.aborts.contains_key(&(id.clone(), round)) {
+            self.drain_abort(link, cx, id, round);
+            return;
+        }
+        let Some(rnd) = self.round_mut(id, round, serial) else {
+            return;
+        };
+        rnd.cancelled = true;
+        if !self.cancel_due(id, round, serial, cx.now) {
+            return;
+        }
+        let ids: Vec<TransferId> = self
+            .inflight
+            .iter()
+            .filter(|(_, x)| &x.id == id && x.round == round && x.serial == serial)
+            .map(|(t, _)| *t)
+            .collect();
+        let still = if ids.is_empty() {
+            Vec::new()
+        } else {
+            cx.plane.cancel(&ids, CancelMode::Wait)
+        };
+        for tid in &ids {
+            if !still.contains(tid) {
+                if let Some(xfer) = self.pop_inflight(*tid) {
+                    self.settle_transfer_jobs(cx, &xfer, false);
+                }
+            }
+        }
+        if self
+            .round_mut(id, round, serial)
+            .is_some_and(|r| r.inflight == 0)
+        {
+            self.finalize_cancelled(link, cx, id, round);
+        } else {
+            self.retry_lane.arm(cx.now, (id.clone(), round, serial));
+        }
+    }
+
+    // ---- lookups ----
+
+    /// An inbound `lookup`, served at once against the parent.
+    pub(crate) fn on_lookup(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        round: u64,
+    ) -> Result<(), String> {
+        self.next_lookup_id += 1;
+        let n = self.next_lookup_id;
+        let ctx = serve_ctx(&self.peer, id, n);
+        cx.parent.on_new_request(&ctx);
+        let mut lookup = ActiveLookup {
+            ctx,
+            round,
+            keys,
+            answers: HashMap::new(),
+            pending: Vec::new(),
+            deadline: cx.now + self.lookup_lane.delay(),
+        };
+        // Each unique key once, in wire order.
+        let mut seen = HashSet::with_capacity(lookup.keys.len());
+        let unique: Vec<OffloadKey> = lookup
+            .keys
+            .iter()
+            .filter(|k| seen.insert(*k))
+            .cloned()
+            .collect();
+        let pin_failed = self.poll_keys(link, cx, id, &mut lookup, unique);
+        if lookup.pending.is_empty() {
+            self.finish_lookup(link, cx, id, lookup);
+        } else {
+            self.lookup_lane.arm(cx.now, (id.clone(), n));
+            self.requests
+                .entry(id.clone())
+                .or_default()
+                .lookups
+                .insert(n, lookup);
+            self.serve_list.insert(id.clone());
+            self.arm_repoll(cx);
+        }
+        pin_failed
+    }
+
+    fn arm_repoll(&mut self, cx: &Cx<'_>) {
+        if self.repoll_at.is_none() {
+            self.repoll_at = Some(cx.now + cx.config.lookup_repoll_interval);
+        }
+    }
+
+    /// Asks the parent about `keys`, pins new hits in one store job as supply of the lookup's
+    /// round. `Err` if the parent would not pin keys it had just answered HIT (an internal
+    /// error; those keys are answered MISS).
+    fn poll_keys(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        lookup: &mut ActiveLookup,
+        keys: Vec<OffloadKey>,
+    ) -> Result<(), String> {
+        let mut hits = Vec::new();
+        lookup.pending.clear();
+        for key in keys {
+            if lookup.answers.contains_key(&key) {
+                continue;
+            }
+            match cx.parent.lookup(&key, &lookup.ctx) {
+                LookupResult::Hit => hits.push(key),
+                LookupResult::Miss => {
+                    lookup.answers.insert(key, false);
+                }
+                LookupResult::HitPending | LookupResult::Retry => lookup.pending.push(key),
+            }
+        }
+        if hits.is_empty() {
+            return Ok(());
+        }
+        match cx.parent.create_store_job(&hits, &lookup.ctx) {
+            Some(job) if job.blocks.len() == hits.len() => {
+                for key in &hits {
+                    lookup.answers.insert(key.clone(), true);
+                }
+                self.add_stored_blocks(
+                    link,
+                    cx,
+                    id,
+                    &hits,
+                    &job.blocks,
+                    job.job_id,
+                    lookup.round,
+                    true,
+                );
+                Ok(())
+            }
+            other => {
+                if let Some(job) = other {
+                    cx.parent.complete_store_job(job.job_id, false);
+                }
+                for key in hits {
+                    lookup.answers.insert(key, false);
+                }
+                Err(format!(
+                    "store refused to pin keys it reported held ({})",
+                    lookup.ctx
+                ))
+            }
+        }
+    }
+
+    /// Answers a lookup (one `lookup_resp`, every key in wire order) and closes its context.
+    fn finish_lookup(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        lookup: ActiveLookup,
+    ) {
+        if !lookup.keys.is_empty() {
+            let hits = lookup
+                .keys
+                .iter()
+                .map(|k| lookup.answers.get(k).copied().unwrap_or(false))
+                .collect();
+            link.send(
+                cx.out,
+                cx.now,
+                Message::LookupResp(LookupResp {
+                    kv_request_id: id.clone(),
+                    keys: lookup.keys,
+                    hits,
+                }),
+            );
+        }
+        cx.parent.on_request_finished(&lookup.ctx);
+    }
+
+    /// Asks again about pending keys of parked lookups; answers those now complete, and those
+    /// past their deadline with MISS for what is still pending.
+    pub(crate) fn serve(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> Result<(), String> {
+        self.repoll_at = None;
+        let mut result = Ok(());
+        for id in self.serve_list.drain().collect::<Vec<_>>() {
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            let parked = std::mem::take(&mut req.lookups);
+            for (n, mut lookup) in parked {
+                let keys = std::mem::take(&mut lookup.pending);
+                if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, keys) {
+                    result = Err(e);
+                }
+                if !lookup.pending.is_empty() && cx.now >= lookup.deadline {
+                    for key in std::mem::take(&mut lookup.pending) {
+                        lookup.answers.insert(key, false);
+                    }
+                }
+                if lookup.pending.is_empty() {
+                    self.finish_lookup(link, cx, &id, lookup);
+                } else if let Some(req) = self.requests.get_mut(&id) {
+                    req.lookups.insert(n, lookup);
+                }
+            }
+            if self
+                .requests
+                .get(&id)
+                .is_some_and(|r| !r.lookups.is_empty())
+            {
+                self.serve_list.insert(id);
+            } else {
+                self.prune(&id);
+            }
+        }
+        if !self.serve_list.is_empty() {
+            self.arm_repoll(cx);
+        }
+        result
+    }
+
+    /// Closes the lookup phase of a request (terminal fetch or local finish): parked lookups
+    /// are dropped without a reply and their contexts closed.
+    fn finish_lookups(&mut self, cx: &mut Cx<'_>, id: &KvRequestId) {
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
+        for (_, lookup) in std::mem::take(&mut req.lookups) {
+            cx.parent.on_request_finished(&lookup.ctx);
+        }
+        self.serve_list.remove(id);
+        self.prune(id);
+    }
+
+    /// The request finished locally (a PD producer): rounds still waiting for stores fail now,
+    /// so the peer does not wait out its load timeout.
+    pub(crate) fn finish(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId) {
+        self.finish_lookups(cx, id);
+        let rounds: Vec<(u64, bool)> = match self.requests.get_mut(id) {
+            Some(req) => req
+                .rounds
+                .iter_mut()
+                .map(|(k, r)| {
+                    r.finishing = true;
+                    (*k, r.demand_received && r.inflight == 0)
+                })
+                .collect(),
+            None => return,
+        };
+        for (round, ready) in rounds {
+            if ready {
+                self.finalize(link, cx, id, round, None, true);
+            }
+        }
+    }
+
+    // ---- timeouts ----
+
+    pub(crate) fn handle_timeout(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), String> {
+        let now = cx.now;
+        let mut result = Ok(());
+        if self.repoll_at.is_some_and(|at| at <= now) {
+            result = self.serve(link, cx);
+        }
+        while let Some((_, (id, n))) = self.lookup_lane.pop_due(now) {
+            if self
+                .requests
+                .get(&id)
+                .is_some_and(|r| r.lookups.contains_key(&n))
+            {
+                self.serve_list.insert(id);
+                if let Err(e) = self.serve(link, cx) {
+                    result = Err(e);
+                }
+            }
+        }
+        let store_delay = self.store_lane.delay();
+        while let Some((deadline, job)) = self.store_lane.pop_due(now) {
+            let Some(state) = self.store_jobs.get(&job) else {
+                continue;
+            };
+            if state.submitted_at + store_delay != deadline {
+                continue;
+            }
+            let (id, round, serial) = (state.id.clone(), state.round, state.serial);
+            warn!(peer = %self.peer, job, kv_request_id = %id, "store job timed out");
+            // The job's blocks must not be offered to a fetch any more.
+            if let Some(rnd) = self.round_mut(&id, round, serial) {
+                rnd.available.retain(|_, (j, _)| *j != job);
+            }
+            if self.is_read(job) {
+                // Writes still read it: cancel them; the pin stays until they are terminal.
+                self.cancel_round(link, cx, &id, round, serial);
+            } else {
+                if let Some(rnd) = self.round_mut(&id, round, serial) {
+                    rnd.pending_jobs.remove(&job);
+                }
+                self.settle_job(cx, job, false);
+            }
+        }
+        while let Some((_, (id, round, serial))) = self.retry_lane.pop_due(now) {
+            let waiting = self
+                .inflight
+                .values()
+                .any(|x| x.id == id && x.round == round);
+            if waiting {
+                self.cancel_round(link, cx, &id, round, serial);
+            }
+        }
+        while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {
+            if self.aborts.contains_key(&key) && self.slow_aborts.insert(key.clone()) {
+                warn!(peer = %self.peer, kv_request_id = %key.0, round = key.1,
+                    "abort still waiting for transfers to stop; holding their pins and the abort_ack");
+            }
+        }
+        result
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        earliest([
+            self.repoll_at,
+            self.lookup_lane.next_deadline(),
+            self.store_lane.next_deadline(),
+            self.retry_lane.next_deadline(),
+            self.abort_warn_lane.next_deadline(),
+        ])
+    }
+
+    /// Tears down: every store job fails, inflight transfers are cancelled, parked lookups'
+    /// contexts are closed.
+    pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> ServerClose {
+        let mut result = ServerClose::default();
+        if !self.inflight.is_empty() {
+            let ids: Vec<TransferId> = self.inflight.keys().copied().collect();
+            cx.plane.cancel(&ids, CancelMode::Immediate);
+        }
+        self.inflight.clear();
+        self.readers.clear();
+        let jobs: Vec<JobId> = self.store_jobs.keys().copied().collect();
+        for job in jobs {
+            if self.settle_job(cx, job, false) {
+                result.failed_stores += 1;
+            }
+        }
+        for (_, req) in self.requests.drain() {
+            for (_, lookup) in req.lookups {
+                cx.parent.on_request_finished(&lookup.ctx);
+                result.released_serves += 1;
+            }
+        }
+        self.serve_list.clear();
+        self.aborts.clear();
+        self.slow_aborts.clear();
+        self.store_lane.clear();
+        self.lookup_lane.clear();
+        self.retry_lane.clear();
+        self.abort_warn_lane.clear();
+        self.repoll_at = None;
+        result
+    }
+
+    /// Transfer ids in flight (for shutdown drains).
+    pub(crate) fn inflight_ids(&self) -> Vec<TransferId> {
+        self.inflight.keys().copied().collect()
+    }
+}

@@ -1,0 +1,144 @@
+//! The interfaces the core drives: the local block store ([`Parent`]) and the data plane
+//! ([`DataPlane`]). The node implements them with real components; tests with fakes.
+//!
+//! Both are called from the thread that owns the core, inside its entry points, and must never
+//! block: anything slow (registering a peer's memory, moving bytes) starts here and reports its
+//! completion later, when the core polls for it.
+
+use std::fmt;
+
+use kvpeer_proto::{OffloadKey, PeerId};
+
+/// Id of a store job: a set of local blocks pinned for a peer until the job completes.
+pub type JobId = u64;
+
+/// Id of one data-plane write (a batch of blocks to one peer).
+pub type TransferId = u64;
+
+/// A local block index (a slot of the block pool).
+pub type BlockIndex = u64;
+
+/// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
+/// `ReqContext`: opened with [`Parent::on_new_request`], closed with
+/// [`Parent::on_request_finished`] exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ServeCtx {
+    /// `p2p:<peer>:<kv_request_id>:lu<n>`, unique per inbound lookup message.
+    pub id: String,
+}
+
+impl fmt::Display for ServeCtx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.id)
+    }
+}
+
+/// What the local store says about one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LookupResult {
+    /// Held and readable.
+    Hit,
+    /// Not held.
+    Miss,
+    /// Being written (a load into this node is in progress): ask again soon.
+    HitPending,
+    /// Cannot answer now: ask again soon.
+    Retry,
+}
+
+/// Keys pinned by [`Parent::create_store_job`], and where they lie.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreJob {
+    /// The job, completed later with [`Parent::complete_store_job`].
+    pub job_id: JobId,
+    /// The local block of each key, parallel to the keys passed in.
+    pub blocks: Vec<BlockIndex>,
+}
+
+/// The local block store, as the producer role sees it.
+///
+/// Order per context: `on_new_request`, then `lookup`s and `create_store_job`s, then
+/// `on_request_finished` (required even when nothing hit). Every job from `create_store_job`,
+/// and every job the engine hands to [`Core::submit_store`](crate::Core::submit_store), is
+/// completed exactly once with `complete_store_job`, success or not: that is the unpin.
+pub trait Parent {
+    /// Opens the bookkeeping of one inbound lookup.
+    fn on_new_request(&mut self, ctx: &ServeCtx);
+    /// Whether the store holds `key`.
+    fn lookup(&mut self, key: &OffloadKey, ctx: &ServeCtx) -> LookupResult;
+    /// Pins `keys` (each answered `Hit` in this same call of the core) so they cannot be evicted
+    /// until the job completes. `None` if the store cannot pin them after all.
+    fn create_store_job(&mut self, keys: &[OffloadKey], ctx: &ServeCtx) -> Option<StoreJob>;
+    /// Completes (unpins) a store job.
+    fn complete_store_job(&mut self, job_id: JobId, success: bool);
+    /// Closes the bookkeeping of one inbound lookup.
+    fn on_request_finished(&mut self, ctx: &ServeCtx);
+}
+
+/// A peer's memory as its `connect` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteMemory {
+    /// The peer's data-plane metadata.
+    pub agent_metadata: Vec<u8>,
+    /// Base address of its block region.
+    pub base_addr: u64,
+    /// Blocks in its region.
+    pub num_blocks: u64,
+    /// Bytes per block.
+    pub block_len: u64,
+}
+
+/// State of a peer registration started with [`DataPlane::add_remote_peer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Registration {
+    /// Still running.
+    Pending,
+    /// The peer's memory is registered: writes to it may start.
+    Done,
+    /// Registration failed; the reason.
+    Failed(String),
+}
+
+/// What the data plane reports for one peer's transfers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanePoll {
+    /// Transfers that landed completely.
+    pub done: Vec<TransferId>,
+    /// Transfers that failed (nothing more of them will land).
+    pub failed: Vec<TransferId>,
+    /// The peer itself is unusable on the data plane (e.g. gone); the reason.
+    pub peer_fault: Option<String>,
+}
+
+/// How [`DataPlane::cancel`] treats transfers still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelMode {
+    /// Release only transfers that are terminal; report the others as still running. A write
+    /// that may still land is never reported as stopped.
+    Wait,
+    /// Release everything now (shutdown only).
+    Immediate,
+}
+
+/// The data plane: one-sided writes of local blocks into a peer's blocks.
+pub trait DataPlane {
+    /// Starts registering a peer's memory. Completion is read with
+    /// [`DataPlane::registration`]; `connect_ack` waits for it.
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String>;
+    /// The state of the peer's registration.
+    fn registration(&mut self, peer: &PeerId) -> Registration;
+    /// Forgets a peer (its registration, pending or done).
+    fn remove_remote_peer(&mut self, peer: &PeerId);
+    /// Starts writing local blocks `local[i]` into the peer's blocks `remote[i]`. `None` if the
+    /// write could not be started.
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId>;
+    /// Completions and faults for one peer's transfers since the last poll.
+    fn poll(&mut self, peer: &PeerId) -> PlanePoll;
+    /// Cancels transfers; returns those still running (always empty for `Immediate`).
+    fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId>;
+}
