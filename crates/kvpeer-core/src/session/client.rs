@@ -43,6 +43,8 @@ struct Request {
     loads: Vec<(u64, Load)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
+    /// The engine finished the request; only aborting loads keep it.
+    finished: bool,
 }
 
 impl Request {
@@ -76,6 +78,11 @@ pub(crate) struct ClientClose {
 #[derive(Debug)]
 pub(crate) struct ClientRole {
     requests: HashMap<KvRequestId, Request>,
+    /// The next round of requests whose state was pruned while the engine still runs them.
+    /// vLLM restarts such a request at round 0, so a late `transfer_done` or `abort_ack` of
+    /// the old round 0 can complete the new one (upstream PR #56471); kvpeer never reuses a
+    /// round of a live request. Entries go at `finish`.
+    next_rounds: HashMap<KvRequestId, u64>,
     /// Requests with unsent probes, visited by the next flush.
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
@@ -89,6 +96,7 @@ impl ClientRole {
     pub(crate) fn new(config: &CoreConfig) -> Self {
         ClientRole {
             requests: HashMap::new(),
+            next_rounds: HashMap::new(),
             flush_list: Vec::new(),
             active_loads: 0,
             load_lane: Lane::new(config.load_timeout),
@@ -108,14 +116,27 @@ impl ClientRole {
 
     fn prune(&mut self, id: &KvRequestId) {
         if self.requests.get(id).is_some_and(Request::is_idle) {
-            self.requests.remove(id);
+            if let Some(req) = self.requests.remove(id) {
+                if req.round > 0 && !req.finished {
+                    self.next_rounds.insert(id.clone(), req.round);
+                }
+            }
         }
+    }
+
+    /// The request's state, created at the round where it left off.
+    fn request(&mut self, id: &KvRequestId) -> &mut Request {
+        let next_rounds = &mut self.next_rounds;
+        self.requests.entry(id.clone()).or_insert_with(|| Request {
+            round: next_rounds.remove(id).unwrap_or(0),
+            ..Request::default()
+        })
     }
 
     /// Registers a probe, or returns its answer. `None` means "ask again later" (RETRY).
     /// Answers stay until a fetch closes the round or the request finishes.
     pub(crate) fn register_lookup(&mut self, id: &KvRequestId, key: &OffloadKey) -> Option<bool> {
-        let req = self.requests.entry(id.clone()).or_default();
+        let req = self.request(id);
         if let Some(answer) = req.probes.get(key) {
             return *answer;
         }
@@ -202,7 +223,7 @@ impl ClientRole {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) {
-        let req = self.requests.entry(id.clone()).or_default();
+        let req = self.request(id);
         let round = req.round;
         req.round += 1;
         req.loads.push((
@@ -213,14 +234,14 @@ impl ClientRole {
                 aborted_at: None,
             },
         ));
-        self.active_loads += 1;
-        self.load_lane.arm(now, (id.clone(), round));
         req.peer_lookup_open = false;
         // The fetch closes the round: the next round probes afresh, since served blocks are
         // unpinned at the producer and may be evicted.
         req.probes.clear();
         req.unanswered = 0;
         req.lookup_deadline = None;
+        self.active_loads += 1;
+        self.load_lane.arm(now, (id.clone(), round));
         debug!(peer = %link.peer, kv_request_id = %id, round, blocks = keys.len(), "send fetch");
         link.send(
             out,
@@ -278,6 +299,7 @@ impl ClientRole {
         req.unanswered = 0;
         req.unsent.clear();
         req.lookup_deadline = None;
+        req.finished = true;
         self.prune(id);
     }
 
@@ -384,6 +406,7 @@ impl ClientRole {
             }
         }
         self.flush_list.clear();
+        self.next_rounds.clear();
         self.active_loads = 0;
         self.load_lane.clear();
         self.abort_lane.clear();

@@ -1,5 +1,6 @@
-//! The deterministic test driver and its fakes.
+//! The deterministic test driver, the scripted mock peer, and their fakes.
 #![allow(dead_code, unreachable_pub)]
 
 pub mod cluster;
 pub mod fakes;
+pub mod mock;

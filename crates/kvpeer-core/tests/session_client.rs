@@ -1,0 +1,527 @@
+//! Upstream scenarios of test_sessions.py: the handshake, the consumer (client) role and the
+//! lookup flow. Each test names the scenarios it covers on its `upstream:` lines.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use kvpeer_core::{LookupResult, Registration, RequestRoles};
+use kvpeer_proto::{ConnectAck, Message, MessageType};
+use support::cluster::{key, local};
+use support::fakes::RegistrationMode;
+use support::mock::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+fn connects(sent: &[Message]) -> usize {
+    sent.iter().filter(|m| is_type(m, MessageType::Connect)).count()
+}
+
+/// upstream: TestConnectHandshake.test_connect_msg_sent_on_creation
+/// upstream: TestConnectHandshake.test_hash_seed_advertised_in_connect_msg
+#[test]
+fn a_new_session_announces_itself_with_connect() {
+    let mut m = Mock::new();
+    assert!(m.accept());
+    let sent = m.take_sent();
+    let Message::Connect(c) = &sent[0] else { panic!("{sent:?}") };
+    let l = local(0);
+    assert_eq!((&c.peer_id, c.block_len, c.num_blocks), (&l.peer_id, l.block_len, l.num_blocks));
+    assert_eq!(c.hash_seed, "42");
+    assert_eq!(c.fingerprint(), l.config_fingerprint);
+    assert_eq!(sent.len(), 1, "nothing but connect before the peer's ack");
+}
+
+/// upstream: TestConnectHandshake.test_peer_connect_triggers_add_remote_and_ack
+/// upstream: TestConnectHandshake.test_connect_ack_makes_session_ready
+/// upstream: TestConnectHandshake.test_config_fingerprint_match_succeeds
+/// upstream: TestConnectHandshake.test_hash_seed_match_succeeds
+#[test]
+fn a_compatible_connect_registers_the_peer_and_acks() {
+    let mut m = Mock::new();
+    m.accept();
+    m.take_sent();
+    let c = m.peer_connect();
+    m.recv(Message::Connect(c));
+    let peer = m.peer.clone();
+    assert_eq!(m.plane().registrations.get(&peer), Some(&Registration::Done));
+    assert_eq!(m.take_sent(), vec![Message::ConnectAck(ConnectAck { peer_id: local(0).peer_id })]);
+    assert!(!m.core.session_state(&m.peer).unwrap().ready, "ready only once the peer acks us");
+    m.recv(Message::ConnectAck(ConnectAck { peer_id: m.peer.clone() }));
+    assert!(m.core.session_state(&m.peer).unwrap().ready);
+    m.assert_clean();
+}
+
+/// upstream: TestConnectHandshake.test_ack_withheld_until_registration_completes
+/// upstream: TestConnectHandshake.test_pending_registration_is_pending_work
+#[test]
+fn connect_ack_waits_for_the_registration() {
+    let mut m = Mock::new();
+    m.plane().mode = RegistrationMode::Deferred;
+    m.accept();
+    m.take_sent();
+    let c = m.peer_connect();
+    m.recv(Message::Connect(c));
+    assert!(m.take_sent().is_empty(), "no ack while the registration runs");
+    assert!(m.core.session_state(&m.peer).unwrap().pending_work);
+    m.data_plane();
+    assert!(m.take_sent().is_empty());
+    let peer = m.peer.clone();
+    m.plane().finish_registration(&peer, Registration::Done);
+    m.data_plane();
+    assert!(matches!(m.take_sent()[..], [Message::ConnectAck(_)]));
+    assert!(!m.core.session_state(&m.peer).unwrap().pending_work);
+}
+
+/// upstream: TestConnectHandshake.test_failed_registration_rejects_peer
+#[test]
+fn a_failed_registration_rejects_the_peer_with_disconnect() {
+    let mut m = Mock::new();
+    m.plane().mode = RegistrationMode::Deferred;
+    m.accept();
+    let c = m.peer_connect();
+    m.recv(Message::Connect(c));
+    let peer = m.peer.clone();
+    m.plane().finish_registration(&peer, Registration::Failed("no route".into()));
+    m.data_plane();
+    let sent = m.take_sent();
+    assert_eq!(sent.last(), Some(&Message::Disconnect));
+    assert!(!sent.iter().any(|x| is_type(x, MessageType::ConnectAck)));
+    assert!(m.closed().unwrap().contains("registration failed"));
+    assert!(m.core.session_state(&peer).is_none());
+    assert_eq!(m.plane().removed, vec![peer]);
+}
+
+/// upstream: TestConnectHandshake.test_failed_ack_send_marks_connection_dead
+/// upstream: TestDisconnect.test_send_failure_marks_connection_dead
+#[test]
+fn a_send_failure_reported_by_the_channel_ends_the_session() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(7, "r", vec![key(1)], vec![3]);
+    let peer = m.peer.clone();
+    m.core.handle_connection_lost(m.now, &peer);
+    m.pump();
+    assert_eq!(m.load_results(), vec![(7, false)]);
+    assert_eq!(m.closed().as_deref(), Some("control connection lost"));
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss, "the failed request falls back");
+}
+
+/// upstream: TestConnectHandshake.test_duplicate_connect_during_registration_is_rejected
+#[test]
+fn a_second_connect_is_a_protocol_error() {
+    for deferred in [true, false] {
+        let mut m = Mock::new();
+        if deferred {
+            m.plane().mode = RegistrationMode::Deferred;
+        }
+        m.accept();
+        let c = m.peer_connect();
+        m.recv(Message::Connect(c.clone()));
+        m.recv(Message::Connect(c));
+        assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+        assert!(m.closed().unwrap().contains("duplicate connect"));
+    }
+}
+
+/// upstream: TestConnectHandshake.test_messages_queued_before_ack_flush_on_ack
+#[test]
+fn messages_wait_for_the_peers_ack_then_flush_in_order() {
+    let mut m = Mock::new();
+    m.dial("r", RequestRoles::prefiller(m.peer.clone()));
+    m.load(1, "r", vec![key(1)], vec![10]);
+    m.load(2, "r", vec![key(2)], vec![11]);
+    assert_eq!(connects(&m.take_sent()), 1, "only connect goes out before the ack");
+    m.recv(Message::ConnectAck(ConnectAck { peer_id: m.peer.clone() }));
+    let sent = m.take_sent();
+    assert_eq!(sent, vec![fetch("r", vec![key(1)], vec![10], 0), fetch("r", vec![key(2)], vec![11], 1)]);
+}
+
+/// upstream: TestConnectHandshake.test_block_len_mismatch_marks_dead
+/// upstream: TestConnectHandshake.test_config_fingerprint_mismatch_marks_dead
+/// upstream: TestConnectHandshake.test_hash_seed_mismatch_marks_dead
+#[test]
+fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
+    type Tweak = fn(&mut kvpeer_proto::Connect);
+    let cases: [(Tweak, &str); 3] = [
+        (|c| c.block_len = 32_768, "block_len mismatch"),
+        (|c| c.config_fingerprint = Some("ffffffffffffffff".into()), "fingerprint mismatch"),
+        (|c| c.hash_seed = "0".into(), "hash seed mismatch"),
+    ];
+    for (tweak, why) in cases {
+        let mut m = Mock::new();
+        m.accept();
+        m.take_sent();
+        let mut c = m.peer_connect();
+        tweak(&mut c);
+        m.recv(Message::Connect(c));
+        // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect right away.
+        assert_eq!(m.take_sent(), vec![Message::Disconnect], "{why}");
+        assert!(m.closed().unwrap().contains(why));
+        assert!(m.plane().registrations.is_empty(), "{why}: never registered");
+        m.assert_clean();
+    }
+}
+
+/// upstream: TestConnectHandshake.test_missing_fingerprint_allowed
+#[test]
+fn an_empty_or_absent_fingerprint_on_either_side_matches() {
+    for (ours, theirs) in [("", Some("abc")), ("abc", None), ("abc", Some("")), ("", None)] {
+        let mut m = Mock::with_config(Default::default());
+        let mut l = local(0);
+        l.config_fingerprint = ours.into();
+        m.core = kvpeer_core::Core::new(Default::default(), l, Default::default(), Default::default(), m.now);
+        m.accept();
+        m.take_sent();
+        let mut c = m.peer_connect();
+        c.config_fingerprint = theirs.map(String::from);
+        m.recv(Message::Connect(c));
+        assert!(matches!(m.take_sent()[..], [Message::ConnectAck(_)]), "{ours:?} vs {theirs:?}");
+    }
+}
+
+/// upstream: TestClientFlows.test_request_blocks_sends_fetch
+/// upstream: TestClientFlows.test_transfer_done_success
+/// upstream: TestSubmitLoad.test_happy_path_with_active_session
+#[test]
+fn a_load_sends_fetch_and_completes_on_transfer_done() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1), key(2)], vec![10, 11]);
+    assert_eq!(m.take_sent(), vec![fetch("r", vec![key(1), key(2)], vec![10, 11], 0)]);
+    assert!(m.load_results().is_empty(), "no result before transfer_done");
+    m.recv(transfer_done("r", true, 0));
+    assert_eq!(m.load_results(), vec![(5, true)]);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// upstream: TestClientFlows.test_transfer_done_failure
+/// upstream: TestPollOnce.test_failed_load_records_kv_request_id
+#[test]
+fn a_failed_transfer_fails_the_load_and_the_request_falls_back() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.recv(transfer_done("r", false, 0));
+    assert_eq!(m.load_results(), vec![(5, false)]);
+    assert_eq!(m.lookup("r", &key(9)), LookupResult::Miss, "failed ids answer MISS");
+    m.finish("r");
+    assert_eq!(m.core.stats().failed_ids, 0, "finish prunes the failed id");
+    m.assert_clean();
+}
+
+/// upstream: TestClientFlows.test_finish_request_sends_abort
+/// upstream: TestClientFlows.test_finish_preserves_active_load_until_terminal_result
+/// upstream: TestClientFlows.test_finish_abort_ack_emits_one_failure
+/// upstream: TestClientFlows.test_late_transfer_done_after_abort_ack_is_ignored
+#[test]
+fn finish_aborts_the_load_and_keeps_it_until_the_ack() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.take_sent();
+    m.finish("r");
+    assert_eq!(m.take_sent(), vec![abort_fetch("r", 0)]);
+    assert!(m.load_results().is_empty());
+    assert!(m.core.session_state(&m.peer).unwrap().pending_work, "the load is still live");
+    m.recv(abort_ack("r", 0));
+    m.recv(abort_ack("r", 0));
+    m.recv(transfer_done("r", true, 0));
+    assert_eq!(m.load_results(), vec![(5, false)], "exactly one failure");
+    m.assert_clean();
+}
+
+/// upstream: TestClientFlows.test_finish_abort_timeout_emits_one_failure
+#[test]
+fn finish_without_an_ack_fails_the_load_at_the_ack_timeout() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.finish("r");
+    m.advance(S(9));
+    assert!(m.load_results().is_empty());
+    m.advance(S(2));
+    assert_eq!(m.load_results(), vec![(5, false)]);
+    m.advance(S(60));
+    assert_eq!(m.load_results().len(), 1);
+    m.assert_clean();
+}
+
+/// upstream: TestClientFlows.test_active_loads_work_list_tracks_in_flight
+#[test]
+fn pending_work_tracks_loads_not_probes() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    assert!(!m.core.session_state(&m.peer).unwrap().pending_work, "a probe is no load");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    assert!(m.core.session_state(&m.peer).unwrap().pending_work);
+    m.recv(transfer_done("r", true, 0));
+    assert!(!m.core.session_state(&m.peer).unwrap().pending_work);
+}
+
+/// upstream: TestClientFlows.test_load_timeout_sends_abort
+/// upstream: TestClientFlows.test_load_abort_ack_clears_request
+#[test]
+fn a_load_times_out_into_an_abort_and_the_ack_fails_it() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.load(6, "r", vec![key(2)], vec![11]);
+    m.take_sent();
+    m.advance(S(29));
+    assert!(m.take_sent().is_empty());
+    m.advance(S(2));
+    assert_eq!(m.take_sent(), vec![abort_fetch("r", 0), abort_fetch("r", 1)]);
+    m.recv(abort_ack("r", 1));
+    m.recv(abort_ack("r", 0));
+    assert_eq!(m.load_results(), vec![(6, false), (5, false)]);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// upstream: TestClientFlows.test_load_abort_ack_timeout_surfaces_failure
+#[test]
+fn an_unanswered_abort_fails_the_load_and_clears_the_request() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.advance(S(30));
+    m.advance(S(10));
+    assert_eq!(m.load_results(), vec![(5, false)]);
+    assert_eq!(m.core.stats().client_requests, 0);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// upstream: TestLookupFlow.test_lookup_deadline_starts_after_handshake
+#[test]
+fn the_lookup_deadline_starts_when_the_lookup_is_sent() {
+    let mut m = Mock::new();
+    m.dial("r", RequestRoles::kv_source(m.peer.clone()));
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Retry);
+    m.flush();
+    assert_eq!(connects(&m.take_sent()), 1, "no lookup before the ack");
+    m.advance(S(20));
+    m.handshake();
+    m.flush();
+    assert_eq!(m.take_sent().iter().filter(|x| is_type(x, MessageType::Lookup)).count(), 1);
+    m.advance(S(29));
+    assert!(m.closed().is_none(), "49 s after registering, 29 s after sending: alive");
+    m.advance(S(2));
+    assert_eq!(m.closed().as_deref(), Some("lookup response timed out"));
+    assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss);
+}
+
+/// upstream: TestLookupFlow.test_partial_response_rearms_lookup_deadline
+/// upstream: TestLookupFlow.test_lookup_progress_keeps_overlapping_batches_alive
+#[test]
+fn progress_rearms_the_lookup_deadline() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.lookup("r", &key(2));
+    m.flush();
+    m.advance(S(10));
+    m.lookup("r", &key(3));
+    m.flush();
+    m.advance(S(15));
+    m.recv(lookup_resp("r", vec![key(1)], vec![true]));
+    m.advance(S(25));
+    assert!(m.closed().is_none(), "50 s after the first lookup, 25 s after progress");
+    m.recv(lookup_resp("r", vec![key(2), key(3)], vec![false, true]));
+    m.advance(S(60));
+    assert!(m.closed().is_none(), "every probe answered: no deadline left");
+}
+
+/// upstream: TestLookupFlow.test_buffered_lookup_response_precedes_expiry
+#[test]
+fn a_reply_handled_at_the_deadline_wins_over_the_timeout() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    m.now += S(30);
+    m.recv(lookup_resp("r", vec![key(1)], vec![true]));
+    m.advance(S(0));
+    assert!(m.closed().is_none());
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Hit);
+}
+
+/// upstream: TestLookupFlow.test_duplicate_responses_and_new_keys_do_not_rearm
+#[test]
+fn duplicate_answers_and_unknown_keys_do_not_rearm() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.lookup("r", &key(2));
+    m.flush();
+    m.recv(lookup_resp("r", vec![key(1)], vec![true]));
+    m.advance(S(20));
+    m.recv(lookup_resp("r", vec![key(1), key(99)], vec![true, true]));
+    m.advance(S(11));
+    assert_eq!(m.closed().as_deref(), Some("lookup response timed out"));
+}
+
+/// upstream: TestLookupFlow.test_lookup_expiry_preserves_completed_transfers
+/// upstream: TestBidirectionalManager.test_unanswered_lookup_falls_back_to_local_prefill
+#[test]
+fn lookup_expiry_fails_what_is_open_and_keeps_what_completed() {
+    let mut m = Mock::new();
+    m.ready_source("a");
+    m.dial("b", RequestRoles::kv_source(m.peer.clone()));
+    m.load(1, "a", vec![key(1)], vec![10]);
+    m.recv(transfer_done("a", true, 0));
+    m.load(2, "a", vec![key(2)], vec![11]);
+    m.lookup("b", &key(3));
+    m.flush();
+    m.advance(S(31));
+    assert_eq!(m.load_results(), vec![(1, true), (2, false)]);
+    assert_eq!(m.lookup("b", &key(3)), LookupResult::Miss, "falls back to local prefill");
+    m.finish("a");
+    m.finish("b");
+    m.assert_clean();
+}
+
+/// upstream: TestLookupFlow.test_lookup_deadline_cleared_before_next_batch
+/// upstream: TestLookupFlow.test_request_blocks_clears_probe_cache
+#[test]
+fn a_fetch_closes_the_round_and_the_next_round_probes_afresh() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    m.recv(lookup_resp("r", vec![key(1)], vec![true]));
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.recv(transfer_done("r", true, 0));
+    m.take_sent();
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Retry, "a served key is probed again");
+    m.flush();
+    assert_eq!(m.take_sent(), vec![lookup_msg("r", vec![key(1)], 1)]);
+    m.advance(S(29));
+    assert!(m.closed().is_none(), "the new round has a fresh deadline");
+    m.recv(lookup_resp("r", vec![key(1)], vec![false]));
+    m.advance(S(60));
+    assert!(m.closed().is_none());
+}
+
+/// upstream: TestLookupFlow.test_aggregate_flush_resolve_round_trip
+/// upstream: TestLookupFlow.test_separate_lookup_msg_per_kv_request_id
+/// upstream: TestLookup.test_lookup_returns_hit_for_valid_request
+/// upstream: TestLookup.test_lookup_returns_hit_for_different_request_id
+#[test]
+fn probes_are_sent_once_per_request_and_answers_are_cached() {
+    let mut m = Mock::new();
+    m.ready_source("a");
+    m.dial("b", RequestRoles::kv_source(m.peer.clone()));
+    for _ in 0..3 {
+        assert_eq!(m.lookup("a", &key(1)), LookupResult::Retry);
+        assert_eq!(m.lookup("a", &key(2)), LookupResult::Retry);
+        assert_eq!(m.lookup("b", &key(1)), LookupResult::Retry);
+    }
+    m.flush();
+    let mut sent = m.take_sent();
+    sent.sort_by_key(|x| format!("{x:?}"));
+    assert_eq!(sent, vec![lookup_msg("a", vec![key(1), key(2)], 0), lookup_msg("b", vec![key(1)], 0)]);
+    m.recv(lookup_resp("a", vec![key(1), key(2)], vec![true, false]));
+    m.recv(lookup_resp("b", vec![key(1)], vec![true]));
+    for _ in 0..3 {
+        assert_eq!(m.lookup("a", &key(1)), LookupResult::Hit);
+        assert_eq!(m.lookup("a", &key(2)), LookupResult::Miss);
+        assert_eq!(m.lookup("b", &key(1)), LookupResult::Hit);
+    }
+    m.flush();
+    assert!(m.take_sent().is_empty(), "answered probes are never sent again");
+}
+
+/// upstream: TestLookupFlow.test_flush_uses_work_list_not_full_scan
+/// upstream: TestLookupFlow.test_multiple_lookup_msgs_across_steps
+#[test]
+fn a_flush_sends_only_keys_new_since_the_last_one() {
+    let mut m = Mock::new();
+    m.ready_source("r0");
+    for i in 1..200 {
+        m.dial(&format!("r{i}"), RequestRoles::kv_source(m.peer.clone()));
+        m.lookup(&format!("r{i}"), &key(i));
+    }
+    m.flush();
+    assert_eq!(m.take_sent().len(), 199);
+    m.lookup("r0", &key(1));
+    m.flush();
+    assert_eq!(m.take_sent(), vec![lookup_msg("r0", vec![key(1)], 0)], "only the request with new keys");
+    m.lookup("r0", &key(2));
+    m.lookup("r0", &key(1));
+    m.flush();
+    assert_eq!(m.take_sent(), vec![lookup_msg("r0", vec![key(2)], 0)]);
+}
+
+/// upstream: TestLookupFlow.test_split_response_resolves_across_messages
+#[test]
+fn answers_may_be_split_across_replies() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.lookup("r", &key(2));
+    m.flush();
+    m.recv(lookup_resp("r", vec![key(2)], vec![true]));
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Retry);
+    assert_eq!(m.lookup("r", &key(2)), LookupResult::Hit);
+    m.recv(lookup_resp("r", vec![key(1)], vec![false]));
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss);
+}
+
+/// upstream: TestLookupFlow.test_finish_request_cancels_pending_lookups
+/// upstream: TestLookupFlow.test_finish_without_flushed_lookup_sends_no_fetch
+#[test]
+fn finish_drops_unsent_probes_and_owes_nothing() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.finish("r");
+    m.flush();
+    assert!(m.take_sent().is_empty(), "no lookup, no terminal fetch");
+    m.assert_clean();
+}
+
+/// upstream: TestLookupFlow.test_finish_after_flushed_lookup_sends_empty_fetch
+#[test]
+fn finish_after_an_unfetched_lookup_sends_the_terminal_fetch() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    m.recv(lookup_resp("r", vec![key(1)], vec![false]));
+    m.take_sent();
+    m.finish("r");
+    assert_eq!(m.take_sent(), vec![fetch("r", vec![], vec![], 0)]);
+    m.assert_clean();
+}
+
+/// upstream: TestLookupFlow.test_finish_after_real_fetch_sends_no_second_fetch
+#[test]
+fn finish_after_a_real_fetch_sends_no_terminal_fetch() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    m.recv(lookup_resp("r", vec![key(1)], vec![true]));
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.recv(transfer_done("r", true, 0));
+    m.take_sent();
+    m.finish("r");
+    assert!(m.take_sent().is_empty());
+    // A later round's lookup re-opens it: then finish owes the terminal fetch of round 1.
+    let mut m2 = Mock::new();
+    m2.ready_source("r");
+    m2.load(5, "r", vec![key(1)], vec![10]);
+    m2.lookup("r", &key(2));
+    m2.flush();
+    m2.take_sent();
+    m2.finish("r");
+    assert_eq!(m2.take_sent(), vec![abort_fetch("r", 0), fetch("r", vec![], vec![], 1)]);
+}
