@@ -701,7 +701,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 reason = format!("{reason}; reconnect backoff {}s", wait.as_secs());
             }
         }
-        warn!(%peer, %reason, "peer down");
+        warn!(
+            %peer,
+            %reason,
+            failed_stores = closed.server.failed_stores,
+            released_serves = closed.server.released_serves,
+            "peer down"
+        );
         self.out.event(Event::Close {
             peer: peer.clone(),
             reason,
