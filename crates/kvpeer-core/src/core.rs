@@ -330,7 +330,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         true
     }
 
-    /// One payload from `peer`'s control connection: decoded, classified, dispatched.
+    /// One payload from `peer`'s control connection: decoded, classified, dispatched. From a
+    /// peer without a session only a `connect` is accepted (it opens an inbound session);
+    /// anything else is a leftover of an ended session and is dropped.
     pub fn handle_payload(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
         self.advance(now);
         match decode_with_limits(payload, &self.limits) {
@@ -348,18 +350,42 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
     }
 
-    /// One decoded message from `peer`.
+    /// One decoded message from `peer` (the same rule for unknown peers as
+    /// [`Core::handle_payload`]).
     pub fn handle_message(&mut self, now: Instant, peer: &PeerId, message: Message) {
         self.advance(now);
+        if !self.sessions.contains_key(peer) && !self.accept_first_message(peer, &message) {
+            return;
+        }
         let handled = self.with_session(peer, |s, cx, local| {
             s.on_message(cx, local, message);
             std::mem::take(&mut s.new_fetch_ids)
         });
-        match handled {
-            Some(fetched) => self.bind_fetches(peer, fetched),
-            None => debug!(%peer, "message for a peer without a session dropped"),
+        if let Some(fetched) = handled {
+            self.bind_fetches(peer, fetched);
         }
         self.settle();
+    }
+
+    /// A message from a peer without a session. A live peer always opens with `connect` (its
+    /// outbound socket keeps order), so anything else is a leftover of an ended session: a
+    /// late ack, a duplicate `disconnect`. Opening a session for it would answer with a
+    /// `connect` that collides with the peer's own next session, and the two sides can then
+    /// kill each other's sessions forever (seen in the lossy-network test). Only `connect`
+    /// opens a session.
+    fn accept_first_message(&mut self, peer: &PeerId, message: &Message) -> bool {
+        if matches!(message, Message::Connect(_)) {
+            return self.handle_inbound(self.now, peer.clone());
+        }
+        debug!(%peer, message = %message.message_type(), "dropping a message from a peer without a session");
+        self.out.event(Event::Refused {
+            peer: peer.clone(),
+            reason: format!(
+                "no session, and {} does not open one",
+                message.message_type()
+            ),
+        });
+        false
     }
 
     /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).

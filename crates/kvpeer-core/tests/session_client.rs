@@ -16,7 +16,9 @@ use support::mock::*;
 const S: fn(u64) -> Duration = Duration::from_secs;
 
 fn connects(sent: &[Message]) -> usize {
-    sent.iter().filter(|m| is_type(m, MessageType::Connect)).count()
+    sent.iter()
+        .filter(|m| is_type(m, MessageType::Connect))
+        .count()
 }
 
 /// upstream: TestConnectHandshake.test_connect_msg_sent_on_creation
@@ -26,9 +28,14 @@ fn a_new_session_announces_itself_with_connect() {
     let mut m = Mock::new();
     assert!(m.accept());
     let sent = m.take_sent();
-    let Message::Connect(c) = &sent[0] else { panic!("{sent:?}") };
+    let Message::Connect(c) = &sent[0] else {
+        panic!("{sent:?}")
+    };
     let l = local(0);
-    assert_eq!((&c.peer_id, c.block_len, c.num_blocks), (&l.peer_id, l.block_len, l.num_blocks));
+    assert_eq!(
+        (&c.peer_id, c.block_len, c.num_blocks),
+        (&l.peer_id, l.block_len, l.num_blocks)
+    );
     assert_eq!(c.hash_seed, "42");
     assert_eq!(c.fingerprint(), l.config_fingerprint);
     assert_eq!(sent.len(), 1, "nothing but connect before the peer's ack");
@@ -46,10 +53,23 @@ fn a_compatible_connect_registers_the_peer_and_acks() {
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
     let peer = m.peer.clone();
-    assert_eq!(m.plane().registrations.get(&peer), Some(&Registration::Done));
-    assert_eq!(m.take_sent(), vec![Message::ConnectAck(ConnectAck { peer_id: local(0).peer_id })]);
-    assert!(!m.core.session_state(&m.peer).unwrap().ready, "ready only once the peer acks us");
-    m.recv(Message::ConnectAck(ConnectAck { peer_id: m.peer.clone() }));
+    assert_eq!(
+        m.plane().registrations.get(&peer),
+        Some(&Registration::Done)
+    );
+    assert_eq!(
+        m.take_sent(),
+        vec![Message::ConnectAck(ConnectAck {
+            peer_id: local(0).peer_id
+        })]
+    );
+    assert!(
+        !m.core.session_state(&m.peer).unwrap().ready,
+        "ready only once the peer acks us"
+    );
+    m.recv(Message::ConnectAck(ConnectAck {
+        peer_id: m.peer.clone(),
+    }));
     assert!(m.core.session_state(&m.peer).unwrap().ready);
     m.assert_clean();
 }
@@ -64,7 +84,10 @@ fn connect_ack_waits_for_the_registration() {
     m.take_sent();
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
-    assert!(m.take_sent().is_empty(), "no ack while the registration runs");
+    assert!(
+        m.take_sent().is_empty(),
+        "no ack while the registration runs"
+    );
     assert!(m.core.session_state(&m.peer).unwrap().pending_work);
     m.data_plane();
     assert!(m.take_sent().is_empty());
@@ -84,7 +107,8 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
     let peer = m.peer.clone();
-    m.plane().finish_registration(&peer, Registration::Failed("no route".into()));
+    m.plane()
+        .finish_registration(&peer, Registration::Failed("no route".into()));
     m.data_plane();
     let sent = m.take_sent();
     assert_eq!(sent.last(), Some(&Message::Disconnect));
@@ -106,7 +130,11 @@ fn a_send_failure_reported_by_the_channel_ends_the_session() {
     m.pump();
     assert_eq!(m.load_results(), vec![(7, false)]);
     assert_eq!(m.closed().as_deref(), Some("control connection lost"));
-    assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss, "the failed request falls back");
+    assert_eq!(
+        m.lookup("r", &key(1)),
+        LookupResult::Miss,
+        "the failed request falls back"
+    );
 }
 
 /// upstream: TestConnectHandshake.test_duplicate_connect_during_registration_is_rejected
@@ -133,10 +161,22 @@ fn messages_wait_for_the_peers_ack_then_flush_in_order() {
     m.dial("r", RequestRoles::prefiller(m.peer.clone()));
     m.load(1, "r", vec![key(1)], vec![10]);
     m.load(2, "r", vec![key(2)], vec![11]);
-    assert_eq!(connects(&m.take_sent()), 1, "only connect goes out before the ack");
-    m.recv(Message::ConnectAck(ConnectAck { peer_id: m.peer.clone() }));
+    assert_eq!(
+        connects(&m.take_sent()),
+        1,
+        "only connect goes out before the ack"
+    );
+    m.recv(Message::ConnectAck(ConnectAck {
+        peer_id: m.peer.clone(),
+    }));
     let sent = m.take_sent();
-    assert_eq!(sent, vec![fetch("r", vec![key(1)], vec![10], 0), fetch("r", vec![key(2)], vec![11], 1)]);
+    assert_eq!(
+        sent,
+        vec![
+            fetch("r", vec![key(1)], vec![10], 0),
+            fetch("r", vec![key(2)], vec![11], 1)
+        ]
+    );
 }
 
 /// upstream: TestConnectHandshake.test_block_len_mismatch_marks_dead
@@ -147,7 +187,10 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
     type Tweak = fn(&mut kvpeer_proto::Connect);
     let cases: [(Tweak, &str); 3] = [
         (|c| c.block_len = 32_768, "block_len mismatch"),
-        (|c| c.config_fingerprint = Some("ffffffffffffffff".into()), "fingerprint mismatch"),
+        (
+            |c| c.config_fingerprint = Some("ffffffffffffffff".into()),
+            "fingerprint mismatch",
+        ),
         (|c| c.hash_seed = "0".into(), "hash seed mismatch"),
     ];
     for (tweak, why) in cases {
@@ -160,7 +203,10 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
         // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect right away.
         assert_eq!(m.take_sent(), vec![Message::Disconnect], "{why}");
         assert!(m.closed().unwrap().contains(why));
-        assert!(m.plane().registrations.is_empty(), "{why}: never registered");
+        assert!(
+            m.plane().registrations.is_empty(),
+            "{why}: never registered"
+        );
         m.assert_clean();
     }
 }
@@ -168,17 +214,31 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
 /// upstream: TestConnectHandshake.test_missing_fingerprint_allowed
 #[test]
 fn an_empty_or_absent_fingerprint_on_either_side_matches() {
-    for (ours, theirs) in [("", Some("abc")), ("abc", None), ("abc", Some("")), ("", None)] {
+    for (ours, theirs) in [
+        ("", Some("abc")),
+        ("abc", None),
+        ("abc", Some("")),
+        ("", None),
+    ] {
         let mut m = Mock::with_config(Default::default());
         let mut l = local(0);
         l.config_fingerprint = ours.into();
-        m.core = kvpeer_core::Core::new(Default::default(), l, Default::default(), Default::default(), m.now);
+        m.core = kvpeer_core::Core::new(
+            Default::default(),
+            l,
+            Default::default(),
+            Default::default(),
+            m.now,
+        );
         m.accept();
         m.take_sent();
         let mut c = m.peer_connect();
         c.config_fingerprint = theirs.map(String::from);
         m.recv(Message::Connect(c));
-        assert!(matches!(m.take_sent()[..], [Message::ConnectAck(_)]), "{ours:?} vs {theirs:?}");
+        assert!(
+            matches!(m.take_sent()[..], [Message::ConnectAck(_)]),
+            "{ours:?} vs {theirs:?}"
+        );
     }
 }
 
@@ -190,8 +250,14 @@ fn a_load_sends_fetch_and_completes_on_transfer_done() {
     let mut m = Mock::new();
     m.ready_source("r");
     m.load(5, "r", vec![key(1), key(2)], vec![10, 11]);
-    assert_eq!(m.take_sent(), vec![fetch("r", vec![key(1), key(2)], vec![10, 11], 0)]);
-    assert!(m.load_results().is_empty(), "no result before transfer_done");
+    assert_eq!(
+        m.take_sent(),
+        vec![fetch("r", vec![key(1), key(2)], vec![10, 11], 0)]
+    );
+    assert!(
+        m.load_results().is_empty(),
+        "no result before transfer_done"
+    );
     m.recv(transfer_done("r", true, 0));
     assert_eq!(m.load_results(), vec![(5, true)]);
     m.finish("r");
@@ -207,7 +273,11 @@ fn a_failed_transfer_fails_the_load_and_the_request_falls_back() {
     m.load(5, "r", vec![key(1)], vec![10]);
     m.recv(transfer_done("r", false, 0));
     assert_eq!(m.load_results(), vec![(5, false)]);
-    assert_eq!(m.lookup("r", &key(9)), LookupResult::Miss, "failed ids answer MISS");
+    assert_eq!(
+        m.lookup("r", &key(9)),
+        LookupResult::Miss,
+        "failed ids answer MISS"
+    );
     m.finish("r");
     assert_eq!(m.core.stats().failed_ids, 0, "finish prunes the failed id");
     m.assert_clean();
@@ -226,7 +296,10 @@ fn finish_aborts_the_load_and_keeps_it_until_the_ack() {
     m.finish("r");
     assert_eq!(m.take_sent(), vec![abort_fetch("r", 0)]);
     assert!(m.load_results().is_empty());
-    assert!(m.core.session_state(&m.peer).unwrap().pending_work, "the load is still live");
+    assert!(
+        m.core.session_state(&m.peer).unwrap().pending_work,
+        "the load is still live"
+    );
     m.recv(abort_ack("r", 0));
     m.recv(abort_ack("r", 0));
     m.recv(transfer_done("r", true, 0));
@@ -257,7 +330,10 @@ fn pending_work_tracks_loads_not_probes() {
     m.ready_source("r");
     m.lookup("r", &key(1));
     m.flush();
-    assert!(!m.core.session_state(&m.peer).unwrap().pending_work, "a probe is no load");
+    assert!(
+        !m.core.session_state(&m.peer).unwrap().pending_work,
+        "a probe is no load"
+    );
     m.load(5, "r", vec![key(1)], vec![10]);
     assert!(m.core.session_state(&m.peer).unwrap().pending_work);
     m.recv(transfer_done("r", true, 0));
@@ -276,7 +352,10 @@ fn a_load_times_out_into_an_abort_and_the_ack_fails_it() {
     m.advance(S(29));
     assert!(m.take_sent().is_empty());
     m.advance(S(2));
-    assert_eq!(m.take_sent(), vec![abort_fetch("r", 0), abort_fetch("r", 1)]);
+    assert_eq!(
+        m.take_sent(),
+        vec![abort_fetch("r", 0), abort_fetch("r", 1)]
+    );
     m.recv(abort_ack("r", 1));
     m.recv(abort_ack("r", 0));
     assert_eq!(m.load_results(), vec![(6, false), (5, false)]);
@@ -309,9 +388,18 @@ fn the_lookup_deadline_starts_when_the_lookup_is_sent() {
     m.advance(S(20));
     m.handshake();
     m.flush();
-    assert_eq!(m.take_sent().iter().filter(|x| is_type(x, MessageType::Lookup)).count(), 1);
+    assert_eq!(
+        m.take_sent()
+            .iter()
+            .filter(|x| is_type(x, MessageType::Lookup))
+            .count(),
+        1
+    );
     m.advance(S(29));
-    assert!(m.closed().is_none(), "49 s after registering, 29 s after sending: alive");
+    assert!(
+        m.closed().is_none(),
+        "49 s after registering, 29 s after sending: alive"
+    );
     m.advance(S(2));
     assert_eq!(m.closed().as_deref(), Some("lookup response timed out"));
     assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
@@ -333,10 +421,16 @@ fn progress_rearms_the_lookup_deadline() {
     m.advance(S(15));
     m.recv(lookup_resp("r", vec![key(1)], vec![true]));
     m.advance(S(25));
-    assert!(m.closed().is_none(), "50 s after the first lookup, 25 s after progress");
+    assert!(
+        m.closed().is_none(),
+        "50 s after the first lookup, 25 s after progress"
+    );
     m.recv(lookup_resp("r", vec![key(2), key(3)], vec![false, true]));
     m.advance(S(60));
-    assert!(m.closed().is_none(), "every probe answered: no deadline left");
+    assert!(
+        m.closed().is_none(),
+        "every probe answered: no deadline left"
+    );
 }
 
 /// upstream: TestLookupFlow.test_buffered_lookup_response_precedes_expiry
@@ -382,7 +476,11 @@ fn lookup_expiry_fails_what_is_open_and_keeps_what_completed() {
     m.flush();
     m.advance(S(31));
     assert_eq!(m.load_results(), vec![(1, true), (2, false)]);
-    assert_eq!(m.lookup("b", &key(3)), LookupResult::Miss, "falls back to local prefill");
+    assert_eq!(
+        m.lookup("b", &key(3)),
+        LookupResult::Miss,
+        "falls back to local prefill"
+    );
     m.finish("a");
     m.finish("b");
     m.assert_clean();
@@ -400,7 +498,11 @@ fn a_fetch_closes_the_round_and_the_next_round_probes_afresh() {
     m.load(5, "r", vec![key(1)], vec![10]);
     m.recv(transfer_done("r", true, 0));
     m.take_sent();
-    assert_eq!(m.lookup("r", &key(1)), LookupResult::Retry, "a served key is probed again");
+    assert_eq!(
+        m.lookup("r", &key(1)),
+        LookupResult::Retry,
+        "a served key is probed again"
+    );
     m.flush();
     assert_eq!(m.take_sent(), vec![lookup_msg("r", vec![key(1)], 1)]);
     m.advance(S(29));
@@ -427,7 +529,13 @@ fn probes_are_sent_once_per_request_and_answers_are_cached() {
     m.flush();
     let mut sent = m.take_sent();
     sent.sort_by_key(|x| format!("{x:?}"));
-    assert_eq!(sent, vec![lookup_msg("a", vec![key(1), key(2)], 0), lookup_msg("b", vec![key(1)], 0)]);
+    assert_eq!(
+        sent,
+        vec![
+            lookup_msg("a", vec![key(1), key(2)], 0),
+            lookup_msg("b", vec![key(1)], 0)
+        ]
+    );
     m.recv(lookup_resp("a", vec![key(1), key(2)], vec![true, false]));
     m.recv(lookup_resp("b", vec![key(1)], vec![true]));
     for _ in 0..3 {
@@ -436,7 +544,10 @@ fn probes_are_sent_once_per_request_and_answers_are_cached() {
         assert_eq!(m.lookup("b", &key(1)), LookupResult::Hit);
     }
     m.flush();
-    assert!(m.take_sent().is_empty(), "answered probes are never sent again");
+    assert!(
+        m.take_sent().is_empty(),
+        "answered probes are never sent again"
+    );
 }
 
 /// upstream: TestLookupFlow.test_flush_uses_work_list_not_full_scan
@@ -453,7 +564,11 @@ fn a_flush_sends_only_keys_new_since_the_last_one() {
     assert_eq!(m.take_sent().len(), 199);
     m.lookup("r0", &key(1));
     m.flush();
-    assert_eq!(m.take_sent(), vec![lookup_msg("r0", vec![key(1)], 0)], "only the request with new keys");
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_msg("r0", vec![key(1)], 0)],
+        "only the request with new keys"
+    );
     m.lookup("r0", &key(2));
     m.lookup("r0", &key(1));
     m.flush();
@@ -523,5 +638,8 @@ fn finish_after_a_real_fetch_sends_no_terminal_fetch() {
     m2.flush();
     m2.take_sent();
     m2.finish("r");
-    assert_eq!(m2.take_sent(), vec![abort_fetch("r", 0), fetch("r", vec![], vec![], 1)]);
+    assert_eq!(
+        m2.take_sent(),
+        vec![abort_fetch("r", 0), fetch("r", vec![], vec![], 1)]
+    );
 }

@@ -16,9 +16,11 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 
 /// The core as a PD producer of `rid` with blocks for `keys` stored (job returned).
 fn pd_store(m: &mut Mock, rid_: &str, keys: &[OffloadKey]) -> JobId {
-    m.core.on_new_request(m.now, rid(rid_), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid(rid_), RequestRoles::decoder());
     let (job, blocks) = m.parent().pin_for_store(keys);
-    m.core.submit_store(m.now, job, &rid(rid_), keys.to_vec(), blocks);
+    m.core
+        .submit_store(m.now, job, &rid(rid_), keys.to_vec(), blocks);
     m.pump();
     job
 }
@@ -49,17 +51,39 @@ fn hits_are_pinned_in_one_job_and_served_by_the_fetch() {
         m.parent().insert(&key(i));
     }
     m.recv(lookup_msg("r", vec![key(1), key(2), key(3), key(2)], 0));
-    assert_eq!(m.take_sent(), vec![lookup_resp("r", vec![key(1), key(2), key(3), key(2)], vec![true; 4])]);
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp(
+            "r",
+            vec![key(1), key(2), key(3), key(2)],
+            vec![true; 4]
+        )]
+    );
     assert_eq!(m.parent().lookup_jobs, 1, "one store job per lookup pass");
-    assert_eq!(m.parent().finished_ctxs.len(), 1, "the context closes with the reply");
+    assert_eq!(
+        m.parent().finished_ctxs.len(),
+        1,
+        "the context closes with the reply"
+    );
     m.recv(lookup_msg("r", vec![key(1)], 0));
-    assert_eq!(m.parent().finished_ctxs.len(), 2, "one context per lookup message");
-    assert_eq!(m.take_sent(), vec![lookup_resp("r", vec![key(1)], vec![true])]);
+    assert_eq!(
+        m.parent().finished_ctxs.len(),
+        2,
+        "one context per lookup message"
+    );
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp("r", vec![key(1)], vec![true])]
+    );
     m.recv(fetch("r", vec![key(1), key(2), key(3)], vec![7, 8, 9], 0));
     let tid = running(&mut m)[0];
     end(&mut m, tid, true);
     assert_eq!(m.take_sent(), vec![transfer_done("r", true, 0)]);
-    assert!(m.store_results().iter().all(|(_, ok)| *ok), "{:?}", m.store_results());
+    assert!(
+        m.store_results().iter().all(|(_, ok)| *ok),
+        "{:?}",
+        m.store_results()
+    );
     assert_eq!(m.store_results().len(), 2);
     m.assert_clean();
 }
@@ -71,7 +95,10 @@ fn all_misses_answer_without_a_store_job() {
     let mut m = Mock::new();
     m.ready_inbound();
     m.recv(lookup_msg("r", vec![key(1), key(2)], 0));
-    assert_eq!(m.take_sent(), vec![lookup_resp("r", vec![key(1), key(2)], vec![false, false])]);
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp("r", vec![key(1), key(2)], vec![false, false])]
+    );
     assert_eq!(m.parent().lookup_jobs, 0);
     assert_eq!(m.parent().finished_ctxs.len(), 1);
     m.recv(fetch("r", vec![], vec![], 0));
@@ -89,15 +116,29 @@ fn a_pending_key_holds_the_single_reply_until_it_resolves() {
     m.parent().pending.insert(key(3));
     m.parent().retry.insert(key(4));
     m.recv(lookup_msg("r", vec![key(1), key(2), key(3), key(4)], 0));
-    assert!(m.take_sent().is_empty(), "one reply, once every key is settled");
+    assert!(
+        m.take_sent().is_empty(),
+        "one reply, once every key is settled"
+    );
     m.advance(Duration::from_millis(5));
     assert!(m.take_sent().is_empty());
     m.parent().pending.remove(&key(3));
     m.parent().insert(&key(3));
     m.parent().retry.remove(&key(4));
     m.core.serve(m.now);
-    assert_eq!(m.take_sent(), vec![lookup_resp("r", vec![key(1), key(2), key(3), key(4)], vec![true, false, true, false])]);
-    assert_eq!(m.parent().lookup_jobs, 2, "the late hit is pinned in its own job");
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp(
+            "r",
+            vec![key(1), key(2), key(3), key(4)],
+            vec![true, false, true, false]
+        )]
+    );
+    assert_eq!(
+        m.parent().lookup_jobs,
+        2,
+        "the late hit is pinned in its own job"
+    );
     m.recv(fetch("r", vec![], vec![], 0));
     m.assert_clean();
 }
@@ -113,7 +154,10 @@ fn a_key_still_pending_at_5s_is_answered_miss() {
     m.advance(Duration::from_millis(4_900));
     assert!(m.take_sent().is_empty());
     m.advance(Duration::from_millis(200));
-    assert_eq!(m.take_sent(), vec![lookup_resp("r", vec![key(1)], vec![false])]);
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp("r", vec![key(1)], vec![false])]
+    );
     assert_eq!(m.parent().lookup_jobs, 0);
     m.recv(fetch("r", vec![], vec![], 0));
     m.assert_clean();
@@ -129,7 +173,10 @@ fn the_terminal_fetch_drops_parked_lookups_without_reply() {
     m.recv(lookup_msg("r", vec![key(1)], 0));
     m.recv(fetch("r", vec![], vec![], 0));
     m.advance(S(10));
-    assert!(m.take_sent().is_empty(), "no lookup_resp for a closed request");
+    assert!(
+        m.take_sent().is_empty(),
+        "no lookup_resp for a closed request"
+    );
     assert!(m.parent().open_ctxs.is_empty());
     m.assert_clean();
 }
@@ -160,7 +207,10 @@ fn a_fetch_after_its_pins_timed_out_fails_without_reading() {
     m.advance(S(31));
     assert_eq!(m.store_results(), vec![(1, false)], "the pin timed out");
     m.recv(fetch("r", vec![key(1)], vec![7], 0));
-    assert!(running(&mut m).is_empty(), "nothing read from an unpinned block");
+    assert!(
+        running(&mut m).is_empty(),
+        "nothing read from an unpinned block"
+    );
     assert_eq!(m.take_sent(), vec![transfer_done("r", false, 0)]);
     m.assert_clean();
 }
@@ -195,11 +245,16 @@ fn stored_blocks_wait_for_the_fetch_then_transfer() {
 fn a_fetch_before_the_stores_binds_and_matches_them_as_they_come() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     assert!(running(&mut m).is_empty());
     let j1 = pd_store(&mut m, "r", &[key(1)]);
-    assert_eq!(m.core.stats().unbound_batches, 0, "bound: routed straight to the session");
+    assert_eq!(
+        m.core.stats().unbound_batches,
+        0,
+        "bound: routed straight to the session"
+    );
     let t1 = running(&mut m)[0];
     end(&mut m, t1, true);
     assert!(m.take_sent().is_empty(), "one block still missing");
@@ -253,7 +308,11 @@ fn a_producer_finishing_before_the_fetch_still_serves_it() {
     m.ready_inbound();
     let job = pd_store(&mut m, "r", &[key(1)]);
     m.finish("r");
-    assert_eq!(m.core.stats().unbound_batches, 1, "parked stores survive a finish");
+    assert_eq!(
+        m.core.stats().unbound_batches,
+        1,
+        "parked stores survive a finish"
+    );
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     let tid = running(&mut m)[0];
     end(&mut m, tid, true);
@@ -294,13 +353,17 @@ fn a_write_that_cannot_start_fails_the_round_now() {
 fn a_failed_write_start_waits_for_its_siblings_in_flight() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let j1 = pd_store(&mut m, "r", &[key(1)]);
     let t1 = running(&mut m)[0];
     m.plane().fail_writes = true;
     let j2 = pd_store(&mut m, "r", &[key(2)]);
-    assert!(m.take_sent().is_empty(), "the round waits for its write in flight");
+    assert!(
+        m.take_sent().is_empty(),
+        "the round waits for its write in flight"
+    );
     end(&mut m, t1, true);
     assert_eq!(m.take_sent(), vec![transfer_done("r", false, 0)]);
     // j1's blocks landed before the round failed for want of j2's.
@@ -321,7 +384,11 @@ fn an_abort_with_nothing_in_flight_is_acked_at_once_echoing_the_round() {
     let job = pd_store(&mut m, "r", &[key(1)]);
     m.recv(fetch("r", vec![key(2)], vec![5], 0));
     m.recv(abort_fetch("r", 0));
-    assert_eq!(m.take_sent(), vec![abort_ack("r", 0)], "no transfer_done for an aborted round");
+    assert_eq!(
+        m.take_sent(),
+        vec![abort_ack("r", 0)],
+        "no transfer_done for an aborted round"
+    );
     m.finish("r");
     assert_eq!(m.store_results(), vec![(job, false)]);
     m.assert_clean();
@@ -343,11 +410,24 @@ fn an_abort_is_acked_only_once_no_write_can_land() {
     m.recv(abort_fetch("r", 0));
     m.recv(abort_fetch("r", 0));
     m.advance(S(60));
-    assert!(m.take_sent().is_empty(), "never acked while the write may land, however long");
+    assert!(
+        m.take_sent().is_empty(),
+        "never acked while the write may land, however long"
+    );
     assert!(m.parent().pins.contains_key(&job), "and the pin is held");
-    assert!(m.plane().cancels.iter().all(|(_, mode)| *mode == CancelMode::Wait), "never forced");
+    assert!(
+        m.plane()
+            .cancels
+            .iter()
+            .all(|(_, mode)| *mode == CancelMode::Wait),
+        "never forced"
+    );
     end(&mut m, tid, false);
-    assert_eq!(m.take_sent(), vec![abort_ack("r", 0)], "ack, and no transfer_done");
+    assert_eq!(
+        m.take_sent(),
+        vec![abort_ack("r", 0)],
+        "ack, and no transfer_done"
+    );
     assert_eq!(m.store_results(), vec![(job, false)]);
     m.finish("r");
     m.assert_clean();
@@ -364,10 +444,17 @@ fn abort_drain_retries_cancels_at_the_retry_interval() {
     m.recv(abort_fetch("r", 0));
     let first = m.plane().cancels.len();
     m.recv(abort_fetch("r", 0));
-    assert_eq!(m.plane().cancels.len(), first, "a duplicate abort within 100 ms does not cancel again");
+    assert_eq!(
+        m.plane().cancels.len(),
+        first,
+        "a duplicate abort within 100 ms does not cancel again"
+    );
     m.advance(S(1));
     let tries = m.plane().cancels.len() - first;
-    assert!((9..=11).contains(&tries), "about one cancel per 100 ms, got {tries}");
+    assert!(
+        (9..=11).contains(&tries),
+        "about one cancel per 100 ms, got {tries}"
+    );
     let tid = running(&mut m)[0];
     m.plane().transfers.get_mut(&tid).unwrap().stuck = false;
     m.advance(Duration::from_millis(100));
@@ -382,12 +469,17 @@ fn an_abort_releases_pins_no_write_reads() {
     let mut m = Mock::new();
     m.ready_inbound();
     m.plane().writes_stuck = true;
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let written = pd_store(&mut m, "r", &[key(1)]);
     let idle = pd_store(&mut m, "r", &[key(3)]);
     m.recv(abort_fetch("r", 0));
-    assert_eq!(m.store_results(), vec![(idle, false)], "the unread job is released at once");
+    assert_eq!(
+        m.store_results(),
+        vec![(idle, false)],
+        "the unread job is released at once"
+    );
     assert!(m.parent().pins.contains_key(&written));
     let tid = running(&mut m)[0];
     end(&mut m, tid, true);
@@ -405,7 +497,8 @@ fn an_abort_releases_pins_no_write_reads() {
 fn a_bound_store_never_fetched_times_out_at_30s() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(7)], vec![5], 0));
     let job = pd_store(&mut m, "r", &[key(1)]);
     m.advance(S(29));
@@ -428,12 +521,21 @@ fn a_store_timeout_with_a_write_in_flight_keeps_the_pin_until_it_stops() {
     let job = pd_store(&mut m, "r", &[key(1)]);
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     m.advance(S(31));
-    assert!(m.store_results().is_empty(), "the write may land: the pin stays");
+    assert!(
+        m.store_results().is_empty(),
+        "the write may land: the pin stays"
+    );
     let before = m.plane().cancels.len();
     m.advance(S(1));
     let tries = m.plane().cancels.len() - before;
-    assert!((9..=11).contains(&tries), "cancel retried about every 100 ms: {tries}");
-    assert!(m.closed().is_none(), "an unconfirmed cancel never tears the session down");
+    assert!(
+        (9..=11).contains(&tries),
+        "cancel retried about every 100 ms: {tries}"
+    );
+    assert!(
+        m.closed().is_none(),
+        "an unconfirmed cancel never tears the session down"
+    );
     let tid = running(&mut m)[0];
     m.plane().transfers.get_mut(&tid).unwrap().stuck = false;
     m.advance(Duration::from_millis(100));
@@ -449,15 +551,22 @@ fn a_store_timeout_with_a_write_in_flight_keeps_the_pin_until_it_stops() {
 fn a_failed_write_keeps_its_siblings_pins_until_they_end() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let j1 = pd_store(&mut m, "r", &[key(1)]);
     let j2 = pd_store(&mut m, "r", &[key(2)]);
     let tids = running(&mut m);
     end(&mut m, tids[0], false);
     assert_eq!(m.store_results(), vec![(j1, false)]);
-    assert!(m.parent().pins.contains_key(&j2), "the sibling write still reads its blocks");
-    assert!(m.take_sent().is_empty(), "the round ends when its last write does");
+    assert!(
+        m.parent().pins.contains_key(&j2),
+        "the sibling write still reads its blocks"
+    );
+    assert!(
+        m.take_sent().is_empty(),
+        "the round ends when its last write does"
+    );
     end(&mut m, tids[1], true);
     assert_eq!(m.store_results(), vec![(j1, false), (j2, false)]);
     assert_eq!(m.take_sent(), vec![transfer_done("r", false, 0)]);
@@ -501,7 +610,14 @@ fn one_session_consumes_and_produces_at_once() {
     let tid = running(&mut m)[0];
     end(&mut m, tid, true);
     let sent = m.take_sent();
-    assert_eq!(sent_types(&sent), vec![MessageType::Fetch, MessageType::LookupResp, MessageType::TransferDone]);
+    assert_eq!(
+        sent_types(&sent),
+        vec![
+            MessageType::Fetch,
+            MessageType::LookupResp,
+            MessageType::TransferDone
+        ]
+    );
     assert_eq!(m.load_results(), vec![(1, true)]);
     m.finish("mine");
     m.assert_clean();
@@ -521,13 +637,20 @@ fn a_peer_disconnect_fails_everything_open_with_it() {
     m.recv(fetch("theirs", vec![key(1)], vec![9], 0));
     m.recv(Message::Disconnect);
     m.recv(transfer_done("mine", true, 0));
-    assert_eq!(m.load_results(), vec![(1, false)], "messages after disconnect are dropped");
+    assert_eq!(
+        m.load_results(),
+        vec![(1, false)],
+        "messages after disconnect are dropped"
+    );
     assert_eq!(m.store_results().len(), 1);
     assert_eq!(m.closed().as_deref(), Some("peer disconnected"));
     let peer = m.peer.clone();
     assert!(m.core.session_state(&peer).is_none());
     assert_eq!(m.plane().removed, vec![peer]);
-    assert!(!m.take_sent().contains(&Message::Disconnect), "no reply to a goodbye");
+    assert!(
+        !m.take_sent().contains(&Message::Disconnect),
+        "no reply to a goodbye"
+    );
     m.finish("mine");
     m.assert_clean();
 }
@@ -541,7 +664,13 @@ fn a_peer_disconnect_fails_everything_open_with_it() {
 fn payloads_that_are_no_message_are_ignored_and_the_session_lives() {
     let mut m = Mock::new();
     m.ready_inbound();
-    for payload in [&[0x81, 0xa4, b't', b'y', b'p', b'e', 0xa2, b'h', b'i'][..], &[0x80], &[0x93, 1, 2, 3], &[], &[0xc1]] {
+    for payload in [
+        &[0x81, 0xa4, b't', b'y', b'p', b'e', 0xa2, b'h', b'i'][..],
+        &[0x80],
+        &[0x93, 1, 2, 3],
+        &[],
+        &[0xc1],
+    ] {
         m.recv_raw(payload);
     }
     assert!(m.closed().is_none());
@@ -583,7 +712,10 @@ fn a_fetch_index_outside_the_peers_region_is_a_protocol_error() {
     m.ready_inbound();
     m.recv(fetch("r", vec![key(1)], vec![100_000], 0));
     assert_eq!(m.take_sent(), vec![Message::Disconnect]);
-    assert!(m.closed().unwrap().contains("outside the peer's 100000 blocks"));
+    assert!(m
+        .closed()
+        .unwrap()
+        .contains("outside the peer's 100000 blocks"));
 }
 
 /// upstream: TestAdversarial.test_duplicate_connect_ack
@@ -593,7 +725,9 @@ fn a_second_connect_ack_changes_nothing() {
     m.ready_source("r");
     m.load(1, "r", vec![key(1)], vec![5]);
     assert_eq!(m.take_sent().len(), 1);
-    m.recv(Message::ConnectAck(ConnectAck { peer_id: m.peer.clone() }));
+    m.recv(Message::ConnectAck(ConnectAck {
+        peer_id: m.peer.clone(),
+    }));
     assert!(m.take_sent().is_empty());
     assert!(m.closed().is_none());
 }
@@ -603,7 +737,8 @@ fn a_second_connect_ack_changes_nothing() {
 fn a_second_fetch_for_a_round_is_a_protocol_error() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core.on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.core
+        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     assert_eq!(m.take_sent(), vec![Message::Disconnect]);
@@ -628,9 +763,15 @@ fn internal_errors_disconnect_only_when_five_come_in_a_row() {
     for _ in 0..4 {
         m.recv(lookup_msg("r", vec![key(1)], 0));
     }
-    assert!(m.closed().is_none(), "a success in between resets the count");
+    assert!(
+        m.closed().is_none(),
+        "a success in between resets the count"
+    );
     m.recv(lookup_msg("r", vec![key(1)], 0));
-    assert!(m.closed().unwrap().contains("too many consecutive dispatch errors (5)"));
+    assert!(m
+        .closed()
+        .unwrap()
+        .contains("too many consecutive dispatch errors (5)"));
     m.assert_clean();
 }
 
@@ -690,7 +831,10 @@ fn an_ack_handled_at_the_handshake_deadline_completes_it() {
 /// upstream: TestIdleSessionEviction.test_active_session_kept
 #[test]
 fn traffic_keeps_a_session_from_idle_eviction() {
-    let config = kvpeer_core::CoreConfig { max_peers: 1, ..Default::default() };
+    let config = kvpeer_core::CoreConfig {
+        max_peers: 1,
+        ..Default::default()
+    };
     let mut m = Mock::with_config(config);
     m.ready_inbound();
     for _ in 0..10 {
@@ -749,7 +893,10 @@ fn a_data_plane_fault_disconnects_after_10s_even_with_stuck_writes() {
     assert!(m.closed().is_none());
     m.advance(S(2));
     m.recv(Message::Disconnect);
-    assert!(m.closed().unwrap().starts_with("data plane: remote gone"), "the first reason wins");
+    assert!(
+        m.closed().unwrap().starts_with("data plane: remote gone"),
+        "the first reason wins"
+    );
     m.finish("r");
     m.assert_clean();
 }

@@ -58,6 +58,8 @@ pub struct Cluster {
     closed_links: HashSet<(usize, usize)>,
     /// Messages sent after `disconnect` on the same session (must stay empty).
     pub after_disconnect: Vec<String>,
+    /// How many times `settle` ran (to keep tests cheap).
+    pub settles: u64,
 }
 
 pub fn peer_id(i: usize) -> PeerId {
@@ -101,7 +103,13 @@ impl Cluster {
         let nodes = (0..n)
             .map(|i| Node {
                 id: peer_id(i),
-                core: Core::new(config.clone(), local_of(i), FakeParent::default(), FakePlane::default(), now),
+                core: Core::new(
+                    config.clone(),
+                    local_of(i),
+                    FakeParent::default(),
+                    FakePlane::default(),
+                    now,
+                ),
             })
             .collect();
         Cluster {
@@ -118,6 +126,7 @@ impl Cluster {
             next_load_job: 1_000_000,
             closed_links: HashSet::new(),
             after_disconnect: Vec::new(),
+            settles: 0,
         }
     }
 
@@ -148,13 +157,18 @@ impl Cluster {
         for i in 0..self.nodes.len() {
             while let Some(t) = self.nodes[i].core.poll_transmit() {
                 moved = true;
-                let Some(to) = self.index_of(&t.peer) else { continue };
+                let Some(to) = self.index_of(&t.peer) else {
+                    continue;
+                };
                 match &t.message {
                     Message::Connect(_) => {
                         self.closed_links.remove(&(i, to));
                     }
                     _ if self.closed_links.contains(&(i, to)) => {
-                        self.after_disconnect.push(format!("node {i} sent {:?} to node {to} after disconnect", t.message));
+                        self.after_disconnect.push(format!(
+                            "node {i} sent {:?} to node {to} after disconnect",
+                            t.message
+                        ));
                     }
                     _ => {}
                 }
@@ -166,7 +180,10 @@ impl Cluster {
                     Some(p) => p(i, to, &t.message),
                     None => Fate::Deliver,
                 };
-                let payload = t.message.encode().expect("the core only sends valid messages");
+                let payload = t
+                    .message
+                    .encode()
+                    .expect("the core only sends valid messages");
                 let delays: Vec<Duration> = match fate {
                     Fate::Deliver => vec![self.latency],
                     Fate::Drop => vec![],
@@ -175,7 +192,13 @@ impl Cluster {
                 };
                 for d in delays {
                     self.seq += 1;
-                    self.network.push(Envelope { at: self.now + d, seq: self.seq, from: i, to, payload: payload.clone() });
+                    self.network.push(Envelope {
+                        at: self.now + d,
+                        seq: self.seq,
+                        from: i,
+                        to,
+                        payload: payload.clone(),
+                    });
                 }
             }
             while let Some(e) = self.nodes[i].core.poll_event() {
@@ -192,34 +215,35 @@ impl Cluster {
         let mut due: Vec<Envelope> = Vec::new();
         let mut rest = Vec::new();
         for e in self.network.drain(..) {
-            if e.at <= now { due.push(e) } else { rest.push(e) }
+            if e.at <= now {
+                due.push(e)
+            } else {
+                rest.push(e)
+            }
         }
         self.network = rest;
         due.sort_by_key(|e| (e.at, e.seq));
         let delivered = !due.is_empty();
         for e in due {
             let from = self.nodes[e.from].id.clone();
-            let core = &mut self.nodes[e.to].core;
-            if core.session_state(&from).is_none() {
-                // Like the ZeroMQ channel: a frame from an unknown identity is a new inbound
-                // connection, accepted (or refused) before its payload is handled.
-                if !core.handle_inbound(now, from.clone()) {
-                    continue;
-                }
-            }
-            core.handle_payload(now, &from, &e.payload);
+            // Like the ZeroMQ channel, every frame goes to the core; a frame from an unknown
+            // identity opens an inbound session only if it is a `connect`.
+            self.nodes[e.to].core.handle_payload(now, &from, &e.payload);
         }
         delivered
     }
 
     /// Ends transfers whose time has come (moving their bytes), and tells the writers.
     fn run_transfers(&mut self) -> bool {
-        let Some(after) = self.auto_transfer else { return false };
+        let Some(after) = self.auto_transfer else {
+            return false;
+        };
         let mut any = false;
         for i in 0..self.nodes.len() {
             for tid in self.nodes[i].core.plane().running() {
                 let started = *self.transfer_started.entry((i, tid)).or_insert(self.now);
-                if self.now >= started + after && !self.nodes[i].core.plane().transfers[&tid].stuck {
+                if self.now >= started + after && !self.nodes[i].core.plane().transfers[&tid].stuck
+                {
                     self.end_transfer(i, tid, true);
                     any = true;
                 }
@@ -230,7 +254,9 @@ impl Cluster {
 
     /// Ends transfer `tid` of node `i` (moving its bytes on success) and tells node `i`.
     pub fn end_transfer(&mut self, i: usize, tid: u64, success: bool) {
-        let Some(xfer) = self.nodes[i].core.plane_mut().end(tid, success) else { return };
+        let Some(xfer) = self.nodes[i].core.plane_mut().end(tid, success) else {
+            return;
+        };
         if success {
             if let Some(to) = self.index_of(&xfer.peer) {
                 for (l, r) in xfer.local.iter().zip(&xfer.remote) {
@@ -246,12 +272,21 @@ impl Cluster {
 
     fn next_time(&self) -> Option<Instant> {
         let net = self.network.iter().map(|e| e.at).min();
-        let timers = self.nodes.iter().filter_map(|n| n.core.poll_timeout()).min();
+        let timers = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.core.poll_timeout())
+            .min();
         let xfers = self.auto_transfer.and_then(|after| {
             self.transfer_started
                 .iter()
                 .filter(|((i, t), _)| {
-                    self.nodes[*i].core.plane().transfers.get(t).is_some_and(|x| x.state == super::fakes::XferState::Running && !x.stuck)
+                    self.nodes[*i]
+                        .core
+                        .plane()
+                        .transfers
+                        .get(t)
+                        .is_some_and(|x| x.state == super::fakes::XferState::Running && !x.stuck)
                 })
                 .map(|(_, at)| *at + after)
                 .min()
@@ -262,6 +297,7 @@ impl Cluster {
     /// Processes everything due now, without moving time.
     pub fn settle(&mut self) {
         for _ in 0..10_000 {
+            self.settles += 1;
             let a = self.drain();
             let b = self.deliver();
             let c = self.run_transfers();
@@ -312,7 +348,11 @@ impl Cluster {
     // ---- workload helpers ----
 
     pub fn events_of(&self, i: usize) -> Vec<Event> {
-        self.events.iter().filter(|(n, _)| *n == i).map(|(_, e)| e.clone()).collect()
+        self.events
+            .iter()
+            .filter(|(n, _)| *n == i)
+            .map(|(_, e)| e.clone())
+            .collect()
     }
 
     pub fn load_results(&self, i: usize) -> Vec<(JobId, bool)> {
@@ -327,13 +367,22 @@ impl Cluster {
     }
 
     pub fn load_result(&self, i: usize, job: JobId) -> Option<bool> {
-        let all: Vec<bool> = self.load_results(i).into_iter().filter(|(j, _)| *j == job).map(|(_, s)| s).collect();
+        let all: Vec<bool> = self
+            .load_results(i)
+            .into_iter()
+            .filter(|(j, _)| *j == job)
+            .map(|(_, s)| s)
+            .collect();
         assert!(all.len() <= 1, "load {job} reported {} times", all.len());
         all.first().copied()
     }
 
     pub fn sent_from(&self, i: usize) -> Vec<Message> {
-        self.sent.iter().filter(|(f, _, _)| *f == i).map(|(_, _, m)| m.clone()).collect()
+        self.sent
+            .iter()
+            .filter(|(f, _, _)| *f == i)
+            .map(|(_, _, m)| m.clone())
+            .collect()
     }
 
     pub fn count_sent(&self, i: usize, f: impl Fn(&Message) -> bool) -> usize {
@@ -344,18 +393,28 @@ impl Cluster {
     pub fn connect(&mut self, a: usize, b: usize) {
         let peer = self.nodes[b].id.clone();
         let now = self.now;
-        self.nodes[a].core.on_new_request(now, id("__warmup"), RequestRoles::prefiller(peer));
+        self.nodes[a]
+            .core
+            .on_new_request(now, id("__warmup"), RequestRoles::prefiller(peer));
         self.nodes[a].core.finish(now, &id("__warmup"));
         self.run();
     }
 
     /// A symmetric consumer request on `c` toward `p`: probe keys, wait for answers, fetch the
     /// hits into fresh blocks. Returns (load job if any, hits).
-    pub fn symmetric_fetch(&mut self, c: usize, p: usize, rid: &str, keys: &[OffloadKey]) -> (Option<JobId>, Vec<OffloadKey>) {
+    pub fn symmetric_fetch(
+        &mut self,
+        c: usize,
+        p: usize,
+        rid: &str,
+        keys: &[OffloadKey],
+    ) -> (Option<JobId>, Vec<OffloadKey>) {
         let peer = self.nodes[p].id.clone();
         let rid = id(rid);
         let now = self.now;
-        self.nodes[c].core.on_new_request(now, rid.clone(), RequestRoles::kv_source(peer));
+        self.nodes[c]
+            .core
+            .on_new_request(now, rid.clone(), RequestRoles::kv_source(peer));
         self.run();
         for k in keys {
             let now = self.now;
@@ -377,7 +436,9 @@ impl Cluster {
         let job = self.load_job();
         let blocks: Vec<u64> = (0..hits.len()).map(|i| dest_block(job, i)).collect();
         let now = self.now;
-        self.nodes[c].core.submit_load(now, job, &rid, hits.clone(), blocks);
+        self.nodes[c]
+            .core
+            .submit_load(now, job, &rid, hits.clone(), blocks);
         self.run();
         (Some(job), hits)
     }
@@ -386,7 +447,11 @@ impl Cluster {
     pub fn assert_landed(&mut self, c: usize, job: JobId, keys: &[OffloadKey]) {
         for (i, k) in keys.iter().enumerate() {
             let block = dest_block(job, i);
-            assert_eq!(self.nodes[c].core.parent().landed.get(&block), Some(k), "block {block} of load {job}");
+            assert_eq!(
+                self.nodes[c].core.parent().landed.get(&block),
+                Some(k),
+                "block {block} of load {job}"
+            );
         }
     }
 
@@ -397,12 +462,28 @@ impl Cluster {
     /// The invariants every test ends with: nothing pinned, no request state, every job
     /// reported once, no message after disconnect, the fakes saw no misuse.
     pub fn assert_clean(&mut self) {
-        assert!(self.after_disconnect.is_empty(), "{:?}", self.after_disconnect);
+        assert!(
+            self.after_disconnect.is_empty(),
+            "{:?}",
+            self.after_disconnect
+        );
         for i in 0..self.nodes.len() {
             let parent = self.nodes[i].core.parent();
-            assert!(parent.violations.is_empty(), "node {i}: {:?}", parent.violations);
-            assert!(parent.pins.is_empty(), "node {i}: pins left {:?}", parent.pins);
-            assert!(parent.open_ctxs.is_empty(), "node {i}: serve contexts left {:?}", parent.open_ctxs);
+            assert!(
+                parent.violations.is_empty(),
+                "node {i}: {:?}",
+                parent.violations
+            );
+            assert!(
+                parent.pins.is_empty(),
+                "node {i}: pins left {:?}",
+                parent.pins
+            );
+            assert!(
+                parent.open_ctxs.is_empty(),
+                "node {i}: serve contexts left {:?}",
+                parent.open_ctxs
+            );
             let mut seen = HashSet::new();
             for (j, _) in &parent.completed {
                 assert!(seen.insert(*j), "node {i}: store job {j} completed twice");
@@ -413,7 +494,14 @@ impl Cluster {
             }
             let s = self.nodes[i].core.stats();
             assert_eq!(
-                (s.client_requests, s.server_requests, s.store_jobs, s.inflight, s.unbound_batches, s.requests),
+                (
+                    s.client_requests,
+                    s.server_requests,
+                    s.store_jobs,
+                    s.inflight,
+                    s.unbound_batches,
+                    s.requests
+                ),
                 (0, 0, 0, 0, 0, 0),
                 "node {i}: state left: {s:?}"
             );
@@ -424,11 +512,7 @@ impl Cluster {
     pub fn raw(&mut self, from: usize, to: usize, payload: &[u8]) {
         let peer = self.nodes[from].id.clone();
         let now = self.now;
-        let core = &mut self.nodes[to].core;
-        if core.session_state(&peer).is_none() {
-            core.handle_inbound(now, peer.clone());
-        }
-        core.handle_payload(now, &peer, payload);
+        self.nodes[to].core.handle_payload(now, &peer, payload);
         let _ = decode(payload);
         self.settle();
     }

@@ -57,11 +57,18 @@ impl FakeParent {
 
     /// What block `block` holds (a key), for the writer's side of a transfer.
     pub fn key_in(&self, block: BlockIndex) -> Option<OffloadKey> {
-        self.blocks.iter().find(|(_, b)| **b == block).map(|(k, _)| k.clone())
+        self.blocks
+            .iter()
+            .find(|(_, b)| **b == block)
+            .map(|(k, _)| k.clone())
     }
 
     pub fn completions_of(&self, job: JobId) -> Vec<bool> {
-        self.completed.iter().filter(|(j, _)| *j == job).map(|(_, s)| *s).collect()
+        self.completed
+            .iter()
+            .filter(|(j, _)| *j == job)
+            .map(|(_, s)| *s)
+            .collect()
     }
 }
 
@@ -107,14 +114,16 @@ impl Parent for FakeParent {
 
     fn complete_store_job(&mut self, job_id: JobId, success: bool) {
         if self.pins.remove(&job_id).is_none() {
-            self.violations.push(format!("job {job_id} completed but not pinned"));
+            self.violations
+                .push(format!("job {job_id} completed but not pinned"));
         }
         self.completed.push((job_id, success));
     }
 
     fn on_request_finished(&mut self, ctx: &ServeCtx) {
         if !self.open_ctxs.remove(&ctx.id) {
-            self.violations.push(format!("ctx finished but not open: {ctx}"));
+            self.violations
+                .push(format!("ctx finished but not open: {ctx}"));
         }
         self.finished_ctxs.push(ctx.id.clone());
     }
@@ -206,7 +215,11 @@ impl FakePlane {
         if xfer.state != XferState::Running {
             return None;
         }
-        xfer.state = if success { XferState::Done } else { XferState::Failed };
+        xfer.state = if success {
+            XferState::Done
+        } else {
+            XferState::Failed
+        };
         let report = self.unreported.entry(xfer.peer.clone()).or_default();
         if success {
             report.done.push(tid);
@@ -244,7 +257,12 @@ impl DataPlane for FakePlane {
         self.removed.push(peer.clone());
     }
 
-    fn write_blocks(&mut self, peer: &PeerId, local: &[BlockIndex], remote: &[BlockIndex]) -> Option<TransferId> {
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId> {
         if self.fail_writes || self.registrations.get(peer) != Some(&Registration::Done) {
             return None;
         }

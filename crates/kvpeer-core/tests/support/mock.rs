@@ -32,7 +32,13 @@ impl Mock {
         let now = Instant::now();
         Mock {
             now,
-            core: Core::new(config, local(0), FakeParent::default(), FakePlane::default(), now),
+            core: Core::new(
+                config,
+                local(0),
+                FakeParent::default(),
+                FakePlane::default(),
+                now,
+            ),
             peer: peer_id(1),
             sent: Vec::new(),
             events: Vec::new(),
@@ -87,19 +93,22 @@ impl Mock {
 
     /// The core dials the peer (a consumer request toward it).
     pub fn dial(&mut self, rid: &str, roles: RequestRoles) {
-        self.core.on_new_request(self.now, KvRequestId::from(rid), roles);
+        self.core
+            .on_new_request(self.now, KvRequestId::from(rid), roles);
         self.pump();
     }
 
     /// The peer sends a message.
     pub fn recv(&mut self, message: Message) {
-        self.core.handle_message(self.now, &self.peer.clone(), message);
+        self.core
+            .handle_message(self.now, &self.peer.clone(), message);
         self.pump();
     }
 
     /// The peer sends raw bytes.
     pub fn recv_raw(&mut self, payload: &[u8]) {
-        self.core.handle_payload(self.now, &self.peer.clone(), payload);
+        self.core
+            .handle_payload(self.now, &self.peer.clone(), payload);
         self.pump();
     }
 
@@ -107,7 +116,9 @@ impl Mock {
     pub fn handshake(&mut self) {
         let c = self.peer_connect();
         self.recv(Message::Connect(c));
-        self.recv(Message::ConnectAck(ConnectAck { peer_id: self.peer.clone() }));
+        self.recv(Message::ConnectAck(ConnectAck {
+            peer_id: self.peer.clone(),
+        }));
     }
 
     /// Accept an inbound peer and complete the handshake; forget what was sent.
@@ -154,7 +165,8 @@ impl Mock {
     }
 
     pub fn load(&mut self, job: JobId, rid: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>) {
-        self.core.submit_load(self.now, job, &KvRequestId::from(rid), keys, blocks);
+        self.core
+            .submit_load(self.now, job, &KvRequestId::from(rid), keys, blocks);
         self.pump();
     }
 
@@ -212,12 +224,21 @@ impl Mock {
         }
         let s = self.core.stats();
         assert_eq!(
-            (s.client_requests, s.server_requests, s.store_jobs, s.inflight, s.unbound_batches),
+            (
+                s.client_requests,
+                s.server_requests,
+                s.store_jobs,
+                s.inflight,
+                s.unbound_batches
+            ),
             (0, 0, 0, 0, 0),
             "state left: {s:?}"
         );
         if let Some(at) = self.sent.iter().position(|m| *m == Message::Disconnect) {
-            let after: Vec<_> = self.sent[at + 1..].iter().take_while(|m| !matches!(m, Message::Connect(_))).collect();
+            let after: Vec<_> = self.sent[at + 1..]
+                .iter()
+                .take_while(|m| !matches!(m, Message::Connect(_)))
+                .collect();
             assert!(after.is_empty(), "sent after disconnect: {after:?}");
         }
     }
@@ -228,27 +249,50 @@ pub fn rid(s: &str) -> KvRequestId {
 }
 
 pub fn fetch(id: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>, round: u64) -> Message {
-    Message::Fetch(Fetch { kv_request_id: rid(id), keys, block_indexes: blocks, round_seq: RoundSeq(round) })
+    Message::Fetch(Fetch {
+        kv_request_id: rid(id),
+        keys,
+        block_indexes: blocks,
+        round_seq: RoundSeq(round),
+    })
 }
 
 pub fn transfer_done(id: &str, success: bool, round: u64) -> Message {
-    Message::TransferDone(TransferDone { kv_request_id: rid(id), success, round_seq: RoundSeq(round) })
+    Message::TransferDone(TransferDone {
+        kv_request_id: rid(id),
+        success,
+        round_seq: RoundSeq(round),
+    })
 }
 
 pub fn abort_fetch(id: &str, round: u64) -> Message {
-    Message::AbortFetch(Abort { kv_request_id: rid(id), round_seq: RoundSeq(round) })
+    Message::AbortFetch(Abort {
+        kv_request_id: rid(id),
+        round_seq: RoundSeq(round),
+    })
 }
 
 pub fn abort_ack(id: &str, round: u64) -> Message {
-    Message::AbortAck(Abort { kv_request_id: rid(id), round_seq: RoundSeq(round) })
+    Message::AbortAck(Abort {
+        kv_request_id: rid(id),
+        round_seq: RoundSeq(round),
+    })
 }
 
 pub fn lookup_msg(id: &str, keys: Vec<OffloadKey>, round: u64) -> Message {
-    Message::Lookup(kvpeer_proto::Lookup { kv_request_id: rid(id), keys, round_seq: RoundSeq(round) })
+    Message::Lookup(kvpeer_proto::Lookup {
+        kv_request_id: rid(id),
+        keys,
+        round_seq: RoundSeq(round),
+    })
 }
 
 pub fn lookup_resp(id: &str, keys: Vec<OffloadKey>, hits: Vec<bool>) -> Message {
-    Message::LookupResp(LookupResp { kv_request_id: rid(id), keys, hits })
+    Message::LookupResp(LookupResp {
+        kv_request_id: rid(id),
+        keys,
+        hits,
+    })
 }
 
 pub fn is_type(m: &Message, t: kvpeer_proto::MessageType) -> bool {

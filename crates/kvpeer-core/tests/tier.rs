@@ -1,0 +1,621 @@
+//! Upstream scenarios of test_manager.py: request roles, loads and stores across sessions,
+//! parked PD stores, limits, idle eviction, reconnect backoff, shutdown; and two-core flows.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use kvpeer_core::{CancelMode, CoreConfig, Event, LookupResult, OffloadPolicy, RequestRoles};
+use kvpeer_proto::{Message, PeerId};
+use support::cluster::{id, key, Cluster};
+use support::mock::*;
+
+const S: fn(u64) -> Duration = Duration::from_secs;
+
+/// upstream: TestLookup.test_lookup_returns_miss_without_kv_params
+/// upstream: TestLookup.test_lookup_returns_miss_without_required_fields
+/// upstream: TestLookup.test_lookup_returns_miss_without_prefill_key
+/// upstream: TestLookup.test_lookup_returns_miss_for_failed_request
+#[test]
+fn lookup_answers_miss_without_a_usable_producer() {
+    let mut m = Mock::new();
+    m.dial("none", RequestRoles::default());
+    m.dial("decoder", RequestRoles::decoder());
+    assert_eq!(m.lookup("none", &key(1)), LookupResult::Miss);
+    assert_eq!(m.lookup("decoder", &key(1)), LookupResult::Miss);
+    assert_eq!(m.lookup("never-registered", &key(1)), LookupResult::Miss);
+    m.ready_source("sym");
+    m.load(1, "sym", vec![key(1)], vec![1]);
+    m.recv(transfer_done("sym", false, 0));
+    assert_eq!(
+        m.lookup("sym", &key(2)),
+        LookupResult::Miss,
+        "a failed request"
+    );
+}
+
+/// upstream: TestLookup.test_lookup_returns_hit_for_valid_request
+/// upstream: TestLookup.test_lookup_returns_hit_for_different_request_id
+#[test]
+fn a_pd_consumer_assumes_every_key_held_and_failures_stay_per_request() {
+    let mut m = Mock::new();
+    m.dial("pd", RequestRoles::prefiller(m.peer.clone()));
+    m.dial("other", RequestRoles::prefiller(m.peer.clone()));
+    assert_eq!(
+        m.lookup("pd", &key(1)),
+        LookupResult::Hit,
+        "no probe for PD"
+    );
+    m.handshake();
+    m.load(1, "pd", vec![key(1)], vec![1]);
+    m.recv(transfer_done("pd", false, 0));
+    assert_eq!(m.lookup("pd", &key(1)), LookupResult::Miss);
+    assert_eq!(m.lookup("other", &key(1)), LookupResult::Hit);
+    assert!(m
+        .take_sent()
+        .iter()
+        .all(|x| !is_type(x, kvpeer_proto::MessageType::Lookup)));
+}
+
+/// upstream: test_on_new_request_policy
+/// upstream: TestSubmitStore.test_extra_top_level_keys_are_ignored
+#[test]
+fn only_a_producer_leg_asks_for_request_level_offload_and_it_dials_nobody() {
+    let mut m = Mock::new();
+    let now = m.now;
+    assert_eq!(
+        m.core.on_new_request(now, id("a"), RequestRoles::decoder()),
+        OffloadPolicy::RequestLevel
+    );
+    assert_eq!(
+        m.core
+            .on_new_request(now, id("b"), RequestRoles::kv_source(m.peer.clone())),
+        OffloadPolicy::Default
+    );
+    assert_eq!(
+        m.core.on_new_request(now, id("c"), RequestRoles::default()),
+        OffloadPolicy::Default
+    );
+    m.pump();
+    let dials = m
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::Dial(_)))
+        .count();
+    assert_eq!(dials, 1, "only the consumer dials");
+}
+
+/// upstream: TestSubmitStore.test_no_decode_succeeds_immediately
+/// upstream: TestSubmitStore.test_missing_kv_request_id_fails
+#[test]
+fn a_store_for_a_request_that_is_no_pd_producer_completes_at_once() {
+    let mut m = Mock::new();
+    let (job, blocks) = m.parent().pin_for_store(&[key(1)]);
+    m.core
+        .submit_store(m.now, job, &id("unknown"), vec![key(1)], blocks);
+    m.pump();
+    assert_eq!(m.store_results(), vec![(job, true)]);
+    m.assert_clean();
+}
+
+/// upstream: TestSubmitLoad.test_missing_params_fails
+/// upstream: TestSubmitLoad.test_missing_consumer_flag_fails
+/// upstream: TestSubmitLoad.test_empty_keys_succeeds_immediately
+/// upstream: TestSubmitLoad.test_no_session_fails
+/// upstream: TestGetOrCreateSessionErrorBoundary.test_connect_failure_returns_none
+#[test]
+fn loads_without_a_producer_fail_and_empty_loads_succeed() {
+    let mut m = Mock::new();
+    m.dial("none", RequestRoles::decoder());
+    m.load(1, "none", vec![key(1)], vec![1]);
+    m.dial("pd", RequestRoles::prefiller(m.peer.clone()));
+    m.load(2, "pd", vec![], vec![]);
+    let peer = m.peer.clone();
+    m.core.handle_connection_lost(m.now, &peer);
+    m.load(3, "pd", vec![key(1)], vec![1]);
+    assert_eq!(m.load_results(), vec![(1, false), (2, true), (3, false)]);
+    assert_eq!(
+        m.lookup("pd", &key(1)),
+        LookupResult::Miss,
+        "the dial failed: fall back"
+    );
+}
+
+/// upstream: TestOnRequestFinished.test_decoder_side_calls_session_finish_request
+/// upstream: TestOnRequestFinished.test_p2p_consumer_side_calls_session_finish_request
+/// upstream: TestOnRequestFinished.test_prunes_failed_req_ids
+#[test]
+fn a_pd_consumer_finishing_aborts_its_load_at_the_producer() {
+    let mut m = Mock::new();
+    m.dial("pd", RequestRoles::prefiller(m.peer.clone()));
+    m.handshake();
+    m.load(1, "pd", vec![key(1)], vec![1]);
+    m.take_sent();
+    m.finish("pd");
+    assert_eq!(m.take_sent(), vec![abort_fetch("pd", 0)]);
+    m.recv(abort_ack("pd", 0));
+    assert_eq!(m.core.stats().failed_ids, 0);
+    m.assert_clean();
+}
+
+/// upstream: TestGetFinished.test_drains_finished_jobs
+#[test]
+fn events_are_drained_once() {
+    let mut m = Mock::new();
+    m.load(1, "nobody", vec![key(1)], vec![1]);
+    assert!(m.core.poll_event().is_none(), "pump already drained it");
+    assert_eq!(m.load_results(), vec![(1, false)]);
+}
+
+/// upstream: TestGetFinished.test_reap_fails_probes
+#[test]
+fn a_dead_session_fails_requests_with_unanswered_probes() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.flush();
+    let peer = m.peer.clone();
+    m.core.handle_connection_lost(m.now, &peer);
+    m.pump();
+    assert_eq!(
+        m.lookup("r", &key(1)),
+        LookupResult::Miss,
+        "MISS, not RETRY forever"
+    );
+}
+
+/// upstream: TestGetFinished.test_unbound_store_reaped_after_timeout
+/// upstream: TestGetFinished.test_submit_store_parks_unbound_batch
+/// upstream: TestBidirectionalManager.test_late_fetch_after_reap_fails_immediately
+#[test]
+fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.core
+        .on_new_request(m.now, id("r"), RequestRoles::decoder());
+    let (j1, b1) = m.parent().pin_for_store(&[key(1)]);
+    m.core.submit_store(m.now, j1, &id("r"), vec![key(1)], b1);
+    m.advance(S(30));
+    let (j2, b2) = m.parent().pin_for_store(&[key(2)]);
+    m.core.submit_store(m.now, j2, &id("r"), vec![key(2)], b2);
+    m.advance(S(29));
+    assert!(m.store_results().is_empty(), "kept within the timeout");
+    m.advance(S(2));
+    assert_eq!(
+        m.store_results(),
+        vec![(j1, false), (j2, false)],
+        "reaped by the oldest batch"
+    );
+    let (j3, b3) = m.parent().pin_for_store(&[key(3)]);
+    m.core.submit_store(m.now, j3, &id("r"), vec![key(3)], b3);
+    m.pump();
+    assert_eq!(
+        m.store_results().last(),
+        Some(&(j3, false)),
+        "no parking under a reaped id"
+    );
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    assert_eq!(
+        m.take_sent(),
+        vec![transfer_done("r", false, 0)],
+        "one round trip, not 30 s"
+    );
+    m.advance(S(61));
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// upstream: TestSessionCapLimit.test_outbound_rejected_at_capacity
+/// upstream: TestSessionCapLimit.test_on_new_request_records_failure_on_cap
+/// upstream: TestSessionCapLimit.test_inbound_rejected_at_capacity
+/// upstream: TestSessionCapLimit.test_existing_session_reused_below_cap
+/// upstream: TestAcceptNewPeers.test_creates_session_for_new_peer
+#[test]
+fn the_session_limit_applies_in_and_out() {
+    let config = CoreConfig {
+        max_peers: 2,
+        ..Default::default()
+    };
+    let mut m = Mock::with_config(config);
+    let p = |i: u8| PeerId::new(format!("10.1.0.{i}:5710"));
+    m.core
+        .on_new_request(m.now, id("a"), RequestRoles::kv_source(p(1)));
+    m.core
+        .on_new_request(m.now, id("b"), RequestRoles::kv_source(p(1)));
+    assert!(m.core.handle_inbound(m.now, p(2)));
+    m.core
+        .on_new_request(m.now, id("c"), RequestRoles::kv_source(p(3)));
+    assert!(!m.core.handle_inbound(m.now, p(4)));
+    m.pump();
+    assert_eq!(
+        m.core.stats().sessions,
+        2,
+        "the second request reused its peer's session"
+    );
+    assert_eq!(
+        m.lookup("c", &key(1)),
+        LookupResult::Miss,
+        "over the cap: fall back"
+    );
+    assert_eq!(m.lookup("a", &key(1)), LookupResult::Retry);
+    assert!(m
+        .events
+        .iter()
+        .any(|e| matches!(e, Event::Refused { peer, .. } if *peer == p(4))));
+}
+
+/// upstream: TestAcceptNewPeers.test_duplicate_connection_is_closed_and_existing_session_untouched
+#[test]
+fn a_duplicate_inbound_connection_is_refused_and_the_session_kept() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    assert!(!m.accept());
+    assert!(m.core.session_state(&m.peer).unwrap().ready);
+    assert!(m.closed().is_none());
+}
+
+/// upstream: TestIdleSessionEviction.test_idle_session_evicted
+/// upstream: TestIdleSessionEviction.test_idle_session_kept_below_headroom
+/// upstream: TestIdleSessionEviction.test_session_with_pending_work_not_evicted
+/// upstream: TestIdleSessionEviction.test_disabled_when_zero
+#[test]
+fn idle_sessions_are_evicted_only_when_slots_are_scarce() {
+    let run = |max_peers: usize, idle: u64, busy: bool| {
+        let config = CoreConfig {
+            max_peers,
+            idle_timeout: S(idle),
+            ..Default::default()
+        };
+        let mut m = Mock::with_config(config);
+        m.ready_source("r");
+        if busy {
+            m.load(1, "r", vec![key(1)], vec![1]);
+            m.plane().writes_stuck = true;
+        }
+        m.advance(S(301));
+        m.closed()
+    };
+    assert_eq!(
+        run(9, 300, false).as_deref(),
+        Some("idle"),
+        "1 session >= 9 - 8: evicted"
+    );
+    assert_eq!(run(10, 300, false), None, "1 session < 10 - 8: kept");
+    assert_eq!(run(9, 0, false), None, "idle timeout 0 disables eviction");
+    let busy = run(9, 300, true);
+    assert!(
+        busy.is_none() || busy.as_deref() != Some("idle"),
+        "a session with a load in flight is not idle: {busy:?}"
+    );
+}
+
+/// upstream: TestReconnectBackoff.test_first_fault_reconnects_at_once
+/// upstream: TestReconnectBackoff.test_backoff_doubles_up_to_max
+/// upstream: TestReconnectBackoff.test_outbound_connect_is_skipped_during_backoff
+/// upstream: TestReconnectBackoff.test_inbound_is_told_to_disconnect_during_backoff
+/// upstream: TestReconnectBackoff.test_peer_down_log_counts_faults_across_backoff_reset
+#[test]
+fn data_plane_faults_back_off_reconnects_doubling_to_60s() {
+    let mut m = Mock::new();
+    let peer = m.peer.clone();
+    let mut waits = Vec::new();
+    for round in 0..9 {
+        m.events.clear();
+        m.plane().faults.clear();
+        assert!(
+            m.accept(),
+            "round {round}: accepted once the backoff ran out"
+        );
+        m.handshake();
+        m.plane().fault(&peer, "gone");
+        m.data_plane();
+        let reason = m.closed().unwrap();
+        assert!(
+            reason.contains(&format!("data-plane fault #{}", round + 1)),
+            "{reason}"
+        );
+        let wait = reason
+            .split("reconnect backoff ")
+            .nth(1)
+            .map_or(0, |s| s.trim_end_matches('s').parse::<u64>().unwrap());
+        waits.push(wait);
+        if wait > 0 {
+            m.take_sent();
+            assert!(!m.accept(), "inbound during backoff is refused");
+            assert_eq!(
+                m.take_sent(),
+                vec![Message::Disconnect],
+                "and told so at once"
+            );
+            m.dial(&format!("x{round}"), RequestRoles::kv_source(peer.clone()));
+            assert_eq!(
+                m.lookup(&format!("x{round}"), &key(1)),
+                LookupResult::Miss,
+                "no dial during backoff"
+            );
+            m.finish(&format!("x{round}"));
+        }
+        m.advance(S(wait));
+    }
+    assert_eq!(waits, vec![0, 1, 2, 4, 8, 16, 32, 60, 60]);
+}
+
+/// upstream: TestReconnectBackoff.test_control_plane_death_does_not_back_off
+/// upstream: TestReconnectBackoff.test_healthy_peer_resets_backoff
+#[test]
+fn only_data_plane_faults_back_off_and_quiet_time_resets_it() {
+    let mut m = Mock::new();
+    let peer = m.peer.clone();
+    for _ in 0..3 {
+        m.accept();
+        m.handshake();
+        m.core.handle_connection_lost(m.now, &peer);
+        m.pump();
+        assert!(!m.closed().unwrap().contains("backoff"));
+        m.events.clear();
+    }
+    for expected in [0, 1] {
+        m.accept();
+        m.handshake();
+        m.plane().fault(&peer, "gone");
+        m.data_plane();
+        assert_eq!(m.closed().unwrap().contains("backoff"), expected > 0);
+        m.plane().faults.clear();
+        m.events.clear();
+        m.advance(S(expected));
+    }
+    m.advance(S(61));
+    m.accept();
+    m.handshake();
+    m.plane().fault(&peer, "gone");
+    m.data_plane();
+    assert!(
+        !m.closed().unwrap().contains("backoff"),
+        "60 s after the wait ended the peer starts over"
+    );
+}
+
+/// upstream: TestShutdownDrain.test_shutdown_no_inflight_skips_drain
+/// upstream: TestShutdownDrain.test_shutdown_drains_inflight_via_wait_cancel
+/// upstream: TestShutdownDrain.test_shutdown_force_cancels_after_timeout
+#[test]
+fn shutdown_drains_writes_then_closes_everything() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    assert!(
+        m.core.shutdown_drain(m.now),
+        "nothing in flight: nothing to drain"
+    );
+    assert!(m.plane().cancels.is_empty());
+    m.core
+        .on_new_request(m.now, id("r"), RequestRoles::decoder());
+    let (job, blocks) = m.parent().pin_for_store(&[key(1)]);
+    m.core
+        .submit_store(m.now, job, &id("r"), vec![key(1)], blocks);
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    m.plane()
+        .transfers
+        .values_mut()
+        .for_each(|x| x.stuck = true);
+    assert!(
+        !m.core.shutdown_drain(m.now),
+        "a write that may land is waited for"
+    );
+    assert_eq!(m.plane().cancels.last().unwrap().1, CancelMode::Wait);
+    m.core.shutdown(m.now + S(3));
+    m.pump();
+    assert_eq!(m.plane().cancels.last().unwrap().1, CancelMode::Immediate);
+    assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// upstream: TestHasPendingWork.test_returns_true_unconditionally_to_keep_engine_ticking
+/// upstream: TestHasPendingWork.test_returns_true_even_when_sessions_present
+/// upstream: TestDrainJobs.test_returns_immediately_when_quiescent
+/// upstream: TestDrainJobs.test_returns_when_session_has_no_inflight_or_inbound
+#[test]
+fn an_idle_core_asks_for_no_wakeup_and_reports_pending_work_exactly() {
+    let mut m = Mock::new();
+    assert_eq!(
+        m.core.poll_timeout(),
+        None,
+        "no session: sleep until an input"
+    );
+    m.ready_inbound();
+    assert!(!m.core.session_state(&m.peer).unwrap().pending_work);
+    m.core
+        .on_new_request(m.now, id("r"), RequestRoles::prefiller(m.peer.clone()));
+    m.load(1, "r", vec![key(1)], vec![1]);
+    assert!(m.core.session_state(&m.peer).unwrap().pending_work);
+    assert!(m.core.poll_timeout().is_some(), "the load timeout is armed");
+    m.recv(transfer_done("r", true, 0));
+    m.finish("r");
+    m.advance(S(31));
+    let idle_wake = m.core.poll_timeout();
+    assert!(
+        idle_wake.is_none(),
+        "stale deadlines drain away: {idle_wake:?}"
+    );
+}
+
+/// upstream: TestServeExternalRequests.test_no_failed_serves_still_serves_sessions
+#[test]
+fn serve_repolls_pending_keys_across_sessions() {
+    let mut c = Cluster::new(3);
+    c.parent(2).pending.insert(key(1));
+    for consumer in [0, 1] {
+        c.connect(consumer, 2);
+        let peer = c.nodes[2].id.clone();
+        let now = c.now;
+        c.core(consumer)
+            .on_new_request(now, id("r"), RequestRoles::kv_source(peer));
+        c.core(consumer).lookup(now, &id("r"), &key(1));
+        c.core(consumer).flush_lookups(now);
+    }
+    c.run();
+    c.parent(2).pending.clear();
+    c.parent(2).insert(&key(1));
+    let now = c.now;
+    c.core(2).serve(now);
+    c.run();
+    for consumer in [0, 1] {
+        let now = c.now;
+        assert_eq!(
+            c.core(consumer).lookup(now, &id("r"), &key(1)),
+            LookupResult::Hit
+        );
+        c.core(consumer).finish(now, &id("r"));
+    }
+    c.run();
+    c.assert_clean();
+}
+
+/// upstream: TestBidirectionalManager.test_both_loads_succeed
+/// upstream: TestPollOnce.test_orchestrates_accept_poll_and_reap
+#[test]
+fn two_nodes_fetch_from_each_other_at_once() {
+    let mut c = Cluster::new(2);
+    for k in 0..4 {
+        c.parent(0).insert(&key(100 + k));
+        c.parent(1).insert(&key(200 + k));
+    }
+    let (j0, h0) = c.symmetric_fetch(0, 1, "from-1", &(200..204).map(key).collect::<Vec<_>>());
+    let (j1, h1) = c.symmetric_fetch(1, 0, "from-0", &(100..104).map(key).collect::<Vec<_>>());
+    assert_eq!((h0.len(), h1.len()), (4, 4));
+    assert_eq!(c.load_result(0, j0.unwrap()), Some(true));
+    assert_eq!(c.load_result(1, j1.unwrap()), Some(true));
+    c.assert_landed(0, j0.unwrap(), &h0);
+    c.assert_landed(1, j1.unwrap(), &h1);
+    assert_eq!(
+        c.stats(0).sessions,
+        1,
+        "one session per peer pair, both roles"
+    );
+    let now = c.now;
+    c.core(0).finish(now, &id("from-1"));
+    c.core(1).finish(now, &id("from-0"));
+    c.run();
+    c.assert_clean();
+}
+
+/// upstream: TestBidirectionalManager.test_lookup_expiry_allows_zmq_reconnect
+#[test]
+fn after_a_lookup_expiry_the_peers_reconnect_and_serve_again() {
+    let mut c = Cluster::new(2);
+    c.parent(1).insert(&key(1));
+    // The producer's replies are lost for a while.
+    let mut drop_replies = true;
+    c.policy = Some(Box::new(move |from, _, m| {
+        if from == 1 && matches!(m, Message::LookupResp(_)) && drop_replies {
+            drop_replies = false;
+            support::cluster::Fate::Drop
+        } else {
+            support::cluster::Fate::Deliver
+        }
+    }));
+    let (job, _) = c.symmetric_fetch(0, 1, "a", &[key(1)]);
+    assert!(job.is_none());
+    c.run_for(S(31));
+    assert!(c.events_of(0).iter().any(
+        |e| matches!(e, Event::Close { reason, .. } if reason == "lookup response timed out")
+    ));
+    let now = c.now;
+    c.core(0).finish(now, &id("a"));
+    let (job, hits) = c.symmetric_fetch(0, 1, "b", &[key(1)]);
+    assert_eq!(hits, vec![key(1)], "a fresh session with a full handshake");
+    assert_eq!(c.load_result(0, job.unwrap()), Some(true));
+    let now = c.now;
+    c.core(0).finish(now, &id("b"));
+    c.run();
+    c.assert_clean();
+}
+
+/// The network may delay, duplicate and reorder: every load still ends exactly once, and
+/// nothing leaks.
+#[test]
+fn a_lossy_reordering_network_never_leaks_or_double_reports() {
+    let seeds: u64 = std::env::var("KVPEER_LOSSY_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    for seed in 0..seeds {
+        let mut c = Cluster::new(2);
+        for k in 0..16 {
+            c.parent(1).insert(&key(k));
+        }
+        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        c.policy = Some(Box::new(move |_, _, m| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let r = (state >> 33) % 10;
+            match (r, m) {
+                (_, Message::Connect(_) | Message::ConnectAck(_)) => {
+                    support::cluster::Fate::Deliver
+                }
+                (0, _) => support::cluster::Fate::Duplicate,
+                (1, _) => support::cluster::Fate::Delay(Duration::from_millis(50)),
+                (2, Message::TransferDone(_) | Message::LookupResp(_)) => {
+                    support::cluster::Fate::Drop
+                }
+                _ => support::cluster::Fate::Deliver,
+            }
+        }));
+        let mut jobs = Vec::new();
+        for r in 0..8u64 {
+            let keys: Vec<_> = (r * 2..r * 2 + 3).map(key).collect();
+            let (job, _) = c.symmetric_fetch(0, 1, &format!("r{r}"), &keys);
+            jobs.extend(job);
+        }
+        c.run_for(S(120));
+        for r in 0..8u64 {
+            let now = c.now;
+            c.core(0).finish(now, &id(&format!("r{r}")));
+        }
+        c.run_for(S(120));
+        assert!(
+            c.settles < 5_000,
+            "seed {seed}: the cluster churned ({} settles)",
+            c.settles
+        );
+        for job in jobs {
+            assert!(
+                c.load_result(0, job).is_some(),
+                "seed {seed}: load {job} never ended"
+            );
+        }
+        c.assert_clean();
+    }
+}
+
+/// A leftover of an ended session (a late ack, a duplicate `disconnect`) opens no session:
+/// only `connect` does. Without this rule two peers can kill each other's sessions forever.
+#[test]
+fn only_a_connect_opens_an_inbound_session() {
+    let mut m = Mock::new();
+    m.recv(Message::ConnectAck(kvpeer_proto::ConnectAck {
+        peer_id: m.peer.clone(),
+    }));
+    m.recv(Message::Disconnect);
+    m.recv(transfer_done("r", true, 0));
+    assert_eq!(m.core.stats().sessions, 0);
+    assert!(m.take_sent().is_empty());
+    assert_eq!(
+        m.events
+            .iter()
+            .filter(|e| matches!(e, Event::Refused { .. }))
+            .count(),
+        3
+    );
+    let c = m.peer_connect();
+    m.recv(Message::Connect(c));
+    assert_eq!(m.core.stats().sessions, 1);
+    assert!(matches!(
+        m.take_sent()[..],
+        [Message::Connect(_), Message::ConnectAck(_)]
+    ));
+}
