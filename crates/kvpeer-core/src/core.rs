@@ -8,7 +8,7 @@
 //! deadline are both due, feed the inputs first: a reply already received must win over the
 //! timeout it answers.
 
-use std::collections::{HashMap, HashSet};
+use crate::maps::{Map, Set};
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::{
@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::output::{Event, Outbox, Transmit};
+use crate::session::client::Load;
 use crate::session::{Cx, Session};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent};
@@ -124,18 +125,18 @@ pub struct Core<P: Parent, D: DataPlane> {
     plane: D,
     out: Outbox,
     now: Instant,
-    sessions: HashMap<PeerId, Session>,
-    requests: HashMap<KvRequestId, RequestRoles>,
+    sessions: Map<PeerId, Session>,
+    requests: Map<KvRequestId, RequestRoles>,
     /// Requests whose lookups answer MISS (their peer failed them).
-    failed: HashSet<KvRequestId>,
+    failed: Set<KvRequestId>,
     /// PD producer ids bound to the session whose peer fetched them.
-    bound: HashMap<KvRequestId, PeerId>,
-    unbound: HashMap<KvRequestId, Vec<Batch>>,
+    bound: Map<KvRequestId, PeerId>,
+    unbound: Map<KvRequestId, Vec<Batch>>,
     unbound_lane: Lane<KvRequestId>,
-    reaped: HashMap<KvRequestId, Instant>,
+    reaped: Map<KvRequestId, Instant>,
     reaped_lane: Lane<KvRequestId>,
-    backoff: HashMap<PeerId, Backoff>,
-    faults: HashMap<PeerId, u32>,
+    backoff: Map<PeerId, Backoff>,
+    faults: Map<PeerId, u32>,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -151,16 +152,16 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             plane,
             out: Outbox::default(),
             now,
-            sessions: HashMap::new(),
-            requests: HashMap::new(),
-            failed: HashSet::new(),
-            bound: HashMap::new(),
-            unbound: HashMap::new(),
+            sessions: Map::default(),
+            requests: Map::default(),
+            failed: Set::default(),
+            bound: Map::default(),
+            unbound: Map::default(),
             unbound_lane,
-            reaped: HashMap::new(),
+            reaped: Map::default(),
             reaped_lane,
-            backoff: HashMap::new(),
-            faults: HashMap::new(),
+            backoff: Map::default(),
+            faults: Map::default(),
         }
     }
 
@@ -509,7 +510,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let now = self.now;
         match self.sessions.get_mut(&source.peer) {
             Some(session) if !session.is_dead() => {
-                session.request_blocks(&mut self.out, now, job, id, keys, blocks)
+                session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks })
             }
             _ => {
                 warn!(kv_request_id = %id, job, peer = %source.peer, "load with no session to the producer");

@@ -16,6 +16,7 @@
 
 mod config;
 mod core;
+mod maps;
 mod output;
 mod session;
 mod timer;

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use kvpeer_proto::{OffloadKey, PeerId};
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 /// Id of a store job: a set of local blocks pinned for a peer until the job completes.
 pub type JobId = u64;
@@ -20,16 +20,25 @@ pub type BlockIndex = u64;
 
 /// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
 /// `ReqContext`: opened with [`Parent::on_new_request`], closed with
-/// [`Parent::on_request_finished`] exactly once.
+/// [`Parent::on_request_finished`] exactly once. Shown as vLLM names it,
+/// `p2p:<peer>:<kv_request_id>:lu<n>`; building one allocates nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ServeCtx {
-    /// `p2p:<peer>:<kv_request_id>:lu<n>`, unique per inbound lookup message.
-    pub id: String,
+    /// The peer that asked.
+    pub peer: PeerId,
+    /// The request it asked about.
+    pub kv_request_id: KvRequestId,
+    /// Which lookup message of the session (unique per session).
+    pub lookup: u64,
 }
 
 impl fmt::Display for ServeCtx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.id)
+        write!(
+            f,
+            "p2p:{}:{}:lu{}",
+            self.peer, self.kv_request_id, self.lookup
+        )
     }
 }
 

@@ -372,8 +372,16 @@ fn an_unanswered_abort_fails_the_load_and_clears_the_request() {
     m.advance(S(30));
     m.advance(S(10));
     assert_eq!(m.load_results(), vec![(5, false)]);
-    assert_eq!(m.core.stats().client_requests, 0);
+    assert!(
+        !m.core.session_state(&m.peer).unwrap().pending_work,
+        "the load is gone"
+    );
     m.finish("r");
+    assert_eq!(
+        m.core.stats().client_requests,
+        0,
+        "and the request with finish"
+    );
     m.assert_clean();
 }
 

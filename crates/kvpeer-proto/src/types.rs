@@ -5,6 +5,7 @@
 //! an id, and so do these types; the session layer decides what it trusts).
 
 use std::fmt;
+use std::sync::Arc;
 
 use smallvec::SmallVec;
 
@@ -88,13 +89,22 @@ impl fmt::Display for OffloadKey {
 
 /// The id of one KV transfer request, allocated by the orchestrator and shared by the producer
 /// and the consumer of the request (`kv_request_id` on the wire).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct KvRequestId(String);
+///
+/// Shared, immutable text: the core keeps an id in several places (maps, timers, messages),
+/// and a clone costs a reference count, not an allocation.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KvRequestId(Arc<str>);
+
+impl Default for KvRequestId {
+    fn default() -> Self {
+        KvRequestId(Arc::from(""))
+    }
+}
 
 impl KvRequestId {
     /// An id from its string.
-    pub fn new(id: impl Into<String>) -> Self {
-        KvRequestId(id.into())
+    pub fn new(id: impl AsRef<str>) -> Self {
+        KvRequestId(Arc::from(id.as_ref()))
     }
 
     /// The id as sent on the wire.
@@ -105,13 +115,13 @@ impl KvRequestId {
 
 impl From<&str> for KvRequestId {
     fn from(id: &str) -> Self {
-        KvRequestId(id.to_owned())
+        KvRequestId(Arc::from(id))
     }
 }
 
 impl From<String> for KvRequestId {
     fn from(id: String) -> Self {
-        KvRequestId(id)
+        KvRequestId(Arc::from(id))
     }
 }
 
@@ -150,8 +160,16 @@ impl fmt::Display for RoundSeq {
 ///
 /// The wire carries it as a plain str and vLLM does not check its form, so any str is kept
 /// as-is; [`PeerId::parse`] and [`PeerId::host_port`] check the form where it matters.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct PeerId(String);
+///
+/// Shared, immutable text like [`KvRequestId`]: cloning it is cheap.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(Arc<str>);
+
+impl Default for PeerId {
+    fn default() -> Self {
+        PeerId(Arc::from(""))
+    }
+}
 
 /// A str that is not of the form `host:port`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -165,13 +183,13 @@ pub struct PeerIdError {
 
 impl PeerId {
     /// A peer id exactly as received, unchecked.
-    pub fn new(id: impl Into<String>) -> Self {
-        PeerId(id.into())
+    pub fn new(id: impl AsRef<str>) -> Self {
+        PeerId(Arc::from(id.as_ref()))
     }
 
     /// A checked peer id: a non-empty host, a colon, and a port in 1..=65535.
     pub fn parse(id: &str) -> Result<Self, PeerIdError> {
-        let peer = PeerId(id.to_owned());
+        let peer = PeerId(Arc::from(id));
         peer.host_port()?;
         Ok(peer)
     }
@@ -179,16 +197,16 @@ impl PeerId {
     /// A peer id from its parts (IPv6 hosts are bracketed, as in `[::1]:5710`).
     pub fn from_host_port(host: &str, port: u16) -> Self {
         if host.contains(':') && !host.starts_with('[') {
-            PeerId(format!("[{host}]:{port}"))
+            PeerId::new(format!("[{host}]:{port}"))
         } else {
-            PeerId(format!("{host}:{port}"))
+            PeerId::new(format!("{host}:{port}"))
         }
     }
 
     /// Splits at the last colon, as vLLM does (`peer_id.rsplit(":", 1)`).
     pub fn host_port(&self) -> Result<(&str, u16), PeerIdError> {
         let fail = |reason| PeerIdError {
-            id: self.0.clone(),
+            id: self.0.to_string(),
             reason,
         };
         let (host, port) = self.0.rsplit_once(':').ok_or_else(|| fail("no colon"))?;
@@ -210,7 +228,7 @@ impl PeerId {
 
 impl From<&str> for PeerId {
     fn from(id: &str) -> Self {
-        PeerId(id.to_owned())
+        PeerId(Arc::from(id))
     }
 }
 
@@ -244,6 +262,10 @@ mod tests {
         assert_eq!(OffloadKey::from_bytes(&[0, 0, 1, 0]).group_idx(), Some(256));
     }
 
+    /// upstream: TestPeerIdFromParams.test_valid_params
+    /// upstream: TestPeerIdFromParams.test_missing_host
+    /// upstream: TestPeerIdFromParams.test_missing_port
+    /// upstream: TestPeerIdFromParams.test_empty_dict
     #[test]
     fn peer_id_splits_at_last_colon() {
         let p = PeerId::parse("10.0.0.1:5710").unwrap();

@@ -255,3 +255,153 @@ fn terminal_fetch_is_recognised() {
         other => panic!("{other:?}"),
     }
 }
+
+/// An edit of a `connect` message's fields.
+type Tweak = Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>;
+
+fn connect_json() -> serde_json::Value {
+    json!({"type": "connect", "peer_id": "10.0.0.1:5710", "agent_metadata": {"$bin": "0a0b"},
+           "base_addr": 4096, "num_blocks": 8, "block_len": 16384,
+           "config_fingerprint": "2291d8cdc310411e", "hash_seed": "42"})
+}
+
+fn connect_error(
+    tweak: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> ProtocolError {
+    let mut doc = connect_json();
+    tweak(doc.as_object_mut().unwrap());
+    protocol_error(&bytes(doc))
+}
+
+/// upstream: TestConnectMsgValidation.test_valid_message_passes
+/// upstream: TestConnectMsgValidation.test_missing_peer_id
+/// upstream: TestConnectMsgValidation.test_missing_agent_metadata
+/// upstream: TestConnectMsgValidation.test_agent_metadata_wrong_type
+/// upstream: TestConnectMsgValidation.test_base_addr_negative
+/// upstream: TestConnectMsgValidation.test_num_blocks_zero
+/// upstream: TestConnectMsgValidation.test_block_len_zero
+/// upstream: TestConnectMsgValidation.test_missing_hash_seed
+/// upstream: TestConnectMsgValidation.test_hash_seed_wrong_type
+#[test]
+fn connect_validation_matches_protocol_py() {
+    assert!(matches!(
+        decode(&bytes(connect_json())).unwrap(),
+        Message::Connect(_)
+    ));
+    let cases: Vec<(Tweak, &str, FieldError)> = vec![
+        (
+            Box::new(|m| {
+                m.remove("peer_id");
+            }),
+            "peer_id",
+            FieldError::Missing,
+        ),
+        (
+            Box::new(|m| {
+                m.remove("agent_metadata");
+            }),
+            "agent_metadata",
+            FieldError::Missing,
+        ),
+        (
+            Box::new(|m| {
+                m.insert("agent_metadata".into(), json!("text"));
+            }),
+            "agent_metadata",
+            FieldError::WrongType {
+                expected: "bin",
+                got: "str",
+            },
+        ),
+        (
+            Box::new(|m| {
+                m.insert("base_addr".into(), json!(-1));
+            }),
+            "base_addr",
+            FieldError::Negative(-1),
+        ),
+        (
+            Box::new(|m| {
+                m.insert("num_blocks".into(), json!(0));
+            }),
+            "num_blocks",
+            FieldError::NotPositive(0),
+        ),
+        (
+            Box::new(|m| {
+                m.insert("block_len".into(), json!(0));
+            }),
+            "block_len",
+            FieldError::NotPositive(0),
+        ),
+        (
+            Box::new(|m| {
+                m.remove("hash_seed");
+            }),
+            "hash_seed",
+            FieldError::Missing,
+        ),
+        (
+            Box::new(|m| {
+                m.insert("hash_seed".into(), json!(42));
+            }),
+            "hash_seed",
+            FieldError::WrongType {
+                expected: "str",
+                got: "int",
+            },
+        ),
+    ];
+    for (tweak, field, reason) in cases {
+        let e = connect_error(tweak);
+        assert_eq!(
+            (e.message_type, e.field.name, &e.reason),
+            (MessageType::Connect, field, &reason)
+        );
+    }
+}
+
+/// upstream: TestFetchMsgValidation.test_valid_message_passes
+/// upstream: TestFetchMsgValidation.test_length_mismatch
+/// upstream: TestFetchMsgValidation.test_negative_index
+/// upstream: TestTransferDoneMsgValidation.test_valid_message_passes
+/// upstream: TestTransferDoneMsgValidation.test_success_wrong_type
+#[test]
+fn fetch_and_transfer_done_validation_matches_protocol_py() {
+    assert!(matches!(
+        decode(&bytes(fetch_json())).unwrap(),
+        Message::Fetch(_)
+    ));
+    let mut doc = fetch_json();
+    doc["block_indexes"] = json!([3]);
+    assert!(matches!(
+        protocol_error(&bytes(doc)).reason,
+        FieldError::LengthMismatch {
+            len: 1,
+            other_len: 2,
+            ..
+        }
+    ));
+    let mut doc = fetch_json();
+    doc["block_indexes"] = json!([3, -1]);
+    assert_eq!(protocol_error(&bytes(doc)).reason, FieldError::Negative(-1));
+    let done =
+        json!({"type": "transfer_done", "kv_request_id": "r", "success": true, "round_seq": 3});
+    assert!(matches!(
+        decode(&bytes(done.clone())).unwrap(),
+        Message::TransferDone(_)
+    ));
+    let mut bad = done;
+    bad["success"] = json!(1);
+    let e = protocol_error(&bytes(bad));
+    assert_eq!(
+        (e.field.name, e.reason),
+        (
+            "success",
+            FieldError::WrongType {
+                expected: "bool",
+                got: "int"
+            }
+        )
+    );
+}

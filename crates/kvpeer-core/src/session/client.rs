@@ -5,7 +5,7 @@
 //! [`Link`] (gated until the peer's ack) and reports load results as events. Every wait has a
 //! deadline on a [`Lane`]: lookups 30 s without progress, loads 30 s, abort acks 10 s.
 
-use std::collections::HashMap;
+use crate::maps::Map;
 use std::time::Instant;
 
 use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, RoundSeq};
@@ -16,9 +16,17 @@ use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, JobId};
 
+/// One load the engine submitted: fetch `keys` into local `blocks`.
+#[derive(Debug)]
+pub(crate) struct Load {
+    pub(crate) job: JobId,
+    pub(crate) keys: Vec<OffloadKey>,
+    pub(crate) blocks: Vec<BlockIndex>,
+}
+
 /// One fetch round in flight.
 #[derive(Debug)]
-struct Load {
+struct InFlight {
     job: JobId,
     submitted_at: Instant,
     aborted_at: Option<Instant>,
@@ -28,7 +36,7 @@ struct Load {
 #[derive(Debug, Default)]
 struct Request {
     /// Probe result per key: `None` while unanswered.
-    probes: HashMap<OffloadKey, Option<bool>>,
+    probes: Map<OffloadKey, Option<bool>>,
     /// Probes still `None`, so "all answered" is O(1).
     unanswered: usize,
     /// Keys registered but not yet sent in a `lookup`.
@@ -40,7 +48,7 @@ struct Request {
     /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
     peer_lookup_open: bool,
     /// Fetch rounds in flight, by round.
-    loads: Vec<(u64, Load)>,
+    loads: Vec<(u64, InFlight)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
     /// The engine finished the request; only aborting loads keep it.
@@ -52,14 +60,14 @@ impl Request {
         self.loads.is_empty() && self.probes.is_empty() && self.unsent.is_empty()
     }
 
-    fn load_mut(&mut self, round: u64) -> Option<&mut Load> {
+    fn load_mut(&mut self, round: u64) -> Option<&mut InFlight> {
         self.loads
             .iter_mut()
             .find(|(r, _)| *r == round)
             .map(|(_, l)| l)
     }
 
-    fn take_load(&mut self, round: u64) -> Option<Load> {
+    fn take_load(&mut self, round: u64) -> Option<InFlight> {
         let at = self.loads.iter().position(|(r, _)| *r == round)?;
         Some(self.loads.swap_remove(at).1)
     }
@@ -77,12 +85,7 @@ pub(crate) struct ClientClose {
 /// The consumer side of one session.
 #[derive(Debug)]
 pub(crate) struct ClientRole {
-    requests: HashMap<KvRequestId, Request>,
-    /// The next round of requests whose state was pruned while the engine still runs them.
-    /// vLLM restarts such a request at round 0, so a late `transfer_done` or `abort_ack` of
-    /// the old round 0 can complete the new one (upstream PR #56471); kvpeer never reuses a
-    /// round of a live request. Entries go at `finish`.
-    next_rounds: HashMap<KvRequestId, u64>,
+    requests: Map<KvRequestId, Request>,
     /// Requests with unsent probes, visited by the next flush.
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
@@ -95,8 +98,7 @@ pub(crate) struct ClientRole {
 impl ClientRole {
     pub(crate) fn new(config: &CoreConfig) -> Self {
         ClientRole {
-            requests: HashMap::new(),
-            next_rounds: HashMap::new(),
+            requests: Map::default(),
             flush_list: Vec::new(),
             active_loads: 0,
             load_lane: Lane::new(config.load_timeout),
@@ -109,28 +111,33 @@ impl ClientRole {
         self.active_loads > 0
     }
 
-    /// Open requests (for invariant checks and stats).
-    pub(crate) fn open_requests(&self) -> usize {
+    /// Entries kept, live or not (the memory the role holds).
+    pub(crate) fn entries(&self) -> usize {
         self.requests.len()
     }
 
+    /// Drops a request once the engine has finished it and nothing of it is live. Until the
+    /// engine finishes it, an idle request keeps its entry (and so its round counter): vLLM
+    /// drops it as soon as it is idle and restarts it at round 0, so a late `transfer_done` or
+    /// `abort_ack` of the old round 0 can complete the new one (upstream PR #56471).
     fn prune(&mut self, id: &KvRequestId) {
-        if self.requests.get(id).is_some_and(Request::is_idle) {
-            if let Some(req) = self.requests.remove(id) {
-                if req.round > 0 && !req.finished {
-                    self.next_rounds.insert(id.clone(), req.round);
-                }
-            }
+        if self
+            .requests
+            .get(id)
+            .is_some_and(|r| r.finished && r.is_idle())
+        {
+            self.requests.remove(id);
         }
     }
 
     /// The request's state, created at the round where it left off.
     fn request(&mut self, id: &KvRequestId) -> &mut Request {
-        let next_rounds = &mut self.next_rounds;
-        self.requests.entry(id.clone()).or_insert_with(|| Request {
-            round: next_rounds.remove(id).unwrap_or(0),
-            ..Request::default()
-        })
+        let req = self.requests.entry(id.clone()).or_default();
+        // A finished id that comes back is a new request.
+        if req.finished {
+            *req = Request::default();
+        }
+        req
     }
 
     /// Registers a probe, or returns its answer. `None` means "ask again later" (RETRY).
@@ -218,17 +225,16 @@ impl ClientRole {
         link: &mut Link,
         out: &mut Outbox,
         now: Instant,
-        job: JobId,
         id: &KvRequestId,
-        keys: Vec<OffloadKey>,
-        blocks: Vec<BlockIndex>,
+        load: Load,
     ) {
+        let Load { job, keys, blocks } = load;
         let req = self.request(id);
         let round = req.round;
         req.round += 1;
         req.loads.push((
             round,
-            Load {
+            InFlight {
                 job,
                 submitted_at: now,
                 aborted_at: None,
@@ -406,7 +412,6 @@ impl ClientRole {
             }
         }
         self.flush_list.clear();
-        self.next_rounds.clear();
         self.active_loads = 0;
         self.load_lane.clear();
         self.abort_lane.clear();

@@ -17,8 +17,8 @@ use crate::config::{CoreConfig, LocalNode};
 use crate::output::{Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory};
-use client::{ClientClose, ClientRole};
-use server::{ServerClose, ServerRole};
+use client::{ClientClose, ClientRole, Load};
+use server::{ServerClose, ServerRole, Supply};
 
 /// Everything a session may touch during one entry point of the core.
 pub(crate) struct Cx<'a> {
@@ -401,13 +401,11 @@ impl Session {
         &mut self,
         out: &mut Outbox,
         now: Instant,
-        job: JobId,
         id: &KvRequestId,
-        keys: Vec<OffloadKey>,
-        blocks: Vec<BlockIndex>,
+        load: Load,
     ) {
         self.client
-            .request_blocks(&mut self.link, out, now, job, id, keys, blocks);
+            .request_blocks(&mut self.link, out, now, id, load);
     }
 
     pub(crate) fn add_stored_blocks(
@@ -418,8 +416,16 @@ impl Session {
         blocks: &[BlockIndex],
         job: JobId,
     ) {
+        // PD stores all belong to round 0, the single round of a PD consumer.
+        let supply = Supply {
+            job,
+            keys,
+            blocks,
+            round: 0,
+            from_lookup: false,
+        };
         self.server
-            .add_stored_blocks(&mut self.link, cx, id, keys, blocks, job, 0, false);
+            .add_stored_blocks(&mut self.link, cx, id, supply);
     }
 
     pub(crate) fn serve(&mut self, cx: &mut Cx<'_>) {
@@ -447,7 +453,7 @@ impl Session {
     pub(crate) fn counts(&self) -> (usize, usize, usize, usize, usize) {
         let (requests, jobs, inflight) = self.server.counts();
         (
-            self.client.open_requests(),
+            self.client.entries(),
             requests,
             jobs,
             inflight,

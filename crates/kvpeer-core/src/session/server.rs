@@ -14,7 +14,9 @@
 //! Per-operation cost does not grow with the number of requests: lookups waiting on pending
 //! keys sit on a work-list, deadlines on [`Lane`]s, and each job counts the transfers reading it.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use crate::maps::{Map, Set};
 use std::time::Instant;
 
 use kvpeer_proto::{
@@ -37,9 +39,9 @@ struct Round {
     lookup_supplied: bool,
     demand_received: bool,
     /// Blocks we hold for the round, not yet demanded: key → (job, local block).
-    available: HashMap<OffloadKey, (JobId, BlockIndex)>,
+    available: Map<OffloadKey, (JobId, BlockIndex)>,
     /// Blocks the peer wants that we do not hold yet: key → its block.
-    demanded: HashMap<OffloadKey, BlockIndex>,
+    demanded: Map<OffloadKey, BlockIndex>,
     /// Blocks still to be written before the round succeeds.
     remaining: usize,
     /// Finish as soon as nothing is in flight.
@@ -50,7 +52,7 @@ struct Round {
     cancelled: bool,
     last_cancel_at: Option<Instant>,
     /// Store jobs supplying the round that have not completed.
-    pending_jobs: HashSet<JobId>,
+    pending_jobs: Set<JobId>,
 }
 
 impl Round {
@@ -59,14 +61,14 @@ impl Round {
             serial,
             lookup_supplied: false,
             demand_received: false,
-            available: HashMap::new(),
-            demanded: HashMap::new(),
+            available: Map::default(),
+            demanded: Map::default(),
             remaining: 0,
             finishing: false,
             inflight: 0,
             cancelled: false,
             last_cancel_at: None,
-            pending_jobs: HashSet::new(),
+            pending_jobs: Set::default(),
         }
     }
 }
@@ -95,7 +97,7 @@ struct ActiveLookup {
     ctx: ServeCtx,
     round: u64,
     keys: Vec<OffloadKey>,
-    answers: HashMap<OffloadKey, bool>,
+    answers: Map<OffloadKey, bool>,
     /// Unique keys still HIT_PENDING/RETRY.
     pending: Vec<OffloadKey>,
     deadline: Instant,
@@ -105,7 +107,7 @@ struct ActiveLookup {
 struct Request {
     rounds: BTreeMap<u64, Round>,
     lookups: BTreeMap<u64, ActiveLookup>,
-    inflight: HashSet<TransferId>,
+    inflight: Set<TransferId>,
     /// Aborts of this request still draining.
     aborts: usize,
 }
@@ -134,6 +136,19 @@ struct StoreJob {
     id: KvRequestId,
     round: u64,
     serial: u64,
+    /// Inflight transfers reading this job's blocks; the pin stays while any does.
+    readers: u32,
+}
+
+/// Blocks pinned for a peer by one store job, offered as supply to one round.
+#[derive(Debug)]
+pub(crate) struct Supply<'a> {
+    pub(crate) job: JobId,
+    pub(crate) keys: &'a [OffloadKey],
+    pub(crate) blocks: &'a [BlockIndex],
+    pub(crate) round: u64,
+    /// Pinned by a lookup (symmetric) rather than stored by the engine (PD).
+    pub(crate) from_lookup: bool,
 }
 
 /// What a closed session leaves behind (already completed at the parent).
@@ -147,20 +162,18 @@ pub(crate) struct ServerClose {
 #[derive(Debug)]
 pub(crate) struct ServerRole {
     peer: PeerId,
-    requests: HashMap<KvRequestId, Request>,
+    requests: Map<KvRequestId, Request>,
     /// Requests with lookups waiting on pending keys.
-    serve_list: HashSet<KvRequestId>,
-    inflight: HashMap<TransferId, Inflight>,
-    /// How many inflight transfers read each job's blocks.
-    readers: HashMap<JobId, u32>,
-    store_jobs: HashMap<JobId, StoreJob>,
+    serve_list: Set<KvRequestId>,
+    inflight: Map<TransferId, Inflight>,
+    store_jobs: Map<JobId, StoreJob>,
     store_lane: Lane<JobId>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
     next_serial: u64,
     /// Aborts draining: (request, round) → when the abort arrived.
-    aborts: HashMap<(KvRequestId, u64), Instant>,
-    slow_aborts: HashSet<(KvRequestId, u64)>,
+    aborts: Map<(KvRequestId, u64), Instant>,
+    slow_aborts: Set<(KvRequestId, u64)>,
     abort_warn_lane: Lane<(KvRequestId, u64)>,
     /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
     retry_lane: Lane<(KvRequestId, u64, u64)>,
@@ -172,7 +185,9 @@ pub(crate) struct ServerRole {
 
 fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
     ServeCtx {
-        id: format!("p2p:{peer}:{id}:lu{n}"),
+        peer: peer.clone(),
+        kv_request_id: id.clone(),
+        lookup: n,
     }
 }
 
@@ -180,17 +195,16 @@ impl ServerRole {
     pub(crate) fn new(peer: PeerId, config: &CoreConfig) -> Self {
         ServerRole {
             peer,
-            requests: HashMap::new(),
-            serve_list: HashSet::new(),
-            inflight: HashMap::new(),
-            readers: HashMap::new(),
-            store_jobs: HashMap::new(),
+            requests: Map::default(),
+            serve_list: Set::default(),
+            inflight: Map::default(),
+            store_jobs: Map::default(),
             store_lane: Lane::new(config.store_timeout),
             lookup_lane: Lane::new(config.lookup_pending_timeout),
             next_lookup_id: 0,
             next_serial: 0,
-            aborts: HashMap::new(),
-            slow_aborts: HashSet::new(),
+            aborts: Map::default(),
+            slow_aborts: Set::default(),
             abort_warn_lane: Lane::new(config.cancel_drain_warning),
             retry_lane: Lane::new(config.cancel_retry_interval),
             repoll_at: None,
@@ -249,7 +263,7 @@ impl ServerRole {
     }
 
     fn is_read(&self, job: JobId) -> bool {
-        self.readers.get(&job).is_some_and(|n| *n > 0)
+        self.store_jobs.get(&job).is_some_and(|j| j.readers > 0)
     }
 
     // ---- supply ----
@@ -261,12 +275,15 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        keys: &[OffloadKey],
-        blocks: &[BlockIndex],
-        job: JobId,
-        round: u64,
-        from_lookup: bool,
+        supply: Supply<'_>,
     ) {
+        let Supply {
+            job,
+            keys,
+            blocks,
+            round,
+            from_lookup,
+        } = supply;
         let rnd = self.round_or_new(id, round);
         let serial = rnd.serial;
         if rnd.cancelled {
@@ -296,6 +313,7 @@ impl ServerRole {
                 id: id.clone(),
                 round,
                 serial,
+                readers: 0,
             },
         );
         self.store_lane.arm(cx.now, job);
@@ -394,7 +412,9 @@ impl ServerRole {
             return;
         };
         for job in &matched.jobs {
-            *self.readers.entry(*job).or_default() += 1;
+            if let Some(state) = self.store_jobs.get_mut(job) {
+                state.readers += 1;
+            }
         }
         if let Some(rnd) = self.round_mut(id, round, serial) {
             rnd.inflight += 1;
@@ -419,11 +439,8 @@ impl ServerRole {
     fn pop_inflight(&mut self, tid: TransferId) -> Option<Inflight> {
         let xfer = self.inflight.remove(&tid)?;
         for job in &xfer.jobs {
-            if let Some(n) = self.readers.get_mut(job) {
-                *n -= 1;
-                if *n == 0 {
-                    self.readers.remove(job);
-                }
+            if let Some(state) = self.store_jobs.get_mut(job) {
+                state.readers = state.readers.saturating_sub(1);
             }
         }
         if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
@@ -773,12 +790,12 @@ impl ServerRole {
             ctx,
             round,
             keys,
-            answers: HashMap::new(),
+            answers: Map::default(),
             pending: Vec::new(),
             deadline: cx.now + self.lookup_lane.delay(),
         };
         // Each unique key once, in wire order.
-        let mut seen = HashSet::with_capacity(lookup.keys.len());
+        let mut seen = Set::with_capacity_and_hasher(lookup.keys.len(), Default::default());
         let unique: Vec<OffloadKey> = lookup
             .keys
             .iter()
@@ -840,16 +857,14 @@ impl ServerRole {
                 for key in &hits {
                     lookup.answers.insert(key.clone(), true);
                 }
-                self.add_stored_blocks(
-                    link,
-                    cx,
-                    id,
-                    &hits,
-                    &job.blocks,
-                    job.job_id,
-                    lookup.round,
-                    true,
-                );
+                let supply = Supply {
+                    job: job.job_id,
+                    keys: &hits,
+                    blocks: &job.blocks,
+                    round: lookup.round,
+                    from_lookup: true,
+                };
+                self.add_stored_blocks(link, cx, id, supply);
                 Ok(())
             }
             other => {
@@ -1056,7 +1071,6 @@ impl ServerRole {
             cx.plane.cancel(&ids, CancelMode::Immediate);
         }
         self.inflight.clear();
-        self.readers.clear();
         let jobs: Vec<JobId> = self.store_jobs.keys().copied().collect();
         for job in jobs {
             if self.settle_job(cx, job, false) {

@@ -74,14 +74,14 @@ impl FakeParent {
 
 impl Parent for FakeParent {
     fn on_new_request(&mut self, ctx: &ServeCtx) {
-        if !self.open_ctxs.insert(ctx.id.clone()) {
+        if !self.open_ctxs.insert(ctx.to_string()) {
             self.violations.push(format!("ctx opened twice: {ctx}"));
         }
     }
 
     fn lookup(&mut self, key: &OffloadKey, ctx: &ServeCtx) -> LookupResult {
         self.lookups += 1;
-        if !self.open_ctxs.contains(&ctx.id) {
+        if !self.open_ctxs.contains(&ctx.to_string()) {
             self.violations.push(format!("lookup on closed ctx {ctx}"));
         }
         if self.pending.contains(key) {
@@ -121,11 +121,11 @@ impl Parent for FakeParent {
     }
 
     fn on_request_finished(&mut self, ctx: &ServeCtx) {
-        if !self.open_ctxs.remove(&ctx.id) {
+        if !self.open_ctxs.remove(&ctx.to_string()) {
             self.violations
                 .push(format!("ctx finished but not open: {ctx}"));
         }
-        self.finished_ctxs.push(ctx.id.clone());
+        self.finished_ctxs.push(ctx.to_string());
     }
 }
 
