@@ -25,34 +25,63 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, Core, CoreConfig, DataPlane, Event, JobId, LocalNode, LookupResult,
-    Parent, PlanePoll, Registration, RemoteMemory, RequestRoles, ServeCtx, StoreJob, TransferId,
+    Parent, PlanePoll, Registration, RemoteMemory, Request, RequestRoles, ServeCtx, StoreJob,
+    TransferId,
 };
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 /// Counts heap allocations. divan's allocation profiler reports only inside divan's runner;
-/// this bench prints its own per-request figures, so it counts for itself.
+/// this bench prints its own per-request figures, so it counts for itself. It allocates with
+/// mimalloc, the `kvpeer` binary's allocator, or with the system allocator when built with
+/// `--features bench-system-alloc` (a compile-time choice: one allocator for the whole run).
 struct Counting;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
-// `GlobalAlloc` contract holds exactly as it does for `System`; the counter is an atomic.
+const SYSTEM_ALLOCATOR: bool = cfg!(feature = "bench-system-alloc");
+
+fn system_allocator() -> bool {
+    SYSTEM_ALLOCATOR
+}
+
+// SAFETY: every method forwards to one allocator (mimalloc or `System`, fixed at compile
+// time) with the caller's arguments unchanged, so the `GlobalAlloc` contract holds as it does
+// for that allocator; the counter is an atomic.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: same layout contract as our caller's.
-        unsafe { System.alloc(layout) }
+        unsafe {
+            if system_allocator() {
+                System.alloc(layout)
+            } else {
+                mimalloc::MiMalloc.alloc(layout)
+            }
+        }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` was allocated by `System` with this layout (see `alloc`).
-        unsafe { System.dealloc(ptr, layout) }
+        // SAFETY: `ptr` was allocated with this layout by the same allocator (fixed at compile
+        // time, see `alloc`).
+        unsafe {
+            if system_allocator() {
+                System.dealloc(ptr, layout)
+            } else {
+                mimalloc::MiMalloc.dealloc(ptr, layout)
+            }
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: `ptr`/`layout` come from `System` (see `alloc`); the caller upholds the rest.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        // SAFETY: as for `dealloc`; the caller upholds the rest of the contract.
+        unsafe {
+            if system_allocator() {
+                System.realloc(ptr, layout, new_size)
+            } else {
+                mimalloc::MiMalloc.realloc(ptr, layout, new_size)
+            }
+        }
     }
 }
 
@@ -197,23 +226,25 @@ fn batch(
     let allocs_before = ALLOCATIONS.load(Ordering::Relaxed);
     let start = Instant::now();
 
+    let mut reqs = Vec::with_capacity(ids.len());
     for (id, ks) in ids.iter().zip(&keys) {
-        c.on_new_request(now, id.clone(), RequestRoles::kv_source(producer.clone()));
+        let req = c.on_new_request(now, id.clone(), RequestRoles::kv_source(producer.clone()));
         for k in ks {
-            c.lookup(now, id, k);
+            c.lookup(now, &req, k);
         }
+        reqs.push(req);
     }
     c.flush_lookups(now);
     deliver(c, p, now);
     deliver(p, c, now);
-    for (i, (id, ks)) in ids.iter().zip(&keys).enumerate() {
+    for (i, (req, ks)) in reqs.iter().zip(&keys).enumerate() {
         let hits: Vec<OffloadKey> = ks
             .iter()
-            .filter(|k| c.lookup(now, id, k) == LookupResult::Hit)
+            .filter(|k| c.lookup(now, req, k) == LookupResult::Hit)
             .cloned()
             .collect();
         let blocks = (0..hits.len() as u64).collect();
-        c.submit_load(now, base + i as u64, id, hits, blocks);
+        c.submit_load(now, base + i as u64, req, hits, blocks);
     }
     deliver(c, p, now);
     p.handle_data_plane(now);
@@ -224,8 +255,8 @@ fn batch(
             done += 1;
         }
     }
-    for id in &ids {
-        c.finish(now, id);
+    for req in &reqs {
+        c.finish(now, req);
     }
     deliver(c, p, now);
     while p.poll_event().is_some() {}
@@ -242,40 +273,39 @@ fn open_population(
     now: Instant,
     n: u64,
     base: u64,
-) -> Vec<KvRequestId> {
+) -> Vec<Request> {
     let producer = p.local().peer_id.clone();
     p.plane_mut().hold = true;
-    let ids: Vec<KvRequestId> = (0..n)
-        .map(|i| KvRequestId::new(format!("open-{}", base + i)))
+    let open_key = |i: u64, k: u64| key(u64::MAX / 2 + (base + i) * KEYS_PER_REQUEST + k);
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            let id = KvRequestId::new(format!("open-{}", base + i));
+            c.on_new_request(now, id, RequestRoles::kv_source(producer.clone()))
+        })
         .collect();
-    for (i, id) in ids.iter().enumerate() {
-        c.on_new_request(now, id.clone(), RequestRoles::kv_source(producer.clone()));
+    for (i, req) in reqs.iter().enumerate() {
         for k in 0..KEYS_PER_REQUEST {
-            c.lookup(
-                now,
-                id,
-                &key(u64::MAX / 2 + (base + i as u64) * KEYS_PER_REQUEST + k),
-            );
+            c.lookup(now, req, &open_key(i as u64, k));
         }
     }
     c.flush_lookups(now);
     deliver(c, p, now);
     deliver(p, c, now);
-    for (i, id) in ids.iter().enumerate() {
+    for (i, req) in reqs.iter().enumerate() {
         let keys: Vec<OffloadKey> = (0..KEYS_PER_REQUEST)
-            .map(|k| key(u64::MAX / 2 + (base + i as u64) * KEYS_PER_REQUEST + k))
-            .filter(|k| c.lookup(now, id, k) == LookupResult::Hit)
+            .map(|k| open_key(i as u64, k))
+            .filter(|k| c.lookup(now, req, k) == LookupResult::Hit)
             .collect();
         let blocks = (0..keys.len() as u64).collect();
-        c.submit_load(now, 1 << 40 | (base + i as u64), id, keys, blocks);
+        c.submit_load(now, 1 << 40 | (base + i as u64), req, keys, blocks);
     }
     deliver(c, p, now);
     p.plane_mut().hold = false;
-    ids
+    reqs
 }
 
 /// Lets the held writes land and finishes the population.
-fn close_population(c: &mut BenchCore, p: &mut BenchCore, now: Instant, ids: &[KvRequestId]) {
+fn close_population(c: &mut BenchCore, p: &mut BenchCore, now: Instant, ids: &[Request]) {
     let held = std::mem::take(&mut p.plane_mut().held);
     for (peer, tid) in held {
         p.plane_mut().landed.entry(peer).or_default().push(tid);
@@ -298,11 +328,12 @@ fn print_row(mode: &str, n: u64, runs: u64, ns: f64, allocs: f64) {
 }
 
 fn main() {
+    let system = SYSTEM_ALLOCATOR;
     let t0 = Instant::now();
     let mut now = t0;
     let mut c = node(1, now);
     let mut p = node(2, now);
-    c.on_new_request(
+    let warmup = c.on_new_request(
         now,
         KvRequestId::from("warmup"),
         RequestRoles::kv_source(p.local().peer_id.clone()),
@@ -311,9 +342,12 @@ fn main() {
         deliver(&mut c, &mut p, now);
         deliver(&mut p, &mut c, now);
     }
-    c.finish(now, &KvRequestId::from("warmup"));
+    c.finish(now, &warmup);
 
-    println!("kvpeer-core: lookup -> fetch -> transfer_done -> finish, {KEYS_PER_REQUEST} probes per request, 2 cores in memory");
+    println!(
+        "kvpeer-core: lookup -> fetch -> transfer_done -> finish, {KEYS_PER_REQUEST} probes per request, 2 cores in memory, {} allocator",
+        if system { "system (glibc)" } else { "mimalloc" }
+    );
     println!(
         "{:>9} {:>10} {:>6} {:>12} {:>13} {:>15}",
         "mode", "concurrent", "runs", "ns/request", "requests/s", "allocs/request"

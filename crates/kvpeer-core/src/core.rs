@@ -69,6 +69,37 @@ impl RequestRoles {
     }
 }
 
+/// A request as the engine holds it, like vLLM's `ReqContext`: its id and roles. Made by
+/// [`Core::on_new_request`] and passed back to every later call about the request, so the core
+/// keeps no table of requests (one fewer lookup per operation) and cannot be asked about a
+/// request it never saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    id: KvRequestId,
+    roles: RequestRoles,
+}
+
+impl Request {
+    /// The request's `kv_request_id`.
+    pub fn id(&self) -> &KvRequestId {
+        &self.id
+    }
+
+    /// Its roles on this node.
+    pub fn roles(&self) -> &RequestRoles {
+        &self.roles
+    }
+
+    /// How much of it the engine should offload: all of it for a PD producer.
+    pub fn offload_policy(&self) -> OffloadPolicy {
+        if self.roles.decoder {
+            OffloadPolicy::RequestLevel
+        } else {
+            OffloadPolicy::Default
+        }
+    }
+}
+
 /// How much of a request the engine should offload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OffloadPolicy {
@@ -83,8 +114,6 @@ pub enum OffloadPolicy {
 pub struct CoreStats {
     /// Live sessions.
     pub sessions: usize,
-    /// Requests with engine roles registered.
-    pub requests: usize,
     /// Consumer-side request state across sessions.
     pub client_requests: usize,
     /// Producer-side request state across sessions.
@@ -126,7 +155,6 @@ pub struct Core<P: Parent, D: DataPlane> {
     out: Outbox,
     now: Instant,
     sessions: Map<PeerId, Session>,
-    requests: Map<KvRequestId, RequestRoles>,
     /// Requests whose lookups answer MISS (their peer failed them).
     failed: Set<KvRequestId>,
     /// PD producer ids bound to the session whose peer fetched them.
@@ -153,7 +181,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             out: Outbox::default(),
             now,
             sessions: Map::default(),
-            requests: Map::default(),
             failed: Set::default(),
             bound: Map::default(),
             unbound: Map::default(),
@@ -263,7 +290,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     pub fn stats(&self) -> CoreStats {
         let mut stats = CoreStats {
             sessions: self.sessions.len(),
-            requests: self.requests.len(),
             unbound_batches: self.unbound.values().map(Vec::len).sum(),
             failed_ids: self.failed.len(),
             ..CoreStats::default()
@@ -421,14 +447,15 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     // ---------------------------------------------------------------- engine
 
-    /// A new request and its roles. A consumer opens (or reuses) a session to its producer;
-    /// if that is not possible the request's lookups answer MISS.
+    /// A new request and its roles; keep the returned [`Request`] for every later call about
+    /// it. A consumer opens (or reuses) a session to its producer; if that is not possible the
+    /// request's lookups answer MISS.
     pub fn on_new_request(
         &mut self,
         now: Instant,
         id: KvRequestId,
         roles: RequestRoles,
-    ) -> OffloadPolicy {
+    ) -> Request {
         self.advance(now);
         if let Some(source) = &roles.source {
             let peer = source.peer.clone();
@@ -436,20 +463,15 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 self.failed.insert(id.clone());
             }
         }
-        let policy = if roles.decoder {
-            OffloadPolicy::RequestLevel
-        } else {
-            OffloadPolicy::Default
-        };
-        self.requests.insert(id, roles);
-        policy
+        Request { id, roles }
     }
 
     /// Whether the request's producer holds `key`: `Hit`, `Miss`, or `Retry` (asked; look again
     /// after the next [`Core::flush_lookups`] has been answered).
-    pub fn lookup(&mut self, now: Instant, id: &KvRequestId, key: &OffloadKey) -> LookupResult {
+    pub fn lookup(&mut self, now: Instant, req: &Request, key: &OffloadKey) -> LookupResult {
         self.advance(now);
-        let Some(source) = self.requests.get(id).and_then(|r| r.source.clone()) else {
+        let id = &req.id;
+        let Some(source) = &req.roles.source else {
             return LookupResult::Miss;
         };
         if self.failed.contains(id) {
@@ -492,19 +514,20 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         &mut self,
         now: Instant,
         job: JobId,
-        id: &KvRequestId,
+        req: &Request,
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) {
         self.advance(now);
-        let Some(source) = self.requests.get(id).and_then(|r| r.source.clone()) else {
+        let id = &req.id;
+        let Some(source) = &req.roles.source else {
             warn!(kv_request_id = %id, job, "load for a request that has no producer");
-            self.out.load_done(job, id.clone(), false);
+            self.out.load_done(job, id.clone(), false, true);
             self.settle();
             return;
         };
         if keys.is_empty() {
-            self.out.load_done(job, id.clone(), true);
+            self.out.load_done(job, id.clone(), true, true);
             return;
         }
         let now = self.now;
@@ -514,7 +537,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             }
             _ => {
                 warn!(kv_request_id = %id, job, peer = %source.peer, "load with no session to the producer");
-                self.out.load_done(job, id.clone(), false);
+                self.out.load_done(job, id.clone(), false, true);
             }
         }
         self.settle();
@@ -526,13 +549,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         &mut self,
         now: Instant,
         job: JobId,
-        id: &KvRequestId,
+        req: &Request,
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) {
         self.advance(now);
-        let decoder = self.requests.get(id).is_some_and(|r| r.decoder);
-        if !decoder {
+        let id = &req.id;
+        if !req.roles.decoder {
             self.complete_store(job, true);
             return;
         }
@@ -562,14 +585,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// The request finished on this node: consumer loads are aborted and lookup state
     /// released at the producer; a PD producer's rounds end.
-    pub fn finish(&mut self, now: Instant, id: &KvRequestId) {
+    pub fn finish(&mut self, now: Instant, req: &Request) {
         self.advance(now);
+        let id = &req.id;
         self.failed.remove(id);
-        let Some(roles) = self.requests.remove(id) else {
-            return;
-        };
-        let peer = match roles.source {
-            Some(source) => Some(source.peer),
+        let peer = match &req.roles.source {
+            Some(source) => Some(source.peer.clone()),
             None => self.bound.remove(id),
         };
         if let Some(peer) = peer {
@@ -673,11 +694,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
-        for id in std::mem::take(&mut self.out.failed_loads) {
-            if self.requests.contains_key(&id) {
-                self.failed.insert(id);
-            }
-        }
+        self.failed.extend(self.out.failed_loads.drain(..));
         let dead: Vec<PeerId> = self
             .sessions
             .values()
@@ -704,19 +721,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             };
             session.close(&mut cx)
         };
-        for (job, id) in closed.client.failed_jobs {
-            self.out.load_done(job, id, false);
+        for (job, id, live) in closed.client.failed_jobs {
+            self.out.load_done(job, id, false, live);
         }
-        for id in closed.client.failed_ids {
-            if self.requests.contains_key(&id) {
-                self.failed.insert(id);
-            }
-        }
-        for id in std::mem::take(&mut self.out.failed_loads) {
-            if self.requests.contains_key(&id) {
-                self.failed.insert(id);
-            }
-        }
+        self.failed.extend(closed.client.failed_ids);
+        self.failed.extend(self.out.failed_loads.drain(..));
         self.plane.remove_remote_peer(peer);
         let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
         if session.data_plane_fault().is_some() {

@@ -23,7 +23,9 @@ mod timer;
 mod traits;
 
 pub use crate::config::{CoreConfig, LocalNode};
-pub use crate::core::{Core, CoreStats, OffloadPolicy, RequestRoles, SessionState, Source};
+pub use crate::core::{
+    Core, CoreStats, OffloadPolicy, Request, RequestRoles, SessionState, Source,
+};
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{
     BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,

@@ -77,9 +77,17 @@ impl Outbox {
         self.events.push_back(event);
     }
 
-    /// Reports a load's end (exactly once per load job).
-    pub(crate) fn load_done(&mut self, job: JobId, kv_request_id: KvRequestId, success: bool) {
-        if !success {
+    /// Reports a load's end (exactly once per load job). A failure of a request the engine
+    /// still runs also makes its lookups answer MISS (`fail_request`); one of a finished
+    /// request must not, or its id would stay in the failed set for ever.
+    pub(crate) fn load_done(
+        &mut self,
+        job: JobId,
+        kv_request_id: KvRequestId,
+        success: bool,
+        live: bool,
+    ) {
+        if !success && live {
             self.failed_loads.push(kv_request_id.clone());
         }
         self.events.push_back(Event::LoadDone {

@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::cluster::{id, key, Cluster};
+use support::cluster::{key, Cluster};
 
 #[test]
 fn symmetric_lookup_fetch_and_finish() {
@@ -18,8 +18,7 @@ fn symmetric_lookup_fetch_and_finish() {
     let job = job.unwrap();
     assert_eq!(c.load_result(0, job), Some(true));
     c.assert_landed(0, job, &hits);
-    let now = c.now;
-    c.core(0).finish(now, &id("req-1"));
+    c.finish(0, "req-1");
     c.run();
     c.assert_clean();
 }

@@ -16,12 +16,11 @@ const S: fn(u64) -> Duration = Duration::from_secs;
 
 /// The core as a PD producer of `rid` with blocks for `keys` stored (job returned).
 fn pd_store(m: &mut Mock, rid_: &str, keys: &[OffloadKey]) -> JobId {
-    m.core
-        .on_new_request(m.now, rid(rid_), RequestRoles::decoder());
+    if !m.reqs.contains_key(rid_) {
+        m.open(rid_, RequestRoles::decoder());
+    }
     let (job, blocks) = m.parent().pin_for_store(keys);
-    m.core
-        .submit_store(m.now, job, &rid(rid_), keys.to_vec(), blocks);
-    m.pump();
+    m.store(job, rid_, keys.to_vec(), blocks);
     job
 }
 
@@ -245,8 +244,7 @@ fn stored_blocks_wait_for_the_fetch_then_transfer() {
 fn a_fetch_before_the_stores_binds_and_matches_them_as_they_come() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     assert!(running(&mut m).is_empty());
     let j1 = pd_store(&mut m, "r", &[key(1)]);
@@ -353,8 +351,7 @@ fn a_write_that_cannot_start_fails_the_round_now() {
 fn a_failed_write_start_waits_for_its_siblings_in_flight() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let j1 = pd_store(&mut m, "r", &[key(1)]);
     let t1 = running(&mut m)[0];
@@ -469,8 +466,7 @@ fn an_abort_releases_pins_no_write_reads() {
     let mut m = Mock::new();
     m.ready_inbound();
     m.plane().writes_stuck = true;
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let written = pd_store(&mut m, "r", &[key(1)]);
     let idle = pd_store(&mut m, "r", &[key(3)]);
@@ -497,8 +493,7 @@ fn an_abort_releases_pins_no_write_reads() {
 fn a_bound_store_never_fetched_times_out_at_30s() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(7)], vec![5], 0));
     let job = pd_store(&mut m, "r", &[key(1)]);
     m.advance(S(29));
@@ -551,8 +546,7 @@ fn a_store_timeout_with_a_write_in_flight_keeps_the_pin_until_it_stops() {
 fn a_failed_write_keeps_its_siblings_pins_until_they_end() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let j1 = pd_store(&mut m, "r", &[key(1)]);
     let j2 = pd_store(&mut m, "r", &[key(2)]);
@@ -737,8 +731,7 @@ fn a_second_connect_ack_changes_nothing() {
 fn a_second_fetch_for_a_round_is_a_protocol_error() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, rid("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     assert_eq!(m.take_sent(), vec![Message::Disconnect]);

@@ -65,17 +65,20 @@ fn a_pd_consumer_assumes_every_key_held_and_failures_stay_per_request() {
 fn only_a_producer_leg_asks_for_request_level_offload_and_it_dials_nobody() {
     let mut m = Mock::new();
     let now = m.now;
+    let peer = m.peer.clone();
+    let policy = |m: &mut Mock, rid: &str, roles| {
+        m.core.on_new_request(now, id(rid), roles).offload_policy()
+    };
     assert_eq!(
-        m.core.on_new_request(now, id("a"), RequestRoles::decoder()),
+        policy(&mut m, "a", RequestRoles::decoder()),
         OffloadPolicy::RequestLevel
     );
     assert_eq!(
-        m.core
-            .on_new_request(now, id("b"), RequestRoles::kv_source(m.peer.clone())),
+        policy(&mut m, "b", RequestRoles::kv_source(peer)),
         OffloadPolicy::Default
     );
     assert_eq!(
-        m.core.on_new_request(now, id("c"), RequestRoles::default()),
+        policy(&mut m, "c", RequestRoles::default()),
         OffloadPolicy::Default
     );
     m.pump();
@@ -93,9 +96,7 @@ fn only_a_producer_leg_asks_for_request_level_offload_and_it_dials_nobody() {
 fn a_store_for_a_request_that_is_no_pd_producer_completes_at_once() {
     let mut m = Mock::new();
     let (job, blocks) = m.parent().pin_for_store(&[key(1)]);
-    m.core
-        .submit_store(m.now, job, &id("unknown"), vec![key(1)], blocks);
-    m.pump();
+    m.store(job, "unknown", vec![key(1)], blocks);
     assert_eq!(m.store_results(), vec![(job, true)]);
     m.assert_clean();
 }
@@ -173,13 +174,12 @@ fn a_dead_session_fails_requests_with_unanswered_probes() {
 fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
     let mut m = Mock::new();
     m.ready_inbound();
-    m.core
-        .on_new_request(m.now, id("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     let (j1, b1) = m.parent().pin_for_store(&[key(1)]);
-    m.core.submit_store(m.now, j1, &id("r"), vec![key(1)], b1);
+    m.store(j1, "r", vec![key(1)], b1);
     m.advance(S(30));
     let (j2, b2) = m.parent().pin_for_store(&[key(2)]);
-    m.core.submit_store(m.now, j2, &id("r"), vec![key(2)], b2);
+    m.store(j2, "r", vec![key(2)], b2);
     m.advance(S(29));
     assert!(m.store_results().is_empty(), "kept within the timeout");
     m.advance(S(2));
@@ -189,8 +189,7 @@ fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
         "reaped by the oldest batch"
     );
     let (j3, b3) = m.parent().pin_for_store(&[key(3)]);
-    m.core.submit_store(m.now, j3, &id("r"), vec![key(3)], b3);
-    m.pump();
+    m.store(j3, "r", vec![key(3)], b3);
     assert_eq!(
         m.store_results().last(),
         Some(&(j3, false)),
@@ -220,13 +219,10 @@ fn the_session_limit_applies_in_and_out() {
     };
     let mut m = Mock::with_config(config);
     let p = |i: u8| PeerId::new(format!("10.1.0.{i}:5710"));
-    m.core
-        .on_new_request(m.now, id("a"), RequestRoles::kv_source(p(1)));
-    m.core
-        .on_new_request(m.now, id("b"), RequestRoles::kv_source(p(1)));
+    m.open("a", RequestRoles::kv_source(p(1)));
+    m.open("b", RequestRoles::kv_source(p(1)));
     assert!(m.core.handle_inbound(m.now, p(2)));
-    m.core
-        .on_new_request(m.now, id("c"), RequestRoles::kv_source(p(3)));
+    m.open("c", RequestRoles::kv_source(p(3)));
     assert!(!m.core.handle_inbound(m.now, p(4)));
     m.pump();
     assert_eq!(
@@ -389,11 +385,9 @@ fn shutdown_drains_writes_then_closes_everything() {
         "nothing in flight: nothing to drain"
     );
     assert!(m.plane().cancels.is_empty());
-    m.core
-        .on_new_request(m.now, id("r"), RequestRoles::decoder());
+    m.open("r", RequestRoles::decoder());
     let (job, blocks) = m.parent().pin_for_store(&[key(1)]);
-    m.core
-        .submit_store(m.now, job, &id("r"), vec![key(1)], blocks);
+    m.store(job, "r", vec![key(1)], blocks);
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     m.plane()
         .transfers
@@ -427,8 +421,7 @@ fn an_idle_core_asks_for_no_wakeup_and_reports_pending_work_exactly() {
     );
     m.ready_inbound();
     assert!(!m.core.session_state(&m.peer).unwrap().pending_work);
-    m.core
-        .on_new_request(m.now, id("r"), RequestRoles::prefiller(m.peer.clone()));
+    m.open("r", RequestRoles::prefiller(m.peer.clone()));
     m.load(1, "r", vec![key(1)], vec![1]);
     assert!(m.core.session_state(&m.peer).unwrap().pending_work);
     assert!(m.core.poll_timeout().is_some(), "the load timeout is armed");
@@ -450,10 +443,9 @@ fn serve_repolls_pending_keys_across_sessions() {
     for consumer in [0, 1] {
         c.connect(consumer, 2);
         let peer = c.nodes[2].id.clone();
+        c.open(consumer, "r", RequestRoles::kv_source(peer));
+        c.lookup(consumer, "r", &key(1));
         let now = c.now;
-        c.core(consumer)
-            .on_new_request(now, id("r"), RequestRoles::kv_source(peer));
-        c.core(consumer).lookup(now, &id("r"), &key(1));
         c.core(consumer).flush_lookups(now);
     }
     c.run();
@@ -463,12 +455,8 @@ fn serve_repolls_pending_keys_across_sessions() {
     c.core(2).serve(now);
     c.run();
     for consumer in [0, 1] {
-        let now = c.now;
-        assert_eq!(
-            c.core(consumer).lookup(now, &id("r"), &key(1)),
-            LookupResult::Hit
-        );
-        c.core(consumer).finish(now, &id("r"));
+        assert_eq!(c.lookup(consumer, "r", &key(1)), LookupResult::Hit);
+        c.finish(consumer, "r");
     }
     c.run();
     c.assert_clean();
@@ -495,9 +483,8 @@ fn two_nodes_fetch_from_each_other_at_once() {
         1,
         "one session per peer pair, both roles"
     );
-    let now = c.now;
-    c.core(0).finish(now, &id("from-1"));
-    c.core(1).finish(now, &id("from-0"));
+    c.finish(0, "from-1");
+    c.finish(1, "from-0");
     c.run();
     c.assert_clean();
 }
@@ -523,13 +510,11 @@ fn after_a_lookup_expiry_the_peers_reconnect_and_serve_again() {
     assert!(c.events_of(0).iter().any(
         |e| matches!(e, Event::Close { reason, .. } if reason == "lookup response timed out")
     ));
-    let now = c.now;
-    c.core(0).finish(now, &id("a"));
+    c.finish(0, "a");
     let (job, hits) = c.symmetric_fetch(0, 1, "b", &[key(1)]);
     assert_eq!(hits, vec![key(1)], "a fresh session with a full handshake");
     assert_eq!(c.load_result(0, job.unwrap()), Some(true));
-    let now = c.now;
-    c.core(0).finish(now, &id("b"));
+    c.finish(0, "b");
     c.run();
     c.assert_clean();
 }
@@ -573,8 +558,7 @@ fn a_lossy_reordering_network_never_leaks_or_double_reports() {
         }
         c.run_for(S(120));
         for r in 0..8u64 {
-            let now = c.now;
-            c.core(0).finish(now, &id(&format!("r{r}")));
+            c.finish(0, &format!("r{r}"));
         }
         c.run_for(S(120));
         assert!(

@@ -77,7 +77,7 @@ impl Request {
 #[derive(Debug, Default)]
 pub(crate) struct ClientClose {
     /// Loads in flight: each fails.
-    pub(crate) failed_jobs: Vec<(JobId, KvRequestId)>,
+    pub(crate) failed_jobs: Vec<(JobId, KvRequestId, bool)>,
     /// Requests whose lookups can no longer be answered (loads or unanswered probes).
     pub(crate) failed_ids: Vec<KvRequestId>,
 }
@@ -85,7 +85,7 @@ pub(crate) struct ClientClose {
 /// The consumer side of one session.
 #[derive(Debug)]
 pub(crate) struct ClientRole {
-    requests: Map<KvRequestId, Request>,
+    requests: Map<KvRequestId, Box<Request>>,
     /// Requests with unsent probes, visited by the next flush.
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
@@ -135,7 +135,7 @@ impl ClientRole {
         let req = self.requests.entry(id.clone()).or_default();
         // A finished id that comes back is a new request.
         if req.finished {
-            *req = Request::default();
+            **req = Request::default();
         }
         req
     }
@@ -316,8 +316,9 @@ impl ClientRole {
         let Some(load) = req.take_load(round) else {
             return false;
         };
+        let live = !req.finished;
         self.active_loads -= 1;
-        out.load_done(load.job, id.clone(), success);
+        out.load_done(load.job, id.clone(), success, live);
         self.prune(id);
         true
     }
@@ -404,11 +405,13 @@ impl ClientRole {
     pub(crate) fn close(&mut self) -> ClientClose {
         let mut result = ClientClose::default();
         for (id, req) in self.requests.drain() {
-            if !req.loads.is_empty() || req.unanswered > 0 {
+            if !req.finished && (!req.loads.is_empty() || req.unanswered > 0) {
                 result.failed_ids.push(id.clone());
             }
             for (_, load) in req.loads {
-                result.failed_jobs.push((load.job, id.clone()));
+                result
+                    .failed_jobs
+                    .push((load.job, id.clone(), !req.finished));
             }
         }
         self.flush_list.clear();

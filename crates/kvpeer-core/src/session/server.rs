@@ -22,6 +22,7 @@ use std::time::Instant;
 use kvpeer_proto::{
     Abort, KvRequestId, LookupResp, Message, OffloadKey, PeerId, RoundSeq, TransferDone,
 };
+use smallvec::SmallVec;
 use tracing::{debug, warn};
 
 use super::Cx;
@@ -51,11 +52,21 @@ struct Round {
     /// Failed or aborted while transfers may still be writing.
     cancelled: bool,
     last_cancel_at: Option<Instant>,
-    /// Store jobs supplying the round that have not completed.
-    pending_jobs: Set<JobId>,
+    /// Store jobs supplying the round that have not completed (one or two, nearly always).
+    pending_jobs: SmallVec<[JobId; 2]>,
 }
 
 impl Round {
+    fn add_job(&mut self, job: JobId) {
+        if !self.pending_jobs.contains(&job) {
+            self.pending_jobs.push(job);
+        }
+    }
+
+    fn remove_job(&mut self, job: JobId) {
+        self.pending_jobs.retain(|j| *j != job);
+    }
+
     fn new(serial: u64) -> Self {
         Round {
             serial,
@@ -68,7 +79,7 @@ impl Round {
             inflight: 0,
             cancelled: false,
             last_cancel_at: None,
-            pending_jobs: Set::default(),
+            pending_jobs: SmallVec::new(),
         }
     }
 }
@@ -97,7 +108,9 @@ struct ActiveLookup {
     ctx: ServeCtx,
     round: u64,
     keys: Vec<OffloadKey>,
-    answers: Map<OffloadKey, bool>,
+    /// Every key seen: `Some(hit)` once answered, `None` while pending (this also removes
+    /// duplicates of the lookup's keys in O(1)).
+    answers: Map<OffloadKey, Option<bool>>,
     /// Unique keys still HIT_PENDING/RETRY.
     pending: Vec<OffloadKey>,
     deadline: Instant,
@@ -105,14 +118,36 @@ struct ActiveLookup {
 
 #[derive(Debug, Default)]
 struct Request {
-    rounds: BTreeMap<u64, Round>,
+    /// Open rounds by number: a request has one or two, so a list beats a map.
+    rounds: Vec<(u64, Round)>,
     lookups: BTreeMap<u64, ActiveLookup>,
-    inflight: Set<TransferId>,
+    /// Its transfers in flight (one or two, nearly always).
+    inflight: SmallVec<[TransferId; 2]>,
     /// Aborts of this request still draining.
     aborts: usize,
 }
 
 impl Request {
+    fn round(&self, key: u64) -> Option<&Round> {
+        self.rounds.iter().find(|(k, _)| *k == key).map(|(_, r)| r)
+    }
+
+    fn round_mut(&mut self, key: u64) -> Option<&mut Round> {
+        self.rounds
+            .iter_mut()
+            .find(|(k, _)| *k == key)
+            .map(|(_, r)| r)
+    }
+
+    fn remove_round(&mut self, key: u64) -> Option<Round> {
+        let at = self.rounds.iter().position(|(k, _)| *k == key)?;
+        Some(self.rounds.swap_remove(at).1)
+    }
+
+    fn round_keys(&self) -> Vec<u64> {
+        self.rounds.iter().map(|(k, _)| *k).collect()
+    }
+
     fn is_idle(&self) -> bool {
         self.rounds.is_empty()
             && self.lookups.is_empty()
@@ -162,7 +197,7 @@ pub(crate) struct ServerClose {
 #[derive(Debug)]
 pub(crate) struct ServerRole {
     peer: PeerId,
-    requests: Map<KvRequestId, Request>,
+    requests: Map<KvRequestId, Box<Request>>,
     /// Requests with lookups waiting on pending keys.
     serve_list: Set<KvRequestId>,
     inflight: Map<TransferId, Inflight>,
@@ -226,7 +261,7 @@ impl ServerRole {
     }
 
     fn prune(&mut self, id: &KvRequestId) {
-        if self.requests.get(id).is_some_and(Request::is_idle) {
+        if self.requests.get(id).is_some_and(|r| r.is_idle()) {
             self.requests.remove(id);
         }
     }
@@ -234,22 +269,21 @@ impl ServerRole {
     fn round_mut(&mut self, id: &KvRequestId, round: u64, serial: u64) -> Option<&mut Round> {
         self.requests
             .get_mut(id)?
-            .rounds
-            .get_mut(&round)
+            .round_mut(round)
             .filter(|r| r.serial == serial)
     }
 
     fn round_or_new(&mut self, id: &KvRequestId, round: u64) -> &mut Round {
-        let serial = &mut self.next_serial;
-        self.requests
-            .entry(id.clone())
-            .or_default()
-            .rounds
-            .entry(round)
-            .or_insert_with(|| {
-                *serial += 1;
-                Round::new(*serial)
-            })
+        let req = self.requests.entry(id.clone()).or_default();
+        let at = match req.rounds.iter().position(|(k, _)| *k == round) {
+            Some(at) => at,
+            None => {
+                self.next_serial += 1;
+                req.rounds.push((round, Round::new(self.next_serial)));
+                req.rounds.len() - 1
+            }
+        };
+        &mut req.rounds[at].1
     }
 
     /// Completes a store job at the parent, once; `false` if it already completed.
@@ -295,7 +329,7 @@ impl ServerRole {
             return;
         }
         rnd.lookup_supplied |= from_lookup;
-        rnd.pending_jobs.insert(job);
+        rnd.add_job(job);
         let mut matched = Matched::default();
         for (key, &local) in keys.iter().zip(blocks) {
             match rnd.demanded.remove(key) {
@@ -335,7 +369,7 @@ impl ServerRole {
         indexes: &[BlockIndex],
         round: u64,
     ) -> Result<(), String> {
-        let existing = self.requests.get(id).and_then(|r| r.rounds.get(&round));
+        let existing = self.requests.get(id).and_then(|r| r.round(round));
         if existing.is_some_and(|r| r.demand_received) {
             return Err(format!(
                 "duplicate fetch for kv_request_id={id} round={round}"
@@ -360,7 +394,7 @@ impl ServerRole {
             let rounds: Vec<u64> = self
                 .requests
                 .get(id)
-                .map(|r| r.rounds.keys().copied().collect())
+                .map(|r| r.round_keys())
                 .unwrap_or_default();
             for key in rounds {
                 self.finalize(link, cx, id, key, None, false);
@@ -423,7 +457,7 @@ impl ServerRole {
             .entry(id.clone())
             .or_default()
             .inflight
-            .insert(tid);
+            .push(tid);
         self.inflight.insert(
             tid,
             Inflight {
@@ -447,7 +481,7 @@ impl ServerRole {
             rnd.inflight -= 1;
         }
         if let Some(req) = self.requests.get_mut(&xfer.id) {
-            req.inflight.remove(&tid);
+            req.inflight.retain(|t| *t != tid);
         }
         Some(xfer)
     }
@@ -460,7 +494,7 @@ impl ServerRole {
             }
             if self.settle_job(cx, job, success) {
                 if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
-                    rnd.pending_jobs.remove(&job);
+                    rnd.remove_job(job);
                 }
             }
         }
@@ -471,13 +505,13 @@ impl ServerRole {
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return;
         };
-        let jobs: Vec<JobId> = rnd.pending_jobs.iter().copied().collect();
+        let jobs: SmallVec<[JobId; 2]> = rnd.pending_jobs.clone();
         for job in jobs {
             if self.is_read(job) {
                 continue;
             }
             if let Some(rnd) = self.round_mut(id, round, serial) {
-                rnd.pending_jobs.remove(&job);
+                rnd.remove_job(job);
             }
             self.settle_job(cx, job, false);
         }
@@ -498,13 +532,13 @@ impl ServerRole {
         let Some(req) = self.requests.get_mut(id) else {
             return;
         };
-        let Some(rnd) = req.rounds.get(&round) else {
+        let Some(rnd) = req.round(round) else {
             return;
         };
         if rnd.cancelled && rnd.inflight > 0 {
             return;
         }
-        let Some(rnd) = req.rounds.remove(&round) else {
+        let Some(rnd) = req.remove_round(round) else {
             return;
         };
         let success =
@@ -638,7 +672,7 @@ impl ServerRole {
         let serial = self
             .requests
             .get(id)
-            .and_then(|r| r.rounds.get(&round))
+            .and_then(|r| r.round(round))
             .map(|r| r.serial);
         if let Some(serial) = serial {
             let first = self.round_mut(id, round, serial).is_some_and(|r| {
@@ -795,14 +829,8 @@ impl ServerRole {
             deadline: cx.now + self.lookup_lane.delay(),
         };
         // Each unique key once, in wire order.
-        let mut seen = Set::with_capacity_and_hasher(lookup.keys.len(), Default::default());
-        let unique: Vec<OffloadKey> = lookup
-            .keys
-            .iter()
-            .filter(|k| seen.insert(*k))
-            .cloned()
-            .collect();
-        let pin_failed = self.poll_keys(link, cx, id, &mut lookup, unique);
+        let keys = lookup.keys.clone();
+        let pin_failed = self.poll_keys(link, cx, id, &mut lookup, keys, true);
         if lookup.pending.is_empty() {
             self.finish_lookup(link, cx, id, lookup);
         } else {
@@ -834,19 +862,29 @@ impl ServerRole {
         id: &KvRequestId,
         lookup: &mut ActiveLookup,
         keys: Vec<OffloadKey>,
+        first_pass: bool,
     ) -> Result<(), String> {
-        let mut hits = Vec::new();
+        let mut hits: Vec<OffloadKey> = Vec::new();
         lookup.pending.clear();
         for key in keys {
-            if lookup.answers.contains_key(&key) {
-                continue;
+            match lookup.answers.get(&key) {
+                Some(Some(_)) => continue,
+                // First pass: a repeat of a key already polled in this message.
+                Some(None) if first_pass => continue,
+                _ => {}
             }
             match cx.parent.lookup(&key, &lookup.ctx) {
-                LookupResult::Hit => hits.push(key),
-                LookupResult::Miss => {
-                    lookup.answers.insert(key, false);
+                LookupResult::Hit => {
+                    lookup.answers.insert(key.clone(), Some(true));
+                    hits.push(key);
                 }
-                LookupResult::HitPending | LookupResult::Retry => lookup.pending.push(key),
+                LookupResult::Miss => {
+                    lookup.answers.insert(key, Some(false));
+                }
+                LookupResult::HitPending | LookupResult::Retry => {
+                    lookup.answers.insert(key.clone(), None);
+                    lookup.pending.push(key);
+                }
             }
         }
         if hits.is_empty() {
@@ -854,9 +892,6 @@ impl ServerRole {
         }
         match cx.parent.create_store_job(&hits, &lookup.ctx) {
             Some(job) if job.blocks.len() == hits.len() => {
-                for key in &hits {
-                    lookup.answers.insert(key.clone(), true);
-                }
                 let supply = Supply {
                     job: job.job_id,
                     keys: &hits,
@@ -872,7 +907,7 @@ impl ServerRole {
                     cx.parent.complete_store_job(job.job_id, false);
                 }
                 for key in hits {
-                    lookup.answers.insert(key, false);
+                    lookup.answers.insert(key, Some(false));
                 }
                 Err(format!(
                     "store refused to pin keys it reported held ({})",
@@ -894,7 +929,7 @@ impl ServerRole {
             let hits = lookup
                 .keys
                 .iter()
-                .map(|k| lookup.answers.get(k).copied().unwrap_or(false))
+                .map(|k| lookup.answers.get(k).copied().flatten().unwrap_or(false))
                 .collect();
             link.send(
                 cx.out,
@@ -921,12 +956,12 @@ impl ServerRole {
             let parked = std::mem::take(&mut req.lookups);
             for (n, mut lookup) in parked {
                 let keys = std::mem::take(&mut lookup.pending);
-                if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, keys) {
+                if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, keys, false) {
                     result = Err(e);
                 }
                 if !lookup.pending.is_empty() && cx.now >= lookup.deadline {
                     for key in std::mem::take(&mut lookup.pending) {
-                        lookup.answers.insert(key, false);
+                        lookup.answers.insert(key, Some(false));
                     }
                 }
                 if lookup.pending.is_empty() {
@@ -1029,7 +1064,7 @@ impl ServerRole {
                 self.cancel_round(link, cx, &id, round, serial);
             } else {
                 if let Some(rnd) = self.round_mut(&id, round, serial) {
-                    rnd.pending_jobs.remove(&job);
+                    rnd.remove_job(job);
                 }
                 self.settle_job(cx, job, false);
             }

@@ -8,7 +8,9 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{Core, CoreConfig, CoreStats, Event, JobId, LocalNode, RequestRoles};
+use kvpeer_core::{
+    Core, CoreConfig, CoreStats, Event, JobId, LocalNode, LookupResult, Request, RequestRoles,
+};
 use kvpeer_proto::{decode, KvRequestId, Message, OffloadKey, PeerId};
 
 use super::fakes::{FakeParent, FakePlane};
@@ -58,6 +60,8 @@ pub struct Cluster {
     closed_links: HashSet<(usize, usize)>,
     /// Messages sent after `disconnect` on the same session (must stay empty).
     pub after_disconnect: Vec<String>,
+    /// The engine's request handles, by (node, name).
+    pub reqs: HashMap<(usize, String), Request>,
     /// How many times `settle` ran (to keep tests cheap).
     pub settles: u64,
 }
@@ -126,6 +130,7 @@ impl Cluster {
             next_load_job: 1_000_000,
             closed_links: HashSet::new(),
             after_disconnect: Vec::new(),
+            reqs: HashMap::new(),
             settles: 0,
         }
     }
@@ -389,14 +394,36 @@ impl Cluster {
         self.sent.iter().filter(|(n, _, m)| *n == i && f(m)).count()
     }
 
+    /// Node `i`'s engine opens request `rid` with `roles`.
+    pub fn open(&mut self, i: usize, rid: &str, roles: RequestRoles) -> Request {
+        let now = self.now;
+        let req = self.nodes[i].core.on_new_request(now, id(rid), roles);
+        self.reqs.insert((i, rid.to_owned()), req.clone());
+        req
+    }
+
+    fn req(&self, i: usize, rid: &str) -> Request {
+        self.reqs
+            .get(&(i, rid.to_owned()))
+            .cloned()
+            .expect("request opened by the test")
+    }
+
+    pub fn lookup(&mut self, i: usize, rid: &str, key: &OffloadKey) -> LookupResult {
+        let (now, req) = (self.now, self.req(i, rid));
+        self.nodes[i].core.lookup(now, &req, key)
+    }
+
+    pub fn finish(&mut self, i: usize, rid: &str) {
+        let (now, req) = (self.now, self.req(i, rid));
+        self.nodes[i].core.finish(now, &req);
+    }
+
     /// Connects node `a` to node `b` (a dials b) and runs the handshake.
     pub fn connect(&mut self, a: usize, b: usize) {
         let peer = self.nodes[b].id.clone();
-        let now = self.now;
-        self.nodes[a]
-            .core
-            .on_new_request(now, id("__warmup"), RequestRoles::prefiller(peer));
-        self.nodes[a].core.finish(now, &id("__warmup"));
+        self.open(a, "__warmup", RequestRoles::prefiller(peer));
+        self.finish(a, "__warmup");
         self.run();
     }
 
@@ -410,26 +437,19 @@ impl Cluster {
         keys: &[OffloadKey],
     ) -> (Option<JobId>, Vec<OffloadKey>) {
         let peer = self.nodes[p].id.clone();
-        let rid = id(rid);
-        let now = self.now;
-        self.nodes[c]
-            .core
-            .on_new_request(now, rid.clone(), RequestRoles::kv_source(peer));
+        let req = self.open(c, rid, RequestRoles::kv_source(peer));
         self.run();
         for k in keys {
-            let now = self.now;
-            self.nodes[c].core.lookup(now, &rid, k);
+            self.lookup(c, rid, k);
         }
         let now = self.now;
         self.nodes[c].core.flush_lookups(now);
         self.run();
-        let mut hits = Vec::new();
-        for k in keys {
-            let now = self.now;
-            if self.nodes[c].core.lookup(now, &rid, k) == kvpeer_core::LookupResult::Hit {
-                hits.push(k.clone());
-            }
-        }
+        let hits: Vec<OffloadKey> = keys
+            .iter()
+            .filter(|k| self.lookup(c, rid, k) == LookupResult::Hit)
+            .cloned()
+            .collect();
         if hits.is_empty() {
             return (None, hits);
         }
@@ -438,7 +458,7 @@ impl Cluster {
         let now = self.now;
         self.nodes[c]
             .core
-            .submit_load(now, job, &rid, hits.clone(), blocks);
+            .submit_load(now, job, &req, hits.clone(), blocks);
         self.run();
         (Some(job), hits)
     }
@@ -500,7 +520,7 @@ impl Cluster {
                     s.store_jobs,
                     s.inflight,
                     s.unbound_batches,
-                    s.requests
+                    s.failed_ids
                 ),
                 (0, 0, 0, 0, 0, 0),
                 "node {i}: state left: {s:?}"

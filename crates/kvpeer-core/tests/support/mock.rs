@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{Core, CoreConfig, Event, JobId, LookupResult, RequestRoles};
+use std::collections::HashMap;
+
+use kvpeer_core::{Core, CoreConfig, Event, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{
     Abort, Connect, ConnectAck, Fetch, KvRequestId, LookupResp, Message, OffloadKey, PeerId,
     RoundSeq, TransferDone,
@@ -21,6 +23,8 @@ pub struct Mock {
     pub sent: Vec<Message>,
     /// Every event.
     pub events: Vec<Event>,
+    /// The engine's request handles, by name.
+    pub reqs: HashMap<String, Request>,
 }
 
 impl Mock {
@@ -42,6 +46,7 @@ impl Mock {
             peer: peer_id(1),
             sent: Vec::new(),
             events: Vec::new(),
+            reqs: HashMap::new(),
         }
     }
 
@@ -91,10 +96,33 @@ impl Mock {
         accepted
     }
 
+    /// The engine opens a request with `roles` (a consumer dials its producer).
+    pub fn open(&mut self, rid: &str, roles: RequestRoles) -> Request {
+        let req = self
+            .core
+            .on_new_request(self.now, KvRequestId::from(rid), roles);
+        self.reqs.insert(rid.to_owned(), req.clone());
+        self.pump();
+        req
+    }
+
     /// The core dials the peer (a consumer request toward it).
     pub fn dial(&mut self, rid: &str, roles: RequestRoles) {
-        self.core
-            .on_new_request(self.now, KvRequestId::from(rid), roles);
+        self.open(rid, roles);
+    }
+
+    /// The handle of request `rid`; a request the test never opened is opened with no roles.
+    pub fn req(&mut self, rid: &str) -> Request {
+        match self.reqs.get(rid) {
+            Some(r) => r.clone(),
+            None => self.open(rid, RequestRoles::default()),
+        }
+    }
+
+    /// The engine stores blocks for `rid` (pinned as job `job`).
+    pub fn store(&mut self, job: JobId, rid: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>) {
+        let req = self.req(rid);
+        self.core.submit_store(self.now, job, &req, keys, blocks);
         self.pump();
     }
 
@@ -154,7 +182,8 @@ impl Mock {
     }
 
     pub fn lookup(&mut self, rid: &str, key: &OffloadKey) -> LookupResult {
-        let r = self.core.lookup(self.now, &KvRequestId::from(rid), key);
+        let req = self.req(rid);
+        let r = self.core.lookup(self.now, &req, key);
         self.pump();
         r
     }
@@ -165,13 +194,14 @@ impl Mock {
     }
 
     pub fn load(&mut self, job: JobId, rid: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>) {
-        self.core
-            .submit_load(self.now, job, &KvRequestId::from(rid), keys, blocks);
+        let req = self.req(rid);
+        self.core.submit_load(self.now, job, &req, keys, blocks);
         self.pump();
     }
 
     pub fn finish(&mut self, rid: &str) {
-        self.core.finish(self.now, &KvRequestId::from(rid));
+        let req = self.req(rid);
+        self.core.finish(self.now, &req);
         self.pump();
     }
 
