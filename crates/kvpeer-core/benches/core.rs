@@ -37,6 +37,8 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 struct Counting;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Bytes currently allocated (to measure the memory each open request holds).
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
 
 const SYSTEM_ALLOCATOR: bool = cfg!(feature = "bench-system-alloc");
 
@@ -50,6 +52,7 @@ fn system_allocator() -> bool {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        LIVE_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: same layout contract as our caller's.
         unsafe {
             if system_allocator() {
@@ -61,6 +64,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: `ptr` was allocated with this layout by the same allocator (fixed at compile
         // time, see `alloc`).
         unsafe {
@@ -74,6 +78,8 @@ unsafe impl GlobalAlloc for Counting {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        LIVE_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+        LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         // SAFETY: as for `dealloc`; the caller upholds the rest of the contract.
         unsafe {
             if system_allocator() {
@@ -361,13 +367,16 @@ fn main() {
     const WINDOW: u64 = 1_000;
     let mut open = HashMap::new();
     for &n in &sizes {
-        let population = open_population(
-            &mut c,
-            &mut p,
-            now,
-            n.saturating_sub(WINDOW.min(n)),
-            1 << 50 | base,
-        );
+        let before = LIVE_BYTES.load(Ordering::Relaxed);
+        let size = n.saturating_sub(WINDOW.min(n));
+        let population = open_population(&mut c, &mut p, now, size, 1 << 50 | base);
+        if size >= 10_000 {
+            let held = LIVE_BYTES.load(Ordering::Relaxed).saturating_sub(before);
+            println!(
+                "          ({size} requests held open with a load in flight: {:.0} heap bytes per request, both cores)",
+                held as f64 / size as f64
+            );
+        }
         base += n;
         let window = WINDOW.min(n);
         let runs = 40;

@@ -242,8 +242,9 @@ impl ClientRole {
         ));
         req.peer_lookup_open = false;
         // The fetch closes the round: the next round probes afresh, since served blocks are
-        // unpinned at the producer and may be evicted.
-        req.probes.clear();
+        // unpinned at the producer and may be evicted. The map's memory goes too: a request
+        // often waits for its load with nothing more to probe.
+        req.probes = Map::default();
         req.unanswered = 0;
         req.lookup_deadline = None;
         self.active_loads += 1;

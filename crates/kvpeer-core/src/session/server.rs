@@ -31,6 +31,24 @@ use crate::output::{Event, Link};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, CancelMode, JobId, LookupResult, ServeCtx, TransferId};
 
+/// A store job: local blocks pinned for the peer until the job completes.
+#[derive(Debug, Clone, Copy)]
+struct Pin {
+    job: JobId,
+    submitted_at: Instant,
+    /// Inflight transfers reading the job's blocks; the pin stays while any does.
+    readers: u32,
+}
+
+/// A pin whose round ended while a write still read it; it completes when that write ends.
+#[derive(Debug)]
+struct Orphan {
+    pin: Pin,
+    id: KvRequestId,
+    round: u64,
+    serial: u64,
+}
+
 /// One fetch round of one request: supply (blocks pinned for it) against demand (the fetch).
 #[derive(Debug)]
 struct Round {
@@ -52,19 +70,19 @@ struct Round {
     /// Failed or aborted while transfers may still be writing.
     cancelled: bool,
     last_cancel_at: Option<Instant>,
-    /// Store jobs supplying the round that have not completed (one or two, nearly always).
-    pending_jobs: SmallVec<[JobId; 2]>,
+    /// Pins (store jobs) supplying the round that have not completed; one or two, nearly
+    /// always. A pin lives here, with its round, so no table of all pins is needed.
+    pins: SmallVec<[Pin; 2]>,
 }
 
 impl Round {
-    fn add_job(&mut self, job: JobId) {
-        if !self.pending_jobs.contains(&job) {
-            self.pending_jobs.push(job);
-        }
+    fn pin_mut(&mut self, job: JobId) -> Option<&mut Pin> {
+        self.pins.iter_mut().find(|p| p.job == job)
     }
 
-    fn remove_job(&mut self, job: JobId) {
-        self.pending_jobs.retain(|j| *j != job);
+    fn remove_pin(&mut self, job: JobId) -> Option<Pin> {
+        let at = self.pins.iter().position(|p| p.job == job)?;
+        Some(self.pins.swap_remove(at))
     }
 
     fn new(serial: u64) -> Self {
@@ -79,7 +97,7 @@ impl Round {
             inflight: 0,
             cancelled: false,
             last_cancel_at: None,
-            pending_jobs: SmallVec::new(),
+            pins: SmallVec::new(),
         }
     }
 }
@@ -89,7 +107,7 @@ impl Round {
 struct Matched {
     local: Vec<BlockIndex>,
     remote: Vec<BlockIndex>,
-    jobs: Vec<JobId>,
+    jobs: SmallVec<[JobId; 2]>,
 }
 
 impl Matched {
@@ -162,17 +180,7 @@ struct Inflight {
     round: u64,
     serial: u64,
     blocks: usize,
-    jobs: Vec<JobId>,
-}
-
-#[derive(Debug)]
-struct StoreJob {
-    submitted_at: Instant,
-    id: KvRequestId,
-    round: u64,
-    serial: u64,
-    /// Inflight transfers reading this job's blocks; the pin stays while any does.
-    readers: u32,
+    jobs: SmallVec<[JobId; 2]>,
 }
 
 /// Blocks pinned for a peer by one store job, offered as supply to one round.
@@ -201,8 +209,11 @@ pub(crate) struct ServerRole {
     /// Requests with lookups waiting on pending keys.
     serve_list: Set<KvRequestId>,
     inflight: Map<TransferId, Inflight>,
-    store_jobs: Map<JobId, StoreJob>,
-    store_lane: Lane<JobId>,
+    /// Pins whose round ended while a write still read them (rare).
+    orphans: Map<JobId, Orphan>,
+    /// Pins not completed yet, in rounds and orphaned.
+    open_pins: usize,
+    store_lane: Lane<(KvRequestId, u64, u64, JobId)>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
     next_serial: u64,
@@ -233,7 +244,8 @@ impl ServerRole {
             requests: Map::default(),
             serve_list: Set::default(),
             inflight: Map::default(),
-            store_jobs: Map::default(),
+            orphans: Map::default(),
+            open_pins: 0,
             store_lane: Lane::new(config.store_timeout),
             lookup_lane: Lane::new(config.lookup_pending_timeout),
             next_lookup_id: 0,
@@ -253,11 +265,7 @@ impl ServerRole {
 
     /// Open requests, store jobs and inflight transfers (for invariant checks and stats).
     pub(crate) fn counts(&self) -> (usize, usize, usize) {
-        (
-            self.requests.len(),
-            self.store_jobs.len(),
-            self.inflight.len(),
-        )
+        (self.requests.len(), self.open_pins, self.inflight.len())
     }
 
     fn prune(&mut self, id: &KvRequestId) {
@@ -286,18 +294,12 @@ impl ServerRole {
         &mut req.rounds[at].1
     }
 
-    /// Completes a store job at the parent, once; `false` if it already completed.
-    fn settle_job(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) -> bool {
-        if self.store_jobs.remove(&job).is_none() {
-            return false;
-        }
+    /// Completes a pin (store job) at the parent. The caller has just removed it from where it
+    /// lived, so each pin completes exactly once.
+    fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
+        self.open_pins -= 1;
         cx.parent.complete_store_job(job, success);
         cx.out.event(Event::StoreDone { job, success });
-        true
-    }
-
-    fn is_read(&self, job: JobId) -> bool {
-        self.store_jobs.get(&job).is_some_and(|j| j.readers > 0)
     }
 
     // ---- supply ----
@@ -329,7 +331,14 @@ impl ServerRole {
             return;
         }
         rnd.lookup_supplied |= from_lookup;
-        rnd.add_job(job);
+        let new_pin = rnd.pin_mut(job).is_none();
+        if new_pin {
+            rnd.pins.push(Pin {
+                job,
+                submitted_at: cx.now,
+                readers: 0,
+            });
+        }
         let mut matched = Matched::default();
         for (key, &local) in keys.iter().zip(blocks) {
             match rnd.demanded.remove(key) {
@@ -340,17 +349,11 @@ impl ServerRole {
             }
         }
         let demand_received = rnd.demand_received;
-        self.store_jobs.insert(
-            job,
-            StoreJob {
-                submitted_at: cx.now,
-                id: id.clone(),
-                round,
-                serial,
-                readers: 0,
-            },
-        );
-        self.store_lane.arm(cx.now, job);
+        if new_pin {
+            self.open_pins += 1;
+            self.store_lane
+                .arm(cx.now, (id.clone(), round, serial, job));
+        }
         if !matched.local.is_empty() && demand_received {
             self.submit_transfer(link, cx, id, round, serial, matched);
         }
@@ -387,6 +390,10 @@ impl ServerRole {
                     rnd.demanded.insert(key.clone(), remote);
                 }
             }
+        }
+        if rnd.available.is_empty() {
+            // Every supplied block is matched: give the map's memory back while the writes run.
+            rnd.available = Map::default();
         }
         if keys.is_empty() {
             // Terminal fetch: the request is over on the peer's side. No transfer_done.
@@ -445,9 +452,11 @@ impl ServerRole {
             }
             return;
         };
-        for job in &matched.jobs {
-            if let Some(state) = self.store_jobs.get_mut(job) {
-                state.readers += 1;
+        if let Some(rnd) = self.round_mut(id, round, serial) {
+            for job in &matched.jobs {
+                if let Some(pin) = rnd.pin_mut(*job) {
+                    pin.readers += 1;
+                }
             }
         }
         if let Some(rnd) = self.round_mut(id, round, serial) {
@@ -472,9 +481,13 @@ impl ServerRole {
 
     fn pop_inflight(&mut self, tid: TransferId) -> Option<Inflight> {
         let xfer = self.inflight.remove(&tid)?;
-        for job in &xfer.jobs {
-            if let Some(state) = self.store_jobs.get_mut(job) {
-                state.readers = state.readers.saturating_sub(1);
+        for &job in &xfer.jobs {
+            let pin = match self.round_mut(&xfer.id, xfer.round, xfer.serial) {
+                Some(rnd) => rnd.pin_mut(job),
+                None => self.orphans.get_mut(&job).map(|o| &mut o.pin),
+            };
+            if let Some(pin) = pin {
+                pin.readers = pin.readers.saturating_sub(1);
             }
         }
         if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
@@ -486,34 +499,39 @@ impl ServerRole {
         Some(xfer)
     }
 
-    /// Completes the jobs a terminal transfer read, unless another transfer still reads them.
+    /// Completes the pins a terminal transfer read, unless another transfer still reads them.
     fn settle_transfer_jobs(&mut self, cx: &mut Cx<'_>, xfer: &Inflight, success: bool) {
         for &job in &xfer.jobs {
-            if self.is_read(job) {
-                continue;
-            }
-            if self.settle_job(cx, job, success) {
-                if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
-                    rnd.remove_job(job);
-                }
+            let done = match self.round_mut(&xfer.id, xfer.round, xfer.serial) {
+                Some(rnd) => match rnd.pin_mut(job) {
+                    Some(pin) if pin.readers == 0 => rnd.remove_pin(job).is_some(),
+                    _ => false,
+                },
+                None => match self.orphans.get(&job) {
+                    Some(o) if o.pin.readers == 0 => self.orphans.remove(&job).is_some(),
+                    _ => false,
+                },
+            };
+            if done {
+                self.complete_pin(cx, job, success);
             }
         }
     }
 
-    /// Fails a round's jobs that no inflight transfer reads (those keep their pins).
+    /// Fails a round's pins that no inflight transfer reads (those keep their pins).
     fn fail_unread_jobs(&mut self, cx: &mut Cx<'_>, id: &KvRequestId, round: u64, serial: u64) {
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return;
         };
-        let jobs: SmallVec<[JobId; 2]> = rnd.pending_jobs.clone();
-        for job in jobs {
-            if self.is_read(job) {
-                continue;
-            }
-            if let Some(rnd) = self.round_mut(id, round, serial) {
-                rnd.remove_job(job);
-            }
-            self.settle_job(cx, job, false);
+        let unread: SmallVec<[JobId; 2]> = rnd
+            .pins
+            .iter()
+            .filter(|p| p.readers == 0)
+            .map(|p| p.job)
+            .collect();
+        rnd.pins.retain(|p| p.readers > 0);
+        for job in unread {
+            self.complete_pin(cx, job, false);
         }
     }
 
@@ -543,10 +561,19 @@ impl ServerRole {
         };
         let success =
             !rnd.cancelled && success.unwrap_or(rnd.demand_received && rnd.remaining == 0);
-        for job in rnd.pending_jobs {
-            // A job still read by a transfer completes when that transfer ends.
-            if !self.is_read(job) {
-                self.settle_job(cx, job, success);
+        let serial = rnd.serial;
+        for pin in rnd.pins {
+            if pin.readers == 0 {
+                self.complete_pin(cx, pin.job, success);
+            } else {
+                // Still read by a transfer: it completes when that transfer ends.
+                let orphan = Orphan {
+                    pin,
+                    id: id.clone(),
+                    round,
+                    serial,
+                };
+                self.orphans.insert(pin.job, orphan);
             }
         }
         debug!(peer = %self.peer, kv_request_id = %id, round, success, send_done, "round finalized");
@@ -770,19 +797,14 @@ impl ServerRole {
             self.drain_abort(link, cx, id, round);
             return;
         }
-        let Some(rnd) = self.round_mut(id, round, serial) else {
-            return;
-        };
-        rnd.cancelled = true;
+        // The round may be gone already (its pins orphaned): its transfers still need stopping.
+        if let Some(rnd) = self.round_mut(id, round, serial) {
+            rnd.cancelled = true;
+        }
         if !self.cancel_due(id, round, serial, cx.now) {
             return;
         }
-        let ids: Vec<TransferId> = self
-            .inflight
-            .iter()
-            .filter(|(_, x)| &x.id == id && x.round == round && x.serial == serial)
-            .map(|(t, _)| *t)
-            .collect();
+        let ids = self.round_transfers(id, round, serial);
         let still = if ids.is_empty() {
             Vec::new()
         } else {
@@ -800,9 +822,25 @@ impl ServerRole {
             .is_some_and(|r| r.inflight == 0)
         {
             self.finalize_cancelled(link, cx, id, round);
-        } else {
+        } else if !self.round_transfers(id, round, serial).is_empty() {
             self.retry_lane.arm(cx.now, (id.clone(), round, serial));
         }
+    }
+
+    /// The transfers in flight for one round (from the request's own short list).
+    fn round_transfers(&self, id: &KvRequestId, round: u64, serial: u64) -> Vec<TransferId> {
+        let Some(req) = self.requests.get(id) else {
+            return Vec::new();
+        };
+        req.inflight
+            .iter()
+            .copied()
+            .filter(|t| {
+                self.inflight
+                    .get(t)
+                    .is_some_and(|x| x.round == round && x.serial == serial)
+            })
+            .collect()
     }
 
     // ---- lookups ----
@@ -1046,35 +1084,41 @@ impl ServerRole {
             }
         }
         let store_delay = self.store_lane.delay();
-        while let Some((deadline, job)) = self.store_lane.pop_due(now) {
-            let Some(state) = self.store_jobs.get(&job) else {
+        while let Some((deadline, (id, round, serial, job))) = self.store_lane.pop_due(now) {
+            let expired = |pin: &Pin| pin.submitted_at + store_delay == deadline;
+            let readers = match self.round_mut(&id, round, serial) {
+                Some(rnd) => match rnd.pin_mut(job) {
+                    Some(pin) if expired(pin) => {
+                        let readers = pin.readers;
+                        // The job's blocks must not be offered to a fetch any more.
+                        rnd.available.retain(|_, (j, _)| *j != job);
+                        Some(readers)
+                    }
+                    _ => None,
+                },
+                None => self
+                    .orphans
+                    .get(&job)
+                    .filter(|o| {
+                        o.id == id && o.round == round && o.serial == serial && expired(&o.pin)
+                    })
+                    .map(|o| o.pin.readers),
+            };
+            let Some(readers) = readers else {
                 continue;
             };
-            if state.submitted_at + store_delay != deadline {
-                continue;
-            }
-            let (id, round, serial) = (state.id.clone(), state.round, state.serial);
             warn!(peer = %self.peer, job, kv_request_id = %id, "store job timed out");
-            // The job's blocks must not be offered to a fetch any more.
-            if let Some(rnd) = self.round_mut(&id, round, serial) {
-                rnd.available.retain(|_, (j, _)| *j != job);
-            }
-            if self.is_read(job) {
+            if readers > 0 {
                 // Writes still read it: cancel them; the pin stays until they are terminal.
                 self.cancel_round(link, cx, &id, round, serial);
-            } else {
-                if let Some(rnd) = self.round_mut(&id, round, serial) {
-                    rnd.remove_job(job);
+            } else if let Some(rnd) = self.round_mut(&id, round, serial) {
+                if rnd.remove_pin(job).is_some() {
+                    self.complete_pin(cx, job, false);
                 }
-                self.settle_job(cx, job, false);
             }
         }
         while let Some((_, (id, round, serial))) = self.retry_lane.pop_due(now) {
-            let waiting = self
-                .inflight
-                .values()
-                .any(|x| x.id == id && x.round == round);
-            if waiting {
+            if !self.round_transfers(&id, round, serial).is_empty() {
                 self.cancel_round(link, cx, &id, round, serial);
             }
         }
@@ -1106,17 +1150,19 @@ impl ServerRole {
             cx.plane.cancel(&ids, CancelMode::Immediate);
         }
         self.inflight.clear();
-        let jobs: Vec<JobId> = self.store_jobs.keys().copied().collect();
-        for job in jobs {
-            if self.settle_job(cx, job, false) {
-                result.failed_stores += 1;
-            }
-        }
+        let mut pins: Vec<JobId> = self.orphans.drain().map(|(job, _)| job).collect();
         for (_, req) in self.requests.drain() {
+            for (_, rnd) in req.rounds {
+                pins.extend(rnd.pins.iter().map(|p| p.job));
+            }
             for (_, lookup) in req.lookups {
                 cx.parent.on_request_finished(&lookup.ctx);
                 result.released_serves += 1;
             }
+        }
+        for job in pins {
+            self.complete_pin(cx, job, false);
+            result.failed_stores += 1;
         }
         self.serve_list.clear();
         self.aborts.clear();
