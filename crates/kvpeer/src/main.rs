@@ -9,6 +9,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc keeps the core's per-request cost flat as requests grow, where glibc's allocator
+/// slows with many live objects (`cargo bench -p kvpeer-core --bench core`, docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// kvpeer: peer-to-peer KV-cache sharing for LLM inference, wire-compatible with vLLM's P2P
 /// tier (vLLM 0.27-0.33).
 #[derive(Debug, Parser)]
