@@ -364,6 +364,14 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         match decode_with_limits(payload, &self.limits) {
             Ok(message) => self.handle_message(now, peer, message),
+            Err(e) if !self.sessions.contains_key(peer) => {
+                // Not a `connect`, so it opens no session: the channel closes the connection.
+                warn!(%peer, error = %e, "refusing a bad first payload from a peer without a session");
+                self.out.event(Event::Refused {
+                    peer: peer.clone(),
+                    reason: format!("no session, and the first payload is no connect: {e}"),
+                });
+            }
             Err(DecodeError::Protocol(e)) => {
                 self.with_session(peer, |s, cx, _| {
                     s.on_invalid_message(cx, format!("malformed message: {e}"))

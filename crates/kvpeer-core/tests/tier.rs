@@ -586,14 +586,18 @@ fn only_a_connect_opens_an_inbound_session() {
     }));
     m.recv(Message::Disconnect);
     m.recv(transfer_done("r", true, 0));
+    m.recv_raw(&[0xc1]);
+    m.recv_raw(&[0x93, 1, 2, 3]);
     assert_eq!(m.core.stats().sessions, 0);
     assert!(m.take_sent().is_empty());
+    let refused = m
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::Refused { .. }))
+        .count();
     assert_eq!(
-        m.events
-            .iter()
-            .filter(|e| matches!(e, Event::Refused { .. }))
-            .count(),
-        3
+        refused, 5,
+        "each leftover or bad payload closes its connection"
     );
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
