@@ -22,3 +22,4 @@ fn symmetric_lookup_fetch_and_finish() {
     c.run();
     c.assert_clean();
 }
+

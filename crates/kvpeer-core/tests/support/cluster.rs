@@ -66,6 +66,29 @@ pub struct Cluster {
     pub settles: u64,
 }
 
+/// At the end of every passing test: finish what the test left open, shut every core down, let
+/// the last messages land, and check nothing is left behind.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let reqs: Vec<(usize, String)> = self.reqs.keys().cloned().collect();
+        for (i, rid) in reqs {
+            self.finish(i, &rid);
+        }
+        self.reqs.clear();
+        self.policy = None;
+        self.run_for(std::time::Duration::from_secs(1));
+        let now = self.now;
+        for n in &mut self.nodes {
+            n.core.shutdown(now);
+        }
+        self.settle();
+        self.assert_clean();
+    }
+}
+
 pub fn peer_id(i: usize) -> PeerId {
     PeerId::new(format!("10.0.0.{}:5710", i + 1))
 }

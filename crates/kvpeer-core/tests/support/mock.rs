@@ -240,6 +240,10 @@ impl Mock {
     /// The invariants every session test ends with (at the core's side).
     pub fn assert_clean(&mut self) {
         self.pump();
+        self.check_invariants();
+    }
+
+    fn check_invariants(&mut self) {
         let p = self.core.parent();
         assert!(p.violations.is_empty(), "{:?}", p.violations);
         assert!(p.pins.is_empty(), "pins left: {:?}", p.pins);
@@ -271,6 +275,25 @@ impl Mock {
                 .collect();
             assert!(after.is_empty(), "sent after disconnect: {after:?}");
         }
+    }
+}
+
+/// At the end of every passing test: finish what the test left open, shut the core down, and
+/// check nothing is left behind (the invariants hold after any test, not only those that call
+/// `assert_clean` themselves).
+impl Drop for Mock {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let reqs: Vec<Request> = self.reqs.values().cloned().collect();
+        for req in &reqs {
+            self.core.finish(self.now, req);
+        }
+        self.core.shutdown(self.now);
+        self.pump();
+        self.reqs.clear();
+        self.check_invariants();
     }
 }
 
