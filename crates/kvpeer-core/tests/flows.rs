@@ -22,4 +22,3 @@ fn symmetric_lookup_fetch_and_finish() {
     c.run();
     c.assert_clean();
 }
-
