@@ -239,27 +239,27 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         peer: &PeerId,
         f: impl FnOnce(&mut Session, &mut Cx<'_>, &LocalNode) -> R,
     ) -> Option<R> {
-        let session = self.sessions.get_mut(peer)?;
-        let mut cx = Cx {
+        let (sessions, mut cx, local) = self.split();
+        let session = sessions.get_mut(peer)?;
+        Some(f(session, &mut cx, local))
+    }
+
+    /// Lends the sessions, what a session may touch, and this node's identity, at once.
+    fn split(&mut self) -> (&mut Map<PeerId, Session>, Cx<'_>, &LocalNode) {
+        let cx = Cx {
             now: self.now,
             config: &self.config,
             parent: &mut self.parent,
             plane: &mut self.plane,
             out: &mut self.out,
         };
-        Some(f(session, &mut cx, &self.local))
+        (&mut self.sessions, cx, &self.local)
     }
 
     /// Runs `f` on every session.
     fn each_session(&mut self, mut f: impl FnMut(&mut Session, &mut Cx<'_>)) {
-        let mut cx = Cx {
-            now: self.now,
-            config: &self.config,
-            parent: &mut self.parent,
-            plane: &mut self.plane,
-            out: &mut self.out,
-        };
-        for session in self.sessions.values_mut() {
+        let (sessions, mut cx, _) = self.split();
+        for session in sessions.values_mut() {
             f(session, &mut cx);
         }
     }
@@ -719,16 +719,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return;
         };
         self.bound.retain(|_, p| p != peer);
-        let closed = {
-            let mut cx = Cx {
-                now: self.now,
-                config: &self.config,
-                parent: &mut self.parent,
-                plane: &mut self.plane,
-                out: &mut self.out,
-            };
-            session.close(&mut cx)
-        };
+        let closed = session.close(&mut self.split().1);
         for (job, id, live) in closed.client.failed_jobs {
             self.out.load_done(job, id, false, live);
         }
