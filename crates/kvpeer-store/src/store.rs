@@ -1,0 +1,410 @@
+//! The block store: which key each block holds, which blocks are pinned, which are being
+//! written, and which may be evicted.
+//!
+//! Owned by the node's runtime thread (the core's [`Parent`] and the engine API use it there);
+//! nothing blocks. Every operation is O(1) per block: a hash index `key → block`, a per-block
+//! slot, a free list, and an O(1) LRU of the blocks that may be evicted (readable and unpinned).
+//!
+//! A block's life: **free** → reserved for a fetch (**writing**: a peer's write is landing, peers
+//! asking for its key get HIT_PENDING) → **ready** (readable; in the LRU unless pinned) →
+//! evicted back to free. Blocks the engine stores go straight to ready. A **pin** (a store job)
+//! keeps a ready block from eviction until the job completes, successfully or not.
+
+use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
+use kvpeer_proto::OffloadKey;
+
+use crate::lru::Lru;
+use crate::region::{Region, RegionError};
+
+type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// How to make a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Name of the shared-memory object (for `shm_open`, without the leading `/`).
+    pub shm_name: String,
+    /// Blocks in the pool.
+    pub num_blocks: u64,
+    /// Bytes per block.
+    pub block_len: u64,
+    /// Lock the pool in memory (`mlock`).
+    pub lock_memory: bool,
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The region could not be made.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// More blocks are needed than are free or evictable (the rest are pinned or being written).
+    #[error("no room: {wanted} blocks wanted, {available} free or evictable")]
+    Full {
+        /// Blocks asked for.
+        wanted: usize,
+        /// Blocks that could be had.
+        available: usize,
+    },
+    /// The pool has more blocks than the store can index (2^32 - 1).
+    #[error("{0} blocks is more than the store can index")]
+    TooManyBlocks(u64),
+    /// A block index outside the pool, or not in the state the call needs.
+    #[error("block {block}: {reason}")]
+    BadBlock {
+        /// The block.
+        block: BlockIndex,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// Bytes of the wrong size for a block.
+    #[error("{len} bytes given for a block of {block_len}")]
+    WrongSize {
+        /// Bytes given.
+        len: usize,
+        /// Bytes per block.
+        block_len: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Free,
+    Writing,
+    Ready,
+}
+
+#[derive(Debug)]
+struct Slot {
+    key: Option<OffloadKey>,
+    state: State,
+    pins: u32,
+}
+
+/// Occupancy, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Blocks in the pool.
+    pub capacity: u64,
+    /// Bytes per block.
+    pub block_len: u64,
+    /// Readable blocks.
+    pub ready: u64,
+    /// Blocks a write is landing in.
+    pub writing: u64,
+    /// Unused blocks.
+    pub free: u64,
+    /// Blocks held by at least one pin.
+    pub pinned: u64,
+    /// Store jobs (pins) open.
+    pub jobs: u64,
+    /// Serve contexts open (inbound lookups in progress).
+    pub open_contexts: u64,
+}
+
+/// The node's pool of KV blocks.
+#[derive(Debug)]
+pub struct BlockStore {
+    region: Region,
+    slots: Vec<Slot>,
+    index: Map<OffloadKey, u32>,
+    lru: Lru,
+    free: Vec<u32>,
+    jobs: Map<JobId, Vec<u32>>,
+    next_job: JobId,
+    pinned: u64,
+    writing: u64,
+    open_contexts: u64,
+}
+
+impl BlockStore {
+    /// A store over a fresh shared-memory region.
+    pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
+        let blocks = u32::try_from(config.num_blocks)
+            .ok()
+            .filter(|n| *n < u32::MAX)
+            .ok_or(StoreError::TooManyBlocks(config.num_blocks))?;
+        let region = Region::create(
+            &config.shm_name,
+            config.num_blocks,
+            config.block_len,
+            config.lock_memory,
+        )?;
+        let n = blocks as usize;
+        Ok(BlockStore {
+            region,
+            slots: (0..n)
+                .map(|_| Slot {
+                    key: None,
+                    state: State::Free,
+                    pins: 0,
+                })
+                .collect(),
+            index: Map::default(),
+            lru: Lru::new(n),
+            // Pop from the end: lowest blocks first.
+            free: (0..blocks).rev().collect(),
+            jobs: Map::default(),
+            next_job: 0,
+            pinned: 0,
+            writing: 0,
+            open_contexts: 0,
+        })
+    }
+
+    /// The region (its shm name, base address, size).
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// Occupancy.
+    pub fn stats(&self) -> StoreStats {
+        let capacity = self.slots.len() as u64;
+        let free = self.free.len() as u64;
+        StoreStats {
+            capacity,
+            block_len: self.region.block_len(),
+            ready: capacity - free - self.writing,
+            writing: self.writing,
+            free,
+            pinned: self.pinned,
+            jobs: self.jobs.len() as u64,
+            open_contexts: self.open_contexts,
+        }
+    }
+
+    /// Whether `key` is held: readable (HIT, and it becomes the most recently used), being
+    /// written (HIT_PENDING), or not (MISS).
+    pub fn lookup(&mut self, key: &OffloadKey) -> LookupResult {
+        let Some(&b) = self.index.get(key) else {
+            return LookupResult::Miss;
+        };
+        match self.slots[b as usize].state {
+            State::Ready => {
+                if self.lru.contains(b) {
+                    self.lru.touch(b);
+                }
+                LookupResult::Hit
+            }
+            State::Writing => LookupResult::HitPending,
+            State::Free => LookupResult::Miss,
+        }
+    }
+
+    /// The block holding `key`, if readable.
+    pub fn block_of(&self, key: &OffloadKey) -> Option<BlockIndex> {
+        let &b = self.index.get(key)?;
+        (self.slots[b as usize].state == State::Ready).then_some(u64::from(b))
+    }
+
+    /// The bytes of a readable block.
+    pub fn read(&self, block: BlockIndex) -> Result<&[u8], StoreError> {
+        let b = self.slot_index(block, State::Ready, "not readable")?;
+        self.region.block(u64::from(b)).ok_or(StoreError::BadBlock {
+            block,
+            reason: "outside the pool",
+        })
+    }
+
+    /// The bytes of a block being written (for a data plane that writes in place).
+    pub fn write_target(&mut self, block: BlockIndex) -> Result<&mut [u8], StoreError> {
+        let b = self.slot_index(block, State::Writing, "not reserved for a write")?;
+        self.region
+            .block_mut(u64::from(b))
+            .ok_or(StoreError::BadBlock {
+                block,
+                reason: "outside the pool",
+            })
+    }
+
+    fn slot_index(
+        &self,
+        block: BlockIndex,
+        state: State,
+        reason: &'static str,
+    ) -> Result<u32, StoreError> {
+        let b = u32::try_from(block)
+            .ok()
+            .filter(|b| (*b as usize) < self.slots.len())
+            .ok_or(StoreError::BadBlock {
+                block,
+                reason: "outside the pool",
+            })?;
+        if self.slots[b as usize].state != state {
+            return Err(StoreError::BadBlock { block, reason });
+        }
+        Ok(b)
+    }
+
+    /// Takes `n` blocks: free ones first, then the least recently used ready ones (evicted).
+    /// All or nothing.
+    fn take_blocks(&mut self, n: usize) -> Result<Vec<u32>, StoreError> {
+        let available = self.free.len() + self.lru.len();
+        if n > available {
+            return Err(StoreError::Full {
+                wanted: n,
+                available,
+            });
+        }
+        let mut taken = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = match self.free.pop() {
+                Some(b) => b,
+                None => {
+                    let Some(b) = self.lru.pop_oldest() else {
+                        break;
+                    };
+                    self.evict(b);
+                    b
+                }
+            };
+            taken.push(b);
+        }
+        Ok(taken)
+    }
+
+    fn evict(&mut self, b: u32) {
+        let slot = &mut self.slots[b as usize];
+        if let Some(key) = slot.key.take() {
+            if self.index.get(&key) == Some(&b) {
+                self.index.remove(&key);
+            }
+        }
+        slot.state = State::Free;
+    }
+
+    /// Reserves destination blocks for a fetch of `keys` (the consumer side). Until
+    /// [`BlockStore::finish_write`], peers asking for these keys get HIT_PENDING. A key already
+    /// held keeps its block and is reserved again only if it is not readable.
+    pub fn reserve(&mut self, keys: &[OffloadKey]) -> Result<Vec<BlockIndex>, StoreError> {
+        let taken = self.take_blocks(keys.len())?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (key, b) in keys.iter().zip(taken) {
+            if let Some(old) = self.index.insert(key.clone(), b) {
+                // The key was held elsewhere: its old block loses it.
+                let slot = &mut self.slots[old as usize];
+                if slot.state == State::Ready && slot.pins == 0 {
+                    self.lru.remove(old);
+                    slot.key = None;
+                    slot.state = State::Free;
+                    self.free.push(old);
+                } else {
+                    slot.key = None;
+                }
+            }
+            let slot = &mut self.slots[b as usize];
+            slot.key = Some(key.clone());
+            slot.state = State::Writing;
+            self.writing += 1;
+            out.push(u64::from(b));
+        }
+        Ok(out)
+    }
+
+    /// Ends writes into reserved blocks: readable on success, freed (and forgotten) on failure.
+    pub fn finish_write(&mut self, blocks: &[BlockIndex], success: bool) {
+        for &block in blocks {
+            let Ok(b) = self.slot_index(block, State::Writing, "") else {
+                continue;
+            };
+            self.writing -= 1;
+            if success {
+                self.slots[b as usize].state = State::Ready;
+                if self.slots[b as usize].pins == 0 {
+                    self.lru.touch(b);
+                }
+            } else {
+                self.evict(b);
+                self.free.push(b);
+            }
+        }
+    }
+
+    /// Stores a block the engine produced; returns its block. A key already readable keeps its
+    /// block (same key, same content in a prefix cache).
+    pub fn put(&mut self, key: &OffloadKey, bytes: &[u8]) -> Result<BlockIndex, StoreError> {
+        let block_len = self.region.block_len();
+        if bytes.len() as u64 != block_len {
+            return Err(StoreError::WrongSize {
+                len: bytes.len(),
+                block_len,
+            });
+        }
+        if let Some(block) = self.block_of(key) {
+            return Ok(block);
+        }
+        let block = self.reserve(std::slice::from_ref(key))?[0];
+        self.write_target(block)?.copy_from_slice(bytes);
+        self.finish_write(&[block], true);
+        Ok(block)
+    }
+
+    /// Pins readable `keys` as one store job; `None` (nothing pinned) if any is not readable.
+    pub fn pin(&mut self, keys: &[OffloadKey]) -> Option<StoreJob> {
+        let blocks: Vec<u32> = keys
+            .iter()
+            .map(|k| {
+                self.index
+                    .get(k)
+                    .copied()
+                    .filter(|b| self.slots[*b as usize].state == State::Ready)
+            })
+            .collect::<Option<_>>()?;
+        for &b in &blocks {
+            let slot = &mut self.slots[b as usize];
+            if slot.pins == 0 {
+                self.lru.remove(b);
+                self.pinned += 1;
+            }
+            slot.pins += 1;
+        }
+        self.next_job += 1;
+        let job_id = self.next_job;
+        let out = blocks.iter().map(|b| u64::from(*b)).collect();
+        self.jobs.insert(job_id, blocks);
+        Some(StoreJob {
+            job_id,
+            blocks: out,
+        })
+    }
+
+    /// Releases a store job's pins (success or not). Unknown jobs are ignored.
+    pub fn unpin(&mut self, job: JobId) {
+        let Some(blocks) = self.jobs.remove(&job) else {
+            return;
+        };
+        for b in blocks {
+            let slot = &mut self.slots[b as usize];
+            slot.pins = slot.pins.saturating_sub(1);
+            if slot.pins == 0 {
+                self.pinned -= 1;
+                if slot.state == State::Ready {
+                    self.lru.touch(b);
+                }
+            }
+        }
+    }
+}
+
+/// The store as the producer role sees it.
+impl Parent for BlockStore {
+    fn on_new_request(&mut self, _ctx: &ServeCtx) {
+        self.open_contexts += 1;
+    }
+
+    fn lookup(&mut self, key: &OffloadKey, _ctx: &ServeCtx) -> LookupResult {
+        BlockStore::lookup(self, key)
+    }
+
+    fn create_store_job(&mut self, keys: &[OffloadKey], _ctx: &ServeCtx) -> Option<StoreJob> {
+        self.pin(keys)
+    }
+
+    fn complete_store_job(&mut self, job_id: JobId, _success: bool) {
+        self.unpin(job_id);
+    }
+
+    fn on_request_finished(&mut self, _ctx: &ServeCtx) {
+        self.open_contexts = self.open_contexts.saturating_sub(1);
+    }
+}

@@ -1,0 +1,188 @@
+//! The block store's contract: states, pins, eviction order, the `Parent` view, and the
+//! shared-memory object another process can open by name.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use kvpeer_core::{LookupResult, Parent, ServeCtx};
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer_store::{BlockStore, StoreConfig, StoreError};
+
+const LEN: u64 = 4096;
+
+fn store(tag: &str, blocks: u64) -> BlockStore {
+    BlockStore::new(&StoreConfig {
+        shm_name: format!("kvpeer-st-{tag}-{}", std::process::id()),
+        num_blocks: blocks,
+        block_len: LEN,
+        lock_memory: false,
+    })
+    .unwrap()
+}
+
+fn key(n: u64) -> OffloadKey {
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&n.to_be_bytes());
+    OffloadKey::from_parts(&h, 0)
+}
+
+fn bytes(n: u8) -> Vec<u8> {
+    vec![n; LEN as usize]
+}
+
+#[test]
+fn put_then_lookup_and_read() {
+    let mut s = store("put", 4);
+    let b = s.put(&key(1), &bytes(7)).unwrap();
+    assert_eq!(s.lookup(&key(1)), LookupResult::Hit);
+    assert_eq!(s.lookup(&key(2)), LookupResult::Miss);
+    assert_eq!(s.read(b).unwrap(), &bytes(7)[..]);
+    assert_eq!(
+        s.put(&key(1), &bytes(9)).unwrap(),
+        b,
+        "a held key keeps its block"
+    );
+    assert!(matches!(
+        s.put(&key(3), &[1, 2]),
+        Err(StoreError::WrongSize { .. })
+    ));
+    assert_eq!((s.stats().ready, s.stats().free), (1, 3));
+}
+
+#[test]
+fn a_block_being_written_is_pending_then_ready_or_forgotten() {
+    let mut s = store("write", 4);
+    let blocks = s.reserve(&[key(1), key(2)]).unwrap();
+    assert_eq!(s.lookup(&key(1)), LookupResult::HitPending);
+    assert!(
+        s.read(blocks[0]).is_err(),
+        "not readable while being written"
+    );
+    s.write_target(blocks[0]).unwrap().fill(5);
+    s.finish_write(&blocks[..1], true);
+    s.finish_write(&blocks[1..], false);
+    assert_eq!(s.lookup(&key(1)), LookupResult::Hit);
+    assert_eq!(s.read(blocks[0]).unwrap()[0], 5);
+    assert_eq!(
+        s.lookup(&key(2)),
+        LookupResult::Miss,
+        "a failed write frees its block"
+    );
+    assert_eq!(
+        (s.stats().ready, s.stats().writing, s.stats().free),
+        (1, 0, 3)
+    );
+}
+
+#[test]
+fn eviction_takes_the_least_recently_used_unpinned_block() {
+    let mut s = store("lru", 3);
+    for n in 1..=3 {
+        s.put(&key(n), &bytes(n as u8)).unwrap();
+    }
+    assert_eq!(
+        s.lookup(&key(1)),
+        LookupResult::Hit,
+        "1 becomes the most recent"
+    );
+    let job = s.pin(&[key(2)]).unwrap();
+    s.put(&key(4), &bytes(4)).unwrap();
+    assert_eq!(
+        s.lookup(&key(3)),
+        LookupResult::Miss,
+        "3 was the oldest unpinned"
+    );
+    assert_eq!(s.lookup(&key(2)), LookupResult::Hit, "2 is pinned");
+    s.put(&key(5), &bytes(5)).unwrap();
+    assert_eq!(s.lookup(&key(1)), LookupResult::Miss);
+    let three = [key(6), key(7), key(8)];
+    assert!(
+        matches!(
+            s.reserve(&three),
+            Err(StoreError::Full {
+                wanted: 3,
+                available: 2
+            })
+        ),
+        "2 is pinned"
+    );
+    assert_eq!(s.stats().writing, 0, "a failed reserve takes nothing");
+    assert_eq!(s.lookup(&key(4)), LookupResult::Hit, "and evicts nothing");
+    s.unpin(job.job_id);
+    assert_eq!(s.stats().pinned, 0);
+    s.reserve(&three).unwrap();
+}
+
+#[test]
+fn pins_stack_and_only_readable_keys_pin() {
+    let mut s = store("pins", 2);
+    s.put(&key(1), &bytes(1)).unwrap();
+    let a = s.pin(&[key(1)]).unwrap();
+    let b = s.pin(&[key(1)]).unwrap();
+    assert_eq!(s.stats().pinned, 1);
+    s.unpin(a.job_id);
+    assert_eq!(s.stats().pinned, 1, "still held by the second job");
+    s.unpin(b.job_id);
+    s.unpin(b.job_id);
+    assert_eq!((s.stats().pinned, s.stats().jobs), (0, 0));
+    s.reserve(&[key(2)]).unwrap();
+    assert!(
+        s.pin(&[key(1), key(2)]).is_none(),
+        "a key being written cannot be pinned"
+    );
+    assert_eq!(s.stats().pinned, 0, "and nothing was pinned");
+}
+
+#[test]
+fn the_store_is_the_producers_parent() {
+    let mut s = store("parent", 2);
+    let ctx = ServeCtx {
+        peer: PeerId::new("10.0.0.2:5710"),
+        kv_request_id: KvRequestId::from("r"),
+        lookup: 1,
+    };
+    s.put(&key(1), &bytes(1)).unwrap();
+    s.on_new_request(&ctx);
+    assert_eq!(Parent::lookup(&mut s, &key(1), &ctx), LookupResult::Hit);
+    let job = s.create_store_job(&[key(1)], &ctx).unwrap();
+    assert_eq!(job.blocks, vec![s.block_of(&key(1)).unwrap()]);
+    s.on_request_finished(&ctx);
+    assert_eq!(s.stats().open_contexts, 0);
+    s.complete_store_job(job.job_id, false);
+    assert_eq!(s.stats().pinned, 0, "a failed job unpins too");
+}
+
+#[test]
+fn python_opens_the_same_shared_memory_by_name() {
+    let mut s = store("py", 2);
+    assert_eq!(
+        s.put(&key(1), &bytes(0xab)).unwrap(),
+        0,
+        "free blocks are taken lowest first"
+    );
+    let name = s.region().name().to_owned();
+    // Python reads block 0 and writes into block 1, at `block × block_len`.
+    let script = format!(
+        "from multiprocessing import shared_memory as s\n\
+         m = s.SharedMemory(name='{name}')\n\
+         print(bytes(m.buf[0:4]).hex())\n\
+         m.buf[{LEN}] = 0x5a\n\
+         m.close()\n"
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "abababab");
+    assert_eq!(s.reserve(&[key(2)]).unwrap(), vec![1]);
+    assert_eq!(
+        s.write_target(1).unwrap()[0],
+        0x5a,
+        "Python's write landed in block 1"
+    );
+}
