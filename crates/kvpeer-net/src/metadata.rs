@@ -1,0 +1,88 @@
+//! `agent_metadata` of a kvpeer node: one msgpack map naming every data plane it offers.
+//!
+//! ```text
+//! {"agent": "<node name>", "shm": "<POSIX shm object name>", "tcp": "<host>:<port>"}
+//! ```
+//!
+//! `shm` and `tcp` are each optional; unknown keys are ignored so later planes can be added.
+//! A writer uses `shm` when it can open the peer's object (same host), else `tcp`.
+
+use kvpeer_proto::{DecodeLimits, Value};
+
+/// The data planes a node offers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentMetadata {
+    /// The node's name (informational).
+    pub agent: String,
+    /// Its block region's shared-memory object name (without the leading `/`).
+    pub shm: Option<String>,
+    /// Its tcp data listener, `host:port`.
+    pub tcp: Option<String>,
+}
+
+/// `agent_metadata` that is not kvpeer's map.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("agent_metadata is not a kvpeer plane map: {0}")]
+pub struct MetadataError(pub String);
+
+impl AgentMetadata {
+    /// The msgpack bytes sent in `connect`.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut entries = vec![(Value::Str("agent".into()), Value::Str(self.agent.clone()))];
+        if let Some(shm) = &self.shm {
+            entries.push((Value::Str("shm".into()), Value::Str(shm.clone())));
+        }
+        if let Some(tcp) = &self.tcp {
+            entries.push((Value::Str("tcp".into()), Value::Str(tcp.clone())));
+        }
+        // A map of three short strs is far below every msgpack length limit.
+        Value::Map(entries).encode().unwrap_or_default()
+    }
+
+    /// Reads a peer's `agent_metadata`.
+    pub fn decode(bytes: &[u8]) -> Result<Self, MetadataError> {
+        let limits = DecodeLimits {
+            max_payload_bytes: 64 * 1024,
+            ..DecodeLimits::default()
+        };
+        let value = Value::decode(bytes, &limits).map_err(|e| MetadataError(e.to_string()))?;
+        if !matches!(value, Value::Map(_)) {
+            return Err(MetadataError("not a map".into()));
+        }
+        let text = |name: &str| -> Result<Option<String>, MetadataError> {
+            match value.get(name) {
+                None => Ok(None),
+                Some(Value::Str(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(MetadataError(format!("{name:?} is not a str"))),
+            }
+        };
+        Ok(AgentMetadata {
+            agent: text("agent")?.unwrap_or_default(),
+            shm: text("shm")?,
+            tcp: text("tcp")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrips_and_refuses_what_is_not_a_map() {
+        let m = AgentMetadata {
+            agent: "n1".into(),
+            shm: Some("kvpeer-1".into()),
+            tcp: Some("127.0.0.1:5711".into()),
+        };
+        assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m));
+        let bare = AgentMetadata {
+            agent: "n2".into(),
+            ..Default::default()
+        };
+        assert_eq!(AgentMetadata::decode(&bare.encode()), Ok(bare));
+        assert!(AgentMetadata::decode(b"\x93\x01\x02\x03").is_err());
+        assert!(AgentMetadata::decode(b"nixl-opaque-blob").is_err());
+        assert!(AgentMetadata::decode(b"\x81\xa3shm\x05").is_err());
+    }
+}
