@@ -541,6 +541,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let now = self.now;
         match self.sessions.get_mut(&source.peer) {
             Some(session) if !session.is_dead() => {
+                // From now on the producer may write into these blocks (and only these).
+                self.plane.expect_writes(&source.peer, &blocks);
                 session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks })
             }
             _ => {
@@ -702,7 +704,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
-        self.failed.extend(self.out.failed_loads.drain(..));
+        self.drain_load_ends();
         let dead: Vec<PeerId> = self
             .sessions
             .values()
@@ -711,6 +713,14 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .collect();
         for peer in dead {
             self.end_session(&peer);
+        }
+    }
+
+    /// Failed loads make their requests answer MISS; ended loads' blocks take no more writes.
+    fn drain_load_ends(&mut self) {
+        self.failed.extend(self.out.failed_loads.drain(..));
+        for (peer, blocks) in std::mem::take(&mut self.out.ended_writes) {
+            self.plane.end_writes(&peer, &blocks);
         }
     }
 
@@ -724,7 +734,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.out.load_done(job, id, false, live);
         }
         self.failed.extend(closed.client.failed_ids);
-        self.failed.extend(self.out.failed_loads.drain(..));
+        self.drain_load_ends();
         self.plane.remove_remote_peer(peer);
         let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
         if session.data_plane_fault().is_some() {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use kvpeer_proto::{KvRequestId, Message, PeerId};
 
-use crate::traits::JobId;
+use crate::traits::{BlockIndex, JobId};
 
 /// One message for one peer's control connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +63,8 @@ pub(crate) struct Outbox {
     pub(crate) events: VecDeque<Event>,
     /// Requests whose load failed since the tier last looked: their lookups answer MISS.
     pub(crate) failed_loads: Vec<KvRequestId>,
+    /// Loads that ended since the tier last looked: their blocks take no more writes.
+    pub(crate) ended_writes: Vec<(PeerId, Vec<BlockIndex>)>,
 }
 
 impl Outbox {

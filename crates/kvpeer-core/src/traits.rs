@@ -136,7 +136,7 @@ pub trait DataPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String>;
     /// The state of the peer's registration.
     fn registration(&mut self, peer: &PeerId) -> Registration;
-    /// Forgets a peer (its registration, pending or done).
+    /// Forgets a peer: its registration (pending or done) and every write permit it held.
     fn remove_remote_peer(&mut self, peer: &PeerId);
     /// Starts writing local blocks `local[i]` into the peer's blocks `remote[i]`. `None` if the
     /// write could not be started.
@@ -150,4 +150,12 @@ pub trait DataPlane {
     fn poll(&mut self, peer: &PeerId) -> PlanePoll;
     /// Cancels transfers; returns those still running (always empty for `Immediate`).
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId>;
+
+    /// This node sent `peer` a fetch naming these local blocks: its writes into them may come.
+    /// A plane that can check incoming writes (tcp) refuses every other write from that peer.
+    fn expect_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
+
+    /// The load that named these blocks ended (done, failed or aborted): no more writes from
+    /// `peer` into them.
+    fn end_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
 }

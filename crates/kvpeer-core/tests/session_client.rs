@@ -651,3 +651,38 @@ fn finish_after_a_real_fetch_sends_no_terminal_fetch() {
         vec![abort_fetch("r", 0), fetch("r", vec![], vec![], 1)]
     );
 }
+
+/// kvpeer's write permits: a fetch lets the producer write into the blocks it names, until the
+/// load ends, however it ends (the tcp plane refuses every other write).
+#[test]
+fn a_load_grants_write_permits_until_it_ends() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    let peer = m.peer.clone();
+    let permits = |m: &mut Mock| {
+        let mut v: Vec<u64> = m
+            .plane()
+            .permits
+            .get(&peer)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
+    };
+    m.load(1, "r", vec![key(1), key(2)], vec![10, 11]);
+    m.load(2, "r", vec![key(3)], vec![12]);
+    assert_eq!(permits(&mut m), vec![10, 11, 12]);
+    m.recv(transfer_done("r", true, 0));
+    assert_eq!(
+        permits(&mut m),
+        vec![12],
+        "a finished load closes its blocks"
+    );
+    m.recv(transfer_done("r", false, 1));
+    assert!(permits(&mut m).is_empty(), "so does a failed one");
+    m.load(3, "r", vec![key(4)], vec![13]);
+    m.advance(S(41));
+    assert_eq!(m.load_results().last(), Some(&(3, false)));
+    assert!(permits(&mut m).is_empty(), "and one whose abort timed out");
+    m.finish("r");
+}

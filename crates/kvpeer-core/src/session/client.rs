@@ -8,7 +8,7 @@
 use crate::maps::Map;
 use std::time::Instant;
 
-use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, RoundSeq};
+use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, PeerId, RoundSeq};
 use tracing::{debug, warn};
 
 use crate::config::CoreConfig;
@@ -28,6 +28,8 @@ pub(crate) struct Load {
 #[derive(Debug)]
 struct InFlight {
     job: JobId,
+    /// The local blocks the fetch named (writes into them are expected until it ends).
+    blocks: Vec<BlockIndex>,
     submitted_at: Instant,
     aborted_at: Option<Instant>,
 }
@@ -85,6 +87,7 @@ pub(crate) struct ClientClose {
 /// The consumer side of one session.
 #[derive(Debug)]
 pub(crate) struct ClientRole {
+    peer: PeerId,
     requests: Map<KvRequestId, Box<Request>>,
     /// Requests with unsent probes, visited by the next flush.
     flush_list: Vec<KvRequestId>,
@@ -96,8 +99,9 @@ pub(crate) struct ClientRole {
 }
 
 impl ClientRole {
-    pub(crate) fn new(config: &CoreConfig) -> Self {
+    pub(crate) fn new(peer: PeerId, config: &CoreConfig) -> Self {
         ClientRole {
+            peer,
             requests: Map::default(),
             flush_list: Vec::new(),
             active_loads: 0,
@@ -236,6 +240,7 @@ impl ClientRole {
             round,
             InFlight {
                 job,
+                blocks: blocks.clone(),
                 submitted_at: now,
                 aborted_at: None,
             },
@@ -319,6 +324,7 @@ impl ClientRole {
         };
         let live = !req.finished;
         self.active_loads -= 1;
+        out.ended_writes.push((self.peer.clone(), load.blocks));
         out.load_done(load.job, id.clone(), success, live);
         self.prune(id);
         true

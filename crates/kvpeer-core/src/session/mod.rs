@@ -87,7 +87,7 @@ impl Session {
             link,
             local_id: local.peer_id.clone(),
             peer_fault_drain: config.peer_fault_drain,
-            client: ClientRole::new(config),
+            client: ClientRole::new(peer.clone(), config),
             server: ServerRole::new(peer, config),
             registering: false,
             registered: false,

@@ -176,6 +176,8 @@ pub struct FakePlane {
     pub cancels: Vec<(Vec<TransferId>, CancelMode)>,
     /// Transfers released by a cancel (they will never be reported).
     pub released: Vec<TransferId>,
+    /// Blocks each peer may write into (granted by `expect_writes`).
+    pub permits: HashMap<PeerId, HashSet<BlockIndex>>,
 }
 
 impl Default for FakePlane {
@@ -192,6 +194,7 @@ impl Default for FakePlane {
             faults: HashMap::new(),
             cancels: Vec::new(),
             released: Vec::new(),
+            permits: HashMap::new(),
         }
     }
 }
@@ -254,7 +257,20 @@ impl DataPlane for FakePlane {
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         self.registrations.remove(peer);
+        self.permits.remove(peer);
         self.removed.push(peer.clone());
+    }
+
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        self.permits.entry(peer.clone()).or_default().extend(blocks);
+    }
+
+    fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        if let Some(p) = self.permits.get_mut(peer) {
+            for b in blocks {
+                p.remove(b);
+            }
+        }
     }
 
     fn write_blocks(
