@@ -3,6 +3,8 @@
 //!
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `tcp`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool.
+//! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
 
 pub mod metadata;
 pub mod shm;
+pub mod tcp;

@@ -1,6 +1,6 @@
-//! Two nodes in one process, each a real core over a real block store and the shm plane:
-//! handshake, lookup with hits and misses, fetch, byte-exact verification, terminal fetch,
-//! abort, and no pins left anywhere.
+//! Two nodes in one process, each a real core over a real block store and a real data plane
+//! (every scenario runs on shm and on tcp): handshake, lookup with hits and misses, fetch,
+//! byte-exact verification, terminal fetch, abort, and no pins left anywhere.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,61 +8,93 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{Core, CoreConfig, Event, LocalNode, LookupResult, Request, RequestRoles};
+use kvpeer_core::{
+    Core, CoreConfig, DataPlane, Event, LocalNode, LookupResult, Request, RequestRoles,
+};
 use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::shm::ShmPlane;
+use kvpeer_net::shm::{ShmPlane, Wake};
+use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, Message, OffloadKey, PeerId};
 use kvpeer_store::{BlockStore, StoreConfig};
 
 const BLOCKS: u64 = 64;
 const LEN: u64 = 16 * 1024;
 
-type NodeCore = Core<BlockStore, ShmPlane>;
+/// A data plane these tests can wait on.
+trait Plane: DataPlane + Sized {
+    /// Makes the plane for node `id` over pool `name`; returns it and what it advertises.
+    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata);
+    fn inflight(&self) -> usize;
+}
 
-struct Node {
-    core: NodeCore,
+impl Plane for ShmPlane {
+    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
+        let plane = ShmPlane::new(name, BLOCKS, LEN, wake).unwrap();
+        let meta = AgentMetadata {
+            agent: id.to_string(),
+            shm: Some(name.into()),
+            tcp: None,
+        };
+        (plane, meta)
+    }
+    fn inflight(&self) -> usize {
+        ShmPlane::inflight(self)
+    }
+}
+
+impl Plane for TcpPlane {
+    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
+        let plane = TcpPlane::new(id.clone(), name, BLOCKS, LEN, "127.0.0.1:0", wake).unwrap();
+        let tcp = Some(plane.addr().to_string());
+        (
+            plane,
+            AgentMetadata {
+                agent: id.to_string(),
+                shm: None,
+                tcp,
+            },
+        )
+    }
+    fn inflight(&self) -> usize {
+        TcpPlane::inflight(self)
+    }
+}
+
+struct Node<P: Plane> {
+    core: Core<BlockStore, P>,
     id: PeerId,
     wakes: Arc<AtomicUsize>,
     events: Vec<Event>,
 }
 
-fn node(i: u16) -> Node {
+fn node<P: Plane>(i: u16) -> Node<P> {
     let name = format!("kvpeer-it-{i}-{}", std::process::id());
-    let store = BlockStore::new(&StoreConfig {
+    let config = StoreConfig {
         shm_name: name.clone(),
         num_blocks: BLOCKS,
         block_len: LEN,
         lock_memory: false,
-    })
-    .unwrap();
+    };
+    let store = BlockStore::new(&config).unwrap();
     let wakes = Arc::new(AtomicUsize::new(0));
     let w = wakes.clone();
-    let plane = ShmPlane::new(
-        &name,
-        BLOCKS,
-        LEN,
-        Arc::new(move || {
-            w.fetch_add(1, Ordering::SeqCst);
-        }),
-    )
-    .unwrap();
     let id = PeerId::new(format!("127.0.0.1:{}", 5800 + i));
+    let wake: Wake = Arc::new(move || {
+        w.fetch_add(1, Ordering::SeqCst);
+    });
+    let (plane, meta) = P::make(&id, &name, wake);
     let local = LocalNode {
         peer_id: id.clone(),
-        agent_metadata: AgentMetadata {
-            agent: format!("node-{i}"),
-            shm: Some(name),
-            tcp: None,
-        }
-        .encode(),
+        agent_metadata: meta.encode(),
         base_addr: store.region().base_addr(),
         num_blocks: BLOCKS,
         block_len: LEN,
         config_fingerprint: String::new(),
         hash_seed: "42".into(),
     };
+    let core = Core::new(CoreConfig::default(), local, store, plane, Instant::now());
     Node {
-        core: Core::new(CoreConfig::default(), local, store, plane, Instant::now()),
+        core,
         id,
         wakes,
         events: Vec::new(),
@@ -82,7 +114,7 @@ fn content(n: u64) -> Vec<u8> {
 }
 
 /// Moves `from`'s messages to `to` (through the codec) and collects `from`'s events.
-fn deliver(from: &mut Node, to: &mut Node) -> bool {
+fn deliver<P: Plane>(from: &mut Node<P>, to: &mut Node<P>) -> bool {
     let mut moved = false;
     while let Some(t) = from.core.poll_transmit() {
         moved = true;
@@ -96,7 +128,7 @@ fn deliver(from: &mut Node, to: &mut Node) -> bool {
 }
 
 /// Moves messages both ways until nothing moves.
-fn pump(a: &mut Node, b: &mut Node) {
+fn pump<P: Plane>(a: &mut Node<P>, b: &mut Node<P>) {
     for _ in 0..100 {
         let ab = deliver(a, b);
         let ba = deliver(b, a);
@@ -108,19 +140,36 @@ fn pump(a: &mut Node, b: &mut Node) {
 }
 
 /// Waits (bounded) for the producer's copies, then feeds the completions.
-fn settle_writes(p: &mut Node, c: &mut Node) {
-    for _ in 0..200 {
+fn settle_writes<P: Plane>(p: &mut Node<P>, c: &mut Node<P>) {
+    for _ in 0..400 {
         if p.core.plane().inflight() == 0 {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(p.core.plane().inflight(), 0, "copies finished");
+    assert_eq!(p.core.plane().inflight(), 0, "writes finished");
     p.core.handle_data_plane(Instant::now());
     pump(p, c);
 }
 
-fn open(c: &mut Node, p: &Node, rid: &str) -> Request {
+/// Lets asynchronous registrations land (tcp dials off the core's thread).
+fn handshake<P: Plane>(c: &mut Node<P>, p: &mut Node<P>) {
+    for _ in 0..400 {
+        pump(c, p);
+        c.core.handle_data_plane(Instant::now());
+        p.core.handle_data_plane(Instant::now());
+        pump(c, p);
+        if c.core.session_state(&p.id).is_some_and(|s| s.ready)
+            && p.core.session_state(&c.id).is_some_and(|s| s.ready)
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("no handshake");
+}
+
+fn open<P: Plane>(c: &mut Node<P>, p: &Node<P>, rid: &str) -> Request {
     let roles = RequestRoles::kv_source(p.id.clone());
     c.core
         .on_new_request(Instant::now(), KvRequestId::from(rid), roles)
@@ -128,13 +177,21 @@ fn open(c: &mut Node, p: &Node, rid: &str) -> Request {
 
 #[test]
 fn two_nodes_share_blocks_over_shm_byte_for_byte() {
-    let (mut c, mut p) = (node(1), node(2));
+    share_blocks::<ShmPlane>(1);
+}
+
+#[test]
+fn two_nodes_share_blocks_over_tcp_byte_for_byte() {
+    share_blocks::<TcpPlane>(11);
+}
+
+fn share_blocks<P: Plane>(first: u16) {
+    let (mut c, mut p) = (node::<P>(first), node::<P>(first + 1));
     for n in 0..6 {
         p.core.parent_mut().put(&key(n), &content(n)).unwrap();
     }
     let req = open(&mut c, &p, "req-1");
-    pump(&mut c, &mut p);
-    assert!(c.core.session_state(&p.id).unwrap().ready, "handshake done");
+    handshake(&mut c, &mut p);
 
     let wanted: Vec<OffloadKey> = (0..8).map(key).collect();
     for k in &wanted {
@@ -192,11 +249,20 @@ fn two_nodes_share_blocks_over_shm_byte_for_byte() {
 }
 
 #[test]
-fn an_all_miss_request_sends_the_terminal_fetch_and_an_abort_is_acked() {
-    let (mut c, mut p) = (node(3), node(4));
+fn terminal_fetch_and_abort_over_shm() {
+    miss_and_abort::<ShmPlane>(3);
+}
+
+#[test]
+fn terminal_fetch_and_abort_over_tcp() {
+    miss_and_abort::<TcpPlane>(13);
+}
+
+fn miss_and_abort<P: Plane>(first: u16) {
+    let (mut c, mut p) = (node::<P>(first), node::<P>(first + 1));
     p.core.parent_mut().put(&key(1), &content(1)).unwrap();
     let req = open(&mut c, &p, "req-2");
-    pump(&mut c, &mut p);
+    handshake(&mut c, &mut p);
     c.core.lookup(Instant::now(), &req, &key(9));
     c.core.flush_lookups(Instant::now());
     pump(&mut c, &mut p);
