@@ -96,35 +96,26 @@ struct PoolWriter {
 }
 
 impl PoolWriter {
-    /// The bytes of block `index` to read into.
-    ///
-    /// # Safety
-    /// The caller must have claimed the write permit of `index` (removed it from the permit
-    /// set), which makes it the only thread that may touch this block until the write ends.
-    unsafe fn block(&self, index: u64) -> Option<&mut [u8]> {
+    /// Where block `index` lies in the mapping: (first byte, length). Only a thread holding
+    /// the block's claimed write permit may write through it (see `receive`).
+    fn block_ptr(&self, index: u64) -> Option<(*mut u8, usize)> {
         if index >= self.num_blocks {
             return None;
         }
         let start = usize::try_from(index).ok()?.checked_mul(self.block_len)?;
-        if start + self.block_len > self.map.len() {
+        if start.checked_add(self.block_len)? > self.map.len() {
             return None;
         }
-        // SAFETY: `start..start + block_len` is inside the live mapping (checked above). The
-        // only writers are receive threads, and a thread writes a block only after claiming its
-        // permit, which removes it from the permit set: no two threads hold the same block. The
-        // store does not read the block until the load that reserved it completes, which is
-        // after this write's acknowledgement. So this is the only reference to these bytes.
-        unsafe {
-            let base = self.map.as_ptr() as *mut u8;
-            Some(std::slice::from_raw_parts_mut(
-                base.add(start),
-                self.block_len,
-            ))
-        }
+        // In bounds (checked above), so the offset stays inside the mapping.
+        Some((
+            self.map.as_ptr().wrapping_add(start) as *mut u8,
+            self.block_len,
+        ))
     }
 }
 
-// SAFETY: see `PoolWriter::block`: threads only ever touch disjoint blocks through it.
+// SAFETY: the mapping is written only through `block_ptr` by threads holding disjoint claimed
+// permits (see `receive`), and read by nobody while those writes run.
 unsafe impl Sync for PoolWriter {}
 
 type Permits = Arc<Mutex<HashMap<PeerId, HashSet<BlockIndex>>>>;
@@ -372,10 +363,14 @@ fn receive(s: &mut TcpStream, pool: &PoolWriter, permits: &Permits) -> std::io::
             );
         }
         for &i in &indexes {
-            // SAFETY: this frame claimed the permit of every index just above.
-            let Some(block) = (unsafe { pool.block(i) }) else {
+            let Some((ptr, len)) = pool.block_ptr(i) else {
                 return refuse(s, tid, &writer, format!("block {i} outside the pool"));
             };
+            // SAFETY: `ptr..ptr + len` is one block inside the live mapping (`block_ptr` checked
+            // the bounds; `pool` keeps the mapping alive). This frame claimed the block's permit
+            // above, removing it from the set, so no other thread writes it; the store does not
+            // read it until the load that reserved it ends, after this write is acknowledged.
+            let block = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
             s.read_exact(block)?;
         }
         let mut ack = [0u8; 13];
