@@ -6,9 +6,11 @@
 //! through this plane's own read-only mapping of the local object, so the plane and the store
 //! never share ownership.
 //!
-//! Called by the core on the runtime thread; nothing here blocks on a copy: copies run on one
-//! worker thread, in submission order, and their completions are collected by `poll`. The
-//! `wake` hook runs (on the worker) after each completion, so the runtime can sleep until then.
+//! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
+//! copied right there (a few tens of microseconds, less than handing it to another thread and
+//! back); larger ones run on one worker thread, in submission order, so the runtime never waits
+//! on a long copy. Completions are collected by `poll`; the `wake` hook runs after each one, so
+//! the runtime can sleep until then.
 //! `cancel(Wait)` stops copies that have not started and reports a running one as still
 //! running; a copy is never reported stopped while it may still write.
 
@@ -32,6 +34,24 @@ use crate::metadata::AgentMetadata;
 
 /// Called after a transfer completes, from the copy worker.
 pub type Wake = Arc<dyn Fn() + Send + Sync>;
+
+/// Transfers up to this many bytes are copied on the caller's thread (measured: below this
+/// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
+pub const INLINE_COPY_BYTES: u64 = 8 << 20;
+
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of `dst`.
+fn copy_blocks(
+    src: &[u8],
+    dst: &mut [u8],
+    local: &[BlockIndex],
+    remote: &[BlockIndex],
+    len: usize,
+) {
+    for (&l, &r) in local.iter().zip(remote) {
+        let (l, r) = (l as usize * len, r as usize * len);
+        dst[r..r + len].copy_from_slice(&src[l..l + len]);
+    }
+}
 
 /// Why the plane could not start.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +111,8 @@ struct PeerMap {
 
 /// The shm data plane of one node.
 pub struct ShmPlane {
+    local: Arc<Mmap>,
+    wake: Wake,
     local_blocks: u64,
     block_len: u64,
     peers: HashMap<PeerId, PeerMap>,
@@ -137,6 +159,7 @@ impl ShmPlane {
         let worker = {
             let shared = shared.clone();
             let local = local.clone();
+            let wake = wake.clone();
             let len = block_len as usize;
             std::thread::Builder::new()
                 .name("kvpeer-shm-copy".into())
@@ -151,10 +174,7 @@ impl ShmPlane {
                         }
                         {
                             let mut dst = job.dst.lock().unwrap_or_else(|p| p.into_inner());
-                            for (&l, &r) in job.local.iter().zip(&job.remote) {
-                                let (l, r) = (l as usize * len, r as usize * len);
-                                dst[r..r + len].copy_from_slice(&local[l..l + len]);
-                            }
+                            copy_blocks(&local, &mut dst, &job.local, &job.remote, len);
                         }
                         let mut s = lock(&shared);
                         s.running = None;
@@ -168,6 +188,8 @@ impl ShmPlane {
                 .map_err(ShmError::Worker)?
         };
         Ok(ShmPlane {
+            local,
+            wake,
             local_blocks: num_blocks,
             block_len,
             peers: HashMap::new(),
@@ -257,6 +279,26 @@ impl DataPlane for ShmPlane {
         }
         self.next_tid += 1;
         let tid = self.next_tid;
+        if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
+            {
+                let mut dst = map.region.lock().unwrap_or_else(|p| p.into_inner());
+                copy_blocks(
+                    &self.local,
+                    &mut dst,
+                    local,
+                    remote,
+                    self.block_len as usize,
+                );
+            }
+            lock(&self.shared)
+                .ended
+                .entry(peer.clone())
+                .or_default()
+                .done
+                .push(tid);
+            (self.wake)();
+            return Some(tid);
+        }
         lock(&self.shared).queued.insert(tid);
         let job = Job {
             tid,
