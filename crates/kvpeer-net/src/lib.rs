@@ -1,10 +1,13 @@
-//! kvpeer's transports, the I/O half of a node: data planes that implement the core's
-//! [`DataPlane`](kvpeer_core::DataPlane). They make no protocol decisions.
+//! kvpeer's transports, the I/O half of a node: the control channel that carries the core's
+//! messages, and data planes that implement the core's [`DataPlane`](kvpeer_core::DataPlane).
+//! They make no protocol decisions.
 //!
+//! * [`control`]: the ZeroMQ control channel, wire-compatible with vLLM's `ZmqTransport`.
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `tcp`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool.
 //! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
 
+pub mod control;
 pub mod metadata;
 pub mod shm;
 pub mod tcp;

@@ -1,0 +1,319 @@
+//! The control channel: ZeroMQ, wire-compatible with vLLM's `ZmqTransport`.
+//!
+//! * A ROUTER bound at `tcp://host:port`; that address is the node's identity. Inbound frames
+//!   arrive as `[identity, payload]`; any other shape is dropped.
+//! * One DEALER per peer, connected to the peer's ROUTER, with `ZMQ_IDENTITY` = our identity;
+//!   each message is one frame (a msgpack payload). Sends never block: a full queue
+//!   (`SNDHWM` 1000) marks the connection lost, as vLLM does.
+//! * Heartbeats 2 s / 10 s / 10 s; `LINGER` 500 ms on DEALERs, 0 on the ROUTER; every socket
+//!   refuses frames over `max_message_bytes` (default 64 MiB): libzmq drops a peer that announces
+//!   a larger one (a 1 TiB header included) and keeps serving everyone else.
+//! * A socket monitor on each DEALER: DISCONNECTED, CLOSED or a failed handshake mean the
+//!   connection is lost ([`ChannelEvent::Lost`]).
+//! * Dial-back is lazy: sending to a peer without a DEALER opens one (to the peer's identity,
+//!   `host:port`). The core opens a session only on a `connect`, so junk never makes us dial.
+//!
+//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps until a socket is
+//! readable or the timeout passes; nothing else blocks.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvpeer_proto::PeerId;
+use tracing::{debug, warn};
+
+/// Settings of the control channel; `Default` is vLLM's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlConfig {
+    /// Heartbeat interval (`ZMQ_HEARTBEAT_IVL`).
+    pub heartbeat_interval: Duration,
+    /// Heartbeat timeout (`ZMQ_HEARTBEAT_TIMEOUT`).
+    pub heartbeat_timeout: Duration,
+    /// Heartbeat TTL told to the peer (`ZMQ_HEARTBEAT_TTL`).
+    pub heartbeat_ttl: Duration,
+    /// Messages queued per peer before a send fails (`ZMQ_SNDHWM`).
+    pub send_queue: i32,
+    /// How long unsent messages linger after a DEALER closes (`ZMQ_LINGER`).
+    pub linger: Duration,
+    /// Largest frame accepted (`ZMQ_MAXMSGSIZE`).
+    pub max_message_bytes: i64,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            heartbeat_interval: Duration::from_secs(2),
+            heartbeat_timeout: Duration::from_secs(10),
+            heartbeat_ttl: Duration::from_secs(10),
+            send_queue: 1000,
+            linger: Duration::from_millis(500),
+            max_message_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Why the channel failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// The identity is not `host:port`.
+    #[error("identity {0:?} is not host:port")]
+    BadIdentity(String),
+    /// A ZeroMQ call failed.
+    #[error("{what}: {source}")]
+    Zmq {
+        /// What was being done.
+        what: String,
+        /// libzmq's error.
+        source: zmq::Error,
+    },
+}
+
+fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ControlError {
+    let what = what.into();
+    move |source| ControlError::Zmq { what, source }
+}
+
+/// Something that happened on the channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChannelEvent {
+    /// A payload from a peer (its identity, as the peer set it).
+    Payload {
+        /// Who sent it.
+        peer: PeerId,
+        /// The msgpack bytes.
+        payload: Vec<u8>,
+    },
+    /// The connection to a peer is gone (monitor event or failed send); its DEALER is closed.
+    Lost {
+        /// The peer.
+        peer: PeerId,
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// Why a send failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendError {
+    /// The peer's queue is full or its socket failed: the connection is lost.
+    #[error("send to {peer} failed: {reason}")]
+    Lost {
+        /// The peer.
+        peer: PeerId,
+        /// What happened.
+        reason: String,
+    },
+}
+
+struct Dealer {
+    socket: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+/// The ZeroMQ control channel of one node.
+pub struct ControlChannel {
+    ctx: zmq::Context,
+    router: zmq::Socket,
+    identity: PeerId,
+    config: ControlConfig,
+    dealers: HashMap<PeerId, Dealer>,
+    next_monitor: u64,
+    /// Events found while sending (lost connections), returned by the next `recv`.
+    pending: Vec<ChannelEvent>,
+}
+
+impl std::fmt::Debug for ControlChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlChannel")
+            .field("identity", &self.identity)
+            .field("peers", &self.dealers.len())
+            .finish()
+    }
+}
+
+fn ms(d: Duration) -> i32 {
+    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
+}
+
+fn heartbeats(s: &zmq::Socket, c: &ControlConfig) -> Result<(), zmq::Error> {
+    s.set_heartbeat_ivl(ms(c.heartbeat_interval))?;
+    s.set_heartbeat_timeout(ms(c.heartbeat_timeout))?;
+    s.set_heartbeat_ttl(ms(c.heartbeat_ttl))?;
+    s.set_maxmsgsize(c.max_message_bytes)
+}
+
+impl ControlChannel {
+    /// Binds the ROUTER at `identity` (`host:port`, used verbatim: peers dial it back).
+    pub fn bind(identity: PeerId, config: ControlConfig) -> Result<Self, ControlError> {
+        identity
+            .host_port()
+            .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).map_err(zerr("create the ROUTER"))?;
+        heartbeats(&router, &config).map_err(zerr("configure the ROUTER"))?;
+        router.set_linger(0).map_err(zerr("configure the ROUTER"))?;
+        router
+            .bind(&format!("tcp://{identity}"))
+            .map_err(zerr(format!("bind tcp://{identity}")))?;
+        Ok(ControlChannel {
+            ctx,
+            router,
+            identity,
+            config,
+            dealers: HashMap::new(),
+            next_monitor: 0,
+            pending: Vec::new(),
+        })
+    }
+
+    /// This node's identity.
+    pub fn identity(&self) -> &PeerId {
+        &self.identity
+    }
+
+    /// Whether a DEALER to `peer` is open.
+    pub fn connected(&self, peer: &PeerId) -> bool {
+        self.dealers.contains_key(peer)
+    }
+
+    /// Opens a DEALER to `peer` (no-op if open). Messages queue until TCP connects.
+    pub fn dial(&mut self, peer: &PeerId) -> Result<(), ControlError> {
+        if self.dealers.contains_key(peer) {
+            return Ok(());
+        }
+        peer.host_port()
+            .map_err(|_| ControlError::BadIdentity(peer.to_string()))?;
+        let socket = self
+            .ctx
+            .socket(zmq::DEALER)
+            .map_err(zerr("create a DEALER"))?;
+        let setup = |s: &zmq::Socket| -> Result<(), zmq::Error> {
+            s.set_identity(self.identity.as_str().as_bytes())?;
+            heartbeats(s, &self.config)?;
+            s.set_sndhwm(self.config.send_queue)?;
+            s.set_linger(ms(self.config.linger))?;
+            s.set_immediate(false)
+        };
+        setup(&socket).map_err(zerr(format!("configure the DEALER to {peer}")))?;
+        self.next_monitor += 1;
+        let endpoint = format!("inproc://kvpeer-monitor-{}", self.next_monitor);
+        let events = zmq::SocketEvent::DISCONNECTED as i32
+            | zmq::SocketEvent::CLOSED as i32
+            | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL as i32
+            | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL as i32
+            | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH as i32;
+        socket
+            .monitor(&endpoint, events)
+            .map_err(zerr(format!("monitor the DEALER to {peer}")))?;
+        let monitor = self
+            .ctx
+            .socket(zmq::PAIR)
+            .map_err(zerr("create a monitor socket"))?;
+        monitor
+            .connect(&endpoint)
+            .map_err(zerr(format!("connect the monitor of {peer}")))?;
+        socket
+            .connect(&format!("tcp://{peer}"))
+            .map_err(zerr(format!("connect tcp://{peer}")))?;
+        debug!(%peer, "control connection opened");
+        self.dealers
+            .insert(peer.clone(), Dealer { socket, monitor });
+        Ok(())
+    }
+
+    /// Closes the DEALER to `peer` (queued messages linger up to `linger`).
+    pub fn close(&mut self, peer: &PeerId) {
+        if self.dealers.remove(peer).is_some() {
+            debug!(%peer, "control connection closed");
+        }
+    }
+
+    /// Sends one payload to `peer`, opening a DEALER to it first if needed. Never blocks.
+    pub fn send(&mut self, peer: &PeerId, payload: &[u8]) -> Result<(), SendError> {
+        let lost = |reason: String| SendError::Lost {
+            peer: peer.clone(),
+            reason,
+        };
+        if !self.dealers.contains_key(peer) {
+            self.dial(peer).map_err(|e| lost(e.to_string()))?;
+        }
+        let Some(dealer) = self.dealers.get(peer) else {
+            return Err(lost("no connection".into()));
+        };
+        match dealer.socket.send(payload, zmq::DONTWAIT) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let reason = if e == zmq::Error::EAGAIN {
+                    "send queue full".to_string()
+                } else {
+                    e.to_string()
+                };
+                warn!(%peer, %reason, "control send failed; connection lost");
+                self.close(peer);
+                Err(lost(reason))
+            }
+        }
+    }
+
+    /// Sleeps until a payload or a monitor event may be ready, or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) -> Result<bool, ControlError> {
+        let mut items = Vec::with_capacity(1 + self.dealers.len());
+        items.push(self.router.as_poll_item(zmq::POLLIN));
+        for d in self.dealers.values() {
+            items.push(d.monitor.as_poll_item(zmq::POLLIN));
+        }
+        let n = zmq::poll(&mut items, i64::from(ms(timeout))).map_err(zerr("poll"))?;
+        Ok(n > 0)
+    }
+
+    /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.
+    pub fn recv(&mut self) -> Vec<ChannelEvent> {
+        let mut events = std::mem::take(&mut self.pending);
+        loop {
+            match self.router.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => match <[Vec<u8>; 2]>::try_from(frames) {
+                    Ok([identity, payload]) => match String::from_utf8(identity) {
+                        Ok(id) if PeerId::parse(&id).is_ok() => {
+                            events.push(ChannelEvent::Payload {
+                                peer: PeerId::new(id),
+                                payload,
+                            })
+                        }
+                        _ => warn!("dropping a frame from an identity that is not host:port"),
+                    },
+                    Err(frames) => warn!(
+                        frames = frames.len(),
+                        "dropping a message that is not [identity, payload]"
+                    ),
+                },
+                Err(zmq::Error::EAGAIN) => break,
+                Err(e) => {
+                    warn!(error = %e, "control channel receive failed");
+                    break;
+                }
+            }
+        }
+        let mut lost = Vec::new();
+        for (peer, dealer) in &self.dealers {
+            while let Ok(frames) = dealer.monitor.recv_multipart(zmq::DONTWAIT) {
+                let event = frames
+                    .first()
+                    .and_then(|f| f.get(..2))
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]));
+                lost.push((
+                    peer.clone(),
+                    format!("control connection lost (monitor event {event:?})"),
+                ));
+            }
+        }
+        for (peer, reason) in lost {
+            if self.dealers.contains_key(&peer) {
+                self.close(&peer);
+                events.push(ChannelEvent::Lost { peer, reason });
+            }
+        }
+        events
+    }
+}

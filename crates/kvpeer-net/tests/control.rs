@@ -1,0 +1,163 @@
+//! The ZeroMQ control channel on 127.0.0.1: payloads both ways with lazy dial-back, lost
+//! connections, and hostile peers (a 1 TiB frame header, wrong frame shapes, bad identities)
+//! that cost only their own connection.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig};
+use kvpeer_proto::PeerId;
+
+/// A free loopback port (bound and released; the channel binds it right after).
+fn free_id() -> PeerId {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    PeerId::new(format!("127.0.0.1:{}", l.local_addr().unwrap().port()))
+}
+
+fn channel() -> ControlChannel {
+    ControlChannel::bind(free_id(), ControlConfig::default()).unwrap()
+}
+
+/// Waits (bounded) until `ch` yields an event matching `want`; returns it.
+fn expect(ch: &mut ControlChannel, want: impl Fn(&ChannelEvent) -> bool) -> ChannelEvent {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        ch.wait(Duration::from_millis(100)).unwrap();
+        if let Some(e) = ch.recv().into_iter().find(|e| want(e)) {
+            return e;
+        }
+    }
+    panic!("no matching event within 10 s");
+}
+
+fn payload_from(peer: &PeerId, bytes: &[u8]) -> impl Fn(&ChannelEvent) -> bool {
+    let (peer, bytes) = (peer.clone(), bytes.to_vec());
+    move |e| matches!(e, ChannelEvent::Payload { peer: p, payload } if *p == peer && *payload == bytes)
+}
+
+#[test]
+fn payloads_flow_both_ways_and_the_reply_dials_back() {
+    let (mut a, mut b) = (channel(), channel());
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    a.send(&idb, b"\x81\xa4type\xaadisconnect").unwrap();
+    expect(&mut b, payload_from(&ida, b"\x81\xa4type\xaadisconnect"));
+    assert!(!b.connected(&ida), "no DEALER back until b answers");
+    b.send(&ida, b"reply").unwrap();
+    assert!(b.connected(&ida), "the reply dialed back");
+    expect(&mut a, payload_from(&idb, b"reply"));
+}
+
+#[test]
+fn a_peer_that_goes_away_is_reported_lost() {
+    let (mut a, mut b) = (channel(), channel());
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    a.send(&idb, b"hello").unwrap();
+    expect(&mut b, payload_from(&ida, b"hello"));
+    drop(b);
+    let lost = expect(&mut a, |e| matches!(e, ChannelEvent::Lost { .. }));
+    assert!(matches!(lost, ChannelEvent::Lost { peer, .. } if peer == idb));
+    assert!(!a.connected(&idb));
+}
+
+/// ZMTP 3.0 by hand: greeting, NULL handshake as a DEALER with `identity`.
+fn zmtp_peer(target: &PeerId, identity: &str) -> TcpStream {
+    let mut s = TcpStream::connect(target.as_str()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    greeting.extend_from_slice(b"NULL");
+    greeting.resize(32, 0);
+    greeting.push(0); // as-server
+    greeting.resize(64, 0);
+    s.write_all(&greeting).unwrap();
+    let mut theirs = [0u8; 64];
+    s.read_exact(&mut theirs).unwrap();
+    let mut ready = vec![5u8];
+    ready.extend_from_slice(b"READY");
+    for (name, value) in [("Socket-Type", "DEALER"), ("Identity", identity)] {
+        ready.push(name.len() as u8);
+        ready.extend_from_slice(name.as_bytes());
+        ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        ready.extend_from_slice(value.as_bytes());
+    }
+    s.write_all(&[0x04, ready.len() as u8]).unwrap();
+    s.write_all(&ready).unwrap();
+    let mut head = [0u8; 2];
+    s.read_exact(&mut head).unwrap();
+    let mut body = vec![0u8; head[1] as usize];
+    s.read_exact(&mut body).unwrap();
+    assert_eq!(&body[1..6], b"READY");
+    s
+}
+
+fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue, // heartbeats
+            Err(e) => {
+                return matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                )
+            }
+        }
+    }
+}
+
+#[test]
+fn a_peer_announcing_a_1_tib_frame_is_dropped_and_others_are_still_served() {
+    let (mut a, mut b) = (channel(), channel());
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    let mut evil = zmtp_peer(&idb, "127.0.0.1:9");
+    // A long message frame (flags 0x02) claiming 2^40 bytes.
+    let mut frame = vec![0x02];
+    frame.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    frame.extend_from_slice(&[0u8; 1024]);
+    let _ = evil.write_all(&frame);
+    assert!(
+        closed(&mut evil),
+        "libzmq refuses the frame and drops the connection"
+    );
+    assert!(b.recv().is_empty(), "nothing from it reached the node");
+    a.send(&idb, b"still here").unwrap();
+    expect(&mut b, payload_from(&ida, b"still here"));
+}
+
+#[test]
+fn wrong_frame_shapes_and_identities_that_are_not_host_port_are_dropped() {
+    let (mut a, mut b) = (channel(), channel());
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    // A two-frame message from a DEALER arrives at the ROUTER as three frames: dropped.
+    let ctx = zmq::Context::new();
+    let raw = ctx.socket(zmq::DEALER).unwrap();
+    raw.set_identity(b"127.0.0.1:10").unwrap();
+    raw.connect(&format!("tcp://{idb}")).unwrap();
+    raw.send_multipart([&b"one"[..], &b"two"[..]], 0).unwrap();
+    // An identity that is not host:port: nobody could dial it back.
+    let odd = ctx.socket(zmq::DEALER).unwrap();
+    odd.set_identity(b"not-an-address").unwrap();
+    odd.connect(&format!("tcp://{idb}")).unwrap();
+    odd.send(&b"hi"[..], 0).unwrap();
+    a.send(&idb, b"marker").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline && !seen.iter().any(payload_from(&ida, b"marker")) {
+        b.wait(Duration::from_millis(100)).unwrap();
+        seen.extend(b.recv());
+    }
+    assert!(seen.iter().any(payload_from(&ida, b"marker")));
+    assert_eq!(
+        seen.len(),
+        1,
+        "only the well-formed payload came through: {seen:?}"
+    );
+}
+
+#[test]
+fn a_bad_identity_is_refused_at_bind() {
+    assert!(ControlChannel::bind(PeerId::new("localhost"), ControlConfig::default()).is_err());
+}
