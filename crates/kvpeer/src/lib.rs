@@ -1,0 +1,6 @@
+//! kvpeer: peer-to-peer KV-cache sharing for LLM inference, wire-compatible with vLLM's P2P
+//! tier. This crate is the node (and the `kvpeer` binary); the protocol lives in
+//! `kvpeer-core`, the wire format in `kvpeer-proto`, blocks in `kvpeer-store`, transports in
+//! `kvpeer-net`.
+
+pub mod node;

@@ -1,0 +1,119 @@
+//! Builds a node's parts from one spec: the block store (a fresh shm object), a data plane,
+//! the control channel bound at the node's identity, and the core wired to them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode};
+use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
+use kvpeer_net::metadata::AgentMetadata;
+use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
+use kvpeer_net::tcp::{TcpError, TcpPlane};
+use kvpeer_proto::PeerId;
+use kvpeer_store::{BlockStore, StoreConfig, StoreError};
+
+use super::io::NodeIo;
+
+/// What a node is.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// Identity and control address, `host:port`.
+    pub id: PeerId,
+    /// Blocks in the pool.
+    pub num_blocks: u64,
+    /// Bytes per block.
+    pub block_len: u64,
+    /// Name of the pool's shm object.
+    pub shm_name: String,
+    /// Where the tcp plane listens (`host:0` picks a port).
+    pub tcp_listen: String,
+    /// Prefix-cache hash seed.
+    pub hash_seed: String,
+    /// Model configuration fingerprint ("" matches anything).
+    pub config_fingerprint: String,
+    /// The core's timeouts and limits.
+    pub core: CoreConfig,
+}
+
+/// Why a node could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The block store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The shm plane.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// The tcp plane.
+    #[error(transparent)]
+    Tcp(#[from] TcpError),
+    /// The control channel.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+}
+
+/// A data plane a node can be built with.
+pub trait BuildPlane: DataPlane + Sized {
+    /// Makes the plane over the node's pool; returns it and what it advertises.
+    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError>;
+}
+
+impl BuildPlane for ShmPlane {
+    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = ShmPlane::new(&spec.shm_name, spec.num_blocks, spec.block_len, wake)?;
+        let meta = AgentMetadata {
+            agent: spec.id.to_string(),
+            shm: Some(spec.shm_name.clone()),
+            tcp: None,
+        };
+        Ok((plane, meta))
+    }
+}
+
+impl BuildPlane for TcpPlane {
+    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = TcpPlane::new(
+            spec.id.clone(),
+            &spec.shm_name,
+            spec.num_blocks,
+            spec.block_len,
+            &spec.tcp_listen,
+            wake,
+        )?;
+        let meta = AgentMetadata {
+            agent: spec.id.to_string(),
+            shm: None,
+            tcp: Some(plane.addr().to_string()),
+        };
+        Ok((plane, meta))
+    }
+}
+
+/// Builds a node with data plane `P`; `wake` runs when the plane completes something.
+pub fn build<P: BuildPlane>(spec: &NodeSpec, wake: Wake) -> Result<NodeIo<P>, BuildError> {
+    let store = BlockStore::new(&StoreConfig {
+        shm_name: spec.shm_name.clone(),
+        num_blocks: spec.num_blocks,
+        block_len: spec.block_len,
+        lock_memory: false,
+    })?;
+    let (plane, meta) = P::build(spec, wake)?;
+    let local = LocalNode {
+        peer_id: spec.id.clone(),
+        agent_metadata: meta.encode(),
+        base_addr: store.region().base_addr(),
+        num_blocks: spec.num_blocks,
+        block_len: spec.block_len,
+        config_fingerprint: spec.config_fingerprint.clone(),
+        hash_seed: spec.hash_seed.clone(),
+    };
+    let channel = ControlChannel::bind(spec.id.clone(), ControlConfig::default())?;
+    let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
+    Ok(NodeIo::new(core, channel))
+}
+
+/// A wake hook that does nothing (for callers that poll).
+pub fn no_wake() -> Wake {
+    Arc::new(|| {})
+}

@@ -1,0 +1,102 @@
+//! One node's I/O loop: the glue between the sans-IO core and the real control channel.
+//!
+//! [`NodeIo::step`] does one round: inbound payloads and lost connections into the core, data-
+//! plane progress, due deadlines, then the core's outputs out (messages first, then events:
+//! dial, close, refuse; load and store results are kept for the caller). The runtime thread
+//! calls it after [`NodeIo::wait`], which sleeps until the channel is readable or the core's
+//! next deadline. Owned by that one thread.
+
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{Core, DataPlane, Event};
+use kvpeer_net::control::{ChannelEvent, ControlChannel};
+use kvpeer_store::BlockStore;
+use tracing::warn;
+
+/// A core, its store and plane, and its control channel.
+pub struct NodeIo<D: DataPlane> {
+    /// The protocol core (with the store as its parent and the data plane).
+    pub core: Core<BlockStore, D>,
+    /// The ZeroMQ control channel.
+    pub channel: ControlChannel,
+    /// Load and store results not yet taken by the caller.
+    pub results: Vec<Event>,
+}
+
+impl<D: DataPlane> NodeIo<D> {
+    /// Wires a core to a channel bound at the core's own identity.
+    pub fn new(core: Core<BlockStore, D>, channel: ControlChannel) -> Self {
+        NodeIo {
+            core,
+            channel,
+            results: Vec::new(),
+        }
+    }
+
+    /// One round of I/O at `now`.
+    pub fn step(&mut self, now: Instant) {
+        for event in self.channel.recv() {
+            match event {
+                ChannelEvent::Payload { peer, payload } => {
+                    self.core.handle_payload(now, &peer, &payload)
+                }
+                ChannelEvent::Lost { peer, .. } => self.core.handle_connection_lost(now, &peer),
+            }
+        }
+        self.core.handle_data_plane(now);
+        if self.core.poll_timeout().is_some_and(|t| t <= now) {
+            self.core.handle_timeout(now);
+        }
+        self.flush(now);
+    }
+
+    /// Carries out the core's outputs until it has none.
+    pub fn flush(&mut self, now: Instant) {
+        loop {
+            let mut progressed = false;
+            while let Some(t) = self.core.poll_transmit() {
+                progressed = true;
+                let sent = match t.message.encode() {
+                    Ok(payload) => self
+                        .channel
+                        .send(&t.peer, &payload)
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = sent {
+                    warn!(peer = %t.peer, error = %e, "send failed");
+                    self.core.handle_connection_lost(now, &t.peer);
+                }
+            }
+            while let Some(event) = self.core.poll_event() {
+                progressed = true;
+                match event {
+                    Event::Dial(peer) => {
+                        if let Err(e) = self.channel.dial(&peer) {
+                            warn!(%peer, error = %e, "dial failed");
+                            self.core.handle_connection_lost(now, &peer);
+                        }
+                    }
+                    Event::Close { peer, .. } | Event::Refused { peer, .. } => {
+                        self.channel.close(&peer)
+                    }
+                    result => self.results.push(result),
+                }
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    /// Sleeps until the channel may have input, the core's next deadline, or `max`.
+    pub fn wait(&self, now: Instant, max: Duration) {
+        let until_deadline = self
+            .core
+            .poll_timeout()
+            .map_or(max, |t| t.saturating_duration_since(now).min(max));
+        if let Err(e) = self.channel.wait(until_deadline) {
+            warn!(error = %e, "control channel wait failed");
+        }
+    }
+}

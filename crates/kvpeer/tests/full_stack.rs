@@ -1,0 +1,199 @@
+//! Two whole nodes in one process on 127.0.0.1: each a core over a real block store, a real data
+//! plane (shm, then tcp) and the real ZeroMQ control channel, driven by the node's I/O step.
+//! Handshake, lookups with hits and misses, fetch with byte-exact verification, terminal fetch,
+//! abort; afterwards nothing pinned, written or open on either side.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kvpeer::node::build::{build, no_wake, BuildPlane, NodeSpec};
+use kvpeer::node::io::NodeIo;
+use kvpeer_core::{CoreConfig, Event, LookupResult, RequestRoles};
+use kvpeer_net::shm::ShmPlane;
+use kvpeer_net::tcp::TcpPlane;
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+
+const BLOCKS: u64 = 32;
+const LEN: u64 = 16 * 1024;
+
+fn spec(tag: &str) -> NodeSpec {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    NodeSpec {
+        id: PeerId::new(format!("127.0.0.1:{port}")),
+        num_blocks: BLOCKS,
+        block_len: LEN,
+        shm_name: format!("kvpeer-fs-{tag}-{}", std::process::id()),
+        tcp_listen: "127.0.0.1:0".into(),
+        hash_seed: "42".into(),
+        config_fingerprint: String::new(),
+        core: CoreConfig::default(),
+    }
+}
+
+fn key(n: u64) -> OffloadKey {
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&n.to_be_bytes());
+    OffloadKey::from_parts(&h, 0)
+}
+
+fn content(n: u64) -> Vec<u8> {
+    (0..LEN)
+        .map(|i| (n as u8).wrapping_mul(7) ^ (i as u8))
+        .collect()
+}
+
+/// Steps both nodes until `done` holds (bounded: 10 s).
+fn run_until<P: BuildPlane>(
+    a: &mut NodeIo<P>,
+    b: &mut NodeIo<P>,
+    mut done: impl FnMut(&mut NodeIo<P>, &mut NodeIo<P>) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        a.step(now);
+        b.step(now);
+        if done(a, b) {
+            return;
+        }
+        a.wait(now, Duration::from_millis(2));
+    }
+    panic!("condition not reached within 10 s");
+}
+
+fn share<P: BuildPlane>(tag: &str) {
+    let (mut c, mut p) = (
+        build::<P>(&spec(&format!("{tag}c")), no_wake()).unwrap(),
+        build::<P>(&spec(&format!("{tag}p")), no_wake()).unwrap(),
+    );
+    let pid = p.core.local().peer_id.clone();
+    for n in 0..5 {
+        p.core.parent_mut().put(&key(n), &content(n)).unwrap();
+    }
+    let req = c.core.on_new_request(
+        Instant::now(),
+        KvRequestId::from("req-1"),
+        RequestRoles::kv_source(pid.clone()),
+    );
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, |c, _| {
+        c.core.session_state(&pid).is_some_and(|s| s.ready)
+    });
+
+    let wanted: Vec<OffloadKey> = (0..7).map(key).collect();
+    for k in &wanted {
+        c.core.lookup(Instant::now(), &req, k);
+    }
+    c.core.flush_lookups(Instant::now());
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, |c, _| {
+        wanted
+            .iter()
+            .all(|k| c.core.lookup(Instant::now(), &req, k) != LookupResult::Retry)
+    });
+    let hits: Vec<OffloadKey> = wanted
+        .iter()
+        .filter(|k| c.core.lookup(Instant::now(), &req, k) == LookupResult::Hit)
+        .cloned()
+        .collect();
+    assert_eq!(hits, wanted[..5].to_vec());
+
+    let blocks = c.core.parent_mut().reserve(&hits).unwrap();
+    c.core
+        .submit_load(Instant::now(), 1, &req, hits.clone(), blocks.clone());
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, |c, _| {
+        c.results
+            .iter()
+            .any(|e| matches!(e, Event::LoadDone { job: 1, .. }))
+    });
+    assert!(c.results.iter().any(|e| matches!(
+        e,
+        Event::LoadDone {
+            job: 1,
+            success: true,
+            ..
+        }
+    )));
+    c.core.parent_mut().finish_write(&blocks, true);
+    for (n, b) in blocks.iter().enumerate() {
+        assert_eq!(
+            c.core.parent().read(*b).unwrap(),
+            &content(n as u64)[..],
+            "key {n}"
+        );
+    }
+
+    // A second request that misses everything: its finish sends the terminal fetch.
+    let miss = c.core.on_new_request(
+        Instant::now(),
+        KvRequestId::from("req-2"),
+        RequestRoles::kv_source(pid.clone()),
+    );
+    c.core.lookup(Instant::now(), &miss, &key(99));
+    c.core.flush_lookups(Instant::now());
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, |c, _| {
+        c.core.lookup(Instant::now(), &miss, &key(99)) == LookupResult::Miss
+    });
+    // A PD load the producer never serves: finishing aborts it, the producer acks.
+    let pd = c.core.on_new_request(
+        Instant::now(),
+        KvRequestId::from("req-3"),
+        RequestRoles::prefiller(pid.clone()),
+    );
+    let pd_blocks = c.core.parent_mut().reserve(&[key(50)]).unwrap();
+    c.core
+        .submit_load(Instant::now(), 2, &pd, vec![key(50)], pd_blocks.clone());
+    for r in [&req, &miss, &pd] {
+        c.core.finish(Instant::now(), r);
+    }
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, |c, p| {
+        c.results.iter().any(|e| {
+            matches!(
+                e,
+                Event::LoadDone {
+                    job: 2,
+                    success: false,
+                    ..
+                }
+            )
+        }) && p.core.stats().server_requests == 0
+    });
+    c.core.parent_mut().finish_write(&pd_blocks, false);
+    for n in [&c, &p] {
+        let s = n.core.parent().stats();
+        assert_eq!(
+            (s.pinned, s.jobs, s.writing, s.open_contexts),
+            (0, 0, 0, 0),
+            "{s:?}"
+        );
+        let k = n.core.stats();
+        assert_eq!(
+            (
+                k.client_requests,
+                k.server_requests,
+                k.store_jobs,
+                k.inflight
+            ),
+            (0, 0, 0, 0),
+            "{k:?}"
+        );
+    }
+}
+
+#[test]
+fn two_nodes_over_zeromq_and_shm() {
+    share::<ShmPlane>("shm");
+}
+
+#[test]
+fn two_nodes_over_zeromq_and_tcp() {
+    share::<TcpPlane>("tcp");
+}
