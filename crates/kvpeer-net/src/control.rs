@@ -259,7 +259,20 @@ impl ControlChannel {
 
     /// Sleeps until a payload or a monitor event may be ready, or `timeout` passes.
     pub fn wait(&self, timeout: Duration) -> Result<bool, ControlError> {
-        let mut items = Vec::with_capacity(1 + self.dealers.len());
+        self.wait_with(timeout, None)
+    }
+
+    /// As [`ControlChannel::wait`], also waking when `extra` (a file descriptor, e.g. the read
+    /// end of the data plane's wake pipe) becomes readable.
+    pub fn wait_with(
+        &self,
+        timeout: Duration,
+        extra: Option<std::os::fd::RawFd>,
+    ) -> Result<bool, ControlError> {
+        let mut items = Vec::with_capacity(2 + self.dealers.len());
+        if let Some(fd) = extra {
+            items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+        }
         items.push(self.router.as_poll_item(zmq::POLLIN));
         for d in self.dealers.values() {
             items.push(d.monitor.as_poll_item(zmq::POLLIN));

@@ -4,3 +4,4 @@
 //! `kvpeer-net`.
 
 pub mod node;
+pub mod synthetic;

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, no_wake, BuildPlane, NodeSpec};
+use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer_core::{CoreConfig, Event, LookupResult, RequestRoles};
 use kvpeer_net::shm::ShmPlane;
@@ -68,8 +68,8 @@ fn run_until<P: BuildPlane>(
 
 fn share<P: BuildPlane>(tag: &str) {
     let (mut c, mut p) = (
-        build::<P>(&spec(&format!("{tag}c")), no_wake()).unwrap(),
-        build::<P>(&spec(&format!("{tag}p")), no_wake()).unwrap(),
+        build::<P>(&spec(&format!("{tag}c"))).unwrap(),
+        build::<P>(&spec(&format!("{tag}p"))).unwrap(),
     );
     let pid = p.core.local().peer_id.clone();
     for n in 0..5 {

@@ -1,7 +1,6 @@
 //! Builds a node's parts from one spec: the block store (a fresh shm object), a data plane,
 //! the control channel bound at the node's identity, and the core wired to them.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode};
@@ -13,6 +12,7 @@ use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig, StoreError};
 
 use super::io::NodeIo;
+use super::wake::WakePipe;
 
 /// What a node is.
 #[derive(Debug, Clone)]
@@ -51,6 +51,9 @@ pub enum BuildError {
     /// The control channel.
     #[error(transparent)]
     Control(#[from] ControlError),
+    /// The wake pipe.
+    #[error("cannot make the wake pipe: {0}")]
+    Wake(std::io::Error),
 }
 
 /// A data plane a node can be built with.
@@ -90,8 +93,10 @@ impl BuildPlane for TcpPlane {
     }
 }
 
-/// Builds a node with data plane `P`; `wake` runs when the plane completes something.
-pub fn build<P: BuildPlane>(spec: &NodeSpec, wake: Wake) -> Result<NodeIo<P>, BuildError> {
+/// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
+pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
+    let pipe = WakePipe::new().map_err(BuildError::Wake)?;
+    let wake = pipe.hook();
     let store = BlockStore::new(&StoreConfig {
         shm_name: spec.shm_name.clone(),
         num_blocks: spec.num_blocks,
@@ -110,10 +115,5 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec, wake: Wake) -> Result<NodeIo<P>, Bu
     };
     let channel = ControlChannel::bind(spec.id.clone(), ControlConfig::default())?;
     let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
-    Ok(NodeIo::new(core, channel))
-}
-
-/// A wake hook that does nothing (for callers that poll).
-pub fn no_wake() -> Wake {
-    Arc::new(|| {})
+    Ok(NodeIo::new(core, channel, Some(pipe)))
 }

@@ -13,6 +13,8 @@ use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_store::BlockStore;
 use tracing::warn;
 
+use super::wake::WakePipe;
+
 /// A core, its store and plane, and its control channel.
 pub struct NodeIo<D: DataPlane> {
     /// The protocol core (with the store as its parent and the data plane).
@@ -21,20 +23,26 @@ pub struct NodeIo<D: DataPlane> {
     pub channel: ControlChannel,
     /// Load and store results not yet taken by the caller.
     pub results: Vec<Event>,
+    /// Woken by the data plane's completions.
+    wake: Option<WakePipe>,
 }
 
 impl<D: DataPlane> NodeIo<D> {
     /// Wires a core to a channel bound at the core's own identity.
-    pub fn new(core: Core<BlockStore, D>, channel: ControlChannel) -> Self {
+    pub fn new(core: Core<BlockStore, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
         NodeIo {
             core,
             channel,
             results: Vec::new(),
+            wake,
         }
     }
 
     /// One round of I/O at `now`.
     pub fn step(&mut self, now: Instant) {
+        if let Some(w) = &self.wake {
+            w.drain();
+        }
         for event in self.channel.recv() {
             match event {
                 ChannelEvent::Payload { peer, payload } => {
@@ -89,13 +97,15 @@ impl<D: DataPlane> NodeIo<D> {
         }
     }
 
-    /// Sleeps until the channel may have input, the core's next deadline, or `max`.
+    /// Sleeps until the channel may have input, the data plane completes something, the core's
+    /// next deadline, or `max`.
     pub fn wait(&self, now: Instant, max: Duration) {
         let until_deadline = self
             .core
             .poll_timeout()
             .map_or(max, |t| t.saturating_duration_since(now).min(max));
-        if let Err(e) = self.channel.wait(until_deadline) {
+        let fd = self.wake.as_ref().map(WakePipe::fd);
+        if let Err(e) = self.channel.wait_with(until_deadline, fd) {
             warn!(error = %e, "control channel wait failed");
         }
     }

@@ -4,3 +4,4 @@
 
 pub mod build;
 pub mod io;
+pub mod wake;
