@@ -6,8 +6,10 @@
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `tcp`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool.
 //! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
+//! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
 
 pub mod control;
+pub mod dual;
 pub mod metadata;
 pub mod shm;
 pub mod tcp;

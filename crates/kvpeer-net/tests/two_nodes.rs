@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvpeer_core::{
     Core, CoreConfig, DataPlane, Event, LocalNode, LookupResult, Request, RequestRoles,
 };
+use kvpeer_net::dual::{DualPlane, Route};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmPlane, Wake};
 use kvpeer_net::tcp::TcpPlane;
@@ -25,6 +26,8 @@ trait Plane: DataPlane + Sized {
     /// Makes the plane for node `id` over pool `name`; returns it and what it advertises.
     fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata);
     fn inflight(&self) -> usize;
+    /// The plane that carries writes to `peer`.
+    fn route(&self, peer: &PeerId) -> &'static str;
 }
 
 impl Plane for ShmPlane {
@@ -39,6 +42,9 @@ impl Plane for ShmPlane {
     }
     fn inflight(&self) -> usize {
         ShmPlane::inflight(self)
+    }
+    fn route(&self, _: &PeerId) -> &'static str {
+        "shm"
     }
 }
 
@@ -58,6 +64,31 @@ impl Plane for TcpPlane {
     fn inflight(&self) -> usize {
         TcpPlane::inflight(self)
     }
+    fn route(&self, _: &PeerId) -> &'static str {
+        "tcp"
+    }
+}
+
+impl Plane for DualPlane {
+    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
+        let (shm, _) = ShmPlane::make(id, name, wake.clone());
+        let (tcp, meta) = TcpPlane::make(id, name, wake);
+        let meta = AgentMetadata {
+            shm: Some(name.into()),
+            ..meta
+        };
+        (DualPlane::new(shm, tcp), meta)
+    }
+    fn inflight(&self) -> usize {
+        DualPlane::inflight(self)
+    }
+    fn route(&self, peer: &PeerId) -> &'static str {
+        match DualPlane::route(self, peer) {
+            Some(Route::Shm) => "shm",
+            Some(Route::Tcp) => "tcp",
+            None => "none",
+        }
+    }
 }
 
 struct Node<P: Plane> {
@@ -68,6 +99,12 @@ struct Node<P: Plane> {
 }
 
 fn node<P: Plane>(i: u16) -> Node<P> {
+    node_with::<P>(i, true)
+}
+
+/// A node; with `shm_reachable` false it advertises an shm object no one can open (as a peer on
+/// another host would).
+fn node_with<P: Plane>(i: u16, shm_reachable: bool) -> Node<P> {
     let name = format!("kvpeer-it-{i}-{}", std::process::id());
     let config = StoreConfig {
         shm_name: name.clone(),
@@ -82,7 +119,10 @@ fn node<P: Plane>(i: u16) -> Node<P> {
     let wake: Wake = Arc::new(move || {
         w.fetch_add(1, Ordering::SeqCst);
     });
-    let (plane, meta) = P::make(&id, &name, wake);
+    let (plane, mut meta) = P::make(&id, &name, wake);
+    if !shm_reachable {
+        meta.shm = Some(format!("kvpeer-not-on-this-host-{i}"));
+    }
     let local = LocalNode {
         peer_id: id.clone(),
         agent_metadata: meta.encode(),
@@ -177,16 +217,26 @@ fn open<P: Plane>(c: &mut Node<P>, p: &Node<P>, rid: &str) -> Request {
 
 #[test]
 fn two_nodes_share_blocks_over_shm_byte_for_byte() {
-    share_blocks::<ShmPlane>(1);
+    share_blocks::<ShmPlane>(1, true, "shm");
 }
 
 #[test]
 fn two_nodes_share_blocks_over_tcp_byte_for_byte() {
-    share_blocks::<TcpPlane>(11);
+    share_blocks::<TcpPlane>(11, true, "tcp");
 }
 
-fn share_blocks<P: Plane>(first: u16) {
-    let (mut c, mut p) = (node::<P>(first), node::<P>(first + 1));
+#[test]
+fn both_planes_advertised_the_writer_uses_shm_on_one_host() {
+    share_blocks::<DualPlane>(21, true, "shm");
+}
+
+#[test]
+fn both_planes_advertised_the_writer_falls_back_to_tcp_when_shm_cannot_open() {
+    share_blocks::<DualPlane>(23, false, "tcp");
+}
+
+fn share_blocks<P: Plane>(first: u16, shm_reachable: bool, route: &str) {
+    let (mut c, mut p) = (node_with::<P>(first, shm_reachable), node::<P>(first + 1));
     for n in 0..6 {
         p.core.parent_mut().put(&key(n), &content(n)).unwrap();
     }
@@ -206,6 +256,7 @@ fn share_blocks<P: Plane>(first: u16) {
         .collect();
     assert_eq!(hits, wanted[..6].to_vec(), "keys 6 and 7 miss");
 
+    assert_eq!(p.core.plane().route(&c.id), route, "the producer's plane");
     let blocks = c.core.parent_mut().reserve(&hits).unwrap();
     c.core
         .submit_load(Instant::now(), 1, &req, hits.clone(), blocks.clone());

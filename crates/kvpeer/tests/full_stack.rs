@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer_core::{CoreConfig, Event, LookupResult, RequestRoles};
+use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
@@ -196,4 +197,9 @@ fn two_nodes_over_zeromq_and_shm() {
 #[test]
 fn two_nodes_over_zeromq_and_tcp() {
     share::<TcpPlane>("tcp");
+}
+
+#[test]
+fn two_nodes_over_zeromq_with_both_planes_advertised() {
+    share::<DualPlane>("dual");
 }

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode};
 use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
+use kvpeer_net::dual::DualPlane;
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
 use kvpeer_net::tcp::{TcpError, TcpPlane};
@@ -90,6 +91,18 @@ impl BuildPlane for TcpPlane {
             tcp: Some(plane.addr().to_string()),
         };
         Ok((plane, meta))
+    }
+}
+
+impl BuildPlane for DualPlane {
+    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+        let (shm, _) = ShmPlane::build(spec, wake.clone())?;
+        let (tcp, meta) = TcpPlane::build(spec, wake)?;
+        let meta = AgentMetadata {
+            shm: Some(spec.shm_name.clone()),
+            ..meta
+        };
+        Ok((DualPlane::new(shm, tcp), meta))
     }
 }
 

@@ -1,0 +1,188 @@
+//! The combined data plane: a node advertises both `shm` and `tcp`, and writes to each peer over
+//! `shm` when it can open that peer's shared-memory object, else over `tcp`.
+//!
+//! The choice is made once per peer, at registration: the shm plane opens and size-checks the
+//! object the peer named; if that fails (another host, another container, a missing `shm`
+//! entry) the tcp plane registers the peer instead. Incoming writes need no choice: shm writes
+//! land without this node's involvement, tcp writes arrive at its listener and are checked
+//! against write permits as usual (permits are always handed to the tcp plane).
+//!
+//! Transfer ids are this plane's own, mapped to the inner plane's, so the two planes' ids can
+//! never collide. Called by the core on the runtime thread, like the planes it wraps.
+
+use std::collections::HashMap;
+
+use kvpeer_core::{
+    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+};
+use kvpeer_proto::PeerId;
+use tracing::debug;
+
+use crate::shm::ShmPlane;
+use crate::tcp::TcpPlane;
+
+/// Which inner plane carries a peer's writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// Same host: straight into the peer's shared-memory object.
+    Shm,
+    /// Over TCP to the peer's data listener.
+    Tcp,
+}
+
+/// `shm` where possible, `tcp` otherwise.
+pub struct DualPlane {
+    shm: ShmPlane,
+    tcp: TcpPlane,
+    routes: HashMap<PeerId, Route>,
+    /// Our transfer id → (route, the inner plane's id).
+    transfers: HashMap<TransferId, (Route, TransferId)>,
+    /// The reverse of `transfers`.
+    outer: HashMap<(Route, TransferId), TransferId>,
+    next_id: TransferId,
+}
+
+impl DualPlane {
+    /// Combines the two planes (both over the node's own pool).
+    pub fn new(shm: ShmPlane, tcp: TcpPlane) -> Self {
+        DualPlane {
+            shm,
+            tcp,
+            routes: HashMap::new(),
+            transfers: HashMap::new(),
+            outer: HashMap::new(),
+            next_id: 1,
+        }
+    }
+
+    /// The route chosen for `peer`, once it is registered.
+    pub fn route(&self, peer: &PeerId) -> Option<Route> {
+        self.routes.get(peer).copied()
+    }
+
+    /// Transfers queued or running on either plane.
+    pub fn inflight(&self) -> usize {
+        self.shm.inflight() + self.tcp.inflight()
+    }
+
+    /// The tcp plane (its listener address is advertised).
+    pub fn tcp(&self) -> &TcpPlane {
+        &self.tcp
+    }
+
+    fn plane(&mut self, route: Route) -> &mut dyn DataPlane {
+        match route {
+            Route::Shm => &mut self.shm,
+            Route::Tcp => &mut self.tcp,
+        }
+    }
+
+    /// Maps the inner plane's ids back to ours.
+    fn outer_ids(&self, route: Route, inner: Vec<TransferId>) -> Vec<TransferId> {
+        inner
+            .into_iter()
+            .filter_map(|i| self.outer.get(&(route, i)).copied())
+            .collect()
+    }
+
+    /// Forgets a terminal transfer.
+    fn forget(&mut self, id: TransferId) {
+        if let Some(key) = self.transfers.remove(&id) {
+            self.outer.remove(&key);
+        }
+    }
+}
+
+impl DataPlane for DualPlane {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+        self.remove_remote_peer(peer);
+        self.shm.add_remote_peer(peer, memory)?;
+        if self.shm.registration(peer) == Registration::Done {
+            debug!(%peer, "data plane: shm");
+            self.routes.insert(peer.clone(), Route::Shm);
+            return Ok(());
+        }
+        self.shm.remove_remote_peer(peer);
+        debug!(%peer, "data plane: tcp (peer's shm object not reachable)");
+        self.routes.insert(peer.clone(), Route::Tcp);
+        self.tcp.add_remote_peer(peer, memory)
+    }
+
+    fn registration(&mut self, peer: &PeerId) -> Registration {
+        match self.route(peer) {
+            Some(route) => self.plane(route).registration(peer),
+            None => Registration::Failed("not registered".into()),
+        }
+    }
+
+    fn remove_remote_peer(&mut self, peer: &PeerId) {
+        if let Some(route) = self.routes.remove(peer) {
+            self.plane(route).remove_remote_peer(peer);
+        }
+        // The tcp plane also holds the permits this peer was given as a writer into us.
+        self.tcp.remove_remote_peer(peer);
+    }
+
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId> {
+        let route = self.route(peer)?;
+        let inner = self.plane(route).write_blocks(peer, local, remote)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.transfers.insert(id, (route, inner));
+        self.outer.insert((route, inner), id);
+        Some(id)
+    }
+
+    fn poll(&mut self, peer: &PeerId) -> PlanePoll {
+        let Some(route) = self.route(peer) else {
+            return PlanePoll::default();
+        };
+        let inner = self.plane(route).poll(peer);
+        let done = self.outer_ids(route, inner.done);
+        let failed = self.outer_ids(route, inner.failed);
+        for id in done.iter().chain(&failed) {
+            self.forget(*id);
+        }
+        PlanePoll {
+            done,
+            failed,
+            peer_fault: inner.peer_fault,
+        }
+    }
+
+    fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
+        let mut running = Vec::new();
+        for route in [Route::Shm, Route::Tcp] {
+            let inner: Vec<TransferId> = ids
+                .iter()
+                .filter_map(|id| self.transfers.get(id))
+                .filter(|(r, _)| *r == route)
+                .map(|(_, i)| *i)
+                .collect();
+            if inner.is_empty() {
+                continue;
+            }
+            let still = self.plane(route).cancel(&inner, mode);
+            running.extend(self.outer_ids(route, still));
+        }
+        for id in ids {
+            if !running.contains(id) {
+                self.forget(*id);
+            }
+        }
+        running
+    }
+
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        self.tcp.expect_writes(peer, blocks);
+    }
+
+    fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        self.tcp.end_writes(peer, blocks);
+    }
+}
