@@ -137,6 +137,21 @@ fn ms(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
+/// A ROUTER bound at `endpoint`, in a fresh context.
+fn router(
+    endpoint: &str,
+    config: &ControlConfig,
+) -> Result<(zmq::Context, zmq::Socket), ControlError> {
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).map_err(zerr("create the ROUTER"))?;
+    heartbeats(&router, config).map_err(zerr("configure the ROUTER"))?;
+    router.set_linger(0).map_err(zerr("configure the ROUTER"))?;
+    router
+        .bind(endpoint)
+        .map_err(zerr(format!("bind {endpoint}")))?;
+    Ok((ctx, router))
+}
+
 fn heartbeats(s: &zmq::Socket, c: &ControlConfig) -> Result<(), zmq::Error> {
     s.set_heartbeat_ivl(ms(c.heartbeat_interval))?;
     s.set_heartbeat_timeout(ms(c.heartbeat_timeout))?;
@@ -150,14 +165,35 @@ impl ControlChannel {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        let ctx = zmq::Context::new();
-        let router = ctx.socket(zmq::ROUTER).map_err(zerr("create the ROUTER"))?;
-        heartbeats(&router, &config).map_err(zerr("configure the ROUTER"))?;
-        router.set_linger(0).map_err(zerr("configure the ROUTER"))?;
-        router
-            .bind(&format!("tcp://{identity}"))
-            .map_err(zerr(format!("bind tcp://{identity}")))?;
-        Ok(ControlChannel {
+        let (ctx, router) = router(&format!("tcp://{identity}"), &config)?;
+        Ok(Self::new(ctx, router, identity, config))
+    }
+
+    /// Binds the ROUTER at `host` on a port the system picks; the identity is `host:port`.
+    pub fn bind_any_port(host: &str, config: ControlConfig) -> Result<Self, ControlError> {
+        let (ctx, router) = router(&format!("tcp://{host}:*"), &config)?;
+        let endpoint = router
+            .get_last_endpoint()
+            .map_err(zerr("read the bound endpoint"))?
+            .unwrap_or_default();
+        let port = endpoint
+            .rsplit_once(':')
+            .map(|(_, p)| p.to_owned())
+            .unwrap_or_default();
+        let identity = PeerId::new(format!("{host}:{port}"));
+        identity
+            .host_port()
+            .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
+        Ok(Self::new(ctx, router, identity, config))
+    }
+
+    fn new(
+        ctx: zmq::Context,
+        router: zmq::Socket,
+        identity: PeerId,
+        config: ControlConfig,
+    ) -> Self {
+        ControlChannel {
             ctx,
             router,
             identity,
@@ -165,7 +201,7 @@ impl ControlChannel {
             dealers: HashMap::new(),
             next_monitor: 0,
             pending: Vec::new(),
-        })
+        }
     }
 
     /// This node's identity.
@@ -277,8 +313,12 @@ impl ControlChannel {
         for d in self.dealers.values() {
             items.push(d.monitor.as_poll_item(zmq::POLLIN));
         }
-        let n = zmq::poll(&mut items, i64::from(ms(timeout))).map_err(zerr("poll"))?;
-        Ok(n > 0)
+        match zmq::poll(&mut items, i64::from(ms(timeout))) {
+            Ok(n) => Ok(n > 0),
+            // A signal woke us: the caller looks at what changed, as after any wake-up.
+            Err(zmq::Error::EINTR) => Ok(true),
+            Err(e) => Err(zerr("poll")(e)),
+        }
     }
 
     /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.

@@ -18,6 +18,7 @@ use kvpeer_core::{
 use kvpeer_proto::PeerId;
 use tracing::debug;
 
+use crate::metadata::AgentMetadata;
 use crate::shm::ShmPlane;
 use crate::tcp::TcpPlane;
 
@@ -96,8 +97,12 @@ impl DualPlane {
 impl DataPlane for DualPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
         self.remove_remote_peer(peer);
-        self.shm.add_remote_peer(peer, memory)?;
-        if self.shm.registration(peer) == Registration::Done {
+        let offers_shm =
+            AgentMetadata::decode(&memory.agent_metadata).is_ok_and(|m| m.shm.is_some());
+        if offers_shm {
+            self.shm.add_remote_peer(peer, memory)?;
+        }
+        if offers_shm && self.shm.registration(peer) == Registration::Done {
             debug!(%peer, "data plane: shm");
             self.routes.insert(peer.clone(), Route::Shm);
             return Ok(());

@@ -431,10 +431,14 @@ impl TcpPlane {
                         .spawn(move || {
                             let mut out = writer;
                             for job in rx {
-                                if !lock(&e1).queued.remove(&job.tid) {
-                                    continue; // cancelled before it was sent
+                                {
+                                    // Queued to sent in one step: `inflight` never sees a gap.
+                                    let mut e = lock(&e1);
+                                    if !e.queued.remove(&job.tid) {
+                                        continue; // cancelled before it was sent
+                                    }
+                                    e.sent.insert(job.tid, p1.clone());
                                 }
-                                lock(&e1).sent.insert(job.tid, p1.clone());
                                 if let Err(e) = send(&mut out, &job, &local, block_len) {
                                     TcpPlane::fault(&e1, &p1, format!("tcp send failed: {e}"), &w1);
                                     return;

@@ -161,3 +161,18 @@ fn wrong_frame_shapes_and_identities_that_are_not_host_port_are_dropped() {
 fn a_bad_identity_is_refused_at_bind() {
     assert!(ControlChannel::bind(PeerId::new("localhost"), ControlConfig::default()).is_err());
 }
+
+#[test]
+fn a_channel_bound_on_any_port_takes_the_real_port_as_its_identity() {
+    let mut a = ControlChannel::bind_any_port("127.0.0.1", ControlConfig::default()).unwrap();
+    let ida = a.identity().clone();
+    let (host, port) = ida.host_port().unwrap();
+    assert_eq!(host, "127.0.0.1");
+    assert_ne!(port, 0);
+    let mut b = channel();
+    let idb = b.identity().clone();
+    b.send(&ida, b"to the picked port").unwrap();
+    expect(&mut a, payload_from(&idb, b"to the picked port"));
+    a.send(&idb, b"and back").unwrap();
+    expect(&mut b, payload_from(&ida, b"and back"));
+}

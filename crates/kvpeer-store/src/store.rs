@@ -275,7 +275,7 @@ impl BlockStore {
 
     /// Reserves destination blocks for a fetch of `keys` (the consumer side). Until
     /// [`BlockStore::finish_write`], peers asking for these keys get HIT_PENDING. A key already
-    /// held keeps its block and is reserved again only if it is not readable.
+    /// held moves to its new block; the old block loses the key (and is freed once unpinned).
     pub fn reserve(&mut self, keys: &[OffloadKey]) -> Result<Vec<BlockIndex>, StoreError> {
         let taken = self.take_blocks(keys.len())?;
         let mut out = Vec::with_capacity(keys.len());

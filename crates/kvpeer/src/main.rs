@@ -1,8 +1,12 @@
 //! The `kvpeer` command line.
 //!
-//! Today: `kvpeer wire decode|encode`, the tools to inspect and craft control-channel
-//! payloads. Each subcommand returns its exit status; `main` only parses and dispatches.
+//! `kvpeer serve` runs a node, `kvpeer fetch` runs a consumer workload against one, and
+//! `kvpeer wire decode|encode` inspects and crafts control-channel payloads. Each subcommand
+//! returns its exit status; `main` only sets up logging, parses and dispatches.
 
+mod fetch_cmd;
+mod node_args;
+mod serve_cmd;
 mod wire_cmd;
 
 use std::process::ExitCode;
@@ -35,12 +39,32 @@ Examples:
   kvpeer wire decode --hex 81a474797065aa646973636f6e6e656374
   echo '{\"type\":\"disconnect\"}' | kvpeer wire encode --hex")]
     Wire(wire_cmd::WireCommand),
+    /// Run a node that serves its block pool to peers (until SIGINT/SIGTERM).
+    #[command(after_help = "\
+Example:
+  kvpeer serve --listen 127.0.0.1:5600 --fill 256")]
+    Serve(serve_cmd::ServeArgs),
+    /// Run a consumer workload against a serving node: lookup, fetch, verify every byte.
+    #[command(after_help = "\
+Example:
+  kvpeer fetch --peer 127.0.0.1:5600 --requests 32 --keys 8")]
+    Fetch(fetch_cmd::FetchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     let status = match cli.command {
         Command::Wire(cmd) => wire_cmd::run(cmd),
+        Command::Serve(args) => serve_cmd::run(args),
+        Command::Fetch(args) => fetch_cmd::run(args),
     };
     ExitCode::from(status)
 }

@@ -107,7 +107,16 @@ impl BuildPlane for DualPlane {
 }
 
 /// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
+/// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
 pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
+    let channel = match spec.id.as_str().strip_suffix(":0") {
+        Some(host) => ControlChannel::bind_any_port(host, ControlConfig::default())?,
+        None => ControlChannel::bind(spec.id.clone(), ControlConfig::default())?,
+    };
+    let spec = NodeSpec {
+        id: channel.identity().clone(),
+        ..spec.clone()
+    };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
     let wake = pipe.hook();
     let store = BlockStore::new(&StoreConfig {
@@ -116,7 +125,7 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         block_len: spec.block_len,
         lock_memory: false,
     })?;
-    let (plane, meta) = P::build(spec, wake)?;
+    let (plane, meta) = P::build(&spec, wake)?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
         agent_metadata: meta.encode(),
@@ -126,7 +135,6 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         config_fingerprint: spec.config_fingerprint.clone(),
         hash_seed: spec.hash_seed.clone(),
     };
-    let channel = ControlChannel::bind(spec.id.clone(), ControlConfig::default())?;
     let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
     Ok(NodeIo::new(core, channel, Some(pipe)))
 }

@@ -38,6 +38,11 @@ impl<D: DataPlane> NodeIo<D> {
         }
     }
 
+    /// Another handle on the wake pipe's write end: writing a byte wakes [`NodeIo::wait`].
+    pub fn wake_writer(&self) -> Option<std::io::Result<std::os::unix::net::UnixStream>> {
+        self.wake.as_ref().map(WakePipe::writer)
+    }
+
     /// One round of I/O at `now`.
     pub fn step(&mut self, now: Instant) {
         if let Some(w) = &self.wake {

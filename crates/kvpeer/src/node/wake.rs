@@ -39,6 +39,11 @@ impl WakePipe {
         })
     }
 
+    /// Another handle on the write end (for a signal handler to write to).
+    pub fn writer(&self) -> std::io::Result<UnixStream> {
+        self.write.try_clone()
+    }
+
     /// The descriptor to poll.
     pub fn fd(&self) -> RawFd {
         self.read.as_raw_fd()

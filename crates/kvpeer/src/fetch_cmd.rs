@@ -1,0 +1,225 @@
+//! `kvpeer fetch --peer HOST:PORT`: a consumer workload against a node serving synthetic blocks
+//! (`kvpeer serve --fill N`). Request `r` looks up keys `first + r·keys .. + keys` at the peer,
+//! fetches the hits into local blocks, checks every byte against the synthetic content, and
+//! finishes the request (a request with no hits sends the terminal empty fetch).
+//!
+//! Prints one summary line (requests, hits, misses, bytes, lookup and fetch latency p50/p99,
+//! GB/s). Exit status 0 when every load succeeded and every byte matched, 1 otherwise, 2 for
+//! bad arguments. Every wait is bounded by `--timeout-secs`.
+
+use std::time::{Duration, Instant};
+
+use kvpeer::node::build::{build, BuildPlane};
+use kvpeer::node::io::NodeIo;
+use kvpeer::synthetic;
+use kvpeer_core::{Event, LookupResult, RequestRoles};
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+
+use crate::node_args::{with_plane, NodeArgs};
+
+/// `kvpeer fetch` options.
+#[derive(Debug, clap::Args)]
+pub(crate) struct FetchArgs {
+    /// The serving peer's control address (its identity).
+    #[arg(long)]
+    peer: String,
+    #[command(flatten)]
+    node: NodeArgs,
+    /// Requests to run, one after another.
+    #[arg(long, default_value_t = 16)]
+    requests: u64,
+    /// Keys looked up per request.
+    #[arg(long, default_value_t = 8)]
+    keys: u64,
+    /// Synthetic index of the first key.
+    #[arg(long, default_value_t = 0)]
+    first: u64,
+    /// Bound on every wait (handshake, one lookup, one fetch), in seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_secs: u64,
+}
+
+/// What a run measured.
+#[derive(Debug, Default)]
+struct Tally {
+    hits: u64,
+    misses: u64,
+    bytes: u64,
+    failed_loads: u64,
+    corrupt_blocks: u64,
+    lookup_us: Vec<u64>,
+    fetch_us: Vec<u64>,
+}
+
+/// Runs the command; returns the exit status.
+pub(crate) fn run(args: FetchArgs) -> u8 {
+    if PeerId::new(args.peer.clone()).host_port().is_err() {
+        eprintln!(
+            "kvpeer fetch: --peer must be HOST:PORT, got {:?}",
+            args.peer
+        );
+        return 2;
+    }
+    if args.keys == 0 || args.keys > args.node.blocks {
+        eprintln!(
+            "kvpeer fetch: --keys must be between 1 and --blocks ({})",
+            args.node.blocks
+        );
+        return 2;
+    }
+    let started = Instant::now();
+    match with_plane!(args.node.plane, P => fetch::<P>(&args)) {
+        Ok(t) => {
+            let secs = started.elapsed().as_secs_f64();
+            println!(
+                "kvpeer fetch: requests={} hits={} misses={} bytes={} failed_loads={} \
+                 corrupt_blocks={} lookup_p50_us={} lookup_p99_us={} fetch_p50_us={} \
+                 fetch_p99_us={} seconds={secs:.3} gb_per_s={:.3}",
+                args.requests,
+                t.hits,
+                t.misses,
+                t.bytes,
+                t.failed_loads,
+                t.corrupt_blocks,
+                percentile(&t.lookup_us, 50),
+                percentile(&t.lookup_us, 99),
+                percentile(&t.fetch_us, 50),
+                percentile(&t.fetch_us, 99),
+                t.bytes as f64 / secs / 1e9,
+            );
+            u8::from(t.failed_loads > 0 || t.corrupt_blocks > 0)
+        }
+        Err(e) => {
+            eprintln!("kvpeer fetch: {e}");
+            1
+        }
+    }
+}
+
+/// The `p`th percentile (nearest rank) of `samples`; 0 when there are none.
+fn percentile(samples: &[u64], p: usize) -> u64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_unstable();
+    match sorted.len() {
+        0 => 0,
+        n => sorted[((n * p).div_ceil(100)).clamp(1, n) - 1],
+    }
+}
+
+/// Steps the node until `done` holds or `timeout` passes.
+fn step_until<P: BuildPlane>(
+    node: &mut NodeIo<P>,
+    timeout: Duration,
+    what: &str,
+    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let now = Instant::now();
+        node.step(now);
+        if done(node) {
+            return Ok(());
+        }
+        if now >= deadline {
+            return Err(format!("{what}: no answer within {timeout:?}"));
+        }
+        node.wait(now, deadline - now);
+    }
+}
+
+fn fetch<P: BuildPlane>(args: &FetchArgs) -> Result<Tally, String> {
+    let mut node = build::<P>(&args.node.spec("fetch")).map_err(|e| e.to_string())?;
+    let peer = PeerId::new(args.peer.clone());
+    let timeout = Duration::from_secs(args.timeout_secs);
+    let block_len = usize::try_from(args.node.block_len).map_err(|e| e.to_string())?;
+    let mut tally = Tally::default();
+
+    for r in 0..args.requests {
+        let request = node.core.on_new_request(
+            Instant::now(),
+            KvRequestId::from(format!("kvpeer-fetch-{}-{r}", std::process::id())),
+            RequestRoles::kv_source(peer.clone()),
+        );
+        node.flush(Instant::now());
+        step_until(&mut node, timeout, "handshake", |n| {
+            n.core.session_state(&peer).is_some_and(|s| s.ready)
+        })?;
+
+        let first = args.first + r * args.keys;
+        let keys: Vec<OffloadKey> = (first..first + args.keys).map(synthetic::key).collect();
+        let lookup_started = Instant::now();
+        for k in &keys {
+            node.core.lookup(Instant::now(), &request, k);
+        }
+        node.core.flush_lookups(Instant::now());
+        node.flush(Instant::now());
+        step_until(&mut node, timeout, "lookup", |n| {
+            keys.iter()
+                .all(|k| n.core.lookup(Instant::now(), &request, k) != LookupResult::Retry)
+        })?;
+        tally.lookup_us.push(micros(lookup_started.elapsed()));
+        // A prefix cache uses the leading run of hits.
+        let hits: Vec<OffloadKey> = keys
+            .iter()
+            .take_while(|k| node.core.lookup(Instant::now(), &request, k) == LookupResult::Hit)
+            .cloned()
+            .collect();
+        tally.hits += hits.len() as u64;
+        tally.misses += (keys.len() - hits.len()) as u64;
+
+        if !hits.is_empty() {
+            let fetch_started = Instant::now();
+            let blocks = node
+                .core
+                .parent_mut()
+                .reserve(&hits)
+                .map_err(|e| e.to_string())?;
+            let job = r + 1;
+            node.core
+                .submit_load(Instant::now(), job, &request, hits.clone(), blocks.clone());
+            node.flush(Instant::now());
+            let mut success = None;
+            step_until(&mut node, timeout, "fetch", |n| {
+                for e in n.results.drain(..) {
+                    if let Event::LoadDone {
+                        job: j, success: s, ..
+                    } = e
+                    {
+                        if j == job {
+                            success = Some(s);
+                        }
+                    }
+                }
+                success.is_some()
+            })?;
+            let success = success == Some(true);
+            node.core.parent_mut().finish_write(&blocks, success);
+            if success {
+                tally.fetch_us.push(micros(fetch_started.elapsed()));
+                for (key, block) in hits.iter().zip(&blocks) {
+                    let bytes = node.core.parent().read(*block).map_err(|e| e.to_string())?;
+                    if bytes != synthetic::content(key, block_len) {
+                        tally.corrupt_blocks += 1;
+                    }
+                    tally.bytes += bytes.len() as u64;
+                }
+            } else {
+                tally.failed_loads += 1;
+            }
+        }
+        node.core.finish(Instant::now(), &request);
+        node.flush(Instant::now());
+    }
+    // Let the last messages (the final fetch or abort) leave before the node closes.
+    let drain = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < drain && node.core.stats().client_requests > 0 {
+        let now = Instant::now();
+        node.step(now);
+        node.wait(now, Duration::from_millis(20));
+    }
+    Ok(tally)
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,585 @@
+//! Nodes in separate processes on 127.0.0.1: the real `kvpeer` binary (`serve`, `fetch`) against
+//! each other and against a node in this test process, on every data plane; and the faults that
+//! only real processes show: a peer killed with SIGKILL in the middle of a transfer.
+//!
+//! After a kill the survivor must fail its loads within the configured timeouts, release every
+//! pin and permit, and serve (or fetch from) a new peer. Children are killed by their PID and
+//! the shared-memory object a killed child leaves behind is removed.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvpeer::node::build::{build, BuildPlane, NodeSpec};
+use kvpeer::node::io::NodeIo;
+use kvpeer::synthetic;
+use kvpeer_core::{CoreConfig, Event, LookupResult, RequestRoles};
+use kvpeer_net::dual::DualPlane;
+use kvpeer_net::shm::ShmPlane;
+use kvpeer_net::tcp::TcpPlane;
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
+
+/// A child process, killed (by its PID) when dropped; its pool's shm object is removed too.
+struct Proc {
+    child: Child,
+    stdout: mpsc::Receiver<String>,
+    shm: String,
+}
+
+impl Proc {
+    fn spawn(args: &[&str], role: &str) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let shm = format!("kvpeer-{role}-{}", child.id());
+        Proc {
+            child,
+            stdout: rx,
+            shm,
+        }
+    }
+
+    /// The next stdout line (bounded: 60 s, debug builds fill large pools slowly).
+    fn line(&self) -> String {
+        self.stdout
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a line from the child")
+    }
+
+    /// `kvpeer serve` with these extra args; returns it and its identity once ready.
+    fn serve(extra: &[&str]) -> (Proc, PeerId) {
+        let mut args = vec!["serve"];
+        args.extend_from_slice(extra);
+        let p = Proc::spawn(&args, "serve");
+        let ready = p.line();
+        let id = field(&ready, "id").unwrap_or_else(|| panic!("not a ready line: {ready}"));
+        (p, PeerId::new(id))
+    }
+
+    /// SIGKILL, then reap.
+    fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Waits (bounded) for the exit status while `tick` runs.
+    fn wait_while(&mut self, timeout: Duration, mut tick: impl FnMut()) -> i32 {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            tick();
+        }
+        panic!("child still running after {timeout:?}");
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
+    }
+}
+
+/// `key=value` from a space-separated line.
+fn field(line: &str, key: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")).map(str::to_owned))
+}
+
+fn num(line: &str, key: &str) -> u64 {
+    field(line, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+/// An in-process node on 127.0.0.1 with a port the system picks.
+fn node<P: BuildPlane>(tag: &str, blocks: u64, block_len: u64) -> NodeIo<P> {
+    build::<P>(&NodeSpec {
+        id: PeerId::new("127.0.0.1:0"),
+        num_blocks: blocks,
+        block_len,
+        shm_name: format!("kvpeer-tp-{tag}-{}", std::process::id()),
+        tcp_listen: "127.0.0.1:0".into(),
+        hash_seed: "0".into(),
+        config_fingerprint: String::new(),
+        core: CoreConfig {
+            load_timeout: LOAD_TIMEOUT,
+            store_timeout: LOAD_TIMEOUT,
+            ..CoreConfig::default()
+        },
+    })
+    .unwrap()
+}
+
+const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Steps `n` until `done` holds; panics after `timeout`.
+fn step_until<P: BuildPlane>(
+    n: &mut NodeIo<P>,
+    timeout: Duration,
+    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        n.step(now);
+        if done(n) {
+            return;
+        }
+        n.wait(now, Duration::from_millis(5));
+    }
+    panic!(
+        "condition not reached within {timeout:?}: core {:?}, store {:?}",
+        n.core.stats(),
+        n.core.parent().stats()
+    );
+}
+
+/// Nothing pinned, written, or held for any peer.
+fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {
+    let s = n.core.parent().stats();
+    assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
+    let k = n.core.stats();
+    assert_eq!(
+        (
+            k.client_requests,
+            k.server_requests,
+            k.store_jobs,
+            k.inflight
+        ),
+        (0, 0, 0, 0),
+        "{k:?}"
+    );
+}
+
+fn plane_name<P: 'static>() -> &'static str {
+    match std::any::type_name::<P>() {
+        t if t.ends_with("ShmPlane") => "shm",
+        t if t.ends_with("TcpPlane") => "tcp",
+        _ => "both",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve + fetch, both real processes
+
+fn serve_and_fetch(plane: &str) {
+    let (mut server, id) = Proc::serve(&[
+        "--plane",
+        plane,
+        "--blocks",
+        "64",
+        "--block-len",
+        "16384",
+        "--fill",
+        "40",
+    ]);
+    let mut fetch = Proc::spawn(
+        &[
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--plane",
+            plane,
+            "--blocks",
+            "64",
+            "--block-len",
+            "16384",
+            "--requests",
+            "6",
+            "--keys",
+            "8",
+            "--timeout-secs",
+            "20",
+        ],
+        "fetch",
+    );
+    let summary = fetch.line();
+    assert_eq!(
+        fetch.wait_while(Duration::from_secs(30), || {}),
+        0,
+        "{summary}"
+    );
+    // Keys 0..40 are held, 40..48 are not: the sixth request misses entirely (terminal fetch).
+    assert_eq!(num(&summary, "hits"), 40, "{summary}");
+    assert_eq!(num(&summary, "misses"), 8, "{summary}");
+    assert_eq!(num(&summary, "bytes"), 40 * 16384, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    assert_eq!(num(&summary, "failed_loads"), 0, "{summary}");
+
+    // SIGTERM stops the server cleanly and removes its pool.
+    let pid = server.child.id().to_string();
+    assert_eq!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .code(),
+        Some(0)
+    );
+    assert_eq!(server.wait_while(Duration::from_secs(10), || {}), 0);
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/{}", server.shm)).exists(),
+        "the pool's shm object is unlinked on a clean stop"
+    );
+}
+
+#[test]
+fn serve_and_fetch_processes_over_tcp() {
+    serve_and_fetch("tcp");
+}
+
+#[test]
+fn serve_and_fetch_processes_over_shm() {
+    serve_and_fetch("shm");
+}
+
+#[test]
+fn serve_and_fetch_processes_with_both_planes() {
+    serve_and_fetch("both");
+}
+
+// ---------------------------------------------------------------------------------------------
+// An in-process consumer against a `kvpeer serve` process
+
+/// Handshake with `peer`, look up `keys`, return the request and the leading hits.
+fn lookup<P: BuildPlane>(
+    c: &mut NodeIo<P>,
+    peer: &PeerId,
+    rid: &str,
+    roles: RequestRoles,
+    keys: &[OffloadKey],
+) -> (kvpeer_core::Request, Vec<OffloadKey>) {
+    let req = c
+        .core
+        .on_new_request(Instant::now(), KvRequestId::from(rid), roles);
+    c.flush(Instant::now());
+    step_until(c, Duration::from_secs(10), |c| {
+        c.core.session_state(peer).is_some_and(|s| s.ready)
+    });
+    for k in keys {
+        c.core.lookup(Instant::now(), &req, k);
+    }
+    c.core.flush_lookups(Instant::now());
+    c.flush(Instant::now());
+    step_until(c, Duration::from_secs(10), |c| {
+        keys.iter()
+            .all(|k| c.core.lookup(Instant::now(), &req, k) != LookupResult::Retry)
+    });
+    let hits = keys
+        .iter()
+        .take_while(|k| c.core.lookup(Instant::now(), &req, k) == LookupResult::Hit)
+        .cloned()
+        .collect();
+    (req, hits)
+}
+
+/// Loads `keys` (into fresh blocks) as job `job`; returns the blocks once the load ended and
+/// whether it succeeded, and how long it took.
+fn load<P: BuildPlane>(
+    c: &mut NodeIo<P>,
+    req: &kvpeer_core::Request,
+    job: u64,
+    keys: &[OffloadKey],
+    before_wait: impl FnOnce(),
+) -> (Vec<u64>, bool, Duration) {
+    let blocks = c.core.parent_mut().reserve(keys).unwrap();
+    let started = Instant::now();
+    c.core
+        .submit_load(Instant::now(), job, req, keys.to_vec(), blocks.clone());
+    c.flush(Instant::now());
+    before_wait();
+    let mut success = None;
+    step_until(c, LOAD_TIMEOUT * 3, |c| {
+        for e in c.results.drain(..) {
+            if let Event::LoadDone {
+                job: j, success: s, ..
+            } = e
+            {
+                if j == job {
+                    success = Some(s);
+                }
+            }
+        }
+        success.is_some()
+    });
+    let elapsed = started.elapsed();
+    let success = success == Some(true);
+    c.core.parent_mut().finish_write(&blocks, success);
+    (blocks, success, elapsed)
+}
+
+fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[u64], len: usize) {
+    for (k, b) in keys.iter().zip(blocks) {
+        assert_eq!(
+            c.core.parent().read(*b).unwrap(),
+            &synthetic::content(k, len)[..],
+            "block of {k:?}"
+        );
+    }
+}
+
+fn consumer_against_serve_process<P: BuildPlane + 'static>() {
+    const LEN: u64 = 32 * 1024;
+    let plane = plane_name::<P>();
+    let (_server, id) = Proc::serve(&[
+        "--plane",
+        plane,
+        "--blocks",
+        "32",
+        "--block-len",
+        "32768",
+        "--fill",
+        "10",
+    ]);
+    let mut c = node::<P>(&format!("cons-{plane}"), 32, LEN);
+    let keys: Vec<OffloadKey> = (0..12).map(synthetic::key).collect();
+    let (req, hits) = lookup(
+        &mut c,
+        &id,
+        "req-1",
+        RequestRoles::kv_source(id.clone()),
+        &keys,
+    );
+    assert_eq!(hits, keys[..10].to_vec(), "10 held, 2 missing");
+    let (blocks, ok, _) = load(&mut c, &req, 1, &hits, || {});
+    assert!(ok);
+    verify(&c, &hits, &blocks, LEN as usize);
+
+    // A request that misses everything: finishing it sends the terminal fetch.
+    let miss_keys = [synthetic::key(500)];
+    let (miss, none) = lookup(
+        &mut c,
+        &id,
+        "req-2",
+        RequestRoles::kv_source(id.clone()),
+        &miss_keys,
+    );
+    assert!(none.is_empty());
+    // A PD load the server never stores: finishing the request aborts it; the abort_ack ends it.
+    let pd = c.core.on_new_request(
+        Instant::now(),
+        KvRequestId::from("req-3"),
+        RequestRoles::prefiller(id.clone()),
+    );
+    let pd_blocks = c.core.parent_mut().reserve(&[synthetic::key(600)]).unwrap();
+    c.core.submit_load(
+        Instant::now(),
+        2,
+        &pd,
+        vec![synthetic::key(600)],
+        pd_blocks.clone(),
+    );
+    for r in [&req, &miss, &pd] {
+        c.core.finish(Instant::now(), r);
+    }
+    c.flush(Instant::now());
+    let mut aborted = None;
+    step_until(&mut c, Duration::from_secs(10), |c| {
+        for e in c.results.drain(..) {
+            if let Event::LoadDone {
+                job: 2, success, ..
+            } = e
+            {
+                aborted = Some(success);
+            }
+        }
+        aborted.is_some() && c.core.stats().client_requests == 0
+    });
+    assert_eq!(aborted, Some(false));
+    c.core.parent_mut().finish_write(&pd_blocks, false);
+    assert_clean(&c);
+}
+
+#[test]
+fn consumer_against_a_serve_process_over_tcp() {
+    consumer_against_serve_process::<TcpPlane>();
+}
+
+#[test]
+fn consumer_against_a_serve_process_over_shm() {
+    consumer_against_serve_process::<ShmPlane>();
+}
+
+#[test]
+fn consumer_against_a_serve_process_with_both_planes() {
+    consumer_against_serve_process::<DualPlane>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// kill -9 mid-transfer
+
+const BIG_LEN: u64 = 1 << 20;
+const BIG_BLOCKS: u64 = 64;
+
+/// The producer (a `kvpeer serve` process) dies while writing 64 MiB into this node.
+fn producer_killed_mid_transfer<P: BuildPlane + 'static>() {
+    let plane = plane_name::<P>();
+    let serve_args = [
+        "--plane",
+        plane,
+        "--blocks",
+        "64",
+        "--block-len",
+        "1048576",
+        "--fill",
+        "64",
+    ];
+    let (mut server, id) = Proc::serve(&serve_args);
+    let mut c = node::<P>(&format!("victim-{plane}"), BIG_BLOCKS * 2, BIG_LEN);
+    let keys: Vec<OffloadKey> = (0..BIG_BLOCKS).map(synthetic::key).collect();
+    let (req, hits) = lookup(
+        &mut c,
+        &id,
+        "req-k",
+        RequestRoles::kv_source(id.clone()),
+        &keys,
+    );
+    assert_eq!(hits.len(), keys.len());
+    // 30 ms after the fetch left, the producer (a debug build) is copying 64 MiB.
+    let (_, ok, took) = load(&mut c, &req, 1, &hits, || {
+        std::thread::sleep(Duration::from_millis(30));
+        server.kill9();
+    });
+    eprintln!("load from the killed producer ended after {took:?}");
+    assert!(!ok, "a load from a killed producer fails");
+    assert!(
+        took <= LOAD_TIMEOUT + Duration::from_secs(2),
+        "failed after {took:?}, the load timeout is {LOAD_TIMEOUT:?}"
+    );
+    c.core.finish(Instant::now(), &req);
+    step_until(&mut c, Duration::from_secs(10), |c| {
+        c.core.stats().client_requests == 0 && c.core.stats().inflight == 0
+    });
+    assert_clean(&c);
+    for k in &hits {
+        assert_eq!(
+            c.core.parent_mut().lookup(k),
+            LookupResult::Miss,
+            "a failed load leaves nothing readable"
+        );
+    }
+
+    // The survivor fetches from a new producer.
+    let (_fresh, id2) = Proc::serve(&serve_args);
+    let some = &keys[..8];
+    let (req, hits) = lookup(
+        &mut c,
+        &id2,
+        "req-n",
+        RequestRoles::kv_source(id2.clone()),
+        some,
+    );
+    assert_eq!(hits, some.to_vec());
+    let (blocks, ok, _) = load(&mut c, &req, 2, &hits, || {});
+    assert!(ok);
+    verify(&c, &hits, &blocks, BIG_LEN as usize);
+    c.core.finish(Instant::now(), &req);
+    c.flush(Instant::now());
+    assert_clean(&c);
+}
+
+#[test]
+fn producer_killed_mid_transfer_over_tcp() {
+    producer_killed_mid_transfer::<TcpPlane>();
+}
+
+#[test]
+fn producer_killed_mid_transfer_over_shm() {
+    producer_killed_mid_transfer::<ShmPlane>();
+}
+
+/// The consumer (a `kvpeer fetch` process) dies while this node writes 64 MiB into it.
+fn consumer_killed_mid_transfer<P: BuildPlane + 'static>() {
+    let plane = plane_name::<P>();
+    let mut p = node::<P>(&format!("survivor-{plane}"), BIG_BLOCKS, BIG_LEN);
+    for i in 0..BIG_BLOCKS {
+        let k = synthetic::key(i);
+        p.core
+            .parent_mut()
+            .put(&k, &synthetic::content(&k, BIG_LEN as usize))
+            .unwrap();
+    }
+    let id = p.core.local().peer_id.to_string();
+    let fetch_args = |keys: &'static str| {
+        vec![
+            "fetch".to_owned(),
+            "--peer".into(),
+            id.clone(),
+            "--plane".into(),
+            plane.into(),
+            "--blocks".into(),
+            "64".into(),
+            "--block-len".into(),
+            "1048576".into(),
+            "--requests".into(),
+            "1000".into(),
+            "--keys".into(),
+            keys.into(),
+            "--first".into(),
+            "0".into(),
+        ]
+    };
+    let args = fetch_args("64");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut consumer = Proc::spawn(&args, "fetch");
+    // Serve until a write into the consumer is in flight, then kill it.
+    step_until(&mut p, Duration::from_secs(60), |p| {
+        p.core.stats().inflight > 0
+    });
+    consumer.kill9();
+    step_until(&mut p, LOAD_TIMEOUT + Duration::from_secs(5), |p| {
+        let k = p.core.stats();
+        k.sessions == 0 && k.server_requests == 0 && k.store_jobs == 0 && k.inflight == 0
+    });
+    assert_clean(&p);
+
+    // The survivor serves a new peer: one request of 8 keys, every byte checked by the child.
+    let mut args = fetch_args("8");
+    args[10] = "1".into(); // --requests 1
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut next = Proc::spawn(&args, "fetch");
+    let status = next.wait_while(Duration::from_secs(60), || {
+        let now = Instant::now();
+        p.step(now);
+        p.wait(now, Duration::from_millis(5));
+    });
+    let summary = next.line();
+    assert_eq!(status, 0, "{summary}");
+    assert_eq!(num(&summary, "hits"), 8, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    step_until(&mut p, Duration::from_secs(15), |p| {
+        p.core.stats().server_requests == 0 && p.core.stats().store_jobs == 0
+    });
+    assert_clean(&p);
+}
+
+#[test]
+fn consumer_killed_mid_transfer_over_tcp() {
+    consumer_killed_mid_transfer::<TcpPlane>();
+}
+
+#[test]
+fn consumer_killed_mid_transfer_over_shm() {
+    consumer_killed_mid_transfer::<ShmPlane>();
+}
