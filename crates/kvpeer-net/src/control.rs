@@ -9,7 +9,10 @@
 //!   refuses frames over `max_message_bytes` (default 64 MiB): libzmq drops a peer that announces
 //!   a larger one (a 1 TiB header included) and keeps serving everyone else.
 //! * A socket monitor on each DEALER: DISCONNECTED, CLOSED or a failed handshake mean the
-//!   connection is lost ([`ChannelEvent::Lost`]).
+//!   connection is lost ([`ChannelEvent::Lost`]). Closing a DEALER stops its monitor first:
+//!   libzmq's I/O thread sends monitor events with blocking sends, so an event for a DEALER
+//!   whose monitor reader is already gone would block that thread, and with it every socket of
+//!   the channel, for good (seen when a peer was killed mid-transfer).
 //! * Dial-back is lazy: sending to a peer without a DEALER opens one (to the peer's identity,
 //!   `host:port`). The core opens a session only on a `connect`, so junk never makes us dial.
 //!
@@ -110,6 +113,21 @@ pub enum SendError {
 struct Dealer {
     socket: zmq::Socket,
     monitor: zmq::Socket,
+}
+
+impl Drop for Dealer {
+    fn drop(&mut self) {
+        // Stop the monitor before the DEALER and the monitor reader close (the fields drop
+        // after this). Under libzmq's monitor lock this closes the monitor's sending end, so
+        // the I/O thread, tearing the DEALER down later, has nowhere to block.
+        // SAFETY: `self.socket` is a live DEALER owned by this struct, used only by this
+        // thread; a NULL endpoint is zmq_socket_monitor's documented way to stop monitoring.
+        let rc =
+            unsafe { zmq_sys::zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0) };
+        if rc != 0 {
+            warn!("could not stop a DEALER's monitor before closing it");
+        }
+    }
 }
 
 /// The ZeroMQ control channel of one node.

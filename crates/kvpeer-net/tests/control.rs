@@ -176,3 +176,36 @@ fn a_channel_bound_on_any_port_takes_the_real_port_as_its_identity() {
     a.send(&idb, b"and back").unwrap();
     expect(&mut b, payload_from(&ida, b"and back"));
 }
+
+/// A lost peer's DEALER is closed while libzmq may still report events on its monitor; the
+/// channel must stop the monitor first, or libzmq's I/O thread blocks on the monitor forever
+/// and the whole channel goes deaf (found with a peer killed by SIGKILL).
+#[test]
+fn the_channel_keeps_hearing_new_peers_after_many_lost_ones() {
+    let mut a = channel();
+    let ida = a.identity().clone();
+    for round in 0..30 {
+        let mut b = channel();
+        let idb = b.identity().clone();
+        let hello = format!("hello {round}");
+        b.send(&ida, hello.as_bytes()).unwrap();
+        expect(&mut a, payload_from(&idb, hello.as_bytes()));
+        a.send(&idb, b"reply").unwrap();
+        expect(&mut b, payload_from(&ida, b"reply"));
+        if round % 2 == 0 {
+            drop(b);
+            expect(
+                &mut a,
+                |e| matches!(e, ChannelEvent::Lost { peer, .. } if *peer == idb),
+            );
+        } else {
+            // The node gives up on the peer first (a protocol error, a data-plane fault), and
+            // the peer's connection dies right after.
+            a.close(&idb);
+            drop(b);
+        }
+    }
+    let mut last = channel();
+    last.send(&ida, b"still listening?").unwrap();
+    expect(&mut a, payload_from(last.identity(), b"still listening?"));
+}

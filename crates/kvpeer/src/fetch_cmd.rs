@@ -129,6 +129,7 @@ fn step_until<P: BuildPlane>(
 
 fn fetch<P: BuildPlane>(args: &FetchArgs) -> Result<Tally, String> {
     let mut node = build::<P>(&args.node.spec("fetch")).map_err(|e| e.to_string())?;
+    tracing::info!(id = %node.core.local().peer_id, peer = %args.peer, "consumer node up");
     let peer = PeerId::new(args.peer.clone());
     let timeout = Duration::from_secs(args.timeout_secs);
     let block_len = usize::try_from(args.node.block_len).map_err(|e| e.to_string())?;

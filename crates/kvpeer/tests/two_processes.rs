@@ -10,7 +10,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
@@ -28,6 +28,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
 struct Proc {
     child: Child,
     stdout: mpsc::Receiver<String>,
+    /// Everything the child wrote to stderr so far (its logs), for failure messages.
+    stderr: Arc<Mutex<String>>,
     shm: String,
 }
 
@@ -36,10 +38,24 @@ impl Proc {
         let mut child = Command::new(BIN)
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
+            .env(
+                "KVPEER_LOG",
+                std::env::var("KVPEER_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .spawn()
             .unwrap();
         let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let log = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut log = log.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -52,15 +68,24 @@ impl Proc {
         Proc {
             child,
             stdout: rx,
+            stderr,
             shm,
         }
     }
 
     /// The next stdout line (bounded: 60 s, debug builds fill large pools slowly).
     fn line(&self) -> String {
-        self.stdout
-            .recv_timeout(Duration::from_secs(60))
-            .expect("a line from the child")
+        match self.stdout.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => line,
+            Err(e) => {
+                // Let the stderr reader catch up with a child that just exited.
+                std::thread::sleep(Duration::from_millis(200));
+                panic!(
+                    "no line from the child ({e}); its stderr:\n{}",
+                    self.stderr.lock().unwrap()
+                )
+            }
+        }
     }
 
     /// `kvpeer serve` with these extra args; returns it and its identity once ready.
@@ -112,8 +137,16 @@ fn num(line: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key} in {line}"))
 }
 
-/// An in-process node on 127.0.0.1 with a port the system picks.
+/// An in-process node on 127.0.0.1 with a port the system picks. Its logs go to the test's
+/// output at the level `KVPEER_LOG` names (default warn).
 fn node<P: BuildPlane>(tag: &str, blocks: u64, block_len: u64) -> NodeIo<P> {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
     build::<P>(&NodeSpec {
         id: PeerId::new("127.0.0.1:0"),
         num_blocks: blocks,
@@ -461,7 +494,6 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>() {
         std::thread::sleep(Duration::from_millis(30));
         server.kill9();
     });
-    eprintln!("load from the killed producer ended after {took:?}");
     assert!(!ok, "a load from a killed producer fails");
     assert!(
         took <= LOAD_TIMEOUT + Duration::from_secs(2),
