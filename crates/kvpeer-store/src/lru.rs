@@ -1,7 +1,7 @@
 //! Least-recently-used order over block indexes, every operation O(1).
 //!
 //! An intrusive doubly-linked list stored in two arrays indexed by block, so it allocates once
-//! (at creation) and each block costs 8 bytes. Written by hand: LRU crates key a hash map by
+//! (at creation) and each block costs 9 bytes (a link and an in-list flag). Written by hand: LRU crates key a hash map by
 //! value, which would duplicate the store's own index.
 
 const NONE: u32 = u32::MAX;
@@ -23,6 +23,9 @@ pub(crate) struct Lru {
 }
 
 impl Lru {
+    /// Memory per block: one link and one flag.
+    pub(crate) const BYTES_PER_BLOCK: usize = std::mem::size_of::<Link>() + 1;
+
     pub(crate) fn new(blocks: usize) -> Self {
         Lru {
             links: vec![

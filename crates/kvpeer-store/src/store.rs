@@ -118,6 +118,17 @@ pub struct BlockStore {
 }
 
 impl BlockStore {
+    /// Bookkeeping bytes per block, beyond the block itself (docs/data-planes.md, "The pool"):
+    /// its slot, its LRU link and flag, its free-list entry, and its index entry with the hash
+    /// table's control byte, at the table's worst load (half full, right after growing).
+    pub fn overhead_per_block() -> usize {
+        let index_entry = std::mem::size_of::<(OffloadKey, u32)>() + 1;
+        std::mem::size_of::<Slot>()
+            + Lru::BYTES_PER_BLOCK
+            + std::mem::size_of::<u32>()
+            + 2 * index_entry
+    }
+
     /// A store over a fresh shared-memory region.
     pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
         let blocks = u32::try_from(config.num_blocks)

@@ -186,3 +186,11 @@ fn python_opens_the_same_shared_memory_by_name() {
         "Python's write landed in block 1"
     );
 }
+
+#[test]
+fn bookkeeping_per_block_stays_small() {
+    let bytes = BlockStore::overhead_per_block();
+    println!("bookkeeping per block: {bytes} bytes");
+    // docs/data-planes.md promises at most 256 bytes: 0.4% of a 64 KiB block, 0.01% of 2 MiB.
+    assert!(bytes <= 256, "{bytes} bytes per block");
+}
