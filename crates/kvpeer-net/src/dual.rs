@@ -102,7 +102,10 @@ impl DataPlane for DualPlane {
         if offers_shm {
             self.shm.add_remote_peer(peer, memory)?;
         }
-        if offers_shm && self.shm.registration(peer) == Registration::Done {
+        // Mapped (pre-faulting may still run: Pending until it is done) or refused.
+        let shm_usable =
+            offers_shm && !matches!(self.shm.registration(peer), Registration::Failed(_));
+        if shm_usable {
             debug!(%peer, "data plane: shm");
             self.routes.insert(peer.clone(), Route::Shm);
             return Ok(());

@@ -11,5 +11,6 @@
 pub mod control;
 pub mod dual;
 pub mod metadata;
+mod prefault;
 pub mod shm;
 pub mod tcp;

@@ -1,8 +1,9 @@
 //! The `shm` data plane: peers on one host write blocks straight into each other's pools.
 //!
 //! Registration opens the peer's POSIX shared-memory object by the name its `agent_metadata`
-//! gives, checks it holds at least `num_blocks × block_len` bytes, and maps it read-write. A
-//! write copies local block `l` into the peer's region at `r × block_len`. Local blocks are read
+//! gives, checks it holds at least `num_blocks × block_len` bytes, and maps it read-write; the
+//! registration is `Pending` until a helper thread has pre-faulted that mapping (`prefault`),
+//! so no copy pays page faults and the runtime never waits for the pre-fault. A write copies local block `l` into the peer's region at `r × block_len`. Local blocks are read
 //! through this plane's own read-only mapping of the local object, so the plane and the store
 //! never share ownership.
 //!
@@ -100,14 +101,21 @@ struct Shared {
 }
 
 fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    lock_any(shared)
+}
+
+fn lock_any<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A poisoned lock only means a copy panicked; the bookkeeping stays usable.
-    shared.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct PeerMap {
     region: Arc<Mutex<MmapMut>>,
     num_blocks: u64,
 }
+
+/// Peer mappings whose pre-faulting finished: (peer, registration number, mapping).
+type Prefaulted = Arc<Mutex<Vec<(PeerId, u64, PeerMap)>>>;
 
 /// The shm data plane of one node.
 pub struct ShmPlane {
@@ -117,6 +125,10 @@ pub struct ShmPlane {
     block_len: u64,
     peers: HashMap<PeerId, PeerMap>,
     registrations: HashMap<PeerId, Registration>,
+    /// Registrations waiting for their mapping's pre-fault: peer → registration number.
+    prefaulting: HashMap<PeerId, u64>,
+    prefaulted: Prefaulted,
+    registration_seq: u64,
     next_tid: TransferId,
     shared: Arc<Mutex<Shared>>,
     jobs: Option<Sender<Job>>,
@@ -149,6 +161,7 @@ impl ShmPlane {
         // SAFETY: a read-only view of our own pool; blocks are only read while a store job pins
         // them, so their bytes do not change under a copy.
         let local = unsafe { Mmap::map(&file) }.map_err(|e| local_err(e.to_string()))?;
+        crate::prefault::for_read(&local, "the shm plane's view of the local pool");
         let needed = num_blocks.saturating_mul(block_len);
         if (local.len() as u64) < needed {
             return Err(local_err(format!("{} bytes, {needed} needed", local.len())));
@@ -194,6 +207,9 @@ impl ShmPlane {
             block_len,
             peers: HashMap::new(),
             registrations: HashMap::new(),
+            prefaulting: HashMap::new(),
+            prefaulted: Arc::default(),
+            registration_seq: 0,
             next_tid: 0,
             shared,
             jobs: Some(tx),
@@ -222,6 +238,7 @@ impl ShmPlane {
                 map.len()
             ));
         }
+        crate::prefault::for_write(&map, "a peer's pool");
         Ok(PeerMap {
             region: Arc::new(Mutex::new(map)),
             num_blocks: memory.num_blocks,
@@ -237,21 +254,55 @@ impl ShmPlane {
 
 impl DataPlane for ShmPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
-        let state = match self.map_peer(memory) {
-            Ok(map) => {
-                self.peers.insert(peer.clone(), map);
-                Registration::Done
-            }
+        self.remove_remote_peer(peer);
+        let map = match self.map_peer(memory) {
+            Ok(map) => map,
             Err(e) => {
                 warn!(%peer, error = %e, "shm registration failed");
-                Registration::Failed(e)
+                self.registrations
+                    .insert(peer.clone(), Registration::Failed(e));
+                return Ok(());
             }
         };
-        self.registrations.insert(peer.clone(), state);
+        // Pre-faulting a large pool takes a while (0.2 s per GiB): do it off the runtime
+        // thread; the registration is done when it is.
+        self.registration_seq += 1;
+        let seq = self.registration_seq;
+        let (done, wake, who) = (self.prefaulted.clone(), self.wake.clone(), peer.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvpeer-shm-prefault".into())
+            .spawn(move || {
+                crate::prefault::for_write(&lock_any(&map.region), "a peer's pool");
+                lock_any(&done).push((who, seq, map));
+                wake();
+            });
+        match spawned {
+            Ok(_) => {
+                self.prefaulting.insert(peer.clone(), seq);
+                self.registrations
+                    .insert(peer.clone(), Registration::Pending);
+            }
+            Err(e) => {
+                warn!(%peer, error = %e, "cannot start a pre-fault thread");
+                self.registrations.insert(
+                    peer.clone(),
+                    Registration::Failed(format!("cannot start a pre-fault thread: {e}")),
+                );
+            }
+        }
         Ok(())
     }
 
     fn registration(&mut self, peer: &PeerId) -> Registration {
+        let finished = std::mem::take(&mut *lock_any(&self.prefaulted));
+        for (who, seq, map) in finished {
+            // A result for a registration since removed or replaced is dropped.
+            if self.prefaulting.get(&who) == Some(&seq) {
+                self.prefaulting.remove(&who);
+                self.peers.insert(who.clone(), map);
+                self.registrations.insert(who, Registration::Done);
+            }
+        }
         self.registrations
             .get(peer)
             .cloned()
@@ -261,6 +312,7 @@ impl DataPlane for ShmPlane {
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         self.peers.remove(peer);
         self.registrations.remove(peer);
+        self.prefaulting.remove(peer);
     }
 
     fn write_blocks(

@@ -29,7 +29,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
@@ -155,6 +155,8 @@ pub struct TcpPlane {
     registrations: Arc<Mutex<HashMap<PeerId, Registration>>>,
     links: Arc<Mutex<HashMap<PeerId, PeerLink>>>,
     next_tid: TransferId,
+    /// Cap on the bytes per second written to each peer (`None`: as fast as the link goes).
+    max_write_rate: Option<u64>,
     wake: Wake,
     stop: Arc<AtomicBool>,
     /// Open inbound connections (to shut them down when the plane goes).
@@ -193,6 +195,8 @@ impl TcpPlane {
         let local = unsafe { Mmap::map(&ro) }.map_err(|e| local_err(e.to_string()))?;
         // SAFETY: our own pool, written only through `PoolWriter::block` (see there).
         let pool = unsafe { MmapMut::map_mut(&rw) }.map_err(|e| local_err(e.to_string()))?;
+        crate::prefault::for_read(&local, "the tcp plane's view of the local pool");
+        crate::prefault::for_write(&pool, "the tcp plane's receive mapping");
         if (pool.len() as u64) < num_blocks.saturating_mul(block_len) {
             return Err(local_err("the object is smaller than the pool".into()));
         }
@@ -215,6 +219,7 @@ impl TcpPlane {
             registrations: Arc::default(),
             links: Arc::default(),
             next_tid: 0,
+            max_write_rate: None,
             wake,
             stop: Arc::default(),
             inbound: Arc::default(),
@@ -237,6 +242,13 @@ impl TcpPlane {
                 source,
             })?;
         Ok(plane)
+    }
+
+    /// Caps the bytes per second written to each peer, so block traffic cannot starve the
+    /// engine's own traffic on a shared link. Applies to links opened afterwards.
+    pub fn with_max_write_rate(mut self, bytes_per_second: Option<u64>) -> Self {
+        self.max_write_rate = bytes_per_second.filter(|r| *r > 0);
+        self
     }
 
     /// Where the data listener is bound (what `agent_metadata` advertises).
@@ -404,10 +416,11 @@ impl TcpPlane {
             self.links.clone(),
             self.wake.clone(),
         );
-        let (local, block_len, me) = (
+        let (local, block_len, me, rate) = (
             self.local.clone(),
             self.block_len as usize,
             self.local_id.clone(),
+            self.max_write_rate,
         );
         let spawned = std::thread::Builder::new()
             .name("kvpeer-tcp-dial".into())
@@ -430,6 +443,7 @@ impl TcpPlane {
                         .name("kvpeer-tcp-send".into())
                         .spawn(move || {
                             let mut out = writer;
+                            let mut pacer = rate.map(Pacer::new);
                             for job in rx {
                                 {
                                     // Queued to sent in one step: `inflight` never sees a gap.
@@ -439,7 +453,9 @@ impl TcpPlane {
                                     }
                                     e.sent.insert(job.tid, p1.clone());
                                 }
-                                if let Err(e) = send(&mut out, &job, &local, block_len) {
+                                if let Err(e) =
+                                    send(&mut out, &job, &local, block_len, pacer.as_mut())
+                                {
                                     TcpPlane::fault(&e1, &p1, format!("tcp send failed: {e}"), &w1);
                                     return;
                                 }
@@ -519,7 +535,13 @@ fn dial(addr: &str, me: &PeerId) -> std::io::Result<TcpStream> {
     Ok(s)
 }
 
-fn send(out: &mut TcpStream, job: &Job, local: &Mmap, block_len: usize) -> std::io::Result<()> {
+fn send(
+    out: &mut TcpStream,
+    job: &Job,
+    local: &Mmap,
+    block_len: usize,
+    mut pacer: Option<&mut Pacer>,
+) -> std::io::Result<()> {
     let mut header = Vec::with_capacity(16 + 8 * job.remote.len());
     header.extend_from_slice(WRITE);
     header.extend_from_slice(&job.tid.to_be_bytes());
@@ -534,8 +556,46 @@ fn send(out: &mut TcpStream, job: &Job, local: &Mmap, block_len: usize) -> std::
             .get(start..start + block_len)
             .ok_or_else(|| protocol(format!("local block {l} outside the pool")))?;
         out.write_all(block)?;
+        if let Some(p) = pacer.as_deref_mut() {
+            p.sent(block_len as u64);
+        }
     }
     Ok(())
+}
+
+/// Holds one writer to a byte rate: after each block it sleeps until the bytes sent so far
+/// are due. Idle time is not banked beyond one second, so a pause does not buy a burst.
+struct Pacer {
+    rate: u64,
+    since: Instant,
+    bytes: u64,
+}
+
+impl Pacer {
+    fn new(bytes_per_second: u64) -> Self {
+        Pacer {
+            rate: bytes_per_second,
+            since: Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    fn sent(&mut self, n: u64) {
+        let now = Instant::now();
+        if now.duration_since(self.since) > Duration::from_secs(1) + self.due(self.bytes) {
+            self.since = now;
+            self.bytes = 0;
+        }
+        self.bytes += n;
+        let due = self.since + self.due(self.bytes);
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+    }
+
+    fn due(&self, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.rate as f64)
+    }
 }
 
 impl DataPlane for TcpPlane {

@@ -13,6 +13,7 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mlock, shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
+use tracing::debug;
 
 /// Why a region could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +108,12 @@ impl Region {
                 source,
             })
         })?;
+        // Allocate every page now, not on a transfer's first touch: a fresh page costs a fault
+        // and a zeroing, which made a first 128 MiB fetch several times slower than the copy
+        // itself. Best effort: kernels before 5.14 refuse the advice and fault lazily instead.
+        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+            debug!(name, error = %e, "could not pre-fault the pool; pages fault in on first use");
+        }
         if lock {
             let ptr = std::ptr::NonNull::new(map.as_ptr() as *mut std::ffi::c_void);
             if let Some(ptr) = ptr {

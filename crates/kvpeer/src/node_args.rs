@@ -35,6 +35,26 @@ pub(crate) struct NodeArgs {
     /// Prefix-cache hash seed (peers must agree).
     #[arg(long, default_value = "0")]
     pub(crate) hash_seed: String,
+    /// Cap on the bytes per second the tcp plane writes to each peer (suffixes K, M, G: powers
+    /// of 1000), so block traffic leaves room on a shared link. Uncapped by default.
+    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND")]
+    pub(crate) tcp_max_rate: Option<u64>,
+}
+
+/// `100M` → 100,000,000; a plain number is bytes.
+fn parse_rate(text: &str) -> Result<u64, String> {
+    let (digits, scale) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 1_000),
+        Some((i, 'M' | 'm')) => (&text[..i], 1_000_000),
+        Some((i, 'G' | 'g')) => (&text[..i], 1_000_000_000),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{text:?} is not a positive rate like 500M"))
 }
 
 impl NodeArgs {
@@ -51,6 +71,7 @@ impl NodeArgs {
             block_len: self.block_len,
             shm_name: format!("kvpeer-{role}-{}", std::process::id()),
             tcp_listen: format!("{host}:0"),
+            tcp_max_write_rate: self.tcp_max_rate,
             hash_seed: self.hash_seed.clone(),
             config_fingerprint: String::new(),
             core: CoreConfig::default(),
@@ -78,3 +99,19 @@ macro_rules! with_plane {
     };
 }
 pub(crate) use with_plane;
+
+#[cfg(test)]
+mod tests {
+    use super::parse_rate;
+
+    #[test]
+    fn rates_parse_with_and_without_suffixes() {
+        assert_eq!(parse_rate("1500"), Ok(1500));
+        assert_eq!(parse_rate("20M"), Ok(20_000_000));
+        assert_eq!(parse_rate("2g"), Ok(2_000_000_000));
+        assert!(parse_rate("0").is_err());
+        assert!(parse_rate("fast").is_err());
+        assert!(parse_rate("99999999999999999999G").is_err());
+        assert!(parse_rate("").is_err());
+    }
+}

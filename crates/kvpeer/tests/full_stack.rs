@@ -30,6 +30,7 @@ fn spec(tag: &str) -> NodeSpec {
         block_len: LEN,
         shm_name: format!("kvpeer-fs-{tag}-{}", std::process::id()),
         tcp_listen: "127.0.0.1:0".into(),
+        tcp_max_write_rate: None,
         hash_seed: "42".into(),
         config_fingerprint: String::new(),
         core: CoreConfig::default(),

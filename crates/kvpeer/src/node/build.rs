@@ -28,6 +28,8 @@ pub struct NodeSpec {
     pub shm_name: String,
     /// Where the tcp plane listens (`host:0` picks a port).
     pub tcp_listen: String,
+    /// Cap on the tcp plane's bytes per second to each peer (`None`: uncapped).
+    pub tcp_max_write_rate: Option<u64>,
     /// Prefix-cache hash seed.
     pub hash_seed: String,
     /// Model configuration fingerprint ("" matches anything).
@@ -84,7 +86,8 @@ impl BuildPlane for TcpPlane {
             spec.block_len,
             &spec.tcp_listen,
             wake,
-        )?;
+        )?
+        .with_max_write_rate(spec.tcp_max_write_rate);
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: None,

@@ -1,0 +1,34 @@
+//! Pre-faulting mappings of a pool, so a transfer never pays page faults on its first touch.
+//!
+//! A fresh mapping of a shared-memory object has no page-table entries: the first copy into or
+//! out of each 4 KiB page takes a fault (measured: a first 128 MiB fetch ran at a third of the
+//! copy speed). `MADV_POPULATE_READ`/`WRITE` fill the entries up front without touching the
+//! bytes, so it is safe while other processes write the same pages. Best effort: kernels
+//! before 5.14 refuse the advice, and the pages then fault in lazily as before.
+//!
+//! Called when a plane maps its own pool (node start) and when the shm plane maps a peer's pool
+//! (registration; on a thread of its own, since it takes about 0.2 s per GiB even though the
+//! pages already exist).
+
+use std::time::Instant;
+
+use memmap2::{Advice, Mmap, MmapMut};
+use tracing::debug;
+
+/// Pre-faults a read-only mapping.
+pub(crate) fn for_read(map: &Mmap, what: &str) {
+    let started = Instant::now();
+    match map.advise(Advice::PopulateRead) {
+        Ok(()) => debug!(what, bytes = map.len(), elapsed = ?started.elapsed(), "pre-faulted"),
+        Err(e) => debug!(what, error = %e, "not pre-faulted; pages fault in on first use"),
+    }
+}
+
+/// Pre-faults a writable mapping.
+pub(crate) fn for_write(map: &MmapMut, what: &str) {
+    let started = Instant::now();
+    match map.advise(Advice::PopulateWrite) {
+        Ok(()) => debug!(what, bytes = map.len(), elapsed = ?started.elapsed(), "pre-faulted"),
+        Err(e) => debug!(what, error = %e, "not pre-faulted; pages fault in on first use"),
+    }
+}
