@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
-use kvpeer_core::{Event, LookupResult, RequestRoles};
+use kvpeer_core::{LookupResult, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 use crate::node_args::{with_plane, NodeArgs};
@@ -189,16 +189,7 @@ fn fetch<P: BuildPlane>(args: &FetchArgs) -> Result<Tally, String> {
             node.flush(Instant::now());
             let mut success = None;
             step_until(&mut node, timeout, "fetch", |n| {
-                for e in n.results.drain(..) {
-                    if let Event::LoadDone {
-                        job: j, success: s, ..
-                    } = e
-                    {
-                        if j == job {
-                            success = Some(s);
-                        }
-                    }
-                }
+                success = n.take_load_result(job);
                 success.is_some()
             })?;
             let success = success == Some(true);

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
-use kvpeer_core::{CoreConfig, CoreStats, Event, LookupResult, RequestRoles};
+use kvpeer_core::{CoreConfig, CoreStats, LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -355,16 +355,7 @@ fn load<P: BuildPlane>(
     before_wait();
     let mut success = None;
     step_until(c, LOAD_TIMEOUT * 3, |c| {
-        for e in c.results.drain(..) {
-            if let Event::LoadDone {
-                job: j, success: s, ..
-            } = e
-            {
-                if j == job {
-                    success = Some(s);
-                }
-            }
-        }
+        success = c.take_load_result(job);
         success.is_some()
     });
     let elapsed = started.elapsed();
@@ -440,14 +431,7 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
     c.flush(Instant::now());
     let mut aborted = None;
     step_until(&mut c, Duration::from_secs(10), |c| {
-        for e in c.results.drain(..) {
-            if let Event::LoadDone {
-                job: 2, success, ..
-            } = e
-            {
-                aborted = Some(success);
-            }
-        }
+        aborted = aborted.or(c.take_load_result(2));
         aborted.is_some() && c.core.stats().client_requests == 0
     });
     assert_eq!(aborted, Some(false));

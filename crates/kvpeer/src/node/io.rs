@@ -43,6 +43,19 @@ impl<D: DataPlane> NodeIo<D> {
         self.wake.as_ref().map(WakePipe::writer)
     }
 
+    /// Takes the result of load `job` if it has ended: `Some(true)` when every block landed,
+    /// `Some(false)` when it failed or was aborted. Other results stay.
+    pub fn take_load_result(&mut self, job: kvpeer_core::JobId) -> Option<bool> {
+        let at = self
+            .results
+            .iter()
+            .position(|e| matches!(e, Event::LoadDone { job: j, .. } if *j == job))?;
+        match self.results.remove(at) {
+            Event::LoadDone { success, .. } => Some(success),
+            _ => None,
+        }
+    }
+
     /// One round of I/O at `now`.
     pub fn step(&mut self, now: Instant) {
         if let Some(w) = &self.wake {
