@@ -746,13 +746,23 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 reason = format!("{reason}; reconnect backoff {}s", wait.as_secs());
             }
         }
-        warn!(
-            %peer,
-            %reason,
-            failed_stores = closed.server.failed_stores,
-            released_serves = closed.server.released_serves,
-            "peer down"
-        );
+        // An orderly end (either side said `disconnect`, or we closed it) is routine; anything
+        // else (timeouts, lost connections, faults, protocol errors) is worth a warning.
+        let orderly = matches!(
+            session.death.as_deref(),
+            Some("closed locally" | "peer disconnected")
+        ) && session.data_plane_fault().is_none();
+        if orderly {
+            info!(%peer, %reason, "session closed");
+        } else {
+            warn!(
+                %peer,
+                %reason,
+                failed_stores = closed.server.failed_stores,
+                released_serves = closed.server.released_serves,
+                "peer down"
+            );
+        }
         self.out.event(Event::Close {
             peer: peer.clone(),
             reason,

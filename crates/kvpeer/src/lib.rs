@@ -3,5 +3,8 @@
 //! `kvpeer-core`, the wire format in `kvpeer-proto`, blocks in `kvpeer-store`, transports in
 //! `kvpeer-net`.
 
+pub mod api;
 pub mod node;
+
+pub use api::{LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
 pub mod synthetic;

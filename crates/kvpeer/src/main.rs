@@ -4,6 +4,7 @@
 //! `kvpeer wire decode|encode` inspects and crafts control-channel payloads. Each subcommand
 //! returns its exit status; `main` only sets up logging, parses and dispatches.
 
+mod demo_cmd;
 mod fetch_cmd;
 mod node_args;
 mod serve_cmd;
@@ -23,7 +24,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(name = "kvpeer", version, propagate_version = true)]
 #[command(after_help = "\
-Example:
+Examples:
+  kvpeer demo
   kvpeer wire decode --hex 81a474797065aa646973636f6e6e656374")]
 struct Cli {
     #[command(subcommand)]
@@ -32,6 +34,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Two nodes on this machine share KV-cache blocks: a one-command tour, no setup.
+    Demo(demo_cmd::DemoArgs),
     /// Inspect and craft control-channel payloads (msgpack, as vLLM sends them).
     #[command(subcommand)]
     #[command(after_help = "\
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         )
         .init();
     let status = match cli.command {
+        Command::Demo(args) => demo_cmd::run(args),
         Command::Wire(cmd) => wire_cmd::run(cmd),
         Command::Serve(args) => serve_cmd::run(args),
         Command::Fetch(args) => fetch_cmd::run(args),

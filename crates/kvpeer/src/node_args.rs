@@ -6,16 +6,7 @@ use kvpeer_proto::PeerId;
 
 use kvpeer::node::build::NodeSpec;
 
-/// Which data planes a node advertises and writes with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum PlaneKind {
-    /// Same-host shared memory only.
-    Shm,
-    /// TCP only.
-    Tcp,
-    /// Both: shm to peers whose pool this host can open, tcp to the others.
-    Both,
-}
+pub(crate) use kvpeer::PlaneKind;
 
 /// The options that make a node.
 #[derive(Debug, Clone, clap::Args)]
@@ -83,15 +74,15 @@ impl NodeArgs {
 macro_rules! with_plane {
     ($kind:expr, $plane:ident => $body:expr) => {
         match $kind {
-            $crate::node_args::PlaneKind::Shm => {
+            kvpeer::PlaneKind::Shm => {
                 type $plane = kvpeer_net::shm::ShmPlane;
                 $body
             }
-            $crate::node_args::PlaneKind::Tcp => {
+            kvpeer::PlaneKind::Tcp => {
                 type $plane = kvpeer_net::tcp::TcpPlane;
                 $body
             }
-            $crate::node_args::PlaneKind::Both => {
+            kvpeer::PlaneKind::Both => {
                 type $plane = kvpeer_net::dual::DualPlane;
                 $body
             }

@@ -633,3 +633,38 @@ fn consumer_killed_mid_transfer_over_tcp() {
 fn consumer_killed_mid_transfer_over_shm() {
     consumer_killed_mid_transfer::<ShmPlane>(|s| s.store_jobs > 0 || s.inflight > 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// kvpeer demo
+
+#[test]
+fn the_demo_runs_shares_blocks_and_exits_cleanly() {
+    let mut demo = Proc::spawn(&["demo"], "demo");
+    let status = demo.wait_while(Duration::from_secs(60), || {
+        std::thread::sleep(Duration::from_millis(10))
+    });
+    let out: Vec<String> = demo.stdout.try_iter().collect();
+    let text = out.join("\n");
+    assert_eq!(status, 0, "{text}\n{}", demo.stderr.lock().unwrap());
+    // 24 requests of 20 blocks over 8 prefixes of 16: the first use of each prefix comes from
+    // the producer, later ones are local, the 4 new blocks of each request are computed.
+    assert!(
+        text.contains(
+            "Summary: 24 requests, 480 blocks: 128 fetched from the peer, 256 already local, \
+             96 computed (80% not recomputed)"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("every byte verified"), "{text}");
+    assert!(text.contains("2048 prompt tokens"), "{text}");
+    assert_eq!(
+        out.iter().filter(|l| l.starts_with("  req-")).count(),
+        24,
+        "{text}"
+    );
+    assert!(
+        !demo.stderr.lock().unwrap().contains("WARN"),
+        "a clean run warns about nothing: {}",
+        demo.stderr.lock().unwrap()
+    );
+}

@@ -1,7 +1,8 @@
 //! The kvpeer node: a core, a block store, a data plane and a control channel, driven by one
-//! thread. Today: the I/O step ([`io::NodeIo`]); the runtime thread, the public API and
-//! configuration come next (issue 5).
+//! thread: [`build`] makes the parts, [`io::NodeIo`] is one round of I/O, `runtime` is the
+//! thread that owns a node behind the [`Node`](crate::Node) handle.
 
 pub mod build;
 pub mod io;
+pub(crate) mod runtime;
 pub mod wake;

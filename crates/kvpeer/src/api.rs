@@ -1,0 +1,283 @@
+//! The public Rust API: start a node, use it as a consumer and a producer, read its stats,
+//! shut it down.
+//!
+//! A [`Node`] is a handle to one runtime thread (`node::runtime`), which owns everything else.
+//! Every call is a message to that thread and a wait for its answer; the calls that wait on a
+//! peer (`lookup`, `fetch`) take a timeout. The handle is `Send + Sync`: call it from any thread.
+//!
+//! ```
+//! use std::time::Duration;
+//! use kvpeer::{synthetic, Node, NodeConfig};
+//!
+//! # fn main() -> Result<(), kvpeer::NodeError> {
+//! let producer = Node::start(NodeConfig::local("doc-producer"))?;
+//! let consumer = Node::start(NodeConfig::local("doc-consumer"))?;
+//! let block_len = producer.config().block_len as usize;
+//! let keys: Vec<_> = (0..4).map(synthetic::key).collect();
+//! producer.store(keys.iter().map(|k| (k.clone(), synthetic::content(k, block_len))).collect())?;
+//!
+//! let wait = Duration::from_secs(10);
+//! let found = consumer.lookup(producer.id(), "req-1", &keys, wait)?;
+//! assert!(found.iter().all(|r| *r == kvpeer::LookupResult::Hit));
+//! consumer.fetch("req-1", &keys, wait)?;
+//! consumer.finish("req-1");
+//! assert_eq!(consumer.read(&keys[0]), Some(synthetic::content(&keys[0], block_len)));
+//!
+//! consumer.shutdown(Duration::from_secs(3));
+//! producer.shutdown(Duration::from_secs(3));
+//! # Ok(())
+//! # }
+//! ```
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use kvpeer_core::{CoreConfig, CoreStats, LookupResult};
+pub use kvpeer_proto::{OffloadKey, PeerId};
+pub use kvpeer_store::StoreStats;
+
+use crate::node::build::{build, BuildPlane, NodeSpec};
+use crate::node::runtime::{self, Command};
+
+/// Which data planes a node advertises and writes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PlaneKind {
+    /// Same-host shared memory only.
+    Shm,
+    /// TCP only.
+    Tcp,
+    /// Both: shm to peers whose pool this host can open, tcp to the others.
+    #[default]
+    Both,
+}
+
+/// How to start a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The node itself: identity (`host:0` picks a port), pool, seeds, timeouts.
+    pub spec: NodeSpec,
+    /// Its data planes.
+    pub plane: PlaneKind,
+}
+
+impl NodeConfig {
+    /// A node on 127.0.0.1 with a port the system picks, 256 blocks of 64 KiB, both planes;
+    /// `tag` names its pool's shm object (with the process id).
+    pub fn local(tag: &str) -> Self {
+        NodeConfig {
+            spec: NodeSpec {
+                id: PeerId::new("127.0.0.1:0"),
+                num_blocks: 256,
+                block_len: 64 * 1024,
+                shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
+                tcp_listen: "127.0.0.1:0".into(),
+                tcp_max_write_rate: None,
+                hash_seed: "0".into(),
+                config_fingerprint: String::new(),
+                core: CoreConfig::default(),
+            },
+            plane: PlaneKind::Both,
+        }
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// The node could not be built (store, planes, control channel).
+    #[error("cannot start the node: {0}")]
+    Start(String),
+    /// The store refused (full of pinned blocks, a wrong block length).
+    #[error("block store: {0}")]
+    Store(String),
+    /// `fetch` or `finish` named a request that `lookup` never opened.
+    #[error("no open request {0:?} (lookup opens one)")]
+    UnknownRequest(String),
+    /// The peer did not answer in time.
+    #[error("{0}: no answer before the timeout")]
+    Timeout(&'static str),
+    /// The load ended without every block landing (the peer failed, aborted or went away).
+    #[error("the fetch failed: not every block landed")]
+    LoadFailed,
+    /// The node is shut down.
+    #[error("the node is shut down")]
+    ShutDown,
+}
+
+/// A running node (a handle to its runtime thread).
+pub struct Node {
+    id: PeerId,
+    config: NodeSpec,
+    calls: Sender<Command>,
+    wake: UnixStream,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("id", &self.id).finish()
+    }
+}
+
+impl Node {
+    /// Builds the node and starts its runtime thread.
+    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+        match config.plane {
+            PlaneKind::Shm => Self::start_with::<kvpeer_net::shm::ShmPlane>(config.spec),
+            PlaneKind::Tcp => Self::start_with::<kvpeer_net::tcp::TcpPlane>(config.spec),
+            PlaneKind::Both => Self::start_with::<kvpeer_net::dual::DualPlane>(config.spec),
+        }
+    }
+
+    fn start_with<P: BuildPlane + Send + 'static>(spec: NodeSpec) -> Result<Node, NodeError> {
+        let io = build::<P>(&spec).map_err(|e| NodeError::Start(e.to_string()))?;
+        let id = io.core.local().peer_id.clone();
+        let wake = match io.wake_writer() {
+            Some(w) => w.map_err(|e| NodeError::Start(e.to_string()))?,
+            None => return Err(NodeError::Start("the node has no wake pipe".into())),
+        };
+        let (tx, rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvpeer-node-{id}"))
+            .spawn(move || runtime::run(io, rx))
+            .map_err(|e| NodeError::Start(format!("cannot start the runtime thread: {e}")))?;
+        Ok(Node {
+            config: NodeSpec {
+                id: id.clone(),
+                ..spec
+            },
+            id,
+            calls: tx,
+            wake,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The node's identity (`host:port`), which peers dial.
+    pub fn id(&self) -> &PeerId {
+        &self.id
+    }
+
+    /// What the node was started with (the identity resolved).
+    pub fn config(&self) -> &NodeSpec {
+        &self.config
+    }
+
+    /// Producer: stores blocks (each exactly `block_len` bytes) to serve to peers.
+    pub fn store(&self, blocks: Vec<(OffloadKey, Vec<u8>)>) -> Result<(), NodeError> {
+        self.ask(|reply| Command::Store { blocks, reply }, None)?
+    }
+
+    /// Consumer: looks `keys` up at `peer` for request `request` (opening it, and the session,
+    /// if needed). Answers once every key is `Hit`, `Miss` or `HitPending`.
+    pub fn lookup(
+        &self,
+        peer: &PeerId,
+        request: &str,
+        keys: &[OffloadKey],
+        timeout: Duration,
+    ) -> Result<Vec<LookupResult>, NodeError> {
+        let deadline = Instant::now() + timeout;
+        self.ask(
+            |reply| Command::Lookup {
+                peer: peer.clone(),
+                request: request.to_owned(),
+                keys: keys.to_vec(),
+                deadline,
+                reply,
+            },
+            Some(deadline),
+        )?
+    }
+
+    /// Consumer: fetches `keys` (hits of an earlier `lookup` of `request`) into local blocks.
+    /// On success they are readable with [`Node::read`]; on failure nothing of them is kept.
+    pub fn fetch(
+        &self,
+        request: &str,
+        keys: &[OffloadKey],
+        timeout: Duration,
+    ) -> Result<(), NodeError> {
+        let deadline = Instant::now() + timeout;
+        self.ask(
+            |reply| Command::Fetch {
+                request: request.to_owned(),
+                keys: keys.to_vec(),
+                deadline,
+                reply,
+            },
+            Some(deadline),
+        )?
+    }
+
+    /// Consumer: the request is done (a request with no fetch tells the peer with an empty one).
+    pub fn finish(&self, request: &str) {
+        self.tell(Command::Finish {
+            request: request.to_owned(),
+        });
+    }
+
+    /// The bytes of a readable local block.
+    pub fn read(&self, key: &OffloadKey) -> Option<Vec<u8>> {
+        self.ask(
+            |reply| Command::Read {
+                keys: vec![key.clone()],
+                reply,
+            },
+            None,
+        )
+        .ok()
+        .and_then(|mut v: Vec<Option<Vec<u8>>>| v.pop().flatten())
+    }
+
+    /// The core's and the store's counts.
+    pub fn stats(&self) -> Result<(CoreStats, StoreStats), NodeError> {
+        self.ask(|reply| Command::Stats { reply }, None)
+    }
+
+    /// Drains inflight transfers for at most `drain`, sends `disconnect` to every peer, and
+    /// stops the runtime thread. The pool is released when the last handle goes.
+    pub fn shutdown(&self, drain: Duration) {
+        let (tx, rx) = channel();
+        self.tell(Command::Shutdown { drain, reply: tx });
+        let _ = rx.recv_timeout(drain + Duration::from_secs(5));
+        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = thread.join();
+        }
+    }
+
+    fn tell(&self, call: Command) {
+        let _ = self.calls.send(call);
+        // A full pipe already means "wake up".
+        let _ = (&self.wake).write(&[1]);
+    }
+
+    fn ask<T>(
+        &self,
+        call: impl FnOnce(Sender<T>) -> Command,
+        deadline: Option<Instant>,
+    ) -> Result<T, NodeError> {
+        let (tx, rx): (Sender<T>, Receiver<T>) = channel();
+        self.tell(call(tx));
+        // The runtime answers timed calls at their deadline itself; the extra second only
+        // covers a runtime that has stopped.
+        let limit = deadline.map_or(Duration::from_secs(30), |d| {
+            d.saturating_duration_since(Instant::now()) + Duration::from_secs(1)
+        });
+        rx.recv_timeout(limit).map_err(|_| NodeError::ShutDown)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let running = self.thread.lock().ok().is_some_and(|t| t.is_some());
+        if running {
+            self.shutdown(Duration::from_secs(3));
+        }
+    }
+}

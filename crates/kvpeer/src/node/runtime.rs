@@ -1,0 +1,305 @@
+//! The runtime thread: the one thread that owns a node's core, store, plane and control
+//! channel, and serves the [`Node`](crate::Node) handle's calls.
+//!
+//! It sleeps in [`NodeIo::wait`] until a control socket is readable, a data-plane completion or
+//! a call arrives (both write to the wake pipe), the core's next deadline, or the nearest
+//! deadline of a call it is working on. Nothing polls on an interval: an idle node sleeps until
+//! a heartbeat or a peer wakes it. Calls reply on their own channel; a call whose caller has gone
+//! away is finished and its reply dropped.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{CoreStats, JobId, LookupResult, Request, RequestRoles};
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer_store::StoreStats;
+use tracing::{debug, info};
+
+use super::build::BuildPlane;
+use super::io::NodeIo;
+use crate::api::NodeError;
+
+/// A call from the handle.
+pub(crate) enum Command {
+    Store {
+        blocks: Vec<(OffloadKey, Vec<u8>)>,
+        reply: Sender<Result<(), NodeError>>,
+    },
+    Lookup {
+        peer: PeerId,
+        request: String,
+        keys: Vec<OffloadKey>,
+        deadline: Instant,
+        reply: Sender<Result<Vec<LookupResult>, NodeError>>,
+    },
+    Fetch {
+        request: String,
+        keys: Vec<OffloadKey>,
+        deadline: Instant,
+        reply: Sender<Result<(), NodeError>>,
+    },
+    Read {
+        keys: Vec<OffloadKey>,
+        reply: Sender<Vec<Option<Vec<u8>>>>,
+    },
+    Finish {
+        request: String,
+    },
+    Stats {
+        reply: Sender<(CoreStats, StoreStats)>,
+    },
+    Shutdown {
+        drain: Duration,
+        reply: Sender<()>,
+    },
+}
+
+struct PendingLookup {
+    request: Request,
+    keys: Vec<OffloadKey>,
+    deadline: Instant,
+    reply: Sender<Result<Vec<LookupResult>, NodeError>>,
+}
+
+struct PendingLoad {
+    job: JobId,
+    blocks: Vec<u64>,
+    deadline: Instant,
+    /// `None` once the caller has been answered (it gave up waiting).
+    reply: Option<Sender<Result<(), NodeError>>>,
+}
+
+/// The thread's state besides the node itself.
+struct Runtime<P: BuildPlane> {
+    io: NodeIo<P>,
+    requests: HashMap<String, Request>,
+    lookups: Vec<PendingLookup>,
+    loads: Vec<PendingLoad>,
+    next_job: JobId,
+}
+
+/// Runs the node until a `Shutdown` call, or until every handle is gone.
+pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
+    let mut rt = Runtime {
+        io,
+        requests: HashMap::new(),
+        lookups: Vec::new(),
+        loads: Vec::new(),
+        next_job: 1,
+    };
+    loop {
+        let now = Instant::now();
+        rt.io.step(now);
+        loop {
+            match calls.try_recv() {
+                Ok(Command::Shutdown { drain, reply }) => {
+                    rt.shutdown(drain);
+                    let _ = reply.send(());
+                    return;
+                }
+                Ok(call) => rt.call(call),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    rt.shutdown(Duration::from_secs(3));
+                    return;
+                }
+            }
+        }
+        rt.io.flush(Instant::now());
+        rt.progress(Instant::now());
+        rt.io.flush(Instant::now());
+        let max = rt.next_deadline().map_or(Duration::from_secs(3600), |d| {
+            d.saturating_duration_since(now)
+        });
+        rt.io.wait(Instant::now(), max);
+    }
+}
+
+impl<P: BuildPlane> Runtime<P> {
+    fn call(&mut self, call: Command) {
+        let now = Instant::now();
+        match call {
+            Command::Store { blocks, reply } => {
+                let mut result = Ok(());
+                for (key, bytes) in &blocks {
+                    if let Err(e) = self.io.core.parent_mut().put(key, bytes) {
+                        result = Err(NodeError::Store(e.to_string()));
+                        break;
+                    }
+                }
+                let _ = reply.send(result);
+            }
+            Command::Lookup {
+                peer,
+                request,
+                keys,
+                deadline,
+                reply,
+            } => {
+                let req = self
+                    .requests
+                    .entry(request.clone())
+                    .or_insert_with(|| {
+                        self.io.core.on_new_request(
+                            now,
+                            KvRequestId::from(request.as_str()),
+                            RequestRoles::kv_source(peer.clone()),
+                        )
+                    })
+                    .clone();
+                for k in &keys {
+                    self.io.core.lookup(now, &req, k);
+                }
+                self.io.core.flush_lookups(now);
+                self.lookups.push(PendingLookup {
+                    request: req,
+                    keys,
+                    deadline,
+                    reply,
+                });
+            }
+            Command::Fetch {
+                request,
+                keys,
+                deadline,
+                reply,
+            } => {
+                let Some(req) = self.requests.get(&request).cloned() else {
+                    let _ = reply.send(Err(NodeError::UnknownRequest(request)));
+                    return;
+                };
+                let blocks = match self.io.core.parent_mut().reserve(&keys) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = reply.send(Err(NodeError::Store(e.to_string())));
+                        return;
+                    }
+                };
+                let job = self.next_job;
+                self.next_job += 1;
+                self.io
+                    .core
+                    .submit_load(now, job, &req, keys, blocks.clone());
+                self.loads.push(PendingLoad {
+                    job,
+                    blocks,
+                    deadline,
+                    reply: Some(reply),
+                });
+            }
+            Command::Read { keys, reply } => {
+                let store = self.io.core.parent();
+                let out = keys
+                    .iter()
+                    .map(|k| {
+                        store
+                            .block_of(k)
+                            .and_then(|b| store.read(b).ok())
+                            .map(<[u8]>::to_vec)
+                    })
+                    .collect();
+                let _ = reply.send(out);
+            }
+            Command::Finish { request } => {
+                if let Some(req) = self.requests.remove(&request) {
+                    self.io.core.finish(now, &req);
+                }
+            }
+            Command::Stats { reply } => {
+                let _ = reply.send((self.io.core.stats(), self.io.core.parent().stats()));
+            }
+            Command::Shutdown { .. } => {}
+        }
+    }
+
+    /// Answers calls whose work is done or whose deadline passed.
+    fn progress(&mut self, now: Instant) {
+        let core = &mut self.io.core;
+        self.lookups.retain(|l| {
+            let results: Vec<LookupResult> = l
+                .keys
+                .iter()
+                .map(|k| core.lookup(now, &l.request, k))
+                .collect();
+            if results.iter().all(|r| *r != LookupResult::Retry) {
+                let _ = l.reply.send(Ok(results));
+                false
+            } else if now >= l.deadline {
+                let _ = l.reply.send(Err(NodeError::Timeout("lookup")));
+                false
+            } else {
+                true
+            }
+        });
+        if !self.lookups.is_empty() {
+            // Keys still at RETRY (no session yet, or asked while it was opening) go out now.
+            self.io.core.flush_lookups(now);
+        }
+        for mut l in std::mem::take(&mut self.loads) {
+            match self.io.take_load_result(l.job) {
+                Some(success) => {
+                    self.io.core.parent_mut().finish_write(&l.blocks, success);
+                    if let Some(reply) = l.reply {
+                        let _ = reply.send(if success {
+                            Ok(())
+                        } else {
+                            Err(NodeError::LoadFailed)
+                        });
+                    }
+                }
+                None => {
+                    if now >= l.deadline {
+                        // The caller stops waiting; the core's own load deadline ends the
+                        // round, and the blocks are released when it does.
+                        if let Some(reply) = l.reply.take() {
+                            let _ = reply.send(Err(NodeError::Timeout("fetch")));
+                        }
+                    }
+                    self.loads.push(l);
+                }
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.lookups
+            .iter()
+            .map(|l| l.deadline)
+            .chain(
+                self.loads
+                    .iter()
+                    .filter(|l| l.reply.is_some())
+                    .map(|l| l.deadline),
+            )
+            .min()
+    }
+
+    /// Drains inflight transfers (bounded by `drain`), then ends every session with a
+    /// `disconnect` and lets the messages leave.
+    fn shutdown(&mut self, drain: Duration) {
+        info!("shutting down");
+        let until = Instant::now() + drain;
+        loop {
+            let now = Instant::now();
+            self.io.step(now);
+            if self.io.core.shutdown_drain(now) || now >= until {
+                break;
+            }
+            self.io.wait(now, until.saturating_duration_since(now));
+        }
+        let now = Instant::now();
+        self.io.core.shutdown(now);
+        self.io.flush(now);
+        for l in self.loads.drain(..) {
+            self.io.core.parent_mut().finish_write(&l.blocks, false);
+            if let Some(reply) = l.reply {
+                let _ = reply.send(Err(NodeError::ShutDown));
+            }
+        }
+        for l in self.lookups.drain(..) {
+            let _ = l.reply.send(Err(NodeError::ShutDown));
+        }
+        debug!("runtime stopped");
+    }
+}

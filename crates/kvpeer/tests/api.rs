@@ -1,0 +1,117 @@
+//! The public API (`kvpeer::Node`) end to end on 127.0.0.1: two nodes, each on its runtime
+//! thread; store, lookup with hits and misses, fetch, read, finish, stats; errors for misuse
+//! and for a peer that never answers; graceful shutdown leaves nothing pinned.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn pair(tag: &str, plane: PlaneKind) -> (Node, Node) {
+    let mut p = NodeConfig::local(&format!("api-{tag}-p"));
+    let mut c = NodeConfig::local(&format!("api-{tag}-c"));
+    p.plane = plane;
+    c.plane = plane;
+    (Node::start(p).unwrap(), Node::start(c).unwrap())
+}
+
+fn share(tag: &str, plane: PlaneKind) {
+    let (producer, consumer) = pair(tag, plane);
+    let len = producer.config().block_len as usize;
+    let keys: Vec<_> = (0..10).map(synthetic::key).collect();
+    producer
+        .store(
+            keys[..6]
+                .iter()
+                .map(|k| (k.clone(), synthetic::content(k, len)))
+                .collect(),
+        )
+        .unwrap();
+
+    let found = consumer.lookup(producer.id(), "r1", &keys, WAIT).unwrap();
+    assert_eq!(found[..6], [LookupResult::Hit; 6]);
+    assert_eq!(found[6..], [LookupResult::Miss; 4]);
+    consumer.fetch("r1", &keys[..6], WAIT).unwrap();
+    for k in &keys[..6] {
+        assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
+    }
+    assert_eq!(consumer.read(&keys[7]), None);
+    consumer.finish("r1");
+
+    // A request that misses everything, finished without a fetch (terminal empty fetch).
+    let found = consumer
+        .lookup(producer.id(), "r2", &keys[8..], WAIT)
+        .unwrap();
+    assert_eq!(found, [LookupResult::Miss; 2]);
+    consumer.finish("r2");
+
+    // The producer lets go of everything it held for the consumer.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (core, store) = producer.stats().unwrap();
+        if core.server_requests == 0 && store.pinned == 0 {
+            assert_eq!(store.jobs, 0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "{core:?} {store:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (core, store) = consumer.stats().unwrap();
+    assert_eq!((core.client_requests, store.writing), (0, 0), "{core:?}");
+    assert_eq!(store.ready, 6);
+    consumer.shutdown(Duration::from_secs(3));
+    producer.shutdown(Duration::from_secs(3));
+    assert!(matches!(consumer.stats(), Err(NodeError::ShutDown)));
+}
+
+#[test]
+fn two_nodes_share_blocks_through_the_api_over_tcp() {
+    share("tcp", PlaneKind::Tcp);
+}
+
+#[test]
+fn two_nodes_share_blocks_through_the_api_with_both_planes() {
+    share("both", PlaneKind::Both);
+}
+
+#[test]
+fn misuse_and_silent_peers_get_clear_errors_in_bounded_time() {
+    let node = Node::start(NodeConfig::local("api-errors")).unwrap();
+    let key = synthetic::key(1);
+    assert!(matches!(
+        node.fetch("never-looked-up", std::slice::from_ref(&key), WAIT),
+        Err(NodeError::UnknownRequest(_))
+    ));
+    assert!(matches!(
+        node.store(vec![(key.clone(), vec![0u8; 3])]),
+        Err(NodeError::Store(_))
+    ));
+    // Nobody listens there: the connection fails, so the keys answer MISS (the engine computes
+    // them itself) well before the timeout.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone = PeerId::new(nobody.local_addr().unwrap().to_string());
+    drop(nobody);
+    let t = Instant::now();
+    let r = node.lookup(
+        &gone,
+        "r",
+        std::slice::from_ref(&key),
+        Duration::from_secs(5),
+    );
+    assert!(matches!(&r, Ok(v) if *v == [LookupResult::Miss]), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // A peer that accepts the connection and never speaks: the call gives up at its timeout.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent = PeerId::new(mute.local_addr().unwrap().to_string());
+    let t = Instant::now();
+    let r = node.lookup(&silent, "s", &[key], Duration::from_millis(300));
+    assert!(matches!(r, Err(NodeError::Timeout("lookup"))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    node.finish("s");
+    drop(mute);
+    node.finish("r");
+    node.shutdown(Duration::from_secs(1));
+}
