@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, BuildPlane};
+use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
 use kvpeer_core::{LookupResult, RequestRoles};
@@ -62,14 +62,21 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         );
         return 2;
     }
-    if args.keys == 0 || args.keys > args.node.blocks {
+    let config = match args.node.resolve("fetch") {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvpeer fetch: {e}");
+            return 2;
+        }
+    };
+    if args.keys == 0 || args.keys > config.spec.num_blocks {
         eprintln!(
-            "kvpeer fetch: --keys must be between 1 and --blocks ({})",
-            args.node.blocks
+            "kvpeer fetch: --keys must be between 1 and the pool's {} blocks",
+            config.spec.num_blocks
         );
         return 2;
     }
-    match with_plane!(args.node.plane, P => fetch::<P>(&args)) {
+    match with_plane!(config.plane, P => fetch::<P>(&args, &config.spec)) {
         Ok(t) => {
             let secs = t.workload.as_secs_f64();
             // Throughput of the loads themselves (fetch sent to blocks landed).
@@ -134,12 +141,12 @@ fn step_until<P: BuildPlane>(
     }
 }
 
-fn fetch<P: BuildPlane>(args: &FetchArgs) -> Result<Tally, String> {
-    let mut node = build::<P>(&args.node.spec("fetch")).map_err(|e| e.to_string())?;
+fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String> {
+    let mut node = build::<P>(spec).map_err(|e| e.to_string())?;
     tracing::info!(id = %node.core.local().peer_id, peer = %args.peer, "consumer node up");
     let peer = PeerId::new(args.peer.clone());
     let timeout = Duration::from_secs(args.timeout_secs);
-    let block_len = usize::try_from(args.node.block_len).map_err(|e| e.to_string())?;
+    let block_len = usize::try_from(spec.block_len).map_err(|e| e.to_string())?;
     let mut tally = Tally::default();
     let started = Instant::now();
 

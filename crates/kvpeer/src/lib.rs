@@ -4,6 +4,7 @@
 //! `kvpeer-net`.
 
 pub mod api;
+pub mod config;
 pub mod node;
 
 pub use api::{LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};

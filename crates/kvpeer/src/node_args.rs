@@ -1,35 +1,87 @@
 //! Command-line options shared by the commands that run a node (`serve`, `fetch`), and the
 //! dispatch from the chosen data plane to the generic node code.
 
-use kvpeer_core::CoreConfig;
-use kvpeer_proto::PeerId;
-
-use kvpeer::node::build::NodeSpec;
+use kvpeer::config;
 
 pub(crate) use kvpeer::PlaneKind;
 
-/// The options that make a node.
+/// The options that make a node. Each one left out falls back to the environment, then the
+/// `--config` file, then the default (docs/configuration.md).
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct NodeArgs {
-    /// Control-channel address `HOST:PORT`, also the node's identity; port 0 picks a free one.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub(crate) listen: String,
-    /// Blocks in the local pool.
-    #[arg(long, default_value_t = 1024)]
-    pub(crate) blocks: u64,
-    /// Bytes per block (peers must agree).
-    #[arg(long, default_value_t = 64 * 1024)]
-    pub(crate) block_len: u64,
-    /// Data planes to advertise and use.
-    #[arg(long, value_enum, default_value_t = PlaneKind::Both)]
-    pub(crate) plane: PlaneKind,
-    /// Prefix-cache hash seed (peers must agree).
-    #[arg(long, default_value = "0")]
-    pub(crate) hash_seed: String,
+    /// A TOML config file (its keys: docs/configuration.md).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// Control-channel address `HOST:PORT`, also the node's identity; port 0 picks a free one
+    /// [default: 127.0.0.1:0].
+    #[arg(long)]
+    pub(crate) listen: Option<String>,
+    /// Blocks in the local pool [default: 1024].
+    #[arg(long)]
+    pub(crate) blocks: Option<u64>,
+    /// Bytes per block; peers must agree [default: 65536].
+    #[arg(long)]
+    pub(crate) block_len: Option<u64>,
+    /// Data planes to advertise and use [default: both].
+    #[arg(long, value_enum)]
+    pub(crate) plane: Option<PlaneKind>,
+    /// Prefix-cache hash seed; peers must agree [default: 0].
+    #[arg(long)]
+    pub(crate) hash_seed: Option<String>,
     /// Cap on the bytes per second the tcp plane writes to each peer (suffixes K, M, G: powers
     /// of 1000), so block traffic leaves room on a shared link. Uncapped by default.
     #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND")]
     pub(crate) tcp_max_rate: Option<u64>,
+    /// Most peers at once [default: 1000].
+    #[arg(long)]
+    pub(crate) max_peers: Option<u64>,
+}
+
+impl NodeArgs {
+    /// The node's configuration: flags over environment over file over defaults; `role` tags
+    /// the pool's shm object name (which also carries the process id).
+    pub(crate) fn resolve(&self, role: &str) -> Result<kvpeer::NodeConfig, String> {
+        let file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                config::from_toml(&text, &path.display().to_string()).map_err(|e| e.to_string())?
+            }
+            None => config::Settings::default(),
+        };
+        let env = config::from_env(|var| std::env::var(var).ok());
+        let mut flags = config::Settings::default();
+        if let Some(listen) = &self.listen {
+            let (host, port) = listen
+                .rsplit_once(':')
+                .ok_or_else(|| format!("flag --listen: {listen:?} is not HOST:PORT"))?;
+            flags.set("listen_host", host, "flag --listen");
+            flags.set("listen_port", port, "flag --listen");
+        }
+        let numbers = [
+            ("num_blocks", "--blocks", self.blocks),
+            ("block_len", "--block-len", self.block_len),
+            ("tcp_max_rate", "--tcp-max-rate", self.tcp_max_rate),
+            ("max_peers", "--max-peers", self.max_peers),
+        ];
+        for (key, flag, value) in numbers {
+            if let Some(v) = value {
+                flags.set(key, v.to_string(), &format!("flag {flag}"));
+            }
+        }
+        if let Some(seed) = &self.hash_seed {
+            flags.set("hash_seed", seed.clone(), "flag --hash-seed");
+        }
+        if let Some(plane) = self.plane {
+            let name = match plane {
+                PlaneKind::Shm => "shm",
+                PlaneKind::Tcp => "tcp",
+                PlaneKind::Both => "both",
+            };
+            flags.set("plane", name, "flag --plane");
+        }
+        config::resolve(&file, &env, &flags, role).map_err(|e| e.to_string())
+    }
 }
 
 /// `100M` → 100,000,000; a plain number is bytes.
@@ -46,28 +98,6 @@ fn parse_rate(text: &str) -> Result<u64, String> {
         .and_then(|n| n.checked_mul(scale))
         .filter(|n| *n > 0)
         .ok_or_else(|| format!("{text:?} is not a positive rate like 500M"))
-}
-
-impl NodeArgs {
-    /// The node spec; `role` tags the pool's shm object name, which also carries the process id
-    /// so two nodes on one host never collide.
-    pub(crate) fn spec(&self, role: &str) -> NodeSpec {
-        let host = self
-            .listen
-            .rsplit_once(':')
-            .map_or(self.listen.as_str(), |(h, _)| h);
-        NodeSpec {
-            id: PeerId::new(self.listen.clone()),
-            num_blocks: self.blocks,
-            block_len: self.block_len,
-            shm_name: format!("kvpeer-{role}-{}", std::process::id()),
-            tcp_listen: format!("{host}:0"),
-            tcp_max_write_rate: self.tcp_max_rate,
-            hash_seed: self.hash_seed.clone(),
-            config_fingerprint: String::new(),
-            core: CoreConfig::default(),
-        }
-    }
 }
 
 /// Runs `$body` with the type alias `$plane` bound to the chosen data plane type.

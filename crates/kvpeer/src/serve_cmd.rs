@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, BuildPlane};
+use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::synthetic;
 use kvpeer_net::metadata::AgentMetadata;
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -30,14 +30,21 @@ pub(crate) struct ServeArgs {
 
 /// Runs the command; returns the exit status.
 pub(crate) fn run(args: ServeArgs) -> u8 {
-    if args.fill > args.node.blocks {
+    let config = match args.node.resolve("serve") {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvpeer serve: {e}");
+            return 2;
+        }
+    };
+    if args.fill > config.spec.num_blocks {
         eprintln!(
-            "kvpeer serve: --fill {} is more than the pool's --blocks {}",
-            args.fill, args.node.blocks
+            "kvpeer serve: --fill {} is more than the pool's {} blocks",
+            args.fill, config.spec.num_blocks
         );
         return 2;
     }
-    let result = with_plane!(args.node.plane, P => serve::<P>(&args));
+    let result = with_plane!(config.plane, P => serve::<P>(&args, &config.spec));
     match result {
         Ok(()) => 0,
         Err(e) => {
@@ -48,9 +55,9 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     }
 }
 
-fn serve<P: BuildPlane>(args: &ServeArgs) -> Result<(), String> {
-    let mut node = build::<P>(&args.node.spec("serve")).map_err(|e| e.to_string())?;
-    let block_len = usize::try_from(args.node.block_len).map_err(|e| e.to_string())?;
+fn serve<P: BuildPlane>(args: &ServeArgs, spec: &NodeSpec) -> Result<(), String> {
+    let mut node = build::<P>(spec).map_err(|e| e.to_string())?;
+    let block_len = usize::try_from(spec.block_len).map_err(|e| e.to_string())?;
     for i in 0..args.fill {
         let key = synthetic::key(i);
         node.core

@@ -35,8 +35,13 @@ struct Proc {
 
 impl Proc {
     fn spawn(args: &[&str], role: &str) -> Proc {
+        Self::spawn_env(args, role, &[])
+    }
+
+    fn spawn_env(args: &[&str], role: &str, env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .env(
@@ -667,4 +672,64 @@ fn the_demo_runs_shares_blocks_and_exits_cleanly() {
         "a clean run warns about nothing: {}",
         demo.stderr.lock().unwrap()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// configuration of a real process
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn serve_takes_vllms_environment_variables_and_flags_beat_them() {
+    let port = free_port().to_string();
+    let env = [("VLLM_P2P_SIDE_CHANNEL_PORT", port.as_str())];
+    let p = Proc::spawn_env(&["serve", "--blocks", "8"], "serve", &env);
+    let ready = p.line();
+    assert_eq!(
+        field(&ready, "id"),
+        Some(format!("127.0.0.1:{port}")),
+        "{ready}"
+    );
+    drop(p);
+
+    let p = Proc::spawn_env(
+        &["serve", "--blocks", "8", "--listen", "127.0.0.1:0"],
+        "serve",
+        &env,
+    );
+    let ready = p.line();
+    let id = field(&ready, "id").unwrap();
+    assert_ne!(id, format!("127.0.0.1:{port}"), "the flag wins: {ready}");
+}
+
+#[test]
+fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
+    let dir = std::env::temp_dir().join(format!("kvpeer-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bad.toml");
+    std::fs::write(&file, "num_blokcs = 8\n").unwrap();
+    let path = file.display().to_string();
+    let mut p = Proc::spawn(&["serve", "--config", &path], "serve");
+    assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
+    std::thread::sleep(Duration::from_millis(100));
+    let err = p.stderr.lock().unwrap().clone();
+    assert!(err.contains("num_blokcs: unknown key"), "{err}");
+    assert!(err.contains(&path), "{err}");
+
+    let env = [("VLLM_P2P_MAX_PEERS", "many")];
+    let mut p = Proc::spawn_env(&["serve"], "serve", &env);
+    assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
+    std::thread::sleep(Duration::from_millis(100));
+    let err = p.stderr.lock().unwrap().clone();
+    assert!(
+        err.contains("env VLLM_P2P_MAX_PEERS: max_peers: \"many\" is not a whole number"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,140 @@
+//! Configuration: precedence flag > environment > file > default, errors that name the key and
+//! its source, and vLLM's config fingerprint (checked against Python's own json + hashlib).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvpeer::config::{fingerprint, from_env, from_toml, resolve, Settings};
+use kvpeer::PlaneKind;
+
+fn env(vars: &[(&str, &str)]) -> Settings {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    from_env(|k| map.get(k).cloned())
+}
+
+#[test]
+fn defaults_apply_when_nothing_is_set() {
+    let c = resolve(&Settings::default(), &env(&[]), &Settings::default(), "t").unwrap();
+    assert_eq!(c.spec.id.as_str(), "127.0.0.1:0");
+    assert_eq!((c.spec.num_blocks, c.spec.block_len), (1024, 65536));
+    assert_eq!(c.plane, PlaneKind::Both);
+    assert_eq!(c.spec.core.handshake_timeout, Duration::from_secs(30));
+    assert_eq!(c.spec.config_fingerprint, "");
+}
+
+#[test]
+fn a_flag_beats_the_environment_which_beats_the_file() {
+    let file = from_toml(
+        "listen_host = \"127.0.0.2\"\nlisten_port = 7000\nmax_peers = 10\nnum_blocks = 64\n\
+         handshake_timeout_s = 5\nplane = \"tcp\"\n",
+        "kvpeer.toml",
+    )
+    .unwrap();
+    let env = env(&[
+        ("VLLM_P2P_SIDE_CHANNEL_PORT", "7100"),
+        ("VLLM_P2P_MAX_PEERS", "20"),
+        ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "7"),
+    ]);
+    let mut flags = Settings::default();
+    flags.set("max_peers", "30", "flag --max-peers");
+    let c = resolve(&file, &env, &flags, "t").unwrap();
+    assert_eq!(
+        c.spec.id.as_str(),
+        "127.0.0.2:7100",
+        "host from file, port from env"
+    );
+    assert_eq!(c.spec.core.max_peers, 30, "flag over env over file");
+    assert_eq!(c.spec.core.handshake_timeout, Duration::from_secs(7));
+    assert_eq!(c.spec.num_blocks, 64);
+    assert_eq!(c.plane, PlaneKind::Tcp);
+}
+
+#[test]
+fn errors_name_the_key_and_where_it_came_from() {
+    let e = from_toml("num_blokcs = 3\n", "a.toml").unwrap_err();
+    assert_eq!(
+        (e.key.as_str(), e.problem.as_str()),
+        ("num_blokcs", "unknown key")
+    );
+    assert_eq!(e.source_name, "file a.toml");
+
+    let e = from_toml("num_blocks = [1]\n", "a.toml").unwrap_err();
+    assert!(e.to_string().contains("num_blocks"), "{e}");
+
+    let e = from_toml("num_blocks = \n", "a.toml").unwrap_err();
+    assert_eq!(e.source_name, "file a.toml");
+
+    let bad_env = env(&[("VLLM_P2P_SIDE_CHANNEL_PORT", "seventy")]);
+    let e = resolve(&Settings::default(), &bad_env, &Settings::default(), "t").unwrap_err();
+    assert_eq!(e.key, "listen_port");
+    assert_eq!(e.source_name, "env VLLM_P2P_SIDE_CHANNEL_PORT");
+    assert_eq!(
+        e.to_string(),
+        "env VLLM_P2P_SIDE_CHANNEL_PORT: listen_port: \"seventy\" is not a whole number"
+    );
+
+    let file = from_toml("listen_port = 70000\n", "b.toml").unwrap();
+    let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file b.toml: listen_port: 70000 is outside"),
+        "{e}"
+    );
+
+    let mut flags = Settings::default();
+    flags.set("plane", "carrier-pigeon", "flag --plane");
+    let e = resolve(&Settings::default(), &env(&[]), &flags, "t").unwrap_err();
+    assert_eq!(
+        (e.key.as_str(), e.source_name.as_str()),
+        ("plane", "flag --plane")
+    );
+
+    let file = from_toml("block_len = 0\n", "c.toml").unwrap();
+    assert!(resolve(&file, &env(&[]), &Settings::default(), "t").is_err());
+}
+
+const FIELDS: &str = r#"{"model_name":"Qwen/Qwen3-0.6B","tokens_per_hash":16,"blocks_per_file":1,"tp_size":1,"pp_size":1,"pcp_size":1,"dcp_size":1,"dtype":"torch.bfloat16","kv_cache_groups":[{"tokens_per_block":16,"layer_names":["model.layers.0.self_attn.attn"]}],"inference_engine":"vllm","note":"café ✓ 𝄞 \"q\" \\ \n"}"#;
+
+#[test]
+fn the_fingerprint_is_vllms() {
+    let fields: serde_json::Value = serde_json::from_str(FIELDS).unwrap();
+    // Computed by Python for these fields (json.dumps(sort_keys=True, separators=(",", ":"))).
+    let python = std::env::var("KVPEER_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(python)
+        .args([
+            "-c",
+            "import hashlib, json, sys; f = json.loads(sys.argv[1]); \
+             print(hashlib.sha256(json.dumps(f, sort_keys=True, separators=(',', ':')).encode()).hexdigest()[:16])",
+            FIELDS,
+        ])
+        .output()
+        .expect("python3 runs");
+    let expected = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert_eq!(expected.len(), 16, "python said {expected:?}");
+    assert_eq!(fingerprint(&fields), expected);
+    assert_eq!(
+        fingerprint(&serde_json::json!({})),
+        "",
+        "no fields match anything"
+    );
+}
+
+#[test]
+fn a_fingerprint_table_in_the_file_sets_the_fingerprint() {
+    let file = from_toml(
+        "[fingerprint_fields]\nmodel_name = \"m\"\ntp_size = 2\n",
+        "f.toml",
+    )
+    .unwrap();
+    let c = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap();
+    assert_eq!(
+        c.spec.config_fingerprint,
+        fingerprint(&serde_json::json!({"tp_size": 2, "model_name": "m"}))
+    );
+    assert_eq!(c.spec.config_fingerprint.len(), 16);
+}
