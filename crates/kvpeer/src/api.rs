@@ -79,6 +79,7 @@ impl NodeConfig {
                 hash_seed: "0".into(),
                 config_fingerprint: String::new(),
                 core: CoreConfig::default(),
+                allowlist: Default::default(),
             },
             plane: PlaneKind::Both,
         }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use crate::api::{NodeConfig, PlaneKind};
+use crate::node::allow::Allowlist;
 use crate::node::build::NodeSpec;
 use kvpeer_core::CoreConfig;
 use kvpeer_proto::PeerId;
@@ -65,6 +66,10 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "store_timeout_s",
         "seconds a pin may be held for a peer (default 30)",
+    ),
+    (
+        "allowlist",
+        "peers to talk to: CIDR, host or host:port rules (default: all)",
     ),
 ];
 
@@ -146,6 +151,16 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
             return Err(err(key, "unknown key".into()));
         }
         let text = match value {
+            toml::Value::Array(rules) if key == "allowlist" => {
+                let mut list = Vec::new();
+                for r in rules {
+                    match r.as_str() {
+                        Some(r) => list.push(r.to_owned()),
+                        None => return Err(err(key, "every rule must be a string".into())),
+                    }
+                }
+                list.join(",")
+            }
             toml::Value::String(s) => s.clone(),
             toml::Value::Integer(i) => i.to_string(),
             toml::Value::Float(f) => f.to_string(),
@@ -224,9 +239,18 @@ pub fn resolve(
             hash_seed: text(&s, "hash_seed", "0"),
             config_fingerprint: text(&s, "config_fingerprint", ""),
             core,
+            allowlist: allowlist(&s)?,
         },
         plane,
     })
+}
+
+fn allowlist(s: &Settings) -> Result<Allowlist, ConfigError> {
+    let Some((v, src)) = s.get("allowlist") else {
+        return Ok(Allowlist::default());
+    };
+    let rules: Vec<&str> = v.split(',').filter(|r| !r.trim().is_empty()).collect();
+    Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e))
 }
 
 fn bad(source: &str, key: &str, problem: String) -> ConfigError {

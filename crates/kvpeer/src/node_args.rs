@@ -35,6 +35,10 @@ pub(crate) struct NodeArgs {
     /// Most peers at once [default: 1000].
     #[arg(long)]
     pub(crate) max_peers: Option<u64>,
+    /// Talk only to peers matching RULE (CIDR, host or host:port; repeat for more). Without
+    /// any, every peer is allowed (as vLLM does).
+    #[arg(long = "allow", value_name = "RULE")]
+    pub(crate) allow: Vec<String>,
 }
 
 impl NodeArgs {
@@ -68,6 +72,9 @@ impl NodeArgs {
             if let Some(v) = value {
                 flags.set(key, v.to_string(), &format!("flag {flag}"));
             }
+        }
+        if !self.allow.is_empty() {
+            flags.set("allowlist", self.allow.join(","), "flag --allow");
         }
         if let Some(seed) = &self.hash_seed {
             flags.set("hash_seed", seed.clone(), "flag --hash-seed");

@@ -14,7 +14,7 @@ use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::synthetic;
 use kvpeer_net::metadata::AgentMetadata;
 use signal_hook::consts::{SIGINT, SIGTERM};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::node_args::{with_plane, NodeArgs};
 
@@ -89,6 +89,18 @@ fn serve<P: BuildPlane>(args: &ServeArgs, spec: &NodeSpec) -> Result<(), String>
     // A closed stdout (the launcher went away) must not stop the node.
     let _ = std::io::stdout().flush();
     info!(id = %local.peer_id, "serving");
+    let loopback = local.peer_id.host_port().is_ok_and(|(h, _)| {
+        h == "localhost"
+            || h.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    });
+    if spec.allowlist.allows_all() && !loopback {
+        warn!(
+            id = %local.peer_id,
+            "no allowlist: any host that reaches this port can make the node dial an address of \
+             its choice; set --allow (docs/configuration.md, Security)"
+        );
+    }
 
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();

@@ -115,3 +115,34 @@ fn misuse_and_silent_peers_get_clear_errors_in_bounded_time() {
     node.finish("r");
     node.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn the_allowlist_refuses_peers_both_ways_and_never_dials_them() {
+    use kvpeer::node::allow::Allowlist;
+    let mut strict = NodeConfig::local("api-allow-strict");
+    // Only some other node may talk to it.
+    strict.spec.allowlist = Allowlist::parse(&["127.0.0.1:1", "10.0.0.0/8"]).unwrap();
+    let strict = Node::start(strict).unwrap();
+    let open = Node::start(NodeConfig::local("api-allow-open")).unwrap();
+    let key = synthetic::key(1);
+    let len = open.config().block_len as usize;
+    open.store(vec![(key.clone(), synthetic::content(&key, len))])
+        .unwrap();
+
+    // Outbound: the strict node will not dial a peer outside its list; the keys answer MISS.
+    let t = Instant::now();
+    let r = strict.lookup(open.id(), "out", std::slice::from_ref(&key), WAIT);
+    assert!(matches!(&r, Ok(v) if *v == [LookupResult::Miss]), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    strict.finish("out");
+
+    // Inbound: the open node's connect is dropped before the protocol sees it; no session opens
+    // and nothing is dialed back, so the open node's lookup runs into its timeout.
+    let r = open.lookup(strict.id(), "in", &[key], Duration::from_millis(500));
+    assert!(matches!(r, Err(NodeError::Timeout("lookup"))), "{r:?}");
+    open.finish("in");
+    let (core, _) = strict.stats().unwrap();
+    assert_eq!(core.sessions, 0, "{core:?}");
+    strict.shutdown(Duration::from_secs(1));
+    open.shutdown(Duration::from_secs(1));
+}

@@ -138,3 +138,31 @@ fn a_fingerprint_table_in_the_file_sets_the_fingerprint() {
     );
     assert_eq!(c.spec.config_fingerprint.len(), 16);
 }
+
+#[test]
+fn the_allowlist_comes_from_the_file_or_the_flags_and_bad_rules_are_named() {
+    let file = from_toml("allowlist = [\"10.0.0.0/8\", \"node-a:5600\"]\n", "a.toml").unwrap();
+    let c = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap();
+    let peer = |s: &str| kvpeer::PeerId::new(s);
+    assert!(c.spec.allowlist.check(&peer("10.1.2.3:9")).is_ok());
+    assert!(c.spec.allowlist.check(&peer("node-a:5600")).is_ok());
+    assert!(c.spec.allowlist.check(&peer("192.0.2.1:9")).is_err());
+
+    let mut flags = Settings::default();
+    flags.set("allowlist", "127.0.0.1", "flag --allow");
+    let c = resolve(&file, &env(&[]), &flags, "t").unwrap();
+    assert!(
+        c.spec.allowlist.check(&peer("10.1.2.3:9")).is_err(),
+        "the flag replaces the file"
+    );
+
+    let file = from_toml("allowlist = [\"10.0.0.0/40\"]\n", "b.toml").unwrap();
+    let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
+    assert_eq!(
+        (e.key.as_str(), e.source_name.as_str()),
+        ("allowlist", "file b.toml")
+    );
+    assert!(e.problem.contains("10.0.0.0/40"), "{e}");
+    let e = from_toml("allowlist = [1]\n", "c.toml").unwrap_err();
+    assert_eq!(e.key, "allowlist");
+}

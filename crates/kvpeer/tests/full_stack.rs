@@ -34,6 +34,7 @@ fn spec(tag: &str) -> NodeSpec {
         hash_seed: "42".into(),
         config_fingerprint: String::new(),
         core: CoreConfig::default(),
+        allowlist: Default::default(),
     }
 }
 

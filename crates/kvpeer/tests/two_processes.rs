@@ -176,6 +176,7 @@ fn node_with_rate<P: BuildPlane>(
             store_timeout: LOAD_TIMEOUT,
             ..CoreConfig::default()
         },
+        allowlist: Default::default(),
     })
     .unwrap()
 }

@@ -12,6 +12,7 @@ use kvpeer_net::tcp::{TcpError, TcpPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig, StoreError};
 
+use super::allow::Allowlist;
 use super::io::NodeIo;
 use super::wake::WakePipe;
 
@@ -36,6 +37,8 @@ pub struct NodeSpec {
     pub config_fingerprint: String,
     /// The core's timeouts and limits.
     pub core: CoreConfig,
+    /// Which peers the node talks to (empty: all).
+    pub allowlist: Allowlist,
 }
 
 /// Why a node could not be built.
@@ -139,5 +142,7 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         hash_seed: spec.hash_seed.clone(),
     };
     let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
-    Ok(NodeIo::new(core, channel, Some(pipe)))
+    let mut io = NodeIo::new(core, channel, Some(pipe));
+    io.set_allowlist(spec.allowlist.clone());
+    Ok(io)
 }

@@ -6,13 +6,16 @@
 //! calls it after [`NodeIo::wait`], which sleeps until the channel is readable or the core's
 //! next deadline. Owned by that one thread.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{Core, DataPlane, Event};
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
+use kvpeer_proto::PeerId;
 use kvpeer_store::BlockStore;
 use tracing::warn;
 
+use super::allow::Allowlist;
 use super::wake::WakePipe;
 
 /// A core, its store and plane, and its control channel.
@@ -25,6 +28,10 @@ pub struct NodeIo<D: DataPlane> {
     pub results: Vec<Event>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
+    /// Which peers this node talks to.
+    allow: Allowlist,
+    /// Refused peers already logged (each is logged once).
+    refused: HashSet<PeerId>,
 }
 
 impl<D: DataPlane> NodeIo<D> {
@@ -35,6 +42,31 @@ impl<D: DataPlane> NodeIo<D> {
             channel,
             results: Vec::new(),
             wake,
+            allow: Allowlist::default(),
+            refused: HashSet::new(),
+        }
+    }
+
+    /// Restricts the peers this node talks to (see [`Allowlist`]).
+    pub fn set_allowlist(&mut self, allow: Allowlist) {
+        self.allow = allow;
+    }
+
+    /// Peers refused by the allowlist so far.
+    pub fn refused_peers(&self) -> usize {
+        self.refused.len()
+    }
+
+    /// `true` if `peer` may be talked to; logs a refusal once per peer.
+    fn allowed(&mut self, peer: &PeerId, what: &str) -> bool {
+        match self.allow.check(peer) {
+            Ok(()) => true,
+            Err(reason) => {
+                if self.refused.insert(peer.clone()) {
+                    warn!(%peer, %reason, what, "peer refused");
+                }
+                false
+            }
         }
     }
 
@@ -64,7 +96,9 @@ impl<D: DataPlane> NodeIo<D> {
         for event in self.channel.recv() {
             match event {
                 ChannelEvent::Payload { peer, payload } => {
-                    self.core.handle_payload(now, &peer, &payload)
+                    if self.allowed(&peer, "inbound message") {
+                        self.core.handle_payload(now, &peer, &payload)
+                    }
                 }
                 ChannelEvent::Lost { peer, .. } => self.core.handle_connection_lost(now, &peer),
             }
@@ -98,7 +132,10 @@ impl<D: DataPlane> NodeIo<D> {
                 progressed = true;
                 match event {
                     Event::Dial(peer) => {
-                        if let Err(e) = self.channel.dial(&peer) {
+                        if !self.allowed(&peer, "dial") {
+                            // Never dialed: its requests fall back at once.
+                            self.core.handle_connection_lost(now, &peer);
+                        } else if let Err(e) = self.channel.dial(&peer) {
                             warn!(%peer, error = %e, "dial failed");
                             self.core.handle_connection_lost(now, &peer);
                         }

@@ -2,6 +2,7 @@
 //! thread: [`build`] makes the parts, [`io::NodeIo`] is one round of I/O, `runtime` is the
 //! thread that owns a node behind the [`Node`](crate::Node) handle.
 
+pub mod allow;
 pub mod build;
 pub mod io;
 pub(crate) mod runtime;

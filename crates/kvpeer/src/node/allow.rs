@@ -1,0 +1,168 @@
+//! The peer allowlist: which peers a node talks to at all.
+//!
+//! A peer is its identity `host:port`. Rules: an IP network in CIDR form (`10.0.0.0/8`,
+//! `fd00::/8`), an address or host name (any port: `10.0.0.5`, `node-a`), or an exact
+//! `host:port` (`10.0.0.5:5600`, `[fd00::1]:5600`). Host names are compared as text, never
+//! resolved. An empty list allows every peer (vLLM's behaviour).
+//!
+//! Checked by the node's I/O loop before it dials a peer (a request naming a peer, or a reply
+//! to an inbound `connect`) and before it hands an inbound payload to the core: a refused peer is
+//! logged with the reason, never dialed, and its messages never reach the protocol. Upstream
+//! dials back whatever identity a `connect` claims, which turns every node into a port scanner
+//! for anyone who can reach it (spec §8); the allowlist closes that.
+
+use std::net::IpAddr;
+
+use kvpeer_proto::PeerId;
+
+/// One rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Rule {
+    Network { addr: IpAddr, prefix: u8 },
+    Host(String),
+    HostPort(String, u16),
+}
+
+/// The rules; empty allows everyone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Allowlist {
+    rules: Vec<Rule>,
+}
+
+impl Allowlist {
+    /// Parses rules; an error names the rule and what is wrong with it.
+    pub fn parse<S: AsRef<str>>(rules: &[S]) -> Result<Self, String> {
+        let rules = rules
+            .iter()
+            .map(|r| parse_rule(r.as_ref().trim()))
+            .collect::<Result<_, _>>()?;
+        Ok(Allowlist { rules })
+    }
+
+    /// Whether the list is empty (every peer allowed).
+    pub fn allows_all(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// `Ok` if `peer` may be talked to, else why not.
+    pub fn check(&self, peer: &PeerId) -> Result<(), String> {
+        if self.rules.is_empty() {
+            return Ok(());
+        }
+        let (host, port) = peer
+            .host_port()
+            .map_err(|e| format!("not a host:port identity ({e})"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let ip: Option<IpAddr> = host.parse().ok();
+        let allowed = self.rules.iter().any(|rule| match rule {
+            Rule::Network { addr, prefix } => ip.is_some_and(|ip| in_network(ip, *addr, *prefix)),
+            Rule::Host(h) => same_host(h, host, ip),
+            Rule::HostPort(h, p) => *p == port && same_host(h, host, ip),
+        });
+        if allowed {
+            Ok(())
+        } else {
+            Err("not in the allowlist".into())
+        }
+    }
+}
+
+fn parse_rule(rule: &str) -> Result<Rule, String> {
+    let bad = |why: &str| format!("allowlist rule {rule:?}: {why}");
+    if rule.is_empty() {
+        return Err(bad("empty"));
+    }
+    if let Some((addr, prefix)) = rule.split_once('/') {
+        let addr: IpAddr = addr.parse().map_err(|_| bad("not an IP network"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix: u8 = prefix
+            .parse()
+            .ok()
+            .filter(|p| *p <= max)
+            .ok_or_else(|| bad("bad prefix length"))?;
+        return Ok(Rule::Network { addr, prefix });
+    }
+    if rule.parse::<IpAddr>().is_ok() {
+        return Ok(Rule::Host(rule.to_owned()));
+    }
+    if let Some((host, port)) = rule.rsplit_once(':') {
+        let port: u16 = port.parse().map_err(|_| bad("bad port"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("empty host"));
+        }
+        return Ok(Rule::HostPort(host.to_owned(), port));
+    }
+    Ok(Rule::Host(rule.to_owned()))
+}
+
+fn same_host(rule: &str, host: &str, ip: Option<IpAddr>) -> bool {
+    match (rule.parse::<IpAddr>(), ip) {
+        (Ok(a), Some(b)) => a == b,
+        _ => rule.eq_ignore_ascii_case(host),
+    }
+}
+
+fn in_network(ip: IpAddr, net: IpAddr, prefix: u8) -> bool {
+    match (ip, net) {
+        (IpAddr::V4(ip), IpAddr::V4(net)) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+            u32::from(ip) & mask == u32::from(net) & mask
+        }
+        (IpAddr::V6(ip), IpAddr::V6(net)) => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+            u128::from(ip) & mask == u128::from(net) & mask
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allows(rules: &[&str], peer: &str) -> bool {
+        Allowlist::parse(rules)
+            .unwrap_or_default()
+            .check(&PeerId::new(peer))
+            .is_ok()
+    }
+
+    #[test]
+    fn rules_match_networks_hosts_and_exact_peers() {
+        assert!(allows(&[], "203.0.113.9:1"), "empty allows all");
+        assert!(allows(&["10.0.0.0/8"], "10.200.3.4:5600"));
+        assert!(!allows(&["10.0.0.0/8"], "11.0.0.1:5600"));
+        assert!(allows(&["0.0.0.0/0"], "192.0.2.1:1"));
+        assert!(allows(&["127.0.0.1"], "127.0.0.1:9"));
+        assert!(allows(&["127.0.0.1:5600"], "127.0.0.1:5600"));
+        assert!(!allows(&["127.0.0.1:5600"], "127.0.0.1:5601"));
+        assert!(allows(&["node-a"], "NODE-A:1"));
+        assert!(!allows(&["node-a"], "node-b:1"));
+        assert!(allows(&["fd00::/8"], "[fd00::1]:5600"));
+        assert!(allows(&["[fd00::1]:5600"], "[fd00::1]:5600"));
+        assert!(
+            !allows(&["fd00::/8"], "10.0.0.1:5600"),
+            "families never mix"
+        );
+        assert!(
+            !allows(&["10.0.0.0/8"], "node-a:1"),
+            "names are not resolved"
+        );
+    }
+
+    #[test]
+    fn bad_rules_are_named() {
+        for bad in [
+            "",
+            "10.0.0.0/33",
+            "10.0.0.0/x",
+            "nope/8",
+            "host:port",
+            ":5600",
+        ] {
+            let e = Allowlist::parse(&[bad]).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+}
