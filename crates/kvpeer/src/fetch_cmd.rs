@@ -34,6 +34,9 @@ pub(crate) struct FetchArgs {
     /// Synthetic index of the first key.
     #[arg(long, default_value_t = 0)]
     first: u64,
+    /// Print the summary as one JSON object instead of `key=value` pairs.
+    #[arg(long)]
+    json: bool,
     /// Bound on every wait (handshake, one lookup, one fetch), in seconds.
     #[arg(long, default_value_t = 30)]
     timeout_secs: u64,
@@ -81,26 +84,31 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
             let secs = t.workload.as_secs_f64();
             // Throughput of the loads themselves (fetch sent to blocks landed).
             let fetch_secs = t.fetch_us.iter().sum::<u64>() as f64 / 1e6;
-            println!(
-                "kvpeer fetch: requests={} hits={} misses={} bytes={} failed_loads={} \
-                 corrupt_blocks={} lookup_p50_us={} lookup_p99_us={} fetch_p50_us={} \
-                 fetch_p99_us={} seconds={secs:.3} fetch_gb_per_s={:.3}",
-                args.requests,
-                t.hits,
-                t.misses,
-                t.bytes,
-                t.failed_loads,
-                t.corrupt_blocks,
-                percentile(&t.lookup_us, 50),
-                percentile(&t.lookup_us, 99),
-                percentile(&t.fetch_us, 50),
-                percentile(&t.fetch_us, 99),
-                if fetch_secs > 0.0 {
-                    t.bytes as f64 / fetch_secs / 1e9
-                } else {
-                    0.0
-                },
-            );
+            let gbps = if fetch_secs > 0.0 {
+                t.bytes as f64 / fetch_secs / 1e9
+            } else {
+                0.0
+            };
+            let summary = serde_json::json!({
+                "requests": args.requests,
+                "hits": t.hits,
+                "misses": t.misses,
+                "bytes": t.bytes,
+                "failed_loads": t.failed_loads,
+                "corrupt_blocks": t.corrupt_blocks,
+                "lookup_p50_us": percentile(&t.lookup_us, 50),
+                "lookup_p99_us": percentile(&t.lookup_us, 99),
+                "fetch_p50_us": percentile(&t.fetch_us, 50),
+                "fetch_p99_us": percentile(&t.fetch_us, 99),
+                "seconds": (secs * 1e3).round() / 1e3,
+                "fetch_gb_per_s": (gbps * 1e3).round() / 1e3,
+            });
+            if args.json {
+                println!("{summary}");
+            } else if let Some(fields) = summary.as_object() {
+                let line: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                println!("kvpeer fetch: {}", line.join(" "));
+            }
             u8::from(t.failed_loads > 0 || t.corrupt_blocks > 0)
         }
         Err(e) => {

@@ -28,8 +28,17 @@ Examples:
   kvpeer demo
   kvpeer wire decode --hex 81a474797065aa646973636f6e6e656374")]
 struct Cli {
+    /// Log lines on stderr: `human` or `json` (one object per line). KVPEER_LOG sets the level.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -58,13 +67,15 @@ Example:
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level.
-    tracing_subscriber::fmt()
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+        .with_env_filter(filter);
+    match cli.log_format {
+        LogFormat::Human => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let status = match cli.command {
         Command::Demo(args) => demo_cmd::run(args),
         Command::Wire(cmd) => wire_cmd::run(cmd),

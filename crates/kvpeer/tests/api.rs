@@ -146,3 +146,46 @@ fn the_allowlist_refuses_peers_both_ways_and_never_dials_them() {
     strict.shutdown(Duration::from_secs(1));
     open.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
+    let mut p = NodeConfig::local("api-drain-p");
+    p.plane = PlaneKind::Tcp;
+    // 64 blocks of 64 KiB at 8 MB/s: the write takes about half a second.
+    p.spec.tcp_max_write_rate = Some(8_000_000);
+    let mut c = NodeConfig::local("api-drain-c");
+    c.plane = PlaneKind::Tcp;
+    let (producer, consumer) = (Node::start(p).unwrap(), Node::start(c).unwrap());
+    let len = producer.config().block_len as usize;
+    let keys: Vec<_> = (0..64).map(synthetic::key).collect();
+    producer
+        .store(
+            keys.iter()
+                .map(|k| (k.clone(), synthetic::content(k, len)))
+                .collect(),
+        )
+        .unwrap();
+    let found = consumer.lookup(producer.id(), "r", &keys, WAIT).unwrap();
+    assert!(found.iter().all(|f| *f == LookupResult::Hit));
+
+    let fetched = std::thread::scope(|s| {
+        let fetch = s.spawn(|| consumer.fetch("r", &keys, WAIT));
+        std::thread::sleep(Duration::from_millis(150));
+        // Mid-write: the producer drains (up to 5 s) before it disconnects.
+        producer.shutdown(Duration::from_secs(5));
+        fetch.join().unwrap()
+    });
+    fetched.expect("the inflight write finished before the producer left");
+    for k in &keys {
+        assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
+    }
+    consumer.finish("r");
+    let (core, store) = consumer.stats().unwrap();
+    assert_eq!(
+        (store.pinned, store.writing, store.jobs),
+        (0, 0, 0),
+        "{store:?}"
+    );
+    assert_eq!((core.client_requests, core.inflight), (0, 0), "{core:?}");
+    consumer.shutdown(Duration::from_secs(1));
+}

@@ -734,3 +734,46 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn fetch_prints_json_for_machines_and_json_logs_on_request() {
+    let (_server, id) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--fill", "8"]);
+    let mut fetch = Proc::spawn(
+        &[
+            "--log-format",
+            "json",
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--blocks",
+            "16",
+            "--block-len",
+            "4096",
+            "--requests",
+            "2",
+            "--keys",
+            "8",
+            "--json",
+        ],
+        "fetch",
+    );
+    let line = fetch.line();
+    assert_eq!(
+        fetch.wait_while(Duration::from_secs(30), || {}),
+        0,
+        "{line}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(summary["hits"], 8, "{line}");
+    assert_eq!(summary["misses"], 8, "{line}");
+    assert_eq!(summary["corrupt_blocks"], 0, "{line}");
+    std::thread::sleep(Duration::from_millis(100));
+    // Its logs (info level in these tests) are JSON objects, one per line.
+    let logs = fetch.stderr.lock().unwrap().clone();
+    assert!(!logs.trim().is_empty());
+    for l in logs.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v.get("level").is_some(), "{l}");
+    }
+}
