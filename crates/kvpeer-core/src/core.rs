@@ -286,6 +286,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         ]))
     }
 
+    /// Running totals since the core started (for metrics).
+    pub fn counters(&self) -> &crate::counters::Counters {
+        &self.out.counters
+    }
+
     /// Counts of open state.
     pub fn stats(&self) -> CoreStats {
         let mut stats = CoreStats {
@@ -353,6 +358,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             &mut self.out,
             self.now,
         );
+        self.out.counters.sessions_opened += 1;
         self.sessions.insert(peer, session);
         true
     }
@@ -389,6 +395,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// [`Core::handle_payload`]).
     pub fn handle_message(&mut self, now: Instant, peer: &PeerId, message: Message) {
         self.advance(now);
+        self.out.counters.on_received(&message);
         if !self.sessions.contains_key(peer) && !self.accept_first_message(peer, &message) {
             return;
         }
@@ -678,6 +685,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             &mut self.out,
             self.now,
         );
+        self.out.counters.sessions_opened += 1;
         self.sessions.insert(peer.clone(), session);
         true
     }
@@ -728,6 +736,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let Some(mut session) = self.sessions.remove(peer) else {
             return;
         };
+        self.out.counters.sessions_closed += 1;
         self.bound.retain(|_, p| p != peer);
         let closed = session.close(&mut self.split().1);
         for (job, id, live) in closed.client.failed_jobs {

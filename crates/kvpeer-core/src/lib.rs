@@ -16,6 +16,7 @@
 
 mod config;
 mod core;
+mod counters;
 mod maps;
 mod output;
 mod session;
@@ -26,6 +27,7 @@ pub use crate::config::{CoreConfig, LocalNode};
 pub use crate::core::{
     Core, CoreStats, OffloadPolicy, Request, RequestRoles, SessionState, Source,
 };
+pub use crate::counters::Counters;
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{
     BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,

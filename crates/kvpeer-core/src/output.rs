@@ -65,10 +65,13 @@ pub(crate) struct Outbox {
     pub(crate) failed_loads: Vec<KvRequestId>,
     /// Loads that ended since the tier last looked: their blocks take no more writes.
     pub(crate) ended_writes: Vec<(PeerId, Vec<BlockIndex>)>,
+    /// Running totals for metrics.
+    pub(crate) counters: crate::counters::Counters,
 }
 
 impl Outbox {
     pub(crate) fn transmit(&mut self, peer: &PeerId, message: Message) {
+        self.counters.on_sent(&message);
         self.transmits.push_back(Transmit {
             peer: peer.clone(),
             message,
@@ -91,6 +94,11 @@ impl Outbox {
     ) {
         if !success && live {
             self.failed_loads.push(kv_request_id.clone());
+        }
+        if success {
+            self.counters.loads_ok += 1;
+        } else {
+            self.counters.loads_failed += 1;
         }
         self.events.push_back(Event::LoadDone {
             job,

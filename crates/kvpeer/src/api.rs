@@ -36,7 +36,7 @@ use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use kvpeer_core::{CoreConfig, CoreStats, LookupResult};
+pub use kvpeer_core::{CoreConfig, CoreStats, Counters, LookupResult};
 pub use kvpeer_proto::{OffloadKey, PeerId};
 pub use kvpeer_store::StoreStats;
 
@@ -86,6 +86,59 @@ impl NodeConfig {
     }
 }
 
+/// Latency samples in fixed buckets (upper bounds in microseconds), Prometheus-style.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Samples at or under each bound of [`Histogram::BOUNDS_US`], not cumulative.
+    pub counts: [u64; 14],
+    /// Samples over the last bound.
+    pub over: u64,
+    /// Sum of all samples, in seconds.
+    pub sum_seconds: f64,
+}
+
+impl Histogram {
+    /// Bucket upper bounds, microseconds.
+    pub const BOUNDS_US: [u64; 14] = [
+        100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+        2_500_000, 10_000_000,
+    ];
+
+    /// Adds one sample.
+    pub fn record(&mut self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        match Self::BOUNDS_US.iter().position(|b| us <= *b) {
+            Some(i) => self.counts[i] += 1,
+            None => self.over += 1,
+        }
+        self.sum_seconds += d.as_secs_f64();
+    }
+
+    /// All samples.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum::<u64>() + self.over
+    }
+}
+
+/// What a node reports: open state, running totals, latencies.
+#[derive(Debug, Clone, Default)]
+pub struct NodeStats {
+    /// Open state of the protocol (sessions, requests, pins held for peers, transfers).
+    pub core: CoreStats,
+    /// The pool (capacity, ready, writing, pinned blocks).
+    pub store: StoreStats,
+    /// Running totals of the protocol (lookups, hits, fetches, transfers, errors).
+    pub counters: Counters,
+    /// Peers refused by the allowlist so far.
+    pub refused_peers: u64,
+    /// Bytes of blocks fetched into this node by successful `fetch` calls.
+    pub bytes_fetched: u64,
+    /// Latency of `lookup` calls (until every key was answered).
+    pub lookup_latency: Histogram,
+    /// Latency of `fetch` calls (until the blocks landed or the load failed).
+    pub fetch_latency: Histogram,
+}
+
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -113,6 +166,7 @@ pub enum NodeError {
 /// A running node (a handle to its runtime thread).
 pub struct Node {
     id: PeerId,
+    advertised: kvpeer_net::metadata::AgentMetadata,
     config: NodeSpec,
     calls: Sender<Command>,
     wake: UnixStream,
@@ -138,6 +192,9 @@ impl Node {
     fn start_with<P: BuildPlane + Send + 'static>(spec: NodeSpec) -> Result<Node, NodeError> {
         let io = build::<P>(&spec).map_err(|e| NodeError::Start(e.to_string()))?;
         let id = io.core.local().peer_id.clone();
+        let advertised =
+            kvpeer_net::metadata::AgentMetadata::decode(&io.core.local().agent_metadata)
+                .unwrap_or_default();
         let wake = match io.wake_writer() {
             Some(w) => w.map_err(|e| NodeError::Start(e.to_string()))?,
             None => return Err(NodeError::Start("the node has no wake pipe".into())),
@@ -153,6 +210,7 @@ impl Node {
                 ..spec
             },
             id,
+            advertised,
             calls: tx,
             wake,
             thread: Mutex::new(Some(thread)),
@@ -236,9 +294,14 @@ impl Node {
         .and_then(|mut v: Vec<Option<Vec<u8>>>| v.pop().flatten())
     }
 
-    /// The core's and the store's counts.
-    pub fn stats(&self) -> Result<(CoreStats, StoreStats), NodeError> {
+    /// Open state, running totals and latencies.
+    pub fn stats(&self) -> Result<NodeStats, NodeError> {
         self.ask(|reply| Command::Stats { reply }, None)
+    }
+
+    /// The data planes this node advertises to peers.
+    pub fn advertised(&self) -> &kvpeer_net::metadata::AgentMetadata {
+        &self.advertised
     }
 
     /// Drains inflight transfers for at most `drain`, sends `disconnect` to every peer, and

@@ -51,7 +51,8 @@ fn share(tag: &str, plane: PlaneKind) {
     // The producer lets go of everything it held for the consumer.
     let deadline = Instant::now() + WAIT;
     loop {
-        let (core, store) = producer.stats().unwrap();
+        let stats = producer.stats().unwrap();
+        let (core, store) = (stats.core, stats.store);
         if core.server_requests == 0 && store.pinned == 0 {
             assert_eq!(store.jobs, 0);
             break;
@@ -59,9 +60,36 @@ fn share(tag: &str, plane: PlaneKind) {
         assert!(Instant::now() < deadline, "{core:?} {store:?}");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let (core, store) = consumer.stats().unwrap();
+    let stats = consumer.stats().unwrap();
+    let (core, store) = (stats.core, stats.store);
     assert_eq!((core.client_requests, store.writing), (0, 0), "{core:?}");
     assert_eq!(store.ready, 6);
+    // The running totals saw it all: 12 keys looked up, 6 held, one fetch of 6 blocks.
+    let c = stats.counters;
+    assert_eq!(
+        (c.lookup_keys_sent, c.lookup_hits_received),
+        (12, 6),
+        "{c:?}"
+    );
+    assert_eq!(
+        (c.fetches_sent, c.fetch_blocks_sent, c.loads_ok),
+        (1, 6, 1),
+        "{c:?}"
+    );
+    assert_eq!(stats.bytes_fetched, 6 * len as u64);
+    assert_eq!(stats.lookup_latency.total(), 2);
+    assert_eq!(stats.fetch_latency.total(), 1);
+    let p = producer.stats().unwrap().counters;
+    assert_eq!(
+        (p.lookup_hits_served, p.lookup_misses_served),
+        (6, 6),
+        "{p:?}"
+    );
+    assert_eq!(
+        (p.fetches_served, p.fetch_blocks_served, p.transfers_ok),
+        (1, 6, 1),
+        "{p:?}"
+    );
     consumer.shutdown(Duration::from_secs(3));
     producer.shutdown(Duration::from_secs(3));
     assert!(matches!(consumer.stats(), Err(NodeError::ShutDown)));
@@ -141,8 +169,12 @@ fn the_allowlist_refuses_peers_both_ways_and_never_dials_them() {
     let r = open.lookup(strict.id(), "in", &[key], Duration::from_millis(500));
     assert!(matches!(r, Err(NodeError::Timeout("lookup"))), "{r:?}");
     open.finish("in");
-    let (core, _) = strict.stats().unwrap();
-    assert_eq!(core.sessions, 0, "{core:?}");
+    let stats = strict.stats().unwrap();
+    assert_eq!(stats.core.sessions, 0, "{:?}", stats.core);
+    assert_eq!(
+        stats.refused_peers, 1,
+        "the open node, refused both ways, logged once"
+    );
     strict.shutdown(Duration::from_secs(1));
     open.shutdown(Duration::from_secs(1));
 }
@@ -180,7 +212,8 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
         assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
     }
     consumer.finish("r");
-    let (core, store) = consumer.stats().unwrap();
+    let stats = consumer.stats().unwrap();
+    let (core, store) = (stats.core, stats.store);
     assert_eq!(
         (store.pinned, store.writing, store.jobs),
         (0, 0, 0),

@@ -136,6 +136,7 @@ impl Session {
 
     fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: String) {
         error!(peer = %self.link.peer, %reason, "protocol error; disconnecting");
+        cx.out.counters.protocol_errors += 1;
         self.disconnect(cx.out, cx.now, format!("protocol error: {reason}"));
     }
 

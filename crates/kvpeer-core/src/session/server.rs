@@ -998,6 +998,7 @@ impl ServerRole {
                     result = Err(e);
                 }
                 if !lookup.pending.is_empty() && cx.now >= lookup.deadline {
+                    cx.out.counters.pending_expired += lookup.pending.len() as u64;
                     for key in std::mem::take(&mut lookup.pending) {
                         lookup.answers.insert(key, Some(false));
                     }

@@ -11,14 +11,13 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{CoreStats, JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use kvpeer_store::StoreStats;
 use tracing::{debug, info};
 
 use super::build::BuildPlane;
 use super::io::NodeIo;
-use crate::api::NodeError;
+use crate::api::{NodeError, NodeStats};
 
 /// A call from the handle.
 pub(crate) enum Command {
@@ -47,7 +46,7 @@ pub(crate) enum Command {
         request: String,
     },
     Stats {
-        reply: Sender<(CoreStats, StoreStats)>,
+        reply: Sender<NodeStats>,
     },
     Shutdown {
         drain: Duration,
@@ -56,6 +55,7 @@ pub(crate) enum Command {
 }
 
 struct PendingLookup {
+    started: Instant,
     request: Request,
     keys: Vec<OffloadKey>,
     deadline: Instant,
@@ -63,6 +63,7 @@ struct PendingLookup {
 }
 
 struct PendingLoad {
+    started: Instant,
     job: JobId,
     blocks: Vec<u64>,
     deadline: Instant,
@@ -77,6 +78,8 @@ struct Runtime<P: BuildPlane> {
     lookups: Vec<PendingLookup>,
     loads: Vec<PendingLoad>,
     next_job: JobId,
+    /// Totals and latencies of the calls (the rest of the stats comes from the core and store).
+    calls: NodeStats,
 }
 
 /// Runs the node until a `Shutdown` call, or until every handle is gone.
@@ -87,6 +90,7 @@ pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
         lookups: Vec::new(),
         loads: Vec::new(),
         next_job: 1,
+        calls: NodeStats::default(),
     };
     loop {
         let now = Instant::now();
@@ -153,6 +157,7 @@ impl<P: BuildPlane> Runtime<P> {
                 }
                 self.io.core.flush_lookups(now);
                 self.lookups.push(PendingLookup {
+                    started: now,
                     request: req,
                     keys,
                     deadline,
@@ -182,6 +187,7 @@ impl<P: BuildPlane> Runtime<P> {
                     .core
                     .submit_load(now, job, &req, keys, blocks.clone());
                 self.loads.push(PendingLoad {
+                    started: now,
                     job,
                     blocks,
                     deadline,
@@ -207,7 +213,13 @@ impl<P: BuildPlane> Runtime<P> {
                 }
             }
             Command::Stats { reply } => {
-                let _ = reply.send((self.io.core.stats(), self.io.core.parent().stats()));
+                let _ = reply.send(NodeStats {
+                    core: self.io.core.stats(),
+                    store: self.io.core.parent().stats(),
+                    counters: *self.io.core.counters(),
+                    refused_peers: self.io.refused_peers() as u64,
+                    ..self.calls.clone()
+                });
             }
             Command::Shutdown { .. } => {}
         }
@@ -216,6 +228,7 @@ impl<P: BuildPlane> Runtime<P> {
     /// Answers calls whose work is done or whose deadline passed.
     fn progress(&mut self, now: Instant) {
         let core = &mut self.io.core;
+        let latency = &mut self.calls.lookup_latency;
         self.lookups.retain(|l| {
             let results: Vec<LookupResult> = l
                 .keys
@@ -223,6 +236,7 @@ impl<P: BuildPlane> Runtime<P> {
                 .map(|k| core.lookup(now, &l.request, k))
                 .collect();
             if results.iter().all(|r| *r != LookupResult::Retry) {
+                latency.record(now.saturating_duration_since(l.started));
                 let _ = l.reply.send(Ok(results));
                 false
             } else if now >= l.deadline {
@@ -240,6 +254,15 @@ impl<P: BuildPlane> Runtime<P> {
             match self.io.take_load_result(l.job) {
                 Some(success) => {
                     self.io.core.parent_mut().finish_write(&l.blocks, success);
+                    if l.reply.is_some() {
+                        self.calls
+                            .fetch_latency
+                            .record(now.saturating_duration_since(l.started));
+                    }
+                    if success {
+                        self.calls.bytes_fetched +=
+                            l.blocks.len() as u64 * self.io.core.local().block_len;
+                    }
                     if let Some(reply) = l.reply {
                         let _ = reply.send(if success {
                             Ok(())

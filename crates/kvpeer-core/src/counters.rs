@@ -1,0 +1,93 @@
+//! Running totals of what the core did, for metrics. Counted where messages leave
+//! ([`Counters::on_sent`]) and arrive ([`Counters::on_received`]), and at a few events no
+//! message shows (load ends, protocol errors, expired pending keys, sessions). Plain integers
+//! on the core's thread; the node copies them out for its metrics endpoint.
+
+use kvpeer_proto::Message;
+
+/// Totals since the core started; every field only grows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Consumer: `lookup` messages sent, and the keys in them.
+    pub lookups_sent: u64,
+    /// Consumer: keys looked up.
+    pub lookup_keys_sent: u64,
+    /// Consumer: keys a peer answered held.
+    pub lookup_hits_received: u64,
+    /// Consumer: keys a peer answered not held.
+    pub lookup_misses_received: u64,
+    /// Producer: lookups answered.
+    pub lookups_served: u64,
+    /// Producer: keys answered held.
+    pub lookup_hits_served: u64,
+    /// Producer: keys answered not held.
+    pub lookup_misses_served: u64,
+    /// Producer: pending keys answered MISS because their deadline passed.
+    pub pending_expired: u64,
+    /// Consumer: non-terminal `fetch` messages sent, and their blocks.
+    pub fetches_sent: u64,
+    /// Consumer: blocks asked for.
+    pub fetch_blocks_sent: u64,
+    /// Producer: non-terminal `fetch` messages received, and their blocks.
+    pub fetches_served: u64,
+    /// Producer: blocks asked of this node.
+    pub fetch_blocks_served: u64,
+    /// Producer: rounds reported written (`transfer_done` with success).
+    pub transfers_ok: u64,
+    /// Producer: rounds reported failed.
+    pub transfers_failed: u64,
+    /// Consumer: loads that landed completely.
+    pub loads_ok: u64,
+    /// Consumer: loads that failed or were aborted.
+    pub loads_failed: u64,
+    /// Consumer: `abort_fetch` messages sent.
+    pub aborts_sent: u64,
+    /// Sessions opened (either side started) and ended.
+    pub sessions_opened: u64,
+    /// Sessions ended, for any reason.
+    pub sessions_closed: u64,
+    /// Peers disconnected for breaking the protocol.
+    pub protocol_errors: u64,
+}
+
+impl Counters {
+    /// A message is leaving.
+    pub(crate) fn on_sent(&mut self, message: &Message) {
+        match message {
+            Message::Lookup(l) => {
+                self.lookups_sent += 1;
+                self.lookup_keys_sent += l.keys.len() as u64;
+            }
+            Message::LookupResp(r) => {
+                self.lookups_served += 1;
+                let hits = r.hits.iter().filter(|h| **h).count() as u64;
+                self.lookup_hits_served += hits;
+                self.lookup_misses_served += r.hits.len() as u64 - hits;
+            }
+            Message::Fetch(f) if !f.is_terminal() => {
+                self.fetches_sent += 1;
+                self.fetch_blocks_sent += f.keys.len() as u64;
+            }
+            Message::TransferDone(t) if t.success => self.transfers_ok += 1,
+            Message::TransferDone(_) => self.transfers_failed += 1,
+            Message::AbortFetch(_) => self.aborts_sent += 1,
+            _ => {}
+        }
+    }
+
+    /// A valid message arrived.
+    pub(crate) fn on_received(&mut self, message: &Message) {
+        match message {
+            Message::LookupResp(r) => {
+                let hits = r.hits.iter().filter(|h| **h).count() as u64;
+                self.lookup_hits_received += hits;
+                self.lookup_misses_received += r.hits.len() as u64 - hits;
+            }
+            Message::Fetch(f) if !f.is_terminal() => {
+                self.fetches_served += 1;
+                self.fetch_blocks_served += f.keys.len() as u64;
+            }
+            _ => {}
+        }
+    }
+}
