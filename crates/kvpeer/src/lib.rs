@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod config;
+pub mod metrics;
 pub mod node;
 
 pub use api::{LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};

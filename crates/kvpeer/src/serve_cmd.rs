@@ -1,22 +1,22 @@
 //! `kvpeer serve`: runs a node with a block pool until SIGINT or SIGTERM, serving its blocks to
-//! every peer that asks. `--fill N` first stores synthetic blocks 0..N (docs/synthetic-workload.md).
+//! every peer that asks. `--fill N` first stores synthetic blocks 0..N (docs/synthetic-workload.md);
+//! `--metrics HOST:PORT` serves Prometheus metrics.
 //!
 //! Once listening it prints one line to stdout, `kvpeer serve: ready id=HOST:PORT ...`, so scripts
-//! and tests know where to connect. The node runs on the main thread; signals write to its wake
-//! pipe, so it sleeps until there is work and stops promptly.
+//! and tests know where to connect. The node runs on its own runtime thread ([`kvpeer::Node`]);
+//! the main thread only waits for a signal, then shuts the node down gracefully (inflight writes
+//! drained for up to 3 s, `disconnect` to every peer, the pool unlinked).
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvpeer::node::build::{build, BuildPlane, NodeSpec};
-use kvpeer::synthetic;
-use kvpeer_net::metadata::AgentMetadata;
+use kvpeer::{synthetic, Node};
 use signal_hook::consts::{SIGINT, SIGTERM};
-use tracing::{error, info, warn};
+use signal_hook::iterator::Signals;
+use tracing::{info, warn};
 
-use crate::node_args::{with_plane, NodeArgs};
+use crate::node_args::NodeArgs;
 
 /// `kvpeer serve` options.
 #[derive(Debug, clap::Args)]
@@ -26,6 +26,9 @@ pub(crate) struct ServeArgs {
     /// Store synthetic blocks 0..N before serving.
     #[arg(long, default_value_t = 0)]
     fill: u64,
+    /// Serve Prometheus metrics at `HOST:PORT` (`/metrics`; port 0 picks one).
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
 }
 
 /// Runs the command; returns the exit status.
@@ -44,72 +47,88 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         );
         return 2;
     }
-    let result = with_plane!(config.plane, P => serve::<P>(&args, &config.spec));
-    match result {
-        Ok(()) => 0,
+    // Registered before anything starts, so an early signal still stops us cleanly.
+    let mut signals = match Signals::new([SIGINT, SIGTERM]) {
+        Ok(s) => s,
         Err(e) => {
-            error!(error = %e, "serve failed");
+            eprintln!("kvpeer serve: cannot watch signals: {e}");
+            return 1;
+        }
+    };
+    let allow_all = config.spec.allowlist.allows_all();
+    let node = match Node::start(config) {
+        Ok(n) => Arc::new(n),
+        Err(e) => {
             eprintln!("kvpeer serve: {e}");
-            1
+            return 1;
         }
+    };
+    if let Err(e) = fill(&node, args.fill) {
+        eprintln!("kvpeer serve: {e}");
+        node.shutdown(Duration::from_secs(1));
+        return 1;
     }
-}
+    let metrics = match &args.metrics {
+        Some(addr) => match kvpeer::metrics::serve(addr, node.clone()) {
+            Ok(bound) => bound.to_string(),
+            Err(e) => {
+                eprintln!("kvpeer serve: cannot serve metrics at {addr}: {e}");
+                node.shutdown(Duration::from_secs(1));
+                return 1;
+            }
+        },
+        None => "-".into(),
+    };
 
-fn serve<P: BuildPlane>(args: &ServeArgs, spec: &NodeSpec) -> Result<(), String> {
-    let mut node = build::<P>(spec).map_err(|e| e.to_string())?;
-    let block_len = usize::try_from(spec.block_len).map_err(|e| e.to_string())?;
-    for i in 0..args.fill {
-        let key = synthetic::key(i);
-        node.core
-            .parent_mut()
-            .put(&key, &synthetic::content(&key, block_len))
-            .map_err(|e| format!("filling block {i}: {e}"))?;
-    }
-
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
-        signal_hook::flag::register(signal, stop.clone()).map_err(|e| e.to_string())?;
-        if let Some(writer) = node.wake_writer() {
-            let writer = writer.map_err(|e| e.to_string())?;
-            signal_hook::low_level::pipe::register(signal, writer).map_err(|e| e.to_string())?;
-        }
-    }
-
-    let local = node.core.local();
-    let meta = AgentMetadata::decode(&local.agent_metadata).unwrap_or_default();
+    let meta = node.advertised();
+    let spec = node.config();
     println!(
-        "kvpeer serve: ready id={} shm={} tcp={} blocks={} block_len={} filled={}",
-        local.peer_id,
+        "kvpeer serve: ready id={} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics}",
+        node.id(),
         meta.shm.as_deref().unwrap_or("-"),
         meta.tcp.as_deref().unwrap_or("-"),
-        local.num_blocks,
-        local.block_len,
+        spec.num_blocks,
+        spec.block_len,
         args.fill
     );
     // A closed stdout (the launcher went away) must not stop the node.
     let _ = std::io::stdout().flush();
-    info!(id = %local.peer_id, "serving");
-    let loopback = local.peer_id.host_port().is_ok_and(|(h, _)| {
+    info!(id = %node.id(), "serving");
+    let loopback = node.id().host_port().is_ok_and(|(h, _)| {
         h == "localhost"
             || h.parse::<std::net::IpAddr>()
                 .is_ok_and(|ip| ip.is_loopback())
     });
-    if spec.allowlist.allows_all() && !loopback {
+    if allow_all && !loopback {
         warn!(
-            id = %local.peer_id,
+            id = %node.id(),
             "no allowlist: any host that reaches this port can make the node dial an address of \
              its choice; set --allow (docs/configuration.md, Security)"
         );
     }
 
-    while !stop.load(Ordering::Relaxed) {
-        let now = Instant::now();
-        node.step(now);
-        // A server has no loads of its own; nothing waits for these results.
-        node.results.clear();
-        node.wait(now, Duration::from_secs(3600));
+    if let Some(signal) = signals.forever().next() {
+        info!(signal, "stopping on signal");
     }
-    let stats = node.core.stats();
-    info!(sessions = stats.sessions, "stopping on signal");
+    node.shutdown(Duration::from_secs(3));
+    0
+}
+
+/// Stores synthetic blocks 0..n, a batch per call.
+fn fill(node: &Node, n: u64) -> Result<(), String> {
+    let len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
+    let mut i = 0;
+    while i < n {
+        let batch = (i..n.min(i + 256))
+            .map(|k| {
+                let key = synthetic::key(k);
+                let bytes = synthetic::content(&key, len);
+                (key, bytes)
+            })
+            .collect();
+        node.store(batch)
+            .map_err(|e| format!("filling blocks from {i}: {e}"))?;
+        i = n.min(i + 256);
+    }
     Ok(())
 }

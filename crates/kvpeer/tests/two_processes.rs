@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
@@ -31,6 +32,8 @@ struct Proc {
     /// Everything the child wrote to stderr so far (its logs), for failure messages.
     stderr: Arc<Mutex<String>>,
     shm: String,
+    /// `serve`'s ready line.
+    ready: Option<String>,
 }
 
 impl Proc {
@@ -75,6 +78,7 @@ impl Proc {
             stdout: rx,
             stderr,
             shm,
+            ready: None,
         }
     }
 
@@ -97,9 +101,10 @@ impl Proc {
     fn serve(extra: &[&str]) -> (Proc, PeerId) {
         let mut args = vec!["serve"];
         args.extend_from_slice(extra);
-        let p = Proc::spawn(&args, "serve");
+        let mut p = Proc::spawn(&args, "serve");
         let ready = p.line();
         let id = field(&ready, "id").unwrap_or_else(|| panic!("not a ready line: {ready}"));
+        p.ready = Some(ready);
         (p, PeerId::new(id))
     }
 
@@ -776,4 +781,112 @@ fn fetch_prints_json_for_machines_and_json_logs_on_request() {
             serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
         assert!(v.get("level").is_some(), "{l}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// metrics
+
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.to_owned(), body.to_owned())
+}
+
+/// `name{labels} value` lines of a Prometheus text body; panics on a line that is not one.
+fn samples(body: &str) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    for line in body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (name, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        out.insert(name.to_owned(), value);
+    }
+    out
+}
+
+#[test]
+fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
+    let (_server, id) = Proc::serve(&[
+        "--blocks",
+        "16",
+        "--block-len",
+        "4096",
+        "--fill",
+        "8",
+        "--metrics",
+        "127.0.0.1:0",
+    ]);
+    let (head, body) = http_get(&metrics_addr(&_server), "/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(samples(&body)["kvpeer_pool_ready_blocks"], 8.0);
+
+    let mut fetch = Proc::spawn(
+        &[
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--blocks",
+            "16",
+            "--block-len",
+            "4096",
+            "--requests",
+            "2",
+            "--keys",
+            "8",
+        ],
+        "fetch",
+    );
+    assert_eq!(fetch.wait_while(Duration::from_secs(30), || {}), 0);
+    let (_, body) = http_get(&metrics_addr(&_server), "/metrics");
+    let m = samples(&body);
+    // Request 0 asks keys 0..8 (all held), request 1 keys 8..16 (none).
+    assert_eq!(m["kvpeer_lookup_hits_served_total"], 8.0, "{body}");
+    assert_eq!(m["kvpeer_lookup_misses_served_total"], 8.0, "{body}");
+    assert_eq!(m["kvpeer_fetch_blocks_served_total"], 8.0, "{body}");
+    assert_eq!(m["kvpeer_bytes_served_total"], 8.0 * 4096.0, "{body}");
+    assert_eq!(m["kvpeer_transfers_ok_total"], 1.0, "{body}");
+    assert!(m["kvpeer_sessions_opened_total"] >= 1.0, "{body}");
+    assert_eq!(m["kvpeer_protocol_errors_total"], 0.0, "{body}");
+    assert_eq!(
+        m["kvpeer_fetch_seconds_bucket{le=\"+Inf\"}"], 0.0,
+        "a server makes no fetch calls"
+    );
+    // Every sample has its HELP and TYPE.
+    for name in m.keys() {
+        let base = name.split('{').next().unwrap();
+        let family = base
+            .strip_suffix("_bucket")
+            .or_else(|| base.strip_suffix("_sum"))
+            .or_else(|| base.strip_suffix("_count"))
+            .unwrap_or(base);
+        assert!(
+            body.contains(&format!("# TYPE {family} ")),
+            "no TYPE for {name}"
+        );
+        assert!(
+            body.contains(&format!("# HELP {family} ")),
+            "no HELP for {name}"
+        );
+    }
+    let (head, _) = http_get(&metrics_addr(&_server), "/nothing");
+    assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+}
+
+/// The metrics address `serve` printed in its ready line (kept by `Proc::serve`).
+fn metrics_addr(p: &Proc) -> String {
+    p.ready
+        .as_deref()
+        .and_then(|r| field(r, "metrics"))
+        .expect("metrics= in the ready line")
 }
