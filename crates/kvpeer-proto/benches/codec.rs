@@ -50,6 +50,7 @@ fn small_messages() -> Vec<(&'static str, Message)> {
                 block_len: 16_384,
                 config_fingerprint: Some("2291d8cdc310411e".into()),
                 hash_seed: "42".into(),
+                kvpeer_auth: None,
             }),
         ),
         (

@@ -43,7 +43,7 @@ pub fn decode_with_limits(payload: &[u8], limits: &DecodeLimits) -> Result<Messa
 }
 
 /// Every field name any message uses; a top-level entry with another name is skipped.
-const KNOWN_FIELDS: [&str; 14] = [
+const KNOWN_FIELDS: [&str; 15] = [
     field::TYPE,
     field::PEER_ID,
     field::AGENT_METADATA,
@@ -58,6 +58,7 @@ const KNOWN_FIELDS: [&str; 14] = [
     field::BLOCK_INDEXES,
     field::ROUND_SEQ,
     field::SUCCESS,
+    field::KVPEER_AUTH,
 ];
 
 fn field_slot(name: &str) -> Option<usize> {
@@ -146,6 +147,7 @@ impl<'a> TopLevel<'a> {
                 block_len: f.uint(field::BLOCK_LEN, Sign::Positive)?,
                 hash_seed: f.str(field::HASH_SEED)?.to_owned(),
                 config_fingerprint: f.optional_str(field::CONFIG_FINGERPRINT)?,
+                kvpeer_auth: f.optional_bin(field::KVPEER_AUTH)?,
             }),
             MessageType::ConnectAck => Message::ConnectAck(ConnectAck {
                 peer_id: PeerId::new(f.str(field::PEER_ID)?),
@@ -241,6 +243,14 @@ impl<'a> Fields<'_, 'a> {
         match self.required(name)? {
             (_, Token::Str(s)) => Ok(s),
             (_, other) => Err(self.wrong_type(FieldPath::field(name), "str", &other)),
+        }
+    }
+
+    fn optional_bin(&self, name: &'static str) -> Result<Option<Vec<u8>>, DecodeError> {
+        match self.optional(name)? {
+            None => Ok(None),
+            Some((_, Token::Bin(b))) => Ok(Some(b.to_vec())),
+            Some((_, other)) => Err(self.wrong_type(FieldPath::field(name), "bin", &other)),
         }
     }
 

@@ -93,6 +93,10 @@ pub struct Connect {
     pub config_fingerprint: Option<String>,
     /// The sender's prefix-cache hash seed; must equal the receiver's exactly.
     pub hash_seed: String,
+    /// kvpeer's extension, `kvpeer_auth` (bin), sent last and only when set: the sender's proof
+    /// that it holds the shared secret (docs/wire-format.md). vLLM ignores unknown fields, so a
+    /// `connect` without it is byte-identical to vLLM's and one with it is still accepted.
+    pub kvpeer_auth: Option<Vec<u8>>,
 }
 
 impl Connect {
@@ -205,6 +209,7 @@ pub(crate) mod field {
     pub(crate) const BLOCK_LEN: &str = "block_len";
     pub(crate) const CONFIG_FINGERPRINT: &str = "config_fingerprint";
     pub(crate) const HASH_SEED: &str = "hash_seed";
+    pub(crate) const KVPEER_AUTH: &str = "kvpeer_auth";
     pub(crate) const KV_REQUEST_ID: &str = "kv_request_id";
     pub(crate) const KEYS: &str = "keys";
     pub(crate) const HITS: &str = "hits";
@@ -313,7 +318,12 @@ impl Message {
         const KEY: usize = 40;
         const HEADER: usize = 64;
         match self {
-            Message::Connect(m) => HEADER * 2 + m.agent_metadata.len() + m.hash_seed.len(),
+            Message::Connect(m) => {
+                HEADER * 3
+                    + m.agent_metadata.len()
+                    + m.hash_seed.len()
+                    + m.kvpeer_auth.as_ref().map_or(0, Vec::len)
+            }
             Message::Lookup(m) => HEADER + m.kv_request_id.as_str().len() + m.keys.len() * KEY,
             Message::LookupResp(m) => {
                 HEADER + m.kv_request_id.as_str().len() + m.keys.len() * (KEY + 1)
@@ -333,7 +343,9 @@ impl Message {
         let ty = self.message_type().as_str();
         match self {
             Message::Connect(m) => {
-                let fields = 7 + usize::from(m.config_fingerprint.is_some());
+                let fields = 7
+                    + usize::from(m.config_fingerprint.is_some())
+                    + usize::from(m.kvpeer_auth.is_some());
                 w.begin(fields, ty)?;
                 w.str(field::PEER_ID, m.peer_id.as_str())?;
                 w.bin(field::AGENT_METADATA, &m.agent_metadata)?;
@@ -344,6 +356,9 @@ impl Message {
                     w.str(field::CONFIG_FINGERPRINT, fp)?;
                 }
                 w.str(field::HASH_SEED, &m.hash_seed)?;
+                if let Some(auth) = &m.kvpeer_auth {
+                    w.bin(field::KVPEER_AUTH, auth)?;
+                }
             }
             Message::ConnectAck(m) => {
                 w.begin(2, ty)?;

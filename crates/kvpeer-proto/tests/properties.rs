@@ -47,8 +47,9 @@ fn message() -> impl Strategy<Value = Message> {
         wide_uint().prop_map(|v| v.max(1)),
         proptest::option::of("[0-9a-f]{0,16}"),
         any::<String>(),
+        proptest::option::of(vec(any::<u8>(), 0..80)),
     )
-        .prop_map(|(peer, meta, base, blocks, len, fp, seed)| {
+        .prop_map(|(peer, meta, base, blocks, len, fp, seed, auth)| {
             Message::Connect(Connect {
                 peer_id: PeerId::new(peer),
                 agent_metadata: meta,
@@ -57,6 +58,7 @@ fn message() -> impl Strategy<Value = Message> {
                 block_len: len,
                 config_fingerprint: fp,
                 hash_seed: seed,
+                kvpeer_auth: auth,
             })
         });
     let pairs = || vec((key(), wide_uint(), any::<bool>()), 0..40);

@@ -80,6 +80,7 @@ impl NodeConfig {
                 config_fingerprint: String::new(),
                 core: CoreConfig::default(),
                 allowlist: Default::default(),
+                auth_secret: None,
             },
             plane: PlaneKind::Both,
         }

@@ -71,6 +71,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "allowlist",
         "peers to talk to: CIDR, host or host:port rules (default: all)",
     ),
+    (
+        "auth_secret_file",
+        "file holding the shared secret of the authenticated handshake (default: off)",
+    ),
 ];
 
 /// Environment variables and the keys they set.
@@ -240,6 +244,7 @@ pub fn resolve(
             config_fingerprint: text(&s, "config_fingerprint", ""),
             core,
             allowlist: allowlist(&s)?,
+            auth_secret: auth_secret(&s)?,
         },
         plane,
     })
@@ -251,6 +256,31 @@ fn allowlist(s: &Settings) -> Result<Allowlist, ConfigError> {
     };
     let rules: Vec<&str> = v.split(',').filter(|r| !r.trim().is_empty()).collect();
     Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e))
+}
+
+fn auth_secret(s: &Settings) -> Result<Option<Vec<u8>>, ConfigError> {
+    let Some((path, src)) = s.get("auth_secret_file") else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(path).map_err(|e| {
+        bad(
+            src,
+            "auth_secret_file",
+            format!("cannot read {path:?}: {e}"),
+        )
+    })?;
+    let secret = bytes.trim_ascii().to_vec();
+    if secret.len() < 16 {
+        return Err(bad(
+            src,
+            "auth_secret_file",
+            format!(
+                "{path:?} holds {} bytes; at least 16 are needed",
+                secret.len()
+            ),
+        ));
+    }
+    Ok(Some(secret))
 }
 
 fn bad(source: &str, key: &str, problem: String) -> ConfigError {

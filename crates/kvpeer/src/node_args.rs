@@ -39,6 +39,10 @@ pub(crate) struct NodeArgs {
     /// any, every peer is allowed (as vLLM does).
     #[arg(long = "allow", value_name = "RULE")]
     pub(crate) allow: Vec<String>,
+    /// Turn on the authenticated handshake with the shared secret in FILE (every peer must have
+    /// it; stock vLLM peers cannot). Off by default.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) auth_secret_file: Option<std::path::PathBuf>,
 }
 
 impl NodeArgs {
@@ -72,6 +76,13 @@ impl NodeArgs {
             if let Some(v) = value {
                 flags.set(key, v.to_string(), &format!("flag {flag}"));
             }
+        }
+        if let Some(path) = &self.auth_secret_file {
+            flags.set(
+                "auth_secret_file",
+                path.display().to_string(),
+                "flag --auth-secret-file",
+            );
         }
         if !self.allow.is_empty() {
             flags.set("allowlist", self.allow.join(","), "flag --allow");

@@ -222,3 +222,50 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     assert_eq!((core.client_requests, core.inflight), (0, 0), "{core:?}");
     consumer.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
+    let node = |tag: &str, secret: Option<&str>| {
+        let mut c = NodeConfig::local(tag);
+        c.spec.auth_secret = secret.map(|s| s.as_bytes().to_vec());
+        Node::start(c).unwrap()
+    };
+    let secret = "sixteen+ bytes of shared secret";
+    let producer = node("api-auth-p", Some(secret));
+    let key = synthetic::key(3);
+    let len = producer.config().block_len as usize;
+    producer
+        .store(vec![(key.clone(), synthetic::content(&key, len))])
+        .unwrap();
+    let keys = std::slice::from_ref(&key);
+
+    // Same secret: the handshake completes and blocks flow.
+    let friend = node("api-auth-friend", Some(secret));
+    assert_eq!(
+        friend.lookup(producer.id(), "a", keys, WAIT).unwrap(),
+        [LookupResult::Hit]
+    );
+    friend.fetch("a", keys, WAIT).unwrap();
+    assert_eq!(friend.read(&key), Some(synthetic::content(&key, len)));
+    friend.finish("a");
+
+    // No secret (a stock vLLM peer, say), or another one: refused, nothing opens.
+    for (tag, secret) in [
+        ("api-auth-none", None),
+        ("api-auth-other", Some("a different secret, long enough")),
+    ] {
+        let stranger = node(tag, secret);
+        let r = stranger.lookup(producer.id(), "b", keys, Duration::from_millis(500));
+        assert!(
+            matches!(r, Err(NodeError::Timeout("lookup"))),
+            "{tag}: {r:?}"
+        );
+        stranger.finish("b");
+        stranger.shutdown(Duration::from_secs(1));
+    }
+    let stats = producer.stats().unwrap();
+    assert_eq!(stats.core.sessions, 1, "only the friend: {:?}", stats.core);
+    assert_eq!(stats.refused_peers, 2);
+    friend.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}

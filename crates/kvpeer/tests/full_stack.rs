@@ -35,6 +35,7 @@ fn spec(tag: &str) -> NodeSpec {
         config_fingerprint: String::new(),
         core: CoreConfig::default(),
         allowlist: Default::default(),
+        auth_secret: None,
     }
 }
 

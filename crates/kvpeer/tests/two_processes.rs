@@ -182,6 +182,7 @@ fn node_with_rate<P: BuildPlane>(
             ..CoreConfig::default()
         },
         allowlist: Default::default(),
+        auth_secret: None,
     })
     .unwrap()
 }

@@ -81,6 +81,7 @@ impl Session {
                 block_len: local.block_len,
                 config_fingerprint: Some(local.config_fingerprint.clone()),
                 hash_seed: local.hash_seed.clone(),
+                kvpeer_auth: None,
             }),
         );
         Session {

@@ -86,6 +86,7 @@ impl Mock {
             block_len: l.block_len,
             config_fingerprint: Some(l.config_fingerprint),
             hash_seed: l.hash_seed,
+            kvpeer_auth: None,
         }
     }
 

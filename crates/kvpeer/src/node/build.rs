@@ -13,6 +13,7 @@ use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig, StoreError};
 
 use super::allow::Allowlist;
+use super::auth::Auth;
 use super::io::NodeIo;
 use super::wake::WakePipe;
 
@@ -39,6 +40,8 @@ pub struct NodeSpec {
     pub core: CoreConfig,
     /// Which peers the node talks to (empty: all).
     pub allowlist: Allowlist,
+    /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
+    pub auth_secret: Option<Vec<u8>>,
 }
 
 /// Why a node could not be built.
@@ -60,6 +63,9 @@ pub enum BuildError {
     /// The wake pipe.
     #[error("cannot make the wake pipe: {0}")]
     Wake(std::io::Error),
+    /// The authentication secret.
+    #[error("authentication: {0}")]
+    Auth(String),
 }
 
 /// A data plane a node can be built with.
@@ -144,5 +150,8 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
     let mut io = NodeIo::new(core, channel, Some(pipe));
     io.set_allowlist(spec.allowlist.clone());
+    if let Some(secret) = &spec.auth_secret {
+        io.set_auth(Some(Auth::new(secret.clone()).map_err(BuildError::Auth)?));
+    }
     Ok(io)
 }

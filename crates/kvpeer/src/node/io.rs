@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{Core, DataPlane, Event};
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
 use kvpeer_store::BlockStore;
 use tracing::warn;
 
 use super::allow::Allowlist;
+use super::auth::Auth;
 use super::wake::WakePipe;
 
 /// A core, its store and plane, and its control channel.
@@ -32,6 +33,8 @@ pub struct NodeIo<D: DataPlane> {
     allow: Allowlist,
     /// Refused peers already logged (each is logged once).
     refused: HashSet<PeerId>,
+    /// The authenticated handshake, when a secret is configured.
+    auth: Option<Auth>,
 }
 
 impl<D: DataPlane> NodeIo<D> {
@@ -44,6 +47,34 @@ impl<D: DataPlane> NodeIo<D> {
             wake,
             allow: Allowlist::default(),
             refused: HashSet::new(),
+            auth: None,
+        }
+    }
+
+    /// Requires and sends `kvpeer_auth` on every `connect` (see [`Auth`]).
+    pub fn set_auth(&mut self, auth: Option<Auth>) {
+        self.auth = auth;
+    }
+
+    /// An inbound payload: with authentication on, a `connect` must prove the secret before
+    /// the core sees it; everything else goes to the core as it came.
+    fn inbound(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
+        let Some(auth) = self.auth.as_mut() else {
+            self.core.handle_payload(now, peer, payload);
+            return;
+        };
+        match decode_with_limits(payload, &DecodeLimits::default()) {
+            Ok(Message::Connect(c)) => match auth.verify(&c) {
+                Ok(()) => self.core.handle_message(now, peer, Message::Connect(c)),
+                Err(reason) => {
+                    if self.refused.insert(peer.clone()) {
+                        warn!(%peer, %reason, "peer refused: authentication failed");
+                    }
+                    self.channel.close(peer);
+                }
+            },
+            Ok(message) => self.core.handle_message(now, peer, message),
+            Err(_) => self.core.handle_payload(now, peer, payload),
         }
     }
 
@@ -97,7 +128,7 @@ impl<D: DataPlane> NodeIo<D> {
             match event {
                 ChannelEvent::Payload { peer, payload } => {
                     if self.allowed(&peer, "inbound message") {
-                        self.core.handle_payload(now, &peer, &payload)
+                        self.inbound(now, &peer, &payload)
                     }
                 }
                 ChannelEvent::Lost { peer, .. } => self.core.handle_connection_lost(now, &peer),
@@ -114,8 +145,14 @@ impl<D: DataPlane> NodeIo<D> {
     pub fn flush(&mut self, now: Instant) {
         loop {
             let mut progressed = false;
-            while let Some(t) = self.core.poll_transmit() {
+            while let Some(mut t) = self.core.poll_transmit() {
                 progressed = true;
+                if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
+                    match auth.sign(c) {
+                        Ok(token) => c.kvpeer_auth = Some(token),
+                        Err(e) => warn!(peer = %t.peer, error = %e, "cannot sign connect"),
+                    }
+                }
                 let sent = match t.message.encode() {
                     Ok(payload) => self
                         .channel

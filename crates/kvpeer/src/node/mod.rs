@@ -3,6 +3,7 @@
 //! thread that owns a node behind the [`Node`](crate::Node) handle.
 
 pub mod allow;
+pub mod auth;
 pub mod build;
 pub mod io;
 pub(crate) mod runtime;
