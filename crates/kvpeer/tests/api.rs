@@ -202,8 +202,13 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
 
     let fetched = std::thread::scope(|s| {
         let fetch = s.spawn(|| consumer.fetch("r", &keys, WAIT));
-        std::thread::sleep(Duration::from_millis(150));
-        // Mid-write: the producer drains (up to 5 s) before it disconnects.
+        // Wait until the producer is writing (bounded), then shut it down mid-write: it drains
+        // (up to 5 s) before it disconnects.
+        let deadline = Instant::now() + WAIT;
+        while producer.stats().unwrap().core.inflight == 0 {
+            assert!(Instant::now() < deadline, "the write never started");
+            std::thread::sleep(Duration::from_millis(2));
+        }
         producer.shutdown(Duration::from_secs(5));
         fetch.join().unwrap()
     });
