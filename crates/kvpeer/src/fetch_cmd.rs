@@ -158,7 +158,9 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
     let mut tally = Tally::default();
     let started = Instant::now();
 
+    let mut progress = Progress::new(args.requests, !args.json);
     for r in 0..args.requests {
+        progress.show(r, &tally);
         let request = node.core.on_new_request(
             Instant::now(),
             KvRequestId::from(format!("kvpeer-fetch-{}-{r}", std::process::id())),
@@ -225,6 +227,7 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
         node.core.finish(Instant::now(), &request);
         node.flush(Instant::now());
     }
+    progress.done();
     // Let the last messages (the final fetch or abort) leave before the node closes.
     let drain = Instant::now() + Duration::from_millis(200);
     while Instant::now() < drain && node.core.stats().client_requests > 0 {
@@ -238,4 +241,51 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A one-line progress bar on stderr, drawn only when stderr is a terminal (never into logs or
+/// pipes), at most ten times a second.
+struct Progress {
+    total: u64,
+    on: bool,
+    last: Option<Instant>,
+}
+
+impl Progress {
+    fn new(total: u64, wanted: bool) -> Self {
+        use std::io::IsTerminal;
+        Progress {
+            total,
+            on: wanted && std::io::stderr().is_terminal(),
+            last: None,
+        }
+    }
+
+    fn show(&mut self, done: u64, t: &Tally) {
+        if !self.on
+            || self
+                .last
+                .is_some_and(|l| l.elapsed() < Duration::from_millis(100))
+        {
+            return;
+        }
+        self.last = Some(Instant::now());
+        let width = 30;
+        let filled = (done * width / self.total.max(1)) as usize;
+        eprint!(
+            "\r[{}{}] {done}/{} requests, {} hits, {:.1} MiB",
+            "#".repeat(filled),
+            " ".repeat(width as usize - filled),
+            self.total,
+            t.hits,
+            t.bytes as f64 / (1u64 << 20) as f64
+        );
+    }
+
+    fn done(&mut self) {
+        if self.on {
+            // Clear the bar so the summary starts on a clean line.
+            eprint!("\r{}\r", " ".repeat(80));
+        }
+    }
 }

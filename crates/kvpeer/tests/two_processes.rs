@@ -891,3 +891,43 @@ fn metrics_addr(p: &Proc) -> String {
         .and_then(|r| field(r, "metrics"))
         .expect("metrics= in the ready line")
 }
+
+#[test]
+fn fetch_draws_a_progress_bar_only_on_a_terminal() {
+    let (_server, id) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--fill", "8"]);
+    let fetch =
+        format!("{BIN} fetch --peer {id} --blocks 16 --block-len 4096 --requests 4 --keys 4");
+    // `script` (util-linux, on every Debian) runs it on a pseudo-terminal.
+    let out = Command::new("script")
+        .args(["-qec", &fetch, "/dev/null"])
+        .output()
+        .expect("script runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("] 0/4 requests"),
+        "a bar on the terminal: {text:?}"
+    );
+    assert!(text.contains("kvpeer fetch: requests=4"), "{text:?}");
+
+    // Piped, as in every other test here: no bar in stderr.
+    let mut piped = Proc::spawn(
+        &[
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--blocks",
+            "16",
+            "--block-len",
+            "4096",
+            "--requests",
+            "4",
+            "--keys",
+            "4",
+        ],
+        "fetch",
+    );
+    assert_eq!(piped.wait_while(Duration::from_secs(30), || {}), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!piped.stderr.lock().unwrap().contains("requests,"));
+}
