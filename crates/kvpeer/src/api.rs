@@ -81,6 +81,8 @@ impl NodeConfig {
                 core: CoreConfig::default(),
                 allowlist: Default::default(),
                 auth_secret: None,
+                control: Default::default(),
+                limits: Default::default(),
             },
             plane: PlaneKind::Both,
         }
@@ -231,6 +233,25 @@ impl Node {
     /// Producer: stores blocks (each exactly `block_len` bytes) to serve to peers.
     pub fn store(&self, blocks: Vec<(OffloadKey, Vec<u8>)>) -> Result<(), NodeError> {
         self.ask(|reply| Command::Store { blocks, reply }, None)?
+    }
+
+    /// Producer: allocates a block for each of `keys` not held yet and calls `fill(i, block)`
+    /// to write key `i`'s bytes straight into the pool (no copy through the call); the blocks
+    /// become readable when it returns. Returns how many blocks were written. `fill` runs on
+    /// the node's runtime thread: keep it to copying bytes.
+    pub fn store_with(
+        &self,
+        keys: &[OffloadKey],
+        fill: impl FnMut(usize, &mut [u8]) + Send + 'static,
+    ) -> Result<usize, NodeError> {
+        self.ask(
+            |reply| Command::StoreWith {
+                keys: keys.to_vec(),
+                fill: Box::new(fill),
+                reply,
+            },
+            None,
+        )?
     }
 
     /// Consumer: looks `keys` up at `peer` for request `request` (opening it, and the session,

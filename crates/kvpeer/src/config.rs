@@ -19,7 +19,8 @@ use crate::api::{NodeConfig, PlaneKind};
 use crate::node::allow::Allowlist;
 use crate::node::build::NodeSpec;
 use kvpeer_core::CoreConfig;
-use kvpeer_proto::PeerId;
+use kvpeer_net::control::ControlConfig;
+use kvpeer_proto::{DecodeLimits, PeerId};
 
 /// Every key a config file may hold, with what it means.
 pub const KEYS: &[(&str, &str)] = &[
@@ -66,6 +67,30 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "store_timeout_s",
         "seconds a pin may be held for a peer (default 30)",
+    ),
+    (
+        "abort_ack_timeout_s",
+        "seconds an abort may wait for its ack (default 10)",
+    ),
+    (
+        "lookup_pending_timeout_s",
+        "seconds a pending key of an inbound lookup may wait before MISS (default 5)",
+    ),
+    (
+        "unbound_store_timeout_s",
+        "seconds a PD producer's stored blocks wait for the fetch (default 60)",
+    ),
+    (
+        "peer_fault_drain_s",
+        "seconds a faulted peer's writes may drain before it is dropped (default 10)",
+    ),
+    (
+        "max_message_bytes",
+        "largest control message accepted (default 67108864)",
+    ),
+    (
+        "max_keys_per_message",
+        "most entries in one list of a message (default 1048576)",
     ),
     (
         "allowlist",
@@ -214,7 +239,42 @@ pub fn resolve(
         lookup_timeout: secs("lookup_timeout_s", core_default.lookup_timeout, 1)?,
         load_timeout: secs("load_timeout_s", core_default.load_timeout, 1)?,
         store_timeout: secs("store_timeout_s", core_default.store_timeout, 1)?,
+        abort_ack_timeout: secs("abort_ack_timeout_s", core_default.abort_ack_timeout, 1)?,
+        lookup_pending_timeout: secs(
+            "lookup_pending_timeout_s",
+            core_default.lookup_pending_timeout,
+            1,
+        )?,
+        unbound_store_timeout: secs(
+            "unbound_store_timeout_s",
+            core_default.unbound_store_timeout,
+            1,
+        )?,
+        peer_fault_drain: secs("peer_fault_drain_s", core_default.peer_fault_drain, 1)?,
         ..core_default
+    };
+    let limits_default = DecodeLimits::default();
+    let max_message = number(
+        &s,
+        "max_message_bytes",
+        limits_default.max_payload_bytes as u64,
+        1024,
+        1 << 31,
+    )?;
+    let limits = DecodeLimits {
+        max_payload_bytes: max_message as usize,
+        max_list_len: number(
+            &s,
+            "max_keys_per_message",
+            limits_default.max_list_len as u64,
+            1,
+            1 << 24,
+        )? as usize,
+        ..limits_default
+    };
+    let control = ControlConfig {
+        max_message_bytes: max_message as i64,
+        ..ControlConfig::default()
     };
     let plane = match s.get("plane") {
         None => PlaneKind::Both,
@@ -245,6 +305,8 @@ pub fn resolve(
             core,
             allowlist: allowlist(&s)?,
             auth_secret: auth_secret(&s)?,
+            control,
+            limits,
         },
         plane,
     })

@@ -274,3 +274,59 @@ fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
     friend.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn a_producer_writes_blocks_in_place_and_peers_fetch_them() {
+    let (producer, consumer) = pair("inplace", PlaneKind::Both);
+    let len = producer.config().block_len as usize;
+    let keys: Vec<_> = (100..104).map(synthetic::key).collect();
+    let owned = keys.clone();
+    let written = producer
+        .store_with(&keys, move |i, block| {
+            block.copy_from_slice(&synthetic::content(&owned[i], block.len()))
+        })
+        .unwrap();
+    assert_eq!(written, 4);
+    // Keys already held are left alone.
+    let again = producer
+        .store_with(&keys[..2], |_, _| panic!("held keys are not rewritten"))
+        .unwrap();
+    assert_eq!(again, 0);
+    // A fill that panics fails the call; nothing of it is kept and the node carries on.
+    let other = [synthetic::key(200)];
+    let r = producer.store_with(&other, |_, _| panic!("engine bug"));
+    assert!(matches!(r, Err(NodeError::Store(_))), "{r:?}");
+    assert_eq!(producer.read(&other[0]), None);
+    assert_eq!(
+        consumer.lookup(producer.id(), "r", &keys, WAIT).unwrap(),
+        [LookupResult::Hit; 4]
+    );
+    consumer.fetch("r", &keys, WAIT).unwrap();
+    for k in &keys {
+        assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
+    }
+    consumer.finish("r");
+    consumer.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn a_message_over_the_key_limit_costs_the_sender_its_session() {
+    let mut p = NodeConfig::local("api-limit-p");
+    p.spec.limits.max_list_len = 4;
+    let producer = Node::start(p).unwrap();
+    let consumer = Node::start(NodeConfig::local("api-limit-c")).unwrap();
+    let keys: Vec<_> = (0..8).map(synthetic::key).collect();
+    // Eight keys in one lookup: a protocol error at the producer, which disconnects; the
+    // consumer's keys fall back to MISS.
+    let r = consumer.lookup(producer.id(), "big", &keys, WAIT).unwrap();
+    assert_eq!(r, [LookupResult::Miss; 8]);
+    consumer.finish("big");
+    let deadline = Instant::now() + WAIT;
+    while producer.stats().unwrap().counters.protocol_errors == 0 {
+        assert!(Instant::now() < deadline, "no protocol error counted");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    consumer.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}

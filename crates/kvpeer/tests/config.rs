@@ -166,3 +166,24 @@ fn the_allowlist_comes_from_the_file_or_the_flags_and_bad_rules_are_named() {
     let e = from_toml("allowlist = [1]\n", "c.toml").unwrap_err();
     assert_eq!(e.key, "allowlist");
 }
+
+#[test]
+fn limits_and_the_other_timeouts_are_configurable() {
+    let file = from_toml(
+        "max_keys_per_message = 64\nmax_message_bytes = 1048576\nabort_ack_timeout_s = 3\n\
+         lookup_pending_timeout_s = 2\nunbound_store_timeout_s = 20\npeer_fault_drain_s = 4\n",
+        "l.toml",
+    )
+    .unwrap();
+    let c = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap();
+    assert_eq!(c.spec.limits.max_list_len, 64);
+    assert_eq!(c.spec.limits.max_payload_bytes, 1 << 20);
+    assert_eq!(c.spec.control.max_message_bytes, 1 << 20);
+    assert_eq!(c.spec.core.abort_ack_timeout, Duration::from_secs(3));
+    assert_eq!(c.spec.core.lookup_pending_timeout, Duration::from_secs(2));
+    assert_eq!(c.spec.core.unbound_store_timeout, Duration::from_secs(20));
+    assert_eq!(c.spec.core.peer_fault_drain, Duration::from_secs(4));
+    let file = from_toml("max_message_bytes = 10\n", "m.toml").unwrap();
+    let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
+    assert_eq!(e.key, "max_message_bytes");
+}

@@ -36,6 +36,8 @@ fn spec(tag: &str) -> NodeSpec {
         core: CoreConfig::default(),
         allowlist: Default::default(),
         auth_secret: None,
+        control: Default::default(),
+        limits: Default::default(),
     }
 }
 

@@ -183,6 +183,8 @@ fn node_with_rate<P: BuildPlane>(
         },
         allowlist: Default::default(),
         auth_secret: None,
+        control: Default::default(),
+        limits: Default::default(),
     })
     .unwrap()
 }

@@ -9,7 +9,7 @@ use kvpeer_net::dual::DualPlane;
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
 use kvpeer_net::tcp::{TcpError, TcpPlane};
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{DecodeLimits, PeerId};
 use kvpeer_store::{BlockStore, StoreConfig, StoreError};
 
 use super::allow::Allowlist;
@@ -42,6 +42,10 @@ pub struct NodeSpec {
     pub allowlist: Allowlist,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
     pub auth_secret: Option<Vec<u8>>,
+    /// The control channel's socket settings (frame size limit, heartbeats, queue).
+    pub control: ControlConfig,
+    /// Bounds on decoding a peer's message (size, nesting, keys per message).
+    pub limits: DecodeLimits,
 }
 
 /// Why a node could not be built.
@@ -122,8 +126,8 @@ impl BuildPlane for DualPlane {
 /// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
 pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let channel = match spec.id.as_str().strip_suffix(":0") {
-        Some(host) => ControlChannel::bind_any_port(host, ControlConfig::default())?,
-        None => ControlChannel::bind(spec.id.clone(), ControlConfig::default())?,
+        Some(host) => ControlChannel::bind_any_port(host, spec.control.clone())?,
+        None => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
     };
     let spec = NodeSpec {
         id: channel.identity().clone(),
@@ -147,9 +151,11 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         config_fingerprint: spec.config_fingerprint.clone(),
         hash_seed: spec.hash_seed.clone(),
     };
-    let core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
+    let mut core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
+    core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
     io.set_allowlist(spec.allowlist.clone());
+    io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(Auth::new(secret.clone()).map_err(BuildError::Auth)?));
     }

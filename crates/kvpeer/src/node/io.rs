@@ -35,6 +35,8 @@ pub struct NodeIo<D: DataPlane> {
     refused: HashSet<PeerId>,
     /// The authenticated handshake, when a secret is configured.
     auth: Option<Auth>,
+    /// The same decoding bounds as the core's (used to read a `connect` before the core).
+    limits: DecodeLimits,
 }
 
 impl<D: DataPlane> NodeIo<D> {
@@ -48,7 +50,13 @@ impl<D: DataPlane> NodeIo<D> {
             allow: Allowlist::default(),
             refused: HashSet::new(),
             auth: None,
+            limits: DecodeLimits::default(),
         }
+    }
+
+    /// The decoding bounds (the core's are set separately, with `Core::set_decode_limits`).
+    pub fn set_decode_limits(&mut self, limits: DecodeLimits) {
+        self.limits = limits;
     }
 
     /// Requires and sends `kvpeer_auth` on every `connect` (see [`Auth`]).
@@ -63,7 +71,7 @@ impl<D: DataPlane> NodeIo<D> {
             self.core.handle_payload(now, peer, payload);
             return;
         };
-        match decode_with_limits(payload, &DecodeLimits::default()) {
+        match decode_with_limits(payload, &self.limits) {
             Ok(Message::Connect(c)) => match auth.verify(&c) {
                 Ok(()) => self.core.handle_message(now, peer, Message::Connect(c)),
                 Err(reason) => {

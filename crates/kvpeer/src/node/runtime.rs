@@ -19,11 +19,19 @@ use super::build::BuildPlane;
 use super::io::NodeIo;
 use crate::api::{NodeError, NodeStats};
 
+/// Writes block `i` of a `store_with` call in place.
+pub(crate) type FillBlock = Box<dyn FnMut(usize, &mut [u8]) + Send>;
+
 /// A call from the handle.
 pub(crate) enum Command {
     Store {
         blocks: Vec<(OffloadKey, Vec<u8>)>,
         reply: Sender<Result<(), NodeError>>,
+    },
+    StoreWith {
+        keys: Vec<OffloadKey>,
+        fill: FillBlock,
+        reply: Sender<Result<usize, NodeError>>,
     },
     Lookup {
         peer: PeerId,
@@ -134,6 +142,13 @@ impl<P: BuildPlane> Runtime<P> {
                 }
                 let _ = reply.send(result);
             }
+            Command::StoreWith {
+                keys,
+                mut fill,
+                reply,
+            } => {
+                let _ = reply.send(self.store_in_place(&keys, &mut fill));
+            }
             Command::Lookup {
                 peer,
                 request,
@@ -223,6 +238,41 @@ impl<P: BuildPlane> Runtime<P> {
             }
             Command::Shutdown { .. } => {}
         }
+    }
+
+    /// Allocates blocks for the keys not held yet, lets `fill` write each in place, and makes
+    /// them readable; returns how many were written.
+    fn store_in_place(
+        &mut self,
+        keys: &[OffloadKey],
+        fill: &mut FillBlock,
+    ) -> Result<usize, NodeError> {
+        let store = self.io.core.parent_mut();
+        let (positions, new): (Vec<usize>, Vec<OffloadKey>) = keys
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| store.block_of(k).is_none())
+            .map(|(i, k)| (i, k.clone()))
+            .unzip();
+        let blocks = store
+            .reserve(&new)
+            .map_err(|e| NodeError::Store(e.to_string()))?;
+        for (&i, &b) in positions.iter().zip(&blocks) {
+            let written = match store.write_target(b) {
+                // A panicking `fill` must not take the node's thread down with it.
+                Ok(bytes) => {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(i, bytes)))
+                        .map_err(|_| "the fill function panicked".to_owned())
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = written {
+                store.finish_write(&blocks, false);
+                return Err(NodeError::Store(e));
+            }
+        }
+        store.finish_write(&blocks, true);
+        Ok(blocks.len())
     }
 
     /// Answers calls whose work is done or whose deadline passed.
