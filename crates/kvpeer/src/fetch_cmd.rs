@@ -1,5 +1,6 @@
 //! `kvpeer fetch --peer HOST:PORT`: a consumer workload against a node serving synthetic blocks
-//! (`kvpeer serve --fill N`). Request `r` looks up keys `first + r·keys .. + keys` at the peer,
+//! (`kvpeer serve --fill N`). Request `r` looks up a shared prefix of synthetic keys (from
+//! `--first`, consecutive across requests) followed by `--miss-share` new keys at the peer,
 //! fetches the hits into local blocks, checks every byte against the synthetic content, and
 //! finishes the request (a request with no hits sends the terminal empty fetch).
 //!
@@ -31,6 +32,10 @@ pub(crate) struct FetchArgs {
     /// Keys looked up per request.
     #[arg(long, default_value_t = 8)]
     keys: u64,
+    /// Share of each request's keys that are new (looked up, never held by anyone); they come
+    /// after the shared prefix, as a prompt's new text follows its shared start.
+    #[arg(long, default_value_t = 0.25, value_parser = parse_share)]
+    miss_share: f64,
     /// Synthetic index of the first key.
     #[arg(long, default_value_t = 0)]
     first: u64,
@@ -89,10 +94,17 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
             } else {
                 0.0
             };
+            let looked_up = t.hits + t.misses;
+            let hit_rate = if looked_up > 0 {
+                t.hits as f64 / looked_up as f64
+            } else {
+                0.0
+            };
             let summary = serde_json::json!({
                 "requests": args.requests,
                 "hits": t.hits,
                 "misses": t.misses,
+                "hit_rate": (hit_rate * 1e3).round() / 1e3,
                 "bytes": t.bytes,
                 "failed_loads": t.failed_loads,
                 "corrupt_blocks": t.corrupt_blocks,
@@ -116,6 +128,16 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
             1
         }
     }
+}
+
+/// Synthetic indexes from here on are never filled by `serve`: the "new text" of requests.
+const MISS_BASE: u64 = 1 << 48;
+
+fn parse_share(text: &str) -> Result<f64, String> {
+    text.parse::<f64>()
+        .ok()
+        .filter(|s| (0.0..=1.0).contains(s))
+        .ok_or_else(|| format!("{text:?} is not a share between 0 and 1"))
 }
 
 /// The `p`th percentile (nearest rank) of `samples`; 0 when there are none.
@@ -171,8 +193,16 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
             n.core.session_state(&peer).is_some_and(|s| s.ready)
         })?;
 
-        let first = args.first + r * args.keys;
-        let keys: Vec<OffloadKey> = (first..first + args.keys).map(synthetic::key).collect();
+        // The first keys of each request are the shared prefix (the peer may hold them); the
+        // last `misses` are new text no one has computed (synthetic indexes never filled).
+        let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
+        let shared = args.keys - misses;
+        let first = args.first + r * shared;
+        let new = MISS_BASE + r * misses;
+        let keys: Vec<OffloadKey> = (first..first + shared)
+            .chain(new..new + misses)
+            .map(synthetic::key)
+            .collect();
         let lookup_started = Instant::now();
         for k in &keys {
             node.core.lookup(Instant::now(), &request, k);

@@ -255,6 +255,8 @@ fn serve_and_fetch(plane: &str) {
     let mut fetch = Proc::spawn(
         &[
             "fetch",
+            "--miss-share",
+            "0",
             "--peer",
             id.as_str(),
             "--plane",
@@ -589,6 +591,8 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
     let fetch_args = |keys: &'static str| {
         vec![
             "fetch".to_owned(),
+            "--miss-share".into(),
+            "0".into(),
             "--peer".into(),
             id.clone(),
             "--plane".into(),
@@ -620,7 +624,9 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
 
     // The survivor serves a new peer: one request of 8 keys, every byte checked by the child.
     let mut args = fetch_args("8");
-    args[10] = "1".into(); // --requests 1
+    if let Some(at) = args.iter().position(|a| a == "--requests") {
+        args[at + 1] = "1".into();
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut next = Proc::spawn(&args, "fetch");
     let status = next.wait_while(Duration::from_secs(60), || {
@@ -751,6 +757,8 @@ fn fetch_prints_json_for_machines_and_json_logs_on_request() {
             "--log-format",
             "json",
             "fetch",
+            "--miss-share",
+            "0",
             "--peer",
             id.as_str(),
             "--blocks",
@@ -837,6 +845,8 @@ fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
     let mut fetch = Proc::spawn(
         &[
             "fetch",
+            "--miss-share",
+            "0",
             "--peer",
             id.as_str(),
             "--blocks",
@@ -916,6 +926,8 @@ fn fetch_draws_a_progress_bar_only_on_a_terminal() {
     let mut piped = Proc::spawn(
         &[
             "fetch",
+            "--miss-share",
+            "0",
             "--peer",
             id.as_str(),
             "--blocks",
@@ -932,4 +944,40 @@ fn fetch_draws_a_progress_bar_only_on_a_terminal() {
     assert_eq!(piped.wait_while(Duration::from_secs(30), || {}), 0);
     std::thread::sleep(Duration::from_millis(100));
     assert!(!piped.stderr.lock().unwrap().contains("requests,"));
+}
+
+#[test]
+fn fetch_mixes_in_new_keys_by_default_and_reports_the_hit_rate() {
+    let (_server, id) = Proc::serve(&["--blocks", "32", "--block-len", "4096", "--fill", "32"]);
+    let mut fetch = Proc::spawn(
+        &[
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--blocks",
+            "32",
+            "--block-len",
+            "4096",
+            "--requests",
+            "2",
+            "--keys",
+            "8",
+            "--json",
+        ],
+        "fetch",
+    );
+    let line = fetch.line();
+    assert_eq!(
+        fetch.wait_while(Duration::from_secs(30), || {}),
+        0,
+        "{line}"
+    );
+    let s: serde_json::Value = serde_json::from_str(&line).unwrap();
+    // A quarter of each request's 8 keys is new text: 2 misses, 6 shared keys held.
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(12), Some(4)),
+        "{line}"
+    );
+    assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{line}");
 }
