@@ -8,13 +8,13 @@
 #      KVPEER_VECTOR_SEED=N repeats a run.
 #
 # Needs the Rust toolchain and python3 (with its venv module); the Python packages of
-# tests/requirements.txt (msgspec, pyzmq) go into a venv under target/ (KVPEER_VENV to put it
+# tests/requirements.txt (msgspec, pyzmq, msgpack) go into a venv under target/ (KVPEER_VENV to put it
 # elsewhere), made on first use. Tests that run a Python peer find it through KVPEER_PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=${KVPEER_VENV:-target/kvpeer-venv}
-if ! "$venv/bin/python" -c 'import msgspec, zmq' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import msgspec, zmq, msgpack' 2>/dev/null; then
   echo "== setting up $venv (tests/requirements.txt)"
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check -r tests/requirements.txt
