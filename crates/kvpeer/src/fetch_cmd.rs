@@ -258,7 +258,8 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
         node.flush(Instant::now());
     }
     progress.done();
-    // Let the last messages (the final fetch or abort) leave before the node closes.
+    // Let the last messages (the final fetch or abort) leave, then say goodbye: `disconnect`
+    // to the peer, so it closes the session in order instead of noticing a lost connection.
     let drain = Instant::now() + Duration::from_millis(200);
     while Instant::now() < drain && node.core.stats().client_requests > 0 {
         let now = Instant::now();
@@ -266,6 +267,11 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
         node.wait(now, Duration::from_millis(20));
     }
     tally.workload = started.elapsed();
+    let now = Instant::now();
+    node.core.shutdown(now);
+    node.flush(now);
+    // ZeroMQ sends queued messages while the socket lingers (500 ms at most) as it closes.
+    drop(node);
     Ok(tally)
 }
 

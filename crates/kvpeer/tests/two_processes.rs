@@ -287,6 +287,12 @@ fn serve_and_fetch(plane: &str) {
     assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
     assert_eq!(num(&summary, "failed_loads"), 0, "{summary}");
 
+    // `fetch` said goodbye: the server closed the session in order, with nothing to warn about.
+    std::thread::sleep(Duration::from_millis(300));
+    let log = server.stderr.lock().unwrap().clone();
+    assert!(log.contains("session closed"), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+
     // SIGTERM stops the server cleanly and removes its pool.
     let pid = server.child.id().to_string();
     assert_eq!(
