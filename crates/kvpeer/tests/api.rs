@@ -209,6 +209,10 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
             assert!(Instant::now() < deadline, "the write never started");
             std::thread::sleep(Duration::from_millis(2));
         }
+        // Submitted is not yet running: the drain cancels writes still queued (their loads fail
+        // cleanly) and waits for running ones. Give the tcp writer thread time to pick it up;
+        // the paced write still has most of its half second to go.
+        std::thread::sleep(Duration::from_millis(100));
         producer.shutdown(Duration::from_secs(5));
         fetch.join().unwrap()
     });
