@@ -124,10 +124,10 @@ impl DataPlane for DualPlane {
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
-        if let Some(route) = self.routes.remove(peer) {
-            self.plane(route).remove_remote_peer(peer);
-        }
-        // The tcp plane also holds the permits this peer was given as a writer into us.
+        // Both: the route's registration, and the write permits the tcp plane holds for this
+        // peer as a writer into us whatever its route.
+        self.routes.remove(peer);
+        self.shm.remove_remote_peer(peer);
         self.tcp.remove_remote_peer(peer);
     }
 

@@ -13,4 +13,11 @@ pub mod dual;
 pub mod metadata;
 mod prefault;
 pub mod shm;
+mod shm_object;
 pub mod tcp;
+
+/// Locks `m`; a poisoned lock only means a plane thread panicked, and the bookkeeping it guards
+/// stays usable.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

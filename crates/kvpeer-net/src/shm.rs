@@ -16,9 +16,8 @@
 //! running; a copy is never reported stopped while it may still write.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvpeer_core::{
@@ -26,12 +25,10 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use memmap2::{Mmap, MmapMut};
-use nix::fcntl::OFlag;
-use nix::sys::mman::shm_open;
-use nix::sys::stat::Mode;
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
+use crate::{lock, shm_object};
 
 /// Called after a transfer completes, from the copy worker.
 pub type Wake = Arc<dyn Fn() + Send + Sync>;
@@ -71,17 +68,6 @@ pub enum ShmError {
     Worker(std::io::Error),
 }
 
-fn open_object(name: &str, writable: bool) -> Result<File, String> {
-    let flags = if writable {
-        OFlag::O_RDWR
-    } else {
-        OFlag::O_RDONLY
-    };
-    let fd =
-        shm_open(format!("/{name}").as_str(), flags, Mode::empty()).map_err(|e| e.to_string())?;
-    Ok(File::from(fd))
-}
-
 struct Job {
     tid: TransferId,
     peer: PeerId,
@@ -98,15 +84,6 @@ struct Shared {
     ended: HashMap<PeerId, PlanePoll>,
     /// Released by `cancel(Immediate)` while running: never reported.
     abandoned: HashSet<TransferId>,
-}
-
-fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    lock_any(shared)
-}
-
-fn lock_any<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned lock only means a copy panicked; the bookkeeping stays usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct PeerMap {
@@ -157,7 +134,7 @@ impl ShmPlane {
             name: local_name.to_owned(),
             reason,
         };
-        let file = open_object(local_name, false).map_err(local_err)?;
+        let file = shm_object::open(local_name, false).map_err(local_err)?;
         // SAFETY: a read-only view of our own pool; blocks are only read while a store job pins
         // them, so their bytes do not change under a copy.
         let local = unsafe { Mmap::map(&file) }.map_err(|e| local_err(e.to_string()))?;
@@ -226,7 +203,8 @@ impl ShmPlane {
                 memory.block_len, self.block_len
             ));
         }
-        let file = open_object(&name, true).map_err(|e| format!("cannot open /{name}: {e}"))?;
+        let file =
+            shm_object::open(&name, true).map_err(|e| format!("cannot open /{name}: {e}"))?;
         // SAFETY: the peer's pool, shared with it by design: we write only blocks the peer named
         // in a fetch (which it reserved for this write) and never read from the mapping.
         let map =
@@ -272,8 +250,8 @@ impl DataPlane for ShmPlane {
         let spawned = std::thread::Builder::new()
             .name("kvpeer-shm-prefault".into())
             .spawn(move || {
-                crate::prefault::for_write(&lock_any(&map.region), "a peer's pool");
-                lock_any(&done).push((who, seq, map));
+                crate::prefault::for_write(&lock(&map.region), "a peer's pool");
+                lock(&done).push((who, seq, map));
                 wake();
             });
         match spawned {
@@ -294,7 +272,7 @@ impl DataPlane for ShmPlane {
     }
 
     fn registration(&mut self, peer: &PeerId) -> Registration {
-        let finished = std::mem::take(&mut *lock_any(&self.prefaulted));
+        let finished = std::mem::take(&mut *lock(&self.prefaulted));
         for (who, seq, map) in finished {
             // A result for a registration since removed or replaced is dropped.
             if self.prefaulting.get(&who) == Some(&seq) {

@@ -23,12 +23,11 @@
 //! mapping of the pool, the receiver reads into its mapping of the pool.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
@@ -36,13 +35,11 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use memmap2::{Mmap, MmapMut};
-use nix::fcntl::OFlag;
-use nix::sys::mman::shm_open;
-use nix::sys::stat::Mode;
 use tracing::{debug, warn};
 
 use crate::metadata::AgentMetadata;
 use crate::shm::Wake;
+use crate::{lock, shm_object};
 
 const HELLO: &[u8; 4] = b"KVPH";
 const WRITE: &[u8; 4] = b"KVPW";
@@ -70,21 +67,6 @@ pub enum TcpError {
         /// The system's error.
         source: std::io::Error,
     },
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn map_local(name: &str, writable: bool) -> Result<File, String> {
-    let flags = if writable {
-        OFlag::O_RDWR
-    } else {
-        OFlag::O_RDONLY
-    };
-    let fd =
-        shm_open(format!("/{name}").as_str(), flags, Mode::empty()).map_err(|e| e.to_string())?;
-    Ok(File::from(fd))
 }
 
 /// The pool as the receive side writes it: a raw base pointer, so that connections write
@@ -188,8 +170,8 @@ impl TcpPlane {
             name: pool_name.to_owned(),
             reason,
         };
-        let ro = map_local(pool_name, false).map_err(local_err)?;
-        let rw = map_local(pool_name, true).map_err(local_err)?;
+        let ro = shm_object::open(pool_name, false).map_err(local_err)?;
+        let rw = shm_object::open(pool_name, true).map_err(local_err)?;
         // SAFETY: read-only view of our own pool; a block is only sent while a store job pins
         // it, so its bytes do not change under the send.
         let local = unsafe { Mmap::map(&ro) }.map_err(|e| local_err(e.to_string()))?;

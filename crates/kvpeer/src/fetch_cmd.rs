@@ -5,18 +5,16 @@
 //! finishes the request (a request with no hits sends the terminal empty fetch).
 //!
 //! Prints one summary line (requests, hits, misses, bytes, lookup and fetch latency p50/p99,
-//! the workload's seconds, and GB/s over the loads' own time: fetch sent to blocks landed). Exit status 0 when every load succeeded and every byte matched, 1 otherwise, 2 for
-//! bad arguments. Every wait is bounded by `--timeout-secs`.
+//! the workload's seconds, and GB/s over the loads' own time: fetch sent to blocks landed).
+//! Exit status 0 when every load succeeded and every byte matched, 1 otherwise, 2 for bad
+//! arguments. Every wait is bounded by `--timeout-secs`. Runs on the public API
+//! ([`kvpeer::Node`]), as an engine would.
 
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, BuildPlane, NodeSpec};
-use kvpeer::node::io::NodeIo;
-use kvpeer::synthetic;
-use kvpeer_core::{LookupResult, RequestRoles};
-use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId};
 
-use crate::node_args::{with_plane, NodeArgs};
+use crate::node_args::NodeArgs;
 
 /// `kvpeer fetch` options.
 #[derive(Debug, clap::Args)]
@@ -84,7 +82,7 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         );
         return 2;
     }
-    match with_plane!(config.plane, P => fetch::<P>(&args, &config.spec)) {
+    match fetch(&args, config) {
         Ok(t) => {
             let secs = t.workload.as_secs_f64();
             // Throughput of the loads themselves (fetch sent to blocks landed).
@@ -150,49 +148,27 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
     }
 }
 
-/// Steps the node until `done` holds or `timeout` passes.
-fn step_until<P: BuildPlane>(
-    node: &mut NodeIo<P>,
-    timeout: Duration,
-    what: &str,
-    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
-) -> Result<(), String> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let now = Instant::now();
-        node.step(now);
-        if done(node) {
-            return Ok(());
-        }
-        if now >= deadline {
-            return Err(format!("{what}: no answer within {timeout:?}"));
-        }
-        node.wait(now, deadline - now);
-    }
+fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
+    let node = Node::start(config).map_err(|e| e.to_string())?;
+    tracing::info!(id = %node.id(), peer = %args.peer, "consumer node up");
+    let result = workload(args, &node);
+    // `disconnect` to the peer, so it closes the session in order instead of noticing a lost
+    // connection.
+    node.shutdown(Duration::from_secs(3));
+    result
 }
 
-fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String> {
-    let mut node = build::<P>(spec).map_err(|e| e.to_string())?;
-    tracing::info!(id = %node.core.local().peer_id, peer = %args.peer, "consumer node up");
+fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     let peer = PeerId::new(args.peer.clone());
     let timeout = Duration::from_secs(args.timeout_secs);
-    let block_len = usize::try_from(spec.block_len).map_err(|e| e.to_string())?;
+    let block_len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
     let mut tally = Tally::default();
     let started = Instant::now();
 
     let mut progress = Progress::new(args.requests, !args.json);
     for r in 0..args.requests {
         progress.show(r, &tally);
-        let request = node.core.on_new_request(
-            Instant::now(),
-            KvRequestId::from(format!("kvpeer-fetch-{}-{r}", std::process::id())),
-            RequestRoles::kv_source(peer.clone()),
-        );
-        node.flush(Instant::now());
-        step_until(&mut node, timeout, "handshake", |n| {
-            n.core.session_state(&peer).is_some_and(|s| s.ready)
-        })?;
-
+        let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
         // The first keys of each request are the shared prefix (the peer may hold them); the
         // last `misses` are new text no one has computed (synthetic indexes never filled).
         let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
@@ -204,74 +180,43 @@ fn fetch<P: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, Stri
             .map(synthetic::key)
             .collect();
         let lookup_started = Instant::now();
-        for k in &keys {
-            node.core.lookup(Instant::now(), &request, k);
-        }
-        node.core.flush_lookups(Instant::now());
-        node.flush(Instant::now());
-        step_until(&mut node, timeout, "lookup", |n| {
-            keys.iter()
-                .all(|k| n.core.lookup(Instant::now(), &request, k) != LookupResult::Retry)
-        })?;
+        let found = node
+            .lookup(&peer, &request, &keys, timeout)
+            .map_err(|e| e.to_string())?;
         tally.lookup_us.push(micros(lookup_started.elapsed()));
         // A prefix cache uses the leading run of hits.
-        let hits: Vec<OffloadKey> = keys
+        let hits = found
             .iter()
-            .take_while(|k| node.core.lookup(Instant::now(), &request, k) == LookupResult::Hit)
-            .cloned()
-            .collect();
-        tally.hits += hits.len() as u64;
-        tally.misses += (keys.len() - hits.len()) as u64;
+            .take_while(|f| **f == LookupResult::Hit)
+            .count();
+        tally.hits += hits as u64;
+        tally.misses += (keys.len() - hits) as u64;
 
-        if !hits.is_empty() {
+        if hits > 0 {
             let fetch_started = Instant::now();
-            let blocks = node
-                .core
-                .parent_mut()
-                .reserve(&hits)
-                .map_err(|e| e.to_string())?;
-            let job = r + 1;
-            node.core
-                .submit_load(Instant::now(), job, &request, hits.clone(), blocks.clone());
-            node.flush(Instant::now());
-            let mut success = None;
-            step_until(&mut node, timeout, "fetch", |n| {
-                success = n.take_load_result(job);
-                success.is_some()
-            })?;
-            let success = success == Some(true);
-            node.core.parent_mut().finish_write(&blocks, success);
-            if success {
-                tally.fetch_us.push(micros(fetch_started.elapsed()));
-                for (key, block) in hits.iter().zip(&blocks) {
-                    let bytes = node.core.parent().read(*block).map_err(|e| e.to_string())?;
-                    if bytes != synthetic::content(key, block_len) {
-                        tally.corrupt_blocks += 1;
+            match node.fetch(&request, &keys[..hits], timeout) {
+                Ok(()) => {
+                    tally.fetch_us.push(micros(fetch_started.elapsed()));
+                    for key in &keys[..hits] {
+                        match node.read(key) {
+                            Some(bytes) => {
+                                tally.bytes += bytes.len() as u64;
+                                if bytes != synthetic::content(key, block_len) {
+                                    tally.corrupt_blocks += 1;
+                                }
+                            }
+                            None => tally.corrupt_blocks += 1,
+                        }
                     }
-                    tally.bytes += bytes.len() as u64;
                 }
-            } else {
-                tally.failed_loads += 1;
+                Err(NodeError::LoadFailed) => tally.failed_loads += 1,
+                Err(e) => return Err(e.to_string()),
             }
         }
-        node.core.finish(Instant::now(), &request);
-        node.flush(Instant::now());
+        node.finish(&request);
     }
     progress.done();
-    // Let the last messages (the final fetch or abort) leave, then say goodbye: `disconnect`
-    // to the peer, so it closes the session in order instead of noticing a lost connection.
-    let drain = Instant::now() + Duration::from_millis(200);
-    while Instant::now() < drain && node.core.stats().client_requests > 0 {
-        let now = Instant::now();
-        node.step(now);
-        node.wait(now, Duration::from_millis(20));
-    }
     tally.workload = started.elapsed();
-    let now = Instant::now();
-    node.core.shutdown(now);
-    node.flush(now);
-    // ZeroMQ sends queued messages while the socket lingers (500 ms at most) as it closes.
-    drop(node);
     Ok(tally)
 }
 

@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 
 use crate::api::{Histogram, Node, NodeStats};
 
-/// Renders `s` for node `id` in the Prometheus text format.
+/// Renders `s` in the Prometheus text format.
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;

@@ -1,5 +1,5 @@
-//! Command-line options shared by the commands that run a node (`serve`, `fetch`), and the
-//! dispatch from the chosen data plane to the generic node code.
+//! Command-line options shared by the commands that run a node (`serve`, `fetch`), resolved
+//! with the environment and the config file into a [`kvpeer::NodeConfig`].
 
 use kvpeer::config;
 
@@ -117,27 +117,6 @@ fn parse_rate(text: &str) -> Result<u64, String> {
         .filter(|n| *n > 0)
         .ok_or_else(|| format!("{text:?} is not a positive rate like 500M"))
 }
-
-/// Runs `$body` with the type alias `$plane` bound to the chosen data plane type.
-macro_rules! with_plane {
-    ($kind:expr, $plane:ident => $body:expr) => {
-        match $kind {
-            kvpeer::PlaneKind::Shm => {
-                type $plane = kvpeer_net::shm::ShmPlane;
-                $body
-            }
-            kvpeer::PlaneKind::Tcp => {
-                type $plane = kvpeer_net::tcp::TcpPlane;
-                $body
-            }
-            kvpeer::PlaneKind::Both => {
-                type $plane = kvpeer_net::dual::DualPlane;
-                $body
-            }
-        }
-    };
-}
-pub(crate) use with_plane;
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
-use kvpeer_core::{CoreConfig, Event, LookupResult, RequestRoles};
+use kvpeer::NodeConfig;
+use kvpeer_core::{Event, LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -28,16 +29,8 @@ fn spec(tag: &str) -> NodeSpec {
         id: PeerId::new(format!("127.0.0.1:{port}")),
         num_blocks: BLOCKS,
         block_len: LEN,
-        shm_name: format!("kvpeer-fs-{tag}-{}", std::process::id()),
-        tcp_listen: "127.0.0.1:0".into(),
-        tcp_max_write_rate: None,
         hash_seed: "42".into(),
-        config_fingerprint: String::new(),
-        core: CoreConfig::default(),
-        allowlist: Default::default(),
-        auth_secret: None,
-        control: Default::default(),
-        limits: Default::default(),
+        ..NodeConfig::local(&format!("fs-{tag}")).spec
     }
 }
 

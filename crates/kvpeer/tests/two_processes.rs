@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
+use kvpeer::NodeConfig;
 use kvpeer_core::{CoreConfig, CoreStats, LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
@@ -168,23 +169,15 @@ fn node_with_rate<P: BuildPlane>(
         )
         .try_init();
     build::<P>(&NodeSpec {
-        id: PeerId::new("127.0.0.1:0"),
         num_blocks: blocks,
         block_len,
-        shm_name: format!("kvpeer-tp-{tag}-{}", std::process::id()),
-        tcp_listen: "127.0.0.1:0".into(),
         tcp_max_write_rate: rate,
-        hash_seed: "0".into(),
-        config_fingerprint: String::new(),
         core: CoreConfig {
             load_timeout: LOAD_TIMEOUT,
             store_timeout: LOAD_TIMEOUT,
             ..CoreConfig::default()
         },
-        allowlist: Default::default(),
-        auth_secret: None,
-        control: Default::default(),
-        limits: Default::default(),
+        ..NodeConfig::local(&format!("tp-{tag}")).spec
     })
     .unwrap()
 }
@@ -288,7 +281,10 @@ fn serve_and_fetch(plane: &str) {
     assert_eq!(num(&summary, "failed_loads"), 0, "{summary}");
 
     // `fetch` said goodbye: the server closed the session in order, with nothing to warn about.
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.stderr.lock().unwrap().contains("session closed") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let log = server.stderr.lock().unwrap().clone();
     assert!(log.contains("session closed"), "{log}");
     assert!(!log.contains("WARN"), "{log}");
