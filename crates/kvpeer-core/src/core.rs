@@ -663,6 +663,15 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.out.event(Event::StoreDone { job, success });
     }
 
+    /// Opens a session toward `peer` ahead of any request (the handshake then runs as usual);
+    /// `false` if it cannot (reconnect backoff, session limit). A no-op if one exists.
+    pub fn connect(&mut self, now: Instant, peer: &PeerId) -> bool {
+        self.advance(now);
+        let opened = self.ensure_session(peer);
+        self.settle();
+        opened
+    }
+
     /// Opens a session toward `peer` unless one exists; `false` if it cannot.
     fn ensure_session(&mut self, peer: &PeerId) -> bool {
         if self.sessions.contains_key(peer) {

@@ -161,6 +161,9 @@ pub enum NodeError {
     /// The load ended without every block landing (the peer failed, aborted or went away).
     #[error("the fetch failed: not every block landed")]
     LoadFailed,
+    /// The peer could not be reached or would not have us (refused, gone, session limit).
+    #[error("no session with {0}")]
+    Refused(String),
     /// The node is shut down.
     #[error("the node is shut down")]
     ShutDown,
@@ -251,6 +254,20 @@ impl Node {
                 reply,
             },
             None,
+        )?
+    }
+
+    /// Opens the session to `peer` ahead of any request and waits until its handshake is done
+    /// (`lookup` does this on its own; this lets a caller connect before timing its work).
+    pub fn connect(&self, peer: &PeerId, timeout: Duration) -> Result<(), NodeError> {
+        let deadline = Instant::now() + timeout;
+        self.ask(
+            |reply| Command::Connect {
+                peer: peer.clone(),
+                deadline,
+                reply,
+            },
+            Some(deadline),
         )?
     }
 

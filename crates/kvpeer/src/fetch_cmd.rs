@@ -164,6 +164,8 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     let block_len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
     let mut tally = Tally::default();
     let started = Instant::now();
+    // The handshake is not part of any request's lookup time.
+    node.connect(&peer, timeout).map_err(|e| e.to_string())?;
 
     let mut progress = Progress::new(args.requests, !args.json);
     for r in 0..args.requests {

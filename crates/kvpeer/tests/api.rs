@@ -334,3 +334,19 @@ fn a_message_over_the_key_limit_costs_the_sender_its_session() {
     consumer.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));
 }
+
+#[test]
+fn connect_opens_the_session_ahead_of_any_request() {
+    let (producer, consumer) = pair("connect", PlaneKind::Tcp);
+    consumer.connect(producer.id(), WAIT).unwrap();
+    let stats = consumer.stats().unwrap();
+    assert_eq!((stats.core.sessions, stats.lookup_latency.total()), (1, 0));
+    // Nobody there: the connection fails and the call says so, well before its timeout.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone = PeerId::new(nobody.local_addr().unwrap().to_string());
+    drop(nobody);
+    let r = consumer.connect(&gone, Duration::from_secs(5));
+    assert!(matches!(r, Err(NodeError::Refused(_))), "{r:?}");
+    consumer.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}

@@ -33,6 +33,11 @@ pub(crate) enum Command {
         fill: FillBlock,
         reply: Sender<Result<usize, NodeError>>,
     },
+    Connect {
+        peer: PeerId,
+        deadline: Instant,
+        reply: Sender<Result<(), NodeError>>,
+    },
     Lookup {
         peer: PeerId,
         request: String,
@@ -62,6 +67,12 @@ pub(crate) enum Command {
     },
 }
 
+struct PendingConnect {
+    peer: PeerId,
+    deadline: Instant,
+    reply: Sender<Result<(), NodeError>>,
+}
+
 struct PendingLookup {
     started: Instant,
     request: Request,
@@ -83,6 +94,7 @@ struct PendingLoad {
 struct Runtime<P: BuildPlane> {
     io: NodeIo<P>,
     requests: HashMap<String, Request>,
+    connects: Vec<PendingConnect>,
     lookups: Vec<PendingLookup>,
     loads: Vec<PendingLoad>,
     next_job: JobId,
@@ -95,6 +107,7 @@ pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
     let mut rt = Runtime {
         io,
         requests: HashMap::new(),
+        connects: Vec::new(),
         lookups: Vec::new(),
         loads: Vec::new(),
         next_job: 1,
@@ -148,6 +161,21 @@ impl<P: BuildPlane> Runtime<P> {
                 reply,
             } => {
                 let _ = reply.send(self.store_in_place(&keys, &mut fill));
+            }
+            Command::Connect {
+                peer,
+                deadline,
+                reply,
+            } => {
+                if self.io.core.connect(now, &peer) {
+                    self.connects.push(PendingConnect {
+                        peer,
+                        deadline,
+                        reply,
+                    });
+                } else {
+                    let _ = reply.send(Err(NodeError::Refused(peer.to_string())));
+                }
             }
             Command::Lookup {
                 peer,
@@ -278,6 +306,21 @@ impl<P: BuildPlane> Runtime<P> {
     /// Answers calls whose work is done or whose deadline passed.
     fn progress(&mut self, now: Instant) {
         let core = &mut self.io.core;
+        self.connects.retain(|c| match core.session_state(&c.peer) {
+            Some(s) if s.ready => {
+                let _ = c.reply.send(Ok(()));
+                false
+            }
+            None => {
+                let _ = c.reply.send(Err(NodeError::Refused(c.peer.to_string())));
+                false
+            }
+            Some(_) if now >= c.deadline => {
+                let _ = c.reply.send(Err(NodeError::Timeout("connect")));
+                false
+            }
+            Some(_) => true,
+        });
         let latency = &mut self.calls.lookup_latency;
         self.lookups.retain(|l| {
             let results: Vec<LookupResult> = l
@@ -339,6 +382,7 @@ impl<P: BuildPlane> Runtime<P> {
         self.lookups
             .iter()
             .map(|l| l.deadline)
+            .chain(self.connects.iter().map(|c| c.deadline))
             .chain(
                 self.loads
                     .iter()
@@ -372,6 +416,9 @@ impl<P: BuildPlane> Runtime<P> {
         }
         for l in self.lookups.drain(..) {
             let _ = l.reply.send(Err(NodeError::ShutDown));
+        }
+        for c in self.connects.drain(..) {
+            let _ = c.reply.send(Err(NodeError::ShutDown));
         }
         debug!("runtime stopped");
     }
