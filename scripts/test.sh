@@ -3,6 +3,9 @@
 #
 #   1. `cargo test --workspace`: unit, property, rule and doc tests, and every wire vector of
 #      ../shared/vectors/wire-vectors.json through the library and through `kvpeer wire`.
+#      With it, the interop tests against vLLM 0.33's own P2P code (crates/kvpeer/tests/
+#      interop_vllm.rs): tests/interop/setup.sh fetches the vLLM wheel once into a cache outside
+#      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run.
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -21,6 +24,10 @@ if ! "$venv/bin/python" -c 'import msgspec, zmq, msgpack' 2>/dev/null; then
 fi
 KVPEER_PYTHON="$(cd "$venv/bin" && pwd)/python"
 export KVPEER_PYTHON
+
+echo "== vLLM 0.33's P2P modules for the interop tests (tests/interop/setup.sh)"
+KVPEER_INTEROP_PYTHONPATH="$(bash tests/interop/setup.sh)"
+export KVPEER_INTEROP_PYTHONPATH
 
 echo "== cargo test --workspace"
 cargo test --workspace

@@ -42,6 +42,8 @@ pub struct Counters {
     pub loads_failed: u64,
     /// Consumer: `abort_fetch` messages sent.
     pub aborts_sent: u64,
+    /// Consumer: `abort_ack`s that settled an aborted load (same request, same round).
+    pub abort_acks: u64,
     /// Sessions opened (either side started) and ended.
     pub sessions_opened: u64,
     /// Sessions ended, for any reason.

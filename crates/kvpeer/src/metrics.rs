@@ -20,7 +20,7 @@ use crate::api::{Histogram, Node, NodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 21] = [
+    let counters: [(&str, &str, u64); 22] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -107,6 +107,11 @@ pub fn render(s: &NodeStats) -> String {
             c.aborts_sent,
         ),
         (
+            "kvpeer_abort_acks_total",
+            "abort_acks that settled an aborted load",
+            c.abort_acks,
+        ),
+        (
             "kvpeer_sessions_opened_total",
             "sessions opened",
             c.sessions_opened,
@@ -144,8 +149,18 @@ pub fn render(s: &NodeStats) -> String {
         "counter",
         c.fetch_blocks_served * s.store.block_len,
     );
-    let gauges: [(&str, &str, u64); 8] = [
+    let gauges: [(&str, &str, u64); 10] = [
         ("kvpeer_sessions", "live sessions", s.core.sessions as u64),
+        (
+            "kvpeer_client_requests",
+            "requests this node is fetching for (open consumer state)",
+            s.core.client_requests as u64,
+        ),
+        (
+            "kvpeer_server_requests",
+            "requests peers are fetching from this node (open producer state)",
+            s.core.server_requests as u64,
+        ),
         (
             "kvpeer_inflight_transfers",
             "data-plane transfers in flight",

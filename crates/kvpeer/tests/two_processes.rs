@@ -8,10 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
@@ -24,129 +21,8 @@ use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
-
-/// A child process, killed (by its PID) when dropped; its pool's shm object is removed too.
-struct Proc {
-    child: Child,
-    stdout: mpsc::Receiver<String>,
-    /// Everything the child wrote to stderr so far (its logs), for failure messages.
-    stderr: Arc<Mutex<String>>,
-    shm: String,
-    /// `serve`'s ready line.
-    ready: Option<String>,
-}
-
-impl Proc {
-    fn spawn(args: &[&str], role: &str) -> Proc {
-        Self::spawn_env(args, role, &[])
-    }
-
-    fn spawn_env(args: &[&str], role: &str, env: &[(&str, &str)]) -> Proc {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .env(
-                "KVPEER_LOG",
-                std::env::var("KVPEER_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let log = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut log = log.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let shm = format!("kvpeer-{role}-{}", child.id());
-        Proc {
-            child,
-            stdout: rx,
-            stderr,
-            shm,
-            ready: None,
-        }
-    }
-
-    /// The next stdout line (bounded: 60 s, debug builds fill large pools slowly).
-    fn line(&self) -> String {
-        match self.stdout.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) => line,
-            Err(e) => {
-                // Let the stderr reader catch up with a child that just exited.
-                std::thread::sleep(Duration::from_millis(200));
-                panic!(
-                    "no line from the child ({e}); its stderr:\n{}",
-                    self.stderr.lock().unwrap()
-                )
-            }
-        }
-    }
-
-    /// `kvpeer serve` with these extra args; returns it and its identity once ready.
-    fn serve(extra: &[&str]) -> (Proc, PeerId) {
-        let mut args = vec!["serve"];
-        args.extend_from_slice(extra);
-        let mut p = Proc::spawn(&args, "serve");
-        let ready = p.line();
-        let id = field(&ready, "id").unwrap_or_else(|| panic!("not a ready line: {ready}"));
-        p.ready = Some(ready);
-        (p, PeerId::new(id))
-    }
-
-    /// SIGKILL, then reap.
-    fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    /// Waits (bounded) for the exit status while `tick` runs.
-    fn wait_while(&mut self, timeout: Duration, mut tick: impl FnMut()) -> i32 {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status.code().unwrap_or(-1);
-            }
-            tick();
-        }
-        panic!("child still running after {timeout:?}");
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
-    }
-}
-
-/// `key=value` from a space-separated line.
-fn field(line: &str, key: &str) -> Option<String> {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(&format!("{key}=")).map(str::to_owned))
-}
-
-fn num(line: &str, key: &str) -> u64 {
-    field(line, key)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in {line}"))
-}
+mod common;
+use common::{field, free_port, http_get, metrics_addr, num, samples, Proc, BIN};
 
 /// An in-process node on 127.0.0.1 with a port the system picks. Its logs go to the test's
 /// output at the level `KVPEER_LOG` names (default warn).
@@ -694,14 +570,6 @@ fn the_demo_runs_shares_blocks_and_exits_cleanly() {
 // ---------------------------------------------------------------------------------------------
 // configuration of a real process
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn serve_takes_vllms_environment_variables_and_flags_beat_them() {
     let port = free_port().to_string();
@@ -799,35 +667,6 @@ fn fetch_prints_json_for_machines_and_json_logs_on_request() {
 // ---------------------------------------------------------------------------------------------
 // metrics
 
-fn http_get(addr: &str, path: &str) -> (String, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut response = String::new();
-    s.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (head.to_owned(), body.to_owned())
-}
-
-/// `name{labels} value` lines of a Prometheus text body; panics on a line that is not one.
-fn samples(body: &str) -> HashMap<String, f64> {
-    let mut out = HashMap::new();
-    for line in body
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-    {
-        let (name, value) = line
-            .rsplit_once(' ')
-            .unwrap_or_else(|| panic!("bad line {line:?}"));
-        let value: f64 = value
-            .parse()
-            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
-        out.insert(name.to_owned(), value);
-    }
-    out
-}
-
 #[test]
 fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
     let (_server, id) = Proc::serve(&[
@@ -896,14 +735,6 @@ fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
     }
     let (head, _) = http_get(&metrics_addr(&_server), "/nothing");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
-}
-
-/// The metrics address `serve` printed in its ready line (kept by `Proc::serve`).
-fn metrics_addr(p: &Proc) -> String {
-    p.ready
-        .as_deref()
-        .and_then(|r| field(r, "metrics"))
-        .expect("metrics= in the ready line")
 }
 
 #[test]

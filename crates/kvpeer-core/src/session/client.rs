@@ -343,7 +343,9 @@ impl ClientRole {
     }
 
     pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64) {
-        if !self.complete(out, id, round, false) {
+        if self.complete(out, id, round, false) {
+            out.counters.abort_acks += 1;
+        } else {
             warn!(kv_request_id = %id, round, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
         }
     }

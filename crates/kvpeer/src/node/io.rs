@@ -27,6 +27,9 @@ pub struct NodeIo<D: DataPlane> {
     pub channel: ControlChannel,
     /// Load and store results not yet taken by the caller.
     pub results: Vec<Event>,
+    /// Why the latest sessions ended (peer, reason), newest last, at most
+    /// [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why it is gone.
+    pub closed: std::collections::VecDeque<(PeerId, String)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
     /// Which peers this node talks to.
@@ -40,12 +43,25 @@ pub struct NodeIo<D: DataPlane> {
 }
 
 impl<D: DataPlane> NodeIo<D> {
+    /// How many session-end reasons [`NodeIo::closed`] keeps.
+    pub const CLOSED_KEPT: usize = 16;
+
+    /// Why the session with `peer` ended, if it ended lately.
+    pub fn close_reason(&self, peer: &PeerId) -> Option<&str> {
+        self.closed
+            .iter()
+            .rev()
+            .find(|(p, _)| p == peer)
+            .map(|(_, r)| r.as_str())
+    }
+
     /// Wires a core to a channel bound at the core's own identity.
     pub fn new(core: Core<BlockStore, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
         NodeIo {
             core,
             channel,
             results: Vec::new(),
+            closed: Default::default(),
             wake,
             allow: Allowlist::default(),
             refused: HashSet::new(),
@@ -185,8 +201,12 @@ impl<D: DataPlane> NodeIo<D> {
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
-                    Event::Close { peer, .. } | Event::Refused { peer, .. } => {
-                        self.channel.close(&peer)
+                    Event::Close { peer, reason } | Event::Refused { peer, reason } => {
+                        self.channel.close(&peer);
+                        if self.closed.len() == Self::CLOSED_KEPT {
+                            self.closed.pop_front();
+                        }
+                        self.closed.push_back((peer, reason));
                     }
                     result => self.results.push(result),
                 }

@@ -305,22 +305,28 @@ impl<P: BuildPlane> Runtime<P> {
 
     /// Answers calls whose work is done or whose deadline passed.
     fn progress(&mut self, now: Instant) {
+        let io = &self.io;
+        self.connects
+            .retain(|c| match io.core.session_state(&c.peer) {
+                Some(s) if s.ready => {
+                    let _ = c.reply.send(Ok(()));
+                    false
+                }
+                None => {
+                    let why = match io.close_reason(&c.peer) {
+                        Some(reason) => format!("{}: {reason}", c.peer),
+                        None => c.peer.to_string(),
+                    };
+                    let _ = c.reply.send(Err(NodeError::Refused(why)));
+                    false
+                }
+                Some(_) if now >= c.deadline => {
+                    let _ = c.reply.send(Err(NodeError::Timeout("connect")));
+                    false
+                }
+                Some(_) => true,
+            });
         let core = &mut self.io.core;
-        self.connects.retain(|c| match core.session_state(&c.peer) {
-            Some(s) if s.ready => {
-                let _ = c.reply.send(Ok(()));
-                false
-            }
-            None => {
-                let _ = c.reply.send(Err(NodeError::Refused(c.peer.to_string())));
-                false
-            }
-            Some(_) if now >= c.deadline => {
-                let _ = c.reply.send(Err(NodeError::Timeout("connect")));
-                false
-            }
-            Some(_) => true,
-        });
         let latency = &mut self.calls.lookup_latency;
         self.lookups.retain(|l| {
             let results: Vec<LookupResult> = l

@@ -1,0 +1,216 @@
+//! Helpers shared by the tests that run real processes: a child process killed by its PID
+//! when dropped (its shared-memory pool removed), its stdout as lines, its stderr kept for
+//! failure messages.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpeer_proto::PeerId;
+
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
+
+/// A child process, killed (by its PID) when dropped; its pool's shm object is removed too.
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    pub(crate) stdout: mpsc::Receiver<String>,
+    /// Everything the child wrote to stderr so far (its logs), for failure messages.
+    pub(crate) stderr: Arc<Mutex<String>>,
+    /// The shm object of its pool, removed on drop (a killed child leaves it behind).
+    pub(crate) shm: String,
+    /// `serve`'s ready line.
+    pub(crate) ready: Option<String>,
+}
+
+impl Proc {
+    pub(crate) fn spawn(args: &[&str], role: &str) -> Proc {
+        Self::spawn_env(args, role, &[])
+    }
+
+    pub(crate) fn spawn_env(args: &[&str], role: &str, env: &[(&str, &str)]) -> Proc {
+        let mut command = Command::new(BIN);
+        command.args(args).envs(env.iter().copied()).env(
+            "KVPEER_LOG",
+            std::env::var("KVPEER_LOG").unwrap_or_else(|_| "info".into()),
+        );
+        let role = role.to_owned();
+        Self::start(command, move |pid| format!("kvpeer-{role}-{pid}"))
+    }
+
+    /// Starts `command` with piped output; `shm` names its pool's object from its pid.
+    pub(crate) fn start(mut command: Command, shm: impl FnOnce(u32) -> String) -> Proc {
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let log = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut log = log.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let shm = shm(child.id());
+        Proc {
+            child,
+            stdout: rx,
+            stderr,
+            shm,
+            ready: None,
+        }
+    }
+
+    /// The next stdout line (bounded: 60 s, debug builds fill large pools slowly).
+    pub(crate) fn line(&self) -> String {
+        match self.stdout.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => line,
+            Err(e) => {
+                // Let the stderr reader catch up with a child that just exited.
+                std::thread::sleep(Duration::from_millis(200));
+                panic!(
+                    "no line from the child ({e}); its stderr:\n{}",
+                    self.stderr.lock().unwrap()
+                )
+            }
+        }
+    }
+
+    /// `kvpeer serve` with these extra args; returns it and its identity once ready.
+    pub(crate) fn serve(extra: &[&str]) -> (Proc, PeerId) {
+        let mut args = vec!["serve"];
+        args.extend_from_slice(extra);
+        let mut p = Proc::spawn(&args, "serve");
+        let ready = p.line();
+        let id = field(&ready, "id").unwrap_or_else(|| panic!("not a ready line: {ready}"));
+        p.ready = Some(ready);
+        (p, PeerId::new(id))
+    }
+
+    /// SIGKILL, then reap.
+    pub(crate) fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Waits (bounded) for the exit status while `tick` runs.
+    pub(crate) fn wait_while(&mut self, timeout: Duration, mut tick: impl FnMut()) -> i32 {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            tick();
+        }
+        panic!("child still running after {timeout:?}");
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
+    }
+}
+
+/// `key=value` from a space-separated line.
+pub(crate) fn field(line: &str, key: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")).map(str::to_owned))
+}
+
+pub(crate) fn num(line: &str, key: &str) -> u64 {
+    field(line, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+/// A port free on 127.0.0.1 right now.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub(crate) fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.to_owned(), body.to_owned())
+}
+
+/// `name{labels} value` lines of a Prometheus text body; panics on a line that is not one.
+pub(crate) fn samples(body: &str) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    for line in body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (name, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        out.insert(name.to_owned(), value);
+    }
+    out
+}
+
+/// The metrics address `serve` printed in its ready line (kept by `Proc::serve`).
+pub(crate) fn metrics_addr(p: &Proc) -> String {
+    p.ready
+        .as_deref()
+        .and_then(|r| field(r, "metrics"))
+        .expect("metrics= in the ready line")
+}
+
+impl Proc {
+    /// Sends SIGTERM (by PID) and waits (bounded) for the exit status.
+    pub(crate) fn terminate(&mut self, timeout: Duration) -> i32 {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success(), "kill -TERM {pid}");
+        self.wait_while(timeout, || std::thread::sleep(Duration::from_millis(5)))
+    }
+
+    /// The next stdout line that is a JSON object with `"event": event`.
+    pub(crate) fn event(&self, event: &str) -> serde_json::Value {
+        loop {
+            let line = self.line();
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if v["event"] == event {
+                    return v;
+                }
+            }
+        }
+    }
+
+    /// Everything the child wrote to stderr so far.
+    pub(crate) fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}

@@ -1,0 +1,641 @@
+//! kvpeer against vLLM 0.33's own P2P code, both directions, over loopback ZeroMQ.
+//!
+//! The vLLM side is `tests/interop/vllm_peer.py`: vLLM's released `ZmqTransport` and
+//! `P2PSession` (extracted unchanged from the wheel by `tests/interop/setup.sh`) driven the way
+//! vLLM's tier manager drives them, with kvpeer's `shm` data plane as its `DataTransport`. The
+//! kvpeer side is the `kvpeer` binary (`serve`, `fetch`) or an in-process [`kvpeer::Node`].
+//! Every fetched block is checked byte for byte against the synthetic workload, and after each
+//! scenario both sides must hold no pins, no request state and no transfers.
+//!
+//! Python comes from `KVPEER_PYTHON` (scripts/test.sh's venv); vLLM's modules from
+//! `KVPEER_INTEROP_PYTHONPATH`, or this test runs setup.sh once (it downloads the wheel into
+//! a cache the first time).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use common::{free_port, http_get, metrics_addr, samples, Proc, BIN};
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo().join("target/kvpeer-venv/bin/python");
+    assert!(
+        venv.exists(),
+        "needs the Python of scripts/test.sh's venv: run scripts/test.sh or set KVPEER_PYTHON"
+    );
+    venv
+}
+
+/// The PYTHONPATH holding vLLM's P2P modules and the stubs (setup.sh, once per test binary).
+fn pythonpath() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Ok(p) = std::env::var("KVPEER_INTEROP_PYTHONPATH") {
+            return p;
+        }
+        let out = Command::new("bash")
+            .arg(repo().join("tests/interop/setup.sh"))
+            .env("KVPEER_PYTHON", python())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tests/interop/setup.sh failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    })
+}
+
+/// `vllm_peer.py ARGS` (a vLLM peer process).
+fn vllm(args: &[&str]) -> Proc {
+    let mut command = Command::new(python());
+    command
+        .arg(repo().join("tests/interop/vllm_peer.py"))
+        .args(args)
+        .env("PYTHONPATH", pythonpath());
+    let role = args[0].to_owned();
+    Proc::start(command, move |pid| format!("kvpeer-vllm-{role}-{pid}"))
+}
+
+/// A vLLM producer serving synthetic blocks; returns it and its identity once it listens.
+fn vllm_serve(extra: &[&str]) -> (Proc, String) {
+    let mut args = vec!["serve"];
+    args.extend_from_slice(extra);
+    let p = vllm(&args);
+    let id = p.event("ready")["id"].as_str().unwrap().to_owned();
+    (p, id)
+}
+
+/// Runs a vLLM consumer to its end; returns its exit status and summary.
+fn vllm_fetch(args: &[&str]) -> (i32, Value) {
+    let mut all = vec!["fetch"];
+    all.extend_from_slice(args);
+    let mut p = vllm(&all);
+    let summary = p.event("summary");
+    let status = p.wait_while(Duration::from_secs(60), || {
+        std::thread::sleep(Duration::from_millis(5))
+    });
+    (status, summary)
+}
+
+/// `kvpeer serve` on the shm plane with metrics, plus `extra`.
+fn kvpeer_serve(extra: &[&str]) -> (Proc, String) {
+    let mut args = vec!["--plane", "shm", "--metrics", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let (p, id) = Proc::serve(&args);
+    (p, id.as_str().to_owned())
+}
+
+fn metric(p: &Proc, name: &str) -> f64 {
+    let (_, body) = http_get(&metrics_addr(p), "/metrics");
+    samples(&body)
+        .get(name)
+        .copied()
+        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
+}
+
+/// Waits (bounded) until the serving process has no session, request, pin or transfer open.
+fn assert_serve_clean(p: &Proc) {
+    let open = [
+        "kvpeer_sessions",
+        "kvpeer_client_requests",
+        "kvpeer_server_requests",
+        "kvpeer_store_jobs",
+        "kvpeer_inflight_transfers",
+        "kvpeer_pool_pinned_blocks",
+        "kvpeer_pool_writing_blocks",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let left: Vec<_> = open
+            .iter()
+            .map(|n| (*n, metric(p, n)))
+            .filter(|(_, v)| *v != 0.0)
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still open: {left:?}\n{}",
+            p.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The vLLM side left nothing open: no pins, no lookups, no request state, no transfers.
+fn assert_vllm_clean(summary: &Value) {
+    let left = &summary["leftover"];
+    for k in ["pins", "open_lookups", "client_requests", "server_requests"] {
+        assert_eq!(left[k], 0, "{k} left open: {summary}");
+    }
+    assert_eq!(left["pending_work"], false, "{summary}");
+}
+
+/// A kvpeer node in this process on the shm plane.
+fn node(tag: &str, load_timeout: Duration) -> Node {
+    let mut config = NodeConfig::local(&format!("interop-{tag}"));
+    config.plane = PlaneKind::Shm;
+    config.spec.core.load_timeout = load_timeout;
+    Node::start(config).unwrap()
+}
+
+fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
+    range.map(synthetic::key).collect()
+}
+
+fn assert_bytes(node: &Node, keys: &[OffloadKey]) {
+    let len = node.config().block_len as usize;
+    for k in keys {
+        assert_eq!(
+            node.read(k).as_deref(),
+            Some(&synthetic::content(k, len)[..])
+        );
+    }
+}
+
+fn assert_node_clean(node: &Node) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = node.stats().unwrap();
+        let open = (
+            s.core.client_requests,
+            s.core.server_requests,
+            s.core.store_jobs,
+            s.core.inflight,
+            s.store.pinned,
+            s.store.writing,
+        );
+        if open == (0, 0, 0, 0, 0, 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still open: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// vLLM consumer ↔ kvpeer producer
+
+/// Handshake, lookups with hits and misses, three lookup rounds per request (two closed by a
+/// fetch, the last all misses and closed by the terminal empty fetch), every byte checked; the
+/// vLLM peer's `disconnect` closes kvpeer's session in order.
+#[test]
+fn a_vllm_consumer_fetches_from_kvpeer_serve() {
+    let (serve, id) = kvpeer_serve(&["--fill", "64"]);
+    let (status, s) = vllm_fetch(&[
+        "--peer",
+        &id,
+        "--requests",
+        "8",
+        "--keys",
+        "12",
+        "--miss-share",
+        "0.3334",
+        "--rounds",
+        "3",
+    ]);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(64), Some(32)),
+        "{s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_eq!(s["failed_loads"], 0);
+    assert_eq!(s["bytes"], 64 * 65536);
+    // 3 lookups per request; 2 fetches with blocks + the terminal empty one.
+    assert_eq!(s["sent"]["lookup"], 24, "{s}");
+    assert_eq!(s["sent"]["fetch"], 24, "{s}");
+    assert_eq!(s["received"]["lookup_resp"], 24, "{s}");
+    assert_eq!(s["received"]["transfer_done"], 16, "{s}");
+    assert_vllm_clean(&s);
+
+    assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 16.0);
+    assert_eq!(metric(&serve, "kvpeer_fetch_blocks_served_total"), 64.0);
+    assert_eq!(metric(&serve, "kvpeer_lookups_served_total"), 24.0);
+    assert_serve_clean(&serve);
+    assert_eq!(metric(&serve, "kvpeer_protocol_errors_total"), 0.0);
+    let log = serve.log();
+    assert!(log.contains("disconnect"), "{log}");
+    assert!(!log.contains("WARN") && !log.contains("ERROR"), "{log}");
+}
+
+/// A PD decoder's fetch of blocks kvpeer never stores: vLLM's load times out, it aborts each
+/// round, and kvpeer acknowledges each abort with the round it names.
+#[test]
+fn a_vllm_consumers_load_timeout_is_aborted_and_acked_with_its_round() {
+    let (serve, id) = kvpeer_serve(&["--fill", "8"]);
+    let (status, s) = vllm_fetch(&[
+        "--peer",
+        &id,
+        "--pd",
+        "--requests",
+        "1",
+        "--keys",
+        "4",
+        "--miss-share",
+        "0",
+        "--rounds",
+        "2",
+        "--load-timeout",
+        "1",
+        "--expect-failures",
+    ]);
+    assert_eq!(status, 0, "{s}");
+    assert_eq!(s["failed_loads"], 2, "{s}");
+    assert_eq!(s["abort_rounds"], serde_json::json!([0, 1]), "{s}");
+    assert_eq!(s["abort_ack_rounds"], serde_json::json!([0, 1]), "{s}");
+    assert_eq!(s["received"].get("transfer_done"), None, "{s}");
+    assert_vllm_clean(&s);
+    assert_serve_clean(&serve);
+}
+
+/// kvpeer answers a key it is still receiving (HIT_PENDING inside) MISS at the 5 s deadline; the
+/// vLLM consumer fetches the keys answered held. The pending key is the first of two blocks
+/// kvpeer is loading from a third node whose tcp writes are capped at one block per 8 s, so the
+/// load (and the key's pending state) lasts ~8 s.
+#[test]
+fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
+    let mut slow = NodeConfig::local("interop-slow");
+    slow.plane = PlaneKind::Tcp;
+    slow.spec.tcp_max_write_rate = Some(8 * 1024);
+    let slow = Node::start(slow).unwrap();
+    let mut middle = NodeConfig::local("interop-middle");
+    middle.plane = PlaneKind::Both;
+    let middle = Arc::new(Node::start(middle).unwrap());
+    let len = middle.config().block_len as usize;
+    let held = keys(0..4);
+    let landing = keys(4..6);
+    let store = |n: &Node, ks: &[OffloadKey]| {
+        n.store(
+            ks.iter()
+                .map(|k| (k.clone(), synthetic::content(k, len)))
+                .collect(),
+        )
+        .unwrap()
+    };
+    store(&middle, &held);
+    store(&slow, &landing);
+    let t = Duration::from_secs(30);
+    let found = middle.lookup(slow.id(), "warm", &landing, t).unwrap();
+    assert_eq!(found, [LookupResult::Hit; 2]);
+    let loading = {
+        let (middle, landing) = (middle.clone(), landing.clone());
+        std::thread::spawn(move || middle.fetch("warm", &landing, Duration::from_secs(60)))
+    };
+    // The load has reserved its block once the pool shows a block being written.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while middle.stats().unwrap().store.writing == 0 {
+        assert!(!loading.is_finished(), "{:?}", loading.join());
+        assert!(Instant::now() < deadline, "the load never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let (status, s) = vllm_fetch(&[
+        "--peer",
+        middle.id().as_str(),
+        "--requests",
+        "1",
+        "--keys",
+        "5",
+        "--miss-share",
+        "0",
+    ]);
+    assert_eq!(status, 0, "{s}");
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(4), Some(1)),
+        "{s}"
+    );
+    let lookup_us = s["lookup_us"][0].as_u64().unwrap();
+    assert!(
+        lookup_us >= 4_900_000,
+        "answered before the 5 s deadline: {s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_vllm_clean(&s);
+    assert_eq!(middle.stats().unwrap().counters.pending_expired, 1);
+
+    loading.join().unwrap().unwrap();
+    middle.finish("warm");
+    assert_bytes(&middle, &landing);
+    assert_node_clean(&middle);
+    assert_node_clean(&slow);
+}
+
+// ---------------------------------------------------------------------------------------------
+// kvpeer consumer ↔ vLLM producer
+
+/// `kvpeer fetch` against vLLM: hits and misses, every byte checked, and kvpeer's `disconnect`
+/// at the end closes vLLM's session in order.
+#[test]
+fn kvpeer_fetch_fetches_from_a_vllm_producer() {
+    let (mut producer, id) = vllm_serve(&["--fill", "64"]);
+    let out = Command::new(BIN)
+        .args(["fetch", "--peer", &id, "--plane", "shm", "--json"])
+        .args(["--requests", "8", "--keys", "8", "--miss-share", "0.25"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{}", producer.log());
+    let f: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (f["hits"].as_u64(), f["misses"].as_u64()),
+        (Some(48), Some(16)),
+        "{f}"
+    );
+    assert_eq!(f["failed_loads"], 0);
+    assert_eq!(f["corrupt_blocks"], 0);
+    assert_eq!(f["bytes"], 48 * 65536);
+
+    // kvpeer's disconnect ends the session on vLLM's side as the peer's own decision.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !producer.log().contains("peer disconnected") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
+    let s = producer.event("summary");
+    assert_eq!(s["deaths"][0]["reason"], "peer disconnected", "{s}");
+    assert_eq!(s["received"]["lookup"], 8, "{s}");
+    assert_eq!(s["received"]["fetch"], 8, "{s}");
+    assert_eq!(s["sent"]["transfer_done"], 8, "{s}");
+    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
+    assert_vllm_clean(&s);
+}
+
+/// vLLM answers a key it holds HIT_PENDING for MISS at its 5 s deadline; kvpeer's lookup waits
+/// for it and fetches the keys answered held.
+#[test]
+fn vllm_answers_a_pending_key_miss_at_the_5_s_deadline() {
+    let (mut producer, id) = vllm_serve(&[
+        "--fill",
+        "4",
+        "--pending-first",
+        "4",
+        "--pending-count",
+        "1",
+    ]);
+    let consumer = node("pending", Duration::from_secs(30));
+    let peer = PeerId::new(id);
+    let ks = keys(0..5);
+    let t = Duration::from_secs(30);
+    consumer.connect(&peer, t).unwrap();
+    let started = Instant::now();
+    let found = consumer.lookup(&peer, "r", &ks, t).unwrap();
+    let waited = started.elapsed();
+    assert_eq!(
+        found,
+        [[LookupResult::Hit; 4].as_slice(), &[LookupResult::Miss]].concat()
+    );
+    assert!(
+        waited >= Duration::from_millis(4_900),
+        "answered after {waited:?}"
+    );
+    consumer.fetch("r", &ks[..4], t).unwrap();
+    assert_bytes(&consumer, &ks[..4]);
+    consumer.finish("r");
+    consumer.shutdown(Duration::from_secs(3));
+    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
+    let s = producer.event("summary");
+    assert_vllm_clean(&s);
+}
+
+/// vLLM's writes never land: kvpeer's load times out, kvpeer aborts, and vLLM's abort_ack
+/// (with the round) settles the load; nothing stays pinned on either side.
+#[test]
+fn kvpeers_load_timeout_is_aborted_and_acked_by_vllm() {
+    let (mut producer, id) = vllm_serve(&["--fill", "8", "--stall-writes"]);
+    let consumer = node("stall", Duration::from_secs(1));
+    let peer = PeerId::new(id);
+    let ks = keys(0..4);
+    let t = Duration::from_secs(30);
+    assert_eq!(
+        consumer.lookup(&peer, "r", &ks, t).unwrap(),
+        [LookupResult::Hit; 4]
+    );
+    let failed = consumer.fetch("r", &ks, t);
+    assert!(matches!(failed, Err(NodeError::LoadFailed)), "{failed:?}");
+    let c = consumer.stats().unwrap().counters;
+    assert_eq!(
+        (c.aborts_sent, c.abort_acks, c.loads_failed),
+        (1, 1, 1),
+        "{c:?}"
+    );
+    assert!(ks.iter().all(|k| consumer.read(k).is_none()));
+    consumer.finish("r");
+    assert_node_clean(&consumer);
+    consumer.shutdown(Duration::from_secs(3));
+    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
+    let s = producer.event("summary");
+    assert_eq!(s["received"]["abort_fetch"], 1, "{s}");
+    assert_eq!(s["sent"]["abort_ack"], 1, "{s}");
+    assert_vllm_clean(&s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// refusals
+
+/// hash seed, block_len and fingerprint mismatches are refused both ways; kvpeer's refusal
+/// reaches the vLLM peer as `disconnect` at once (not at its 30 s handshake timeout).
+#[test]
+fn mismatched_peers_are_refused_both_ways() {
+    let dir = std::env::temp_dir().join(format!("kvpeer-interop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("fingerprint.toml");
+    std::fs::write(&config, "config_fingerprint = \"00000000000000aa\"\n").unwrap();
+    let config = config.to_str().unwrap();
+
+    // vLLM consumers refused by kvpeer.
+    let (serve, id) = kvpeer_serve(&["--fill", "8", "--config", config]);
+    for bad in [
+        &["--hash-seed", "1"][..],
+        &["--block-len", "4096"],
+        &["--model", "another-model"],
+    ] {
+        let mut args = vec!["--peer", id.as_str(), "--requests", "1"];
+        args.extend_from_slice(bad);
+        let (status, s) = vllm_fetch(&args);
+        assert_eq!(status, 1, "{bad:?}: {s}");
+        assert_eq!(s["handshake"], "refused", "{bad:?}: {s}");
+        // vLLM checks kvpeer's `connect` too and refuses on its own; kvpeer's `disconnect`
+        // arrives with it, and the session ends at once, not at the 30 s handshake timeout.
+        assert_eq!(s["received"]["disconnect"], 1, "{bad:?}: {s}");
+        assert!(
+            s["deaths"][0]["after_s"].as_f64() < Some(5.0),
+            "{bad:?}: {s}"
+        );
+    }
+    let log = serve.log();
+    for what in ["hash seed", "block_len", "fingerprint"] {
+        assert!(
+            log.contains(what),
+            "kvpeer did not refuse for {what}:\n{log}"
+        );
+    }
+
+    assert_serve_clean(&serve);
+    assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 0.0);
+
+    // kvpeer consumers refused by vLLM (and refusing it: each side checks the other).
+    let (mut producer, id) = vllm_serve(&["--fill", "8", "--model", "m"]);
+    for (bad, what) in [
+        (&["--hash-seed", "1"][..], "hash seed"),
+        (&["--block-len", "4096"], "block_len"),
+        (&["--config", config], "config fingerprint"),
+    ] {
+        let out = Command::new(BIN)
+            .args(["fetch", "--peer", &id, "--plane", "shm", "--requests", "1"])
+            .args(["--timeout-secs", "20"])
+            .args(bad)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{bad:?}: {stderr}");
+        let error = format!("{what} mismatch");
+        assert!(stderr.contains(&error), "{bad:?}: {stderr}");
+        // vLLM's own refusal (its session's death), before the next attempt.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !producer.log().contains(&error) {
+            assert!(
+                Instant::now() < deadline,
+                "vLLM never refused: {}",
+                producer.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
+    let s = producer.event("summary");
+    let reasons: Vec<&str> = s["deaths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["reason"].as_str().unwrap())
+        .collect();
+    for what in ["hash seed", "block_len", "config fingerprint"] {
+        let refused = format!("rejected peer connect: {what} mismatch");
+        assert!(
+            reasons.iter().any(|r| r.starts_with(&refused)),
+            "{reasons:?}"
+        );
+    }
+    assert_eq!(s["sent"].get("transfer_done"), None, "{s}");
+    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
+    assert_vllm_clean(&s);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// restarts
+
+/// A vLLM producer killed (SIGKILL) mid-workload and started again at the same address: the
+/// kvpeer consumer reconnects and fetches byte-exact from the new one.
+#[test]
+fn kvpeer_reconnects_to_a_restarted_vllm_producer() {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = ["--fill", "64", "--listen", listen.as_str()];
+    let (mut first, id) = vllm_serve(&args);
+    let consumer = node("restart", Duration::from_secs(5));
+    let peer = PeerId::new(id);
+    let t = Duration::from_secs(10);
+    let request = |r: u64| -> Result<(), NodeError> {
+        let ks = keys(r * 4..r * 4 + 4);
+        let name = format!("r{r}");
+        let found = consumer.lookup(&peer, &name, &ks, Duration::from_secs(3));
+        let result = match found {
+            Ok(f) if f == [LookupResult::Hit; 4] => consumer.fetch(&name, &ks, t),
+            Ok(f) => panic!("{f:?}"),
+            Err(e) => Err(e),
+        };
+        consumer.finish(&name);
+        if result.is_ok() {
+            assert_bytes(&consumer, &ks);
+        }
+        result
+    };
+    for r in 0..4 {
+        request(r).unwrap();
+    }
+    first.kill9();
+    let (mut second, _) = vllm_serve(&args);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut r = 4;
+    let mut served_after_restart = 0;
+    while served_after_restart < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "never reconnected: {}",
+            second.log()
+        );
+        if request(r).is_ok() {
+            served_after_restart += 1;
+        }
+        r += 1;
+    }
+    assert!(consumer.stats().unwrap().counters.sessions_opened >= 2);
+    assert_node_clean(&consumer);
+    consumer.shutdown(Duration::from_secs(3));
+    assert_eq!(second.terminate(Duration::from_secs(10)), 0);
+    assert_vllm_clean(&second.event("summary"));
+}
+
+/// A vLLM consumer killed (SIGKILL) mid-workload and started again with the same identity:
+/// kvpeer serves the new one byte-exact and holds nothing for the dead one.
+#[test]
+fn kvpeer_serves_a_restarted_vllm_consumer() {
+    let (serve, id) = kvpeer_serve(&["--fill", "64"]);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut first = vllm(&[
+        "fetch",
+        "--peer",
+        &id,
+        "--listen",
+        &listen,
+        "--requests",
+        "1000000",
+        "--keys",
+        "8",
+        "--prefixes",
+        "8",
+    ]);
+    first.event("ready");
+    // Killed once it is well into its workload.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&serve, "kvpeer_transfers_ok_total") < 20.0 {
+        assert!(Instant::now() < deadline, "{}", first.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    first.kill9();
+    let (status, s) = vllm_fetch(&[
+        "--peer",
+        &id,
+        "--listen",
+        &listen,
+        "--requests",
+        "8",
+        "--keys",
+        "8",
+    ]);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(s["hits"], 48, "{s}");
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_vllm_clean(&s);
+    assert_serve_clean(&serve);
+}
