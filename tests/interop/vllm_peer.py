@@ -20,6 +20,7 @@ Exit status: 0 when every load succeeded and every byte matched, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -362,8 +363,8 @@ def fetch(args) -> int:
             sys.exit(1)
         if peer.load_results.pop(job_id):
             fetch_us.append(int((time.monotonic() - t0) * 1e6))
-            for k, b in zip(hits, blocks):
-                t["bytes"] += args.block_len
+            t["bytes"] += args.block_len * len(hits)
+            for k, b in zip(hits, blocks) if verify else ():
                 if bytes(peer.pool.block(b)) != content(k, args.block_len):
                     t["corrupt_blocks"] += 1
         else:
@@ -371,7 +372,15 @@ def fetch(args) -> int:
         free_blocks.extend(blocks)
 
     cpu0, started = time.process_time(), time.monotonic()
-    for r in range(args.requests):
+    verify = True
+    for r in range(args.warmup + args.requests):
+        verify = r < args.warmup or args.verify
+        if r == args.warmup and r > 0:
+            # The figures start here; failures and mismatches of the warm-up still count.
+            t = Counter(failed_loads=t["failed_loads"], corrupt_blocks=t["corrupt_blocks"])
+            lookup_us.clear()
+            fetch_us.clear()
+            cpu0, started = time.process_time(), time.monotonic()
         kv_id = f"vllm-fetch-{os.getpid()}-{r}"
         misses = min(args.keys, round(args.keys * args.miss_share))
         shared = args.keys - misses
@@ -448,6 +457,7 @@ def fetch(args) -> int:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("serve", "fetch"):
@@ -472,6 +482,12 @@ def main() -> int:
     fetch_p.add_argument("--pd", action="store_true", help="fetch without lookup (PD decoder)")
     fetch_p.add_argument("--timeout", type=float, default=30.0)
     fetch_p.add_argument("--load-timeout", type=float, default=vllm_client._LOAD_TIMEOUT_S)
+    fetch_p.add_argument(
+        "--no-verify", dest="verify", action="store_false", help="skip the byte check"
+    )
+    fetch_p.add_argument(
+        "--warmup", type=int, default=0, help="requests first, checked, not in the figures"
+    )
     fetch_p.add_argument("--expect-failures", action="store_true", help="exit 0 on failed loads")
     args = p.parse_args()
     return serve(args) if args.cmd == "serve" else fetch(args)

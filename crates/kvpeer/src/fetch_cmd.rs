@@ -34,12 +34,24 @@ pub(crate) struct FetchArgs {
     /// after the shared prefix, as a prompt's new text follows its shared start.
     #[arg(long, default_value_t = 0.25, value_parser = parse_share)]
     miss_share: f64,
+    /// Cycle the requests over this many shared prefixes (request `r` uses prefix `r % N`), so
+    /// a long run needs only N prefixes filled at the peer; 0: every request its own prefix.
+    #[arg(long, default_value_t = 0)]
+    prefixes: u64,
     /// Synthetic index of the first key.
     #[arg(long, default_value_t = 0)]
     first: u64,
     /// Print the summary as one JSON object instead of `key=value` pairs.
     #[arg(long)]
     json: bool,
+    /// Skip the byte check of fetched blocks (benchmarks: measure the transfer, not the
+    /// check); blocks are still counted. Warm-up requests are always checked.
+    #[arg(long)]
+    no_verify: bool,
+    /// Requests run first and left out of the figures (their bytes are checked; a failure or
+    /// a mismatch still fails the run).
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
     /// Bound on every wait (handshake, one lookup, one fetch), in seconds.
     #[arg(long, default_value_t = 30)]
     timeout_secs: u64,
@@ -55,8 +67,22 @@ struct Tally {
     corrupt_blocks: u64,
     lookup_us: Vec<u64>,
     fetch_us: Vec<u64>,
-    /// From the first request to the last finish (the node's start-up excluded).
+    /// From the first request to the last finish (the node's start-up and handshake excluded).
     workload: Duration,
+    /// CPU time (user + system, every thread of this process) over `workload`.
+    cpu: Duration,
+}
+
+/// CPU time this process has used so far (every thread, user + system); zero if unknown.
+fn process_cpu() -> Duration {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_SELF).map_or(Duration::ZERO, |u| {
+        let tv = |t: nix::sys::time::TimeVal| {
+            Duration::from_secs(t.tv_sec().max(0) as u64)
+                + Duration::from_micros(t.tv_usec().max(0) as u64)
+        };
+        tv(u.user_time()) + tv(u.system_time())
+    })
 }
 
 /// Runs the command; returns the exit status.
@@ -111,6 +137,7 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
                 "fetch_p50_us": percentile(&t.fetch_us, 50),
                 "fetch_p99_us": percentile(&t.fetch_us, 99),
                 "seconds": (secs * 1e3).round() / 1e3,
+                "cpu_seconds": (t.cpu.as_secs_f64() * 1e4).round() / 1e4,
                 "fetch_gb_per_s": (gbps * 1e3).round() / 1e3,
             });
             if args.json {
@@ -163,19 +190,30 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     let timeout = Duration::from_secs(args.timeout_secs);
     let block_len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
     let mut tally = Tally::default();
-    let started = Instant::now();
-    // The handshake is not part of any request's lookup time.
+    // The handshake is not part of any request's lookup time, nor of the workload's.
     node.connect(&peer, timeout).map_err(|e| e.to_string())?;
+    let (mut started, mut cpu_before) = (Instant::now(), process_cpu());
 
-    let mut progress = Progress::new(args.requests, !args.json);
-    for r in 0..args.requests {
+    let mut progress = Progress::new(args.warmup + args.requests, !args.json);
+    for r in 0..args.warmup + args.requests {
         progress.show(r, &tally);
+        let verify = r < args.warmup || !args.no_verify;
+        if r == args.warmup && r > 0 {
+            // The figures start here; failures and mismatches of the warm-up still count.
+            tally = Tally {
+                failed_loads: tally.failed_loads,
+                corrupt_blocks: tally.corrupt_blocks,
+                ..Tally::default()
+            };
+            (started, cpu_before) = (Instant::now(), process_cpu());
+        }
         let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
         // The first keys of each request are the shared prefix (the peer may hold them); the
         // last `misses` are new text no one has computed (synthetic indexes never filled).
         let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
         let shared = args.keys - misses;
-        let first = args.first + r * shared;
+        let prefix = if args.prefixes > 0 { r % args.prefixes } else { r };
+        let first = args.first + prefix * shared;
         let new = MISS_BASE + r * misses;
         let keys: Vec<OffloadKey> = (first..first + shared)
             .chain(new..new + misses)
@@ -199,7 +237,10 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
             match node.fetch(&request, &keys[..hits], timeout) {
                 Ok(()) => {
                     tally.fetch_us.push(micros(fetch_started.elapsed()));
-                    for key in &keys[..hits] {
+                    if !verify {
+                        tally.bytes += hits as u64 * block_len as u64;
+                    }
+                    for key in keys[..hits].iter().filter(|_| verify) {
                         match node.read(key) {
                             Some(bytes) => {
                                 tally.bytes += bytes.len() as u64;
@@ -219,6 +260,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     }
     progress.done();
     tally.workload = started.elapsed();
+    tally.cpu = process_cpu().saturating_sub(cpu_before);
     Ok(tally)
 }
 

@@ -16,7 +16,14 @@ pub fn key(i: u64) -> OffloadKey {
 /// The content of the block holding `key`.
 pub fn content(key: &OffloadKey, block_len: usize) -> Vec<u8> {
     let pattern = Sha256::digest(key.as_bytes());
-    pattern.iter().copied().cycle().take(block_len).collect()
+    let mut block = Vec::with_capacity(block_len);
+    block.extend_from_slice(&pattern[..block_len.min(pattern.len())]);
+    // Doubling copies: a 2 MiB block in 16 memcpys rather than byte by byte.
+    while block.len() < block_len {
+        let more = (block_len - block.len()).min(block.len());
+        block.extend_from_within(..more);
+    }
+    block
 }
 
 #[cfg(test)]
@@ -36,5 +43,8 @@ mod tests {
         let c = content(&k, 70);
         assert_eq!(c.len(), 70);
         assert_eq!(c[..32], c[32..64]);
+        assert_eq!(c[..6], c[64..]);
+        assert_eq!(content(&k, 5), c[..5]);
+        assert!(content(&k, 0).is_empty());
     }
 }
