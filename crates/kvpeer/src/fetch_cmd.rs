@@ -212,7 +212,11 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
         // last `misses` are new text no one has computed (synthetic indexes never filled).
         let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
         let shared = args.keys - misses;
-        let prefix = if args.prefixes > 0 { r % args.prefixes } else { r };
+        let prefix = if args.prefixes > 0 {
+            r % args.prefixes
+        } else {
+            r
+        };
         let first = args.first + prefix * shared;
         let new = MISS_BASE + r * misses;
         let keys: Vec<OffloadKey> = (first..first + shared)
