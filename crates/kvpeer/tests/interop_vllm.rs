@@ -493,13 +493,15 @@ fn mismatched_peers_are_refused_both_ways() {
     assert_serve_clean(&serve);
     assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 0.0);
 
-    // kvpeer consumers refused by vLLM (and refusing it: each side checks the other).
-    let (mut producer, id) = vllm_serve(&["--fill", "8", "--model", "m"]);
+    // kvpeer consumers refused by vLLM (and refusing it: each side checks the other). A vLLM
+    // producer per case: vLLM's control transport can go deaf once it has closed a session
+    // (docs/behaviour.md #11).
     for (bad, what) in [
         (&["--hash-seed", "1"][..], "hash seed"),
         (&["--block-len", "4096"], "block_len"),
         (&["--config", config], "config fingerprint"),
     ] {
+        let (mut producer, id) = vllm_serve(&["--fill", "8", "--model", "m"]);
         let out = Command::new(BIN)
             .args(["fetch", "--peer", &id, "--plane", "shm", "--requests", "1"])
             .args(["--timeout-secs", "20"])
@@ -510,7 +512,7 @@ fn mismatched_peers_are_refused_both_ways() {
         assert_eq!(out.status.code(), Some(1), "{bad:?}: {stderr}");
         let error = format!("{what} mismatch");
         assert!(stderr.contains(&error), "{bad:?}: {stderr}");
-        // vLLM's own refusal (its session's death), before the next attempt.
+        // vLLM's own refusal: its session's death.
         let deadline = Instant::now() + Duration::from_secs(10);
         while !producer.log().contains(&error) {
             assert!(
@@ -520,25 +522,22 @@ fn mismatched_peers_are_refused_both_ways() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-    }
-    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
-    let s = producer.event("summary");
-    let reasons: Vec<&str> = s["deaths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["reason"].as_str().unwrap())
-        .collect();
-    for what in ["hash seed", "block_len", "config fingerprint"] {
+        assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
+        let s = producer.event("summary");
         let refused = format!("rejected peer connect: {what} mismatch");
+        let reasons = &s["deaths"];
         assert!(
-            reasons.iter().any(|r| r.starts_with(&refused)),
-            "{reasons:?}"
+            reasons
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["reason"].as_str().unwrap().starts_with(&refused)),
+            "{reasons}"
         );
+        assert_eq!(s["sent"].get("transfer_done"), None, "{s}");
+        assert_eq!(s["leftover"]["sessions"], 0, "{s}");
+        assert_vllm_clean(&s);
     }
-    assert_eq!(s["sent"].get("transfer_done"), None, "{s}");
-    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
-    assert_vllm_clean(&s);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -637,5 +636,31 @@ fn kvpeer_serves_a_restarted_vllm_consumer() {
     assert_eq!(s["hits"], 48, "{s}");
     assert_eq!(s["corrupt_blocks"], 0);
     assert_vllm_clean(&s);
+    assert_serve_clean(&serve);
+}
+
+/// kvpeer serves vLLM consumers one after another without going deaf: vLLM's own control
+/// transport can stop hearing new peers after closing a few sessions (libzmq monitor closed
+/// before its socket; docs/behaviour.md #11), kvpeer's closes in the safe order.
+#[test]
+fn kvpeer_serve_hears_many_vllm_consumers_in_turn() {
+    let (serve, id) = kvpeer_serve(&["--fill", "16"]);
+    for i in 0..10 {
+        let (status, s) = vllm_fetch(&[
+            "--peer",
+            &id,
+            "--requests",
+            "2",
+            "--keys",
+            "4",
+            "--prefixes",
+            "4",
+            "--timeout",
+            "10",
+        ]);
+        assert_eq!(status, 0, "consumer {i}: {s}\n{}", serve.log());
+        assert_eq!(s["hits"], 6, "consumer {i}: {s}");
+    }
+    assert_eq!(metric(&serve, "kvpeer_sessions_opened_total"), 10.0);
     assert_serve_clean(&serve);
 }
