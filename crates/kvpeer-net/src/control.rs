@@ -140,6 +140,12 @@ pub struct ControlChannel {
     next_monitor: u64,
     /// Events found while sending (lost connections), returned by the next `recv`.
     pending: Vec<ChannelEvent>,
+    /// What the last `wait` saw readable: the next `recv` reads only those sockets (each read
+    /// attempt of an empty ZeroMQ socket costs a syscall); any later `recv` reads them all. A
+    /// socket skipped is seen by the next `wait` at once (`zmq_poll` is level-triggered for
+    /// queued messages).
+    router_ready: std::cell::Cell<bool>,
+    monitors_ready: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for ControlChannel {
@@ -219,6 +225,8 @@ impl ControlChannel {
             dealers: HashMap::new(),
             next_monitor: 0,
             pending: Vec::new(),
+            router_ready: std::cell::Cell::new(true),
+            monitors_ready: std::cell::Cell::new(true),
         }
     }
 
@@ -331,17 +339,27 @@ impl ControlChannel {
         for d in self.dealers.values() {
             items.push(d.monitor.as_poll_item(zmq::POLLIN));
         }
+        let first_socket = usize::from(extra.is_some());
         match zmq::poll(&mut items, i64::from(ms(timeout))) {
-            Ok(n) => Ok(n > 0),
+            Ok(n) => {
+                let readable = |i: &zmq::PollItem| i.is_readable();
+                self.router_ready.set(readable(&items[first_socket]));
+                self.monitors_ready
+                    .set(items[first_socket + 1..].iter().any(readable));
+                Ok(n > 0)
+            }
             // A signal woke us: the caller looks at what changed, as after any wake-up.
-            Err(zmq::Error::EINTR) => Ok(true),
+            Err(zmq::Error::EINTR) => {
+                self.router_ready.set(true);
+                self.monitors_ready.set(true);
+                Ok(true)
+            }
             Err(e) => Err(zerr("poll")(e)),
         }
     }
 
-    /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.
-    pub fn recv(&mut self) -> Vec<ChannelEvent> {
-        let mut events = std::mem::take(&mut self.pending);
+    /// Reads the ROUTER until it has nothing more.
+    fn drain_router(&mut self, events: &mut Vec<ChannelEvent>) {
         loop {
             match self.router.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => match <[Vec<u8>; 2]>::try_from(frames) {
@@ -366,8 +384,22 @@ impl ControlChannel {
                 }
             }
         }
+    }
+
+    /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.
+    pub fn recv(&mut self) -> Vec<ChannelEvent> {
+        let mut events = std::mem::take(&mut self.pending);
+        // Once readable, read until EAGAIN.
+        if self.router_ready.replace(true) {
+            self.drain_router(&mut events);
+        }
         let mut lost = Vec::new();
-        for (peer, dealer) in &self.dealers {
+        let monitors = if self.monitors_ready.replace(true) {
+            &self.dealers
+        } else {
+            &HashMap::new()
+        };
+        for (peer, dealer) in monitors {
             while let Ok(frames) = dealer.monitor.recv_multipart(zmq::DONTWAIT) {
                 let event = frames
                     .first()

@@ -30,7 +30,6 @@
 //! ```
 
 use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
@@ -175,7 +174,7 @@ pub struct Node {
     advertised: kvpeer_net::metadata::AgentMetadata,
     config: NodeSpec,
     calls: Sender<Command>,
-    wake: UnixStream,
+    wake: std::fs::File,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 

@@ -126,7 +126,7 @@ impl<D: DataPlane> NodeIo<D> {
     }
 
     /// Another handle on the wake pipe's write end: writing a byte wakes [`NodeIo::wait`].
-    pub fn wake_writer(&self) -> Option<std::io::Result<std::os::unix::net::UnixStream>> {
+    pub fn wake_writer(&self) -> Option<std::io::Result<std::fs::File>> {
         self.wake.as_ref().map(WakePipe::writer)
     }
 

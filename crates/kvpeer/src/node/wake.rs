@@ -1,32 +1,34 @@
 //! Wakes the node's thread when a data plane completes something.
 //!
-//! A non-blocking socket pair: the plane's worker threads write a byte, the node's thread polls
-//! the read end together with the control channel's sockets, so it sleeps until there is work
-//! (no interval polling) and drains the pipe when it wakes.
+//! A non-blocking pipe: the plane's worker threads (and API calls, and signals) write a byte,
+//! the node's thread polls the read end together with the control channel's sockets, so it
+//! sleeps until there is work (no interval polling) and drains the pipe when it wakes. A pipe
+//! rather than a socket pair: a byte written to a pipe costs about half as much CPU (no socket
+//! buffer to allocate), and every API call writes one.
 
+use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
+
+use nix::fcntl::OFlag;
 
 use kvpeer_net::shm::Wake;
 
 /// The read end, owned by the node's thread.
 #[derive(Debug)]
 pub struct WakePipe {
-    read: UnixStream,
-    write: Arc<UnixStream>,
+    read: File,
+    write: Arc<File>,
 }
 
 impl WakePipe {
     /// A new pipe.
     pub fn new() -> std::io::Result<Self> {
-        let (read, write) = UnixStream::pair()?;
-        read.set_nonblocking(true)?;
-        write.set_nonblocking(true)?;
+        let (read, write) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
         Ok(WakePipe {
-            read,
-            write: Arc::new(write),
+            read: File::from(read),
+            write: Arc::new(File::from(write)),
         })
     }
 
@@ -40,7 +42,7 @@ impl WakePipe {
     }
 
     /// Another handle on the write end (for a signal handler to write to).
-    pub fn writer(&self) -> std::io::Result<UnixStream> {
+    pub fn writer(&self) -> std::io::Result<File> {
         self.write.try_clone()
     }
 
