@@ -7,10 +7,13 @@
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool.
 //! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
 //! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
+//! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
 
 pub mod control;
 pub mod dual;
 pub mod metadata;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod prefault;
 pub mod shm;
 mod shm_object;

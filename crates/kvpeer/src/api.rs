@@ -52,6 +52,8 @@ pub enum PlaneKind {
     /// Both: shm to peers whose pool this host can open, tcp to the others.
     #[default]
     Both,
+    /// NIXL over UCX, as stock vLLM engines use (builds with the `nixl` feature).
+    Nixl,
 }
 
 /// How to start a node.
@@ -82,6 +84,7 @@ impl NodeConfig {
                 auth_secret: None,
                 control: Default::default(),
                 limits: Default::default(),
+                nixl: Default::default(),
             },
             plane: PlaneKind::Both,
         }
@@ -191,6 +194,12 @@ impl Node {
             PlaneKind::Shm => Self::start_with::<kvpeer_net::shm::ShmPlane>(config.spec),
             PlaneKind::Tcp => Self::start_with::<kvpeer_net::tcp::TcpPlane>(config.spec),
             PlaneKind::Both => Self::start_with::<kvpeer_net::dual::DualPlane>(config.spec),
+            #[cfg(feature = "nixl")]
+            PlaneKind::Nixl => Self::start_with::<kvpeer_net::nixl::NixlPlane>(config.spec),
+            #[cfg(not(feature = "nixl"))]
+            PlaneKind::Nixl => Err(NodeError::Start(
+                "this kvpeer was built without the nixl plane: build with `--features nixl`".into(),
+            )),
         }
     }
 

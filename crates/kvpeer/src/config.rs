@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::api::{NodeConfig, PlaneKind};
 use crate::node::allow::Allowlist;
-use crate::node::build::NodeSpec;
+use crate::node::build::{NixlOptions, NodeSpec};
 use kvpeer_core::CoreConfig;
 use kvpeer_net::control::ControlConfig;
 use kvpeer_proto::{DecodeLimits, PeerId};
@@ -42,7 +42,18 @@ pub const KEYS: &[(&str, &str)] = &[
         "config_fingerprint",
         "model configuration fingerprint, \"\" matches any (default \"\")",
     ),
-    ("plane", "data planes: shm, tcp or both (default both)"),
+    (
+        "plane",
+        "data planes: shm, tcp, both or nixl (default both)",
+    ),
+    (
+        "nixl_lib_dir",
+        "directory of libnixl_capi.so for the nixl plane (default: loader path)",
+    ),
+    (
+        "nixl_backend_params",
+        "UCX backend parameters for the nixl plane, key=value,... (default none)",
+    ),
     (
         "tcp_max_rate",
         "cap on tcp bytes per second to each peer (default none)",
@@ -281,7 +292,34 @@ pub fn resolve(
         Some(("shm", _)) => PlaneKind::Shm,
         Some(("tcp", _)) => PlaneKind::Tcp,
         Some(("both", _)) => PlaneKind::Both,
-        Some((v, src)) => return Err(bad(src, "plane", format!("{v:?} is not shm, tcp or both"))),
+        Some(("nixl", _)) => PlaneKind::Nixl,
+        Some((v, src)) => {
+            return Err(bad(
+                src,
+                "plane",
+                format!("{v:?} is not shm, tcp, both or nixl"),
+            ))
+        }
+    };
+    let nixl = NixlOptions {
+        lib_dir: s.get("nixl_lib_dir").map(|(v, _)| v.into()),
+        backend_params: match s.get("nixl_backend_params") {
+            None => Vec::new(),
+            Some((v, src)) => v
+                .split(',')
+                .filter(|kv| !kv.trim().is_empty())
+                .map(|kv| match kv.split_once('=') {
+                    Some((k, v)) if !k.trim().is_empty() => {
+                        Ok((k.trim().to_owned(), v.trim().to_owned()))
+                    }
+                    _ => Err(bad(
+                        src,
+                        "nixl_backend_params",
+                        format!("{kv:?} is not key=value"),
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+        },
     };
     let tcp_max_write_rate = match s.get("tcp_max_rate") {
         None => None,
@@ -307,6 +345,7 @@ pub fn resolve(
             auth_secret: auth_secret(&s)?,
             control,
             limits,
+            nixl,
         },
         plane,
     })

@@ -43,6 +43,10 @@ pub(crate) struct NodeArgs {
     /// it; stock vLLM peers cannot). Off by default.
     #[arg(long, value_name = "FILE")]
     pub(crate) auth_secret_file: Option<std::path::PathBuf>,
+    /// The directory holding NIXL's `libnixl_capi.so`, for `--plane nixl` (e.g. the NIXL
+    /// wheel's `site-packages/.nixl_cu12.mesonpy.libs`) [default: the loader's search path].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) nixl_lib_dir: Option<std::path::PathBuf>,
 }
 
 impl NodeArgs {
@@ -95,8 +99,16 @@ impl NodeArgs {
                 PlaneKind::Shm => "shm",
                 PlaneKind::Tcp => "tcp",
                 PlaneKind::Both => "both",
+                PlaneKind::Nixl => "nixl",
             };
             flags.set("plane", name, "flag --plane");
+        }
+        if let Some(dir) = &self.nixl_lib_dir {
+            flags.set(
+                "nixl_lib_dir",
+                dir.display().to_string(),
+                "flag --nixl-lib-dir",
+            );
         }
         config::resolve(&file, &env, &flags, role).map_err(|e| e.to_string())
     }

@@ -46,6 +46,17 @@ pub struct NodeSpec {
     pub control: ControlConfig,
     /// Bounds on decoding a peer's message (size, nesting, keys per message).
     pub limits: DecodeLimits,
+    /// The `nixl` plane's settings (used only with that plane).
+    pub nixl: NixlOptions,
+}
+
+/// Settings of the `nixl` data plane.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NixlOptions {
+    /// The directory holding `libnixl_capi.so` (`None`: the loader's search path).
+    pub lib_dir: Option<std::path::PathBuf>,
+    /// UCX backend parameters set on top of NIXL's defaults, `key=value`.
+    pub backend_params: Vec<(String, String)>,
 }
 
 /// Why a node could not be built.
@@ -67,6 +78,10 @@ pub enum BuildError {
     /// The wake pipe.
     #[error("cannot make the wake pipe: {0}")]
     Wake(std::io::Error),
+    /// The nixl plane.
+    #[cfg(feature = "nixl")]
+    #[error(transparent)]
+    Nixl(#[from] kvpeer_net::nixl::NixlError),
     /// The authentication secret.
     #[error("authentication: {0}")]
     Auth(String),
@@ -76,6 +91,51 @@ pub enum BuildError {
 pub trait BuildPlane: DataPlane + Sized {
     /// Makes the plane over the node's pool; returns it and what it advertises.
     fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError>;
+
+    /// The `agent_metadata` bytes `connect` carries: kvpeer's plane map, unless the plane
+    /// speaks another format (NIXL's own blob).
+    fn agent_metadata(&self, advertised: &AgentMetadata) -> Vec<u8> {
+        advertised.encode()
+    }
+
+    /// The `base_addr` `connect` carries, when the plane registered its own mapping of the
+    /// pool (NIXL); `None`: the store's mapping.
+    fn base_addr(&self) -> Option<u64> {
+        None
+    }
+}
+
+#[cfg(feature = "nixl")]
+impl BuildPlane for kvpeer_net::nixl::NixlPlane {
+    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+        let config = kvpeer_net::nixl::NixlConfig {
+            // Unique per node and process; NIXL refuses a peer agent with its own name.
+            agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
+            backend_params: spec.nixl.backend_params.clone(),
+            lib_dir: spec.nixl.lib_dir.clone(),
+        };
+        let plane = kvpeer_net::nixl::NixlPlane::new(
+            &config,
+            &spec.shm_name,
+            spec.num_blocks,
+            spec.block_len,
+            wake,
+        )?;
+        let meta = AgentMetadata {
+            agent: config.agent_name,
+            shm: None,
+            tcp: None,
+        };
+        Ok((plane, meta))
+    }
+
+    fn agent_metadata(&self, _: &AgentMetadata) -> Vec<u8> {
+        self.metadata().to_vec()
+    }
+
+    fn base_addr(&self) -> Option<u64> {
+        Some(kvpeer_net::nixl::NixlPlane::base_addr(self))
+    }
 }
 
 impl BuildPlane for ShmPlane {
@@ -144,8 +204,10 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let (plane, meta) = P::build(&spec, wake)?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
-        agent_metadata: meta.encode(),
-        base_addr: store.region().base_addr(),
+        agent_metadata: plane.agent_metadata(&meta),
+        base_addr: plane
+            .base_addr()
+            .unwrap_or_else(|| store.region().base_addr()),
         num_blocks: spec.num_blocks,
         block_len: spec.block_len,
         config_fingerprint: spec.config_fingerprint.clone(),

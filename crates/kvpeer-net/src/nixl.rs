@@ -1,0 +1,584 @@
+//! The `nixl` data plane (cargo feature `nixl`): NIXL one-sided WRITEs, over its UCX backend,
+//! into a peer's registered DRAM — the data plane stock vLLM engines use (`NixlTransport`).
+//!
+//! The node's pool is mapped read-write by this plane and registered with NIXL as one DRAM
+//! region; a prepared descriptor list holds one descriptor per block, as vLLM's. What the node
+//! advertises in `connect` is NIXL's own metadata blob (what vLLM's `add_remote_agent` reads),
+//! and `base_addr` is this mapping's address, so a vLLM peer's descriptors
+//! (`base_addr + i × block_len`) fall inside the registered region.
+//!
+//! Registering a peer (loading its metadata, preparing one descriptor per block of its region)
+//! runs on a helper thread; the core acks the peer's `connect` only once it has landed. A write
+//! is one prepared WRITE request of the named blocks; completion is read by polling the
+//! request's state, on a watcher thread while anything is in flight, which wakes the runtime.
+//! Cancelling never reports a WRITE as stopped while NIXL may still land it (spec §3): `Wait`
+//! releases only requests NIXL reports ended. A request whose state check fails with a backend
+//! error (NIXL's remote-disconnect class) has ended and failed, and faults its peer; any other
+//! error faults the peer but keeps the request in flight, since its WRITE may still land.
+//!
+//! Loading: `nixl-sys` (feature `stub-api`) resolves `libnixl_capi.so` at the first NIXL call
+//! and aborts the process if it is missing, so [`load_library`] loads it first (from a given
+//! directory, else the loader's search path) and turns a missing library into an error naming
+//! what to install. Called by the core on the runtime thread, like the other planes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use kvpeer_core::{
+    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+};
+use kvpeer_proto::PeerId;
+use memmap2::MmapMut;
+use nixl_sys::{
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync,
+    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+};
+use tracing::{debug, warn};
+
+use crate::lock;
+use crate::shm::Wake;
+
+/// What to install when NIXL cannot be loaded.
+pub const INSTALL_HINT: &str = "install NIXL's wheel (`pip install --no-deps nixl==1.5.1 \
+     nixl-cu12==1.5.1`) and point `nixl_lib_dir` (or LD_LIBRARY_PATH) at its \
+     `site-packages/.nixl_cu12.mesonpy.libs` directory";
+
+/// Why the plane could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NixlError {
+    /// `libnixl_capi.so` could not be loaded.
+    #[error("cannot load NIXL ({reason}): {INSTALL_HINT}")]
+    Library {
+        /// The loader's message.
+        reason: String,
+    },
+    /// The local pool could not be opened or mapped.
+    #[error("nixl plane: local pool /{name}: {reason}")]
+    Local {
+        /// The pool's shm object.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// NIXL refused a step of the set-up.
+    #[error("nixl plane: {step}: {error}")]
+    Setup {
+        /// What was being done.
+        step: &'static str,
+        /// NIXL's error.
+        error: nixl_sys::NixlError,
+    },
+    /// A helper thread could not start.
+    #[error("nixl plane: cannot start a thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// How the plane's NIXL agent is made.
+#[derive(Debug, Clone, Default)]
+pub struct NixlConfig {
+    /// The agent's name (unique per process; peers never dial it).
+    pub agent_name: String,
+    /// Backend parameters set on top of UCX's defaults (e.g. `num_threads`).
+    pub backend_params: Vec<(String, String)>,
+    /// Where `libnixl_capi.so` lives; `None`: the loader's search path.
+    pub lib_dir: Option<PathBuf>,
+}
+
+/// Loads `libnixl_capi.so` once per process (from `dir`, or the loader's search path) so that
+/// NIXL's later lookup by name finds it; an error names what to install. Also sets, when unset,
+/// `NIXL_PLUGIN_DIR` (the library's `plugins/`) and `UCX_MODULES=^ib*` (without it UCX's
+/// InfiniBand modules crash the process at exit on machines without RDMA).
+pub fn load_library(dir: Option<&Path>) -> Result<(), NixlError> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        let path = dir.map_or_else(
+            || PathBuf::from("libnixl_capi.so"),
+            |d| d.join("libnixl_capi.so"),
+        );
+        // SAFETY: loading NIXL's C API library runs its initialisers, which is what using NIXL
+        // means; it is loaded once, kept for the life of the process (never unloaded), with
+        // RTLD_GLOBAL so `nixl-sys`'s own `dlopen("libnixl_capi.so")` finds this copy.
+        let library = unsafe {
+            libloading::os::unix::Library::open(
+                Some(&path),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        // SAFETY: only the symbol's presence is checked; it is not called through this pointer.
+        unsafe { library.get::<unsafe extern "C" fn()>(b"nixl_capi_create_agent\0") }
+            .map_err(|e| format!("{} lacks NIXL's C API: {e}", path.display()))?;
+        if let Some(d) = dir {
+            let plugins = d.join("plugins");
+            if std::env::var_os("NIXL_PLUGIN_DIR").is_none() && plugins.is_dir() {
+                std::env::set_var("NIXL_PLUGIN_DIR", plugins);
+            }
+        }
+        if std::env::var_os("UCX_MODULES").is_none() {
+            std::env::set_var("UCX_MODULES", "^ib*");
+        }
+        std::mem::forget(library);
+        Ok(())
+    });
+    loaded
+        .clone()
+        .map_err(|reason| NixlError::Library { reason })
+}
+
+/// A memory region NIXL registers: the plane's mapping of the pool.
+#[derive(Debug)]
+struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// A prepared descriptor list, moved from the registration thread to the runtime thread.
+struct Dlist(XferDlistHandle);
+
+// SAFETY: the handle is an opaque NIXL pointer owned by the agent, which outlives it; the agent
+// runs with NIXL's own read-write locking (`ThreadSync::Rw`), and the handle is used by one
+// thread at a time (built on the registration thread, then only by the runtime thread).
+unsafe impl Send for Dlist {}
+
+/// A registered peer.
+struct Peer {
+    name: String,
+    dlist: Dlist,
+    num_blocks: u64,
+}
+
+/// A registration on its helper thread: its number, and where its result arrives.
+struct Pending {
+    seq: u64,
+    num_blocks: u64,
+    result: Receiver<Result<(String, Dlist), String>>,
+}
+
+/// A WRITE in flight.
+struct Inflight {
+    peer: PeerId,
+    request: XferRequest,
+}
+
+/// State shared with the watcher thread.
+#[derive(Default)]
+struct Shared {
+    inflight: HashMap<TransferId, Inflight>,
+    /// Per peer: ended transfers, and a fault.
+    ended: HashMap<PeerId, PlanePoll>,
+    stop: bool,
+}
+
+/// The nixl data plane of one node.
+///
+/// Fields drop in declaration order, and NIXL handles need their agent: descriptor lists first,
+/// then the memory registration, the agent, and last the mapping NIXL had registered.
+pub struct NixlPlane {
+    peers: HashMap<PeerId, Peer>,
+    pending: HashMap<PeerId, Pending>,
+    local: Dlist,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    watcher: Option<std::thread::JoinHandle<()>>,
+    _registration: RegistrationHandle,
+    agent: Arc<Agent>,
+    mapping: MmapMut,
+    num_blocks: u64,
+    block_len: u64,
+    metadata: Vec<u8>,
+    failed: HashMap<PeerId, String>,
+    seq: u64,
+    next_tid: TransferId,
+    wake: Wake,
+}
+
+impl std::fmt::Debug for NixlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlPlane")
+            .field("num_blocks", &self.num_blocks)
+            .field("block_len", &self.block_len)
+            .field("peers", &self.peers.len())
+            .finish()
+    }
+}
+
+/// How often the watcher checks WRITEs in flight (NIXL reports completion only when asked).
+const WATCH_INTERVAL: Duration = Duration::from_micros(50);
+
+impl NixlPlane {
+    /// A plane for the node whose pool is the shared-memory object `pool`.
+    pub fn new(
+        config: &NixlConfig,
+        pool: &str,
+        num_blocks: u64,
+        block_len: u64,
+        wake: Wake,
+    ) -> Result<Self, NixlError> {
+        load_library(config.lib_dir.as_deref())?;
+        let local_err = |reason: String| NixlError::Local {
+            name: pool.to_owned(),
+            reason,
+        };
+        let file = crate::shm_object::open(pool, true).map_err(local_err)?;
+        // SAFETY: a shared mapping of our own pool: peers' WRITEs land in it (as in the store's
+        // mapping of the same object), and this plane only hands its address to NIXL.
+        let mapping = unsafe { MmapMut::map_mut(&file) }.map_err(|e| local_err(e.to_string()))?;
+        let len = num_blocks.saturating_mul(block_len);
+        if (mapping.len() as u64) < len {
+            return Err(local_err(format!("{} bytes, {len} needed", mapping.len())));
+        }
+        let setup = |step| move |error| NixlError::Setup { step, error };
+        let agent_config = AgentConfig {
+            thread_sync: ThreadSync::Rw,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(&config.agent_name, &agent_config)
+            .map_err(setup("create the agent"))?;
+        let (_, mut params) = agent
+            .get_plugin_params("UCX")
+            .map_err(setup("read UCX's parameters"))?;
+        for (key, value) in &config.backend_params {
+            params
+                .set(key, value)
+                .map_err(setup("set a UCX parameter"))?;
+        }
+        agent
+            .create_backend("UCX", &params)
+            .map_err(setup("create the UCX backend"))?;
+        let base = mapping.as_ptr() as usize;
+        let region = Region {
+            addr: base,
+            len: len as usize,
+        };
+        let registration = agent
+            .register_memory(&region, None)
+            .map_err(setup("register the pool"))?;
+        let local = prepare(&agent, "", base as u64, num_blocks, block_len)
+            .map_err(setup("prepare the local descriptors"))?;
+        let metadata = agent
+            .get_local_md()
+            .map_err(setup("read the agent's metadata"))?;
+        let agent = Arc::new(agent);
+        let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
+        let watcher = {
+            let (agent, shared, wake) = (agent.clone(), shared.clone(), wake.clone());
+            std::thread::Builder::new()
+                .name("kvpeer-nixl-watch".into())
+                .spawn(move || watch(&agent, &shared, &wake))
+                .map_err(NixlError::Thread)?
+        };
+        Ok(NixlPlane {
+            agent,
+            _registration: registration,
+            mapping,
+            local: Dlist(local),
+            num_blocks,
+            block_len,
+            metadata,
+            peers: HashMap::new(),
+            pending: HashMap::new(),
+            failed: HashMap::new(),
+            seq: 0,
+            next_tid: 0,
+            shared,
+            watcher: Some(watcher),
+            wake,
+        })
+    }
+
+    /// NIXL's metadata blob: what this node advertises as `agent_metadata`.
+    pub fn metadata(&self) -> &[u8] {
+        &self.metadata
+    }
+
+    /// The registered region's address: what this node advertises as `base_addr`.
+    pub fn base_addr(&self) -> u64 {
+        self.mapping.as_ptr() as u64
+    }
+}
+
+/// One descriptor per block of the region at `base`, prepared for `agent_name` ("" = local).
+fn prepare(
+    agent: &Agent,
+    agent_name: &str,
+    base: u64,
+    num_blocks: u64,
+    block_len: u64,
+) -> Result<XferDlistHandle, nixl_sys::NixlError> {
+    let mut descs = XferDescList::new(MemType::Dram)?;
+    for i in 0..num_blocks {
+        descs.add_desc((base + i * block_len) as usize, block_len as usize, 0);
+    }
+    agent.prepare_xfer_dlist(agent_name, &descs, None)
+}
+
+/// The watcher: while WRITEs are in flight, asks NIXL for their state every
+/// [`WATCH_INTERVAL`]; ended ones move to `ended` and wake the runtime.
+fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
+    let (state, ready) = shared;
+    let mut s = lock(state);
+    loop {
+        while s.inflight.is_empty() && !s.stop {
+            s = ready.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        if s.stop {
+            return;
+        }
+        let mut ended = false;
+        let ids: Vec<TransferId> = s.inflight.keys().copied().collect();
+        for id in ids {
+            let Some(entry) = s.inflight.get(&id) else {
+                continue;
+            };
+            match agent.get_xfer_status(&entry.request) {
+                Ok(XferStatus::InProgress) => {}
+                Ok(XferStatus::Success) => {
+                    if let Some(e) = s.inflight.remove(&id) {
+                        s.ended.entry(e.peer).or_default().done.push(id);
+                        ended = true;
+                    }
+                }
+                // NIXL's remote-disconnect class: nothing more of this WRITE can land.
+                Err(nixl_sys::NixlError::BackendError) => {
+                    if let Some(e) = s.inflight.remove(&id) {
+                        let poll = s.ended.entry(e.peer.clone()).or_default();
+                        poll.failed.push(id);
+                        poll.peer_fault = Some("NIXL reported the WRITE failed".into());
+                        warn!(peer = %e.peer, transfer = id, "nixl WRITE failed");
+                        ended = true;
+                    }
+                }
+                // Any other error says nothing about the WRITE itself: it stays in flight (it
+                // may still land) and its peer is faulted, so the session winds down.
+                Err(error) => {
+                    let peer = entry.peer.clone();
+                    let poll = s.ended.entry(peer.clone()).or_default();
+                    if poll.peer_fault.is_none() {
+                        warn!(%peer, transfer = id, %error, "nixl state check failed");
+                        poll.peer_fault = Some(format!("NIXL state check failed: {error}"));
+                        ended = true;
+                    }
+                }
+            }
+        }
+        if ended {
+            wake();
+        }
+        drop(s);
+        std::thread::sleep(WATCH_INTERVAL);
+        s = lock(state);
+    }
+}
+
+impl DataPlane for NixlPlane {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+        if memory.block_len != self.block_len {
+            return Err(format!(
+                "block_len {} is not ours ({})",
+                memory.block_len, self.block_len
+            ));
+        }
+        if memory.num_blocks == 0 || memory.agent_metadata.is_empty() {
+            return Err("the peer offers no NIXL region".into());
+        }
+        self.remove_remote_peer(peer);
+        self.seq += 1;
+        let (tx, rx) = channel();
+        let (agent, wake) = (self.agent.clone(), self.wake.clone());
+        let who = peer.clone();
+        let memory = memory.clone();
+        std::thread::Builder::new()
+            .name("kvpeer-nixl-register".into())
+            .spawn(move || {
+                let result = agent
+                    .load_remote_md(&memory.agent_metadata)
+                    .map_err(|e| format!("NIXL refused the peer's metadata: {e}"))
+                    .and_then(|name| {
+                        prepare(
+                            &agent,
+                            &name,
+                            memory.base_addr,
+                            memory.num_blocks,
+                            memory.block_len,
+                        )
+                        .map(|d| (name, Dlist(d)))
+                        .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
+                    });
+                debug!(peer = %who, ok = result.is_ok(), "nixl registration done");
+                let _ = tx.send(result);
+                wake();
+            })
+            .map_err(|e| format!("cannot start the registration thread: {e}"))?;
+        self.pending.insert(
+            peer.clone(),
+            Pending {
+                seq: self.seq,
+                num_blocks: memory.num_blocks,
+                result: rx,
+            },
+        );
+        Ok(())
+    }
+
+    fn registration(&mut self, peer: &PeerId) -> Registration {
+        if self.peers.contains_key(peer) {
+            return Registration::Done;
+        }
+        if let Some(reason) = self.failed.get(peer) {
+            return Registration::Failed(reason.clone());
+        }
+        let Some(pending) = self.pending.get(peer) else {
+            return Registration::Failed("not registered".into());
+        };
+        match pending.result.try_recv() {
+            Err(TryRecvError::Empty) => Registration::Pending,
+            Err(TryRecvError::Disconnected) => {
+                self.pending.remove(peer);
+                let reason = "the registration thread ended without a result".to_owned();
+                self.failed.insert(peer.clone(), reason.clone());
+                Registration::Failed(reason)
+            }
+            Ok(result) => {
+                let (seq, num_blocks) = (pending.seq, pending.num_blocks);
+                self.pending.remove(peer);
+                debug!(%peer, seq, "nixl registration landed");
+                match result {
+                    Ok((name, dlist)) => {
+                        self.peers.insert(
+                            peer.clone(),
+                            Peer {
+                                name,
+                                dlist,
+                                num_blocks,
+                            },
+                        );
+                        Registration::Done
+                    }
+                    Err(reason) => {
+                        self.failed.insert(peer.clone(), reason.clone());
+                        Registration::Failed(reason)
+                    }
+                }
+            }
+        }
+    }
+
+    fn remove_remote_peer(&mut self, peer: &PeerId) {
+        // A registration still running is dropped with its receiver; its handles are released
+        // when the thread's send fails and the result is dropped.
+        self.pending.remove(peer);
+        self.failed.remove(peer);
+        if let Some(p) = self.peers.remove(peer) {
+            drop(p.dlist);
+            if let Err(e) = self.agent.invalidate_remote_md(&p.name) {
+                debug!(%peer, error = %e, "nixl: invalidating the peer's metadata failed");
+            }
+        }
+    }
+
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId> {
+        let p = self.peers.get(peer)?;
+        let in_range = local.len() == remote.len()
+            && !local.is_empty()
+            && local.iter().all(|l| *l < self.num_blocks)
+            && remote.iter().all(|r| *r < p.num_blocks);
+        if !in_range {
+            warn!(%peer, "nixl write refused: block index out of range");
+            return None;
+        }
+        let index = |v: &[BlockIndex]| -> Option<Vec<i32>> {
+            v.iter().map(|b| i32::try_from(*b).ok()).collect()
+        };
+        let (l, r) = (index(local)?, index(remote)?);
+        let request = match self
+            .agent
+            .make_xfer_req(XferOp::Write, &self.local.0, &l, &p.dlist.0, &r, None)
+            .and_then(|req| self.agent.post_xfer_req(&req, None).map(|_| req))
+        {
+            Ok(req) => req,
+            Err(e) => {
+                warn!(%peer, error = %e, "nixl WRITE could not be posted");
+                return None;
+            }
+        };
+        self.next_tid += 1;
+        let tid = self.next_tid;
+        let (state, ready) = &*self.shared;
+        lock(state).inflight.insert(
+            tid,
+            Inflight {
+                peer: peer.clone(),
+                request,
+            },
+        );
+        ready.notify_one();
+        Some(tid)
+    }
+
+    fn poll(&mut self, peer: &PeerId) -> PlanePoll {
+        lock(&self.shared.0).ended.remove(peer).unwrap_or_default()
+    }
+
+    fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
+        let mut s = lock(&self.shared.0);
+        match mode {
+            // Only ended WRITEs were removed from `inflight`; the rest may still land.
+            CancelMode::Wait => ids
+                .iter()
+                .copied()
+                .filter(|id| s.inflight.contains_key(id))
+                .collect(),
+            CancelMode::Immediate => {
+                for id in ids {
+                    // Dropping the request releases it; NIXL aborts what it still can.
+                    s.inflight.remove(id);
+                }
+                Vec::new()
+            }
+        }
+    }
+}
+
+impl Drop for NixlPlane {
+    fn drop(&mut self) {
+        {
+            let (state, ready) = &*self.shared;
+            let mut s = lock(state);
+            s.stop = true;
+            s.inflight.clear();
+            ready.notify_all();
+        }
+        if let Some(w) = self.watcher.take() {
+            let _ = w.join();
+        }
+        for (_, p) in self.peers.drain() {
+            drop(p.dlist);
+            let _ = self.agent.invalidate_remote_md(&p.name);
+        }
+    }
+}
