@@ -6,6 +6,8 @@
 #      With it, the interop tests against vLLM 0.33's own P2P code (crates/kvpeer/tests/
 #      interop_vllm.rs): tests/interop/setup.sh fetches the vLLM wheel once into a cache outside
 #      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run.
+#      Then the nixl plane's tests (feature `nixl`), against vLLM's own NixlTransport: NIXL's
+#      wheel goes into the venv (tests/requirements-nixl.txt); building needs libclang-dev.
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -29,8 +31,21 @@ echo "== vLLM 0.33's P2P modules for the interop tests (tests/interop/setup.sh)"
 KVPEER_INTEROP_PYTHONPATH="$(bash tests/interop/setup.sh)"
 export KVPEER_INTEROP_PYTHONPATH
 
+# NIXL for the nixl plane's tests: its wheel without dependencies (with them it pulls torch),
+# as tests/requirements-nixl.txt pins; the library kvpeer loads is inside the wheel.
+if ! "$venv/bin/python" -c 'import nixl._api' 2>/dev/null; then
+  echo "== installing NIXL into $venv (tests/requirements-nixl.txt, no dependencies)"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -r tests/requirements-nixl.txt
+fi
+KVPEER_NIXL_LIB_DIR="$(cd "$(dirname "$(ls "$venv"/lib/python3*/site-packages/.nixl_cu12.mesonpy.libs/libnixl_capi.so)")" && pwd)"
+export KVPEER_NIXL_LIB_DIR
+
 echo "== cargo test --workspace"
 cargo test --workspace
+
+# The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
+echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"
+UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl
 
 generated="$PWD/target/generated-vectors.json"
 seed_args=()

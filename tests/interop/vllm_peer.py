@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -175,8 +176,16 @@ class VllmPeer:
         self.hash_seed = args.hash_seed
         self.pool = ShmPool(f"kvpeer-vllm-{tag}-{os.getpid()}", args.blocks, args.block_len)
         fields = {"model": args.model} if args.model else None
-        transport = StallingTransport if getattr(args, "stall_writes", False) else ShmTransport
-        self.data = transport(self.pool, self.local_id, config_fields=fields)
+        if args.transport == "nixl":
+            # vLLM's own NIXL transport, as its manager makes it (a uuid agent name, UCX).
+            from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport
+
+            self.data = NixlTransport(str(uuid.uuid4()), self.pool.view, config_fields=fields)
+            if not self.data.available:
+                sys.exit("NIXL is not available (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+        else:
+            transport = StallingTransport if getattr(args, "stall_writes", False) else ShmTransport
+            self.data = transport(self.pool, self.local_id, config_fields=fields)
         self.control = ZmqTransport(self.local_id, host, port)
         self.sessions: dict[str, P2PSession] = {}
         self.parent = Parent()
@@ -424,6 +433,9 @@ def fetch(args) -> int:
             job += 1
             loads.append((job, hits, blocks, time.monotonic()))
             session.request_blocks(job, kv_id, hits, blocks)
+            if args.die_after_fetch:
+                peer.tick()  # the fetch goes out; the producer starts writing into us
+                os.kill(os.getpid(), signal.SIGKILL)
             if not args.pd:
                 settle(loads.pop())
                 if len(hits) < len(chunk):
@@ -468,6 +480,10 @@ def main() -> int:
         s.add_argument("--hash-seed", default="0")
         s.add_argument("--model", default="", help="config fingerprint field (none: no fingerprint)")
         s.add_argument("--first", type=int, default=0, help="synthetic index of the first key")
+        s.add_argument(
+            "--transport", choices=["shm", "nixl"], default="shm",
+            help="data plane: kvpeer's shm plane, or vLLM's own NixlTransport",
+        )
     serve_p, fetch_p = sub.choices["serve"], sub.choices["fetch"]
     serve_p.add_argument("--fill", type=int, default=0, help="hold synthetic blocks first..+N")
     serve_p.add_argument("--pending-first", type=int, default=0)
@@ -487,6 +503,9 @@ def main() -> int:
     )
     fetch_p.add_argument(
         "--warmup", type=int, default=0, help="requests first, checked, not in the figures"
+    )
+    fetch_p.add_argument(
+        "--die-after-fetch", action="store_true", help="SIGKILL itself right after its first fetch"
     )
     fetch_p.add_argument("--expect-failures", action="store_true", help="exit 0 on failed loads")
     args = p.parse_args()

@@ -15,138 +15,16 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, http_get, metrics_addr, samples, Proc, BIN};
+use common::vllm::{
+    assert_serve_clean, assert_vllm_clean, kvpeer_serve, metric, vllm, vllm_fetch, vllm_serve,
+};
+use common::{free_port, BIN};
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
 use serde_json::Value;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo().join("target/kvpeer-venv/bin/python");
-    assert!(
-        venv.exists(),
-        "needs the Python of scripts/test.sh's venv: run scripts/test.sh or set KVPEER_PYTHON"
-    );
-    venv
-}
-
-/// The PYTHONPATH holding vLLM's P2P modules and the stubs (setup.sh, once per test binary).
-fn pythonpath() -> &'static str {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        if let Ok(p) = std::env::var("KVPEER_INTEROP_PYTHONPATH") {
-            return p;
-        }
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/setup.sh"))
-            .env("KVPEER_PYTHON", python())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "tests/interop/setup.sh failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    })
-}
-
-/// `vllm_peer.py ARGS` (a vLLM peer process).
-fn vllm(args: &[&str]) -> Proc {
-    let mut command = Command::new(python());
-    command
-        .arg(repo().join("tests/interop/vllm_peer.py"))
-        .args(args)
-        .env("PYTHONPATH", pythonpath());
-    let role = args[0].to_owned();
-    Proc::start(command, move |pid| format!("kvpeer-vllm-{role}-{pid}"))
-}
-
-/// A vLLM producer serving synthetic blocks; returns it and its identity once it listens.
-fn vllm_serve(extra: &[&str]) -> (Proc, String) {
-    let mut args = vec!["serve"];
-    args.extend_from_slice(extra);
-    let p = vllm(&args);
-    let id = p.event("ready")["id"].as_str().unwrap().to_owned();
-    (p, id)
-}
-
-/// Runs a vLLM consumer to its end; returns its exit status and summary.
-fn vllm_fetch(args: &[&str]) -> (i32, Value) {
-    let mut all = vec!["fetch"];
-    all.extend_from_slice(args);
-    let mut p = vllm(&all);
-    let summary = p.event("summary");
-    let status = p.wait_while(Duration::from_secs(60), || {
-        std::thread::sleep(Duration::from_millis(5))
-    });
-    (status, summary)
-}
-
-/// `kvpeer serve` on the shm plane with metrics, plus `extra`.
-fn kvpeer_serve(extra: &[&str]) -> (Proc, String) {
-    let mut args = vec!["--plane", "shm", "--metrics", "127.0.0.1:0"];
-    args.extend_from_slice(extra);
-    let (p, id) = Proc::serve(&args);
-    (p, id.as_str().to_owned())
-}
-
-fn metric(p: &Proc, name: &str) -> f64 {
-    let (_, body) = http_get(&metrics_addr(p), "/metrics");
-    samples(&body)
-        .get(name)
-        .copied()
-        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
-}
-
-/// Waits (bounded) until the serving process has no session, request, pin or transfer open.
-fn assert_serve_clean(p: &Proc) {
-    let open = [
-        "kvpeer_sessions",
-        "kvpeer_client_requests",
-        "kvpeer_server_requests",
-        "kvpeer_store_jobs",
-        "kvpeer_inflight_transfers",
-        "kvpeer_pool_pinned_blocks",
-        "kvpeer_pool_writing_blocks",
-    ];
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let left: Vec<_> = open
-            .iter()
-            .map(|n| (*n, metric(p, n)))
-            .filter(|(_, v)| *v != 0.0)
-            .collect();
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "still open: {left:?}\n{}",
-            p.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The vLLM side left nothing open: no pins, no lookups, no request state, no transfers.
-fn assert_vllm_clean(summary: &Value) {
-    let left = &summary["leftover"];
-    for k in ["pins", "open_lookups", "client_requests", "server_requests"] {
-        assert_eq!(left[k], 0, "{k} left open: {summary}");
-    }
-    assert_eq!(left["pending_work"], false, "{summary}");
-}
 
 /// A kvpeer node in this process on the shm plane.
 fn node(tag: &str, load_timeout: Duration) -> Node {

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
 
+pub(crate) mod vllm;
+
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
 
 /// A child process, killed (by its PID) when dropped; its pool's shm object is removed too.

@@ -1,0 +1,162 @@
+//! Running vLLM's own P2P code as a peer process (`tests/interop/vllm_peer.py`), and reading
+//! both sides' open state, for the interop tests.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{http_get, metrics_addr, samples, Proc};
+
+pub(crate) fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub(crate) fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo().join("target/kvpeer-venv/bin/python");
+    assert!(
+        venv.exists(),
+        "needs the Python of scripts/test.sh's venv: run scripts/test.sh or set KVPEER_PYTHON"
+    );
+    venv
+}
+
+/// The PYTHONPATH holding vLLM's P2P modules and the stubs (setup.sh, once per test binary).
+pub(crate) fn pythonpath() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Ok(p) = std::env::var("KVPEER_INTEROP_PYTHONPATH") {
+            return p;
+        }
+        let out = Command::new("bash")
+            .arg(repo().join("tests/interop/setup.sh"))
+            .env("KVPEER_PYTHON", python())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "tests/interop/setup.sh failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    })
+}
+
+/// `vllm_peer.py ARGS` (a vLLM peer process).
+pub(crate) fn vllm(args: &[&str]) -> Proc {
+    let mut command = Command::new(python());
+    command
+        .arg(repo().join("tests/interop/vllm_peer.py"))
+        .args(args)
+        .env("PYTHONPATH", pythonpath());
+    let role = args[0].to_owned();
+    Proc::start(command, move |pid| format!("kvpeer-vllm-{role}-{pid}"))
+}
+
+/// A vLLM producer serving synthetic blocks; returns it and its identity once it listens.
+pub(crate) fn vllm_serve(extra: &[&str]) -> (Proc, String) {
+    let mut args = vec!["serve"];
+    args.extend_from_slice(extra);
+    let p = vllm(&args);
+    let id = p.event("ready")["id"].as_str().unwrap().to_owned();
+    (p, id)
+}
+
+/// Runs a vLLM consumer to its end; returns its exit status and summary.
+pub(crate) fn vllm_fetch(args: &[&str]) -> (i32, Value) {
+    let mut all = vec!["fetch"];
+    all.extend_from_slice(args);
+    let mut p = vllm(&all);
+    let summary = p.event("summary");
+    let status = p.wait_while(Duration::from_secs(60), || {
+        std::thread::sleep(Duration::from_millis(5))
+    });
+    (status, summary)
+}
+
+/// `kvpeer serve` on the shm plane with metrics, plus `extra`.
+pub(crate) fn kvpeer_serve(extra: &[&str]) -> (Proc, String) {
+    kvpeer_serve_on(&["--plane", "shm"], extra)
+}
+
+/// `kvpeer serve` with `plane` (its flags) and metrics, plus `extra`.
+pub(crate) fn kvpeer_serve_on(plane: &[&str], extra: &[&str]) -> (Proc, String) {
+    let mut args = plane.to_vec();
+    args.extend_from_slice(&["--metrics", "127.0.0.1:0"]);
+    args.extend_from_slice(extra);
+    let (p, id) = Proc::serve(&args);
+    (p, id.as_str().to_owned())
+}
+
+/// The directory of NIXL's `libnixl_capi.so`: `KVPEER_NIXL_LIB_DIR`, or the NIXL wheel that
+/// scripts/test.sh installs into its venv.
+pub(crate) fn nixl_lib_dir() -> String {
+    if let Ok(dir) = std::env::var("KVPEER_NIXL_LIB_DIR") {
+        return dir;
+    }
+    let lib = repo().join("target/kvpeer-venv/lib");
+    let found = std::fs::read_dir(&lib).ok().and_then(|entries| {
+        entries
+            .filter_map(Result::ok)
+            .map(|e| e.path().join("site-packages/.nixl_cu12.mesonpy.libs"))
+            .find(|p| p.join("libnixl_capi.so").exists())
+    });
+    found
+        .unwrap_or_else(|| {
+            panic!("needs NIXL's wheel: run scripts/test.sh (it installs it) or set KVPEER_NIXL_LIB_DIR")
+        })
+        .display()
+        .to_string()
+}
+
+pub(crate) fn metric(p: &Proc, name: &str) -> f64 {
+    let (_, body) = http_get(&metrics_addr(p), "/metrics");
+    samples(&body)
+        .get(name)
+        .copied()
+        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
+}
+
+/// Waits (bounded) until the serving process has no session, request, pin or transfer open.
+pub(crate) fn assert_serve_clean(p: &Proc) {
+    let open = [
+        "kvpeer_sessions",
+        "kvpeer_client_requests",
+        "kvpeer_server_requests",
+        "kvpeer_store_jobs",
+        "kvpeer_inflight_transfers",
+        "kvpeer_pool_pinned_blocks",
+        "kvpeer_pool_writing_blocks",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let left: Vec<_> = open
+            .iter()
+            .map(|n| (*n, metric(p, n)))
+            .filter(|(_, v)| *v != 0.0)
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still open: {left:?}\n{}",
+            p.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The vLLM side left nothing open: no pins, no lookups, no request state, no transfers.
+pub(crate) fn assert_vllm_clean(summary: &Value) {
+    let left = &summary["leftover"];
+    for k in ["pins", "open_lookups", "client_requests", "server_requests"] {
+        assert_eq!(left[k], 0, "{k} left open: {summary}");
+    }
+    assert_eq!(left["pending_work"], false, "{summary}");
+}

@@ -1,0 +1,371 @@
+//! The `nixl` plane (cargo feature `nixl`): kvpeer nodes and vLLM 0.33's own `NixlTransport`
+//! (with its `ZmqTransport` and `P2PSession`, extracted unchanged from the wheel) exchange
+//! blocks over NIXL — UCX on DRAM over loopback — both directions, every byte checked: the
+//! test that a stock vLLM engine and kvpeer share blocks.
+//!
+//! Needs NIXL's wheel (`scripts/test.sh` installs it into its venv; `KVPEER_NIXL_LIB_DIR`
+//! names another copy) and the interop set-up of `interop_vllm.rs`.
+
+#![cfg(feature = "nixl")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
+
+use common::vllm::{
+    assert_serve_clean, assert_vllm_clean, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
+    vllm_serve,
+};
+use common::{free_port, BIN};
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
+
+/// UCX on loopback only, in this process and the children it starts.
+fn ucx_env() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", "lo");
+        }
+        if std::env::var_os("UCX_MODULES").is_none() {
+            std::env::set_var("UCX_MODULES", "^ib*");
+        }
+    });
+}
+
+fn nixl_plane(dir: &str) -> [&str; 4] {
+    ["--plane", "nixl", "--nixl-lib-dir", dir]
+}
+
+/// An in-process node on the nixl plane.
+fn node(tag: &str, block_len: u64, load_timeout: Duration) -> Node {
+    ucx_env();
+    let mut config = NodeConfig::local(&format!("nixl-{tag}"));
+    config.plane = PlaneKind::Nixl;
+    config.spec.block_len = block_len;
+    config.spec.num_blocks = 128;
+    config.spec.nixl.lib_dir = Some(nixl_lib_dir().into());
+    config.spec.core.load_timeout = load_timeout;
+    Node::start(config).unwrap()
+}
+
+fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
+    range.map(synthetic::key).collect()
+}
+
+fn store(node: &Node, ks: &[OffloadKey]) {
+    let len = node.config().block_len as usize;
+    node.store(
+        ks.iter()
+            .map(|k| (k.clone(), synthetic::content(k, len)))
+            .collect(),
+    )
+    .unwrap();
+}
+
+fn assert_bytes(node: &Node, ks: &[OffloadKey]) {
+    let len = node.config().block_len as usize;
+    for k in ks {
+        assert_eq!(
+            node.read(k).as_deref(),
+            Some(&synthetic::content(k, len)[..])
+        );
+    }
+}
+
+fn assert_node_clean(node: &Node) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = node.stats().unwrap();
+        let open = (
+            s.core.client_requests,
+            s.core.server_requests,
+            s.core.store_jobs,
+            s.core.inflight,
+            s.store.pinned,
+            s.store.writing,
+        );
+        if open == (0, 0, 0, 0, 0, 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still open: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two kvpeer nodes on the nixl plane: NIXL metadata in `connect`, lookups, a fetch written by
+/// NIXL, byte-exact; nothing left open.
+#[test]
+fn two_kvpeer_nodes_share_blocks_over_nixl() {
+    let producer = node("p", 64 * 1024, Duration::from_secs(30));
+    let consumer = node("c", 64 * 1024, Duration::from_secs(30));
+    store(&producer, &keys(0..16));
+    let ks = keys(0..20);
+    let t = Duration::from_secs(30);
+    let found = consumer.lookup(producer.id(), "r", &ks, t).unwrap();
+    assert_eq!(found[..16], [LookupResult::Hit; 16]);
+    assert_eq!(found[16..], [LookupResult::Miss; 4]);
+    consumer.fetch("r", &ks[..16], t).unwrap();
+    assert_bytes(&consumer, &ks[..16]);
+    consumer.finish("r");
+    assert_node_clean(&consumer);
+    assert_node_clean(&producer);
+    consumer.shutdown(Duration::from_secs(3));
+    producer.shutdown(Duration::from_secs(3));
+}
+
+/// vLLM's own NixlTransport consumer against `kvpeer serve --plane nixl`: handshake with real
+/// NIXL metadata both ways, three lookup rounds per request (two fetches written by kvpeer's
+/// NIXL agent into vLLM's registered memory, then the terminal empty fetch), every byte checked.
+#[test]
+fn a_vllm_nixl_consumer_fetches_from_kvpeer() {
+    ucx_env();
+    let dir = nixl_lib_dir();
+    let (serve, id) = kvpeer_serve_on(&nixl_plane(&dir), &["--fill", "64"]);
+    let (status, s) = vllm_fetch(&[
+        "--transport",
+        "nixl",
+        "--peer",
+        &id,
+        "--requests",
+        "4",
+        "--keys",
+        "12",
+        "--miss-share",
+        "0.3334",
+        "--rounds",
+        "3",
+    ]);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(32), Some(16)),
+        "{s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_eq!(s["bytes"], 32 * 65536);
+    assert_eq!(s["received"]["transfer_done"], 8, "{s}");
+    assert_vllm_clean(&s);
+    assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 8.0);
+    assert_serve_clean(&serve);
+    let log = serve.log();
+    assert!(!log.contains("WARN") && !log.contains("ERROR"), "{log}");
+}
+
+/// `kvpeer fetch --plane nixl` against vLLM's own NixlTransport producer: vLLM's NIXL agent
+/// writes into kvpeer's registered pool; every byte checked; kvpeer's disconnect ends vLLM's
+/// session in order.
+#[test]
+fn kvpeer_fetches_over_nixl_from_a_vllm_producer() {
+    ucx_env();
+    let dir = nixl_lib_dir();
+    let (mut producer, id) = vllm_serve(&["--transport", "nixl", "--fill", "64"]);
+    let out = Command::new(BIN)
+        .args([
+            "fetch",
+            "--peer",
+            &id,
+            "--json",
+            "--requests",
+            "8",
+            "--keys",
+            "8",
+        ])
+        .args(nixl_plane(&dir))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{}", producer.log());
+    let f: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (f["hits"].as_u64(), f["misses"].as_u64()),
+        (Some(48), Some(16)),
+        "{f}"
+    );
+    assert_eq!(f["failed_loads"], 0);
+    assert_eq!(f["corrupt_blocks"], 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !producer.log().contains("peer disconnected") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(producer.terminate(Duration::from_secs(20)), 0);
+    let s = producer.event("summary");
+    assert_eq!(s["sent"]["transfer_done"], 8, "{s}");
+    assert_eq!(s["deaths"][0]["reason"], "peer disconnected", "{s}");
+    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
+    assert_vllm_clean(&s);
+}
+
+/// A vLLM PD consumer's fetches that kvpeer has nothing for time out; vLLM aborts each round
+/// and kvpeer's abort_ack names it.
+#[test]
+fn a_vllm_nixl_consumers_aborts_are_acked() {
+    ucx_env();
+    let dir = nixl_lib_dir();
+    let (serve, id) = kvpeer_serve_on(&nixl_plane(&dir), &["--fill", "8"]);
+    let (status, s) = vllm_fetch(&[
+        "--transport",
+        "nixl",
+        "--peer",
+        &id,
+        "--pd",
+        "--requests",
+        "1",
+        "--keys",
+        "4",
+        "--miss-share",
+        "0",
+        "--rounds",
+        "2",
+        "--load-timeout",
+        "1",
+        "--expect-failures",
+    ]);
+    assert_eq!(status, 0, "{s}");
+    assert_eq!(s["failed_loads"], 2, "{s}");
+    assert_eq!(s["abort_ack_rounds"], serde_json::json!([0, 1]), "{s}");
+    assert_vllm_clean(&s);
+    assert_serve_clean(&serve);
+}
+
+/// A vLLM consumer killed (SIGKILL) right after its fetch, while kvpeer's NIXL WRITE of
+/// 64 × 2 MiB may be landing in it: kvpeer releases every pin, transfer and request, and then
+/// serves a new vLLM consumer byte-exact.
+#[test]
+fn a_vllm_consumer_killed_mid_transfer_leaves_kvpeer_clean() {
+    ucx_env();
+    let dir = nixl_lib_dir();
+    let mb2 = (2 << 20).to_string();
+    let (serve, id) = kvpeer_serve_on(
+        &nixl_plane(&dir),
+        &["--fill", "64", "--blocks", "96", "--block-len", &mb2],
+    );
+    let common = [
+        "--transport",
+        "nixl",
+        "--peer",
+        &id,
+        "--block-len",
+        &mb2,
+        "--blocks",
+        "80",
+    ];
+    let mut args = common.to_vec();
+    args.extend_from_slice(&[
+        "--requests",
+        "1",
+        "--keys",
+        "64",
+        "--miss-share",
+        "0",
+        "--die-after-fetch",
+    ]);
+    let mut killed = common::vllm::vllm(&[&["fetch"][..], &args].concat());
+    let status = killed.wait_while(Duration::from_secs(60), || {
+        std::thread::sleep(Duration::from_millis(5))
+    });
+    assert_ne!(status, 0, "the consumer was to die: {}", killed.log());
+    assert_serve_clean(&serve);
+
+    let mut args = common.to_vec();
+    args.extend_from_slice(&["--requests", "2", "--keys", "16", "--miss-share", "0"]);
+    let (status, s) = vllm_fetch(&args);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(s["hits"], 32, "{s}");
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_serve_clean(&serve);
+}
+
+/// A vLLM NIXL producer killed (SIGKILL) while a kvpeer consumer fetches 64 × 2 MiB from it
+/// again and again: each load either lands whole or fails, nothing stays pinned, written or
+/// readable from a failed load, and a restarted producer at the same address serves byte-exact.
+#[test]
+fn a_vllm_producer_killed_mid_transfer_leaves_kvpeer_clean() {
+    let mb2 = 2u64 << 20;
+    let consumer = Arc::new(node("killp", mb2, Duration::from_secs(5)));
+    let listen = format!("127.0.0.1:{}", free_port());
+    let serve_args = [
+        "--transport",
+        "nixl",
+        "--listen",
+        listen.as_str(),
+        "--fill",
+        "64",
+        "--blocks",
+        "64",
+        "--block-len",
+        "2097152",
+    ];
+    let (mut first, id) = vllm_serve(&serve_args);
+    let peer = PeerId::new(id);
+    let ks = keys(0..64);
+    let run = |consumer: &Node, r: u64| -> Result<(), NodeError> {
+        let name = format!("r{r}");
+        let result = consumer
+            .lookup(&peer, &name, &ks, Duration::from_secs(5))
+            .and_then(|found| {
+                if found.iter().all(|f| *f == LookupResult::Hit) {
+                    consumer.fetch(&name, &ks, Duration::from_secs(20))
+                } else {
+                    Err(NodeError::LoadFailed)
+                }
+            });
+        consumer.finish(&name);
+        if result.is_err() {
+            assert!(
+                ks.iter().all(|k| consumer.read(k).is_none()),
+                "a failed load left blocks"
+            );
+        }
+        result
+    };
+    run(&consumer, 0).unwrap();
+    assert_bytes(&consumer, &ks);
+    // Kill the producer while the next loads run.
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        first.kill9();
+    });
+    for r in 1..6 {
+        let _ = run(&consumer, r);
+    }
+    killer.join().unwrap();
+    assert_node_clean(&consumer);
+
+    let (mut second, _) = vllm_serve(&serve_args);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut r = 10;
+    while run(&consumer, r).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "never served again: {}",
+            second.log()
+        );
+        r += 1;
+    }
+    assert_bytes(&consumer, &ks);
+    assert_node_clean(&consumer);
+    consumer.shutdown(Duration::from_secs(3));
+    assert_eq!(second.terminate(Duration::from_secs(20)), 0);
+    assert_vllm_clean(&second.event("summary"));
+}
+
+/// Without NIXL's library, the plane fails at start-up with an error naming what to install;
+/// the process exits with a message, never an abort.
+#[test]
+fn a_missing_nixl_library_is_a_clear_error() {
+    let out = Command::new(BIN)
+        .args(["serve", "--plane", "nixl", "--nixl-lib-dir", "/nonexistent"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot load NIXL"), "{stderr}");
+    assert!(
+        stderr.contains("pip install --no-deps nixl==1.5.1"),
+        "{stderr}"
+    );
+}
