@@ -43,24 +43,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def plane_args(kind: str, plane: str) -> list[str]:
+    """The flags that put a peer of `kind` on `plane` (shm, tcp, nixl)."""
+    if kind == "vllm":
+        return ["--transport", "nixl" if plane == "nixl" else "shm"]
+    args = ["--plane", plane]
+    if plane == "nixl":
+        args += ["--nixl-lib-dir", os.environ["KVPEER_NIXL_LIB_DIR"]]
+    return args
+
+
 class Producer:
-    def __init__(self, kind: str, kvpeer: str, block_len: int, prefixes: int) -> None:
-        fill = HITS * prefixes
+    def __init__(self, kind: str, kvpeer: str, block_len: int, prefixes: int,
+                 plane: str = "shm", env: dict | None = None, hits: int = HITS) -> None:
+        fill = hits * prefixes
         blocks = fill + 32
         common = ["--blocks", str(blocks), "--block-len", str(block_len), "--fill", str(fill)]
+        common += plane_args(kind, plane)
         if kind == "kvpeer":
-            cmd = [kvpeer, "serve", "--plane", "shm", *common]
+            cmd = [kvpeer, "serve", *common]
         else:
             cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "serve", *common]
-        env = dict(os.environ, KVPEER_LOG="warn")
+        env = dict(os.environ, KVPEER_LOG="warn", **(env or {}))
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
-        line = self.proc.stdout.readline()
-        if kind == "kvpeer":
-            self.id = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)["id"]
+        # The ready line (NIXL's Python package logs to stdout too).
+        for line in self.proc.stdout:
+            if kind == "kvpeer" and " ready " in line:
+                self.id = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)["id"]
+                break
+            if kind == "vllm" and line.startswith("{"):
+                self.id = json.loads(line)["id"]
+                break
         else:
-            self.id = json.loads(line)["id"]
+            sys.exit(f"the {kind} producer never got ready:\n{self.log_tail()}")
 
     def log_tail(self) -> str:
         self.log.seek(0)
@@ -76,19 +93,20 @@ class Producer:
 
 
 def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: int,
-            prefixes: int) -> dict:
+            prefixes: int, plane: str = "shm", env: dict | None = None,
+            miss_share: float = MISS_SHARE) -> dict:
     """Runs a consumer to its end (the checked warm-up, then the timed requests); returns its
     figures in one shape for both kinds."""
     common = ["--peer", peer.id, "--requests", str(requests), "--keys", str(KEYS),
-              "--miss-share", str(MISS_SHARE), "--prefixes", str(prefixes),
+              "--miss-share", str(miss_share), "--prefixes", str(prefixes),
               "--blocks", str(KEYS), "--block-len", str(block_len),
-              "--warmup", str(WARMUP), "--no-verify"]
+              "--warmup", str(WARMUP), "--no-verify", *plane_args(kind, plane)]
     if kind == "kvpeer":
-        cmd = [kvpeer, "fetch", "--plane", "shm", "--json", *common]
+        cmd = [kvpeer, "fetch", "--json", *common]
     else:
         cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "fetch", *common]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                         env=dict(os.environ, KVPEER_LOG="warn"))
+                         env=dict(os.environ, KVPEER_LOG="warn", **(env or {})))
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode != 0 or not lines:
         sys.exit(f"{kind} consumer failed ({out.returncode}):\n{out.stdout}\n{out.stderr}\n"

@@ -35,6 +35,18 @@ fn ucx_env() {
     });
 }
 
+/// A vLLM NixlTransport producer holding 64 blocks of 2 MiB.
+const PRODUCER_2MIB: [&str; 8] = [
+    "--transport",
+    "nixl",
+    "--fill",
+    "64",
+    "--blocks",
+    "64",
+    "--block-len",
+    "2097152",
+];
+
 fn nixl_plane(dir: &str) -> [&str; 4] {
     ["--plane", "nixl", "--nixl-lib-dir", dir]
 }
@@ -286,18 +298,7 @@ fn a_vllm_producer_killed_mid_transfer_leaves_kvpeer_clean() {
     let mb2 = 2u64 << 20;
     let consumer = Arc::new(node("killp", mb2, Duration::from_secs(5)));
     let listen = format!("127.0.0.1:{}", free_port());
-    let serve_args = [
-        "--transport",
-        "nixl",
-        "--listen",
-        listen.as_str(),
-        "--fill",
-        "64",
-        "--blocks",
-        "64",
-        "--block-len",
-        "2097152",
-    ];
+    let serve_args = [&PRODUCER_2MIB[..], &["--listen", listen.as_str()]].concat();
     let (mut first, id) = vllm_serve(&serve_args);
     let peer = PeerId::new(id);
     let ks = keys(0..64);
@@ -368,4 +369,65 @@ fn a_missing_nixl_library_is_a_clear_error() {
         stderr.contains("pip install --no-deps nixl==1.5.1"),
         "{stderr}"
     );
+}
+
+/// kvpeer gives up on a load while vLLM's NIXL WRITE of 64 × 2 MiB is still landing (a 1 ms
+/// load timeout): it aborts, and keeps the blocks reserved until vLLM's abort_ack says the
+/// WRITE can no longer land; the load fails, nothing of it is readable, and the next load from
+/// the same producer lands byte-exact.
+#[test]
+fn kvpeers_abort_of_a_landing_nixl_write_waits_for_vllms_ack() {
+    let mb2 = 2u64 << 20;
+    let consumer = node("abort", mb2, Duration::from_millis(1));
+    let (mut producer, id) = vllm_serve(&PRODUCER_2MIB);
+    let peer = PeerId::new(id);
+    let ks = keys(0..64);
+    let t = Duration::from_secs(30);
+    // The 1 ms deadline fires while the ~25 ms WRITE lands, unless this runtime is not scheduled
+    // until `transfer_done` is in (a loaded machine): then the load succeeds; try again.
+    let mut aborted = false;
+    for attempt in 0..10 {
+        let name = format!("a{attempt}");
+        assert_eq!(
+            consumer.lookup(&peer, &name, &ks, t).unwrap(),
+            [LookupResult::Hit; 64]
+        );
+        let result = consumer.fetch(&name, &ks, t);
+        consumer.finish(&name);
+        match result {
+            Ok(()) => assert_bytes(&consumer, &ks),
+            Err(NodeError::LoadFailed) => {
+                assert!(ks.iter().all(|k| consumer.read(k).is_none()));
+                aborted = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(aborted, "no load was cut short in 10 tries");
+    // An abort that crossed its `transfer_done` on the wire is moot (the load landed); the one
+    // that cut a load short was settled by vLLM's abort_ack.
+    let c = consumer.stats().unwrap().counters;
+    assert!(c.aborts_sent >= 1 && c.abort_acks == 1, "{c:?}");
+    assert_node_clean(&consumer);
+
+    // A consumer with a sane load timeout is then served byte-exact by the same producer (the
+    // first stays connected: vLLM's transport may go deaf once it closes a session,
+    // docs/behaviour.md #11).
+    let next = node("after-abort", mb2, Duration::from_secs(30));
+    assert_eq!(
+        next.lookup(&peer, "b", &ks, t).unwrap(),
+        [LookupResult::Hit; 64]
+    );
+    next.fetch("b", &ks, t).unwrap();
+    assert_bytes(&next, &ks);
+    next.finish("b");
+    assert_node_clean(&next);
+    next.shutdown(Duration::from_secs(3));
+    consumer.shutdown(Duration::from_secs(3));
+    assert_eq!(producer.terminate(Duration::from_secs(20)), 0);
+    let s = producer.event("summary");
+    assert_eq!(s["received"]["abort_fetch"], c.aborts_sent, "{s}");
+    assert!(s["sent"]["abort_ack"].as_u64() >= Some(1), "{s}");
+    assert_vllm_clean(&s);
 }
