@@ -94,13 +94,14 @@ class Producer:
 
 def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: int,
             prefixes: int, plane: str = "shm", env: dict | None = None,
-            miss_share: float = MISS_SHARE) -> dict:
+            miss_share: float = MISS_SHARE, concurrency: int = 1) -> dict:
     """Runs a consumer to its end (the checked warm-up, then the timed requests); returns its
     figures in one shape for both kinds."""
     common = ["--peer", peer.id, "--requests", str(requests), "--keys", str(KEYS),
               "--miss-share", str(miss_share), "--prefixes", str(prefixes),
-              "--blocks", str(KEYS), "--block-len", str(block_len),
-              "--warmup", str(WARMUP), "--no-verify", *plane_args(kind, plane)]
+              "--blocks", str(KEYS * concurrency), "--block-len", str(block_len),
+              "--warmup", str(WARMUP), "--no-verify", "--concurrency", str(concurrency),
+              *plane_args(kind, plane)]
     if kind == "kvpeer":
         cmd = [kvpeer, "fetch", "--json", *common]
     else:
@@ -129,13 +130,16 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
 
 
 def run_pairing(consumer: str, producer: str, kvpeer: str, block_len: int, requests: int,
-                prefixes: int) -> dict:
+                prefixes: int, concurrency: int = 1) -> dict:
     # One consumer process per pairing, so each side sees one session: vLLM's control
-    # transport can go deaf after closing a session (docs/behaviour.md #11).
+    # transport can go deaf after closing a session (docs/behaviour.md #11). Requests in
+    # flight together use distinct prefixes (a multiple of the concurrency).
+    prefixes = -(-prefixes // concurrency) * concurrency
     p = Producer(producer, kvpeer, block_len, prefixes)
     try:
         cpu0 = cpu_seconds(p.proc.pid)
-        r = consume(consumer, kvpeer, p, block_len, requests, prefixes)
+        r = consume(consumer, kvpeer, p, block_len, requests, prefixes,
+                    concurrency=concurrency)
         producer_cpu = cpu_seconds(p.proc.pid) - cpu0
     finally:
         p.stop()
@@ -151,7 +155,10 @@ def run_pairing(consumer: str, producer: str, kvpeer: str, block_len: int, reque
         "fetch_p50_us": r["fetch_us"][0],
         "fetch_p99_us": r["fetch_us"][1],
         "requests_per_s": round(requests / r["seconds"], 1),
-        "gb_per_s": r["gb_per_s"],
+        # One at a time: over the loads' own time; several: over the whole run.
+        "gb_per_s": r["gb_per_s"] if concurrency == 1 else
+        round(r["bytes"] / r["seconds"] / 1e9, 3),
+        "concurrency": concurrency,
         "consumer_cpu_s_per_1k": round(r["cpu"] / requests * 1000, 3),
         # The producer serves the warm-up requests the same way as the timed ones.
         "producer_cpu_s_per_1k": round(producer_cpu / (requests + WARMUP) * 1000, 3),
@@ -199,6 +206,8 @@ def main() -> int:
     p.add_argument("--kvpeer", default="target/release/kvpeer")
     p.add_argument("--requests-16k", type=int, default=2000)
     p.add_argument("--requests-2m", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight together on every consumer (default 1)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     rows = []
@@ -209,11 +218,13 @@ def main() -> int:
     ]:
         for consumer, producer in pairings:
             t0 = time.monotonic()
-            rows.append(run_pairing(consumer, producer, args.kvpeer, block_len, requests, prefixes))
+            rows.append(run_pairing(consumer, producer, args.kvpeer, block_len, requests, prefixes,
+                                    args.concurrency))
             print(f"  {consumer} → {producer}, {block_len} B blocks: "
                   f"{time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; {KEYS} keys/request, {HITS} hits, shm plane\n")
+          f"{platform.python_version()}; {KEYS} keys/request, {HITS} hits, shm plane, "
+          f"{args.concurrency} request(s) in flight\n")
     print(table(rows))
     print()
     print(ratios(rows))

@@ -364,7 +364,7 @@ def fetch(args) -> int:
     def session_alive() -> bool:
         return peer.sessions.get(args.peer) is session and session.alive
 
-    def settle(load) -> None:
+    def settle(load, verify: bool) -> None:
         """Waits for a load's result, then checks every block it brought."""
         job_id, hits, blocks, t0 = load
         if not peer.wait(lambda: job_id in peer.load_results, args.timeout + 15):
@@ -380,23 +380,54 @@ def fetch(args) -> int:
             t["failed_loads"] += 1
         free_blocks.extend(blocks)
 
-    cpu0, started = time.process_time(), time.monotonic()
-    verify = True
-    for r in range(args.warmup + args.requests):
-        verify = r < args.warmup or args.verify
-        if r == args.warmup and r > 0:
-            # The figures start here; failures and mismatches of the warm-up still count.
-            t = Counter(failed_loads=t["failed_loads"], corrupt_blocks=t["corrupt_blocks"])
-            lookup_us.clear()
-            fetch_us.clear()
-            cpu0, started = time.process_time(), time.monotonic()
-        kv_id = f"vllm-fetch-{os.getpid()}-{r}"
+    def request_keys(r: int) -> tuple[str, list[bytes]]:
+        """Request `r`'s id and keys: a shared prefix, then keys no one holds."""
         misses = min(args.keys, round(args.keys * args.miss_share))
         shared = args.keys - misses
         prefix = r % args.prefixes if args.prefixes else r
         first = args.first + prefix * shared
         keys = [key(i) for i in range(first, first + shared)]
         keys += [key(MISS_BASE + r * misses + i) for i in range(misses)]
+        return f"vllm-fetch-{os.getpid()}-{r}", keys
+
+    def lookup(wanted: list[tuple[str, list[bytes]]]) -> list[int]:
+        """Looks up every (id, keys) at once, as one scheduler step; returns the leading hits."""
+        t0 = time.monotonic()
+        for kv_id, ks in wanted:
+            for k in ks:
+                session.register_lookup(kv_id, k)
+        peer.flush_lookups()
+        answered = peer.wait(
+            lambda: all(session.register_lookup(i, k) is not None for i, ks in wanted for k in ks)
+            or not session_alive(),
+            args.timeout,
+        )
+        if not answered or not session_alive():
+            emit(peer.summary(error="lookup unanswered", **dict(t)))
+            sys.exit(1)
+        took = int((time.monotonic() - t0) * 1e6)
+        leading = []
+        for kv_id, ks in wanted:
+            lookup_us.append(took)
+            found = [session.register_lookup(kv_id, k) for k in ks]
+            n = next((i for i, f in enumerate(found) if not f), len(found))
+            t["hits"] += n
+            t["misses"] += len(ks) - n
+            leading.append(n)
+        return leading
+
+    def load(kv_id: str, hits: list[bytes]):
+        nonlocal job
+        blocks = [free_blocks.pop() for _ in hits]
+        job += 1
+        session.request_blocks(job, kv_id, hits, blocks)
+        if args.die_after_fetch:
+            peer.tick()  # the fetch goes out; the producer starts writing into us
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (job, hits, blocks, time.monotonic())
+
+    def run_one(r: int, verify: bool) -> None:
+        kv_id, keys = request_keys(r)
         # The request's keys in `rounds` consecutive chunks. Symmetric P2P: each chunk is
         # looked up, then its leading hits fetched (a lookup round closed by a fetch); a round
         # with no hit ends the request, whose finish then owes the peer the terminal empty
@@ -404,46 +435,52 @@ def fetch(args) -> int:
         # once, as the scheduler submits loads while the prefix resolves.
         per_round = -(-len(keys) // args.rounds)
         chunks = [keys[i : i + per_round] for i in range(0, len(keys), per_round)]
-        loads = []  # (job, keys, blocks, started)
+        in_flight = []
         for chunk in chunks:
-            if args.pd:
-                hits = chunk
-            else:
-                t0 = time.monotonic()
-                for k in chunk:
-                    session.register_lookup(kv_id, k)
-                peer.flush_lookups()
-                answered = peer.wait(
-                    lambda: all(session.register_lookup(kv_id, k) is not None for k in chunk)
-                    or not session_alive(),
-                    args.timeout,
-                )
-                if not answered or not session_alive():
-                    emit(peer.summary(error="lookup unanswered", **dict(t)))
-                    return 1
-                lookup_us.append(int((time.monotonic() - t0) * 1e6))
-                found = [session.register_lookup(kv_id, k) for k in chunk]
-                n = next((i for i, f in enumerate(found) if not f), len(found))
-                hits = chunk[:n]
-                t["hits"] += n
-                t["misses"] += len(chunk) - n
+            hits = chunk if args.pd else chunk[: lookup([(kv_id, chunk)])[0]]
             if not hits:
                 break
-            blocks = [free_blocks.pop() for _ in hits]
-            job += 1
-            loads.append((job, hits, blocks, time.monotonic()))
-            session.request_blocks(job, kv_id, hits, blocks)
-            if args.die_after_fetch:
-                peer.tick()  # the fetch goes out; the producer starts writing into us
-                os.kill(os.getpid(), signal.SIGKILL)
+            in_flight.append(load(kv_id, hits))
             if not args.pd:
-                settle(loads.pop())
+                settle(in_flight.pop(), verify)
                 if len(hits) < len(chunk):
                     break
-        for load in loads:
-            settle(load)
+        for l in in_flight:
+            settle(l, verify)
         session.finish_request(kv_id)
         peer.tick()
+
+    def run_batch(rs: range, verify: bool) -> None:
+        """Requests in flight together, as an engine step with several: their lookups go out
+        in one step, their fetches together, then they finish."""
+        wanted = [request_keys(r) for r in rs]
+        in_flight = [
+            load(kv_id, ks[:n]) for (kv_id, ks), n in zip(wanted, lookup(wanted)) if n
+        ]
+        for l in in_flight:
+            settle(l, verify)
+        for kv_id, _ in wanted:
+            session.finish_request(kv_id)
+        peer.tick()
+
+    def phase(rs: range, verify: bool) -> None:
+        if args.concurrency > 1:
+            for i in range(rs.start, rs.stop, args.concurrency):
+                run_batch(range(i, min(i + args.concurrency, rs.stop)), verify)
+        else:
+            for r in rs:
+                run_one(r, verify)
+
+    if args.concurrency > 1 and (args.rounds > 1 or args.pd):
+        sys.exit("--concurrency runs one symmetric round per request (no --rounds, no --pd)")
+    phase(range(args.warmup), True)
+    if args.warmup:
+        # The figures start here; failures and mismatches of the warm-up still count.
+        t = Counter(failed_loads=t["failed_loads"], corrupt_blocks=t["corrupt_blocks"])
+        lookup_us.clear()
+        fetch_us.clear()
+    cpu0, started = time.process_time(), time.monotonic()
+    phase(range(args.warmup, args.warmup + args.requests), args.verify)
     workload_s = time.monotonic() - started
     cpu_s = time.process_time() - cpu0
     # Let the last finishes (terminal fetches, abort acks) settle before reporting.
@@ -496,6 +533,9 @@ def main() -> int:
     fetch_p.add_argument("--prefixes", type=int, default=0, help="cycle over N prefixes (0: all new)")
     fetch_p.add_argument("--rounds", type=int, default=1, help="lookup+fetch rounds per request")
     fetch_p.add_argument("--pd", action="store_true", help="fetch without lookup (PD decoder)")
+    fetch_p.add_argument(
+        "--concurrency", type=int, default=1, help="requests in flight together (one step)"
+    )
     fetch_p.add_argument("--timeout", type=float, default=30.0)
     fetch_p.add_argument("--load-timeout", type=float, default=vllm_client._LOAD_TIMEOUT_S)
     fetch_p.add_argument(

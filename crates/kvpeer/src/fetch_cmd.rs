@@ -48,6 +48,9 @@ pub(crate) struct FetchArgs {
     /// check); blocks are still counted. Warm-up requests are always checked.
     #[arg(long)]
     no_verify: bool,
+    /// Requests in flight at once (callers of the node, each running its share in turn).
+    #[arg(long, default_value_t = 1)]
+    concurrency: u64,
     /// Requests run first and left out of the figures (their bytes are checked; a failure or
     /// a mismatch still fails the run).
     #[arg(long, default_value_t = 0)]
@@ -71,6 +74,20 @@ struct Tally {
     workload: Duration,
     /// CPU time (user + system, every thread of this process) over `workload`.
     cpu: Duration,
+}
+
+impl Tally {
+    /// Adds another caller's counts and samples (not its times: the workload's are measured
+    /// around all callers).
+    fn merge(&mut self, other: Tally) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.bytes += other.bytes;
+        self.failed_loads += other.failed_loads;
+        self.corrupt_blocks += other.corrupt_blocks;
+        self.lookup_us.extend(other.lookup_us);
+        self.fetch_us.extend(other.fetch_us);
+    }
 }
 
 /// CPU time this process has used so far (every thread, user + system); zero if unknown.
@@ -105,6 +122,15 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         eprintln!(
             "kvpeer fetch: --keys must be between 1 and the pool's {} blocks",
             config.spec.num_blocks
+        );
+        return 2;
+    }
+    if args.concurrency == 0 || args.keys.saturating_mul(args.concurrency) > config.spec.num_blocks
+    {
+        eprintln!(
+            "kvpeer fetch: --concurrency must be at least 1, and keys × concurrency ({} × {}) \
+             fit in the pool's {} blocks",
+            args.keys, args.concurrency, config.spec.num_blocks
         );
         return 2;
     }
@@ -195,77 +221,125 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     let (mut started, mut cpu_before) = (Instant::now(), process_cpu());
 
     let mut progress = Progress::new(args.warmup + args.requests, !args.json);
-    for r in 0..args.warmup + args.requests {
+    for r in 0..args.warmup {
         progress.show(r, &tally);
-        let verify = r < args.warmup || !args.no_verify;
-        if r == args.warmup && r > 0 {
-            // The figures start here; failures and mismatches of the warm-up still count.
-            tally = Tally {
-                failed_loads: tally.failed_loads,
-                corrupt_blocks: tally.corrupt_blocks,
-                ..Tally::default()
-            };
-            (started, cpu_before) = (Instant::now(), process_cpu());
-        }
-        let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
-        // The first keys of each request are the shared prefix (the peer may hold them); the
-        // last `misses` are new text no one has computed (synthetic indexes never filled).
-        let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
-        let shared = args.keys - misses;
-        let prefix = if args.prefixes > 0 {
-            r % args.prefixes
-        } else {
-            r
+        one_request(node, &peer, args, r, true, block_len, timeout, &mut tally)?;
+    }
+    if args.warmup > 0 {
+        // The figures start here; failures and mismatches of the warm-up still count.
+        tally = Tally {
+            failed_loads: tally.failed_loads,
+            corrupt_blocks: tally.corrupt_blocks,
+            ..Tally::default()
         };
-        let first = args.first + prefix * shared;
-        let new = MISS_BASE + r * misses;
-        let keys: Vec<OffloadKey> = (first..first + shared)
-            .chain(new..new + misses)
-            .map(synthetic::key)
-            .collect();
-        let lookup_started = Instant::now();
-        let found = node
-            .lookup(&peer, &request, &keys, timeout)
-            .map_err(|e| e.to_string())?;
-        tally.lookup_us.push(micros(lookup_started.elapsed()));
-        // A prefix cache uses the leading run of hits.
-        let hits = found
-            .iter()
-            .take_while(|f| **f == LookupResult::Hit)
-            .count();
-        tally.hits += hits as u64;
-        tally.misses += (keys.len() - hits) as u64;
-
-        if hits > 0 {
-            let fetch_started = Instant::now();
-            match node.fetch(&request, &keys[..hits], timeout) {
-                Ok(()) => {
-                    tally.fetch_us.push(micros(fetch_started.elapsed()));
-                    if !verify {
-                        tally.bytes += hits as u64 * block_len as u64;
-                    }
-                    for key in keys[..hits].iter().filter(|_| verify) {
-                        match node.read(key) {
-                            Some(bytes) => {
-                                tally.bytes += bytes.len() as u64;
-                                if bytes != synthetic::content(key, block_len) {
-                                    tally.corrupt_blocks += 1;
-                                }
-                            }
-                            None => tally.corrupt_blocks += 1,
-                        }
-                    }
-                }
-                Err(NodeError::LoadFailed) => tally.failed_loads += 1,
-                Err(e) => return Err(e.to_string()),
-            }
+        (started, cpu_before) = (Instant::now(), process_cpu());
+    }
+    let timed = args.warmup..args.warmup + args.requests;
+    let verify = !args.no_verify;
+    if args.concurrency <= 1 {
+        for r in timed {
+            progress.show(r, &tally);
+            one_request(node, &peer, args, r, verify, block_len, timeout, &mut tally)?;
         }
-        node.finish(&request);
+    } else {
+        // `concurrency` callers at once, as an engine with requests in flight: caller `i` runs
+        // requests i, i + C, ... (so with `--prefixes` a multiple of C no two share a block).
+        let c = args.concurrency;
+        let parts: Vec<Result<Tally, String>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..c)
+                .map(|i| {
+                    let (peer, timed) = (&peer, timed.clone());
+                    scope.spawn(move || {
+                        let mut t = Tally::default();
+                        for r in timed.skip(i as usize).step_by(c as usize) {
+                            one_request(node, peer, args, r, verify, block_len, timeout, &mut t)?;
+                        }
+                        Ok(t)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or_else(|_| Err("a caller thread panicked".into())))
+                .collect()
+        });
+        for part in parts {
+            tally.merge(part?);
+        }
     }
     progress.done();
     tally.workload = started.elapsed();
     tally.cpu = process_cpu().saturating_sub(cpu_before);
     Ok(tally)
+}
+
+/// Request `r`: lookup, fetch of the leading hits, the byte check (`verify`), finish.
+#[allow(clippy::too_many_arguments)] // the workload's parameters, passed down as they are
+fn one_request(
+    node: &Node,
+    peer: &PeerId,
+    args: &FetchArgs,
+    r: u64,
+    verify: bool,
+    block_len: usize,
+    timeout: Duration,
+    tally: &mut Tally,
+) -> Result<(), String> {
+    let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
+    // The first keys of each request are the shared prefix (the peer may hold them); the
+    // last `misses` are new text no one has computed (synthetic indexes never filled).
+    let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
+    let shared = args.keys - misses;
+    let prefix = if args.prefixes > 0 {
+        r % args.prefixes
+    } else {
+        r
+    };
+    let first = args.first + prefix * shared;
+    let new = MISS_BASE + r * misses;
+    let keys: Vec<OffloadKey> = (first..first + shared)
+        .chain(new..new + misses)
+        .map(synthetic::key)
+        .collect();
+    let lookup_started = Instant::now();
+    let found = node
+        .lookup(peer, &request, &keys, timeout)
+        .map_err(|e| e.to_string())?;
+    tally.lookup_us.push(micros(lookup_started.elapsed()));
+    // A prefix cache uses the leading run of hits.
+    let hits = found
+        .iter()
+        .take_while(|f| **f == LookupResult::Hit)
+        .count();
+    tally.hits += hits as u64;
+    tally.misses += (keys.len() - hits) as u64;
+
+    if hits > 0 {
+        let fetch_started = Instant::now();
+        match node.fetch(&request, &keys[..hits], timeout) {
+            Ok(()) => {
+                tally.fetch_us.push(micros(fetch_started.elapsed()));
+                if !verify {
+                    tally.bytes += hits as u64 * block_len as u64;
+                }
+                for key in keys[..hits].iter().filter(|_| verify) {
+                    match node.read(key) {
+                        Some(bytes) => {
+                            tally.bytes += bytes.len() as u64;
+                            if bytes != synthetic::content(key, block_len) {
+                                tally.corrupt_blocks += 1;
+                            }
+                        }
+                        None => tally.corrupt_blocks += 1,
+                    }
+                }
+            }
+            Err(NodeError::LoadFailed) => tally.failed_loads += 1,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    node.finish(&request);
+    Ok(())
 }
 
 fn micros(d: Duration) -> u64 {
