@@ -260,7 +260,10 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
                 .collect();
             workers
                 .into_iter()
-                .map(|w| w.join().unwrap_or_else(|_| Err("a caller thread panicked".into())))
+                .map(|w| {
+                    w.join()
+                        .unwrap_or_else(|_| Err("a caller thread panicked".into()))
+                })
                 .collect()
         });
         for part in parts {
