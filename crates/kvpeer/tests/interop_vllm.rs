@@ -542,3 +542,35 @@ fn kvpeer_serve_hears_many_vllm_consumers_in_turn() {
     assert_eq!(metric(&serve, "kvpeer_sessions_opened_total"), 10.0);
     assert_serve_clean(&serve);
 }
+
+/// A vLLM consumer with 4 requests in flight per step (their lookups in one step, their fetches
+/// together): kvpeer serves them all, every byte checked, nothing left open.
+#[test]
+fn kvpeer_serves_a_vllm_consumer_with_requests_in_flight() {
+    let (serve, id) = kvpeer_serve(&["--fill", "64"]);
+    let (status, s) = vllm_fetch(&[
+        "--peer",
+        &id,
+        "--requests",
+        "32",
+        "--keys",
+        "16",
+        "--miss-share",
+        "0.25",
+        "--prefixes",
+        "4",
+        "--concurrency",
+        "4",
+        "--blocks",
+        "64",
+    ]);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(384), Some(128)),
+        "{s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0);
+    assert_vllm_clean(&s);
+    assert_serve_clean(&serve);
+}

@@ -814,3 +814,62 @@ fn fetch_mixes_in_new_keys_by_default_and_reports_the_hit_rate() {
     );
     assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{line}");
 }
+
+/// `fetch --concurrency 4`: four callers share the node, every byte still checked; the pool
+/// must hold every request in flight.
+#[test]
+fn fetch_runs_requests_in_flight_together() {
+    let (_server, id) = Proc::serve(&[
+        "--plane",
+        "shm",
+        "--blocks",
+        "64",
+        "--block-len",
+        "4096",
+        "--fill",
+        "32",
+    ]);
+    let id = id.as_str().to_owned();
+    let common = [
+        "fetch",
+        "--peer",
+        &id,
+        "--plane",
+        "shm",
+        "--block-len",
+        "4096",
+        "--keys",
+        "8",
+        "--miss-share",
+        "0",
+        "--prefixes",
+        "4",
+        "--json",
+    ];
+    let out = Command::new(BIN)
+        .args(common)
+        .args(["--requests", "40", "--concurrency", "4", "--blocks", "32"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (s["hits"].as_u64(), s["corrupt_blocks"].as_u64()),
+        (Some(320), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["failed_loads"], 0, "{s}");
+
+    let out = Command::new(BIN)
+        .args(common)
+        .args(["--requests", "4", "--concurrency", "8", "--blocks", "32"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--concurrency"), "{stderr}");
+}
