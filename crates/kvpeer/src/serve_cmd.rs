@@ -56,6 +56,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         }
     };
     let allow_all = config.spec.allowlist.allows_all();
+    let plane = format!("{:?}", config.plane).to_lowercase();
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {
@@ -83,7 +84,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let meta = node.advertised();
     let spec = node.config();
     println!(
-        "kvpeer serve: ready id={} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics}",
+        "kvpeer serve: ready id={} plane={plane} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics}",
         node.id(),
         meta.shm.as_deref().unwrap_or("-"),
         meta.tcp.as_deref().unwrap_or("-"),
