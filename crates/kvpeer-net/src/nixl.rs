@@ -179,6 +179,8 @@ struct Pending {
 struct Inflight {
     peer: PeerId,
     request: XferRequest,
+    /// Its state check failed once already: its peer was faulted for it (once, not per check).
+    struck: bool,
 }
 
 /// State shared with the watcher thread.
@@ -371,13 +373,17 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
                 // Any other error says nothing about the WRITE itself: it stays in flight (it
                 // may still land) and its peer is faulted, so the session winds down.
                 Err(error) => {
-                    let peer = entry.peer.clone();
-                    let poll = s.ended.entry(peer.clone()).or_default();
-                    if poll.peer_fault.is_none() {
-                        warn!(%peer, transfer = id, %error, "nixl state check failed");
-                        poll.peer_fault = Some(format!("NIXL state check failed: {error}"));
-                        ended = true;
+                    if entry.struck {
+                        continue;
                     }
+                    let peer = entry.peer.clone();
+                    warn!(%peer, transfer = id, %error, "nixl state check failed");
+                    if let Some(e) = s.inflight.get_mut(&id) {
+                        e.struck = true;
+                    }
+                    let poll = s.ended.entry(peer).or_default();
+                    poll.peer_fault = Some(format!("NIXL state check failed: {error}"));
+                    ended = true;
                 }
             }
         }
@@ -425,7 +431,12 @@ impl DataPlane for NixlPlane {
                         .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
                     });
                 debug!(peer = %who, ok = result.is_ok(), "nixl registration done");
-                let _ = tx.send(result);
+                // Nobody waits any more (the peer was removed or registered again): release
+                // what was built.
+                if let Err(std::sync::mpsc::SendError(Ok((name, dlist)))) = tx.send(result) {
+                    drop(dlist);
+                    let _ = agent.invalidate_remote_md(&name);
+                }
                 wake();
             })
             .map_err(|e| format!("cannot start the registration thread: {e}"))?;
@@ -534,6 +545,7 @@ impl DataPlane for NixlPlane {
             Inflight {
                 peer: peer.clone(),
                 request,
+                struck: false,
             },
         );
         ready.notify_one();
