@@ -22,7 +22,10 @@ pub struct AgentMetadata {
 
 /// `agent_metadata` that is not kvpeer's map.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("agent_metadata is not a kvpeer plane map: {0}")]
+#[error(
+    "agent_metadata is not a kvpeer plane map ({0}); a stock vLLM peer sends NIXL's metadata: \
+     talk to it with the nixl plane"
+)]
 pub struct MetadataError(pub String);
 
 impl AgentMetadata {

@@ -27,9 +27,10 @@ pub struct NodeIo<D: DataPlane> {
     pub channel: ControlChannel,
     /// Load and store results not yet taken by the caller.
     pub results: Vec<Event>,
-    /// Why the latest sessions ended (peer, reason), newest last, at most
-    /// [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why it is gone.
-    pub closed: std::collections::VecDeque<(PeerId, String)>,
+    /// Why the latest sessions ended or connections were refused (peer, refused?, reason),
+    /// newest last, at most [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why
+    /// it is gone.
+    pub closed: std::collections::VecDeque<(PeerId, bool, String)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
     /// Which peers this node talks to.
@@ -46,13 +47,17 @@ impl<D: DataPlane> NodeIo<D> {
     /// How many session-end reasons [`NodeIo::closed`] keeps.
     pub const CLOSED_KEPT: usize = 16;
 
-    /// Why the session with `peer` ended, if it ended lately.
+    /// Why the session with `peer` ended, if it ended lately (a refusal of what the peer sent
+    /// after that, a stale message, says less, so it counts only when no session ended).
     pub fn close_reason(&self, peer: &PeerId) -> Option<&str> {
-        self.closed
-            .iter()
-            .rev()
-            .find(|(p, _)| p == peer)
-            .map(|(_, r)| r.as_str())
+        let latest = |refused: bool| {
+            self.closed
+                .iter()
+                .rev()
+                .find(|(p, r, _)| p == peer && *r == refused)
+                .map(|(_, _, reason)| reason.as_str())
+        };
+        latest(false).or_else(|| latest(true))
     }
 
     /// Wires a core to a channel bound at the core's own identity.
@@ -201,13 +206,8 @@ impl<D: DataPlane> NodeIo<D> {
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
-                    Event::Close { peer, reason } | Event::Refused { peer, reason } => {
-                        self.channel.close(&peer);
-                        if self.closed.len() == Self::CLOSED_KEPT {
-                            self.closed.pop_front();
-                        }
-                        self.closed.push_back((peer, reason));
-                    }
+                    Event::Close { peer, reason } => self.closed_with(peer, false, reason),
+                    Event::Refused { peer, reason } => self.closed_with(peer, true, reason),
                     result => self.results.push(result),
                 }
             }
@@ -215,6 +215,14 @@ impl<D: DataPlane> NodeIo<D> {
                 return;
             }
         }
+    }
+
+    fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
+        self.channel.close(&peer);
+        if self.closed.len() == Self::CLOSED_KEPT {
+            self.closed.pop_front();
+        }
+        self.closed.push_back((peer, refused, reason));
     }
 
     /// Sleeps until the channel may have input, the data plane completes something, the core's
