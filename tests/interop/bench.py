@@ -99,7 +99,8 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
     figures in one shape for both kinds."""
     common = ["--peer", peer.id, "--requests", str(requests), "--keys", str(KEYS),
               "--miss-share", str(miss_share), "--prefixes", str(prefixes),
-              "--blocks", str(KEYS * concurrency), "--block-len", str(block_len),
+              "--blocks", str(KEYS * (concurrency + (concurrency > 1))),
+              "--block-len", str(block_len),
               "--warmup", str(WARMUP), "--no-verify", "--concurrency", str(concurrency),
               *plane_args(kind, plane)]
     if kind == "kvpeer":

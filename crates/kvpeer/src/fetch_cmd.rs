@@ -48,7 +48,9 @@ pub(crate) struct FetchArgs {
     /// check); blocks are still counted. Warm-up requests are always checked.
     #[arg(long)]
     no_verify: bool,
-    /// Requests in flight at once (callers of the node, each running its share in turn).
+    /// Requests in flight at once (callers of the node, each running its share in turn). With
+    /// more than one, the pool needs keys × (concurrency + 1) blocks, so that blocks a caller
+    /// just fetched are not evicted by the others' reservations before it reads them.
     #[arg(long, default_value_t = 1)]
     concurrency: u64,
     /// Requests run first and left out of the figures (their bytes are checked; a failure or
@@ -125,12 +127,17 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         );
         return 2;
     }
-    if args.concurrency == 0 || args.keys.saturating_mul(args.concurrency) > config.spec.num_blocks
-    {
+    // Callers in flight reserve blocks while another reads the blocks it just fetched (ready,
+    // so evictable): one request's worth of slack keeps those from being evicted before read.
+    let needed = match args.concurrency {
+        0 | 1 => args.keys,
+        c => args.keys.saturating_mul(c + 1),
+    };
+    if args.concurrency == 0 || needed > config.spec.num_blocks {
         eprintln!(
-            "kvpeer fetch: --concurrency must be at least 1, and keys × concurrency ({} × {}) \
-             fit in the pool's {} blocks",
-            args.keys, args.concurrency, config.spec.num_blocks
+            "kvpeer fetch: --concurrency must be at least 1, and the pool's {} blocks must hold \
+             keys × (concurrency + 1) = {needed} for several requests in flight",
+            config.spec.num_blocks
         );
         return 2;
     }
