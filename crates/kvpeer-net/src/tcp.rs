@@ -244,6 +244,19 @@ impl TcpPlane {
         e.queued.len() + e.sent.len()
     }
 
+    /// The data connection to `peer` closed. With writes awaiting their ACK that is a fault
+    /// (they cannot be confirmed); an idle connection closing is the peer going away, which
+    /// the control channel reports (its `disconnect` can arrive after the close), and a later
+    /// write to it fails and faults then.
+    fn connection_lost(ends: &Mutex<Ends>, peer: &PeerId, wake: &Wake) {
+        let unacked = lock(ends).sent.values().any(|p| p == peer);
+        if unacked {
+            Self::fault(ends, peer, "tcp data connection lost".into(), wake);
+        } else {
+            tracing::debug!(%peer, "idle tcp data connection closed by the peer");
+        }
+    }
+
     fn fault(ends: &Mutex<Ends>, peer: &PeerId, reason: String, wake: &Wake) {
         let mut e = lock(ends);
         e.faults.entry(peer.clone()).or_insert(reason);
@@ -458,12 +471,7 @@ impl TcpPlane {
                                         Err(protocol("bad ack".into()))
                                     }
                                 }) else {
-                                    TcpPlane::fault(
-                                        &e2,
-                                        &p2,
-                                        "tcp data connection lost".into(),
-                                        &w2,
-                                    );
+                                    TcpPlane::connection_lost(&e2, &p2, &w2);
                                     return;
                                 };
                                 let mut tid = [0u8; 8];
