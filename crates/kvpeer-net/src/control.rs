@@ -389,12 +389,15 @@ impl ControlChannel {
     /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.
     pub fn recv(&mut self) -> Vec<ChannelEvent> {
         let mut events = std::mem::take(&mut self.pending);
-        // Once readable, read until EAGAIN.
-        if self.router_ready.replace(true) {
+        // Once readable, read until EAGAIN. When a connection's monitor has news (it closed),
+        // the ROUTER is read first whatever the last wait saw: a peer's last messages (its
+        // `disconnect`) were sent before its connection closed and must be handled first.
+        let monitors_ready = self.monitors_ready.replace(true);
+        if self.router_ready.replace(true) || monitors_ready {
             self.drain_router(&mut events);
         }
         let mut lost = Vec::new();
-        let monitors = if self.monitors_ready.replace(true) {
+        let monitors = if monitors_ready {
             &self.dealers
         } else {
             &HashMap::new()
