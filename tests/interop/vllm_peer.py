@@ -514,7 +514,8 @@ def main() -> int:
         s.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT; port 0 picks one")
         s.add_argument("--blocks", type=int, default=1024)
         s.add_argument("--block-len", type=int, default=65536)
-        s.add_argument("--hash-seed", default="0")
+        # vLLM's own resolution (kv_cache_utils.resolve_none_hash_seed, sha256 hashing).
+        s.add_argument("--hash-seed", default=os.getenv("PYTHONHASHSEED", "vllm-none-hash"))
         s.add_argument("--model", default="", help="config fingerprint field (none: no fingerprint)")
         s.add_argument("--first", type=int, default=0, help="synthetic index of the first key")
         s.add_argument(

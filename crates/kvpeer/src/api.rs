@@ -77,7 +77,7 @@ impl NodeConfig {
                 shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
                 tcp_listen: "127.0.0.1:0".into(),
                 tcp_max_write_rate: None,
-                hash_seed: "0".into(),
+                hash_seed: crate::config::VLLM_DEFAULT_HASH_SEED.into(),
                 config_fingerprint: String::new(),
                 core: CoreConfig::default(),
                 allowlist: Default::default(),

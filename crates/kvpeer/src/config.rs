@@ -5,7 +5,8 @@
 //!   sorted-key compact JSON with non-ASCII escaped, like Python's `json.dumps(sort_keys=True,
 //!   separators=(",", ":"))`).
 //! * **Environment**: the variables vLLM users know (`VLLM_P2P_SIDE_CHANNEL_HOST`, `_PORT`,
-//!   `VLLM_P2P_MAX_PEERS`, `VLLM_P2P_HANDSHAKE_TIMEOUT_S`, `VLLM_P2P_IDLE_TIMEOUT_S`).
+//!   `VLLM_P2P_MAX_PEERS`, `VLLM_P2P_HANDSHAKE_TIMEOUT_S`, `VLLM_P2P_IDLE_TIMEOUT_S`,
+//!   `PYTHONHASHSEED`).
 //! * **Flags**: whatever the command line set ([`Settings`] with only those keys).
 //!
 //! Everything is checked before anything starts: an unknown key, a wrong type or an
@@ -36,7 +37,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "hash_seed",
-        "prefix-cache hash seed; peers must agree (default \"0\")",
+        "prefix-cache hash seed; peers must agree (default $PYTHONHASHSEED, else vLLM's \"vllm-none-hash\")",
     ),
     (
         "config_fingerprint",
@@ -120,7 +121,15 @@ pub const ENV: &[(&str, &str)] = &[
     ("VLLM_P2P_MAX_PEERS", "max_peers"),
     ("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "handshake_timeout_s"),
     ("VLLM_P2P_IDLE_TIMEOUT_S", "idle_timeout_s"),
+    // vLLM derives the seed it advertises from PYTHONHASHSEED when set (kv_cache_utils).
+    ("PYTHONHASHSEED", "hash_seed"),
 ];
+
+/// The hash seed a vLLM 0.33 engine advertises when `PYTHONHASHSEED` is unset and its prefix
+/// hash is cryptographic (sha256, the default): `DEFAULT_NONE_HASH_SEED`. With a
+/// non-cryptographic hash (xxhash) and no `PYTHONHASHSEED`, vLLM picks a random seed per
+/// process, and no peer can match it.
+pub const VLLM_DEFAULT_HASH_SEED: &str = "vllm-none-hash";
 
 /// A configuration error: which key, from where, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -338,7 +347,7 @@ pub fn resolve(
             shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
             tcp_listen: format!("{host}:0"),
             tcp_max_write_rate,
-            hash_seed: text(&s, "hash_seed", "0"),
+            hash_seed: text(&s, "hash_seed", VLLM_DEFAULT_HASH_SEED),
             config_fingerprint: text(&s, "config_fingerprint", ""),
             core,
             allowlist: allowlist(&s)?,

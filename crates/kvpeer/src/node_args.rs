@@ -25,7 +25,8 @@ pub(crate) struct NodeArgs {
     /// Data planes to advertise and use [default: both].
     #[arg(long, value_enum)]
     pub(crate) plane: Option<PlaneKind>,
-    /// Prefix-cache hash seed; peers must agree [default: 0].
+    /// Prefix-cache hash seed; peers must agree [default: $PYTHONHASHSEED, else vLLM's default
+    /// "vllm-none-hash"].
     #[arg(long)]
     pub(crate) hash_seed: Option<String>,
     /// Cap on the bytes per second the tcp plane writes to each peer (suffixes K, M, G: powers

@@ -25,6 +25,32 @@ fn defaults_apply_when_nothing_is_set() {
     assert_eq!(c.plane, PlaneKind::Both);
     assert_eq!(c.spec.core.handshake_timeout, Duration::from_secs(30));
     assert_eq!(c.spec.config_fingerprint, "");
+    // vLLM's own default seed, so a stock engine with defaults is accepted.
+    assert_eq!(c.spec.hash_seed, "vllm-none-hash");
+}
+
+/// vLLM advertises PYTHONHASHSEED as its seed when it is set; kvpeer takes it the same way,
+/// and the flag still wins.
+#[test]
+fn the_hash_seed_follows_pythonhashseed_like_vllm() {
+    let from_env = resolve(
+        &Settings::default(),
+        &env(&[("PYTHONHASHSEED", "1234")]),
+        &Settings::default(),
+        "t",
+    )
+    .unwrap();
+    assert_eq!(from_env.spec.hash_seed, "1234");
+    let mut flags = Settings::default();
+    flags.set("hash_seed", "7", "flag --hash-seed");
+    let flagged = resolve(
+        &Settings::default(),
+        &env(&[("PYTHONHASHSEED", "1234")]),
+        &flags,
+        "t",
+    )
+    .unwrap();
+    assert_eq!(flagged.spec.hash_seed, "7");
 }
 
 #[test]
