@@ -24,3 +24,16 @@ pub mod tcp;
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// A write of local blocks `local[i]` into a peer's blocks `remote[i]` names as many of each,
+/// all inside their pools (`local_blocks`, `remote_blocks` blocks).
+pub(crate) fn write_in_range(
+    local: &[kvpeer_core::BlockIndex],
+    remote: &[kvpeer_core::BlockIndex],
+    local_blocks: u64,
+    remote_blocks: u64,
+) -> bool {
+    local.len() == remote.len()
+        && local.iter().all(|l| *l < local_blocks)
+        && remote.iter().all(|r| *r < remote_blocks)
+}

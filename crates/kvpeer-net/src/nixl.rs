@@ -168,9 +168,8 @@ struct Peer {
     num_blocks: u64,
 }
 
-/// A registration on its helper thread: its number, and where its result arrives.
+/// A registration on its helper thread: the peer's block count, and where its result arrives.
 struct Pending {
-    seq: u64,
     num_blocks: u64,
     result: Receiver<Result<(String, Dlist), String>>,
 }
@@ -209,7 +208,6 @@ pub struct NixlPlane {
     block_len: u64,
     metadata: Vec<u8>,
     failed: HashMap<PeerId, String>,
-    seq: u64,
     next_tid: TransferId,
     wake: Wake,
 }
@@ -300,7 +298,6 @@ impl NixlPlane {
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
-            seq: 0,
             next_tid: 0,
             shared,
             watcher: Some(watcher),
@@ -347,46 +344,40 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
             return;
         }
         let mut ended = false;
-        let ids: Vec<TransferId> = s.inflight.keys().copied().collect();
-        for id in ids {
-            let Some(entry) = s.inflight.get(&id) else {
-                continue;
-            };
-            match agent.get_xfer_status(&entry.request) {
-                Ok(XferStatus::InProgress) => {}
-                Ok(XferStatus::Success) => {
-                    if let Some(e) = s.inflight.remove(&id) {
-                        s.ended.entry(e.peer).or_default().done.push(id);
-                        ended = true;
-                    }
-                }
-                // NIXL's remote-disconnect class: nothing more of this WRITE can land.
-                Err(nixl_sys::NixlError::BackendError) => {
-                    if let Some(e) = s.inflight.remove(&id) {
-                        let poll = s.ended.entry(e.peer.clone()).or_default();
-                        poll.failed.push(id);
-                        poll.peer_fault = Some("NIXL reported the WRITE failed".into());
-                        warn!(peer = %e.peer, transfer = id, "nixl WRITE failed");
-                        ended = true;
-                    }
-                }
-                // Any other error says nothing about the WRITE itself: it stays in flight (it
-                // may still land) and its peer is faulted, so the session winds down.
-                Err(error) => {
-                    if entry.struck {
-                        continue;
-                    }
-                    let peer = entry.peer.clone();
-                    warn!(%peer, transfer = id, %error, "nixl state check failed");
-                    if let Some(e) = s.inflight.get_mut(&id) {
-                        e.struck = true;
-                    }
-                    let poll = s.ended.entry(peer).or_default();
+        let Shared {
+            inflight,
+            ended: reports,
+            ..
+        } = &mut *s;
+        inflight.retain(|&id, entry| match agent.get_xfer_status(&entry.request) {
+            Ok(XferStatus::InProgress) => true,
+            Ok(XferStatus::Success) => {
+                reports.entry(entry.peer.clone()).or_default().done.push(id);
+                ended = true;
+                false
+            }
+            // NIXL's remote-disconnect class: nothing more of this WRITE can land.
+            Err(nixl_sys::NixlError::BackendError) => {
+                let poll = reports.entry(entry.peer.clone()).or_default();
+                poll.failed.push(id);
+                poll.peer_fault = Some("NIXL reported the WRITE failed".into());
+                warn!(peer = %entry.peer, transfer = id, "nixl WRITE failed");
+                ended = true;
+                false
+            }
+            // Any other error says nothing about the WRITE itself: it stays in flight (it may
+            // still land) and its peer is faulted, once, so the session winds down.
+            Err(error) => {
+                if !entry.struck {
+                    entry.struck = true;
+                    warn!(peer = %entry.peer, transfer = id, %error, "nixl state check failed");
+                    let poll = reports.entry(entry.peer.clone()).or_default();
                     poll.peer_fault = Some(format!("NIXL state check failed: {error}"));
                     ended = true;
                 }
+                true
             }
-        }
+        });
         if ended {
             wake();
         }
@@ -408,7 +399,6 @@ impl DataPlane for NixlPlane {
             return Err("the peer offers no NIXL region".into());
         }
         self.remove_remote_peer(peer);
-        self.seq += 1;
         let (tx, rx) = channel();
         let (agent, wake) = (self.agent.clone(), self.wake.clone());
         let who = peer.clone();
@@ -443,7 +433,6 @@ impl DataPlane for NixlPlane {
         self.pending.insert(
             peer.clone(),
             Pending {
-                seq: self.seq,
                 num_blocks: memory.num_blocks,
                 result: rx,
             },
@@ -470,9 +459,9 @@ impl DataPlane for NixlPlane {
                 Registration::Failed(reason)
             }
             Ok(result) => {
-                let (seq, num_blocks) = (pending.seq, pending.num_blocks);
+                let num_blocks = pending.num_blocks;
                 self.pending.remove(peer);
-                debug!(%peer, seq, "nixl registration landed");
+                debug!(%peer, "nixl registration landed");
                 match result {
                     Ok((name, dlist)) => {
                         self.peers.insert(
@@ -514,11 +503,9 @@ impl DataPlane for NixlPlane {
         remote: &[BlockIndex],
     ) -> Option<TransferId> {
         let p = self.peers.get(peer)?;
-        let in_range = local.len() == remote.len()
-            && !local.is_empty()
-            && local.iter().all(|l| *l < self.num_blocks)
-            && remote.iter().all(|r| *r < p.num_blocks);
-        if !in_range {
+        // NIXL refuses an empty request.
+        if local.is_empty() || !crate::write_in_range(local, remote, self.num_blocks, p.num_blocks)
+        {
             warn!(%peer, "nixl write refused: block index out of range");
             return None;
         }

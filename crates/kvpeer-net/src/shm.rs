@@ -300,10 +300,7 @@ impl DataPlane for ShmPlane {
         remote: &[BlockIndex],
     ) -> Option<TransferId> {
         let map = self.peers.get(peer)?;
-        let in_range = local.len() == remote.len()
-            && local.iter().all(|l| *l < self.local_blocks)
-            && remote.iter().all(|r| *r < map.num_blocks);
-        if !in_range {
+        if !crate::write_in_range(local, remote, self.local_blocks, map.num_blocks) {
             warn!(%peer, "shm write refused: block index out of range");
             return None;
         }

@@ -56,6 +56,18 @@ pub enum PlaneKind {
     Nixl,
 }
 
+impl PlaneKind {
+    /// Its name in flags and config files.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlaneKind::Shm => "shm",
+            PlaneKind::Tcp => "tcp",
+            PlaneKind::Both => "both",
+            PlaneKind::Nixl => "nixl",
+        }
+    }
+}
+
 /// How to start a node.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {

@@ -220,17 +220,23 @@ fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
 
 fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     let peer = PeerId::new(args.peer.clone());
-    let timeout = Duration::from_secs(args.timeout_secs);
-    let block_len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
+    let run = Run {
+        node,
+        peer: &peer,
+        args,
+        block_len: usize::try_from(node.config().block_len).map_err(|e| e.to_string())?,
+        timeout: Duration::from_secs(args.timeout_secs),
+    };
     let mut tally = Tally::default();
     // The handshake is not part of any request's lookup time, nor of the workload's.
-    node.connect(&peer, timeout).map_err(|e| e.to_string())?;
+    node.connect(&peer, run.timeout)
+        .map_err(|e| e.to_string())?;
     let (mut started, mut cpu_before) = (Instant::now(), process_cpu());
 
     let mut progress = Progress::new(args.warmup + args.requests, !args.json);
     for r in 0..args.warmup {
         progress.show(r, &tally);
-        one_request(node, &peer, args, r, true, block_len, timeout, &mut tally)?;
+        run.request(r, true, &mut tally)?;
     }
     if args.warmup > 0 {
         // The figures start here; failures and mismatches of the warm-up still count.
@@ -246,7 +252,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     if args.concurrency <= 1 {
         for r in timed {
             progress.show(r, &tally);
-            one_request(node, &peer, args, r, verify, block_len, timeout, &mut tally)?;
+            run.request(r, verify, &mut tally)?;
         }
     } else {
         // `concurrency` callers at once, as an engine with requests in flight: caller `i` runs
@@ -255,11 +261,11 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
         let parts: Vec<Result<Tally, String>> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..c)
                 .map(|i| {
-                    let (peer, timed) = (&peer, timed.clone());
+                    let timed = timed.clone();
                     scope.spawn(move || {
                         let mut t = Tally::default();
                         for r in timed.skip(i as usize).step_by(c as usize) {
-                            one_request(node, peer, args, r, verify, block_len, timeout, &mut t)?;
+                            run.request(r, verify, &mut t)?;
                         }
                         Ok(t)
                     })
@@ -283,73 +289,82 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
     Ok(tally)
 }
 
-/// Request `r`: lookup, fetch of the leading hits, the byte check (`verify`), finish.
-#[allow(clippy::too_many_arguments)] // the workload's parameters, passed down as they are
-fn one_request(
-    node: &Node,
-    peer: &PeerId,
-    args: &FetchArgs,
-    r: u64,
-    verify: bool,
+/// What every request of the workload shares.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    node: &'a Node,
+    peer: &'a PeerId,
+    args: &'a FetchArgs,
     block_len: usize,
     timeout: Duration,
-    tally: &mut Tally,
-) -> Result<(), String> {
-    let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
-    // The first keys of each request are the shared prefix (the peer may hold them); the
-    // last `misses` are new text no one has computed (synthetic indexes never filled).
-    let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
-    let shared = args.keys - misses;
-    let prefix = if args.prefixes > 0 {
-        r % args.prefixes
-    } else {
-        r
-    };
-    let first = args.first + prefix * shared;
-    let new = MISS_BASE + r * misses;
-    let keys: Vec<OffloadKey> = (first..first + shared)
-        .chain(new..new + misses)
-        .map(synthetic::key)
-        .collect();
-    let lookup_started = Instant::now();
-    let found = node
-        .lookup(peer, &request, &keys, timeout)
-        .map_err(|e| e.to_string())?;
-    tally.lookup_us.push(micros(lookup_started.elapsed()));
-    // A prefix cache uses the leading run of hits.
-    let hits = found
-        .iter()
-        .take_while(|f| **f == LookupResult::Hit)
-        .count();
-    tally.hits += hits as u64;
-    tally.misses += (keys.len() - hits) as u64;
+}
 
-    if hits > 0 {
-        let fetch_started = Instant::now();
-        match node.fetch(&request, &keys[..hits], timeout) {
-            Ok(()) => {
-                tally.fetch_us.push(micros(fetch_started.elapsed()));
-                if !verify {
-                    tally.bytes += hits as u64 * block_len as u64;
-                }
-                for key in keys[..hits].iter().filter(|_| verify) {
-                    match node.read(key) {
-                        Some(bytes) => {
-                            tally.bytes += bytes.len() as u64;
-                            if bytes != synthetic::content(key, block_len) {
-                                tally.corrupt_blocks += 1;
+impl Run<'_> {
+    /// Request `r`: lookup, fetch of the leading hits, the byte check (`verify`), finish.
+    fn request(&self, r: u64, verify: bool, tally: &mut Tally) -> Result<(), String> {
+        let Run {
+            node,
+            peer,
+            args,
+            block_len,
+            timeout,
+        } = *self;
+        let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
+        // The first keys of each request are the shared prefix (the peer may hold them); the
+        // last `misses` are new text no one has computed (synthetic indexes never filled).
+        let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
+        let shared = args.keys - misses;
+        let prefix = if args.prefixes > 0 {
+            r % args.prefixes
+        } else {
+            r
+        };
+        let first = args.first + prefix * shared;
+        let new = MISS_BASE + r * misses;
+        let keys: Vec<OffloadKey> = (first..first + shared)
+            .chain(new..new + misses)
+            .map(synthetic::key)
+            .collect();
+        let lookup_started = Instant::now();
+        let found = node
+            .lookup(peer, &request, &keys, timeout)
+            .map_err(|e| e.to_string())?;
+        tally.lookup_us.push(micros(lookup_started.elapsed()));
+        // A prefix cache uses the leading run of hits.
+        let hits = found
+            .iter()
+            .take_while(|f| **f == LookupResult::Hit)
+            .count();
+        tally.hits += hits as u64;
+        tally.misses += (keys.len() - hits) as u64;
+
+        if hits > 0 {
+            let fetch_started = Instant::now();
+            match node.fetch(&request, &keys[..hits], timeout) {
+                Ok(()) => {
+                    tally.fetch_us.push(micros(fetch_started.elapsed()));
+                    if !verify {
+                        tally.bytes += hits as u64 * block_len as u64;
+                    }
+                    for key in keys[..hits].iter().filter(|_| verify) {
+                        match node.read(key) {
+                            Some(bytes) => {
+                                tally.bytes += bytes.len() as u64;
+                                if bytes != synthetic::content(key, block_len) {
+                                    tally.corrupt_blocks += 1;
+                                }
                             }
+                            None => tally.corrupt_blocks += 1,
                         }
-                        None => tally.corrupt_blocks += 1,
                     }
                 }
+                Err(NodeError::LoadFailed) => tally.failed_loads += 1,
+                Err(e) => return Err(e.to_string()),
             }
-            Err(NodeError::LoadFailed) => tally.failed_loads += 1,
-            Err(e) => return Err(e.to_string()),
         }
+        node.finish(&request);
+        Ok(())
     }
-    node.finish(&request);
-    Ok(())
 }
 
 fn micros(d: Duration) -> u64 {

@@ -96,12 +96,7 @@ impl NodeArgs {
             flags.set("hash_seed", seed.clone(), "flag --hash-seed");
         }
         if let Some(plane) = self.plane {
-            let name = match plane {
-                PlaneKind::Shm => "shm",
-                PlaneKind::Tcp => "tcp",
-                PlaneKind::Both => "both",
-                PlaneKind::Nixl => "nixl",
-            };
+            let name = plane.name();
             flags.set("plane", name, "flag --plane");
         }
         if let Some(dir) = &self.nixl_lib_dir {

@@ -56,7 +56,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         }
     };
     let allow_all = config.spec.allowlist.allows_all();
-    let plane = format!("{:?}", config.plane).to_lowercase();
+    let plane = config.plane.name();
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {

@@ -15,12 +15,13 @@ use std::process::Command;
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
+use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
     assert_serve_clean, assert_vllm_clean, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
     vllm_serve,
 };
 use common::{free_port, BIN};
-use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
+use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
 
 /// UCX on loopback only, in this process and the children it starts.
 fn ucx_env() {
@@ -61,50 +62,6 @@ fn node(tag: &str, block_len: u64, load_timeout: Duration) -> Node {
     config.spec.nixl.lib_dir = Some(nixl_lib_dir().into());
     config.spec.core.load_timeout = load_timeout;
     Node::start(config).unwrap()
-}
-
-fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
-    range.map(synthetic::key).collect()
-}
-
-fn store(node: &Node, ks: &[OffloadKey]) {
-    let len = node.config().block_len as usize;
-    node.store(
-        ks.iter()
-            .map(|k| (k.clone(), synthetic::content(k, len)))
-            .collect(),
-    )
-    .unwrap();
-}
-
-fn assert_bytes(node: &Node, ks: &[OffloadKey]) {
-    let len = node.config().block_len as usize;
-    for k in ks {
-        assert_eq!(
-            node.read(k).as_deref(),
-            Some(&synthetic::content(k, len)[..])
-        );
-    }
-}
-
-fn assert_node_clean(node: &Node) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let s = node.stats().unwrap();
-        let open = (
-            s.core.client_requests,
-            s.core.server_requests,
-            s.core.store_jobs,
-            s.core.inflight,
-            s.store.pinned,
-            s.store.writing,
-        );
-        if open == (0, 0, 0, 0, 0, 0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "still open: {s:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Two kvpeer nodes on the nixl plane: NIXL metadata in `connect`, lookups, a fetch written by

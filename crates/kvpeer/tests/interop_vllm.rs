@@ -19,11 +19,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
     assert_serve_clean, assert_vllm_clean, kvpeer_serve, metric, vllm, vllm_fetch, vllm_serve,
 };
 use common::{free_port, BIN};
-use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
+use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
 use serde_json::Value;
 
 /// A kvpeer node in this process on the shm plane.
@@ -32,40 +33,6 @@ fn node(tag: &str, load_timeout: Duration) -> Node {
     config.plane = PlaneKind::Shm;
     config.spec.core.load_timeout = load_timeout;
     Node::start(config).unwrap()
-}
-
-fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
-    range.map(synthetic::key).collect()
-}
-
-fn assert_bytes(node: &Node, keys: &[OffloadKey]) {
-    let len = node.config().block_len as usize;
-    for k in keys {
-        assert_eq!(
-            node.read(k).as_deref(),
-            Some(&synthetic::content(k, len)[..])
-        );
-    }
-}
-
-fn assert_node_clean(node: &Node) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let s = node.stats().unwrap();
-        let open = (
-            s.core.client_requests,
-            s.core.server_requests,
-            s.core.store_jobs,
-            s.core.inflight,
-            s.store.pinned,
-            s.store.writing,
-        );
-        if open == (0, 0, 0, 0, 0, 0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "still open: {s:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -158,17 +125,8 @@ fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
     let mut middle = NodeConfig::local("interop-middle");
     middle.plane = PlaneKind::Both;
     let middle = Arc::new(Node::start(middle).unwrap());
-    let len = middle.config().block_len as usize;
     let held = keys(0..4);
     let landing = keys(4..6);
-    let store = |n: &Node, ks: &[OffloadKey]| {
-        n.store(
-            ks.iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap()
-    };
     store(&middle, &held);
     store(&slow, &landing);
     let t = Duration::from_secs(30);
