@@ -20,11 +20,22 @@ tag = os.getpid()
 a_pool, b_pool = ShmPool(f"kvpeer-smoke-a-{tag}", 4, 64), ShmPool(f"kvpeer-smoke-b-{tag}", 4, 64)
 a, b = ShmTransport(a_pool, "a"), ShmTransport(b_pool, "b")
 a_pool.block(2)[:] = bytes(range(64))
-a.add_remote_peer("b", b.get_agent_metadata(), b.base_addr, b.num_blocks, b.block_len)
+# b's connect to a carries b's token for a; a proves b's pool with it before writing.
+a.add_remote_peer("b", b.connect_metadata("a"), b.base_addr, b.num_blocks, b.block_len)
 tid = a.write_blocks("b", [2], [3])
 assert tid is not None and a.poll("b").done == [tid]
 assert bytes(b_pool.block(3)) == bytes(range(64))
 assert a.write_blocks("b", [0], [9]) is None, "out of range"
+# Refused: no token, a token for another destination, a's own pool, a size lie.
+for meta, blocks in [(b.get_agent_metadata(), 4), (b.connect_metadata("c"), 4),
+                     (a.connect_metadata("a"), 4), (b.connect_metadata("a"), 3)]:
+    try:
+        a.add_remote_peer("x", meta, 0, blocks, 64)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"registered {meta!r} with {blocks} blocks")
+assert a.write_blocks("x", [2], [0]) is None
 a.close(); b.close()
 a_pool.close(); b_pool.close()
 print("interop smoke: vLLM modules import; the shm transport moves blocks")

@@ -69,18 +69,27 @@ class Wire:
 
 
 class RecordedConnection:
-    """A vLLM control connection that counts what it carries (delegates everything)."""
+    """A vLLM control connection that counts what it carries (delegates everything), and gives
+    each `connect` the data plane's metadata for its destination.
 
-    def __init__(self, conn, wire: Wire) -> None:
+    vLLM's session asks its transport for one `agent_metadata` for every peer
+    (`get_agent_metadata()` in `_send_connect`), but kvpeer's shm plane proves pool ownership
+    with a token made for one destination; as kvpeer's node does, the `connect` gets it here,
+    just before it leaves, from the transport's `connect_metadata(peer_id)` (NIXL: unchanged)."""
+
+    def __init__(self, conn, wire: Wire, transport=None) -> None:
         self._conn = conn
         self._wire = wire
         self.peer_id = conn.peer_id
+        self._connect_metadata = getattr(transport, "connect_metadata", None)
 
     @property
     def alive(self) -> bool:
         return self._conn.alive
 
     def send(self, msg: dict) -> None:
+        if msg.get(TYPE_KEY) == "connect" and self._connect_metadata is not None:
+            msg = {**msg, "agent_metadata": self._connect_metadata(self.peer_id)}
         self._wire.sent[msg.get(TYPE_KEY, "?")] += 1
         if msg.get(TYPE_KEY) == "abort_fetch":
             self._wire.abort_rounds.append(msg.get("round_seq"))
@@ -204,7 +213,7 @@ class VllmPeer:
             transport=self.data,
             local_block_len=self.block_len,
             local_hash_seed=self.hash_seed,
-            conn=RecordedConnection(conn, self.wire),
+            conn=RecordedConnection(conn, self.wire, self.data),
         )
 
     def connect(self, peer_id: str) -> P2PSession:

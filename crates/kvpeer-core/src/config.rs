@@ -38,6 +38,11 @@ pub struct CoreConfig {
     pub reconnect_min_backoff: Duration,
     /// Longest reconnect backoff; also how long a fault is remembered after its wait ends.
     pub reconnect_max_backoff: Duration,
+    /// Wait before dialing a peer again after a dial of ours failed before the peer acked our
+    /// `connect` (refused, lost, timed out); doubles per failure in a row.
+    pub dial_min_backoff: Duration,
+    /// Longest wait between failed dials of one peer.
+    pub dial_max_backoff: Duration,
     /// A PD producer's stored blocks wait this long for the consumer's fetch.
     pub unbound_store_timeout: Duration,
     /// How long ids of reaped unbound stores are remembered, so late fetches fail at once.
@@ -64,6 +69,8 @@ impl Default for CoreConfig {
             peer_fault_drain: Duration::from_secs(10),
             reconnect_min_backoff: Duration::from_secs(1),
             reconnect_max_backoff: Duration::from_secs(60),
+            dial_min_backoff: Duration::from_millis(250),
+            dial_max_backoff: Duration::from_secs(5),
             unbound_store_timeout: Duration::from_secs(60),
             reaped_id_retention: Duration::from_secs(60),
             max_consecutive_dispatch_errors: 5,

@@ -165,6 +165,10 @@ pub struct Core<P: Parent, D: DataPlane> {
     reaped_lane: Lane<KvRequestId>,
     backoff: Map<PeerId, Backoff>,
     faults: Map<PeerId, u32>,
+    /// Peers whose dials failed lately, and when they may be dialed again.
+    dial_backoff: Map<PeerId, Backoff>,
+    /// Sessions this node dialed (not yet acked by the peer).
+    dialed: Set<PeerId>,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -189,6 +193,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             reaped_lane,
             backoff: Map::default(),
             faults: Map::default(),
+            dial_backoff: Map::default(),
+            dialed: Set::default(),
         }
     }
 
@@ -231,6 +237,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if now > self.now {
             self.now = now;
         }
+        self.out.throttle.tick(self.now);
     }
 
     /// Runs `f` on one session with everything it may touch.
@@ -346,7 +353,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             }
         };
         if let Some(reason) = refusal {
-            warn!(%peer, %reason, "refusing inbound peer");
+            crate::warn_throttled!(self.out.throttle, self.now, "refusing inbound peer", %peer, %reason);
             self.out.event(Event::Refused { peer, reason });
             return false;
         }
@@ -372,7 +379,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             Ok(message) => self.handle_message(now, peer, message),
             Err(e) if !self.sessions.contains_key(peer) => {
                 // Not a `connect`, so it opens no session: the channel closes the connection.
-                warn!(%peer, error = %e, "refusing a bad first payload from a peer without a session");
+                crate::warn_throttled!(self.out.throttle, self.now, "refusing a bad first payload from a peer without a session", %peer, error = %e);
                 self.out.event(Event::Refused {
                     peer: peer.clone(),
                     reason: format!("no session, and the first payload is no connect: {e}"),
@@ -385,9 +392,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 self.settle();
             }
             Err(DecodeError::Ignored(e)) => {
-                warn!(%peer, error = %e, "ignoring a payload that is no known message")
+                crate::warn_throttled!(self.out.throttle, self.now, "ignoring a payload that is no known message", %peer, error = %e)
             }
-            Err(e) => warn!(%peer, error = %e, "dropping an undecodable payload"),
+            Err(e) => crate::warn_throttled!(self.out.throttle, self.now, "dropping an undecodable payload", %peer, error = %e),
         }
     }
 
@@ -678,7 +685,15 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return true;
         }
         if self.reconnect_wait(peer) > Duration::ZERO {
-            warn!(%peer, "not dialing: reconnect backoff after a data-plane fault");
+            debug!(%peer, "not dialing: reconnect backoff after a data-plane fault");
+            return false;
+        }
+        if self
+            .dial_backoff
+            .get(peer)
+            .is_some_and(|b| b.retry_at > self.now)
+        {
+            debug!(%peer, "not dialing: backoff after failed dials");
             return false;
         }
         if self.sessions.len() >= self.config.max_peers {
@@ -686,6 +701,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return false;
         }
         info!(%peer, "opening a session");
+        self.dialed.insert(peer.clone());
         self.out.event(Event::Dial(peer.clone()));
         let session = Session::open(
             peer.clone(),
@@ -755,6 +771,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.drain_load_ends();
         self.plane.remove_remote_peer(peer);
         let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
+        let dialed = self.dialed.remove(peer);
+        if session.was_acked() {
+            self.dial_backoff.remove(peer);
+        } else if dialed && session.death.as_deref() != Some("closed locally") {
+            let wait = self.schedule_dial_backoff(peer);
+            reason = format!("{reason}; not dialed again for {} ms", wait.as_millis());
+        }
         if session.data_plane_fault().is_some() {
             let count = self.faults.entry(peer.clone()).or_default();
             *count += 1;
@@ -799,6 +822,30 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             None => Duration::ZERO,
         };
         self.backoff.insert(
+            peer.clone(),
+            Backoff {
+                wait,
+                retry_at: now + wait,
+            },
+        );
+        wait
+    }
+
+    /// A dial of ours failed before the peer acked: the next one waits `dial_min_backoff`,
+    /// doubling per failure in a row up to `dial_max_backoff`. Each peer's entry is forgotten
+    /// once its wait is long over, so the map holds only peers failing lately.
+    fn schedule_dial_backoff(&mut self, peer: &PeerId) -> Duration {
+        let (now, min, max) = (
+            self.now,
+            self.config.dial_min_backoff,
+            self.config.dial_max_backoff,
+        );
+        self.dial_backoff.retain(|_, b| now <= b.retry_at + max);
+        let wait = match self.dial_backoff.get(peer) {
+            Some(prev) => (prev.wait * 2).max(min).min(max),
+            None => min,
+        };
+        self.dial_backoff.insert(
             peer.clone(),
             Backoff {
                 wait,

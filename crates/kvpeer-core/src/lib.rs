@@ -20,6 +20,7 @@ mod counters;
 mod maps;
 mod output;
 mod session;
+pub mod throttle;
 mod timer;
 mod traits;
 

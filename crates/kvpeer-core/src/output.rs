@@ -67,6 +67,8 @@ pub(crate) struct Outbox {
     pub(crate) ended_writes: Vec<(PeerId, Vec<BlockIndex>)>,
     /// Running totals for metrics.
     pub(crate) counters: crate::counters::Counters,
+    /// Warnings a peer can cause, at most one per kind per second.
+    pub(crate) throttle: crate::throttle::WarnThrottle,
 }
 
 impl Outbox {

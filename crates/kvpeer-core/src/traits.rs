@@ -158,4 +158,12 @@ pub trait DataPlane {
     /// The load that named these blocks ended (done, failed or aborted): no more writes from
     /// `peer` into them.
     fn end_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
+
+    /// The `agent_metadata` that this node's `connect` to `peer` carries, given what the node
+    /// advertises to everyone. Planes that bind writes to one destination (a token proving the
+    /// pool is ours, a key for the data connection) add per-destination fields here; called by
+    /// the node just before a `connect` leaves, once per `connect`.
+    fn connect_metadata(&mut self, _peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+        advertised.to_vec()
+    }
 }

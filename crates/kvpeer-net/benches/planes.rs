@@ -188,14 +188,19 @@ fn main() {
         // shm vs memcpy
         let limit = memcpy_gbps(len, runs);
         let (wake, woken) = waker();
-        let mut tx = ShmPlane::new(a.region().name(), PER_FETCH, len, wake).unwrap();
+        let mut tx = ShmPlane::new(pa.clone(), a.region().name(), PER_FETCH, len, wake).unwrap();
         register(
             &mut tx,
             &pb,
             AgentMetadata {
                 agent: "b".into(),
                 shm: Some(b.region().name().into()),
+                // b's proof, made for the writer (a), that it owns its pool.
+                shm_token: Some(
+                    kvpeer_store::trailer::token(b.region().secret(), pa.as_str()).to_vec(),
+                ),
                 tcp: None,
+                ..Default::default()
             },
             len,
         );
@@ -237,6 +242,7 @@ fn main() {
                 agent: "b".into(),
                 shm: None,
                 tcp: Some(rx.addr().to_string()),
+                ..Default::default()
             },
             len,
         );

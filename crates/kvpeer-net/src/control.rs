@@ -13,6 +13,9 @@
 //!   libzmq's I/O thread sends monitor events with blocking sends, so an event for a DEALER
 //!   whose monitor reader is already gone would block that thread, and with it every socket of
 //!   the channel, for good (seen when a peer was killed mid-transfer).
+//! * Each inbound payload carries the source address of the TCP connection it came on
+//!   (libzmq's `Peer-Address` message property), so the node can judge where a message came
+//!   from, not only the identity the sending socket claims.
 //! * Dial-back is lazy: sending to a peer without a DEALER opens one (to the peer's identity,
 //!   `host:port`). The core opens a session only on a `connect`, so junk never makes us dial.
 //!
@@ -20,6 +23,7 @@
 //! readable or the timeout passes; nothing else blocks.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::time::Duration;
 
 use kvpeer_proto::PeerId;
@@ -82,8 +86,11 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ControlError {
 pub enum ChannelEvent {
     /// A payload from a peer (its identity, as the peer set it).
     Payload {
-        /// Who sent it.
+        /// Who sent it: the identity its socket claims (nothing proves it; see `source`).
         peer: PeerId,
+        /// The address of the TCP connection it came on, as libzmq saw it (`None` if libzmq
+        /// gave none, or it did not parse).
+        source: Option<IpAddr>,
         /// The msgpack bytes.
         payload: Vec<u8>,
     },
@@ -361,22 +368,9 @@ impl ControlChannel {
     /// Reads the ROUTER until it has nothing more.
     fn drain_router(&mut self, events: &mut Vec<ChannelEvent>) {
         loop {
-            match self.router.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => match <[Vec<u8>; 2]>::try_from(frames) {
-                    Ok([identity, payload]) => match String::from_utf8(identity) {
-                        Ok(id) if PeerId::parse(&id).is_ok() => {
-                            events.push(ChannelEvent::Payload {
-                                peer: PeerId::new(id),
-                                payload,
-                            })
-                        }
-                        _ => warn!("dropping a frame from an identity that is not host:port"),
-                    },
-                    Err(frames) => warn!(
-                        frames = frames.len(),
-                        "dropping a message that is not [identity, payload]"
-                    ),
-                },
+            match self.read_routed() {
+                Ok(Some(event)) => events.push(event),
+                Ok(None) => {}
                 Err(zmq::Error::EAGAIN) => break,
                 Err(e) => {
                     warn!(error = %e, "control channel receive failed");
@@ -384,6 +378,42 @@ impl ControlChannel {
                 }
             }
         }
+    }
+
+    /// Reads one routed message `[identity, payload]` with its source address; `Ok(None)` for a
+    /// message of another shape or identity (dropped).
+    fn read_routed(&mut self) -> Result<Option<ChannelEvent>, zmq::Error> {
+        let identity = self.router.recv_msg(zmq::DONTWAIT)?;
+        let mut frames = 1usize;
+        let mut last = None;
+        let mut more = identity.get_more();
+        while more {
+            // The rest of a multipart message is already queued (ZeroMQ delivers it whole).
+            let frame = self.router.recv_msg(zmq::DONTWAIT)?;
+            frames += 1;
+            more = frame.get_more();
+            last = Some(frame);
+        }
+        let Some(mut payload) = last.filter(|_| frames == 2) else {
+            warn!(frames, "dropping a message that is not [identity, payload]");
+            return Ok(None);
+        };
+        let id = match std::str::from_utf8(&identity) {
+            Ok(id) if PeerId::parse(id).is_ok() => PeerId::new(id),
+            _ => {
+                warn!("dropping a frame from an identity that is not host:port");
+                return Ok(None);
+            }
+        };
+        // libzmq records the TCP peer's address on every message it reads from a connection.
+        let source = payload
+            .gets("Peer-Address")
+            .and_then(|a| a.parse::<IpAddr>().ok());
+        Ok(Some(ChannelEvent::Payload {
+            peer: id,
+            source,
+            payload: payload.to_vec(),
+        }))
     }
 
     /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.

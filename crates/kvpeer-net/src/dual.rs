@@ -1,11 +1,15 @@
 //! The combined data plane: a node advertises both `shm` and `tcp`, and writes to each peer over
 //! `shm` when it can open that peer's shared-memory object, else over `tcp`.
 //!
-//! The choice is made once per peer, at registration: the shm plane opens and size-checks the
-//! object the peer named; if that fails (another host, another container, a missing `shm`
-//! entry) the tcp plane registers the peer instead. Incoming writes need no choice: shm writes
-//! land without this node's involvement, tcp writes arrive at its listener and are checked
-//! against write permits as usual (permits are always handed to the tcp plane).
+//! The choice is made once per peer, at registration: the shm plane opens the object the peer
+//! named and proves it is the peer's own pool (size, trailer, the peer's `shm_token` for this
+//! node; not this node's pool: see `shm.rs`), all before `add_remote_peer` returns; if any of
+//! that fails (another host, another container, a missing `shm` entry or token, a token that
+//! does not verify) the shm plane has mapped nothing writable and the tcp plane registers the
+//! peer instead. That fallback writes nowhere unproven: tcp writes go to the peer's listener,
+//! which checks each against the write permits it granted. Incoming writes need no choice: shm
+//! writes land without this node's involvement, tcp writes arrive at its listener and are
+//! checked against write permits as usual (permits are always handed to the tcp plane).
 //!
 //! Transfer ids are this plane's own, mapped to the inner plane's, so the two planes' ids can
 //! never collide. Called by the core on the runtime thread, like the planes it wraps.
@@ -102,7 +106,9 @@ impl DataPlane for DualPlane {
         if offers_shm {
             self.shm.add_remote_peer(peer, memory)?;
         }
-        // Mapped (pre-faulting may still run: Pending until it is done) or refused.
+        // Proven and mapped (pre-faulting may still run: Pending until it is done) or refused;
+        // the proof is synchronous, so a registration still Pending here can no longer fail
+        // its checks, and a Failed one never mapped the object writable.
         let shm_usable =
             offers_shm && !matches!(self.shm.registration(peer), Registration::Failed(_));
         if shm_usable {
@@ -111,7 +117,7 @@ impl DataPlane for DualPlane {
             return Ok(());
         }
         self.shm.remove_remote_peer(peer);
-        debug!(%peer, "data plane: tcp (peer's shm object not reachable)");
+        debug!(%peer, "data plane: tcp (peer's shm object not reachable or not proven)");
         self.routes.insert(peer.clone(), Route::Tcp);
         self.tcp.add_remote_peer(peer, memory)
     }
@@ -192,5 +198,10 @@ impl DataPlane for DualPlane {
 
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
         self.tcp.end_writes(peer, blocks);
+    }
+
+    fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+        let with_shm = self.shm.connect_metadata(peer, advertised);
+        self.tcp.connect_metadata(peer, &with_shm)
     }
 }

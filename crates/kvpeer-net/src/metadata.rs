@@ -1,11 +1,15 @@
 //! `agent_metadata` of a kvpeer node: one msgpack map naming every data plane it offers.
 //!
 //! ```text
-//! {"agent": "<node name>", "shm": "<POSIX shm object name>", "tcp": "<host>:<port>"}
+//! {"agent": "<node name>", "shm": "<POSIX shm object name>", "shm_token": <bin 32>,
+//!  "tcp": "<host>:<port>", "tcp_key": <bin 32>}
 //! ```
 //!
 //! `shm` and `tcp` are each optional; unknown keys are ignored so later planes can be added.
 //! A writer uses `shm` when it can open the peer's object (same host), else `tcp`.
+//! `shm_token` proves the sender owns the object it names and `tcp_key` lets its data port
+//! tell the session's writer from anyone else; both are made for one destination (see
+//! docs/security.md) and added by the planes just before a `connect` leaves.
 
 use kvpeer_proto::{DecodeLimits, Value};
 
@@ -18,6 +22,10 @@ pub struct AgentMetadata {
     pub shm: Option<String>,
     /// Its tcp data listener, `host:port`.
     pub tcp: Option<String>,
+    /// Proof, for one destination, that the sender owns the `shm` object (see `shm.rs`).
+    pub shm_token: Option<Vec<u8>>,
+    /// The key a writer presents in its tcp HELLO, issued for one destination (see `tcp.rs`).
+    pub tcp_key: Option<Vec<u8>>,
 }
 
 /// `agent_metadata` that is not kvpeer's map.
@@ -35,8 +43,14 @@ impl AgentMetadata {
         if let Some(shm) = &self.shm {
             entries.push((Value::Str("shm".into()), Value::Str(shm.clone())));
         }
+        if let Some(token) = &self.shm_token {
+            entries.push((Value::Str("shm_token".into()), Value::Bin(token.clone())));
+        }
         if let Some(tcp) = &self.tcp {
             entries.push((Value::Str("tcp".into()), Value::Str(tcp.clone())));
+        }
+        if let Some(key) = &self.tcp_key {
+            entries.push((Value::Str("tcp_key".into()), Value::Bin(key.clone())));
         }
         // A map of three short strs is far below every msgpack length limit.
         Value::Map(entries).encode().unwrap_or_default()
@@ -59,10 +73,19 @@ impl AgentMetadata {
                 Some(_) => Err(MetadataError(format!("{name:?} is not a str"))),
             }
         };
+        let bin = |name: &str| -> Result<Option<Vec<u8>>, MetadataError> {
+            match value.get(name) {
+                None => Ok(None),
+                Some(Value::Bin(b)) => Ok(Some(b.clone())),
+                Some(_) => Err(MetadataError(format!("{name:?} is not bin"))),
+            }
+        };
         Ok(AgentMetadata {
             agent: text("agent")?.unwrap_or_default(),
             shm: text("shm")?,
             tcp: text("tcp")?,
+            shm_token: bin("shm_token")?,
+            tcp_key: bin("tcp_key")?,
         })
     }
 }
@@ -77,6 +100,8 @@ mod tests {
             agent: "n1".into(),
             shm: Some("kvpeer-1".into()),
             tcp: Some("127.0.0.1:5711".into()),
+            shm_token: Some(vec![7; 32]),
+            tcp_key: Some(vec![9; 32]),
         };
         assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m));
         let bare = AgentMetadata {

@@ -31,7 +31,7 @@ use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
 };
 use kvpeer_proto::PeerId;
-use memmap2::MmapMut;
+use memmap2::{MmapMut, MmapOptions};
 use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync,
     XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
@@ -207,6 +207,8 @@ pub struct NixlPlane {
     num_blocks: u64,
     block_len: u64,
     metadata: Vec<u8>,
+    /// This node's agent name: a peer presenting it is refused.
+    agent_name: String,
     failed: HashMap<PeerId, String>,
     next_tid: TransferId,
     wake: Wake,
@@ -240,13 +242,18 @@ impl NixlPlane {
             reason,
         };
         let file = crate::shm_object::open(pool, true).map_err(local_err)?;
-        // SAFETY: a shared mapping of our own pool: peers' WRITEs land in it (as in the store's
-        // mapping of the same object), and this plane only hands its address to NIXL.
-        let mapping = unsafe { MmapMut::map_mut(&file) }.map_err(|e| local_err(e.to_string()))?;
         let len = num_blocks.saturating_mul(block_len);
-        if (mapping.len() as u64) < len {
-            return Err(local_err(format!("{} bytes, {len} needed", mapping.len())));
+        let size = file.metadata().map_err(|e| local_err(e.to_string()))?.len();
+        if size < len || len == 0 {
+            return Err(local_err(format!("{size} bytes, {len} needed")));
         }
+        let map_len = usize::try_from(len).map_err(|e| local_err(e.to_string()))?;
+        // SAFETY: a shared mapping of our own pool's blocks (not its trailer, which holds the
+        // secret of the shm plane's tokens): peers' WRITEs land in it (as in the store's mapping
+        // of the same object), and this plane only hands its address to NIXL. The object holds
+        // at least `map_len` bytes (checked above).
+        let mapping = unsafe { MmapOptions::new().len(map_len).map_mut(&file) }
+            .map_err(|e| local_err(e.to_string()))?;
         let setup = |step| move |error| NixlError::Setup { step, error };
         let agent_config = AgentConfig {
             thread_sync: ThreadSync::Rw,
@@ -295,6 +302,7 @@ impl NixlPlane {
             num_blocks,
             block_len,
             metadata,
+            agent_name: config.agent_name.clone(),
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
@@ -398,9 +406,15 @@ impl DataPlane for NixlPlane {
         if memory.num_blocks == 0 || memory.agent_metadata.is_empty() {
             return Err("the peer offers no NIXL region".into());
         }
+        // A peer replaying our own metadata would have us WRITE into our own pool.
+        if memory.agent_metadata == self.metadata {
+            warn!(%peer, "nixl registration refused: the peer sent this node's own metadata");
+            return Err("the peer's NIXL metadata is this node's own".into());
+        }
         self.remove_remote_peer(peer);
         let (tx, rx) = channel();
         let (agent, wake) = (self.agent.clone(), self.wake.clone());
+        let own_name = self.agent_name.clone();
         let who = peer.clone();
         let memory = memory.clone();
         std::thread::Builder::new()
@@ -410,6 +424,15 @@ impl DataPlane for NixlPlane {
                     .load_remote_md(&memory.agent_metadata)
                     .map_err(|e| format!("NIXL refused the peer's metadata: {e}"))
                     .and_then(|name| {
+                        // NIXL itself refuses a blob with its own agent's name; checked here
+                        // too, so the refusal does not depend on NIXL's version. Nothing is
+                        // invalidated: our own name must stay ours.
+                        if name == own_name {
+                            warn!(peer = %who, "nixl registration refused: the peer presents this node's own agent");
+                            return Err(format!(
+                                "the peer's NIXL agent {name:?} is this node's own"
+                            ));
+                        }
                         prepare(
                             &agent,
                             &name,

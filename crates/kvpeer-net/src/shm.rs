@@ -1,11 +1,21 @@
 //! The `shm` data plane: peers on one host write blocks straight into each other's pools.
 //!
 //! Registration opens the peer's POSIX shared-memory object by the name its `agent_metadata`
-//! gives, checks it holds at least `num_blocks × block_len` bytes, and maps it read-write; the
-//! registration is `Pending` until a helper thread has pre-faulted that mapping (`prefault`),
-//! so no copy pays page faults and the runtime never waits for the pre-fault. A write copies local block `l` into the peer's region at `r × block_len`. Local blocks are read
-//! through this plane's own read-only mapping of the local object, so the plane and the store
-//! never share ownership.
+//! gives and proves it is the peer's pool before anything is mapped writable: the object is a
+//! regular file, not this node's own pool (same device and inode), exactly
+//! `num_blocks × block_len + TRAILER_LEN` bytes, its trailer starts with the magic, and the
+//! peer's `shm_token` is the HMAC of the trailer's secret for this node's id
+//! ([`kvpeer_store::trailer`]). A peer that cannot read the object cannot make the token, and a
+//! token made for another node is worthless here, so a peer can no longer direct this node's
+//! writes into its own pool or into another object of the same user. Only then are the blocks
+//! (not the trailer) mapped read-write; the registration is `Pending` until a helper thread has
+//! pre-faulted that mapping (`prefault`), so no copy pays page faults and the runtime never
+//! waits for the pre-fault: on the runtime thread, registration is `open`, `fstat`, a 40-byte
+//! `pread`, one HMAC and `mmap`. This node's own `connect` carries its token for each
+//! destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
+//! trailer. A write copies local block `l` into the peer's region at `r × block_len`. Local
+//! blocks are read through this plane's own read-only mapping of the local object, so the plane
+//! and the store never share ownership.
 //!
 //! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
 //! copied right there (a few tens of microseconds, less than handing it to another thread and
@@ -16,6 +26,8 @@
 //! running; a copy is never reported stopped while it may still write.
 
 use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -24,7 +36,8 @@ use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
 };
 use kvpeer_proto::PeerId;
-use memmap2::{Mmap, MmapMut};
+use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
+use memmap2::{Mmap, MmapMut, MmapOptions};
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -96,6 +109,12 @@ type Prefaulted = Arc<Mutex<Vec<(PeerId, u64, PeerMap)>>>;
 
 /// The shm data plane of one node.
 pub struct ShmPlane {
+    /// This node's id: the destination a peer's token must be made for.
+    local_id: PeerId,
+    /// The secret in the local pool's trailer: the key of this node's tokens.
+    secret: [u8; SECRET_LEN],
+    /// `(st_dev, st_ino)` of the local pool: a peer naming it is refused.
+    local_object: (u64, u64),
     local: Arc<Mmap>,
     wake: Wake,
     local_blocks: u64,
@@ -115,6 +134,7 @@ pub struct ShmPlane {
 impl std::fmt::Debug for ShmPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmPlane")
+            .field("local_id", &self.local_id)
             .field("local_blocks", &self.local_blocks)
             .field("block_len", &self.block_len)
             .field("peers", &self.peers.len())
@@ -123,8 +143,10 @@ impl std::fmt::Debug for ShmPlane {
 }
 
 impl ShmPlane {
-    /// A plane for the node whose pool is the shared-memory object `local_name`.
+    /// A plane for the node `local_id` whose pool is the shared-memory object `local_name`
+    /// (with its trailer: see [`kvpeer_store::trailer`]).
     pub fn new(
+        local_id: PeerId,
         local_name: &str,
         num_blocks: u64,
         block_len: u64,
@@ -135,14 +157,27 @@ impl ShmPlane {
             reason,
         };
         let file = shm_object::open(local_name, false).map_err(local_err)?;
+        let stat = file.metadata().map_err(|e| local_err(e.to_string()))?;
+        let blocks_len = num_blocks
+            .checked_mul(block_len)
+            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
+        let needed = trailer::object_len(num_blocks, block_len)
+            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
+        if stat.len() != needed {
+            return Err(local_err(format!(
+                "{} bytes, {needed} expected (blocks and trailer)",
+                stat.len()
+            )));
+        }
         // SAFETY: a read-only view of our own pool; blocks are only read while a store job pins
         // them, so their bytes do not change under a copy.
         let local = unsafe { Mmap::map(&file) }.map_err(|e| local_err(e.to_string()))?;
+        let trailer_at = usize::try_from(blocks_len).map_err(|e| local_err(e.to_string()))?;
+        let secret = local
+            .get(trailer_at..)
+            .ok_or_else(|| local_err("no trailer".into()))
+            .and_then(|t| trailer::parse_trailer(t).map_err(|e| local_err(e.to_string())))?;
         crate::prefault::for_read(&local, "the shm plane's view of the local pool");
-        let needed = num_blocks.saturating_mul(block_len);
-        if (local.len() as u64) < needed {
-            return Err(local_err(format!("{} bytes, {needed} needed", local.len())));
-        }
         let shared = Arc::new(Mutex::new(Shared::default()));
         let local = Arc::new(local);
         let (tx, rx) = channel::<Job>();
@@ -178,6 +213,9 @@ impl ShmPlane {
                 .map_err(ShmError::Worker)?
         };
         Ok(ShmPlane {
+            local_id,
+            secret,
+            local_object: (stat.dev(), stat.ino()),
             local,
             wake,
             local_blocks: num_blocks,
@@ -194,6 +232,8 @@ impl ShmPlane {
         })
     }
 
+    /// Opens, proves and maps the pool a peer names; nothing is mapped writable unless every
+    /// check passes. Runtime thread: `open`, `fstat`, a 40-byte `pread`, one HMAC, `mmap`.
     fn map_peer(&self, memory: &RemoteMemory) -> Result<PeerMap, String> {
         let meta = AgentMetadata::decode(&memory.agent_metadata).map_err(|e| e.to_string())?;
         let name = meta.shm.ok_or("the peer offers no shm plane")?;
@@ -203,24 +243,61 @@ impl ShmPlane {
                 memory.block_len, self.block_len
             ));
         }
+        let token = meta
+            .shm_token
+            .ok_or_else(|| format!("the peer sent no shm_token proving it owns /{name}"))?;
         let file =
             shm_object::open(&name, true).map_err(|e| format!("cannot open /{name}: {e}"))?;
-        // SAFETY: the peer's pool, shared with it by design: we write only blocks the peer named
-        // in a fetch (which it reserved for this write) and never read from the mapping.
-        let map =
-            unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("cannot map /{name}: {e}"))?;
-        let needed = memory.num_blocks.saturating_mul(memory.block_len);
-        if (map.len() as u64) < needed {
-            return Err(format!(
-                "/{name} holds {} bytes, the peer claims {needed}",
-                map.len()
-            ));
-        }
-        crate::prefault::for_write(&map, "a peer's pool");
+        let blocks_len = self.prove(&name, &file, memory.num_blocks, &token)?;
+        let len = usize::try_from(blocks_len).map_err(|e| format!("/{name}: {e}"))?;
+        // SAFETY: the peer's pool, shared with it by design and proven to be its own (above):
+        // we write only blocks the peer named in a fetch (which it reserved for this write) and
+        // never read from the mapping. Only the blocks are mapped, at the length checked above.
+        let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }
+            .map_err(|e| format!("cannot map /{name}: {e}"))?;
         Ok(PeerMap {
             region: Arc::new(Mutex::new(map)),
             num_blocks: memory.num_blocks,
         })
+    }
+
+    /// Checks that `file` (the object `/name` a peer named) is that peer's pool of `num_blocks`
+    /// blocks: a regular file, not our own pool, exactly blocks plus trailer long, with the
+    /// trailer's magic, and `token` made from its secret for this node. Returns the blocks'
+    /// byte length.
+    fn prove(&self, name: &str, file: &File, num_blocks: u64, token: &[u8]) -> Result<u64, String> {
+        let stat = file
+            .metadata()
+            .map_err(|e| format!("cannot fstat /{name}: {e}"))?;
+        if !stat.file_type().is_file() {
+            return Err(format!("/{name} is not a shared-memory object"));
+        }
+        if (stat.dev(), stat.ino()) == self.local_object {
+            return Err(format!("/{name} is this node's own pool"));
+        }
+        let blocks_len = num_blocks
+            .checked_mul(self.block_len)
+            .filter(|b| *b > 0)
+            .ok_or_else(|| format!("the peer claims an impossible pool of {num_blocks} blocks"))?;
+        let expected = trailer::object_len(num_blocks, self.block_len)
+            .ok_or_else(|| format!("the peer claims an impossible pool of {num_blocks} blocks"))?;
+        if stat.len() != expected {
+            return Err(format!(
+                "/{name} holds {} bytes, the peer claims {num_blocks} blocks and a trailer \
+                 ({expected} bytes)",
+                stat.len()
+            ));
+        }
+        let mut head = [0u8; MAGIC.len() + SECRET_LEN];
+        file.read_exact_at(&mut head, blocks_len)
+            .map_err(|e| format!("cannot read the trailer of /{name}: {e}"))?;
+        let secret = trailer::parse_trailer(&head).map_err(|e| format!("/{name}: {e}"))?;
+        if !trailer::verify(&secret, self.local_id.as_str(), token) {
+            return Err(format!(
+                "the peer's shm_token does not prove it owns /{name} (wrong or for another node)"
+            ));
+        }
+        Ok(blocks_len)
     }
 
     /// Transfers queued or running (for tests and stats).
@@ -343,6 +420,16 @@ impl DataPlane for ShmPlane {
 
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         lock(&self.shared).ended.remove(peer).unwrap_or_default()
+    }
+
+    fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+        match AgentMetadata::decode(advertised) {
+            Ok(mut meta) if meta.shm.is_some() => {
+                meta.shm_token = Some(trailer::token(&self.secret, peer.as_str()).to_vec());
+                meta.encode()
+            }
+            _ => advertised.to_vec(),
+        }
     }
 
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {

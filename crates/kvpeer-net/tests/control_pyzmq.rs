@@ -67,7 +67,7 @@ fn a_pyzmq_peer_and_the_channel_exchange_messages_both_ways() {
     let payload = loop {
         assert!(Instant::now() < deadline, "nothing from the Python peer");
         ours.wait(Duration::from_millis(100)).unwrap();
-        if let Some(ChannelEvent::Payload { peer, payload }) = ours.recv().into_iter().next() {
+        if let Some(ChannelEvent::Payload { peer, payload, .. }) = ours.recv().into_iter().next() {
             assert_eq!(peer, theirs, "the ROUTER sees the DEALER's identity");
             break payload;
         }

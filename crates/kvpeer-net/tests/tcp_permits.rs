@@ -41,10 +41,23 @@ fn plane(id: &str, store: &BlockStore) -> TcpPlane {
     .unwrap()
 }
 
-fn hello(s: &mut TcpStream, writer: &str) {
-    let mut f = b"KVPH\x01".to_vec();
+/// The key `rx` issues to `writer` (what its `connect` to that writer would carry).
+fn key_for(rx: &mut TcpPlane, writer: &str) -> Vec<u8> {
+    let advertised = AgentMetadata {
+        agent: "rx".into(),
+        tcp: Some(rx.addr().to_string()),
+        ..Default::default()
+    }
+    .encode();
+    let meta = rx.connect_metadata(&PeerId::new(writer), &advertised);
+    AgentMetadata::decode(&meta).unwrap().tcp_key.unwrap()
+}
+
+fn hello(s: &mut TcpStream, writer: &str, key: &[u8]) {
+    let mut f = b"KVPH\x02".to_vec();
     f.extend_from_slice(&(writer.len() as u16).to_be_bytes());
     f.extend_from_slice(writer.as_bytes());
+    f.extend_from_slice(key);
     s.write_all(&f).unwrap();
 }
 
@@ -91,10 +104,11 @@ fn only_permitted_writes_land_and_each_permit_is_used_once() {
     let store = pool("ok");
     let mut rx = plane("10.0.0.1:5710", &store);
     let writer = PeerId::new("10.0.0.2:5710");
+    let key = key_for(&mut rx, writer.as_str());
     rx.expect_writes(&writer, &[3, 4]);
 
     let mut s = TcpStream::connect(rx.addr()).unwrap();
-    hello(&mut s, writer.as_str());
+    hello(&mut s, writer.as_str(), &key);
     assert_eq!(
         write(&mut s, 1, &[(3, 0xaa), (4, 0xbb)]),
         Some(0),
@@ -122,6 +136,8 @@ fn writes_without_a_permit_or_out_of_range_or_from_strangers_are_refused() {
     let mut rx = plane("10.0.0.1:5710", &store);
     let writer = PeerId::new("10.0.0.2:5710");
     rx.expect_writes(&writer, &[1]);
+    let key = key_for(&mut rx, writer.as_str());
+    let stranger_key = key_for(&mut rx, "10.0.0.9:5710");
     let cases: [(&str, Vec<(u64, u8)>); 4] = [
         ("10.0.0.2:5710", vec![(5, 0x11)]), // no permit for block 5
         ("10.0.0.2:5710", vec![(1, 0x11), (5, 0x11)]), // one of two without a permit
@@ -130,7 +146,12 @@ fn writes_without_a_permit_or_out_of_range_or_from_strangers_are_refused() {
     ];
     for (who, blocks) in cases {
         let mut s = TcpStream::connect(rx.addr()).unwrap();
-        hello(&mut s, who);
+        let k = if who == writer.as_str() {
+            &key
+        } else {
+            &stranger_key
+        };
+        hello(&mut s, who, k);
         assert_eq!(write(&mut s, 9, &blocks), Some(1), "{who} {blocks:?}");
         assert!(connection_closed(&mut s));
     }
@@ -142,7 +163,7 @@ fn writes_without_a_permit_or_out_of_range_or_from_strangers_are_refused() {
     }
     // The permit of block 1 survived the refused all-or-nothing frame.
     let mut s = TcpStream::connect(rx.addr()).unwrap();
-    hello(&mut s, writer.as_str());
+    hello(&mut s, writer.as_str(), &key);
     assert_eq!(write(&mut s, 10, &[(1, 0x22)]), Some(0));
     rx.end_writes(&writer, &[1]);
 }
@@ -162,13 +183,15 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
     let mut rx = plane("10.0.0.1:5710", &rx_store);
     let mut tx = plane("10.0.0.2:5710", &tx_store);
     let receiver = PeerId::new("10.0.0.1:5710");
+    let advertised = AgentMetadata {
+        agent: "rx".into(),
+        shm: None,
+        tcp: Some(rx.addr().to_string()),
+        ..Default::default()
+    }
+    .encode();
     let memory = RemoteMemory {
-        agent_metadata: AgentMetadata {
-            agent: "rx".into(),
-            shm: None,
-            tcp: Some(rx.addr().to_string()),
-        }
-        .encode(),
+        agent_metadata: rx.connect_metadata(&PeerId::new("10.0.0.2:5710"), &advertised),
         base_addr: 0,
         num_blocks: BLOCKS,
         block_len: LEN,

@@ -32,11 +32,12 @@ trait Plane: DataPlane + Sized {
 
 impl Plane for ShmPlane {
     fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
-        let plane = ShmPlane::new(name, BLOCKS, LEN, wake).unwrap();
+        let plane = ShmPlane::new(id.clone(), name, BLOCKS, LEN, wake).unwrap();
         let meta = AgentMetadata {
             agent: id.to_string(),
             shm: Some(name.into()),
             tcp: None,
+            ..Default::default()
         };
         (plane, meta)
     }
@@ -58,6 +59,7 @@ impl Plane for TcpPlane {
                 agent: id.to_string(),
                 shm: None,
                 tcp,
+                ..Default::default()
             },
         )
     }
@@ -156,8 +158,15 @@ fn content(n: u64) -> Vec<u8> {
 /// Moves `from`'s messages to `to` (through the codec) and collects `from`'s events.
 fn deliver<P: Plane>(from: &mut Node<P>, to: &mut Node<P>) -> bool {
     let mut moved = false;
-    while let Some(t) = from.core.poll_transmit() {
+    while let Some(mut t) = from.core.poll_transmit() {
         moved = true;
+        // As the node does before a `connect` leaves: the planes' per-destination fields.
+        if let Message::Connect(c) = &mut t.message {
+            c.agent_metadata = from
+                .core
+                .plane_mut()
+                .connect_metadata(&t.peer, &c.agent_metadata);
+        }
         let payload = t.message.encode().unwrap();
         to.core.handle_payload(Instant::now(), &from.id, &payload);
     }

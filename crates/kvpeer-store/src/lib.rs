@@ -1,6 +1,7 @@
 //! kvpeer's host-memory pool of KV blocks: a POSIX shared-memory region of
-//! `num_blocks × block_len` bytes, the index of which key each block holds, pins held by store
-//! jobs, blocks being written by a peer, and O(1) LRU eviction of the rest. It implements the
+//! `num_blocks × block_len` bytes (then a one-page trailer holding the pool's secret, see
+//! [`trailer`]), the index of which key each block holds, pins held by store jobs, blocks being
+//! written by a peer, and O(1) LRU eviction of the rest. It implements the
 //! core's [`Parent`](kvpeer_core::Parent), the store as the producer role sees it.
 //!
 //! Memory overhead: about 130 bytes per block (a 64-byte slot, 8 bytes of LRU links, and an
@@ -9,6 +10,7 @@
 mod lru;
 mod region;
 mod store;
+pub mod trailer;
 
 pub use region::{Region, RegionError};
 pub use store::{BlockStore, StoreConfig, StoreError, StoreStats};

@@ -1,4 +1,6 @@
-//! The block region: `num_blocks × block_len` bytes in a POSIX shared-memory object.
+//! The block region: `num_blocks × block_len` bytes in a POSIX shared-memory object, followed by
+//! the pool's trailer (magic and a random secret, [`crate::trailer`]), which lets the `shm` plane
+//! prove to a peer that this node owns the object it names.
 //!
 //! Shared memory so that a peer on the same host (the `shm` data plane, or a Python process
 //! with `multiprocessing.shared_memory`) can map the same bytes by name and write blocks in
@@ -14,6 +16,8 @@ use nix::sys::mman::{mlock, shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
 use tracing::debug;
+
+use crate::trailer::{self, SECRET_LEN};
 
 /// Why a region could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +47,9 @@ pub enum RegionError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// No randomness for the pool's secret.
+    #[error("no randomness for the pool's secret: {0}")]
+    Random(getrandom::Error),
     /// `mlock` failed (raise `ulimit -l`, or run without locking).
     #[error("cannot lock {bytes} bytes in memory: {source}")]
     Lock {
@@ -61,10 +68,12 @@ pub struct Region {
     map: MmapMut,
     num_blocks: u64,
     block_len: u64,
+    secret: [u8; SECRET_LEN],
 }
 
 impl Region {
-    /// Creates `/name` with room for `num_blocks × block_len` bytes, zeroed, and maps it.
+    /// Creates `/name` with room for `num_blocks × block_len` bytes, zeroed, and the trailer
+    /// (a fresh secret), and maps it.
     pub fn create(
         name: &str,
         num_blocks: u64,
@@ -75,11 +84,15 @@ impl Region {
             num_blocks,
             block_len,
         };
-        let bytes = num_blocks
+        let blocks_len = num_blocks
             .checked_mul(block_len)
             .filter(|b| *b > 0)
             .ok_or_else(bad)?;
+        let bytes = trailer::object_len(num_blocks, block_len).ok_or_else(bad)?;
+        let size = i64::try_from(bytes).map_err(|_| bad())?;
         let len = usize::try_from(bytes).map_err(|_| bad())?;
+        let trailer_at = usize::try_from(blocks_len).map_err(|_| bad())?;
+        let secret = trailer::new_secret().map_err(RegionError::Random)?;
         let path = format!("/{name}");
         let create = |source| RegionError::Create {
             name: name.to_owned(),
@@ -96,18 +109,24 @@ impl Region {
             let _ = shm_unlink(path.as_str());
             e
         };
-        ftruncate(&fd, bytes as i64).map_err(|e| cleanup(create(e)))?;
+        ftruncate(&fd, size).map_err(|e| cleanup(create(e)))?;
         let file = File::from(fd);
         // SAFETY: the object was just created exclusively (O_EXCL) with mode 0600 and sized;
         // only this process and peers that the data plane deliberately lets write blocks map it.
         // The map is only ever accessed through slices of whole blocks handed out by the store,
         // which tolerates concurrent writes by a peer into blocks it reserved for that peer.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|source| {
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|source| {
             cleanup(RegionError::Map {
                 name: name.to_owned(),
                 source,
             })
         })?;
+        let head = trailer::encode(&secret);
+        match map.get_mut(trailer_at..trailer_at + head.len()) {
+            Some(dst) => dst.copy_from_slice(&head),
+            // The object was sized to hold the trailer just above.
+            None => return Err(cleanup(bad())),
+        }
         // Allocate every page now, not on a transfer's first touch: a fresh page costs a fault
         // and a zeroing, which made a first 128 MiB fetch several times slower than the copy
         // itself. Best effort: kernels before 5.14 refuse the advice and fault lazily instead.
@@ -127,7 +146,13 @@ impl Region {
             map,
             num_blocks,
             block_len,
+            secret,
         })
+    }
+
+    /// The pool's secret, as in its trailer: the key of the `shm` plane's ownership tokens.
+    pub fn secret(&self) -> &[u8; SECRET_LEN] {
+        &self.secret
     }
 
     /// The object's name, as for `shm_open` without the leading `/`.
@@ -192,6 +217,13 @@ mod tests {
         assert!(r.block(1).unwrap().iter().all(|b| *b == 0));
         assert!(r.block(2).unwrap().iter().all(|b| *b == 7));
         assert!(r.block(4).is_none());
+        // The trailer follows the blocks: magic and the secret, then zeros.
+        let len = std::fs::metadata(format!("/dev/shm/{name}")).unwrap().len();
+        assert_eq!(len, 4 * 4096 + trailer::TRAILER_LEN);
+        let raw = std::fs::read(format!("/dev/shm/{name}")).unwrap();
+        assert_eq!(trailer::parse_trailer(&raw[4 * 4096..]), Ok(*r.secret()));
+        assert!(raw[4 * 4096 + 40..].iter().all(|b| *b == 0));
+        assert_ne!(*r.secret(), [0; 32]);
         assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
         drop(r);
         assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());

@@ -93,6 +93,7 @@ impl NodeConfig {
                 config_fingerprint: String::new(),
                 core: CoreConfig::default(),
                 allowlist: Default::default(),
+                bind_identity: true,
                 auth_secret: None,
                 control: Default::default(),
                 limits: Default::default(),

@@ -59,7 +59,7 @@ pub const KEYS: &[(&str, &str)] = &[
         "tcp_max_rate",
         "cap on tcp bytes per second to each peer (default none)",
     ),
-    ("max_peers", "most sessions at once (default 1000)"),
+    ("max_peers", "most sessions at once (default 128, as vLLM)"),
     (
         "handshake_timeout_s",
         "seconds a handshake may take (default 30)",
@@ -107,6 +107,10 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "allowlist",
         "peers to talk to: CIDR, host or host:port rules (default: all)",
+    ),
+    (
+        "bind_identity",
+        "a peer's IP identity must come from that address: true or false (default true)",
     ),
     (
         "auth_secret_file",
@@ -351,6 +355,7 @@ pub fn resolve(
             config_fingerprint: text(&s, "config_fingerprint", ""),
             core,
             allowlist: allowlist(&s)?,
+            bind_identity: boolean(&s, "bind_identity", true)?,
             auth_secret: auth_secret(&s)?,
             control,
             limits,
@@ -398,6 +403,17 @@ fn bad(source: &str, key: &str, problem: String) -> ConfigError {
         source_name: source.to_owned(),
         key: key.to_owned(),
         problem,
+    }
+}
+
+fn boolean(s: &Settings, key: &str, default: bool) -> Result<bool, ConfigError> {
+    match s.get(key) {
+        None => Ok(default),
+        Some((v, src)) => match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            other => Err(bad(src, key, format!("{other:?} is not true or false"))),
+        },
     }
 }
 

@@ -208,7 +208,31 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
     }
 }
 
+/// On SIGINT or SIGTERM the node never gets to drop its pool (the process ends with the
+/// signal's default action otherwise), so a watcher removes the pool's shared-memory object and
+/// exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
+/// behind (`kill -9` still does: nothing can run then).
+fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| format!("cannot watch signals: {e}"))?;
+    let path = format!("/{shm_name}");
+    std::thread::Builder::new()
+        .name("kvpeer-fetch-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                // The object may not exist yet (or any more): nothing to remove then.
+                let _ = nix::sys::mman::shm_unlink(path.as_str());
+                eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed");
+                std::process::exit(128 + signal);
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| format!("cannot start the signal watcher: {e}"))
+}
+
 fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
+    remove_pool_on_signal(&config.spec.shm_name)?;
     let node = Node::start(config).map_err(|e| e.to_string())?;
     tracing::info!(id = %node.id(), peer = %args.peer, "consumer node up");
     let result = workload(args, &node);

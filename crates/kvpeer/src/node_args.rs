@@ -33,13 +33,17 @@ pub(crate) struct NodeArgs {
     /// of 1000), so block traffic leaves room on a shared link. Uncapped by default.
     #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND")]
     pub(crate) tcp_max_rate: Option<u64>,
-    /// Most peers at once [default: 1000].
+    /// Most peers at once [default: 128, as vLLM].
     #[arg(long)]
     pub(crate) max_peers: Option<u64>,
     /// Talk only to peers matching RULE (CIDR, host or host:port; repeat for more). Without
     /// any, every peer is allowed (as vLLM does).
     #[arg(long = "allow", value_name = "RULE")]
     pub(crate) allow: Vec<String>,
+    /// Whether a peer's IP identity must come from that address (`false` only behind NAT or
+    /// proxies that change source addresses; docs/security.md) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub(crate) bind_identity: Option<bool>,
     /// Turn on the authenticated handshake with the shared secret in FILE (every peer must have
     /// it; stock vLLM peers cannot). Off by default.
     #[arg(long, value_name = "FILE")]
@@ -91,6 +95,9 @@ impl NodeArgs {
         }
         if !self.allow.is_empty() {
             flags.set("allowlist", self.allow.join(","), "flag --allow");
+        }
+        if let Some(on) = self.bind_identity {
+            flags.set("bind_identity", on.to_string(), "flag --bind-identity");
         }
         if let Some(seed) = &self.hash_seed {
             flags.set("hash_seed", seed.clone(), "flag --hash-seed");

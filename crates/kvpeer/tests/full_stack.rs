@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::NodeConfig;
-use kvpeer_core::{Event, LookupResult, RequestRoles};
+use kvpeer_core::{LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -106,19 +106,8 @@ fn share<P: BuildPlane>(tag: &str) {
     c.core
         .submit_load(Instant::now(), 1, &req, hits.clone(), blocks.clone());
     c.flush(Instant::now());
-    run_until(&mut c, &mut p, |c, _| {
-        c.results
-            .iter()
-            .any(|e| matches!(e, Event::LoadDone { job: 1, .. }))
-    });
-    assert!(c.results.iter().any(|e| matches!(
-        e,
-        Event::LoadDone {
-            job: 1,
-            success: true,
-            ..
-        }
-    )));
+    run_until(&mut c, &mut p, |c, _| c.loads_done.contains_key(&1));
+    assert_eq!(c.take_load_result(1), Some(true));
     c.core.parent_mut().finish_write(&blocks, true);
     for (n, b) in blocks.iter().enumerate() {
         assert_eq!(
@@ -154,17 +143,11 @@ fn share<P: BuildPlane>(tag: &str) {
     }
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, p| {
-        c.results.iter().any(|e| {
-            matches!(
-                e,
-                Event::LoadDone {
-                    job: 2,
-                    success: false,
-                    ..
-                }
-            )
-        }) && p.core.stats().server_requests == 0
+        c.loads_done.get(&2) == Some(&false) && p.core.stats().server_requests == 0
     });
+    assert_eq!(c.take_load_result(2), Some(false));
+    // Every result was taken once; store results are never kept.
+    assert!(c.loads_done.is_empty() && p.loads_done.is_empty());
     c.core.parent_mut().finish_write(&pd_blocks, false);
     for n in [&c, &p] {
         let s = n.core.parent().stats();

@@ -338,7 +338,9 @@ impl ClientRole {
         round: u64,
     ) {
         if !self.complete(out, id, round, success) {
-            warn!(kv_request_id = %id, round, "transfer_done for no load in flight (duplicate, or raced with an abort)");
+            if let Some(suppressed) = out.throttle.admit_ticked("transfer_done for no load in flight") {
+                warn!(kv_request_id = %id, round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
+            }
         }
     }
 
@@ -346,7 +348,9 @@ impl ClientRole {
         if self.complete(out, id, round, false) {
             out.counters.abort_acks += 1;
         } else {
-            warn!(kv_request_id = %id, round, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
+            if let Some(suppressed) = out.throttle.admit_ticked("abort_ack for no load in flight") {
+                warn!(kv_request_id = %id, round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
+            }
         }
     }
 

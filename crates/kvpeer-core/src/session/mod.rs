@@ -105,6 +105,11 @@ impl Session {
         &self.link.peer
     }
 
+    /// Whether the peer ever acknowledged our `connect` (it is alive and speaks the protocol).
+    pub(crate) fn was_acked(&self) -> bool {
+        self.link.ready
+    }
+
     pub(crate) fn is_dead(&self) -> bool {
         self.death.is_some()
     }
@@ -257,7 +262,15 @@ impl Session {
             self.protocol_error(cx, "duplicate connect after handshake".into());
             return;
         }
-        let refusal = if c.block_len != local.block_len {
+        // The routing identity is only what the peer's socket claims; a `connect` naming
+        // another peer would register that peer's memory under this session (vLLM's peers
+        // always send their own identity in both places).
+        let refusal = if c.peer_id != self.link.peer {
+            Some(format!(
+                "connect names peer {} but came from {}",
+                c.peer_id, self.link.peer
+            ))
+        } else if c.block_len != local.block_len {
             Some(format!(
                 "block_len mismatch: remote={}, local={}",
                 c.block_len, local.block_len
@@ -290,7 +303,7 @@ impl Session {
         };
         if let Some(reason) = refusal {
             // vLLM drops the peer silently and it waits 30 s for an ack; kvpeer tells it.
-            warn!(peer = %self.link.peer, %reason, "rejecting peer connect");
+            crate::warn_throttled!(cx.out.throttle, cx.now, "rejecting peer connect", peer = %self.link.peer, %reason);
             self.disconnect(cx.out, cx.now, format!("rejected peer connect: {reason}"));
             return;
         }
@@ -317,7 +330,7 @@ impl Session {
             }
             Registration::Failed(e) => {
                 self.registering = false;
-                warn!(peer = %self.link.peer, error = %e, "peer registration failed; rejecting peer");
+                crate::warn_throttled!(cx.out.throttle, cx.now, "peer registration failed; rejecting peer", peer = %self.link.peer, error = %e);
                 self.disconnect(cx.out, cx.now, format!("peer registration failed: {e}"));
             }
         }

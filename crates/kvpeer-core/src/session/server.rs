@@ -214,6 +214,13 @@ pub(crate) struct ServerRole {
     /// Pins not completed yet, in rounds and orphaned.
     open_pins: usize,
     store_lane: Lane<(KvRequestId, u64, u64, JobId)>,
+    /// Rounds whose demand waits for supply (a PD fetch before its store): failed when no
+    /// supply came within the store timeout, so a peer's fetches cannot park state forever.
+    demand_lane: Lane<(KvRequestId, u64, u64)>,
+    /// Rounds dropped because every pin expired before any fetch: a late fetch for one fails
+    /// in one round trip. Remembered for one more store timeout.
+    expired: Map<(KvRequestId, u64), Instant>,
+    expired_lane: Lane<(KvRequestId, u64)>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
     next_serial: u64,
@@ -247,6 +254,9 @@ impl ServerRole {
             orphans: Map::default(),
             open_pins: 0,
             store_lane: Lane::new(config.store_timeout),
+            demand_lane: Lane::new(config.store_timeout),
+            expired: Map::default(),
+            expired_lane: Lane::new(config.store_timeout),
             lookup_lane: Lane::new(config.lookup_pending_timeout),
             next_lookup_id: 0,
             next_serial: 0,
@@ -378,8 +388,11 @@ impl ServerRole {
                 "duplicate fetch for kv_request_id={id} round={round}"
             ));
         }
+        let expired = existing.is_none() && self.expired.remove(&(id.clone(), round)).is_some();
         let rnd = self.round_or_new(id, round);
         let serial = rnd.serial;
+        // Its supply came from lookups whose pins expired: nothing can serve it any more.
+        rnd.lookup_supplied |= expired;
         rnd.demand_received = true;
         rnd.remaining = keys.len();
         let mut matched = Matched::default();
@@ -413,10 +426,14 @@ impl ServerRole {
             rnd.finishing,
             rnd.inflight,
         );
+        if !rnd.lookup_supplied && !rnd.demanded.is_empty() {
+            // Demand parked for a later store (PD): bounded by the store timeout.
+            self.demand_lane.arm(cx.now, (id.clone(), round, serial));
+        }
         if symmetric_miss {
             // A symmetric round's supply always comes before its fetch: unmatched demand can
             // never be served, so fail now rather than at the peer's load timeout.
-            warn!(peer = %self.peer, kv_request_id = %id, round, "fetch wants blocks no lookup pinned; failing the round");
+            crate::warn_throttled!(cx.out.throttle, cx.now, "fetch wants blocks no lookup pinned; failing the round", peer = %self.peer, kv_request_id = %id, round);
             self.finalize(link, cx, id, round, Some(false), true);
         } else if !matched.local.is_empty() {
             self.submit_transfer(link, cx, id, round, serial, matched);
@@ -686,7 +703,7 @@ impl ServerRole {
         let key = (id.clone(), round);
         if !self.aborts.contains_key(&key) {
             if !self.requests.contains_key(id) {
-                warn!(peer = %self.peer, kv_request_id = %id, round, "abort_fetch for an unknown request (acked anyway)");
+                crate::warn_throttled!(cx.out.throttle, cx.now, "abort_fetch for an unknown request (acked anyway)", peer = %self.peer, kv_request_id = %id, round);
             }
             self.aborts.insert(key.clone(), cx.now);
             self.abort_warn_lane.arm(cx.now, key);
@@ -1108,14 +1125,40 @@ impl ServerRole {
             let Some(readers) = readers else {
                 continue;
             };
-            warn!(peer = %self.peer, job, kv_request_id = %id, "store job timed out");
+            crate::warn_throttled!(cx.out.throttle, now, "store job timed out", peer = %self.peer, job, kv_request_id = %id);
             if readers > 0 {
                 // Writes still read it: cancel them; the pin stays until they are terminal.
                 self.cancel_round(link, cx, &id, round, serial);
             } else if let Some(rnd) = self.round_mut(&id, round, serial) {
                 if rnd.remove_pin(job).is_some() {
+                    let unfetched =
+                        rnd.pins.is_empty() && !rnd.demand_received && rnd.inflight == 0;
                     self.complete_pin(cx, job, false);
+                    if unfetched {
+                        // Hit and never fetched: drop the round (and the request, if that was
+                        // all it held) instead of keeping it until the session ends.
+                        self.finalize(link, cx, &id, round, Some(false), false);
+                        self.expired.insert((id.clone(), round), now);
+                        self.expired_lane.arm(now, (id.clone(), round));
+                    }
                 }
+            }
+        }
+        let demand_delay = self.demand_lane.delay();
+        while let Some((_, (id, round, serial))) = self.demand_lane.pop_due(now) {
+            let starved = self.round_mut(&id, round, serial).is_some_and(|r| {
+                !r.cancelled && r.inflight == 0 && !r.demanded.is_empty() && r.pins.is_empty()
+            });
+            if starved {
+                debug!(peer = %self.peer, kv_request_id = %id, round, waited = ?demand_delay,
+                    "fetch demand got no supply within the store timeout; failing the round");
+                self.finalize(link, cx, &id, round, Some(false), true);
+            }
+        }
+        let expired_delay = self.expired_lane.delay();
+        while let Some((at, key)) = self.expired_lane.pop_due(now) {
+            if self.expired.get(&key).is_some_and(|t| *t + expired_delay == at) {
+                self.expired.remove(&key);
             }
         }
         while let Some((_, (id, round, serial))) = self.retry_lane.pop_due(now) {
@@ -1137,6 +1180,8 @@ impl ServerRole {
             self.repoll_at,
             self.lookup_lane.next_deadline(),
             self.store_lane.next_deadline(),
+            self.demand_lane.next_deadline(),
+            self.expired_lane.next_deadline(),
             self.retry_lane.next_deadline(),
             self.abort_warn_lane.next_deadline(),
         ])
@@ -1169,6 +1214,9 @@ impl ServerRole {
         self.aborts.clear();
         self.slow_aborts.clear();
         self.store_lane.clear();
+        self.demand_lane.clear();
+        self.expired.clear();
+        self.expired_lane.clear();
         self.lookup_lane.clear();
         self.retry_lane.clear();
         self.abort_warn_lane.clear();

@@ -67,6 +67,35 @@ impl Allowlist {
     }
 }
 
+impl Allowlist {
+    /// Whether a control connection from `source` may be heard: always with no list or a list
+    /// of host names only (a name cannot judge an address); else `source` must match an
+    /// address or network rule (a `host:port` rule with an IP host counts, any port).
+    pub fn allows_source(&self, source: IpAddr) -> bool {
+        let mut ip_rules = self.rules.iter().filter_map(|rule| match rule {
+            Rule::Network { addr, prefix } => Some(in_network(source, *addr, *prefix)),
+            Rule::Host(h) | Rule::HostPort(h, _) => h
+                .parse::<IpAddr>()
+                .ok()
+                .map(|ip| ip.to_canonical() == source.to_canonical()),
+        });
+        let Some(first) = ip_rules.next() else {
+            return true;
+        };
+        first || ip_rules.any(|matched| matched)
+    }
+
+    /// Whether a rule names the host `host` by name (not by address).
+    pub fn names_host(&self, host: &str) -> bool {
+        self.rules.iter().any(|rule| match rule {
+            Rule::Host(h) | Rule::HostPort(h, _) => {
+                h.parse::<IpAddr>().is_err() && h.eq_ignore_ascii_case(host)
+            }
+            Rule::Network { .. } => false,
+        })
+    }
+}
+
 fn parse_rule(rule: &str) -> Result<Rule, String> {
     let bad = |why: &str| format!("allowlist rule {rule:?}: {why}");
     if rule.is_empty() {
@@ -104,7 +133,7 @@ fn same_host(rule: &str, host: &str, ip: Option<IpAddr>) -> bool {
 }
 
 fn in_network(ip: IpAddr, net: IpAddr, prefix: u8) -> bool {
-    match (ip, net) {
+    match (ip.to_canonical(), net) {
         (IpAddr::V4(ip), IpAddr::V4(net)) => {
             let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
             u32::from(ip) & mask == u32::from(net) & mask

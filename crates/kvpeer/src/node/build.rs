@@ -40,6 +40,8 @@ pub struct NodeSpec {
     pub core: CoreConfig,
     /// Which peers the node talks to (empty: all).
     pub allowlist: Allowlist,
+    /// Whether a peer's IP identity must come from that address (docs/security.md).
+    pub bind_identity: bool,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
     pub auth_secret: Option<Vec<u8>>,
     /// The control channel's socket settings (frame size limit, heartbeats, queue).
@@ -125,6 +127,7 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
             agent: config.agent_name,
             shm: None,
             tcp: None,
+            ..Default::default()
         };
         Ok((plane, meta))
     }
@@ -140,11 +143,18 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
 
 impl BuildPlane for ShmPlane {
     fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = ShmPlane::new(&spec.shm_name, spec.num_blocks, spec.block_len, wake)?;
+        let plane = ShmPlane::new(
+            spec.id.clone(),
+            &spec.shm_name,
+            spec.num_blocks,
+            spec.block_len,
+            wake,
+        )?;
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: Some(spec.shm_name.clone()),
             tcp: None,
+            ..Default::default()
         };
         Ok((plane, meta))
     }
@@ -165,6 +175,7 @@ impl BuildPlane for TcpPlane {
             agent: spec.id.to_string(),
             shm: None,
             tcp: Some(plane.addr().to_string()),
+            ..Default::default()
         };
         Ok((plane, meta))
     }
@@ -216,6 +227,7 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let mut core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
+    io.set_bind_identity(spec.bind_identity);
     io.set_allowlist(spec.allowlist.clone());
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {

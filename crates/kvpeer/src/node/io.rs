@@ -2,21 +2,31 @@
 //!
 //! [`NodeIo::step`] does one round: inbound payloads and lost connections into the core, data-
 //! plane progress, due deadlines, then the core's outputs out (messages first, then events:
-//! dial, close, refuse; load and store results are kept for the caller). The runtime thread
-//! calls it after [`NodeIo::wait`], which sleeps until the channel is readable or the core's
-//! next deadline. Owned by that one thread.
+//! dial, close, refuse; load results are kept for the caller until it takes them, store
+//! results are dropped: the core has completed them already). The runtime thread calls it
+//! after [`NodeIo::wait`], which sleeps until the channel is readable or the core's next
+//! deadline. Owned by that one thread.
+//!
+//! Before the protocol sees anything, an inbound payload must pass the origin check (its
+//! claimed identity against the connection's source address, and the allowlist: see
+//! [`OriginCheck`]); a `connect` must also name data addresses the node may connect to and,
+//! with a secret, prove it. Nothing leaves for a peer outside the allowlist: not a dial, not
+//! a queued message. Warnings a peer can cause are rate-limited.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{Core, DataPlane, Event};
+use kvpeer_core::throttle::WarnThrottle;
+use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId};
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
+use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_store::BlockStore;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::allow::Allowlist;
 use super::auth::Auth;
+use super::origin::{LocalAddrs, OriginCheck};
 use super::wake::WakePipe;
 
 /// A core, its store and plane, and its control channel.
@@ -25,18 +35,24 @@ pub struct NodeIo<D: DataPlane> {
     pub core: Core<BlockStore, D>,
     /// The ZeroMQ control channel.
     pub channel: ControlChannel,
-    /// Load and store results not yet taken by the caller.
-    pub results: Vec<Event>,
+    /// Results of loads (job → every block landed) not yet taken by the caller. Each load's
+    /// caller takes its result once (the runtime keeps a load until it does), so this holds
+    /// only loads that ended since the caller last looked.
+    pub loads_done: HashMap<JobId, bool>,
     /// Why the latest sessions ended or connections were refused (peer, refused?, reason),
     /// newest last, at most [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why
     /// it is gone.
     pub closed: std::collections::VecDeque<(PeerId, bool, String)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
-    /// Which peers this node talks to.
-    allow: Allowlist,
-    /// Refused peers already logged (each is logged once).
+    /// Which peers this node talks to, judged by identity and source address.
+    origin: OriginCheck,
+    /// Refused peers lately seen (bounded: cleared when full), to count each once.
     refused: HashSet<PeerId>,
+    /// Peers refused so far (each counted once while it stays in `refused`).
+    refused_total: u64,
+    /// Warnings a peer can cause, at most one per kind per second.
+    throttle: WarnThrottle,
     /// The authenticated handshake, when a secret is configured.
     auth: Option<Auth>,
     /// The same decoding bounds as the core's (used to read a `connect` before the core).
@@ -65,11 +81,13 @@ impl<D: DataPlane> NodeIo<D> {
         NodeIo {
             core,
             channel,
-            results: Vec::new(),
+            loads_done: HashMap::new(),
             closed: Default::default(),
             wake,
-            allow: Allowlist::default(),
+            origin: OriginCheck::default(),
             refused: HashSet::new(),
+            refused_total: 0,
+            throttle: WarnThrottle::default(),
             auth: None,
             limits: DecodeLimits::default(),
         }
@@ -85,46 +103,96 @@ impl<D: DataPlane> NodeIo<D> {
         self.auth = auth;
     }
 
-    /// An inbound payload: with authentication on, a `connect` must prove the secret before
-    /// the core sees it; everything else goes to the core as it came.
+    /// An inbound payload that passed the origin check. Decoded once here: a `connect` must
+    /// name data addresses this node may connect to and, with authentication on, prove the
+    /// secret for this node; anything that does not decode goes to the core as it came (it
+    /// classifies and answers bad payloads).
     fn inbound(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
-        let Some(auth) = self.auth.as_mut() else {
-            self.core.handle_payload(now, peer, payload);
-            return;
+        let message = match decode_with_limits(payload, &self.limits) {
+            Ok(message) => message,
+            Err(_) => return self.core.handle_payload(now, peer, payload),
         };
-        match decode_with_limits(payload, &self.limits) {
-            Ok(Message::Connect(c)) => match auth.verify(&c) {
-                Ok(()) => self.core.handle_message(now, peer, Message::Connect(c)),
-                Err(reason) => {
-                    if self.refused.insert(peer.clone()) {
-                        warn!(%peer, %reason, "peer refused: authentication failed");
-                    }
-                    self.channel.close(peer);
-                }
-            },
-            Ok(message) => self.core.handle_message(now, peer, message),
-            Err(_) => self.core.handle_payload(now, peer, payload),
+        if let Message::Connect(c) = &message {
+            if let Err(reason) = self.check_connect(peer, c) {
+                self.refuse(now, peer, &reason, "connect");
+                self.channel.close(peer);
+                return;
+            }
+        }
+        self.core.handle_message(now, peer, message);
+    }
+
+    /// Whether a `connect` from `peer` may open a session: its advertised tcp data address
+    /// must be one this node may connect to, and with a secret it must be signed for us.
+    fn check_connect(&mut self, peer: &PeerId, c: &kvpeer_proto::Connect) -> Result<(), String> {
+        // Only kvpeer's plane map names addresses; NIXL's blob is NIXL's (docs/security.md).
+        if let Ok(AgentMetadata { tcp: Some(addr), .. }) = AgentMetadata::decode(&c.agent_metadata)
+        {
+            self.origin.check_data_addr(peer, &addr)?;
+        }
+        if let Some(auth) = self.auth.as_mut() {
+            let us = self.channel.identity().clone();
+            auth.verify(&us, peer, c)
+                .map_err(|e| format!("authentication failed: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Restricts the peers this node talks to (see [`Allowlist`]); identity binding stays as
+    /// it was (on unless [`NodeIo::set_bind_identity`] turned it off).
+    pub fn set_allowlist(&mut self, allow: Allowlist) {
+        self.origin = OriginCheck::new(self.bind_identity(), allow, LocalAddrs::read());
+    }
+
+    /// Whether a claimed IP identity must come from that address (on by default).
+    pub fn set_bind_identity(&mut self, on: bool) {
+        let allow = self.origin.allowlist().clone();
+        self.origin = OriginCheck::new(on, allow, LocalAddrs::read());
+    }
+
+    fn bind_identity(&self) -> bool {
+        self.origin.binds_identity()
+    }
+
+    /// Peers refused so far (allowlist, origin, authentication, data addresses).
+    pub fn refused_peers(&self) -> usize {
+        usize::try_from(self.refused_total).unwrap_or(usize::MAX)
+    }
+
+    /// Warnings suppressed by the rate limit so far.
+    pub fn suppressed_warnings(&self) -> u64 {
+        self.throttle.total_suppressed()
+    }
+
+    /// Counts a refusal (once per peer while remembered) and logs it, rate-limited.
+    fn refuse(&mut self, now: Instant, peer: &PeerId, reason: &str, what: &str) {
+        const REMEMBERED: usize = 4096;
+        if self.refused.len() >= REMEMBERED {
+            self.refused.clear();
+        }
+        if self.refused.insert(peer.clone()) {
+            self.refused_total += 1;
+        }
+        warn_throttled!(self.throttle, now, "peer refused", %peer, %reason, what);
+    }
+
+    /// `true` if a payload claiming `peer` from `source` may reach the protocol.
+    fn heard(&mut self, now: Instant, peer: &PeerId, source: Option<std::net::IpAddr>) -> bool {
+        match self.origin.check(peer, source) {
+            Ok(()) => true,
+            Err(reason) => {
+                self.refuse(now, peer, &reason, "inbound message");
+                false
+            }
         }
     }
 
-    /// Restricts the peers this node talks to (see [`Allowlist`]).
-    pub fn set_allowlist(&mut self, allow: Allowlist) {
-        self.allow = allow;
-    }
-
-    /// Peers refused by the allowlist so far.
-    pub fn refused_peers(&self) -> usize {
-        self.refused.len()
-    }
-
-    /// `true` if `peer` may be talked to; logs a refusal once per peer.
-    fn allowed(&mut self, peer: &PeerId, what: &str) -> bool {
-        match self.allow.check(peer) {
+    /// `true` if this node may open a connection to `peer` (or send it anything).
+    fn may_dial(&mut self, now: Instant, peer: &PeerId) -> bool {
+        match self.origin.allowlist().check(peer) {
             Ok(()) => true,
             Err(reason) => {
-                if self.refused.insert(peer.clone()) {
-                    warn!(%peer, %reason, what, "peer refused");
-                }
+                self.refuse(now, peer, &reason, "dial");
                 false
             }
         }
@@ -137,15 +205,8 @@ impl<D: DataPlane> NodeIo<D> {
 
     /// Takes the result of load `job` if it has ended: `Some(true)` when every block landed,
     /// `Some(false)` when it failed or was aborted. Other results stay.
-    pub fn take_load_result(&mut self, job: kvpeer_core::JobId) -> Option<bool> {
-        let at = self
-            .results
-            .iter()
-            .position(|e| matches!(e, Event::LoadDone { job: j, .. } if *j == job))?;
-        match self.results.remove(at) {
-            Event::LoadDone { success, .. } => Some(success),
-            _ => None,
-        }
+    pub fn take_load_result(&mut self, job: JobId) -> Option<bool> {
+        self.loads_done.remove(&job)
     }
 
     /// One round of I/O at `now`.
@@ -155,8 +216,12 @@ impl<D: DataPlane> NodeIo<D> {
         }
         for event in self.channel.recv() {
             match event {
-                ChannelEvent::Payload { peer, payload } => {
-                    if self.allowed(&peer, "inbound message") {
+                ChannelEvent::Payload {
+                    peer,
+                    source,
+                    payload,
+                } => {
+                    if self.heard(now, &peer, source) {
                         self.inbound(now, &peer, &payload)
                     }
                 }
@@ -176,8 +241,20 @@ impl<D: DataPlane> NodeIo<D> {
             let mut progressed = false;
             while let Some(mut t) = self.core.poll_transmit() {
                 progressed = true;
+                if let Message::Connect(c) = &mut t.message {
+                    c.agent_metadata = self
+                        .core
+                        .plane_mut()
+                        .connect_metadata(&t.peer, &c.agent_metadata);
+                }
+                if !self.may_dial(now, &t.peer) {
+                    // Never dialed, never sent to: its requests fall back at once.
+                    self.closed_with(t.peer.clone(), true, "not in the allowlist".into());
+                    self.core.handle_connection_lost(now, &t.peer);
+                    continue;
+                }
                 if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
-                    match auth.sign(c) {
+                    match auth.sign(&t.peer, c) {
                         Ok(token) => c.kvpeer_auth = Some(token),
                         Err(e) => warn!(peer = %t.peer, error = %e, "cannot sign connect"),
                     }
@@ -198,8 +275,9 @@ impl<D: DataPlane> NodeIo<D> {
                 progressed = true;
                 match event {
                     Event::Dial(peer) => {
-                        if !self.allowed(&peer, "dial") {
+                        if !self.may_dial(now, &peer) {
                             // Never dialed: its requests fall back at once.
+                            self.closed_with(peer.clone(), true, "not in the allowlist".into());
                             self.core.handle_connection_lost(now, &peer);
                         } else if let Err(e) = self.channel.dial(&peer) {
                             warn!(%peer, error = %e, "dial failed");
@@ -208,7 +286,13 @@ impl<D: DataPlane> NodeIo<D> {
                     }
                     Event::Close { peer, reason } => self.closed_with(peer, false, reason),
                     Event::Refused { peer, reason } => self.closed_with(peer, true, reason),
-                    result => self.results.push(result),
+                    Event::LoadDone { job, success, .. } => {
+                        self.loads_done.insert(job, success);
+                    }
+                    Event::StoreDone { job, success } => {
+                        // Already completed at the store by the core; nobody waits on it.
+                        debug!(job, success, "store job done");
+                    }
                 }
             }
             if !progressed {

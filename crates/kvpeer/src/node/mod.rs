@@ -6,5 +6,6 @@ pub mod allow;
 pub mod auth;
 pub mod build;
 pub mod io;
+pub mod origin;
 pub(crate) mod runtime;
 pub mod wake;

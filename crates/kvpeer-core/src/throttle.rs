@@ -1,0 +1,134 @@
+//! Rate-limited warnings: a peer must not be able to fill the disk with logs.
+//!
+//! Each kind of warning (a `&'static str`) is logged at most once per interval; the ones in
+//! between are counted, and the next one logged carries that count (`suppressed`). The owner
+//! passes the time in (the core reads no clock), so this is usable from the sans-IO core and
+//! from I/O threads alike. Memory is one entry per kind, and kinds are static strings.
+
+use std::time::{Duration, Instant};
+
+use crate::maps::Map;
+
+/// How often one kind of warning is logged at most, by default.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    logged_at: Instant,
+    suppressed: u64,
+}
+
+/// Which warnings to log now, per kind.
+#[derive(Debug, Clone)]
+pub struct WarnThrottle {
+    interval: Duration,
+    /// The latest time the owner told (for callers without a `now` at hand).
+    ticked: Option<Instant>,
+    slots: Map<&'static str, Slot>,
+    total_suppressed: u64,
+}
+
+impl Default for WarnThrottle {
+    fn default() -> Self {
+        WarnThrottle::new(DEFAULT_INTERVAL)
+    }
+}
+
+impl WarnThrottle {
+    /// At most one warning of each kind per `interval`.
+    pub fn new(interval: Duration) -> Self {
+        WarnThrottle {
+            interval,
+            ticked: None,
+            slots: Map::default(),
+            total_suppressed: 0,
+        }
+    }
+
+    /// Whether a warning of `kind` happening at `now` is logged: `Some(n)` with the number of
+    /// its kind suppressed since the last one logged, or `None` (counted, not logged).
+    pub fn admit(&mut self, kind: &'static str, now: Instant) -> Option<u64> {
+        match self.slots.get_mut(kind) {
+            Some(slot) if now.saturating_duration_since(slot.logged_at) < self.interval => {
+                slot.suppressed += 1;
+                self.total_suppressed += 1;
+                None
+            }
+            Some(slot) => {
+                let suppressed = std::mem::take(&mut slot.suppressed);
+                slot.logged_at = now;
+                Some(suppressed)
+            }
+            None => {
+                self.slots.insert(
+                    kind,
+                    Slot {
+                        logged_at: now,
+                        suppressed: 0,
+                    },
+                );
+                Some(0)
+            }
+        }
+    }
+
+    /// Records the owner's current time, for [`WarnThrottle::ticked`].
+    pub fn tick(&mut self, now: Instant) {
+        self.ticked = Some(now);
+    }
+
+    /// The latest time given to [`WarnThrottle::tick`] (the owner's clock, never read here).
+    /// Before any tick, a throttle admits everything.
+    pub fn ticked(&self) -> Option<Instant> {
+        self.ticked
+    }
+
+    /// As [`WarnThrottle::admit`] at the last tick; before any tick, always admitted.
+    pub fn admit_ticked(&mut self, kind: &'static str) -> Option<u64> {
+        match self.ticked {
+            Some(now) => self.admit(kind, now),
+            None => Some(0),
+        }
+    }
+
+    /// Warnings not logged so far, all kinds together.
+    pub fn total_suppressed(&self) -> u64 {
+        self.total_suppressed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_warning_per_kind_per_interval_and_the_rest_counted() {
+        let t0 = Instant::now();
+        let mut t = WarnThrottle::new(Duration::from_secs(1));
+        assert_eq!(t.admit("junk", t0), Some(0));
+        for i in 1..=1000u64 {
+            assert_eq!(t.admit("junk", t0 + Duration::from_micros(i)), None);
+        }
+        assert_eq!(t.admit("other", t0), Some(0), "kinds are separate");
+        assert_eq!(t.admit("junk", t0 + Duration::from_secs(1)), Some(1000));
+        assert_eq!(t.admit("junk", t0 + Duration::from_millis(1500)), None);
+        assert_eq!(t.admit("junk", t0 + Duration::from_secs(3)), Some(1));
+        assert_eq!(t.total_suppressed(), 1001);
+    }
+}
+
+/// `warn!` through a [`WarnThrottle`]: `warn_throttled!(throttle, now, "message", fields...)`
+/// logs the message with its fields and the `suppressed` count, or only counts it.
+#[macro_export]
+macro_rules! warn_throttled {
+    ($throttle:expr, $now:expr, $msg:literal) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::warn!(suppressed, $msg);
+        }
+    };
+    ($throttle:expr, $now:expr, $msg:literal, $($field:tt)+) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::warn!($($field)+, suppressed, $msg);
+        }
+    };
+}

@@ -1,0 +1,607 @@
+//! The `tcp` data plane: peers on any host. The writer streams blocks to the peer's data
+//! listener; the receiver reads them straight into its pool and acknowledges; the transfer is
+//! done when the acknowledgement arrives.
+//!
+//! Byte format (all integers big-endian; docs/data-planes.md has the full description):
+//!
+//! ```text
+//! HELLO  writer → receiver, once per connection:
+//!        "KVPH" | version u8 = 2 | id_len u16 | writer peer id (UTF-8) | key (32 bytes)
+//! WRITE  writer → receiver:        "KVPW" | transfer id u64 | count u32 | count × block index u64
+//!                                  | count × block_len bytes, in index order
+//! ACK    receiver → writer:        "KVPA" | transfer id u64 | status u8 (0 written, 1 refused)
+//! ```
+//!
+//! **Keys** (who may open a data connection as writer W). Just before this node's `connect` to
+//! peer W leaves, [`DataPlane::connect_metadata`] draws 32 random bytes, remembers them as the
+//! key issued to W (replacing any earlier one: a new `connect` is a new session) and puts them
+//! in that `connect`'s `agent_metadata` as `tcp_key`. W's writer sends the key in its HELLO; the
+//! receiver accepts a HELLO only if it names a writer id with an issued key and carries exactly
+//! that key (compared in constant time). Anything else (wrong or missing key, version 1, junk)
+//! is closed at once without reading further, and counted ([`TcpCounters::refused_hellos`]).
+//! An accepted connection writes only with W's permits, and only while its key is current:
+//! when the key is replaced or withdrawn, the connections that presented it are closed.
+//!
+//! **Key lifetime rule.** `add_remote_peer` never touches issued keys (they are about writes
+//! *into* us). `remove_remote_peer(W)` withdraws W's key if write permits were granted to W
+//! while that key was issued (the key has guarded a fetch: this is the end of the session that
+//! used it); otherwise it leaves the key in place. The reason: the combined plane
+//! ([`DualPlane`](crate::dual::DualPlane)) calls `remove_remote_peer` as a reset when the peer's
+//! `connect` arrives, which for a session we opened comes *after* our `connect` issued the key,
+//! and for a peer whose shm object we can open, no tcp registration follows; a reset there must
+//! not cut off the peer's tcp writes into us. A session never grants permits before that reset
+//! is over (permits granted before it are dropped by it), so "permits were granted under this
+//! key" reliably tells the session's end from the reset. A key left in place by a permit-less
+//! session authorizes nothing (a WRITE needs a permit, and permits are granted only in a later
+//! session, whose `connect` replaces the key first), and is replaced by the next `connect`.
+//!
+//! **Write permits**: the receiver accepts a WRITE only if every index is inside its pool and
+//! is a block it has an outstanding fetch for from that writer ([`DataPlane::expect_writes`]).
+//! It claims those permits before reading a single block byte, so no other connection can write
+//! the same blocks; anything else is refused (ACK 1) and the connection closed, which faults the
+//! writer. A refused write never touches the pool.
+//!
+//! **Limits** ([`TcpLimits`]): connections at once (those still in their HELLO are capped
+//! separately, and the oldest of them makes room for a new one, so junk cannot lock out a
+//! session's writer), a HELLO deadline, a deadline for each part of a started WRITE, and an
+//! idle timeout. A writer whose idle connection was closed reconnects (same key) before its
+//! next WRITE; a connection that closes with WRITEs awaiting their ACK faults the peer.
+//!
+//! Threads: a listener and one reader per inbound connection (receive side); per peer one
+//! writer, and one acknowledgement reader per connection (send side). The core's thread only
+//! queues and polls; `wake` runs after each completion. One user-space copy per side: the
+//! writer writes from its mapping of the pool, the receiver reads into its mapping of the pool.
+
+mod receiver;
+mod sender;
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{
+    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+};
+use kvpeer_proto::PeerId;
+use memmap2::{Mmap, MmapMut};
+use tracing::warn;
+
+use crate::metadata::AgentMetadata;
+use crate::shm::Wake;
+use crate::{lock, shm_object};
+use receiver::{Gate, PoolWriter};
+use sender::PeerLink;
+
+const HELLO: &[u8; 4] = b"KVPH";
+const WRITE: &[u8; 4] = b"KVPW";
+const ACK: &[u8; 4] = b"KVPA";
+const VERSION: u8 = 2;
+/// Bytes of a HELLO key.
+pub const KEY_LEN: usize = 32;
+/// Longest writer id a HELLO may carry.
+const MAX_ID_LEN: usize = 1024;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the plane could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TcpError {
+    /// The local pool could not be mapped.
+    #[error("cannot map the local shared-memory object /{name}: {reason}")]
+    Local {
+        /// Its name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// The data listener could not be bound or started.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+}
+
+/// Caps and deadlines of the data port (receive side); the writer also uses `idle_timeout`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// Inbound connections open at once. Over it a new connection takes the place of the
+    /// oldest one still in its HELLO, or, if all are past their HELLO, is closed at once.
+    pub max_connections: usize,
+    /// Of those, connections that have not completed their HELLO. Over it the oldest of them
+    /// is closed to make room, so idle junk cannot keep a session's writer out.
+    pub max_handshaking: usize,
+    /// A HELLO must be complete this long after the connection is accepted.
+    pub hello_timeout: Duration,
+    /// Once a WRITE has started, its header (with the block indexes) must arrive within this
+    /// long of its first byte, and each of its blocks within this long of the part before it.
+    pub frame_timeout: Duration,
+    /// A connection with no frame started for this long is closed. A writer whose connection
+    /// has been idle for half this long opens a fresh one before its next WRITE.
+    pub idle_timeout: Duration,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        TcpLimits {
+            max_connections: 256,
+            max_handshaking: 64,
+            hello_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What the data port refused or closed, and how often the writer reconnected (for tests and
+/// metrics). Monotonic since the plane started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpCounters {
+    /// HELLOs refused: bad magic or version, bad id, no key issued to that writer, wrong key.
+    pub refused_hellos: u64,
+    /// Connections closed at once because the connection cap was full of authenticated ones.
+    pub refused_over_cap: u64,
+    /// Connections still in their HELLO closed to make room for a new one.
+    pub evicted_handshaking: u64,
+    /// Connections closed because their HELLO did not complete in time.
+    pub hello_timeouts: u64,
+    /// Connections closed because a started WRITE stalled.
+    pub frame_timeouts: u64,
+    /// Connections closed after `idle_timeout` without a frame.
+    pub idle_closes: u64,
+    /// Connections closed because the key they presented was replaced or withdrawn.
+    pub key_closes: u64,
+    /// `accept` failures (EMFILE and the like).
+    pub accept_errors: u64,
+    /// Times a writer opened a fresh connection after its idle one closed.
+    pub reconnects: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    refused_hellos: AtomicU64,
+    refused_over_cap: AtomicU64,
+    evicted_handshaking: AtomicU64,
+    hello_timeouts: AtomicU64,
+    frame_timeouts: AtomicU64,
+    idle_closes: AtomicU64,
+    key_closes: AtomicU64,
+    accept_errors: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl Counters {
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> TcpCounters {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TcpCounters {
+            refused_hellos: get(&self.refused_hellos),
+            refused_over_cap: get(&self.refused_over_cap),
+            evicted_handshaking: get(&self.evicted_handshaking),
+            hello_timeouts: get(&self.hello_timeouts),
+            frame_timeouts: get(&self.frame_timeouts),
+            idle_closes: get(&self.idle_closes),
+            key_closes: get(&self.key_closes),
+            accept_errors: get(&self.accept_errors),
+            reconnects: get(&self.reconnects),
+        }
+    }
+}
+
+type Permits = Arc<Mutex<HashMap<PeerId, HashSet<BlockIndex>>>>;
+
+#[derive(Default)]
+struct Ends {
+    /// Ended transfers not yet polled, per peer.
+    ended: HashMap<PeerId, PlanePoll>,
+    /// Transfers written but not acknowledged: tid → (peer, the connection it went out on).
+    sent: HashMap<TransferId, (PeerId, u64)>,
+    /// Transfers queued to a writer, not yet sent: tid → peer.
+    queued: HashMap<TransferId, PeerId>,
+    faults: HashMap<PeerId, String>,
+    /// Per peer, its writer's current connection: (its number, still open).
+    conns: HashMap<PeerId, (u64, bool)>,
+}
+
+/// Outbound links, and the dials still running (a dial whose peer was removed or registered
+/// again meanwhile drops its connection).
+#[derive(Default)]
+struct Links {
+    map: HashMap<PeerId, PeerLink>,
+    dialing: HashMap<PeerId, u64>,
+    next_dial: u64,
+}
+
+/// The tcp data plane of one node.
+pub struct TcpPlane {
+    local_id: PeerId,
+    local: Arc<Mmap>,
+    num_blocks: u64,
+    block_len: u64,
+    addr: SocketAddr,
+    permits: Permits,
+    ends: Arc<Mutex<Ends>>,
+    registrations: Arc<Mutex<HashMap<PeerId, Registration>>>,
+    links: Arc<Mutex<Links>>,
+    next_tid: TransferId,
+    /// Cap on the bytes per second written to each peer (`None`: as fast as the link goes).
+    max_write_rate: Option<u64>,
+    limits: Arc<Mutex<TcpLimits>>,
+    counters: Arc<Counters>,
+    wake: Wake,
+    stop: Arc<AtomicBool>,
+    /// Issued keys and open inbound connections.
+    gate: Arc<Mutex<Gate>>,
+}
+
+impl std::fmt::Debug for TcpPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpPlane")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl TcpPlane {
+    /// A plane for node `local_id` whose pool is the shared-memory object `pool_name`, with its
+    /// data listener bound at `listen` (port 0 picks one: see [`TcpPlane::addr`]).
+    pub fn new(
+        local_id: PeerId,
+        pool_name: &str,
+        num_blocks: u64,
+        block_len: u64,
+        listen: &str,
+        wake: Wake,
+    ) -> Result<Self, TcpError> {
+        let local_err = |reason: String| TcpError::Local {
+            name: pool_name.to_owned(),
+            reason,
+        };
+        let ro = shm_object::open(pool_name, false).map_err(local_err)?;
+        let rw = shm_object::open(pool_name, true).map_err(local_err)?;
+        // SAFETY: read-only view of our own pool; a block is only sent while a store job pins
+        // it, so its bytes do not change under the send.
+        let local = unsafe { Mmap::map(&ro) }.map_err(|e| local_err(e.to_string()))?;
+        // SAFETY: our own pool, written only through `PoolWriter::block_ptr` (see there).
+        let pool = unsafe { MmapMut::map_mut(&rw) }.map_err(|e| local_err(e.to_string()))?;
+        crate::prefault::for_read(&local, "the tcp plane's view of the local pool");
+        crate::prefault::for_write(&pool, "the tcp plane's receive mapping");
+        if (pool.len() as u64) < num_blocks.saturating_mul(block_len) {
+            return Err(local_err("the object is smaller than the pool".into()));
+        }
+        let listener = TcpListener::bind(listen).map_err(|source| TcpError::Listen {
+            addr: listen.into(),
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| TcpError::Listen {
+            addr: listen.into(),
+            source,
+        })?;
+        let plane = TcpPlane {
+            local_id,
+            local: Arc::new(local),
+            num_blocks,
+            block_len,
+            addr,
+            permits: Arc::default(),
+            ends: Arc::default(),
+            registrations: Arc::default(),
+            links: Arc::default(),
+            next_tid: 0,
+            max_write_rate: None,
+            limits: Arc::default(),
+            counters: Arc::default(),
+            wake,
+            stop: Arc::default(),
+            gate: Arc::default(),
+        };
+        let accept = receiver::Accept {
+            pool: Arc::new(PoolWriter::new(pool, block_len as usize, num_blocks)),
+            permits: plane.permits.clone(),
+            gate: plane.gate.clone(),
+            limits: plane.limits.clone(),
+            counters: plane.counters.clone(),
+            stop: plane.stop.clone(),
+        };
+        std::thread::Builder::new()
+            .name("kvpeer-tcp-listen".into())
+            .spawn(move || accept.run(listener))
+            .map_err(|source| TcpError::Listen {
+                addr: listen.into(),
+                source,
+            })?;
+        Ok(plane)
+    }
+
+    /// Caps the bytes per second written to each peer, so block traffic cannot starve the
+    /// engine's own traffic on a shared link. Applies to links opened afterwards.
+    pub fn with_max_write_rate(mut self, bytes_per_second: Option<u64>) -> Self {
+        self.max_write_rate = bytes_per_second.filter(|r| *r > 0);
+        self
+    }
+
+    /// Sets the data port's caps and deadlines (defaults: [`TcpLimits::default`]). Applies to
+    /// connections accepted and links opened afterwards.
+    pub fn with_limits(self, limits: TcpLimits) -> Self {
+        *lock(&self.limits) = limits;
+        self
+    }
+
+    /// Where the data listener is bound (what `agent_metadata` advertises).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The data address a peer's `agent_metadata` names (its `tcp` entry), if any.
+    pub fn peer_data_addr(memory: &RemoteMemory) -> Option<String> {
+        AgentMetadata::decode(&memory.agent_metadata).ok()?.tcp
+    }
+
+    /// Transfers queued or unacknowledged.
+    pub fn inflight(&self) -> usize {
+        let e = lock(&self.ends);
+        e.queued.len() + e.sent.len()
+    }
+
+    /// What the data port refused or closed so far.
+    pub fn counters(&self) -> TcpCounters {
+        self.counters.snapshot()
+    }
+
+    /// Inbound connections open now: (past their HELLO, still in it).
+    pub fn inbound_connections(&self) -> (usize, usize) {
+        lock(&self.gate).counts()
+    }
+
+    /// A fault of `peer`'s data connection: its unacknowledged and queued transfers fail, and
+    /// the core winds the session down.
+    fn fault(ends: &Mutex<Ends>, peer: &PeerId, reason: String, wake: &Wake) {
+        let mut e = lock(ends);
+        e.faults.entry(peer.clone()).or_insert(reason);
+        let mut lost: Vec<TransferId> = e
+            .sent
+            .iter()
+            .filter(|(_, (p, _))| p == peer)
+            .map(|(t, _)| *t)
+            .collect();
+        for tid in &lost {
+            e.sent.remove(tid);
+        }
+        // Never sent, so they cannot land: released as failed.
+        let unsent: Vec<TransferId> = e
+            .queued
+            .iter()
+            .filter(|(_, p)| *p == peer)
+            .map(|(t, _)| *t)
+            .collect();
+        for tid in &unsent {
+            e.queued.remove(tid);
+        }
+        lost.extend(unsent);
+        if !lost.is_empty() {
+            e.ended.entry(peer.clone()).or_default().failed.extend(lost);
+        }
+        drop(e);
+        wake();
+    }
+}
+
+/// `true` when `e` is a read timeout (`set_read_timeout` reports `WouldBlock` on Unix).
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// Fills `buf` from `s`, all of it by `deadline`: partial reads carry on with the time left;
+/// a timeout is `TimedOut`, the writer closing before the end is `UnexpectedEof`.
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[filled..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {} // the loop checks the deadline
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn protocol(msg: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
+}
+
+impl DataPlane for TcpPlane {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+        let meta = AgentMetadata::decode(&memory.agent_metadata).map_err(|e| e.to_string())?;
+        let addr = meta.tcp.ok_or("the peer offers no tcp plane")?;
+        if memory.block_len != self.block_len {
+            return Err(format!(
+                "block_len {} is not ours ({})",
+                memory.block_len, self.block_len
+            ));
+        }
+        // A new registration replaces the old link (issued keys stay: they are about writes
+        // into us).
+        self.drop_link(peer);
+        lock(&self.ends).faults.remove(peer);
+        let key = match meta.tcp_key.map(<[u8; KEY_LEN]>::try_from) {
+            Some(Ok(key)) => key,
+            Some(Err(_)) => {
+                lock(&self.registrations).insert(
+                    peer.clone(),
+                    Registration::Failed(format!("the peer's tcp_key is not {KEY_LEN} bytes")),
+                );
+                return Ok(());
+            }
+            None => {
+                lock(&self.registrations).insert(
+                    peer.clone(),
+                    Registration::Failed("peer advertises tcp without tcp_key".into()),
+                );
+                return Ok(());
+            }
+        };
+        lock(&self.registrations).insert(peer.clone(), Registration::Pending);
+        self.start_link(peer.clone(), addr, key, memory.num_blocks);
+        Ok(())
+    }
+
+    fn registration(&mut self, peer: &PeerId) -> Registration {
+        lock(&self.registrations)
+            .get(peer)
+            .cloned()
+            .unwrap_or_else(|| Registration::Failed("not registered".into()))
+    }
+
+    fn remove_remote_peer(&mut self, peer: &PeerId) {
+        lock(&self.registrations).remove(peer);
+        // The key we issued to `peer` ends with the session that used it (module doc).
+        let closed = lock(&self.gate).withdraw_if_armed(peer);
+        for _ in 0..closed {
+            Counters::bump(&self.counters.key_closes);
+        }
+        lock(&self.permits).remove(peer);
+        self.drop_link(peer);
+    }
+
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId> {
+        let links = lock(&self.links);
+        let link = links.map.get(peer)?;
+        let ok = !local.is_empty()
+            && crate::write_in_range(local, remote, self.num_blocks, link.num_blocks);
+        if !ok || lock(&self.ends).faults.contains_key(peer) {
+            return None;
+        }
+        self.next_tid += 1;
+        let tid = self.next_tid;
+        lock(&self.ends).queued.insert(tid, peer.clone());
+        if !link.queue(tid, local, remote) {
+            lock(&self.ends).queued.remove(&tid);
+            return None;
+        }
+        Some(tid)
+    }
+
+    fn poll(&mut self, peer: &PeerId) -> PlanePoll {
+        let mut e = lock(&self.ends);
+        let mut poll = e.ended.remove(peer).unwrap_or_default();
+        poll.peer_fault = e.faults.get(peer).cloned();
+        poll
+    }
+
+    fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
+        let mut e = lock(&self.ends);
+        let mut still = Vec::new();
+        for &tid in ids {
+            if e.queued.remove(&tid).is_some() {
+                continue; // never sent: released
+            }
+            if e.sent.contains_key(&tid) {
+                match mode {
+                    // Sent: its bytes may still land; never reported stopped.
+                    CancelMode::Wait => still.push(tid),
+                    CancelMode::Immediate => {
+                        e.sent.remove(&tid);
+                    }
+                }
+                continue;
+            }
+            for poll in e.ended.values_mut() {
+                poll.done.retain(|t| *t != tid);
+                poll.failed.retain(|t| *t != tid);
+            }
+        }
+        still
+    }
+
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        if blocks.is_empty() {
+            return;
+        }
+        lock(&self.permits)
+            .entry(peer.clone())
+            .or_default()
+            .extend(blocks.iter().copied());
+        lock(&self.gate).arm(peer);
+    }
+
+    fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        let mut p = lock(&self.permits);
+        if let Some(set) = p.get_mut(peer) {
+            for b in blocks {
+                set.remove(b);
+            }
+            if set.is_empty() {
+                p.remove(peer);
+            }
+        }
+    }
+
+    fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+        let mut meta = match AgentMetadata::decode(advertised) {
+            Ok(meta) if meta.tcp.is_some() => meta,
+            _ => return advertised.to_vec(),
+        };
+        let mut key = [0u8; KEY_LEN];
+        if let Err(e) = getrandom::fill(&mut key) {
+            // Without a key the peer's writer refuses to register (no tcp writes into us from
+            // it this session), which is safe; an old key must not stand in.
+            warn!(%peer, error = %e, "no randomness for a tcp key; the peer cannot write to us over tcp");
+            let closed = lock(&self.gate).withdraw(peer);
+            for _ in 0..closed {
+                Counters::bump(&self.counters.key_closes);
+            }
+            return advertised.to_vec();
+        }
+        // Permits granted before this connect (a load submitted as the session opened) are
+        // this session's: the key guards them from the start.
+        let armed = lock(&self.permits).get(peer).is_some_and(|s| !s.is_empty());
+        let closed = lock(&self.gate).issue(peer, key, armed);
+        for _ in 0..closed {
+            Counters::bump(&self.counters.key_closes);
+        }
+        meta.tcp_key = Some(key.to_vec());
+        meta.encode()
+    }
+}
+
+impl Drop for TcpPlane {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the listener out of accept().
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        lock(&self.gate).close_all();
+        let links: Vec<PeerLink> = lock(&self.links).map.drain().map(|(_, l)| l).collect();
+        for link in links {
+            link.close();
+        }
+        lock(&self.links).dialing.clear();
+    }
+}
+
+/// Shuts a socket both ways, so the thread reading it returns at once.
+fn close(s: &TcpStream) {
+    let _ = s.shutdown(Shutdown::Both);
+}

@@ -1,0 +1,533 @@
+//! The receive side of the tcp plane: the data port's listener, its caps, issued keys, and one
+//! reader per inbound connection (HELLO, then WRITEs straight into the pool).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpeer_core::TransferId;
+use kvpeer_proto::PeerId;
+use memmap2::MmapMut;
+use subtle::ConstantTimeEq;
+use tracing::{debug, warn};
+
+use super::{
+    close, protocol, read_by, Counters, Permits, TcpLimits, ACK, HELLO, KEY_LEN, MAX_ID_LEN,
+    VERSION, WRITE,
+};
+use crate::lock;
+
+/// How long the listener sleeps after `accept` fails (EMFILE and the like) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// At most one warning per this long about failing accepts (the rest are counted).
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// The pool as the receive side writes it: a raw base pointer, so that connections write
+/// disjoint blocks without a lock held across socket reads (a slow peer must not stall others).
+pub(super) struct PoolWriter {
+    map: MmapMut,
+    block_len: usize,
+    num_blocks: u64,
+}
+
+impl PoolWriter {
+    pub(super) fn new(map: MmapMut, block_len: usize, num_blocks: u64) -> Self {
+        PoolWriter {
+            map,
+            block_len,
+            num_blocks,
+        }
+    }
+
+    /// Where block `index` lies in the mapping: (first byte, length). Only a thread holding
+    /// the block's claimed write permit may write through it (see `receive`).
+    fn block_ptr(&self, index: u64) -> Option<(*mut u8, usize)> {
+        if index >= self.num_blocks {
+            return None;
+        }
+        let start = usize::try_from(index).ok()?.checked_mul(self.block_len)?;
+        if start.checked_add(self.block_len)? > self.map.len() {
+            return None;
+        }
+        // In bounds (checked above), so the offset stays inside the mapping.
+        Some((
+            self.map.as_ptr().wrapping_add(start) as *mut u8,
+            self.block_len,
+        ))
+    }
+}
+
+// SAFETY: the mapping is written only through `block_ptr` by threads holding disjoint claimed
+// permits (see `receive`), and read by nobody while those writes run.
+unsafe impl Sync for PoolWriter {}
+
+/// A key issued to one writer id by our `connect` to it.
+struct Issued {
+    key: [u8; KEY_LEN],
+    /// Tells this key from earlier ones for the same writer.
+    generation: u64,
+    /// Write permits were granted to the writer while this key was issued.
+    armed: bool,
+}
+
+/// An open inbound connection.
+struct Conn {
+    /// A handle to shut it down from another thread.
+    stream: TcpStream,
+    /// Past its HELLO: the writer and the generation of the key it presented.
+    writer: Option<(PeerId, u64)>,
+}
+
+/// Issued keys and open inbound connections, under one lock so that authenticating a
+/// connection and withdrawing its key cannot interleave.
+#[derive(Default)]
+pub(super) struct Gate {
+    keys: HashMap<PeerId, Issued>,
+    /// By connection number: the oldest first.
+    conns: BTreeMap<u64, Conn>,
+    next_conn: u64,
+    next_generation: u64,
+}
+
+/// What `Gate::admit` decided.
+enum Admit {
+    /// Admitted as connection `id`, after closing `evicted` connections still in their HELLO.
+    Yes { id: u64, evicted: usize },
+    /// The cap is full of connections past their HELLO.
+    Full,
+}
+
+impl Gate {
+    /// (connections past their HELLO, connections still in it).
+    pub(super) fn counts(&self) -> (usize, usize) {
+        let authenticated = self.conns.values().filter(|c| c.writer.is_some()).count();
+        (authenticated, self.conns.len() - authenticated)
+    }
+
+    /// Issues `key` to `writer`, replacing its earlier key; returns how many connections that
+    /// presented the earlier key were closed.
+    pub(super) fn issue(&mut self, writer: &PeerId, key: [u8; KEY_LEN], armed: bool) -> usize {
+        self.next_generation += 1;
+        let issued = Issued {
+            key,
+            generation: self.next_generation,
+            armed,
+        };
+        self.keys.insert(writer.clone(), issued);
+        self.close_writer(writer)
+    }
+
+    /// Write permits were granted to `writer`: its current key now guards a fetch.
+    pub(super) fn arm(&mut self, writer: &PeerId) {
+        if let Some(k) = self.keys.get_mut(writer) {
+            k.armed = true;
+        }
+    }
+
+    /// Withdraws `writer`'s key; returns how many connections that presented it were closed.
+    pub(super) fn withdraw(&mut self, writer: &PeerId) -> usize {
+        self.keys.remove(writer);
+        self.close_writer(writer)
+    }
+
+    /// The session-end rule (see the module doc): withdraws the key only if it guarded permits.
+    pub(super) fn withdraw_if_armed(&mut self, writer: &PeerId) -> usize {
+        if self.keys.get(writer).is_some_and(|k| k.armed) {
+            self.withdraw(writer)
+        } else {
+            0
+        }
+    }
+
+    /// Closes every inbound connection (the plane is going).
+    pub(super) fn close_all(&mut self) {
+        for (_, c) in std::mem::take(&mut self.conns) {
+            close(&c.stream);
+        }
+    }
+
+    /// Closes the connections authenticated as `writer` with a key other than its current one.
+    fn close_writer(&mut self, writer: &PeerId) -> usize {
+        let current = self.keys.get(writer).map(|k| k.generation);
+        let stale: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(
+                |(_, c)| matches!(&c.writer, Some((w, g)) if w == writer && Some(*g) != current),
+            )
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &stale {
+            if let Some(c) = self.conns.remove(id) {
+                close(&c.stream);
+            }
+        }
+        stale.len()
+    }
+
+    /// Takes a new connection (`stream` is a handle to it) within `limits`: over either cap the
+    /// oldest connection still in its HELLO is closed to make room; if every open connection
+    /// is past its HELLO and the total cap is reached, the new one is refused.
+    fn admit(&mut self, stream: TcpStream, limits: &TcpLimits) -> Admit {
+        let mut evicted = 0;
+        loop {
+            let (authenticated, handshaking) = self.counts();
+            let total = authenticated + handshaking;
+            if total < limits.max_connections.max(1) && handshaking < limits.max_handshaking.max(1)
+            {
+                break;
+            }
+            let oldest = self
+                .conns
+                .iter()
+                .find(|(_, c)| c.writer.is_none())
+                .map(|(id, _)| *id);
+            match oldest.and_then(|id| self.conns.remove(&id)) {
+                Some(c) => {
+                    close(&c.stream);
+                    evicted += 1;
+                }
+                None => return Admit::Full,
+            }
+        }
+        self.next_conn += 1;
+        let id = self.next_conn;
+        self.conns.insert(
+            id,
+            Conn {
+                stream,
+                writer: None,
+            },
+        );
+        Admit::Yes { id, evicted }
+    }
+
+    /// Connection `id` presents `key` as `writer`: accepted only if that writer has an issued
+    /// key and it is this one. An accepted connection replaces the writer's older ones (a
+    /// writer keeps one connection; it opens another only once the last one is gone).
+    fn authenticate(&mut self, id: u64, writer: &PeerId, key: &[u8; KEY_LEN]) -> Option<usize> {
+        let issued = self.keys.get(writer)?;
+        if !bool::from(issued.key.ct_eq(key)) {
+            return None;
+        }
+        let generation = issued.generation;
+        let conn = self.conns.get_mut(&id)?; // closed meanwhile (evicted, plane going)
+        conn.writer = Some((writer.clone(), generation));
+        let older: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(other, c)| **other != id && matches!(&c.writer, Some((w, _)) if w == writer))
+            .map(|(other, _)| *other)
+            .collect();
+        for other in &older {
+            if let Some(c) = self.conns.remove(other) {
+                close(&c.stream);
+            }
+        }
+        Some(older.len())
+    }
+
+    /// Connection `id` is open and its writer's key is still the one it presented.
+    fn is_current(&self, id: u64) -> bool {
+        match self.conns.get(&id).and_then(|c| c.writer.as_ref()) {
+            Some((w, g)) => self.keys.get(w).is_some_and(|k| k.generation == *g),
+            None => false,
+        }
+    }
+
+    fn forget(&mut self, id: u64) {
+        self.conns.remove(&id);
+    }
+}
+
+/// The listener's shared state.
+pub(super) struct Accept {
+    pub(super) pool: Arc<PoolWriter>,
+    pub(super) permits: Permits,
+    pub(super) gate: Arc<Mutex<Gate>>,
+    pub(super) limits: Arc<Mutex<TcpLimits>>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) stop: Arc<AtomicBool>,
+}
+
+impl Accept {
+    /// Accepts until the plane stops. A failing `accept` (out of descriptors: EMFILE, ENFILE)
+    /// backs off instead of spinning, and is logged at most once a second.
+    pub(super) fn run(self, listener: TcpListener) {
+        let mut last_log: Option<Instant> = None;
+        let mut unlogged = 0u64;
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    if self.stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    self.admit(stream);
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => {
+                    Counters::bump(&self.counters.accept_errors);
+                    if last_log.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                        warn!(error = %e, unlogged, "cannot accept tcp data connections; backing off");
+                        last_log = Some(Instant::now());
+                        unlogged = 0;
+                    } else {
+                        unlogged += 1;
+                    }
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                }
+            }
+        }
+    }
+
+    fn admit(&self, stream: TcpStream) {
+        let accepted = Instant::now();
+        let limits = lock(&self.limits).clone();
+        let handle = match stream.try_clone() {
+            Ok(h) => h,
+            Err(e) => {
+                // Out of descriptors: this connection cannot be tracked, so it is not served.
+                Counters::bump(&self.counters.accept_errors);
+                debug!(error = %e, "cannot track a tcp data connection; closing it");
+                close(&stream);
+                return;
+            }
+        };
+        let admitted = lock(&self.gate).admit(handle, &limits);
+        let id = match admitted {
+            Admit::Yes { id, evicted } => {
+                for _ in 0..evicted {
+                    Counters::bump(&self.counters.evicted_handshaking);
+                }
+                id
+            }
+            Admit::Full => {
+                Counters::bump(&self.counters.refused_over_cap);
+                debug!("tcp data port full; closing a new connection");
+                close(&stream);
+                return;
+            }
+        };
+        let (pool, permits, gate, counters) = (
+            self.pool.clone(),
+            self.permits.clone(),
+            self.gate.clone(),
+            self.counters.clone(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("kvpeer-tcp-recv".into())
+            .spawn(move || {
+                let mut stream = stream;
+                let mut conn = Connection {
+                    id,
+                    s: &mut stream,
+                    pool: &pool,
+                    permits: &permits,
+                    gate: &gate,
+                    limits: &limits,
+                    counters: &counters,
+                };
+                if let Err(e) = conn.receive(accepted) {
+                    debug!(error = %e, "tcp data connection ended");
+                }
+                // Whatever ended it, the writer learns at once (and the socket is released).
+                close(&stream);
+                lock(&gate).forget(id);
+            });
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start a tcp receive thread");
+            if let Some(c) = lock(&self.gate).conns.remove(&id) {
+                close(&c.stream);
+            }
+        }
+    }
+}
+
+/// One inbound connection's reader.
+struct Connection<'a> {
+    id: u64,
+    s: &'a mut TcpStream,
+    pool: &'a PoolWriter,
+    permits: &'a Permits,
+    gate: &'a Mutex<Gate>,
+    limits: &'a TcpLimits,
+    counters: &'a Counters,
+}
+
+impl Connection<'_> {
+    /// HELLO, then WRITEs until the writer closes, breaks a rule, stalls, or idles out.
+    fn receive(&mut self, accepted: Instant) -> std::io::Result<()> {
+        self.s.set_nodelay(true)?;
+        // An ACK must not block forever on a writer that never reads.
+        self.s.set_write_timeout(Some(self.limits.frame_timeout))?;
+        let writer = self.hello(accepted + self.limits.hello_timeout)?;
+        let mut idle_since = Instant::now();
+        loop {
+            let mut magic = [0u8; 4];
+            // Between frames the writer may idle up to `idle_timeout`; once a frame's first
+            // byte is in, the rest runs on the frame clock.
+            match read_by(
+                self.s,
+                &mut magic[..1],
+                idle_since + self.limits.idle_timeout,
+            ) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    Counters::bump(&self.counters.idle_closes);
+                    debug!(%writer, "closing an idle tcp data connection");
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+            let deadline = Instant::now() + self.limits.frame_timeout;
+            self.frame_part(&mut magic[1..], deadline)?;
+            if &magic != WRITE {
+                return Err(protocol(format!("{writer}: bad frame")));
+            }
+            let mut head = [0u8; 12];
+            self.frame_part(&mut head, deadline)?;
+            let (tid, count) = head.split_at(8);
+            let tid = u64::from_be_bytes(tid.try_into().unwrap_or_default());
+            let count = u32::from_be_bytes(count.try_into().unwrap_or_default()) as u64;
+            if count == 0 || count > self.pool.num_blocks {
+                return self.refuse(tid, &writer, format!("{count} blocks in one write"));
+            }
+            let mut raw = vec![0u8; count as usize * 8];
+            self.frame_part(&mut raw, deadline)?;
+            let indexes: Vec<u64> = raw
+                .chunks_exact(8)
+                .map(|c| u64::from_be_bytes(c.try_into().unwrap_or_default()))
+                .collect();
+            self.claim(tid, &writer, &indexes)?;
+            for &i in &indexes {
+                let Some((ptr, len)) = self.pool.block_ptr(i) else {
+                    return self.refuse(tid, &writer, format!("block {i} outside the pool"));
+                };
+                // SAFETY: `ptr..ptr + len` is one block inside the live mapping (`block_ptr`
+                // checked the bounds; `pool` keeps the mapping alive). This frame claimed the
+                // block's permit, removing it from the set, so no other thread writes it; the
+                // store does not read it until the load that reserved it ends, after this
+                // write is acknowledged.
+                let block = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                // Each block on its own clock: a large WRITE under the writer's rate cap may
+                // take longer than `frame_timeout` as a whole, but never stalls that long.
+                self.frame_part(block, Instant::now() + self.limits.frame_timeout)?;
+            }
+            let mut ack = [0u8; 13];
+            ack[..4].copy_from_slice(ACK);
+            ack[4..12].copy_from_slice(&tid.to_be_bytes());
+            self.s.write_all(&ack)?;
+            idle_since = Instant::now();
+        }
+    }
+
+    /// Reads and checks the HELLO (by `deadline`); anything but a current key for the named
+    /// writer closes the connection without reading further.
+    fn hello(&mut self, deadline: Instant) -> std::io::Result<PeerId> {
+        let mut head = [0u8; 7];
+        self.hello_part(&mut head[..5], deadline)?;
+        if &head[..4] != HELLO || head[4] != VERSION {
+            return Err(self.refuse_hello("not a kvpeer v2 tcp data connection".into()));
+        }
+        self.hello_part(&mut head[5..], deadline)?;
+        let id_len = u16::from_be_bytes([head[5], head[6]]) as usize;
+        if id_len == 0 || id_len > MAX_ID_LEN {
+            return Err(self.refuse_hello(format!("writer id of {id_len} bytes")));
+        }
+        let mut rest = vec![0u8; id_len + KEY_LEN];
+        self.hello_part(&mut rest, deadline)?;
+        let key = rest.split_off(id_len);
+        let Ok(writer) = String::from_utf8(rest) else {
+            return Err(self.refuse_hello("writer id is not UTF-8".into()));
+        };
+        let writer = PeerId::new(writer);
+        let key: [u8; KEY_LEN] = key.try_into().unwrap_or([0; KEY_LEN]);
+        let authenticated = lock(self.gate).authenticate(self.id, &writer, &key);
+        match authenticated {
+            Some(replaced) => {
+                debug!(%writer, replaced, "tcp data connection authenticated");
+                Ok(writer)
+            }
+            None => Err(self.refuse_hello(format!("{writer}: no such key issued"))),
+        }
+    }
+
+    fn refuse_hello(&self, why: String) -> std::io::Error {
+        Counters::bump(&self.counters.refused_hellos);
+        warn!(%why, peer = ?self.s.peer_addr().ok(), "refusing a tcp data connection");
+        protocol(why)
+    }
+
+    fn hello_part(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+        read_by(self.s, buf, deadline).inspect_err(|e| {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                Counters::bump(&self.counters.hello_timeouts);
+            }
+        })
+    }
+
+    fn frame_part(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+        read_by(self.s, buf, deadline).inspect_err(|e| {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                Counters::bump(&self.counters.frame_timeouts);
+            }
+        })
+    }
+
+    /// Claims every permit of the frame before reading a byte of it (all or nothing), and only
+    /// while the key this connection presented is still current.
+    fn claim(&mut self, tid: TransferId, writer: &PeerId, indexes: &[u64]) -> std::io::Result<()> {
+        let claimed = {
+            let gate = lock(self.gate);
+            if !gate.is_current(self.id) {
+                return Err(protocol(format!("{writer}: its key was withdrawn")));
+            }
+            let mut p = lock(self.permits);
+            match p.get_mut(writer) {
+                Some(set) if indexes.iter().all(|i| set.contains(i)) && unique(indexes) => {
+                    for i in indexes {
+                        set.remove(i);
+                    }
+                    true
+                }
+                _ => false,
+            }
+        };
+        if claimed {
+            Ok(())
+        } else {
+            self.refuse(
+                tid,
+                writer,
+                format!("write into blocks {indexes:?} without a permit"),
+            )
+        }
+    }
+
+    fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Result<()> {
+        warn!(%writer, tid, %why, "refusing a tcp write");
+        let mut nack = [0u8; 13];
+        nack[..4].copy_from_slice(ACK);
+        nack[4..12].copy_from_slice(&tid.to_be_bytes());
+        nack[12] = 1;
+        let _ = self.s.write_all(&nack);
+        close(self.s);
+        Err(protocol(why))
+    }
+}
+
+fn unique(indexes: &[u64]) -> bool {
+    let mut seen = HashSet::with_capacity(indexes.len());
+    indexes.iter().all(|i| seen.insert(*i))
+}

@@ -1,0 +1,506 @@
+//! The send side of the tcp plane: per peer, a dial at registration, then one writer thread
+//! (which reconnects when its idle connection was closed) and an ACK reader per connection.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{BlockIndex, Registration, TransferId};
+use kvpeer_proto::PeerId;
+use memmap2::Mmap;
+use tracing::{debug, warn};
+
+use super::{
+    close, protocol, Counters, Ends, TcpPlane, ACK, CONNECT_TIMEOUT, HELLO, KEY_LEN, VERSION, WRITE,
+};
+use crate::lock;
+use crate::shm::Wake;
+
+/// Numbers outbound connections, across peers and links, so that an ACK reader can tell its
+/// connection from the one that replaced it.
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+fn next_conn() -> u64 {
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
+
+pub(super) struct Job {
+    tid: TransferId,
+    local: Vec<BlockIndex>,
+    remote: Vec<BlockIndex>,
+}
+
+/// A registered peer's outbound link.
+pub(super) struct PeerLink {
+    jobs: Sender<Job>,
+    /// The writer's current connection (to shut it down).
+    current: Arc<Mutex<Option<TcpStream>>>,
+    stop: Arc<AtomicBool>,
+    pub(super) num_blocks: u64,
+}
+
+impl PeerLink {
+    /// Hands a write to the link's writer; `false` if it is gone.
+    pub(super) fn queue(
+        &self,
+        tid: TransferId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> bool {
+        let job = Job {
+            tid,
+            local: local.to_vec(),
+            remote: remote.to_vec(),
+        };
+        self.jobs.send(job).is_ok()
+    }
+
+    /// Ends the link: its writer stops, its connection closes.
+    pub(super) fn close(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(s) = lock(&self.current).as_ref() {
+            close(s);
+        }
+    }
+}
+
+/// Everything a link's threads need.
+#[derive(Clone)]
+struct LinkCx {
+    peer: PeerId,
+    addr: String,
+    me: PeerId,
+    key: [u8; KEY_LEN],
+    ends: Arc<Mutex<Ends>>,
+    wake: Wake,
+    counters: Arc<Counters>,
+}
+
+impl TcpPlane {
+    /// Drops the outbound link to `peer` (and any dial still running for it).
+    pub(super) fn drop_link(&mut self, peer: &PeerId) {
+        let link = {
+            let mut l = lock(&self.links);
+            l.dialing.remove(peer);
+            l.map.remove(peer)
+        };
+        if let Some(link) = link {
+            link.close();
+        }
+        lock(&self.ends).conns.remove(peer);
+    }
+
+    /// Dials `peer`'s data listener off the core's thread; the registration is done when the
+    /// HELLO is out, failed if the dial fails (reported once: there is no retry loop).
+    pub(super) fn start_link(
+        &mut self,
+        peer: PeerId,
+        addr: String,
+        key: [u8; KEY_LEN],
+        num_blocks: u64,
+    ) {
+        let dial_no = {
+            let mut l = lock(&self.links);
+            l.next_dial += 1;
+            let n = l.next_dial;
+            l.dialing.insert(peer.clone(), n);
+            n
+        };
+        let cx = LinkCx {
+            peer: peer.clone(),
+            addr,
+            me: self.local_id.clone(),
+            key,
+            ends: self.ends.clone(),
+            wake: self.wake.clone(),
+            counters: self.counters.clone(),
+        };
+        let writer = Writer {
+            local: self.local.clone(),
+            block_len: self.block_len as usize,
+            rate: self.max_write_rate,
+            // Reconnect before the receiver's idle timeout can race a new WRITE.
+            stale_after: lock(&self.limits).idle_timeout / 2,
+        };
+        let who = peer.clone();
+        let (links, registrations, wake) = (
+            self.links.clone(),
+            self.registrations.clone(),
+            self.wake.clone(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("kvpeer-tcp-dial".into())
+            .spawn(move || {
+                let dialed = dial(&cx.addr, &cx.me, &cx.key);
+                let mut l = lock(&links);
+                if l.dialing.get(&peer) != Some(&dial_no) {
+                    // Removed or registered again meanwhile: this dial is moot.
+                    if let Ok(s) = &dialed {
+                        close(s);
+                    }
+                    return;
+                }
+                l.dialing.remove(&peer);
+                let addr = cx.addr.clone();
+                let state = match dialed.and_then(|s| writer.start(cx, s, num_blocks)) {
+                    Ok(link) => {
+                        l.map.insert(peer.clone(), link);
+                        Registration::Done
+                    }
+                    Err(e) => Registration::Failed(format!(
+                        "cannot reach the data listener at {addr}: {e}"
+                    )),
+                };
+                lock(&registrations).insert(peer, state);
+                drop(l);
+                wake();
+            });
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start a tcp dial thread");
+            lock(&self.links).dialing.remove(&who);
+            lock(&self.registrations).insert(
+                who,
+                Registration::Failed(format!("cannot start a tcp dial thread: {e}")),
+            );
+        }
+    }
+}
+
+/// Opens a data connection and sends the HELLO.
+fn dial(addr: &str, me: &PeerId, key: &[u8; KEY_LEN]) -> std::io::Result<TcpStream> {
+    let target = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| protocol(format!("{addr} resolves to nothing")))?;
+    let mut s = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)?;
+    s.set_nodelay(true)?;
+    let id = me.as_str().as_bytes();
+    let id_len = u16::try_from(id.len()).map_err(|_| protocol("peer id too long".into()))?;
+    let mut hello = Vec::with_capacity(7 + id.len() + KEY_LEN);
+    hello.extend_from_slice(HELLO);
+    hello.push(VERSION);
+    hello.extend_from_slice(&id_len.to_be_bytes());
+    hello.extend_from_slice(id);
+    hello.extend_from_slice(key);
+    s.write_all(&hello)?;
+    Ok(s)
+}
+
+/// A link's writer settings.
+struct Writer {
+    local: Arc<Mmap>,
+    block_len: usize,
+    rate: Option<u64>,
+    stale_after: Duration,
+}
+
+/// What the writer does with its next job.
+enum Step {
+    /// Cancelled before it was sent.
+    Skip,
+    /// Moved to `sent` on the current connection: write it.
+    Send,
+    /// The connection is closed (or about to idle out) with nothing awaiting an ACK: open a
+    /// fresh one first.
+    Reconnect,
+    /// The peer is faulted: stop.
+    Stop,
+}
+
+/// How a frame's send failed.
+enum SendError {
+    /// Before a byte of it left (the connection was found closed).
+    NothingSent(std::io::Error),
+    /// Part of it may have reached the receiver.
+    Partial(std::io::Error),
+}
+
+impl Writer {
+    /// Starts the writer and the ACK reader on the freshly dialed `stream`.
+    fn start(self, cx: LinkCx, stream: TcpStream, num_blocks: u64) -> std::io::Result<PeerLink> {
+        let (tx, rx) = channel::<Job>();
+        let conn = next_conn();
+        let current = Arc::new(Mutex::new(Some(stream.try_clone()?)));
+        let stop = Arc::new(AtomicBool::new(false));
+        lock(&cx.ends).conns.insert(cx.peer.clone(), (conn, true));
+        spawn_acks(&cx, conn, stream.try_clone()?)?;
+        let (cur, halt) = (current.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("kvpeer-tcp-send".into())
+            .spawn(move || self.run(cx, rx, stream, conn, &cur, &halt))?;
+        Ok(PeerLink {
+            jobs: tx,
+            current,
+            stop,
+            num_blocks,
+        })
+    }
+
+    fn run(
+        self,
+        cx: LinkCx,
+        rx: Receiver<Job>,
+        mut out: TcpStream,
+        mut conn: u64,
+        current: &Mutex<Option<TcpStream>>,
+        stop: &AtomicBool,
+    ) {
+        let mut pacer = self.rate.map(Pacer::new);
+        let mut last_sent = Instant::now();
+        for job in rx {
+            let mut reconnects = 0;
+            loop {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                match self.step(&cx, &job, conn, last_sent) {
+                    Step::Stop => return,
+                    Step::Skip => break,
+                    Step::Reconnect => {
+                        reconnects += 1;
+                        if reconnects > 2 {
+                            let why = "the tcp data connection keeps closing before a write";
+                            TcpPlane::fault(&cx.ends, &cx.peer, why.into(), &cx.wake);
+                            return;
+                        }
+                        match reconnect(&cx, &out, current, stop) {
+                            Ok((s, n)) => {
+                                (out, conn) = (s, n);
+                                last_sent = Instant::now();
+                            }
+                            Err(e) => {
+                                let why = format!(
+                                    "cannot reconnect to the data listener at {}: {e}",
+                                    cx.addr
+                                );
+                                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
+                                return;
+                            }
+                        }
+                    }
+                    Step::Send => {
+                        match send(&mut out, &job, &self.local, self.block_len, pacer.as_mut()) {
+                            Ok(()) => {
+                                last_sent = Instant::now();
+                                break;
+                            }
+                            Err(SendError::NothingSent(e)) if retract(&cx, &job, conn) => {
+                                debug!(peer = %cx.peer, error = %e, "tcp data connection found closed; reconnecting");
+                            }
+                            Err(SendError::NothingSent(e) | SendError::Partial(e)) => {
+                                let why = format!("tcp send failed: {e}");
+                                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decides, under the bookkeeping lock, what to do with `job` on connection `conn`.
+    fn step(&self, cx: &LinkCx, job: &Job, conn: u64, last_sent: Instant) -> Step {
+        let mut e = lock(&cx.ends);
+        if e.faults.contains_key(&cx.peer) {
+            return Step::Stop;
+        }
+        if !e.queued.contains_key(&job.tid) {
+            return Step::Skip;
+        }
+        let open = e.conns.get(&cx.peer) == Some(&(conn, true));
+        let pending = e.sent.values().any(|(p, n)| *p == cx.peer && *n == conn);
+        // With WRITEs awaiting their ACK the connection is in use: if it closes, they fault.
+        if pending || (open && last_sent.elapsed() < self.stale_after) {
+            e.queued.remove(&job.tid);
+            e.sent.insert(job.tid, (cx.peer.clone(), conn));
+            return Step::Send;
+        }
+        Step::Reconnect
+    }
+}
+
+/// Takes back a job whose frame never left (its connection was found closed) if nothing else
+/// awaits an ACK on that connection; `false` if it is too late (the ACK reader faulted it).
+fn retract(cx: &LinkCx, job: &Job, conn: u64) -> bool {
+    let mut e = lock(&cx.ends);
+    if e.sent.get(&job.tid) != Some(&(cx.peer.clone(), conn)) {
+        return false;
+    }
+    let others = e
+        .sent
+        .iter()
+        .any(|(t, (p, n))| *t != job.tid && *p == cx.peer && *n == conn);
+    if others {
+        return false;
+    }
+    e.sent.remove(&job.tid);
+    e.queued.insert(job.tid, cx.peer.clone());
+    if let Some(c) = e.conns.get_mut(&cx.peer) {
+        if c.0 == conn {
+            c.1 = false;
+        }
+    }
+    true
+}
+
+/// Replaces the writer's connection `old` (closed, or idle for long) with a fresh one: same
+/// HELLO and key, a new ACK reader.
+fn reconnect(
+    cx: &LinkCx,
+    old: &TcpStream,
+    current: &Mutex<Option<TcpStream>>,
+    stop: &AtomicBool,
+) -> std::io::Result<(TcpStream, u64)> {
+    close(old);
+    let s = dial(&cx.addr, &cx.me, &cx.key)?;
+    let conn = next_conn();
+    lock(&cx.ends).conns.insert(cx.peer.clone(), (conn, true));
+    spawn_acks(cx, conn, s.try_clone()?)?;
+    {
+        let mut cur = lock(current);
+        *cur = Some(s.try_clone()?);
+        if stop.load(Ordering::SeqCst) {
+            // The link was dropped while we dialed.
+            close(&s);
+        }
+    }
+    Counters::bump(&cx.counters.reconnects);
+    debug!(peer = %cx.peer, "tcp data connection reopened");
+    Ok((s, conn))
+}
+
+/// Starts the ACK reader of connection `conn`.
+fn spawn_acks(cx: &LinkCx, conn: u64, inp: TcpStream) -> std::io::Result<()> {
+    let cx = cx.clone();
+    std::thread::Builder::new()
+        .name("kvpeer-tcp-ack".into())
+        .spawn(move || read_acks(&cx, conn, inp))?;
+    Ok(())
+}
+
+/// Acknowledgements in, until the connection ends. Closing with WRITEs awaiting their ACK is a
+/// fault of the peer; closing idle only marks the connection closed, and the writer opens a
+/// fresh one before its next WRITE.
+fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
+    loop {
+        let mut frame = [0u8; 13];
+        let ok = inp.read_exact(&mut frame).is_ok() && &frame[..4] == ACK;
+        if !ok {
+            let mut e = lock(&cx.ends);
+            let pending = e.sent.values().any(|(p, n)| *p == cx.peer && *n == conn);
+            if pending {
+                drop(e);
+                let why = "tcp data connection lost".to_string();
+                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
+            } else {
+                if let Some(c) = e.conns.get_mut(&cx.peer) {
+                    if c.0 == conn {
+                        c.1 = false;
+                    }
+                }
+                debug!(peer = %cx.peer, "idle tcp data connection closed; the next write reconnects");
+            }
+            return;
+        }
+        let mut tid = [0u8; 8];
+        tid.copy_from_slice(&frame[4..12]);
+        let tid = u64::from_be_bytes(tid);
+        let mut e = lock(&cx.ends);
+        let mut refused = false;
+        if e.sent.remove(&tid).is_some() {
+            let report = e.ended.entry(cx.peer.clone()).or_default();
+            if frame[12] == 0 {
+                report.done.push(tid)
+            } else {
+                report.failed.push(tid);
+                refused = true;
+            }
+        }
+        drop(e);
+        if refused {
+            // The receiver refuses only a write it holds no permit for, and closes: a fault.
+            let why = "the receiver refused a tcp write".to_string();
+            TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
+            return;
+        }
+        (cx.wake)();
+    }
+}
+
+fn send(
+    out: &mut TcpStream,
+    job: &Job,
+    local: &Mmap,
+    block_len: usize,
+    mut pacer: Option<&mut Pacer>,
+) -> Result<(), SendError> {
+    let mut header = Vec::with_capacity(16 + 8 * job.remote.len());
+    header.extend_from_slice(WRITE);
+    header.extend_from_slice(&job.tid.to_be_bytes());
+    header.extend_from_slice(&(job.remote.len() as u32).to_be_bytes());
+    for r in &job.remote {
+        header.extend_from_slice(&r.to_be_bytes());
+    }
+    // The first write tells a connection found closed (nothing of the frame left) from one
+    // lost in the middle of it.
+    let first = loop {
+        match out.write(&header) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(0) => return Err(SendError::NothingSent(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => break n,
+            Err(e) => return Err(SendError::NothingSent(e)),
+        }
+    };
+    out.write_all(&header[first..])
+        .map_err(SendError::Partial)?;
+    for &l in &job.local {
+        let start = l as usize * block_len;
+        let block = local.get(start..start + block_len).ok_or_else(|| {
+            SendError::Partial(protocol(format!("local block {l} outside the pool")))
+        })?;
+        out.write_all(block).map_err(SendError::Partial)?;
+        if let Some(p) = pacer.as_deref_mut() {
+            p.sent(block_len as u64);
+        }
+    }
+    Ok(())
+}
+
+/// Holds one writer to a byte rate: after each block it sleeps until the bytes sent so far
+/// are due. Idle time is not banked beyond one second, so a pause does not buy a burst.
+struct Pacer {
+    rate: u64,
+    since: Instant,
+    bytes: u64,
+}
+
+impl Pacer {
+    fn new(bytes_per_second: u64) -> Self {
+        Pacer {
+            rate: bytes_per_second,
+            since: Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    fn sent(&mut self, n: u64) {
+        let now = Instant::now();
+        if now.duration_since(self.since) > Duration::from_secs(1) + self.due(self.bytes) {
+            self.since = now;
+            self.bytes = 0;
+        }
+        self.bytes += n;
+        let due = self.since + self.due(self.bytes);
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+    }
+
+    fn due(&self, bytes: u64) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.rate as f64)
+    }
+}
