@@ -686,3 +686,73 @@ fn a_load_grants_write_permits_until_it_ends() {
     assert!(permits(&mut m).is_empty(), "and one whose abort timed out");
     m.finish("r");
 }
+
+/// Not upstream (vLLM re-dials at once): a peer whose dials keep failing before it acks is
+/// dialed again only after a backoff that doubles from 250 ms to 5 s; requests naming it in
+/// between miss at once without a dial. A session the peer acked resets the backoff.
+#[test]
+fn failed_dials_back_off_instead_of_re_dialing_at_once() {
+    use kvpeer_core::Event;
+    let mut m = Mock::new();
+    let dials = |m: &mut Mock| {
+        let n = m
+            .events
+            .iter()
+            .filter(|e| matches!(e, Event::Dial(_)))
+            .count();
+        m.events.clear();
+        n
+    };
+    let peer = m.peer.clone();
+    let mut n = 0;
+    let mut try_request = |m: &mut Mock| {
+        n += 1;
+        let rid = format!("r{n}");
+        m.dial(&rid, RequestRoles::kv_source(peer.clone()));
+        m.lookup(&rid, &key(1));
+        m.flush();
+    };
+    try_request(&mut m);
+    assert_eq!(dials(&mut m), 1);
+    m.core.handle_connection_lost(m.now, &m.peer.clone());
+    m.pump();
+    assert!(m.closed().is_some_and(|r| r.contains("not dialed again for 250 ms")));
+    m.events.clear();
+    for wait_ms in [250u64, 500, 1000, 2000, 4000, 5000, 5000] {
+        // Within the wait: requests miss and nothing is dialed.
+        for _ in 0..20 {
+            try_request(&mut m);
+        }
+        assert_eq!(dials(&mut m), 0, "no dial during the {wait_ms} ms wait");
+        m.advance(Duration::from_millis(wait_ms));
+        try_request(&mut m);
+        assert_eq!(dials(&mut m), 1, "one dial after {wait_ms} ms");
+        m.core.handle_connection_lost(m.now, &m.peer.clone());
+        m.pump();
+        m.take_sent();
+    }
+    // A dial the peer acks resets it: the next failure waits 250 ms again.
+    m.advance(S(5));
+    try_request(&mut m);
+    m.handshake();
+    m.take_sent();
+    m.core.handle_connection_lost(m.now, &m.peer.clone());
+    m.pump();
+    m.events.clear();
+    try_request(&mut m);
+    assert_eq!(dials(&mut m), 1, "an acked session leaves no backoff");
+}
+
+/// Not upstream: a `connect` naming another peer than the connection it came on is refused
+/// before any registration (it would register that peer's memory under this session).
+#[test]
+fn a_connect_naming_another_peer_is_refused_before_registration() {
+    let mut m = Mock::new();
+    let mut c = m.peer_connect();
+    c.peer_id = kvpeer_proto::PeerId::new("10.9.9.9:5600");
+    m.recv(Message::Connect(c));
+    assert!(m.plane().registrations.is_empty(), "nothing registered");
+    let sent = m.take_sent();
+    assert!(sent.iter().any(|s| is_type(s, MessageType::Disconnect)), "{sent:?}");
+    assert!(m.closed().is_some_and(|r| r.contains("connect names peer 10.9.9.9:5600")));
+}

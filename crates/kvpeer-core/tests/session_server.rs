@@ -893,3 +893,56 @@ fn a_data_plane_fault_disconnects_after_10s_even_with_stuck_writes() {
     m.finish("r");
     m.assert_clean();
 }
+
+// ---------------------------------------------------------------- hostile peers: bounded state
+
+/// Not upstream (vLLM keeps such a request until the session ends): a lookup that hits and is
+/// never fetched leaves no request state behind once its pins time out, and a late fetch for
+/// it still fails in one round trip.
+#[test]
+fn hits_never_fetched_leave_no_request_state_after_the_store_timeout() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.parent().insert(&key(1));
+    for i in 0..1000 {
+        m.recv(lookup_msg(&format!("r{i}"), vec![key(1)], 0));
+    }
+    m.take_sent();
+    assert_eq!(m.core.stats().server_requests, 1000);
+    m.advance(S(31));
+    assert_eq!(m.store_results().len(), 1000, "every pin released once");
+    assert_eq!(m.core.stats().server_requests, 0, "no request state left");
+    m.recv(fetch("r7", vec![key(1)], vec![3], 0));
+    assert!(running(&mut m).is_empty(), "nothing read");
+    assert_eq!(m.take_sent(), vec![transfer_done("r7", false, 0)]);
+    // Remembered for one more store timeout only.
+    m.advance(S(31));
+    assert_eq!(m.core.stats().server_requests, 0);
+    m.assert_clean();
+}
+
+/// Not upstream: a fetch whose demand no store ever supplies (a peer fetching ids this node
+/// never looked up) fails at the store timeout instead of parking its state forever.
+#[test]
+fn fetch_demand_no_store_supplies_fails_at_the_store_timeout() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    for i in 0..100 {
+        m.recv(fetch(&format!("junk{i}"), vec![key(9)], vec![1], 0));
+    }
+    assert!(running(&mut m).is_empty());
+    assert!(m.take_sent().is_empty(), "demand waits for a store (PD)");
+    assert_eq!(m.core.stats().server_requests, 100);
+    m.advance(S(29));
+    assert_eq!(m.core.stats().server_requests, 100, "not before the timeout");
+    m.advance(S(2));
+    let sent = m.take_sent();
+    assert_eq!(sent.len(), 100);
+    assert!(sent.iter().all(|s| matches!(
+        s,
+        Message::TransferDone(d) if !d.success && d.round_seq.0 == 0
+    )));
+    assert_eq!(m.core.stats().server_requests, 0);
+    assert!(m.closed().is_none(), "the session lives on");
+    m.assert_clean();
+}

@@ -235,17 +235,16 @@ fn main() {
             wake,
         )
         .unwrap();
-        register(
-            &mut tx,
-            &pb,
-            AgentMetadata {
-                agent: "b".into(),
-                shm: None,
-                tcp: Some(rx.addr().to_string()),
-                ..Default::default()
-            },
-            len,
-        );
+        let advertised = AgentMetadata {
+            agent: "b".into(),
+            shm: None,
+            tcp: Some(rx.addr().to_string()),
+            ..Default::default()
+        };
+        // b's `connect` to a carries the key a's HELLO presents to b's data port.
+        let with_key =
+            AgentMetadata::decode(&rx.connect_metadata(&pa, &advertised.encode())).unwrap();
+        register(&mut tx, &pb, with_key, len);
         let blocks: Vec<u64> = (0..PER_FETCH).collect();
         let got = plane_gbps(
             &mut tx,

@@ -395,13 +395,17 @@ impl ControlChannel {
             last = Some(frame);
         }
         let Some(mut payload) = last.filter(|_| frames == 2) else {
-            warn!(frames, "dropping a message that is not [identity, payload]");
+            if let Some(suppressed) = crate::admit_warning("dropping a control message") {
+                warn!(frames, suppressed, "dropping a message that is not [identity, payload]");
+            }
             return Ok(None);
         };
         let id = match std::str::from_utf8(&identity) {
             Ok(id) if PeerId::parse(id).is_ok() => PeerId::new(id),
             _ => {
-                warn!("dropping a frame from an identity that is not host:port");
+                if let Some(suppressed) = crate::admit_warning("dropping a control identity") {
+                    warn!(suppressed, "dropping a frame from an identity that is not host:port");
+                }
                 return Ok(None);
             }
         };

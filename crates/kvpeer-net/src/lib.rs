@@ -3,8 +3,10 @@
 //! They make no protocol decisions.
 //!
 //! * [`control`]: the ZeroMQ control channel, wire-compatible with vLLM's `ZmqTransport`.
-//! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `tcp`).
-//! * [`shm`]: same-host writes straight into the peer's shared-memory pool.
+//! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
+//!   `tcp`, `tcp_key`).
+//! * [`shm`]: same-host writes straight into the peer's shared-memory pool, once the peer has
+//!   proven it owns it (the pool trailer's secret, [`kvpeer_store::trailer`]).
 //! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
 //! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
 //! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
@@ -23,6 +25,15 @@ pub mod tcp;
 /// stays usable.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether a warning a peer can cause at will (a refused registration, data connection or
+/// write) is logged now: at most one per kind per second for the whole process, from any
+/// thread; `Some(n)` carries how many of its kind were suppressed since the last one logged.
+pub(crate) fn admit_warning(kind: &'static str) -> Option<u64> {
+    static THROTTLE: std::sync::LazyLock<std::sync::Mutex<kvpeer_core::throttle::WarnThrottle>> =
+        std::sync::LazyLock::new(Default::default);
+    lock(&THROTTLE).admit(kind, std::time::Instant::now())
 }
 
 /// A write of local blocks `local[i]` into a peer's blocks `remote[i]` names as many of each,

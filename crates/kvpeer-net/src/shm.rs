@@ -245,16 +245,16 @@ impl ShmPlane {
         }
         let token = meta
             .shm_token
-            .ok_or_else(|| format!("the peer sent no shm_token proving it owns /{name}"))?;
+            .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
         let file =
-            shm_object::open(&name, true).map_err(|e| format!("cannot open /{name}: {e}"))?;
+            shm_object::open(&name, true).map_err(|e| format!("cannot open {name:?}: {e}"))?;
         let blocks_len = self.prove(&name, &file, memory.num_blocks, &token)?;
-        let len = usize::try_from(blocks_len).map_err(|e| format!("/{name}: {e}"))?;
+        let len = usize::try_from(blocks_len).map_err(|e| format!("{name:?}: {e}"))?;
         // SAFETY: the peer's pool, shared with it by design and proven to be its own (above):
         // we write only blocks the peer named in a fetch (which it reserved for this write) and
         // never read from the mapping. Only the blocks are mapped, at the length checked above.
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }
-            .map_err(|e| format!("cannot map /{name}: {e}"))?;
+            .map_err(|e| format!("cannot map {name:?}: {e}"))?;
         Ok(PeerMap {
             region: Arc::new(Mutex::new(map)),
             num_blocks: memory.num_blocks,
@@ -268,12 +268,12 @@ impl ShmPlane {
     fn prove(&self, name: &str, file: &File, num_blocks: u64, token: &[u8]) -> Result<u64, String> {
         let stat = file
             .metadata()
-            .map_err(|e| format!("cannot fstat /{name}: {e}"))?;
+            .map_err(|e| format!("cannot fstat {name:?}: {e}"))?;
         if !stat.file_type().is_file() {
-            return Err(format!("/{name} is not a shared-memory object"));
+            return Err(format!("{name:?} is not a shared-memory object"));
         }
         if (stat.dev(), stat.ino()) == self.local_object {
-            return Err(format!("/{name} is this node's own pool"));
+            return Err(format!("{name:?} is this node's own pool"));
         }
         let blocks_len = num_blocks
             .checked_mul(self.block_len)
@@ -283,18 +283,18 @@ impl ShmPlane {
             .ok_or_else(|| format!("the peer claims an impossible pool of {num_blocks} blocks"))?;
         if stat.len() != expected {
             return Err(format!(
-                "/{name} holds {} bytes, the peer claims {num_blocks} blocks and a trailer \
+                "{name:?} holds {} bytes, the peer claims {num_blocks} blocks and a trailer \
                  ({expected} bytes)",
                 stat.len()
             ));
         }
         let mut head = [0u8; MAGIC.len() + SECRET_LEN];
         file.read_exact_at(&mut head, blocks_len)
-            .map_err(|e| format!("cannot read the trailer of /{name}: {e}"))?;
-        let secret = trailer::parse_trailer(&head).map_err(|e| format!("/{name}: {e}"))?;
+            .map_err(|e| format!("cannot read the trailer of {name:?}: {e}"))?;
+        let secret = trailer::parse_trailer(&head).map_err(|e| format!("{name:?}: {e}"))?;
         if !trailer::verify(&secret, self.local_id.as_str(), token) {
             return Err(format!(
-                "the peer's shm_token does not prove it owns /{name} (wrong or for another node)"
+                "the peer's shm_token does not prove it owns {name:?} (wrong or for another node)"
             ));
         }
         Ok(blocks_len)
@@ -313,7 +313,9 @@ impl DataPlane for ShmPlane {
         let map = match self.map_peer(memory) {
             Ok(map) => map,
             Err(e) => {
-                warn!(%peer, error = %e, "shm registration failed");
+                if let Some(suppressed) = crate::admit_warning("shm registration failed") {
+                    warn!(%peer, error = %e, suppressed, "shm registration failed");
+                }
                 self.registrations
                     .insert(peer.clone(), Registration::Failed(e));
                 return Ok(());
@@ -378,7 +380,9 @@ impl DataPlane for ShmPlane {
     ) -> Option<TransferId> {
         let map = self.peers.get(peer)?;
         if !crate::write_in_range(local, remote, self.local_blocks, map.num_blocks) {
-            warn!(%peer, "shm write refused: block index out of range");
+            if let Some(suppressed) = crate::admit_warning("shm write refused") {
+                warn!(%peer, suppressed, "shm write refused: block index out of range");
+            }
             return None;
         }
         self.next_tid += 1;

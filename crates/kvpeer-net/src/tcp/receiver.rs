@@ -465,7 +465,9 @@ impl Connection<'_> {
 
     fn refuse_hello(&self, why: String) -> std::io::Error {
         Counters::bump(&self.counters.refused_hellos);
-        warn!(%why, peer = ?self.s.peer_addr().ok(), "refusing a tcp data connection");
+        if let Some(suppressed) = crate::admit_warning("refusing a tcp data connection") {
+            warn!(%why, peer = ?self.s.peer_addr().ok(), suppressed, "refusing a tcp data connection");
+        }
         protocol(why)
     }
 
@@ -516,7 +518,9 @@ impl Connection<'_> {
     }
 
     fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Result<()> {
-        warn!(%writer, tid, %why, "refusing a tcp write");
+        if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
+            warn!(%writer, tid, %why, suppressed, "refusing a tcp write");
+        }
         let mut nack = [0u8; 13];
         nack[..4].copy_from_slice(ACK);
         nack[4..12].copy_from_slice(&tid.to_be_bytes());

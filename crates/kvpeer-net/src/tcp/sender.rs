@@ -271,6 +271,7 @@ impl Writer {
                                 (out, conn) = (s, n);
                                 last_sent = Instant::now();
                             }
+                            Err(_) if stop.load(Ordering::SeqCst) => return,
                             Err(e) => {
                                 let why = format!(
                                     "cannot reconnect to the data listener at {}: {e}",
@@ -290,6 +291,7 @@ impl Writer {
                             Err(SendError::NothingSent(e)) if retract(&cx, &job, conn) => {
                                 debug!(peer = %cx.peer, error = %e, "tcp data connection found closed; reconnecting");
                             }
+                            Err(_) if stop.load(Ordering::SeqCst) => return,
                             Err(SendError::NothingSent(e) | SendError::Partial(e)) => {
                                 let why = format!("tcp send failed: {e}");
                                 TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
@@ -391,11 +393,30 @@ fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
         let ok = inp.read_exact(&mut frame).is_ok() && &frame[..4] == ACK;
         if !ok {
             let mut e = lock(&cx.ends);
-            let pending = e.sent.values().any(|(p, n)| *p == cx.peer && *n == conn);
-            if pending {
+            let pending: Vec<TransferId> = e
+                .sent
+                .iter()
+                .filter(|(_, (p, n))| *p == cx.peer && *n == conn)
+                .map(|(t, _)| *t)
+                .collect();
+            let current = e.conns.get(&cx.peer).is_some_and(|c| c.0 == conn);
+            if !pending.is_empty() && current {
                 drop(e);
                 let why = "tcp data connection lost".to_string();
                 TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
+            } else if !pending.is_empty() {
+                // The link was dropped (its session ended): its writes fail, but a fault now
+                // would land on the peer's next session.
+                for t in &pending {
+                    e.sent.remove(t);
+                }
+                e.ended
+                    .entry(cx.peer.clone())
+                    .or_default()
+                    .failed
+                    .extend(pending);
+                drop(e);
+                (cx.wake)();
             } else {
                 if let Some(c) = e.conns.get_mut(&cx.peer) {
                     if c.0 == conn {

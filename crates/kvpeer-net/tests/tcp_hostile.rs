@@ -1,0 +1,571 @@
+//! The tcp data port against a hostile neighbour on loopback: HELLOs need the key this node
+//! issued to that writer id (not just the id), keys end with their session, and the port's
+//! caps and deadlines keep idle or stalled connections from exhausting it, without locking out
+//! or faulting an honest writer.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_net::metadata::AgentMetadata;
+use kvpeer_net::tcp::{TcpLimits, TcpPlane};
+use kvpeer_proto::PeerId;
+use kvpeer_store::{BlockStore, StoreConfig};
+
+const BLOCKS: u64 = 8;
+const LEN: u64 = 4096;
+const RX: &str = "10.0.0.1:5710";
+const TX: &str = "10.0.0.2:5710";
+
+fn pool(tag: &str) -> BlockStore {
+    let name = format!("kvpeer-th-{tag}-{}", std::process::id());
+    BlockStore::new(&StoreConfig {
+        shm_name: name,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+        lock_memory: false,
+    })
+    .unwrap()
+}
+
+fn plane(id: &str, store: &BlockStore, limits: TcpLimits) -> TcpPlane {
+    TcpPlane::new(
+        PeerId::new(id),
+        store.region().name(),
+        BLOCKS,
+        LEN,
+        "127.0.0.1:0",
+        Arc::new(|| {}),
+    )
+    .unwrap()
+    .with_limits(limits)
+}
+
+fn advertised(rx: &TcpPlane) -> Vec<u8> {
+    AgentMetadata {
+        agent: "rx".into(),
+        tcp: Some(rx.addr().to_string()),
+        ..Default::default()
+    }
+    .encode()
+}
+
+/// The key `rx` issues to `writer` in its `connect` (a fresh one each call).
+fn issue(rx: &mut TcpPlane, writer: &str) -> Vec<u8> {
+    let adv = advertised(rx);
+    let meta = rx.connect_metadata(&PeerId::new(writer), &adv);
+    AgentMetadata::decode(&meta).unwrap().tcp_key.unwrap()
+}
+
+fn hello_bytes(version: u8, writer: &str, key: &[u8]) -> Vec<u8> {
+    let mut f = b"KVPH".to_vec();
+    f.push(version);
+    f.extend_from_slice(&(writer.len() as u16).to_be_bytes());
+    f.extend_from_slice(writer.as_bytes());
+    f.extend_from_slice(key);
+    f
+}
+
+fn connect_hello(rx: &TcpPlane, writer: &str, key: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(rx.addr()).unwrap();
+    s.write_all(&hello_bytes(2, writer, key)).unwrap();
+    s
+}
+
+fn write_header(tid: u64, indexes: &[u64]) -> Vec<u8> {
+    let mut f = b"KVPW".to_vec();
+    f.extend_from_slice(&tid.to_be_bytes());
+    f.extend_from_slice(&(indexes.len() as u32).to_be_bytes());
+    for i in indexes {
+        f.extend_from_slice(&i.to_be_bytes());
+    }
+    f
+}
+
+/// Sends one WRITE frame; returns the ACK status, or None if the connection closed instead.
+fn write(s: &mut TcpStream, tid: u64, blocks: &[(u64, u8)]) -> Option<u8> {
+    let indexes: Vec<u64> = blocks.iter().map(|(i, _)| *i).collect();
+    let _ = s.write_all(&write_header(tid, &indexes));
+    for (_, fill) in blocks {
+        let _ = s.write_all(&vec![*fill; LEN as usize]);
+    }
+    let mut ack = [0u8; 13];
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.read_exact(&mut ack).ok()?;
+    assert_eq!(&ack[..4], b"KVPA");
+    Some(ack[12])
+}
+
+/// The receiver closed the connection (EOF or reset) within `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut b = [0u8; 64];
+    s.set_read_timeout(Some(within)).unwrap();
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        Ok(_) => false,
+    }
+}
+
+fn closed(s: &mut TcpStream) -> bool {
+    closed_within(s, Duration::from_secs(5))
+}
+
+/// Still open after `for_` (the read timed out rather than seeing a close).
+fn still_open(s: &mut TcpStream, for_: Duration) -> bool {
+    let mut b = [0u8; 1];
+    s.set_read_timeout(Some(for_)).unwrap();
+    matches!(s.read(&mut b), Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+}
+
+fn block(store: &BlockStore, i: u64) -> Vec<u8> {
+    store.region().block(i).unwrap().to_vec()
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A real writer plane registered with `rx` the way a session does it: `rx`'s `connect` to the
+/// writer carries the key, the writer registers `rx` from it.
+fn registered_writer(rx: &mut TcpPlane, store: &BlockStore) -> TcpPlane {
+    let mut tx = plane(TX, store, TcpLimits::default());
+    let adv = advertised(rx);
+    let memory = RemoteMemory {
+        agent_metadata: rx.connect_metadata(&PeerId::new(TX), &adv),
+        base_addr: 0,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    let receiver = PeerId::new(RX);
+    tx.add_remote_peer(&receiver, &memory).unwrap();
+    wait_for("registration", || {
+        tx.registration(&receiver) != Registration::Pending
+    });
+    assert_eq!(tx.registration(&receiver), Registration::Done);
+    tx
+}
+
+/// Writes local block `local` of `tx` into `remote` of the receiver; the transfer's outcome.
+fn transfer(tx: &mut TcpPlane, local: u64, remote: u64) -> Result<(), String> {
+    let receiver = PeerId::new(RX);
+    let tid = tx
+        .write_blocks(&receiver, &[local], &[remote])
+        .ok_or("write_blocks refused")?;
+    for _ in 0..500 {
+        let poll = tx.poll(&receiver);
+        if poll.done.contains(&tid) {
+            return Ok(());
+        }
+        if poll.failed.contains(&tid) || poll.peer_fault.is_some() {
+            return Err(format!("failed: {:?}", poll.peer_fault));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err("no completion".into())
+}
+
+fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
+    let bytes: Vec<u8> = (0..LEN).map(|i| n ^ (i as u8).wrapping_mul(7)).collect();
+    let mut h = [0u8; 32];
+    h[0] = n;
+    let key = kvpeer_proto::OffloadKey::from_parts(&h, 0);
+    (store.put(&key, &bytes).unwrap(), bytes)
+}
+
+#[test]
+fn a_third_party_knowing_the_writer_id_but_not_the_key_is_refused() {
+    let (rx_store, mut tx_store) = (pool("3p-rx"), pool("3p-tx"));
+    let mut rx = plane(RX, &rx_store, TcpLimits::default());
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    // A live fetch: permits outstanding for the writer.
+    rx.expect_writes(&PeerId::new(TX), &[2]);
+
+    for key in [vec![0u8; 32], vec![0x5a; 32], vec![]] {
+        let mut s = connect_hello(&rx, TX, &key);
+        let _ = s.write_all(&write_header(77, &[2]));
+        let _ = s.write_all(&vec![0xee; LEN as usize]);
+        assert!(closed(&mut s), "a HELLO with a guessed key is closed");
+    }
+    assert!(rx.counters().refused_hellos >= 2, "{:?}", rx.counters());
+    assert_eq!(
+        block(&rx_store, 2),
+        vec![0u8; LEN as usize],
+        "the pool is untouched"
+    );
+
+    let (local, bytes) = fill(&mut tx_store, 9);
+    transfer(&mut tx, local, 2).unwrap();
+    assert_eq!(
+        block(&rx_store, 2),
+        bytes,
+        "the honest write lands byte-exact"
+    );
+}
+
+#[test]
+fn a_key_issued_to_one_peer_does_not_admit_another() {
+    let store = pool("ab");
+    let mut rx = plane(RX, &store, TcpLimits::default());
+    let key_a = issue(&mut rx, "10.0.0.3:1");
+    let _key_b = issue(&mut rx, "10.0.0.4:1");
+    rx.expect_writes(&PeerId::new("10.0.0.4:1"), &[1]);
+    rx.expect_writes(&PeerId::new("10.0.0.3:1"), &[3]);
+
+    let mut s = connect_hello(&rx, "10.0.0.4:1", &key_a);
+    assert_eq!(
+        write(&mut s, 1, &[(1, 0x11)]),
+        None,
+        "A's key cannot claim B"
+    );
+    assert!(block(&store, 1).iter().all(|b| *b == 0));
+
+    // With its own key A writes its own permits, and only those.
+    let mut s = connect_hello(&rx, "10.0.0.3:1", &key_a);
+    assert_eq!(write(&mut s, 2, &[(1, 0x22)]), Some(1), "B's permit");
+    let mut s = connect_hello(&rx, "10.0.0.3:1", &key_a);
+    assert_eq!(write(&mut s, 3, &[(3, 0x33)]), Some(0));
+    assert_eq!(block(&store, 3), vec![0x33; LEN as usize]);
+    assert!(block(&store, 1).iter().all(|b| *b == 0));
+}
+
+#[test]
+fn a_withdrawn_key_is_refused_and_its_connections_closed() {
+    let store = pool("wd");
+    let mut rx = plane(RX, &store, TcpLimits::default());
+    let key = issue(&mut rx, TX);
+    rx.expect_writes(&PeerId::new(TX), &[1, 2]);
+    let mut s = connect_hello(&rx, TX, &key);
+    assert_eq!(write(&mut s, 1, &[(1, 0x11)]), Some(0));
+
+    // The session ends.
+    rx.remove_remote_peer(&PeerId::new(TX));
+    assert!(closed(&mut s), "the connection that used the key is closed");
+    let refused = rx.counters().refused_hellos;
+    let mut s = connect_hello(&rx, TX, &key);
+    assert!(closed(&mut s), "the withdrawn key no longer opens the port");
+    assert_eq!(rx.counters().refused_hellos, refused + 1);
+}
+
+#[test]
+fn a_new_connect_replaces_the_key_and_closes_what_used_the_old_one() {
+    let store = pool("rp");
+    let mut rx = plane(RX, &store, TcpLimits::default());
+    let old = issue(&mut rx, TX);
+    let mut s = connect_hello(&rx, TX, &old);
+    assert!(still_open(&mut s, Duration::from_millis(200)));
+    let new = issue(&mut rx, TX);
+    assert_ne!(old, new);
+    assert!(closed(&mut s), "the old session's connection is closed");
+    let mut s = connect_hello(&rx, TX, &old);
+    assert!(closed(&mut s), "the old key is refused");
+    rx.expect_writes(&PeerId::new(TX), &[4]);
+    let mut s = connect_hello(&rx, TX, &new);
+    assert_eq!(write(&mut s, 1, &[(4, 0x44)]), Some(0));
+}
+
+#[test]
+fn a_reset_before_any_permit_keeps_the_key() {
+    // The combined plane resets a peer with `remove_remote_peer` when its `connect` arrives,
+    // which for a session we opened is after our `connect` issued the key.
+    let store = pool("rs");
+    let mut rx = plane(RX, &store, TcpLimits::default());
+    let key = issue(&mut rx, TX);
+    rx.remove_remote_peer(&PeerId::new(TX));
+    rx.expect_writes(&PeerId::new(TX), &[5]);
+    let mut s = connect_hello(&rx, TX, &key);
+    assert_eq!(write(&mut s, 1, &[(5, 0x55)]), Some(0));
+    assert_eq!(block(&store, 5), vec![0x55; LEN as usize]);
+}
+
+#[test]
+fn a_version_1_hello_is_refused() {
+    let store = pool("v1");
+    let mut rx = plane(RX, &store, TcpLimits::default());
+    let key = issue(&mut rx, TX);
+    rx.expect_writes(&PeerId::new(TX), &[1]);
+    let mut s = TcpStream::connect(rx.addr()).unwrap();
+    let mut v1 = b"KVPH\x01".to_vec();
+    v1.extend_from_slice(&(TX.len() as u16).to_be_bytes());
+    v1.extend_from_slice(TX.as_bytes());
+    s.write_all(&v1).unwrap();
+    assert_eq!(write(&mut s, 1, &[(1, 0x11)]), None);
+    // Even with the right key after it.
+    let mut s = TcpStream::connect(rx.addr()).unwrap();
+    s.write_all(&hello_bytes(1, TX, &key)).unwrap();
+    assert!(closed(&mut s));
+    assert_eq!(rx.counters().refused_hellos, 2);
+    assert!(block(&store, 1).iter().all(|b| *b == 0));
+}
+
+#[test]
+fn junk_connections_are_capped_and_cannot_lock_out_the_writer() {
+    let (rx_store, mut tx_store) = (pool("cap-rx"), pool("cap-tx"));
+    let limits = TcpLimits {
+        max_connections: 8,
+        max_handshaking: 4,
+        hello_timeout: Duration::from_secs(30),
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &rx_store, limits);
+    let mut junk: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(rx.addr()).unwrap())
+        .collect();
+    wait_for("4 handshaking", || rx.inbound_connections() == (0, 4));
+    // One more: the oldest junk makes room at once, the count stays capped.
+    junk.push(TcpStream::connect(rx.addr()).unwrap());
+    assert!(
+        closed_within(&mut junk[0], Duration::from_secs(2)),
+        "the oldest idle connection is closed at once"
+    );
+    wait_for("still 4", || rx.inbound_connections() == (0, 4));
+    wait_for("the eviction counted", || {
+        rx.counters().evicted_handshaking == 1
+    });
+
+    // With the junk cap full, an honest writer still gets in and its writes land.
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    rx.expect_writes(&PeerId::new(TX), &[6]);
+    let (local, bytes) = fill(&mut tx_store, 3);
+    transfer(&mut tx, local, 6).unwrap();
+    assert_eq!(block(&rx_store, 6), bytes);
+    assert_eq!(
+        rx.inbound_connections().0,
+        1,
+        "the writer is past its HELLO"
+    );
+    // More junk now evicts junk, never the writer.
+    for _ in 0..6 {
+        junk.push(TcpStream::connect(rx.addr()).unwrap());
+    }
+    wait_for("junk capped", || rx.inbound_connections() == (1, 4));
+    rx.expect_writes(&PeerId::new(TX), &[7]);
+    transfer(&mut tx, local, 7).unwrap();
+    assert_eq!(block(&rx_store, 7), bytes);
+}
+
+#[test]
+fn a_full_port_of_authenticated_connections_refuses_the_next_one_at_once() {
+    let store = pool("full");
+    let limits = TcpLimits {
+        max_connections: 2,
+        max_handshaking: 2,
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &store, limits);
+    let (ka, kb) = (issue(&mut rx, "10.0.0.3:1"), issue(&mut rx, "10.0.0.4:1"));
+    let mut a = connect_hello(&rx, "10.0.0.3:1", &ka);
+    let mut b = connect_hello(&rx, "10.0.0.4:1", &kb);
+    wait_for("2 authenticated", || rx.inbound_connections() == (2, 0));
+    let mut c = TcpStream::connect(rx.addr()).unwrap();
+    assert!(closed_within(&mut c, Duration::from_secs(2)));
+    assert_eq!(rx.counters().refused_over_cap, 1);
+    assert!(still_open(&mut a, Duration::from_millis(50)));
+    assert!(still_open(&mut b, Duration::from_millis(50)));
+}
+
+#[test]
+fn a_connection_that_sends_no_hello_is_closed_at_the_deadline() {
+    let store = pool("hd");
+    let limits = TcpLimits {
+        hello_timeout: Duration::from_millis(300),
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &store, limits);
+    let key = issue(&mut rx, TX);
+    let start = Instant::now();
+    let mut silent = TcpStream::connect(rx.addr()).unwrap();
+    let mut partial = TcpStream::connect(rx.addr()).unwrap();
+    let hello = hello_bytes(2, TX, &key);
+    partial.write_all(&hello[..hello.len() - 1]).unwrap();
+    assert!(closed(&mut silent));
+    assert!(closed(&mut partial));
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(rx.counters().hello_timeouts, 2);
+    wait_for("both gone", || rx.inbound_connections() == (0, 0));
+}
+
+#[test]
+fn a_stalled_write_frame_is_closed_and_never_acknowledged() {
+    let store = pool("fd");
+    let limits = TcpLimits {
+        frame_timeout: Duration::from_millis(300),
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &store, limits);
+    let key = issue(&mut rx, TX);
+    rx.expect_writes(&PeerId::new(TX), &[1, 2, 3]);
+
+    // Cut inside the block indexes: nothing is claimed or written.
+    let mut s = connect_hello(&rx, TX, &key);
+    let header = write_header(1, &[3]);
+    s.write_all(&header[..header.len() - 3]).unwrap();
+    let start = Instant::now();
+    assert!(closed(&mut s), "no ACK, closed");
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(block(&store, 3).iter().all(|b| *b == 0));
+
+    // Cut inside the first of two blocks: closed at the deadline, never acknowledged, and the
+    // second block untouched.
+    let mut s = connect_hello(&rx, TX, &key);
+    s.write_all(&write_header(2, &[1, 2])).unwrap();
+    s.write_all(&vec![0x77; LEN as usize / 2]).unwrap();
+    let start = Instant::now();
+    let mut got = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.read_to_end(&mut got);
+    assert!(got.is_empty(), "no ACK: {got:?}");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(rx.counters().frame_timeouts, 2);
+    assert!(block(&store, 2).iter().all(|b| *b == 0));
+    assert!(
+        block(&store, 1)[LEN as usize / 2..].iter().all(|b| *b == 0),
+        "nothing past what was sent"
+    );
+
+    // The permit of the cut-short header (block 3) is still there.
+    let mut s = connect_hello(&rx, TX, &key);
+    assert_eq!(write(&mut s, 3, &[(3, 0x33)]), Some(0));
+}
+
+#[test]
+fn an_idle_connection_is_closed_and_the_writer_reconnects_transparently() {
+    let (rx_store, mut tx_store) = (pool("id-rx"), pool("id-tx"));
+    let limits = TcpLimits {
+        idle_timeout: Duration::from_millis(300),
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &rx_store, limits);
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    let (local, bytes) = fill(&mut tx_store, 5);
+    rx.expect_writes(&PeerId::new(TX), &[1]);
+    transfer(&mut tx, local, 1).unwrap();
+
+    wait_for("the idle close", || rx.counters().idle_closes == 1);
+    wait_for("the connection gone", || rx.inbound_connections() == (0, 0));
+    // Let the writer's ACK reader see the close.
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        tx.poll(&PeerId::new(RX)).peer_fault.is_none(),
+        "not a fault"
+    );
+
+    rx.expect_writes(&PeerId::new(TX), &[2]);
+    transfer(&mut tx, local, 2).unwrap();
+    assert_eq!(block(&rx_store, 2), bytes);
+    assert_eq!(tx.counters().reconnects, 1);
+}
+
+#[test]
+fn a_writer_whose_reconnect_fails_faults_once() {
+    let (rx_store, mut tx_store) = (pool("rf-rx"), pool("rf-tx"));
+    let limits = TcpLimits {
+        idle_timeout: Duration::from_millis(200),
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &rx_store, limits);
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    wait_for("the idle close", || rx.counters().idle_closes == 1);
+    drop(rx); // the port is gone
+    std::thread::sleep(Duration::from_millis(100));
+    let (local, _) = fill(&mut tx_store, 1);
+    let err = transfer(&mut tx, local, 1).unwrap_err();
+    assert!(err.contains("reconnect"), "{err}");
+    assert!(
+        tx.write_blocks(&PeerId::new(RX), &[local], &[1]).is_none(),
+        "no more writes (and no more dials) to a faulted peer"
+    );
+    assert_eq!(tx.counters().reconnects, 0);
+}
+
+#[test]
+fn a_peer_without_a_tcp_key_fails_registration_without_a_dial() {
+    let store = pool("nk");
+    let mut tx = plane(TX, &store, TcpLimits::default());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let memory = RemoteMemory {
+        agent_metadata: AgentMetadata {
+            agent: "rx".into(),
+            tcp: Some(listener.local_addr().unwrap().to_string()),
+            ..Default::default()
+        }
+        .encode(),
+        base_addr: 0,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    let peer = PeerId::new(RX);
+    tx.add_remote_peer(&peer, &memory).unwrap();
+    assert_eq!(
+        tx.registration(&peer),
+        Registration::Failed("peer advertises tcp without tcp_key".into())
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(listener.accept().is_err(), "no connection was made");
+}
+
+/// Runs in a child process (the descriptor limit is process-wide): with the process out of
+/// descriptors, the listener backs off instead of spinning on EMFILE, and serves again once
+/// descriptors are back.
+#[test]
+fn the_listener_backs_off_when_out_of_descriptors() {
+    const CHILD: &str = "KVPEER_TCP_EMFILE_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "the_listener_backs_off_when_out_of_descriptors",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+        return;
+    }
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let store = pool("emfile");
+    let rx = plane(RX, &store, TcpLimits::default());
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    // Room for the client's socket only: the listener's accept then fails with EMFILE.
+    setrlimit(Resource::RLIMIT_NOFILE, open, hard).unwrap();
+    let mut client = TcpStream::connect(rx.addr()).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    let errors = rx.counters().accept_errors;
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    assert!(
+        (1..=30).contains(&errors),
+        "accept failed {errors} times in 0.6 s: it must back off, not spin"
+    );
+    // Descriptors are back: the waiting connection is accepted and handled (junk: closed).
+    client.write_all(b"junk!!!").unwrap();
+    assert!(closed(&mut client));
+    assert!(rx.counters().refused_hellos >= 1);
+}

@@ -1,0 +1,281 @@
+//! One producer node under a long run (issue 11): 100,000 served rounds (lookup, fetch, write,
+//! `transfer_done`), then 100,000 lookups that are never fetched. Its open state must return to
+//! nothing: per-request server state of an unfetched lookup is dropped at the store timeout
+//! (shortened to 2 s here), every pin is released, and nothing piles up in its queues. The
+//! process's resident memory is printed before and after.
+//!
+//! In-process (the public `Node` as the producer, a `NodeIo` driven by this thread as the
+//! consumer, both on the shm plane over a real ZeroMQ control channel), so that 200,000
+//! requests fit in about a minute of a debug build: the consumer batches its requests as an
+//! engine with many requests in flight would. `KVPEER_LONG_ROUNDS` changes the count.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kvpeer::node::build::{build, NodeSpec};
+use kvpeer::node::io::NodeIo;
+use kvpeer::{synthetic, Node, NodeConfig, PlaneKind};
+use kvpeer_core::{CoreConfig, LookupResult, Request, RequestRoles};
+use kvpeer_net::shm::ShmPlane;
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+
+const LEN: u64 = 4096;
+const HELD: u64 = 64;
+const BATCH: u64 = 500;
+const STORE_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn step_until(c: &mut NodeIo<ShmPlane>, timeout: Duration, mut done: impl FnMut(&mut NodeIo<ShmPlane>) -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        c.step(now);
+        if done(c) {
+            return;
+        }
+        c.wait(now, Duration::from_millis(2));
+    }
+    panic!("not reached within {timeout:?}: consumer {:?}", c.core.stats());
+}
+
+/// Opens `n` requests (ids `tag-first..`), each looking up one held key; returns them once
+/// every lookup is answered (all must hit).
+fn lookups(
+    c: &mut NodeIo<ShmPlane>,
+    producer: &PeerId,
+    tag: &str,
+    first: u64,
+    n: u64,
+) -> Vec<(Request, OffloadKey)> {
+    let now = Instant::now();
+    let reqs: Vec<(Request, OffloadKey)> = (first..first + n)
+        .map(|i| {
+            let req = c.core.on_new_request(
+                now,
+                KvRequestId::from(format!("{tag}-{i}").as_str()),
+                RequestRoles::kv_source(producer.clone()),
+            );
+            let key = synthetic::key(i % HELD);
+            c.core.lookup(now, &req, &key);
+            (req, key)
+        })
+        .collect();
+    c.core.flush_lookups(now);
+    c.flush(now);
+    step_until(c, Duration::from_secs(30), |c| {
+        let now = Instant::now();
+        reqs.iter()
+            .all(|(r, k)| c.core.lookup(now, r, k) != LookupResult::Retry)
+    });
+    let now = Instant::now();
+    for (r, k) in &reqs {
+        assert_eq!(c.core.lookup(now, r, k), LookupResult::Hit, "{:?}", r.id());
+    }
+    reqs
+}
+
+fn producer_open(p: &Node) -> (usize, usize, usize, u64) {
+    let s = p.stats().unwrap();
+    (
+        s.core.server_requests,
+        s.core.store_jobs,
+        s.core.inflight,
+        s.store.pinned,
+    )
+}
+
+#[test]
+fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
+    let rounds: u64 = std::env::var("KVPEER_LONG_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    let base = NodeConfig::local("long-producer");
+    let producer = Node::start(NodeConfig {
+        spec: NodeSpec {
+            num_blocks: 256,
+            block_len: LEN,
+            core: CoreConfig {
+                store_timeout: STORE_TIMEOUT,
+                ..CoreConfig::default()
+            },
+            ..base.spec
+        },
+        plane: PlaneKind::Shm,
+    })
+    .unwrap();
+    let held: Vec<(OffloadKey, Vec<u8>)> = (0..HELD)
+        .map(|i| {
+            let k = synthetic::key(i);
+            let v = synthetic::content(&k, LEN as usize);
+            (k, v)
+        })
+        .collect();
+    producer.store(held).unwrap();
+    let pid = producer.id().clone();
+
+    let mut c: NodeIo<ShmPlane> = build(&NodeSpec {
+        num_blocks: 4 * BATCH,
+        block_len: LEN,
+        ..NodeConfig::local("long-consumer").spec
+    })
+    .unwrap();
+
+    let rss0 = rss_kib();
+    let started = Instant::now();
+    println!("start: RSS {rss0} KiB, producer open {:?}", producer_open(&producer));
+
+    // 1. Served rounds, BATCH requests in flight at a time.
+    let mut job = 0u64;
+    let mut first = 0;
+    let mut peak = (0usize, 0usize);
+    while first < rounds {
+        let n = BATCH.min(rounds - first);
+        let reqs = lookups(&mut c, &pid, "served", first, n);
+        let now = Instant::now();
+        let mut jobs = Vec::with_capacity(reqs.len());
+        for (r, k) in &reqs {
+            job += 1;
+            let blocks = c.core.parent_mut().reserve(std::slice::from_ref(k)).unwrap();
+            c.core.submit_load(now, job, r, vec![k.clone()], blocks.clone());
+            jobs.push((job, blocks, k.clone()));
+        }
+        c.flush(now);
+        let mut results = std::collections::HashMap::new();
+        step_until(&mut c, Duration::from_secs(30), |c| {
+            for (j, _, _) in &jobs {
+                if !results.contains_key(j) {
+                    if let Some(ok) = c.take_load_result(*j) {
+                        results.insert(*j, ok);
+                    }
+                }
+            }
+            results.len() == jobs.len()
+        });
+        for (j, blocks, k) in &jobs {
+            assert_eq!(results[j], true, "load {j} failed");
+            c.core.parent_mut().finish_write(blocks, true);
+            if *j % 997 == 0 {
+                assert_eq!(
+                    c.core.parent().read(blocks[0]).unwrap(),
+                    &synthetic::content(k, LEN as usize)[..]
+                );
+            }
+        }
+        let now = Instant::now();
+        for (r, _) in &reqs {
+            c.core.finish(now, r);
+        }
+        c.flush(now);
+        first += n;
+        if first % 20_000 == 0 {
+            let open = producer_open(&producer);
+            peak = (peak.0.max(open.0), peak.1.max(open.1));
+            println!(
+                "{first} rounds in {:?}: RSS {} KiB, producer open {open:?}, consumer {:?}",
+                started.elapsed(),
+                rss_kib(),
+                c.core.stats()
+            );
+        }
+    }
+    step_until(&mut c, Duration::from_secs(10), |c| c.core.stats().client_requests == 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
+        let now = Instant::now();
+        c.step(now);
+        c.wait(now, Duration::from_millis(10));
+    }
+    let rss1 = rss_kib();
+    let served = producer.stats().unwrap();
+    println!(
+        "{rounds} rounds served in {:?}: RSS {rss1} KiB, producer open {:?}, counters {:?}",
+        started.elapsed(),
+        producer_open(&producer),
+        served.counters
+    );
+    assert_eq!(producer_open(&producer), (0, 0, 0, 0), "after the served rounds");
+    assert!(c.loads_done.is_empty(), "consumer load results left: {}", c.loads_done.len());
+
+    // 2. Lookups never fetched and never finished: the producer must drop each at its store
+    //    timeout.
+    let phase2 = Instant::now();
+    let mut open_reqs = Vec::new();
+    let mut first = 0;
+    let mut peak2 = 0usize;
+    while first < rounds {
+        let n = BATCH.min(rounds - first);
+        open_reqs.extend(lookups(&mut c, &pid, "unfetched", first, n));
+        first += n;
+        if first % 20_000 == 0 {
+            let open = producer_open(&producer);
+            peak2 = peak2.max(open.0);
+            println!(
+                "{first} unfetched lookups in {:?}: RSS {} KiB, producer open {open:?}",
+                phase2.elapsed(),
+                rss_kib()
+            );
+        }
+    }
+    let issued = phase2.elapsed();
+    // Keep the consumer's channel serviced while waiting for the producer's timeouts.
+    let deadline = Instant::now() + STORE_TIMEOUT * 3 + Duration::from_secs(5);
+    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
+        let now = Instant::now();
+        c.step(now);
+        c.wait(now, Duration::from_millis(20));
+    }
+    let after_timeout = producer_open(&producer);
+    let rss2 = rss_kib();
+    println!(
+        "{rounds} unfetched lookups issued in {issued:?} (peak producer server requests {peak2}); \
+         {:?} later the producer holds {after_timeout:?}; RSS {rss2} KiB",
+        phase2.elapsed() - issued
+    );
+    // Now the consumer lets its requests go (terminal fetches for state the producer dropped).
+    let now = Instant::now();
+    for (r, _) in &open_reqs {
+        c.core.finish(now, r);
+    }
+    c.flush(now);
+    step_until(&mut c, Duration::from_secs(30), |c| c.core.stats().client_requests == 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
+        let now = Instant::now();
+        c.step(now);
+        c.wait(now, Duration::from_millis(10));
+    }
+    let rss3 = rss_kib();
+    println!(
+        "end after {:?}: RSS {rss0} -> {rss1} -> {rss2} -> {rss3} KiB (start, after rounds, after \
+         unfetched lookups, end); producer {:?}; peaks during rounds {peak:?}",
+        started.elapsed(),
+        producer.stats().unwrap().core
+    );
+    assert_eq!(
+        after_timeout,
+        (0, 0, 0, 0),
+        "unfetched lookups' server state and pins outlived the store timeout \
+         (server_requests, store_jobs, inflight, pinned)"
+    );
+    assert_eq!(producer_open(&producer), (0, 0, 0, 0), "at the end");
+    let sessions = producer.stats().unwrap().core.sessions;
+    assert_eq!(sessions, 1, "the consumer's session survived the run");
+    producer.shutdown(Duration::from_secs(3));
+}

@@ -1,0 +1,724 @@
+"""A hostile peer for kvpeer's adversarial tests (crates/kvpeer/tests/hostile_peers.rs).
+
+It speaks the control protocol correctly (ZeroMQ DEALER/ROUTER, msgpack maps as vLLM's
+msgspec writes them, docs/wire-format.md) and the data planes' byte formats
+(docs/data-planes.md), and lies where an attacker would: about its identity, about the shm object
+it owns, about who it is on a tcp data connection, or by sheer volume. Every wait is bounded.
+
+Subcommands (each prints JSON lines on stdout; the last one is {"event": "summary", ...}):
+
+  session   connect to a node (optionally lying), then lookup + fetch synthetic keys
+  auth      a signed `connect` (kvpeer_auth v2) for node A, sent to node B, then to A, then
+            replayed to A
+  producer  act as the producer a `kvpeer fetch --peer` victim dials; while its fetch is
+            outstanding, a third party tries tcp HELLOs the victim never issued; then write
+            the blocks honestly and send transfer_done
+  flood     junk payloads at a node: undecodable, unknown types, messages without a session,
+            connects that must be rejected, and payloads from many spoofed identities
+  connects  many `connect`s claiming an identity whose port drops every connection
+
+Needs pyzmq and msgpack (tests/requirements.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import time
+
+import msgpack
+import zmq
+
+MISS_BASE = 1 << 48
+TRAILER_LEN = 4096
+MAGIC = b"KVPSHM01"
+
+
+def emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def key(i: int) -> bytes:
+    """Synthetic key `i` (docs/synthetic-workload.md; crates/kvpeer/src/synthetic.rs)."""
+    return hashlib.sha256(f"kvpeer-synthetic:{i}".encode()).digest() + (0).to_bytes(4, "big")
+
+
+def content(k: bytes, n: int) -> bytes:
+    p = hashlib.sha256(k).digest()
+    return (p * (n // 32 + 1))[:n]
+
+
+def span(text: str) -> list[int]:
+    """"3-5,9" -> [3, 4, 5, 9]."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def default_seed() -> str:
+    return os.environ.get("PYTHONHASHSEED") or "vllm-none-hash"
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(payload: bytes):
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except Exception:  # noqa: BLE001 - anything the node sends that is not msgpack
+        return {"type": "<undecodable>"}
+
+
+# --- shm pool objects and tokens (crates/kvpeer-store/src/trailer.rs) -------------------------
+
+
+def shm_token(secret: bytes, destination: str) -> bytes:
+    """HMAC-SHA256(secret, u32be(len) ‖ "kvpeer-shm-token-v1" ‖ u32be(len) ‖ destination)."""
+    msg = b""
+    for field in (b"kvpeer-shm-token-v1", destination.encode()):
+        msg += struct.pack(">I", len(field)) + field
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def create_pool(name: str, num_blocks: int, block_len: int) -> bytes:
+    """A pool object as kvpeer makes one: blocks, then the trailer (magic, 32-byte secret)."""
+    secret = os.urandom(32)
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, num_blocks * block_len + TRAILER_LEN)
+        os.pwrite(fd, MAGIC + secret, num_blocks * block_len)
+    finally:
+        os.close(fd)
+    return secret
+
+
+def read_secret(name: str, num_blocks: int, block_len: int) -> bytes:
+    with open(f"/dev/shm/{name}", "rb") as f:
+        f.seek(num_blocks * block_len)
+        head = f.read(40)
+    return head[8:40]
+
+
+def read_block(name: str, index: int, block_len: int) -> bytes:
+    with open(f"/dev/shm/{name}", "rb") as f:
+        f.seek(index * block_len)
+        return f.read(block_len)
+
+
+# --- kvpeer_auth v2 (crates/kvpeer/src/node/auth.rs) ------------------------------------------
+
+
+def auth_token(secret: bytes, destination: str, c: dict, when: int, nonce: bytes) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+
+    def field(b: bytes) -> None:
+        mac.update(struct.pack(">Q", len(b)))
+        mac.update(b)
+
+    field(b"kvpeer-auth-v2")
+    field(destination.encode())
+    field(c["peer_id"].encode())
+    field(c["agent_metadata"])
+    field(struct.pack(">Q", c["base_addr"]))
+    field(struct.pack(">Q", c["num_blocks"]))
+    field(struct.pack(">Q", c["block_len"]))
+    field(c.get("config_fingerprint", "").encode())
+    field(c["hash_seed"].encode())
+    field(struct.pack(">Q", when))
+    field(nonce)
+    return bytes([2]) + struct.pack(">Q", when) + nonce + mac.digest()
+
+
+# --- the control channel ----------------------------------------------------------------------
+
+
+class Peer:
+    """A ROUTER bound where the node will dial us back, and DEALERs to nodes."""
+
+    def __init__(self, bind: str, identity: str | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        host, port = bind.rsplit(":", 1)
+        self.router.bind(f"tcp://{host}:{port if port != '0' else '*'}")
+        endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.addr = endpoint.rsplit("/", 1)[1]
+        self.identity = (identity or self.addr).replace("{port}", self.addr.rsplit(":", 1)[1])
+        self.dealers: dict[str, zmq.Socket] = {}
+        self.received: list[dict] = []  # every message heard, with who sent it
+
+    def dealer(self, node: str, source: str | None = None, identity: str | None = None):
+        ident = identity or self.identity
+        if (node, ident) in self.dealers:
+            return self.dealers[(node, ident)]
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident.encode())
+        s.setsockopt(zmq.LINGER, 1000)
+        s.setsockopt(zmq.SNDHWM, 100000)
+        s.connect(f"tcp://{source}:0;{node}" if source else f"tcp://{node}")
+        self.dealers[(node, ident)] = s
+        return s
+
+    def send(self, node: str, msg, source: str | None = None, identity: str | None = None):
+        payload = msg if isinstance(msg, bytes) else pack(msg)
+        self.dealer(node, source, identity).send(payload)
+
+    def poll(self, timeout_s: float) -> list[tuple[str, dict]]:
+        """Messages reaching our ROUTER within `timeout_s` (returns at the first batch)."""
+        out = []
+        if self.router.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    continue
+                who = frames[0].decode(errors="replace")
+                msg = unpack(frames[1])
+                if not isinstance(msg, dict):
+                    msg = {"type": "<not a map>"}
+                self.received.append({"from": who, "type": msg.get("type")})
+                out.append((who, msg))
+        return out
+
+    def wait_for(self, types: set[str], timeout_s: float, sink=None):
+        """Collects messages until one of `types` arrives or time runs out; returns it or None."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for who, msg in self.poll(max(0.0, deadline - time.monotonic())):
+                if sink is not None:
+                    sink(who, msg)
+                if msg.get("type") in types:
+                    return who, msg
+        return None
+
+    def close(self) -> None:
+        for s in self.dealers.values():
+            s.close(linger=200)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def metadata(
+    agent: str, shm: str | None, token: bytes | None, tcp: str | None, tcp_key: bytes | None
+) -> bytes:
+    m: dict = {"agent": agent}
+    if shm is not None:
+        m["shm"] = shm
+    if token is not None:
+        m["shm_token"] = token
+    if tcp is not None:
+        m["tcp"] = tcp
+    if tcp_key is not None:
+        m["tcp_key"] = tcp_key
+    return pack(m)
+
+
+def connect_msg(peer_id: str, meta: bytes, num_blocks: int, block_len: int, seed: str) -> dict:
+    return {
+        "type": "connect",
+        "peer_id": peer_id,
+        "agent_metadata": meta,
+        "base_addr": 0,
+        "num_blocks": num_blocks,
+        "block_len": block_len,
+        "config_fingerprint": "",
+        "hash_seed": seed,
+    }
+
+
+def describe_meta(raw) -> dict:
+    try:
+        m = msgpack.unpackb(raw, raw=False)
+        return {
+            k: (v.hex() if isinstance(v, bytes) else v) for k, v in m.items()
+        }
+    except Exception:  # noqa: BLE001
+        return {"<undecodable>": True}
+
+
+class DummyTcp:
+    """A tcp data listener we advertise (the node's writer dials it); it accepts and reads."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.key = os.urandom(32)
+        self.conns: list[socket.socket] = []
+
+    def pump(self) -> None:
+        try:
+            while True:
+                c, _ = self.sock.accept()
+                c.setblocking(False)
+                self.conns.append(c)
+        except BlockingIOError:
+            pass
+
+
+# --- session ------------------------------------------------------------------------------------
+
+
+def cmd_session(a) -> int:
+    peer = Peer(a.bind, a.identity)
+    extra = Peer(a.also_bind) if a.also_bind else None
+    num_blocks, block_len = a.num_blocks, a.block_len
+    own_pool = None
+    if a.own_pool:
+        own_pool = f"kvpeer-hostile-{os.getpid()}"
+        create_pool(own_pool, num_blocks, block_len)
+    shm = own_pool or a.shm
+    if a.shm_token == "none":
+        token = None
+    elif a.shm_token == "random":
+        token = os.urandom(32)
+    elif a.shm_token == "from-object":
+        token = shm_token(read_secret(shm, a.secret_blocks or num_blocks, block_len), a.node)
+    else:
+        token = bytes.fromhex(a.shm_token)
+    tcp = DummyTcp() if a.tcp_dummy else None
+    meta = metadata(
+        peer.identity, shm, token, tcp.addr if tcp else None, tcp.key if tcp else None
+    )
+    peer_id = extra.identity if (extra and a.peer_id_extra) else (a.peer_id or peer.identity)
+    c = connect_msg(peer_id, meta, num_blocks, block_len, a.hash_seed)
+    emit({"event": "ready", "identity": peer.identity, "extra": extra and extra.identity,
+          "own_pool": own_pool})
+
+    node_meta = {}
+    state = {"connect_ack": False, "disconnect": False, "connect": False}
+
+    def note(who, msg):
+        if tcp:
+            tcp.pump()
+        t = msg.get("type")
+        if t == "connect":
+            state["connect"] = True
+            node_meta.update(describe_meta(msg.get("agent_metadata", b"")))
+        elif t == "connect_ack":
+            state["connect_ack"] = True
+        elif t == "disconnect":
+            state["disconnect"] = True
+
+    peer.send(a.node, c, source=a.source)
+    got = peer.wait_for({"connect_ack", "disconnect"}, a.wait, note)
+    if state["connect_ack"]:
+        # Let a disconnect that follows the ack arrive too.
+        peer.wait_for({"disconnect"}, 0.3, note)
+        peer.send(a.node, {"type": "connect_ack", "peer_id": peer_id}, source=a.source)
+    keys = [key(i) for i in span(a.keys)]
+    indexes = span(a.indexes) if a.indexes else list(range(len(keys)))
+    hits = None
+    transfer_done = []
+    if keys:
+        # Whatever the handshake said: a hostile peer tries anyway.
+        peer.send(a.node, {"type": "lookup", "kv_request_id": "hostile-1", "keys": keys,
+                           "round_seq": 0}, source=a.source)
+        got = peer.wait_for({"lookup_resp"}, a.wait if state["connect_ack"] else 1.0, note)
+        if got:
+            hits = got[1].get("hits")
+        peer.send(a.node, {"type": "fetch", "kv_request_id": "hostile-1", "keys": keys,
+                           "block_indexes": indexes, "round_seq": 0}, source=a.source)
+        deadline = time.monotonic() + (a.wait if state["connect_ack"] else 1.5)
+        while time.monotonic() < deadline:
+            got = peer.wait_for({"transfer_done"}, deadline - time.monotonic(), note)
+            if not got:
+                break
+            transfer_done.append(got[1].get("success"))
+            break
+    own_ok = None
+    if own_pool and transfer_done and transfer_done[0] is True:
+        own_ok = all(
+            read_block(own_pool, r, block_len) == content(k, block_len)
+            for k, r in zip(keys, indexes)
+        )
+    if a.linger:
+        peer.wait_for(set(), a.linger, note)
+    heard_extra = []
+    if extra:
+        extra.poll(0.2)
+        heard_extra = extra.received
+    if state["connect_ack"]:
+        peer.send(a.node, {"type": "disconnect"}, source=a.source)
+        time.sleep(0.2)
+    emit({
+        "event": "summary",
+        "identity": peer.identity,
+        "received": [m["type"] for m in peer.received],
+        "connect": state["connect"],
+        "connect_ack": state["connect_ack"],
+        "disconnect": state["disconnect"],
+        "node_meta": node_meta,
+        "hits": hits,
+        "transfer_done": transfer_done,
+        "own_pool_bytes_ok": own_ok,
+        "extra_received": [m["type"] for m in heard_extra],
+    })
+    peer.close()
+    if extra:
+        extra.close()
+    if own_pool:
+        os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
+# --- auth replay --------------------------------------------------------------------------------
+
+
+def cmd_auth(a) -> int:
+    with open(a.secret_file, "rb") as f:
+        secret = f.read().strip()
+    peer = Peer(a.bind)
+    own_pool = f"kvpeer-hostile-{os.getpid()}"
+    pool_secret = create_pool(own_pool, a.num_blocks, a.block_len)
+    # One token per destination: B gets A's (as a captured connect would carry).
+    meta = metadata(peer.identity, own_pool, shm_token(pool_secret, a.node_a), None, None)
+    c = connect_msg(peer.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
+    c["kvpeer_auth"] = auth_token(secret, a.node_a, c, int(time.time()), os.urandom(16))
+    captured = pack(c)
+    out: dict = {"event": "summary", "identity": peer.identity}
+
+    def attempt(node: str, wait: float) -> dict:
+        state = {"connect": False, "connect_ack": False, "disconnect": False}
+
+        def note(who, msg):
+            t = msg.get("type")
+            if t in state:
+                state[t] = True
+
+        peer.send(node, captured)
+        peer.wait_for({"connect_ack", "disconnect"}, wait, note)
+        if state["connect_ack"]:
+            peer.send(node, {"type": "connect_ack", "peer_id": peer.identity})
+        return state
+
+    # 1. The connect signed for A, replayed to B (which shares the secret).
+    out["to_b"] = attempt(a.node_b, a.wait)
+    # 2. The same bytes to A, its intended destination: accepted (the signing is right).
+    out["to_a"] = attempt(a.node_a, a.wait)
+    lookup_ok = None
+    if out["to_a"]["connect_ack"]:
+        peer.send(a.node_a, {"type": "lookup", "kv_request_id": "auth-1",
+                             "keys": [key(0)], "round_seq": 0})
+        got = peer.wait_for({"lookup_resp"}, a.wait)
+        lookup_ok = bool(got) and got[1].get("hits") == [True]
+        peer.send(a.node_a, {"type": "fetch", "kv_request_id": "auth-1", "keys": [],
+                             "block_indexes": [], "round_seq": 1})
+        peer.send(a.node_a, {"type": "disconnect"})
+    out["lookup_at_a"] = lookup_ok
+    # 3. A new connection (another identity is not needed: the old session is gone) replays the
+    #    same bytes to A: the nonce was seen.
+    time.sleep(1.0)
+    for s in peer.dealers.values():
+        s.close(linger=0)
+    peer.dealers.clear()
+    peer.poll(0.2)
+    out["replay_to_a"] = attempt(a.node_a, a.wait)
+    out["received"] = [m["type"] for m in peer.received]
+    emit(out)
+    peer.close()
+    os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
+# --- producer (victim: a `kvpeer fetch` consumer on the tcp plane) -----------------------------
+
+
+def recv_exact(s: socket.socket, n: int, deadline: float) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        s.settimeout(left)
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def hello(version: int, writer: str, key_bytes: bytes | None) -> bytes:
+    w = writer.encode()
+    return b"KVPH" + bytes([version]) + struct.pack(">H", len(w)) + w + (key_bytes or b"")
+
+
+def write_frame(tid: int, indexes: list[int], blocks: list[bytes]) -> bytes:
+    return (
+        b"KVPW"
+        + struct.pack(">QI", tid, len(indexes))
+        + b"".join(struct.pack(">Q", i) for i in indexes)
+        + b"".join(blocks)
+    )
+
+
+def data_attempt(addr: str, frame_hello: bytes, write: bytes, wait: float) -> dict:
+    """Opens a data connection, sends HELLO then WRITE; what came back and how fast."""
+    host, port = addr.rsplit(":", 1)
+    started = time.monotonic()
+    s = socket.create_connection((host, int(port)), timeout=5)
+    outcome = "timeout"
+    try:
+        try:
+            s.sendall(frame_hello)
+            s.sendall(write)
+        except (BrokenPipeError, ConnectionResetError):
+            outcome = "closed"
+        if outcome == "timeout":
+            try:
+                ack = recv_exact(s, 13, started + wait)
+                if ack is None:
+                    outcome = "closed"
+                elif ack[:4] != b"KVPA":
+                    outcome = "junk"
+                else:
+                    outcome = f"ack{ack[12]}"
+            except (ConnectionResetError, BrokenPipeError):
+                outcome = "closed"
+            except (TimeoutError, socket.timeout):
+                outcome = "timeout"
+    finally:
+        s.close()
+    return {"outcome": outcome, "seconds": round(time.monotonic() - started, 3)}
+
+
+def cmd_producer(a) -> int:
+    peer = Peer(a.bind)
+    tcp = DummyTcp()
+    emit({"event": "ready", "id": peer.identity})
+    victim_pool = None
+    if a.pool_from_stdin:
+        r, _, _ = select.select([sys.stdin], [], [], 30)
+        if r:
+            victim_pool = sys.stdin.readline().strip() or None
+    victim = None
+    victim_meta: dict = {}
+    out: dict = {"event": "summary", "spoofs": {}, "honest": None, "served_fetches": 0}
+    deadline = time.monotonic() + a.timeout
+    done = False
+    while time.monotonic() < deadline and not done:
+        tcp.pump()
+        for who, msg in peer.poll(0.05):
+            t = msg.get("type")
+            if t == "connect" and victim is None:
+                victim = who
+                victim_meta = msgpack.unpackb(msg["agent_metadata"], raw=False)
+                meta = metadata(peer.identity, None, None, tcp.addr, tcp.key)
+                peer.send(victim, connect_msg(peer.identity, meta, msg["num_blocks"],
+                                              a.block_len, a.hash_seed))
+                peer.send(victim, {"type": "connect_ack", "peer_id": peer.identity})
+            elif t == "lookup":
+                peer.send(who, {"type": "lookup_resp", "kv_request_id": msg["kv_request_id"],
+                                "keys": msg["keys"], "hits": [True] * len(msg["keys"])})
+            elif t == "abort_fetch":
+                peer.send(who, {"type": "abort_ack", "kv_request_id": msg["kv_request_id"],
+                                "round_seq": msg["round_seq"]})
+            elif t == "fetch" and msg["keys"]:
+                keys, idx = msg["keys"], msg["block_indexes"]
+                addr = victim_meta.get("tcp")
+                issued = victim_meta.get("tcp_key") or b""
+                junk = [b"\xee" * a.block_len for _ in keys]
+                before = (
+                    [read_block(victim_pool, r, a.block_len) for r in idx] if victim_pool else None
+                )
+                attempts = {
+                    # A third party claims the producer's id on the old HELLO (no key)...
+                    "v1_as_producer": hello(1, peer.identity, None),
+                    # ... on HELLO v2 with a key it guessed ...
+                    "v2_wrong_key": hello(2, peer.identity, os.urandom(32)),
+                    # ... with the key cut short ...
+                    "v2_short_key": hello(2, peer.identity, issued[:16]),
+                    # ... or names another writer id with no key of its own.
+                    "v2_other_id": hello(2, "127.0.0.1:1", os.urandom(32)),
+                }
+                for name, h in attempts.items():
+                    out["spoofs"][name] = data_attempt(addr, h, write_frame(7, idx, junk), a.wait)
+                if victim_pool:
+                    after = [read_block(victim_pool, r, a.block_len) for r in idx]
+                    out["victim_pool_unchanged"] = before == after
+                    out["victim_pool_has_junk"] = any(b == junk[0] for b in after)
+                # The real producer: HELLO v2 with the key the victim issued to it.
+                blocks = [content(k, a.block_len) for k in keys]
+                out["honest"] = data_attempt(
+                    addr, hello(2, peer.identity, issued), write_frame(1, idx, blocks), a.wait
+                )
+                ok = out["honest"]["outcome"] == "ack0"
+                peer.send(who, {"type": "transfer_done", "kv_request_id": msg["kv_request_id"],
+                                "success": ok, "round_seq": msg["round_seq"]})
+                out["served_fetches"] += 1
+            elif t == "disconnect":
+                done = True
+    out["victim"] = victim
+    out["victim_pool"] = victim_pool
+    out["received"] = [m["type"] for m in peer.received]
+    emit(out)
+    peer.close()
+    return 0
+
+
+# --- flood --------------------------------------------------------------------------------------
+
+
+def cmd_flood(a) -> int:
+    peer = Peer(a.bind)
+    emit({"event": "ready", "identity": peer.identity})
+    n = a.count
+    kinds = {
+        "undecodable": 0, "unknown_type": 0, "no_session": 0, "bad_connect": 0,
+        "bad_fields": 0, "spoofed": 0,
+    }
+    junk = [b"\xc1", b"\x93\x01", b"\xda\xff\xff", b"", b"\xdf\x00\x00\x00\x05"]
+    spoofed = a.spoofed
+    per = (n - spoofed) // 5
+    for i in range(per):
+        peer.send(a.node, junk[i % len(junk)] + struct.pack(">I", i))
+        kinds["undecodable"] += 1
+    for i in range(per):
+        peer.send(a.node, {"type": f"hostile-{i}", "x": i})
+        kinds["unknown_type"] += 1
+    for i in range(per):
+        peer.send(a.node, {"type": "lookup", "kv_request_id": f"r{i}", "keys": [key(i)],
+                           "round_seq": i})
+        kinds["no_session"] += 1
+    for i in range(per):
+        # A well-formed known type with a bad field: a protocol error.
+        peer.send(a.node, {"type": "fetch", "kv_request_id": f"r{i}", "keys": [key(0)],
+                           "block_indexes": [-i - 1], "round_seq": 0})
+        kinds["bad_fields"] += 1
+    sent = 0
+    for i in range(n - spoofed - 4 * per):
+        # Connects the node must reject (another hash seed): each a session, a dial-back, a
+        # disconnect, and a warning.
+        meta = metadata(peer.identity, None, None, None, None)
+        peer.send(a.node, connect_msg(peer.identity, meta, 8, a.block_len, f"not-{i}"))
+        kinds["bad_connect"] += 1
+        sent += 1
+        if sent % 200 == 0:
+            peer.poll(0.001)
+    # Many identities, each a claim the node must refuse (not this host's addresses).
+    batch = []
+    for i in range(spoofed):
+        ident = f"203.0.113.{i % 250 + 1}:{20000 + i}"
+        s = peer.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, ident.encode())
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(f"tcp://{a.node}")
+        s.send(pack({"type": "lookup", "kv_request_id": "s", "keys": [key(i)], "round_seq": 0}))
+        kinds["spoofed"] += 1
+        batch.append(s)
+        if len(batch) >= 100:
+            time.sleep(0.05)
+            for b in batch:
+                b.close(linger=1000)
+            batch = []
+    for b in batch:
+        b.close(linger=1000)
+    # Let the node's answers (disconnects to the bad connects) arrive.
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        peer.poll(0.1)
+    emit({"event": "summary", "sent": kinds, "total": sum(kinds.values()),
+          "received": len(peer.received)})
+    peer.close()
+    return 0
+
+
+# --- connects that make the node dial an address that drops every connection -----------------
+
+
+def cmd_connects(a) -> int:
+    """Sends `connect` claiming `--identity` (an address that accepts and drops every
+    connection) `--count` times, `--interval` apart: each one asks the node to dial it."""
+    peer = Peer(a.bind)
+    # A pool of our own with a valid token: the registration succeeds, only the dial fails.
+    own_pool = f"kvpeer-hostile-{os.getpid()}"
+    secret = create_pool(own_pool, a.num_blocks, a.block_len)
+    meta = metadata(a.identity, own_pool, shm_token(secret, a.node), None, None)
+    c = connect_msg(a.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
+    emit({"event": "ready"})
+    for _ in range(a.count):
+        peer.send(a.node, c, identity=a.identity)
+        time.sleep(a.interval)
+    emit({"event": "summary", "sent": a.count})
+    peer.close()
+    os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(s):
+        s.add_argument("--bind", default="127.0.0.1:0", help="where our ROUTER listens")
+        s.add_argument("--block-len", type=int, default=4096)
+        s.add_argument("--num-blocks", type=int, default=64)
+        s.add_argument("--hash-seed", default=default_seed())
+        s.add_argument("--wait", type=float, default=5.0, help="bound on each wait, seconds")
+
+    s = sub.add_parser("session")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--identity", help="the identity our DEALER claims ({port}: our ROUTER's)")
+    s.add_argument("--source", help="source IP of our DEALER's connection")
+    s.add_argument("--peer-id", help="connect.peer_id (default: the identity)")
+    s.add_argument("--also-bind", help="a second ROUTER (a bystander peer)")
+    s.add_argument("--peer-id-extra", action="store_true", help="connect names the bystander")
+    s.add_argument("--shm", help="the shm object our metadata names")
+    s.add_argument("--own-pool", action="store_true", help="make and name our own pool")
+    s.add_argument("--shm-token", default="none",
+                   help="none | random | from-object (read the named object's trailer) | hex")
+    s.add_argument("--secret-blocks", type=int, help="blocks before the trailer to read")
+    s.add_argument("--tcp-dummy", action="store_true", help="also advertise a tcp listener")
+    s.add_argument("--keys", default="", help="synthetic key indexes to look up and fetch")
+    s.add_argument("--indexes", default="", help="block indexes our fetch names")
+    s.add_argument("--linger", type=float, default=0.0)
+
+    s = sub.add_parser("auth")
+    common(s)
+    s.add_argument("--node-a", required=True)
+    s.add_argument("--node-b", required=True)
+    s.add_argument("--secret-file", required=True)
+
+    s = sub.add_parser("producer")
+    common(s)
+    s.add_argument("--timeout", type=float, default=60.0)
+    s.add_argument("--pool-from-stdin", action="store_true")
+
+    s = sub.add_parser("flood")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--count", type=int, default=10000)
+    s.add_argument("--spoofed", type=int, default=1000)
+
+    s = sub.add_parser("connects")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--identity", required=True)
+    s.add_argument("--count", type=int, default=100)
+    s.add_argument("--interval", type=float, default=0.03)
+
+    a = p.parse_args()
+    return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
+            "flood": cmd_flood, "connects": cmd_connects}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
