@@ -100,7 +100,11 @@ impl DualPlane {
 
 impl DataPlane for DualPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
-        self.remove_remote_peer(peer);
+        // Reset the route only: the tcp plane's side of this peer (the key we issued it, the
+        // permits it holds as a writer into us) belongs to the session and ends with it, in
+        // `remove_remote_peer`; its `add_remote_peer` replaces its own outbound link.
+        self.routes.remove(peer);
+        self.shm.remove_remote_peer(peer);
         let offers_shm =
             AgentMetadata::decode(&memory.agent_metadata).is_ok_and(|m| m.shm.is_some());
         if offers_shm {

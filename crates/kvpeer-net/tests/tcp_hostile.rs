@@ -278,16 +278,21 @@ fn a_new_connect_replaces_the_key_and_closes_what_used_the_old_one() {
 }
 
 #[test]
-fn a_reset_before_any_permit_keeps_the_key() {
-    // The combined plane resets a peer with `remove_remote_peer` when its `connect` arrives,
-    // which for a session we opened is after our `connect` issued the key.
+fn the_end_of_the_session_withdraws_the_key_even_before_any_permit() {
+    // The key lives from our `connect` to the session's end (`remove_remote_peer`), whether or
+    // not it ever guarded a fetch.
     let store = pool("rs");
     let mut rx = plane(RX, &store, TcpLimits::default());
     let key = issue(&mut rx, TX);
     rx.remove_remote_peer(&PeerId::new(TX));
     rx.expect_writes(&PeerId::new(TX), &[5]);
     let mut s = connect_hello(&rx, TX, &key);
-    assert_eq!(write(&mut s, 1, &[(5, 0x55)]), Some(0));
+    assert_eq!(write(&mut s, 1, &[(5, 0x55)]), None, "refused");
+    assert!(block(&store, 5).iter().all(|b| *b == 0));
+    // The next session's key works.
+    let key = issue(&mut rx, TX);
+    let mut s = connect_hello(&rx, TX, &key);
+    assert_eq!(write(&mut s, 2, &[(5, 0x55)]), Some(0));
     assert_eq!(block(&store, 5), vec![0x55; LEN as usize]);
 }
 

@@ -22,18 +22,13 @@
 //! An accepted connection writes only with W's permits, and only while its key is current:
 //! when the key is replaced or withdrawn, the connections that presented it are closed.
 //!
-//! **Key lifetime rule.** `add_remote_peer` never touches issued keys (they are about writes
-//! *into* us). `remove_remote_peer(W)` withdraws W's key if write permits were granted to W
-//! while that key was issued (the key has guarded a fetch: this is the end of the session that
-//! used it); otherwise it leaves the key in place. The reason: the combined plane
-//! ([`DualPlane`](crate::dual::DualPlane)) calls `remove_remote_peer` as a reset when the peer's
-//! `connect` arrives, which for a session we opened comes *after* our `connect` issued the key,
-//! and for a peer whose shm object we can open, no tcp registration follows; a reset there must
-//! not cut off the peer's tcp writes into us. A session never grants permits before that reset
-//! is over (permits granted before it are dropped by it), so "permits were granted under this
-//! key" reliably tells the session's end from the reset. A key left in place by a permit-less
-//! session authorizes nothing (a WRITE needs a permit, and permits are granted only in a later
-//! session, whose `connect` replaces the key first), and is replaced by the next `connect`.
+//! **Key lifetime rule.** A key lives from the `connect` that issued it to the end of that
+//! session: `connect_metadata` issues (replacing an earlier key for the same peer and closing
+//! what used it), `remove_remote_peer` (the core calls it once, when the session ends)
+//! withdraws it and closes the connections that presented it. `add_remote_peer` never touches
+//! issued keys (they are about writes *into* us); the combined plane resets only its route and
+//! shm side when a peer's `connect` arrives, so neither the key nor the permits of a session
+//! are dropped mid-handshake.
 //!
 //! **Write permits**: the receiver accepts a WRITE only if every index is inside its pool and
 //! is a block it has an outstanding fetch for from that writer ([`DataPlane::expect_writes`]).
@@ -473,7 +468,7 @@ impl DataPlane for TcpPlane {
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         lock(&self.registrations).remove(peer);
         // The key we issued to `peer` ends with the session that used it (module doc).
-        let closed = lock(&self.gate).withdraw_if_armed(peer);
+        let closed = lock(&self.gate).withdraw(peer);
         for _ in 0..closed {
             Counters::bump(&self.counters.key_closes);
         }
@@ -544,7 +539,6 @@ impl DataPlane for TcpPlane {
             .entry(peer.clone())
             .or_default()
             .extend(blocks.iter().copied());
-        lock(&self.gate).arm(peer);
     }
 
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
@@ -575,10 +569,7 @@ impl DataPlane for TcpPlane {
             }
             return advertised.to_vec();
         }
-        // Permits granted before this connect (a load submitted as the session opened) are
-        // this session's: the key guards them from the start.
-        let armed = lock(&self.permits).get(peer).is_some_and(|s| !s.is_empty());
-        let closed = lock(&self.gate).issue(peer, key, armed);
+        let closed = lock(&self.gate).issue(peer, key);
         for _ in 0..closed {
             Counters::bump(&self.counters.key_closes);
         }

@@ -69,8 +69,6 @@ struct Issued {
     key: [u8; KEY_LEN],
     /// Tells this key from earlier ones for the same writer.
     generation: u64,
-    /// Write permits were granted to the writer while this key was issued.
-    armed: bool,
 }
 
 /// An open inbound connection.
@@ -109,37 +107,20 @@ impl Gate {
 
     /// Issues `key` to `writer`, replacing its earlier key; returns how many connections that
     /// presented the earlier key were closed.
-    pub(super) fn issue(&mut self, writer: &PeerId, key: [u8; KEY_LEN], armed: bool) -> usize {
+    pub(super) fn issue(&mut self, writer: &PeerId, key: [u8; KEY_LEN]) -> usize {
         self.next_generation += 1;
         let issued = Issued {
             key,
             generation: self.next_generation,
-            armed,
         };
         self.keys.insert(writer.clone(), issued);
         self.close_writer(writer)
-    }
-
-    /// Write permits were granted to `writer`: its current key now guards a fetch.
-    pub(super) fn arm(&mut self, writer: &PeerId) {
-        if let Some(k) = self.keys.get_mut(writer) {
-            k.armed = true;
-        }
     }
 
     /// Withdraws `writer`'s key; returns how many connections that presented it were closed.
     pub(super) fn withdraw(&mut self, writer: &PeerId) -> usize {
         self.keys.remove(writer);
         self.close_writer(writer)
-    }
-
-    /// The session-end rule (see the module doc): withdraws the key only if it guarded permits.
-    pub(super) fn withdraw_if_armed(&mut self, writer: &PeerId) -> usize {
-        if self.keys.get(writer).is_some_and(|k| k.armed) {
-            self.withdraw(writer)
-        } else {
-            0
-        }
     }
 
     /// Closes every inbound connection (the plane is going).
