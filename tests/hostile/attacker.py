@@ -16,6 +16,8 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
   flood     junk payloads at a node: undecodable, unknown types, messages without a session,
             connects that must be rejected, and payloads from many spoofed identities
   connects  many `connect`s claiming an identity whose port drops every connection
+  squat     hold a connection claiming someone else's identity, silent, then inject a
+            `fetch` into that identity's session
 
 Needs pyzmq and msgpack (tests/requirements.txt).
 """
@@ -554,11 +556,23 @@ def cmd_producer(a) -> int:
                     after = [read_block(victim_pool, r, a.block_len) for r in idx]
                     out["victim_pool_unchanged"] = before == after
                     out["victim_pool_has_junk"] = any(b == junk[0] for b in after)
+                # Junk connections holding the victim's data port (idle, never a HELLO).
+                flood = []
+                if a.flood:
+                    host, port = addr.rsplit(":", 1)
+                    for _ in range(a.flood):
+                        try:
+                            flood.append(socket.create_connection((host, int(port)), timeout=2))
+                        except OSError:
+                            out["flood_failed"] = out.get("flood_failed", 0) + 1
+                    out["flood_open"] = len(flood)
                 # The real producer: HELLO v2 with the key the victim issued to it.
                 blocks = [content(k, a.block_len) for k in keys]
                 out["honest"] = data_attempt(
                     addr, hello(2, peer.identity, issued), write_frame(1, idx, blocks), a.wait
                 )
+                for f in flood:
+                    f.close()
                 ok = out["honest"]["outcome"] == "ack0"
                 peer.send(who, {"type": "transfer_done", "kv_request_id": msg["kv_request_id"],
                                 "success": ok, "round_seq": msg["round_seq"]})
@@ -662,6 +676,30 @@ def cmd_connects(a) -> int:
     return 0
 
 
+# --- identity squatting -------------------------------------------------------------------------
+
+
+def cmd_squat(a) -> int:
+    """Connects a DEALER claiming `--identity` before its owner does and stays silent for
+    `--hold` seconds (libzmq answers heartbeats by itself), then sends a `fetch` naming the
+    owner's blocks as if from the owner's session, and holds `--after` seconds more."""
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.IDENTITY, a.identity.encode())
+    d.connect(f"tcp://{a.node}")
+    emit({"event": "ready"})
+    time.sleep(a.hold)
+    fetch = msgpack.packb({"type": "fetch", "kv_request_id": "squat", "keys": [key(0)],
+                           "block_indexes": [0], "round_seq": 0}, use_bin_type=True)
+    d.send(fetch)
+    time.sleep(a.after)
+    emit({"event": "summary", "identity": a.identity})
+    d.close()
+    ctx.term()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -701,6 +739,8 @@ def main() -> int:
     common(s)
     s.add_argument("--timeout", type=float, default=60.0)
     s.add_argument("--pool-from-stdin", action="store_true")
+    s.add_argument("--flood", type=int, default=0,
+                   help="idle connections opened to the victim's data port before the write")
 
     s = sub.add_parser("flood")
     common(s)
@@ -715,9 +755,16 @@ def main() -> int:
     s.add_argument("--count", type=int, default=100)
     s.add_argument("--interval", type=float, default=0.03)
 
+    s = sub.add_parser("squat")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--identity", required=True)
+    s.add_argument("--hold", type=float, default=3.0)
+    s.add_argument("--after", type=float, default=3.0)
+
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
-            "flood": cmd_flood, "connects": cmd_connects}[a.cmd](a)
+            "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -167,8 +167,6 @@ pub struct Core<P: Parent, D: DataPlane> {
     faults: Map<PeerId, u32>,
     /// Peers whose dials failed lately, and when they may be dialed again.
     dial_backoff: Map<PeerId, Backoff>,
-    /// Sessions this node dialed (not yet acked by the peer).
-    dialed: Set<PeerId>,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -194,7 +192,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             backoff: Map::default(),
             faults: Map::default(),
             dial_backoff: Map::default(),
-            dialed: Set::default(),
         }
     }
 
@@ -342,7 +339,17 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             ))
         } else {
             let wait = self.reconnect_wait(&peer);
-            if wait > Duration::ZERO {
+            let dial_wait = self.dial_backoff.get(&peer).map_or(Duration::ZERO, |b| {
+                b.retry_at.saturating_duration_since(self.now)
+            });
+            if dial_wait > Duration::ZERO {
+                // Its address kept failing: any answer (even a `disconnect`) would dial it
+                // again, so it gets none.
+                Some(format!(
+                    "backoff after failed dials to it ({} ms left)",
+                    dial_wait.as_millis()
+                ))
+            } else if wait > Duration::ZERO {
                 self.out.transmit(&peer, Message::Disconnect);
                 Some(format!(
                     "reconnect backoff after a data-plane fault ({:.1}s left)",
@@ -394,7 +401,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             Err(DecodeError::Ignored(e)) => {
                 crate::warn_throttled!(self.out.throttle, self.now, "ignoring a payload that is no known message", %peer, error = %e)
             }
-            Err(e) => crate::warn_throttled!(self.out.throttle, self.now, "dropping an undecodable payload", %peer, error = %e),
+            Err(e) => {
+                crate::warn_throttled!(self.out.throttle, self.now, "dropping an undecodable payload", %peer, error = %e)
+            }
         }
     }
 
@@ -439,9 +448,15 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).
     pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId) {
+        self.handle_connection_refused(now, peer, "control connection lost");
+    }
+
+    /// The node will not talk to `peer` (e.g. it is outside the allowlist): its session ends
+    /// with `reason`, and its requests fall back at once.
+    pub fn handle_connection_refused(&mut self, now: Instant, peer: &PeerId, reason: &str) {
         self.advance(now);
         if let Some(session) = self.sessions.get_mut(peer) {
-            session.mark_dead("control connection lost");
+            session.mark_dead(reason);
         }
         self.settle();
     }
@@ -701,7 +716,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return false;
         }
         info!(%peer, "opening a session");
-        self.dialed.insert(peer.clone());
         self.out.event(Event::Dial(peer.clone()));
         let session = Session::open(
             peer.clone(),
@@ -771,10 +785,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.drain_load_ends();
         self.plane.remove_remote_peer(peer);
         let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
-        let dialed = self.dialed.remove(peer);
+        // A session that ends before the peer acked our `connect` is a failed dial, whoever
+        // opened it (an inbound `connect` makes us dial back): the peer is neither dialed nor
+        // answered again until its backoff passes.
         if session.was_acked() {
             self.dial_backoff.remove(peer);
-        } else if dialed && session.death.as_deref() != Some("closed locally") {
+        } else if session.death.as_deref() != Some("closed locally") {
             let wait = self.schedule_dial_backoff(peer);
             reason = format!("{reason}; not dialed again for {} ms", wait.as_millis());
         }
@@ -796,12 +812,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if orderly {
             info!(%peer, %reason, "session closed");
         } else {
-            warn!(
+            crate::warn_throttled!(self.out.throttle, self.now, "peer down",
                 %peer,
                 %reason,
                 failed_stores = closed.server.failed_stores,
-                released_serves = closed.server.released_serves,
-                "peer down"
+                released_serves = closed.server.released_serves
             );
         }
         self.out.event(Event::Close {

@@ -716,7 +716,9 @@ fn failed_dials_back_off_instead_of_re_dialing_at_once() {
     assert_eq!(dials(&mut m), 1);
     m.core.handle_connection_lost(m.now, &m.peer.clone());
     m.pump();
-    assert!(m.closed().is_some_and(|r| r.contains("not dialed again for 250 ms")));
+    assert!(m
+        .closed()
+        .is_some_and(|r| r.contains("not dialed again for 250 ms")));
     m.events.clear();
     for wait_ms in [250u64, 500, 1000, 2000, 4000, 5000, 5000] {
         // Within the wait: requests miss and nothing is dialed.
@@ -753,6 +755,11 @@ fn a_connect_naming_another_peer_is_refused_before_registration() {
     m.recv(Message::Connect(c));
     assert!(m.plane().registrations.is_empty(), "nothing registered");
     let sent = m.take_sent();
-    assert!(sent.iter().any(|s| is_type(s, MessageType::Disconnect)), "{sent:?}");
-    assert!(m.closed().is_some_and(|r| r.contains("connect names peer 10.9.9.9:5600")));
+    assert!(
+        sent.iter().any(|s| is_type(s, MessageType::Disconnect)),
+        "{sent:?}"
+    );
+    assert!(m
+        .closed()
+        .is_some_and(|r| r.contains("connect names peer 10.9.9.9:5600")));
 }

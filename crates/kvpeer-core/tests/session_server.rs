@@ -801,7 +801,11 @@ fn an_unfinished_handshake_dies_at_30s_a_finished_one_never() {
     m.advance(S(29));
     assert!(m.closed().is_none());
     m.advance(S(2));
-    assert_eq!(m.closed().as_deref(), Some("handshake timed out"));
+    assert_eq!(
+        m.closed().as_deref(),
+        Some("handshake timed out; not dialed again for 250 ms"),
+        "an unacked session backs its peer off"
+    );
     let mut ok = Mock::new();
     ok.ready_inbound();
     ok.advance(S(600));
@@ -934,7 +938,11 @@ fn fetch_demand_no_store_supplies_fails_at_the_store_timeout() {
     assert!(m.take_sent().is_empty(), "demand waits for a store (PD)");
     assert_eq!(m.core.stats().server_requests, 100);
     m.advance(S(29));
-    assert_eq!(m.core.stats().server_requests, 100, "not before the timeout");
+    assert_eq!(
+        m.core.stats().server_requests,
+        100,
+        "not before the timeout"
+    );
     m.advance(S(2));
     let sent = m.take_sent();
     assert_eq!(sent.len(), 100);

@@ -1,13 +1,17 @@
 //! The control channel: ZeroMQ, wire-compatible with vLLM's `ZmqTransport`.
 //!
-//! * A ROUTER bound at `tcp://host:port`; that address is the node's identity. Inbound frames
-//!   arrive as `[identity, payload]`; any other shape is dropped.
+//! * The listening side is kvpeer's own ZMTP ([`Inbound`]) at `host:port`, which is the node's
+//!   identity; it behaves as libzmq's ROUTER on the wire, but every message comes with the
+//!   connection it arrived on, the identity that connection claimed and its source address, and
+//!   the node can close one connection. Several connections may claim one identity; none locks
+//!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
+//!   shape but one frame are dropped.
 //! * One DEALER per peer, connected to the peer's ROUTER, with `ZMQ_IDENTITY` = our identity;
 //!   each message is one frame (a msgpack payload). Sends never block: a full queue
 //!   (`SNDHWM` 1000) marks the connection lost, as vLLM does.
-//! * Heartbeats 2 s / 10 s / 10 s; `LINGER` 500 ms on DEALERs, 0 on the ROUTER; every socket
-//!   refuses frames over `max_message_bytes` (default 64 MiB): libzmq drops a peer that announces
-//!   a larger one (a 1 TiB header included) and keeps serving everyone else.
+//! * Heartbeats 2 s / 10 s / 10 s on both sides; `LINGER` 500 ms on DEALERs; frames over
+//!   `max_message_bytes` (default 64 MiB) are refused from their header: the connection that
+//!   announced one is closed (a 1 TiB header included) and everyone else is served.
 //! * A socket monitor on each DEALER: DISCONNECTED, CLOSED or a failed handshake mean the
 //!   connection is lost ([`ChannelEvent::Lost`]). Closing a DEALER stops its monitor first:
 //!   libzmq's I/O thread sends monitor events with blocking sends, so an event for a DEALER
@@ -29,6 +33,8 @@ use std::time::Duration;
 use kvpeer_proto::PeerId;
 use tracing::{debug, warn};
 
+use crate::inbound::{ConnId, Inbound, InboundEvent, InboundLimits};
+
 /// Settings of the control channel; `Default` is vLLM's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlConfig {
@@ -44,6 +50,10 @@ pub struct ControlConfig {
     pub linger: Duration,
     /// Largest frame accepted (`ZMQ_MAXMSGSIZE`).
     pub max_message_bytes: i64,
+    /// Inbound connections at once.
+    pub max_inbound: usize,
+    /// Inbound connections at once from one source address.
+    pub max_inbound_per_source: usize,
 }
 
 impl Default for ControlConfig {
@@ -55,6 +65,8 @@ impl Default for ControlConfig {
             send_queue: 1000,
             linger: Duration::from_millis(500),
             max_message_bytes: 64 << 20,
+            max_inbound: 1024,
+            max_inbound_per_source: 64,
         }
     }
 }
@@ -66,6 +78,14 @@ pub enum ControlError {
     /// The identity is not `host:port`.
     #[error("identity {0:?} is not host:port")]
     BadIdentity(String),
+    /// The listening socket could not be bound.
+    #[error("cannot listen at {addr}: {source}")]
+    Bind {
+        /// Where.
+        addr: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// A ZeroMQ call failed.
     #[error("{what}: {source}")]
     Zmq {
@@ -86,13 +106,23 @@ fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ControlError {
 pub enum ChannelEvent {
     /// A payload from a peer (its identity, as the peer set it).
     Payload {
-        /// Who sent it: the identity its socket claims (nothing proves it; see `source`).
+        /// Who sent it: the identity its connection claims (nothing proves it; see `source`).
         peer: PeerId,
-        /// The address of the TCP connection it came on, as libzmq saw it (`None` if libzmq
-        /// gave none, or it did not parse).
+        /// The inbound connection it came on.
+        conn: ConnId,
+        /// The TCP source address of that connection (`None` never happens with the native
+        /// listener; kept for transports that cannot tell).
         source: Option<IpAddr>,
         /// The msgpack bytes.
         payload: Vec<u8>,
+    },
+    /// An inbound connection is gone (closed by the peer, heartbeat or handshake timeout,
+    /// bad bytes). The session it carried, if any, learns it from its DEALER's side.
+    InboundClosed {
+        /// The connection.
+        conn: ConnId,
+        /// The identity it claimed, if it got that far.
+        peer: Option<PeerId>,
     },
     /// The connection to a peer is gone (monitor event or failed send); its DEALER is closed.
     Lost {
@@ -140,18 +170,18 @@ impl Drop for Dealer {
 /// The ZeroMQ control channel of one node.
 pub struct ControlChannel {
     ctx: zmq::Context,
-    router: zmq::Socket,
+    inbound: Inbound,
     identity: PeerId,
     config: ControlConfig,
     dealers: HashMap<PeerId, Dealer>,
     next_monitor: u64,
     /// Events found while sending (lost connections), returned by the next `recv`.
     pending: Vec<ChannelEvent>,
-    /// What the last `wait` saw readable: the next `recv` reads only those sockets (each read
-    /// attempt of an empty ZeroMQ socket costs a syscall); any later `recv` reads them all. A
-    /// socket skipped is seen by the next `wait` at once (`zmq_poll` is level-triggered for
-    /// queued messages).
-    router_ready: std::cell::Cell<bool>,
+    /// What the last `wait` saw readable: the next `recv` reads only those (each read attempt
+    /// costs a syscall). A socket skipped is seen by the next `wait` at once (`zmq_poll` is
+    /// level-triggered).
+    listener_ready: std::cell::Cell<bool>,
+    readable_conns: std::cell::RefCell<Vec<ConnId>>,
     monitors_ready: std::cell::Cell<bool>,
 }
 
@@ -168,19 +198,22 @@ fn ms(d: Duration) -> i32 {
     i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
 }
 
-/// A ROUTER bound at `endpoint`, in a fresh context.
-fn router(
-    endpoint: &str,
-    config: &ControlConfig,
-) -> Result<(zmq::Context, zmq::Socket), ControlError> {
-    let ctx = zmq::Context::new();
-    let router = ctx.socket(zmq::ROUTER).map_err(zerr("create the ROUTER"))?;
-    heartbeats(&router, config).map_err(zerr("configure the ROUTER"))?;
-    router.set_linger(0).map_err(zerr("configure the ROUTER"))?;
-    router
-        .bind(endpoint)
-        .map_err(zerr(format!("bind {endpoint}")))?;
-    Ok((ctx, router))
+fn limits(config: &ControlConfig) -> InboundLimits {
+    InboundLimits {
+        max_message_bytes: u64::try_from(config.max_message_bytes).unwrap_or(0),
+        heartbeat_interval: config.heartbeat_interval,
+        heartbeat_timeout: config.heartbeat_timeout,
+        heartbeat_ttl: config.heartbeat_ttl,
+        max_connections: config.max_inbound,
+        max_per_source: config.max_inbound_per_source,
+    }
+}
+
+fn listen(addr: &str, config: &ControlConfig) -> Result<Inbound, ControlError> {
+    Inbound::bind(addr, limits(config)).map_err(|source| ControlError::Bind {
+        addr: addr.to_owned(),
+        source,
+    })
 }
 
 fn heartbeats(s: &zmq::Socket, c: &ControlConfig) -> Result<(), zmq::Error> {
@@ -191,48 +224,40 @@ fn heartbeats(s: &zmq::Socket, c: &ControlConfig) -> Result<(), zmq::Error> {
 }
 
 impl ControlChannel {
-    /// Binds the ROUTER at `identity` (`host:port`, used verbatim: peers dial it back).
+    /// Listens at `identity` (`host:port`, used verbatim: peers dial it back).
     pub fn bind(identity: PeerId, config: ControlConfig) -> Result<Self, ControlError> {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        let (ctx, router) = router(&format!("tcp://{identity}"), &config)?;
-        Ok(Self::new(ctx, router, identity, config))
+        let inbound = listen(identity.as_str(), &config)?;
+        Ok(Self::new(inbound, identity, config))
     }
 
-    /// Binds the ROUTER at `host` on a port the system picks; the identity is `host:port`.
+    /// Listens at `host` on a port the system picks; the identity is `host:port`.
     pub fn bind_any_port(host: &str, config: ControlConfig) -> Result<Self, ControlError> {
-        let (ctx, router) = router(&format!("tcp://{host}:*"), &config)?;
-        let endpoint = router
-            .get_last_endpoint()
-            .map_err(zerr("read the bound endpoint"))?
-            .unwrap_or_default();
-        let port = endpoint
-            .rsplit_once(':')
-            .map(|(_, p)| p.to_owned())
-            .unwrap_or_default();
-        let identity = PeerId::new(format!("{host}:{port}"));
+        let inbound = listen(PeerId::from_host_port(host, 0).as_str(), &config)?;
+        let port = inbound.port().map_err(|source| ControlError::Bind {
+            addr: host.to_owned(),
+            source,
+        })?;
+        let identity = PeerId::from_host_port(host, port);
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        Ok(Self::new(ctx, router, identity, config))
+        Ok(Self::new(inbound, identity, config))
     }
 
-    fn new(
-        ctx: zmq::Context,
-        router: zmq::Socket,
-        identity: PeerId,
-        config: ControlConfig,
-    ) -> Self {
+    fn new(inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
         ControlChannel {
-            ctx,
-            router,
+            ctx: zmq::Context::new(),
+            inbound,
             identity,
             config,
             dealers: HashMap::new(),
             next_monitor: 0,
             pending: Vec::new(),
-            router_ready: std::cell::Cell::new(true),
+            listener_ready: std::cell::Cell::new(true),
+            readable_conns: std::cell::RefCell::new(Vec::new()),
             monitors_ready: std::cell::Cell::new(true),
         }
     }
@@ -240,6 +265,16 @@ impl ControlChannel {
     /// This node's identity.
     pub fn identity(&self) -> &PeerId {
         &self.identity
+    }
+
+    /// Closes inbound connection `conn` (a connection the node will not hear).
+    pub fn close_inbound(&mut self, conn: ConnId) {
+        self.inbound.close(conn);
+    }
+
+    /// Inbound connections open now.
+    pub fn inbound_connections(&self) -> usize {
+        self.inbound.connections()
     }
 
     /// Whether a DEALER to `peer` is open.
@@ -338,26 +373,52 @@ impl ControlChannel {
         timeout: Duration,
         extra: Option<std::os::fd::RawFd>,
     ) -> Result<bool, ControlError> {
-        let mut items = Vec::with_capacity(2 + self.dealers.len());
+        let conns = self.inbound.connections();
+        let mut items = Vec::with_capacity(2 + conns + self.dealers.len());
         if let Some(fd) = extra {
             items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
         }
-        items.push(self.router.as_poll_item(zmq::POLLIN));
+        let first_fd = items.len();
+        for (fd, sending) in self.inbound.poll_fds() {
+            let events = if sending {
+                zmq::POLLIN | zmq::POLLOUT
+            } else {
+                zmq::POLLIN
+            };
+            items.push(zmq::PollItem::from_fd(fd, events));
+        }
+        let first_monitor = items.len();
         for d in self.dealers.values() {
             items.push(d.monitor.as_poll_item(zmq::POLLIN));
         }
-        let first_socket = usize::from(extra.is_some());
+        // Heartbeats and handshake deadlines of inbound connections wake us too.
+        let timeout = match self.inbound.next_deadline() {
+            Some(at) => timeout.min(at.saturating_duration_since(std::time::Instant::now())),
+            None => timeout,
+        };
         match zmq::poll(&mut items, i64::from(ms(timeout))) {
             Ok(n) => {
-                let readable = |i: &zmq::PollItem| i.is_readable();
-                self.router_ready.set(readable(&items[first_socket]));
+                let ready = |i: &zmq::PollItem| i.is_readable() || i.is_writable() || i.is_error();
+                self.listener_ready.set(ready(&items[first_fd]));
+                let mut readable = self.readable_conns.borrow_mut();
+                readable.clear();
+                readable.extend(
+                    self.inbound
+                        .conn_ids()
+                        .zip(&items[first_fd + 1..first_monitor])
+                        .filter(|(_, item)| ready(item))
+                        .map(|(id, _)| id),
+                );
                 self.monitors_ready
-                    .set(items[first_socket + 1..].iter().any(readable));
+                    .set(items[first_monitor..].iter().any(|i| i.is_readable()));
                 Ok(n > 0)
             }
             // A signal woke us: the caller looks at what changed, as after any wake-up.
             Err(zmq::Error::EINTR) => {
-                self.router_ready.set(true);
+                self.listener_ready.set(true);
+                let mut readable = self.readable_conns.borrow_mut();
+                readable.clear();
+                readable.extend(self.inbound.conn_ids());
                 self.monitors_ready.set(true);
                 Ok(true)
             }
@@ -365,71 +426,52 @@ impl ControlChannel {
         }
     }
 
-    /// Reads the ROUTER until it has nothing more.
-    fn drain_router(&mut self, events: &mut Vec<ChannelEvent>) {
-        loop {
-            match self.read_routed() {
-                Ok(Some(event)) => events.push(event),
-                Ok(None) => {}
-                Err(zmq::Error::EAGAIN) => break,
-                Err(e) => {
-                    warn!(error = %e, "control channel receive failed");
-                    break;
-                }
-            }
-        }
+    /// Reads the inbound connections the last wait saw ready (all of them after a `recv`
+    /// without a wait in between), runs their heartbeats, and turns what came into events.
+    fn read_inbound(&mut self, events: &mut Vec<ChannelEvent>) {
+        let listener_ready = self.listener_ready.replace(true);
+        let readable = {
+            let mut r = self.readable_conns.borrow_mut();
+            let taken = std::mem::take(&mut *r);
+            r.extend(self.inbound.conn_ids());
+            taken
+        };
+        let mut happened = Vec::new();
+        self.inbound.progress(
+            std::time::Instant::now(),
+            listener_ready,
+            &readable,
+            &mut happened,
+        );
+        events.extend(happened.into_iter().map(|e| match e {
+            InboundEvent::Payload {
+                conn,
+                peer,
+                source,
+                payload,
+            } => ChannelEvent::Payload {
+                peer,
+                conn,
+                source: Some(source),
+                payload,
+            },
+            InboundEvent::Closed { conn, peer } => ChannelEvent::InboundClosed { conn, peer },
+        }));
     }
 
-    /// Reads one routed message `[identity, payload]` with its source address; `Ok(None)` for a
-    /// message of another shape or identity (dropped).
-    fn read_routed(&mut self) -> Result<Option<ChannelEvent>, zmq::Error> {
-        let identity = self.router.recv_msg(zmq::DONTWAIT)?;
-        let mut frames = 1usize;
-        let mut last = None;
-        let mut more = identity.get_more();
-        while more {
-            // The rest of a multipart message is already queued (ZeroMQ delivers it whole).
-            let frame = self.router.recv_msg(zmq::DONTWAIT)?;
-            frames += 1;
-            more = frame.get_more();
-            last = Some(frame);
-        }
-        let Some(mut payload) = last.filter(|_| frames == 2) else {
-            if let Some(suppressed) = crate::admit_warning("dropping a control message") {
-                warn!(frames, suppressed, "dropping a message that is not [identity, payload]");
-            }
-            return Ok(None);
-        };
-        let id = match std::str::from_utf8(&identity) {
-            Ok(id) if PeerId::parse(id).is_ok() => PeerId::new(id),
-            _ => {
-                if let Some(suppressed) = crate::admit_warning("dropping a control identity") {
-                    warn!(suppressed, "dropping a frame from an identity that is not host:port");
-                }
-                return Ok(None);
-            }
-        };
-        // libzmq records the TCP peer's address on every message it reads from a connection.
-        let source = payload
-            .gets("Peer-Address")
-            .and_then(|a| a.parse::<IpAddr>().ok());
-        Ok(Some(ChannelEvent::Payload {
-            peer: id,
-            source,
-            payload: payload.to_vec(),
-        }))
-    }
-
-    /// Everything that arrived, without blocking: payloads from the ROUTER, lost connections.
+    /// Everything that arrived, without blocking: payloads and closes of inbound connections,
+    /// lost outbound connections.
     pub fn recv(&mut self) -> Vec<ChannelEvent> {
         let mut events = std::mem::take(&mut self.pending);
-        // Once readable, read until EAGAIN. When a connection's monitor has news (it closed),
-        // the ROUTER is read first whatever the last wait saw: a peer's last messages (its
+        // Inbound connections are read first, and all of them when a DEALER's monitor has news
+        // (a peer's connection closed), whatever the last wait saw: a peer's last messages (its
         // `disconnect`) were sent before its connection closed and must be handled first.
         let monitors_ready = self.monitors_ready.replace(true);
-        if self.router_ready.replace(true) || monitors_ready {
-            self.drain_router(&mut events);
+        if monitors_ready {
+            let all: Vec<ConnId> = self.inbound.conn_ids().collect();
+            *self.readable_conns.borrow_mut() = all;
         }
+        self.read_inbound(&mut events);
         let mut lost = Vec::new();
         let monitors = if monitors_ready {
             &self.dealers

@@ -2,7 +2,9 @@
 //! messages, and data planes that implement the core's [`DataPlane`](kvpeer_core::DataPlane).
 //! They make no protocol decisions.
 //!
-//! * [`control`]: the ZeroMQ control channel, wire-compatible with vLLM's `ZmqTransport`.
+//! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`: inbound
+//!   connections speak ZMTP through kvpeer's own [`inbound`] listener ([`zmtp`] is the codec),
+//!   outbound ones are libzmq DEALERs.
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
 //!   `tcp`, `tcp_key`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool, once the peer has
@@ -13,6 +15,7 @@
 
 pub mod control;
 pub mod dual;
+pub mod inbound;
 pub mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
@@ -20,6 +23,7 @@ mod prefault;
 pub mod shm;
 mod shm_object;
 pub mod tcp;
+pub mod zmtp;
 
 /// Locks `m`; a poisoned lock only means a plane thread panicked, and the bookkeeping it guards
 /// stays usable.

@@ -144,7 +144,11 @@ fn shm_cache_poisoning_through_the_nodes_own_pool_is_refused() {
     assert!(flag(&s, "connect_ack"), "control run refused: {s}");
     assert_eq!(s["transfer_done"], serde_json::json!([true]), "{s}");
     assert_eq!(s["own_pool_bytes_ok"], true, "{s}");
-    assert_eq!(diff(&before, &shm_bytes(&pool)), None, "after the control run");
+    assert_eq!(
+        diff(&before, &shm_bytes(&pool)),
+        None,
+        "after the control run"
+    );
 
     let run = honest_fetch(&id, "shm", 4, 8, &[]);
     assert_fetch_ok(&run, 32, "after the poisoning attempts");
@@ -165,7 +169,10 @@ fn shm_writes_into_another_object_of_the_same_user_are_refused() {
             format!("kvpeer-hostile-victim-{me}-a"),
             &pattern(blocks * len + 4096),
         ),
-        ShmFile::create(format!("kvpeer-hostile-victim-{me}-b"), &pattern(blocks * len)),
+        ShmFile::create(
+            format!("kvpeer-hostile-victim-{me}-b"),
+            &pattern(blocks * len),
+        ),
     ];
     for victim in &victims {
         let before = shm_bytes(&victim.0);
@@ -188,7 +195,11 @@ fn shm_writes_into_another_object_of_the_same_user_are_refused() {
             ]);
             println!("{what}: {s}");
             assert_refused(&s, &what);
-            assert_eq!(diff(&before, &shm_bytes(&victim.0)), None, "{what}: changed");
+            assert_eq!(
+                diff(&before, &shm_bytes(&victim.0)),
+                None,
+                "{what}: changed"
+            );
         }
     }
     let run = honest_fetch(&id, "shm", 4, 8, &[]);
@@ -367,6 +378,19 @@ fn auth_connect_signed_for_one_node_is_refused_by_another_and_on_replay() {
 /// long as the spoofs take, deterministically, and the victim is the real binary.
 #[test]
 fn tcp_hello_spoofs_during_a_live_fetch_are_closed_and_write_nothing() {
+    tcp_victim(0);
+}
+
+/// As above, and before its honest write the producer fills the victim's data port with 300
+/// idle connections (more than its 256 slots), held open: junk still in its HELLO must not
+/// lock the session's own writer out.
+#[test]
+fn tcp_data_port_flood_cannot_lock_out_the_sessions_writer() {
+    tcp_victim(300);
+}
+
+fn tcp_victim(flood: usize) {
+    let flood = flood.to_string();
     let mut producer = attacker_with(
         &[
             "producer",
@@ -377,13 +401,12 @@ fn tcp_hello_spoofs_during_a_live_fetch_are_closed_and_write_nothing() {
             "60",
             "--wait",
             "8",
+            "--flood",
+            &flood,
         ],
         true,
     );
-    let producer_id = producer.event("ready")["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let producer_id = producer.event("ready")["id"].as_str().unwrap().to_owned();
     let mut victim = Proc::spawn(
         &[
             "fetch",
@@ -433,7 +456,8 @@ fn tcp_hello_spoofs_during_a_live_fetch_are_closed_and_write_nothing() {
     assert_eq!(summary["victim_pool_unchanged"], true, "{summary}");
     assert_eq!(summary["victim_pool_has_junk"], false, "{summary}");
     assert_eq!(
-        summary["honest"]["outcome"], "ack0",
+        summary["honest"]["outcome"],
+        "ack0",
         "the producer's own write was refused: {summary}\n{}",
         victim.log()
     );
@@ -586,7 +610,11 @@ fn tcp_data_port_exhaustion_does_not_stop_the_node() {
         log.lines().count(),
         log.lines().take(20).collect::<Vec<_>>().join("\n")
     );
-    assert!(log.lines().count() < 200, "log flood: {} lines", log.lines().count());
+    assert!(
+        log.lines().count() < 200,
+        "log flood: {} lines",
+        log.lines().count()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -737,7 +765,11 @@ fn fetch_against_a_dropping_producer_gives_up_without_redialing_in_a_loop() {
     assert_ne!(status, 0, "nothing was fetched, yet fetch succeeded");
     assert!(took < Duration::from_secs(15), "fetch took {took:?}");
     assert!(total <= 20, "{total} connection attempts");
-    assert!(log.lines().count() <= 50, "{} log lines", log.lines().count());
+    assert!(
+        log.lines().count() <= 50,
+        "{} log lines",
+        log.lines().count()
+    );
 }
 
 /// A hostile peer sends 100 `connect`s in 3 s claiming an identity whose port accepts and
@@ -783,12 +815,14 @@ fn redial_to_a_dropping_peer_backs_off() {
         dead.addr,
         server.log()
     );
+    let run = honest_fetch(&id, "shm", 2, 8, &[]);
+    println!("honest fetch after: status {}, {}", run.status, run.summary);
     assert!(
         dials <= 20,
         "{dials} dials in {took:?} for 100 connects: no backoff"
     );
     assert!(lines < 50, "{lines} log lines");
-    assert_fetch_ok(&honest_fetch(&id, "shm", 2, 8, &[]), 16, "after the redial storm");
+    assert_fetch_ok(&run, 16, "after the redial storm");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -818,18 +852,37 @@ fn log_flood_of_junk_payloads_stays_bounded() {
     let (lines0, rss0) = (log_lines(&server), rss_kib(pid));
     let started = Instant::now();
     let s = attack(&[
-        "flood", "--node", &id, "--count", "10000", "--spoofed", "1000",
+        "flood",
+        "--node",
+        &id,
+        "--count",
+        "10000",
+        "--spoofed",
+        "1000",
     ]);
     std::thread::sleep(Duration::from_secs(2));
     let lines = log_lines(&server) - lines0;
     let log = server.log();
     let mut kinds: std::collections::BTreeMap<String, usize> = Default::default();
     for l in log.lines().skip(lines0) {
-        // The message text, without the time stamp and fields.
-        let msg = l
+        // The message text, without colours, the time stamp and fields.
+        let mut plain = String::new();
+        let mut in_escape = false;
+        for ch in l.chars() {
+            match (in_escape, ch) {
+                (false, '\u{1b}') => in_escape = true,
+                (true, 'm') => in_escape = false,
+                (false, c) => plain.push(c),
+                _ => {}
+            }
+        }
+        let msg = plain
+            .split(|c: char| c == '=')
+            .next()
+            .unwrap_or("")
             .split_whitespace()
-            .skip(2)
-            .take(6)
+            .skip(1)
+            .take(8)
             .collect::<Vec<_>>()
             .join(" ");
         *kinds.entry(msg).or_default() += 1;
@@ -843,12 +896,17 @@ fn log_flood_of_junk_payloads_stays_bounded() {
         println!("  {n:6}  {k}");
     }
     assert_eq!(s["total"], 10000, "{s}");
+    let run = honest_fetch(&id, "shm", 2, 8, &[]);
+    println!(
+        "honest fetch after the flood: status {}, {}",
+        run.status, run.summary
+    );
     assert!(
         lines < 200,
         "the flood made {lines} log lines: {:?}",
         kinds.iter().take(10).collect::<Vec<_>>()
     );
-    assert_fetch_ok(&honest_fetch(&id, "shm", 2, 8, &[]), 16, "after the flood");
+    assert_fetch_ok(&run, 16, "after the flood");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -905,4 +963,63 @@ fn fetch_stopped_by_a_signal_removes_its_pool() {
         println!("SIG{signal}: exit status {status}, pool left behind: {left}");
         assert!(!left, "SIG{signal} left {pool} behind");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// control port: a squatter holds someone else's identity
+
+/// A DEALER claims the identity an honest consumer will have (`127.0.0.1:P`, from the right
+/// address: this host) before that consumer starts, and stays silent (libzmq answers the
+/// node's heartbeats for it). With libzmq's ROUTER the real consumer's connection was ignored
+/// and its handshake timed out. Now each connection is the node's own: the honest consumer's
+/// fetch is served byte-exact while the squatter holds its connection, and the `fetch` the
+/// squatter then injects as if from the consumer's session is dropped (the session belongs to
+/// the connection its `connect` came on): the honest run still sees no failed load.
+#[test]
+fn a_squatter_holding_a_peers_identity_cannot_lock_it_out_or_speak_for_it() {
+    let (node, node_id) = serve("shm", 16, &[]);
+    let victim = format!("127.0.0.1:{}", free_port());
+    let mut squatter = attacker(&[
+        "squat",
+        "--node",
+        &node_id,
+        "--identity",
+        &victim,
+        "--hold",
+        "1",
+        "--after",
+        "3",
+    ]);
+    squatter.event("ready");
+    std::thread::sleep(Duration::from_millis(300));
+    // The honest consumer, with the squatted identity, while the squatter holds it (and
+    // injects its fetch into the consumer's session about 0.7 s into its run).
+    let started = Instant::now();
+    let run = honest_fetch(
+        &node_id,
+        "shm",
+        2000,
+        8,
+        &["--listen", &victim, "--prefixes", "2"],
+    );
+    println!("the squatted consumer ran {:?}", started.elapsed());
+    assert_fetch_ok(&run, 16_000, "consumer whose identity was squatted");
+    let status = squatter.wait_while(Duration::from_secs(30), || {
+        std::thread::sleep(Duration::from_millis(5))
+    });
+    assert_eq!(status, 0, "squatter: {}", squatter.log());
+    // The node is clean and still serves.
+    assert!(
+        eventually(Duration::from_secs(5), || metric(
+            &node,
+            "kvpeer_server_requests"
+        ) == 0.0),
+        "{}",
+        node.log()
+    );
+    assert_fetch_ok(
+        &honest_fetch(&node_id, "shm", 2, 8, &[]),
+        16,
+        "after the squat",
+    );
 }

@@ -34,7 +34,11 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-fn step_until(c: &mut NodeIo<ShmPlane>, timeout: Duration, mut done: impl FnMut(&mut NodeIo<ShmPlane>) -> bool) {
+fn step_until(
+    c: &mut NodeIo<ShmPlane>,
+    timeout: Duration,
+    mut done: impl FnMut(&mut NodeIo<ShmPlane>) -> bool,
+) {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         let now = Instant::now();
@@ -44,7 +48,10 @@ fn step_until(c: &mut NodeIo<ShmPlane>, timeout: Duration, mut done: impl FnMut(
         }
         c.wait(now, Duration::from_millis(2));
     }
-    panic!("not reached within {timeout:?}: consumer {:?}", c.core.stats());
+    panic!(
+        "not reached within {timeout:?}: consumer {:?}",
+        c.core.stats()
+    );
 }
 
 /// Opens `n` requests (ids `tag-first..`), each looking up one held key; returns them once
@@ -73,8 +80,13 @@ fn lookups(
     c.flush(now);
     step_until(c, Duration::from_secs(30), |c| {
         let now = Instant::now();
-        reqs.iter()
-            .all(|(r, k)| c.core.lookup(now, r, k) != LookupResult::Retry)
+        let done = reqs
+            .iter()
+            .all(|(r, k)| c.core.lookup(now, r, k) != LookupResult::Retry);
+        // Keys asked again (as an engine polls) go out with the next flush.
+        c.core.flush_lookups(now);
+        c.flush(now);
+        done
     });
     let now = Instant::now();
     for (r, k) in &reqs {
@@ -137,9 +149,26 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     })
     .unwrap();
 
+    // The session first, as an engine's first request would open it.
+    let warm = c.core.on_new_request(
+        Instant::now(),
+        KvRequestId::from("warm-up"),
+        RequestRoles::kv_source(pid.clone()),
+    );
+    c.core.lookup(Instant::now(), &warm, &synthetic::key(0));
+    c.flush(Instant::now());
+    step_until(&mut c, Duration::from_secs(10), |c| {
+        c.core.session_state(&pid).is_some_and(|s| s.ready)
+    });
+    c.core.finish(Instant::now(), &warm);
+    c.flush(Instant::now());
+
     let rss0 = rss_kib();
     let started = Instant::now();
-    println!("start: RSS {rss0} KiB, producer open {:?}", producer_open(&producer));
+    println!(
+        "start: RSS {rss0} KiB, producer open {:?}",
+        producer_open(&producer)
+    );
 
     // 1. Served rounds, BATCH requests in flight at a time.
     let mut job = 0u64;
@@ -152,8 +181,13 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         let mut jobs = Vec::with_capacity(reqs.len());
         for (r, k) in &reqs {
             job += 1;
-            let blocks = c.core.parent_mut().reserve(std::slice::from_ref(k)).unwrap();
-            c.core.submit_load(now, job, r, vec![k.clone()], blocks.clone());
+            let blocks = c
+                .core
+                .parent_mut()
+                .reserve(std::slice::from_ref(k))
+                .unwrap();
+            c.core
+                .submit_load(now, job, r, vec![k.clone()], blocks.clone());
             jobs.push((job, blocks, k.clone()));
         }
         c.flush(now);
@@ -195,7 +229,9 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             );
         }
     }
-    step_until(&mut c, Duration::from_secs(10), |c| c.core.stats().client_requests == 0);
+    step_until(&mut c, Duration::from_secs(10), |c| {
+        c.core.stats().client_requests == 0
+    });
     let deadline = Instant::now() + Duration::from_secs(10);
     while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
         let now = Instant::now();
@@ -210,8 +246,16 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         producer_open(&producer),
         served.counters
     );
-    assert_eq!(producer_open(&producer), (0, 0, 0, 0), "after the served rounds");
-    assert!(c.loads_done.is_empty(), "consumer load results left: {}", c.loads_done.len());
+    assert_eq!(
+        producer_open(&producer),
+        (0, 0, 0, 0),
+        "after the served rounds"
+    );
+    assert!(
+        c.loads_done.is_empty(),
+        "consumer load results left: {}",
+        c.loads_done.len()
+    );
 
     // 2. Lookups never fetched and never finished: the producer must drop each at its store
     //    timeout.
@@ -249,12 +293,23 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         phase2.elapsed() - issued
     );
     // Now the consumer lets its requests go (terminal fetches for state the producer dropped).
-    let now = Instant::now();
-    for (r, _) in &open_reqs {
-        c.core.finish(now, r);
+    // In chunks, as an engine finishes requests: one burst of 100,000 terminal fetches would
+    // overflow the control channel's send queue (SNDHWM 1000) and cost the session.
+    for chunk in open_reqs.chunks(BATCH as usize) {
+        let now = Instant::now();
+        for (r, _) in chunk {
+            c.core.finish(now, r);
+        }
+        c.flush(now);
+        for _ in 0..3 {
+            let now = Instant::now();
+            c.step(now);
+            c.wait(now, Duration::from_millis(5));
+        }
     }
-    c.flush(now);
-    step_until(&mut c, Duration::from_secs(30), |c| c.core.stats().client_requests == 0);
+    step_until(&mut c, Duration::from_secs(30), |c| {
+        c.core.stats().client_requests == 0
+    });
     let deadline = Instant::now() + Duration::from_secs(10);
     while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
         let now = Instant::now();

@@ -338,7 +338,10 @@ impl ClientRole {
         round: u64,
     ) {
         if !self.complete(out, id, round, success) {
-            if let Some(suppressed) = out.throttle.admit_ticked("transfer_done for no load in flight") {
+            if let Some(suppressed) = out
+                .throttle
+                .admit_ticked("transfer_done for no load in flight")
+            {
                 warn!(kv_request_id = %id, round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
             }
         }

@@ -1157,7 +1157,11 @@ impl ServerRole {
         }
         let expired_delay = self.expired_lane.delay();
         while let Some((at, key)) = self.expired_lane.pop_due(now) {
-            if self.expired.get(&key).is_some_and(|t| *t + expired_delay == at) {
+            if self
+                .expired
+                .get(&key)
+                .is_some_and(|t| *t + expired_delay == at)
+            {
                 self.expired.remove(&key);
             }
         }

@@ -95,7 +95,10 @@ impl Auth {
     }
 
     fn sign_at(&self, destination: &PeerId, c: &Connect, time: u64, nonce: [u8; 16]) -> Vec<u8> {
-        let tag = self.mac(destination, c, time, &nonce).finalize().into_bytes();
+        let tag = self
+            .mac(destination, c, time, &nonce)
+            .finalize()
+            .into_bytes();
         let mut out = Vec::with_capacity(LEN);
         out.push(VERSION);
         out.extend_from_slice(&time.to_be_bytes());
@@ -199,7 +202,10 @@ mod tests {
         let mut c = connect();
         c.kvpeer_auth = Some(a.sign_at(&us(), &c, 1_000_000, [9; 16]));
         assert_eq!(b.verify_at(&us(), &sender(), &c, 1_000_010), Ok(()));
-        assert!(b.verify_at(&us(), &sender(), &c, 1_000_011).unwrap_err().contains("replayed"));
+        assert!(b
+            .verify_at(&us(), &sender(), &c, 1_000_011)
+            .unwrap_err()
+            .contains("replayed"));
 
         let mut other = auth("another secret, also long enough");
         let mut fresh = connect();

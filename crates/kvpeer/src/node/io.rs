@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use kvpeer_core::throttle::WarnThrottle;
 use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId};
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
-use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
+use kvpeer_net::inbound::ConnId;
 use kvpeer_net::metadata::AgentMetadata;
+use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
 use kvpeer_store::BlockStore;
 use tracing::{debug, warn};
 
@@ -53,6 +54,11 @@ pub struct NodeIo<D: DataPlane> {
     refused_total: u64,
     /// Warnings a peer can cause, at most one per kind per second.
     throttle: WarnThrottle,
+    /// The inbound connection that speaks for each peer with a session (the one its accepted
+    /// `connect` came on). Several connections may claim one identity: messages from the others
+    /// are dropped, except a `connect`, which takes the identity over (the newest wins, so a
+    /// restarted peer is not locked out by its old connection, nor anyone by a squatter).
+    bound: HashMap<PeerId, ConnId>,
     /// The authenticated handshake, when a secret is configured.
     auth: Option<Auth>,
     /// The same decoding bounds as the core's (used to read a `connect` before the core).
@@ -88,6 +94,7 @@ impl<D: DataPlane> NodeIo<D> {
             refused: HashSet::new(),
             refused_total: 0,
             throttle: WarnThrottle::default(),
+            bound: HashMap::new(),
             auth: None,
             limits: DecodeLimits::default(),
         }
@@ -103,30 +110,77 @@ impl<D: DataPlane> NodeIo<D> {
         self.auth = auth;
     }
 
-    /// An inbound payload that passed the origin check. Decoded once here: a `connect` must
-    /// name data addresses this node may connect to and, with authentication on, prove the
-    /// secret for this node; anything that does not decode goes to the core as it came (it
-    /// classifies and answers bad payloads).
-    fn inbound(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
+    /// An inbound payload on connection `conn` that passed the origin check. Decoded once
+    /// here: a `connect` must name data addresses this node may connect to and, with
+    /// authentication on, prove the secret for this node; then it binds the peer's session to
+    /// its connection. Anything else is heard only from the bound connection. What does not
+    /// decode goes to the core as it came (it classifies and answers bad payloads).
+    fn inbound(&mut self, now: Instant, peer: &PeerId, conn: ConnId, payload: &[u8]) {
         let message = match decode_with_limits(payload, &self.limits) {
             Ok(message) => message,
-            Err(_) => return self.core.handle_payload(now, peer, payload),
-        };
-        if let Message::Connect(c) = &message {
-            if let Err(reason) = self.check_connect(peer, c) {
-                self.refuse(now, peer, &reason, "connect");
-                self.channel.close(peer);
+            Err(_) => {
+                if self.speaks_for(peer, conn) {
+                    self.core.handle_payload(now, peer, payload);
+                }
                 return;
             }
+        };
+        let Message::Connect(c) = &message else {
+            if self.speaks_for(peer, conn) {
+                self.core.handle_message(now, peer, message);
+            } else {
+                warn_throttled!(self.throttle, now, "dropping a message from a connection that holds no session",
+                    %peer, conn);
+            }
+            return;
+        };
+        if let Err(reason) = self.check_connect(peer, c) {
+            self.refuse(now, peer, &reason, "connect");
+            self.channel.close_inbound(conn);
+            return;
         }
+        match self.bound.get(peer) {
+            Some(&old) if old != conn && self.core.session_state(peer).is_some() => {
+                // A new connection's `connect` for a live session: the peer restarted, or its
+                // old connection is half-dead. The newest wins; the old session ends first.
+                debug!(%peer, old, conn, "a newer connection takes the peer's identity over");
+                self.core.handle_connection_lost(now, peer);
+                self.flush(now);
+                self.channel.close_inbound(old);
+            }
+            _ => {}
+        }
+        self.bound.insert(peer.clone(), conn);
         self.core.handle_message(now, peer, message);
+    }
+
+    /// Whether connection `conn` may speak for `peer`: it is the bound one, or none is bound and
+    /// the peer has a session (its DEALER reconnected, so the session moves to this
+    /// connection), or the peer has no session (the core answers what a stranger sends).
+    fn speaks_for(&mut self, peer: &PeerId, conn: ConnId) -> bool {
+        match self.bound.get(peer) {
+            Some(&bound) => bound == conn,
+            None => {
+                if self.core.session_state(peer).is_some() {
+                    self.bound.insert(peer.clone(), conn);
+                }
+                true
+            }
+        }
+    }
+
+    /// Inbound connections open now (for stats and tests).
+    pub fn inbound_connections(&self) -> usize {
+        self.channel.inbound_connections()
     }
 
     /// Whether a `connect` from `peer` may open a session: its advertised tcp data address
     /// must be one this node may connect to, and with a secret it must be signed for us.
     fn check_connect(&mut self, peer: &PeerId, c: &kvpeer_proto::Connect) -> Result<(), String> {
         // Only kvpeer's plane map names addresses; NIXL's blob is NIXL's (docs/security.md).
-        if let Ok(AgentMetadata { tcp: Some(addr), .. }) = AgentMetadata::decode(&c.agent_metadata)
+        if let Ok(AgentMetadata {
+            tcp: Some(addr), ..
+        }) = AgentMetadata::decode(&c.agent_metadata)
         {
             self.origin.check_data_addr(peer, &addr)?;
         }
@@ -218,13 +272,26 @@ impl<D: DataPlane> NodeIo<D> {
             match event {
                 ChannelEvent::Payload {
                     peer,
+                    conn,
                     source,
                     payload,
                 } => {
                     if self.heard(now, &peer, source) {
-                        self.inbound(now, &peer, &payload)
+                        self.inbound(now, &peer, conn, &payload)
+                    } else {
+                        // A claim its source cannot back: this connection is never heard.
+                        self.channel.close_inbound(conn);
                     }
                 }
+                ChannelEvent::InboundClosed {
+                    conn,
+                    peer: Some(peer),
+                } => {
+                    if self.bound.get(&peer) == Some(&conn) {
+                        self.bound.remove(&peer);
+                    }
+                }
+                ChannelEvent::InboundClosed { peer: None, .. } => {}
                 ChannelEvent::Lost { peer, .. } => self.core.handle_connection_lost(now, &peer),
             }
         }
@@ -249,8 +316,8 @@ impl<D: DataPlane> NodeIo<D> {
                 }
                 if !self.may_dial(now, &t.peer) {
                     // Never dialed, never sent to: its requests fall back at once.
-                    self.closed_with(t.peer.clone(), true, "not in the allowlist".into());
-                    self.core.handle_connection_lost(now, &t.peer);
+                    self.core
+                        .handle_connection_refused(now, &t.peer, "not in the allowlist");
                     continue;
                 }
                 if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
@@ -277,8 +344,8 @@ impl<D: DataPlane> NodeIo<D> {
                     Event::Dial(peer) => {
                         if !self.may_dial(now, &peer) {
                             // Never dialed: its requests fall back at once.
-                            self.closed_with(peer.clone(), true, "not in the allowlist".into());
-                            self.core.handle_connection_lost(now, &peer);
+                            self.core
+                                .handle_connection_refused(now, &peer, "not in the allowlist");
                         } else if let Err(e) = self.channel.dial(&peer) {
                             warn!(%peer, error = %e, "dial failed");
                             self.core.handle_connection_lost(now, &peer);
@@ -303,6 +370,10 @@ impl<D: DataPlane> NodeIo<D> {
 
     fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
         self.channel.close(&peer);
+        if !refused {
+            // The session is over: the next `connect` binds whichever connection sends it.
+            self.bound.remove(&peer);
+        }
         if self.closed.len() == Self::CLOSED_KEPT {
             self.closed.pop_front();
         }

@@ -75,7 +75,10 @@ impl Default for OriginCheck {
 /// The host part of an identity, without IPv6 brackets, and its IP if it is one.
 fn host_of(peer: &PeerId) -> Option<(String, Option<IpAddr>)> {
     let (host, _) = peer.host_port().ok()?;
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     let ip = host.parse().ok();
     Some((host, ip))
 }
@@ -203,11 +206,17 @@ mod tests {
             .check(&PeerId::new("10.0.0.5:1"), ip("203.0.113.1"))
             .unwrap_err();
         assert!(e.contains("source address 203.0.113.1"), "{e}");
-        assert_eq!(loose.check(&PeerId::new("10.0.0.5:1"), ip("10.9.9.9")), Ok(()));
+        assert_eq!(
+            loose.check(&PeerId::new("10.0.0.5:1"), ip("10.9.9.9")),
+            Ok(())
+        );
         assert!(loose.check(&PeerId::new("10.0.0.5:1"), None).is_err());
         // Host names: only when the list names them (or there is no list).
         assert_eq!(check(&[], "node-a:1", "10.0.0.5"), Ok(()));
-        assert_eq!(check(&["node-a", "10.0.0.0/8"], "node-a:1", "10.0.0.5"), Ok(()));
+        assert_eq!(
+            check(&["node-a", "10.0.0.0/8"], "node-a:1", "10.0.0.5"),
+            Ok(())
+        );
         assert!(check(&["10.0.0.0/8"], "node-a:1", "10.0.0.5").is_err());
         assert!(check(&[], "10.0.0.5:1", "").is_err(), "no source address");
     }

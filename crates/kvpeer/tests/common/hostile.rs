@@ -80,7 +80,13 @@ pub(crate) struct FetchRun {
 
 /// An honest `kvpeer fetch` of `requests` × `keys` synthetic keys from `peer`, every byte
 /// checked by the child; `extra` flags after the defaults.
-pub(crate) fn honest_fetch(peer: &str, plane: &str, requests: u64, keys: u64, extra: &[&str]) -> FetchRun {
+pub(crate) fn honest_fetch(
+    peer: &str,
+    plane: &str,
+    requests: u64,
+    keys: u64,
+    extra: &[&str],
+) -> FetchRun {
     let (requests, keys) = (requests.to_string(), keys.to_string());
     let mut args = vec![
         "fetch",
@@ -128,7 +134,11 @@ pub(crate) fn assert_fetch_ok(run: &FetchRun, hits: u64, context: &str) {
         run.summary, run.stderr
     );
     assert_eq!(run.summary["hits"], hits, "{context}: {}", run.summary);
-    assert_eq!(run.summary["corrupt_blocks"], 0, "{context}: {}", run.summary);
+    assert_eq!(
+        run.summary["corrupt_blocks"], 0,
+        "{context}: {}",
+        run.summary
+    );
     assert_eq!(run.summary["failed_loads"], 0, "{context}: {}", run.summary);
 }
 

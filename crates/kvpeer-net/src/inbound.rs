@@ -1,0 +1,381 @@
+//! The control channel's listening side: ZMTP spoken by kvpeer itself on the node's thread.
+//!
+//! libzmq's ROUTER routes by the identity a peer claims and hides everything else: a silent
+//! connection that claims identity X first locks the real X out, and the application can
+//! neither see that connection nor close it (docs/security.md). Here every inbound connection
+//! is kvpeer's own: accepted from a non-blocking `TcpListener`, its greeting and READY read by
+//! [`zmtp::Decoder`](crate::zmtp::Decoder), so each message comes with the connection it
+//! arrived on (a [`ConnId`]), the identity that connection claimed and its source address, and
+//! the node decides which connection holds a session (several may claim one identity; none
+//! blocks another) and closes the others.
+//!
+//! Speaks to libzmq 4.3 DEALERs (vLLM's `ZmqTransport`, pyzmq, kvpeer's own outbound sockets)
+//! as a libzmq ROUTER does: ZMTP 3.1, NULL mechanism, READY with `Socket-Type: ROUTER`, PONG
+//! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`, and a
+//! connection that sends nothing for `heartbeat_timeout` (or does not finish its handshake in
+//! that time) is closed. Frames over `max_message_bytes` are refused from their header.
+//! Connections are capped in all and per source address, so one host cannot take every slot.
+//!
+//! Owned by the node's runtime thread with the rest of the channel; every socket is
+//! non-blocking and polled with the channel's other sockets, so nothing here blocks.
+
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use kvpeer_proto::PeerId;
+use tracing::{debug, warn};
+
+use crate::zmtp::{self, Decoder, Input};
+
+/// One inbound connection's number, unique for the channel's life.
+pub type ConnId = u64;
+
+/// Bounds of the listening side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundLimits {
+    /// Largest message accepted.
+    pub max_message_bytes: u64,
+    /// How often an idle connection is pinged.
+    pub heartbeat_interval: Duration,
+    /// Silence (or an unfinished handshake) after which a connection is closed.
+    pub heartbeat_timeout: Duration,
+    /// The TTL our PINGs tell the peer.
+    pub heartbeat_ttl: Duration,
+    /// Inbound connections at once.
+    pub max_connections: usize,
+    /// Inbound connections at once from one source address.
+    pub max_per_source: usize,
+}
+
+/// What happened on the listening side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InboundEvent {
+    /// A one-frame message from connection `conn`, which claimed identity `peer`.
+    Payload {
+        /// The connection.
+        conn: ConnId,
+        /// The identity its READY claimed.
+        peer: PeerId,
+        /// Its TCP source address.
+        source: IpAddr,
+        /// The frame.
+        payload: Vec<u8>,
+    },
+    /// Connection `conn` (which claimed `peer`, if it got that far) is gone.
+    Closed {
+        /// The connection.
+        conn: ConnId,
+        /// Its identity, once READY.
+        peer: Option<PeerId>,
+    },
+}
+
+struct Conn {
+    stream: TcpStream,
+    source: IpAddr,
+    decoder: Decoder,
+    /// Bytes to send (ZMTP commands only: this side never sends messages).
+    out: Vec<u8>,
+    identity: Option<PeerId>,
+    opened: Instant,
+    last_recv: Instant,
+    last_sent: Instant,
+}
+
+/// Bytes of unsent commands a connection may hold before it counts as not reading.
+const MAX_UNSENT: usize = 64 * 1024;
+/// Bytes read from one connection per round, so one busy peer cannot starve the others.
+const READ_BUDGET: usize = 8 << 20;
+
+/// The listener and its connections.
+pub struct Inbound {
+    listener: TcpListener,
+    conns: BTreeMap<ConnId, Conn>,
+    next: ConnId,
+    limits: InboundLimits,
+}
+
+impl std::fmt::Debug for Inbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbound")
+            .field("addr", &self.listener.local_addr().ok())
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+impl Inbound {
+    /// Listens on `addr` (`host:port`; port 0 picks one).
+    pub fn bind(addr: &str, limits: InboundLimits) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        Ok(Inbound {
+            listener,
+            conns: BTreeMap::new(),
+            next: 0,
+            limits,
+        })
+    }
+
+    /// The port bound.
+    pub fn port(&self) -> std::io::Result<u16> {
+        Ok(self.listener.local_addr()?.port())
+    }
+
+    /// Connections open now.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Descriptors to poll: the listener, then each connection (with whether it has bytes to
+    /// send), in [`Inbound::conn_ids`] order.
+    pub fn poll_fds(&self) -> impl Iterator<Item = (RawFd, bool)> + '_ {
+        std::iter::once((self.listener.as_raw_fd(), false)).chain(
+            self.conns
+                .values()
+                .map(|c| (c.stream.as_raw_fd(), !c.out.is_empty())),
+        )
+    }
+
+    /// The connections, in [`Inbound::poll_fds`] order (after the listener).
+    pub fn conn_ids(&self) -> impl Iterator<Item = ConnId> + '_ {
+        self.conns.keys().copied()
+    }
+
+    /// When the next heartbeat or deadline falls due.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let l = &self.limits;
+        self.conns
+            .values()
+            .map(|c| {
+                let silence = c.last_recv + l.heartbeat_timeout;
+                if c.identity.is_some() {
+                    silence.min(c.last_sent + l.heartbeat_interval)
+                } else {
+                    silence.min(c.opened + l.heartbeat_timeout)
+                }
+            })
+            .min()
+    }
+
+    /// Closes connection `conn` (no event: the caller asked).
+    pub fn close(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.remove(&conn) {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            debug!(conn, peer = ?c.identity, "inbound control connection closed");
+        }
+    }
+
+    /// Accepts what is waiting (when `listener_ready`), reads the connections in `readable`,
+    /// sends what is pending, and runs heartbeats and deadlines at `now`.
+    pub fn progress(
+        &mut self,
+        now: Instant,
+        listener_ready: bool,
+        readable: &[ConnId],
+        events: &mut Vec<InboundEvent>,
+    ) {
+        if listener_ready {
+            self.accept(now);
+        }
+        for &conn in readable {
+            if let Err(why) = self.read(now, conn, events) {
+                self.drop_conn(conn, &why, events);
+            }
+        }
+        self.heartbeats(now, events);
+        let ids: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.out.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in ids {
+            if let Err(why) = self.flush(now, conn) {
+                self.drop_conn(conn, &why, events);
+            }
+        }
+    }
+
+    fn accept(&mut self, now: Instant) {
+        loop {
+            let (stream, addr) = match self.listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors, most likely: the next wait sees the listener again.
+                    if let Some(suppressed) = crate::admit_warning("cannot accept") {
+                        warn!(error = %e, suppressed, "cannot accept a control connection");
+                    }
+                    return;
+                }
+            };
+            let source = addr.ip().to_canonical();
+            let from_source = self.conns.values().filter(|c| c.source == source).count();
+            if self.conns.len() >= self.limits.max_connections
+                || from_source >= self.limits.max_per_source
+            {
+                if let Some(suppressed) = crate::admit_warning("control connection refused") {
+                    warn!(%source, open = self.conns.len(), from_source, suppressed,
+                        "refusing a control connection: too many open");
+                }
+                continue; // dropped: closed
+            }
+            if let Err(e) = stream.set_nonblocking(true) {
+                warn!(error = %e, "cannot make a control connection non-blocking");
+                continue;
+            }
+            let _ = stream.set_nodelay(true);
+            self.next += 1;
+            let conn = self.next;
+            let mut c = Conn {
+                stream,
+                source,
+                decoder: Decoder::new(self.limits.max_message_bytes),
+                out: Vec::new(),
+                identity: None,
+                opened: now,
+                last_recv: now,
+                last_sent: now,
+            };
+            // Our whole greeting at once: libzmq reads it in its own steps.
+            c.out.extend_from_slice(&zmtp::greeting());
+            self.conns.insert(conn, c);
+            debug!(conn, %source, "inbound control connection");
+        }
+    }
+
+    fn read(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        events: &mut Vec<InboundEvent>,
+    ) -> Result<(), String> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Ok(());
+        };
+        let mut chunk = [0u8; 64 * 1024];
+        let mut budget = READ_BUDGET;
+        loop {
+            let n = match c.stream.read(&mut chunk) {
+                Ok(0) => return Err("closed by the peer".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            };
+            c.last_recv = now;
+            c.decoder.push(&chunk[..n]);
+            while let Some(input) = c.decoder.next().map_err(|e| e.to_string())? {
+                match input {
+                    Input::Greeting => {
+                        c.out.extend(zmtp::ready("ROUTER"));
+                    }
+                    Input::Ready {
+                        socket_type,
+                        identity,
+                    } => {
+                        if !matches!(&socket_type[..], b"DEALER" | b"REQ" | b"ROUTER") {
+                            return Err(format!(
+                                "socket type {:?} cannot talk to a ROUTER",
+                                String::from_utf8_lossy(&socket_type)
+                            ));
+                        }
+                        let id = std::str::from_utf8(&identity)
+                            .ok()
+                            .filter(|id| PeerId::parse(id).is_ok())
+                            .ok_or("an identity that is not host:port")?;
+                        c.identity = Some(PeerId::new(id));
+                    }
+                    Input::Ping { context } => c.out.extend(zmtp::pong(&context)),
+                    Input::Command => {}
+                    Input::Message(mut frames) => {
+                        let Some(peer) = c.identity.clone() else {
+                            return Err("a message before READY".into());
+                        };
+                        if frames.len() != 1 {
+                            if let Some(suppressed) =
+                                crate::admit_warning("dropping a control message")
+                            {
+                                warn!(frames = frames.len(), %peer, suppressed,
+                                    "dropping a message that is not one frame");
+                            }
+                            continue;
+                        }
+                        events.push(InboundEvent::Payload {
+                            conn,
+                            peer,
+                            source: c.source,
+                            payload: frames.pop().unwrap_or_default(),
+                        });
+                    }
+                }
+            }
+            budget = budget.saturating_sub(n);
+            if budget == 0 {
+                break; // the next round reads the rest
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, now: Instant, conn: ConnId) -> Result<(), String> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Ok(());
+        };
+        while !c.out.is_empty() {
+            match c.stream.write(&c.out) {
+                Ok(0) => return Err("cannot send".into()),
+                Ok(n) => {
+                    c.out.drain(..n);
+                    c.last_sent = now;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        if c.out.len() > MAX_UNSENT {
+            return Err("the peer does not read".into());
+        }
+        Ok(())
+    }
+
+    fn heartbeats(&mut self, now: Instant, events: &mut Vec<InboundEvent>) {
+        let l = self.limits.clone();
+        let ttl = u16::try_from(l.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
+        let mut dead = Vec::new();
+        for (&id, c) in self.conns.iter_mut() {
+            if c.identity.is_none() && now.saturating_duration_since(c.opened) > l.heartbeat_timeout
+            {
+                dead.push((id, "handshake timed out"));
+            } else if now.saturating_duration_since(c.last_recv) > l.heartbeat_timeout {
+                dead.push((id, "heartbeat timed out"));
+            } else if c.identity.is_some()
+                && c.out.is_empty()
+                && now.saturating_duration_since(c.last_sent) >= l.heartbeat_interval
+            {
+                c.out.extend(zmtp::ping(ttl));
+            }
+        }
+        for (id, why) in dead {
+            self.drop_conn(id, why, events);
+        }
+    }
+
+    fn drop_conn(&mut self, conn: ConnId, why: &str, events: &mut Vec<InboundEvent>) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        debug!(conn, peer = ?c.identity, source = %c.source, why, "inbound control connection ended");
+        events.push(InboundEvent::Closed {
+            conn,
+            peer: c.identity,
+        });
+    }
+}

@@ -1,0 +1,456 @@
+//! ZMTP 3.1 with the NULL mechanism, the accepting side of one connection, without I/O.
+//!
+//! What a libzmq 4.3 DEALER (vLLM's `ZmqTransport`, pyzmq, kvpeer's own outbound sockets) speaks
+//! to a ROUTER (RFC 23/ZMTP and 37/ZMTP 3.1):
+//!
+//! ```text
+//! greeting   0xFF · 8 bytes · 0x7F · major 3 · minor · mechanism (20 bytes, "NULL" + zeros)
+//!            · as-server · 31 zero bytes                                       (64 bytes)
+//! frame      flags (bit0 MORE, bit1 LONG, bit2 COMMAND) · size (u8, or u64 BE when LONG) · body
+//! command    name length (u8) · name · data
+//! READY      properties: name length (u8) · name · value length (u32 BE) · value
+//!            ("Socket-Type" = "DEALER", "Identity" = the peer's routing identity)
+//! PING       TTL (u16 BE, deciseconds) · context (0–16 bytes); answered by PONG · context
+//! ```
+//!
+//! [`Decoder`] takes bytes as they come and yields [`Input`]s; it checks every frame's size from
+//! its header before buffering the body, so a peer announcing a frame over the limit is refused
+//! before a byte of it is kept. The writers build the few things the accepting side sends.
+//! Pure: no sockets, no clock; the connection code (`inbound.rs`) drives it.
+
+/// Bytes of a ZMTP 3 greeting.
+pub const GREETING_LEN: usize = 64;
+
+/// Longest command body this side accepts (READY carries two short properties; PING 18 bytes).
+const MAX_COMMAND_BYTES: u64 = 64 * 1024;
+
+/// Why a connection's bytes are not ZMTP this side accepts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ZmtpError {
+    /// The greeting's signature is not ZMTP's.
+    #[error("not a ZMTP greeting (signature {0:02x?})")]
+    Signature(Vec<u8>),
+    /// A ZMTP version before 3.
+    #[error("ZMTP version {0} is not supported (3 or later)")]
+    Version(u8),
+    /// A security mechanism other than NULL.
+    #[error("security mechanism {0:?} is not supported (NULL only)")]
+    Mechanism(String),
+    /// A frame larger than the limit.
+    #[error("frame of {size} bytes is over the {limit}-byte limit")]
+    TooLarge {
+        /// What the header announced.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A command that cannot be read, or a message before the handshake.
+    #[error("malformed {0}")]
+    Malformed(&'static str),
+}
+
+/// What the peer said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    /// Its greeting arrived and is acceptable: send READY now.
+    Greeting,
+    /// Its READY: the handshake is done.
+    Ready {
+        /// Its `Socket-Type` property.
+        socket_type: Vec<u8>,
+        /// Its `Identity` property (empty when it set none).
+        identity: Vec<u8>,
+    },
+    /// A whole message: its frames in order.
+    Message(Vec<Vec<u8>>),
+    /// A heartbeat: answer with [`pong`] carrying this context.
+    Ping {
+        /// The context to echo.
+        context: Vec<u8>,
+    },
+    /// Any other command (PONG, ERROR, SUBSCRIBE, ...): it only proves the peer is alive.
+    Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Greeting,
+    Handshake,
+    Traffic,
+}
+
+/// Incremental decoder of one connection's inbound bytes.
+#[derive(Debug)]
+pub struct Decoder {
+    buf: Vec<u8>,
+    /// Bytes of `buf` already consumed.
+    at: usize,
+    phase: Phase,
+    max_frame: u64,
+    /// Frames of the message being received (MORE set on all but the last).
+    parts: Vec<Vec<u8>>,
+    parts_bytes: u64,
+}
+
+impl Decoder {
+    /// A decoder refusing frames (and messages) over `max_frame` bytes.
+    pub fn new(max_frame: u64) -> Self {
+        Decoder {
+            buf: Vec::new(),
+            at: 0,
+            phase: Phase::Greeting,
+            max_frame,
+            parts: Vec::new(),
+            parts_bytes: 0,
+        }
+    }
+
+    /// Whether the peer's READY arrived.
+    pub fn is_ready(&self) -> bool {
+        self.phase == Phase::Traffic
+    }
+
+    /// Appends bytes read from the connection.
+    pub fn push(&mut self, bytes: &[u8]) {
+        if self.at > 0 && self.at == self.buf.len() {
+            self.buf.clear();
+            self.at = 0;
+        } else if self.at > 64 * 1024 && self.at * 2 > self.buf.len() {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next input, if whole; an error ends the connection.
+    pub fn next(&mut self) -> Result<Option<Input>, ZmtpError> {
+        loop {
+            let rest = &self.buf[self.at..];
+            match self.phase {
+                Phase::Greeting => {
+                    if rest.len() < GREETING_LEN {
+                        // Refuse a foreign protocol as soon as its first bytes show it.
+                        if !rest.is_empty() && rest[0] != 0xFF {
+                            return Err(ZmtpError::Signature(rest[..rest.len().min(10)].to_vec()));
+                        }
+                        return Ok(None);
+                    }
+                    check_greeting(&rest[..GREETING_LEN])?;
+                    self.at += GREETING_LEN;
+                    self.phase = Phase::Handshake;
+                    return Ok(Some(Input::Greeting));
+                }
+                Phase::Handshake | Phase::Traffic => {
+                    let Some((flags, body)) = self.frame()? else {
+                        return Ok(None);
+                    };
+                    if flags & FLAG_COMMAND != 0 {
+                        let input = command(&body)?;
+                        if let Input::Ready { .. } = input {
+                            if self.phase == Phase::Traffic {
+                                return Err(ZmtpError::Malformed("second READY"));
+                            }
+                            self.phase = Phase::Traffic;
+                        } else if self.phase == Phase::Handshake {
+                            return Err(ZmtpError::Malformed("command before READY"));
+                        }
+                        return Ok(Some(input));
+                    }
+                    if self.phase == Phase::Handshake {
+                        return Err(ZmtpError::Malformed("message before READY"));
+                    }
+                    self.parts_bytes += body.len() as u64;
+                    if self.parts_bytes > self.max_frame {
+                        return Err(ZmtpError::TooLarge {
+                            size: self.parts_bytes,
+                            limit: self.max_frame,
+                        });
+                    }
+                    self.parts.push(body);
+                    if flags & FLAG_MORE == 0 {
+                        self.parts_bytes = 0;
+                        return Ok(Some(Input::Message(std::mem::take(&mut self.parts))));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One whole frame (flags, body), checking its size from the header first.
+    fn frame(&mut self) -> Result<Option<(u8, Vec<u8>)>, ZmtpError> {
+        let rest = &self.buf[self.at..];
+        let Some(&flags) = rest.first() else {
+            return Ok(None);
+        };
+        let (header, size) = if flags & FLAG_LONG != 0 {
+            let Some(b) = rest.get(1..9) else {
+                return Ok(None);
+            };
+            let mut n = [0u8; 8];
+            n.copy_from_slice(b);
+            (9, u64::from_be_bytes(n))
+        } else {
+            let Some(&n) = rest.get(1) else {
+                return Ok(None);
+            };
+            (2, u64::from(n))
+        };
+        let limit = if flags & FLAG_COMMAND != 0 {
+            MAX_COMMAND_BYTES
+        } else {
+            self.max_frame
+        };
+        if size > limit {
+            return Err(ZmtpError::TooLarge { size, limit });
+        }
+        // `size` ≤ the limit, which fits in memory by configuration.
+        let size = usize::try_from(size).map_err(|_| ZmtpError::Malformed("frame size"))?;
+        // The body is buffered as it arrives, never reserved from the header: a peer that
+        // announces a large frame and sends nothing costs nothing.
+        let Some(body) = rest.get(header..header + size) else {
+            return Ok(None);
+        };
+        let body = body.to_vec();
+        self.at += header + size;
+        Ok(Some((flags, body)))
+    }
+}
+
+const FLAG_MORE: u8 = 0x01;
+const FLAG_LONG: u8 = 0x02;
+const FLAG_COMMAND: u8 = 0x04;
+
+fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
+    if g[0] != 0xFF || g[9] & 0x01 != 0x01 {
+        return Err(ZmtpError::Signature(g[..10].to_vec()));
+    }
+    if g[10] < 3 {
+        return Err(ZmtpError::Version(g[10]));
+    }
+    let mechanism = &g[12..32];
+    let name_len = mechanism.iter().position(|b| *b == 0).unwrap_or(20);
+    if &mechanism[..name_len] != b"NULL" {
+        return Err(ZmtpError::Mechanism(
+            String::from_utf8_lossy(&mechanism[..name_len]).into_owned(),
+        ));
+    }
+    Ok(())
+}
+
+fn command(body: &[u8]) -> Result<Input, ZmtpError> {
+    let (&len, rest) = body
+        .split_first()
+        .ok_or(ZmtpError::Malformed("empty command"))?;
+    let name = rest
+        .get(..usize::from(len))
+        .ok_or(ZmtpError::Malformed("command name"))?;
+    let data = &rest[usize::from(len)..];
+    match name {
+        b"READY" => {
+            let mut socket_type = Vec::new();
+            let mut identity = Vec::new();
+            let mut p = data;
+            while let Some((&n, after)) = p.split_first() {
+                let key = after
+                    .get(..usize::from(n))
+                    .ok_or(ZmtpError::Malformed("READY property name"))?;
+                let after = &after[usize::from(n)..];
+                let vlen = after
+                    .get(..4)
+                    .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                    .ok_or(ZmtpError::Malformed("READY property length"))?;
+                let value = after
+                    .get(4..4 + vlen)
+                    .ok_or(ZmtpError::Malformed("READY property value"))?;
+                if key.eq_ignore_ascii_case(b"Socket-Type") {
+                    socket_type = value.to_vec();
+                } else if key.eq_ignore_ascii_case(b"Identity") {
+                    identity = value.to_vec();
+                }
+                p = &after[4 + vlen..];
+            }
+            Ok(Input::Ready {
+                socket_type,
+                identity,
+            })
+        }
+        b"PING" => {
+            // TTL (2 bytes) then up to 16 bytes of context.
+            let context = data.get(2..).ok_or(ZmtpError::Malformed("PING"))?;
+            Ok(Input::Ping {
+                context: context[..context.len().min(16)].to_vec(),
+            })
+        }
+        _ => Ok(Input::Command),
+    }
+}
+
+/// This side's greeting: ZMTP 3.1, NULL, not as-server (NULL ignores it).
+pub fn greeting() -> [u8; GREETING_LEN] {
+    let mut g = [0u8; GREETING_LEN];
+    g[0] = 0xFF;
+    g[9] = 0x7F;
+    g[10] = 3;
+    g[11] = 1;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+fn command_frame(name: &[u8], data: &[u8]) -> Vec<u8> {
+    let body_len = 1 + name.len() + data.len();
+    let mut out = Vec::with_capacity(9 + body_len);
+    if body_len > 255 {
+        out.push(FLAG_COMMAND | FLAG_LONG);
+        out.extend_from_slice(&(body_len as u64).to_be_bytes());
+    } else {
+        out.push(FLAG_COMMAND);
+        out.push(body_len as u8);
+    }
+    // Command names here are short constants.
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.extend_from_slice(data);
+    out
+}
+
+/// READY with `Socket-Type` = `socket_type`.
+pub fn ready(socket_type: &str) -> Vec<u8> {
+    let mut data = Vec::new();
+    data.push(11);
+    data.extend_from_slice(b"Socket-Type");
+    data.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    data.extend_from_slice(socket_type.as_bytes());
+    command_frame(b"READY", &data)
+}
+
+/// PING with a TTL (deciseconds) and no context.
+pub fn ping(ttl_deciseconds: u16) -> Vec<u8> {
+    command_frame(b"PING", &ttl_deciseconds.to_be_bytes())
+}
+
+/// PONG echoing a PING's context.
+pub fn pong(context: &[u8]) -> Vec<u8> {
+    command_frame(b"PONG", context)
+}
+
+/// One message frame (no MORE): how a DEALER sends a one-frame message. For tests and tools.
+pub fn message_frame(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(9 + body.len());
+    if body.len() > 255 {
+        out.push(FLAG_LONG);
+        out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    } else {
+        out.push(0);
+        out.push(body.len() as u8);
+    }
+    out.extend_from_slice(body);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready_with_identity(id: &[u8]) -> Vec<u8> {
+        let mut data = Vec::new();
+        for (k, v) in [(&b"Socket-Type"[..], &b"DEALER"[..]), (b"Identity", id)] {
+            data.push(k.len() as u8);
+            data.extend_from_slice(k);
+            data.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            data.extend_from_slice(v);
+        }
+        command_frame(b"READY", &data)
+    }
+
+    fn all(d: &mut Decoder) -> Result<Vec<Input>, ZmtpError> {
+        let mut out = Vec::new();
+        while let Some(i) = d.next()? {
+            out.push(i);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn a_dealer_session_byte_by_byte() {
+        let mut bytes = greeting().to_vec();
+        bytes.extend(ready_with_identity(b"127.0.0.1:5600"));
+        bytes.extend(ping(100));
+        bytes.extend(message_frame(b"hello"));
+        let big = vec![7u8; 300];
+        bytes.extend(message_frame(&big));
+        let mut d = Decoder::new(1 << 20);
+        let mut got = Vec::new();
+        for b in &bytes {
+            d.push(std::slice::from_ref(b));
+            got.extend(all(&mut d).unwrap());
+        }
+        assert_eq!(
+            got,
+            vec![
+                Input::Greeting,
+                Input::Ready {
+                    socket_type: b"DEALER".to_vec(),
+                    identity: b"127.0.0.1:5600".to_vec()
+                },
+                Input::Ping { context: vec![] },
+                Input::Message(vec![b"hello".to_vec()]),
+                Input::Message(vec![big]),
+            ]
+        );
+        assert!(d.is_ready());
+    }
+
+    #[test]
+    fn a_huge_frame_is_refused_from_its_header() {
+        let mut d = Decoder::new(64 << 20);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        let mut header = vec![FLAG_LONG];
+        header.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        d.push(&header);
+        let e = all(&mut d).unwrap_err();
+        assert!(matches!(e, ZmtpError::TooLarge { size, .. } if size == 1 << 40));
+        assert!(d.buf.capacity() < 4096, "nothing allocated for the body");
+    }
+
+    #[test]
+    fn foreign_bytes_bad_versions_and_mechanisms_are_refused() {
+        let mut d = Decoder::new(1024);
+        d.push(b"GET / HTTP/1.1\r\n");
+        assert!(matches!(d.next(), Err(ZmtpError::Signature(_))));
+        let mut g = greeting();
+        g[10] = 2;
+        let mut d = Decoder::new(1024);
+        d.push(&g);
+        assert_eq!(d.next(), Err(ZmtpError::Version(2)));
+        let mut g = greeting();
+        g[12..17].copy_from_slice(b"CURVE");
+        let mut d = Decoder::new(1024);
+        d.push(&g);
+        assert!(matches!(d.next(), Err(ZmtpError::Mechanism(m)) if m == "CURVE"));
+        // A message before READY.
+        let mut d = Decoder::new(1024);
+        d.push(&greeting());
+        d.push(&message_frame(b"early"));
+        assert_eq!(d.next(), Ok(Some(Input::Greeting)));
+        assert!(matches!(d.next(), Err(ZmtpError::Malformed(_))));
+    }
+
+    #[test]
+    fn multipart_messages_stay_whole_and_count_toward_the_limit() {
+        let mut d = Decoder::new(10);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        d.push(&[FLAG_MORE, 3, b'a', b'b', b'c', 0, 2, b'd', b'e']);
+        let got = all(&mut d).unwrap();
+        assert_eq!(
+            got[2],
+            Input::Message(vec![b"abc".to_vec(), b"de".to_vec()])
+        );
+        d.push(&[
+            FLAG_MORE, 8, 1, 2, 3, 4, 5, 6, 7, 8, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8,
+        ]);
+        assert!(matches!(d.next(), Err(ZmtpError::TooLarge { .. })));
+    }
+}
