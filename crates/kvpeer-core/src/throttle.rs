@@ -1,7 +1,9 @@
 //! Rate-limited warnings: a peer must not be able to fill the disk with logs.
 //!
-//! Each kind of warning (a `&'static str`) is logged at most once per interval; the ones in
-//! between are counted, and the next one logged carries that count (`suppressed`). The owner
+//! Each kind of warning (a `&'static str`) is logged at most [`BURST`] times per interval; the
+//! ones beyond are counted, and the next one logged carries that count (`suppressed`). A burst
+//! rather than one line keeps distinct events close together visible (a few refused peers in a
+//! row) while a flood costs a few lines a second. The owner
 //! passes the time in (the core reads no clock), so this is usable from the sans-IO core and
 //! from I/O threads alike. Memory is one entry per kind, and kinds are static strings.
 
@@ -9,12 +11,16 @@ use std::time::{Duration, Instant};
 
 use crate::maps::Map;
 
-/// How often one kind of warning is logged at most, by default.
+/// The interval of the default throttle.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Warnings of one kind logged per interval at most.
+pub const BURST: u32 = 5;
 
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    logged_at: Instant,
+    window_start: Instant,
+    logged: u32,
     suppressed: u64,
 }
 
@@ -35,7 +41,7 @@ impl Default for WarnThrottle {
 }
 
 impl WarnThrottle {
-    /// At most one warning of each kind per `interval`.
+    /// At most [`BURST`] warnings of each kind per `interval`.
     pub fn new(interval: Duration) -> Self {
         WarnThrottle {
             interval,
@@ -48,27 +54,22 @@ impl WarnThrottle {
     /// Whether a warning of `kind` happening at `now` is logged: `Some(n)` with the number of
     /// its kind suppressed since the last one logged, or `None` (counted, not logged).
     pub fn admit(&mut self, kind: &'static str, now: Instant) -> Option<u64> {
-        match self.slots.get_mut(kind) {
-            Some(slot) if now.saturating_duration_since(slot.logged_at) < self.interval => {
-                slot.suppressed += 1;
-                self.total_suppressed += 1;
-                None
-            }
-            Some(slot) => {
-                let suppressed = std::mem::take(&mut slot.suppressed);
-                slot.logged_at = now;
-                Some(suppressed)
-            }
-            None => {
-                self.slots.insert(
-                    kind,
-                    Slot {
-                        logged_at: now,
-                        suppressed: 0,
-                    },
-                );
-                Some(0)
-            }
+        let slot = self.slots.entry(kind).or_insert(Slot {
+            window_start: now,
+            logged: 0,
+            suppressed: 0,
+        });
+        if now.saturating_duration_since(slot.window_start) >= self.interval {
+            slot.window_start = now;
+            slot.logged = 0;
+        }
+        if slot.logged < BURST {
+            slot.logged += 1;
+            Some(std::mem::take(&mut slot.suppressed))
+        } else {
+            slot.suppressed += 1;
+            self.total_suppressed += 1;
+            None
         }
     }
 
@@ -102,15 +103,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_warning_per_kind_per_interval_and_the_rest_counted() {
+    fn a_burst_per_kind_per_interval_and_the_rest_counted() {
         let t0 = Instant::now();
         let mut t = WarnThrottle::new(Duration::from_secs(1));
-        assert_eq!(t.admit("junk", t0), Some(0));
+        for _ in 0..BURST {
+            assert_eq!(t.admit("junk", t0), Some(0));
+        }
         for i in 1..=1000u64 {
             assert_eq!(t.admit("junk", t0 + Duration::from_micros(i)), None);
         }
         assert_eq!(t.admit("other", t0), Some(0), "kinds are separate");
         assert_eq!(t.admit("junk", t0 + Duration::from_secs(1)), Some(1000));
+        for _ in 1..BURST {
+            assert_eq!(t.admit("junk", t0 + Duration::from_millis(1500)), Some(0));
+        }
         assert_eq!(t.admit("junk", t0 + Duration::from_millis(1500)), None);
         assert_eq!(t.admit("junk", t0 + Duration::from_secs(3)), Some(1));
         assert_eq!(t.total_suppressed(), 1001);

@@ -231,3 +231,46 @@ fn the_channel_keeps_hearing_new_peers_after_many_lost_ones() {
     last.send(&ida, b"still listening?").unwrap();
     expect(&mut a, payload_from(last.identity(), b"still listening?"));
 }
+
+/// libzmq's ROUTER ignored a second connection claiming an identity in use, so a silent
+/// squatter locked the real peer out. Every inbound connection is the channel's own now: the
+/// real peer's messages come through (on their own connection) while the squatter holds its
+/// connection, and the squatter's connection is closed when the node asks.
+#[test]
+fn a_silent_squatter_does_not_lock_out_the_identity_it_claims() {
+    let (mut a, mut b) = (channel(), channel());
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    let (target, claimed) = (idb.clone(), ida.to_string());
+    let squatter = std::thread::spawn(move || {
+        let mut s = zmtp_peer(&target, &claimed);
+        // Silent; it only answers heartbeats (none come within this test) and waits to be
+        // closed.
+        closed(&mut s)
+    });
+    // The squatter's handshake completes first (the channel is driven meanwhile).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.inbound_connections() < 1 && Instant::now() < deadline {
+        b.wait(Duration::from_millis(10)).unwrap();
+        assert!(b.recv().is_empty(), "a silent peer sends nothing");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    b.wait(Duration::from_millis(10)).unwrap();
+    assert!(b.recv().is_empty());
+    // The real peer with the same identity is heard.
+    a.send(&idb, b"the real one").unwrap();
+    let ChannelEvent::Payload { conn: real, .. } =
+        expect(&mut b, payload_from(&ida, b"the real one"))
+    else {
+        unreachable!()
+    };
+    assert_eq!(b.inbound_connections(), 2, "both connections open");
+    // The node closes the one it will not hear (here: the squatter, the other connection).
+    let squatter_conn = (1..=2).find(|c| *c != real).unwrap();
+    b.close_inbound(squatter_conn);
+    assert!(
+        squatter.join().unwrap(),
+        "the squatter's connection was closed"
+    );
+    a.send(&idb, b"still heard").unwrap();
+    expect(&mut b, payload_from(&ida, b"still heard"));
+}
