@@ -98,6 +98,22 @@ impl WarnThrottle {
     }
 }
 
+/// `warn!` through a [`WarnThrottle`]: `warn_throttled!(throttle, now, "message", fields...)`
+/// logs the message with its fields and the `suppressed` count, or only counts it.
+#[macro_export]
+macro_rules! warn_throttled {
+    ($throttle:expr, $now:expr, $msg:literal) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::warn!(suppressed, $msg);
+        }
+    };
+    ($throttle:expr, $now:expr, $msg:literal, $($field:tt)+) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::warn!($($field)+, suppressed, $msg);
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,20 +137,4 @@ mod tests {
         assert_eq!(t.admit("junk", t0 + Duration::from_secs(3)), Some(1));
         assert_eq!(t.total_suppressed(), 1001);
     }
-}
-
-/// `warn!` through a [`WarnThrottle`]: `warn_throttled!(throttle, now, "message", fields...)`
-/// logs the message with its fields and the `suppressed` count, or only counts it.
-#[macro_export]
-macro_rules! warn_throttled {
-    ($throttle:expr, $now:expr, $msg:literal) => {
-        if let Some(suppressed) = $throttle.admit($msg, $now) {
-            tracing::warn!(suppressed, $msg);
-        }
-    };
-    ($throttle:expr, $now:expr, $msg:literal, $($field:tt)+) => {
-        if let Some(suppressed) = $throttle.admit($msg, $now) {
-            tracing::warn!($($field)+, suppressed, $msg);
-        }
-    };
 }

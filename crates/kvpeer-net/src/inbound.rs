@@ -270,7 +270,7 @@ impl Inbound {
             };
             c.last_recv = now;
             c.decoder.push(&chunk[..n]);
-            while let Some(input) = c.decoder.next().map_err(|e| e.to_string())? {
+            while let Some(input) = c.decoder.next_input().map_err(|e| e.to_string())? {
                 match input {
                     Input::Greeting => {
                         c.out.extend(zmtp::ready("ROUTER"));

@@ -124,7 +124,7 @@ impl Decoder {
     }
 
     /// The next input, if whole; an error ends the connection.
-    pub fn next(&mut self) -> Result<Option<Input>, ZmtpError> {
+    pub fn next_input(&mut self) -> Result<Option<Input>, ZmtpError> {
         loop {
             let rest = &self.buf[self.at..];
             match self.phase {
@@ -365,7 +365,7 @@ mod tests {
 
     fn all(d: &mut Decoder) -> Result<Vec<Input>, ZmtpError> {
         let mut out = Vec::new();
-        while let Some(i) = d.next()? {
+        while let Some(i) = d.next_input()? {
             out.push(i);
         }
         Ok(out)
@@ -418,23 +418,23 @@ mod tests {
     fn foreign_bytes_bad_versions_and_mechanisms_are_refused() {
         let mut d = Decoder::new(1024);
         d.push(b"GET / HTTP/1.1\r\n");
-        assert!(matches!(d.next(), Err(ZmtpError::Signature(_))));
+        assert!(matches!(d.next_input(), Err(ZmtpError::Signature(_))));
         let mut g = greeting();
         g[10] = 2;
         let mut d = Decoder::new(1024);
         d.push(&g);
-        assert_eq!(d.next(), Err(ZmtpError::Version(2)));
+        assert_eq!(d.next_input(), Err(ZmtpError::Version(2)));
         let mut g = greeting();
         g[12..17].copy_from_slice(b"CURVE");
         let mut d = Decoder::new(1024);
         d.push(&g);
-        assert!(matches!(d.next(), Err(ZmtpError::Mechanism(m)) if m == "CURVE"));
+        assert!(matches!(d.next_input(), Err(ZmtpError::Mechanism(m)) if m == "CURVE"));
         // A message before READY.
         let mut d = Decoder::new(1024);
         d.push(&greeting());
         d.push(&message_frame(b"early"));
-        assert_eq!(d.next(), Ok(Some(Input::Greeting)));
-        assert!(matches!(d.next(), Err(ZmtpError::Malformed(_))));
+        assert_eq!(d.next_input(), Ok(Some(Input::Greeting)));
+        assert!(matches!(d.next_input(), Err(ZmtpError::Malformed(_))));
     }
 
     #[test]
@@ -451,6 +451,6 @@ mod tests {
         d.push(&[
             FLAG_MORE, 8, 1, 2, 3, 4, 5, 6, 7, 8, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8,
         ]);
-        assert!(matches!(d.next(), Err(ZmtpError::TooLarge { .. })));
+        assert!(matches!(d.next_input(), Err(ZmtpError::TooLarge { .. })));
     }
 }

@@ -877,7 +877,7 @@ fn log_flood_of_junk_payloads_stays_bounded() {
             }
         }
         let msg = plain
-            .split(|c: char| c == '=')
+            .split('=')
             .next()
             .unwrap_or("")
             .split_whitespace()

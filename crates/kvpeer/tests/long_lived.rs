@@ -203,7 +203,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             results.len() == jobs.len()
         });
         for (j, blocks, k) in &jobs {
-            assert_eq!(results[j], true, "load {j} failed");
+            assert!(results[j], "load {j} failed");
             c.core.parent_mut().finish_write(blocks, true);
             if *j % 997 == 0 {
                 assert_eq!(
