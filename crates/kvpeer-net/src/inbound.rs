@@ -316,8 +316,10 @@ impl Inbound {
                 }
             }
             budget = budget.saturating_sub(n);
-            if budget == 0 {
-                break; // the next round reads the rest
+            if budget == 0 || n < chunk.len() {
+                // A short read drained the socket for now (saving the read that would say
+                // so); the level-triggered poll reports anything that came since.
+                break;
             }
         }
         Ok(())

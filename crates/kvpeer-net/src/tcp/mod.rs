@@ -79,6 +79,9 @@ pub const KEY_LEN: usize = 32;
 /// Longest writer id a HELLO may carry.
 const MAX_ID_LEN: usize = 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a writer's socket write may make no progress: a receiver that stops reading faults
+/// instead of stalling the writer (and the pins its transfers hold) for good.
+const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why the plane could not start.
 #[derive(Debug, thiserror::Error)]

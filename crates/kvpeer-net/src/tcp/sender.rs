@@ -14,7 +14,8 @@ use memmap2::Mmap;
 use tracing::{debug, warn};
 
 use super::{
-    close, protocol, Counters, Ends, TcpPlane, ACK, CONNECT_TIMEOUT, HELLO, KEY_LEN, VERSION, WRITE,
+    close, protocol, Counters, Ends, TcpPlane, ACK, CONNECT_TIMEOUT, HELLO, KEY_LEN, VERSION,
+    WRITE, WRITE_STALL_TIMEOUT,
 };
 use crate::lock;
 use crate::shm::Wake;
@@ -177,6 +178,7 @@ fn dial(addr: &str, me: &PeerId, key: &[u8; KEY_LEN]) -> std::io::Result<TcpStre
         .ok_or_else(|| protocol(format!("{addr} resolves to nothing")))?;
     let mut s = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)?;
     s.set_nodelay(true)?;
+    s.set_write_timeout(Some(WRITE_STALL_TIMEOUT))?;
     let id = me.as_str().as_bytes();
     let id_len = u16::try_from(id.len()).map_err(|_| protocol("peer id too long".into()))?;
     let mut hello = Vec::with_capacity(7 + id.len() + KEY_LEN);
