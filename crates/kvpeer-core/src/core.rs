@@ -144,6 +144,32 @@ struct Backoff {
     retry_at: Instant,
 }
 
+/// Records one more failure of `peer` in `backoffs` at `now` and returns its wait: `first`
+/// after no recent failure, else the previous wait doubled, within `min..=max`. Entries whose
+/// wait is long over are forgotten, so the map holds only peers failing lately.
+fn next_backoff(
+    backoffs: &mut Map<PeerId, Backoff>,
+    peer: &PeerId,
+    now: Instant,
+    first: Duration,
+    min: Duration,
+    max: Duration,
+) -> Duration {
+    backoffs.retain(|_, b| now <= b.retry_at + max);
+    let wait = match backoffs.get(peer) {
+        Some(prev) => (prev.wait * 2).max(min).min(max),
+        None => first,
+    };
+    backoffs.insert(
+        peer.clone(),
+        Backoff {
+            wait,
+            retry_at: now + wait,
+        },
+    );
+    wait
+}
+
 /// The protocol core of one node. See the [module documentation](self) for how to drive it.
 #[derive(Debug)]
 pub struct Core<P: Parent, D: DataPlane> {
@@ -825,49 +851,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         });
     }
 
+    /// A data-plane fault: the first reconnect waits 0, then `reconnect_min_backoff` doubling
+    /// per fault in a row up to `reconnect_max_backoff`.
     fn schedule_backoff(&mut self, peer: &PeerId) -> Duration {
-        let (now, min, max) = (
-            self.now,
+        let (min, max) = (
             self.config.reconnect_min_backoff,
             self.config.reconnect_max_backoff,
         );
-        self.backoff.retain(|_, b| now <= b.retry_at + max);
-        let wait = match self.backoff.get(peer) {
-            Some(prev) => (prev.wait * 2).max(min).min(max),
-            None => Duration::ZERO,
-        };
-        self.backoff.insert(
-            peer.clone(),
-            Backoff {
-                wait,
-                retry_at: now + wait,
-            },
-        );
-        wait
+        next_backoff(&mut self.backoff, peer, self.now, Duration::ZERO, min, max)
     }
 
-    /// A dial of ours failed before the peer acked: the next one waits `dial_min_backoff`,
-    /// doubling per failure in a row up to `dial_max_backoff`. Each peer's entry is forgotten
-    /// once its wait is long over, so the map holds only peers failing lately.
+    /// A session that ended before the peer acked our `connect`: the next dial (or answer)
+    /// waits `dial_min_backoff`, doubling per failure in a row up to `dial_max_backoff`.
     fn schedule_dial_backoff(&mut self, peer: &PeerId) -> Duration {
-        let (now, min, max) = (
-            self.now,
-            self.config.dial_min_backoff,
-            self.config.dial_max_backoff,
-        );
-        self.dial_backoff.retain(|_, b| now <= b.retry_at + max);
-        let wait = match self.dial_backoff.get(peer) {
-            Some(prev) => (prev.wait * 2).max(min).min(max),
-            None => min,
-        };
-        self.dial_backoff.insert(
-            peer.clone(),
-            Backoff {
-                wait,
-                retry_at: now + wait,
-            },
-        );
-        wait
+        let (min, max) = (self.config.dial_min_backoff, self.config.dial_max_backoff);
+        next_backoff(&mut self.dial_backoff, peer, self.now, min, min, max)
     }
 
     fn reconnect_wait(&self, peer: &PeerId) -> Duration {
