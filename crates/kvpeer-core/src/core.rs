@@ -128,6 +128,8 @@ pub struct CoreStats {
     pub unbound_batches: usize,
     /// Request ids whose lookups answer MISS.
     pub failed_ids: usize,
+    /// Request ids bound to the session that fetched them (PD routing of later stores).
+    pub bound_ids: usize,
 }
 
 #[derive(Debug)]
@@ -187,6 +189,10 @@ pub struct Core<P: Parent, D: DataPlane> {
     bound: Map<KvRequestId, PeerId>,
     unbound: Map<KvRequestId, Vec<Batch>>,
     unbound_lane: Lane<KvRequestId>,
+    /// When each binding of `bound` is next checked: a binding whose request the engine never
+    /// finishes here (a symmetric consumer's fetch: no local request has that id) is dropped
+    /// once the session holds no state for it, instead of living as long as the session.
+    bound_lane: Lane<KvRequestId>,
     reaped: Map<KvRequestId, Instant>,
     reaped_lane: Lane<KvRequestId>,
     backoff: Map<PeerId, Backoff>,
@@ -199,6 +205,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// A core with no sessions. `now` is the starting time; later calls must not go back.
     pub fn new(config: CoreConfig, local: LocalNode, parent: P, plane: D, now: Instant) -> Self {
         let unbound_lane = Lane::new(config.unbound_store_timeout);
+        let bound_lane = Lane::new(config.unbound_store_timeout);
         let reaped_lane = Lane::new(config.reaped_id_retention);
         Core {
             config,
@@ -213,6 +220,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             bound: Map::default(),
             unbound: Map::default(),
             unbound_lane,
+            bound_lane,
             reaped: Map::default(),
             reaped_lane,
             backoff: Map::default(),
@@ -311,6 +319,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let sessions = self.sessions.values().map(Session::next_deadline);
         earliest(sessions.chain([
             self.unbound_lane.next_deadline(),
+            self.bound_lane.next_deadline(),
             self.reaped_lane.next_deadline(),
             self.idle_deadline(),
         ]))
@@ -326,6 +335,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let mut stats = CoreStats {
             sessions: self.sessions.len(),
             unbound_batches: self.unbound.values().map(Vec::len).sum(),
+            bound_ids: self.bound.len(),
             failed_ids: self.failed.len(),
             ..CoreStats::default()
         };
@@ -503,6 +513,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         self.each_session(|s, cx| s.handle_timeout(cx));
         self.reap_unbound();
+        self.release_idle_bindings();
         self.expire_reaped();
         self.evict_idle();
         self.settle();
@@ -699,6 +710,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             }
         }
         self.unbound_lane.clear();
+        self.bound_lane.clear();
         self.reaped.clear();
         self.reaped_lane.clear();
         self.bound.clear();
@@ -766,7 +778,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 }
                 continue;
             }
-            self.bound.insert(id.clone(), peer.clone());
+            if self.bound.insert(id.clone(), peer.clone()).is_none() {
+                self.bound_lane.arm(self.now, id.clone());
+            }
             for batch in self.unbound.remove(&id).unwrap_or_default() {
                 self.with_session(peer, |s, cx, _| {
                     s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
@@ -872,6 +886,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.backoff.get(peer).map_or(Duration::ZERO, |b| {
             b.retry_at.saturating_duration_since(self.now)
         })
+    }
+
+    /// Bindings checked now: kept (and checked again later) while their session still serves
+    /// the request, else dropped; a store for it later parks unbound, as before any fetch.
+    fn release_idle_bindings(&mut self) {
+        while let Some((_, id)) = self.bound_lane.pop_due(self.now) {
+            let Some(peer) = self.bound.get(&id) else {
+                continue;
+            };
+            if self.sessions.get(peer).is_some_and(|s| s.serves(&id)) {
+                self.bound_lane.arm(self.now, id);
+            } else {
+                self.bound.remove(&id);
+            }
+        }
     }
 
     fn reap_unbound(&mut self) {

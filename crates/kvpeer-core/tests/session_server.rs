@@ -954,3 +954,36 @@ fn fetch_demand_no_store_supplies_fails_at_the_store_timeout() {
     assert!(m.closed().is_none(), "the session lives on");
     m.assert_clean();
 }
+
+/// Not upstream (vLLM keeps `_kv_to_session` entries for ids no local request finishes): a
+/// symmetric consumer's fetched ids stay bound to its session (for PD stores that may follow)
+/// only while the session holds state for them; a long-lived session's bindings do not grow
+/// with the requests it served.
+#[test]
+fn fetched_ids_are_unbound_once_the_session_no_longer_serves_them() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.parent().insert(&key(1));
+    for i in 0..500 {
+        let id = format!("r{i}");
+        m.recv(lookup_msg(&id, vec![key(1)], 0));
+        m.recv(fetch(&id, vec![key(1)], vec![2], 0));
+        let tid = running(&mut m)[0];
+        end(&mut m, tid, true);
+    }
+    m.take_sent();
+    assert_eq!(m.core.stats().server_requests, 0);
+    assert_eq!(m.core.stats().bound_ids, 500, "bound while recent");
+    m.advance(S(61));
+    assert_eq!(m.core.stats().bound_ids, 0, "released once nothing is served for them");
+    // A PD store for a released id parks until a fetch binds it again (as before any fetch).
+    let job = pd_store(&mut m, "r7", &[key(1)]);
+    assert_eq!(m.core.stats().unbound_batches, 1);
+    m.recv(fetch("r7", vec![key(1)], vec![3], 0));
+    let tid = running(&mut m)[0];
+    end(&mut m, tid, true);
+    assert_eq!(m.take_sent(), vec![transfer_done("r7", true, 0)]);
+    assert!(m.store_results().contains(&(job, true)));
+    m.finish("r7");
+    m.assert_clean();
+}

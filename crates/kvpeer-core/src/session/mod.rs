@@ -114,6 +114,11 @@ impl Session {
         self.death.is_some()
     }
 
+    /// Whether the producer side still holds state for request `id`.
+    pub(crate) fn serves(&self, id: &KvRequestId) -> bool {
+        self.server.serves(id)
+    }
+
     /// Loads or transfers outstanding, or a registration running.
     pub(crate) fn has_pending_work(&self) -> bool {
         self.registering || self.client.has_active_loads() || self.server.has_inflight()

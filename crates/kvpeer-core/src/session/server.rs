@@ -278,6 +278,11 @@ impl ServerRole {
         (self.requests.len(), self.open_pins, self.inflight.len())
     }
 
+    /// Whether this side still holds state for request `id`.
+    pub(crate) fn serves(&self, id: &KvRequestId) -> bool {
+        self.requests.contains_key(id)
+    }
+
     fn prune(&mut self, id: &KvRequestId) {
         if self.requests.get(id).is_some_and(|r| r.is_idle()) {
             self.requests.remove(id);
