@@ -975,7 +975,11 @@ fn fetched_ids_are_unbound_once_the_session_no_longer_serves_them() {
     assert_eq!(m.core.stats().server_requests, 0);
     assert_eq!(m.core.stats().bound_ids, 500, "bound while recent");
     m.advance(S(61));
-    assert_eq!(m.core.stats().bound_ids, 0, "released once nothing is served for them");
+    assert_eq!(
+        m.core.stats().bound_ids,
+        0,
+        "released once nothing is served for them"
+    );
     // A PD store for a released id parks until a fetch binds it again (as before any fetch).
     let job = pd_store(&mut m, "r7", &[key(1)]);
     assert_eq!(m.core.stats().unbound_batches, 1);
