@@ -206,6 +206,11 @@ fn limits(config: &ControlConfig) -> InboundLimits {
         heartbeat_ttl: config.heartbeat_ttl,
         max_connections: config.max_inbound,
         max_per_source: config.max_inbound_per_source,
+        // Eight messages of the largest size buffered at once, across every peer (a buffer may
+        // hold up to twice its message while it grows).
+        max_buffered_bytes: usize::try_from(config.max_message_bytes)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(8),
     }
 }
 

@@ -48,6 +48,9 @@ pub struct InboundLimits {
     pub max_connections: usize,
     /// Inbound connections at once from one source address.
     pub max_per_source: usize,
+    /// Bytes all connections may hold buffered together (partial messages); over it, the
+    /// connection holding the most is closed.
+    pub max_buffered_bytes: usize,
 }
 
 /// What happened on the listening side.
@@ -152,7 +155,11 @@ impl Inbound {
             .values()
             .map(|c| {
                 let silence = c.last_recv + l.heartbeat_timeout;
-                if c.identity.is_some() {
+                if !c.out.is_empty() {
+                    // Waiting for the socket to take our bytes (POLLOUT wakes us): the only
+                    // deadline is the write stall's, never a past heartbeat (that would spin).
+                    silence.min(c.last_sent + l.heartbeat_timeout)
+                } else if c.identity.is_some() {
                     silence.min(c.last_sent + l.heartbeat_interval)
                 } else {
                     silence.min(c.opened + l.heartbeat_timeout)
@@ -187,6 +194,7 @@ impl Inbound {
             }
         }
         self.heartbeats(now, events);
+        self.shed_buffers(events);
         let ids: Vec<ConnId> = self
             .conns
             .iter()
@@ -357,6 +365,10 @@ impl Inbound {
                 dead.push((id, "handshake timed out"));
             } else if now.saturating_duration_since(c.last_recv) > l.heartbeat_timeout {
                 dead.push((id, "heartbeat timed out"));
+            } else if !c.out.is_empty()
+                && now.saturating_duration_since(c.last_sent) > l.heartbeat_timeout
+            {
+                dead.push((id, "the peer does not read"));
             } else if c.identity.is_some()
                 && c.out.is_empty()
                 && now.saturating_duration_since(c.last_sent) >= l.heartbeat_interval
@@ -366,6 +378,31 @@ impl Inbound {
         }
         for (id, why) in dead {
             self.drop_conn(id, why, events);
+        }
+    }
+
+    /// Each connection may buffer up to one message of `max_message_bytes`; all together at
+    /// most `max_buffered_bytes`, so many connections holding large partial frames cannot
+    /// exhaust memory: the largest holder goes first.
+    fn shed_buffers(&mut self, events: &mut Vec<InboundEvent>) {
+        loop {
+            let total: usize = self.conns.values().map(|c| c.decoder.buffered()).sum();
+            if total <= self.limits.max_buffered_bytes {
+                return;
+            }
+            let Some((&hog, _)) = self.conns.iter().max_by_key(|(_, c)| c.decoder.buffered())
+            else {
+                return;
+            };
+            if let Some(suppressed) = crate::admit_warning("control buffers over the cap") {
+                warn!(
+                    total,
+                    cap = self.limits.max_buffered_bytes,
+                    suppressed,
+                    "closing the control connection holding the most buffered bytes"
+                );
+            }
+            self.drop_conn(hog, "buffers over the node's cap", events);
         }
     }
 

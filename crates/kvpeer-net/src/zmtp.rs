@@ -24,6 +24,15 @@ pub const GREETING_LEN: usize = 64;
 /// Longest command body this side accepts (READY carries two short properties; PING 18 bytes).
 const MAX_COMMAND_BYTES: u64 = 64 * 1024;
 
+/// What one part of a multipart message counts toward the message limit beyond its bytes.
+const PART_OVERHEAD: u64 = 64;
+
+/// Most parts in one message (kvpeer's peers send one; ZeroMQ envelopes a few).
+const MAX_PARTS: usize = 64;
+
+/// Buffer capacity kept after a message is consumed; a larger one is given back.
+const KEEP_CAPACITY: usize = 256 * 1024;
+
 /// Why a connection's bytes are not ZMTP this side accepts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -106,6 +115,11 @@ impl Decoder {
         }
     }
 
+    /// Bytes buffered now (received, not yet consumed), including the buffer's spare room.
+    pub fn buffered(&self) -> usize {
+        self.buf.capacity() + self.parts.iter().map(Vec::capacity).sum::<usize>()
+    }
+
     /// Whether the peer's READY arrived.
     pub fn is_ready(&self) -> bool {
         self.phase == Phase::Traffic
@@ -116,6 +130,10 @@ impl Decoder {
         if self.at > 0 && self.at == self.buf.len() {
             self.buf.clear();
             self.at = 0;
+            if self.buf.capacity() > KEEP_CAPACITY {
+                // A large message is done: do not hold its buffer while the peer idles.
+                self.buf = Vec::new();
+            }
         } else if self.at > 64 * 1024 && self.at * 2 > self.buf.len() {
             self.buf.drain(..self.at);
             self.at = 0;
@@ -160,8 +178,10 @@ impl Decoder {
                     if self.phase == Phase::Handshake {
                         return Err(ZmtpError::Malformed("message before READY"));
                     }
-                    self.parts_bytes += body.len() as u64;
-                    if self.parts_bytes > self.max_frame {
+                    // Each part costs its bytes and its bookkeeping: a stream of empty frames
+                    // with MORE must not grow without bound.
+                    self.parts_bytes += body.len() as u64 + PART_OVERHEAD;
+                    if self.parts.len() >= MAX_PARTS || self.parts_bytes > self.max_frame {
                         return Err(ZmtpError::TooLarge {
                             size: self.parts_bytes,
                             limit: self.max_frame,
@@ -438,8 +458,31 @@ mod tests {
     }
 
     #[test]
+    fn endless_empty_parts_are_refused() {
+        let mut d = Decoder::new(64 << 20);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        assert_eq!(all(&mut d).unwrap().len(), 2);
+        let empties = [FLAG_MORE, 0].repeat(MAX_PARTS + 1);
+        d.push(&empties);
+        assert!(matches!(d.next_input(), Err(ZmtpError::TooLarge { .. })));
+        assert!(d.buffered() < 64 * 1024, "{}", d.buffered());
+    }
+
+    #[test]
+    fn a_large_messages_buffer_is_given_back() {
+        let mut d = Decoder::new(64 << 20);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        d.push(&message_frame(&vec![1u8; 4 << 20]));
+        assert_eq!(all(&mut d).unwrap().len(), 3);
+        d.push(&ping(1));
+        assert!(d.buffered() <= KEEP_CAPACITY, "{}", d.buffered());
+    }
+
+    #[test]
     fn multipart_messages_stay_whole_and_count_toward_the_limit() {
-        let mut d = Decoder::new(10);
+        let mut d = Decoder::new(200);
         d.push(&greeting());
         d.push(&ready_with_identity(b"x:1"));
         d.push(&[FLAG_MORE, 3, b'a', b'b', b'c', 0, 2, b'd', b'e']);
@@ -448,9 +491,12 @@ mod tests {
             got[2],
             Input::Message(vec![b"abc".to_vec(), b"de".to_vec()])
         );
-        d.push(&[
-            FLAG_MORE, 8, 1, 2, 3, 4, 5, 6, 7, 8, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8,
-        ]);
+        // Two parts of 70 bytes: 2 × (70 + the per-part overhead) > 200.
+        let mut two = vec![FLAG_MORE, 70];
+        two.extend_from_slice(&[1; 70]);
+        two.extend_from_slice(&[0, 70]);
+        two.extend_from_slice(&[2; 70]);
+        d.push(&two);
         assert!(matches!(d.next_input(), Err(ZmtpError::TooLarge { .. })));
     }
 }
