@@ -17,9 +17,6 @@
 //!   libzmq's I/O thread sends monitor events with blocking sends, so an event for a DEALER
 //!   whose monitor reader is already gone would block that thread, and with it every socket of
 //!   the channel, for good (seen when a peer was killed mid-transfer).
-//! * Each inbound payload carries the source address of the TCP connection it came on
-//!   (libzmq's `Peer-Address` message property), so the node can judge where a message came
-//!   from, not only the identity the sending socket claims.
 //! * Dial-back is lazy: sending to a peer without a DEALER opens one (to the peer's identity,
 //!   `host:port`). The core opens a session only on a `connect`, so junk never makes us dial.
 //!
@@ -110,9 +107,8 @@ pub enum ChannelEvent {
         peer: PeerId,
         /// The inbound connection it came on.
         conn: ConnId,
-        /// The TCP source address of that connection (`None` never happens with the native
-        /// listener; kept for transports that cannot tell).
-        source: Option<IpAddr>,
+        /// The TCP source address of that connection: where the message really came from.
+        source: IpAddr,
         /// The msgpack bytes.
         payload: Vec<u8>,
     },
@@ -457,7 +453,7 @@ impl ControlChannel {
             } => ChannelEvent::Payload {
                 peer,
                 conn,
-                source: Some(source),
+                source,
                 payload,
             },
             InboundEvent::Closed { conn, peer } => ChannelEvent::InboundClosed { conn, peer },

@@ -194,7 +194,10 @@ impl Inbound {
             }
         }
         self.heartbeats(now, events);
-        self.shed_buffers(events);
+        if !readable.is_empty() {
+            // Buffers grow only by reading.
+            self.shed_buffers(events);
+        }
         let ids: Vec<ConnId> = self
             .conns
             .iter()

@@ -35,7 +35,7 @@ fn expect(ch: &mut ControlChannel, want: impl Fn(&ChannelEvent) -> bool) -> Chan
 
 fn payload_from(peer: &PeerId, bytes: &[u8]) -> impl Fn(&ChannelEvent) -> bool {
     let (peer, bytes) = (peer.clone(), bytes.to_vec());
-    move |e| matches!(e, ChannelEvent::Payload { peer: p, payload, source, .. } if *p == peer && *payload == bytes && *source == Some(std::net::IpAddr::from([127, 0, 0, 1])))
+    move |e| matches!(e, ChannelEvent::Payload { peer: p, payload, source, .. } if *p == peer && *payload == bytes && *source == std::net::IpAddr::from([127, 0, 0, 1]))
 }
 
 #[test]

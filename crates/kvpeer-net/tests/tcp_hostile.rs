@@ -7,126 +7,25 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod tcp_support;
 
 use kvpeer_core::{DataPlane, Registration, RemoteMemory};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
-use kvpeer_store::{BlockStore, StoreConfig};
+use kvpeer_store::BlockStore;
+use tcp_support::*;
 
-const BLOCKS: u64 = 8;
-const LEN: u64 = 4096;
 const RX: &str = "10.0.0.1:5710";
 const TX: &str = "10.0.0.2:5710";
-
-fn pool(tag: &str) -> BlockStore {
-    let name = format!("kvpeer-th-{tag}-{}", std::process::id());
-    BlockStore::new(&StoreConfig {
-        shm_name: name,
-        num_blocks: BLOCKS,
-        block_len: LEN,
-        lock_memory: false,
-    })
-    .unwrap()
-}
-
-fn plane(id: &str, store: &BlockStore, limits: TcpLimits) -> TcpPlane {
-    TcpPlane::new(
-        PeerId::new(id),
-        store.region().name(),
-        BLOCKS,
-        LEN,
-        "127.0.0.1:0",
-        Arc::new(|| {}),
-    )
-    .unwrap()
-    .with_limits(limits)
-}
-
-fn advertised(rx: &TcpPlane) -> Vec<u8> {
-    AgentMetadata {
-        agent: "rx".into(),
-        tcp: Some(rx.addr().to_string()),
-        ..Default::default()
-    }
-    .encode()
-}
-
-/// The key `rx` issues to `writer` in its `connect` (a fresh one each call).
-fn issue(rx: &mut TcpPlane, writer: &str) -> Vec<u8> {
-    let adv = advertised(rx);
-    let meta = rx.connect_metadata(&PeerId::new(writer), &adv);
-    AgentMetadata::decode(&meta).unwrap().tcp_key.unwrap()
-}
-
-fn hello_bytes(version: u8, writer: &str, key: &[u8]) -> Vec<u8> {
-    let mut f = b"KVPH".to_vec();
-    f.push(version);
-    f.extend_from_slice(&(writer.len() as u16).to_be_bytes());
-    f.extend_from_slice(writer.as_bytes());
-    f.extend_from_slice(key);
-    f
-}
-
-fn connect_hello(rx: &TcpPlane, writer: &str, key: &[u8]) -> TcpStream {
-    let mut s = TcpStream::connect(rx.addr()).unwrap();
-    s.write_all(&hello_bytes(2, writer, key)).unwrap();
-    s
-}
-
-fn write_header(tid: u64, indexes: &[u64]) -> Vec<u8> {
-    let mut f = b"KVPW".to_vec();
-    f.extend_from_slice(&tid.to_be_bytes());
-    f.extend_from_slice(&(indexes.len() as u32).to_be_bytes());
-    for i in indexes {
-        f.extend_from_slice(&i.to_be_bytes());
-    }
-    f
-}
-
-/// Sends one WRITE frame; returns the ACK status, or None if the connection closed instead.
-fn write(s: &mut TcpStream, tid: u64, blocks: &[(u64, u8)]) -> Option<u8> {
-    let indexes: Vec<u64> = blocks.iter().map(|(i, _)| *i).collect();
-    let _ = s.write_all(&write_header(tid, &indexes));
-    for (_, fill) in blocks {
-        let _ = s.write_all(&vec![*fill; LEN as usize]);
-    }
-    let mut ack = [0u8; 13];
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.read_exact(&mut ack).ok()?;
-    assert_eq!(&ack[..4], b"KVPA");
-    Some(ack[12])
-}
-
-/// The receiver closed the connection (EOF or reset) within `within`.
-fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
-    let mut b = [0u8; 64];
-    s.set_read_timeout(Some(within)).unwrap();
-    match s.read(&mut b) {
-        Ok(0) => true,
-        Err(e) => matches!(
-            e.kind(),
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-        ),
-        Ok(_) => false,
-    }
-}
-
-fn closed(s: &mut TcpStream) -> bool {
-    closed_within(s, Duration::from_secs(5))
-}
 
 /// Still open after `for_` (the read timed out rather than seeing a close).
 fn still_open(s: &mut TcpStream, for_: Duration) -> bool {
     let mut b = [0u8; 1];
     s.set_read_timeout(Some(for_)).unwrap();
     matches!(s.read(&mut b), Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
-}
-
-fn block(store: &BlockStore, i: u64) -> Vec<u8> {
-    store.region().block(i).unwrap().to_vec()
 }
 
 fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {

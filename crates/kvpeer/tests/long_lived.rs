@@ -13,6 +13,9 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+use common::node_io::step_until;
+
 use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::{synthetic, Node, NodeConfig, PlaneKind};
@@ -32,26 +35,6 @@ fn rss_kib() -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
-}
-
-fn step_until(
-    c: &mut NodeIo<ShmPlane>,
-    timeout: Duration,
-    mut done: impl FnMut(&mut NodeIo<ShmPlane>) -> bool,
-) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        let now = Instant::now();
-        c.step(now);
-        if done(c) {
-            return;
-        }
-        c.wait(now, Duration::from_millis(2));
-    }
-    panic!(
-        "not reached within {timeout:?}: consumer {:?}",
-        c.core.stats()
-    );
 }
 
 /// Opens `n` requests (ids `tag-first..`), each looking up one held key; returns them once

@@ -22,6 +22,7 @@ use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;
+use common::node_io::step_until;
 use common::{field, free_port, http_get, metrics_addr, num, samples, Proc, BIN};
 
 /// An in-process node on 127.0.0.1 with a port the system picks. Its logs go to the test's
@@ -59,28 +60,6 @@ fn node_with_rate<P: BuildPlane>(
 }
 
 const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Steps `n` until `done` holds; panics after `timeout`.
-fn step_until<P: BuildPlane>(
-    n: &mut NodeIo<P>,
-    timeout: Duration,
-    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
-) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        let now = Instant::now();
-        n.step(now);
-        if done(n) {
-            return;
-        }
-        n.wait(now, Duration::from_millis(5));
-    }
-    panic!(
-        "condition not reached within {timeout:?}: core {:?}, store {:?}",
-        n.core.stats(),
-        n.core.parent().stats()
-    );
-}
 
 /// Nothing pinned, written, or held for any peer.
 fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {

@@ -227,8 +227,7 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let mut core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
-    io.set_bind_identity(spec.bind_identity);
-    io.set_allowlist(spec.allowlist.clone());
+    io.set_origin(spec.bind_identity, spec.allowlist.clone());
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(Auth::new(secret.clone()).map_err(BuildError::Auth)?));

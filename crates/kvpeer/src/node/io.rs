@@ -192,20 +192,10 @@ impl<D: DataPlane> NodeIo<D> {
         Ok(())
     }
 
-    /// Restricts the peers this node talks to (see [`Allowlist`]); identity binding stays as
-    /// it was (on unless [`NodeIo::set_bind_identity`] turned it off).
-    pub fn set_allowlist(&mut self, allow: Allowlist) {
-        self.origin = OriginCheck::new(self.bind_identity(), allow, LocalAddrs::read());
-    }
-
-    /// Whether a claimed IP identity must come from that address (on by default).
-    pub fn set_bind_identity(&mut self, on: bool) {
-        let allow = self.origin.allowlist().clone();
-        self.origin = OriginCheck::new(on, allow, LocalAddrs::read());
-    }
-
-    fn bind_identity(&self) -> bool {
-        self.origin.binds_identity()
+    /// Which peers this node talks to: the allowlist (see [`Allowlist`]), and whether a
+    /// claimed IP identity must come from that address (see [`OriginCheck`]).
+    pub fn set_origin(&mut self, bind_identity: bool, allow: Allowlist) {
+        self.origin = OriginCheck::new(bind_identity, allow, LocalAddrs::read());
     }
 
     /// Peers refused so far (allowlist, origin, authentication, data addresses).
@@ -231,7 +221,7 @@ impl<D: DataPlane> NodeIo<D> {
     }
 
     /// `true` if a payload claiming `peer` from `source` may reach the protocol.
-    fn heard(&mut self, now: Instant, peer: &PeerId, source: Option<std::net::IpAddr>) -> bool {
+    fn heard(&mut self, now: Instant, peer: &PeerId, source: std::net::IpAddr) -> bool {
         match self.origin.check(peer, source) {
             Ok(()) => true,
             Err(reason) => {
@@ -308,17 +298,17 @@ impl<D: DataPlane> NodeIo<D> {
             let mut progressed = false;
             while let Some(mut t) = self.core.poll_transmit() {
                 progressed = true;
-                if let Message::Connect(c) = &mut t.message {
-                    c.agent_metadata = self
-                        .core
-                        .plane_mut()
-                        .connect_metadata(&t.peer, &c.agent_metadata);
-                }
                 if !self.may_dial(now, &t.peer) {
                     // Never dialed, never sent to: its requests fall back at once.
                     self.core
                         .handle_connection_refused(now, &t.peer, "not in the allowlist");
                     continue;
+                }
+                if let Message::Connect(c) = &mut t.message {
+                    c.agent_metadata = self
+                        .core
+                        .plane_mut()
+                        .connect_metadata(&t.peer, &c.agent_metadata);
                 }
                 if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
                     match auth.sign(&t.peer, c) {
@@ -370,8 +360,9 @@ impl<D: DataPlane> NodeIo<D> {
 
     fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
         self.channel.close(&peer);
-        if !refused {
-            // The session is over: the next `connect` binds whichever connection sends it.
+        if self.core.session_state(&peer).is_none() {
+            // No session (it ended, or none was opened): the next `connect` binds whichever
+            // connection sends it, and a refused stranger leaves no entry behind.
             self.bound.remove(&peer);
         }
         if self.closed.len() == Self::CLOSED_KEPT {

@@ -93,24 +93,14 @@ impl OriginCheck {
         }
     }
 
-    /// Whether identity binding is on.
-    pub fn binds_identity(&self) -> bool {
-        self.bind_identity
-    }
-
     /// The allowlist (for checks of peers we dial, which have no source yet).
     pub fn allowlist(&self) -> &Allowlist {
         &self.allow
     }
 
     /// `Ok` if a message claiming `peer` may have come from `source`, else why not.
-    pub fn check(&self, peer: &PeerId, source: Option<IpAddr>) -> Result<(), String> {
+    pub fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), String> {
         self.allow.check(peer)?;
-        let source = match source {
-            Some(s) => s,
-            None if !self.bind_identity && self.allow.allows_all() => return Ok(()),
-            None => return Err("the control connection's source address is unknown".into()),
-        };
         if !self.allow.allows_source(source) {
             return Err(format!("source address {source} is not in the allowlist"));
         }
@@ -171,8 +161,9 @@ fn same_ip(a: IpAddr, b: IpAddr) -> bool {
 mod tests {
     use super::*;
 
-    fn ip(s: &str) -> Option<IpAddr> {
-        s.parse().ok()
+    fn ip(s: &str) -> IpAddr {
+        s.parse()
+            .unwrap_or_else(|e| panic!("{s:?} is not an address: {e}"))
     }
 
     fn check(rules: &[&str], peer: &str, source: &str) -> Result<(), String> {
@@ -210,7 +201,6 @@ mod tests {
             loose.check(&PeerId::new("10.0.0.5:1"), ip("10.9.9.9")),
             Ok(())
         );
-        assert!(loose.check(&PeerId::new("10.0.0.5:1"), None).is_err());
         // Host names: only when the list names them (or there is no list).
         assert_eq!(check(&[], "node-a:1", "10.0.0.5"), Ok(()));
         assert_eq!(
@@ -218,7 +208,6 @@ mod tests {
             Ok(())
         );
         assert!(check(&["10.0.0.0/8"], "node-a:1", "10.0.0.5").is_err());
-        assert!(check(&[], "10.0.0.5:1", "").is_err(), "no source address");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvpeer_proto::PeerId;
 
 pub(crate) mod node;
+pub(crate) mod node_io;
 pub(crate) mod vllm;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
