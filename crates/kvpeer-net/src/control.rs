@@ -380,8 +380,12 @@ impl ControlChannel {
             items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
         }
         let first_fd = items.len();
-        for (fd, sending) in self.inbound.poll_fds() {
-            let events = if sending {
+        let listening = self.inbound.listening(std::time::Instant::now());
+        for (i, (fd, sending)) in self.inbound.poll_fds().enumerate() {
+            let events = if i == 0 && !listening {
+                // The listener rests after a failed accept (its deadline wakes us).
+                zmq::PollEvents::empty()
+            } else if sending {
                 zmq::POLLIN | zmq::POLLOUT
             } else {
                 zmq::POLLIN

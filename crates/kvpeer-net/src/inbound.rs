@@ -99,7 +99,13 @@ pub struct Inbound {
     conns: BTreeMap<ConnId, Conn>,
     next: ConnId,
     limits: InboundLimits,
+    /// After `accept` failed (out of descriptors, most likely) the listener is not polled
+    /// until then: a listener that stays readable would otherwise spin the loop.
+    accept_paused_until: Option<Instant>,
 }
+
+/// How long the listener rests after `accept` fails before it is polled again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 impl std::fmt::Debug for Inbound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -120,6 +126,7 @@ impl Inbound {
             conns: BTreeMap::new(),
             next: 0,
             limits,
+            accept_paused_until: None,
         })
     }
 
@@ -133,8 +140,15 @@ impl Inbound {
         self.conns.len()
     }
 
+    /// Whether the listener should be polled for new connections at `now` (not while it rests
+    /// after a failed `accept`; [`Inbound::next_deadline`] wakes the caller when that ends).
+    pub fn listening(&self, now: Instant) -> bool {
+        self.accept_paused_until.is_none_or(|until| now >= until)
+    }
+
     /// Descriptors to poll: the listener, then each connection (with whether it has bytes to
-    /// send), in [`Inbound::conn_ids`] order.
+    /// send), in [`Inbound::conn_ids`] order. Whether to ask the listener for readability is
+    /// [`Inbound::listening`].
     pub fn poll_fds(&self) -> impl Iterator<Item = (RawFd, bool)> + '_ {
         std::iter::once((self.listener.as_raw_fd(), false)).chain(
             self.conns
@@ -151,7 +165,8 @@ impl Inbound {
     /// When the next heartbeat or deadline falls due.
     pub fn next_deadline(&self) -> Option<Instant> {
         let l = &self.limits;
-        self.conns
+        let conns = self
+            .conns
             .values()
             .map(|c| {
                 let silence = c.last_recv + l.heartbeat_timeout;
@@ -165,7 +180,11 @@ impl Inbound {
                     silence.min(c.opened + l.heartbeat_timeout)
                 }
             })
-            .min()
+            .min();
+        match (conns, self.accept_paused_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Closes connection `conn` (no event: the caller asked).
@@ -212,16 +231,22 @@ impl Inbound {
     }
 
     fn accept(&mut self, now: Instant) {
+        if !self.listening(now) {
+            return;
+        }
+        self.accept_paused_until = None;
         loop {
             let (stream, addr) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Out of descriptors, most likely: the next wait sees the listener again.
+                    // Out of descriptors, most likely: the listener rests a while, or the
+                    // connection still waiting would keep it readable and spin the loop.
                     if let Some(suppressed) = crate::admit_warning("cannot accept") {
                         warn!(error = %e, suppressed, "cannot accept a control connection");
                     }
+                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
                     return;
                 }
             };

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig};
 use kvpeer_proto::PeerId;
 
+mod fd_support;
+
 /// A free loopback port (bound and released; the channel binds it right after).
 fn free_id() -> PeerId {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -273,4 +275,45 @@ fn a_silent_squatter_does_not_lock_out_the_identity_it_claims() {
     );
     a.send(&idb, b"still heard").unwrap();
     expect(&mut b, payload_from(&ida, b"still heard"));
+}
+
+/// Out of descriptors, a connection waiting on the listener keeps it readable: the channel
+/// must rest the listener rather than wake in a loop, and serve the connection once
+/// descriptors are back (and an honest peer too).
+#[test]
+fn the_listener_rests_while_out_of_descriptors_and_serves_after() {
+    if !fd_support::run_alone("the_listener_rests_while_out_of_descriptors_and_serves_after") {
+        return;
+    }
+    let mut ch = channel();
+    let id = ch.identity().clone();
+    let exhausted = fd_support::Exhaustion::leaving(1);
+    let waiting = TcpStream::connect(id.as_str());
+    let (start, mut wakes) = (Instant::now(), 0u32);
+    while start.elapsed() < Duration::from_millis(500) {
+        if ch.wait(Duration::from_millis(500)).unwrap() {
+            wakes += 1;
+        }
+        assert!(ch.recv().is_empty());
+    }
+    drop(exhausted);
+    assert!(
+        wakes <= 30,
+        "woke {wakes} times in 0.5 s on a listener it cannot accept from: a spin"
+    );
+    // Descriptors are back: the waiting connection is taken, and an honest peer is served.
+    let _waiting = waiting.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ch.inbound_connections() == 0 && Instant::now() < deadline {
+        ch.wait(Duration::from_millis(100)).unwrap();
+        assert!(ch.recv().is_empty());
+    }
+    assert_eq!(
+        ch.inbound_connections(),
+        1,
+        "the waiting connection was accepted"
+    );
+    let mut honest = channel();
+    honest.send(&id, b"still served").unwrap();
+    expect(&mut ch, payload_from(honest.identity(), b"still served"));
 }

@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+mod fd_support;
 mod tcp_support;
 
 use kvpeer_core::{DataPlane, Registration, RemoteMemory};
@@ -435,35 +436,18 @@ fn a_peer_without_a_tcp_key_fails_registration_without_a_dial() {
 /// descriptors are back.
 #[test]
 fn the_listener_backs_off_when_out_of_descriptors() {
-    const CHILD: &str = "KVPEER_TCP_EMFILE_CHILD";
-    if std::env::var_os(CHILD).is_none() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "the_listener_backs_off_when_out_of_descriptors",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}");
-        assert!(text.contains("1 passed"), "{text}");
+    if !fd_support::run_alone("the_listener_backs_off_when_out_of_descriptors") {
         return;
     }
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let store = pool("emfile");
     let rx = plane(RX, &store, TcpLimits::default());
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
-    // Room for the client's socket only: the listener's accept then fails with EMFILE.
-    setrlimit(Resource::RLIMIT_NOFILE, open, hard).unwrap();
-    let mut client = TcpStream::connect(rx.addr()).unwrap();
+    // One slot left: the client's socket takes it, and the listener's accept has none.
+    let exhausted = fd_support::Exhaustion::leaving(1);
+    let connected = TcpStream::connect(rx.addr());
     std::thread::sleep(Duration::from_millis(600));
     let errors = rx.counters().accept_errors;
-    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    drop(exhausted);
+    let mut client = connected.unwrap();
     assert!(
         (1..=30).contains(&errors),
         "accept failed {errors} times in 0.6 s: it must back off, not spin"
@@ -471,5 +455,6 @@ fn the_listener_backs_off_when_out_of_descriptors() {
     // Descriptors are back: the waiting connection is accepted and handled (junk: closed).
     client.write_all(b"junk!!!").unwrap();
     assert!(closed(&mut client));
-    assert!(rx.counters().refused_hellos >= 1);
+    let counters = rx.counters();
+    assert!(counters.refused_hellos >= 1, "{counters:?}");
 }

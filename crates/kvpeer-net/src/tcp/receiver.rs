@@ -237,24 +237,49 @@ pub(super) struct Accept {
 impl Accept {
     /// Accepts until the plane stops. A failing `accept` (out of descriptors: EMFILE, ENFILE)
     /// backs off instead of spinning, and is logged at most once a second.
+    ///
+    /// The listener waits for a pending connection with `poll` and only then calls a
+    /// non-blocking `accept`: a blocking `accept` reserves its descriptor before it sleeps, so
+    /// it would hold one slot through a shortage and hide it (the connection it then takes is
+    /// the only one ever served, and nothing backs off).
     pub(super) fn run(self, listener: TcpListener) {
+        if let Err(e) = listener.set_nonblocking(true) {
+            warn!(error = %e, "cannot make the tcp data listener non-blocking; not accepting");
+            return;
+        }
         let mut last_log: Option<Instant> = None;
         let mut unlogged = 0u64;
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return;
             }
+            if let Err(e) = wait_readable(&listener) {
+                if e != nix::errno::Errno::EINTR {
+                    warn!(error = %e, "cannot wait on the tcp data listener; backing off");
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                }
+                continue;
+            }
             match listener.accept() {
                 Ok((stream, _)) => {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
+                    }
+                    // Accepted sockets do not inherit O_NONBLOCK on Linux; made sure of here
+                    // because every read below relies on blocking reads with timeouts.
+                    if let Err(e) = stream.set_nonblocking(false) {
+                        debug!(error = %e, "cannot make a tcp data connection blocking");
+                        close(&stream);
+                        continue;
                     }
                     self.admit(stream);
                 }
                 Err(e)
                     if matches!(
                         e.kind(),
-                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                        std::io::ErrorKind::Interrupted
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::WouldBlock
                     ) => {}
                 Err(e) => {
                     Counters::bump(&self.counters.accept_errors);
@@ -515,4 +540,13 @@ impl Connection<'_> {
 fn unique(indexes: &[u64]) -> bool {
     let mut seen = HashSet::with_capacity(indexes.len());
     indexes.iter().all(|i| seen.insert(*i))
+}
+
+/// Blocks until `listener` has a connection to accept (or an error), without reserving a
+/// descriptor the way a blocking `accept` does.
+fn wait_readable(listener: &TcpListener) -> nix::Result<()> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::NONE).map(|_| ())
 }
