@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod config;
+pub mod engine;
 pub mod metrics;
 pub mod node;
 

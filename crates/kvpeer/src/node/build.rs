@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode};
+use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode, Parent};
 use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::metadata::AgentMetadata;
@@ -196,6 +196,27 @@ impl BuildPlane for DualPlane {
 /// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
 /// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
 pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
+    let (io, ()) = build_with(spec, |spec, _| {
+        let store = BlockStore::new(&StoreConfig {
+            shm_name: spec.shm_name.clone(),
+            num_blocks: spec.num_blocks,
+            block_len: spec.block_len,
+            lock_memory: false,
+        })?;
+        let base_addr = store.region().base_addr();
+        Ok((store, base_addr, ()))
+    })?;
+    Ok(io)
+}
+
+/// Builds a node with data plane `D` and the parent `make_parent` returns (with the pool's
+/// base address and anything the caller keeps, `T`). `make_parent` runs after the control
+/// channel is bound (the spec it gets carries the real identity) and before the plane, which
+/// maps the pool the parent's side created; it gets the node's wake hook.
+pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
+    spec: &NodeSpec,
+    make_parent: impl FnOnce(&NodeSpec, Wake) -> Result<(Q, u64, T), BuildError>,
+) -> Result<(NodeIo<D, Q>, T), BuildError> {
     let channel = match spec.id.as_str().strip_suffix(":0") {
         Some(host) => ControlChannel::bind_any_port(host, spec.control.clone())?,
         None => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
@@ -205,26 +226,18 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         ..spec.clone()
     };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
-    let wake = pipe.hook();
-    let store = BlockStore::new(&StoreConfig {
-        shm_name: spec.shm_name.clone(),
-        num_blocks: spec.num_blocks,
-        block_len: spec.block_len,
-        lock_memory: false,
-    })?;
-    let (plane, meta) = P::build(&spec, wake)?;
+    let (parent, pool_base, kept) = make_parent(&spec, pipe.hook())?;
+    let (plane, meta) = D::build(&spec, pipe.hook())?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
         agent_metadata: plane.agent_metadata(&meta),
-        base_addr: plane
-            .base_addr()
-            .unwrap_or_else(|| store.region().base_addr()),
+        base_addr: plane.base_addr().unwrap_or(pool_base),
         num_blocks: spec.num_blocks,
         block_len: spec.block_len,
         config_fingerprint: spec.config_fingerprint.clone(),
         hash_seed: spec.hash_seed.clone(),
     };
-    let mut core = Core::new(spec.core.clone(), local, store, plane, Instant::now());
+    let mut core = Core::new(spec.core.clone(), local, parent, plane, Instant::now());
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
     io.set_origin(spec.bind_identity, spec.allowlist.clone());
@@ -232,5 +245,5 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(Auth::new(secret.clone()).map_err(BuildError::Auth)?));
     }
-    Ok(io)
+    Ok((io, kept))
 }

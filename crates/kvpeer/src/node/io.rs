@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
-use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId};
+use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, Parent};
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_net::inbound::ConnId;
 use kvpeer_net::metadata::AgentMetadata;
@@ -30,10 +30,11 @@ use super::auth::Auth;
 use super::origin::{LocalAddrs, OriginCheck};
 use super::wake::WakePipe;
 
-/// A core, its store and plane, and its control channel.
-pub struct NodeIo<D: DataPlane> {
+/// A core, its parent and plane, and its control channel. The parent is the node's own block
+/// store, or an engine's (see [`crate::engine`]).
+pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     /// The protocol core (with the store as its parent and the data plane).
-    pub core: Core<BlockStore, D>,
+    pub core: Core<P, D>,
     /// The ZeroMQ control channel.
     pub channel: ControlChannel,
     /// Results of loads (job → every block landed) not yet taken by the caller. Each load's
@@ -65,7 +66,7 @@ pub struct NodeIo<D: DataPlane> {
     limits: DecodeLimits,
 }
 
-impl<D: DataPlane> NodeIo<D> {
+impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     /// How many session-end reasons [`NodeIo::closed`] keeps.
     pub const CLOSED_KEPT: usize = 16;
 
@@ -83,7 +84,7 @@ impl<D: DataPlane> NodeIo<D> {
     }
 
     /// Wires a core to a channel bound at the core's own identity.
-    pub fn new(core: Core<BlockStore, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
+    pub fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
         NodeIo {
             core,
             channel,

@@ -1,0 +1,14 @@
+//! kvpeer inside an inference engine: the engine keeps its blocks, its block index and its
+//! pins, and drives the node from its own thread.
+//!
+//! * [`EngineNode`]: a node without a runtime thread, driven poll-style by the engine.
+//! * [`EngineLink`]: how the engine answers peers' lookups of its blocks, later and from any
+//!   thread (vLLM may touch its block manager only inside its own step).
+//!
+//! The runtime-thread [`Node`](crate::Node) remains for callers that want calls, not polling.
+
+mod node;
+mod parent;
+
+pub use node::{EngineError, EngineEvent, EngineNode};
+pub use parent::{Answer, EngineLink, EngineParent, EnginePin, Query, QueryId, Release};

@@ -1,0 +1,261 @@
+//! A node driven by the embedding engine on the engine's own thread, poll-style (as quinn's
+//! `Endpoint`): no runtime thread, no calls across threads. The engine calls
+//! [`EngineNode::drive`] (wait for I/O at most so long, then handle it) or
+//! [`EngineNode::step`] (handle what is there, never wait) whenever it likes, gives work with
+//! [`EngineNode::lookup`] and [`EngineNode::load`], and takes results with
+//! [`EngineNode::poll_event`]. Peers' lookups of the engine's blocks are answered through the
+//! [`EngineLink`] (see [`super::parent`]), from this thread or any other.
+//!
+//! The engine owns the blocks: which key is in which block, which blocks are free, and the
+//! pins. The node only moves bytes between its pool and peers' pools.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer_store::Region;
+
+use super::parent::{EngineLink, EngineParent};
+use crate::node::build::{build_with, BuildError, BuildPlane, NodeSpec};
+use crate::node::io::NodeIo;
+use kvpeer_store::RegionError;
+
+/// What the engine learns from the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineEvent {
+    /// Every key of a [`EngineNode::lookup`] is answered (`Retry` for none of them): what the
+    /// request's producer holds, in the order asked.
+    LookedUp {
+        /// The request.
+        kv_request_id: KvRequestId,
+        /// One answer per key asked.
+        results: Vec<LookupResult>,
+    },
+    /// A [`EngineNode::load`] ended: its blocks landed (`success`), or the engine frees them.
+    Loaded {
+        /// The engine's job.
+        job: JobId,
+        /// Whether every block landed.
+        success: bool,
+    },
+}
+
+/// Why the engine's call was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// Job ids from 2^62 up are the node's own (pins it holds for peers).
+    #[error("job id {0} is reserved for the node's own jobs (use ids below 2^62)")]
+    ReservedJob(JobId),
+    /// `keys` and `blocks` of a load differ in length.
+    #[error("a load of {keys} keys into {blocks} blocks")]
+    Mismatch {
+        /// Keys given.
+        keys: usize,
+        /// Blocks given.
+        blocks: usize,
+    },
+}
+
+struct WaitingLookup {
+    request: Request,
+    keys: Vec<OffloadKey>,
+}
+
+/// A node an engine drives from its own thread.
+pub struct EngineNode<D: BuildPlane> {
+    io: NodeIo<D, EngineParent>,
+    link: EngineLink,
+    pool: Region,
+    lookups: Vec<WaitingLookup>,
+    events: VecDeque<EngineEvent>,
+}
+
+impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineNode")
+            .field("id", self.id())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Job ids from here up are the node's ([`super::parent`] gives them to pins it holds).
+const FIRST_NODE_JOB: u64 = 1 << 62;
+
+impl<D: BuildPlane> EngineNode<D> {
+    /// Builds the node: binds its control channel, makes its pool (`spec.num_blocks` blocks
+    /// of `spec.block_len` bytes, named `spec.shm_name`) and its data plane.
+    pub fn build(spec: &NodeSpec) -> Result<Self, BuildError> {
+        let (io, (link, pool)) = build_with::<D, EngineParent, _>(spec, |spec, wake| {
+            let pool = Region::create(&spec.shm_name, spec.num_blocks, spec.block_len, false)
+                .map_err(pool_error)?;
+            let (parent, link) = EngineParent::new(Some(wake));
+            let base = pool.base_addr();
+            Ok((parent, base, (link, pool)))
+        })?;
+        Ok(EngineNode {
+            io,
+            link,
+            pool,
+            lookups: Vec::new(),
+            events: VecDeque::new(),
+        })
+    }
+
+    /// The node's identity (its control address).
+    pub fn id(&self) -> &PeerId {
+        self.io.channel.identity()
+    }
+
+    /// The engine's end of the producer side: queries to answer, pins coming back.
+    pub fn link(&self) -> EngineLink {
+        self.link.clone()
+    }
+
+    /// The pool's blocks, to read what a load brought and to write what peers may fetch.
+    pub fn pool(&self) -> &Region {
+        &self.pool
+    }
+
+    /// The pool's blocks, writable (never a block a load is writing, nor one pinned for a peer).
+    pub fn pool_mut(&mut self) -> &mut Region {
+        &mut self.pool
+    }
+
+    /// Waits at most `max` for the network, a data-plane completion, an engine's answer or the
+    /// node's next deadline, then handles what came ([`EngineNode::step`]).
+    pub fn drive(&mut self, max: Duration) {
+        let now = Instant::now();
+        self.io.wait(now, max);
+        self.step(Instant::now());
+    }
+
+    /// Handles what is there (messages, completions, deadlines, the engine's answers) and
+    /// sends what is due. Never waits.
+    pub fn step(&mut self, now: Instant) {
+        self.io.step(now);
+        if self.io.core.parent_mut().take_answered() {
+            self.io.core.serve(now);
+        }
+        self.collect(now);
+        self.io.flush(now);
+    }
+
+    /// Opens a request whose KV source is `peer` (it is dialed when the first lookup leaves).
+    pub fn new_request(&mut self, kv_request_id: KvRequestId, peer: PeerId) -> Request {
+        self.io
+            .core
+            .on_new_request(Instant::now(), kv_request_id, RequestRoles::kv_source(peer))
+    }
+
+    /// Asks the request's producer about `keys`; the answer comes as
+    /// [`EngineEvent::LookedUp`] (keys it could not be asked about answer `Miss`).
+    pub fn lookup(&mut self, request: &Request, keys: Vec<OffloadKey>) {
+        let now = Instant::now();
+        for key in &keys {
+            self.io.core.lookup(now, request, key);
+        }
+        self.io.core.flush_lookups(now);
+        self.lookups.push(WaitingLookup {
+            request: request.clone(),
+            keys,
+        });
+        self.io.flush(now);
+    }
+
+    /// Fetches `keys` (looked up before) into the engine's `blocks`; the result comes as
+    /// [`EngineEvent::Loaded`] for `job`. The blocks are the engine's to keep untouched until
+    /// then.
+    pub fn load(
+        &mut self,
+        job: JobId,
+        request: &Request,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<u64>,
+    ) -> Result<(), EngineError> {
+        if job >= FIRST_NODE_JOB {
+            return Err(EngineError::ReservedJob(job));
+        }
+        if keys.len() != blocks.len() {
+            return Err(EngineError::Mismatch {
+                keys: keys.len(),
+                blocks: blocks.len(),
+            });
+        }
+        let now = Instant::now();
+        self.io.core.submit_load(now, job, request, keys, blocks);
+        self.io.flush(now);
+        Ok(())
+    }
+
+    /// Ends a request: its lookups and loads still waiting are answered `Miss` / failed.
+    pub fn finish(&mut self, request: &Request) {
+        let now = Instant::now();
+        self.io.core.finish(now, request);
+        self.collect(now);
+        self.io.flush(now);
+    }
+
+    /// The next result, if any.
+    pub fn poll_event(&mut self) -> Option<EngineEvent> {
+        self.events.pop_front()
+    }
+
+    /// Questions the engine has not answered and pins it has not got back (both 0 once every
+    /// peer's lookup ended and every write completed).
+    pub fn outstanding(&self) -> (usize, usize) {
+        self.io.core.parent().outstanding()
+    }
+
+    /// Drains running writes for at most `drain`, then says `disconnect` to every peer.
+    pub fn shutdown(mut self, drain: Duration) {
+        let until = Instant::now() + drain;
+        loop {
+            let now = Instant::now();
+            self.step(now);
+            if self.io.core.shutdown_drain(now) || now >= until {
+                break;
+            }
+            self.io.wait(now, until.saturating_duration_since(now));
+        }
+        let now = Instant::now();
+        self.io.core.shutdown(now);
+        self.io.flush(now);
+    }
+
+    /// Turns what the core finished into events: answered lookups, ended loads.
+    fn collect(&mut self, now: Instant) {
+        let core = &mut self.io.core;
+        let events = &mut self.events;
+        self.lookups.retain(|l| {
+            let results: Vec<LookupResult> = l
+                .keys
+                .iter()
+                .map(|k| core.lookup(now, &l.request, k))
+                .collect();
+            if results.contains(&LookupResult::Retry) {
+                return true;
+            }
+            events.push_back(EngineEvent::LookedUp {
+                kv_request_id: l.request.id().clone(),
+                results,
+            });
+            false
+        });
+        if !self.lookups.is_empty() {
+            // Keys asked while the session was still opening go out now.
+            self.io.core.flush_lookups(now);
+        }
+        self.events.extend(
+            self.io
+                .loads_done
+                .drain()
+                .map(|(job, success)| EngineEvent::Loaded { job, success }),
+        );
+    }
+}
+
+fn pool_error(e: RegionError) -> BuildError {
+    BuildError::Store(kvpeer_store::StoreError::from(e))
+}

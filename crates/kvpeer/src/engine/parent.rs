@@ -1,0 +1,428 @@
+//! The producer side of an embedding engine: peers' lookups and pins answered by the engine,
+//! later, on its own thread.
+//!
+//! vLLM's block manager may be called only inside the engine's own step, under its lock, so a
+//! node cannot ask it synchronously as the core asks a [`Parent`]. [`EngineParent`] is the
+//! core's parent instead: a key the engine has not answered yet is a new [`Query`] (queued for
+//! the engine) and answers `Retry`, which makes the core ask again later until the lookup's
+//! deadline. The engine takes the queries with [`EngineLink::take_queries`] whenever it likes,
+//! answers each with [`EngineLink::answer`] (a hit carries the block and the engine's own pin
+//! on it), and learns with [`EngineLink::take_releases`] which pins the node is done with. The
+//! node's next pass reads the answers (the link wakes it).
+//!
+//! Every pin the engine hands over comes back exactly once as a [`Release`]: after its blocks
+//! were written to the peer (or failed to be), or when the lookup ended before they were
+//! used. An answer to a question nobody asks any more is refused and its pin stays the
+//! engine's. Both sides hold the lock only to move small records; neither blocks on the other.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
+use kvpeer_net::shm::Wake;
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+
+/// Names one question to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QueryId(u64);
+
+/// The engine's own handle on a pinned block (its block manager's reference, opaque here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EnginePin(pub u64);
+
+/// A peer asks whether the engine holds `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Query {
+    /// What to pass back to [`EngineLink::answer`].
+    pub id: QueryId,
+    /// Who asks.
+    pub peer: PeerId,
+    /// The peer's request.
+    pub kv_request_id: KvRequestId,
+    /// The key.
+    pub key: OffloadKey,
+}
+
+/// The engine's answer to a [`Query`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// Held, in `block`, pinned by the engine as `pin` until it comes back as a [`Release`].
+    Hit {
+        /// Where the key's bytes are in the pool.
+        block: BlockIndex,
+        /// The engine's pin on it.
+        pin: EnginePin,
+    },
+    /// Not held.
+    Miss,
+    /// Being written: ask me again (the query comes back).
+    Pending,
+}
+
+/// A pin the node no longer needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Release {
+    /// The engine's pin.
+    pub pin: EnginePin,
+    /// Whether the block was written to the peer (`false`: unused, or the write failed).
+    pub sent: bool,
+}
+
+/// Store jobs made from the engine's pins have ids from here up, so that they never meet the
+/// ids an engine gives its own jobs (`submit_store`, `submit_load`), which count from 1.
+const FIRST_PIN_JOB: u64 = 1 << 62;
+
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    /// Asked; the engine has not answered.
+    Asked(QueryId),
+    /// Answered.
+    Answered(Answer),
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    next_query: u64,
+    next_job: u64,
+    /// Questions the engine has not taken yet.
+    asked: VecDeque<Query>,
+    /// Open lookups, each key's state.
+    lookups: HashMap<ServeCtx, HashMap<OffloadKey, Slot>>,
+    /// Which lookup and key each open question belongs to.
+    questions: HashMap<QueryId, (ServeCtx, OffloadKey)>,
+    /// Pins held by store jobs the core runs.
+    jobs: HashMap<JobId, Vec<EnginePin>>,
+    /// Pins given back, not yet taken by the engine.
+    releases: Vec<Release>,
+    /// Answers arrived since the node last looked.
+    answered: bool,
+}
+
+impl Shared {
+    fn ask(&mut self, ctx: &ServeCtx, key: &OffloadKey) -> QueryId {
+        let id = QueryId(self.next_query);
+        self.next_query += 1;
+        self.asked.push_back(Query {
+            id,
+            peer: ctx.peer.clone(),
+            kv_request_id: ctx.kv_request_id.clone(),
+            key: key.clone(),
+        });
+        self.questions.insert(id, (ctx.clone(), key.clone()));
+        id
+    }
+}
+
+/// The core's parent for a node embedded in an engine. Made with [`EngineParent::new`], which
+/// also gives the engine its [`EngineLink`].
+#[derive(Debug)]
+pub struct EngineParent {
+    shared: Arc<Mutex<Shared>>,
+}
+
+/// The engine's end: clone it to any thread.
+#[derive(Clone)]
+pub struct EngineLink {
+    shared: Arc<Mutex<Shared>>,
+    wake: Option<Wake>,
+}
+
+impl std::fmt::Debug for EngineLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineLink").finish_non_exhaustive()
+    }
+}
+
+/// The lock, even if a thread panicked while holding it: every record under it is whole
+/// between statements, so the state is still consistent.
+fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl EngineParent {
+    /// A parent and its link; `wake` (the node's wake hook) is called when the engine answers.
+    pub fn new(wake: Option<Wake>) -> (Self, EngineLink) {
+        let shared = Arc::new(Mutex::new(Shared {
+            next_job: FIRST_PIN_JOB,
+            ..Default::default()
+        }));
+        (
+            EngineParent {
+                shared: shared.clone(),
+            },
+            EngineLink { shared, wake },
+        )
+    }
+
+    /// Whether the engine answered something since the last call (then the core should be
+    /// asked to serve its waiting lookups again).
+    pub fn take_answered(&mut self) -> bool {
+        std::mem::take(&mut lock(&self.shared).answered)
+    }
+
+    /// Questions the engine has not answered and pins it has not got back: both must be 0
+    /// once every lookup has ended and every job completed.
+    pub fn outstanding(&self) -> (usize, usize) {
+        let s = lock(&self.shared);
+        let pins = s.jobs.values().map(Vec::len).sum::<usize>()
+            + s.lookups
+                .values()
+                .flat_map(HashMap::values)
+                .filter(|slot| matches!(slot, Slot::Answered(Answer::Hit { .. })))
+                .count();
+        (s.questions.len(), pins)
+    }
+}
+
+impl Parent for EngineParent {
+    fn on_new_request(&mut self, ctx: &ServeCtx) {
+        lock(&self.shared).lookups.entry(ctx.clone()).or_default();
+    }
+
+    fn lookup(&mut self, key: &OffloadKey, ctx: &ServeCtx) -> LookupResult {
+        let mut s = lock(&self.shared);
+        let slot = s.lookups.get(ctx).and_then(|keys| keys.get(key)).copied();
+        match slot {
+            Some(Slot::Answered(Answer::Hit { .. })) => LookupResult::Hit,
+            Some(Slot::Answered(Answer::Miss)) => LookupResult::Miss,
+            Some(Slot::Asked(_)) => LookupResult::Retry,
+            None | Some(Slot::Answered(Answer::Pending)) => {
+                let id = s.ask(ctx, key);
+                s.lookups
+                    .entry(ctx.clone())
+                    .or_default()
+                    .insert(key.clone(), Slot::Asked(id));
+                LookupResult::Retry
+            }
+        }
+    }
+
+    fn create_store_job(&mut self, keys: &[OffloadKey], ctx: &ServeCtx) -> Option<StoreJob> {
+        let mut s = lock(&self.shared);
+        let answers = s.lookups.get_mut(ctx)?;
+        let mut blocks = Vec::with_capacity(keys.len());
+        let mut pins = Vec::with_capacity(keys.len());
+        for key in keys {
+            match answers.get(key) {
+                Some(Slot::Answered(Answer::Hit { block, pin })) => {
+                    blocks.push(*block);
+                    pins.push(*pin);
+                }
+                // The core pins only keys just answered HIT; anything else is refused whole.
+                _ => return None,
+            }
+        }
+        // The pins move to the job: the lookup no longer holds them.
+        for key in keys {
+            answers.insert(key.clone(), Slot::Answered(Answer::Miss));
+        }
+        let job_id: JobId = s.next_job;
+        s.next_job += 1;
+        s.jobs.insert(job_id, pins);
+        Some(StoreJob { job_id, blocks })
+    }
+
+    fn complete_store_job(&mut self, job_id: JobId, success: bool) {
+        let mut s = lock(&self.shared);
+        if let Some(pins) = s.jobs.remove(&job_id) {
+            s.releases
+                .extend(pins.into_iter().map(|pin| Release { pin, sent: success }));
+        }
+    }
+
+    fn on_request_finished(&mut self, ctx: &ServeCtx) {
+        let mut s = lock(&self.shared);
+        let Some(keys) = s.lookups.remove(ctx) else {
+            return;
+        };
+        for slot in keys.into_values() {
+            match slot {
+                Slot::Asked(id) => {
+                    s.questions.remove(&id);
+                }
+                Slot::Answered(Answer::Hit { pin, .. }) => {
+                    s.releases.push(Release { pin, sent: false });
+                }
+                Slot::Answered(_) => {}
+            }
+        }
+        let questions = &s.questions;
+        let still_asked: VecDeque<Query> = s
+            .asked
+            .iter()
+            .filter(|q| questions.contains_key(&q.id))
+            .cloned()
+            .collect();
+        s.asked = still_asked;
+    }
+}
+
+impl EngineLink {
+    /// The questions peers asked since the last call, oldest first.
+    pub fn take_queries(&self) -> Vec<Query> {
+        lock(&self.shared).asked.drain(..).collect()
+    }
+
+    /// Answers question `id`. `false` if nobody asks any more (the lookup ended): a hit's pin
+    /// then stays the engine's to drop. A `true` hit's pin comes back once as a [`Release`].
+    pub fn answer(&self, id: QueryId, answer: Answer) -> bool {
+        {
+            let mut s = lock(&self.shared);
+            let Some((ctx, key)) = s.questions.remove(&id) else {
+                return false;
+            };
+            let Some(slot) = s.lookups.get_mut(&ctx).and_then(|keys| keys.get_mut(&key)) else {
+                return false;
+            };
+            *slot = Slot::Answered(answer);
+            s.answered = true;
+        }
+        if let Some(wake) = &self.wake {
+            wake();
+        }
+        true
+    }
+
+    /// Pins the node is done with since the last call.
+    pub fn take_releases(&self) -> Vec<Release> {
+        std::mem::take(&mut lock(&self.shared).releases)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn ctx(n: u64) -> ServeCtx {
+        ServeCtx {
+            peer: PeerId::new("127.0.0.1:9"),
+            kv_request_id: KvRequestId::from("r"),
+            lookup: n,
+        }
+    }
+
+    fn key(i: u8) -> OffloadKey {
+        OffloadKey::from(&[i; 8][..])
+    }
+
+    fn hit(block: u64, pin: u64) -> Answer {
+        Answer::Hit {
+            block,
+            pin: EnginePin(pin),
+        }
+    }
+
+    #[test]
+    fn a_key_is_asked_once_and_answers_retry_until_the_engine_answers() {
+        let (mut parent, link) = EngineParent::new(None);
+        let c = ctx(1);
+        parent.on_new_request(&c);
+        assert_eq!(parent.lookup(&key(1), &c), LookupResult::Retry);
+        assert_eq!(parent.lookup(&key(1), &c), LookupResult::Retry);
+        let queries = link.take_queries();
+        assert_eq!(queries.len(), 1, "asked once however often the core polls");
+        assert_eq!(queries[0].key, key(1));
+        assert!(!parent.take_answered());
+        assert!(link.answer(queries[0].id, hit(4, 40)));
+        assert!(parent.take_answered());
+        assert_eq!(parent.lookup(&key(1), &c), LookupResult::Hit);
+        let job = parent.create_store_job(&[key(1)], &c).unwrap();
+        assert_eq!(job.blocks, vec![4]);
+        parent.on_request_finished(&c);
+        assert!(link.take_releases().is_empty(), "the job holds the pin");
+        assert_eq!(parent.outstanding(), (0, 1));
+        parent.complete_store_job(job.job_id, true);
+        assert_eq!(
+            link.take_releases(),
+            vec![Release {
+                pin: EnginePin(40),
+                sent: true
+            }]
+        );
+        assert_eq!(parent.outstanding(), (0, 0));
+    }
+
+    #[test]
+    fn pending_asks_again_and_miss_is_final() {
+        let (mut parent, link) = EngineParent::new(None);
+        let c = ctx(1);
+        parent.on_new_request(&c);
+        parent.lookup(&key(1), &c);
+        parent.lookup(&key(2), &c);
+        let q = link.take_queries();
+        assert!(link.answer(q[0].id, Answer::Pending));
+        assert!(link.answer(q[1].id, Answer::Miss));
+        assert_eq!(parent.lookup(&key(1), &c), LookupResult::Retry);
+        assert_eq!(parent.lookup(&key(2), &c), LookupResult::Miss);
+        let again = link.take_queries();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].key, key(1));
+        assert_ne!(again[0].id, q[0].id);
+        assert!(
+            !link.answer(q[0].id, Answer::Miss),
+            "an old question is gone"
+        );
+    }
+
+    #[test]
+    fn a_lookup_that_ends_first_withdraws_its_questions_and_returns_unused_pins() {
+        let (mut parent, link) = EngineParent::new(None);
+        let c = ctx(1);
+        parent.on_new_request(&c);
+        parent.lookup(&key(1), &c);
+        parent.lookup(&key(2), &c);
+        parent.lookup(&key(3), &c);
+        let q = link.take_queries();
+        parent.lookup(&key(4), &c); // asked, never taken by the engine
+        assert!(link.answer(q[0].id, hit(1, 10)));
+        parent.on_request_finished(&c);
+        assert!(
+            link.take_queries().is_empty(),
+            "a withdrawn question is not handed out"
+        );
+        assert!(
+            !link.answer(q[1].id, hit(2, 20)),
+            "the pin stays the engine's"
+        );
+        assert!(!link.answer(q[2].id, Answer::Miss));
+        assert_eq!(
+            link.take_releases(),
+            vec![Release {
+                pin: EnginePin(10),
+                sent: false
+            }],
+            "the hit nobody used comes back unused, once"
+        );
+        assert_eq!(parent.outstanding(), (0, 0));
+    }
+
+    #[test]
+    fn a_store_job_is_made_only_from_hits() {
+        let (mut parent, link) = EngineParent::new(None);
+        let c = ctx(1);
+        parent.on_new_request(&c);
+        parent.lookup(&key(1), &c);
+        parent.lookup(&key(2), &c);
+        let q = link.take_queries();
+        link.answer(q[0].id, hit(1, 10));
+        link.answer(q[1].id, Answer::Miss);
+        assert_eq!(parent.create_store_job(&[key(1), key(2)], &c), None);
+        assert_eq!(parent.create_store_job(&[key(1)], &ctx(2)), None);
+        let job = parent.create_store_job(&[key(1)], &c).unwrap();
+        assert!(job.job_id >= FIRST_PIN_JOB);
+        parent.complete_store_job(job.job_id, false);
+        parent.complete_store_job(job.job_id, false);
+        assert_eq!(
+            link.take_releases(),
+            vec![Release {
+                pin: EnginePin(10),
+                sent: false
+            }],
+            "completed twice, released once"
+        );
+    }
+}

@@ -1,0 +1,247 @@
+//! A test that plays an inference engine embedding kvpeer: the engine owns its blocks, its
+//! key index and its pins, drives an [`EngineNode`] from its own thread (no runtime thread),
+//! and answers peers' lookups later, in its own "step", through the [`EngineLink`]. A stock
+//! runtime-thread [`Node`] is the peer on the other side.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin};
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
+use kvpeer_net::tcp::TcpPlane;
+use kvpeer_proto::KvRequestId;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn engine_node(tag: &str) -> EngineNode<TcpPlane> {
+    EngineNode::build(&NodeConfig::local(tag).spec).unwrap()
+}
+
+/// What the engine's thread saw, for the test to check after it stopped.
+#[derive(Debug, Default)]
+struct EngineLog {
+    queries: usize,
+    /// Pins handed out and not yet back, per block.
+    pins: HashMap<u64, u32>,
+    released_sent: usize,
+    released_unused: usize,
+    /// Questions and pins the node still held when the engine stopped.
+    outstanding: (usize, usize),
+}
+
+/// Runs an engine on its own thread: `held` keys in blocks 10, 11, ... of its pool. Its step
+/// drives the node, then (every 20 ms, like an engine's forward pass) answers what peers
+/// asked, and takes back released pins.
+fn run_engine(
+    mut node: EngineNode<TcpPlane>,
+    held: Vec<OffloadKey>,
+    stop: Arc<AtomicBool>,
+    released: Arc<AtomicUsize>,
+) -> std::thread::JoinHandle<EngineLog> {
+    std::thread::spawn(move || {
+        let block_len = node.pool().block_len() as usize;
+        let mut index = HashMap::new();
+        for (i, key) in held.iter().enumerate() {
+            let block = 10 + i as u64;
+            node.pool_mut()
+                .block_mut(block)
+                .unwrap()
+                .copy_from_slice(&synthetic::content(key, block_len));
+            index.insert(key.clone(), block);
+        }
+        let link = node.link();
+        let mut log = EngineLog::default();
+        let mut next_step = Instant::now();
+        let mut next_pin = 0u64;
+        let mut pin_blocks = HashMap::new();
+        while !stop.load(Ordering::SeqCst) {
+            node.drive(Duration::from_millis(5));
+            if Instant::now() < next_step {
+                continue;
+            }
+            next_step = Instant::now() + Duration::from_millis(20);
+            for q in link.take_queries() {
+                log.queries += 1;
+                let answer = match index.get(&q.key) {
+                    Some(&block) => {
+                        next_pin += 1;
+                        pin_blocks.insert(next_pin, block);
+                        *log.pins.entry(block).or_default() += 1;
+                        Answer::Hit {
+                            block,
+                            pin: EnginePin(next_pin),
+                        }
+                    }
+                    None => Answer::Miss,
+                };
+                if !link.answer(q.id, answer) {
+                    if let Answer::Hit { pin, .. } = answer {
+                        let block = pin_blocks.remove(&pin.0).unwrap();
+                        *log.pins.get_mut(&block).unwrap() -= 1;
+                    }
+                }
+            }
+            for r in link.take_releases() {
+                let block = pin_blocks
+                    .remove(&r.pin.0)
+                    .expect("each pin comes back once");
+                *log.pins.get_mut(&block).unwrap() -= 1;
+                released.fetch_add(1, Ordering::SeqCst);
+                if r.sent {
+                    log.released_sent += 1;
+                } else {
+                    log.released_unused += 1;
+                }
+            }
+        }
+        log.outstanding = node.outstanding();
+        node.shutdown(Duration::from_secs(1));
+        log
+    })
+}
+
+#[test]
+fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks() {
+    let engine = engine_node("eng-producer");
+    let engine_id = engine.id().clone();
+    let held: Vec<OffloadKey> = (0..6).map(synthetic::key).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let released = Arc::new(AtomicUsize::new(0));
+    let thread = run_engine(engine, held.clone(), stop.clone(), released.clone());
+
+    let consumer = Node::start(NodeConfig::local("eng-consumer")).unwrap();
+    let block_len = consumer.config().block_len as usize;
+    let mut asked = held[..4].to_vec();
+    asked.push(synthetic::key(99)); // not held
+    let found = consumer.lookup(&engine_id, "req-1", &asked, WAIT).unwrap();
+    assert_eq!(
+        found,
+        [
+            LookupResult::Hit,
+            LookupResult::Hit,
+            LookupResult::Hit,
+            LookupResult::Hit,
+            LookupResult::Miss
+        ]
+    );
+    consumer.fetch("req-1", &asked[..4], WAIT).unwrap();
+    consumer.finish("req-1");
+    for key in &asked[..4] {
+        assert_eq!(
+            consumer.read(key),
+            Some(synthetic::content(key, block_len)),
+            "byte-exact from the engine's block"
+        );
+    }
+    assert_eq!(consumer.read(&asked[4]), None);
+
+    // Every pin comes back once its write completed: wait (bounded) for the engine to see it.
+    let deadline = Instant::now() + WAIT;
+    while released.load(Ordering::SeqCst) < 4 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let log = thread.join().unwrap();
+    assert_eq!(log.queries, 5, "one question per key asked");
+    assert_eq!(
+        log.released_sent, 4,
+        "the four pins came back after their writes"
+    );
+    assert_eq!(log.released_unused, 0);
+    assert!(
+        log.pins.values().all(|&n| n == 0),
+        "no pin left: {:?}",
+        log.pins
+    );
+    assert_eq!(log.outstanding, (0, 0));
+    consumer.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
+    let producer = Node::start(NodeConfig {
+        plane: PlaneKind::Tcp,
+        ..NodeConfig::local("eng-src")
+    })
+    .unwrap();
+    let block_len = producer.config().block_len as usize;
+    let keys: Vec<OffloadKey> = (0..3).map(synthetic::key).collect();
+    producer
+        .store(
+            keys.iter()
+                .map(|k| (k.clone(), synthetic::content(k, block_len)))
+                .collect(),
+        )
+        .unwrap();
+
+    let mut engine = engine_node("eng-consumer2");
+    let req = engine.new_request(KvRequestId::from("req-e"), producer.id().clone());
+    let mut asked = keys.clone();
+    asked.push(synthetic::key(42)); // not held
+    engine.lookup(&req, asked.clone());
+    let found = drive_until(&mut engine, |e| matches!(e, EngineEvent::LookedUp { .. }));
+    assert_eq!(
+        found,
+        EngineEvent::LookedUp {
+            kv_request_id: KvRequestId::from("req-e"),
+            results: vec![
+                LookupResult::Hit,
+                LookupResult::Hit,
+                LookupResult::Hit,
+                LookupResult::Miss
+            ],
+        }
+    );
+    // The engine's own choice of blocks, out of order.
+    let blocks = vec![7u64, 3, 11];
+    engine.load(5, &req, keys.clone(), blocks.clone()).unwrap();
+    let loaded = drive_until(&mut engine, |e| matches!(e, EngineEvent::Loaded { .. }));
+    assert_eq!(
+        loaded,
+        EngineEvent::Loaded {
+            job: 5,
+            success: true
+        }
+    );
+    engine.finish(&req);
+    for (key, block) in keys.iter().zip(&blocks) {
+        assert_eq!(
+            engine.pool().block(*block).unwrap(),
+            synthetic::content(key, block_len).as_slice()
+        );
+    }
+    for untouched in [0u64, 1, 2, 4, 5, 6, 8, 9, 10, 12] {
+        assert!(
+            engine
+                .pool()
+                .block(untouched)
+                .unwrap()
+                .iter()
+                .all(|&b| b == 0),
+            "block {untouched} was not the load's"
+        );
+    }
+    assert!(engine.load(1 << 62, &req, vec![], vec![]).is_err());
+    engine.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}
+
+fn drive_until(
+    engine: &mut EngineNode<TcpPlane>,
+    want: impl Fn(&EngineEvent) -> bool,
+) -> EngineEvent {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        engine.drive(Duration::from_millis(5));
+        while let Some(e) = engine.poll_event() {
+            if want(&e) {
+                return e;
+            }
+        }
+    }
+    panic!("no such event within {WAIT:?}");
+}
