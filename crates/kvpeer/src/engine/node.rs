@@ -249,8 +249,8 @@ impl<D: BuildPlane> EngineNode<D> {
         }
         self.events.extend(
             self.io
-                .loads_done
-                .drain()
+                .take_load_results()
+                .into_iter()
                 .map(|(job, success)| EngineEvent::Loaded { job, success }),
         );
     }

@@ -254,6 +254,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         self.loads_done.remove(&job)
     }
 
+    /// Every load result not yet taken (job, every block landed), each once.
+    pub fn take_load_results(&mut self) -> Vec<(JobId, bool)> {
+        self.loads_done.drain().collect()
+    }
+
     /// One round of I/O at `now`.
     pub fn step(&mut self, now: Instant) {
         if let Some(w) = &self.wake {

@@ -83,7 +83,6 @@ struct PendingLookup {
 
 struct PendingLoad {
     started: Instant,
-    job: JobId,
     blocks: Vec<u64>,
     deadline: Instant,
     /// `None` once the caller has been answered (it gave up waiting).
@@ -96,7 +95,9 @@ struct Runtime<P: BuildPlane> {
     requests: HashMap<String, Request>,
     connects: Vec<PendingConnect>,
     lookups: Vec<PendingLookup>,
-    loads: Vec<PendingLoad>,
+    /// Loads by job, until the core reports them ended (a caller that gave up waiting has
+    /// been answered already; its blocks stay reserved until then).
+    loads: HashMap<JobId, PendingLoad>,
     next_job: JobId,
     /// Totals and latencies of the calls (the rest of the stats comes from the core and store).
     calls: NodeStats,
@@ -109,7 +110,7 @@ pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
         requests: HashMap::new(),
         connects: Vec::new(),
         lookups: Vec::new(),
-        loads: Vec::new(),
+        loads: HashMap::new(),
         next_job: 1,
         calls: NodeStats::default(),
     };
@@ -229,13 +230,15 @@ impl<P: BuildPlane> Runtime<P> {
                 self.io
                     .core
                     .submit_load(now, job, &req, keys, blocks.clone());
-                self.loads.push(PendingLoad {
-                    started: now,
+                self.loads.insert(
                     job,
-                    blocks,
-                    deadline,
-                    reply: Some(reply),
-                });
+                    PendingLoad {
+                        started: now,
+                        blocks,
+                        deadline,
+                        reply: Some(reply),
+                    },
+                );
             }
             Command::Read { keys, reply } => {
                 let store = self.io.core.parent();
@@ -349,36 +352,31 @@ impl<P: BuildPlane> Runtime<P> {
             // Keys still at RETRY (no session yet, or asked while it was opening) go out now.
             self.io.core.flush_lookups(now);
         }
-        for mut l in std::mem::take(&mut self.loads) {
-            match self.io.take_load_result(l.job) {
-                Some(success) => {
-                    self.io.core.parent_mut().finish_write(&l.blocks, success);
-                    if l.reply.is_some() {
-                        self.calls
-                            .fetch_latency
-                            .record(now.saturating_duration_since(l.started));
-                    }
-                    if success {
-                        self.calls.bytes_fetched +=
-                            l.blocks.len() as u64 * self.io.core.local().block_len;
-                    }
-                    if let Some(reply) = l.reply {
-                        let _ = reply.send(if success {
-                            Ok(())
-                        } else {
-                            Err(NodeError::LoadFailed)
-                        });
-                    }
-                }
-                None => {
-                    if now >= l.deadline {
-                        // The caller stops waiting; the core's own load deadline ends the
-                        // round, and the blocks are released when it does.
-                        if let Some(reply) = l.reply.take() {
-                            let _ = reply.send(Err(NodeError::Timeout("fetch")));
-                        }
-                    }
-                    self.loads.push(l);
+        for (job, success) in self.io.take_load_results() {
+            let Some(l) = self.loads.remove(&job) else {
+                continue;
+            };
+            self.io.core.parent_mut().finish_write(&l.blocks, success);
+            if success {
+                self.calls.bytes_fetched += l.blocks.len() as u64 * self.io.core.local().block_len;
+            }
+            if let Some(reply) = l.reply {
+                self.calls
+                    .fetch_latency
+                    .record(now.saturating_duration_since(l.started));
+                let _ = reply.send(if success {
+                    Ok(())
+                } else {
+                    Err(NodeError::LoadFailed)
+                });
+            }
+        }
+        for l in self.loads.values_mut() {
+            if now >= l.deadline {
+                // The caller stops waiting; the core's own load deadline ends the round, and
+                // the blocks are released when it does.
+                if let Some(reply) = l.reply.take() {
+                    let _ = reply.send(Err(NodeError::Timeout("fetch")));
                 }
             }
         }
@@ -391,7 +389,7 @@ impl<P: BuildPlane> Runtime<P> {
             .chain(self.connects.iter().map(|c| c.deadline))
             .chain(
                 self.loads
-                    .iter()
+                    .values()
                     .filter(|l| l.reply.is_some())
                     .map(|l| l.deadline),
             )
@@ -414,7 +412,7 @@ impl<P: BuildPlane> Runtime<P> {
         let now = Instant::now();
         self.io.core.shutdown(now);
         self.io.flush(now);
-        for l in self.loads.drain(..) {
+        for (_, l) in self.loads.drain() {
             self.io.core.parent_mut().finish_write(&l.blocks, false);
             if let Some(reply) = l.reply {
                 let _ = reply.send(Err(NodeError::ShutDown));
