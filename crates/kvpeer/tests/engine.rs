@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin};
+use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin, KvRequestId, RequestRoles};
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
+
 use kvpeer_net::tcp::TcpPlane;
-use kvpeer_proto::KvRequestId;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -244,4 +244,63 @@ fn drive_until(
         }
     }
     panic!("no such event within {WAIT:?}");
+}
+
+/// PD between two engines, both driven from this one thread: the producer offers blocks it
+/// pinned for a request, the consumer fetches them without a lookup into blocks it chose, and
+/// the producer hears when it may unpin.
+#[test]
+fn two_engines_do_prefill_decode_from_one_thread() {
+    let mut producer = engine_node("eng-pd-p");
+    let mut consumer = engine_node("eng-pd-c");
+    let block_len = producer.pool().block_len() as usize;
+    let keys: Vec<OffloadKey> = (0..3).map(|i| synthetic::key(100 + i)).collect();
+    for (key, block) in keys.iter().zip([20u64, 21, 22]) {
+        producer
+            .pool_mut()
+            .block_mut(block)
+            .unwrap()
+            .copy_from_slice(&synthetic::content(key, block_len));
+    }
+    let id = KvRequestId::from("pd-1");
+    let offered = producer.new_request_with(id.clone(), RequestRoles::decoder());
+    producer
+        .store(9, &offered, keys.clone(), vec![20, 21, 22])
+        .unwrap();
+    let fetching =
+        consumer.new_request_with(id.clone(), RequestRoles::prefiller(producer.id().clone()));
+    consumer
+        .load(3, &fetching, keys.clone(), vec![2, 0, 1])
+        .unwrap();
+
+    let deadline = Instant::now() + WAIT;
+    let (mut loaded, mut stored) = (None, None);
+    while (loaded.is_none() || stored.is_none()) && Instant::now() < deadline {
+        producer.drive(Duration::from_millis(2));
+        consumer.drive(Duration::from_millis(2));
+        while let Some(e) = consumer.poll_event() {
+            if let EngineEvent::Loaded { job, success } = e {
+                loaded = Some((job, success));
+            }
+        }
+        while let Some(e) = producer.poll_event() {
+            if let EngineEvent::Stored { job, success } = e {
+                stored = Some((job, success));
+            }
+        }
+    }
+    assert_eq!(loaded, Some((3, true)));
+    assert_eq!(stored, Some((9, true)), "the producer may unpin");
+    for (key, block) in keys.iter().zip([2u64, 0, 1]) {
+        assert_eq!(
+            consumer.pool().block(block).unwrap(),
+            synthetic::content(key, block_len).as_slice()
+        );
+    }
+    assert!(consumer.pool().block(3).unwrap().iter().all(|&b| b == 0));
+    consumer.finish(&fetching);
+    producer.finish(&offered);
+    assert_eq!(producer.outstanding(), (0, 0));
+    consumer.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
 }

@@ -10,5 +10,7 @@
 mod node;
 mod parent;
 
+pub use kvpeer_core::{BlockIndex, JobId, Request, RequestRoles};
+pub use kvpeer_proto::KvRequestId;
 pub use node::{EngineError, EngineEvent, EngineNode};
 pub use parent::{Answer, EngineLink, EngineParent, EnginePin, Query, QueryId, Release};

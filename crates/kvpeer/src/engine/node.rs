@@ -16,7 +16,7 @@ use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::Region;
 
-use super::parent::{EngineLink, EngineParent};
+use super::parent::{EngineLink, EngineParent, FIRST_PIN_JOB};
 use crate::node::build::{build_with, BuildError, BuildPlane, NodeSpec};
 use crate::node::io::NodeIo;
 use kvpeer_store::RegionError;
@@ -37,6 +37,13 @@ pub enum EngineEvent {
         /// The engine's job.
         job: JobId,
         /// Whether every block landed.
+        success: bool,
+    },
+    /// A [`EngineNode::store`] ended: the engine may unpin its blocks.
+    Stored {
+        /// The engine's job.
+        job: JobId,
+        /// Whether its blocks reached the peer.
         success: bool,
     },
 }
@@ -79,9 +86,6 @@ impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
             .finish_non_exhaustive()
     }
 }
-
-/// Job ids from here up are the node's ([`super::parent`] gives them to pins it holds).
-const FIRST_NODE_JOB: u64 = 1 << 62;
 
 impl<D: BuildPlane> EngineNode<D> {
     /// Builds the node: binds its control channel, makes its pool (`spec.num_blocks` blocks
@@ -144,9 +148,33 @@ impl<D: BuildPlane> EngineNode<D> {
 
     /// Opens a request whose KV source is `peer` (it is dialed when the first lookup leaves).
     pub fn new_request(&mut self, kv_request_id: KvRequestId, peer: PeerId) -> Request {
+        self.new_request_with(kv_request_id, RequestRoles::kv_source(peer))
+    }
+
+    /// Opens a request with any roles: a PD producer ([`RequestRoles::decoder`]) stores for a
+    /// peer that fetches; a PD consumer ([`RequestRoles::prefiller`]) loads without a lookup.
+    pub fn new_request_with(&mut self, kv_request_id: KvRequestId, roles: RequestRoles) -> Request {
         self.io
             .core
-            .on_new_request(Instant::now(), kv_request_id, RequestRoles::kv_source(peer))
+            .on_new_request(Instant::now(), kv_request_id, roles)
+    }
+
+    /// Offers `keys` in the engine's `blocks` (pinned by the engine) to the peer that will fetch
+    /// the request (a PD producer); [`EngineEvent::Stored`] for `job` says when the engine may
+    /// unpin them. For a request without that role the job ends at once.
+    pub fn store(
+        &mut self,
+        job: JobId,
+        request: &Request,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<u64>,
+    ) -> Result<(), EngineError> {
+        check_job(job, keys.len(), blocks.len())?;
+        let now = Instant::now();
+        self.io.core.submit_store(now, job, request, keys, blocks);
+        self.collect(now);
+        self.io.flush(now);
+        Ok(())
     }
 
     /// Asks the request's producer about `keys`; the answer comes as
@@ -174,15 +202,7 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<u64>,
     ) -> Result<(), EngineError> {
-        if job >= FIRST_NODE_JOB {
-            return Err(EngineError::ReservedJob(job));
-        }
-        if keys.len() != blocks.len() {
-            return Err(EngineError::Mismatch {
-                keys: keys.len(),
-                blocks: blocks.len(),
-            });
-        }
+        check_job(job, keys.len(), blocks.len())?;
         let now = Instant::now();
         self.io.core.submit_load(now, job, request, keys, blocks);
         self.io.flush(now);
@@ -253,7 +273,26 @@ impl<D: BuildPlane> EngineNode<D> {
                 .into_iter()
                 .map(|(job, success)| EngineEvent::Loaded { job, success }),
         );
+        self.events.extend(
+            self.io
+                .core
+                .parent_mut()
+                .take_stores_done()
+                .into_iter()
+                .map(|(job, success)| EngineEvent::Stored { job, success }),
+        );
     }
+}
+
+/// An engine's job id and the lengths of its keys and blocks, checked.
+fn check_job(job: JobId, keys: usize, blocks: usize) -> Result<(), EngineError> {
+    if job >= FIRST_PIN_JOB {
+        return Err(EngineError::ReservedJob(job));
+    }
+    if keys != blocks {
+        return Err(EngineError::Mismatch { keys, blocks });
+    }
+    Ok(())
 }
 
 fn pool_error(e: RegionError) -> BuildError {

@@ -70,7 +70,7 @@ pub struct Release {
 
 /// Store jobs made from the engine's pins have ids from here up, so that they never meet the
 /// ids an engine gives its own jobs (`submit_store`, `submit_load`), which count from 1.
-const FIRST_PIN_JOB: u64 = 1 << 62;
+pub(super) const FIRST_PIN_JOB: u64 = 1 << 62;
 
 #[derive(Debug, Clone, Copy)]
 enum Slot {
@@ -94,6 +94,9 @@ struct Shared {
     jobs: HashMap<JobId, Vec<EnginePin>>,
     /// Pins given back, not yet taken by the engine.
     releases: Vec<Release>,
+    /// The engine's own store jobs (`EngineNode::store`) that ended: (job, blocks reached the
+    /// peer), for the engine to unpin.
+    stores_done: Vec<(JobId, bool)>,
     /// Answers arrived since the node last looked.
     answered: bool,
 }
@@ -160,6 +163,12 @@ impl EngineParent {
     /// asked to serve its waiting lookups again).
     pub fn take_answered(&mut self) -> bool {
         std::mem::take(&mut lock(&self.shared).answered)
+    }
+
+    /// The engine's own store jobs that ended since the last call: (job, blocks reached the
+    /// peer).
+    pub fn take_stores_done(&mut self) -> Vec<(JobId, bool)> {
+        std::mem::take(&mut lock(&self.shared).stores_done)
     }
 
     /// Questions the engine has not answered and pins it has not got back: both must be 0
@@ -229,6 +238,9 @@ impl Parent for EngineParent {
         if let Some(pins) = s.jobs.remove(&job_id) {
             s.releases
                 .extend(pins.into_iter().map(|pin| Release { pin, sent: success }));
+        } else if job_id < FIRST_PIN_JOB {
+            // One of the engine's own jobs: it unpins when it hears.
+            s.stores_done.push((job_id, success));
         }
     }
 
