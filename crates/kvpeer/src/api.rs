@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 pub use kvpeer_core::{CoreConfig, CoreStats, Counters, LookupResult};
 pub use kvpeer_proto::{OffloadKey, PeerId};
-pub use kvpeer_store::StoreStats;
+pub use kvpeer_store::{StoreError, StoreStats};
 
 use crate::node::build::{build, BuildPlane, NodeSpec};
 use crate::node::runtime::{self, Command};
@@ -163,10 +163,22 @@ pub struct NodeStats {
 pub enum NodeError {
     /// The node could not be built (store, planes, control channel).
     #[error("cannot start the node: {0}")]
-    Start(String),
+    Build(#[from] crate::node::build::BuildError),
+    /// This build of kvpeer lacks the data plane asked for.
+    #[error("this kvpeer was built without the {plane} plane: build with `--features {plane}`")]
+    PlaneNotBuilt {
+        /// The plane's name.
+        plane: &'static str,
+    },
+    /// The runtime thread or its wake pipe could not be set up.
+    #[error("cannot start the node's runtime thread: {0}")]
+    Runtime(std::io::Error),
     /// The store refused (full of pinned blocks, a wrong block length).
     #[error("block store: {0}")]
-    Store(String),
+    Store(#[from] kvpeer_store::StoreError),
+    /// A `store_with` fill function panicked (the blocks it was writing were released).
+    #[error("the fill function panicked")]
+    FillPanicked,
     /// `fetch` or `finish` named a request that `lookup` never opened.
     #[error("no open request {0:?} (lookup opens one)")]
     UnknownRequest(String),
@@ -177,8 +189,13 @@ pub enum NodeError {
     #[error("the fetch failed: not every block landed")]
     LoadFailed,
     /// The peer could not be reached or would not have us (refused, gone, session limit).
-    #[error("no session with {0}")]
-    Refused(String),
+    #[error("no session with {peer}{}", reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    Refused {
+        /// The peer.
+        peer: PeerId,
+        /// Why its session ended or it was refused, when the node knows.
+        reason: Option<String>,
+    },
     /// The node is shut down.
     #[error("the node is shut down")]
     ShutDown,
@@ -210,27 +227,29 @@ impl Node {
             #[cfg(feature = "nixl")]
             PlaneKind::Nixl => Self::start_with::<kvpeer_net::nixl::NixlPlane>(config.spec),
             #[cfg(not(feature = "nixl"))]
-            PlaneKind::Nixl => Err(NodeError::Start(
-                "this kvpeer was built without the nixl plane: build with `--features nixl`".into(),
-            )),
+            PlaneKind::Nixl => Err(NodeError::PlaneNotBuilt { plane: "nixl" }),
         }
     }
 
     fn start_with<P: BuildPlane + Send + 'static>(spec: NodeSpec) -> Result<Node, NodeError> {
-        let io = build::<P>(&spec).map_err(|e| NodeError::Start(e.to_string()))?;
+        let io = build::<P>(&spec)?;
         let id = io.core.local().peer_id.clone();
         let advertised =
             kvpeer_net::metadata::AgentMetadata::decode(&io.core.local().agent_metadata)
                 .unwrap_or_default();
         let wake = match io.wake_writer() {
-            Some(w) => w.map_err(|e| NodeError::Start(e.to_string()))?,
-            None => return Err(NodeError::Start("the node has no wake pipe".into())),
+            Some(w) => w.map_err(NodeError::Runtime)?,
+            None => {
+                return Err(NodeError::Runtime(std::io::Error::other(
+                    "the node has no wake pipe",
+                )))
+            }
         };
         let (tx, rx) = channel();
         let thread = std::thread::Builder::new()
             .name(format!("kvpeer-node-{id}"))
             .spawn(move || runtime::run(io, rx))
-            .map_err(|e| NodeError::Start(format!("cannot start the runtime thread: {e}")))?;
+            .map_err(NodeError::Runtime)?;
         Ok(Node {
             config: NodeSpec {
                 id: id.clone(),

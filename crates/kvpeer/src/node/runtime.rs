@@ -150,7 +150,7 @@ impl<P: BuildPlane> Runtime<P> {
                 let mut result = Ok(());
                 for (key, bytes) in &blocks {
                     if let Err(e) = self.io.core.parent_mut().put(key, bytes) {
-                        result = Err(NodeError::Store(e.to_string()));
+                        result = Err(NodeError::Store(e));
                         break;
                     }
                 }
@@ -175,7 +175,7 @@ impl<P: BuildPlane> Runtime<P> {
                         reply,
                     });
                 } else {
-                    let _ = reply.send(Err(NodeError::Refused(peer.to_string())));
+                    let _ = reply.send(Err(NodeError::Refused { peer, reason: None }));
                 }
             }
             Command::Lookup {
@@ -221,7 +221,7 @@ impl<P: BuildPlane> Runtime<P> {
                 let blocks = match self.io.core.parent_mut().reserve(&keys) {
                     Ok(b) => b,
                     Err(e) => {
-                        let _ = reply.send(Err(NodeError::Store(e.to_string())));
+                        let _ = reply.send(Err(NodeError::Store(e)));
                         return;
                     }
                 };
@@ -285,21 +285,19 @@ impl<P: BuildPlane> Runtime<P> {
             .filter(|(_, k)| store.block_of(k).is_none())
             .map(|(i, k)| (i, k.clone()))
             .unzip();
-        let blocks = store
-            .reserve(&new)
-            .map_err(|e| NodeError::Store(e.to_string()))?;
+        let blocks = store.reserve(&new).map_err(NodeError::Store)?;
         for (&i, &b) in positions.iter().zip(&blocks) {
             let written = match store.write_target(b) {
                 // A panicking `fill` must not take the node's thread down with it.
                 Ok(bytes) => {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(i, bytes)))
-                        .map_err(|_| "the fill function panicked".to_owned())
+                        .map_err(|_| NodeError::FillPanicked)
                 }
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(NodeError::Store(e)),
             };
             if let Err(e) = written {
                 store.finish_write(&blocks, false);
-                return Err(NodeError::Store(e));
+                return Err(e);
             }
         }
         store.finish_write(&blocks, true);
@@ -316,11 +314,10 @@ impl<P: BuildPlane> Runtime<P> {
                     false
                 }
                 None => {
-                    let why = match io.close_reason(&c.peer) {
-                        Some(reason) => format!("{}: {reason}", c.peer),
-                        None => c.peer.to_string(),
-                    };
-                    let _ = c.reply.send(Err(NodeError::Refused(why)));
+                    let _ = c.reply.send(Err(NodeError::Refused {
+                        peer: c.peer.clone(),
+                        reason: io.close_reason(&c.peer).map(str::to_owned),
+                    }));
                     false
                 }
                 Some(_) if now >= c.deadline => {
