@@ -300,7 +300,7 @@ fn a_producer_writes_blocks_in_place_and_peers_fetch_them() {
     // A fill that panics fails the call; nothing of it is kept and the node carries on.
     let other = [synthetic::key(200)];
     let r = producer.store_with(&other, |_, _| panic!("engine bug"));
-    assert!(matches!(r, Err(NodeError::Store(_))), "{r:?}");
+    assert!(matches!(r, Err(NodeError::FillPanicked)), "{r:?}");
     assert_eq!(producer.read(&other[0]), None);
     assert_eq!(
         consumer.lookup(producer.id(), "r", &keys, WAIT).unwrap(),
