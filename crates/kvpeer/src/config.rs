@@ -370,7 +370,7 @@ fn allowlist(s: &Settings) -> Result<Allowlist, ConfigError> {
         return Ok(Allowlist::default());
     };
     let rules: Vec<&str> = v.split(',').filter(|r| !r.trim().is_empty()).collect();
-    Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e))
+    Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e.to_string()))
 }
 
 fn auth_secret(s: &Settings) -> Result<Option<Vec<u8>>, ConfigError> {

@@ -15,6 +15,49 @@ use std::net::IpAddr;
 
 use kvpeer_proto::PeerId;
 
+/// A rule that does not parse: which one, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("allowlist rule {rule:?}: {problem}")]
+pub struct BadRule {
+    /// The rule as written.
+    pub rule: String,
+    /// What is wrong with it.
+    pub problem: RuleProblem,
+}
+
+/// What is wrong with an allowlist rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuleProblem {
+    /// Nothing written.
+    #[error("empty")]
+    Empty,
+    /// `x/n` where `x` is not an IP address.
+    #[error("not an IP network")]
+    NotANetwork,
+    /// A prefix length that is not a number up to 32 (IPv4) or 128 (IPv6).
+    #[error("bad prefix length")]
+    BadPrefix,
+    /// `host:port` with a port that is not a number up to 65535.
+    #[error("bad port")]
+    BadPort,
+    /// `:port` with no host.
+    #[error("empty host")]
+    EmptyHost,
+}
+
+/// Why a peer is not allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotAllowed {
+    /// The identity is not `host:port`, so no rule can judge it.
+    #[error("not a host:port identity ({0})")]
+    NotHostPort(String),
+    /// No rule matches.
+    #[error("not in the allowlist")]
+    NotListed,
+}
+
 /// One rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Rule {
@@ -31,7 +74,7 @@ pub struct Allowlist {
 
 impl Allowlist {
     /// Parses rules; an error names the rule and what is wrong with it.
-    pub fn parse<S: AsRef<str>>(rules: &[S]) -> Result<Self, String> {
+    pub fn parse<S: AsRef<str>>(rules: &[S]) -> Result<Self, BadRule> {
         let rules = rules
             .iter()
             .map(|r| parse_rule(r.as_ref().trim()))
@@ -45,13 +88,13 @@ impl Allowlist {
     }
 
     /// `Ok` if `peer` may be talked to, else why not.
-    pub fn check(&self, peer: &PeerId) -> Result<(), String> {
+    pub fn check(&self, peer: &PeerId) -> Result<(), NotAllowed> {
         if self.rules.is_empty() {
             return Ok(());
         }
         let (host, port) = peer
             .host_port()
-            .map_err(|e| format!("not a host:port identity ({e})"))?;
+            .map_err(|e| NotAllowed::NotHostPort(e.to_string()))?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
         let ip: Option<IpAddr> = host.parse().ok();
         let allowed = self.rules.iter().any(|rule| match rule {
@@ -62,7 +105,7 @@ impl Allowlist {
         if allowed {
             Ok(())
         } else {
-            Err("not in the allowlist".into())
+            Err(NotAllowed::NotListed)
         }
     }
 }
@@ -96,29 +139,32 @@ impl Allowlist {
     }
 }
 
-fn parse_rule(rule: &str) -> Result<Rule, String> {
-    let bad = |why: &str| format!("allowlist rule {rule:?}: {why}");
+fn parse_rule(rule: &str) -> Result<Rule, BadRule> {
+    let bad = |problem| BadRule {
+        rule: rule.to_owned(),
+        problem,
+    };
     if rule.is_empty() {
-        return Err(bad("empty"));
+        return Err(bad(RuleProblem::Empty));
     }
     if let Some((addr, prefix)) = rule.split_once('/') {
-        let addr: IpAddr = addr.parse().map_err(|_| bad("not an IP network"))?;
+        let addr: IpAddr = addr.parse().map_err(|_| bad(RuleProblem::NotANetwork))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix: u8 = prefix
             .parse()
             .ok()
             .filter(|p| *p <= max)
-            .ok_or_else(|| bad("bad prefix length"))?;
+            .ok_or_else(|| bad(RuleProblem::BadPrefix))?;
         return Ok(Rule::Network { addr, prefix });
     }
     if rule.parse::<IpAddr>().is_ok() {
         return Ok(Rule::Host(rule.to_owned()));
     }
     if let Some((host, port)) = rule.rsplit_once(':') {
-        let port: u16 = port.parse().map_err(|_| bad("bad port"))?;
+        let port: u16 = port.parse().map_err(|_| bad(RuleProblem::BadPort))?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
         if host.is_empty() {
-            return Err(bad("empty host"));
+            return Err(bad(RuleProblem::EmptyHost));
         }
         return Ok(Rule::HostPort(host.to_owned(), port));
     }
@@ -182,16 +228,23 @@ mod tests {
 
     #[test]
     fn bad_rules_are_named() {
-        for bad in [
-            "",
-            "10.0.0.0/33",
-            "10.0.0.0/x",
-            "nope/8",
-            "host:port",
-            ":5600",
+        for (bad, problem) in [
+            ("", RuleProblem::Empty),
+            ("10.0.0.0/33", RuleProblem::BadPrefix),
+            ("10.0.0.0/x", RuleProblem::BadPrefix),
+            ("nope/8", RuleProblem::NotANetwork),
+            ("host:port", RuleProblem::BadPort),
+            (":5600", RuleProblem::EmptyHost),
         ] {
-            let e = Allowlist::parse(&[bad]).unwrap_err();
-            assert!(e.contains(&format!("{bad:?}")), "{e}");
+            let e = Allowlist::parse(&["10.0.0.1", bad]).unwrap_err();
+            assert_eq!(
+                e,
+                BadRule {
+                    rule: bad.into(),
+                    problem
+                }
+            );
+            assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
         }
     }
 }

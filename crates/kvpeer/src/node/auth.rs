@@ -43,6 +43,43 @@ impl std::fmt::Debug for Auth {
     }
 }
 
+/// Why a `connect` was refused by authentication, or a signature could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// The configured secret is too short.
+    #[error("the auth secret has {0} bytes; at least 16 are needed")]
+    ShortSecret(usize),
+    /// No randomness for a nonce.
+    #[error("no randomness for a nonce: {0}")]
+    NoRandomness(String),
+    /// The `connect` names another identity than its socket claims.
+    #[error("connect names {named} but came from a socket claiming {sender}")]
+    NotTheSender {
+        /// The identity in the `connect`.
+        named: PeerId,
+        /// The identity the socket claims.
+        sender: PeerId,
+    },
+    /// No `kvpeer_auth` field.
+    #[error("connect without kvpeer_auth")]
+    Missing,
+    /// Not version 2 of 57 bytes.
+    #[error("kvpeer_auth is not version 2 of 57 bytes")]
+    BadFormat,
+    /// The MAC does not verify.
+    #[error(
+        "kvpeer_auth does not match (another secret, altered fields, or signed for another node)"
+    )]
+    Mismatch,
+    /// Signed too long ago (or in the future).
+    #[error("kvpeer_auth is {0}s off our clock")]
+    Stale(u64),
+    /// The nonce was seen before.
+    #[error("kvpeer_auth replayed (nonce seen before)")]
+    Replayed,
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -51,12 +88,9 @@ fn unix_now() -> u64 {
 
 impl Auth {
     /// Authentication with `secret` (at least 16 bytes).
-    pub fn new(secret: Vec<u8>) -> Result<Self, String> {
+    pub fn new(secret: Vec<u8>) -> Result<Self, AuthError> {
         if secret.len() < 16 {
-            return Err(format!(
-                "the auth secret has {} bytes; at least 16 are needed",
-                secret.len()
-            ));
+            return Err(AuthError::ShortSecret(secret.len()));
         }
         Ok(Auth {
             secret,
@@ -88,9 +122,9 @@ impl Auth {
     }
 
     /// The `kvpeer_auth` value for `c` sent to `destination`, now.
-    pub fn sign(&self, destination: &PeerId, c: &Connect) -> Result<Vec<u8>, String> {
+    pub fn sign(&self, destination: &PeerId, c: &Connect) -> Result<Vec<u8>, AuthError> {
         let mut nonce = [0u8; 16];
-        getrandom::fill(&mut nonce).map_err(|e| format!("no randomness for a nonce: {e}"))?;
+        getrandom::fill(&mut nonce).map_err(|e| AuthError::NoRandomness(e.to_string()))?;
         Ok(self.sign_at(destination, c, unix_now(), nonce))
     }
 
@@ -109,7 +143,7 @@ impl Auth {
 
     /// Checks the `kvpeer_auth` of `c`, received by this node (`us`) on a socket claiming
     /// identity `sender`; remembers its nonce if it is valid.
-    pub fn verify(&mut self, us: &PeerId, sender: &PeerId, c: &Connect) -> Result<(), String> {
+    pub fn verify(&mut self, us: &PeerId, sender: &PeerId, c: &Connect) -> Result<(), AuthError> {
         self.verify_at(us, sender, c, unix_now())
     }
 
@@ -119,19 +153,16 @@ impl Auth {
         sender: &PeerId,
         c: &Connect,
         now: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), AuthError> {
         if c.peer_id != *sender {
-            return Err(format!(
-                "connect names {} but came from a socket claiming {sender}",
-                c.peer_id
-            ));
+            return Err(AuthError::NotTheSender {
+                named: c.peer_id.clone(),
+                sender: sender.clone(),
+            });
         }
-        let token = c
-            .kvpeer_auth
-            .as_deref()
-            .ok_or("connect without kvpeer_auth")?;
+        let token = c.kvpeer_auth.as_deref().ok_or(AuthError::Missing)?;
         if token.len() != LEN || token[0] != VERSION {
-            return Err("kvpeer_auth is not version 2 of 57 bytes".into());
+            return Err(AuthError::BadFormat);
         }
         let mut time = [0u8; 8];
         time.copy_from_slice(&token[1..9]);
@@ -140,14 +171,9 @@ impl Auth {
         nonce.copy_from_slice(&token[9..25]);
         self.mac(us, c, time, &nonce)
             .verify_slice(&token[25..])
-            .map_err(|_| {
-                "kvpeer_auth does not match (another secret, altered fields, or signed for another node)"
-            })?;
+            .map_err(|_| AuthError::Mismatch)?;
         if time.abs_diff(now) > WINDOW.as_secs() {
-            return Err(format!(
-                "kvpeer_auth is {}s off our clock",
-                time.abs_diff(now)
-            ));
+            return Err(AuthError::Stale(time.abs_diff(now)));
         }
         while self
             .order
@@ -159,7 +185,7 @@ impl Auth {
             }
         }
         if !self.seen.insert(nonce) {
-            return Err("kvpeer_auth replayed (nonce seen before)".into());
+            return Err(AuthError::Replayed);
         }
         self.order.push_back((now, nonce));
         Ok(())
@@ -202,44 +228,53 @@ mod tests {
         let mut c = connect();
         c.kvpeer_auth = Some(a.sign_at(&us(), &c, 1_000_000, [9; 16]));
         assert_eq!(b.verify_at(&us(), &sender(), &c, 1_000_010), Ok(()));
-        assert!(b
-            .verify_at(&us(), &sender(), &c, 1_000_011)
-            .unwrap_err()
-            .contains("replayed"));
+        assert_eq!(
+            b.verify_at(&us(), &sender(), &c, 1_000_011),
+            Err(AuthError::Replayed)
+        );
 
         let mut other = auth("another secret, also long enough");
         let mut fresh = connect();
         fresh.kvpeer_auth = Some(a.sign_at(&us(), &fresh, 1_000_000, [8; 16]));
-        assert!(other
-            .verify_at(&us(), &sender(), &fresh, 1_000_000)
-            .unwrap_err()
-            .contains("does not match"));
+        assert_eq!(
+            other.verify_at(&us(), &sender(), &fresh, 1_000_000),
+            Err(AuthError::Mismatch)
+        );
 
         let mut altered = fresh.clone();
         altered.peer_id = PeerId::new("10.0.0.9:5600");
-        assert!(b
-            .verify_at(&us(), &altered.peer_id.clone(), &altered, 1_000_000)
-            .unwrap_err()
-            .contains("does not match"));
+        assert_eq!(
+            b.verify_at(&us(), &altered.peer_id.clone(), &altered, 1_000_000),
+            Err(AuthError::Mismatch)
+        );
         let mut altered = fresh.clone();
         altered.block_len = 8192;
-        assert!(b.verify_at(&us(), &sender(), &altered, 1_000_000).is_err());
+        assert_eq!(
+            b.verify_at(&us(), &sender(), &altered, 1_000_000),
+            Err(AuthError::Mismatch)
+        );
 
         let mut old = connect();
         old.kvpeer_auth = Some(a.sign_at(&us(), &old, 1_000_000, [7; 16]));
-        assert!(b
-            .verify_at(&us(), &sender(), &old, 1_000_000 + 301)
-            .unwrap_err()
-            .contains("off our clock"));
+        assert_eq!(
+            b.verify_at(&us(), &sender(), &old, 1_000_000 + 301),
+            Err(AuthError::Stale(301))
+        );
 
-        assert!(b
-            .verify_at(&us(), &sender(), &connect(), 1_000_000)
-            .unwrap_err()
-            .contains("without"));
+        assert_eq!(
+            b.verify_at(&us(), &sender(), &connect(), 1_000_000),
+            Err(AuthError::Missing)
+        );
         let mut short = connect();
         short.kvpeer_auth = Some(vec![1; 10]);
-        assert!(b.verify_at(&us(), &sender(), &short, 1_000_000).is_err());
-        assert!(Auth::new(b"short".to_vec()).is_err());
+        assert_eq!(
+            b.verify_at(&us(), &sender(), &short, 1_000_000),
+            Err(AuthError::BadFormat)
+        );
+        assert_eq!(
+            Auth::new(b"short".to_vec()).map(|_| ()),
+            Err(AuthError::ShortSecret(5))
+        );
     }
 
     #[test]
@@ -250,15 +285,16 @@ mod tests {
         c.kvpeer_auth = Some(a.sign_at(&us(), &c, 1_000_000, [3; 16]));
         // Replayed to another node that shares the secret: refused there.
         let other_node = PeerId::new("127.0.0.1:7001");
-        let e = b
-            .verify_at(&other_node, &sender(), &c, 1_000_000)
-            .unwrap_err();
-        assert!(e.contains("another node"), "{e}");
+        assert_eq!(
+            b.verify_at(&other_node, &sender(), &c, 1_000_000),
+            Err(AuthError::Mismatch),
+            "signed for another node"
+        );
         // Sent from a socket claiming another identity: refused.
-        let e = b
-            .verify_at(&us(), &PeerId::new("127.0.0.1:6666"), &c, 1_000_000)
-            .unwrap_err();
-        assert!(e.contains("came from a socket claiming"), "{e}");
+        assert!(matches!(
+            b.verify_at(&us(), &PeerId::new("127.0.0.1:6666"), &c, 1_000_000),
+            Err(AuthError::NotTheSender { .. })
+        ));
         // The intended destination, from the signed identity: accepted.
         assert_eq!(b.verify_at(&us(), &sender(), &c, 1_000_000), Ok(()));
     }

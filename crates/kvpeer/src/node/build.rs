@@ -86,7 +86,7 @@ pub enum BuildError {
     Nixl(#[from] kvpeer_net::nixl::NixlError),
     /// The authentication secret.
     #[error("authentication: {0}")]
-    Auth(String),
+    Auth(#[from] super::auth::AuthError),
 }
 
 /// A data plane a node can be built with.

@@ -26,9 +26,20 @@ use kvpeer_store::BlockStore;
 use tracing::{debug, warn};
 
 use super::allow::Allowlist;
-use super::auth::Auth;
-use super::origin::{LocalAddrs, OriginCheck};
+use super::auth::{Auth, AuthError};
+use super::origin::{LocalAddrs, OriginCheck, OriginError};
 use super::wake::WakePipe;
+
+/// Why a `connect` is refused before the protocol sees it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ConnectRefused {
+    /// It advertises a data address this node may not connect to.
+    #[error(transparent)]
+    DataAddress(#[from] OriginError),
+    /// Authentication is on and it does not prove the secret for this node.
+    #[error("authentication failed: {0}")]
+    Auth(#[from] AuthError),
+}
 
 /// A core, its parent and plane, and its control channel. The parent is the node's own block
 /// store, or an engine's (see [`crate::engine`]).
@@ -177,7 +188,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
 
     /// Whether a `connect` from `peer` may open a session: its advertised tcp data address
     /// must be one this node may connect to, and with a secret it must be signed for us.
-    fn check_connect(&mut self, peer: &PeerId, c: &kvpeer_proto::Connect) -> Result<(), String> {
+    fn check_connect(
+        &mut self,
+        peer: &PeerId,
+        c: &kvpeer_proto::Connect,
+    ) -> Result<(), ConnectRefused> {
         // Only kvpeer's plane map names addresses; NIXL's blob is NIXL's (docs/security.md).
         if let Ok(AgentMetadata {
             tcp: Some(addr), ..
@@ -187,8 +202,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         }
         if let Some(auth) = self.auth.as_mut() {
             let us = self.channel.identity().clone();
-            auth.verify(&us, peer, c)
-                .map_err(|e| format!("authentication failed: {e}"))?;
+            auth.verify(&us, peer, c)?;
         }
         Ok(())
     }
@@ -210,7 +224,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// Counts a refusal (once per peer while remembered) and logs it, rate-limited.
-    fn refuse(&mut self, now: Instant, peer: &PeerId, reason: &str, what: &str) {
+    fn refuse(&mut self, now: Instant, peer: &PeerId, reason: &dyn std::fmt::Display, what: &str) {
         const REMEMBERED: usize = 4096;
         if self.refused.len() >= REMEMBERED {
             self.refused.clear();

@@ -21,7 +21,57 @@ use std::net::IpAddr;
 
 use kvpeer_proto::PeerId;
 
-use super::allow::Allowlist;
+use super::allow::{Allowlist, NotAllowed};
+
+/// Why a message is not heard from where it came, or a data address is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OriginError {
+    /// The claimed identity is not allowed.
+    #[error(transparent)]
+    NotAllowed(#[from] NotAllowed),
+    /// The source address matches no address or network rule of the allowlist.
+    #[error("source address {0} is not in the allowlist")]
+    SourceNotAllowed(IpAddr),
+    /// The identity is not `host:port`.
+    #[error("not a host:port identity")]
+    NotHostPort,
+    /// An IP identity claimed from another address.
+    #[error("identity {peer} claimed from another address ({from})")]
+    ClaimedElsewhere {
+        /// The identity claimed.
+        peer: PeerId,
+        /// Where the message came from.
+        from: IpAddr,
+    },
+    /// A host-name identity the allowlist does not name: it cannot be bound to its source.
+    #[error("host-name identity {peer} cannot be bound to its source ({from})")]
+    UnboundHostName {
+        /// The identity claimed.
+        peer: PeerId,
+        /// Where the message came from.
+        from: IpAddr,
+    },
+    /// An advertised data address the allowlist refuses.
+    #[error("data address {addr}: {why}")]
+    DataNotAllowed {
+        /// The address.
+        addr: String,
+        /// Why the allowlist refuses it.
+        why: NotAllowed,
+    },
+    /// An advertised data address that is not `host:port`.
+    #[error("data address {0} is not host:port")]
+    DataNotHostPort(String),
+    /// An advertised data address on another host than the peer's.
+    #[error("data address {addr} is not on the peer's own host ({peer})")]
+    DataElsewhere {
+        /// The address.
+        addr: String,
+        /// The peer that advertised it.
+        peer: PeerId,
+    },
+}
 
 /// This host's interface addresses, read once.
 #[derive(Debug, Clone, Default)]
@@ -99,27 +149,29 @@ impl OriginCheck {
     }
 
     /// `Ok` if a message claiming `peer` may have come from `source`, else why not.
-    pub fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), String> {
+    pub fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
         self.allow.check(peer)?;
         if !self.allow.allows_source(source) {
-            return Err(format!("source address {source} is not in the allowlist"));
+            return Err(OriginError::SourceNotAllowed(source));
         }
         if !self.bind_identity {
             return Ok(());
         }
         let Some((host, ip)) = host_of(peer) else {
-            return Err("not a host:port identity".into());
+            return Err(OriginError::NotHostPort);
         };
         match ip {
             Some(ip) if same_ip(ip, source) => Ok(()),
             Some(ip) if source.is_loopback() && self.local.contains(ip) => Ok(()),
-            Some(_) => Err(format!(
-                "identity {peer} claimed from another address ({source})"
-            )),
+            Some(_) => Err(OriginError::ClaimedElsewhere {
+                peer: peer.clone(),
+                from: source,
+            }),
             None if self.allow.allows_all() || self.allow.names_host(&host) => Ok(()),
-            None => Err(format!(
-                "host-name identity {peer} cannot be bound to its source ({source})"
-            )),
+            None => Err(OriginError::UnboundHostName {
+                peer: peer.clone(),
+                from: source,
+            }),
         }
     }
 
@@ -128,26 +180,30 @@ impl OriginCheck {
     /// identity binding, an IP-literal data host must be the peer's own host (or, from a peer
     /// of this host, one of this host's addresses), so a peer cannot aim our writer at a third
     /// machine.
-    pub fn check_data_addr(&self, peer: &PeerId, addr: &str) -> Result<(), String> {
+    pub fn check_data_addr(&self, peer: &PeerId, addr: &str) -> Result<(), OriginError> {
         let data = PeerId::new(addr);
         self.allow
             .check(&data)
-            .map_err(|e| format!("data address {addr}: {e}"))?;
+            .map_err(|why| OriginError::DataNotAllowed {
+                addr: addr.to_owned(),
+                why,
+            })?;
         if !self.bind_identity {
             return Ok(());
         }
         let (Some((_, peer_ip)), Some((data_host, data_ip))) = (host_of(peer), host_of(&data))
         else {
-            return Err(format!("data address {addr} is not host:port"));
+            return Err(OriginError::DataNotHostPort(addr.to_owned()));
         };
         match (peer_ip, data_ip) {
             (Some(p), Some(d)) if same_ip(p, d) => Ok(()),
             (Some(p), Some(d)) if self.local.contains(p) && self.local.contains(d) => Ok(()),
             (_, None) if self.allow.allows_all() || self.allow.names_host(&data_host) => Ok(()),
             (None, Some(_)) if self.allow.allows_all() => Ok(()),
-            _ => Err(format!(
-                "data address {addr} is not on the peer's own host ({peer})"
-            )),
+            _ => Err(OriginError::DataElsewhere {
+                addr: addr.to_owned(),
+                peer: peer.clone(),
+            }),
         }
     }
 }
@@ -166,7 +222,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("{s:?} is not an address: {e}"))
     }
 
-    fn check(rules: &[&str], peer: &str, source: &str) -> Result<(), String> {
+    fn check(rules: &[&str], peer: &str, source: &str) -> Result<(), OriginError> {
         let allow = Allowlist::parse(rules).unwrap_or_default();
         let local = LocalAddrs::of(vec!["192.0.2.10".parse().unwrap_or(IpAddr::from([0; 4]))]);
         OriginCheck::new(true, allow, local).check(&PeerId::new(peer), ip(source))
@@ -178,7 +234,7 @@ mod tests {
         assert_eq!(check(&[], "[::1]:5600", "::1"), Ok(()));
         assert_eq!(check(&[], "10.0.0.5:5600", "::ffff:10.0.0.5"), Ok(()));
         let e = check(&[], "10.0.0.5:5600", "10.0.0.6").unwrap_err();
-        assert!(e.contains("claimed from another address"), "{e}");
+        assert!(matches!(e, OriginError::ClaimedElsewhere { .. }), "{e}");
         // A remote host cannot claim this host's loopback or its addresses.
         assert!(check(&[], "127.0.0.1:5600", "10.0.0.6").is_err());
         assert!(check(&[], "192.0.2.10:5600", "10.0.0.6").is_err());
@@ -196,7 +252,7 @@ mod tests {
         let e = loose
             .check(&PeerId::new("10.0.0.5:1"), ip("203.0.113.1"))
             .unwrap_err();
-        assert!(e.contains("source address 203.0.113.1"), "{e}");
+        assert_eq!(e, OriginError::SourceNotAllowed(ip("203.0.113.1")));
         assert_eq!(
             loose.check(&PeerId::new("10.0.0.5:1"), ip("10.9.9.9")),
             Ok(())
