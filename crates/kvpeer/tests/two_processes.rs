@@ -586,6 +586,14 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
     assert!(err.contains("num_blokcs: unknown key"), "{err}");
     assert!(err.contains(&path), "{err}");
 
+    std::fs::write(&file, "listen_port = 1\nnum_blocks = \n").unwrap();
+    let mut p = Proc::spawn(&["serve", "--config", &path], "serve");
+    assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
+    std::thread::sleep(Duration::from_millis(100));
+    let err = p.log();
+    assert!(err.contains("num_blocks: "), "{err}");
+    assert!(err.contains("(line 2, column 14)"), "{err}");
+
     let env = [("VLLM_P2P_MAX_PEERS", "many")];
     let mut p = Proc::spawn_env(&["serve"], "serve", &env);
     assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
@@ -596,6 +604,21 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Logs written to a pipe (a file, a collector) carry no terminal colour codes.
+#[test]
+fn logs_to_a_pipe_have_no_colour_codes() {
+    let (mut server, _) = Proc::serve(&["--blocks", "8"]);
+    assert_eq!(server.terminate(Duration::from_secs(10)), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let log = server.log();
+    // Not vacuous: the tests run children at info, and serve logs its start and its stop.
+    assert!(log.contains("INFO") && log.contains("serving"), "{log:?}");
+    assert!(
+        !log.contains("\x1b["),
+        "colour codes in piped logs: {log:?}"
+    );
 }
 
 #[test]
