@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
-    assert_serve_clean, assert_vllm_clean, kvpeer_fetch, kvpeer_serve_on, metric, nixl_lib_dir,
-    vllm_fetch, vllm_pd_fetch_aborted, vllm_serve, vllm_stop, vllm_stop_after_disconnect,
+    assert_serve_clean, kvpeer_fetch, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
+    vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
+    vllm_stop_after_disconnect,
 };
 use common::{free_port, BIN};
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
@@ -92,30 +93,7 @@ fn a_vllm_nixl_consumer_fetches_from_kvpeer() {
     ucx_env();
     let dir = nixl_lib_dir();
     let (serve, id) = kvpeer_serve_on(&nixl_plane(&dir), &["--fill", "64"]);
-    let (status, s) = vllm_fetch(&[
-        "--transport",
-        "nixl",
-        "--peer",
-        &id,
-        "--requests",
-        "4",
-        "--keys",
-        "12",
-        "--miss-share",
-        "0.3334",
-        "--rounds",
-        "3",
-    ]);
-    assert_eq!(status, 0, "{s}\n{}", serve.log());
-    assert_eq!(
-        (s["hits"].as_u64(), s["misses"].as_u64()),
-        (Some(32), Some(16)),
-        "{s}"
-    );
-    assert_eq!(s["corrupt_blocks"], 0);
-    assert_eq!(s["bytes"], 32 * 65536);
-    assert_eq!(s["received"]["transfer_done"], 8, "{s}");
-    assert_vllm_clean(&s);
+    vllm_fetch_three_rounds(&["--transport", "nixl"], &id, 4, &serve);
     assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 8.0);
     assert_serve_clean(&serve);
     let log = serve.log();

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
     assert_serve_clean, assert_vllm_clean, kvpeer_fetch, kvpeer_serve, metric, vllm, vllm_fetch,
-    vllm_pd_fetch_aborted, vllm_serve, vllm_stop, vllm_stop_after_disconnect,
+    vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
+    vllm_stop_after_disconnect,
 };
 use common::{free_port, BIN};
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
@@ -42,33 +43,11 @@ fn node(tag: &str, load_timeout: Duration) -> Node {
 #[test]
 fn a_vllm_consumer_fetches_from_kvpeer_serve() {
     let (serve, id) = kvpeer_serve(&["--fill", "64"]);
-    let (status, s) = vllm_fetch(&[
-        "--peer",
-        &id,
-        "--requests",
-        "8",
-        "--keys",
-        "12",
-        "--miss-share",
-        "0.3334",
-        "--rounds",
-        "3",
-    ]);
-    assert_eq!(status, 0, "{s}\n{}", serve.log());
-    assert_eq!(
-        (s["hits"].as_u64(), s["misses"].as_u64()),
-        (Some(64), Some(32)),
-        "{s}"
-    );
-    assert_eq!(s["corrupt_blocks"], 0);
-    assert_eq!(s["failed_loads"], 0);
-    assert_eq!(s["bytes"], 64 * 65536);
+    let s = vllm_fetch_three_rounds(&[], &id, 8, &serve);
     // 3 lookups per request; 2 fetches with blocks + the terminal empty one.
     assert_eq!(s["sent"]["lookup"], 24, "{s}");
     assert_eq!(s["sent"]["fetch"], 24, "{s}");
     assert_eq!(s["received"]["lookup_resp"], 24, "{s}");
-    assert_eq!(s["received"]["transfer_done"], 16, "{s}");
-    assert_vllm_clean(&s);
 
     assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 16.0);
     assert_eq!(metric(&serve, "kvpeer_fetch_blocks_served_total"), 64.0);

@@ -87,6 +87,18 @@ fn settle(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration, pause: D
     });
 }
 
+/// Waits (bounded by `timeout`) until the consumer holds no request, then until the producer
+/// holds nothing open (bounded: 10 s; the caller asserts it).
+fn drain(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration) {
+    step_until(c, timeout, |c| c.core.stats().client_requests == 0);
+    settle(
+        c,
+        producer,
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+    );
+}
+
 fn producer_open(p: &Node) -> (usize, usize, usize, u64) {
     let s = p.stats().unwrap();
     (
@@ -215,15 +227,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             );
         }
     }
-    step_until(&mut c, Duration::from_secs(10), |c| {
-        c.core.stats().client_requests == 0
-    });
-    settle(
-        &mut c,
-        &producer,
-        Duration::from_secs(10),
-        Duration::from_millis(10),
-    );
+    drain(&mut c, &producer, Duration::from_secs(10));
     let rss1 = rss_kib();
     let served = producer.stats().unwrap();
     println!(
@@ -293,15 +297,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             c.wait(now, Duration::from_millis(5));
         }
     }
-    step_until(&mut c, Duration::from_secs(30), |c| {
-        c.core.stats().client_requests == 0
-    });
-    settle(
-        &mut c,
-        &producer,
-        Duration::from_secs(10),
-        Duration::from_millis(10),
-    );
+    drain(&mut c, &producer, Duration::from_secs(30));
     let rss3 = rss_kib();
     println!(
         "end after {:?}: RSS {rss0} -> {rss1} -> {rss2} -> {rss3} KiB (start, after rounds, after \

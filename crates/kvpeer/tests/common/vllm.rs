@@ -226,3 +226,42 @@ pub(crate) fn vllm_pd_fetch_aborted(id: &str, transport: &[&str]) -> Value {
     assert_vllm_clean(&s);
     s
 }
+
+/// A vLLM consumer (`transport`: its transport flags) runs `requests` requests of 12 keys
+/// against kvpeer at `id`, in three lookup rounds each (two with 4 held keys, closed by a
+/// fetch; the last all misses, closed by the terminal empty fetch); every byte checked. Its
+/// summary, its counts checked.
+pub(crate) fn vllm_fetch_three_rounds(
+    transport: &[&str],
+    id: &str,
+    requests: u64,
+    serve: &Proc,
+) -> Value {
+    let requests_arg = requests.to_string();
+    let mut args = transport.to_vec();
+    args.extend_from_slice(&[
+        "--peer",
+        id,
+        "--requests",
+        &requests_arg,
+        "--keys",
+        "12",
+        "--miss-share",
+        "0.3334",
+        "--rounds",
+        "3",
+    ]);
+    let (status, s) = vllm_fetch(&args);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(requests * 8), Some(requests * 4)),
+        "{s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0, "{s}");
+    assert_eq!(s["failed_loads"], 0, "{s}");
+    assert_eq!(s["bytes"], requests * 8 * 65536, "{s}");
+    assert_eq!(s["received"]["transfer_done"], requests * 2, "{s}");
+    assert_vllm_clean(&s);
+    s
+}
