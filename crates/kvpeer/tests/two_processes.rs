@@ -551,22 +551,15 @@ fn logs_to_a_pipe_have_no_colour_codes() {
 #[test]
 fn fetch_prints_json_for_machines_and_json_logs_on_request() {
     let (_server, id) = small_server();
-    let mut fetch = Cli::fetch_shared(id.as_str())
+    let (summary, fetch) = Cli::fetch_shared(id.as_str())
         .pool(16, 4096)
         .workload(2, 8)
         .flag("--json")
         .global("--log-format", "json")
-        .spawn();
-    let line = fetch.line();
-    assert_eq!(
-        fetch.wait_while(Duration::from_secs(30), || {}),
-        0,
-        "{line}"
-    );
-    let summary: serde_json::Value = serde_json::from_str(&line).unwrap();
-    assert_eq!(summary["hits"], 8, "{line}");
-    assert_eq!(summary["misses"], 8, "{line}");
-    assert_eq!(summary["corrupt_blocks"], 0, "{line}");
+        .run_json();
+    assert_eq!(summary["hits"], 8, "{summary}");
+    assert_eq!(summary["misses"], 8, "{summary}");
+    assert_eq!(summary["corrupt_blocks"], 0, "{summary}");
     std::thread::sleep(Duration::from_millis(100));
     // Its logs (info level in these tests) are JSON objects, one per line.
     let logs = fetch.stderr.lock().unwrap().clone();
@@ -672,25 +665,18 @@ fn fetch_mixes_in_new_keys_by_default_and_reports_the_hit_rate() {
         .pool(32, 4096)
         .arg("--fill", 32)
         .start_serving();
-    let mut fetch = Cli::fetch(id.as_str())
+    let (s, _) = Cli::fetch(id.as_str())
         .pool(32, 4096)
         .workload(2, 8)
         .flag("--json")
-        .spawn();
-    let line = fetch.line();
-    assert_eq!(
-        fetch.wait_while(Duration::from_secs(30), || {}),
-        0,
-        "{line}"
-    );
-    let s: serde_json::Value = serde_json::from_str(&line).unwrap();
+        .run_json();
     // A quarter of each request's 8 keys is new text: 2 misses, 6 shared keys held.
     assert_eq!(
         (s["hits"].as_u64(), s["misses"].as_u64()),
         (Some(12), Some(4)),
-        "{line}"
+        "{s}"
     );
-    assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{line}");
+    assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{s}");
 }
 
 /// `fetch --concurrency 4`: four callers share the node, every byte still checked; the pool

@@ -3,6 +3,7 @@
 //! until ready, or to completion).
 
 use std::process::{Command, Output};
+use std::time::Duration;
 
 use kvpeer_proto::PeerId;
 
@@ -104,6 +105,17 @@ impl Cli {
     pub(crate) fn start_serving(&self) -> (Proc, PeerId) {
         assert_eq!(self.args[0], "serve", "{:?}", self.args);
         Proc::serve(&self.args()[1..])
+    }
+
+    /// Runs `kvpeer ... --json` as a child to its end, which must succeed; its JSON summary
+    /// (the child is returned too, for its logs).
+    pub(crate) fn run_json(&self) -> (serde_json::Value, Proc) {
+        let mut p = self.spawn();
+        let line = p.line();
+        assert_eq!(p.wait_while(Duration::from_secs(30), || {}), 0, "{line}");
+        let summary =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        (summary, p)
     }
 
     /// Runs it to completion.
