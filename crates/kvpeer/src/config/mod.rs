@@ -167,10 +167,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         max_message_bytes: max_message as i64,
         ..ControlConfig::default()
     };
-    let plane = match s.get(&KEY.plane) {
-        None => PlaneKind::default(),
-        Some((v, src)) => v.parse::<PlaneKind>().map_err(|e| bad(src, "plane", e))?,
-    };
+    let plane: PlaneKind = s.parsed(&KEY.plane)?;
     let nixl = NixlOptions {
         lib_dir: s.get(&KEY.nixl_lib_dir).map(|(v, _)| v.into()),
         backend_params: match s.get(&KEY.nixl_backend_params) {
@@ -255,6 +252,13 @@ impl Values<'_> {
         Ok(n)
     }
 
+    fn parsed<T: std::str::FromStr<Err = String>>(&self, key: &Key) -> Result<T, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        v.parse().map_err(|e| bad(src, key.name, e))
+    }
+
     fn boolean(&self, key: &Key) -> Result<bool, ConfigError> {
         let Some((v, src)) = self.value(key) else {
             return Err(bad("default", key.name, "no value".into()));
@@ -325,6 +329,7 @@ mod tests {
         assert_eq!(c.spec.limits, DecodeLimits::default());
         assert_eq!(c.spec.control, ControlConfig::default());
         assert_eq!(c.spec.nixl, NixlOptions::default());
+        assert_eq!(c.plane, PlaneKind::default());
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
         assert_eq!(c.spec.auth_secret, None);
