@@ -43,7 +43,7 @@ use crate::node::build::{build, BuildPlane, NodeSpec};
 use crate::node::runtime::{self, Command};
 
 /// Which data planes a node advertises and writes with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PlaneKind {
     /// Same-host shared memory only.
     Shm,
@@ -57,6 +57,14 @@ pub enum PlaneKind {
 }
 
 impl PlaneKind {
+    /// Every plane, in the order of the documentation.
+    pub const ALL: [PlaneKind; 4] = [
+        PlaneKind::Shm,
+        PlaneKind::Tcp,
+        PlaneKind::Both,
+        PlaneKind::Nixl,
+    ];
+
     /// Its name in flags and config files.
     pub fn name(self) -> &'static str {
         match self {
@@ -65,6 +73,24 @@ impl PlaneKind {
             PlaneKind::Both => "both",
             PlaneKind::Nixl => "nixl",
         }
+    }
+}
+
+impl std::fmt::Display for PlaneKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for PlaneKind {
+    type Err = String;
+
+    /// A plane by its [`name`](PlaneKind::name).
+    fn from_str(s: &str) -> Result<Self, String> {
+        PlaneKind::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("{s:?} is not shm, tcp, both or nixl"))
     }
 }
 
@@ -78,29 +104,11 @@ pub struct NodeConfig {
 }
 
 impl NodeConfig {
-    /// A node on 127.0.0.1 with a port the system picks, 256 blocks of 64 KiB, both planes;
-    /// `tag` names its pool's shm object (with the process id).
+    /// A node on 127.0.0.1 with a port the system picks and every other setting at its
+    /// default (docs/configuration.md: 1024 blocks of 64 KiB, both planes); `tag` names its
+    /// pool's shm object (with the process id). [`NodeConfig::builder`] changes settings.
     pub fn local(tag: &str) -> Self {
-        NodeConfig {
-            spec: NodeSpec {
-                id: PeerId::new("127.0.0.1:0"),
-                num_blocks: 256,
-                block_len: 64 * 1024,
-                shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
-                tcp_listen: "127.0.0.1:0".into(),
-                tcp_max_write_rate: None,
-                hash_seed: crate::config::VLLM_DEFAULT_HASH_SEED.into(),
-                config_fingerprint: String::new(),
-                core: CoreConfig::default(),
-                allowlist: Default::default(),
-                bind_identity: true,
-                auth_secret: None,
-                control: Default::default(),
-                limits: Default::default(),
-                nixl: Default::default(),
-            },
-            plane: PlaneKind::Both,
-        }
+        NodeConfig::defaults(tag)
     }
 }
 
@@ -164,6 +172,9 @@ pub enum NodeError {
     /// The node could not be built (store, planes, control channel).
     #[error("cannot start the node: {0}")]
     Build(#[from] crate::node::build::BuildError),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// This build of kvpeer lacks the data plane asked for.
     #[error("this kvpeer was built without the {plane} plane: build with `--features {plane}`")]
     PlaneNotBuilt {

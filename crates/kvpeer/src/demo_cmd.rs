@@ -29,7 +29,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 64 * 1024)]
     block_len: u64,
     /// Data planes of both nodes.
-    #[arg(long, value_enum, default_value_t = PlaneKind::Both)]
+    #[arg(long, value_parser = crate::node_args::plane_parser(), default_value_t = PlaneKind::Both)]
     plane: PlaneKind,
 }
 
@@ -53,12 +53,13 @@ pub(crate) fn run(args: DemoArgs) -> u8 {
     }
 }
 
-fn config(tag: &str, args: &DemoArgs, blocks: u64) -> NodeConfig {
-    let mut c = NodeConfig::local(tag);
-    c.spec.num_blocks = blocks;
-    c.spec.block_len = args.block_len;
-    c.plane = args.plane;
-    c
+fn config(tag: &str, args: &DemoArgs, blocks: u64) -> Result<NodeConfig, NodeError> {
+    NodeConfig::builder(tag)
+        .num_blocks(blocks)
+        .block_len(args.block_len)
+        .plane(args.plane)
+        .build()
+        .map_err(NodeError::from)
 }
 
 /// Key `j` of prefix `p`; suffix keys come after every prefix's keys, one range per request.
@@ -84,9 +85,9 @@ fn demo(args: &DemoArgs) -> Result<bool, NodeError> {
          a prefix can hand its blocks to another node instead of that node computing them again.\n"
     );
 
-    let producer = Node::start(config("demo-producer", args, held))?;
+    let producer = Node::start(config("demo-producer", args, held)?)?;
     let consumer_blocks = (args.requests * args.prefix_blocks).clamp(held, held * 4);
-    let consumer = Node::start(config("demo-consumer", args, consumer_blocks))?;
+    let consumer = Node::start(config("demo-consumer", args, consumer_blocks)?)?;
     let blocks: Vec<(OffloadKey, Vec<u8>)> = (0..args.prefixes)
         .flat_map(|p| (0..args.prefix_blocks).map(move |j| (p, j)))
         .map(|(p, j)| {

@@ -10,6 +10,7 @@ mod node_args;
 mod serve_cmd;
 mod wire_cmd;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -69,8 +70,11 @@ fn main() -> ExitCode {
     // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level.
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Colour codes only for a person at a terminal: in a file, a pipe or a log collector they
+    // are noise that breaks grep and JSON-minded readers.
     let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(filter);
     match cli.log_format {
         LogFormat::Human => logs.init(),

@@ -1,9 +1,39 @@
 //! Command-line options shared by the commands that run a node (`serve`, `fetch`), resolved
 //! with the environment and the config file into a [`kvpeer::NodeConfig`].
+//!
+//! Each flag sets one configuration key (`--listen` two); its help, default and environment
+//! variable come from the key's declaration ([`kvpeer::config::keys`]), so none is written here.
 
-use kvpeer::config;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use kvpeer::config::{self, Key, KEY};
+use kvpeer::PlaneKind;
 
-pub(crate) use kvpeer::PlaneKind;
+/// The help line of a flag that sets `key`: its meaning, default and environment variable.
+fn help(key: &Key) -> String {
+    help_of(key.help, &[key])
+}
+
+/// `what`, then the defaults and environment variables of `keys` (`--listen` sets two).
+fn help_of(what: &str, keys: &[&Key]) -> String {
+    // The declarations are written as table cells (lower case); flag help starts a sentence.
+    let what = what.trim();
+    let mut out: String = what.chars().take(1).flat_map(char::to_uppercase).collect();
+    out.push_str(what.get(out.len()..).unwrap_or(""));
+    if keys.iter().all(|k| k.default.is_some()) {
+        let defaults: Vec<&str> = keys.iter().filter_map(|k| k.default).collect();
+        out.push_str(&format!(" [default: {}]", defaults.join(":")));
+    }
+    let env: Vec<&str> = keys.iter().filter_map(|k| k.env).collect();
+    if !env.is_empty() {
+        out.push_str(&format!(" [env: {}]", env.join(", ")));
+    }
+    out
+}
+
+/// `--plane`'s values: the library's names for its planes.
+pub(crate) fn plane_parser() -> impl TypedValueParser<Value = PlaneKind> {
+    PossibleValuesParser::new(PlaneKind::ALL.map(PlaneKind::name)).try_map(|s| s.parse())
+}
 
 /// The options that make a node. Each one left out falls back to the environment, then the
 /// `--config` file, then the default (docs/configuration.md).
@@ -12,45 +42,43 @@ pub(crate) struct NodeArgs {
     /// A TOML config file (its keys: docs/configuration.md).
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<std::path::PathBuf>,
-    /// Control-channel address `HOST:PORT`, also the node's identity; port 0 picks a free one
-    /// [default: 127.0.0.1:0].
-    #[arg(long)]
+    // The help of the flags below comes from the keys' declarations (`help = ...`).
+    #[arg(long, value_name = "HOST:PORT", help = help_of(
+        "control-channel address, also the node's identity; port 0 picks a free one",
+        &[&KEY.listen_host, &KEY.listen_port],
+    ))]
     pub(crate) listen: Option<String>,
-    /// Blocks in the local pool [default: 1024].
-    #[arg(long)]
+    #[arg(long, help = help(&KEY.num_blocks))]
     pub(crate) blocks: Option<u64>,
-    /// Bytes per block; peers must agree [default: 65536].
-    #[arg(long)]
+    #[arg(long, help = help(&KEY.block_len))]
     pub(crate) block_len: Option<u64>,
-    /// Data planes to advertise and use [default: both].
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = plane_parser(), help = help(&KEY.plane))]
     pub(crate) plane: Option<PlaneKind>,
-    /// Prefix-cache hash seed; peers must agree [default: $PYTHONHASHSEED, else vLLM's default
-    /// "vllm-none-hash"].
-    #[arg(long)]
+    #[arg(long, help = help(&KEY.hash_seed))]
     pub(crate) hash_seed: Option<String>,
-    /// Cap on the bytes per second the tcp plane writes to each peer (suffixes K, M, G: powers
-    /// of 1000), so block traffic leaves room on a shared link. Uncapped by default.
-    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND")]
+    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
+        &format!("{} (suffixes K, M, G: powers of 1000)", KEY.tcp_max_rate.help),
+        &[&KEY.tcp_max_rate],
+    ))]
     pub(crate) tcp_max_rate: Option<u64>,
-    /// Most peers at once [default: 128, as vLLM].
-    #[arg(long)]
+    #[arg(long, help = help(&KEY.max_peers))]
     pub(crate) max_peers: Option<u64>,
-    /// Talk only to peers matching RULE (CIDR, host or host:port; repeat for more). Without
-    /// any, every peer is allowed (as vLLM does).
-    #[arg(long = "allow", value_name = "RULE")]
+    #[arg(long = "allow", value_name = "RULE", help = help_of(
+        &format!("{}; repeat for more", KEY.allowlist.help),
+        &[&KEY.allowlist],
+    ))]
     pub(crate) allow: Vec<String>,
-    /// Whether a peer's IP identity must come from that address (`false` only behind NAT or
-    /// proxies that change source addresses; docs/security.md) [default: true].
-    #[arg(long, value_name = "BOOL")]
+    #[arg(long, value_name = "BOOL", help = help_of(
+        &format!("{} (false only behind NAT or proxies; docs/security.md)", KEY.bind_identity.help),
+        &[&KEY.bind_identity],
+    ))]
     pub(crate) bind_identity: Option<bool>,
-    /// Turn on the authenticated handshake with the shared secret in FILE (every peer must have
-    /// it; stock vLLM peers cannot). Off by default.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", help = help(&KEY.auth_secret_file))]
     pub(crate) auth_secret_file: Option<std::path::PathBuf>,
-    /// The directory holding NIXL's `libnixl_capi.so`, for `--plane nixl` (e.g. the NIXL
-    /// wheel's `site-packages/.nixl_cu12.mesonpy.libs`) [default: the loader's search path].
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", help = help_of(
+        &format!("{} (e.g. the NIXL wheel's site-packages/.nixl_cu12.mesonpy.libs)", KEY.nixl_lib_dir.help),
+        &[&KEY.nixl_lib_dir],
+    ))]
     pub(crate) nixl_lib_dir: Option<std::path::PathBuf>,
 }
 
@@ -67,53 +95,54 @@ impl NodeArgs {
             None => config::Settings::default(),
         };
         let env = config::from_env(|var| std::env::var(var).ok());
+        config::resolve(&file, &env, &self.flags()?, role).map_err(|e| e.to_string())
+    }
+
+    /// The keys the command line set, each named by its flag.
+    fn flags(&self) -> Result<config::Settings, String> {
         let mut flags = config::Settings::default();
+        let mut set = |key: &Key, value: Option<String>, flag: &str| {
+            if let Some(v) = value {
+                flags.set(key.name, v, &format!("flag {flag}"));
+            }
+        };
         if let Some(listen) = &self.listen {
             let (host, port) = listen
                 .rsplit_once(':')
                 .ok_or_else(|| format!("flag --listen: {listen:?} is not HOST:PORT"))?;
-            flags.set("listen_host", host, "flag --listen");
-            flags.set("listen_port", port, "flag --listen");
+            set(&KEY.listen_host, Some(host.to_owned()), "--listen");
+            set(&KEY.listen_port, Some(port.to_owned()), "--listen");
         }
-        let numbers = [
-            ("num_blocks", "--blocks", self.blocks),
-            ("block_len", "--block-len", self.block_len),
-            ("tcp_max_rate", "--tcp-max-rate", self.tcp_max_rate),
-            ("max_peers", "--max-peers", self.max_peers),
-        ];
-        for (key, flag, value) in numbers {
-            if let Some(v) = value {
-                flags.set(key, v.to_string(), &format!("flag {flag}"));
-            }
-        }
-        if let Some(path) = &self.auth_secret_file {
-            flags.set(
-                "auth_secret_file",
-                path.display().to_string(),
-                "flag --auth-secret-file",
-            );
-        }
-        if !self.allow.is_empty() {
-            flags.set("allowlist", self.allow.join(","), "flag --allow");
-        }
-        if let Some(on) = self.bind_identity {
-            flags.set("bind_identity", on.to_string(), "flag --bind-identity");
-        }
-        if let Some(seed) = &self.hash_seed {
-            flags.set("hash_seed", seed.clone(), "flag --hash-seed");
-        }
-        if let Some(plane) = self.plane {
-            let name = plane.name();
-            flags.set("plane", name, "flag --plane");
-        }
-        if let Some(dir) = &self.nixl_lib_dir {
-            flags.set(
-                "nixl_lib_dir",
-                dir.display().to_string(),
-                "flag --nixl-lib-dir",
-            );
-        }
-        config::resolve(&file, &env, &flags, role).map_err(|e| e.to_string())
+        let text = |v: Option<u64>| v.map(|n| n.to_string());
+        let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        set(&KEY.num_blocks, text(self.blocks), "--blocks");
+        set(&KEY.block_len, text(self.block_len), "--block-len");
+        set(&KEY.tcp_max_rate, text(self.tcp_max_rate), "--tcp-max-rate");
+        set(&KEY.max_peers, text(self.max_peers), "--max-peers");
+        set(&KEY.hash_seed, self.hash_seed.clone(), "--hash-seed");
+        set(
+            &KEY.plane,
+            self.plane.map(|p| p.name().to_owned()),
+            "--plane",
+        );
+        let allow = (!self.allow.is_empty()).then(|| self.allow.join(","));
+        set(&KEY.allowlist, allow, "--allow");
+        set(
+            &KEY.bind_identity,
+            self.bind_identity.map(|b| b.to_string()),
+            "--bind-identity",
+        );
+        set(
+            &KEY.auth_secret_file,
+            path(&self.auth_secret_file),
+            "--auth-secret-file",
+        );
+        set(
+            &KEY.nixl_lib_dir,
+            path(&self.nixl_lib_dir),
+            "--nixl-lib-dir",
+        );
+        Ok(flags)
     }
 }
 

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kvpeer::config::{fingerprint, from_env, from_toml, resolve, Settings};
-use kvpeer::PlaneKind;
+use kvpeer::config::{fingerprint, from_env, from_toml, resolve, Settings, KEY, KEYS};
+use kvpeer::{NodeConfig, PlaneKind};
 
 fn env(vars: &[(&str, &str)]) -> Settings {
     let map: HashMap<String, String> = vars
@@ -212,4 +212,191 @@ fn limits_and_the_other_timeouts_are_configurable() {
     let file = from_toml("max_message_bytes = 10\n", "m.toml").unwrap();
     let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
     assert_eq!(e.key, "max_message_bytes");
+}
+
+/// A file that is not TOML is refused with the line and column of the fault (and the key, when
+/// the fault is in a value).
+#[test]
+fn syntax_errors_name_the_line_and_the_column() {
+    let e = from_toml("listen_port = 1\nnum_blocks = \n", "a.toml").unwrap_err();
+    assert_eq!(
+        (e.source_name.as_str(), e.key.as_str()),
+        ("file a.toml", "num_blocks")
+    );
+    assert!(e.problem.ends_with("(line 2, column 14)"), "{e}");
+
+    let e = from_toml("listen_port = 1\n\nlisten host = 3\n", "b.toml").unwrap_err();
+    assert_eq!(e.key, "line 3, column 8", "{e}");
+    assert!(
+        e.to_string().starts_with("file b.toml: line 3, column 8: "),
+        "{e}"
+    );
+    assert!(!e.to_string().contains('\n'), "one line: {e}");
+
+    let e = from_toml("[[[\n", "c.toml").unwrap_err();
+    assert!(e.key.starts_with("line 1, column "), "{e}");
+
+    let e = from_toml("fingerprint_fields = 3\n", "d.toml").unwrap_err();
+    assert_eq!(e.key, "fingerprint_fields", "{e}");
+    let e = from_toml("num_blocks = [\"1\"]\n", "d.toml").unwrap_err();
+    assert_eq!(
+        (e.key.as_str(), e.problem.as_str()),
+        ("num_blocks", "expected a string or a number, got an array")
+    );
+}
+
+/// A file may write a value as a string, a number or a boolean; each is checked as text.
+#[test]
+fn values_may_be_strings_numbers_or_booleans() {
+    let file = from_toml(
+        "bind_identity = false\nnum_blocks = \"64\"\nlisten_port = 7000\n",
+        "v.toml",
+    )
+    .unwrap();
+    let c = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap();
+    assert!(!c.spec.bind_identity);
+    assert_eq!(c.spec.num_blocks, 64);
+    assert_eq!(c.spec.id.as_str(), "127.0.0.1:7000");
+    let file = from_toml("bind_identity = 3\n", "v.toml").unwrap();
+    let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "file v.toml: bind_identity: \"3\" is not true or false"
+    );
+}
+
+#[test]
+fn a_setting_that_is_no_key_is_refused_by_name() {
+    let mut flags = Settings::default();
+    flags.set("num_blokcs", "3", "flag --x");
+    let e = resolve(&Settings::default(), &env(&[]), &flags, "t").unwrap_err();
+    assert_eq!(e.to_string(), "flag --x: num_blokcs: unknown key");
+}
+
+/// The builder starts from the same defaults as a file and is held to the same bounds.
+#[test]
+fn the_builder_starts_from_the_declared_defaults_and_checks_bounds() {
+    let resolved = resolve(
+        &Settings::default(),
+        &Settings::default(),
+        &Settings::default(),
+        "b",
+    )
+    .unwrap();
+    let built = NodeConfig::builder("b").build().unwrap();
+    assert_eq!(format!("{:?}", built.spec), format!("{:?}", resolved.spec));
+    assert_eq!(built.plane, resolved.plane);
+    let local = NodeConfig::local("b");
+    assert_eq!(format!("{:?}", local.spec), format!("{:?}", resolved.spec));
+    assert_eq!(
+        local.spec.num_blocks, 1024,
+        "local() has the declared pool size"
+    );
+
+    let c = NodeConfig::builder("b")
+        .listen("127.0.0.2", 7000)
+        .num_blocks(8)
+        .block_len(4096)
+        .plane(PlaneKind::Shm)
+        .hash_seed("7")
+        .tcp_max_rate(1000)
+        .max_peers(3)
+        .allow("10.0.0.0/8")
+        .allow("node-a")
+        .set("idle_timeout_s", 0)
+        .build()
+        .unwrap();
+    assert_eq!(c.spec.id.as_str(), "127.0.0.2:7000");
+    assert_eq!((c.spec.num_blocks, c.spec.block_len), (8, 4096));
+    assert_eq!((c.plane, c.spec.hash_seed.as_str()), (PlaneKind::Shm, "7"));
+    assert_eq!(c.spec.tcp_max_write_rate, Some(1000));
+    assert_eq!(c.spec.core.max_peers, 3);
+    assert_eq!(c.spec.core.idle_timeout, Duration::ZERO);
+    let peer = |s: &str| kvpeer::PeerId::new(s);
+    assert!(c.spec.allowlist.check(&peer("10.1.2.3:9")).is_ok());
+    assert!(c.spec.allowlist.check(&peer("node-a:1")).is_ok());
+    assert!(c.spec.allowlist.check(&peer("192.0.2.1:9")).is_err());
+
+    let e = NodeConfig::builder("b").block_len(0).build().unwrap_err();
+    assert_eq!(
+        (e.source_name.as_str(), e.key.as_str()),
+        ("NodeConfig::builder", "block_len")
+    );
+    let e = NodeConfig::builder("b")
+        .set("no_such_key", 1)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.key, "no_such_key");
+    let e = NodeConfig::builder("b")
+        .allow("10.0.0.0/40")
+        .build()
+        .unwrap_err();
+    assert_eq!(e.key, "allowlist");
+}
+
+/// docs/configuration.md lists every key with its default, and every environment variable with
+/// its key, as declared (the declaration is the source; the page is held to it).
+#[test]
+fn the_configuration_page_matches_the_declared_keys() {
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration.md"
+    ))
+    .unwrap();
+    let keys_table = page
+        .split("## Keys")
+        .nth(1)
+        .unwrap()
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let mut documented = Vec::new();
+    for row in keys_table.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let name = cells[0]
+            .trim_start_matches("| ")
+            .trim_matches(|c| c == '`' || c == '[' || c == ']');
+        let default_cell = cells.last().unwrap().trim_end_matches(" |");
+        documented.push(name.to_owned());
+        if name == "fingerprint_fields" {
+            continue;
+        }
+        let key = KEYS
+            .iter()
+            .find(|k| k.name == name)
+            .unwrap_or_else(|| panic!("the page documents {name}, which is no key"));
+        if let Some(default) = key.default {
+            let quoted = format!("`{default}`");
+            let string = format!("`\"{default}\"`");
+            assert!(
+                default_cell.contains(&quoted) || default_cell.contains(&string),
+                "{name}: the page says {default_cell:?}, the declaration {default:?}"
+            );
+        }
+    }
+    let declared: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+    for name in &declared {
+        assert!(
+            documented.iter().any(|d| d == name),
+            "{name} is not on the page"
+        );
+    }
+
+    let env_table = page
+        .split("## Environment")
+        .nth(1)
+        .unwrap()
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let mut vars = 0;
+    for row in env_table.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = row.split('`').collect();
+        let (var, name) = (cells[1], cells[3]);
+        let key = KEYS.iter().find(|k| k.name == name).unwrap();
+        assert_eq!(key.env, Some(var), "{row}");
+        vars += 1;
+    }
+    assert_eq!(vars, KEYS.iter().filter(|k| k.env.is_some()).count());
+    assert_eq!(KEY.hash_seed.env, Some("PYTHONHASHSEED"));
 }

@@ -227,7 +227,11 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
     }
     assert!(engine.load(1 << 62, &req, vec![], vec![]).is_err());
     engine.step(Instant::now());
-    assert_eq!(engine.poll_event(), None, "every event consumed, none twice");
+    assert_eq!(
+        engine.poll_event(),
+        None,
+        "every event consumed, none twice"
+    );
     assert_eq!(engine.outstanding(), (0, 0));
     engine.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));
@@ -306,7 +310,11 @@ fn two_engines_do_prefill_decode_from_one_thread() {
     assert_eq!(producer.outstanding(), (0, 0));
     for engine in [&mut producer, &mut consumer] {
         engine.step(Instant::now());
-        assert_eq!(engine.poll_event(), None, "every event consumed, none twice");
+        assert_eq!(
+            engine.poll_event(),
+            None,
+            "every event consumed, none twice"
+        );
     }
     consumer.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
-    assert_serve_clean, assert_vllm_clean, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
-    vllm_serve,
+    assert_serve_clean, kvpeer_fetch, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
+    vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
+    vllm_stop_after_disconnect,
 };
 use common::{free_port, BIN};
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
@@ -55,13 +56,12 @@ fn nixl_plane(dir: &str) -> [&str; 4] {
 /// An in-process node on the nixl plane.
 fn node(tag: &str, block_len: u64, load_timeout: Duration) -> Node {
     ucx_env();
-    let mut config = NodeConfig::local(&format!("nixl-{tag}"));
-    config.plane = PlaneKind::Nixl;
-    config.spec.block_len = block_len;
-    config.spec.num_blocks = 128;
-    config.spec.nixl.lib_dir = Some(nixl_lib_dir().into());
-    config.spec.core.load_timeout = load_timeout;
-    Node::start(config).unwrap()
+    let config = NodeConfig::builder(&format!("nixl-{tag}"))
+        .plane(PlaneKind::Nixl)
+        .block_len(block_len)
+        .num_blocks(128)
+        .set("nixl_lib_dir", nixl_lib_dir());
+    common::node::start(config, load_timeout)
 }
 
 /// Two kvpeer nodes on the nixl plane: NIXL metadata in `connect`, lookups, a fetch written by
@@ -93,30 +93,7 @@ fn a_vllm_nixl_consumer_fetches_from_kvpeer() {
     ucx_env();
     let dir = nixl_lib_dir();
     let (serve, id) = kvpeer_serve_on(&nixl_plane(&dir), &["--fill", "64"]);
-    let (status, s) = vllm_fetch(&[
-        "--transport",
-        "nixl",
-        "--peer",
-        &id,
-        "--requests",
-        "4",
-        "--keys",
-        "12",
-        "--miss-share",
-        "0.3334",
-        "--rounds",
-        "3",
-    ]);
-    assert_eq!(status, 0, "{s}\n{}", serve.log());
-    assert_eq!(
-        (s["hits"].as_u64(), s["misses"].as_u64()),
-        (Some(32), Some(16)),
-        "{s}"
-    );
-    assert_eq!(s["corrupt_blocks"], 0);
-    assert_eq!(s["bytes"], 32 * 65536);
-    assert_eq!(s["received"]["transfer_done"], 8, "{s}");
-    assert_vllm_clean(&s);
+    vllm_fetch_three_rounds(&["--transport", "nixl"], &id, 4, &serve);
     assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 8.0);
     assert_serve_clean(&serve);
     let log = serve.log();
@@ -131,40 +108,15 @@ fn kvpeer_fetches_over_nixl_from_a_vllm_producer() {
     ucx_env();
     let dir = nixl_lib_dir();
     let (mut producer, id) = vllm_serve(&["--transport", "nixl", "--fill", "64"]);
-    let out = Command::new(BIN)
-        .args([
-            "fetch",
-            "--peer",
-            &id,
-            "--json",
-            "--requests",
-            "8",
-            "--keys",
-            "8",
-        ])
-        .args(nixl_plane(&dir))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}\n{}", producer.log());
-    let f: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let args = [&["--requests", "8", "--keys", "8"][..], &nixl_plane(&dir)].concat();
+    let f = kvpeer_fetch(&id, &args, &producer);
     assert_eq!(
         (f["hits"].as_u64(), f["misses"].as_u64()),
         (Some(48), Some(16)),
         "{f}"
     );
-    assert_eq!(f["failed_loads"], 0);
-    assert_eq!(f["corrupt_blocks"], 0);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !producer.log().contains("peer disconnected") && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(producer.terminate(Duration::from_secs(20)), 0);
-    let s = producer.event("summary");
+    let s = vllm_stop_after_disconnect(&mut producer);
     assert_eq!(s["sent"]["transfer_done"], 8, "{s}");
-    assert_eq!(s["deaths"][0]["reason"], "peer disconnected", "{s}");
-    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
-    assert_vllm_clean(&s);
 }
 
 /// A vLLM PD consumer's fetches that kvpeer has nothing for time out; vLLM aborts each round
@@ -174,28 +126,7 @@ fn a_vllm_nixl_consumers_aborts_are_acked() {
     ucx_env();
     let dir = nixl_lib_dir();
     let (serve, id) = kvpeer_serve_on(&nixl_plane(&dir), &["--fill", "8"]);
-    let (status, s) = vllm_fetch(&[
-        "--transport",
-        "nixl",
-        "--peer",
-        &id,
-        "--pd",
-        "--requests",
-        "1",
-        "--keys",
-        "4",
-        "--miss-share",
-        "0",
-        "--rounds",
-        "2",
-        "--load-timeout",
-        "1",
-        "--expect-failures",
-    ]);
-    assert_eq!(status, 0, "{s}");
-    assert_eq!(s["failed_loads"], 2, "{s}");
-    assert_eq!(s["abort_ack_rounds"], serde_json::json!([0, 1]), "{s}");
-    assert_vllm_clean(&s);
+    vllm_pd_fetch_aborted(&id, &["--transport", "nixl"]);
     assert_serve_clean(&serve);
 }
 
@@ -306,8 +237,7 @@ fn a_vllm_producer_killed_mid_transfer_leaves_kvpeer_clean() {
     assert_bytes(&consumer, &ks);
     assert_node_clean(&consumer);
     consumer.shutdown(Duration::from_secs(3));
-    assert_eq!(second.terminate(Duration::from_secs(20)), 0);
-    assert_vllm_clean(&second.event("summary"));
+    vllm_stop(&mut second);
 }
 
 /// Without NIXL's library, the plane fails at start-up with an error naming what to install;
@@ -382,9 +312,7 @@ fn kvpeers_abort_of_a_landing_nixl_write_waits_for_vllms_ack() {
     assert_node_clean(&next);
     next.shutdown(Duration::from_secs(3));
     consumer.shutdown(Duration::from_secs(3));
-    assert_eq!(producer.terminate(Duration::from_secs(20)), 0);
-    let s = producer.event("summary");
+    let s = vllm_stop(&mut producer);
     assert_eq!(s["received"]["abort_fetch"], c.aborts_sent, "{s}");
     assert!(s["sent"]["abort_ack"].as_u64() >= Some(1), "{s}");
-    assert_vllm_clean(&s);
 }

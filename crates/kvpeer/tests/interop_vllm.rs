@@ -21,18 +21,17 @@ use std::time::{Duration, Instant};
 
 use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
-    assert_serve_clean, assert_vllm_clean, kvpeer_serve, metric, vllm, vllm_fetch, vllm_serve,
+    assert_serve_clean, assert_vllm_clean, kvpeer_fetch, kvpeer_serve, metric, vllm, vllm_fetch,
+    vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
+    vllm_stop_after_disconnect,
 };
 use common::{free_port, BIN};
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
-use serde_json::Value;
 
 /// A kvpeer node in this process on the shm plane.
 fn node(tag: &str, load_timeout: Duration) -> Node {
-    let mut config = NodeConfig::local(&format!("interop-{tag}"));
-    config.plane = PlaneKind::Shm;
-    config.spec.core.load_timeout = load_timeout;
-    Node::start(config).unwrap()
+    let config = NodeConfig::builder(&format!("interop-{tag}")).plane(PlaneKind::Shm);
+    common::node::start(config, load_timeout)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -44,33 +43,11 @@ fn node(tag: &str, load_timeout: Duration) -> Node {
 #[test]
 fn a_vllm_consumer_fetches_from_kvpeer_serve() {
     let (serve, id) = kvpeer_serve(&["--fill", "64"]);
-    let (status, s) = vllm_fetch(&[
-        "--peer",
-        &id,
-        "--requests",
-        "8",
-        "--keys",
-        "12",
-        "--miss-share",
-        "0.3334",
-        "--rounds",
-        "3",
-    ]);
-    assert_eq!(status, 0, "{s}\n{}", serve.log());
-    assert_eq!(
-        (s["hits"].as_u64(), s["misses"].as_u64()),
-        (Some(64), Some(32)),
-        "{s}"
-    );
-    assert_eq!(s["corrupt_blocks"], 0);
-    assert_eq!(s["failed_loads"], 0);
-    assert_eq!(s["bytes"], 64 * 65536);
+    let s = vllm_fetch_three_rounds(&[], &id, 8, &serve);
     // 3 lookups per request; 2 fetches with blocks + the terminal empty one.
     assert_eq!(s["sent"]["lookup"], 24, "{s}");
     assert_eq!(s["sent"]["fetch"], 24, "{s}");
     assert_eq!(s["received"]["lookup_resp"], 24, "{s}");
-    assert_eq!(s["received"]["transfer_done"], 16, "{s}");
-    assert_vllm_clean(&s);
 
     assert_eq!(metric(&serve, "kvpeer_transfers_ok_total"), 16.0);
     assert_eq!(metric(&serve, "kvpeer_fetch_blocks_served_total"), 64.0);
@@ -87,28 +64,9 @@ fn a_vllm_consumer_fetches_from_kvpeer_serve() {
 #[test]
 fn a_vllm_consumers_load_timeout_is_aborted_and_acked_with_its_round() {
     let (serve, id) = kvpeer_serve(&["--fill", "8"]);
-    let (status, s) = vllm_fetch(&[
-        "--peer",
-        &id,
-        "--pd",
-        "--requests",
-        "1",
-        "--keys",
-        "4",
-        "--miss-share",
-        "0",
-        "--rounds",
-        "2",
-        "--load-timeout",
-        "1",
-        "--expect-failures",
-    ]);
-    assert_eq!(status, 0, "{s}");
-    assert_eq!(s["failed_loads"], 2, "{s}");
+    let s = vllm_pd_fetch_aborted(&id, &[]);
     assert_eq!(s["abort_rounds"], serde_json::json!([0, 1]), "{s}");
-    assert_eq!(s["abort_ack_rounds"], serde_json::json!([0, 1]), "{s}");
     assert_eq!(s["received"].get("transfer_done"), None, "{s}");
-    assert_vllm_clean(&s);
     assert_serve_clean(&serve);
 }
 
@@ -184,36 +142,32 @@ fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
 #[test]
 fn kvpeer_fetch_fetches_from_a_vllm_producer() {
     let (mut producer, id) = vllm_serve(&["--fill", "64"]);
-    let out = Command::new(BIN)
-        .args(["fetch", "--peer", &id, "--plane", "shm", "--json"])
-        .args(["--requests", "8", "--keys", "8", "--miss-share", "0.25"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}\n{}", producer.log());
-    let f: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = kvpeer_fetch(
+        &id,
+        &[
+            "--plane",
+            "shm",
+            "--requests",
+            "8",
+            "--keys",
+            "8",
+            "--miss-share",
+            "0.25",
+        ],
+        &producer,
+    );
     assert_eq!(
         (f["hits"].as_u64(), f["misses"].as_u64()),
         (Some(48), Some(16)),
         "{f}"
     );
-    assert_eq!(f["failed_loads"], 0);
-    assert_eq!(f["corrupt_blocks"], 0);
     assert_eq!(f["bytes"], 48 * 65536);
 
     // kvpeer's disconnect ends the session on vLLM's side as the peer's own decision.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !producer.log().contains("peer disconnected") && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
-    let s = producer.event("summary");
-    assert_eq!(s["deaths"][0]["reason"], "peer disconnected", "{s}");
+    let s = vllm_stop_after_disconnect(&mut producer);
     assert_eq!(s["received"]["lookup"], 8, "{s}");
     assert_eq!(s["received"]["fetch"], 8, "{s}");
     assert_eq!(s["sent"]["transfer_done"], 8, "{s}");
-    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
-    assert_vllm_clean(&s);
 }
 
 /// vLLM answers a key it holds HIT_PENDING for MISS at its 5 s deadline; kvpeer's lookup waits
@@ -248,9 +202,7 @@ fn vllm_answers_a_pending_key_miss_at_the_5_s_deadline() {
     assert_bytes(&consumer, &ks[..4]);
     consumer.finish("r");
     consumer.shutdown(Duration::from_secs(3));
-    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
-    let s = producer.event("summary");
-    assert_vllm_clean(&s);
+    vllm_stop(&mut producer);
 }
 
 /// vLLM's writes never land: kvpeer's load times out, kvpeer aborts, and vLLM's abort_ack
@@ -278,11 +230,9 @@ fn kvpeers_load_timeout_is_aborted_and_acked_by_vllm() {
     consumer.finish("r");
     assert_node_clean(&consumer);
     consumer.shutdown(Duration::from_secs(3));
-    assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
-    let s = producer.event("summary");
+    let s = vllm_stop(&mut producer);
     assert_eq!(s["received"]["abort_fetch"], 1, "{s}");
     assert_eq!(s["sent"]["abort_ack"], 1, "{s}");
-    assert_vllm_clean(&s);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -358,8 +308,7 @@ fn mismatched_peers_are_refused_both_ways() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(producer.terminate(Duration::from_secs(10)), 0);
-        let s = producer.event("summary");
+        let s = vllm_stop(&mut producer);
         let refused = format!("rejected peer connect: {what} mismatch");
         let reasons = &s["deaths"];
         assert!(
@@ -372,7 +321,6 @@ fn mismatched_peers_are_refused_both_ways() {
         );
         assert_eq!(s["sent"].get("transfer_done"), None, "{s}");
         assert_eq!(s["leftover"]["sessions"], 0, "{s}");
-        assert_vllm_clean(&s);
     }
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -427,8 +375,7 @@ fn kvpeer_reconnects_to_a_restarted_vllm_producer() {
     assert!(consumer.stats().unwrap().counters.sessions_opened >= 2);
     assert_node_clean(&consumer);
     consumer.shutdown(Duration::from_secs(3));
-    assert_eq!(second.terminate(Duration::from_secs(10)), 0);
-    assert_vllm_clean(&second.event("summary"));
+    vllm_stop(&mut second);
 }
 
 /// A vLLM consumer killed (SIGKILL) mid-workload and started again with the same identity:

@@ -14,7 +14,8 @@
 use std::time::{Duration, Instant};
 
 mod common;
-use common::node_io::step_until;
+use common::init_logs;
+use common::node_io::{step_for, step_until};
 
 use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
@@ -78,6 +79,26 @@ fn lookups(
     reqs
 }
 
+/// Keeps the consumer's channel serviced until the producer holds nothing open or `timeout`
+/// passes (the caller asserts which).
+fn settle(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration, pause: Duration) {
+    step_for(c, timeout, pause, |_| {
+        producer_open(producer) == (0, 0, 0, 0)
+    });
+}
+
+/// Waits (bounded by `timeout`) until the consumer holds no request, then until the producer
+/// holds nothing open (bounded: 10 s; the caller asserts it).
+fn drain(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration) {
+    step_until(c, timeout, |c| c.core.stats().client_requests == 0);
+    settle(
+        c,
+        producer,
+        Duration::from_secs(10),
+        Duration::from_millis(10),
+    );
+}
+
 fn producer_open(p: &Node) -> (usize, usize, usize, u64) {
     let s = p.stats().unwrap();
     (
@@ -94,13 +115,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000);
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .try_init();
+    init_logs();
     let base = NodeConfig::local("long-producer");
     let producer = Node::start(NodeConfig {
         spec: NodeSpec {
@@ -212,15 +227,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             );
         }
     }
-    step_until(&mut c, Duration::from_secs(10), |c| {
-        c.core.stats().client_requests == 0
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
-        let now = Instant::now();
-        c.step(now);
-        c.wait(now, Duration::from_millis(10));
-    }
+    drain(&mut c, &producer, Duration::from_secs(10));
     let rss1 = rss_kib();
     let served = producer.stats().unwrap();
     println!(
@@ -262,12 +269,12 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     }
     let issued = phase2.elapsed();
     // Keep the consumer's channel serviced while waiting for the producer's timeouts.
-    let deadline = Instant::now() + STORE_TIMEOUT * 3 + Duration::from_secs(5);
-    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
-        let now = Instant::now();
-        c.step(now);
-        c.wait(now, Duration::from_millis(20));
-    }
+    settle(
+        &mut c,
+        &producer,
+        STORE_TIMEOUT * 3 + Duration::from_secs(5),
+        Duration::from_millis(20),
+    );
     let after_timeout = producer_open(&producer);
     let rss2 = rss_kib();
     println!(
@@ -290,15 +297,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             c.wait(now, Duration::from_millis(5));
         }
     }
-    step_until(&mut c, Duration::from_secs(30), |c| {
-        c.core.stats().client_requests == 0
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while producer_open(&producer) != (0, 0, 0, 0) && Instant::now() < deadline {
-        let now = Instant::now();
-        c.step(now);
-        c.wait(now, Duration::from_millis(10));
-    }
+    drain(&mut c, &producer, Duration::from_secs(30));
     let rss3 = rss_kib();
     println!(
         "end after {:?}: RSS {rss0} -> {rss1} -> {rss2} -> {rss3} KiB (start, after rounds, after \

@@ -22,8 +22,9 @@ use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;
-use common::node_io::step_until;
-use common::{field, free_port, http_get, metrics_addr, num, samples, Proc, BIN};
+use common::cli::Cli;
+use common::node_io::{assert_clean, step_until};
+use common::{field, free_port, http_get, init_logs, metrics_addr, num, samples, Proc, BIN};
 
 /// An in-process node on 127.0.0.1 with a port the system picks. Its logs go to the test's
 /// output at the level `KVPEER_LOG` names (default warn).
@@ -38,13 +39,7 @@ fn node_with_rate<P: BuildPlane>(
     block_len: u64,
     rate: Option<u64>,
 ) -> NodeIo<P> {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .try_init();
+    init_logs();
     build::<P>(&NodeSpec {
         num_blocks: blocks,
         block_len,
@@ -61,23 +56,6 @@ fn node_with_rate<P: BuildPlane>(
 
 const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Nothing pinned, written, or held for any peer.
-fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {
-    let s = n.core.parent().stats();
-    assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
-    let k = n.core.stats();
-    assert_eq!(
-        (
-            k.client_requests,
-            k.server_requests,
-            k.store_jobs,
-            k.inflight
-        ),
-        (0, 0, 0, 0),
-        "{k:?}"
-    );
-}
-
 fn plane_name<P: 'static>() -> &'static str {
     match std::any::type_name::<P>() {
         t if t.ends_with("ShmPlane") => "shm",
@@ -86,42 +64,26 @@ fn plane_name<P: 'static>() -> &'static str {
     }
 }
 
+/// `kvpeer serve` with 16 blocks of 4 KiB, 8 of them filled.
+fn small_server() -> (Proc, PeerId) {
+    Cli::serve().pool(16, 4096).arg("--fill", 8).start_serving()
+}
+
 // ---------------------------------------------------------------------------------------------
 // serve + fetch, both real processes
 
 fn serve_and_fetch(plane: &str) {
-    let (mut server, id) = Proc::serve(&[
-        "--plane",
-        plane,
-        "--blocks",
-        "64",
-        "--block-len",
-        "16384",
-        "--fill",
-        "40",
-    ]);
-    let mut fetch = Proc::spawn(
-        &[
-            "fetch",
-            "--miss-share",
-            "0",
-            "--peer",
-            id.as_str(),
-            "--plane",
-            plane,
-            "--blocks",
-            "64",
-            "--block-len",
-            "16384",
-            "--requests",
-            "6",
-            "--keys",
-            "8",
-            "--timeout-secs",
-            "20",
-        ],
-        "fetch",
-    );
+    let (mut server, id) = Cli::serve()
+        .plane(plane)
+        .pool(64, 16384)
+        .arg("--fill", 40)
+        .start_serving();
+    let mut fetch = Cli::fetch_shared(id.as_str())
+        .plane(plane)
+        .pool(64, 16384)
+        .workload(6, 8)
+        .arg("--timeout-secs", 20)
+        .spawn();
     let summary = fetch.line();
     assert_eq!(
         fetch.wait_while(Duration::from_secs(30), || {}),
@@ -250,16 +212,11 @@ fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[u64], len
 fn consumer_against_serve_process<P: BuildPlane + 'static>() {
     const LEN: u64 = 32 * 1024;
     let plane = plane_name::<P>();
-    let (_server, id) = Proc::serve(&[
-        "--plane",
-        plane,
-        "--blocks",
-        "32",
-        "--block-len",
-        "32768",
-        "--fill",
-        "10",
-    ]);
+    let (_server, id) = Cli::serve()
+        .plane(plane)
+        .pool(32, LEN)
+        .arg("--fill", 10)
+        .start_serving();
     let mut c = node::<P>(&format!("cons-{plane}"), 32, LEN);
     let keys: Vec<OffloadKey> = (0..12).map(synthetic::key).collect();
     let (req, hits) = lookup(
@@ -342,19 +299,12 @@ const BIG_BLOCKS: u64 = 64;
 /// every byte right if it succeeded and nothing readable if it failed.
 fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
     let plane = plane_name::<P>();
-    let serve_args = [
-        "--plane",
-        plane,
-        "--blocks",
-        "64",
-        "--block-len",
-        "1048576",
-        "--fill",
-        "64",
-        "--tcp-max-rate",
-        "64M",
-    ];
-    let (mut server, id) = Proc::serve(&serve_args);
+    let serve = Cli::serve()
+        .plane(plane)
+        .pool(BIG_BLOCKS, BIG_LEN)
+        .arg("--fill", BIG_BLOCKS)
+        .arg("--tcp-max-rate", "64M");
+    let (mut server, id) = serve.start_serving();
     let mut c = node::<P>(&format!("victim-{plane}"), BIG_BLOCKS * 2, BIG_LEN);
     let keys: Vec<OffloadKey> = (0..BIG_BLOCKS).map(synthetic::key).collect();
     let (req, hits) = lookup(
@@ -395,7 +345,7 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
     }
 
     // The survivor fetches from a new producer.
-    let (_fresh, id2) = Proc::serve(&serve_args);
+    let (_fresh, id2) = serve.start_serving();
     let some = &keys[..8];
     let (req, hits) = lookup(
         &mut c,
@@ -445,30 +395,12 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
             .unwrap();
     }
     let id = p.core.local().peer_id.to_string();
-    let fetch_args = |keys: &'static str| {
-        vec![
-            "fetch".to_owned(),
-            "--miss-share".into(),
-            "0".into(),
-            "--peer".into(),
-            id.clone(),
-            "--plane".into(),
-            plane.into(),
-            "--blocks".into(),
-            "64".into(),
-            "--block-len".into(),
-            "1048576".into(),
-            "--requests".into(),
-            "1000".into(),
-            "--keys".into(),
-            keys.into(),
-            "--first".into(),
-            "0".into(),
-        ]
-    };
-    let args = fetch_args("64");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut consumer = Proc::spawn(&args, "fetch");
+    let fetch = Cli::fetch_shared(&id)
+        .plane(plane)
+        .pool(BIG_BLOCKS, BIG_LEN)
+        .workload(1000, BIG_BLOCKS)
+        .arg("--first", 0);
+    let mut consumer = fetch.spawn();
     step_until(&mut p, Duration::from_secs(60), |p| {
         kill_when(&p.core.stats())
     });
@@ -480,12 +412,7 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
     assert_clean(&p);
 
     // The survivor serves a new peer: one request of 8 keys, every byte checked by the child.
-    let mut args = fetch_args("8");
-    if let Some(at) = args.iter().position(|a| a == "--requests") {
-        args[at + 1] = "1".into();
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut next = Proc::spawn(&args, "fetch");
+    let mut next = fetch.with("--requests", 1).with("--keys", 8).spawn();
     let status = next.wait_while(Duration::from_secs(60), || {
         let now = Instant::now();
         p.step(now);
@@ -586,6 +513,14 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
     assert!(err.contains("num_blokcs: unknown key"), "{err}");
     assert!(err.contains(&path), "{err}");
 
+    std::fs::write(&file, "listen_port = 1\nnum_blocks = \n").unwrap();
+    let mut p = Proc::spawn(&["serve", "--config", &path], "serve");
+    assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
+    std::thread::sleep(Duration::from_millis(100));
+    let err = p.log();
+    assert!(err.contains("num_blocks: "), "{err}");
+    assert!(err.contains("(line 2, column 14)"), "{err}");
+
     let env = [("VLLM_P2P_MAX_PEERS", "many")];
     let mut p = Proc::spawn_env(&["serve"], "serve", &env);
     assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
@@ -598,40 +533,33 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Logs written to a pipe (a file, a collector) carry no terminal colour codes.
+#[test]
+fn logs_to_a_pipe_have_no_colour_codes() {
+    let (mut server, _) = Proc::serve(&["--blocks", "8"]);
+    assert_eq!(server.terminate(Duration::from_secs(10)), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let log = server.log();
+    // Not vacuous: the tests run children at info, and serve logs its start and its stop.
+    assert!(log.contains("INFO") && log.contains("serving"), "{log:?}");
+    assert!(
+        !log.contains("\x1b["),
+        "colour codes in piped logs: {log:?}"
+    );
+}
+
 #[test]
 fn fetch_prints_json_for_machines_and_json_logs_on_request() {
-    let (_server, id) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--fill", "8"]);
-    let mut fetch = Proc::spawn(
-        &[
-            "--log-format",
-            "json",
-            "fetch",
-            "--miss-share",
-            "0",
-            "--peer",
-            id.as_str(),
-            "--blocks",
-            "16",
-            "--block-len",
-            "4096",
-            "--requests",
-            "2",
-            "--keys",
-            "8",
-            "--json",
-        ],
-        "fetch",
-    );
-    let line = fetch.line();
-    assert_eq!(
-        fetch.wait_while(Duration::from_secs(30), || {}),
-        0,
-        "{line}"
-    );
-    let summary: serde_json::Value = serde_json::from_str(&line).unwrap();
-    assert_eq!(summary["hits"], 8, "{line}");
-    assert_eq!(summary["misses"], 8, "{line}");
-    assert_eq!(summary["corrupt_blocks"], 0, "{line}");
+    let (_server, id) = small_server();
+    let (summary, fetch) = Cli::fetch_shared(id.as_str())
+        .pool(16, 4096)
+        .workload(2, 8)
+        .flag("--json")
+        .global("--log-format", "json")
+        .run_json();
+    assert_eq!(summary["hits"], 8, "{summary}");
+    assert_eq!(summary["misses"], 8, "{summary}");
+    assert_eq!(summary["corrupt_blocks"], 0, "{summary}");
     std::thread::sleep(Duration::from_millis(100));
     // Its logs (info level in these tests) are JSON objects, one per line.
     let logs = fetch.stderr.lock().unwrap().clone();
@@ -648,38 +576,19 @@ fn fetch_prints_json_for_machines_and_json_logs_on_request() {
 
 #[test]
 fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
-    let (_server, id) = Proc::serve(&[
-        "--blocks",
-        "16",
-        "--block-len",
-        "4096",
-        "--fill",
-        "8",
-        "--metrics",
-        "127.0.0.1:0",
-    ]);
+    let (_server, id) = Cli::serve()
+        .pool(16, 4096)
+        .arg("--fill", 8)
+        .arg("--metrics", "127.0.0.1:0")
+        .start_serving();
     let (head, body) = http_get(&metrics_addr(&_server), "/metrics");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(samples(&body)["kvpeer_pool_ready_blocks"], 8.0);
 
-    let mut fetch = Proc::spawn(
-        &[
-            "fetch",
-            "--miss-share",
-            "0",
-            "--peer",
-            id.as_str(),
-            "--blocks",
-            "16",
-            "--block-len",
-            "4096",
-            "--requests",
-            "2",
-            "--keys",
-            "8",
-        ],
-        "fetch",
-    );
+    let mut fetch = Cli::fetch_shared(id.as_str())
+        .pool(16, 4096)
+        .workload(2, 8)
+        .spawn();
     assert_eq!(fetch.wait_while(Duration::from_secs(30), || {}), 0);
     let (_, body) = http_get(&metrics_addr(&_server), "/metrics");
     let m = samples(&body);
@@ -718,9 +627,15 @@ fn serve_exposes_prometheus_metrics_that_count_what_peers_did() {
 
 #[test]
 fn fetch_draws_a_progress_bar_only_on_a_terminal() {
-    let (_server, id) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--fill", "8"]);
-    let fetch =
-        format!("{BIN} fetch --peer {id} --blocks 16 --block-len 4096 --requests 4 --keys 4");
+    let (_server, id) = small_server();
+    let fetch = format!(
+        "{BIN} {}",
+        Cli::fetch(id.as_str())
+            .pool(16, 4096)
+            .workload(4, 4)
+            .args()
+            .join(" ")
+    );
     // `script` (util-linux, on every Debian) runs it on a pseudo-terminal.
     let out = Command::new("script")
         .args(["-qec", &fetch, "/dev/null"])
@@ -735,24 +650,10 @@ fn fetch_draws_a_progress_bar_only_on_a_terminal() {
     assert!(text.contains("kvpeer fetch: requests=4"), "{text:?}");
 
     // Piped, as in every other test here: no bar in stderr.
-    let mut piped = Proc::spawn(
-        &[
-            "fetch",
-            "--miss-share",
-            "0",
-            "--peer",
-            id.as_str(),
-            "--blocks",
-            "16",
-            "--block-len",
-            "4096",
-            "--requests",
-            "4",
-            "--keys",
-            "4",
-        ],
-        "fetch",
-    );
+    let mut piped = Cli::fetch_shared(id.as_str())
+        .pool(16, 4096)
+        .workload(4, 4)
+        .spawn();
     assert_eq!(piped.wait_while(Duration::from_secs(30), || {}), 0);
     std::thread::sleep(Duration::from_millis(100));
     assert!(!piped.stderr.lock().unwrap().contains("requests,"));
@@ -760,76 +661,45 @@ fn fetch_draws_a_progress_bar_only_on_a_terminal() {
 
 #[test]
 fn fetch_mixes_in_new_keys_by_default_and_reports_the_hit_rate() {
-    let (_server, id) = Proc::serve(&["--blocks", "32", "--block-len", "4096", "--fill", "32"]);
-    let mut fetch = Proc::spawn(
-        &[
-            "fetch",
-            "--peer",
-            id.as_str(),
-            "--blocks",
-            "32",
-            "--block-len",
-            "4096",
-            "--requests",
-            "2",
-            "--keys",
-            "8",
-            "--json",
-        ],
-        "fetch",
-    );
-    let line = fetch.line();
-    assert_eq!(
-        fetch.wait_while(Duration::from_secs(30), || {}),
-        0,
-        "{line}"
-    );
-    let s: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let (_server, id) = Cli::serve()
+        .pool(32, 4096)
+        .arg("--fill", 32)
+        .start_serving();
+    let (s, _) = Cli::fetch(id.as_str())
+        .pool(32, 4096)
+        .workload(2, 8)
+        .flag("--json")
+        .run_json();
     // A quarter of each request's 8 keys is new text: 2 misses, 6 shared keys held.
     assert_eq!(
         (s["hits"].as_u64(), s["misses"].as_u64()),
         (Some(12), Some(4)),
-        "{line}"
+        "{s}"
     );
-    assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{line}");
+    assert_eq!(s["hit_rate"].as_f64(), Some(0.75), "{s}");
 }
 
 /// `fetch --concurrency 4`: four callers share the node, every byte still checked; the pool
 /// must hold every request in flight and one more (slack for blocks landed, not yet read).
 #[test]
 fn fetch_runs_requests_in_flight_together() {
-    let (_server, id) = Proc::serve(&[
-        "--plane",
-        "shm",
-        "--blocks",
-        "64",
-        "--block-len",
-        "4096",
-        "--fill",
-        "32",
-    ]);
-    let id = id.as_str().to_owned();
-    let common = [
-        "fetch",
-        "--peer",
-        &id,
-        "--plane",
-        "shm",
-        "--block-len",
-        "4096",
-        "--keys",
-        "8",
-        "--miss-share",
-        "0",
-        "--prefixes",
-        "4",
-        "--json",
-    ];
-    let out = Command::new(BIN)
-        .args(common)
-        .args(["--requests", "40", "--concurrency", "4", "--blocks", "40"])
-        .output()
-        .unwrap();
+    let (_server, id) = Cli::serve()
+        .plane("shm")
+        .pool(64, 4096)
+        .arg("--fill", 32)
+        .start_serving();
+    let fetch = Cli::fetch_shared(id.as_str())
+        .plane("shm")
+        .arg("--block-len", 4096)
+        .arg("--keys", 8)
+        .arg("--prefixes", 4)
+        .flag("--json")
+        .arg("--concurrency", 4);
+    let out = fetch
+        .clone()
+        .arg("--requests", 40)
+        .arg("--blocks", 40)
+        .output();
     assert!(
         out.status.success(),
         "{}",
@@ -843,11 +713,7 @@ fn fetch_runs_requests_in_flight_together() {
     );
     assert_eq!(s["failed_loads"], 0, "{s}");
 
-    let out = Command::new(BIN)
-        .args(common)
-        .args(["--requests", "4", "--concurrency", "4", "--blocks", "32"])
-        .output()
-        .unwrap();
+    let out = fetch.arg("--requests", 4).arg("--blocks", 32).output();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--concurrency"), "{stderr}");

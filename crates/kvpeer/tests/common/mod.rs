@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
 
+pub(crate) mod cli;
 pub(crate) mod node;
 pub(crate) mod node_io;
 pub(crate) mod vllm;
@@ -132,6 +133,18 @@ impl Drop for Proc {
         let _ = self.child.wait();
         let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
     }
+}
+
+/// Sends this process's logs (nodes it runs in-process) to the test's output at the level
+/// `KVPEER_LOG` names (default warn); once per test binary, later calls do nothing.
+pub(crate) fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
 }
 
 /// `key=value` from a space-separated line.

@@ -3,7 +3,16 @@
 
 use std::time::{Duration, Instant};
 
+use kvpeer::config::NodeConfigBuilder;
 use kvpeer::{synthetic, Node, OffloadKey};
+
+/// Starts a node in this process from `config`, its loads timing out after `load_timeout` (set
+/// on the built spec: a sub-second timeout is no config key).
+pub(crate) fn start(config: NodeConfigBuilder, load_timeout: Duration) -> Node {
+    let mut config = config.build().unwrap();
+    config.spec.core.load_timeout = load_timeout;
+    Node::start(config).unwrap()
+}
 
 pub(crate) fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
     range.map(synthetic::key).collect()

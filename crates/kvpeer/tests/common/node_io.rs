@@ -1,4 +1,5 @@
-//! Driving a [`NodeIo`] by hand on the test's thread (the runtime thread's job in a `Node`).
+//! Driving [`NodeIo`]s by hand on the test's thread (the runtime thread's job in a `Node`), and
+//! checking that one holds nothing open.
 
 use std::time::{Duration, Instant};
 
@@ -9,20 +10,70 @@ use kvpeer::node::io::NodeIo;
 pub(crate) fn step_until<P: BuildPlane>(
     n: &mut NodeIo<P>,
     timeout: Duration,
-    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
+    done: impl FnMut(&mut NodeIo<P>) -> bool,
 ) {
+    if !step_for(n, timeout, Duration::from_millis(2), done) {
+        panic!(
+            "condition not reached within {timeout:?}: core {:?}, store {:?}",
+            n.core.stats(),
+            n.core.parent().stats()
+        );
+    }
+}
+
+/// Steps `n` (resting up to `pause` between steps) until `done` holds or `timeout` passes;
+/// whether it held.
+pub(crate) fn step_for<P: BuildPlane>(
+    n: &mut NodeIo<P>,
+    timeout: Duration,
+    pause: Duration,
+    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
+) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         let now = Instant::now();
         n.step(now);
         if done(n) {
+            return true;
+        }
+        n.wait(now, pause);
+    }
+    false
+}
+
+/// Steps two nodes together until `done` holds; panics after `timeout`.
+pub(crate) fn step_both_until<P: BuildPlane>(
+    a: &mut NodeIo<P>,
+    b: &mut NodeIo<P>,
+    timeout: Duration,
+    mut done: impl FnMut(&mut NodeIo<P>, &mut NodeIo<P>) -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        a.step(now);
+        b.step(now);
+        if done(a, b) {
             return;
         }
-        n.wait(now, Duration::from_millis(2));
+        a.wait(now, Duration::from_millis(2));
     }
-    panic!(
-        "condition not reached within {timeout:?}: core {:?}, store {:?}",
-        n.core.stats(),
-        n.core.parent().stats()
+    panic!("condition not reached within {timeout:?}");
+}
+
+/// Nothing pinned, written, or held for any peer.
+pub(crate) fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {
+    let s = n.core.parent().stats();
+    assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
+    let k = n.core.stats();
+    assert_eq!(
+        (
+            k.client_requests,
+            k.server_requests,
+            k.store_jobs,
+            k.inflight
+        ),
+        (0, 0, 0, 0),
+        "{k:?}"
     );
 }

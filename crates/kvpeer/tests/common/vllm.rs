@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{http_get, metrics_addr, samples, Proc};
+use super::{http_get, metrics_addr, samples, Proc, BIN};
 
 pub(crate) fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -159,4 +159,109 @@ pub(crate) fn assert_vllm_clean(summary: &Value) {
         assert_eq!(left[k], 0, "{k} left open: {summary}");
     }
     assert_eq!(left["pending_work"], false, "{summary}");
+}
+
+/// Stops a vLLM peer with SIGTERM (it must exit 0); its summary, which must show nothing open.
+pub(crate) fn vllm_stop(p: &mut Proc) -> Value {
+    assert_eq!(p.terminate(Duration::from_secs(20)), 0, "{}", p.log());
+    let s = p.event("summary");
+    assert_vllm_clean(&s);
+    s
+}
+
+/// `kvpeer fetch --peer ID --json ARGS` against the vLLM `producer`, run to its end, which must
+/// succeed with no failed load and no corrupt block; its JSON summary.
+pub(crate) fn kvpeer_fetch(id: &str, args: &[&str], producer: &Proc) -> Value {
+    let out = Command::new(BIN)
+        .args(["fetch", "--peer", id, "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{}", producer.log());
+    let f: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(f["failed_loads"], 0, "{f}");
+    assert_eq!(f["corrupt_blocks"], 0, "{f}");
+    f
+}
+
+/// After a kvpeer consumer's `disconnect`: the vLLM producer ends the session as the peer's own
+/// decision, holds no session, and stops cleanly; its summary.
+pub(crate) fn vllm_stop_after_disconnect(producer: &mut Proc) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !producer.log().contains("peer disconnected") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let s = vllm_stop(producer);
+    assert_eq!(s["deaths"][0]["reason"], "peer disconnected", "{s}");
+    assert_eq!(s["leftover"]["sessions"], 0, "{s}");
+    s
+}
+
+/// A vLLM PD consumer (`transport`: its transport flags) whose two rounds of 4 keys kvpeer never
+/// writes: each load times out after 1 s, vLLM aborts it, and kvpeer's abort_ack names its
+/// round. Its summary.
+pub(crate) fn vllm_pd_fetch_aborted(id: &str, transport: &[&str]) -> Value {
+    let mut args = transport.to_vec();
+    args.extend_from_slice(&[
+        "--peer",
+        id,
+        "--pd",
+        "--requests",
+        "1",
+        "--keys",
+        "4",
+        "--miss-share",
+        "0",
+        "--rounds",
+        "2",
+        "--load-timeout",
+        "1",
+        "--expect-failures",
+    ]);
+    let (status, s) = vllm_fetch(&args);
+    assert_eq!(status, 0, "{s}");
+    assert_eq!(s["failed_loads"], 2, "{s}");
+    assert_eq!(s["abort_ack_rounds"], serde_json::json!([0, 1]), "{s}");
+    assert_vllm_clean(&s);
+    s
+}
+
+/// A vLLM consumer (`transport`: its transport flags) runs `requests` requests of 12 keys
+/// against kvpeer at `id`, in three lookup rounds each (two with 4 held keys, closed by a
+/// fetch; the last all misses, closed by the terminal empty fetch); every byte checked. Its
+/// summary, its counts checked.
+pub(crate) fn vllm_fetch_three_rounds(
+    transport: &[&str],
+    id: &str,
+    requests: u64,
+    serve: &Proc,
+) -> Value {
+    let requests_arg = requests.to_string();
+    let mut args = transport.to_vec();
+    args.extend_from_slice(&[
+        "--peer",
+        id,
+        "--requests",
+        &requests_arg,
+        "--keys",
+        "12",
+        "--miss-share",
+        "0.3334",
+        "--rounds",
+        "3",
+    ]);
+    let (status, s) = vllm_fetch(&args);
+    assert_eq!(status, 0, "{s}\n{}", serve.log());
+    assert_eq!(
+        (s["hits"].as_u64(), s["misses"].as_u64()),
+        (Some(requests * 8), Some(requests * 4)),
+        "{s}"
+    );
+    assert_eq!(s["corrupt_blocks"], 0, "{s}");
+    assert_eq!(s["failed_loads"], 0, "{s}");
+    assert_eq!(s["bytes"], requests * 8 * 65536, "{s}");
+    assert_eq!(s["received"]["transfer_done"], requests * 2, "{s}");
+    assert_vllm_clean(&s);
+    s
 }

@@ -1,0 +1,308 @@
+//! The one declaration of every configuration key: its name (the TOML key), its default (as it
+//! would be written in a file), the environment variable that sets it, and what it means.
+//!
+//! Everything else is made from this list: the file's serde struct ([`Settings`], unknown keys
+//! refused), the environment's reader, the defaults `resolve` and the builder start from, and the
+//! help of the command line's flags. A default is written here and nowhere else in this crate;
+//! `docs/configuration.md` repeats the table for readers and a test holds it to this list.
+
+use serde::Deserialize;
+
+/// The hash seed a vLLM 0.33 engine advertises when `PYTHONHASHSEED` is unset and its prefix
+/// hash is cryptographic (sha256, the default): `DEFAULT_NONE_HASH_SEED`. With a
+/// non-cryptographic hash (xxhash) and no `PYTHONHASHSEED`, vLLM picks a random seed per
+/// process, and no peer can match it.
+pub const VLLM_DEFAULT_HASH_SEED: &str = "vllm-none-hash";
+
+/// One configuration key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Key {
+    /// Its name in config files and error messages.
+    pub name: &'static str,
+    /// The value it has when no source sets it, written as in a file (`None`: unset, off).
+    pub default: Option<&'static str>,
+    /// The environment variable that sets it, if any (vLLM's names).
+    pub env: Option<&'static str>,
+    /// What it means (one line).
+    pub help: &'static str,
+}
+
+/// Expands the list of keys into [`Keys`]/[`KEY`] (each key by name, checked by the compiler),
+/// [`KEYS`] (all of them, in order) and [`Settings`] (what one source sets; serde refuses any
+/// other key).
+macro_rules! declare_keys {
+    ($(
+        $(#[doc = $doc:literal])+
+        $key:ident $(= $default:expr)? $(, env $env:literal)?;
+    )+) => {
+        /// Every key, one field each: `KEY.num_blocks.default`.
+        #[derive(Debug, Clone, Copy)]
+        pub struct Keys {
+            $(
+                $(#[doc = $doc])+
+                pub $key: Key,
+            )+
+        }
+
+        /// Every key by name.
+        pub const KEY: Keys = Keys {
+            $(
+                $key: Key {
+                    name: stringify!($key),
+                    default: declare_keys!(@option $($default)?),
+                    env: declare_keys!(@option $($env)?),
+                    help: concat!($($doc),+),
+                },
+            )+
+        };
+
+        /// Every key, in the order of the documentation.
+        pub const KEYS: &[Key] = &[$(KEY.$key),+];
+
+        /// The values one source sets (a file, the environment, the flags, a builder), each with
+        /// where it came from. Deserialized from a config file, where any key not declared here
+        /// is refused (`deny_unknown_fields`).
+        #[derive(Debug, Clone, Default, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct Settings {
+            $(
+                #[serde(default)]
+                $key: Option<Setting>,
+            )+
+            /// A file's `[fingerprint_fields]` table, turned into `config_fingerprint` as the
+            /// file is read (not a key of its own).
+            #[serde(default)]
+            fingerprint_fields: Option<toml::Table>,
+            /// The first key `set` was given that is not one (refused by `resolve`).
+            #[serde(skip)]
+            unknown: Option<(String, String)>,
+        }
+
+        impl Settings {
+            fn slot(&self, key: &str) -> Option<&Option<Setting>> {
+                match key {
+                    $(stringify!($key) => Some(&self.$key),)+
+                    _ => None,
+                }
+            }
+
+            fn slot_mut(&mut self, key: &str) -> Option<&mut Option<Setting>> {
+                match key {
+                    $(stringify!($key) => Some(&mut self.$key),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+    (@option) => { None };
+    (@option $value:expr) => { Some($value) };
+}
+
+declare_keys! {
+    /// control-channel host (with the port: the node's identity, which peers dial)
+    listen_host = "127.0.0.1", env "VLLM_P2P_SIDE_CHANNEL_HOST";
+    /// control-channel port; 0 picks a free one
+    listen_port = "0", env "VLLM_P2P_SIDE_CHANNEL_PORT";
+    /// blocks in the pool
+    num_blocks = "1024";
+    /// bytes per block; peers must agree
+    block_len = "65536";
+    /// prefix-cache hash seed; peers must agree (vLLM advertises $PYTHONHASHSEED when set)
+    hash_seed = VLLM_DEFAULT_HASH_SEED, env "PYTHONHASHSEED";
+    /// model configuration fingerprint; "" matches anything
+    config_fingerprint = "";
+    /// data planes: shm, tcp, both or nixl
+    plane = "both";
+    /// directory of NIXL's libnixl_capi.so, for the nixl plane (unset: the loader's path)
+    nixl_lib_dir;
+    /// UCX backend parameters for the nixl plane, key=value,...
+    nixl_backend_params;
+    /// cap on tcp bytes per second to each peer (unset: uncapped)
+    tcp_max_rate;
+    /// most sessions at once (vLLM's default)
+    max_peers = "128", env "VLLM_P2P_MAX_PEERS";
+    /// seconds a handshake may take
+    handshake_timeout_s = "30", env "VLLM_P2P_HANDSHAKE_TIMEOUT_S";
+    /// idle-session eviction age in seconds, 0 = never
+    idle_timeout_s = "300", env "VLLM_P2P_IDLE_TIMEOUT_S";
+    /// seconds a lookup may go without progress
+    lookup_timeout_s = "30";
+    /// seconds a fetch may take before it is aborted
+    load_timeout_s = "30";
+    /// seconds a pin may be held for a peer
+    store_timeout_s = "30";
+    /// seconds an abort may wait for its ack
+    abort_ack_timeout_s = "10";
+    /// seconds a pending key of an inbound lookup waits before MISS
+    lookup_pending_timeout_s = "5";
+    /// seconds a PD producer's stored blocks wait for the fetch
+    unbound_store_timeout_s = "60";
+    /// seconds a faulted peer's writes may drain before it is dropped
+    peer_fault_drain_s = "10";
+    /// largest control message accepted, in bytes
+    max_message_bytes = "67108864";
+    /// most entries in one list of a message
+    max_keys_per_message = "1048576";
+    /// peers to talk to: CIDR, host or host:port rules (unset: all)
+    allowlist;
+    /// a peer's IP identity must come from that address: true or false
+    bind_identity = "true";
+    /// file holding the shared secret of the authenticated handshake (unset: off)
+    auth_secret_file;
+}
+
+/// One key's value as text, and where it came from (`file kvpeer.toml`, `env PYTHONHASHSEED`,
+/// `flag --blocks`). A file may write a value as a string, a number, a boolean or (for the
+/// allowlist) a list of strings; every source is then checked by the same parser.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Setting {
+    pub(crate) value: String,
+    pub(crate) source: String,
+    /// Written as a TOML array (only the allowlist may be).
+    pub(crate) list: bool,
+}
+
+impl<'de> Deserialize<'de> for Setting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Setting;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a number")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Setting, E> {
+                Ok(Setting::text(v.to_owned()))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Setting, E> {
+                Ok(Setting::text(v.to_string()))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Setting, E> {
+                Ok(Setting::text(v.to_string()))
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Setting, E> {
+                Ok(Setting::text(v.to_string()))
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Setting, E> {
+                Ok(Setting::text(v.to_string()))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<Setting, A::Error> {
+                // A rule holds no comma, so the list travels as the comma-separated text a
+                // flag or an environment variable would give.
+                let mut items = Vec::new();
+                while let Some(item) = a.next_element::<String>()? {
+                    items.push(item);
+                }
+                Ok(Setting {
+                    list: true,
+                    ..Setting::text(items.join(","))
+                })
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+impl Setting {
+    fn text(value: String) -> Setting {
+        Setting {
+            value,
+            source: String::new(),
+            list: false,
+        }
+    }
+}
+
+impl Settings {
+    /// Sets `key` to `value` from `source` (a later `set` of the same key replaces it). A name
+    /// that is no key is remembered and refused by `resolve`.
+    pub fn set(&mut self, key: &str, value: impl Into<String>, source: &str) {
+        let setting = Setting {
+            value: value.into(),
+            source: source.to_owned(),
+            list: false,
+        };
+        match self.slot_mut(key) {
+            Some(slot) => *slot = Some(setting),
+            None => {
+                self.unknown
+                    .get_or_insert_with(|| (key.to_owned(), source.to_owned()));
+            }
+        }
+    }
+
+    /// The value of `key` and its source, if this source sets it.
+    pub fn get(&self, key: &str) -> Option<(&str, &str)> {
+        self.slot(key)
+            .and_then(Option::as_ref)
+            .map(|s| (s.value.as_str(), s.source.as_str()))
+    }
+
+    pub(crate) fn setting(&self, key: &str) -> Option<&Setting> {
+        self.slot(key).and_then(Option::as_ref)
+    }
+
+    /// Takes every key `later` sets (later sources win).
+    pub(crate) fn merge(&mut self, later: &Settings) {
+        for key in KEYS {
+            if let (Some(slot), Some(value)) = (self.slot_mut(key.name), later.setting(key.name)) {
+                *slot = Some(value.clone());
+            }
+        }
+        if self.unknown.is_none() {
+            self.unknown.clone_from(&later.unknown);
+        }
+    }
+
+    /// Names every value's source (serde fills in values only).
+    pub(crate) fn set_source(&mut self, source: &str) {
+        for key in KEYS {
+            if let Some(Some(s)) = self.slot_mut(key.name) {
+                s.source = source.to_owned();
+            }
+        }
+    }
+
+    /// The keys this source set as TOML arrays.
+    pub(crate) fn lists(&self) -> impl Iterator<Item = &'static str> + '_ {
+        KEYS.iter()
+            .filter(|k| self.setting(k.name).is_some_and(|s| s.list))
+            .map(|k| k.name)
+    }
+
+    pub(crate) fn take_fingerprint_fields(&mut self) -> Option<toml::Table> {
+        self.fingerprint_fields.take()
+    }
+
+    pub(crate) fn unknown(&self) -> Option<&(String, String)> {
+        self.unknown.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_is_a_field_of_the_file_and_named_once() {
+        for (i, k) in KEYS.iter().enumerate() {
+            let mut s = Settings::default();
+            s.set(k.name, "1", "t");
+            assert_eq!(s.get(k.name), Some(("1", "t")), "{}", k.name);
+            assert!(s.unknown().is_none());
+            assert!(KEYS[..i].iter().all(|o| o.name != k.name), "{}", k.name);
+        }
+        let mut s = Settings::default();
+        s.set("num_blokcs", "1", "t");
+        assert_eq!(s.unknown(), Some(&("num_blokcs".into(), "t".into())));
+    }
+}

@@ -1,0 +1,337 @@
+//! Node configuration from four sources, with precedence flag > environment > file > default.
+//!
+//! * **Keys**: declared once, in [`keys`] (name, default, environment variable, meaning); the
+//!   file's serde struct, the environment's reader, the defaults and the flags' help come from
+//!   that list.
+//! * **File**: TOML (`--config FILE`), flat keys; any other key is refused, and a syntax error
+//!   names its line and column. A `[fingerprint_fields]` table computes `config_fingerprint`
+//!   vLLM's way ([`fingerprint`]).
+//! * **Environment**: the variables vLLM users know (`VLLM_P2P_SIDE_CHANNEL_HOST`, `_PORT`,
+//!   `VLLM_P2P_MAX_PEERS`, `VLLM_P2P_HANDSHAKE_TIMEOUT_S`, `VLLM_P2P_IDLE_TIMEOUT_S`,
+//!   `PYTHONHASHSEED`).
+//! * **Flags**: whatever the command line set ([`Settings`] with only those keys); embedders
+//!   use [`NodeConfig::builder`] instead.
+//!
+//! Every source's values are text checked by one parser in [`resolve`], before anything
+//! starts: an unknown key, a wrong type or an out-of-range value is an error naming the key and
+//! where it came from.
+
+mod builder;
+mod fingerprint;
+pub mod keys;
+
+use std::time::Duration;
+
+use crate::api::{NodeConfig, PlaneKind};
+use crate::node::allow::Allowlist;
+use crate::node::build::{NixlOptions, NodeSpec};
+use kvpeer_core::CoreConfig;
+use kvpeer_net::control::ControlConfig;
+use kvpeer_proto::{DecodeLimits, PeerId};
+
+pub use builder::NodeConfigBuilder;
+pub use fingerprint::fingerprint;
+pub use keys::{Key, Settings, KEY, KEYS, VLLM_DEFAULT_HASH_SEED};
+
+/// A configuration error: which key, from where, and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{source_name}: {key}: {problem}")]
+pub struct ConfigError {
+    /// Where the value came from (`file kvpeer.toml`, `env VLLM_P2P_MAX_PEERS`, `flag`).
+    pub source_name: String,
+    /// The key; for a file that is not valid TOML, where the fault is (`line 2, column 13`).
+    pub key: String,
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// The settings a TOML file holds (`file` names it in errors).
+pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
+    let source = format!("file {file}");
+    let mut out: Settings = toml::from_str(text).map_err(|e| toml_error(text, &source, &e))?;
+    out.set_source(&source);
+    if let Some(key) = out.lists().find(|k| *k != KEY.allowlist.name) {
+        return Err(bad(
+            &source,
+            key,
+            "expected a string or a number, got an array".into(),
+        ));
+    }
+    if let Some(fields) = out.take_fingerprint_fields() {
+        out.set(
+            KEY.config_fingerprint.name,
+            fingerprint::of_table(&fields),
+            &source,
+        );
+    }
+    Ok(out)
+}
+
+/// A TOML or serde error as a [`ConfigError`]: the key it is about (an unknown key, or the key
+/// on the line of a value of the wrong type), else its line and column.
+fn toml_error(text: &str, source: &str, e: &toml::de::Error) -> ConfigError {
+    // One line, as every configuration error is.
+    let message = e.message().trim_end().replace('\n', "; ");
+    let message = message.as_str();
+    // serde's wording for a key `deny_unknown_fields` refuses.
+    if let Some(rest) = message.strip_prefix("unknown field `") {
+        if let Some((key, _)) = rest.split_once('`') {
+            return bad(source, key, "unknown key".into());
+        }
+    }
+    let Some(span) = e.span() else {
+        return bad(source, "(file)", message.to_owned());
+    };
+    let start = span.start.min(text.len());
+    let before = text.get(..start).unwrap_or("");
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = before.matches('\n').count() + 1;
+    let column = before[line_start..].chars().count() + 1;
+    // A value of the wrong type: its span is the value, which follows `key =` on its line.
+    let key = before[line_start..]
+        .split_once('=')
+        .map(|(k, _)| k.trim().trim_matches('"'))
+        .filter(|k| KEYS.iter().any(|d| d.name == *k) || *k == "fingerprint_fields");
+    match key {
+        Some(key) => bad(
+            source,
+            key,
+            format!("{message} (line {line}, column {column})"),
+        ),
+        None => bad(
+            source,
+            &format!("line {line}, column {column}"),
+            message.to_owned(),
+        ),
+    }
+}
+
+/// The settings the environment holds (`lookup` reads one variable).
+pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Settings {
+    let mut out = Settings::default();
+    for key in KEYS {
+        if let Some(var) = key.env {
+            if let Some(v) = lookup(var) {
+                out.set(key.name, v, &format!("env {var}"));
+            }
+        }
+    }
+    out
+}
+
+/// Resolves defaults < file < env < flags into a node configuration; `tag` names the pool's
+/// shm object (with the process id).
+pub fn resolve(
+    file: &Settings,
+    env: &Settings,
+    flags: &Settings,
+    tag: &str,
+) -> Result<NodeConfig, ConfigError> {
+    let mut merged = file.clone();
+    merged.merge(env);
+    merged.merge(flags);
+    resolve_one(&merged, tag)
+}
+
+/// [`resolve`] over one set of settings (the sources already merged).
+pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, ConfigError> {
+    if let Some((key, source)) = set.unknown() {
+        return Err(bad(source, key, "unknown key".into()));
+    }
+    let s = Values(set);
+    let host = s.text(&KEY.listen_host);
+    let port: u64 = s.number(&KEY.listen_port, 0, u64::from(u16::MAX))?;
+    let secs = |key: &Key, min: u64| -> Result<Duration, ConfigError> {
+        s.number(key, min, 86_400 * 365).map(Duration::from_secs)
+    };
+    let core = CoreConfig {
+        max_peers: s.number(&KEY.max_peers, 1, 1 << 20)? as usize,
+        handshake_timeout: secs(&KEY.handshake_timeout_s, 1)?,
+        idle_timeout: secs(&KEY.idle_timeout_s, 0)?,
+        lookup_timeout: secs(&KEY.lookup_timeout_s, 1)?,
+        load_timeout: secs(&KEY.load_timeout_s, 1)?,
+        store_timeout: secs(&KEY.store_timeout_s, 1)?,
+        abort_ack_timeout: secs(&KEY.abort_ack_timeout_s, 1)?,
+        lookup_pending_timeout: secs(&KEY.lookup_pending_timeout_s, 1)?,
+        unbound_store_timeout: secs(&KEY.unbound_store_timeout_s, 1)?,
+        peer_fault_drain: secs(&KEY.peer_fault_drain_s, 1)?,
+        ..CoreConfig::default()
+    };
+    let max_message = s.number(&KEY.max_message_bytes, 1024, 1 << 31)?;
+    let limits = DecodeLimits {
+        max_payload_bytes: max_message as usize,
+        max_list_len: s.number(&KEY.max_keys_per_message, 1, 1 << 24)? as usize,
+        ..DecodeLimits::default()
+    };
+    let control = ControlConfig {
+        max_message_bytes: max_message as i64,
+        ..ControlConfig::default()
+    };
+    let plane: PlaneKind = s.parsed(&KEY.plane)?;
+    let nixl = NixlOptions {
+        lib_dir: s.get(&KEY.nixl_lib_dir).map(|(v, _)| v.into()),
+        backend_params: match s.get(&KEY.nixl_backend_params) {
+            None => Vec::new(),
+            Some((v, src)) => v
+                .split(',')
+                .filter(|kv| !kv.trim().is_empty())
+                .map(|kv| match kv.split_once('=') {
+                    Some((k, v)) if !k.trim().is_empty() => {
+                        Ok((k.trim().to_owned(), v.trim().to_owned()))
+                    }
+                    _ => Err(bad(
+                        src,
+                        "nixl_backend_params",
+                        format!("{kv:?} is not key=value"),
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+        },
+    };
+    let tcp_max_write_rate = match s.get(&KEY.tcp_max_rate) {
+        None => None,
+        Some(_) => Some(s.number(&KEY.tcp_max_rate, 1, u64::MAX)?),
+    };
+    let id = PeerId::new(format!("{host}:{port}"));
+    if port != 0 && id.host_port().is_err() {
+        let src = s.get(&KEY.listen_host).map_or("default", |(_, src)| src);
+        return Err(bad(src, "listen_host", format!("{host:?} is not a host")));
+    }
+    Ok(NodeConfig {
+        spec: NodeSpec {
+            id,
+            num_blocks: s.number(&KEY.num_blocks, 1, u64::from(u32::MAX) - 1)?,
+            block_len: s.number(&KEY.block_len, 1, 1 << 30)?,
+            shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
+            tcp_listen: format!("{host}:0"),
+            tcp_max_write_rate,
+            hash_seed: s.text(&KEY.hash_seed),
+            config_fingerprint: s.text(&KEY.config_fingerprint),
+            core,
+            allowlist: allowlist(&s)?,
+            bind_identity: s.boolean(&KEY.bind_identity)?,
+            auth_secret: auth_secret(&s)?,
+            control,
+            limits,
+            nixl,
+        },
+        plane,
+    })
+}
+
+/// The merged settings, read key by key with each key's declared default.
+struct Values<'a>(&'a Settings);
+
+impl Values<'_> {
+    /// The value a source set, with its source.
+    fn get(&self, key: &Key) -> Option<(&str, &str)> {
+        self.0.get(key.name)
+    }
+
+    /// The value a source set, else the default (`None`: neither).
+    fn value(&self, key: &Key) -> Option<(&str, &str)> {
+        self.get(key).or(key.default.map(|d| (d, "default")))
+    }
+
+    fn text(&self, key: &Key) -> String {
+        self.value(key)
+            .map_or_else(String::new, |(v, _)| v.to_owned())
+    }
+
+    fn number(&self, key: &Key, min: u64, max: u64) -> Result<u64, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        let n: u64 = v
+            .trim()
+            .parse()
+            .map_err(|_| bad(src, key.name, format!("{v:?} is not a whole number")))?;
+        if n < min || n > max {
+            return Err(bad(src, key.name, format!("{n} is outside {min}..={max}")));
+        }
+        Ok(n)
+    }
+
+    fn parsed<T: std::str::FromStr<Err = String>>(&self, key: &Key) -> Result<T, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        v.parse().map_err(|e| bad(src, key.name, e))
+    }
+
+    fn boolean(&self, key: &Key) -> Result<bool, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => Ok(true),
+            "false" | "0" | "no" | "off" => Ok(false),
+            other => Err(bad(
+                src,
+                key.name,
+                format!("{other:?} is not true or false"),
+            )),
+        }
+    }
+}
+
+fn allowlist(s: &Values<'_>) -> Result<Allowlist, ConfigError> {
+    let Some((v, src)) = s.get(&KEY.allowlist) else {
+        return Ok(Allowlist::default());
+    };
+    let rules: Vec<&str> = v.split(',').filter(|r| !r.trim().is_empty()).collect();
+    Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e.to_string()))
+}
+
+fn auth_secret(s: &Values<'_>) -> Result<Option<Vec<u8>>, ConfigError> {
+    let Some((path, src)) = s.get(&KEY.auth_secret_file) else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(path).map_err(|e| {
+        bad(
+            src,
+            "auth_secret_file",
+            format!("cannot read {path:?}: {e}"),
+        )
+    })?;
+    let secret = bytes.trim_ascii().to_vec();
+    if secret.len() < 16 {
+        return Err(bad(
+            src,
+            "auth_secret_file",
+            format!(
+                "{path:?} holds {} bytes; at least 16 are needed",
+                secret.len()
+            ),
+        ));
+    }
+    Ok(Some(secret))
+}
+
+fn bad(source: &str, key: &str, problem: String) -> ConfigError {
+    ConfigError {
+        source_name: source.to_owned(),
+        key: key.to_owned(),
+        problem,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The declared defaults are the ones the core and the decoder were written with (vLLM's),
+    /// so a node and a bare core agree; and they all resolve.
+    #[test]
+    fn the_declared_defaults_resolve_to_the_cores_own() {
+        let c = resolve_one(&Settings::default(), "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.spec.core, CoreConfig::default());
+        assert_eq!(c.spec.limits, DecodeLimits::default());
+        assert_eq!(c.spec.control, ControlConfig::default());
+        assert_eq!(c.spec.nixl, NixlOptions::default());
+        assert_eq!(c.plane, PlaneKind::default());
+        assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
+        assert_eq!(c.spec.tcp_max_write_rate, None);
+        assert_eq!(c.spec.auth_secret, None);
+    }
+}
