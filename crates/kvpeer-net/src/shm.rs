@@ -14,8 +14,10 @@
 //! `pread`, one HMAC and `mmap`. This node's own `connect` carries its token for each
 //! destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
 //! trailer. A write copies local block `l` into the peer's region at `r × block_len`. Local
-//! blocks are read through this plane's own read-only mapping of the local object, so the plane
-//! and the store never share ownership.
+//! blocks are read through the store's [`PoolView`]: the plane never maps its own pool. A pool
+//! over an engine's own memory ([`kvpeer_store::Pool::external`]) has no object a peer could
+//! map, so the plane refuses it ([`ShmError::NotShm`]); peers' pools are mapped here, after
+//! their proof.
 //!
 //! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
 //! copied right there (a few tens of microseconds, less than handing it to another thread and
@@ -37,7 +39,8 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use memmap2::{Mmap, MmapMut, MmapOptions};
+use kvpeer_store::PoolView;
+use memmap2::{MmapMut, MmapOptions};
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -50,17 +53,20 @@ pub type Wake = Arc<dyn Fn() + Send + Sync>;
 /// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
 pub const INLINE_COPY_BYTES: u64 = 8 << 20;
 
-/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of `dst`.
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of `dst` (indexes checked by
+/// `write_in_range` before the copy was accepted).
 fn copy_blocks(
-    src: &[u8],
+    src: &PoolView,
     dst: &mut [u8],
     local: &[BlockIndex],
     remote: &[BlockIndex],
     len: usize,
 ) {
     for (&l, &r) in local.iter().zip(remote) {
-        let (l, r) = (l as usize * len, r as usize * len);
-        dst[r..r + len].copy_from_slice(&src[l..l + len]);
+        let r = r as usize * len;
+        if let (Some(from), Some(to)) = (src.block(l), dst.get_mut(r..r + len)) {
+            to.copy_from_slice(from);
+        }
     }
 }
 
@@ -68,14 +74,13 @@ fn copy_blocks(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ShmError {
-    /// The local object could not be opened or mapped.
-    #[error("cannot map the local shared-memory object /{name}: {reason}")]
-    Local {
-        /// Its name.
-        name: String,
-        /// Why.
-        reason: String,
-    },
+    /// The pool is not a shared-memory object (an engine's own memory): peers could not map
+    /// it, and this node could not prove it owns it.
+    #[error(
+        "the shm plane needs a pool in a named shared-memory object; this pool is external \
+         memory (use the tcp or nixl plane)"
+    )]
+    NotShm,
     /// The copy worker could not be started.
     #[error("cannot start the shm copy worker: {0}")]
     Worker(std::io::Error),
@@ -115,7 +120,7 @@ pub struct ShmPlane {
     secret: [u8; SECRET_LEN],
     /// `(st_dev, st_ino)` of the local pool: a peer naming it is refused.
     local_object: (u64, u64),
-    local: Arc<Mmap>,
+    local: PoolView,
     wake: Wake,
     local_blocks: u64,
     block_len: u64,
@@ -143,43 +148,14 @@ impl std::fmt::Debug for ShmPlane {
 }
 
 impl ShmPlane {
-    /// A plane for the node `local_id` whose pool is the shared-memory object `local_name`
-    /// (with its trailer: see [`kvpeer_store::trailer`]).
-    pub fn new(
-        local_id: PeerId,
-        local_name: &str,
-        num_blocks: u64,
-        block_len: u64,
-        wake: Wake,
-    ) -> Result<Self, ShmError> {
-        let local_err = |reason: String| ShmError::Local {
-            name: local_name.to_owned(),
-            reason,
-        };
-        let file = shm_object::open(local_name, false).map_err(local_err)?;
-        let stat = file.metadata().map_err(|e| local_err(e.to_string()))?;
-        let blocks_len = num_blocks
-            .checked_mul(block_len)
-            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
-        let needed = trailer::object_len(num_blocks, block_len)
-            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
-        if stat.len() != needed {
-            return Err(local_err(format!(
-                "{} bytes, {needed} expected (blocks and trailer)",
-                stat.len()
-            )));
-        }
-        // SAFETY: a read-only view of our own pool; blocks are only read while a store job pins
-        // them, so their bytes do not change under a copy.
-        let local = unsafe { Mmap::map(&file) }.map_err(|e| local_err(e.to_string()))?;
-        let trailer_at = usize::try_from(blocks_len).map_err(|e| local_err(e.to_string()))?;
-        let secret = local
-            .get(trailer_at..)
-            .ok_or_else(|| local_err("no trailer".into()))
-            .and_then(|t| trailer::parse_trailer(t).map_err(|e| local_err(e.to_string())))?;
-        crate::prefault::for_read(&local, "the shm plane's view of the local pool");
+    /// A plane for the node `local_id` over its pool (`local`, the store's view), which must be
+    /// a shared-memory object with its trailer ([`kvpeer_store::Pool::shm`]): its name is what
+    /// peers map, its secret what this node's tokens are made from.
+    pub fn new(local_id: PeerId, local: PoolView, wake: Wake) -> Result<Self, ShmError> {
+        let object = local.shm().ok_or(ShmError::NotShm)?;
+        let (secret, local_object) = (*object.secret(), object.file_id());
+        let (num_blocks, block_len) = (local.num_blocks(), local.block_len());
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let local = Arc::new(local);
         let (tx, rx) = channel::<Job>();
         let worker = {
             let shared = shared.clone();
@@ -215,7 +191,7 @@ impl ShmPlane {
         Ok(ShmPlane {
             local_id,
             secret,
-            local_object: (stat.dev(), stat.ino()),
+            local_object,
             local,
             wake,
             local_blocks: num_blocks,
@@ -246,8 +222,7 @@ impl ShmPlane {
         let token = meta
             .shm_token
             .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
-        let file =
-            shm_object::open(&name, true).map_err(|e| format!("cannot open {name:?}: {e}"))?;
+        let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
         let blocks_len = self.prove(&name, &file, memory.num_blocks, &token)?;
         let len = usize::try_from(blocks_len).map_err(|e| format!("{name:?}: {e}"))?;
         // SAFETY: the peer's pool, shared with it by design and proven to be its own (above):

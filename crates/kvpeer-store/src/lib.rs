@@ -14,5 +14,7 @@ mod pool;
 mod store;
 pub mod trailer;
 
-pub use pool::{BlockBusy, ClaimError, Pool, PoolError, PoolView, PoolWriter, ShmObject, WriteClaim};
+pub use pool::{
+    BlockBusy, ClaimError, Pool, PoolError, PoolView, PoolWriter, ShmObject, WriteClaim,
+};
 pub use store::{BlockStore, StoreConfig, StoreError, StoreStats};

@@ -206,9 +206,7 @@ impl Memory {
         // block change only through a claim or the owner's `block_mut`, and the node reads
         // only blocks a store job pins, which it never grants to a write; another process
         // (a peer on the shm plane, NIXL) writes only blocks this node reserved for it.
-        Some(unsafe {
-            std::slice::from_raw_parts(self.base.as_ptr().add(offset), self.block_len)
-        })
+        Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), self.block_len) })
     }
 
     /// `&mut` bytes of `block`. Callers make sure nothing else in this process reads or
@@ -305,6 +303,11 @@ impl PoolWriter {
         PoolView {
             mem: self.mem.clone(),
         }
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> u64 {
+        self.mem.num_blocks
     }
 
     /// Permits `holder` to write `blocks` (once each), e.g. the destinations of a fetch sent
@@ -417,12 +420,7 @@ pub struct Pool {
 impl Pool {
     /// Creates `/name` with room for `num_blocks × block_len` bytes, zeroed, and the trailer
     /// (a fresh secret), and maps it, pre-faulted and, with `lock`, locked in memory.
-    pub fn shm(
-        name: &str,
-        num_blocks: u64,
-        block_len: u64,
-        lock: bool,
-    ) -> Result<Self, PoolError> {
+    pub fn shm(name: &str, num_blocks: u64, block_len: u64, lock: bool) -> Result<Self, PoolError> {
         let bad = || PoolError::BadSize {
             num_blocks,
             block_len,
@@ -678,7 +676,10 @@ mod tests {
     fn external_memory_puts_block_i_at_base_plus_i_strides_and_leaves_the_gaps() {
         let (mut pool, base) = external();
         assert_eq!(pool.base_addr(), base.as_ptr() as u64);
-        assert_eq!((pool.num_blocks(), pool.block_len(), pool.stride()), (3, 8, 12));
+        assert_eq!(
+            (pool.num_blocks(), pool.block_len(), pool.stride()),
+            (3, 8, 12)
+        );
         assert_eq!(pool.span_len(), 32);
         assert!(pool.shm().is_none());
         for i in 0..3 {
@@ -719,7 +720,10 @@ mod tests {
         let (mut pool, _) = external();
         let w = pool.writer();
         let (a, b) = (PeerId::new("a"), PeerId::new("b"));
-        assert!(matches!(w.claim(&a, &[0]), Err(ClaimError::NotPermitted(_))));
+        assert!(matches!(
+            w.claim(&a, &[0]),
+            Err(ClaimError::NotPermitted(_))
+        ));
         w.grant(&a, &[0, 1]);
         w.grant(&b, &[1]);
         assert_eq!(pool.block_mut(0), Err(BlockBusy::PeerWrite), "granted");

@@ -239,7 +239,10 @@ fn the_node_cannot_write_a_block_a_peer_may_write() {
         Err(StoreError::BadBlock { .. })
     ));
     let claim = writer.claim(&peer, &blocks).unwrap();
-    assert!(s.write_target(blocks[0]).is_err(), "being written by the peer");
+    assert!(
+        s.write_target(blocks[0]).is_err(),
+        "being written by the peer"
+    );
     drop(claim);
     assert!(s.write_target(blocks[0]).is_ok(), "the peer's write ended");
 }

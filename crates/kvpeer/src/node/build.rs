@@ -10,7 +10,7 @@ use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
 use kvpeer_net::tcp::{TcpError, TcpPlane};
 use kvpeer_proto::{DecodeLimits, PeerId};
-use kvpeer_store::{BlockStore, StoreConfig, StoreError};
+use kvpeer_store::{BlockStore, Pool, StoreConfig, StoreError};
 
 use super::allow::Allowlist;
 use super::auth::Auth;
@@ -91,8 +91,10 @@ pub enum BuildError {
 
 /// A data plane a node can be built with.
 pub trait BuildPlane: DataPlane + Sized {
-    /// Makes the plane over the node's pool; returns it and what it advertises.
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError>;
+    /// Makes the plane over the node's pool (the store's: the planes never map it themselves);
+    /// returns it and what it advertises.
+    fn build(spec: &NodeSpec, pool: &Pool, wake: Wake)
+        -> Result<(Self, AgentMetadata), BuildError>;
 
     /// The `agent_metadata` bytes `connect` carries: kvpeer's plane map, unless the plane
     /// speaks another format (NIXL's own blob).
@@ -109,20 +111,18 @@ pub trait BuildPlane: DataPlane + Sized {
 
 #[cfg(feature = "nixl")]
 impl BuildPlane for kvpeer_net::nixl::NixlPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
         let config = kvpeer_net::nixl::NixlConfig {
             // Unique per node and process; NIXL refuses a peer agent with its own name.
             agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
             backend_params: spec.nixl.backend_params.clone(),
             lib_dir: spec.nixl.lib_dir.clone(),
         };
-        let plane = kvpeer_net::nixl::NixlPlane::new(
-            &config,
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            wake,
-        )?;
+        let plane = kvpeer_net::nixl::NixlPlane::new(&config, pool.view().clone(), wake)?;
         let meta = AgentMetadata {
             agent: config.agent_name,
             shm: None,
@@ -142,14 +142,12 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
 }
 
 impl BuildPlane for ShmPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = ShmPlane::new(
-            spec.id.clone(),
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            wake,
-        )?;
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = ShmPlane::new(spec.id.clone(), pool.view().clone(), wake)?;
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: Some(spec.shm_name.clone()),
@@ -161,16 +159,13 @@ impl BuildPlane for ShmPlane {
 }
 
 impl BuildPlane for TcpPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = TcpPlane::new(
-            spec.id.clone(),
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            &spec.tcp_listen,
-            wake,
-        )?
-        .with_max_write_rate(spec.tcp_max_write_rate);
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
+            .with_max_write_rate(spec.tcp_max_write_rate);
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: None,
@@ -182,9 +177,13 @@ impl BuildPlane for TcpPlane {
 }
 
 impl BuildPlane for DualPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let (shm, _) = ShmPlane::build(spec, wake.clone())?;
-        let (tcp, meta) = TcpPlane::build(spec, wake)?;
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let (shm, _) = ShmPlane::build(spec, pool, wake.clone())?;
+        let (tcp, meta) = TcpPlane::build(spec, pool, wake)?;
         let meta = AgentMetadata {
             shm: Some(spec.shm_name.clone()),
             ..meta
@@ -212,13 +211,13 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
         block_len: spec.block_len,
         lock_memory: false,
     })?;
-    let (plane, meta) = P::build(&spec, wake)?;
+    let (plane, meta) = P::build(&spec, store.pool(), wake)?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
         agent_metadata: plane.agent_metadata(&meta),
         base_addr: plane
             .base_addr()
-            .unwrap_or_else(|| store.region().base_addr()),
+            .unwrap_or_else(|| store.pool().base_addr()),
         num_blocks: spec.num_blocks,
         block_len: spec.block_len,
         config_fingerprint: spec.config_fingerprint.clone(),
