@@ -102,8 +102,8 @@ pub trait BuildPlane: DataPlane + Sized {
         advertised.encode()
     }
 
-    /// The `base_addr` `connect` carries, when the plane registered its own mapping of the
-    /// pool (NIXL); `None`: the store's mapping.
+    /// The `base_addr` `connect` carries, when the plane registered the pool itself (NIXL:
+    /// the address it registered, the pool's); `None`: the pool's address.
     fn base_addr(&self) -> Option<u64> {
         None
     }
