@@ -13,14 +13,14 @@
 
 use std::time::Instant;
 
-use memmap2::{Advice, MmapMut};
+use kvpeer_store::Pool;
 use tracing::debug;
 
 /// Pre-faults a writable mapping.
-pub(crate) fn for_write(map: &MmapMut, what: &str) {
+pub(crate) fn for_write(map: &Pool, what: &str) {
     let started = Instant::now();
-    match map.advise(Advice::PopulateWrite) {
-        Ok(()) => debug!(what, bytes = map.len(), elapsed = ?started.elapsed(), "pre-faulted"),
+    match map.populate_write() {
+        Ok(()) => debug!(what, bytes = map.span_len(), elapsed = ?started.elapsed(), "pre-faulted"),
         Err(e) => debug!(what, error = %e, "not pre-faulted; pages fault in on first use"),
     }
 }

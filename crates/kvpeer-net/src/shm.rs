@@ -16,8 +16,9 @@
 //! trailer. A write copies local block `l` into the peer's region at `r × block_len`. Local
 //! blocks are read through the store's [`PoolView`]: the plane never maps its own pool. A pool
 //! over an engine's own memory ([`kvpeer_store::Pool::external`]) has no object a peer could
-//! map, so the plane refuses it ([`ShmError::NotShm`]); peers' pools are mapped here, after
-//! their proof.
+//! map, so the plane refuses it ([`ShmError::NotShm`]). A peer's pool, once proven here, is
+//! mapped by kvpeer-store ([`Pool::map_peer`]) and written with [`Pool::block_mut`], so this
+//! plane holds no `unsafe`.
 //!
 //! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
 //! copied right there (a few tens of microseconds, less than handing it to another thread and
@@ -39,8 +40,7 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use kvpeer_store::PoolView;
-use memmap2::{MmapMut, MmapOptions};
+use kvpeer_store::{Pool, PoolView};
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -53,18 +53,11 @@ pub type Wake = Arc<dyn Fn() + Send + Sync>;
 /// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
 pub const INLINE_COPY_BYTES: u64 = 8 << 20;
 
-/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of `dst` (indexes checked by
-/// `write_in_range` before the copy was accepted).
-fn copy_blocks(
-    src: &PoolView,
-    dst: &mut [u8],
-    local: &[BlockIndex],
-    remote: &[BlockIndex],
-    len: usize,
-) {
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool `dst`
+/// (indexes checked by `write_in_range` before the copy was accepted).
+fn copy_blocks(src: &PoolView, dst: &mut Pool, local: &[BlockIndex], remote: &[BlockIndex]) {
     for (&l, &r) in local.iter().zip(remote) {
-        let r = r as usize * len;
-        if let (Some(from), Some(to)) = (src.block(l), dst.get_mut(r..r + len)) {
+        if let (Some(from), Ok(to)) = (src.block(l), dst.block_mut(r)) {
             to.copy_from_slice(from);
         }
     }
@@ -89,7 +82,7 @@ pub enum ShmError {
 struct Job {
     tid: TransferId,
     peer: PeerId,
-    dst: Arc<Mutex<MmapMut>>,
+    dst: Arc<Mutex<Pool>>,
     local: Vec<BlockIndex>,
     remote: Vec<BlockIndex>,
 }
@@ -105,7 +98,8 @@ struct Shared {
 }
 
 struct PeerMap {
-    region: Arc<Mutex<MmapMut>>,
+    /// Our mapping of the peer's pool (kvpeer-store maps it, after `prove`).
+    region: Arc<Mutex<Pool>>,
     num_blocks: u64,
 }
 
@@ -161,7 +155,6 @@ impl ShmPlane {
             let shared = shared.clone();
             let local = local.clone();
             let wake = wake.clone();
-            let len = block_len as usize;
             std::thread::Builder::new()
                 .name("kvpeer-shm-copy".into())
                 .spawn(move || {
@@ -175,7 +168,7 @@ impl ShmPlane {
                         }
                         {
                             let mut dst = job.dst.lock().unwrap_or_else(|p| p.into_inner());
-                            copy_blocks(&local, &mut dst, &job.local, &job.remote, len);
+                            copy_blocks(&local, &mut dst, &job.local, &job.remote);
                         }
                         let mut s = lock(&shared);
                         s.running = None;
@@ -223,12 +216,8 @@ impl ShmPlane {
             .shm_token
             .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
         let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
-        let blocks_len = self.prove(&name, &file, memory.num_blocks, &token)?;
-        let len = usize::try_from(blocks_len).map_err(|e| format!("{name:?}: {e}"))?;
-        // SAFETY: the peer's pool, shared with it by design and proven to be its own (above):
-        // we write only blocks the peer named in a fetch (which it reserved for this write) and
-        // never read from the mapping. Only the blocks are mapped, at the length checked above.
-        let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }
+        self.prove(&name, &file, memory.num_blocks, &token)?;
+        let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
             .map_err(|e| format!("cannot map {name:?}: {e}"))?;
         Ok(PeerMap {
             region: Arc::new(Mutex::new(map)),
@@ -365,13 +354,7 @@ impl DataPlane for ShmPlane {
         if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
             {
                 let mut dst = map.region.lock().unwrap_or_else(|p| p.into_inner());
-                copy_blocks(
-                    &self.local,
-                    &mut dst,
-                    local,
-                    remote,
-                    self.block_len as usize,
-                );
+                copy_blocks(&self.local, &mut dst, local, remote);
             }
             lock(&self.shared)
                 .ended

@@ -152,6 +152,8 @@ enum Backing {
         /// Whatever the embedder wants released once the pool no longer uses the memory.
         _keep_alive: Option<Box<dyn Any + Send + Sync>>,
     },
+    /// A peer's pool object, mapped by the shm plane to write the blocks the peer names.
+    Peer { map: MmapMut },
 }
 
 /// Blocks handed to peers' writes: permits granted per peer, and blocks a claim is writing.
@@ -226,7 +228,7 @@ impl std::fmt::Debug for Memory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let shm = match &self.backing {
             Backing::Shm { object, .. } => Some(object.name.as_str()),
-            Backing::External { .. } => None,
+            Backing::External { .. } | Backing::Peer { .. } => None,
         };
         f.debug_struct("Memory")
             .field("base", &self.base)
@@ -274,7 +276,7 @@ impl PoolView {
     pub fn shm(&self) -> Option<&ShmObject> {
         match &self.mem.backing {
             Backing::Shm { object, .. } => Some(object),
-            Backing::External { .. } => None,
+            Backing::External { .. } | Backing::Peer { .. } => None,
         }
     }
 
@@ -554,6 +556,59 @@ impl Pool {
             },
             permits: Mutex::default(),
         }))
+    }
+
+    /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
+    /// `block_len` bytes, to write the blocks the peer names in its fetches. Only for an object
+    /// already proven to be that peer's pool of exactly that size (the shm plane checks size,
+    /// trailer and token first). Dropping it unmaps; the object is the peer's and stays.
+    pub fn map_peer(file: &File, num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
+        let bad = || PoolError::BadSize {
+            num_blocks,
+            block_len,
+        };
+        let span = num_blocks
+            .checked_mul(block_len)
+            .filter(|b| *b > 0)
+            .and_then(|b| usize::try_from(b).ok())
+            .filter(|b| isize::try_from(*b).is_ok())
+            .ok_or_else(bad)?;
+        let block_bytes = usize::try_from(block_len).map_err(|_| bad())?;
+        // SAFETY: the peer's pool, shared with it by design and proven to be its own by the
+        // caller; only its blocks are mapped, at a length the object holds (checked by the
+        // caller against the object's size). This node writes only blocks the peer named in a
+        // fetch (reserved by the peer for this write) and never reads the mapping. A peer that
+        // shrinks its own object makes our next copy fault (docs/security.md, "Open"): only a
+        // process of the node's own user can.
+        let mut map =
+            unsafe { memmap2::MmapOptions::new().len(span).map_mut(file) }.map_err(|source| {
+                PoolError::Map {
+                    name: "(a peer's pool)".into(),
+                    source,
+                }
+            })?;
+        let base = NonNull::new(map.as_mut_ptr()).ok_or_else(bad)?;
+        Ok(Pool::from_memory(Memory {
+            base,
+            num_blocks,
+            block_len: block_bytes,
+            stride: block_bytes,
+            span,
+            backing: Backing::Peer { map },
+            permits: Mutex::default(),
+        }))
+    }
+
+    /// Fills the page-table entries of a mapped pool for writing (`MADV_POPULATE_WRITE`), so
+    /// no copy pays page faults; without touching the bytes, so it is safe while others write
+    /// them. External memory is the embedder's: nothing is done.
+    pub fn populate_write(&self) -> std::io::Result<()> {
+        match &self.view.mem.backing {
+            Backing::Shm { _map: map, .. } | Backing::Peer { map } => {
+                map.advise(memmap2::Advice::PopulateWrite)
+            }
+            Backing::External { .. } => Ok(()),
+        }
     }
 
     fn from_memory(mem: Memory) -> Self {
