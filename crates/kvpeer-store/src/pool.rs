@@ -427,15 +427,10 @@ impl Pool {
             num_blocks,
             block_len,
         };
-        let blocks_len = num_blocks
-            .checked_mul(block_len)
-            .filter(|b| *b > 0)
-            .ok_or_else(bad)?;
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
         let bytes = trailer::object_len(num_blocks, block_len).ok_or_else(bad)?;
         let size = i64::try_from(bytes).map_err(|_| bad())?;
         let len = usize::try_from(bytes).map_err(|_| bad())?;
-        let span = usize::try_from(blocks_len).map_err(|_| bad())?;
-        let block_bytes = usize::try_from(block_len).map_err(|_| bad())?;
         let secret = trailer::new_secret().map_err(PoolError::Random)?;
         let path = format!("/{name}");
         let create = |source| PoolError::Create {
@@ -490,15 +485,14 @@ impl Pool {
             secret,
             file_id: (stat.dev(), stat.ino()),
         };
-        Ok(Pool::from_memory(Memory {
+        let backing = Backing::Shm { _map: map, object };
+        Ok(Pool::from_parts(
             base,
             num_blocks,
-            block_len: block_bytes,
-            stride: block_bytes,
+            (block_bytes, block_bytes),
             span,
-            backing: Backing::Shm { _map: map, object },
-            permits: Mutex::default(),
-        }))
+            backing,
+        ))
     }
 
     /// A pool over memory this node does not own: `num_blocks` blocks of `block_len` bytes,
@@ -545,17 +539,16 @@ impl Pool {
             (Ok(b), Ok(s)) => (b, s),
             _ => return Err(bad()),
         };
-        Ok(Pool::from_memory(Memory {
+        let backing = Backing::External {
+            _keep_alive: keep_alive,
+        };
+        Ok(Pool::from_parts(
             base,
             num_blocks,
-            block_len,
-            stride,
+            (block_len, stride),
             span,
-            backing: Backing::External {
-                _keep_alive: keep_alive,
-            },
-            permits: Mutex::default(),
-        }))
+            backing,
+        ))
     }
 
     /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
@@ -563,17 +556,7 @@ impl Pool {
     /// already proven to be that peer's pool of exactly that size (the shm plane checks size,
     /// trailer and token first). Dropping it unmaps; the object is the peer's and stays.
     pub fn map_peer(file: &File, num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
-        let bad = || PoolError::BadSize {
-            num_blocks,
-            block_len,
-        };
-        let span = num_blocks
-            .checked_mul(block_len)
-            .filter(|b| *b > 0)
-            .and_then(|b| usize::try_from(b).ok())
-            .filter(|b| isize::try_from(*b).is_ok())
-            .ok_or_else(bad)?;
-        let block_bytes = usize::try_from(block_len).map_err(|_| bad())?;
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
         // SAFETY: the peer's pool, shared with it by design and proven to be its own by the
         // caller; only its blocks are mapped, at a length the object holds (checked by the
         // caller against the object's size). This node writes only blocks the peer named in a
@@ -587,16 +570,17 @@ impl Pool {
                     source,
                 }
             })?;
-        let base = NonNull::new(map.as_mut_ptr()).ok_or_else(bad)?;
-        Ok(Pool::from_memory(Memory {
+        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::BadSize {
+            num_blocks,
+            block_len,
+        })?;
+        Ok(Pool::from_parts(
             base,
             num_blocks,
-            block_len: block_bytes,
-            stride: block_bytes,
+            (block_bytes, block_bytes),
             span,
-            backing: Backing::Peer { map },
-            permits: Mutex::default(),
-        }))
+            Backing::Peer { map },
+        ))
     }
 
     /// Fills the page-table entries of a mapped pool for writing (`MADV_POPULATE_WRITE`), so
@@ -611,7 +595,24 @@ impl Pool {
         }
     }
 
-    fn from_memory(mem: Memory) -> Self {
+    /// A pool of `num_blocks` blocks at `base`, `(block_len, stride)` bytes, `span` bytes in
+    /// all (`(num_blocks - 1) × stride + block_len`, at most `isize::MAX`).
+    fn from_parts(
+        base: NonNull<u8>,
+        num_blocks: u64,
+        (block_len, stride): (usize, usize),
+        span: usize,
+        backing: Backing,
+    ) -> Self {
+        let mem = Memory {
+            base,
+            num_blocks,
+            block_len,
+            stride,
+            span,
+            backing,
+            permits: Mutex::default(),
+        };
         Pool {
             view: PoolView { mem: Arc::new(mem) },
         }
@@ -647,6 +648,23 @@ impl Pool {
         // the store, so none can be granted while the store is borrowed here).
         mem.block_mut(block).ok_or(BlockBusy::Outside)
     }
+}
+
+/// Bytes of `num_blocks` blocks of `block_len` laid end to end (at most `isize::MAX`, as a
+/// slice needs), and of one block; `BadSize` when there are none or they do not fit.
+fn contiguous(num_blocks: u64, block_len: u64) -> Result<(usize, usize), PoolError> {
+    let bad = || PoolError::BadSize {
+        num_blocks,
+        block_len,
+    };
+    let span = num_blocks
+        .checked_mul(block_len)
+        .filter(|b| *b > 0)
+        .and_then(|b| usize::try_from(b).ok())
+        .filter(|b| isize::try_from(*b).is_ok())
+        .ok_or_else(bad)?;
+    let block = usize::try_from(block_len).map_err(|_| bad())?;
+    Ok((span, block))
 }
 
 impl Deref for Pool {
