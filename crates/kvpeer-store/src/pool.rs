@@ -1,5 +1,6 @@
-//! The pool's memory and its one owner: every `unsafe` that touches the node's own pool lives
-//! in this file.
+//! The pool's memory and its one owner: every `unsafe` that touches a pool's memory (the
+//! node's own, and a proven peer's that the shm plane writes, [`Pool::map_peer`]) lives in
+//! this file.
 //!
 //! The memory is either a POSIX shared-memory object the pool creates ([`Pool::shm`]:
 //! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
