@@ -188,16 +188,17 @@ fn main() {
         // shm vs memcpy
         let limit = memcpy_gbps(len, runs);
         let (wake, woken) = waker();
-        let mut tx = ShmPlane::new(pa.clone(), a.region().name(), PER_FETCH, len, wake).unwrap();
+        let mut tx = ShmPlane::new(pa.clone(), a.pool().view().clone(), wake).unwrap();
         register(
             &mut tx,
             &pb,
             AgentMetadata {
                 agent: "b".into(),
-                shm: Some(b.region().name().into()),
+                shm: b.pool().shm_name().map(str::to_owned),
                 // b's proof, made for the writer (a), that it owns its pool.
                 shm_token: Some(
-                    kvpeer_store::trailer::token(b.region().secret(), pa.as_str()).to_vec(),
+                    kvpeer_store::trailer::token(b.pool().shm().unwrap().secret(), pa.as_str())
+                        .to_vec(),
                 ),
                 tcp: None,
                 ..Default::default()
@@ -218,23 +219,13 @@ fn main() {
         let limit = (0..3).map(|_| raw_tcp_gbps(len, runs)).fold(0.0, f64::max);
         let mut rx = TcpPlane::new(
             pb.clone(),
-            b.region().name(),
-            PER_FETCH,
-            len,
+            b.pool().writer(),
             "127.0.0.1:0",
             Arc::new(|| {}),
         )
         .unwrap();
         let (wake, woken) = waker();
-        let mut tx = TcpPlane::new(
-            pa.clone(),
-            a.region().name(),
-            PER_FETCH,
-            len,
-            "127.0.0.1:0",
-            wake,
-        )
-        .unwrap();
+        let mut tx = TcpPlane::new(pa.clone(), a.pool().writer(), "127.0.0.1:0", wake).unwrap();
         let advertised = AgentMetadata {
             agent: "b".into(),
             shm: None,

@@ -1,11 +1,14 @@
 //! The `nixl` data plane (cargo feature `nixl`): NIXL one-sided WRITEs, over its UCX backend,
 //! into a peer's registered DRAM — the data plane stock vLLM engines use (`NixlTransport`).
 //!
-//! The node's pool is mapped read-write by this plane and registered with NIXL as one DRAM
+//! The node's pool (the store's [`PoolView`]: a shm object or an engine's own memory; this
+//! plane only needs its addresses and never maps anything) is registered with NIXL as one DRAM
 //! region; a prepared descriptor list holds one descriptor per block, as vLLM's. What the node
 //! advertises in `connect` is NIXL's own metadata blob (what vLLM's `add_remote_agent` reads),
-//! and `base_addr` is this mapping's address, so a vLLM peer's descriptors
-//! (`base_addr + i × block_len`) fall inside the registered region.
+//! and `base_addr` is the pool's address, so a vLLM peer's descriptors
+//! (`base_addr + i × block_len`) fall inside the registered region. That formula is all a peer
+//! knows (`connect` carries no row stride), so a pool whose stride is not its block length is
+//! refused ([`NixlError::Stride`]) rather than written at the wrong places.
 //!
 //! Registering a peer (loading its metadata, preparing one descriptor per block of its region)
 //! runs on a helper thread; the core acks the peer's `connect` only once it has landed. A write
@@ -31,7 +34,7 @@ use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
 };
 use kvpeer_proto::PeerId;
-use memmap2::{MmapMut, MmapOptions};
+use kvpeer_store::PoolView;
 use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync,
     XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
@@ -55,13 +58,17 @@ pub enum NixlError {
         /// The loader's message.
         reason: String,
     },
-    /// The local pool could not be opened or mapped.
-    #[error("nixl plane: local pool /{name}: {reason}")]
-    Local {
-        /// The pool's shm object.
-        name: String,
-        /// Why.
-        reason: String,
+    /// The pool's blocks are not `block_len` apart: peers address them as
+    /// `base_addr + i × block_len`.
+    #[error(
+        "nixl plane: the pool's row stride ({stride} bytes) is not its block length \
+         ({block_len}); peers would address its blocks at the wrong places"
+    )]
+    Stride {
+        /// Bytes per block.
+        block_len: u64,
+        /// Bytes from one block's start to the next.
+        stride: u64,
     },
     /// NIXL refused a step of the set-up.
     #[error("nixl plane: {step}: {error}")]
@@ -128,7 +135,7 @@ pub fn load_library(dir: Option<&Path>) -> Result<(), NixlError> {
         .map_err(|reason| NixlError::Library { reason })
 }
 
-/// A memory region NIXL registers: the plane's mapping of the pool.
+/// A memory region NIXL registers: the pool's blocks.
 #[derive(Debug)]
 struct Region {
     addr: usize,
@@ -194,7 +201,8 @@ struct Shared {
 /// The nixl data plane of one node.
 ///
 /// Fields drop in declaration order, and NIXL handles need their agent: descriptor lists first,
-/// then the memory registration, the agent, and last the mapping NIXL had registered.
+/// then the memory registration, the agent, and last the view keeping the registered memory
+/// alive.
 pub struct NixlPlane {
     peers: HashMap<PeerId, Peer>,
     pending: HashMap<PeerId, Pending>,
@@ -203,7 +211,7 @@ pub struct NixlPlane {
     watcher: Option<std::thread::JoinHandle<()>>,
     _registration: RegistrationHandle,
     agent: Arc<Agent>,
-    mapping: MmapMut,
+    pool: PoolView,
     num_blocks: u64,
     block_len: u64,
     metadata: Vec<u8>,
@@ -228,32 +236,18 @@ impl std::fmt::Debug for NixlPlane {
 const WATCH_INTERVAL: Duration = Duration::from_micros(50);
 
 impl NixlPlane {
-    /// A plane for the node whose pool is the shared-memory object `pool`.
-    pub fn new(
-        config: &NixlConfig,
-        pool: &str,
-        num_blocks: u64,
-        block_len: u64,
-        wake: Wake,
-    ) -> Result<Self, NixlError> {
-        load_library(config.lib_dir.as_deref())?;
-        let local_err = |reason: String| NixlError::Local {
-            name: pool.to_owned(),
-            reason,
-        };
-        let file = crate::shm_object::open(pool, true).map_err(local_err)?;
-        let len = num_blocks.saturating_mul(block_len);
-        let size = file.metadata().map_err(|e| local_err(e.to_string()))?.len();
-        if size < len || len == 0 {
-            return Err(local_err(format!("{size} bytes, {len} needed")));
+    /// A plane for the node whose pool is `pool` (the store's view): its blocks (not a shm
+    /// pool's trailer, which holds the secret of the shm plane's tokens) are registered with
+    /// NIXL, and peers' WRITEs land in them.
+    pub fn new(config: &NixlConfig, pool: PoolView, wake: Wake) -> Result<Self, NixlError> {
+        let (num_blocks, block_len) = (pool.num_blocks(), pool.block_len());
+        if pool.stride() != block_len {
+            return Err(NixlError::Stride {
+                block_len,
+                stride: pool.stride(),
+            });
         }
-        let map_len = usize::try_from(len).map_err(|e| local_err(e.to_string()))?;
-        // SAFETY: a shared mapping of our own pool's blocks (not its trailer, which holds the
-        // secret of the shm plane's tokens): peers' WRITEs land in it (as in the store's mapping
-        // of the same object), and this plane only hands its address to NIXL. The object holds
-        // at least `map_len` bytes (checked above).
-        let mapping = unsafe { MmapOptions::new().len(map_len).map_mut(&file) }
-            .map_err(|e| local_err(e.to_string()))?;
+        load_library(config.lib_dir.as_deref())?;
         let setup = |step| move |error| NixlError::Setup { step, error };
         let agent_config = AgentConfig {
             thread_sync: ThreadSync::Rw,
@@ -272,10 +266,11 @@ impl NixlPlane {
         agent
             .create_backend("UCX", &params)
             .map_err(setup("create the UCX backend"))?;
-        let base = mapping.as_ptr() as usize;
+        let base = pool.base_addr() as usize;
+        // The pool's bytes fit the address space (checked when it was made).
         let region = Region {
             addr: base,
-            len: len as usize,
+            len: pool.span_len() as usize,
         };
         let registration = agent
             .register_memory(&region, None)
@@ -297,7 +292,7 @@ impl NixlPlane {
         Ok(NixlPlane {
             agent,
             _registration: registration,
-            mapping,
+            pool,
             local: Dlist(local),
             num_blocks,
             block_len,
@@ -320,7 +315,7 @@ impl NixlPlane {
 
     /// The registered region's address: what this node advertises as `base_addr`.
     pub fn base_addr(&self) -> u64 {
-        self.mapping.as_ptr() as u64
+        self.pool.base_addr()
     }
 }
 

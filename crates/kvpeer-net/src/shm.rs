@@ -14,8 +14,11 @@
 //! `pread`, one HMAC and `mmap`. This node's own `connect` carries its token for each
 //! destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
 //! trailer. A write copies local block `l` into the peer's region at `r × block_len`. Local
-//! blocks are read through this plane's own read-only mapping of the local object, so the plane
-//! and the store never share ownership.
+//! blocks are read through the store's [`PoolView`]: the plane never maps its own pool. A pool
+//! over an engine's own memory ([`kvpeer_store::Pool::external`]) has no object a peer could
+//! map, so the plane refuses it ([`ShmError::NotShm`]). A peer's pool, once proven here, is
+//! mapped by kvpeer-store ([`Pool::map_peer`]) and written with [`Pool::block_mut`], so this
+//! plane holds no `unsafe`.
 //!
 //! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
 //! copied right there (a few tens of microseconds, less than handing it to another thread and
@@ -37,7 +40,7 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use memmap2::{Mmap, MmapMut, MmapOptions};
+use kvpeer_store::{Pool, PoolView};
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -50,17 +53,13 @@ pub type Wake = Arc<dyn Fn() + Send + Sync>;
 /// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
 pub const INLINE_COPY_BYTES: u64 = 8 << 20;
 
-/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of `dst`.
-fn copy_blocks(
-    src: &[u8],
-    dst: &mut [u8],
-    local: &[BlockIndex],
-    remote: &[BlockIndex],
-    len: usize,
-) {
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool `dst`
+/// (indexes checked by `write_in_range` before the copy was accepted).
+fn copy_blocks(src: &PoolView, dst: &mut Pool, local: &[BlockIndex], remote: &[BlockIndex]) {
     for (&l, &r) in local.iter().zip(remote) {
-        let (l, r) = (l as usize * len, r as usize * len);
-        dst[r..r + len].copy_from_slice(&src[l..l + len]);
+        if let (Some(from), Ok(to)) = (src.block(l), dst.block_mut(r)) {
+            to.copy_from_slice(from);
+        }
     }
 }
 
@@ -68,14 +67,13 @@ fn copy_blocks(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ShmError {
-    /// The local object could not be opened or mapped.
-    #[error("cannot map the local shared-memory object /{name}: {reason}")]
-    Local {
-        /// Its name.
-        name: String,
-        /// Why.
-        reason: String,
-    },
+    /// The pool is not a shared-memory object (an engine's own memory): peers could not map
+    /// it, and this node could not prove it owns it.
+    #[error(
+        "the shm plane needs a pool in a named shared-memory object; this pool is external \
+         memory (use the tcp or nixl plane)"
+    )]
+    NotShm,
     /// The copy worker could not be started.
     #[error("cannot start the shm copy worker: {0}")]
     Worker(std::io::Error),
@@ -84,7 +82,7 @@ pub enum ShmError {
 struct Job {
     tid: TransferId,
     peer: PeerId,
-    dst: Arc<Mutex<MmapMut>>,
+    dst: Arc<Mutex<Pool>>,
     local: Vec<BlockIndex>,
     remote: Vec<BlockIndex>,
 }
@@ -100,7 +98,8 @@ struct Shared {
 }
 
 struct PeerMap {
-    region: Arc<Mutex<MmapMut>>,
+    /// Our mapping of the peer's pool (kvpeer-store maps it, after `prove`).
+    region: Arc<Mutex<Pool>>,
     num_blocks: u64,
 }
 
@@ -115,7 +114,7 @@ pub struct ShmPlane {
     secret: [u8; SECRET_LEN],
     /// `(st_dev, st_ino)` of the local pool: a peer naming it is refused.
     local_object: (u64, u64),
-    local: Arc<Mmap>,
+    local: PoolView,
     wake: Wake,
     local_blocks: u64,
     block_len: u64,
@@ -143,49 +142,19 @@ impl std::fmt::Debug for ShmPlane {
 }
 
 impl ShmPlane {
-    /// A plane for the node `local_id` whose pool is the shared-memory object `local_name`
-    /// (with its trailer: see [`kvpeer_store::trailer`]).
-    pub fn new(
-        local_id: PeerId,
-        local_name: &str,
-        num_blocks: u64,
-        block_len: u64,
-        wake: Wake,
-    ) -> Result<Self, ShmError> {
-        let local_err = |reason: String| ShmError::Local {
-            name: local_name.to_owned(),
-            reason,
-        };
-        let file = shm_object::open(local_name, false).map_err(local_err)?;
-        let stat = file.metadata().map_err(|e| local_err(e.to_string()))?;
-        let blocks_len = num_blocks
-            .checked_mul(block_len)
-            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
-        let needed = trailer::object_len(num_blocks, block_len)
-            .ok_or_else(|| local_err("num_blocks × block_len overflows".into()))?;
-        if stat.len() != needed {
-            return Err(local_err(format!(
-                "{} bytes, {needed} expected (blocks and trailer)",
-                stat.len()
-            )));
-        }
-        // SAFETY: a read-only view of our own pool; blocks are only read while a store job pins
-        // them, so their bytes do not change under a copy.
-        let local = unsafe { Mmap::map(&file) }.map_err(|e| local_err(e.to_string()))?;
-        let trailer_at = usize::try_from(blocks_len).map_err(|e| local_err(e.to_string()))?;
-        let secret = local
-            .get(trailer_at..)
-            .ok_or_else(|| local_err("no trailer".into()))
-            .and_then(|t| trailer::parse_trailer(t).map_err(|e| local_err(e.to_string())))?;
-        crate::prefault::for_read(&local, "the shm plane's view of the local pool");
+    /// A plane for the node `local_id` over its pool (`local`, the store's view), which must be
+    /// a shared-memory object with its trailer ([`kvpeer_store::Pool::shm`]): its name is what
+    /// peers map, its secret what this node's tokens are made from.
+    pub fn new(local_id: PeerId, local: PoolView, wake: Wake) -> Result<Self, ShmError> {
+        let object = local.shm().ok_or(ShmError::NotShm)?;
+        let (secret, local_object) = (*object.secret(), object.file_id());
+        let (num_blocks, block_len) = (local.num_blocks(), local.block_len());
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let local = Arc::new(local);
         let (tx, rx) = channel::<Job>();
         let worker = {
             let shared = shared.clone();
             let local = local.clone();
             let wake = wake.clone();
-            let len = block_len as usize;
             std::thread::Builder::new()
                 .name("kvpeer-shm-copy".into())
                 .spawn(move || {
@@ -199,7 +168,7 @@ impl ShmPlane {
                         }
                         {
                             let mut dst = job.dst.lock().unwrap_or_else(|p| p.into_inner());
-                            copy_blocks(&local, &mut dst, &job.local, &job.remote, len);
+                            copy_blocks(&local, &mut dst, &job.local, &job.remote);
                         }
                         let mut s = lock(&shared);
                         s.running = None;
@@ -215,7 +184,7 @@ impl ShmPlane {
         Ok(ShmPlane {
             local_id,
             secret,
-            local_object: (stat.dev(), stat.ino()),
+            local_object,
             local,
             wake,
             local_blocks: num_blocks,
@@ -246,14 +215,9 @@ impl ShmPlane {
         let token = meta
             .shm_token
             .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
-        let file =
-            shm_object::open(&name, true).map_err(|e| format!("cannot open {name:?}: {e}"))?;
-        let blocks_len = self.prove(&name, &file, memory.num_blocks, &token)?;
-        let len = usize::try_from(blocks_len).map_err(|e| format!("{name:?}: {e}"))?;
-        // SAFETY: the peer's pool, shared with it by design and proven to be its own (above):
-        // we write only blocks the peer named in a fetch (which it reserved for this write) and
-        // never read from the mapping. Only the blocks are mapped, at the length checked above.
-        let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }
+        let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
+        self.prove(&name, &file, memory.num_blocks, &token)?;
+        let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
             .map_err(|e| format!("cannot map {name:?}: {e}"))?;
         Ok(PeerMap {
             region: Arc::new(Mutex::new(map)),
@@ -390,13 +354,7 @@ impl DataPlane for ShmPlane {
         if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
             {
                 let mut dst = map.region.lock().unwrap_or_else(|p| p.into_inner());
-                copy_blocks(
-                    &self.local,
-                    &mut dst,
-                    local,
-                    remote,
-                    self.block_len as usize,
-                );
+                copy_blocks(&self.local, &mut dst, local, remote);
             }
             lock(&self.shared)
                 .ended

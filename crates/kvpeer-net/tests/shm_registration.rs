@@ -41,7 +41,7 @@ fn pool(tag: &str) -> (BlockStore, String) {
 
 /// The token the owner of `store`'s pool sends this node.
 fn token_for_me(store: &BlockStore) -> Option<Vec<u8>> {
-    Some(trailer::token(store.region().secret(), ME).to_vec())
+    Some(trailer::token(store.pool().shm().unwrap().secret(), ME).to_vec())
 }
 
 fn memory(shm: &str, num_blocks: u64, shm_token: Option<Vec<u8>>) -> RemoteMemory {
@@ -60,17 +60,18 @@ fn memory(shm: &str, num_blocks: u64, shm_token: Option<Vec<u8>>) -> RemoteMemor
     }
 }
 
-fn plane_for(id: PeerId, name: &str) -> (ShmPlane, Arc<AtomicUsize>) {
+fn plane_for(id: PeerId, store: &BlockStore) -> (ShmPlane, Arc<AtomicUsize>) {
     let wakes = Arc::new(AtomicUsize::new(0));
     let w = wakes.clone();
     let wake: Wake = Arc::new(move || {
         w.fetch_add(1, Ordering::SeqCst);
     });
-    (ShmPlane::new(id, name, BLOCKS, LEN, wake).unwrap(), wakes)
+    let pool = store.pool().view().clone();
+    (ShmPlane::new(id, pool, wake).unwrap(), wakes)
 }
 
-fn plane(name: &str) -> (ShmPlane, Arc<AtomicUsize>) {
-    plane_for(me(), name)
+fn plane(store: &BlockStore) -> (ShmPlane, Arc<AtomicUsize>) {
+    plane_for(me(), store)
 }
 
 fn settle(p: &mut ShmPlane, peer: &PeerId) -> Registration {
@@ -115,10 +116,10 @@ fn assert_refused(p: &mut ShmPlane, peer: &PeerId, why: &str) {
 
 #[test]
 fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
-    let (mut mine, my_name) = pool("a");
+    let (mut mine, _) = pool("a");
     let (theirs, their_name) = pool("b");
     let (local, bytes) = fill(&mut mine, 7);
-    let (mut p, wakes) = plane(&my_name);
+    let (mut p, wakes) = plane(&mine);
     let peer = PeerId::new("127.0.0.1:7001");
     p.add_remote_peer(&peer, &memory(&their_name, BLOCKS, token_for_me(&theirs)))
         .unwrap();
@@ -140,7 +141,7 @@ fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
         assert!(Instant::now() < deadline, "the write ends");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert_eq!(theirs.region().block(5).unwrap(), &bytes[..]);
+    assert_eq!(theirs.pool().block(5).unwrap(), &bytes[..]);
     let after = object_bytes(&their_name);
     let (l, r) = (5 * LEN as usize, 6 * LEN as usize);
     assert_eq!(before[..l], after[..l]);
@@ -155,9 +156,9 @@ fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
 
 #[test]
 fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
-    let (_mine, my_name) = pool("c");
+    let (mine, _) = pool("c");
     let (small, small_name) = pool("d");
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let peer = PeerId::new("127.0.0.1:7002");
     let token = token_for_me(&small);
 
@@ -185,9 +186,9 @@ fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
 
 #[test]
 fn a_missing_or_short_object_is_refused_at_once() {
-    let (_mine, my_name) = pool("e");
+    let (mine, _) = pool("e");
     let (theirs, their_name) = pool("f");
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let (a, b) = (PeerId::new("127.0.0.1:7003"), PeerId::new("127.0.0.1:7004"));
     p.add_remote_peer(
         &a,
@@ -204,7 +205,7 @@ fn a_missing_or_short_object_is_refused_at_once() {
 fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
     let (mut mine, my_name) = pool("own");
     let (local, _) = fill(&mut mine, 9);
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let before = object_bytes(&my_name);
     let peer = PeerId::new("127.0.0.1:7010");
     let tokens = [
@@ -212,7 +213,7 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
         // for our own id. Only the (device, inode) check stops it.
         ("a valid token", token_for_me(&mine)),
         ("a token for another node", {
-            Some(trailer::token(mine.region().secret(), "127.0.0.1:7010").to_vec())
+            Some(trailer::token(mine.pool().shm().unwrap().secret(), "127.0.0.1:7010").to_vec())
         }),
         ("garbage", Some(vec![0xa5; 32])),
     ];
@@ -239,11 +240,11 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
 
 #[test]
 fn a_peer_naming_another_pool_without_its_token_is_refused() {
-    let (mut mine, my_name) = pool("g");
+    let (mut mine, _) = pool("g");
     let (victim, victim_name) = pool("victim");
     let (other, _other_name) = pool("other");
     let (local, _) = fill(&mut mine, 3);
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let before = object_bytes(&victim_name);
     let peer = PeerId::new("127.0.0.1:7011");
     let cases = [
@@ -251,7 +252,7 @@ fn a_peer_naming_another_pool_without_its_token_is_refused() {
         (
             "does not prove",
             // The victim's token, but made for another node (sniffed from a connect to it).
-            Some(trailer::token(victim.region().secret(), "127.0.0.1:7999").to_vec()),
+            Some(trailer::token(victim.pool().shm().unwrap().secret(), "127.0.0.1:7999").to_vec()),
         ),
         (
             "does not prove",
@@ -283,9 +284,9 @@ fn a_peer_naming_another_pool_without_its_token_is_refused() {
 
 #[test]
 fn a_peer_lying_about_its_size_or_an_object_without_a_trailer_is_refused() {
-    let (_mine, my_name) = pool("h");
+    let (mine, _) = pool("h");
     let (theirs, their_name) = pool("i");
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let peer = PeerId::new("127.0.0.1:7012");
     let before = object_bytes(&their_name);
     // Fewer blocks than the object holds (the trailer would lie inside the claimed range's
@@ -326,11 +327,11 @@ fn a_peer_lying_about_its_size_or_an_object_without_a_trailer_is_refused() {
 
 #[test]
 fn connect_metadata_carries_a_token_for_each_destination() {
-    let (_mine, my_name) = pool("j");
+    let (mine, _) = pool("j");
     let (theirs, their_name) = pool("k");
-    let (mut p, _) = plane(&my_name);
+    let (mut p, _) = plane(&mine);
     let them = PeerId::new("127.0.0.1:7013");
-    let (mut q, _) = plane_for(them.clone(), &their_name);
+    let (mut q, _) = plane_for(them.clone(), &theirs);
     let advertised = AgentMetadata {
         agent: them.to_string(),
         shm: Some(their_name.clone()),
@@ -375,4 +376,16 @@ fn connect_metadata_carries_a_token_for_each_destination() {
     .encode();
     assert_eq!(q.connect_metadata(&me(), &tcp_only), tcp_only);
     assert_eq!(q.connect_metadata(&me(), b"\xc1nixl"), b"\xc1nixl");
+}
+
+#[test]
+fn a_pool_in_external_memory_is_refused_with_a_typed_error() {
+    use kvpeer_net::shm::ShmError;
+    use kvpeer_store::Pool;
+    let mut mem = vec![0u8; (BLOCKS * LEN) as usize];
+    let base = std::ptr::NonNull::new(mem.as_mut_ptr()).unwrap();
+    // SAFETY: the pool owns the buffer (keep-alive); nothing else touches it.
+    let pool = unsafe { Pool::external(base, BLOCKS, LEN, LEN, Some(Box::new(mem))) }.unwrap();
+    let refused = ShmPlane::new(me(), pool.view().clone(), Arc::new(|| {}));
+    assert!(matches!(refused, Err(ShmError::NotShm)), "{refused:?}");
 }

@@ -16,26 +16,26 @@ use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmPlane, Wake};
 use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, Message, OffloadKey, PeerId};
-use kvpeer_store::{BlockStore, StoreConfig};
+use kvpeer_store::{BlockStore, Pool, StoreConfig};
 
 const BLOCKS: u64 = 64;
 const LEN: u64 = 16 * 1024;
 
 /// A data plane these tests can wait on.
 trait Plane: DataPlane + Sized {
-    /// Makes the plane for node `id` over pool `name`; returns it and what it advertises.
-    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata);
+    /// Makes the plane for node `id` over `pool`; returns it and what it advertises.
+    fn make(id: &PeerId, pool: &Pool, wake: Wake) -> (Self, AgentMetadata);
     fn inflight(&self) -> usize;
     /// The plane that carries writes to `peer`.
     fn route(&self, peer: &PeerId) -> &'static str;
 }
 
 impl Plane for ShmPlane {
-    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
-        let plane = ShmPlane::new(id.clone(), name, BLOCKS, LEN, wake).unwrap();
+    fn make(id: &PeerId, pool: &Pool, wake: Wake) -> (Self, AgentMetadata) {
+        let plane = ShmPlane::new(id.clone(), pool.view().clone(), wake).unwrap();
         let meta = AgentMetadata {
             agent: id.to_string(),
-            shm: Some(name.into()),
+            shm: pool.shm_name().map(str::to_owned),
             tcp: None,
             ..Default::default()
         };
@@ -50,8 +50,8 @@ impl Plane for ShmPlane {
 }
 
 impl Plane for TcpPlane {
-    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
-        let plane = TcpPlane::new(id.clone(), name, BLOCKS, LEN, "127.0.0.1:0", wake).unwrap();
+    fn make(id: &PeerId, pool: &Pool, wake: Wake) -> (Self, AgentMetadata) {
+        let plane = TcpPlane::new(id.clone(), pool.writer(), "127.0.0.1:0", wake).unwrap();
         let tcp = Some(plane.addr().to_string());
         (
             plane,
@@ -72,11 +72,11 @@ impl Plane for TcpPlane {
 }
 
 impl Plane for DualPlane {
-    fn make(id: &PeerId, name: &str, wake: Wake) -> (Self, AgentMetadata) {
-        let (shm, _) = ShmPlane::make(id, name, wake.clone());
-        let (tcp, meta) = TcpPlane::make(id, name, wake);
+    fn make(id: &PeerId, pool: &Pool, wake: Wake) -> (Self, AgentMetadata) {
+        let (shm, _) = ShmPlane::make(id, pool, wake.clone());
+        let (tcp, meta) = TcpPlane::make(id, pool, wake);
         let meta = AgentMetadata {
-            shm: Some(name.into()),
+            shm: pool.shm_name().map(str::to_owned),
             ..meta
         };
         (DualPlane::new(shm, tcp), meta)
@@ -121,14 +121,14 @@ fn node_with<P: Plane>(i: u16, shm_reachable: bool) -> Node<P> {
     let wake: Wake = Arc::new(move || {
         w.fetch_add(1, Ordering::SeqCst);
     });
-    let (plane, mut meta) = P::make(&id, &name, wake);
+    let (plane, mut meta) = P::make(&id, store.pool(), wake);
     if !shm_reachable {
         meta.shm = Some(format!("kvpeer-not-on-this-host-{i}"));
     }
     let local = LocalNode {
         peer_id: id.clone(),
         agent_metadata: meta.encode(),
-        base_addr: store.region().base_addr(),
+        base_addr: store.pool().base_addr(),
         num_blocks: BLOCKS,
         block_len: LEN,
         config_fingerprint: String::new(),

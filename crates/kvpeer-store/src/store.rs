@@ -14,7 +14,7 @@ use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
 use kvpeer_proto::OffloadKey;
 
 use crate::lru::Lru;
-use crate::region::{Region, RegionError};
+use crate::pool::{BlockBusy, Pool, PoolError};
 
 type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -35,9 +35,9 @@ pub struct StoreConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// The region could not be made.
+    /// The pool could not be made.
     #[error(transparent)]
-    Region(#[from] RegionError),
+    Pool(#[from] PoolError),
     /// More blocks are needed than are free or evictable (the rest are pinned or being written).
     #[error("no room: {wanted} blocks wanted, {available} free or evictable")]
     Full {
@@ -105,7 +105,7 @@ pub struct StoreStats {
 /// The node's pool of KV blocks.
 #[derive(Debug)]
 pub struct BlockStore {
-    region: Region,
+    pool: Pool,
     slots: Vec<Slot>,
     index: Map<OffloadKey, u32>,
     lru: Lru,
@@ -129,21 +129,33 @@ impl BlockStore {
             + 2 * index_entry
     }
 
-    /// A store over a fresh shared-memory region.
+    /// A store over a fresh shared-memory pool.
     pub fn new(config: &StoreConfig) -> Result<Self, StoreError> {
-        let blocks = u32::try_from(config.num_blocks)
-            .ok()
-            .filter(|n| *n < u32::MAX)
-            .ok_or(StoreError::TooManyBlocks(config.num_blocks))?;
-        let region = Region::create(
+        // Checked before the object is made, as before there was `with_pool`.
+        Self::index_len(config.num_blocks)?;
+        let pool = Pool::shm(
             &config.shm_name,
             config.num_blocks,
             config.block_len,
             config.lock_memory,
         )?;
+        Self::with_pool(pool)
+    }
+
+    fn index_len(num_blocks: u64) -> Result<u32, StoreError> {
+        u32::try_from(num_blocks)
+            .ok()
+            .filter(|n| *n < u32::MAX)
+            .ok_or(StoreError::TooManyBlocks(num_blocks))
+    }
+
+    /// A store over `pool` (a shm object from [`Pool::shm`], or an engine's memory from
+    /// [`Pool::external`]); every block starts free, whatever its bytes.
+    pub fn with_pool(pool: Pool) -> Result<Self, StoreError> {
+        let blocks = Self::index_len(pool.num_blocks())?;
         let n = blocks as usize;
         Ok(BlockStore {
-            region,
+            pool,
             slots: (0..n)
                 .map(|_| Slot {
                     key: None,
@@ -163,9 +175,10 @@ impl BlockStore {
         })
     }
 
-    /// The region (its shm name, base address, size).
-    pub fn region(&self) -> &Region {
-        &self.region
+    /// The pool (its memory, shm object, base address, size): a [`crate::PoolView`] to the
+    /// planes that read it, a [`crate::PoolWriter`] to the one that writes peers' blocks.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     /// Occupancy.
@@ -174,7 +187,7 @@ impl BlockStore {
         let free = self.free.len() as u64;
         StoreStats {
             capacity,
-            block_len: self.region.block_len(),
+            block_len: self.pool.block_len(),
             ready: capacity - free - self.writing,
             writing: self.writing,
             free,
@@ -211,20 +224,24 @@ impl BlockStore {
     /// The bytes of a readable block.
     pub fn read(&self, block: BlockIndex) -> Result<&[u8], StoreError> {
         let b = self.slot_index(block, State::Ready, "not readable")?;
-        self.region.block(u64::from(b)).ok_or(StoreError::BadBlock {
+        self.pool.block(u64::from(b)).ok_or(StoreError::BadBlock {
             block,
             reason: "outside the pool",
         })
     }
 
-    /// The bytes of a block being written (for a data plane that writes in place).
+    /// The bytes of a block being written, for the node to write in place; refused while a
+    /// peer may write it (a permit granted for it, or its write landing).
     pub fn write_target(&mut self, block: BlockIndex) -> Result<&mut [u8], StoreError> {
         let b = self.slot_index(block, State::Writing, "not reserved for a write")?;
-        self.region
+        self.pool
             .block_mut(u64::from(b))
-            .ok_or(StoreError::BadBlock {
+            .map_err(|busy| StoreError::BadBlock {
                 block,
-                reason: "outside the pool",
+                reason: match busy {
+                    BlockBusy::Outside => "outside the pool",
+                    _ => "a peer may be writing it",
+                },
             })
     }
 
@@ -334,7 +351,7 @@ impl BlockStore {
     /// Stores a block the engine produced; returns its block. A key already readable keeps its
     /// block (same key, same content in a prefix cache).
     pub fn put(&mut self, key: &OffloadKey, bytes: &[u8]) -> Result<BlockIndex, StoreError> {
-        let block_len = self.region.block_len();
+        let block_len = self.pool.block_len();
         if bytes.len() as u64 != block_len {
             return Err(StoreError::WrongSize {
                 len: bytes.len(),

@@ -1,5 +1,5 @@
 //! The pool object's trailer and the `shm` plane's ownership token: the one definition of both
-//! formats, used by the region that writes the trailer and by the planes that check it.
+//! formats, used by the pool that writes the trailer and by the planes that check it.
 //!
 //! A pool object is `num_blocks × block_len + TRAILER_LEN` bytes. The trailer starts right after
 //! the last block (so block offsets are those of a pool without one):

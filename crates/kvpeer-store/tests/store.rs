@@ -159,7 +159,7 @@ fn python_opens_the_same_shared_memory_by_name() {
         0,
         "free blocks are taken lowest first"
     );
-    let name = s.region().name().to_owned();
+    let name = s.pool().shm_name().unwrap().to_owned();
     // Python reads block 0 and writes into block 1, at `block × block_len`.
     let script = format!(
         "from multiprocessing import shared_memory as s\n\
@@ -193,4 +193,56 @@ fn bookkeeping_per_block_stays_small() {
     println!("bookkeeping per block: {bytes} bytes");
     // docs/data-planes.md promises at most 256 bytes: 0.4% of a 64 KiB block, 0.01% of 2 MiB.
     assert!(bytes <= 256, "{bytes} bytes per block");
+}
+
+#[test]
+fn a_store_over_external_memory_writes_only_its_blocks() {
+    use kvpeer_store::Pool;
+    use std::ptr::NonNull;
+    // Three blocks of LEN bytes, a row stride of LEN + 512: the gaps must stay 0xEE.
+    let stride = LEN + 512;
+    let total = (2 * stride + LEN) as usize;
+    let mut mem = vec![0xEEu8; total];
+    let base = NonNull::new(mem.as_mut_ptr()).unwrap();
+    // SAFETY: the pool owns the buffer (keep-alive); it is read below only through raw reads
+    // while nothing writes.
+    let pool = unsafe { Pool::external(base, 3, LEN, stride, Some(Box::new(mem))) }.unwrap();
+    let mut s = BlockStore::with_pool(pool).unwrap();
+    assert!(s.pool().shm().is_none());
+    let b = s.put(&key(1), &bytes(0x11)).unwrap();
+    let c = s.put(&key(2), &bytes(0x22)).unwrap();
+    assert_eq!(s.read(b).unwrap(), &bytes(0x11)[..]);
+    assert_eq!(s.read(c).unwrap(), &bytes(0x22)[..]);
+    // SAFETY: as above; the store is idle.
+    let raw = unsafe { std::slice::from_raw_parts(base.as_ptr(), total) }.to_vec();
+    for (i, byte) in raw.iter().enumerate() {
+        let (row, col) = (i as u64 / stride, i as u64 % stride);
+        let want = match (row, col < LEN) {
+            (0, true) => 0x11,
+            (1, true) => 0x22,
+            _ => 0xEE,
+        };
+        assert_eq!(*byte, want, "byte {i}");
+    }
+    assert_eq!(s.stats().capacity, 3);
+}
+
+#[test]
+fn the_node_cannot_write_a_block_a_peer_may_write() {
+    let mut s = store("granted", 2);
+    let blocks = s.reserve(&[key(1)]).unwrap();
+    let peer = PeerId::new("10.0.0.2:5710");
+    let writer = s.pool().writer();
+    writer.grant(&peer, &blocks);
+    assert!(matches!(
+        s.write_target(blocks[0]),
+        Err(StoreError::BadBlock { .. })
+    ));
+    let claim = writer.claim(&peer, &blocks).unwrap();
+    assert!(
+        s.write_target(blocks[0]).is_err(),
+        "being written by the peer"
+    );
+    drop(claim);
+    assert!(s.write_target(blocks[0]).is_ok(), "the peer's write ended");
 }

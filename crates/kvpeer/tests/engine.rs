@@ -6,19 +6,48 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin, KvRequestId, RequestRoles};
+use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin, KvRequestId, Pool, RequestRoles};
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
 
 use kvpeer_net::tcp::TcpPlane;
 
 const WAIT: Duration = Duration::from_secs(10);
 
+/// Blocks in an engine's pool here (its block length is the nodes' default).
+const ENGINE_BLOCKS: u64 = 64;
+/// The engine's row stride: a block and then 4 KiB that are not the pool's.
+const GAP: u64 = 4096;
+
+/// An engine's own memory, as vLLM registers its KV region: `ENGINE_BLOCKS` rows of
+/// `block_len + GAP` bytes, allocated by the engine (here a `Vec`), not by kvpeer.
+fn engine_memory(block_len: u64) -> Pool {
+    let stride = block_len + GAP;
+    let mut memory = vec![0u8; (ENGINE_BLOCKS * stride) as usize];
+    let base = NonNull::new(memory.as_mut_ptr()).unwrap();
+    // SAFETY: the Vec's buffer stays put and alive until the pool drops `keep_alive` (which
+    // owns the Vec), and nothing else reaches it meanwhile.
+    unsafe {
+        Pool::external(
+            base,
+            ENGINE_BLOCKS,
+            block_len,
+            stride,
+            Some(Box::new(memory)),
+        )
+    }
+    .unwrap()
+}
+
+/// An engine's node over its own memory, with the tcp plane (a shared-memory plane needs a
+/// named object; external memory is for tcp and nixl).
 fn engine_node(tag: &str) -> EngineNode<TcpPlane> {
-    EngineNode::build(&NodeConfig::local(tag).spec).unwrap()
+    let spec = NodeConfig::local(tag).spec;
+    EngineNode::build(&spec, engine_memory(spec.block_len)).unwrap()
 }
 
 /// What the engine's thread saw, for the test to check after it stopped.
@@ -47,8 +76,7 @@ fn run_engine(
         let mut index = HashMap::new();
         for (i, key) in held.iter().enumerate() {
             let block = 10 + i as u64;
-            node.pool_mut()
-                .block_mut(block)
+            node.block_mut(block)
                 .unwrap()
                 .copy_from_slice(&synthetic::content(key, block_len));
             index.insert(key.clone(), block);
@@ -264,7 +292,6 @@ fn two_engines_do_prefill_decode_from_one_thread() {
     let keys: Vec<OffloadKey> = (0..3).map(|i| synthetic::key(100 + i)).collect();
     for (key, block) in keys.iter().zip([20u64, 21, 22]) {
         producer
-            .pool_mut()
             .block_mut(block)
             .unwrap()
             .copy_from_slice(&synthetic::content(key, block_len));

@@ -2,7 +2,8 @@
 //! listener; the receiver reads them straight into its pool and acknowledges; the transfer is
 //! done when the acknowledgement arrives.
 //!
-//! Byte format (all integers big-endian; docs/data-planes.md has the full description):
+//! Byte format (all integers big-endian; docs/data-planes.md has the full description; encoded
+//! and decoded in [`wire`]):
 //!
 //! ```text
 //! HELLO  writer → receiver, once per connection:
@@ -45,12 +46,16 @@
 //! Threads: a listener and one reader per inbound connection (receive side); per peer one
 //! writer, and one acknowledgement reader per connection (send side). The core's thread only
 //! queues and polls; `wake` runs after each completion. One user-space copy per side: the
-//! writer writes from its mapping of the pool, the receiver reads into its mapping of the pool.
+//! writer sends straight from the pool (a [`PoolView`]), the receiver reads straight into it,
+//! each block through a [`kvpeer_store::WriteClaim`] taken from the pool's permit table
+//! ([`PoolWriter`]). The plane never maps the pool itself, so it works the same on a shm pool
+//! and on an engine's own memory ([`kvpeer_store::Pool::external`]).
 
 mod receiver;
 mod sender;
+mod wire;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -61,23 +66,17 @@ use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
 };
 use kvpeer_proto::PeerId;
-use memmap2::{Mmap, MmapMut};
+use kvpeer_store::{PoolView, PoolWriter};
 use tracing::warn;
 
+use crate::lock;
 use crate::metadata::AgentMetadata;
 use crate::shm::Wake;
-use crate::{lock, shm_object};
-use receiver::{Gate, PoolWriter};
+use receiver::Gate;
 use sender::PeerLink;
 
-const HELLO: &[u8; 4] = b"KVPH";
-const WRITE: &[u8; 4] = b"KVPW";
-const ACK: &[u8; 4] = b"KVPA";
-const VERSION: u8 = 2;
 /// Bytes of a HELLO key.
 pub const KEY_LEN: usize = 32;
-/// Longest writer id a HELLO may carry.
-const MAX_ID_LEN: usize = 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest a writer's socket write may make no progress: a receiver that stops reading faults
 /// instead of stalling the writer (and the pins its transfers hold) for good.
@@ -87,14 +86,6 @@ const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TcpError {
-    /// The local pool could not be mapped.
-    #[error("cannot map the local shared-memory object /{name}: {reason}")]
-    Local {
-        /// Its name.
-        name: String,
-        /// Why.
-        reason: String,
-    },
     /// The data listener could not be bound or started.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -194,8 +185,6 @@ impl Counters {
     }
 }
 
-type Permits = Arc<Mutex<HashMap<PeerId, HashSet<BlockIndex>>>>;
-
 #[derive(Default)]
 struct Ends {
     /// Ended transfers not yet polled, per peer.
@@ -221,11 +210,13 @@ struct Links {
 /// The tcp data plane of one node.
 pub struct TcpPlane {
     local_id: PeerId,
-    local: Arc<Mmap>,
+    /// The pool, read by the writers.
+    local: PoolView,
+    /// The pool's permit table, and the receive side's only way to write it.
+    pool: PoolWriter,
     num_blocks: u64,
     block_len: u64,
     addr: SocketAddr,
-    permits: Permits,
     ends: Arc<Mutex<Ends>>,
     registrations: Arc<Mutex<HashMap<PeerId, Registration>>>,
     links: Arc<Mutex<Links>>,
@@ -249,32 +240,17 @@ impl std::fmt::Debug for TcpPlane {
 }
 
 impl TcpPlane {
-    /// A plane for node `local_id` whose pool is the shared-memory object `pool_name`, with its
-    /// data listener bound at `listen` (port 0 picks one: see [`TcpPlane::addr`]).
+    /// A plane for node `local_id` over the pool `pool` writes into (a shm object or external
+    /// memory: only its addresses matter), with its data listener bound at `listen` (port 0
+    /// picks one: see [`TcpPlane::addr`]).
     pub fn new(
         local_id: PeerId,
-        pool_name: &str,
-        num_blocks: u64,
-        block_len: u64,
+        pool: PoolWriter,
         listen: &str,
         wake: Wake,
     ) -> Result<Self, TcpError> {
-        let local_err = |reason: String| TcpError::Local {
-            name: pool_name.to_owned(),
-            reason,
-        };
-        let ro = shm_object::open(pool_name, false).map_err(local_err)?;
-        let rw = shm_object::open(pool_name, true).map_err(local_err)?;
-        // SAFETY: read-only view of our own pool; a block is only sent while a store job pins
-        // it, so its bytes do not change under the send.
-        let local = unsafe { Mmap::map(&ro) }.map_err(|e| local_err(e.to_string()))?;
-        // SAFETY: our own pool, written only through `PoolWriter::block_ptr` (see there).
-        let pool = unsafe { MmapMut::map_mut(&rw) }.map_err(|e| local_err(e.to_string()))?;
-        crate::prefault::for_read(&local, "the tcp plane's view of the local pool");
-        crate::prefault::for_write(&pool, "the tcp plane's receive mapping");
-        if (pool.len() as u64) < num_blocks.saturating_mul(block_len) {
-            return Err(local_err("the object is smaller than the pool".into()));
-        }
+        let local = pool.view();
+        let (num_blocks, block_len) = (local.num_blocks(), local.block_len());
         let listener = TcpListener::bind(listen).map_err(|source| TcpError::Listen {
             addr: listen.into(),
             source,
@@ -285,11 +261,11 @@ impl TcpPlane {
         })?;
         let plane = TcpPlane {
             local_id,
-            local: Arc::new(local),
+            local,
+            pool,
             num_blocks,
             block_len,
             addr,
-            permits: Arc::default(),
             ends: Arc::default(),
             registrations: Arc::default(),
             links: Arc::default(),
@@ -302,8 +278,7 @@ impl TcpPlane {
             gate: Arc::default(),
         };
         let accept = receiver::Accept {
-            pool: Arc::new(PoolWriter::new(pool, block_len as usize, num_blocks)),
-            permits: plane.permits.clone(),
+            pool: plane.pool.clone(),
             gate: plane.gate.clone(),
             limits: plane.limits.clone(),
             counters: plane.counters.clone(),
@@ -475,7 +450,7 @@ impl DataPlane for TcpPlane {
         for _ in 0..closed {
             Counters::bump(&self.counters.key_closes);
         }
-        lock(&self.permits).remove(peer);
+        self.pool.revoke_all(peer);
         self.drop_link(peer);
     }
 
@@ -535,25 +510,11 @@ impl DataPlane for TcpPlane {
     }
 
     fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
-        if blocks.is_empty() {
-            return;
-        }
-        lock(&self.permits)
-            .entry(peer.clone())
-            .or_default()
-            .extend(blocks.iter().copied());
+        self.pool.grant(peer, blocks);
     }
 
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
-        let mut p = lock(&self.permits);
-        if let Some(set) = p.get_mut(peer) {
-            for b in blocks {
-                set.remove(b);
-            }
-            if set.is_empty() {
-                p.remove(peer);
-            }
-        }
+        self.pool.revoke(peer, blocks);
     }
 
     fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {

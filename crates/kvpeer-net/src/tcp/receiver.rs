@@ -1,7 +1,7 @@
 //! The receive side of the tcp plane: the data port's listener, its caps, issued keys, and one
 //! reader per inbound connection (HELLO, then WRITEs straight into the pool).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,59 +10,18 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::TransferId;
 use kvpeer_proto::PeerId;
-use memmap2::MmapMut;
+use kvpeer_store::{PoolWriter, WriteClaim};
 use subtle::ConstantTimeEq;
 use tracing::{debug, warn};
 
-use super::{
-    close, protocol, read_by, Counters, Permits, TcpLimits, ACK, HELLO, KEY_LEN, MAX_ID_LEN,
-    VERSION, WRITE,
-};
+use super::wire::{self, WireError, HELLO_START_LEN, WRITE_HEAD_LEN};
+use super::{close, protocol, read_by, Counters, TcpLimits, KEY_LEN};
 use crate::lock;
 
 /// How long the listener sleeps after `accept` fails (EMFILE and the like) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// At most one warning per this long about failing accepts (the rest are counted).
 const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
-
-/// The pool as the receive side writes it: a raw base pointer, so that connections write
-/// disjoint blocks without a lock held across socket reads (a slow peer must not stall others).
-pub(super) struct PoolWriter {
-    map: MmapMut,
-    block_len: usize,
-    num_blocks: u64,
-}
-
-impl PoolWriter {
-    pub(super) fn new(map: MmapMut, block_len: usize, num_blocks: u64) -> Self {
-        PoolWriter {
-            map,
-            block_len,
-            num_blocks,
-        }
-    }
-
-    /// Where block `index` lies in the mapping: (first byte, length). Only a thread holding
-    /// the block's claimed write permit may write through it (see `receive`).
-    fn block_ptr(&self, index: u64) -> Option<(*mut u8, usize)> {
-        if index >= self.num_blocks {
-            return None;
-        }
-        let start = usize::try_from(index).ok()?.checked_mul(self.block_len)?;
-        if start.checked_add(self.block_len)? > self.map.len() {
-            return None;
-        }
-        // In bounds (checked above), so the offset stays inside the mapping.
-        Some((
-            self.map.as_ptr().wrapping_add(start) as *mut u8,
-            self.block_len,
-        ))
-    }
-}
-
-// SAFETY: the mapping is written only through `block_ptr` by threads holding disjoint claimed
-// permits (see `receive`), and read by nobody while those writes run.
-unsafe impl Sync for PoolWriter {}
 
 /// A key issued to one writer id by our `connect` to it.
 struct Issued {
@@ -226,8 +185,8 @@ impl Gate {
 
 /// The listener's shared state.
 pub(super) struct Accept {
-    pub(super) pool: Arc<PoolWriter>,
-    pub(super) permits: Permits,
+    /// The pool's permit table: the only way to write the pool.
+    pub(super) pool: PoolWriter,
     pub(super) gate: Arc<Mutex<Gate>>,
     pub(super) limits: Arc<Mutex<TcpLimits>>,
     pub(super) counters: Arc<Counters>,
@@ -324,12 +283,7 @@ impl Accept {
                 return;
             }
         };
-        let (pool, permits, gate, counters) = (
-            self.pool.clone(),
-            self.permits.clone(),
-            self.gate.clone(),
-            self.counters.clone(),
-        );
+        let (pool, gate, counters) = (self.pool.clone(), self.gate.clone(), self.counters.clone());
         let spawned = std::thread::Builder::new()
             .name("kvpeer-tcp-recv".into())
             .spawn(move || {
@@ -338,7 +292,6 @@ impl Accept {
                     id,
                     s: &mut stream,
                     pool: &pool,
-                    permits: &permits,
                     gate: &gate,
                     limits: &limits,
                     counters: &counters,
@@ -364,7 +317,6 @@ struct Connection<'a> {
     id: u64,
     s: &'a mut TcpStream,
     pool: &'a PoolWriter,
-    permits: &'a Permits,
     gate: &'a Mutex<Gate>,
     limits: &'a TcpLimits,
     counters: &'a Counters,
@@ -398,42 +350,33 @@ impl Connection<'_> {
             }
             let deadline = Instant::now() + self.limits.frame_timeout;
             self.frame_part(&mut magic[1..], deadline)?;
-            if &magic != WRITE {
-                return Err(protocol(format!("{writer}: bad frame")));
-            }
-            let mut head = [0u8; 12];
+            wire::check_write_magic(&magic).map_err(|e| protocol(format!("{writer}: {e}")))?;
+            let mut head = [0u8; WRITE_HEAD_LEN];
             self.frame_part(&mut head, deadline)?;
-            let (tid, count) = head.split_at(8);
-            let tid = u64::from_be_bytes(tid.try_into().unwrap_or_default());
-            let count = u32::from_be_bytes(count.try_into().unwrap_or_default()) as u64;
-            if count == 0 || count > self.pool.num_blocks {
-                return self.refuse(tid, &writer, format!("{count} blocks in one write"));
-            }
-            let mut raw = vec![0u8; count as usize * 8];
+            let (tid, count) = match wire::decode_write_head(&head, self.pool.num_blocks()) {
+                Ok(head) => head,
+                Err(WireError::BadCount { tid, count }) => {
+                    return Err(self.refuse(tid, &writer, format!("{count} blocks in one write")))
+                }
+                Err(e) => return Err(protocol(format!("{writer}: {e}"))),
+            };
+            let mut raw = vec![0u8; count * 8];
             self.frame_part(&mut raw, deadline)?;
-            let indexes: Vec<u64> = raw
-                .chunks_exact(8)
-                .map(|c| u64::from_be_bytes(c.try_into().unwrap_or_default()))
-                .collect();
-            self.claim(tid, &writer, &indexes)?;
-            for &i in &indexes {
-                let Some((ptr, len)) = self.pool.block_ptr(i) else {
-                    return self.refuse(tid, &writer, format!("block {i} outside the pool"));
+            let indexes =
+                wire::decode_indexes(&raw).map_err(|e| protocol(format!("{writer}: {e}")))?;
+            let mut claim = self.claim(tid, &writer, &indexes)?;
+            for nth in 0..indexes.len() {
+                // The claim holds exactly `indexes`, in order, so every `nth` is there.
+                let Some(block) = claim.block_mut(nth) else {
+                    return Err(self.refuse(tid, &writer, format!("no block {nth} in a claim")));
                 };
-                // SAFETY: `ptr..ptr + len` is one block inside the live mapping (`block_ptr`
-                // checked the bounds; `pool` keeps the mapping alive). This frame claimed the
-                // block's permit, removing it from the set, so no other thread writes it; the
-                // store does not read it until the load that reserved it ends, after this
-                // write is acknowledged.
-                let block = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
                 // Each block on its own clock: a large WRITE under the writer's rate cap may
                 // take longer than `frame_timeout` as a whole, but never stalls that long.
                 self.frame_part(block, Instant::now() + self.limits.frame_timeout)?;
             }
-            let mut ack = [0u8; 13];
-            ack[..4].copy_from_slice(ACK);
-            ack[4..12].copy_from_slice(&tid.to_be_bytes());
-            self.s.write_all(&ack)?;
+            // Every byte is in: the write is over before the writer hears of it.
+            drop(claim);
+            self.s.write_all(&wire::encode_ack(tid, true))?;
             idle_since = Instant::now();
         }
     }
@@ -441,24 +384,19 @@ impl Connection<'_> {
     /// Reads and checks the HELLO (by `deadline`); anything but a current key for the named
     /// writer closes the connection without reading further.
     fn hello(&mut self, deadline: Instant) -> std::io::Result<PeerId> {
-        let mut head = [0u8; 7];
-        self.hello_part(&mut head[..5], deadline)?;
-        if &head[..4] != HELLO || head[4] != VERSION {
-            return Err(self.refuse_hello("not a kvpeer v2 tcp data connection".into()));
-        }
-        self.hello_part(&mut head[5..], deadline)?;
-        let id_len = u16::from_be_bytes([head[5], head[6]]) as usize;
-        if id_len == 0 || id_len > MAX_ID_LEN {
-            return Err(self.refuse_hello(format!("writer id of {id_len} bytes")));
-        }
+        // Magic and version first, then the id's length, then id and key: junk is refused
+        // before the next part is waited for.
+        let mut start = [0u8; HELLO_START_LEN];
+        self.hello_part(&mut start, deadline)?;
+        wire::check_hello_start(&start).map_err(|e| self.refuse_hello(e.to_string()))?;
+        let mut id_len = [0u8; 2];
+        self.hello_part(&mut id_len, deadline)?;
+        let id_len = wire::hello_id_len(id_len).map_err(|e| self.refuse_hello(e.to_string()))?;
         let mut rest = vec![0u8; id_len + KEY_LEN];
         self.hello_part(&mut rest, deadline)?;
-        let key = rest.split_off(id_len);
-        let Ok(writer) = String::from_utf8(rest) else {
-            return Err(self.refuse_hello("writer id is not UTF-8".into()));
-        };
-        let writer = PeerId::new(writer);
-        let key: [u8; KEY_LEN] = key.try_into().unwrap_or([0; KEY_LEN]);
+        let hello =
+            wire::hello_body(id_len, &rest).map_err(|e| self.refuse_hello(e.to_string()))?;
+        let (writer, key) = (PeerId::new(hello.writer), hello.key);
         let authenticated = lock(self.gate).authenticate(self.id, &writer, &key);
         match authenticated {
             Some(replaced) => {
@@ -493,53 +431,35 @@ impl Connection<'_> {
         })
     }
 
-    /// Claims every permit of the frame before reading a byte of it (all or nothing), and only
-    /// while the key this connection presented is still current.
-    fn claim(&mut self, tid: TransferId, writer: &PeerId, indexes: &[u64]) -> std::io::Result<()> {
+    /// Claims every permit of the frame before reading a byte of it (all or nothing: each
+    /// block inside the pool, named once, permitted to this writer), and only while the key
+    /// this connection presented is still current. The claim is the only way to write the
+    /// blocks.
+    fn claim(
+        &mut self,
+        tid: TransferId,
+        writer: &PeerId,
+        indexes: &[u64],
+    ) -> std::io::Result<WriteClaim> {
         let claimed = {
             let gate = lock(self.gate);
             if !gate.is_current(self.id) {
                 return Err(protocol(format!("{writer}: its key was withdrawn")));
             }
-            let mut p = lock(self.permits);
-            match p.get_mut(writer) {
-                Some(set) if indexes.iter().all(|i| set.contains(i)) && unique(indexes) => {
-                    for i in indexes {
-                        set.remove(i);
-                    }
-                    true
-                }
-                _ => false,
-            }
+            self.pool.claim(writer, indexes)
         };
-        if claimed {
-            Ok(())
-        } else {
-            self.refuse(
-                tid,
-                writer,
-                format!("write into blocks {indexes:?} without a permit"),
-            )
-        }
+        claimed.map_err(|e| self.refuse(tid, writer, e.to_string()))
     }
 
-    fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Result<()> {
+    /// Refuses transfer `tid` (ACK 1) and closes the connection; the error ends the reader.
+    fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Error {
         if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
             warn!(%writer, tid, %why, suppressed, "refusing a tcp write");
         }
-        let mut nack = [0u8; 13];
-        nack[..4].copy_from_slice(ACK);
-        nack[4..12].copy_from_slice(&tid.to_be_bytes());
-        nack[12] = 1;
-        let _ = self.s.write_all(&nack);
+        let _ = self.s.write_all(&wire::encode_ack(tid, false));
         close(self.s);
-        Err(protocol(why))
+        protocol(why)
     }
-}
-
-fn unique(indexes: &[u64]) -> bool {
-    let mut seen = HashSet::with_capacity(indexes.len());
-    indexes.iter().all(|i| seen.insert(*i))
 }
 
 /// Blocks until `listener` has a connection to accept (or an error), without reserving a

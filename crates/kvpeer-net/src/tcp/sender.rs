@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, Registration, TransferId};
 use kvpeer_proto::PeerId;
-use memmap2::Mmap;
+use kvpeer_store::PoolView;
 use tracing::{debug, warn};
 
+use super::wire::{self, ACK_LEN};
 use super::{
-    close, protocol, Counters, Ends, TcpPlane, ACK, CONNECT_TIMEOUT, HELLO, KEY_LEN, VERSION,
-    WRITE, WRITE_STALL_TIMEOUT,
+    close, protocol, Counters, Ends, TcpPlane, CONNECT_TIMEOUT, KEY_LEN, WRITE_STALL_TIMEOUT,
 };
 use crate::lock;
 use crate::shm::Wake;
@@ -179,21 +179,16 @@ fn dial(addr: &str, me: &PeerId, key: &[u8; KEY_LEN]) -> std::io::Result<TcpStre
     let mut s = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)?;
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(WRITE_STALL_TIMEOUT))?;
-    let id = me.as_str().as_bytes();
-    let id_len = u16::try_from(id.len()).map_err(|_| protocol("peer id too long".into()))?;
-    let mut hello = Vec::with_capacity(7 + id.len() + KEY_LEN);
-    hello.extend_from_slice(HELLO);
-    hello.push(VERSION);
-    hello.extend_from_slice(&id_len.to_be_bytes());
-    hello.extend_from_slice(id);
-    hello.extend_from_slice(key);
+    let hello =
+        wire::encode_hello(me.as_str(), key).map_err(|_| protocol("peer id too long".into()))?;
     s.write_all(&hello)?;
     Ok(s)
 }
 
 /// A link's writer settings.
 struct Writer {
-    local: Arc<Mmap>,
+    /// The pool the blocks are sent from.
+    local: PoolView,
     block_len: usize,
     rate: Option<u64>,
     stale_after: Duration,
@@ -391,9 +386,12 @@ fn spawn_acks(cx: &LinkCx, conn: u64, inp: TcpStream) -> std::io::Result<()> {
 /// fresh one before its next WRITE.
 fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
     loop {
-        let mut frame = [0u8; 13];
-        let ok = inp.read_exact(&mut frame).is_ok() && &frame[..4] == ACK;
-        if !ok {
+        let mut frame = [0u8; ACK_LEN];
+        let ack = inp
+            .read_exact(&mut frame)
+            .ok()
+            .and_then(|()| wire::decode_ack(&frame).ok());
+        let Some((tid, written)) = ack else {
             let mut e = lock(&cx.ends);
             let pending: Vec<TransferId> = e
                 .sent
@@ -428,15 +426,12 @@ fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
                 debug!(peer = %cx.peer, "idle tcp data connection closed; the next write reconnects");
             }
             return;
-        }
-        let mut tid = [0u8; 8];
-        tid.copy_from_slice(&frame[4..12]);
-        let tid = u64::from_be_bytes(tid);
+        };
         let mut e = lock(&cx.ends);
         let mut refused = false;
         if e.sent.remove(&tid).is_some() {
             let report = e.ended.entry(cx.peer.clone()).or_default();
-            if frame[12] == 0 {
+            if written {
                 report.done.push(tid)
             } else {
                 report.failed.push(tid);
@@ -457,17 +452,13 @@ fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
 fn send(
     out: &mut TcpStream,
     job: &Job,
-    local: &Mmap,
+    local: &PoolView,
     block_len: usize,
     mut pacer: Option<&mut Pacer>,
 ) -> Result<(), SendError> {
-    let mut header = Vec::with_capacity(16 + 8 * job.remote.len());
-    header.extend_from_slice(WRITE);
-    header.extend_from_slice(&job.tid.to_be_bytes());
-    header.extend_from_slice(&(job.remote.len() as u32).to_be_bytes());
-    for r in &job.remote {
-        header.extend_from_slice(&r.to_be_bytes());
-    }
+    // More blocks than a u32 counts never reach here (both pools index under 2^32 blocks).
+    let header = wire::encode_write_header(job.tid, &job.remote)
+        .map_err(|e| SendError::Partial(protocol(e.to_string())))?;
     // The first write tells a connection found closed (nothing of the frame left) from one
     // lost in the middle of it.
     let first = loop {
@@ -481,8 +472,7 @@ fn send(
     out.write_all(&header[first..])
         .map_err(SendError::Partial)?;
     for &l in &job.local {
-        let start = l as usize * block_len;
-        let block = local.get(start..start + block_len).ok_or_else(|| {
+        let block = local.block(l).ok_or_else(|| {
             SendError::Partial(protocol(format!("local block {l} outside the pool")))
         })?;
         out.write_all(block).map_err(SendError::Partial)?;

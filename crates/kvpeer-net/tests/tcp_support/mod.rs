@@ -32,9 +32,7 @@ pub(crate) fn pool(tag: &str) -> BlockStore {
 pub(crate) fn plane(id: &str, store: &BlockStore, limits: TcpLimits) -> TcpPlane {
     TcpPlane::new(
         PeerId::new(id),
-        store.region().name(),
-        BLOCKS,
-        LEN,
+        store.pool().writer(),
         "127.0.0.1:0",
         Arc::new(|| {}),
     )
@@ -125,5 +123,5 @@ pub(crate) fn closed(s: &mut TcpStream) -> bool {
 }
 
 pub(crate) fn block(store: &BlockStore, i: u64) -> Vec<u8> {
-    store.region().block(i).unwrap().to_vec()
+    store.pool().block(i).unwrap().to_vec()
 }

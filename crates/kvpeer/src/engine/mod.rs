@@ -12,5 +12,6 @@ mod parent;
 
 pub use kvpeer_core::{BlockIndex, JobId, Request, RequestRoles};
 pub use kvpeer_proto::KvRequestId;
+pub use kvpeer_store::{BlockBusy, Pool, PoolError, PoolView};
 pub use node::{EngineError, EngineEvent, EngineNode};
 pub use parent::{Answer, EngineLink, EngineParent, EnginePin, Query, QueryId, Release};

@@ -14,12 +14,11 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use kvpeer_store::Region;
+use kvpeer_store::{BlockBusy, Pool, PoolView};
 
 use super::parent::{EngineLink, EngineParent, FIRST_PIN_JOB};
 use crate::node::build::{build_with, BuildError, BuildPlane, NodeSpec};
 use crate::node::io::NodeIo;
-use kvpeer_store::RegionError;
 
 /// What the engine learns from the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +73,7 @@ struct WaitingLookup {
 pub struct EngineNode<D: BuildPlane> {
     io: NodeIo<D, EngineParent>,
     link: EngineLink,
-    pool: Region,
+    pool: Pool,
     lookups: Vec<WaitingLookup>,
     events: VecDeque<EngineEvent>,
 }
@@ -88,16 +87,23 @@ impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
 }
 
 impl<D: BuildPlane> EngineNode<D> {
-    /// Builds the node: binds its control channel, makes its pool (`spec.num_blocks` blocks
-    /// of `spec.block_len` bytes, named `spec.shm_name`) and its data plane.
-    pub fn build(spec: &NodeSpec) -> Result<Self, BuildError> {
-        let (io, (link, pool)) = build_with::<D, EngineParent, _>(spec, |spec, wake| {
-            let pool = Region::create(&spec.shm_name, spec.num_blocks, spec.block_len, false)
-                .map_err(pool_error)?;
-            let (parent, link) = EngineParent::new(Some(wake));
-            let base = pool.base_addr();
-            Ok((parent, base, (link, pool)))
-        })?;
+    /// Builds the node over `pool`, the engine's block memory: its own registered region
+    /// ([`Pool::external`], for the tcp and nixl planes) or a shared-memory object
+    /// ([`Pool::shm`], for every plane). Binds the control channel and makes the data plane.
+    pub fn build(spec: &NodeSpec, pool: Pool) -> Result<Self, BuildError> {
+        let spec = NodeSpec {
+            num_blocks: pool.num_blocks(),
+            block_len: pool.block_len(),
+            ..spec.clone()
+        };
+        let (io, (link, pool)) = build_with::<D, EngineParent, _>(
+            &spec,
+            |_| Ok(pool),
+            |pool, wake| {
+                let (parent, link) = EngineParent::new(Some(wake));
+                Ok((parent, (link, pool)))
+            },
+        )?;
         Ok(EngineNode {
             io,
             link,
@@ -117,14 +123,16 @@ impl<D: BuildPlane> EngineNode<D> {
         self.link.clone()
     }
 
-    /// The pool's blocks, to read what a load brought and to write what peers may fetch.
-    pub fn pool(&self) -> &Region {
-        &self.pool
+    /// The pool's blocks, to read what a load brought.
+    pub fn pool(&self) -> &PoolView {
+        self.pool.view()
     }
 
-    /// The pool's blocks, writable (never a block a load is writing, nor one pinned for a peer).
-    pub fn pool_mut(&mut self) -> &mut Region {
-        &mut self.pool
+    /// One block, for the engine to write what peers may fetch. Refused while a peer may
+    /// write it (a load into it is running); the engine must not write a block it pinned
+    /// for a peer either.
+    pub fn block_mut(&mut self, block: u64) -> Result<&mut [u8], BlockBusy> {
+        self.pool.block_mut(block)
     }
 
     /// Waits at most `max` for the network, a data-plane completion, an engine's answer or the
@@ -293,8 +301,4 @@ fn check_job(job: JobId, keys: usize, blocks: usize) -> Result<(), EngineError> 
         return Err(EngineError::Mismatch { keys, blocks });
     }
     Ok(())
-}
-
-fn pool_error(e: RegionError) -> BuildError {
-    BuildError::Store(kvpeer_store::StoreError::from(e))
 }

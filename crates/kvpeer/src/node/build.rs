@@ -10,7 +10,7 @@ use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
 use kvpeer_net::tcp::{TcpError, TcpPlane};
 use kvpeer_proto::{DecodeLimits, PeerId};
-use kvpeer_store::{BlockStore, StoreConfig, StoreError};
+use kvpeer_store::{BlockStore, Pool, PoolError, StoreError};
 
 use super::allow::Allowlist;
 use super::auth::Auth;
@@ -68,6 +68,9 @@ pub enum BuildError {
     /// The block store.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The pool's memory.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
     /// The shm plane.
     #[error(transparent)]
     Shm(#[from] ShmError),
@@ -91,8 +94,10 @@ pub enum BuildError {
 
 /// A data plane a node can be built with.
 pub trait BuildPlane: DataPlane + Sized {
-    /// Makes the plane over the node's pool; returns it and what it advertises.
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError>;
+    /// Makes the plane over the node's pool (the store's: the planes never map it themselves);
+    /// returns it and what it advertises.
+    fn build(spec: &NodeSpec, pool: &Pool, wake: Wake)
+        -> Result<(Self, AgentMetadata), BuildError>;
 
     /// The `agent_metadata` bytes `connect` carries: kvpeer's plane map, unless the plane
     /// speaks another format (NIXL's own blob).
@@ -100,8 +105,8 @@ pub trait BuildPlane: DataPlane + Sized {
         advertised.encode()
     }
 
-    /// The `base_addr` `connect` carries, when the plane registered its own mapping of the
-    /// pool (NIXL); `None`: the store's mapping.
+    /// The `base_addr` `connect` carries, when the plane registered the pool itself (NIXL:
+    /// the address it registered, the pool's); `None`: the pool's address.
     fn base_addr(&self) -> Option<u64> {
         None
     }
@@ -109,20 +114,18 @@ pub trait BuildPlane: DataPlane + Sized {
 
 #[cfg(feature = "nixl")]
 impl BuildPlane for kvpeer_net::nixl::NixlPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
         let config = kvpeer_net::nixl::NixlConfig {
             // Unique per node and process; NIXL refuses a peer agent with its own name.
             agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
             backend_params: spec.nixl.backend_params.clone(),
             lib_dir: spec.nixl.lib_dir.clone(),
         };
-        let plane = kvpeer_net::nixl::NixlPlane::new(
-            &config,
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            wake,
-        )?;
+        let plane = kvpeer_net::nixl::NixlPlane::new(&config, pool.view().clone(), wake)?;
         let meta = AgentMetadata {
             agent: config.agent_name,
             shm: None,
@@ -142,14 +145,12 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
 }
 
 impl BuildPlane for ShmPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = ShmPlane::new(
-            spec.id.clone(),
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            wake,
-        )?;
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = ShmPlane::new(spec.id.clone(), pool.view().clone(), wake)?;
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: Some(spec.shm_name.clone()),
@@ -161,16 +162,13 @@ impl BuildPlane for ShmPlane {
 }
 
 impl BuildPlane for TcpPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = TcpPlane::new(
-            spec.id.clone(),
-            &spec.shm_name,
-            spec.num_blocks,
-            spec.block_len,
-            &spec.tcp_listen,
-            wake,
-        )?
-        .with_max_write_rate(spec.tcp_max_write_rate);
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
+            .with_max_write_rate(spec.tcp_max_write_rate);
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: None,
@@ -182,9 +180,13 @@ impl BuildPlane for TcpPlane {
 }
 
 impl BuildPlane for DualPlane {
-    fn build(spec: &NodeSpec, wake: Wake) -> Result<(Self, AgentMetadata), BuildError> {
-        let (shm, _) = ShmPlane::build(spec, wake.clone())?;
-        let (tcp, meta) = TcpPlane::build(spec, wake)?;
+    fn build(
+        spec: &NodeSpec,
+        pool: &Pool,
+        wake: Wake,
+    ) -> Result<(Self, AgentMetadata), BuildError> {
+        let (shm, _) = ShmPlane::build(spec, pool, wake.clone())?;
+        let (tcp, meta) = TcpPlane::build(spec, pool, wake)?;
         let meta = AgentMetadata {
             shm: Some(spec.shm_name.clone()),
             ..meta
@@ -196,26 +198,29 @@ impl BuildPlane for DualPlane {
 /// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
 /// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
 pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
-    let (io, ()) = build_with(spec, |spec, _| {
-        let store = BlockStore::new(&StoreConfig {
-            shm_name: spec.shm_name.clone(),
-            num_blocks: spec.num_blocks,
-            block_len: spec.block_len,
-            lock_memory: false,
-        })?;
-        let base_addr = store.region().base_addr();
-        Ok((store, base_addr, ()))
-    })?;
+    let (io, ()) = build_with(
+        spec,
+        |spec| {
+            Ok(Pool::shm(
+                &spec.shm_name,
+                spec.num_blocks,
+                spec.block_len,
+                false,
+            )?)
+        },
+        |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
+    )?;
     Ok(io)
 }
 
-/// Builds a node with data plane `D` and the parent `make_parent` returns (with the pool's
-/// base address and anything the caller keeps, `T`). `make_parent` runs after the control
-/// channel is bound (the spec it gets carries the real identity) and before the plane, which
-/// maps the pool the parent's side created; it gets the node's wake hook.
+/// Builds a node with data plane `D` over the pool `make_pool` returns, and the parent
+/// `make_parent` makes of that pool (with anything the caller keeps, `T`). Both run after the
+/// control channel is bound (the spec carries the real identity); the plane is built over the
+/// pool before it goes to the parent; `make_parent` gets the node's wake hook.
 pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
     spec: &NodeSpec,
-    make_parent: impl FnOnce(&NodeSpec, Wake) -> Result<(Q, u64, T), BuildError>,
+    make_pool: impl FnOnce(&NodeSpec) -> Result<Pool, BuildError>,
+    make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
 ) -> Result<(NodeIo<D, Q>, T), BuildError> {
     let channel = match spec.id.as_str().strip_suffix(":0") {
         Some(host) => ControlChannel::bind_any_port(host, spec.control.clone())?,
@@ -226,8 +231,10 @@ pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
         ..spec.clone()
     };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
-    let (parent, pool_base, kept) = make_parent(&spec, pipe.hook())?;
-    let (plane, meta) = D::build(&spec, pipe.hook())?;
+    let pool = make_pool(&spec)?;
+    let (plane, meta) = D::build(&spec, &pool, pipe.hook())?;
+    let pool_base = pool.base_addr();
+    let (parent, kept) = make_parent(pool, pipe.hook())?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
         agent_metadata: plane.agent_metadata(&meta),

@@ -1,0 +1,149 @@
+//! The nixl plane over pools in memory the node does not own (`Pool::external`): it only
+//! registers the pool's addresses, so a WRITE from one external region into another lands
+//! byte-exact and touches nothing else; a region whose row stride is not its block length is
+//! refused, since peers address blocks as `base_addr + i × block_len`.
+//!
+//! Needs NIXL's wheel: `KVPEER_NIXL_LIB_DIR` names the directory of `libnixl_capi.so`
+//! (`scripts/test.sh` installs it into `target/kvpeer-venv`).
+
+#![cfg(feature = "nixl")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_net::nixl::{NixlConfig, NixlError, NixlPlane};
+use kvpeer_proto::PeerId;
+use kvpeer_store::Pool;
+
+const BLOCKS: u64 = 8;
+const LEN: u64 = 4096;
+
+fn lib_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KVPEER_NIXL_LIB_DIR") {
+        return dir.into();
+    }
+    let lib = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/kvpeer-venv/lib");
+    std::fs::read_dir(&lib)
+        .ok()
+        .and_then(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|e| e.path().join("site-packages/.nixl_cu12.mesonpy.libs"))
+                .find(|p| p.join("libnixl_capi.so").exists())
+        })
+        .expect(
+            "needs NIXL's wheel: run scripts/test.sh (it installs it) or set KVPEER_NIXL_LIB_DIR",
+        )
+}
+
+/// An external region of [`BLOCKS`] blocks, block `i` filled with `fill(i)`, owned by the pool.
+fn region(fill: impl Fn(u64) -> u8) -> (Pool, NonNull<u8>) {
+    let mut mem = vec![0u8; (BLOCKS * LEN) as usize];
+    for i in 0..BLOCKS {
+        let at = (i * LEN) as usize;
+        mem[at..at + LEN as usize].fill(fill(i));
+    }
+    let base = NonNull::new(mem.as_mut_ptr()).unwrap();
+    // SAFETY: the pool owns the buffer (keep-alive); the test reads it only through `raw`,
+    // while no WRITE is in flight.
+    let pool = unsafe { Pool::external(base, BLOCKS, LEN, LEN, Some(Box::new(mem))) }.unwrap();
+    (pool, base)
+}
+
+fn raw(pool: &Pool, base: NonNull<u8>) -> Vec<u8> {
+    // SAFETY: `pool` keeps the region alive, and no WRITE is in flight.
+    unsafe { std::slice::from_raw_parts(base.as_ptr(), pool.span_len() as usize) }.to_vec()
+}
+
+fn plane(tag: &str, pool: &Pool) -> NixlPlane {
+    let config = NixlConfig {
+        agent_name: format!("kvpeer-ext-{tag}-{}", std::process::id()),
+        lib_dir: Some(lib_dir()),
+        ..Default::default()
+    };
+    NixlPlane::new(&config, pool.view().clone(), Arc::new(|| {})).unwrap()
+}
+
+fn wait<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    for _ in 0..2000 {
+        if let Some(t) = f() {
+            return t;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("timed out");
+}
+
+#[test]
+fn a_nixl_write_between_external_regions_is_byte_exact() {
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let (a_pool, a_base) = region(|i| i as u8 + 1);
+    let (b_pool, b_base) = region(|_| 0);
+    let mut a = plane("a", &a_pool);
+    let b = plane("b", &b_pool);
+    assert_eq!(b.base_addr(), b_pool.base_addr(), "the pool's own address");
+    let a_before = raw(&a_pool, a_base);
+    let b_before = raw(&b_pool, b_base);
+
+    let pb = PeerId::new("127.0.0.1:7102");
+    let memory = RemoteMemory {
+        agent_metadata: b.metadata().to_vec(),
+        base_addr: b.base_addr(),
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    a.add_remote_peer(&pb, &memory).unwrap();
+    let state = wait(|| match a.registration(&pb) {
+        Registration::Pending => None,
+        other => Some(other),
+    });
+    assert_eq!(state, Registration::Done);
+
+    let (local, remote) = ([0u64, 2, 7], [5u64, 1, 7]);
+    let tid = a.write_blocks(&pb, &local, &remote).unwrap();
+    let poll = wait(|| {
+        let poll = a.poll(&pb);
+        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
+            .then_some(poll)
+    });
+    assert_eq!(
+        (poll.done, poll.failed, poll.peer_fault),
+        (vec![tid], vec![], None)
+    );
+    let mut want = b_before;
+    for (l, r) in local.iter().zip(remote) {
+        let at = (r * LEN) as usize;
+        want[at..at + LEN as usize].fill(*l as u8 + 1);
+    }
+    assert!(
+        raw(&b_pool, b_base) == want,
+        "only the written blocks changed"
+    );
+    assert!(raw(&a_pool, a_base) == a_before, "the source is only read");
+    a.remove_remote_peer(&pb);
+}
+
+#[test]
+fn a_region_whose_stride_is_not_its_block_length_is_refused() {
+    let mut mem = vec![0u8; (3 * (LEN + 64) + LEN) as usize];
+    let base = NonNull::new(mem.as_mut_ptr()).unwrap();
+    // SAFETY: the pool owns the buffer; the plane refuses it before touching anything.
+    let pool = unsafe { Pool::external(base, 4, LEN, LEN + 64, Some(Box::new(mem))) }.unwrap();
+    let refused = NixlPlane::new(&NixlConfig::default(), pool.view().clone(), Arc::new(|| {}));
+    assert!(
+        matches!(
+            refused,
+            Err(NixlError::Stride {
+                block_len: LEN,
+                stride
+            }) if stride == LEN + 64
+        ),
+        "{refused:?}"
+    );
+}

@@ -1,0 +1,823 @@
+//! The pool's memory and its one owner: every `unsafe` that touches a pool's memory (the
+//! node's own, and a proven peer's that the shm plane writes, [`Pool::map_peer`]) lives in
+//! this file.
+//!
+//! The memory is either a POSIX shared-memory object the pool creates ([`Pool::shm`]:
+//! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
+//! [`crate::trailer`], so that the `shm` plane can prove to a peer that this node owns the
+//! object it names), or memory an embedding engine registered itself ([`Pool::external`]: a
+//! base address and a row stride, block `i` at `base + i × stride`). The shm object is mapped
+//! once, here; the data planes never map it themselves. They get:
+//!
+//! * a [`PoolView`]: a cheap clone (a reference count) reading block `i` as `&[u8]`, and the
+//!   addresses NIXL registers;
+//! * a [`PoolWriter`], from the owner only: the permit table of writes peers may make into the
+//!   pool. A writer obtains `&mut` bytes of a block only through a [`WriteClaim`], which proves
+//!   the permits for exactly its blocks were granted to that peer and taken by this claim
+//!   alone, so no two claims ever write the same block and nothing outside this file needs
+//!   `unsafe` to write the pool.
+//!
+//! Shared memory so that a peer on the same host (the `shm` data plane, or a Python process
+//! with `multiprocessing.shared_memory`) can map the same bytes by name and write blocks in
+//! place. The object is created exclusively and unlinked when the [`Pool`] (the owner) is
+//! dropped; the mapping itself lives until the last view or writer is gone, so a plane thread
+//! still holding a view never reads unmapped memory.
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::ops::Deref;
+use std::os::unix::fs::MetadataExt;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvpeer_core::BlockIndex;
+use kvpeer_proto::PeerId;
+use memmap2::MmapMut;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{mlock, shm_open, shm_unlink};
+use nix::sys::stat::Mode;
+use nix::unistd::ftruncate;
+use tracing::debug;
+
+use crate::trailer::{self, SECRET_LEN};
+
+/// Why a pool could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// `num_blocks` or `block_len` is 0, or the pool's bytes overflow the address space.
+    #[error("a pool of {num_blocks} blocks of {block_len} bytes is impossible")]
+    BadSize {
+        /// Blocks asked for.
+        num_blocks: u64,
+        /// Bytes per block asked for.
+        block_len: u64,
+    },
+    /// External memory whose row stride is shorter than a block (blocks would overlap).
+    #[error("a row stride of {stride} bytes is shorter than a block of {block_len}")]
+    BadStride {
+        /// Bytes per block.
+        block_len: u64,
+        /// Bytes from one block's start to the next.
+        stride: u64,
+    },
+    /// The shared-memory object could not be created or sized.
+    #[error("cannot create shared-memory object /{name}: {source}")]
+    Create {
+        /// Its name.
+        name: String,
+        /// The system's error.
+        source: nix::Error,
+    },
+    /// The object could not be mapped (or examined).
+    #[error("cannot map shared-memory object /{name}: {source}")]
+    Map {
+        /// Its name.
+        name: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// No randomness for the pool's secret.
+    #[error("no randomness for the pool's secret: {0}")]
+    Random(getrandom::Error),
+    /// `mlock` failed (raise `ulimit -l`, or run without locking).
+    #[error("cannot lock {bytes} bytes in memory: {source}")]
+    Lock {
+        /// Bytes to lock.
+        bytes: usize,
+        /// The system's error.
+        source: nix::Error,
+    },
+}
+
+/// Why a [`PoolWriter::claim`] was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaimError {
+    /// A block index outside the pool.
+    #[error("block {0} outside the pool")]
+    Outside(BlockIndex),
+    /// A block the holder has no outstanding permit for, or a block named twice.
+    #[error("write into blocks {0:?} without a permit")]
+    NotPermitted(Vec<BlockIndex>),
+}
+
+/// Why the owner may not write a block now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlockBusy {
+    /// Outside the pool.
+    #[error("outside the pool")]
+    Outside,
+    /// Granted to a peer's write, or a peer's write is landing in it.
+    #[error("a peer's write may land in it")]
+    PeerWrite,
+}
+
+/// The shared-memory object behind a [`Pool::shm`] pool: what the `shm` plane proves and
+/// compares against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmObject {
+    name: String,
+    secret: [u8; SECRET_LEN],
+    file_id: (u64, u64),
+}
+
+impl ShmObject {
+    /// The object's name, as for `shm_open` without the leading `/`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The pool's secret, as in its trailer: the key of the `shm` plane's ownership tokens.
+    pub fn secret(&self) -> &[u8; SECRET_LEN] {
+        &self.secret
+    }
+
+    /// `(st_dev, st_ino)` of the object: a peer naming this file names this node's own pool.
+    pub fn file_id(&self) -> (u64, u64) {
+        self.file_id
+    }
+}
+
+/// Where the bytes come from; dropped (unmapped, or the keep-alive released) only with the
+/// last view of the memory.
+enum Backing {
+    Shm {
+        /// Never read through: `Memory::base` points into it. Kept to unmap on drop.
+        _map: MmapMut,
+        object: ShmObject,
+    },
+    External {
+        /// Whatever the embedder wants released once the pool no longer uses the memory.
+        _keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    },
+    /// A peer's pool object, mapped by the shm plane to write the blocks the peer names.
+    Peer { map: MmapMut },
+}
+
+/// Blocks handed to peers' writes: permits granted per peer, and blocks a claim is writing.
+#[derive(Debug, Default)]
+struct Permits {
+    granted: HashMap<PeerId, HashSet<BlockIndex>>,
+    claimed: HashSet<BlockIndex>,
+}
+
+/// The pool's bytes, shared by the owner, its views and writers.
+struct Memory {
+    base: NonNull<u8>,
+    num_blocks: u64,
+    block_len: usize,
+    stride: usize,
+    /// Bytes from the first block's start to the last block's end.
+    span: usize,
+    backing: Backing,
+    permits: Mutex<Permits>,
+}
+
+// SAFETY: `Memory` is a pointer to bytes plus bookkeeping behind a mutex. The bytes are valid
+// from any thread (a shared mapping, or external memory whose creator promised so), and every
+// access goes through the rules of this file: reads of whole blocks, and writes only by the
+// owner (`&mut Pool`, refusing blocks peers may write) or by the one claim holding a block.
+unsafe impl Send for Memory {}
+// SAFETY: as for `Send`: `&Memory` only reads the pointer and locks the mutex; writes through
+// the pointer are made exclusive by `WriteClaim` and `Pool::block_mut`.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    /// Offset of `block`'s first byte from `base`, if it is in the pool. `offset + block_len`
+    /// is then at most `span`: `(num_blocks - 1) × stride + block_len`.
+    fn offset(&self, block: BlockIndex) -> Option<usize> {
+        if block >= self.num_blocks {
+            return None;
+        }
+        usize::try_from(block).ok()?.checked_mul(self.stride)
+    }
+
+    fn permits(&self) -> MutexGuard<'_, Permits> {
+        // A poisoned lock only means a thread panicked while holding it; the sets stay valid.
+        self.permits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn block(&self, block: BlockIndex) -> Option<&[u8]> {
+        let offset = self.offset(block)?;
+        // SAFETY: `offset..offset + block_len` lies inside the `span` bytes at `base`
+        // (`offset`), which stay valid as long as `self` (the shm mapping lives in `backing`;
+        // external memory by its creator's promise), and `span <= isize::MAX` (checked when
+        // the pool was made). Bytes have no invalid values. In this process the bytes of a
+        // block change only through a claim or the owner's `block_mut`, and the node reads
+        // only blocks a store job pins, which it never grants to a write; another process
+        // (a peer on the shm plane, NIXL) writes only blocks this node reserved for it.
+        Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), self.block_len) })
+    }
+
+    /// `&mut` bytes of `block`. Callers make sure nothing else in this process reads or
+    /// writes the block while the slice lives (a claim, or the owner's checks).
+    #[allow(clippy::mut_from_ref)]
+    fn block_mut(&self, block: BlockIndex) -> Option<&mut [u8]> {
+        let offset = self.offset(block)?;
+        // SAFETY: in bounds and valid as in `block`; exclusive by the caller's duty above
+        // (blocks are disjoint: `stride >= block_len`).
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), self.block_len)
+        })
+    }
+}
+
+impl std::fmt::Debug for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shm = match &self.backing {
+            Backing::Shm { object, .. } => Some(object.name.as_str()),
+            Backing::External { .. } | Backing::Peer { .. } => None,
+        };
+        f.debug_struct("Memory")
+            .field("base", &self.base)
+            .field("num_blocks", &self.num_blocks)
+            .field("block_len", &self.block_len)
+            .field("stride", &self.stride)
+            .field("shm", &shm)
+            .finish()
+    }
+}
+
+/// A read view of the pool: cheap to clone, keeps the memory alive.
+#[derive(Debug, Clone)]
+pub struct PoolView {
+    mem: Arc<Memory>,
+}
+
+impl PoolView {
+    /// Address of the first block's first byte (what `connect` advertises as `base_addr`).
+    pub fn base_addr(&self) -> u64 {
+        self.mem.base.as_ptr() as u64
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> u64 {
+        self.mem.num_blocks
+    }
+
+    /// Bytes per block.
+    pub fn block_len(&self) -> u64 {
+        self.mem.block_len as u64
+    }
+
+    /// Bytes from one block's start to the next (`block_len` for a shm pool).
+    pub fn stride(&self) -> u64 {
+        self.mem.stride as u64
+    }
+
+    /// Bytes from the first block's start to the last block's end: what NIXL registers.
+    pub fn span_len(&self) -> u64 {
+        self.mem.span as u64
+    }
+
+    /// The shared-memory object, for a [`Pool::shm`] pool; `None` for external memory.
+    pub fn shm(&self) -> Option<&ShmObject> {
+        match &self.mem.backing {
+            Backing::Shm { object, .. } => Some(object),
+            Backing::External { .. } | Backing::Peer { .. } => None,
+        }
+    }
+
+    /// The shm object's name, if the pool is one.
+    pub fn shm_name(&self) -> Option<&str> {
+        self.shm().map(ShmObject::name)
+    }
+
+    /// The bytes of one block; `None` outside the pool. Read only blocks nothing writes: the
+    /// node reads blocks a store job pins (and never grants a pinned block to a write).
+    pub fn block(&self, block: BlockIndex) -> Option<&[u8]> {
+        self.mem.block(block)
+    }
+}
+
+/// The permits of peers' writes into the pool, and the only way to write it outside the
+/// owner: cheap to clone, shares one permit table per pool.
+#[derive(Debug, Clone)]
+pub struct PoolWriter {
+    mem: Arc<Memory>,
+}
+
+impl PoolWriter {
+    /// A read view of the same pool.
+    pub fn view(&self) -> PoolView {
+        PoolView {
+            mem: self.mem.clone(),
+        }
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> u64 {
+        self.mem.num_blocks
+    }
+
+    /// Permits `holder` to write `blocks` (once each), e.g. the destinations of a fetch sent
+    /// to it.
+    pub fn grant(&self, holder: &PeerId, blocks: &[BlockIndex]) {
+        if blocks.is_empty() {
+            return;
+        }
+        self.mem
+            .permits()
+            .granted
+            .entry(holder.clone())
+            .or_default()
+            .extend(blocks.iter().copied());
+    }
+
+    /// Withdraws `holder`'s unused permits for `blocks` (a claim already taken stays valid).
+    pub fn revoke(&self, holder: &PeerId, blocks: &[BlockIndex]) {
+        let mut p = self.mem.permits();
+        if let Some(set) = p.granted.get_mut(holder) {
+            for b in blocks {
+                set.remove(b);
+            }
+            if set.is_empty() {
+                p.granted.remove(holder);
+            }
+        }
+    }
+
+    /// Withdraws all of `holder`'s unused permits.
+    pub fn revoke_all(&self, holder: &PeerId) {
+        self.mem.permits().granted.remove(holder);
+    }
+
+    /// Takes `holder`'s permits for exactly `blocks` (all or nothing): each must be inside the
+    /// pool, named once, permitted to `holder` and not being written by another claim. The
+    /// permits are used up; the claim writes the blocks until it is dropped.
+    pub fn claim(&self, holder: &PeerId, blocks: &[BlockIndex]) -> Result<WriteClaim, ClaimError> {
+        if let Some(&b) = blocks.iter().find(|b| **b >= self.mem.num_blocks) {
+            return Err(ClaimError::Outside(b));
+        }
+        let mut p = self.mem.permits();
+        let Permits { granted, claimed } = &mut *p;
+        let mut seen = HashSet::with_capacity(blocks.len());
+        let ok = match granted.get_mut(holder) {
+            Some(set) => blocks
+                .iter()
+                .all(|b| set.contains(b) && !claimed.contains(b) && seen.insert(*b)),
+            None => false,
+        };
+        let Some(set) = granted.get_mut(holder).filter(|_| ok) else {
+            return Err(ClaimError::NotPermitted(blocks.to_vec()));
+        };
+        for b in blocks {
+            set.remove(b);
+            claimed.insert(*b);
+        }
+        if set.is_empty() {
+            granted.remove(holder);
+        }
+        Ok(WriteClaim {
+            mem: self.mem.clone(),
+            blocks: blocks.to_vec(),
+        })
+    }
+}
+
+/// Proof that permits for exactly [`WriteClaim::blocks`] were granted and taken by this claim
+/// alone: the one way to write those blocks outside the owner. Dropping it ends the write.
+#[derive(Debug)]
+pub struct WriteClaim {
+    mem: Arc<Memory>,
+    /// Distinct, inside the pool, and in `Permits::claimed` while the claim lives.
+    blocks: Vec<BlockIndex>,
+}
+
+impl WriteClaim {
+    /// The claimed blocks, in the order claimed.
+    pub fn blocks(&self) -> &[BlockIndex] {
+        &self.blocks
+    }
+
+    /// The bytes of the `nth` claimed block, to write.
+    pub fn block_mut(&mut self, nth: usize) -> Option<&mut [u8]> {
+        let block = *self.blocks.get(nth)?;
+        // Exclusive: the block is in `claimed` for this claim only (`claim` refuses a block
+        // another claim holds, and the owner's `block_mut` refuses claimed blocks), and the
+        // slice borrows `self` mutably, so one claim hands out one slice at a time.
+        self.mem.block_mut(block)
+    }
+}
+
+impl Drop for WriteClaim {
+    fn drop(&mut self) {
+        let mut p = self.mem.permits();
+        for b in &self.blocks {
+            p.claimed.remove(b);
+        }
+    }
+}
+
+/// The owner of the pool's memory (the block store holds it). Derefs to its [`PoolView`];
+/// hands out [`PoolWriter`]s. Dropping it unlinks the shm object's name (peers that mapped it
+/// keep their mapping until they unmap); the memory itself goes with the last view.
+#[derive(Debug)]
+pub struct Pool {
+    view: PoolView,
+}
+
+impl Pool {
+    /// Creates `/name` with room for `num_blocks × block_len` bytes, zeroed, and the trailer
+    /// (a fresh secret), and maps it, pre-faulted and, with `lock`, locked in memory.
+    pub fn shm(name: &str, num_blocks: u64, block_len: u64, lock: bool) -> Result<Self, PoolError> {
+        let bad = || PoolError::BadSize {
+            num_blocks,
+            block_len,
+        };
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
+        let bytes = trailer::object_len(num_blocks, block_len).ok_or_else(bad)?;
+        let size = i64::try_from(bytes).map_err(|_| bad())?;
+        let len = usize::try_from(bytes).map_err(|_| bad())?;
+        let secret = trailer::new_secret().map_err(PoolError::Random)?;
+        let path = format!("/{name}");
+        let create = |source| PoolError::Create {
+            name: name.to_owned(),
+            source,
+        };
+        let map_err = |source| PoolError::Map {
+            name: name.to_owned(),
+            source,
+        };
+        let fd = shm_open(
+            path.as_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(create)?;
+        // From here on the object exists: unlink it on any failure.
+        let cleanup = |e: PoolError| {
+            let _ = shm_unlink(path.as_str());
+            e
+        };
+        ftruncate(&fd, size).map_err(|e| cleanup(create(e)))?;
+        let file = File::from(fd);
+        let stat = file.metadata().map_err(|e| cleanup(map_err(e)))?;
+        // SAFETY: the object was just created exclusively (O_EXCL) with mode 0600 and sized to
+        // `len`; only this process and peers the data planes deliberately let write blocks map
+        // it. The map is only ever accessed through this file's rules (see `Memory`).
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| cleanup(map_err(e)))?;
+        let head = trailer::encode(&secret);
+        match map.get_mut(span..span + head.len()) {
+            Some(dst) => dst.copy_from_slice(&head),
+            // The object was sized to hold the trailer just above.
+            None => return Err(cleanup(bad())),
+        }
+        // Allocate every page now, not on a transfer's first touch: a fresh page costs a fault
+        // and a zeroing, which made a first 128 MiB fetch several times slower than the copy
+        // itself. This is the only mapping of the pool in the process, so the planes share
+        // these page-table entries. Best effort: kernels before 5.14 refuse the advice.
+        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+            debug!(name, error = %e, "could not pre-fault the pool; pages fault in on first use");
+        }
+        let Some(base) = NonNull::new(map.as_mut_ptr()) else {
+            return Err(cleanup(bad()));
+        };
+        if lock {
+            // SAFETY: `base`/`len` describe exactly our live mapping.
+            unsafe { mlock(base.cast(), len) }
+                .map_err(|source| cleanup(PoolError::Lock { bytes: len, source }))?;
+        }
+        let object = ShmObject {
+            name: name.to_owned(),
+            secret,
+            file_id: (stat.dev(), stat.ino()),
+        };
+        let backing = Backing::Shm { _map: map, object };
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_bytes, block_bytes),
+            span,
+            backing,
+        ))
+    }
+
+    /// A pool over memory this node does not own: `num_blocks` blocks of `block_len` bytes,
+    /// block `i` at `base + i × stride` (an engine's registered KV region; the bytes between
+    /// blocks are never touched). `keep_alive` is dropped once nothing uses the memory any
+    /// more (the owner, every view and writer; plane threads may hold views a little after
+    /// their plane is dropped), so it can own the memory itself. The shm plane cannot serve
+    /// such a pool (it has no named object); the tcp and nixl planes can.
+    ///
+    /// # Safety
+    ///
+    /// The caller guarantees that the `(num_blocks - 1) × stride + block_len` bytes at `base`
+    ///
+    /// * are valid for reads and writes from any thread until `keep_alive` is dropped (or,
+    ///   without one, for the rest of the process): not freed, unmapped or remapped;
+    /// * are not accessed through Rust references elsewhere while the pool uses them (raw
+    ///   pointer access, DMA and other processes writing blocks the node reserved for them,
+    ///   as peers do in a shm pool, are fine).
+    pub unsafe fn external(
+        base: NonNull<u8>,
+        num_blocks: u64,
+        block_len: u64,
+        stride: u64,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Result<Self, PoolError> {
+        let bad = || PoolError::BadSize {
+            num_blocks,
+            block_len,
+        };
+        if num_blocks == 0 || block_len == 0 {
+            return Err(bad());
+        }
+        if stride < block_len {
+            return Err(PoolError::BadStride { block_len, stride });
+        }
+        let span = (num_blocks - 1)
+            .checked_mul(stride)
+            .and_then(|s| s.checked_add(block_len))
+            .and_then(|s| usize::try_from(s).ok())
+            .filter(|s| isize::try_from(*s).is_ok())
+            .filter(|s| (base.as_ptr() as usize).checked_add(*s).is_some())
+            .ok_or_else(bad)?;
+        let (block_len, stride) = match (usize::try_from(block_len), usize::try_from(stride)) {
+            (Ok(b), Ok(s)) => (b, s),
+            _ => return Err(bad()),
+        };
+        let backing = Backing::External {
+            _keep_alive: keep_alive,
+        };
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_len, stride),
+            span,
+            backing,
+        ))
+    }
+
+    /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
+    /// `block_len` bytes, to write the blocks the peer names in its fetches. Only for an object
+    /// already proven to be that peer's pool of exactly that size (the shm plane checks size,
+    /// trailer and token first). Dropping it unmaps; the object is the peer's and stays.
+    pub fn map_peer(file: &File, num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
+        // SAFETY: the peer's pool, shared with it by design and proven to be its own by the
+        // caller; only its blocks are mapped, at a length the object holds (checked by the
+        // caller against the object's size). This node writes only blocks the peer named in a
+        // fetch (reserved by the peer for this write) and never reads the mapping. A peer that
+        // shrinks its own object makes our next copy fault (docs/security.md, "Open"): only a
+        // process of the node's own user can.
+        let mut map =
+            unsafe { memmap2::MmapOptions::new().len(span).map_mut(file) }.map_err(|source| {
+                PoolError::Map {
+                    name: "(a peer's pool)".into(),
+                    source,
+                }
+            })?;
+        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::BadSize {
+            num_blocks,
+            block_len,
+        })?;
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_bytes, block_bytes),
+            span,
+            Backing::Peer { map },
+        ))
+    }
+
+    /// Fills the page-table entries of a mapped pool for writing (`MADV_POPULATE_WRITE`), so
+    /// no copy pays page faults; without touching the bytes, so it is safe while others write
+    /// them. External memory is the embedder's: nothing is done.
+    pub fn populate_write(&self) -> std::io::Result<()> {
+        match &self.view.mem.backing {
+            Backing::Shm { _map: map, .. } | Backing::Peer { map } => {
+                map.advise(memmap2::Advice::PopulateWrite)
+            }
+            Backing::External { .. } => Ok(()),
+        }
+    }
+
+    /// A pool of `num_blocks` blocks at `base`, `(block_len, stride)` bytes, `span` bytes in
+    /// all (`(num_blocks - 1) × stride + block_len`, at most `isize::MAX`).
+    fn from_parts(
+        base: NonNull<u8>,
+        num_blocks: u64,
+        (block_len, stride): (usize, usize),
+        span: usize,
+        backing: Backing,
+    ) -> Self {
+        let mem = Memory {
+            base,
+            num_blocks,
+            block_len,
+            stride,
+            span,
+            backing,
+            permits: Mutex::default(),
+        };
+        Pool {
+            view: PoolView { mem: Arc::new(mem) },
+        }
+    }
+
+    /// A read view (clone it to keep one).
+    pub fn view(&self) -> &PoolView {
+        &self.view
+    }
+
+    /// A writer of peers' permitted writes into this pool (all writers share one permit table).
+    pub fn writer(&self) -> PoolWriter {
+        PoolWriter {
+            mem: self.view.mem.clone(),
+        }
+    }
+
+    /// The bytes of one block, for the owner to write: refused while a peer holds a permit for
+    /// the block or is writing it.
+    pub fn block_mut(&mut self, block: BlockIndex) -> Result<&mut [u8], BlockBusy> {
+        let mem = &self.view.mem;
+        if mem.offset(block).is_none() {
+            return Err(BlockBusy::Outside);
+        }
+        let p = mem.permits();
+        if p.claimed.contains(&block) || p.granted.values().any(|s| s.contains(&block)) {
+            return Err(BlockBusy::PeerWrite);
+        }
+        drop(p);
+        // Exclusive in this process: the owner is borrowed mutably for the slice's life, no
+        // claim holds the block and no permit for it is outstanding (a claim needs one; the
+        // node grants permits only for blocks of its own fetches, from the thread that holds
+        // the store, so none can be granted while the store is borrowed here).
+        mem.block_mut(block).ok_or(BlockBusy::Outside)
+    }
+}
+
+/// Bytes of `num_blocks` blocks of `block_len` laid end to end (at most `isize::MAX`, as a
+/// slice needs), and of one block; `BadSize` when there are none or they do not fit.
+fn contiguous(num_blocks: u64, block_len: u64) -> Result<(usize, usize), PoolError> {
+    let bad = || PoolError::BadSize {
+        num_blocks,
+        block_len,
+    };
+    let span = num_blocks
+        .checked_mul(block_len)
+        .filter(|b| *b > 0)
+        .and_then(|b| usize::try_from(b).ok())
+        .filter(|b| isize::try_from(*b).is_ok())
+        .ok_or_else(bad)?;
+    let block = usize::try_from(block_len).map_err(|_| bad())?;
+    Ok((span, block))
+}
+
+impl Deref for Pool {
+    type Target = PoolView;
+
+    fn deref(&self) -> &PoolView {
+        &self.view
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Some(name) = self.view.shm_name() {
+            let _ = shm_unlink(format!("/{name}").as_str());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique(tag: &str) -> String {
+        format!("kvpeer-test-{tag}-{}", std::process::id())
+    }
+
+    #[test]
+    fn blocks_are_separate_and_the_object_is_unlinked_on_drop() {
+        let name = unique("region");
+        let mut r = Pool::shm(&name, 4, 4096, false).unwrap();
+        assert_eq!(r.base_addr() % 4096, 0, "page-aligned");
+        r.block_mut(2).unwrap().fill(7);
+        assert!(r.block(1).unwrap().iter().all(|b| *b == 0));
+        assert!(r.block(2).unwrap().iter().all(|b| *b == 7));
+        assert!(r.block(4).is_none());
+        assert_eq!(r.block_mut(4), Err(BlockBusy::Outside));
+        // The trailer follows the blocks: magic and the secret, then zeros.
+        let len = std::fs::metadata(format!("/dev/shm/{name}")).unwrap().len();
+        assert_eq!(len, 4 * 4096 + trailer::TRAILER_LEN);
+        let raw = std::fs::read(format!("/dev/shm/{name}")).unwrap();
+        let secret = *r.shm().unwrap().secret();
+        assert_eq!(trailer::parse_trailer(&raw[4 * 4096..]), Ok(secret));
+        assert!(raw[4 * 4096 + 40..].iter().all(|b| *b == 0));
+        assert_ne!(secret, [0; 32]);
+        assert!(std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+        // A view outlives the owner: the name goes with the owner, the bytes with the view.
+        let view = r.view().clone();
+        drop(r);
+        assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+        assert!(view.block(2).unwrap().iter().all(|b| *b == 7));
+    }
+
+    #[test]
+    fn a_name_in_use_or_a_zero_size_is_refused() {
+        let name = unique("dup");
+        let _r = Pool::shm(&name, 1, 4096, false).unwrap();
+        assert!(matches!(
+            Pool::shm(&name, 1, 4096, false),
+            Err(PoolError::Create { .. })
+        ));
+        assert!(matches!(
+            Pool::shm(&unique("zero"), 0, 4096, false),
+            Err(PoolError::BadSize { .. })
+        ));
+        assert!(matches!(
+            Pool::shm(&unique("big"), u64::MAX, 2, false),
+            Err(PoolError::BadSize { .. })
+        ));
+    }
+
+    /// An external region of 3 blocks of 8 bytes, 12 bytes apart, in a buffer the pool owns
+    /// (as keep-alive); gaps hold 0xEE.
+    fn external() -> (Pool, NonNull<u8>) {
+        let mut buf = vec![0xEEu8; 2 * 12 + 8];
+        let base = NonNull::new(buf.as_mut_ptr()).unwrap();
+        // SAFETY: the buffer is owned by the pool's keep-alive and touched only through it.
+        let pool = unsafe { Pool::external(base, 3, 8, 12, Some(Box::new(buf))) }.unwrap();
+        (pool, base)
+    }
+
+    #[test]
+    fn external_memory_puts_block_i_at_base_plus_i_strides_and_leaves_the_gaps() {
+        let (mut pool, base) = external();
+        assert_eq!(pool.base_addr(), base.as_ptr() as u64);
+        assert_eq!(
+            (pool.num_blocks(), pool.block_len(), pool.stride()),
+            (3, 8, 12)
+        );
+        assert_eq!(pool.span_len(), 32);
+        assert!(pool.shm().is_none());
+        for i in 0..3 {
+            pool.block_mut(i).unwrap().fill(i as u8 + 1);
+        }
+        // SAFETY: the pool owns the buffer (keep-alive) and nothing writes it now.
+        let raw = unsafe { std::slice::from_raw_parts(base.as_ptr(), 32) }.to_vec();
+        let mut want = vec![0xEEu8; 32];
+        for i in 0..3 {
+            want[i * 12..i * 12 + 8].fill(i as u8 + 1);
+        }
+        assert_eq!(raw, want);
+        assert_eq!(pool.block(2).unwrap(), &[3; 8]);
+    }
+
+    #[test]
+    fn external_memory_with_overlapping_or_impossible_blocks_is_refused() {
+        let base = NonNull::<u8>::dangling();
+        // SAFETY: each call is refused before the memory is ever touched.
+        unsafe {
+            assert!(matches!(
+                Pool::external(base, 2, 16, 8, None),
+                Err(PoolError::BadStride { .. })
+            ));
+            assert!(matches!(
+                Pool::external(base, 0, 16, 16, None),
+                Err(PoolError::BadSize { .. })
+            ));
+            assert!(matches!(
+                Pool::external(base, u64::MAX, 16, u64::MAX, None),
+                Err(PoolError::BadSize { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn claims_take_granted_permits_once_and_exclude_each_other_and_the_owner() {
+        let (mut pool, _) = external();
+        let w = pool.writer();
+        let (a, b) = (PeerId::new("a"), PeerId::new("b"));
+        assert!(matches!(
+            w.claim(&a, &[0]),
+            Err(ClaimError::NotPermitted(_))
+        ));
+        w.grant(&a, &[0, 1]);
+        w.grant(&b, &[1]);
+        assert_eq!(pool.block_mut(0), Err(BlockBusy::PeerWrite), "granted");
+        assert_eq!(w.claim(&a, &[3]).unwrap_err(), ClaimError::Outside(3));
+        assert!(w.claim(&a, &[0, 0]).is_err(), "a block named twice");
+        let mut claim = w.claim(&a, &[1, 0]).unwrap();
+        assert_eq!(claim.blocks(), &[1, 0]);
+        assert!(w.claim(&b, &[1]).is_err(), "another claim holds block 1");
+        claim.block_mut(0).unwrap().fill(9);
+        assert!(claim.block_mut(2).is_none());
+        drop(claim);
+        assert_eq!(pool.block(1).unwrap(), &[9; 8]);
+        assert!(w.claim(&a, &[0]).is_err(), "a permit is used once");
+        assert!(pool.block_mut(0).is_ok(), "neither granted nor claimed");
+        assert_eq!(pool.block_mut(1), Err(BlockBusy::PeerWrite), "b's permit");
+        w.revoke(&b, &[1]);
+        assert!(pool.block_mut(1).is_ok());
+        w.grant(&b, &[2]);
+        w.revoke_all(&b);
+        assert!(w.claim(&b, &[2]).is_err());
+        assert!(pool.block_mut(2).is_ok());
+    }
+}
