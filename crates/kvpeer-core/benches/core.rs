@@ -138,7 +138,11 @@ struct BenchPlane {
 }
 
 impl DataPlane for BenchPlane {
-    fn add_remote_peer(&mut self, _: &PeerId, _: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(
+        &mut self,
+        _: &PeerId,
+        _: &RemoteMemory,
+    ) -> Result<(), kvpeer_core::PlaneError> {
         Ok(())
     }
     fn registration(&mut self, _: &PeerId) -> Registration {

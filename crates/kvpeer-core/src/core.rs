@@ -17,11 +17,12 @@ use kvpeer_proto::{
 use tracing::{debug, info, warn};
 
 use crate::config::{CoreConfig, LocalNode};
+use crate::error::{CloseReason, FaultRecord, ProtocolViolation, Refusal, SessionEnd};
 use crate::output::{Event, Outbox, Transmit};
 use crate::session::client::Load;
 use crate::session::{Cx, Session};
 use crate::timer::{earliest, Lane};
-use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent};
+use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, TransferId};
 
 /// Where a consumer request gets its blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -353,7 +354,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Whether a session with `peer` exists, and whether the peer has acked our `connect`.
     pub fn session_state(&self, peer: &PeerId) -> Option<SessionState> {
         self.sessions.get(peer).map(|s| SessionState {
-            ready: s.link.ready,
+            ready: s.link.is_ready(),
             pending_work: s.has_pending_work(),
         })
     }
@@ -366,13 +367,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     pub fn handle_inbound(&mut self, now: Instant, peer: PeerId) -> bool {
         self.advance(now);
         let refusal = if self.sessions.contains_key(&peer) {
-            Some(format!("duplicate connection from {peer}"))
+            Some(Refusal::Duplicate(peer.clone()))
         } else if self.sessions.len() >= self.config.max_peers {
-            Some(format!(
-                "session limit reached ({}/{})",
-                self.sessions.len(),
-                self.config.max_peers
-            ))
+            Some(Refusal::SessionLimit {
+                open: self.sessions.len(),
+                max: self.config.max_peers,
+            })
         } else {
             let wait = self.reconnect_wait(&peer);
             let dial_wait = self.dial_backoff.get(&peer).map_or(Duration::ZERO, |b| {
@@ -381,16 +381,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             if dial_wait > Duration::ZERO {
                 // Its address kept failing: any answer (even a `disconnect`) would dial it
                 // again, so it gets none.
-                Some(format!(
-                    "backoff after failed dials to it ({} ms left)",
-                    dial_wait.as_millis()
-                ))
+                Some(Refusal::DialBackoff { left: dial_wait })
             } else if wait > Duration::ZERO {
                 self.out.transmit(&peer, Message::Disconnect);
-                Some(format!(
-                    "reconnect backoff after a data-plane fault ({:.1}s left)",
-                    wait.as_secs_f64()
-                ))
+                Some(Refusal::ReconnectBackoff { left: wait })
             } else {
                 None
             }
@@ -425,12 +419,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 crate::warn_throttled!(self.out.throttle, self.now, "refusing a bad first payload from a peer without a session", %peer, error = %e);
                 self.out.event(Event::Refused {
                     peer: peer.clone(),
-                    reason: format!("no session, and the first payload is no connect: {e}"),
+                    reason: Refusal::BadFirstPayload(e),
                 });
             }
             Err(DecodeError::Protocol(e)) => {
                 self.with_session(peer, |s, cx, _| {
-                    s.on_invalid_message(cx, format!("malformed message: {e}"))
+                    s.on_invalid_message(cx, ProtocolViolation::Malformed(e))
                 });
                 self.settle();
             }
@@ -474,22 +468,24 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         debug!(%peer, message = %message.message_type(), "dropping a message from a peer without a session");
         self.out.event(Event::Refused {
             peer: peer.clone(),
-            reason: format!(
-                "no session, and {} does not open one",
-                message.message_type()
-            ),
+            reason: Refusal::NotAConnect(message.message_type()),
         });
         false
     }
 
     /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).
     pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId) {
-        self.handle_connection_refused(now, peer, "control connection lost");
+        self.close_session(now, peer, CloseReason::ConnectionLost);
     }
 
     /// The node will not talk to `peer` (e.g. it is outside the allowlist): its session ends
     /// with `reason`, and its requests fall back at once.
     pub fn handle_connection_refused(&mut self, now: Instant, peer: &PeerId, reason: &str) {
+        self.close_session(now, peer, CloseReason::Refused(reason.into()));
+    }
+
+    /// Ends `peer`'s session (if any) for `reason`, without a message.
+    fn close_session(&mut self, now: Instant, peer: &PeerId, reason: CloseReason) {
         self.advance(now);
         if let Some(session) = self.sessions.get_mut(peer) {
             session.mark_dead(reason);
@@ -682,7 +678,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// (after data-plane progress) until then or until the caller's drain bound passes.
     pub fn shutdown_drain(&mut self, now: Instant) -> bool {
         self.advance(now);
-        let ids: Vec<u64> = self
+        let ids: Vec<TransferId> = self
             .sessions
             .values()
             .flat_map(Session::inflight_ids)
@@ -824,32 +820,32 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.failed.extend(closed.client.failed_ids);
         self.drain_load_ends();
         self.plane.remove_remote_peer(peer);
-        let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
+        let mut end = SessionEnd {
+            reason: session.death().cloned().unwrap_or(CloseReason::Closed),
+            dial_backoff: None,
+            fault: None,
+        };
         // A session that ends before the peer acked our `connect` is a failed dial, whoever
         // opened it (an inbound `connect` makes us dial back): the peer is neither dialed nor
         // answered again until its backoff passes.
         if session.was_acked() {
             self.dial_backoff.remove(peer);
-        } else if session.death.as_deref() != Some("closed locally") {
-            let wait = self.schedule_dial_backoff(peer);
-            reason = format!("{reason}; not dialed again for {} ms", wait.as_millis());
+        } else if end.reason != CloseReason::Closed {
+            end.dial_backoff = Some(self.schedule_dial_backoff(peer));
         }
         if session.data_plane_fault().is_some() {
             let count = self.faults.entry(peer.clone()).or_default();
             *count += 1;
-            reason = format!("{reason}; data-plane fault #{count}");
-            let wait = self.schedule_backoff(peer);
-            if wait > Duration::ZERO {
-                reason = format!("{reason}; reconnect backoff {}s", wait.as_secs());
-            }
+            let count = *count;
+            end.fault = Some(FaultRecord {
+                count,
+                reconnect_backoff: self.schedule_backoff(peer),
+            });
         }
         // An orderly end (either side said `disconnect`, or we closed it) is routine; anything
         // else (timeouts, lost connections, faults, protocol errors) is worth a warning.
-        let orderly = matches!(
-            session.death.as_deref(),
-            Some("closed locally" | "peer disconnected")
-        ) && session.data_plane_fault().is_none();
-        if orderly {
+        let reason = &end;
+        if end.is_orderly() {
             info!(%peer, %reason, "session closed");
         } else {
             crate::warn_throttled!(self.out.throttle, self.now, "peer down",
@@ -861,7 +857,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         self.out.event(Event::Close {
             peer: peer.clone(),
-            reason,
+            end,
         });
     }
 
@@ -968,7 +964,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         for peer in idle {
             info!(%peer, "evicting an idle peer");
             if let Some(s) = self.sessions.get_mut(&peer) {
-                s.disconnect(&mut self.out, self.now, "idle");
+                s.disconnect(&mut self.out, self.now, CloseReason::Idle);
             }
             self.end_session(&peer);
         }

@@ -9,6 +9,8 @@ use std::fmt;
 
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
+use crate::error::PlaneError;
+
 /// Id of a store job: a set of local blocks pinned for a peer until the job completes.
 pub type JobId = u64;
 
@@ -104,8 +106,8 @@ pub enum Registration {
     Pending,
     /// The peer's memory is registered: writes to it may start.
     Done,
-    /// Registration failed; the reason.
-    Failed(String),
+    /// Registration failed.
+    Failed(PlaneError),
 }
 
 /// What the data plane reports for one peer's transfers.
@@ -115,8 +117,8 @@ pub struct PlanePoll {
     pub done: Vec<TransferId>,
     /// Transfers that failed (nothing more of them will land).
     pub failed: Vec<TransferId>,
-    /// The peer itself is unusable on the data plane (e.g. gone); the reason.
-    pub peer_fault: Option<String>,
+    /// The peer itself is unusable on the data plane (e.g. gone).
+    pub peer_fault: Option<PlaneError>,
 }
 
 /// How [`DataPlane::cancel`] treats transfers still running.
@@ -133,7 +135,7 @@ pub enum CancelMode {
 pub trait DataPlane {
     /// Starts registering a peer's memory. Completion is read with
     /// [`DataPlane::registration`]; `connect_ack` waits for it.
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String>;
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError>;
     /// The state of the peer's registration.
     fn registration(&mut self, peer: &PeerId) -> Registration;
     /// Forgets a peer: its registration (pending or done) and every write permit it held.

@@ -107,8 +107,10 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
     let peer = m.peer.clone();
-    m.plane()
-        .finish_registration(&peer, Registration::Failed("no route".into()));
+    m.plane().finish_registration(
+        &peer,
+        Registration::Failed(kvpeer_core::PlaneError::transport("no route")),
+    );
     m.data_plane();
     let sent = m.take_sent();
     assert_eq!(sent.last(), Some(&Message::Disconnect));

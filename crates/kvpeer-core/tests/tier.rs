@@ -508,7 +508,7 @@ fn after_a_lookup_expiry_the_peers_reconnect_and_serve_again() {
     assert!(job.is_none());
     c.run_for(S(31));
     assert!(c.events_of(0).iter().any(
-        |e| matches!(e, Event::Close { reason, .. } if reason == "lookup response timed out")
+        |e| matches!(e, Event::Close { end, .. } if end.to_string() == "lookup response timed out")
     ));
     c.finish(0, "a");
     let (job, hits) = c.symmetric_fetch(0, 1, "b", &[key(1)]);

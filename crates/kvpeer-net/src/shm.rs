@@ -33,7 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+    BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
+    TransferId,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
@@ -308,7 +309,7 @@ impl ShmPlane {
 }
 
 impl DataPlane for ShmPlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         self.remove_remote_peer(peer);
         let map = match self.map_peer(memory) {
             Ok(map) => map,
@@ -317,7 +318,7 @@ impl DataPlane for ShmPlane {
                     warn!(%peer, error = %e, suppressed, "shm registration failed");
                 }
                 self.registrations
-                    .insert(peer.clone(), Registration::Failed(e));
+                    .insert(peer.clone(), Registration::Failed(PlaneError::rejected(e)));
                 return Ok(());
             }
         };
@@ -343,7 +344,9 @@ impl DataPlane for ShmPlane {
                 warn!(%peer, error = %e, "cannot start a pre-fault thread");
                 self.registrations.insert(
                     peer.clone(),
-                    Registration::Failed(format!("cannot start a pre-fault thread: {e}")),
+                    Registration::Failed(PlaneError::resources(format!(
+                        "cannot start a pre-fault thread: {e}"
+                    ))),
                 );
             }
         }
@@ -363,7 +366,7 @@ impl DataPlane for ShmPlane {
         self.registrations
             .get(peer)
             .cloned()
-            .unwrap_or_else(|| Registration::Failed("not registered".into()))
+            .unwrap_or_else(|| Registration::Failed(PlaneError::not_registered()))
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {

@@ -104,7 +104,9 @@ fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
 /// to it does not start.
 fn assert_refused(p: &mut ShmPlane, peer: &PeerId, why: &str) {
     match settle(p, peer) {
-        Registration::Failed(reason) => assert!(reason.contains(why), "{reason:?}, not {why:?}"),
+        Registration::Failed(reason) => {
+            assert!(reason.message().contains(why), "{reason:?}, not {why:?}")
+        }
         other => panic!("registered: {other:?} (expected refusal: {why})"),
     }
     assert!(
@@ -176,7 +178,7 @@ fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     assert!(
-        matches!(p.registration(&peer), Registration::Failed(ref e) if e.contains("claims")),
+        matches!(p.registration(&peer), Registration::Failed(ref e) if e.message().contains("claims")),
         "{:?}",
         p.registration(&peer)
     );
@@ -221,7 +223,7 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
             .unwrap();
         match settle(&mut p, &peer) {
             Registration::Failed(reason) => {
-                assert!(reason.contains("own pool"), "{what}: {reason:?}");
+                assert!(reason.message().contains("own pool"), "{what}: {reason:?}");
             }
             other => panic!("{what}: registered ({other:?})"),
         }

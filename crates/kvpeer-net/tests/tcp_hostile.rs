@@ -425,7 +425,9 @@ fn a_peer_without_a_tcp_key_fails_registration_without_a_dial() {
     tx.add_remote_peer(&peer, &memory).unwrap();
     assert_eq!(
         tx.registration(&peer),
-        Registration::Failed("peer advertises tcp without tcp_key".into())
+        Registration::Failed(kvpeer_core::PlaneError::rejected(
+            "peer advertises tcp without tcp_key"
+        ))
     );
     std::thread::sleep(Duration::from_millis(200));
     assert!(listener.accept().is_err(), "no connection was made");

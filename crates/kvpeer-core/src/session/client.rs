@@ -46,11 +46,11 @@ struct Request {
     /// Already on the flush work-list.
     in_flush_list: bool,
     /// The current round; each fetch closes it and moves to the next.
-    round: u64,
+    round: RoundSeq,
     /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
     peer_lookup_open: bool,
     /// Fetch rounds in flight, by round.
-    loads: Vec<(u64, InFlight)>,
+    loads: Vec<(RoundSeq, InFlight)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
     /// The engine finished the request; only aborting loads keep it.
@@ -62,14 +62,14 @@ impl Request {
         self.loads.is_empty() && self.probes.is_empty() && self.unsent.is_empty()
     }
 
-    fn load_mut(&mut self, round: u64) -> Option<&mut InFlight> {
+    fn load_mut(&mut self, round: RoundSeq) -> Option<&mut InFlight> {
         self.loads
             .iter_mut()
             .find(|(r, _)| *r == round)
             .map(|(_, l)| l)
     }
 
-    fn take_load(&mut self, round: u64) -> Option<InFlight> {
+    fn take_load(&mut self, round: RoundSeq) -> Option<InFlight> {
         let at = self.loads.iter().position(|(r, _)| *r == round)?;
         Some(self.loads.swap_remove(at).1)
     }
@@ -93,8 +93,8 @@ pub(crate) struct ClientRole {
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
     active_loads: usize,
-    load_lane: Lane<(KvRequestId, u64)>,
-    abort_lane: Lane<(KvRequestId, u64)>,
+    load_lane: Lane<(KvRequestId, RoundSeq)>,
+    abort_lane: Lane<(KvRequestId, RoundSeq)>,
     lookup_lane: Lane<KvRequestId>,
 }
 
@@ -164,7 +164,7 @@ impl ClientRole {
     /// Sends one `lookup` per request with new probes. Nothing before the peer's ack: the
     /// lookup deadline must not run while the peer cannot answer.
     pub(crate) fn flush(&mut self, link: &mut Link, out: &mut Outbox, now: Instant) {
-        if !link.ready {
+        if !link.is_ready() {
             return;
         }
         for id in std::mem::take(&mut self.flush_list) {
@@ -180,7 +180,7 @@ impl ClientRole {
                 req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
             }
             let keys = std::mem::take(&mut req.unsent);
-            let round = RoundSeq(req.round);
+            let round = req.round;
             debug!(peer = %link.peer, kv_request_id = %id, keys = keys.len(), "send lookup");
             link.send(
                 out,
@@ -235,7 +235,7 @@ impl ClientRole {
         let Load { job, keys, blocks } = load;
         let req = self.request(id);
         let round = req.round;
-        req.round += 1;
+        req.round = round.next();
         req.loads.push((
             round,
             InFlight {
@@ -254,7 +254,7 @@ impl ClientRole {
         req.lookup_deadline = None;
         self.active_loads += 1;
         self.load_lane.arm(now, (id.clone(), round));
-        debug!(peer = %link.peer, kv_request_id = %id, round, blocks = keys.len(), "send fetch");
+        debug!(peer = %link.peer, kv_request_id = %id, round = %round, blocks = keys.len(), "send fetch");
         link.send(
             out,
             now,
@@ -262,7 +262,7 @@ impl ClientRole {
                 kv_request_id: id.clone(),
                 keys,
                 block_indexes: blocks,
-                round_seq: RoundSeq(round),
+                round_seq: round,
             }),
         );
     }
@@ -290,7 +290,7 @@ impl ClientRole {
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id.clone(),
-                    round_seq: RoundSeq(*round),
+                    round_seq: *round,
                 }),
             );
         }
@@ -303,7 +303,7 @@ impl ClientRole {
                     kv_request_id: id.clone(),
                     keys: Vec::new(),
                     block_indexes: Vec::new(),
-                    round_seq: RoundSeq(req.round),
+                    round_seq: req.round,
                 }),
             );
         }
@@ -315,7 +315,13 @@ impl ClientRole {
         self.prune(id);
     }
 
-    fn complete(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64, success: bool) -> bool {
+    fn complete(
+        &mut self,
+        out: &mut Outbox,
+        id: &KvRequestId,
+        round: RoundSeq,
+        success: bool,
+    ) -> bool {
         let Some(req) = self.requests.get_mut(id) else {
             return false;
         };
@@ -335,24 +341,24 @@ impl ClientRole {
         out: &mut Outbox,
         id: &KvRequestId,
         success: bool,
-        round: u64,
+        round: RoundSeq,
     ) {
         if !self.complete(out, id, round, success) {
             if let Some(suppressed) = out
                 .throttle
                 .admit_ticked("transfer_done for no load in flight")
             {
-                warn!(kv_request_id = %id, round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
+                warn!(kv_request_id = %id, round = %round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
             }
         }
     }
 
-    pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64) {
+    pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: RoundSeq) {
         if self.complete(out, id, round, false) {
             out.counters.abort_acks += 1;
         } else {
             if let Some(suppressed) = out.throttle.admit_ticked("abort_ack for no load in flight") {
-                warn!(kv_request_id = %id, round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
+                warn!(kv_request_id = %id, round = %round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
             }
         }
     }
@@ -374,7 +380,7 @@ impl ClientRole {
             if load.aborted_at.is_some() || load.submitted_at + self.load_lane.delay() != deadline {
                 continue;
             }
-            warn!(peer = %link.peer, kv_request_id = %id, round, "load timed out; sending abort_fetch");
+            warn!(peer = %link.peer, kv_request_id = %id, round = %round, "load timed out; sending abort_fetch");
             load.aborted_at = Some(now);
             self.abort_lane.arm(now, (id.clone(), round));
             link.send(
@@ -382,7 +388,7 @@ impl ClientRole {
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id,
-                    round_seq: RoundSeq(round),
+                    round_seq: round,
                 }),
             );
         }
@@ -394,7 +400,7 @@ impl ClientRole {
                 .and_then(|r| r.load_mut(round))
                 .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
             if fired {
-                warn!(peer = %link.peer, kv_request_id = %id, round, "abort_ack timed out; failing the load");
+                warn!(peer = %link.peer, kv_request_id = %id, round = %round, "abort_ack timed out; failing the load");
                 self.complete(out, &id, round, false);
             }
         }

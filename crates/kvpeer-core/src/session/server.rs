@@ -27,6 +27,7 @@ use tracing::{debug, warn};
 
 use super::Cx;
 use crate::config::CoreConfig;
+use crate::error::{InternalError, PlaneError, ProtocolViolation};
 use crate::output::{Event, Link};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, CancelMode, JobId, LookupResult, ServeCtx, TransferId};
@@ -45,7 +46,7 @@ struct Pin {
 struct Orphan {
     pin: Pin,
     id: KvRequestId,
-    round: u64,
+    round: RoundSeq,
     serial: u64,
 }
 
@@ -124,7 +125,7 @@ impl Matched {
 #[derive(Debug)]
 struct ActiveLookup {
     ctx: ServeCtx,
-    round: u64,
+    round: RoundSeq,
     keys: Vec<OffloadKey>,
     /// Every key seen: `Some(hit)` once answered, `None` while pending (this also removes
     /// duplicates of the lookup's keys in O(1)).
@@ -137,7 +138,7 @@ struct ActiveLookup {
 #[derive(Debug, Default)]
 struct Request {
     /// Open rounds by number: a request has one or two, so a list beats a map.
-    rounds: Vec<(u64, Round)>,
+    rounds: Vec<(RoundSeq, Round)>,
     lookups: BTreeMap<u64, ActiveLookup>,
     /// Its transfers in flight (one or two, nearly always).
     inflight: SmallVec<[TransferId; 2]>,
@@ -146,23 +147,23 @@ struct Request {
 }
 
 impl Request {
-    fn round(&self, key: u64) -> Option<&Round> {
+    fn round(&self, key: RoundSeq) -> Option<&Round> {
         self.rounds.iter().find(|(k, _)| *k == key).map(|(_, r)| r)
     }
 
-    fn round_mut(&mut self, key: u64) -> Option<&mut Round> {
+    fn round_mut(&mut self, key: RoundSeq) -> Option<&mut Round> {
         self.rounds
             .iter_mut()
             .find(|(k, _)| *k == key)
             .map(|(_, r)| r)
     }
 
-    fn remove_round(&mut self, key: u64) -> Option<Round> {
+    fn remove_round(&mut self, key: RoundSeq) -> Option<Round> {
         let at = self.rounds.iter().position(|(k, _)| *k == key)?;
         Some(self.rounds.swap_remove(at).1)
     }
 
-    fn round_keys(&self) -> Vec<u64> {
+    fn round_keys(&self) -> Vec<RoundSeq> {
         self.rounds.iter().map(|(k, _)| *k).collect()
     }
 
@@ -177,7 +178,7 @@ impl Request {
 #[derive(Debug)]
 struct Inflight {
     id: KvRequestId,
-    round: u64,
+    round: RoundSeq,
     serial: u64,
     blocks: usize,
     jobs: SmallVec<[JobId; 2]>,
@@ -189,7 +190,7 @@ pub(crate) struct Supply<'a> {
     pub(crate) job: JobId,
     pub(crate) keys: &'a [OffloadKey],
     pub(crate) blocks: &'a [BlockIndex],
-    pub(crate) round: u64,
+    pub(crate) round: RoundSeq,
     /// Pinned by a lookup (symmetric) rather than stored by the engine (PD).
     pub(crate) from_lookup: bool,
 }
@@ -213,27 +214,27 @@ pub(crate) struct ServerRole {
     orphans: Map<JobId, Orphan>,
     /// Pins not completed yet, in rounds and orphaned.
     open_pins: usize,
-    store_lane: Lane<(KvRequestId, u64, u64, JobId)>,
+    store_lane: Lane<(KvRequestId, RoundSeq, u64, JobId)>,
     /// Rounds whose demand waits for supply (a PD fetch before its store): failed when no
     /// supply came within the store timeout, so a peer's fetches cannot park state forever.
-    demand_lane: Lane<(KvRequestId, u64, u64)>,
+    demand_lane: Lane<(KvRequestId, RoundSeq, u64)>,
     /// Rounds dropped because every pin expired before any fetch: a late fetch for one fails
     /// in one round trip. Remembered for one more store timeout.
-    expired: Map<(KvRequestId, u64), Instant>,
-    expired_lane: Lane<(KvRequestId, u64)>,
+    expired: Map<(KvRequestId, RoundSeq), Instant>,
+    expired_lane: Lane<(KvRequestId, RoundSeq)>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
     next_serial: u64,
     /// Aborts draining: (request, round) → when the abort arrived.
-    aborts: Map<(KvRequestId, u64), Instant>,
-    slow_aborts: Set<(KvRequestId, u64)>,
-    abort_warn_lane: Lane<(KvRequestId, u64)>,
+    aborts: Map<(KvRequestId, RoundSeq), Instant>,
+    slow_aborts: Set<(KvRequestId, RoundSeq)>,
+    abort_warn_lane: Lane<(KvRequestId, RoundSeq)>,
     /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
-    retry_lane: Lane<(KvRequestId, u64, u64)>,
+    retry_lane: Lane<(KvRequestId, RoundSeq, u64)>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
     /// The data plane reported this peer unusable; no new writes.
-    pub(crate) peer_fault: Option<String>,
+    pub(crate) peer_fault: Option<PlaneError>,
 }
 
 fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
@@ -289,14 +290,14 @@ impl ServerRole {
         }
     }
 
-    fn round_mut(&mut self, id: &KvRequestId, round: u64, serial: u64) -> Option<&mut Round> {
+    fn round_mut(&mut self, id: &KvRequestId, round: RoundSeq, serial: u64) -> Option<&mut Round> {
         self.requests
             .get_mut(id)?
             .round_mut(round)
             .filter(|r| r.serial == serial)
     }
 
-    fn round_or_new(&mut self, id: &KvRequestId, round: u64) -> &mut Round {
+    fn round_or_new(&mut self, id: &KvRequestId, round: RoundSeq) -> &mut Round {
         let req = self.requests.entry(id.clone()).or_default();
         let at = match req.rounds.iter().position(|(k, _)| *k == round) {
             Some(at) => at,
@@ -385,13 +386,14 @@ impl ServerRole {
         id: &KvRequestId,
         keys: &[OffloadKey],
         indexes: &[BlockIndex],
-        round: u64,
-    ) -> Result<(), String> {
+        round: RoundSeq,
+    ) -> Result<(), ProtocolViolation> {
         let existing = self.requests.get(id).and_then(|r| r.round(round));
         if existing.is_some_and(|r| r.demand_received) {
-            return Err(format!(
-                "duplicate fetch for kv_request_id={id} round={round}"
-            ));
+            return Err(ProtocolViolation::DuplicateFetch {
+                id: id.clone(),
+                round,
+            });
         }
         let expired = existing.is_none() && self.expired.remove(&(id.clone(), round)).is_some();
         let rnd = self.round_or_new(id, round);
@@ -416,7 +418,7 @@ impl ServerRole {
         if keys.is_empty() {
             // Terminal fetch: the request is over on the peer's side. No transfer_done.
             self.finish_lookups(cx, id);
-            let rounds: Vec<u64> = self
+            let rounds: Vec<RoundSeq> = self
                 .requests
                 .get(id)
                 .map(|r| r.round_keys())
@@ -438,7 +440,7 @@ impl ServerRole {
         if symmetric_miss {
             // A symmetric round's supply always comes before its fetch: unmatched demand can
             // never be served, so fail now rather than at the peer's load timeout.
-            crate::warn_throttled!(cx.out.throttle, cx.now, "fetch wants blocks no lookup pinned; failing the round", peer = %self.peer, kv_request_id = %id, round);
+            crate::warn_throttled!(cx.out.throttle, cx.now, "fetch wants blocks no lookup pinned; failing the round", peer = %self.peer, kv_request_id = %id, round = %round);
             self.finalize(link, cx, id, round, Some(false), true);
         } else if !matched.local.is_empty() {
             self.submit_transfer(link, cx, id, round, serial, matched);
@@ -453,7 +455,7 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        round: u64,
+        round: RoundSeq,
         serial: u64,
         matched: Matched,
     ) {
@@ -464,7 +466,7 @@ impl ServerRole {
             Some(_) => None,
         };
         let Some(tid) = tid else {
-            warn!(peer = %self.peer, kv_request_id = %id, round, blocks = matched.local.len(), "write_blocks failed");
+            warn!(peer = %self.peer, kv_request_id = %id, round = %round, blocks = matched.local.len(), "write_blocks failed");
             let Some(rnd) = self.round_mut(id, round, serial) else {
                 return;
             };
@@ -541,7 +543,13 @@ impl ServerRole {
     }
 
     /// Fails a round's pins that no inflight transfer reads (those keep their pins).
-    fn fail_unread_jobs(&mut self, cx: &mut Cx<'_>, id: &KvRequestId, round: u64, serial: u64) {
+    fn fail_unread_jobs(
+        &mut self,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: RoundSeq,
+        serial: u64,
+    ) {
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return;
         };
@@ -565,7 +573,7 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        round: u64,
+        round: RoundSeq,
         success: Option<bool>,
         send_done: bool,
     ) {
@@ -598,7 +606,7 @@ impl ServerRole {
                 self.orphans.insert(pin.job, orphan);
             }
         }
-        debug!(peer = %self.peer, kv_request_id = %id, round, success, send_done, "round finalized");
+        debug!(peer = %self.peer, kv_request_id = %id, round = %round, success, send_done, "round finalized");
         if send_done && rnd.demand_received {
             link.send(
                 cx.out,
@@ -606,7 +614,7 @@ impl ServerRole {
                 Message::TransferDone(TransferDone {
                     kv_request_id: id.clone(),
                     success,
-                    round_seq: RoundSeq(round),
+                    round_seq: round,
                 }),
             );
         }
@@ -620,7 +628,7 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        round: u64,
+        round: RoundSeq,
     ) {
         let aborting = self.aborts.contains_key(&(id.clone(), round));
         self.finalize(link, cx, id, round, Some(false), !aborting);
@@ -703,12 +711,12 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        round: u64,
+        round: RoundSeq,
     ) {
         let key = (id.clone(), round);
         if !self.aborts.contains_key(&key) {
             if !self.requests.contains_key(id) {
-                crate::warn_throttled!(cx.out.throttle, cx.now, "abort_fetch for an unknown request (acked anyway)", peer = %self.peer, kv_request_id = %id, round);
+                crate::warn_throttled!(cx.out.throttle, cx.now, "abort_fetch for an unknown request (acked anyway)", peer = %self.peer, kv_request_id = %id, round = %round);
             }
             self.aborts.insert(key.clone(), cx.now);
             self.abort_warn_lane.arm(cx.now, key);
@@ -717,7 +725,7 @@ impl ServerRole {
         self.drain_abort(link, cx, id, round);
     }
 
-    fn drain_abort(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId, round: u64) {
+    fn drain_abort(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId, round: RoundSeq) {
         let serial = self
             .requests
             .get(id)
@@ -774,7 +782,13 @@ impl ServerRole {
         self.finish_abort(link, cx, id, round);
     }
 
-    fn finish_abort(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId, round: u64) {
+    fn finish_abort(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: RoundSeq,
+    ) {
         let key = (id.clone(), round);
         if self.aborts.remove(&key).is_some() {
             if let Some(req) = self.requests.get_mut(id) {
@@ -787,14 +801,14 @@ impl ServerRole {
             cx.now,
             Message::AbortAck(Abort {
                 kv_request_id: id.clone(),
-                round_seq: RoundSeq(round),
+                round_seq: round,
             }),
         );
         self.prune(id);
     }
 
     /// At most one wait-mode cancel per round per retry interval.
-    fn cancel_due(&mut self, id: &KvRequestId, round: u64, serial: u64, now: Instant) -> bool {
+    fn cancel_due(&mut self, id: &KvRequestId, round: RoundSeq, serial: u64, now: Instant) -> bool {
         let interval = self.retry_lane.delay();
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return true;
@@ -812,7 +826,7 @@ impl ServerRole {
         link: &mut Link,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
-        round: u64,
+        round: RoundSeq,
         serial: u64,
     ) {
         if self.aborts.contains_key(&(id.clone(), round)) {
@@ -850,7 +864,7 @@ impl ServerRole {
     }
 
     /// The transfers in flight for one round (from the request's own short list).
-    fn round_transfers(&self, id: &KvRequestId, round: u64, serial: u64) -> Vec<TransferId> {
+    fn round_transfers(&self, id: &KvRequestId, round: RoundSeq, serial: u64) -> Vec<TransferId> {
         let Some(req) = self.requests.get(id) else {
             return Vec::new();
         };
@@ -874,8 +888,8 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         keys: Vec<OffloadKey>,
-        round: u64,
-    ) -> Result<(), String> {
+        round: RoundSeq,
+    ) -> Result<(), InternalError> {
         self.next_lookup_id += 1;
         let n = self.next_lookup_id;
         let ctx = serve_ctx(&self.peer, id, n);
@@ -923,7 +937,7 @@ impl ServerRole {
         lookup: &mut ActiveLookup,
         keys: Vec<OffloadKey>,
         first_pass: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), InternalError> {
         let mut hits: Vec<OffloadKey> = Vec::new();
         lookup.pending.clear();
         for key in keys {
@@ -969,10 +983,7 @@ impl ServerRole {
                 for key in hits {
                     lookup.answers.insert(key, Some(false));
                 }
-                Err(format!(
-                    "store refused to pin keys it reported held ({})",
-                    lookup.ctx
-                ))
+                Err(InternalError::PinRefused(lookup.ctx.clone()))
             }
         }
     }
@@ -1006,7 +1017,7 @@ impl ServerRole {
 
     /// Asks again about pending keys of parked lookups; answers those now complete, and those
     /// past their deadline with MISS for what is still pending.
-    pub(crate) fn serve(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> Result<(), String> {
+    pub(crate) fn serve(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> Result<(), InternalError> {
         self.repoll_at = None;
         let mut result = Ok(());
         for id in self.serve_list.drain().collect::<Vec<_>>() {
@@ -1064,7 +1075,7 @@ impl ServerRole {
     /// so the peer does not wait out its load timeout.
     pub(crate) fn finish(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId) {
         self.finish_lookups(cx, id);
-        let rounds: Vec<(u64, bool)> = match self.requests.get_mut(id) {
+        let rounds: Vec<(RoundSeq, bool)> = match self.requests.get_mut(id) {
             Some(req) => req
                 .rounds
                 .iter_mut()
@@ -1088,7 +1099,7 @@ impl ServerRole {
         &mut self,
         link: &mut Link,
         cx: &mut Cx<'_>,
-    ) -> Result<(), String> {
+    ) -> Result<(), InternalError> {
         let now = cx.now;
         let mut result = Ok(());
         if self.repoll_at.is_some_and(|at| at <= now) {
@@ -1155,7 +1166,7 @@ impl ServerRole {
                 !r.cancelled && r.inflight == 0 && !r.demanded.is_empty() && r.pins.is_empty()
             });
             if starved {
-                debug!(peer = %self.peer, kv_request_id = %id, round, waited = ?demand_delay,
+                debug!(peer = %self.peer, kv_request_id = %id, round = %round, waited = ?demand_delay,
                     "fetch demand got no supply within the store timeout; failing the round");
                 self.finalize(link, cx, &id, round, Some(false), true);
             }
@@ -1177,7 +1188,7 @@ impl ServerRole {
         }
         while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {
             if self.aborts.contains_key(&key) && self.slow_aborts.insert(key.clone()) {
-                warn!(peer = %self.peer, kv_request_id = %key.0, round = key.1,
+                warn!(peer = %self.peer, kv_request_id = %key.0, round = %key.1,
                     "abort still waiting for transfers to stop; holding their pins and the abort_ack");
             }
         }

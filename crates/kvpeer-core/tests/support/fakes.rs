@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,
-    RemoteMemory, ServeCtx, StoreJob, TransferId,
+    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlaneError, PlanePoll,
+    Registration, RemoteMemory, ServeCtx, StoreJob, TransferId,
 };
 use kvpeer_proto::{OffloadKey, PeerId};
 
@@ -238,11 +238,11 @@ impl FakePlane {
 }
 
 impl DataPlane for FakePlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, _memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, _memory: &RemoteMemory) -> Result<(), PlaneError> {
         let state = match &self.mode {
             RegistrationMode::Immediate => Registration::Done,
             RegistrationMode::Deferred => Registration::Pending,
-            RegistrationMode::Fail(e) => Registration::Failed(e.clone()),
+            RegistrationMode::Fail(e) => Registration::Failed(PlaneError::rejected(e.as_str())),
         };
         self.registrations.insert(peer.clone(), state);
         Ok(())
@@ -252,7 +252,7 @@ impl DataPlane for FakePlane {
         self.registrations
             .get(peer)
             .cloned()
-            .unwrap_or_else(|| Registration::Failed("unknown peer".into()))
+            .unwrap_or_else(|| Registration::Failed(PlaneError::rejected("unknown peer")))
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
@@ -298,7 +298,10 @@ impl DataPlane for FakePlane {
 
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         let mut poll = self.unreported.remove(peer).unwrap_or_default();
-        poll.peer_fault = self.faults.get(peer).cloned();
+        poll.peer_fault = self
+            .faults
+            .get(peer)
+            .map(|f| PlaneError::transport(f.as_str()));
         poll
     }
 

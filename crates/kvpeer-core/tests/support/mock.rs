@@ -233,7 +233,7 @@ impl Mock {
 
     pub fn closed(&self) -> Option<String> {
         self.events.iter().find_map(|e| match e {
-            Event::Close { reason, .. } => Some(reason.clone()),
+            Event::Close { end, .. } => Some(end.to_string()),
             _ => None,
         })
     }

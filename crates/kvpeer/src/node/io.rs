@@ -341,8 +341,10 @@ impl<D: DataPlane> NodeIo<D> {
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
-                    Event::Close { peer, reason } => self.closed_with(peer, false, reason),
-                    Event::Refused { peer, reason } => self.closed_with(peer, true, reason),
+                    Event::Close { peer, end } => self.closed_with(peer, false, end.to_string()),
+                    Event::Refused { peer, reason } => {
+                        self.closed_with(peer, true, reason.to_string())
+                    }
                     Event::LoadDone { job, success, .. } => {
                         self.loads_done.insert(job, success);
                     }
