@@ -591,7 +591,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         let id = &req.id;
         let Some(source) = &req.roles.source else {
-            warn!(kv_request_id = %id, job, "load for a request that has no producer");
+            warn!(kv_request_id = %id, job = job.get(), "load for a request that has no producer");
             self.out.load_done(job, id.clone(), false, true);
             self.settle();
             return;
@@ -608,7 +608,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks })
             }
             _ => {
-                warn!(kv_request_id = %id, job, peer = %source.peer, "load with no session to the producer");
+                warn!(kv_request_id = %id, job = job.get(), peer = %source.peer, "load with no session to the producer");
                 self.out.load_done(job, id.clone(), false, true);
             }
         }
@@ -632,7 +632,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return;
         }
         if self.reaped.contains_key(id) {
-            warn!(kv_request_id = %id, job, "store for a request whose parked stores were reaped; failing it");
+            warn!(kv_request_id = %id, job = job.get(), "store for a request whose parked stores were reaped; failing it");
             self.complete_store(job, false);
             return;
         }

@@ -18,6 +18,7 @@ mod config;
 mod core;
 mod counters;
 mod error;
+mod ids;
 mod maps;
 mod output;
 mod session;

@@ -11,14 +11,7 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 use crate::error::PlaneError;
 
-/// Id of a store job: a set of local blocks pinned for a peer until the job completes.
-pub type JobId = u64;
-
-/// Id of one data-plane write (a batch of blocks to one peer).
-pub type TransferId = u64;
-
-/// A local block index (a slot of the block pool).
-pub type BlockIndex = u64;
+pub use crate::ids::{BlockIndex, JobId, TransferId};
 
 /// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
 /// `ReqContext`: opened with [`Parent::on_new_request`], closed with

@@ -57,7 +57,7 @@ impl DualPlane {
             routes: HashMap::new(),
             transfers: HashMap::new(),
             outer: HashMap::new(),
-            next_id: 1,
+            next_id: TransferId::new(1),
         }
     }
 
@@ -151,7 +151,7 @@ impl DataPlane for DualPlane {
         let route = self.route(peer)?;
         let inner = self.plane(route).write_blocks(peer, local, remote)?;
         let id = self.next_id;
-        self.next_id += 1;
+        self.next_id = TransferId::new(self.next_id.get() + 1);
         self.transfers.insert(id, (route, inner));
         self.outer.insert((route, inner), id);
         Some(id)

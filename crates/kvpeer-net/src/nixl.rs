@@ -307,7 +307,7 @@ impl NixlPlane {
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             shared,
             watcher: Some(watcher),
             wake,
@@ -370,7 +370,7 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
                 let poll = reports.entry(entry.peer.clone()).or_default();
                 poll.failed.push(id);
                 poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
-                warn!(peer = %entry.peer, transfer = id, "nixl WRITE failed");
+                warn!(peer = %entry.peer, transfer = id.get(), "nixl WRITE failed");
                 ended = true;
                 false
             }
@@ -379,7 +379,7 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
             Err(error) => {
                 if !entry.struck {
                     entry.struck = true;
-                    warn!(peer = %entry.peer, transfer = id, %error, "nixl state check failed");
+                    warn!(peer = %entry.peer, transfer = id.get(), %error, "nixl state check failed");
                     let poll = reports.entry(entry.peer.clone()).or_default();
                     poll.peer_fault = Some(PlaneError::transport(format!(
                         "NIXL state check failed: {error}"
@@ -540,7 +540,7 @@ impl DataPlane for NixlPlane {
             return None;
         }
         let index = |v: &[BlockIndex]| -> Option<Vec<i32>> {
-            v.iter().map(|b| i32::try_from(*b).ok()).collect()
+            v.iter().map(|b| i32::try_from(b.get()).ok()).collect()
         };
         let (l, r) = (index(local)?, index(remote)?);
         let request = match self
@@ -554,7 +554,7 @@ impl DataPlane for NixlPlane {
                 return None;
             }
         };
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         let (state, ready) = &*self.shared;
         lock(state).inflight.insert(

@@ -60,7 +60,7 @@ fn copy_blocks(
     len: usize,
 ) {
     for (&l, &r) in local.iter().zip(remote) {
-        let (l, r) = (l as usize * len, r as usize * len);
+        let (l, r) = (l.get() as usize * len, r.get() as usize * len);
         dst[r..r + len].copy_from_slice(&src[l..l + len]);
     }
 }
@@ -226,7 +226,7 @@ impl ShmPlane {
             prefaulting: HashMap::new(),
             prefaulted: Arc::default(),
             registration_seq: 0,
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             shared,
             jobs: Some(tx),
             worker: Some(worker),
@@ -388,7 +388,7 @@ impl DataPlane for ShmPlane {
             }
             return None;
         }
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
             {

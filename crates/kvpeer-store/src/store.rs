@@ -156,7 +156,7 @@ impl BlockStore {
             // Pop from the end: lowest blocks first.
             free: (0..blocks).rev().collect(),
             jobs: Map::default(),
-            next_job: 0,
+            next_job: JobId::new(0),
             pinned: 0,
             writing: 0,
             open_contexts: 0,
@@ -205,7 +205,7 @@ impl BlockStore {
     /// The block holding `key`, if readable.
     pub fn block_of(&self, key: &OffloadKey) -> Option<BlockIndex> {
         let &b = self.index.get(key)?;
-        (self.slots[b as usize].state == State::Ready).then_some(u64::from(b))
+        (self.slots[b as usize].state == State::Ready).then_some(BlockIndex::new(u64::from(b)))
     }
 
     /// The bytes of a readable block.
@@ -234,7 +234,7 @@ impl BlockStore {
         state: State,
         reason: &'static str,
     ) -> Result<u32, StoreError> {
-        let b = u32::try_from(block)
+        let b = u32::try_from(block.get())
             .ok()
             .filter(|b| (*b as usize) < self.slots.len())
             .ok_or(StoreError::BadBlock {
@@ -307,7 +307,7 @@ impl BlockStore {
             slot.key = Some(key.clone());
             slot.state = State::Writing;
             self.writing += 1;
-            out.push(u64::from(b));
+            out.push(BlockIndex::new(u64::from(b)));
         }
         Ok(out)
     }
@@ -369,9 +369,12 @@ impl BlockStore {
             }
             slot.pins += 1;
         }
-        self.next_job += 1;
+        self.next_job = JobId::new(self.next_job.get() + 1);
         let job_id = self.next_job;
-        let out = blocks.iter().map(|b| u64::from(*b)).collect();
+        let out = blocks
+            .iter()
+            .map(|b| BlockIndex::new(u64::from(*b)))
+            .collect();
         self.jobs.insert(job_id, blocks);
         Some(StoreJob {
             job_id,

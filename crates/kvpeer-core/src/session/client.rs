@@ -233,6 +233,9 @@ impl ClientRole {
         load: Load,
     ) {
         let Load { job, keys, blocks } = load;
+        // The wire's indexes, read before the load keeps its blocks (one allocation, as the
+        // clone it replaces).
+        let block_indexes = blocks.iter().map(|b| b.get()).collect();
         let req = self.request(id);
         let round = req.round;
         req.round = round.next();
@@ -240,7 +243,7 @@ impl ClientRole {
             round,
             InFlight {
                 job,
-                blocks: blocks.clone(),
+                blocks,
                 submitted_at: now,
                 aborted_at: None,
             },
@@ -261,7 +264,7 @@ impl ClientRole {
             Message::Fetch(Fetch {
                 kv_request_id: id.clone(),
                 keys,
-                block_indexes: blocks,
+                block_indexes,
                 round_seq: round,
             }),
         );

@@ -385,7 +385,7 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         keys: &[OffloadKey],
-        indexes: &[BlockIndex],
+        indexes: &[u64],
         round: RoundSeq,
     ) -> Result<(), ProtocolViolation> {
         let existing = self.requests.get(id).and_then(|r| r.round(round));
@@ -404,6 +404,7 @@ impl ServerRole {
         rnd.remaining = keys.len();
         let mut matched = Matched::default();
         for (key, &remote) in keys.iter().zip(indexes) {
+            let remote = BlockIndex::new(remote);
             match rnd.available.remove(key) {
                 Some((job, local)) => matched.add(local, remote, job),
                 None => {
@@ -646,7 +647,7 @@ impl ServerRole {
         }
         for tid in poll.done {
             let Some(xfer) = self.pop_inflight(tid) else {
-                warn!(peer = %self.peer, tid, "data plane reported an unknown transfer done");
+                warn!(peer = %self.peer, tid = tid.get(), "data plane reported an unknown transfer done");
                 continue;
             };
             let cancelled = self
@@ -671,7 +672,7 @@ impl ServerRole {
         }
         for tid in poll.failed {
             let Some(xfer) = self.pop_inflight(tid) else {
-                warn!(peer = %self.peer, tid, "data plane reported an unknown transfer failed");
+                warn!(peer = %self.peer, tid = tid.get(), "data plane reported an unknown transfer failed");
                 continue;
             };
             let in_round = self.round_mut(&xfer.id, xfer.round, xfer.serial).map(|r| {
@@ -1141,7 +1142,7 @@ impl ServerRole {
             let Some(readers) = readers else {
                 continue;
             };
-            crate::warn_throttled!(cx.out.throttle, now, "store job timed out", peer = %self.peer, job, kv_request_id = %id);
+            crate::warn_throttled!(cx.out.throttle, now, "store job timed out", peer = %self.peer, job = job.get(), kv_request_id = %id);
             if readers > 0 {
                 // Writes still read it: cancel them; the pin stays until they are terminal.
                 self.cancel_round(link, cx, &id, round, serial);

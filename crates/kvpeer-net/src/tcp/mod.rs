@@ -294,7 +294,7 @@ impl TcpPlane {
             ends: Arc::default(),
             registrations: Arc::default(),
             links: Arc::default(),
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             max_write_rate: None,
             limits: Arc::default(),
             counters: Arc::default(),
@@ -500,7 +500,7 @@ impl DataPlane for TcpPlane {
         if !ok || lock(&self.ends).faults.contains_key(peer) {
             return None;
         }
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         lock(&self.ends).queued.insert(tid, peer.clone());
         if !link.queue(tid, local, remote) {

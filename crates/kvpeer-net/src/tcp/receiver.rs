@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::TransferId;
+use kvpeer_core::BlockIndex;
 use kvpeer_proto::PeerId;
 use memmap2::MmapMut;
 use subtle::ConstantTimeEq;
@@ -495,7 +495,7 @@ impl Connection<'_> {
 
     /// Claims every permit of the frame before reading a byte of it (all or nothing), and only
     /// while the key this connection presented is still current.
-    fn claim(&mut self, tid: TransferId, writer: &PeerId, indexes: &[u64]) -> std::io::Result<()> {
+    fn claim(&mut self, tid: u64, writer: &PeerId, indexes: &[u64]) -> std::io::Result<()> {
         let claimed = {
             let gate = lock(self.gate);
             if !gate.is_current(self.id) {
@@ -503,9 +503,12 @@ impl Connection<'_> {
             }
             let mut p = lock(self.permits);
             match p.get_mut(writer) {
-                Some(set) if indexes.iter().all(|i| set.contains(i)) && unique(indexes) => {
+                Some(set)
+                    if indexes.iter().all(|i| set.contains(&BlockIndex::new(*i)))
+                        && unique(indexes) =>
+                {
                     for i in indexes {
-                        set.remove(i);
+                        set.remove(&BlockIndex::new(*i));
                     }
                     true
                 }
@@ -523,7 +526,7 @@ impl Connection<'_> {
         }
     }
 
-    fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Result<()> {
+    fn refuse(&mut self, tid: u64, writer: &PeerId, why: String) -> std::io::Result<()> {
         if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
             warn!(%writer, tid, %why, suppressed, "refusing a tcp write");
         }

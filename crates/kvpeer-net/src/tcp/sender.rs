@@ -433,7 +433,7 @@ fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
         }
         let mut tid = [0u8; 8];
         tid.copy_from_slice(&frame[4..12]);
-        let tid = u64::from_be_bytes(tid);
+        let tid = TransferId::new(u64::from_be_bytes(tid));
         let mut e = lock(&cx.ends);
         let mut refused = false;
         if e.sent.remove(&tid).is_some() {
@@ -465,10 +465,10 @@ fn send(
 ) -> Result<(), SendError> {
     let mut header = Vec::with_capacity(16 + 8 * job.remote.len());
     header.extend_from_slice(WRITE);
-    header.extend_from_slice(&job.tid.to_be_bytes());
+    header.extend_from_slice(&job.tid.get().to_be_bytes());
     header.extend_from_slice(&(job.remote.len() as u32).to_be_bytes());
     for r in &job.remote {
-        header.extend_from_slice(&r.to_be_bytes());
+        header.extend_from_slice(&r.get().to_be_bytes());
     }
     // The first write tells a connection found closed (nothing of the frame left) from one
     // lost in the middle of it.
@@ -483,7 +483,7 @@ fn send(
     out.write_all(&header[first..])
         .map_err(SendError::Partial)?;
     for &l in &job.local {
-        let start = l as usize * block_len;
+        let start = l.get() as usize * block_len;
         let block = local.get(start..start + block_len).ok_or_else(|| {
             SendError::Partial(protocol(format!("local block {l} outside the pool")))
         })?;

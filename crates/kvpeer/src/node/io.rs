@@ -350,7 +350,7 @@ impl<D: DataPlane> NodeIo<D> {
                     }
                     Event::StoreDone { job, success } => {
                         // Already completed at the store by the core; nobody waits on it.
-                        debug!(job, success, "store job done");
+                        debug!(job = job.get(), success, "store job done");
                     }
                 }
             }
