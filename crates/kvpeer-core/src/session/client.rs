@@ -11,6 +11,7 @@ use std::time::Instant;
 use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, PeerId, RoundSeq};
 use tracing::{debug, warn};
 
+use super::RoundKey;
 use crate::config::CoreConfig;
 use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
@@ -93,8 +94,8 @@ pub(crate) struct ClientRole {
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
     active_loads: usize,
-    load_lane: Lane<(KvRequestId, RoundSeq)>,
-    abort_lane: Lane<(KvRequestId, RoundSeq)>,
+    load_lane: Lane<RoundKey>,
+    abort_lane: Lane<RoundKey>,
     lookup_lane: Lane<KvRequestId>,
 }
 
@@ -256,7 +257,7 @@ impl ClientRole {
         req.unanswered = 0;
         req.lookup_deadline = None;
         self.active_loads += 1;
-        self.load_lane.arm(now, (id.clone(), round));
+        self.load_lane.arm(now, RoundKey::new(id, round));
         debug!(peer = %link.peer, kv_request_id = %id, round = %round, blocks = keys.len(), "send fetch");
         link.send(
             out,
@@ -287,7 +288,7 @@ impl ClientRole {
                 continue;
             }
             load.aborted_at = Some(now);
-            self.abort_lane.arm(now, (id.clone(), *round));
+            self.abort_lane.arm(now, RoundKey::new(id, *round));
             link.send(
                 out,
                 now,
@@ -374,7 +375,7 @@ impl ClientRole {
         out: &mut Outbox,
         now: Instant,
     ) -> Option<KvRequestId> {
-        while let Some((deadline, (id, round))) = self.load_lane.pop_due(now) {
+        while let Some((deadline, RoundKey { id, round })) = self.load_lane.pop_due(now) {
             let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
                 continue;
             };
@@ -385,7 +386,7 @@ impl ClientRole {
             }
             warn!(peer = %link.peer, kv_request_id = %id, round = %round, "load timed out; sending abort_fetch");
             load.aborted_at = Some(now);
-            self.abort_lane.arm(now, (id.clone(), round));
+            self.abort_lane.arm(now, RoundKey::new(&id, round));
             link.send(
                 out,
                 now,
@@ -396,7 +397,7 @@ impl ClientRole {
             );
         }
         let abort_delay = self.abort_lane.delay();
-        while let Some((deadline, (id, round))) = self.abort_lane.pop_due(now) {
+        while let Some((deadline, RoundKey { id, round })) = self.abort_lane.pop_due(now) {
             let fired = self
                 .requests
                 .get_mut(&id)

@@ -21,6 +21,22 @@ use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMe
 use client::{ClientClose, ClientRole, Load};
 use server::{ServerClose, ServerRole, Supply};
 
+/// One round of one request: what per-round state and deadlines are keyed by, on both sides.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct RoundKey {
+    pub(crate) id: KvRequestId,
+    pub(crate) round: RoundSeq,
+}
+
+impl RoundKey {
+    pub(crate) fn new(id: &KvRequestId, round: RoundSeq) -> Self {
+        RoundKey {
+            id: id.clone(),
+            round,
+        }
+    }
+}
+
 /// Everything a session may touch during one entry point of the core.
 pub(crate) struct Cx<'a> {
     pub(crate) now: Instant,

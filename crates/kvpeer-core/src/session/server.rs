@@ -25,7 +25,7 @@ use kvpeer_proto::{
 use smallvec::SmallVec;
 use tracing::{debug, warn};
 
-use super::Cx;
+use super::{Cx, RoundKey};
 use crate::config::CoreConfig;
 use crate::error::{InternalError, PlaneError, ProtocolViolation};
 use crate::output::{Event, Link};
@@ -55,28 +55,83 @@ struct Orphan {
 struct Round {
     /// Distinguishes this round from a later one under the same key.
     serial: u64,
-    /// Supply came from lookup pins: no store can come later, so unmatched demand fails now.
-    lookup_supplied: bool,
-    demand_received: bool,
+    /// Who supplies the round.
+    origin: Origin,
+    /// The peer's fetch for the round, once it came.
+    demand: Demand,
     /// Blocks we hold for the round, not yet demanded: key → (job, local block).
     available: Map<OffloadKey, (JobId, BlockIndex)>,
     /// Blocks the peer wants that we do not hold yet: key → its block.
     demanded: Map<OffloadKey, BlockIndex>,
-    /// Blocks still to be written before the round succeeds.
-    remaining: usize,
     /// Finish as soon as nothing is in flight.
     finishing: bool,
     /// Transfers of this round in flight.
     inflight: usize,
     /// Failed or aborted while transfers may still be writing.
-    cancelled: bool,
-    last_cancel_at: Option<Instant>,
+    cancel: Option<Cancelled>,
     /// Pins (store jobs) supplying the round that have not completed; one or two, nearly
     /// always. A pin lives here, with its round, so no table of all pins is needed.
     pins: SmallVec<[Pin; 2]>,
 }
 
+/// Who supplies a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// The engine's stores (PD): supply may still come after the fetch.
+    Store,
+    /// Lookup pins (symmetric), or pins that expired: no supply can come after the fetch, so
+    /// unmatched demand fails at once.
+    Lookup,
+}
+
+/// Whether the peer's fetch for a round came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Demand {
+    /// Not yet: supply waits for it.
+    Awaiting,
+    /// It came; this many of its blocks are still to be written before the round succeeds.
+    Received { remaining: usize },
+}
+
+/// A cancelled round (failed or aborted while transfers may still be writing).
+#[derive(Debug, Clone, Copy)]
+struct Cancelled {
+    /// When its transfers were last asked to stop (at most once per retry interval).
+    last_stop_at: Option<Instant>,
+}
+
 impl Round {
+    fn demand_received(&self) -> bool {
+        matches!(self.demand, Demand::Received { .. })
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.cancel.is_some()
+    }
+
+    /// Cancels the round; `true` if it was not cancelled before.
+    fn cancel(&mut self) -> bool {
+        let first = self.cancel.is_none();
+        self.cancel.get_or_insert(Cancelled { last_stop_at: None });
+        first
+    }
+
+    /// `blocks` more landed; returns how many the fetch still waits for (0 before any fetch).
+    fn landed(&mut self, blocks: usize) -> usize {
+        match &mut self.demand {
+            Demand::Received { remaining } => {
+                *remaining = remaining.saturating_sub(blocks);
+                *remaining
+            }
+            Demand::Awaiting => 0,
+        }
+    }
+
+    /// Every block the fetch asked for was written.
+    fn fully_written(&self) -> bool {
+        matches!(self.demand, Demand::Received { remaining: 0 })
+    }
+
     fn pin_mut(&mut self, job: JobId) -> Option<&mut Pin> {
         self.pins.iter_mut().find(|p| p.job == job)
     }
@@ -89,15 +144,13 @@ impl Round {
     fn new(serial: u64) -> Self {
         Round {
             serial,
-            lookup_supplied: false,
-            demand_received: false,
+            origin: Origin::Store,
+            demand: Demand::Awaiting,
             available: Map::default(),
             demanded: Map::default(),
-            remaining: 0,
             finishing: false,
             inflight: 0,
-            cancelled: false,
-            last_cancel_at: None,
+            cancel: None,
             pins: SmallVec::new(),
         }
     }
@@ -214,23 +267,23 @@ pub(crate) struct ServerRole {
     orphans: Map<JobId, Orphan>,
     /// Pins not completed yet, in rounds and orphaned.
     open_pins: usize,
-    store_lane: Lane<(KvRequestId, RoundSeq, u64, JobId)>,
+    store_lane: Lane<(RoundKey, u64, JobId)>,
     /// Rounds whose demand waits for supply (a PD fetch before its store): failed when no
     /// supply came within the store timeout, so a peer's fetches cannot park state forever.
-    demand_lane: Lane<(KvRequestId, RoundSeq, u64)>,
+    demand_lane: Lane<(RoundKey, u64)>,
     /// Rounds dropped because every pin expired before any fetch: a late fetch for one fails
     /// in one round trip. Remembered for one more store timeout.
-    expired: Map<(KvRequestId, RoundSeq), Instant>,
-    expired_lane: Lane<(KvRequestId, RoundSeq)>,
+    expired: Map<RoundKey, Instant>,
+    expired_lane: Lane<RoundKey>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
     next_serial: u64,
     /// Aborts draining: (request, round) → when the abort arrived.
-    aborts: Map<(KvRequestId, RoundSeq), Instant>,
-    slow_aborts: Set<(KvRequestId, RoundSeq)>,
-    abort_warn_lane: Lane<(KvRequestId, RoundSeq)>,
+    aborts: Map<RoundKey, Instant>,
+    slow_aborts: Set<RoundKey>,
+    abort_warn_lane: Lane<RoundKey>,
     /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
-    retry_lane: Lane<(KvRequestId, RoundSeq, u64)>,
+    retry_lane: Lane<(RoundKey, u64)>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
     /// The data plane reported this peer unusable; no new writes.
@@ -338,7 +391,7 @@ impl ServerRole {
         } = supply;
         let rnd = self.round_or_new(id, round);
         let serial = rnd.serial;
-        if rnd.cancelled {
+        if rnd.is_cancelled() {
             cx.parent.complete_store_job(job, false);
             cx.out.event(Event::StoreDone {
                 job,
@@ -346,7 +399,9 @@ impl ServerRole {
             });
             return;
         }
-        rnd.lookup_supplied |= from_lookup;
+        if from_lookup {
+            rnd.origin = Origin::Lookup;
+        }
         let new_pin = rnd.pin_mut(job).is_none();
         if new_pin {
             rnd.pins.push(Pin {
@@ -364,11 +419,11 @@ impl ServerRole {
                 }
             }
         }
-        let demand_received = rnd.demand_received;
+        let demand_received = rnd.demand_received();
         if new_pin {
             self.open_pins += 1;
             self.store_lane
-                .arm(cx.now, (id.clone(), round, serial, job));
+                .arm(cx.now, (RoundKey::new(id, round), serial, job));
         }
         if !matched.local.is_empty() && demand_received {
             self.submit_transfer(link, cx, id, round, serial, matched);
@@ -389,19 +444,23 @@ impl ServerRole {
         round: RoundSeq,
     ) -> Result<(), ProtocolViolation> {
         let existing = self.requests.get(id).and_then(|r| r.round(round));
-        if existing.is_some_and(|r| r.demand_received) {
+        if existing.is_some_and(Round::demand_received) {
             return Err(ProtocolViolation::DuplicateFetch {
                 id: id.clone(),
                 round,
             });
         }
-        let expired = existing.is_none() && self.expired.remove(&(id.clone(), round)).is_some();
+        let expired =
+            existing.is_none() && self.expired.remove(&RoundKey::new(id, round)).is_some();
         let rnd = self.round_or_new(id, round);
         let serial = rnd.serial;
         // Its supply came from lookups whose pins expired: nothing can serve it any more.
-        rnd.lookup_supplied |= expired;
-        rnd.demand_received = true;
-        rnd.remaining = keys.len();
+        if expired {
+            rnd.origin = Origin::Lookup;
+        }
+        rnd.demand = Demand::Received {
+            remaining: keys.len(),
+        };
         let mut matched = Matched::default();
         for (key, &remote) in keys.iter().zip(indexes) {
             let remote = BlockIndex::new(remote);
@@ -430,13 +489,14 @@ impl ServerRole {
             return Ok(());
         }
         let (symmetric_miss, finishing, inflight) = (
-            rnd.lookup_supplied && !rnd.demanded.is_empty(),
+            rnd.origin == Origin::Lookup && !rnd.demanded.is_empty(),
             rnd.finishing,
             rnd.inflight,
         );
-        if !rnd.lookup_supplied && !rnd.demanded.is_empty() {
+        if rnd.origin == Origin::Store && !rnd.demanded.is_empty() {
             // Demand parked for a later store (PD): bounded by the store timeout.
-            self.demand_lane.arm(cx.now, (id.clone(), round, serial));
+            self.demand_lane
+                .arm(cx.now, (RoundKey::new(id, round), serial));
         }
         if symmetric_miss {
             // A symmetric round's supply always comes before its fetch: unmatched demand can
@@ -584,15 +644,14 @@ impl ServerRole {
         let Some(rnd) = req.round(round) else {
             return;
         };
-        if rnd.cancelled && rnd.inflight > 0 {
+        if rnd.is_cancelled() && rnd.inflight > 0 {
             return;
         }
         let Some(rnd) = req.remove_round(round) else {
             return;
         };
-        let success =
-            !rnd.cancelled && success.unwrap_or(rnd.demand_received && rnd.remaining == 0);
-        let serial = rnd.serial;
+        let success = !rnd.is_cancelled() && success.unwrap_or_else(|| rnd.fully_written());
+        let (serial, demand_received) = (rnd.serial, rnd.demand_received());
         for pin in rnd.pins {
             if pin.readers == 0 {
                 self.complete_pin(cx, pin.job, success);
@@ -608,7 +667,7 @@ impl ServerRole {
             }
         }
         debug!(peer = %self.peer, kv_request_id = %id, round = %round, success, send_done, "round finalized");
-        if send_done && rnd.demand_received {
+        if send_done && demand_received {
             link.send(
                 cx.out,
                 cx.now,
@@ -631,7 +690,7 @@ impl ServerRole {
         id: &KvRequestId,
         round: RoundSeq,
     ) {
-        let aborting = self.aborts.contains_key(&(id.clone(), round));
+        let aborting = self.aborts.contains_key(&RoundKey::new(id, round));
         self.finalize(link, cx, id, round, Some(false), !aborting);
     }
 
@@ -652,12 +711,12 @@ impl ServerRole {
             };
             let cancelled = self
                 .round_mut(&xfer.id, xfer.round, xfer.serial)
-                .map(|r| r.cancelled);
+                .map(|r| r.is_cancelled());
             self.settle_transfer_jobs(cx, &xfer, cancelled != Some(true));
             if let Some(rnd) = self.round_mut(&xfer.id, xfer.round, xfer.serial) {
-                rnd.remaining = rnd.remaining.saturating_sub(xfer.blocks);
-                let (cancelled, remaining, finishing, inflight) =
-                    (rnd.cancelled, rnd.remaining, rnd.finishing, rnd.inflight);
+                let remaining = rnd.landed(xfer.blocks);
+                let (cancelled, finishing, inflight) =
+                    (rnd.is_cancelled(), rnd.finishing, rnd.inflight);
                 if cancelled {
                     if inflight == 0 {
                         self.finalize_cancelled(link, cx, &xfer.id, xfer.round);
@@ -675,11 +734,9 @@ impl ServerRole {
                 warn!(peer = %self.peer, tid = tid.get(), "data plane reported an unknown transfer failed");
                 continue;
             };
-            let in_round = self.round_mut(&xfer.id, xfer.round, xfer.serial).map(|r| {
-                let first = !r.cancelled;
-                r.cancelled = true;
-                first
-            });
+            let in_round = self
+                .round_mut(&xfer.id, xfer.round, xfer.serial)
+                .map(|r| r.cancel());
             if in_round == Some(true) {
                 // The round fails, but its other transfers may still be writing: their jobs
                 // keep their pins until those end.
@@ -697,7 +754,7 @@ impl ServerRole {
     }
 
     fn after_transfer_end(&mut self, link: &mut Link, cx: &mut Cx<'_>, xfer: &Inflight) {
-        let key = (xfer.id.clone(), xfer.round);
+        let key = RoundKey::new(&xfer.id, xfer.round);
         if self.aborts.contains_key(&key) {
             self.drain_abort(link, cx, &xfer.id, xfer.round);
         }
@@ -714,7 +771,7 @@ impl ServerRole {
         id: &KvRequestId,
         round: RoundSeq,
     ) {
-        let key = (id.clone(), round);
+        let key = RoundKey::new(id, round);
         if !self.aborts.contains_key(&key) {
             if !self.requests.contains_key(id) {
                 crate::warn_throttled!(cx.out.throttle, cx.now, "abort_fetch for an unknown request (acked anyway)", peer = %self.peer, kv_request_id = %id, round = %round);
@@ -733,11 +790,9 @@ impl ServerRole {
             .and_then(|r| r.round(round))
             .map(|r| r.serial);
         if let Some(serial) = serial {
-            let first = self.round_mut(id, round, serial).is_some_and(|r| {
-                let first = !r.cancelled;
-                r.cancelled = true;
-                first
-            });
+            let first = self
+                .round_mut(id, round, serial)
+                .is_some_and(|r| r.cancel());
             if first {
                 self.fail_unread_jobs(cx, id, round, serial);
             }
@@ -773,7 +828,8 @@ impl ServerRole {
                 }
             }
             if !still.is_empty() {
-                self.retry_lane.arm(cx.now, (id.clone(), round, serial));
+                self.retry_lane
+                    .arm(cx.now, (RoundKey::new(id, round), serial));
                 return;
             }
         }
@@ -790,7 +846,7 @@ impl ServerRole {
         id: &KvRequestId,
         round: RoundSeq,
     ) {
-        let key = (id.clone(), round);
+        let key = RoundKey::new(id, round);
         if self.aborts.remove(&key).is_some() {
             if let Some(req) = self.requests.get_mut(id) {
                 req.aborts -= 1;
@@ -814,10 +870,14 @@ impl ServerRole {
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return true;
         };
-        if rnd.last_cancel_at.is_some_and(|at| now < at + interval) {
+        // Only a cancelled round is stopped: both callers cancel it first.
+        let Some(cancel) = &mut rnd.cancel else {
+            return true;
+        };
+        if cancel.last_stop_at.is_some_and(|at| now < at + interval) {
             return false;
         }
-        rnd.last_cancel_at = Some(now);
+        cancel.last_stop_at = Some(now);
         true
     }
 
@@ -830,13 +890,13 @@ impl ServerRole {
         round: RoundSeq,
         serial: u64,
     ) {
-        if self.aborts.contains_key(&(id.clone(), round)) {
+        if self.aborts.contains_key(&RoundKey::new(id, round)) {
             self.drain_abort(link, cx, id, round);
             return;
         }
         // The round may be gone already (its pins orphaned): its transfers still need stopping.
         if let Some(rnd) = self.round_mut(id, round, serial) {
-            rnd.cancelled = true;
+            rnd.cancel();
         }
         if !self.cancel_due(id, round, serial, cx.now) {
             return;
@@ -860,7 +920,8 @@ impl ServerRole {
         {
             self.finalize_cancelled(link, cx, id, round);
         } else if !self.round_transfers(id, round, serial).is_empty() {
-            self.retry_lane.arm(cx.now, (id.clone(), round, serial));
+            self.retry_lane
+                .arm(cx.now, (RoundKey::new(id, round), serial));
         }
     }
 
@@ -1082,7 +1143,7 @@ impl ServerRole {
                 .iter_mut()
                 .map(|(k, r)| {
                     r.finishing = true;
-                    (*k, r.demand_received && r.inflight == 0)
+                    (*k, r.demand_received() && r.inflight == 0)
                 })
                 .collect(),
             None => return,
@@ -1119,7 +1180,9 @@ impl ServerRole {
             }
         }
         let store_delay = self.store_lane.delay();
-        while let Some((deadline, (id, round, serial, job))) = self.store_lane.pop_due(now) {
+        while let Some((deadline, (RoundKey { id, round }, serial, job))) =
+            self.store_lane.pop_due(now)
+        {
             let expired = |pin: &Pin| pin.submitted_at + store_delay == deadline;
             let readers = match self.round_mut(&id, round, serial) {
                 Some(rnd) => match rnd.pin_mut(job) {
@@ -1149,22 +1212,22 @@ impl ServerRole {
             } else if let Some(rnd) = self.round_mut(&id, round, serial) {
                 if rnd.remove_pin(job).is_some() {
                     let unfetched =
-                        rnd.pins.is_empty() && !rnd.demand_received && rnd.inflight == 0;
+                        rnd.pins.is_empty() && !rnd.demand_received() && rnd.inflight == 0;
                     self.complete_pin(cx, job, false);
                     if unfetched {
                         // Hit and never fetched: drop the round (and the request, if that was
                         // all it held) instead of keeping it until the session ends.
                         self.finalize(link, cx, &id, round, Some(false), false);
-                        self.expired.insert((id.clone(), round), now);
-                        self.expired_lane.arm(now, (id.clone(), round));
+                        self.expired.insert(RoundKey::new(&id, round), now);
+                        self.expired_lane.arm(now, RoundKey::new(&id, round));
                     }
                 }
             }
         }
         let demand_delay = self.demand_lane.delay();
-        while let Some((_, (id, round, serial))) = self.demand_lane.pop_due(now) {
+        while let Some((_, (RoundKey { id, round }, serial))) = self.demand_lane.pop_due(now) {
             let starved = self.round_mut(&id, round, serial).is_some_and(|r| {
-                !r.cancelled && r.inflight == 0 && !r.demanded.is_empty() && r.pins.is_empty()
+                !r.is_cancelled() && r.inflight == 0 && !r.demanded.is_empty() && r.pins.is_empty()
             });
             if starved {
                 debug!(peer = %self.peer, kv_request_id = %id, round = %round, waited = ?demand_delay,
@@ -1182,14 +1245,14 @@ impl ServerRole {
                 self.expired.remove(&key);
             }
         }
-        while let Some((_, (id, round, serial))) = self.retry_lane.pop_due(now) {
+        while let Some((_, (RoundKey { id, round }, serial))) = self.retry_lane.pop_due(now) {
             if !self.round_transfers(&id, round, serial).is_empty() {
                 self.cancel_round(link, cx, &id, round, serial);
             }
         }
         while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {
             if self.aborts.contains_key(&key) && self.slow_aborts.insert(key.clone()) {
-                warn!(peer = %self.peer, kv_request_id = %key.0, round = %key.1,
+                warn!(peer = %self.peer, kv_request_id = %key.id, round = %key.round,
                     "abort still waiting for transfers to stop; holding their pins and the abort_ack");
             }
         }
