@@ -48,17 +48,31 @@ struct Request {
     in_flush_list: bool,
     /// The current round; each fetch closes it and moves to the next.
     round: RoundSeq,
-    /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
-    peer_lookup_open: bool,
+    /// Whether the peer holds lookup state, or the engine finished the request.
+    phase: Phase,
     /// Fetch rounds in flight, by round.
     loads: Vec<(RoundSeq, InFlight)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
+}
+
+/// Where a consumer request stands with the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Phase {
+    /// The peer holds no lookup state of it that a fetch has not closed.
+    #[default]
+    Quiet,
+    /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
+    LookupOpen,
     /// The engine finished the request; only aborting loads keep it.
-    finished: bool,
+    Finished,
 }
 
 impl Request {
+    fn is_finished(&self) -> bool {
+        self.phase == Phase::Finished
+    }
+
     fn is_idle(&self) -> bool {
         self.loads.is_empty() && self.probes.is_empty() && self.unsent.is_empty()
     }
@@ -129,7 +143,7 @@ impl ClientRole {
         if self
             .requests
             .get(id)
-            .is_some_and(|r| r.finished && r.is_idle())
+            .is_some_and(|r| r.is_finished() && r.is_idle())
         {
             self.requests.remove(id);
         }
@@ -139,7 +153,7 @@ impl ClientRole {
     fn request(&mut self, id: &KvRequestId) -> &mut Request {
         let req = self.requests.entry(id.clone()).or_default();
         // A finished id that comes back is a new request.
-        if req.finished {
+        if req.is_finished() {
             **req = Request::default();
         }
         req
@@ -176,7 +190,7 @@ impl ClientRole {
             if req.unsent.is_empty() {
                 continue;
             }
-            req.peer_lookup_open = true;
+            req.phase = Phase::LookupOpen;
             if req.lookup_deadline.is_none() {
                 req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
             }
@@ -249,7 +263,7 @@ impl ClientRole {
                 aborted_at: None,
             },
         ));
-        req.peer_lookup_open = false;
+        req.phase = Phase::Quiet;
         // The fetch closes the round: the next round probes afresh, since served blocks are
         // unpinned at the producer and may be evicted. The map's memory goes too: a request
         // often waits for its load with nothing more to probe.
@@ -298,8 +312,7 @@ impl ClientRole {
                 }),
             );
         }
-        if req.peer_lookup_open {
-            req.peer_lookup_open = false;
+        if req.phase == Phase::LookupOpen {
             link.send(
                 out,
                 now,
@@ -315,7 +328,7 @@ impl ClientRole {
         req.unanswered = 0;
         req.unsent.clear();
         req.lookup_deadline = None;
-        req.finished = true;
+        req.phase = Phase::Finished;
         self.prune(id);
     }
 
@@ -332,7 +345,7 @@ impl ClientRole {
         let Some(load) = req.take_load(round) else {
             return false;
         };
-        let live = !req.finished;
+        let live = !req.is_finished();
         self.active_loads -= 1;
         out.ended_writes.push((self.peer.clone(), load.blocks));
         out.load_done(load.job, id.clone(), success, live);
@@ -431,13 +444,12 @@ impl ClientRole {
     pub(crate) fn close(&mut self) -> ClientClose {
         let mut result = ClientClose::default();
         for (id, req) in self.requests.drain() {
-            if !req.finished && (!req.loads.is_empty() || req.unanswered > 0) {
+            let live = !req.is_finished();
+            if live && (!req.loads.is_empty() || req.unanswered > 0) {
                 result.failed_ids.push(id.clone());
             }
             for (_, load) in req.loads {
-                result
-                    .failed_jobs
-                    .push((load.job, id.clone(), !req.finished));
+                result.failed_jobs.push((load.job, id.clone(), live));
             }
         }
         self.flush_list.clear();
