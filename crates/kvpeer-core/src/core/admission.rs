@@ -104,6 +104,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         info!(%peer, "opening a session");
         self.out.event(Event::Dial(peer.clone()));
+        self.open_session(peer.clone());
+        true
+    }
+
+    /// A new session with `peer` (it sends our `connect` at once).
+    pub(super) fn open_session(&mut self, peer: PeerId) {
         let session = Session::open(
             peer.clone(),
             &self.local,
@@ -112,8 +118,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.now,
         );
         self.out.counters.sessions_opened += 1;
-        self.sessions.insert(peer.clone(), session);
-        true
+        self.sessions.insert(peer, session);
     }
 
     /// What a session's end costs its peer: a dial backoff if it ended before the peer acked

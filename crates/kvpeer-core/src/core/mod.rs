@@ -260,15 +260,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return false;
         }
         info!(%peer, "accepting inbound peer");
-        let session = Session::open(
-            peer.clone(),
-            &self.local,
-            &self.config,
-            &mut self.out,
-            self.now,
-        );
-        self.out.counters.sessions_opened += 1;
-        self.sessions.insert(peer, session);
+        self.open_session(peer);
         true
     }
 
@@ -310,12 +302,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if !self.sessions.contains_key(peer) && !self.accept_first_message(peer, &message) {
             return;
         }
-        let handled = self.with_session(peer, |s, cx, local| {
-            s.on_message(cx, local, message);
-            std::mem::take(&mut s.new_fetch_ids)
-        });
-        if let Some(fetched) = handled {
-            self.bind_fetches(peer, fetched);
+        let fetched = self
+            .with_session(peer, |s, cx, local| s.on_message(cx, local, message))
+            .flatten();
+        if let Some(id) = fetched {
+            self.bind_fetch(peer, id);
         }
         self.settle();
     }

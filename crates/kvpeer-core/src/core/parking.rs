@@ -58,23 +58,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
     /// for a reaped id fails in one round trip.
-    pub(super) fn bind_fetches(&mut self, peer: &PeerId, fetched: Vec<KvRequestId>) {
-        for id in fetched {
-            if self.reaped.contains_key(&id) {
-                self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
-                for batch in self.unbound.remove(&id).unwrap_or_default() {
-                    self.complete_store(batch.job, false);
-                }
-                continue;
-            }
-            if self.bound.insert(id.clone(), peer.clone()).is_none() {
-                self.bound_lane.arm(self.now, id.clone());
-            }
+    pub(super) fn bind_fetch(&mut self, peer: &PeerId, id: KvRequestId) {
+        if self.reaped.contains_key(&id) {
+            self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
             for batch in self.unbound.remove(&id).unwrap_or_default() {
-                self.with_session(peer, |s, cx, _| {
-                    s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
-                });
+                self.complete_store(batch.job, false);
             }
+            return;
+        }
+        if self.bound.insert(id.clone(), peer.clone()).is_none() {
+            self.bound_lane.arm(self.now, id.clone());
+        }
+        for batch in self.unbound.remove(&id).unwrap_or_default() {
+            self.with_session(peer, |s, cx, _| {
+                s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
+            });
         }
     }
 

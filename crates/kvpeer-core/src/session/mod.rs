@@ -19,7 +19,7 @@ use crate::output::{Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
 use client::{ClientClose, ClientRole, Load};
-use server::{ServerClose, ServerRole, Supply};
+use server::{Origin, ServerClose, ServerRole, Supply};
 
 /// One round of one request: what per-round state and deadlines are keyed by, on both sides.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -100,8 +100,6 @@ pub(crate) struct Session {
     handshake_deadline: Instant,
     dispatch_errors: u32,
     peer_fault_at: Option<Instant>,
-    /// Requests whose `fetch` arrived since the core last asked (PD binding).
-    pub(crate) new_fetch_ids: Vec<KvRequestId>,
 }
 
 impl Session {
@@ -138,7 +136,6 @@ impl Session {
             handshake_deadline: now + config.handshake_timeout,
             dispatch_errors: 0,
             peer_fault_at: None,
-            new_fetch_ids: Vec::new(),
         }
     }
 
@@ -225,12 +222,19 @@ impl Session {
         }
     }
 
-    /// Dispatches one inbound message.
-    pub(crate) fn on_message(&mut self, cx: &mut Cx<'_>, local: &LocalNode, message: Message) {
+    /// Dispatches one inbound message. Returns the request of a `fetch` it accepted: the tier
+    /// binds it to this session (PD routing of later stores).
+    pub(crate) fn on_message(
+        &mut self,
+        cx: &mut Cx<'_>,
+        local: &LocalNode,
+        message: Message,
+    ) -> Option<KvRequestId> {
         if self.is_dead() {
-            return;
+            return None;
         }
         self.link.last_activity = cx.now;
+        let mut fetched = None;
         let result = match message {
             Message::Connect(c) => {
                 self.on_connect(cx, local, c);
@@ -245,7 +249,7 @@ impl Session {
                 self.mark_dead(CloseReason::PeerDisconnected);
                 Ok(())
             }
-            Message::Fetch(f) => self.on_fetch(cx, f),
+            Message::Fetch(f) => self.on_fetch(cx, f).map(|id| fetched = Some(id)),
             Message::AbortFetch(a) => {
                 self.server
                     .on_abort_fetch(&mut self.link, cx, &a.kv_request_id, a.round_seq);
@@ -276,9 +280,11 @@ impl Session {
             Err(Fault::Protocol(reason)) => self.protocol_error(cx, reason.into()),
             Err(Fault::Internal(reason)) => self.internal_error(cx, reason),
         }
+        fetched
     }
 
-    fn on_fetch(&mut self, cx: &mut Cx<'_>, f: kvpeer_proto::Fetch) -> Result<(), Fault> {
+    /// A `fetch`; its request on success.
+    fn on_fetch(&mut self, cx: &mut Cx<'_>, f: kvpeer_proto::Fetch) -> Result<KvRequestId, Fault> {
         // kvpeer's check: an index outside the peer's own region can only be a broken or
         // hostile peer (vLLM leaves it to NIXL to fail the write).
         if let Some(limit) = self.state.peer_blocks() {
@@ -305,8 +311,7 @@ impl Session {
                 f.round_seq,
             )
             .map_err(Fault::Protocol)?;
-        self.new_fetch_ids.push(f.kv_request_id);
-        Ok(())
+        Ok(f.kv_request_id)
     }
 
     fn on_connect(&mut self, cx: &mut Cx<'_>, local: &LocalNode, c: Connect) {
@@ -487,7 +492,7 @@ impl Session {
             keys,
             blocks,
             round: RoundSeq(0),
-            from_lookup: false,
+            origin: Origin::Store,
         };
         self.server
             .add_stored_blocks(&mut self.link, cx, id, supply);

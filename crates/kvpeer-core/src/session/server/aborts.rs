@@ -78,13 +78,7 @@ impl ServerRole {
                 return;
             }
             let still = cx.plane.cancel(&ids, CancelMode::Wait);
-            for tid in &ids {
-                if !still.contains(tid) {
-                    if let Some(xfer) = self.pop_inflight(*tid) {
-                        self.settle_transfer_jobs(cx, &xfer, false);
-                    }
-                }
-            }
+            self.settle_stopped(cx, &ids, &still);
             if !still.is_empty() {
                 self.retry_lane
                     .arm(cx.now, (RoundKey::new(id, round), serial));
@@ -145,6 +139,18 @@ impl ServerRole {
         true
     }
 
+    /// Transfers of `asked` that a wait-mode cancel stopped (not in `still`): gone, and the
+    /// pins they read settle as failed.
+    fn settle_stopped(&mut self, cx: &mut Cx<'_>, asked: &[TransferId], still: &[TransferId]) {
+        for tid in asked {
+            if !still.contains(tid) {
+                if let Some(xfer) = self.pop_inflight(*tid) {
+                    self.settle_transfer_jobs(cx, &xfer, false);
+                }
+            }
+        }
+    }
+
     /// Cancels a round whose store jobs timed out: wait-mode, released transfers settle.
     pub(super) fn cancel_round(
         &mut self,
@@ -171,13 +177,7 @@ impl ServerRole {
         } else {
             cx.plane.cancel(&ids, CancelMode::Wait)
         };
-        for tid in &ids {
-            if !still.contains(tid) {
-                if let Some(xfer) = self.pop_inflight(*tid) {
-                    self.settle_transfer_jobs(cx, &xfer, false);
-                }
-            }
-        }
+        self.settle_stopped(cx, &ids, &still);
         if self
             .round_mut(id, round, serial)
             .is_some_and(|r| r.inflight == 0)

@@ -8,7 +8,7 @@
 
 use kvpeer_proto::{KvRequestId, LookupResp, Message, OffloadKey, RoundSeq};
 
-use super::{serve_ctx, ActiveLookup, ServerRole, Supply};
+use super::{serve_ctx, ActiveLookup, Origin, ServerRole, Supply};
 use crate::error::InternalError;
 use crate::maps::Map;
 use crate::output::Link;
@@ -106,7 +106,7 @@ impl ServerRole {
                     keys: &hits,
                     blocks: &job.blocks,
                     round: lookup.round,
-                    from_lookup: true,
+                    origin: Origin::Lookup,
                 };
                 self.add_stored_blocks(link, cx, id, supply);
                 Ok(())

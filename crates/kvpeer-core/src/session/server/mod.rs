@@ -86,7 +86,7 @@ struct Round {
 
 /// Who supplies a round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Origin {
+pub(crate) enum Origin {
     /// The engine's stores (PD): supply may still come after the fetch.
     Store,
     /// Lookup pins (symmetric), or pins that expired: no supply can come after the fetch, so
@@ -254,8 +254,8 @@ pub(crate) struct Supply<'a> {
     pub(crate) keys: &'a [OffloadKey],
     pub(crate) blocks: &'a [BlockIndex],
     pub(crate) round: RoundSeq,
-    /// Pinned by a lookup (symmetric) rather than stored by the engine (PD).
-    pub(crate) from_lookup: bool,
+    /// Pinned by a lookup (symmetric), or stored by the engine (PD).
+    pub(crate) origin: Origin,
 }
 
 /// What a closed session leaves behind (already completed at the parent).

@@ -26,7 +26,7 @@ impl ServerRole {
             keys,
             blocks,
             round,
-            from_lookup,
+            origin,
         } = supply;
         let rnd = self.round_or_new(id, round);
         let serial = rnd.serial;
@@ -38,7 +38,7 @@ impl ServerRole {
             });
             return;
         }
-        if from_lookup {
+        if origin == Origin::Lookup {
             rnd.origin = Origin::Lookup;
         }
         let new_pin = rnd.pin_mut(job).is_none();
