@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kvpeer_proto::{Abort, KvRequestId, Message, RoundSeq};
 
-use super::ServerRole;
+use super::{Serial, ServerRole};
 use crate::output::Link;
 use crate::session::{Cx, RoundKey};
 use crate::traits::{CancelMode, TransferId};
@@ -121,7 +121,7 @@ impl ServerRole {
         &mut self,
         id: &KvRequestId,
         round: RoundSeq,
-        serial: u64,
+        serial: Serial,
         now: Instant,
     ) -> bool {
         let interval = self.retry_lane.delay();
@@ -158,7 +158,7 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         round: RoundSeq,
-        serial: u64,
+        serial: Serial,
     ) {
         if self.aborts.contains_key(&RoundKey::new(id, round)) {
             self.drain_abort(link, cx, id, round);
@@ -194,7 +194,7 @@ impl ServerRole {
         &self,
         id: &KvRequestId,
         round: RoundSeq,
-        serial: u64,
+        serial: Serial,
     ) -> Vec<TransferId> {
         let Some(req) = self.requests.get(id) else {
             return Vec::new();

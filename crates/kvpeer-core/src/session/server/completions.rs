@@ -10,7 +10,7 @@ use kvpeer_proto::{KvRequestId, Message, RoundSeq, TransferDone};
 use smallvec::SmallVec;
 use tracing::{debug, warn};
 
-use super::{Inflight, Orphan, ServerRole};
+use super::{Inflight, Orphan, Serial, ServerRole};
 use crate::output::Link;
 use crate::session::{Cx, RoundKey};
 use crate::traits::{JobId, TransferId};
@@ -61,7 +61,7 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         round: RoundSeq,
-        serial: u64,
+        serial: Serial,
     ) {
         let Some(rnd) = self.round_mut(id, round, serial) else {
             return;

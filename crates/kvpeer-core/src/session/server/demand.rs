@@ -8,7 +8,7 @@
 use kvpeer_proto::{KvRequestId, OffloadKey, RoundSeq};
 use tracing::warn;
 
-use super::{Demand, Inflight, Matched, Origin, Round, ServerRole};
+use super::{Demand, Inflight, Matched, Origin, Round, Serial, ServerRole};
 use crate::error::ProtocolViolation;
 use crate::maps::Map;
 use crate::output::Link;
@@ -101,7 +101,7 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         round: RoundSeq,
-        serial: u64,
+        serial: Serial,
         matched: Matched,
     ) {
         let tid = match self.peer_fault {

@@ -42,6 +42,11 @@ use crate::output::Event;
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, CancelMode, JobId, ServeCtx, TransferId};
 
+/// One incarnation of a round: a round key can be used again once its round ended, and
+/// entries (timer lanes, transfers, orphans) of the old one must not touch the new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Serial(u64);
+
 /// A store job: local blocks pinned for the peer until the job completes.
 #[derive(Debug, Clone, Copy)]
 struct Pin {
@@ -57,14 +62,14 @@ struct Orphan {
     pin: Pin,
     id: KvRequestId,
     round: RoundSeq,
-    serial: u64,
+    serial: Serial,
 }
 
 /// One fetch round of one request: supply (blocks pinned for it) against demand (the fetch).
 #[derive(Debug)]
 struct Round {
     /// Distinguishes this round from a later one under the same key.
-    serial: u64,
+    serial: Serial,
     /// Who supplies the round.
     origin: Origin,
     /// The peer's fetch for the round, once it came.
@@ -151,7 +156,7 @@ impl Round {
         Some(self.pins.swap_remove(at))
     }
 
-    fn new(serial: u64) -> Self {
+    fn new(serial: Serial) -> Self {
         Round {
             serial,
             origin: Origin::Store,
@@ -242,7 +247,7 @@ impl Request {
 struct Inflight {
     id: KvRequestId,
     round: RoundSeq,
-    serial: u64,
+    serial: Serial,
     blocks: usize,
     jobs: SmallVec<[JobId; 2]>,
 }
@@ -277,23 +282,23 @@ pub(crate) struct ServerRole {
     orphans: Map<JobId, Orphan>,
     /// Pins not completed yet, in rounds and orphaned.
     open_pins: usize,
-    store_lane: Lane<(RoundKey, u64, JobId)>,
+    store_lane: Lane<(RoundKey, Serial, JobId)>,
     /// Rounds whose demand waits for supply (a PD fetch before its store): failed when no
     /// supply came within the store timeout, so a peer's fetches cannot park state forever.
-    demand_lane: Lane<(RoundKey, u64)>,
+    demand_lane: Lane<(RoundKey, Serial)>,
     /// Rounds dropped because every pin expired before any fetch: a late fetch for one fails
     /// in one round trip. Remembered for one more store timeout.
     expired: Map<RoundKey, Instant>,
     expired_lane: Lane<RoundKey>,
     lookup_lane: Lane<(KvRequestId, u64)>,
     next_lookup_id: u64,
-    next_serial: u64,
+    next_serial: Serial,
     /// Aborts draining: (request, round) → when the abort arrived.
     aborts: Map<RoundKey, Instant>,
     slow_aborts: Set<RoundKey>,
     abort_warn_lane: Lane<RoundKey>,
     /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
-    retry_lane: Lane<(RoundKey, u64)>,
+    retry_lane: Lane<(RoundKey, Serial)>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
     /// The data plane reported this peer unusable; no new writes.
@@ -323,7 +328,7 @@ impl ServerRole {
             expired_lane: Lane::new(config.store_timeout),
             lookup_lane: Lane::new(config.lookup_pending_timeout),
             next_lookup_id: 0,
-            next_serial: 0,
+            next_serial: Serial(0),
             aborts: Map::default(),
             slow_aborts: Set::default(),
             abort_warn_lane: Lane::new(config.cancel_drain_warning),
@@ -353,7 +358,12 @@ impl ServerRole {
         }
     }
 
-    fn round_mut(&mut self, id: &KvRequestId, round: RoundSeq, serial: u64) -> Option<&mut Round> {
+    fn round_mut(
+        &mut self,
+        id: &KvRequestId,
+        round: RoundSeq,
+        serial: Serial,
+    ) -> Option<&mut Round> {
         self.requests
             .get_mut(id)?
             .round_mut(round)
@@ -365,7 +375,7 @@ impl ServerRole {
         let at = match req.rounds.iter().position(|(k, _)| *k == round) {
             Some(at) => at,
             None => {
-                self.next_serial += 1;
+                self.next_serial = Serial(self.next_serial.0 + 1);
                 req.rounds.push((round, Round::new(self.next_serial)));
                 req.rounds.len() - 1
             }
