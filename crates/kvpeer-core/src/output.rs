@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvpeer_proto::{KvRequestId, Message, PeerId};
 
 use crate::error::{Refusal, SessionEnd};
-use crate::traits::{BlockIndex, JobId};
+use crate::traits::JobId;
 
 /// One message for one peer's control connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,8 +64,6 @@ pub(crate) struct Outbox {
     pub(crate) events: VecDeque<Event>,
     /// Requests whose load failed since the tier last looked: their lookups answer MISS.
     pub(crate) failed_loads: Vec<KvRequestId>,
-    /// Loads that ended since the tier last looked: their blocks take no more writes.
-    pub(crate) ended_writes: Vec<(PeerId, Vec<BlockIndex>)>,
     /// Running totals for metrics.
     pub(crate) counters: crate::counters::Counters,
     /// Warnings a peer can cause, at most one per kind per second.

@@ -564,7 +564,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
-        self.drain_load_ends();
+        self.drain_failed_loads();
         let dead: Vec<PeerId> = self
             .sessions
             .values()
@@ -576,12 +576,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
     }
 
-    /// Failed loads make their requests answer MISS; ended loads' blocks take no more writes.
-    fn drain_load_ends(&mut self) {
+    /// Failed loads make their requests answer MISS (the outbox collects them where loads end,
+    /// deep in a session, and the tier holds the set).
+    fn drain_failed_loads(&mut self) {
         self.failed.extend(self.out.failed_loads.drain(..));
-        for (peer, blocks) in std::mem::take(&mut self.out.ended_writes) {
-            self.plane.end_writes(&peer, &blocks);
-        }
     }
 
     fn end_session(&mut self, peer: &PeerId) {
@@ -595,7 +593,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.out.load_done(job, id, false, live);
         }
         self.failed.extend(closed.client.failed_ids);
-        self.drain_load_ends();
+        self.drain_failed_loads();
         self.plane.remove_remote_peer(peer);
         let end = self.account_end(peer, &session);
         // An orderly end (either side said `disconnect`, or we closed it) is routine; anything

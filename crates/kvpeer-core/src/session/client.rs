@@ -11,7 +11,7 @@ use std::time::Instant;
 use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, PeerId, RoundSeq};
 use tracing::{debug, warn};
 
-use super::RoundKey;
+use super::{Cx, RoundKey};
 use crate::config::CoreConfig;
 use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
@@ -332,9 +332,10 @@ impl ClientRole {
         self.prune(id);
     }
 
+    /// Ends a load (once): its blocks take no more writes from the peer, its result is out.
     fn complete(
         &mut self,
-        out: &mut Outbox,
+        cx: &mut Cx<'_>,
         id: &KvRequestId,
         round: RoundSeq,
         success: bool,
@@ -347,21 +348,22 @@ impl ClientRole {
         };
         let live = !req.is_finished();
         self.active_loads -= 1;
-        out.ended_writes.push((self.peer.clone(), load.blocks));
-        out.load_done(load.job, id.clone(), success, live);
+        cx.plane.end_writes(&self.peer, &load.blocks);
+        cx.out.load_done(load.job, id.clone(), success, live);
         self.prune(id);
         true
     }
 
     pub(crate) fn on_transfer_done(
         &mut self,
-        out: &mut Outbox,
+        cx: &mut Cx<'_>,
         id: &KvRequestId,
         success: bool,
         round: RoundSeq,
     ) {
-        if !self.complete(out, id, round, success) {
-            if let Some(suppressed) = out
+        if !self.complete(cx, id, round, success) {
+            if let Some(suppressed) = cx
+                .out
                 .throttle
                 .admit_ticked("transfer_done for no load in flight")
             {
@@ -370,11 +372,15 @@ impl ClientRole {
         }
     }
 
-    pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: RoundSeq) {
-        if self.complete(out, id, round, false) {
-            out.counters.abort_acks += 1;
+    pub(crate) fn on_abort_ack(&mut self, cx: &mut Cx<'_>, id: &KvRequestId, round: RoundSeq) {
+        if self.complete(cx, id, round, false) {
+            cx.out.counters.abort_acks += 1;
         } else {
-            if let Some(suppressed) = out.throttle.admit_ticked("abort_ack for no load in flight") {
+            if let Some(suppressed) = cx
+                .out
+                .throttle
+                .admit_ticked("abort_ack for no load in flight")
+            {
                 warn!(kv_request_id = %id, round = %round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
             }
         }
@@ -385,9 +391,9 @@ impl ClientRole {
     pub(crate) fn handle_timeout(
         &mut self,
         link: &mut Link,
-        out: &mut Outbox,
-        now: Instant,
+        cx: &mut Cx<'_>,
     ) -> Option<KvRequestId> {
+        let now = cx.now;
         while let Some((deadline, RoundKey { id, round })) = self.load_lane.pop_due(now) {
             let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
                 continue;
@@ -401,7 +407,7 @@ impl ClientRole {
             load.aborted_at = Some(now);
             self.abort_lane.arm(now, RoundKey::new(&id, round));
             link.send(
-                out,
+                cx.out,
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id,
@@ -418,7 +424,7 @@ impl ClientRole {
                 .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
             if fired {
                 warn!(peer = %link.peer, kv_request_id = %id, round = %round, "abort_ack timed out; failing the load");
-                self.complete(out, &id, round, false);
+                self.complete(cx, &id, round, false);
             }
         }
         let mut expired = None;

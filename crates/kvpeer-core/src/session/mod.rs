@@ -266,12 +266,11 @@ impl Session {
             }
             Message::TransferDone(t) => {
                 self.client
-                    .on_transfer_done(cx.out, &t.kv_request_id, t.success, t.round_seq);
+                    .on_transfer_done(cx, &t.kv_request_id, t.success, t.round_seq);
                 Ok(())
             }
             Message::AbortAck(a) => {
-                self.client
-                    .on_abort_ack(cx.out, &a.kv_request_id, a.round_seq);
+                self.client.on_abort_ack(cx, &a.kv_request_id, a.round_seq);
                 Ok(())
             }
         };
@@ -430,7 +429,7 @@ impl Session {
             self.mark_dead(CloseReason::HandshakeTimeout);
             return;
         }
-        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx.out, cx.now) {
+        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx) {
             warn!(peer = %self.link.peer, kv_request_id = %expired, "lookup response timed out; disconnecting the peer");
             self.disconnect(cx.out, cx.now, CloseReason::LookupTimeout);
             return;
