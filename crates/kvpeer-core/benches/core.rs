@@ -115,11 +115,11 @@ impl Parent for BenchParent {
         }
     }
     fn create_store_job(&mut self, keys: &[OffloadKey], _: &ServeCtx) -> Option<StoreJob> {
-        self.next_job += 1;
+        self.next_job = JobId::new(self.next_job.get() + 1);
         self.pinned += 1;
         Some(StoreJob {
             job_id: self.next_job,
-            blocks: (0..keys.len() as u64).collect(),
+            blocks: (0..keys.len() as u64).map(BlockIndex::new).collect(),
         })
     }
     fn complete_store_job(&mut self, _: JobId, _: bool) {
@@ -138,7 +138,11 @@ struct BenchPlane {
 }
 
 impl DataPlane for BenchPlane {
-    fn add_remote_peer(&mut self, _: &PeerId, _: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(
+        &mut self,
+        _: &PeerId,
+        _: &RemoteMemory,
+    ) -> Result<(), kvpeer_core::PlaneError> {
         Ok(())
     }
     fn registration(&mut self, _: &PeerId) -> Registration {
@@ -151,7 +155,7 @@ impl DataPlane for BenchPlane {
         _: &[BlockIndex],
         _: &[BlockIndex],
     ) -> Option<TransferId> {
-        self.next += 1;
+        self.next = TransferId::new(self.next.get() + 1);
         if self.hold {
             self.held.push((peer.clone(), self.next));
         } else {
@@ -249,8 +253,8 @@ fn batch(
             .filter(|k| c.lookup(now, req, k) == LookupResult::Hit)
             .cloned()
             .collect();
-        let blocks = (0..hits.len() as u64).collect();
-        c.submit_load(now, base + i as u64, req, hits, blocks);
+        let blocks = (0..hits.len() as u64).map(BlockIndex::new).collect();
+        c.submit_load(now, JobId::new(base + i as u64), req, hits, blocks);
     }
     deliver(c, p, now);
     p.handle_data_plane(now);
@@ -302,8 +306,14 @@ fn open_population(
             .map(|k| open_key(i as u64, k))
             .filter(|k| c.lookup(now, req, k) == LookupResult::Hit)
             .collect();
-        let blocks = (0..keys.len() as u64).collect();
-        c.submit_load(now, 1 << 40 | (base + i as u64), req, keys, blocks);
+        let blocks = (0..keys.len() as u64).map(BlockIndex::new).collect();
+        c.submit_load(
+            now,
+            JobId::new(1 << 40 | (base + i as u64)),
+            req,
+            keys,
+            blocks,
+        );
     }
     deliver(c, p, now);
     p.plane_mut().hold = false;

@@ -17,6 +17,8 @@
 mod config;
 mod core;
 mod counters;
+mod error;
+mod ids;
 mod maps;
 mod output;
 mod session;
@@ -29,6 +31,10 @@ pub use crate::core::{
     Core, CoreStats, OffloadPolicy, Request, RequestRoles, SessionState, Source,
 };
 pub use crate::counters::Counters;
+pub use crate::error::{
+    CloseReason, ConnectRejection, FaultRecord, Initiator, InternalError, PlaneError,
+    PlaneErrorKind, ProtocolViolation, Refusal, SessionEnd,
+};
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{
     BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,

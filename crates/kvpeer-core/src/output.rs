@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use kvpeer_proto::{KvRequestId, Message, PeerId};
 
-use crate::traits::{BlockIndex, JobId};
+use crate::error::{Refusal, SessionEnd};
+use crate::traits::JobId;
 
 /// One message for one peer's control connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,15 +45,15 @@ pub enum Event {
     Close {
         /// The peer.
         peer: PeerId,
-        /// Why the session ended.
-        reason: String,
+        /// Why the session ended, and what that costs the peer.
+        end: SessionEnd,
     },
     /// An inbound connection was refused before any session existed; close it.
     Refused {
         /// The peer.
         peer: PeerId,
         /// Why.
-        reason: String,
+        reason: Refusal,
     },
 }
 
@@ -63,8 +64,6 @@ pub(crate) struct Outbox {
     pub(crate) events: VecDeque<Event>,
     /// Requests whose load failed since the tier last looked: their lookups answer MISS.
     pub(crate) failed_loads: Vec<KvRequestId>,
-    /// Loads that ended since the tier last looked: their blocks take no more writes.
-    pub(crate) ended_writes: Vec<(PeerId, Vec<BlockIndex>)>,
     /// Running totals for metrics.
     pub(crate) counters: crate::counters::Counters,
     /// Warnings a peer can cause, at most one per kind per second.
@@ -115,42 +114,63 @@ impl Outbox {
 #[derive(Debug)]
 pub(crate) struct Link {
     pub(crate) peer: PeerId,
-    /// The peer acked our `connect`: it has registered our memory, we may send.
-    pub(crate) ready: bool,
-    /// Messages waiting for the peer's ack, in order.
-    queued: Vec<Message>,
-    /// The session is over: nothing more is sent.
-    pub(crate) closed: bool,
+    gate: Gate,
     /// Last time a message went out or came in.
     pub(crate) last_activity: Instant,
+}
+
+/// Where a link's gate stands; it only moves forward.
+#[derive(Debug)]
+enum Gate {
+    /// The peer has not acked our `connect`: messages wait, in order.
+    Waiting(Vec<Message>),
+    /// The peer acked our `connect` (it has registered our memory): messages flow.
+    Open,
+    /// The session is over: nothing more is sent.
+    Closed {
+        /// Whether the peer had acked our `connect` (a session that never was is a failed
+        /// dial).
+        was_open: bool,
+    },
 }
 
 impl Link {
     pub(crate) fn new(peer: PeerId, now: Instant) -> Self {
         Link {
             peer,
-            ready: false,
-            queued: Vec::new(),
-            closed: false,
+            gate: Gate::Waiting(Vec::new()),
             last_activity: now,
         }
     }
 
+    /// The peer acked our `connect` and the session is not over: messages flow.
+    pub(crate) fn is_ready(&self) -> bool {
+        matches!(self.gate, Gate::Open)
+    }
+
+    /// Whether the peer ever acked our `connect`, closed or not.
+    pub(crate) fn was_ready(&self) -> bool {
+        matches!(self.gate, Gate::Open | Gate::Closed { was_open: true })
+    }
+
+    /// Nothing more is sent; queued messages are dropped.
+    pub(crate) fn close(&mut self) {
+        let was_open = self.was_ready();
+        self.gate = Gate::Closed { was_open };
+    }
+
     /// Sends now if the peer is ready, else queues until its ack.
     pub(crate) fn send(&mut self, out: &mut Outbox, now: Instant, message: Message) {
-        if self.closed {
-            return;
+        match &mut self.gate {
+            Gate::Closed { .. } => {}
+            Gate::Waiting(queued) => queued.push(message),
+            Gate::Open => self.send_now(out, now, message),
         }
-        if !self.ready {
-            self.queued.push(message);
-            return;
-        }
-        self.send_now(out, now, message);
     }
 
     /// Sends without gating (`connect`, `connect_ack`, `disconnect`).
     pub(crate) fn send_now(&mut self, out: &mut Outbox, now: Instant, message: Message) {
-        if self.closed {
+        if matches!(self.gate, Gate::Closed { .. }) {
             return;
         }
         out.transmit(&self.peer, message);
@@ -159,13 +179,23 @@ impl Link {
 
     /// The peer's ack arrived: flush the queue in order.
     pub(crate) fn set_ready(&mut self, out: &mut Outbox, now: Instant) {
-        self.ready = true;
-        for message in std::mem::take(&mut self.queued) {
+        let queued = match std::mem::replace(&mut self.gate, Gate::Open) {
+            Gate::Waiting(queued) => queued,
+            // A repeated ack changes nothing; a closed link stays closed.
+            other => {
+                self.gate = other;
+                return;
+            }
+        };
+        for message in queued {
             self.send_now(out, now, message);
         }
     }
 
     pub(crate) fn queued_len(&self) -> usize {
-        self.queued.len()
+        match &self.gate {
+            Gate::Waiting(queued) => queued.len(),
+            Gate::Open | Gate::Closed { .. } => 0,
+        }
     }
 }

@@ -9,14 +9,9 @@ use std::fmt;
 
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
-/// Id of a store job: a set of local blocks pinned for a peer until the job completes.
-pub type JobId = u64;
+use crate::error::PlaneError;
 
-/// Id of one data-plane write (a batch of blocks to one peer).
-pub type TransferId = u64;
-
-/// A local block index (a slot of the block pool).
-pub type BlockIndex = u64;
+pub use crate::ids::{BlockIndex, JobId, TransferId};
 
 /// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
 /// `ReqContext`: opened with [`Parent::on_new_request`], closed with
@@ -104,8 +99,8 @@ pub enum Registration {
     Pending,
     /// The peer's memory is registered: writes to it may start.
     Done,
-    /// Registration failed; the reason.
-    Failed(String),
+    /// Registration failed.
+    Failed(PlaneError),
 }
 
 /// What the data plane reports for one peer's transfers.
@@ -115,8 +110,8 @@ pub struct PlanePoll {
     pub done: Vec<TransferId>,
     /// Transfers that failed (nothing more of them will land).
     pub failed: Vec<TransferId>,
-    /// The peer itself is unusable on the data plane (e.g. gone); the reason.
-    pub peer_fault: Option<String>,
+    /// The peer itself is unusable on the data plane (e.g. gone).
+    pub peer_fault: Option<PlaneError>,
 }
 
 /// How [`DataPlane::cancel`] treats transfers still running.
@@ -133,7 +128,7 @@ pub enum CancelMode {
 pub trait DataPlane {
     /// Starts registering a peer's memory. Completion is read with
     /// [`DataPlane::registration`]; `connect_ack` waits for it.
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String>;
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError>;
     /// The state of the peer's registration.
     fn registration(&mut self, peer: &PeerId) -> Registration;
     /// Forgets a peer: its registration (pending or done) and every write permit it held.

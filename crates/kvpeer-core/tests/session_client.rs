@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{LookupResult, Registration, RequestRoles};
+use kvpeer_core::{JobId, LookupResult, Registration, RequestRoles};
 use kvpeer_proto::{ConnectAck, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
@@ -107,8 +107,10 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     let c = m.peer_connect();
     m.recv(Message::Connect(c));
     let peer = m.peer.clone();
-    m.plane()
-        .finish_registration(&peer, Registration::Failed("no route".into()));
+    m.plane().finish_registration(
+        &peer,
+        Registration::Failed(kvpeer_core::PlaneError::transport("no route")),
+    );
     m.data_plane();
     let sent = m.take_sent();
     assert_eq!(sent.last(), Some(&Message::Disconnect));
@@ -128,7 +130,7 @@ fn a_send_failure_reported_by_the_channel_ends_the_session() {
     let peer = m.peer.clone();
     m.core.handle_connection_lost(m.now, &peer);
     m.pump();
-    assert_eq!(m.load_results(), vec![(7, false)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(7), false)]);
     assert_eq!(m.closed().as_deref(), Some("control connection lost"));
     assert_eq!(
         m.lookup("r", &key(1)),
@@ -259,7 +261,7 @@ fn a_load_sends_fetch_and_completes_on_transfer_done() {
         "no result before transfer_done"
     );
     m.recv(transfer_done("r", true, 0));
-    assert_eq!(m.load_results(), vec![(5, true)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(5), true)]);
     m.finish("r");
     m.assert_clean();
 }
@@ -272,7 +274,7 @@ fn a_failed_transfer_fails_the_load_and_the_request_falls_back() {
     m.ready_source("r");
     m.load(5, "r", vec![key(1)], vec![10]);
     m.recv(transfer_done("r", false, 0));
-    assert_eq!(m.load_results(), vec![(5, false)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
     assert_eq!(
         m.lookup("r", &key(9)),
         LookupResult::Miss,
@@ -303,7 +305,11 @@ fn finish_aborts_the_load_and_keeps_it_until_the_ack() {
     m.recv(abort_ack("r", 0));
     m.recv(abort_ack("r", 0));
     m.recv(transfer_done("r", true, 0));
-    assert_eq!(m.load_results(), vec![(5, false)], "exactly one failure");
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(5), false)],
+        "exactly one failure"
+    );
     m.assert_clean();
 }
 
@@ -317,7 +323,7 @@ fn finish_without_an_ack_fails_the_load_at_the_ack_timeout() {
     m.advance(S(9));
     assert!(m.load_results().is_empty());
     m.advance(S(2));
-    assert_eq!(m.load_results(), vec![(5, false)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
     m.advance(S(60));
     assert_eq!(m.load_results().len(), 1);
     m.assert_clean();
@@ -358,7 +364,10 @@ fn a_load_times_out_into_an_abort_and_the_ack_fails_it() {
     );
     m.recv(abort_ack("r", 1));
     m.recv(abort_ack("r", 0));
-    assert_eq!(m.load_results(), vec![(6, false), (5, false)]);
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(6), false), (JobId::new(5), false)]
+    );
     m.finish("r");
     m.assert_clean();
 }
@@ -371,7 +380,7 @@ fn an_unanswered_abort_fails_the_load_and_clears_the_request() {
     m.load(5, "r", vec![key(1)], vec![10]);
     m.advance(S(30));
     m.advance(S(10));
-    assert_eq!(m.load_results(), vec![(5, false)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
     assert!(
         !m.core.session_state(&m.peer).unwrap().pending_work,
         "the load is gone"
@@ -483,7 +492,10 @@ fn lookup_expiry_fails_what_is_open_and_keeps_what_completed() {
     m.lookup("b", &key(3));
     m.flush();
     m.advance(S(31));
-    assert_eq!(m.load_results(), vec![(1, true), (2, false)]);
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(1), true), (JobId::new(2), false)]
+    );
     assert_eq!(
         m.lookup("b", &key(3)),
         LookupResult::Miss,
@@ -664,7 +676,7 @@ fn a_load_grants_write_permits_until_it_ends() {
             .plane()
             .permits
             .get(&peer)
-            .map(|s| s.iter().copied().collect())
+            .map(|s| s.iter().map(|b| b.get()).collect())
             .unwrap_or_default();
         v.sort_unstable();
         v
@@ -682,7 +694,7 @@ fn a_load_grants_write_permits_until_it_ends() {
     assert!(permits(&mut m).is_empty(), "so does a failed one");
     m.load(3, "r", vec![key(4)], vec![13]);
     m.advance(S(41));
-    assert_eq!(m.load_results().last(), Some(&(3, false)));
+    assert_eq!(m.load_results().last(), Some(&(JobId::new(3), false)));
     assert!(permits(&mut m).is_empty(), "and one whose abort timed out");
     m.finish("r");
 }

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{CancelMode, JobId, RequestRoles};
+use kvpeer_core::{BlockIndex, CancelMode, JobId, RequestRoles, TransferId};
 use kvpeer_proto::{ConnectAck, Message, MessageType, OffloadKey};
 use support::cluster::key;
 use support::mock::*;
@@ -24,11 +24,11 @@ fn pd_store(m: &mut Mock, rid_: &str, keys: &[OffloadKey]) -> JobId {
     job
 }
 
-fn running(m: &mut Mock) -> Vec<u64> {
+fn running(m: &mut Mock) -> Vec<TransferId> {
     m.plane().running()
 }
 
-fn end(m: &mut Mock, tid: u64, ok: bool) {
+fn end(m: &mut Mock, tid: TransferId, ok: bool) {
     m.plane().end(tid, ok);
     m.data_plane();
 }
@@ -204,7 +204,11 @@ fn a_fetch_after_its_pins_timed_out_fails_without_reading() {
     m.recv(lookup_msg("r", vec![key(1)], 0));
     m.take_sent();
     m.advance(S(31));
-    assert_eq!(m.store_results(), vec![(1, false)], "the pin timed out");
+    assert_eq!(
+        m.store_results(),
+        vec![(JobId::new(1), false)],
+        "the pin timed out"
+    );
     m.recv(fetch("r", vec![key(1)], vec![7], 0));
     assert!(
         running(&mut m).is_empty(),
@@ -228,7 +232,10 @@ fn stored_blocks_wait_for_the_fetch_then_transfer() {
     assert_eq!(m.core.stats().unbound_batches, 1);
     m.recv(fetch("r", vec![key(1), key(2)], vec![5, 6], 0));
     let tid = running(&mut m)[0];
-    assert_eq!(m.plane().transfers[&tid].remote, vec![5, 6]);
+    assert_eq!(
+        m.plane().transfers[&tid].remote,
+        vec![BlockIndex::new(5), BlockIndex::new(6)]
+    );
     end(&mut m, tid, true);
     assert_eq!(m.take_sent(), vec![transfer_done("r", true, 0)]);
     assert_eq!(m.store_results(), vec![(job, true)]);
@@ -612,7 +619,7 @@ fn one_session_consumes_and_produces_at_once() {
             MessageType::TransferDone
         ]
     );
-    assert_eq!(m.load_results(), vec![(1, true)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(1), true)]);
     m.finish("mine");
     m.assert_clean();
 }
@@ -633,7 +640,7 @@ fn a_peer_disconnect_fails_everything_open_with_it() {
     m.recv(transfer_done("mine", true, 0));
     assert_eq!(
         m.load_results(),
-        vec![(1, false)],
+        vec![(JobId::new(1), false)],
         "messages after disconnect are dropped"
     );
     assert_eq!(m.store_results().len(), 1);
@@ -695,7 +702,7 @@ fn a_malformed_known_message_disconnects_at_once() {
         m.recv_raw(payload);
         assert_eq!(m.take_sent(), vec![Message::Disconnect]);
         assert!(m.closed().unwrap().starts_with("protocol error"));
-        assert_eq!(m.load_results(), vec![(1, false)]);
+        assert_eq!(m.load_results(), vec![(JobId::new(1), false)]);
     }
 }
 

@@ -7,7 +7,9 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{CancelMode, CoreConfig, Event, LookupResult, OffloadPolicy, RequestRoles};
+use kvpeer_core::{
+    CancelMode, CoreConfig, Event, JobId, LookupResult, OffloadPolicy, RequestRoles,
+};
 use kvpeer_proto::{Message, PeerId};
 use support::cluster::{id, key, Cluster};
 use support::mock::*;
@@ -112,11 +114,18 @@ fn loads_without_a_producer_fail_and_empty_loads_succeed() {
     m.dial("none", RequestRoles::decoder());
     m.load(1, "none", vec![key(1)], vec![1]);
     m.dial("pd", RequestRoles::prefiller(m.peer.clone()));
-    m.load(2, "pd", vec![], vec![]);
+    m.load(2, "pd", vec![], Vec::<u64>::new());
     let peer = m.peer.clone();
     m.core.handle_connection_lost(m.now, &peer);
     m.load(3, "pd", vec![key(1)], vec![1]);
-    assert_eq!(m.load_results(), vec![(1, false), (2, true), (3, false)]);
+    assert_eq!(
+        m.load_results(),
+        vec![
+            (JobId::new(1), false),
+            (JobId::new(2), true),
+            (JobId::new(3), false)
+        ]
+    );
     assert_eq!(
         m.lookup("pd", &key(1)),
         LookupResult::Miss,
@@ -147,7 +156,7 @@ fn events_are_drained_once() {
     let mut m = Mock::new();
     m.load(1, "nobody", vec![key(1)], vec![1]);
     assert!(m.core.poll_event().is_none(), "pump already drained it");
-    assert_eq!(m.load_results(), vec![(1, false)]);
+    assert_eq!(m.load_results(), vec![(JobId::new(1), false)]);
 }
 
 /// upstream: TestGetFinished.test_reap_fails_probes
@@ -508,7 +517,7 @@ fn after_a_lookup_expiry_the_peers_reconnect_and_serve_again() {
     assert!(job.is_none());
     c.run_for(S(31));
     assert!(c.events_of(0).iter().any(
-        |e| matches!(e, Event::Close { reason, .. } if reason == "lookup response timed out")
+        |e| matches!(e, Event::Close { end, .. } if end.to_string() == "lookup response timed out")
     ));
     c.finish(0, "a");
     let (job, hits) = c.symmetric_fetch(0, 1, "b", &[key(1)]);

@@ -17,7 +17,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -119,7 +119,7 @@ fn plane_gbps<P: DataPlane>(
     len: u64,
     runs: usize,
 ) -> f64 {
-    let blocks: Vec<u64> = (0..PER_FETCH).collect();
+    let blocks: Vec<BlockIndex> = (0..PER_FETCH).map(BlockIndex::new).collect();
     let v = (0..runs + 1)
         .map(|_| {
             rx_permits();
@@ -236,7 +236,7 @@ fn main() {
         let with_key =
             AgentMetadata::decode(&rx.connect_metadata(&pa, &advertised.encode())).unwrap();
         register(&mut tx, &pb, with_key, len);
-        let blocks: Vec<u64> = (0..PER_FETCH).collect();
+        let blocks: Vec<BlockIndex> = (0..PER_FETCH).map(BlockIndex::new).collect();
         let got = plane_gbps(
             &mut tx,
             &woken,

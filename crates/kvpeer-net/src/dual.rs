@@ -17,7 +17,8 @@
 use std::collections::HashMap;
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+    BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
+    TransferId,
 };
 use kvpeer_proto::PeerId;
 use tracing::debug;
@@ -56,7 +57,7 @@ impl DualPlane {
             routes: HashMap::new(),
             transfers: HashMap::new(),
             outer: HashMap::new(),
-            next_id: 1,
+            next_id: TransferId::new(1),
         }
     }
 
@@ -99,7 +100,7 @@ impl DualPlane {
 }
 
 impl DataPlane for DualPlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         // Reset the route only: the tcp plane's side of this peer (the key we issued it, the
         // permits it holds as a writer into us) belongs to the session and ends with it, in
         // `remove_remote_peer`; its `add_remote_peer` replaces its own outbound link.
@@ -129,7 +130,7 @@ impl DataPlane for DualPlane {
     fn registration(&mut self, peer: &PeerId) -> Registration {
         match self.route(peer) {
             Some(route) => self.plane(route).registration(peer),
-            None => Registration::Failed("not registered".into()),
+            None => Registration::Failed(PlaneError::not_registered()),
         }
     }
 
@@ -150,7 +151,7 @@ impl DataPlane for DualPlane {
         let route = self.route(peer)?;
         let inner = self.plane(route).write_blocks(peer, local, remote)?;
         let id = self.next_id;
-        self.next_id += 1;
+        self.next_id = TransferId::new(self.next_id.get() + 1);
         self.transfers.insert(id, (route, inner));
         self.outer.insert((route, inner), id);
         Some(id)

@@ -49,6 +49,6 @@ pub(crate) fn write_in_range(
     remote_blocks: u64,
 ) -> bool {
     local.len() == remote.len()
-        && local.iter().all(|l| *l < local_blocks)
-        && remote.iter().all(|r| *r < remote_blocks)
+        && local.iter().all(|l| l.get() < local_blocks)
+        && remote.iter().all(|r| r.get() < remote_blocks)
 }

@@ -31,7 +31,8 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+    BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
+    TransferId,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
@@ -301,7 +302,7 @@ impl NixlPlane {
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             shared,
             watcher: Some(watcher),
             wake,
@@ -363,8 +364,8 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
             Err(nixl_sys::NixlError::BackendError) => {
                 let poll = reports.entry(entry.peer.clone()).or_default();
                 poll.failed.push(id);
-                poll.peer_fault = Some("NIXL reported the WRITE failed".into());
-                warn!(peer = %entry.peer, transfer = id, "nixl WRITE failed");
+                poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
+                warn!(peer = %entry.peer, transfer = id.get(), "nixl WRITE failed");
                 ended = true;
                 false
             }
@@ -373,9 +374,11 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
             Err(error) => {
                 if !entry.struck {
                     entry.struck = true;
-                    warn!(peer = %entry.peer, transfer = id, %error, "nixl state check failed");
+                    warn!(peer = %entry.peer, transfer = id.get(), %error, "nixl state check failed");
                     let poll = reports.entry(entry.peer.clone()).or_default();
-                    poll.peer_fault = Some(format!("NIXL state check failed: {error}"));
+                    poll.peer_fault = Some(PlaneError::transport(format!(
+                        "NIXL state check failed: {error}"
+                    )));
                     ended = true;
                 }
                 true
@@ -391,20 +394,22 @@ fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
 }
 
 impl DataPlane for NixlPlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         if memory.block_len != self.block_len {
-            return Err(format!(
+            return Err(PlaneError::rejected(format!(
                 "block_len {} is not ours ({})",
                 memory.block_len, self.block_len
-            ));
+            )));
         }
         if memory.num_blocks == 0 || memory.agent_metadata.is_empty() {
-            return Err("the peer offers no NIXL region".into());
+            return Err(PlaneError::rejected("the peer offers no NIXL region"));
         }
         // A peer replaying our own metadata would have us WRITE into our own pool.
         if memory.agent_metadata == self.metadata {
             warn!(%peer, "nixl registration refused: the peer sent this node's own metadata");
-            return Err("the peer's NIXL metadata is this node's own".into());
+            return Err(PlaneError::rejected(
+                "the peer's NIXL metadata is this node's own",
+            ));
         }
         self.remove_remote_peer(peer);
         let (tx, rx) = channel();
@@ -447,7 +452,9 @@ impl DataPlane for NixlPlane {
                 }
                 wake();
             })
-            .map_err(|e| format!("cannot start the registration thread: {e}"))?;
+            .map_err(|e| {
+                PlaneError::resources(format!("cannot start the registration thread: {e}"))
+            })?;
         self.pending.insert(
             peer.clone(),
             Pending {
@@ -463,10 +470,10 @@ impl DataPlane for NixlPlane {
             return Registration::Done;
         }
         if let Some(reason) = self.failed.get(peer) {
-            return Registration::Failed(reason.clone());
+            return Registration::Failed(PlaneError::rejected(reason.as_str()));
         }
         let Some(pending) = self.pending.get(peer) else {
-            return Registration::Failed("not registered".into());
+            return Registration::Failed(PlaneError::not_registered());
         };
         match pending.result.try_recv() {
             Err(TryRecvError::Empty) => Registration::Pending,
@@ -474,7 +481,7 @@ impl DataPlane for NixlPlane {
                 self.pending.remove(peer);
                 let reason = "the registration thread ended without a result".to_owned();
                 self.failed.insert(peer.clone(), reason.clone());
-                Registration::Failed(reason)
+                Registration::Failed(PlaneError::resources(reason))
             }
             Ok(result) => {
                 let num_blocks = pending.num_blocks;
@@ -494,7 +501,7 @@ impl DataPlane for NixlPlane {
                     }
                     Err(reason) => {
                         self.failed.insert(peer.clone(), reason.clone());
-                        Registration::Failed(reason)
+                        Registration::Failed(PlaneError::rejected(reason))
                     }
                 }
             }
@@ -528,7 +535,7 @@ impl DataPlane for NixlPlane {
             return None;
         }
         let index = |v: &[BlockIndex]| -> Option<Vec<i32>> {
-            v.iter().map(|b| i32::try_from(*b).ok()).collect()
+            v.iter().map(|b| i32::try_from(b.get()).ok()).collect()
         };
         let (l, r) = (index(local)?, index(remote)?);
         let request = match self
@@ -542,7 +549,7 @@ impl DataPlane for NixlPlane {
                 return None;
             }
         };
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         let (state, ready) = &*self.shared;
         lock(state).inflight.insert(

@@ -36,7 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+    BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
+    TransferId,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
@@ -194,7 +195,7 @@ impl ShmPlane {
             prefaulting: HashMap::new(),
             prefaulted: Arc::default(),
             registration_seq: 0,
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             shared,
             jobs: Some(tx),
             worker: Some(worker),
@@ -272,7 +273,7 @@ impl ShmPlane {
 }
 
 impl DataPlane for ShmPlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         self.remove_remote_peer(peer);
         let map = match self.map_peer(memory) {
             Ok(map) => map,
@@ -281,7 +282,7 @@ impl DataPlane for ShmPlane {
                     warn!(%peer, error = %e, suppressed, "shm registration failed");
                 }
                 self.registrations
-                    .insert(peer.clone(), Registration::Failed(e));
+                    .insert(peer.clone(), Registration::Failed(PlaneError::rejected(e)));
                 return Ok(());
             }
         };
@@ -307,7 +308,9 @@ impl DataPlane for ShmPlane {
                 warn!(%peer, error = %e, "cannot start a pre-fault thread");
                 self.registrations.insert(
                     peer.clone(),
-                    Registration::Failed(format!("cannot start a pre-fault thread: {e}")),
+                    Registration::Failed(PlaneError::resources(format!(
+                        "cannot start a pre-fault thread: {e}"
+                    ))),
                 );
             }
         }
@@ -327,7 +330,7 @@ impl DataPlane for ShmPlane {
         self.registrations
             .get(peer)
             .cloned()
-            .unwrap_or_else(|| Registration::Failed("not registered".into()))
+            .unwrap_or_else(|| Registration::Failed(PlaneError::not_registered()))
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
@@ -349,7 +352,7 @@ impl DataPlane for ShmPlane {
             }
             return None;
         }
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
             {

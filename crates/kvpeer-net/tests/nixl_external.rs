@@ -14,7 +14,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::nixl::{NixlConfig, NixlError, NixlPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
@@ -106,6 +106,7 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
     assert_eq!(state, Registration::Done);
 
     let (local, remote) = ([0u64, 2, 7], [5u64, 1, 7]);
+    let (local, remote) = (local.map(BlockIndex::new), remote.map(BlockIndex::new));
     let tid = a.write_blocks(&pb, &local, &remote).unwrap();
     let poll = wait(|| {
         let poll = a.poll(&pb);
@@ -118,8 +119,8 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
     );
     let mut want = b_before;
     for (l, r) in local.iter().zip(remote) {
-        let at = (r * LEN) as usize;
-        want[at..at + LEN as usize].fill(*l as u8 + 1);
+        let at = (r.get() * LEN) as usize;
+        want[at..at + LEN as usize].fill(l.get() as u8 + 1);
     }
     assert!(
         raw(&b_pool, b_base) == want,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmPlane, Wake};
 use kvpeer_proto::{OffloadKey, PeerId};
@@ -98,18 +98,21 @@ fn key(n: u8) -> OffloadKey {
 fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
     let bytes: Vec<u8> = (0..LEN).map(|i| n ^ (i as u8).wrapping_mul(31)).collect();
     let block = store.put(&key(n), &bytes).unwrap();
-    (block, bytes)
+    (block.get(), bytes)
 }
 
 /// Asserts `peer`'s registration was refused with a reason containing `why`, and that a write
 /// to it does not start.
 fn assert_refused(p: &mut ShmPlane, peer: &PeerId, why: &str) {
     match settle(p, peer) {
-        Registration::Failed(reason) => assert!(reason.contains(why), "{reason:?}, not {why:?}"),
+        Registration::Failed(reason) => {
+            assert!(reason.message().contains(why), "{reason:?}, not {why:?}")
+        }
         other => panic!("registered: {other:?} (expected refusal: {why})"),
     }
     assert!(
-        p.write_blocks(peer, &[0], &[0]).is_none(),
+        p.write_blocks(peer, &[BlockIndex::new(0)], &[BlockIndex::new(0)])
+            .is_none(),
         "no write starts"
     );
 }
@@ -134,14 +137,14 @@ fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
     // else (its trailer is untouched).
     let before = object_bytes(&their_name);
     let id = p
-        .write_blocks(&peer, &[local], &[5])
+        .write_blocks(&peer, &[BlockIndex::new(local)], &[BlockIndex::new(5)])
         .expect("a write starts");
     let deadline = Instant::now() + Duration::from_secs(10);
     while !p.poll(&peer).done.contains(&id) {
         assert!(Instant::now() < deadline, "the write ends");
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert_eq!(theirs.pool().block(5).unwrap(), &bytes[..]);
+    assert_eq!(theirs.pool().block(BlockIndex::new(5)).unwrap(), &bytes[..]);
     let after = object_bytes(&their_name);
     let (l, r) = (5 * LEN as usize, 6 * LEN as usize);
     assert_eq!(before[..l], after[..l]);
@@ -151,7 +154,9 @@ fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
         "other blocks and the trailer unchanged"
     );
     // The trailer cannot be written: no block index reaches it.
-    assert!(p.write_blocks(&peer, &[local], &[BLOCKS]).is_none());
+    assert!(p
+        .write_blocks(&peer, &[BlockIndex::new(local)], &[BlockIndex::new(BLOCKS)])
+        .is_none());
 }
 
 #[test]
@@ -168,7 +173,9 @@ fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
     p.remove_remote_peer(&peer);
     std::thread::sleep(Duration::from_millis(200));
     assert!(matches!(p.registration(&peer), Registration::Failed(_)));
-    assert!(p.write_blocks(&peer, &[0], &[0]).is_none());
+    assert!(p
+        .write_blocks(&peer, &[BlockIndex::new(0)], &[BlockIndex::new(0)])
+        .is_none());
 
     // Replaced by a registration that is refused: the first one's late result does not revive it.
     p.add_remote_peer(&peer, &memory(&small_name, BLOCKS, token.clone()))
@@ -177,11 +184,13 @@ fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     assert!(
-        matches!(p.registration(&peer), Registration::Failed(ref e) if e.contains("claims")),
+        matches!(p.registration(&peer), Registration::Failed(ref e) if e.message().contains("claims")),
         "{:?}",
         p.registration(&peer)
     );
-    assert!(p.write_blocks(&peer, &[0], &[0]).is_none());
+    assert!(p
+        .write_blocks(&peer, &[BlockIndex::new(0)], &[BlockIndex::new(0)])
+        .is_none());
 }
 
 #[test]
@@ -222,11 +231,15 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
             .unwrap();
         match settle(&mut p, &peer) {
             Registration::Failed(reason) => {
-                assert!(reason.contains("own pool"), "{what}: {reason:?}");
+                assert!(reason.message().contains("own pool"), "{what}: {reason:?}");
             }
             other => panic!("{what}: registered ({other:?})"),
         }
-        assert!(p.write_blocks(&peer, &[local], &[1]).is_none(), "{what}");
+        assert!(
+            p.write_blocks(&peer, &[BlockIndex::new(local)], &[BlockIndex::new(1)])
+                .is_none(),
+            "{what}"
+        );
     }
     // No token at all: refused too.
     p.add_remote_peer(&peer, &memory(&my_name, BLOCKS, None))
@@ -270,7 +283,9 @@ fn a_peer_naming_another_pool_without_its_token_is_refused() {
         p.add_remote_peer(&peer, &memory(&victim_name, BLOCKS, token))
             .unwrap();
         assert_refused(&mut p, &peer, why);
-        assert!(p.write_blocks(&peer, &[local], &[2]).is_none());
+        assert!(p
+            .write_blocks(&peer, &[BlockIndex::new(local)], &[BlockIndex::new(2)])
+            .is_none());
     }
     assert!(
         object_bytes(&victim_name) == before,

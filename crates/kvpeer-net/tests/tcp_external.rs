@@ -13,7 +13,7 @@ use std::time::Duration;
 
 mod tcp_support;
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::tcp::TcpPlane;
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
@@ -106,6 +106,7 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
 
     // Local blocks 0, 2, 7 (the last, ending the span) into the receiver's 7, 1, 3.
     let (local, remote) = ([0u64, 2, 7], [7u64, 1, 3]);
+    let (local, remote) = (local.map(BlockIndex::new), remote.map(BlockIndex::new));
     rx.expect_writes(&writer, &remote);
     let tid = tx.write_blocks(&receiver, &local, &remote).unwrap();
     let poll = wait(|| {
@@ -120,8 +121,8 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
 
     let mut want = rx_before;
     for (l, r) in local.iter().zip(remote) {
-        let at = (r * STRIDE) as usize;
-        want[at..at + LEN as usize].fill(*l as u8 + 1);
+        let at = (r.get() * STRIDE) as usize;
+        want[at..at + LEN as usize].fill(l.get() as u8 + 1);
     }
     let got = raw(&rx_pool, rx_base);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -133,7 +134,10 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
             i as u64 % STRIDE
         );
     }
-    assert_eq!(rx_pool.block(1).unwrap(), &[3u8; LEN as usize][..]);
+    assert_eq!(
+        rx_pool.block(BlockIndex::new(1)).unwrap(),
+        &[3u8; LEN as usize][..]
+    );
     assert_eq!(
         raw(&tx_pool, tx_base),
         tx_before,
@@ -149,7 +153,7 @@ fn a_write_without_a_permit_leaves_an_external_region_untouched() {
     let mut rx = plane("10.0.0.1:5710", &pool);
     let writer = "10.0.0.2:5710";
     let key = issue(&mut rx, writer);
-    rx.expect_writes(&PeerId::new(writer), &[2]);
+    rx.expect_writes(&PeerId::new(writer), &[BlockIndex::new(2)]);
     let before = raw(&pool, base);
     let mut s = TcpStream::connect(rx.addr()).unwrap();
     hello(&mut s, writer, &key);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 mod fd_support;
 mod tcp_support;
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
@@ -63,7 +63,11 @@ fn registered_writer(rx: &mut TcpPlane, store: &BlockStore) -> TcpPlane {
 fn transfer(tx: &mut TcpPlane, local: u64, remote: u64) -> Result<(), String> {
     let receiver = PeerId::new(RX);
     let tid = tx
-        .write_blocks(&receiver, &[local], &[remote])
+        .write_blocks(
+            &receiver,
+            &[BlockIndex::new(local)],
+            &[BlockIndex::new(remote)],
+        )
         .ok_or("write_blocks refused")?;
     for _ in 0..500 {
         let poll = tx.poll(&receiver);
@@ -83,7 +87,7 @@ fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
     let mut h = [0u8; 32];
     h[0] = n;
     let key = kvpeer_proto::OffloadKey::from_parts(&h, 0);
-    (store.put(&key, &bytes).unwrap(), bytes)
+    (store.put(&key, &bytes).unwrap().get(), bytes)
 }
 
 #[test]
@@ -92,7 +96,7 @@ fn a_third_party_knowing_the_writer_id_but_not_the_key_is_refused() {
     let mut rx = plane(RX, &rx_store, TcpLimits::default());
     let mut tx = registered_writer(&mut rx, &tx_store);
     // A live fetch: permits outstanding for the writer.
-    rx.expect_writes(&PeerId::new(TX), &[2]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(2)]);
 
     for key in [vec![0u8; 32], vec![0x5a; 32], vec![]] {
         let mut s = connect_hello(&rx, TX, &key);
@@ -122,8 +126,8 @@ fn a_key_issued_to_one_peer_does_not_admit_another() {
     let mut rx = plane(RX, &store, TcpLimits::default());
     let key_a = issue(&mut rx, "10.0.0.3:1");
     let _key_b = issue(&mut rx, "10.0.0.4:1");
-    rx.expect_writes(&PeerId::new("10.0.0.4:1"), &[1]);
-    rx.expect_writes(&PeerId::new("10.0.0.3:1"), &[3]);
+    rx.expect_writes(&PeerId::new("10.0.0.4:1"), &[BlockIndex::new(1)]);
+    rx.expect_writes(&PeerId::new("10.0.0.3:1"), &[BlockIndex::new(3)]);
 
     let mut s = connect_hello(&rx, "10.0.0.4:1", &key_a);
     assert_eq!(
@@ -147,7 +151,7 @@ fn a_withdrawn_key_is_refused_and_its_connections_closed() {
     let store = pool("wd");
     let mut rx = plane(RX, &store, TcpLimits::default());
     let key = issue(&mut rx, TX);
-    rx.expect_writes(&PeerId::new(TX), &[1, 2]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(1), BlockIndex::new(2)]);
     let mut s = connect_hello(&rx, TX, &key);
     assert_eq!(write(&mut s, 1, &[(1, 0x11)]), Some(0));
 
@@ -172,7 +176,7 @@ fn a_new_connect_replaces_the_key_and_closes_what_used_the_old_one() {
     assert!(closed(&mut s), "the old session's connection is closed");
     let mut s = connect_hello(&rx, TX, &old);
     assert!(closed(&mut s), "the old key is refused");
-    rx.expect_writes(&PeerId::new(TX), &[4]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(4)]);
     let mut s = connect_hello(&rx, TX, &new);
     assert_eq!(write(&mut s, 1, &[(4, 0x44)]), Some(0));
 }
@@ -185,7 +189,7 @@ fn the_end_of_the_session_withdraws_the_key_even_before_any_permit() {
     let mut rx = plane(RX, &store, TcpLimits::default());
     let key = issue(&mut rx, TX);
     rx.remove_remote_peer(&PeerId::new(TX));
-    rx.expect_writes(&PeerId::new(TX), &[5]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(5)]);
     let mut s = connect_hello(&rx, TX, &key);
     assert_eq!(write(&mut s, 1, &[(5, 0x55)]), None, "refused");
     assert!(block(&store, 5).iter().all(|b| *b == 0));
@@ -201,7 +205,7 @@ fn a_version_1_hello_is_refused() {
     let store = pool("v1");
     let mut rx = plane(RX, &store, TcpLimits::default());
     let key = issue(&mut rx, TX);
-    rx.expect_writes(&PeerId::new(TX), &[1]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(1)]);
     let mut s = TcpStream::connect(rx.addr()).unwrap();
     let mut v1 = b"KVPH\x01".to_vec();
     v1.extend_from_slice(&(TX.len() as u16).to_be_bytes());
@@ -243,7 +247,7 @@ fn junk_connections_are_capped_and_cannot_lock_out_the_writer() {
 
     // With the junk cap full, an honest writer still gets in and its writes land.
     let mut tx = registered_writer(&mut rx, &tx_store);
-    rx.expect_writes(&PeerId::new(TX), &[6]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(6)]);
     let (local, bytes) = fill(&mut tx_store, 3);
     transfer(&mut tx, local, 6).unwrap();
     assert_eq!(block(&rx_store, 6), bytes);
@@ -257,7 +261,7 @@ fn junk_connections_are_capped_and_cannot_lock_out_the_writer() {
         junk.push(TcpStream::connect(rx.addr()).unwrap());
     }
     wait_for("junk capped", || rx.inbound_connections() == (1, 4));
-    rx.expect_writes(&PeerId::new(TX), &[7]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(7)]);
     transfer(&mut tx, local, 7).unwrap();
     assert_eq!(block(&rx_store, 7), bytes);
 }
@@ -316,7 +320,10 @@ fn a_stalled_write_frame_is_closed_and_never_acknowledged() {
     };
     let mut rx = plane(RX, &store, limits);
     let key = issue(&mut rx, TX);
-    rx.expect_writes(&PeerId::new(TX), &[1, 2, 3]);
+    rx.expect_writes(
+        &PeerId::new(TX),
+        &[BlockIndex::new(1), BlockIndex::new(2), BlockIndex::new(3)],
+    );
 
     // Cut inside the block indexes: nothing is claimed or written.
     let mut s = connect_hello(&rx, TX, &key);
@@ -364,7 +371,7 @@ fn an_idle_connection_is_closed_and_the_writer_reconnects_transparently() {
     let mut rx = plane(RX, &rx_store, limits);
     let mut tx = registered_writer(&mut rx, &tx_store);
     let (local, bytes) = fill(&mut tx_store, 5);
-    rx.expect_writes(&PeerId::new(TX), &[1]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(1)]);
     transfer(&mut tx, local, 1).unwrap();
 
     wait_for("the idle close", || rx.counters().idle_closes == 1);
@@ -376,7 +383,7 @@ fn an_idle_connection_is_closed_and_the_writer_reconnects_transparently() {
         "not a fault"
     );
 
-    rx.expect_writes(&PeerId::new(TX), &[2]);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(2)]);
     transfer(&mut tx, local, 2).unwrap();
     assert_eq!(block(&rx_store, 2), bytes);
     assert_eq!(tx.counters().reconnects, 1);
@@ -398,7 +405,12 @@ fn a_writer_whose_reconnect_fails_faults_once() {
     let err = transfer(&mut tx, local, 1).unwrap_err();
     assert!(err.contains("reconnect"), "{err}");
     assert!(
-        tx.write_blocks(&PeerId::new(RX), &[local], &[1]).is_none(),
+        tx.write_blocks(
+            &PeerId::new(RX),
+            &[BlockIndex::new(local)],
+            &[BlockIndex::new(1)]
+        )
+        .is_none(),
         "no more writes (and no more dials) to a faulted peer"
     );
     assert_eq!(tx.counters().reconnects, 0);
@@ -425,7 +437,9 @@ fn a_peer_without_a_tcp_key_fails_registration_without_a_dial() {
     tx.add_remote_peer(&peer, &memory).unwrap();
     assert_eq!(
         tx.registration(&peer),
-        Registration::Failed("peer advertises tcp without tcp_key".into())
+        Registration::Failed(kvpeer_core::PlaneError::rejected(
+            "peer advertises tcp without tcp_key"
+        ))
     );
     std::thread::sleep(Duration::from_millis(200));
     assert!(listener.accept().is_err(), "no connection was made");

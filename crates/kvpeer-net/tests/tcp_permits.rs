@@ -10,7 +10,7 @@ use std::time::Duration;
 
 mod tcp_support;
 
-use kvpeer_core::{DataPlane, Registration, RemoteMemory};
+use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::tcp::TcpLimits;
 use kvpeer_proto::PeerId;
@@ -22,7 +22,7 @@ fn only_permitted_writes_land_and_each_permit_is_used_once() {
     let mut rx = plane("10.0.0.1:5710", &store, TcpLimits::default());
     let writer = PeerId::new("10.0.0.2:5710");
     let key = issue(&mut rx, writer.as_str());
-    rx.expect_writes(&writer, &[3, 4]);
+    rx.expect_writes(&writer, &[BlockIndex::new(3), BlockIndex::new(4)]);
 
     let mut s = TcpStream::connect(rx.addr()).unwrap();
     hello(&mut s, writer.as_str(), &key);
@@ -52,7 +52,7 @@ fn writes_without_a_permit_or_out_of_range_or_from_strangers_are_refused() {
     let store = pool("bad");
     let mut rx = plane("10.0.0.1:5710", &store, TcpLimits::default());
     let writer = PeerId::new("10.0.0.2:5710");
-    rx.expect_writes(&writer, &[1]);
+    rx.expect_writes(&writer, &[BlockIndex::new(1)]);
     let key = issue(&mut rx, writer.as_str());
     let stranger_key = issue(&mut rx, "10.0.0.9:5710");
     let cases: [(&str, Vec<(u64, u8)>); 4] = [
@@ -82,7 +82,7 @@ fn writes_without_a_permit_or_out_of_range_or_from_strangers_are_refused() {
     let mut s = TcpStream::connect(rx.addr()).unwrap();
     hello(&mut s, writer.as_str(), &key);
     assert_eq!(write(&mut s, 10, &[(1, 0x22)]), Some(0));
-    rx.end_writes(&writer, &[1]);
+    rx.end_writes(&writer, &[BlockIndex::new(1)]);
 }
 
 #[test]
@@ -123,8 +123,10 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(state, Registration::Done);
-    rx.expect_writes(&PeerId::new("10.0.0.2:5710"), &[0]);
-    let tid = tx.write_blocks(&receiver, &[0], &[0]).unwrap();
+    rx.expect_writes(&PeerId::new("10.0.0.2:5710"), &[BlockIndex::new(0)]);
+    let tid = tx
+        .write_blocks(&receiver, &[BlockIndex::new(0)], &[BlockIndex::new(0)])
+        .unwrap();
     let mut done = Vec::new();
     for _ in 0..400 {
         done.extend(tx.poll(&receiver).done);
@@ -137,7 +139,7 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
     drop(rx);
     let mut fault = None;
     for _ in 0..400 {
-        if let Some(t) = tx.write_blocks(&receiver, &[1], &[1]) {
+        if let Some(t) = tx.write_blocks(&receiver, &[BlockIndex::new(1)], &[BlockIndex::new(1)]) {
             let _ = t;
         }
         let poll = tx.poll(&receiver);
@@ -152,7 +154,8 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
         "the dead receiver is reported as a peer fault"
     );
     assert!(
-        tx.write_blocks(&receiver, &[1], &[1]).is_none(),
+        tx.write_blocks(&receiver, &[BlockIndex::new(1)], &[BlockIndex::new(1)])
+            .is_none(),
         "no new writes to a faulted peer"
     );
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
-    Core, CoreConfig, DataPlane, Event, LocalNode, LookupResult, Request, RequestRoles,
+    Core, CoreConfig, DataPlane, Event, JobId, LocalNode, LookupResult, Request, RequestRoles,
 };
 use kvpeer_net::dual::{DualPlane, Route};
 use kvpeer_net::metadata::AgentMetadata;
@@ -267,8 +267,13 @@ fn share_blocks<P: Plane>(first: u16, shm_reachable: bool, route: &str) {
 
     assert_eq!(p.core.plane().route(&c.id), route, "the producer's plane");
     let blocks = c.core.parent_mut().reserve(&hits).unwrap();
-    c.core
-        .submit_load(Instant::now(), 1, &req, hits.clone(), blocks.clone());
+    c.core.submit_load(
+        Instant::now(),
+        JobId::new(1),
+        &req,
+        hits.clone(),
+        blocks.clone(),
+    );
     pump(&mut c, &mut p);
     settle_writes(&mut p, &mut c);
     assert!(
@@ -276,9 +281,7 @@ fn share_blocks<P: Plane>(first: u16, shm_reachable: bool, route: &str) {
         "the worker woke the runtime"
     );
     let done = c.events.iter().find_map(|e| match e {
-        Event::LoadDone {
-            job: 1, success, ..
-        } => Some(*success),
+        Event::LoadDone { job, success, .. } if *job == JobId::new(1) => Some(*success),
         _ => None,
     });
     assert_eq!(done, Some(true));
@@ -346,8 +349,13 @@ fn miss_and_abort<P: Plane>(first: u16) {
         RequestRoles::prefiller(p.id.clone()),
     );
     let blocks = c.core.parent_mut().reserve(&[key(5)]).unwrap();
-    c.core
-        .submit_load(Instant::now(), 7, &pd, vec![key(5)], blocks.clone());
+    c.core.submit_load(
+        Instant::now(),
+        JobId::new(7),
+        &pd,
+        vec![key(5)],
+        blocks.clone(),
+    );
     pump(&mut c, &mut p);
     c.core.finish(Instant::now(), &pd);
     pump(&mut c, &mut p);
@@ -355,10 +363,10 @@ fn miss_and_abort<P: Plane>(first: u16) {
         matches!(
             e,
             Event::LoadDone {
-                job: 7,
+                job,
                 success: false,
                 ..
-            }
+            } if *job == JobId::new(7)
         )
     });
     assert!(failed, "the abort_ack ends the load");

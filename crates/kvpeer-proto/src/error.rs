@@ -49,7 +49,7 @@ impl fmt::Display for Outcome {
 }
 
 /// Why a payload could not be decoded into a [`Message`](crate::Message).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
     /// Not well-formed msgpack within the limits: drop the payload.

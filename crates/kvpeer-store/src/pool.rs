@@ -189,10 +189,10 @@ impl Memory {
     /// Offset of `block`'s first byte from `base`, if it is in the pool. `offset + block_len`
     /// is then at most `span`: `(num_blocks - 1) × stride + block_len`.
     fn offset(&self, block: BlockIndex) -> Option<usize> {
-        if block >= self.num_blocks {
+        if block.get() >= self.num_blocks {
             return None;
         }
-        usize::try_from(block).ok()?.checked_mul(self.stride)
+        usize::try_from(block.get()).ok()?.checked_mul(self.stride)
     }
 
     fn permits(&self) -> MutexGuard<'_, Permits> {
@@ -349,7 +349,7 @@ impl PoolWriter {
     /// pool, named once, permitted to `holder` and not being written by another claim. The
     /// permits are used up; the claim writes the blocks until it is dropped.
     pub fn claim(&self, holder: &PeerId, blocks: &[BlockIndex]) -> Result<WriteClaim, ClaimError> {
-        if let Some(&b) = blocks.iter().find(|b| **b >= self.mem.num_blocks) {
+        if let Some(&b) = blocks.iter().find(|b| b.get() >= self.mem.num_blocks) {
             return Err(ClaimError::Outside(b));
         }
         let mut p = self.mem.permits();
@@ -688,6 +688,14 @@ impl Drop for Pool {
 mod tests {
     use super::*;
 
+    fn blk(i: u64) -> BlockIndex {
+        BlockIndex::new(i)
+    }
+
+    fn bs(indexes: &[u64]) -> Vec<BlockIndex> {
+        indexes.iter().map(|&i| blk(i)).collect()
+    }
+
     fn unique(tag: &str) -> String {
         format!("kvpeer-test-{tag}-{}", std::process::id())
     }
@@ -697,11 +705,11 @@ mod tests {
         let name = unique("region");
         let mut r = Pool::shm(&name, 4, 4096, false).unwrap();
         assert_eq!(r.base_addr() % 4096, 0, "page-aligned");
-        r.block_mut(2).unwrap().fill(7);
-        assert!(r.block(1).unwrap().iter().all(|b| *b == 0));
-        assert!(r.block(2).unwrap().iter().all(|b| *b == 7));
-        assert!(r.block(4).is_none());
-        assert_eq!(r.block_mut(4), Err(BlockBusy::Outside));
+        r.block_mut(blk(2)).unwrap().fill(7);
+        assert!(r.block(blk(1)).unwrap().iter().all(|b| *b == 0));
+        assert!(r.block(blk(2)).unwrap().iter().all(|b| *b == 7));
+        assert!(r.block(blk(4)).is_none());
+        assert_eq!(r.block_mut(blk(4)), Err(BlockBusy::Outside));
         // The trailer follows the blocks: magic and the secret, then zeros.
         let len = std::fs::metadata(format!("/dev/shm/{name}")).unwrap().len();
         assert_eq!(len, 4 * 4096 + trailer::TRAILER_LEN);
@@ -715,7 +723,7 @@ mod tests {
         let view = r.view().clone();
         drop(r);
         assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
-        assert!(view.block(2).unwrap().iter().all(|b| *b == 7));
+        assert!(view.block(blk(2)).unwrap().iter().all(|b| *b == 7));
     }
 
     #[test]
@@ -757,7 +765,7 @@ mod tests {
         assert_eq!(pool.span_len(), 32);
         assert!(pool.shm().is_none());
         for i in 0..3 {
-            pool.block_mut(i).unwrap().fill(i as u8 + 1);
+            pool.block_mut(blk(i)).unwrap().fill(i as u8 + 1);
         }
         // SAFETY: the pool owns the buffer (keep-alive) and nothing writes it now.
         let raw = unsafe { std::slice::from_raw_parts(base.as_ptr(), 32) }.to_vec();
@@ -766,7 +774,7 @@ mod tests {
             want[i * 12..i * 12 + 8].fill(i as u8 + 1);
         }
         assert_eq!(raw, want);
-        assert_eq!(pool.block(2).unwrap(), &[3; 8]);
+        assert_eq!(pool.block(blk(2)).unwrap(), &[3; 8]);
     }
 
     #[test]
@@ -795,29 +803,42 @@ mod tests {
         let w = pool.writer();
         let (a, b) = (PeerId::new("a"), PeerId::new("b"));
         assert!(matches!(
-            w.claim(&a, &[0]),
+            w.claim(&a, &bs(&[0])),
             Err(ClaimError::NotPermitted(_))
         ));
-        w.grant(&a, &[0, 1]);
-        w.grant(&b, &[1]);
-        assert_eq!(pool.block_mut(0), Err(BlockBusy::PeerWrite), "granted");
-        assert_eq!(w.claim(&a, &[3]).unwrap_err(), ClaimError::Outside(3));
-        assert!(w.claim(&a, &[0, 0]).is_err(), "a block named twice");
-        let mut claim = w.claim(&a, &[1, 0]).unwrap();
-        assert_eq!(claim.blocks(), &[1, 0]);
-        assert!(w.claim(&b, &[1]).is_err(), "another claim holds block 1");
+        w.grant(&a, &bs(&[0, 1]));
+        w.grant(&b, &bs(&[1]));
+        assert_eq!(pool.block_mut(blk(0)), Err(BlockBusy::PeerWrite), "granted");
+        assert_eq!(
+            w.claim(&a, &bs(&[3])).unwrap_err(),
+            ClaimError::Outside(blk(3))
+        );
+        assert!(w.claim(&a, &bs(&[0, 0])).is_err(), "a block named twice");
+        let mut claim = w.claim(&a, &bs(&[1, 0])).unwrap();
+        assert_eq!(claim.blocks(), &bs(&[1, 0])[..]);
+        assert!(
+            w.claim(&b, &bs(&[1])).is_err(),
+            "another claim holds block 1"
+        );
         claim.block_mut(0).unwrap().fill(9);
         assert!(claim.block_mut(2).is_none());
         drop(claim);
-        assert_eq!(pool.block(1).unwrap(), &[9; 8]);
-        assert!(w.claim(&a, &[0]).is_err(), "a permit is used once");
-        assert!(pool.block_mut(0).is_ok(), "neither granted nor claimed");
-        assert_eq!(pool.block_mut(1), Err(BlockBusy::PeerWrite), "b's permit");
-        w.revoke(&b, &[1]);
-        assert!(pool.block_mut(1).is_ok());
-        w.grant(&b, &[2]);
+        assert_eq!(pool.block(blk(1)).unwrap(), &[9; 8]);
+        assert!(w.claim(&a, &bs(&[0])).is_err(), "a permit is used once");
+        assert!(
+            pool.block_mut(blk(0)).is_ok(),
+            "neither granted nor claimed"
+        );
+        assert_eq!(
+            pool.block_mut(blk(1)),
+            Err(BlockBusy::PeerWrite),
+            "b's permit"
+        );
+        w.revoke(&b, &bs(&[1]));
+        assert!(pool.block_mut(blk(1)).is_ok());
+        w.grant(&b, &bs(&[2]));
         w.revoke_all(&b);
-        assert!(w.claim(&b, &[2]).is_err());
-        assert!(pool.block_mut(2).is_ok());
+        assert!(w.claim(&b, &bs(&[2])).is_err());
+        assert!(pool.block_mut(blk(2)).is_ok());
     }
 }

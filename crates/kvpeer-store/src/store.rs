@@ -168,7 +168,7 @@ impl BlockStore {
             // Pop from the end: lowest blocks first.
             free: (0..blocks).rev().collect(),
             jobs: Map::default(),
-            next_job: 0,
+            next_job: JobId::new(0),
             pinned: 0,
             writing: 0,
             open_contexts: 0,
@@ -218,16 +218,18 @@ impl BlockStore {
     /// The block holding `key`, if readable.
     pub fn block_of(&self, key: &OffloadKey) -> Option<BlockIndex> {
         let &b = self.index.get(key)?;
-        (self.slots[b as usize].state == State::Ready).then_some(u64::from(b))
+        (self.slots[b as usize].state == State::Ready).then_some(BlockIndex::new(u64::from(b)))
     }
 
     /// The bytes of a readable block.
     pub fn read(&self, block: BlockIndex) -> Result<&[u8], StoreError> {
         let b = self.slot_index(block, State::Ready, "not readable")?;
-        self.pool.block(u64::from(b)).ok_or(StoreError::BadBlock {
-            block,
-            reason: "outside the pool",
-        })
+        self.pool
+            .block(BlockIndex::from(u64::from(b)))
+            .ok_or(StoreError::BadBlock {
+                block,
+                reason: "outside the pool",
+            })
     }
 
     /// The bytes of a block being written, for the node to write in place; refused while a
@@ -235,7 +237,7 @@ impl BlockStore {
     pub fn write_target(&mut self, block: BlockIndex) -> Result<&mut [u8], StoreError> {
         let b = self.slot_index(block, State::Writing, "not reserved for a write")?;
         self.pool
-            .block_mut(u64::from(b))
+            .block_mut(BlockIndex::from(u64::from(b)))
             .map_err(|busy| StoreError::BadBlock {
                 block,
                 reason: match busy {
@@ -251,7 +253,7 @@ impl BlockStore {
         state: State,
         reason: &'static str,
     ) -> Result<u32, StoreError> {
-        let b = u32::try_from(block)
+        let b = u32::try_from(block.get())
             .ok()
             .filter(|b| (*b as usize) < self.slots.len())
             .ok_or(StoreError::BadBlock {
@@ -324,7 +326,7 @@ impl BlockStore {
             slot.key = Some(key.clone());
             slot.state = State::Writing;
             self.writing += 1;
-            out.push(u64::from(b));
+            out.push(BlockIndex::new(u64::from(b)));
         }
         Ok(out)
     }
@@ -386,9 +388,12 @@ impl BlockStore {
             }
             slot.pins += 1;
         }
-        self.next_job += 1;
+        self.next_job = JobId::new(self.next_job.get() + 1);
         let job_id = self.next_job;
-        let out = blocks.iter().map(|b| u64::from(*b)).collect();
+        let out = blocks
+            .iter()
+            .map(|b| BlockIndex::new(u64::from(*b)))
+            .collect();
         self.jobs.insert(job_id, blocks);
         Some(StoreJob {
             job_id,

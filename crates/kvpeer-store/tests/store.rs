@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvpeer_core::{LookupResult, Parent, ServeCtx};
+use kvpeer_core::{BlockIndex, LookupResult, Parent, ServeCtx};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockStore, StoreConfig, StoreError};
 
@@ -156,7 +156,7 @@ fn python_opens_the_same_shared_memory_by_name() {
     let mut s = store("py", 2);
     assert_eq!(
         s.put(&key(1), &bytes(0xab)).unwrap(),
-        0,
+        BlockIndex::new(0),
         "free blocks are taken lowest first"
     );
     let name = s.pool().shm_name().unwrap().to_owned();
@@ -179,9 +179,9 @@ fn python_opens_the_same_shared_memory_by_name() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "abababab");
-    assert_eq!(s.reserve(&[key(2)]).unwrap(), vec![1]);
+    assert_eq!(s.reserve(&[key(2)]).unwrap(), vec![BlockIndex::new(1)]);
     assert_eq!(
-        s.write_target(1).unwrap()[0],
+        s.write_target(BlockIndex::new(1)).unwrap()[0],
         0x5a,
         "Python's write landed in block 1"
     );

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::engine::{Answer, EngineEvent, EngineNode, EnginePin, KvRequestId, Pool, RequestRoles};
+use kvpeer::engine::{
+    Answer, BlockIndex, EngineEvent, EngineNode, EnginePin, JobId, KvRequestId, Pool, RequestRoles,
+};
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
 
 use kvpeer_net::tcp::TcpPlane;
@@ -76,7 +78,7 @@ fn run_engine(
         let mut index = HashMap::new();
         for (i, key) in held.iter().enumerate() {
             let block = 10 + i as u64;
-            node.block_mut(block)
+            node.block_mut(BlockIndex::new(block))
                 .unwrap()
                 .copy_from_slice(&synthetic::content(key, block_len));
             index.insert(key.clone(), block);
@@ -100,7 +102,7 @@ fn run_engine(
                         pin_blocks.insert(next_pin, block);
                         *log.pins.entry(block).or_default() += 1;
                         Answer::Hit {
-                            block,
+                            block: BlockIndex::new(block),
                             pin: EnginePin(next_pin),
                         }
                     }
@@ -225,13 +227,15 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
         }
     );
     // The engine's own choice of blocks, out of order.
-    let blocks = vec![7u64, 3, 11];
-    engine.load(5, &req, keys.clone(), blocks.clone()).unwrap();
+    let blocks = blocks(&[7, 3, 11]);
+    engine
+        .load(JobId::new(5), &req, keys.clone(), blocks.clone())
+        .unwrap();
     let loaded = drive_until(&mut engine, |e| matches!(e, EngineEvent::Loaded { .. }));
     assert_eq!(
         loaded,
         EngineEvent::Loaded {
-            job: 5,
+            job: JobId::new(5),
             success: true
         }
     );
@@ -246,14 +250,16 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
         assert!(
             engine
                 .pool()
-                .block(untouched)
+                .block(BlockIndex::new(untouched))
                 .unwrap()
                 .iter()
                 .all(|&b| b == 0),
             "block {untouched} was not the load's"
         );
     }
-    assert!(engine.load(1 << 62, &req, vec![], vec![]).is_err());
+    assert!(engine
+        .load(JobId::new(1 << 62), &req, vec![], vec![])
+        .is_err());
     engine.step(Instant::now());
     assert_eq!(
         engine.poll_event(),
@@ -292,19 +298,19 @@ fn two_engines_do_prefill_decode_from_one_thread() {
     let keys: Vec<OffloadKey> = (0..3).map(|i| synthetic::key(100 + i)).collect();
     for (key, block) in keys.iter().zip([20u64, 21, 22]) {
         producer
-            .block_mut(block)
+            .block_mut(BlockIndex::new(block))
             .unwrap()
             .copy_from_slice(&synthetic::content(key, block_len));
     }
     let id = KvRequestId::from("pd-1");
     let offered = producer.new_request_with(id.clone(), RequestRoles::decoder());
     producer
-        .store(9, &offered, keys.clone(), vec![20, 21, 22])
+        .store(JobId::new(9), &offered, keys.clone(), blocks(&[20, 21, 22]))
         .unwrap();
     let fetching =
         consumer.new_request_with(id.clone(), RequestRoles::prefiller(producer.id().clone()));
     consumer
-        .load(3, &fetching, keys.clone(), vec![2, 0, 1])
+        .load(JobId::new(3), &fetching, keys.clone(), blocks(&[2, 0, 1]))
         .unwrap();
 
     let deadline = Instant::now() + WAIT;
@@ -323,15 +329,24 @@ fn two_engines_do_prefill_decode_from_one_thread() {
             }
         }
     }
-    assert_eq!(loaded, Some((3, true)));
-    assert_eq!(stored, Some((9, true)), "the producer may unpin");
+    assert_eq!(loaded, Some((JobId::new(3), true)));
+    assert_eq!(
+        stored,
+        Some((JobId::new(9), true)),
+        "the producer may unpin"
+    );
     for (key, block) in keys.iter().zip([2u64, 0, 1]) {
         assert_eq!(
-            consumer.pool().block(block).unwrap(),
+            consumer.pool().block(BlockIndex::new(block)).unwrap(),
             synthetic::content(key, block_len).as_slice()
         );
     }
-    assert!(consumer.pool().block(3).unwrap().iter().all(|&b| b == 0));
+    assert!(consumer
+        .pool()
+        .block(BlockIndex::new(3))
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
     consumer.finish(&fetching);
     producer.finish(&offered);
     assert_eq!(producer.outstanding(), (0, 0));
@@ -345,4 +360,8 @@ fn two_engines_do_prefill_decode_from_one_thread() {
     }
     consumer.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));
+}
+
+fn blocks(indexes: &[u64]) -> Vec<BlockIndex> {
+    indexes.iter().map(|&i| BlockIndex::new(i)).collect()
 }

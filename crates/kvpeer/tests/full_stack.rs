@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::NodeConfig;
-use kvpeer_core::{LookupResult, RequestRoles};
+use kvpeer_core::{JobId, LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -96,11 +96,18 @@ fn share<P: BuildPlane>(tag: &str) {
     assert_eq!(hits, wanted[..5].to_vec());
 
     let blocks = c.core.parent_mut().reserve(&hits).unwrap();
-    c.core
-        .submit_load(Instant::now(), 1, &req, hits.clone(), blocks.clone());
+    c.core.submit_load(
+        Instant::now(),
+        JobId::new(1),
+        &req,
+        hits.clone(),
+        blocks.clone(),
+    );
     c.flush(Instant::now());
-    run_until(&mut c, &mut p, |c, _| c.loads_done.contains_key(&1));
-    assert_eq!(c.take_load_result(1), Some(true));
+    run_until(&mut c, &mut p, |c, _| {
+        c.loads_done.contains_key(&JobId::new(1))
+    });
+    assert_eq!(c.take_load_result(JobId::new(1)), Some(true));
     c.core.parent_mut().finish_write(&blocks, true);
     for (n, b) in blocks.iter().enumerate() {
         assert_eq!(
@@ -129,16 +136,21 @@ fn share<P: BuildPlane>(tag: &str) {
         RequestRoles::prefiller(pid.clone()),
     );
     let pd_blocks = c.core.parent_mut().reserve(&[key(50)]).unwrap();
-    c.core
-        .submit_load(Instant::now(), 2, &pd, vec![key(50)], pd_blocks.clone());
+    c.core.submit_load(
+        Instant::now(),
+        JobId::new(2),
+        &pd,
+        vec![key(50)],
+        pd_blocks.clone(),
+    );
     for r in [&req, &miss, &pd] {
         c.core.finish(Instant::now(), r);
     }
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, p| {
-        c.loads_done.get(&2) == Some(&false) && p.core.stats().server_requests == 0
+        c.loads_done.get(&JobId::new(2)) == Some(&false) && p.core.stats().server_requests == 0
     });
-    assert_eq!(c.take_load_result(2), Some(false));
+    assert_eq!(c.take_load_result(JobId::new(2)), Some(false));
     // Every result was taken once; store results are never kept.
     assert!(c.loads_done.is_empty() && p.loads_done.is_empty());
     c.core.parent_mut().finish_write(&pd_blocks, false);

@@ -20,7 +20,7 @@ use common::node_io::{step_for, step_until};
 use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::{synthetic, Node, NodeConfig, PlaneKind};
-use kvpeer_core::{CoreConfig, LookupResult, Request, RequestRoles};
+use kvpeer_core::{CoreConfig, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
@@ -185,7 +185,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
                 .reserve(std::slice::from_ref(k))
                 .unwrap();
             c.core
-                .submit_load(now, job, r, vec![k.clone()], blocks.clone());
+                .submit_load(now, JobId::new(job), r, vec![k.clone()], blocks.clone());
             jobs.push((job, blocks, k.clone()));
         }
         c.flush(now);
@@ -193,7 +193,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         step_until(&mut c, Duration::from_secs(30), |c| {
             for (j, _, _) in &jobs {
                 if !results.contains_key(j) {
-                    if let Some(ok) = c.take_load_result(*j) {
+                    if let Some(ok) = c.take_load_result(JobId::new(*j)) {
                         results.insert(*j, ok);
                     }
                 }

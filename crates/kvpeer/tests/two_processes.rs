@@ -15,7 +15,7 @@ use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
 use kvpeer::NodeConfig;
-use kvpeer_core::{CoreConfig, CoreStats, LookupResult, RequestRoles};
+use kvpeer_core::{BlockIndex, CoreConfig, CoreStats, JobId, LookupResult, RequestRoles};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::shm::ShmPlane;
 use kvpeer_net::tcp::TcpPlane;
@@ -181,7 +181,8 @@ fn load<P: BuildPlane>(
     job: u64,
     keys: &[OffloadKey],
     before_wait: impl FnOnce(),
-) -> (Vec<u64>, bool, Duration) {
+) -> (Vec<BlockIndex>, bool, Duration) {
+    let job = JobId::new(job);
     let blocks = c.core.parent_mut().reserve(keys).unwrap();
     let started = Instant::now();
     c.core
@@ -199,7 +200,7 @@ fn load<P: BuildPlane>(
     (blocks, success, elapsed)
 }
 
-fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[u64], len: usize) {
+fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[BlockIndex], len: usize) {
     for (k, b) in keys.iter().zip(blocks) {
         assert_eq!(
             c.core.parent().read(*b).unwrap(),
@@ -250,7 +251,7 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
     let pd_blocks = c.core.parent_mut().reserve(&[synthetic::key(600)]).unwrap();
     c.core.submit_load(
         Instant::now(),
-        2,
+        JobId::new(2),
         &pd,
         vec![synthetic::key(600)],
         pd_blocks.clone(),
@@ -261,7 +262,7 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
     c.flush(Instant::now());
     let mut aborted = None;
     step_until(&mut c, Duration::from_secs(10), |c| {
-        aborted = aborted.or(c.take_load_result(2));
+        aborted = aborted.or(c.take_load_result(JobId::new(2)));
         aborted.is_some() && c.core.stats().client_requests == 0
     });
     assert_eq!(aborted, Some(false));

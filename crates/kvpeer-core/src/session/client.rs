@@ -11,6 +11,7 @@ use std::time::Instant;
 use kvpeer_proto::{Abort, Fetch, KvRequestId, Lookup, Message, OffloadKey, PeerId, RoundSeq};
 use tracing::{debug, warn};
 
+use super::{Cx, RoundKey};
 use crate::config::CoreConfig;
 use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
@@ -46,30 +47,44 @@ struct Request {
     /// Already on the flush work-list.
     in_flush_list: bool,
     /// The current round; each fetch closes it and moves to the next.
-    round: u64,
-    /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
-    peer_lookup_open: bool,
+    round: RoundSeq,
+    /// Whether the peer holds lookup state, or the engine finished the request.
+    phase: Phase,
     /// Fetch rounds in flight, by round.
-    loads: Vec<(u64, InFlight)>,
+    loads: Vec<(RoundSeq, InFlight)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
+}
+
+/// Where a consumer request stands with the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Phase {
+    /// The peer holds no lookup state of it that a fetch has not closed.
+    #[default]
+    Quiet,
+    /// The peer holds lookup state that no fetch has closed: `finish` owes a terminal fetch.
+    LookupOpen,
     /// The engine finished the request; only aborting loads keep it.
-    finished: bool,
+    Finished,
 }
 
 impl Request {
+    fn is_finished(&self) -> bool {
+        self.phase == Phase::Finished
+    }
+
     fn is_idle(&self) -> bool {
         self.loads.is_empty() && self.probes.is_empty() && self.unsent.is_empty()
     }
 
-    fn load_mut(&mut self, round: u64) -> Option<&mut InFlight> {
+    fn load_mut(&mut self, round: RoundSeq) -> Option<&mut InFlight> {
         self.loads
             .iter_mut()
             .find(|(r, _)| *r == round)
             .map(|(_, l)| l)
     }
 
-    fn take_load(&mut self, round: u64) -> Option<InFlight> {
+    fn take_load(&mut self, round: RoundSeq) -> Option<InFlight> {
         let at = self.loads.iter().position(|(r, _)| *r == round)?;
         Some(self.loads.swap_remove(at).1)
     }
@@ -93,8 +108,8 @@ pub(crate) struct ClientRole {
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
     active_loads: usize,
-    load_lane: Lane<(KvRequestId, u64)>,
-    abort_lane: Lane<(KvRequestId, u64)>,
+    load_lane: Lane<RoundKey>,
+    abort_lane: Lane<RoundKey>,
     lookup_lane: Lane<KvRequestId>,
 }
 
@@ -128,7 +143,7 @@ impl ClientRole {
         if self
             .requests
             .get(id)
-            .is_some_and(|r| r.finished && r.is_idle())
+            .is_some_and(|r| r.is_finished() && r.is_idle())
         {
             self.requests.remove(id);
         }
@@ -138,7 +153,7 @@ impl ClientRole {
     fn request(&mut self, id: &KvRequestId) -> &mut Request {
         let req = self.requests.entry(id.clone()).or_default();
         // A finished id that comes back is a new request.
-        if req.finished {
+        if req.is_finished() {
             **req = Request::default();
         }
         req
@@ -164,7 +179,7 @@ impl ClientRole {
     /// Sends one `lookup` per request with new probes. Nothing before the peer's ack: the
     /// lookup deadline must not run while the peer cannot answer.
     pub(crate) fn flush(&mut self, link: &mut Link, out: &mut Outbox, now: Instant) {
-        if !link.ready {
+        if !link.is_ready() {
             return;
         }
         for id in std::mem::take(&mut self.flush_list) {
@@ -175,12 +190,12 @@ impl ClientRole {
             if req.unsent.is_empty() {
                 continue;
             }
-            req.peer_lookup_open = true;
+            req.phase = Phase::LookupOpen;
             if req.lookup_deadline.is_none() {
                 req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
             }
             let keys = std::mem::take(&mut req.unsent);
-            let round = RoundSeq(req.round);
+            let round = req.round;
             debug!(peer = %link.peer, kv_request_id = %id, keys = keys.len(), "send lookup");
             link.send(
                 out,
@@ -233,19 +248,22 @@ impl ClientRole {
         load: Load,
     ) {
         let Load { job, keys, blocks } = load;
+        // The wire's indexes, read before the load keeps its blocks (one allocation, as the
+        // clone it replaces).
+        let block_indexes = blocks.iter().map(|b| b.get()).collect();
         let req = self.request(id);
         let round = req.round;
-        req.round += 1;
+        req.round = round.next();
         req.loads.push((
             round,
             InFlight {
                 job,
-                blocks: blocks.clone(),
+                blocks,
                 submitted_at: now,
                 aborted_at: None,
             },
         ));
-        req.peer_lookup_open = false;
+        req.phase = Phase::Quiet;
         // The fetch closes the round: the next round probes afresh, since served blocks are
         // unpinned at the producer and may be evicted. The map's memory goes too: a request
         // often waits for its load with nothing more to probe.
@@ -253,16 +271,16 @@ impl ClientRole {
         req.unanswered = 0;
         req.lookup_deadline = None;
         self.active_loads += 1;
-        self.load_lane.arm(now, (id.clone(), round));
-        debug!(peer = %link.peer, kv_request_id = %id, round, blocks = keys.len(), "send fetch");
+        self.load_lane.arm(now, RoundKey::new(id, round));
+        debug!(peer = %link.peer, kv_request_id = %id, round = %round, blocks = keys.len(), "send fetch");
         link.send(
             out,
             now,
             Message::Fetch(Fetch {
                 kv_request_id: id.clone(),
                 keys,
-                block_indexes: blocks,
-                round_seq: RoundSeq(round),
+                block_indexes,
+                round_seq: round,
             }),
         );
     }
@@ -284,18 +302,17 @@ impl ClientRole {
                 continue;
             }
             load.aborted_at = Some(now);
-            self.abort_lane.arm(now, (id.clone(), *round));
+            self.abort_lane.arm(now, RoundKey::new(id, *round));
             link.send(
                 out,
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id.clone(),
-                    round_seq: RoundSeq(*round),
+                    round_seq: *round,
                 }),
             );
         }
-        if req.peer_lookup_open {
-            req.peer_lookup_open = false;
+        if req.phase == Phase::LookupOpen {
             link.send(
                 out,
                 now,
@@ -303,7 +320,7 @@ impl ClientRole {
                     kv_request_id: id.clone(),
                     keys: Vec::new(),
                     block_indexes: Vec::new(),
-                    round_seq: RoundSeq(req.round),
+                    round_seq: req.round,
                 }),
             );
         }
@@ -311,48 +328,60 @@ impl ClientRole {
         req.unanswered = 0;
         req.unsent.clear();
         req.lookup_deadline = None;
-        req.finished = true;
+        req.phase = Phase::Finished;
         self.prune(id);
     }
 
-    fn complete(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64, success: bool) -> bool {
+    /// Ends a load (once): its blocks take no more writes from the peer, its result is out.
+    fn complete(
+        &mut self,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: RoundSeq,
+        success: bool,
+    ) -> bool {
         let Some(req) = self.requests.get_mut(id) else {
             return false;
         };
         let Some(load) = req.take_load(round) else {
             return false;
         };
-        let live = !req.finished;
+        let live = !req.is_finished();
         self.active_loads -= 1;
-        out.ended_writes.push((self.peer.clone(), load.blocks));
-        out.load_done(load.job, id.clone(), success, live);
+        cx.plane.end_writes(&self.peer, &load.blocks);
+        cx.out.load_done(load.job, id.clone(), success, live);
         self.prune(id);
         true
     }
 
     pub(crate) fn on_transfer_done(
         &mut self,
-        out: &mut Outbox,
+        cx: &mut Cx<'_>,
         id: &KvRequestId,
         success: bool,
-        round: u64,
+        round: RoundSeq,
     ) {
-        if !self.complete(out, id, round, success) {
-            if let Some(suppressed) = out
+        if !self.complete(cx, id, round, success) {
+            if let Some(suppressed) = cx
+                .out
                 .throttle
                 .admit_ticked("transfer_done for no load in flight")
             {
-                warn!(kv_request_id = %id, round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
+                warn!(kv_request_id = %id, round = %round, suppressed, "transfer_done for no load in flight (duplicate, or raced with an abort)");
             }
         }
     }
 
-    pub(crate) fn on_abort_ack(&mut self, out: &mut Outbox, id: &KvRequestId, round: u64) {
-        if self.complete(out, id, round, false) {
-            out.counters.abort_acks += 1;
+    pub(crate) fn on_abort_ack(&mut self, cx: &mut Cx<'_>, id: &KvRequestId, round: RoundSeq) {
+        if self.complete(cx, id, round, false) {
+            cx.out.counters.abort_acks += 1;
         } else {
-            if let Some(suppressed) = out.throttle.admit_ticked("abort_ack for no load in flight") {
-                warn!(kv_request_id = %id, round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
+            if let Some(suppressed) = cx
+                .out
+                .throttle
+                .admit_ticked("abort_ack for no load in flight")
+            {
+                warn!(kv_request_id = %id, round = %round, suppressed, "abort_ack for no load in flight (duplicate, or raced with a timeout)");
             }
         }
     }
@@ -362,10 +391,10 @@ impl ClientRole {
     pub(crate) fn handle_timeout(
         &mut self,
         link: &mut Link,
-        out: &mut Outbox,
-        now: Instant,
+        cx: &mut Cx<'_>,
     ) -> Option<KvRequestId> {
-        while let Some((deadline, (id, round))) = self.load_lane.pop_due(now) {
+        let now = cx.now;
+        while let Some((deadline, RoundKey { id, round })) = self.load_lane.pop_due(now) {
             let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
                 continue;
             };
@@ -374,28 +403,28 @@ impl ClientRole {
             if load.aborted_at.is_some() || load.submitted_at + self.load_lane.delay() != deadline {
                 continue;
             }
-            warn!(peer = %link.peer, kv_request_id = %id, round, "load timed out; sending abort_fetch");
+            warn!(peer = %link.peer, kv_request_id = %id, round = %round, "load timed out; sending abort_fetch");
             load.aborted_at = Some(now);
-            self.abort_lane.arm(now, (id.clone(), round));
+            self.abort_lane.arm(now, RoundKey::new(&id, round));
             link.send(
-                out,
+                cx.out,
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id,
-                    round_seq: RoundSeq(round),
+                    round_seq: round,
                 }),
             );
         }
         let abort_delay = self.abort_lane.delay();
-        while let Some((deadline, (id, round))) = self.abort_lane.pop_due(now) {
+        while let Some((deadline, RoundKey { id, round })) = self.abort_lane.pop_due(now) {
             let fired = self
                 .requests
                 .get_mut(&id)
                 .and_then(|r| r.load_mut(round))
                 .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
             if fired {
-                warn!(peer = %link.peer, kv_request_id = %id, round, "abort_ack timed out; failing the load");
-                self.complete(out, &id, round, false);
+                warn!(peer = %link.peer, kv_request_id = %id, round = %round, "abort_ack timed out; failing the load");
+                self.complete(cx, &id, round, false);
             }
         }
         let mut expired = None;
@@ -421,13 +450,12 @@ impl ClientRole {
     pub(crate) fn close(&mut self) -> ClientClose {
         let mut result = ClientClose::default();
         for (id, req) in self.requests.drain() {
-            if !req.finished && (!req.loads.is_empty() || req.unanswered > 0) {
+            let live = !req.is_finished();
+            if live && (!req.loads.is_empty() || req.unanswered > 0) {
                 result.failed_ids.push(id.clone());
             }
             for (_, load) in req.loads {
-                result
-                    .failed_jobs
-                    .push((load.job, id.clone(), !req.finished));
+                result.failed_jobs.push((load.job, id.clone(), live));
             }
         }
         self.flush_list.clear();

@@ -10,15 +10,32 @@ pub(crate) mod server;
 
 use std::time::Instant;
 
-use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId};
+use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId, RoundSeq};
 use tracing::{error, info, warn};
 
 use crate::config::{CoreConfig, LocalNode};
+use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
 use crate::output::{Link, Outbox};
 use crate::timer::earliest;
-use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory};
+use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
 use client::{ClientClose, ClientRole, Load};
-use server::{ServerClose, ServerRole, Supply};
+use server::{Origin, ServerClose, ServerRole, Supply};
+
+/// One round of one request: what per-round state and deadlines are keyed by, on both sides.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct RoundKey {
+    pub(crate) id: KvRequestId,
+    pub(crate) round: RoundSeq,
+}
+
+impl RoundKey {
+    pub(crate) fn new(id: &KvRequestId, round: RoundSeq) -> Self {
+        RoundKey {
+            id: id.clone(),
+            round,
+        }
+    }
+}
 
 /// Everything a session may touch during one entry point of the core.
 pub(crate) struct Cx<'a> {
@@ -36,6 +53,39 @@ pub(crate) struct SessionClose {
     pub(crate) server: ServerClose,
 }
 
+/// Where the peer's half of the handshake stands (its `connect`, registered before we ack
+/// it), or why the session ended. Our half (the peer's ack of our `connect`) is the
+/// [`Link`]'s gate.
+#[derive(Debug)]
+enum State {
+    /// No `connect` from the peer accepted yet.
+    AwaitingConnect,
+    /// The peer's memory registration is running; `connect_ack` waits for it.
+    Registering {
+        /// Blocks in the peer's region (from its `connect`), to check fetch indexes against.
+        peer_blocks: u64,
+    },
+    /// The peer's `connect` was accepted and registered, and acked.
+    Registered {
+        /// Blocks in the peer's region.
+        peer_blocks: u64,
+    },
+    /// The session ended (the first reason wins): nothing more is sent or handled.
+    Dead(CloseReason),
+}
+
+impl State {
+    /// Blocks in the peer's region, once its `connect` was accepted.
+    fn peer_blocks(&self) -> Option<u64> {
+        match self {
+            State::Registering { peer_blocks } | State::Registered { peer_blocks } => {
+                Some(*peer_blocks)
+            }
+            State::AwaitingConnect | State::Dead(_) => None,
+        }
+    }
+}
+
 /// One peer's session.
 #[derive(Debug)]
 pub(crate) struct Session {
@@ -45,19 +95,11 @@ pub(crate) struct Session {
     peer_fault_drain: std::time::Duration,
     client: ClientRole,
     server: ServerRole,
-    /// The peer's memory registration is running; `connect_ack` waits for it.
-    registering: bool,
-    /// The peer's `connect` was accepted and registered.
-    registered: bool,
-    /// Blocks in the peer's region (from its `connect`), to check fetch indexes against.
-    peer_num_blocks: Option<u64>,
+    /// The peer's half of the handshake, or the session's end.
+    state: State,
     handshake_deadline: Instant,
     dispatch_errors: u32,
     peer_fault_at: Option<Instant>,
-    /// Why the session ended (the first reason wins).
-    pub(crate) death: Option<String>,
-    /// Requests whose `fetch` arrived since the core last asked (PD binding).
-    pub(crate) new_fetch_ids: Vec<KvRequestId>,
 }
 
 impl Session {
@@ -90,14 +132,10 @@ impl Session {
             peer_fault_drain: config.peer_fault_drain,
             client: ClientRole::new(peer.clone(), config),
             server: ServerRole::new(peer, config),
-            registering: false,
-            registered: false,
-            peer_num_blocks: None,
+            state: State::AwaitingConnect,
             handshake_deadline: now + config.handshake_timeout,
             dispatch_errors: 0,
             peer_fault_at: None,
-            death: None,
-            new_fetch_ids: Vec::new(),
         }
     }
 
@@ -107,11 +145,19 @@ impl Session {
 
     /// Whether the peer ever acknowledged our `connect` (it is alive and speaks the protocol).
     pub(crate) fn was_acked(&self) -> bool {
-        self.link.ready
+        self.link.was_ready()
     }
 
     pub(crate) fn is_dead(&self) -> bool {
-        self.death.is_some()
+        matches!(self.state, State::Dead(_))
+    }
+
+    /// Why the session ended, if it did.
+    pub(crate) fn death(&self) -> Option<&CloseReason> {
+        match &self.state {
+            State::Dead(reason) => Some(reason),
+            _ => None,
+        }
     }
 
     /// Whether the producer side still holds state for request `id`.
@@ -121,63 +167,74 @@ impl Session {
 
     /// Loads or transfers outstanding, or a registration running.
     pub(crate) fn has_pending_work(&self) -> bool {
-        self.registering || self.client.has_active_loads() || self.server.has_inflight()
+        matches!(self.state, State::Registering { .. })
+            || self.client.has_active_loads()
+            || self.server.has_inflight()
     }
 
-    pub(crate) fn data_plane_fault(&self) -> Option<&str> {
-        self.server.peer_fault.as_deref()
+    pub(crate) fn data_plane_fault(&self) -> Option<&PlaneError> {
+        self.server.peer_fault.as_ref()
     }
 
     /// Ends the session without a message (the connection is gone, or the peer said goodbye).
-    pub(crate) fn mark_dead(&mut self, reason: impl Into<String>) {
-        if self.death.is_none() {
-            self.death = Some(reason.into());
+    pub(crate) fn mark_dead(&mut self, reason: CloseReason) {
+        if !self.is_dead() {
+            self.state = State::Dead(reason);
         }
-        self.link.closed = true;
+        self.link.close();
     }
 
     /// Ends the session with a `disconnect`, so the peer learns at once.
-    pub(crate) fn disconnect(&mut self, out: &mut Outbox, now: Instant, reason: impl Into<String>) {
-        let reason = reason.into();
-        if self.death.is_none() {
+    pub(crate) fn disconnect(&mut self, out: &mut Outbox, now: Instant, reason: CloseReason) {
+        if !self.is_dead() {
             self.link.send_now(out, now, Message::Disconnect);
         }
         self.mark_dead(reason);
     }
 
-    fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: String) {
+    fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: CloseReason) {
         error!(peer = %self.link.peer, %reason, "protocol error; disconnecting");
         cx.out.counters.protocol_errors += 1;
-        self.disconnect(cx.out, cx.now, format!("protocol error: {reason}"));
+        self.disconnect(cx.out, cx.now, reason);
     }
 
     /// An internal error while handling a peer's message: counted; enough in a row end the
     /// session (a peer may be wedging us into a bad state).
-    fn internal_error(&mut self, cx: &mut Cx<'_>, reason: String) {
+    fn internal_error(&mut self, cx: &mut Cx<'_>, reason: InternalError) {
         self.dispatch_errors += 1;
         error!(peer = %self.link.peer, %reason, count = self.dispatch_errors, "internal error handling a message");
         if self.dispatch_errors >= cx.config.max_consecutive_dispatch_errors {
             let count = self.dispatch_errors;
             self.protocol_error(
                 cx,
-                format!("too many consecutive dispatch errors ({count})"),
+                CloseReason::TooManyInternalErrors {
+                    count,
+                    last: reason,
+                },
             );
         }
     }
 
     /// A payload the decoder refused as a protocol error.
-    pub(crate) fn on_invalid_message(&mut self, cx: &mut Cx<'_>, reason: String) {
+    pub(crate) fn on_invalid_message(&mut self, cx: &mut Cx<'_>, reason: ProtocolViolation) {
         if !self.is_dead() {
-            self.protocol_error(cx, reason);
+            self.protocol_error(cx, reason.into());
         }
     }
 
-    /// Dispatches one inbound message.
-    pub(crate) fn on_message(&mut self, cx: &mut Cx<'_>, local: &LocalNode, message: Message) {
+    /// Dispatches one inbound message. Returns the request of a `fetch` it accepted: the tier
+    /// binds it to this session (PD routing of later stores).
+    pub(crate) fn on_message(
+        &mut self,
+        cx: &mut Cx<'_>,
+        local: &LocalNode,
+        message: Message,
+    ) -> Option<KvRequestId> {
         if self.is_dead() {
-            return;
+            return None;
         }
         self.link.last_activity = cx.now;
+        let mut fetched = None;
         let result = match message {
             Message::Connect(c) => {
                 self.on_connect(cx, local, c);
@@ -189,27 +246,19 @@ impl Session {
             }
             Message::Disconnect => {
                 info!(peer = %self.link.peer, "peer disconnected");
-                self.mark_dead("peer disconnected");
+                self.mark_dead(CloseReason::PeerDisconnected);
                 Ok(())
             }
-            Message::Fetch(f) => self.on_fetch(cx, f),
+            Message::Fetch(f) => self.on_fetch(cx, f).map(|id| fetched = Some(id)),
             Message::AbortFetch(a) => {
                 self.server
-                    .on_abort_fetch(&mut self.link, cx, &a.kv_request_id, a.round_seq.0);
+                    .on_abort_fetch(&mut self.link, cx, &a.kv_request_id, a.round_seq);
                 Ok(())
             }
-            Message::Lookup(l) => {
-                match self.server.on_lookup(
-                    &mut self.link,
-                    cx,
-                    &l.kv_request_id,
-                    l.keys,
-                    l.round_seq.0,
-                ) {
-                    Ok(()) => Ok(()),
-                    Err(e) => Err(Fault::Internal(e)),
-                }
-            }
+            Message::Lookup(l) => self
+                .server
+                .on_lookup(&mut self.link, cx, &l.kv_request_id, l.keys, l.round_seq)
+                .map_err(Fault::Internal),
             Message::LookupResp(r) => {
                 self.client
                     .on_lookup_resp(cx.now, &r.kv_request_id, &r.keys, &r.hits);
@@ -217,35 +266,38 @@ impl Session {
             }
             Message::TransferDone(t) => {
                 self.client
-                    .on_transfer_done(cx.out, &t.kv_request_id, t.success, t.round_seq.0);
+                    .on_transfer_done(cx, &t.kv_request_id, t.success, t.round_seq);
                 Ok(())
             }
             Message::AbortAck(a) => {
-                self.client
-                    .on_abort_ack(cx.out, &a.kv_request_id, a.round_seq.0);
+                self.client.on_abort_ack(cx, &a.kv_request_id, a.round_seq);
                 Ok(())
             }
         };
         match result {
             Ok(()) => self.dispatch_errors = 0,
-            Err(Fault::Protocol(reason)) => self.protocol_error(cx, reason),
+            Err(Fault::Protocol(reason)) => self.protocol_error(cx, reason.into()),
             Err(Fault::Internal(reason)) => self.internal_error(cx, reason),
         }
+        fetched
     }
 
-    fn on_fetch(&mut self, cx: &mut Cx<'_>, f: kvpeer_proto::Fetch) -> Result<(), Fault> {
+    /// A `fetch`; its request on success.
+    fn on_fetch(&mut self, cx: &mut Cx<'_>, f: kvpeer_proto::Fetch) -> Result<KvRequestId, Fault> {
         // kvpeer's check: an index outside the peer's own region can only be a broken or
         // hostile peer (vLLM leaves it to NIXL to fail the write).
-        if let Some(limit) = self.peer_num_blocks {
-            if let Some((i, idx)) = f
+        if let Some(limit) = self.state.peer_blocks() {
+            if let Some((position, &index)) = f
                 .block_indexes
                 .iter()
                 .enumerate()
                 .find(|(_, idx)| **idx >= limit)
             {
-                return Err(Fault::Protocol(format!(
-                    "fetch: block_indexes[{i}] = {idx} is outside the peer's {limit} blocks"
-                )));
+                return Err(Fault::Protocol(ProtocolViolation::FetchOutOfRange {
+                    position,
+                    index,
+                    limit,
+                }));
             }
         }
         self.server
@@ -255,45 +307,43 @@ impl Session {
                 &f.kv_request_id,
                 &f.keys,
                 &f.block_indexes,
-                f.round_seq.0,
+                f.round_seq,
             )
             .map_err(Fault::Protocol)?;
-        self.new_fetch_ids.push(f.kv_request_id);
-        Ok(())
+        Ok(f.kv_request_id)
     }
 
     fn on_connect(&mut self, cx: &mut Cx<'_>, local: &LocalNode, c: Connect) {
-        if self.link.ready || self.registering || self.registered {
-            self.protocol_error(cx, "duplicate connect after handshake".into());
+        if self.link.is_ready() || !matches!(self.state, State::AwaitingConnect) {
+            self.protocol_error(cx, ProtocolViolation::DuplicateConnect.into());
             return;
         }
         // The routing identity is only what the peer's socket claims; a `connect` naming
         // another peer would register that peer's memory under this session (vLLM's peers
         // always send their own identity in both places).
         let refusal = if c.peer_id != self.link.peer {
-            Some(format!(
-                "connect names peer {} but came from {}",
-                c.peer_id, self.link.peer
-            ))
+            Some(ConnectRejection::PeerIdMismatch {
+                named: c.peer_id.clone(),
+                from: self.link.peer.clone(),
+            })
         } else if c.block_len != local.block_len {
-            Some(format!(
-                "block_len mismatch: remote={}, local={}",
-                c.block_len, local.block_len
-            ))
+            Some(ConnectRejection::BlockLen {
+                remote: c.block_len,
+                local: local.block_len,
+            })
         } else if !local.config_fingerprint.is_empty()
             && !c.fingerprint().is_empty()
             && c.fingerprint() != local.config_fingerprint
         {
-            Some(format!(
-                "config fingerprint mismatch: remote={:?}, local={:?}",
-                c.fingerprint(),
-                local.config_fingerprint
-            ))
+            Some(ConnectRejection::Fingerprint {
+                remote: c.fingerprint().to_owned(),
+                local: local.config_fingerprint.clone(),
+            })
         } else if c.hash_seed != local.hash_seed {
-            Some(format!(
-                "hash seed mismatch: remote={:?}, local={:?}; PYTHONHASHSEED must match on all peers",
-                c.hash_seed, local.hash_seed
-            ))
+            Some(ConnectRejection::HashSeed {
+                remote: c.hash_seed.clone(),
+                local: local.hash_seed.clone(),
+            })
         } else {
             let memory = RemoteMemory {
                 agent_metadata: c.agent_metadata,
@@ -304,39 +354,38 @@ impl Session {
             cx.plane
                 .add_remote_peer(&self.link.peer, &memory)
                 .err()
-                .map(|e| format!("data plane refused the peer: {e}"))
+                .map(ConnectRejection::PlaneRefused)
         };
         if let Some(reason) = refusal {
             // vLLM drops the peer silently and it waits 30 s for an ack; kvpeer tells it.
             crate::warn_throttled!(cx.out.throttle, cx.now, "rejecting peer connect", peer = %self.link.peer, %reason);
-            self.disconnect(cx.out, cx.now, format!("rejected peer connect: {reason}"));
+            self.disconnect(cx.out, cx.now, CloseReason::ConnectRejected(reason));
             return;
         }
-        self.registering = true;
-        self.peer_num_blocks = Some(c.num_blocks);
+        self.state = State::Registering {
+            peer_blocks: c.num_blocks,
+        };
         self.poll_registration(cx);
     }
 
     /// Sends `connect_ack` once the peer's memory is registered; a failed registration ends
     /// the session.
     fn poll_registration(&mut self, cx: &mut Cx<'_>) {
-        if !self.registering || self.is_dead() {
+        let State::Registering { peer_blocks } = self.state else {
             return;
-        }
+        };
         match cx.plane.registration(&self.link.peer) {
             Registration::Pending => {}
             Registration::Done => {
-                self.registering = false;
-                self.registered = true;
+                self.state = State::Registered { peer_blocks };
                 let ack = Message::ConnectAck(ConnectAck {
                     peer_id: self.local_id.clone(),
                 });
                 self.link.send_now(cx.out, cx.now, ack);
             }
             Registration::Failed(e) => {
-                self.registering = false;
                 crate::warn_throttled!(cx.out.throttle, cx.now, "peer registration failed; rejecting peer", peer = %self.link.peer, error = %e);
-                self.disconnect(cx.out, cx.now, format!("peer registration failed: {e}"));
+                self.disconnect(cx.out, cx.now, CloseReason::RegistrationFailed(e));
             }
         }
     }
@@ -368,21 +417,21 @@ impl Session {
         if self.server.has_inflight() && cx.now < since + cx.config.peer_fault_drain {
             return;
         }
-        self.disconnect(cx.out, cx.now, format!("data plane: {fault}"));
+        self.disconnect(cx.out, cx.now, CloseReason::DataPlaneFault(fault));
     }
 
     pub(crate) fn handle_timeout(&mut self, cx: &mut Cx<'_>) {
         if self.is_dead() {
             return;
         }
-        if !self.link.ready && cx.now >= self.handshake_deadline {
+        if !self.link.is_ready() && cx.now >= self.handshake_deadline {
             warn!(peer = %self.link.peer, "handshake timed out");
-            self.mark_dead("handshake timed out");
+            self.mark_dead(CloseReason::HandshakeTimeout);
             return;
         }
-        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx.out, cx.now) {
+        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx) {
             warn!(peer = %self.link.peer, kv_request_id = %expired, "lookup response timed out; disconnecting the peer");
-            self.disconnect(cx.out, cx.now, "lookup response timed out");
+            self.disconnect(cx.out, cx.now, CloseReason::LookupTimeout);
             return;
         }
         if let Err(e) = self.server.handle_timeout(&mut self.link, cx) {
@@ -395,7 +444,7 @@ impl Session {
         if self.is_dead() {
             return None;
         }
-        let handshake = (!self.link.ready).then_some(self.handshake_deadline);
+        let handshake = (!self.link.is_ready()).then_some(self.handshake_deadline);
         let fault = self.peer_fault_at.map(|at| at + self.peer_fault_drain);
         earliest([
             handshake,
@@ -441,8 +490,8 @@ impl Session {
             job,
             keys,
             blocks,
-            round: 0,
-            from_lookup: false,
+            round: RoundSeq(0),
+            origin: Origin::Store,
         };
         self.server
             .add_stored_blocks(&mut self.link, cx, id, supply);
@@ -464,7 +513,7 @@ impl Session {
     }
 
     /// Inflight transfer ids (shutdown drain).
-    pub(crate) fn inflight_ids(&self) -> Vec<u64> {
+    pub(crate) fn inflight_ids(&self) -> Vec<TransferId> {
         self.server.inflight_ids()
     }
 
@@ -483,10 +532,10 @@ impl Session {
 
     /// Tears the session down, sending `disconnect` if it has not ended yet.
     pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> SessionClose {
-        if self.death.is_none() {
-            self.disconnect(cx.out, cx.now, "closed locally");
+        if !self.is_dead() {
+            self.disconnect(cx.out, cx.now, CloseReason::Closed);
         }
-        self.link.closed = true;
+        self.link.close();
         SessionClose {
             client: self.client.close(),
             server: self.server.close(cx),
@@ -497,7 +546,7 @@ impl Session {
 /// Why handling a message failed.
 enum Fault {
     /// The peer broke the protocol: disconnect now.
-    Protocol(String),
+    Protocol(ProtocolViolation),
     /// Something went wrong on our side: count it.
-    Internal(String),
+    Internal(InternalError),
 }

@@ -9,7 +9,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
-    Core, CoreConfig, CoreStats, Event, JobId, LocalNode, LookupResult, Request, RequestRoles,
+    BlockIndex, Core, CoreConfig, CoreStats, Event, JobId, LocalNode, LookupResult, Request,
+    RequestRoles, TransferId,
 };
 use kvpeer_proto::{decode, KvRequestId, Message, OffloadKey, PeerId};
 
@@ -54,7 +55,7 @@ pub struct Cluster {
     pub events: Vec<(usize, Event)>,
     /// Every message sent: (from, to, message).
     pub sent: Vec<(usize, usize, Message)>,
-    transfer_started: HashMap<(usize, u64), Instant>,
+    transfer_started: HashMap<(usize, TransferId), Instant>,
     next_load_job: JobId,
     /// (from, to) pairs where `from` sent `disconnect` and has not opened a new session since.
     closed_links: HashSet<(usize, usize)>,
@@ -112,8 +113,8 @@ pub fn key(n: u64) -> OffloadKey {
 }
 
 /// The consumer block where load `job` puts its `i`-th key.
-pub fn dest_block(job: JobId, i: usize) -> u64 {
-    (job - 1_000_000) * 100 + i as u64
+pub fn dest_block(job: JobId, i: usize) -> BlockIndex {
+    BlockIndex::new((job.get() - 1_000_000) * 100 + i as u64)
 }
 
 pub fn id(s: &str) -> KvRequestId {
@@ -150,7 +151,7 @@ impl Cluster {
             events: Vec::new(),
             sent: Vec::new(),
             transfer_started: HashMap::new(),
-            next_load_job: 1_000_000,
+            next_load_job: JobId::new(1_000_000),
             closed_links: HashSet::new(),
             after_disconnect: Vec::new(),
             reqs: HashMap::new(),
@@ -175,7 +176,7 @@ impl Cluster {
     }
 
     pub fn load_job(&mut self) -> JobId {
-        self.next_load_job += 1;
+        self.next_load_job = JobId::new(self.next_load_job.get() + 1);
         self.next_load_job
     }
 
@@ -281,7 +282,7 @@ impl Cluster {
     }
 
     /// Ends transfer `tid` of node `i` (moving its bytes on success) and tells node `i`.
-    pub fn end_transfer(&mut self, i: usize, tid: u64, success: bool) {
+    pub fn end_transfer(&mut self, i: usize, tid: TransferId, success: bool) {
         let Some(xfer) = self.nodes[i].core.plane_mut().end(tid, success) else {
             return;
         };
@@ -477,7 +478,7 @@ impl Cluster {
             return (None, hits);
         }
         let job = self.load_job();
-        let blocks: Vec<u64> = (0..hits.len()).map(|i| dest_block(job, i)).collect();
+        let blocks: Vec<BlockIndex> = (0..hits.len()).map(|i| dest_block(job, i)).collect();
         let now = self.now;
         self.nodes[c]
             .core

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,
-    RemoteMemory, ServeCtx, StoreJob, TransferId,
+    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlaneError, PlanePoll,
+    Registration, RemoteMemory, ServeCtx, StoreJob, TransferId,
 };
 use kvpeer_proto::{OffloadKey, PeerId};
 
@@ -42,7 +42,7 @@ pub struct FakeParent {
 impl FakeParent {
     /// Stores `key` in a fresh block.
     pub fn insert(&mut self, key: &OffloadKey) -> BlockIndex {
-        self.next_block += 1;
+        self.next_block = BlockIndex::new(self.next_block.get() + 1);
         self.blocks.insert(key.clone(), self.next_block);
         self.next_block
     }
@@ -50,7 +50,7 @@ impl FakeParent {
     /// Pins `keys` as the engine does for a PD store; the job then belongs to the core.
     pub fn pin_for_store(&mut self, keys: &[OffloadKey]) -> (JobId, Vec<BlockIndex>) {
         let blocks = keys.iter().map(|k| self.insert(k)).collect();
-        self.next_job += 1;
+        self.next_job = JobId::new(self.next_job.get() + 1);
         self.pins.insert(self.next_job, keys.to_vec());
         (self.next_job, blocks)
     }
@@ -103,7 +103,7 @@ impl Parent for FakeParent {
         for key in keys {
             blocks.push(*self.blocks.get(key)?);
         }
-        self.next_job += 1;
+        self.next_job = JobId::new(self.next_job.get() + 1);
         self.lookup_jobs += 1;
         self.pins.insert(self.next_job, keys.to_vec());
         Some(StoreJob {
@@ -188,7 +188,7 @@ impl Default for FakePlane {
             removed: Vec::new(),
             fail_writes: false,
             writes_stuck: false,
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             transfers: BTreeMap::new(),
             unreported: HashMap::new(),
             faults: HashMap::new(),
@@ -238,11 +238,11 @@ impl FakePlane {
 }
 
 impl DataPlane for FakePlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, _memory: &RemoteMemory) -> Result<(), String> {
+    fn add_remote_peer(&mut self, peer: &PeerId, _memory: &RemoteMemory) -> Result<(), PlaneError> {
         let state = match &self.mode {
             RegistrationMode::Immediate => Registration::Done,
             RegistrationMode::Deferred => Registration::Pending,
-            RegistrationMode::Fail(e) => Registration::Failed(e.clone()),
+            RegistrationMode::Fail(e) => Registration::Failed(PlaneError::rejected(e.as_str())),
         };
         self.registrations.insert(peer.clone(), state);
         Ok(())
@@ -252,7 +252,7 @@ impl DataPlane for FakePlane {
         self.registrations
             .get(peer)
             .cloned()
-            .unwrap_or_else(|| Registration::Failed("unknown peer".into()))
+            .unwrap_or_else(|| Registration::Failed(PlaneError::rejected("unknown peer")))
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
@@ -282,7 +282,7 @@ impl DataPlane for FakePlane {
         if self.fail_writes || self.registrations.get(peer) != Some(&Registration::Done) {
             return None;
         }
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         self.transfers.insert(
             self.next_tid,
             FakeXfer {
@@ -298,7 +298,10 @@ impl DataPlane for FakePlane {
 
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         let mut poll = self.unreported.remove(peer).unwrap_or_default();
-        poll.peer_fault = self.faults.get(peer).cloned();
+        poll.peer_fault = self
+            .faults
+            .get(peer)
+            .map(|f| PlaneError::transport(f.as_str()));
         poll
     }
 

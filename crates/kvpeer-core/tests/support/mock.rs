@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
-use kvpeer_core::{Core, CoreConfig, Event, JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{
+    BlockIndex, Core, CoreConfig, Event, JobId, LookupResult, Request, RequestRoles,
+};
 use kvpeer_proto::{
     Abort, Connect, ConnectAck, Fetch, KvRequestId, LookupResp, Message, OffloadKey, PeerId,
     RoundSeq, TransferDone,
@@ -121,9 +123,17 @@ impl Mock {
     }
 
     /// The engine stores blocks for `rid` (pinned as job `job`).
-    pub fn store(&mut self, job: JobId, rid: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>) {
+    pub fn store(
+        &mut self,
+        job: impl Into<JobId>,
+        rid: &str,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<impl Into<BlockIndex>>,
+    ) {
         let req = self.req(rid);
-        self.core.submit_store(self.now, job, &req, keys, blocks);
+        let blocks = blocks.into_iter().map(Into::into).collect();
+        self.core
+            .submit_store(self.now, job.into(), &req, keys, blocks);
         self.pump();
     }
 
@@ -194,9 +204,17 @@ impl Mock {
         self.pump();
     }
 
-    pub fn load(&mut self, job: JobId, rid: &str, keys: Vec<OffloadKey>, blocks: Vec<u64>) {
+    pub fn load(
+        &mut self,
+        job: impl Into<JobId>,
+        rid: &str,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<impl Into<BlockIndex>>,
+    ) {
         let req = self.req(rid);
-        self.core.submit_load(self.now, job, &req, keys, blocks);
+        let blocks = blocks.into_iter().map(Into::into).collect();
+        self.core
+            .submit_load(self.now, job.into(), &req, keys, blocks);
         self.pump();
     }
 
@@ -233,7 +251,7 @@ impl Mock {
 
     pub fn closed(&self) -> Option<String> {
         self.events.iter().find_map(|e| match e {
-            Event::Close { reason, .. } => Some(reason.clone()),
+            Event::Close { end, .. } => Some(end.to_string()),
             _ => None,
         })
     }

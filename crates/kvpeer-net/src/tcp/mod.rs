@@ -63,7 +63,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId,
+    BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
+    TransferId,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::{PoolView, PoolWriter};
@@ -269,7 +270,7 @@ impl TcpPlane {
             ends: Arc::default(),
             registrations: Arc::default(),
             links: Arc::default(),
-            next_tid: 0,
+            next_tid: TransferId::new(0),
             max_write_rate: None,
             limits: Arc::default(),
             counters: Arc::default(),
@@ -401,14 +402,17 @@ fn protocol(msg: String) -> std::io::Error {
 }
 
 impl DataPlane for TcpPlane {
-    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), String> {
-        let meta = AgentMetadata::decode(&memory.agent_metadata).map_err(|e| e.to_string())?;
-        let addr = meta.tcp.ok_or("the peer offers no tcp plane")?;
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
+        let meta = AgentMetadata::decode(&memory.agent_metadata)
+            .map_err(|e| PlaneError::rejected(e.to_string()))?;
+        let addr = meta
+            .tcp
+            .ok_or_else(|| PlaneError::rejected("the peer offers no tcp plane"))?;
         if memory.block_len != self.block_len {
-            return Err(format!(
+            return Err(PlaneError::rejected(format!(
                 "block_len {} is not ours ({})",
                 memory.block_len, self.block_len
-            ));
+            )));
         }
         // A new registration replaces the old link (issued keys stay: they are about writes
         // into us).
@@ -419,14 +423,18 @@ impl DataPlane for TcpPlane {
             Some(Err(_)) => {
                 lock(&self.registrations).insert(
                     peer.clone(),
-                    Registration::Failed(format!("the peer's tcp_key is not {KEY_LEN} bytes")),
+                    Registration::Failed(PlaneError::rejected(format!(
+                        "the peer's tcp_key is not {KEY_LEN} bytes"
+                    ))),
                 );
                 return Ok(());
             }
             None => {
                 lock(&self.registrations).insert(
                     peer.clone(),
-                    Registration::Failed("peer advertises tcp without tcp_key".into()),
+                    Registration::Failed(PlaneError::rejected(
+                        "peer advertises tcp without tcp_key",
+                    )),
                 );
                 return Ok(());
             }
@@ -440,7 +448,7 @@ impl DataPlane for TcpPlane {
         lock(&self.registrations)
             .get(peer)
             .cloned()
-            .unwrap_or_else(|| Registration::Failed("not registered".into()))
+            .unwrap_or_else(|| Registration::Failed(PlaneError::not_registered()))
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
@@ -467,7 +475,7 @@ impl DataPlane for TcpPlane {
         if !ok || lock(&self.ends).faults.contains_key(peer) {
             return None;
         }
-        self.next_tid += 1;
+        self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         lock(&self.ends).queued.insert(tid, peer.clone());
         if !link.queue(tid, local, remote) {
@@ -480,7 +488,10 @@ impl DataPlane for TcpPlane {
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         let mut e = lock(&self.ends);
         let mut poll = e.ended.remove(peer).unwrap_or_default();
-        poll.peer_fault = e.faults.get(peer).cloned();
+        poll.peer_fault = e
+            .faults
+            .get(peer)
+            .map(|f| PlaneError::transport(f.as_str()));
         poll
     }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::TransferId;
+use kvpeer_core::{BlockIndex, TransferId};
 use kvpeer_proto::PeerId;
 use kvpeer_store::{PoolWriter, WriteClaim};
 use subtle::ConstantTimeEq;
@@ -439,7 +439,7 @@ impl Connection<'_> {
         &mut self,
         tid: TransferId,
         writer: &PeerId,
-        indexes: &[u64],
+        indexes: &[BlockIndex],
     ) -> std::io::Result<WriteClaim> {
         let claimed = {
             let gate = lock(self.gate);
@@ -454,7 +454,7 @@ impl Connection<'_> {
     /// Refuses transfer `tid` (ACK 1) and closes the connection; the error ends the reader.
     fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Error {
         if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
-            warn!(%writer, tid, %why, suppressed, "refusing a tcp write");
+            warn!(%writer, tid = tid.get(), %why, suppressed, "refusing a tcp write");
         }
         let _ = self.s.write_all(&wire::encode_ack(tid, false));
         close(self.s);

@@ -8,7 +8,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{BlockIndex, Registration, TransferId};
+use kvpeer_core::{BlockIndex, PlaneError, Registration, TransferId};
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
 use tracing::{debug, warn};
@@ -151,9 +151,9 @@ impl TcpPlane {
                         l.map.insert(peer.clone(), link);
                         Registration::Done
                     }
-                    Err(e) => Registration::Failed(format!(
+                    Err(e) => Registration::Failed(PlaneError::transport(format!(
                         "cannot reach the data listener at {addr}: {e}"
-                    )),
+                    ))),
                 };
                 lock(&registrations).insert(peer, state);
                 drop(l);
@@ -164,7 +164,9 @@ impl TcpPlane {
             lock(&self.links).dialing.remove(&who);
             lock(&self.registrations).insert(
                 who,
-                Registration::Failed(format!("cannot start a tcp dial thread: {e}")),
+                Registration::Failed(PlaneError::resources(format!(
+                    "cannot start a tcp dial thread: {e}"
+                ))),
             );
         }
     }

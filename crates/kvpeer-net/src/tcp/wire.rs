@@ -12,6 +12,8 @@
 //! and version before the length, the length before the id): [`check_hello_start`],
 //! [`hello_id_len`], [`hello_body`]. [`decode_hello`] composes them over a whole buffer.
 
+use kvpeer_core::{BlockIndex, TransferId};
+
 use super::KEY_LEN;
 
 /// A HELLO's first bytes.
@@ -63,7 +65,7 @@ pub(super) enum WireError {
     #[error("{count} blocks in one write")]
     BadCount {
         /// The WRITE's transfer id (its refusal names it).
-        tid: u64,
+        tid: TransferId,
         /// Blocks it names.
         count: u64,
     },
@@ -162,15 +164,18 @@ pub(super) fn decode_hello(bytes: &[u8]) -> Result<Hello, WireError> {
 }
 
 /// A WRITE's header: magic, transfer id, count and the block indexes (the blocks follow).
-pub(super) fn encode_write_header(tid: u64, indexes: &[u64]) -> Result<Vec<u8>, WireError> {
+pub(super) fn encode_write_header(
+    tid: TransferId,
+    indexes: &[BlockIndex],
+) -> Result<Vec<u8>, WireError> {
     let count =
         u32::try_from(indexes.len()).map_err(|_| WireError::TooManyBlocks(indexes.len()))?;
     let mut out = Vec::with_capacity(4 + WRITE_HEAD_LEN + 8 * indexes.len());
     out.extend_from_slice(WRITE_MAGIC);
-    out.extend_from_slice(&tid.to_be_bytes());
+    out.extend_from_slice(&tid.get().to_be_bytes());
     out.extend_from_slice(&count.to_be_bytes());
     for i in indexes {
-        out.extend_from_slice(&i.to_be_bytes());
+        out.extend_from_slice(&i.get().to_be_bytes());
     }
     Ok(out)
 }
@@ -188,8 +193,8 @@ pub(super) fn check_write_magic(magic: &[u8; 4]) -> Result<(), WireError> {
 pub(super) fn decode_write_head(
     head: &[u8; WRITE_HEAD_LEN],
     max_blocks: u64,
-) -> Result<(u64, usize), WireError> {
-    let tid = u64::from_be_bytes(take::<8>(head, 0));
+) -> Result<(TransferId, usize), WireError> {
+    let tid = TransferId::new(u64::from_be_bytes(take::<8>(head, 0)));
     let count = u64::from(u32::from_be_bytes(take::<4>(head, 8)));
     if count == 0 || count > max_blocks {
         return Err(WireError::BadCount { tid, count });
@@ -199,7 +204,7 @@ pub(super) fn decode_write_head(
 }
 
 /// The block indexes of a WRITE: `raw` is `count × 8` bytes.
-pub(super) fn decode_indexes(raw: &[u8]) -> Result<Vec<u64>, WireError> {
+pub(super) fn decode_indexes(raw: &[u8]) -> Result<Vec<BlockIndex>, WireError> {
     if raw.len() % 8 != 0 {
         return Err(WireError::Truncated {
             got: raw.len(),
@@ -208,25 +213,26 @@ pub(super) fn decode_indexes(raw: &[u8]) -> Result<Vec<u64>, WireError> {
     }
     Ok(raw
         .chunks_exact(8)
-        .map(|c| u64::from_be_bytes(take::<8>(c, 0)))
+        .map(|c| BlockIndex::new(u64::from_be_bytes(take::<8>(c, 0))))
         .collect())
 }
 
 /// An ACK: transfer `tid` written (`true`) or refused.
-pub(super) fn encode_ack(tid: u64, written: bool) -> [u8; ACK_LEN] {
+pub(super) fn encode_ack(tid: TransferId, written: bool) -> [u8; ACK_LEN] {
     let mut out = [0u8; ACK_LEN];
     out[..4].copy_from_slice(ACK_MAGIC);
-    out[4..12].copy_from_slice(&tid.to_be_bytes());
+    out[4..12].copy_from_slice(&tid.get().to_be_bytes());
     out[12] = u8::from(!written);
     out
 }
 
 /// An ACK's transfer id and whether it was written (status 0; any other status is a refusal).
-pub(super) fn decode_ack(frame: &[u8; ACK_LEN]) -> Result<(u64, bool), WireError> {
+pub(super) fn decode_ack(frame: &[u8; ACK_LEN]) -> Result<(TransferId, bool), WireError> {
     if &frame[..4] != ACK_MAGIC {
         return Err(WireError::BadMagic);
     }
-    Ok((u64::from_be_bytes(take::<8>(frame, 4)), frame[12] == 0))
+    let tid = TransferId::new(u64::from_be_bytes(take::<8>(frame, 4)));
+    Ok((tid, frame[12] == 0))
 }
 
 #[cfg(test)]
@@ -298,7 +304,8 @@ mod tests {
 
     #[test]
     fn a_write_header_is_these_exact_bytes_and_decodes_back() {
-        let bytes = encode_write_header(0x0102_0304_0506_0708, &[1, 0xFFEE]).unwrap();
+        let bytes =
+            encode_write_header(0x0102_0304_0506_0708.into(), &[1.into(), 0xFFEE.into()]).unwrap();
         let want: Vec<u8> = [
             &b"KVPW"[..],
             &[1, 2, 3, 4, 5, 6, 7, 8],
@@ -310,8 +317,11 @@ mod tests {
         assert_eq!(bytes, want);
         check_write_magic(&bytes[..4].try_into().unwrap()).unwrap();
         let (tid, count) = decode_write_head(&bytes[4..16].try_into().unwrap(), 8).unwrap();
-        assert_eq!((tid, count), (0x0102_0304_0506_0708, 2));
-        assert_eq!(decode_indexes(&bytes[16..]).unwrap(), vec![1, 0xFFEE]);
+        assert_eq!((tid.get(), count), (0x0102_0304_0506_0708, 2));
+        assert_eq!(
+            decode_indexes(&bytes[16..]).unwrap(),
+            vec![BlockIndex::new(1), BlockIndex::new(0xFFEE)]
+        );
     }
 
     #[test]
@@ -325,21 +335,27 @@ mod tests {
         };
         assert_eq!(
             decode_write_head(&head(0), 8),
-            Err(WireError::BadCount { tid: 7, count: 0 })
+            Err(WireError::BadCount {
+                tid: TransferId::new(7),
+                count: 0
+            })
         );
         assert_eq!(
             decode_write_head(&head(9), 8),
-            Err(WireError::BadCount { tid: 7, count: 9 }),
+            Err(WireError::BadCount {
+                tid: TransferId::new(7),
+                count: 9
+            }),
             "more blocks than the pool holds"
         );
         assert_eq!(
             decode_write_head(&head(u32::MAX), 8),
             Err(WireError::BadCount {
-                tid: 7,
+                tid: TransferId::new(7),
                 count: u64::from(u32::MAX)
             })
         );
-        assert_eq!(decode_write_head(&head(8), 8), Ok((7, 8)));
+        assert_eq!(decode_write_head(&head(8), 8), Ok((TransferId::new(7), 8)));
         assert!(matches!(
             decode_indexes(&[0; 12]),
             Err(WireError::Truncated { got: 12, need: 16 })
@@ -348,18 +364,18 @@ mod tests {
 
     #[test]
     fn an_ack_is_these_exact_bytes_and_any_nonzero_status_is_a_refusal() {
-        let ok = encode_ack(0x0A0B, true);
+        let ok = encode_ack(TransferId::new(0x0A0B), true);
         assert_eq!(
             ok,
             [b'K', b'V', b'P', b'A', 0, 0, 0, 0, 0, 0, 0x0A, 0x0B, 0]
         );
-        assert_eq!(decode_ack(&ok), Ok((0x0A0B, true)));
-        let refused = encode_ack(5, false);
+        assert_eq!(decode_ack(&ok), Ok((TransferId::new(0x0A0B), true)));
+        let refused = encode_ack(TransferId::new(5), false);
         assert_eq!(refused[12], 1);
-        assert_eq!(decode_ack(&refused), Ok((5, false)));
+        assert_eq!(decode_ack(&refused), Ok((TransferId::new(5), false)));
         let mut odd = ok;
         odd[12] = 7;
-        assert_eq!(decode_ack(&odd), Ok((0x0A0B, false)));
+        assert_eq!(decode_ack(&odd), Ok((TransferId::new(0x0A0B), false)));
         let mut junk = ok;
         junk[3] = b'W';
         assert_eq!(decode_ack(&junk), Err(WireError::BadMagic));

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpeer_core::DataPlane;
+use kvpeer_core::{BlockIndex, DataPlane};
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
@@ -123,5 +123,5 @@ pub(crate) fn closed(s: &mut TcpStream) -> bool {
 }
 
 pub(crate) fn block(store: &BlockStore, i: u64) -> Vec<u8> {
-    store.pool().block(i).unwrap().to_vec()
+    store.pool().block(BlockIndex::new(i)).unwrap().to_vec()
 }

@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{BlockIndex, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockBusy, Pool, PoolView};
 
@@ -131,7 +131,7 @@ impl<D: BuildPlane> EngineNode<D> {
     /// One block, for the engine to write what peers may fetch. Refused while a peer may
     /// write it (a load into it is running); the engine must not write a block it pinned
     /// for a peer either.
-    pub fn block_mut(&mut self, block: u64) -> Result<&mut [u8], BlockBusy> {
+    pub fn block_mut(&mut self, block: BlockIndex) -> Result<&mut [u8], BlockBusy> {
         self.pool.block_mut(block)
     }
 
@@ -175,7 +175,7 @@ impl<D: BuildPlane> EngineNode<D> {
         job: JobId,
         request: &Request,
         keys: Vec<OffloadKey>,
-        blocks: Vec<u64>,
+        blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
         check_job(job, keys.len(), blocks.len())?;
         let now = Instant::now();
@@ -208,7 +208,7 @@ impl<D: BuildPlane> EngineNode<D> {
         job: JobId,
         request: &Request,
         keys: Vec<OffloadKey>,
-        blocks: Vec<u64>,
+        blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
         check_job(job, keys.len(), blocks.len())?;
         let now = Instant::now();
@@ -294,7 +294,7 @@ impl<D: BuildPlane> EngineNode<D> {
 
 /// An engine's job id and the lengths of its keys and blocks, checked.
 fn check_job(job: JobId, keys: usize, blocks: usize) -> Result<(), EngineError> {
-    if job >= FIRST_PIN_JOB {
+    if job.get() >= FIRST_PIN_JOB {
         return Err(EngineError::ReservedJob(job));
     }
     if keys != blocks {

@@ -227,7 +227,7 @@ impl Parent for EngineParent {
         for key in keys {
             answers.insert(key.clone(), Slot::Answered(Answer::Miss));
         }
-        let job_id: JobId = s.next_job;
+        let job_id = JobId::new(s.next_job);
         s.next_job += 1;
         s.jobs.insert(job_id, pins);
         Some(StoreJob { job_id, blocks })
@@ -238,7 +238,7 @@ impl Parent for EngineParent {
         if let Some(pins) = s.jobs.remove(&job_id) {
             s.releases
                 .extend(pins.into_iter().map(|pin| Release { pin, sent: success }));
-        } else if job_id < FIRST_PIN_JOB {
+        } else if job_id.get() < FIRST_PIN_JOB {
             // One of the engine's own jobs: it unpins when it hears.
             s.stores_done.push((job_id, success));
         }
@@ -323,7 +323,7 @@ mod tests {
 
     fn hit(block: u64, pin: u64) -> Answer {
         Answer::Hit {
-            block,
+            block: BlockIndex::new(block),
             pin: EnginePin(pin),
         }
     }
@@ -343,7 +343,7 @@ mod tests {
         assert!(parent.take_answered());
         assert_eq!(parent.lookup(&key(1), &c), LookupResult::Hit);
         let job = parent.create_store_job(&[key(1)], &c).unwrap();
-        assert_eq!(job.blocks, vec![4]);
+        assert_eq!(job.blocks, vec![BlockIndex::new(4)]);
         parent.on_request_finished(&c);
         assert!(link.take_releases().is_empty(), "the job holds the pin");
         assert_eq!(parent.outstanding(), (0, 1));
@@ -425,7 +425,7 @@ mod tests {
         assert_eq!(parent.create_store_job(&[key(1), key(2)], &c), None);
         assert_eq!(parent.create_store_job(&[key(1)], &ctx(2)), None);
         let job = parent.create_store_job(&[key(1)], &c).unwrap();
-        assert!(job.job_id >= FIRST_PIN_JOB);
+        assert!(job.job_id.get() >= FIRST_PIN_JOB);
         parent.complete_store_job(job.job_id, false);
         parent.complete_store_job(job.job_id, false);
         assert_eq!(

@@ -361,14 +361,16 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
-                    Event::Close { peer, reason } => self.closed_with(peer, false, reason),
-                    Event::Refused { peer, reason } => self.closed_with(peer, true, reason),
+                    Event::Close { peer, end } => self.closed_with(peer, false, end.to_string()),
+                    Event::Refused { peer, reason } => {
+                        self.closed_with(peer, true, reason.to_string())
+                    }
                     Event::LoadDone { job, success, .. } => {
                         self.loads_done.insert(job, success);
                     }
                     Event::StoreDone { job, success } => {
                         // Already completed at the store by the core; nobody waits on it.
-                        debug!(job, success, "store job done");
+                        debug!(job = job.get(), success, "store job done");
                     }
                 }
             }

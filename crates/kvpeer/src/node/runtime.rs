@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{BlockIndex, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use tracing::{debug, info};
 
@@ -83,7 +83,7 @@ struct PendingLookup {
 
 struct PendingLoad {
     started: Instant,
-    blocks: Vec<u64>,
+    blocks: Vec<BlockIndex>,
     deadline: Instant,
     /// `None` once the caller has been answered (it gave up waiting).
     reply: Option<Sender<Result<(), NodeError>>>,
@@ -111,7 +111,7 @@ pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
         connects: Vec::new(),
         lookups: Vec::new(),
         loads: HashMap::new(),
-        next_job: 1,
+        next_job: JobId::new(1),
         calls: NodeStats::default(),
     };
     loop {
@@ -226,7 +226,7 @@ impl<P: BuildPlane> Runtime<P> {
                     }
                 };
                 let job = self.next_job;
-                self.next_job += 1;
+                self.next_job = JobId::new(job.get() + 1);
                 self.io
                     .core
                     .submit_load(now, job, &req, keys, blocks.clone());

@@ -7,9 +7,23 @@
 //! until empty, then sleeps until [`Core::poll_timeout`] or the next input. When inputs and a
 //! deadline are both due, feed the inputs first: a reply already received must win over the
 //! timeout it answers.
+//!
+//! This file holds the [`Core`] and its API (inputs, outputs, engine calls, shutdown) and the
+//! reaping of sessions; `admission` decides which sessions may exist (refusals, backoffs, idle
+//! eviction), `parking` holds a PD producer's stores until the peer's fetch, and `request` the
+//! engine's handle of a request.
+
+mod admission;
+mod parking;
+mod request;
+
+pub use request::{OffloadPolicy, Request, RequestRoles, Source};
+
+use admission::Backoff;
+use parking::Batch;
 
 use crate::maps::{Map, Set};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvpeer_proto::{
     decode_with_limits, DecodeError, DecodeLimits, KvRequestId, Message, OffloadKey, PeerId,
@@ -17,97 +31,12 @@ use kvpeer_proto::{
 use tracing::{debug, info, warn};
 
 use crate::config::{CoreConfig, LocalNode};
+use crate::error::{CloseReason, ProtocolViolation, Refusal};
 use crate::output::{Event, Outbox, Transmit};
 use crate::session::client::Load;
 use crate::session::{Cx, Session};
 use crate::timer::{earliest, Lane};
-use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent};
-
-/// Where a consumer request gets its blocks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
-    /// The producer.
-    pub peer: PeerId,
-    /// Probe with `lookup` first (`remote_kv_source`, symmetric); without probing every key is
-    /// assumed held (`remote_prefiller`, PD).
-    pub probe: bool,
-}
-
-/// The roles one request plays on this node (vLLM's `kv_transfer_params`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RequestRoles {
-    /// This node fetches the request's blocks from a peer.
-    pub source: Option<Source>,
-    /// This node produces the request's blocks for a peer that fetches them
-    /// (`remote_decoder`): its stores wait for the peer's fetch.
-    pub decoder: bool,
-}
-
-impl RequestRoles {
-    /// A symmetric consumer (`remote_kv_source`): probes `peer`, then fetches the hits.
-    pub fn kv_source(peer: PeerId) -> Self {
-        RequestRoles {
-            source: Some(Source { peer, probe: true }),
-            decoder: false,
-        }
-    }
-
-    /// A PD consumer (`remote_prefiller`): fetches from `peer` without probing.
-    pub fn prefiller(peer: PeerId) -> Self {
-        RequestRoles {
-            source: Some(Source { peer, probe: false }),
-            decoder: false,
-        }
-    }
-
-    /// A PD producer (`remote_decoder`): stores wait for the peer's fetch.
-    pub fn decoder() -> Self {
-        RequestRoles {
-            source: None,
-            decoder: true,
-        }
-    }
-}
-
-/// A request as the engine holds it, like vLLM's `ReqContext`: its id and roles. Made by
-/// [`Core::on_new_request`] and passed back to every later call about the request, so the core
-/// keeps no table of requests (one fewer lookup per operation) and cannot be asked about a
-/// request it never saw.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request {
-    id: KvRequestId,
-    roles: RequestRoles,
-}
-
-impl Request {
-    /// The request's `kv_request_id`.
-    pub fn id(&self) -> &KvRequestId {
-        &self.id
-    }
-
-    /// Its roles on this node.
-    pub fn roles(&self) -> &RequestRoles {
-        &self.roles
-    }
-
-    /// How much of it the engine should offload: all of it for a PD producer.
-    pub fn offload_policy(&self) -> OffloadPolicy {
-        if self.roles.decoder {
-            OffloadPolicy::RequestLevel
-        } else {
-            OffloadPolicy::Default
-        }
-    }
-}
-
-/// How much of a request the engine should offload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OffloadPolicy {
-    /// The engine's usual policy.
-    Default,
-    /// Every block of the request, prefix hits included (a PD producer: the peer needs all).
-    RequestLevel,
-}
+use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, TransferId};
 
 /// Counts of open state, for metrics and for tests' leak checks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -130,46 +59,6 @@ pub struct CoreStats {
     pub failed_ids: usize,
     /// Request ids bound to the session that fetched them (PD routing of later stores).
     pub bound_ids: usize,
-}
-
-#[derive(Debug)]
-struct Batch {
-    job: JobId,
-    keys: Vec<OffloadKey>,
-    blocks: Vec<BlockIndex>,
-    submitted_at: Instant,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Backoff {
-    wait: Duration,
-    retry_at: Instant,
-}
-
-/// Records one more failure of `peer` in `backoffs` at `now` and returns its wait: `first`
-/// after no recent failure, else the previous wait doubled, within `min..=max`. Entries whose
-/// wait is long over are forgotten, so the map holds only peers failing lately.
-fn next_backoff(
-    backoffs: &mut Map<PeerId, Backoff>,
-    peer: &PeerId,
-    now: Instant,
-    first: Duration,
-    min: Duration,
-    max: Duration,
-) -> Duration {
-    backoffs.retain(|_, b| now <= b.retry_at + max);
-    let wait = match backoffs.get(peer) {
-        Some(prev) => (prev.wait * 2).max(min).min(max),
-        None => first,
-    };
-    backoffs.insert(
-        peer.clone(),
-        Backoff {
-            wait,
-            retry_at: now + wait,
-        },
-    );
-    wait
 }
 
 /// The protocol core of one node. See the [module documentation](self) for how to drive it.
@@ -353,7 +242,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Whether a session with `peer` exists, and whether the peer has acked our `connect`.
     pub fn session_state(&self, peer: &PeerId) -> Option<SessionState> {
         self.sessions.get(peer).map(|s| SessionState {
-            ready: s.link.ready,
+            ready: s.link.is_ready(),
             pending_work: s.has_pending_work(),
         })
     }
@@ -365,51 +254,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// peer fails at once).
     pub fn handle_inbound(&mut self, now: Instant, peer: PeerId) -> bool {
         self.advance(now);
-        let refusal = if self.sessions.contains_key(&peer) {
-            Some(format!("duplicate connection from {peer}"))
-        } else if self.sessions.len() >= self.config.max_peers {
-            Some(format!(
-                "session limit reached ({}/{})",
-                self.sessions.len(),
-                self.config.max_peers
-            ))
-        } else {
-            let wait = self.reconnect_wait(&peer);
-            let dial_wait = self.dial_backoff.get(&peer).map_or(Duration::ZERO, |b| {
-                b.retry_at.saturating_duration_since(self.now)
-            });
-            if dial_wait > Duration::ZERO {
-                // Its address kept failing: any answer (even a `disconnect`) would dial it
-                // again, so it gets none.
-                Some(format!(
-                    "backoff after failed dials to it ({} ms left)",
-                    dial_wait.as_millis()
-                ))
-            } else if wait > Duration::ZERO {
-                self.out.transmit(&peer, Message::Disconnect);
-                Some(format!(
-                    "reconnect backoff after a data-plane fault ({:.1}s left)",
-                    wait.as_secs_f64()
-                ))
-            } else {
-                None
-            }
-        };
-        if let Some(reason) = refusal {
+        if let Some(reason) = self.refusal(&peer) {
             crate::warn_throttled!(self.out.throttle, self.now, "refusing inbound peer", %peer, %reason);
             self.out.event(Event::Refused { peer, reason });
             return false;
         }
         info!(%peer, "accepting inbound peer");
-        let session = Session::open(
-            peer.clone(),
-            &self.local,
-            &self.config,
-            &mut self.out,
-            self.now,
-        );
-        self.out.counters.sessions_opened += 1;
-        self.sessions.insert(peer, session);
+        self.open_session(peer);
         true
     }
 
@@ -425,12 +276,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 crate::warn_throttled!(self.out.throttle, self.now, "refusing a bad first payload from a peer without a session", %peer, error = %e);
                 self.out.event(Event::Refused {
                     peer: peer.clone(),
-                    reason: format!("no session, and the first payload is no connect: {e}"),
+                    reason: Refusal::BadFirstPayload(e),
                 });
             }
             Err(DecodeError::Protocol(e)) => {
                 self.with_session(peer, |s, cx, _| {
-                    s.on_invalid_message(cx, format!("malformed message: {e}"))
+                    s.on_invalid_message(cx, ProtocolViolation::Malformed(e))
                 });
                 self.settle();
             }
@@ -451,12 +302,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if !self.sessions.contains_key(peer) && !self.accept_first_message(peer, &message) {
             return;
         }
-        let handled = self.with_session(peer, |s, cx, local| {
-            s.on_message(cx, local, message);
-            std::mem::take(&mut s.new_fetch_ids)
-        });
-        if let Some(fetched) = handled {
-            self.bind_fetches(peer, fetched);
+        let fetched = self
+            .with_session(peer, |s, cx, local| s.on_message(cx, local, message))
+            .flatten();
+        if let Some(id) = fetched {
+            self.bind_fetch(peer, id);
         }
         self.settle();
     }
@@ -474,22 +324,24 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         debug!(%peer, message = %message.message_type(), "dropping a message from a peer without a session");
         self.out.event(Event::Refused {
             peer: peer.clone(),
-            reason: format!(
-                "no session, and {} does not open one",
-                message.message_type()
-            ),
+            reason: Refusal::NotAConnect(message.message_type()),
         });
         false
     }
 
     /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).
     pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId) {
-        self.handle_connection_refused(now, peer, "control connection lost");
+        self.close_session(now, peer, CloseReason::ConnectionLost);
     }
 
     /// The node will not talk to `peer` (e.g. it is outside the allowlist): its session ends
     /// with `reason`, and its requests fall back at once.
     pub fn handle_connection_refused(&mut self, now: Instant, peer: &PeerId, reason: &str) {
+        self.close_session(now, peer, CloseReason::Refused(reason.into()));
+    }
+
+    /// Ends `peer`'s session (if any) for `reason`, without a message.
+    fn close_session(&mut self, now: Instant, peer: &PeerId, reason: CloseReason) {
         self.advance(now);
         if let Some(session) = self.sessions.get_mut(peer) {
             session.mark_dead(reason);
@@ -595,7 +447,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         let id = &req.id;
         let Some(source) = &req.roles.source else {
-            warn!(kv_request_id = %id, job, "load for a request that has no producer");
+            warn!(kv_request_id = %id, job = job.get(), "load for a request that has no producer");
             self.out.load_done(job, id.clone(), false, true);
             self.settle();
             return;
@@ -612,7 +464,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks })
             }
             _ => {
-                warn!(kv_request_id = %id, job, peer = %source.peer, "load with no session to the producer");
+                warn!(kv_request_id = %id, job = job.get(), peer = %source.peer, "load with no session to the producer");
                 self.out.load_done(job, id.clone(), false, true);
             }
         }
@@ -630,33 +482,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         blocks: Vec<BlockIndex>,
     ) {
         self.advance(now);
-        let id = &req.id;
         if !req.roles.decoder {
             self.complete_store(job, true);
             return;
         }
-        if self.reaped.contains_key(id) {
-            warn!(kv_request_id = %id, job, "store for a request whose parked stores were reaped; failing it");
-            self.complete_store(job, false);
-            return;
-        }
-        if let Some(peer) = self.bound.get(id).cloned() {
-            self.with_session(&peer, |s, cx, _| {
-                s.add_stored_blocks(cx, id, &keys, &blocks, job)
-            });
-            self.settle();
-            return;
-        }
-        let batches = self.unbound.entry(id.clone()).or_default();
-        if batches.is_empty() {
-            self.unbound_lane.arm(self.now, id.clone());
-        }
-        batches.push(Batch {
-            job,
-            keys,
-            blocks,
-            submitted_at: self.now,
-        });
+        self.park_store(job, &req.id, keys, blocks);
     }
 
     /// The request finished on this node: consumer loads are aborted and lookup state
@@ -682,7 +512,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// (after data-plane progress) until then or until the caller's drain bound passes.
     pub fn shutdown_drain(&mut self, now: Instant) -> bool {
         self.advance(now);
-        let ids: Vec<u64> = self
+        let ids: Vec<TransferId> = self
             .sessions
             .values()
             .flat_map(Session::inflight_ids)
@@ -732,66 +562,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         opened
     }
 
-    /// Opens a session toward `peer` unless one exists; `false` if it cannot.
-    fn ensure_session(&mut self, peer: &PeerId) -> bool {
-        if self.sessions.contains_key(peer) {
-            return true;
-        }
-        if self.reconnect_wait(peer) > Duration::ZERO {
-            debug!(%peer, "not dialing: reconnect backoff after a data-plane fault");
-            return false;
-        }
-        if self
-            .dial_backoff
-            .get(peer)
-            .is_some_and(|b| b.retry_at > self.now)
-        {
-            debug!(%peer, "not dialing: backoff after failed dials");
-            return false;
-        }
-        if self.sessions.len() >= self.config.max_peers {
-            warn!(%peer, limit = self.config.max_peers, "not dialing: session limit reached");
-            return false;
-        }
-        info!(%peer, "opening a session");
-        self.out.event(Event::Dial(peer.clone()));
-        let session = Session::open(
-            peer.clone(),
-            &self.local,
-            &self.config,
-            &mut self.out,
-            self.now,
-        );
-        self.out.counters.sessions_opened += 1;
-        self.sessions.insert(peer.clone(), session);
-        true
-    }
-
-    /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
-    /// for a reaped id fails in one round trip.
-    fn bind_fetches(&mut self, peer: &PeerId, fetched: Vec<KvRequestId>) {
-        for id in fetched {
-            if self.reaped.contains_key(&id) {
-                self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
-                for batch in self.unbound.remove(&id).unwrap_or_default() {
-                    self.complete_store(batch.job, false);
-                }
-                continue;
-            }
-            if self.bound.insert(id.clone(), peer.clone()).is_none() {
-                self.bound_lane.arm(self.now, id.clone());
-            }
-            for batch in self.unbound.remove(&id).unwrap_or_default() {
-                self.with_session(peer, |s, cx, _| {
-                    s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
-                });
-            }
-        }
-    }
-
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
-        self.drain_load_ends();
+        self.drain_failed_loads();
         let dead: Vec<PeerId> = self
             .sessions
             .values()
@@ -803,12 +576,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
     }
 
-    /// Failed loads make their requests answer MISS; ended loads' blocks take no more writes.
-    fn drain_load_ends(&mut self) {
+    /// Failed loads make their requests answer MISS (the outbox collects them where loads end,
+    /// deep in a session, and the tier holds the set).
+    fn drain_failed_loads(&mut self) {
         self.failed.extend(self.out.failed_loads.drain(..));
-        for (peer, blocks) in std::mem::take(&mut self.out.ended_writes) {
-            self.plane.end_writes(&peer, &blocks);
-        }
     }
 
     fn end_session(&mut self, peer: &PeerId) {
@@ -822,34 +593,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.out.load_done(job, id, false, live);
         }
         self.failed.extend(closed.client.failed_ids);
-        self.drain_load_ends();
+        self.drain_failed_loads();
         self.plane.remove_remote_peer(peer);
-        let mut reason = session.death.clone().unwrap_or_else(|| "closed".into());
-        // A session that ends before the peer acked our `connect` is a failed dial, whoever
-        // opened it (an inbound `connect` makes us dial back): the peer is neither dialed nor
-        // answered again until its backoff passes.
-        if session.was_acked() {
-            self.dial_backoff.remove(peer);
-        } else if session.death.as_deref() != Some("closed locally") {
-            let wait = self.schedule_dial_backoff(peer);
-            reason = format!("{reason}; not dialed again for {} ms", wait.as_millis());
-        }
-        if session.data_plane_fault().is_some() {
-            let count = self.faults.entry(peer.clone()).or_default();
-            *count += 1;
-            reason = format!("{reason}; data-plane fault #{count}");
-            let wait = self.schedule_backoff(peer);
-            if wait > Duration::ZERO {
-                reason = format!("{reason}; reconnect backoff {}s", wait.as_secs());
-            }
-        }
+        let end = self.account_end(peer, &session);
         // An orderly end (either side said `disconnect`, or we closed it) is routine; anything
         // else (timeouts, lost connections, faults, protocol errors) is worth a warning.
-        let orderly = matches!(
-            session.death.as_deref(),
-            Some("closed locally" | "peer disconnected")
-        ) && session.data_plane_fault().is_none();
-        if orderly {
+        let reason = &end;
+        if end.is_orderly() {
             info!(%peer, %reason, "session closed");
         } else {
             crate::warn_throttled!(self.out.throttle, self.now, "peer down",
@@ -861,117 +611,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         self.out.event(Event::Close {
             peer: peer.clone(),
-            reason,
+            end,
         });
-    }
-
-    /// A data-plane fault: the first reconnect waits 0, then `reconnect_min_backoff` doubling
-    /// per fault in a row up to `reconnect_max_backoff`.
-    fn schedule_backoff(&mut self, peer: &PeerId) -> Duration {
-        let (min, max) = (
-            self.config.reconnect_min_backoff,
-            self.config.reconnect_max_backoff,
-        );
-        next_backoff(&mut self.backoff, peer, self.now, Duration::ZERO, min, max)
-    }
-
-    /// A session that ended before the peer acked our `connect`: the next dial (or answer)
-    /// waits `dial_min_backoff`, doubling per failure in a row up to `dial_max_backoff`.
-    fn schedule_dial_backoff(&mut self, peer: &PeerId) -> Duration {
-        let (min, max) = (self.config.dial_min_backoff, self.config.dial_max_backoff);
-        next_backoff(&mut self.dial_backoff, peer, self.now, min, min, max)
-    }
-
-    fn reconnect_wait(&self, peer: &PeerId) -> Duration {
-        self.backoff.get(peer).map_or(Duration::ZERO, |b| {
-            b.retry_at.saturating_duration_since(self.now)
-        })
-    }
-
-    /// Bindings checked now: kept (and checked again later) while their session still serves
-    /// the request, else dropped; a store for it later parks unbound, as before any fetch.
-    fn release_idle_bindings(&mut self) {
-        while let Some((_, id)) = self.bound_lane.pop_due(self.now) {
-            let Some(peer) = self.bound.get(&id) else {
-                continue;
-            };
-            if self.sessions.get(peer).is_some_and(|s| s.serves(&id)) {
-                self.bound_lane.arm(self.now, id);
-            } else {
-                self.bound.remove(&id);
-            }
-        }
-    }
-
-    fn reap_unbound(&mut self) {
-        let delay = self.unbound_lane.delay();
-        while let Some((deadline, id)) = self.unbound_lane.pop_due(self.now) {
-            let current = self
-                .unbound
-                .get(&id)
-                .and_then(|b| b.first())
-                .map(|b| b.submitted_at + delay);
-            if current != Some(deadline) {
-                continue;
-            }
-            let batches = self.unbound.remove(&id).unwrap_or_default();
-            warn!(kv_request_id = %id, jobs = batches.len(), "parked stores were never fetched; failing them");
-            for batch in batches {
-                self.complete_store(batch.job, false);
-            }
-            self.reaped.insert(id.clone(), self.now);
-            self.reaped_lane.arm(self.now, id);
-        }
-    }
-
-    fn expire_reaped(&mut self) {
-        let delay = self.reaped_lane.delay();
-        while let Some((deadline, id)) = self.reaped_lane.pop_due(self.now) {
-            if self.reaped.get(&id).map(|at| *at + delay) == Some(deadline) {
-                self.reaped.remove(&id);
-            }
-        }
-    }
-
-    fn idle_eviction_active(&self) -> bool {
-        let headroom = self
-            .config
-            .idle_headroom
-            .min(self.config.max_peers.saturating_sub(1));
-        !self.config.idle_timeout.is_zero()
-            && self.sessions.len() >= self.config.max_peers.saturating_sub(headroom)
-    }
-
-    fn idle_deadline(&self) -> Option<Instant> {
-        if !self.idle_eviction_active() {
-            return None;
-        }
-        self.sessions
-            .values()
-            .filter(|s| !s.has_pending_work())
-            .map(|s| s.link.last_activity + self.config.idle_timeout)
-            .min()
-    }
-
-    fn evict_idle(&mut self) {
-        if !self.idle_eviction_active() {
-            return;
-        }
-        let idle: Vec<PeerId> = self
-            .sessions
-            .values()
-            .filter(|s| {
-                !s.has_pending_work() && s.link.last_activity + self.config.idle_timeout <= self.now
-            })
-            .map(|s| s.peer().clone())
-            .collect();
-        for peer in idle {
-            info!(%peer, "evicting an idle peer");
-            if let Some(s) = self.sessions.get_mut(&peer) {
-                s.disconnect(&mut self.out, self.now, "idle");
-            }
-            self.end_session(&peer);
-        }
     }
 }
 

@@ -1,0 +1,123 @@
+//! Parking: a PD producer's stores that wait for the peer's fetch, the binding of a request to
+//! the session that fetched it, and the requests whose parked stores were reaped.
+//!
+//! Contract: a parked store is offered to the session of the first fetch for its request, or
+//! fails at the unbound store timeout; a request whose stores were reaped fails its later
+//! stores and fetches for the reaped-id retention; a binding outlives its session's state for
+//! the request by at most one timeout.
+
+use std::time::Instant;
+
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use tracing::warn;
+
+use super::Core;
+use crate::traits::{BlockIndex, DataPlane, JobId, Parent};
+
+#[derive(Debug)]
+pub(super) struct Batch {
+    pub(super) job: JobId,
+    keys: Vec<OffloadKey>,
+    blocks: Vec<BlockIndex>,
+    submitted_at: Instant,
+}
+
+impl<P: Parent, D: DataPlane> Core<P, D> {
+    /// A PD producer's store: failed if its parked stores were reaped, offered to the bound
+    /// session if a fetch came, else parked until one does (or the unbound timeout).
+    pub(super) fn park_store(
+        &mut self,
+        job: JobId,
+        id: &KvRequestId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+    ) {
+        if self.reaped.contains_key(id) {
+            warn!(kv_request_id = %id, job = job.get(), "store for a request whose parked stores were reaped; failing it");
+            self.complete_store(job, false);
+            return;
+        }
+        if let Some(peer) = self.bound.get(id).cloned() {
+            self.with_session(&peer, |s, cx, _| {
+                s.add_stored_blocks(cx, id, &keys, &blocks, job)
+            });
+            self.settle();
+            return;
+        }
+        let batches = self.unbound.entry(id.clone()).or_default();
+        if batches.is_empty() {
+            self.unbound_lane.arm(self.now, id.clone());
+        }
+        batches.push(Batch {
+            job,
+            keys,
+            blocks,
+            submitted_at: self.now,
+        });
+    }
+
+    /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
+    /// for a reaped id fails in one round trip.
+    pub(super) fn bind_fetch(&mut self, peer: &PeerId, id: KvRequestId) {
+        if self.reaped.contains_key(&id) {
+            self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
+            for batch in self.unbound.remove(&id).unwrap_or_default() {
+                self.complete_store(batch.job, false);
+            }
+            return;
+        }
+        if self.bound.insert(id.clone(), peer.clone()).is_none() {
+            self.bound_lane.arm(self.now, id.clone());
+        }
+        for batch in self.unbound.remove(&id).unwrap_or_default() {
+            self.with_session(peer, |s, cx, _| {
+                s.add_stored_blocks(cx, &id, &batch.keys, &batch.blocks, batch.job)
+            });
+        }
+    }
+
+    /// Bindings checked now: kept (and checked again later) while their session still serves
+    /// the request, else dropped; a store for it later parks unbound, as before any fetch.
+    pub(super) fn release_idle_bindings(&mut self) {
+        while let Some((_, id)) = self.bound_lane.pop_due(self.now) {
+            let Some(peer) = self.bound.get(&id) else {
+                continue;
+            };
+            if self.sessions.get(peer).is_some_and(|s| s.serves(&id)) {
+                self.bound_lane.arm(self.now, id);
+            } else {
+                self.bound.remove(&id);
+            }
+        }
+    }
+
+    pub(super) fn reap_unbound(&mut self) {
+        let delay = self.unbound_lane.delay();
+        while let Some((deadline, id)) = self.unbound_lane.pop_due(self.now) {
+            let current = self
+                .unbound
+                .get(&id)
+                .and_then(|b| b.first())
+                .map(|b| b.submitted_at + delay);
+            if current != Some(deadline) {
+                continue;
+            }
+            let batches = self.unbound.remove(&id).unwrap_or_default();
+            warn!(kv_request_id = %id, jobs = batches.len(), "parked stores were never fetched; failing them");
+            for batch in batches {
+                self.complete_store(batch.job, false);
+            }
+            self.reaped.insert(id.clone(), self.now);
+            self.reaped_lane.arm(self.now, id);
+        }
+    }
+
+    pub(super) fn expire_reaped(&mut self) {
+        let delay = self.reaped_lane.delay();
+        while let Some((deadline, id)) = self.reaped_lane.pop_due(self.now) {
+            if self.reaped.get(&id).map(|at| *at + delay) == Some(deadline) {
+                self.reaped.remove(&id);
+            }
+        }
+    }
+}

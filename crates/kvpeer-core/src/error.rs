@@ -1,0 +1,320 @@
+//! Why things fail, as types: why a session ended ([`CloseReason`], [`SessionEnd`]), why an
+//! inbound connection was refused ([`Refusal`]), how a peer broke the protocol
+//! ([`ProtocolViolation`]), why its `connect` was rejected ([`ConnectRejection`]), what went
+//! wrong on our side ([`InternalError`]), and what the data plane reports ([`PlaneError`]).
+//!
+//! Contract: each `Display` gives the text the logs have always shown (operators grep for it),
+//! and every decision about an end (orderly or not, who caused it, whether to back the peer
+//! off) is made on the variants, never on that text.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpeer_proto::{DecodeError, KvRequestId, MessageType, PeerId, ProtocolError, RoundSeq};
+
+use crate::traits::ServeCtx;
+
+/// Who ended a session (as h2's `Initiator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Initiator {
+    /// This node's owner: a local close, shutdown, or the node refusing the peer.
+    User,
+    /// The core itself: a deadline, a protocol violation, a data-plane fault, eviction.
+    Library,
+    /// The peer, or the connection to it.
+    Remote,
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CloseReason {
+    /// Closed on this side (shutdown, or the session was reaped without another reason).
+    #[error("closed locally")]
+    Closed,
+    /// The peer said `disconnect`.
+    #[error("peer disconnected")]
+    PeerDisconnected,
+    /// The control connection is gone (socket closed, heartbeat lost, send failed).
+    #[error("control connection lost")]
+    ConnectionLost,
+    /// The node will not talk to the peer; its own words (e.g. "not in the allowlist").
+    #[error("{0}")]
+    Refused(Arc<str>),
+    /// The peer did not ack our `connect` within the handshake timeout.
+    #[error("handshake timed out")]
+    HandshakeTimeout,
+    /// A lookup got no progress within the lookup timeout.
+    #[error("lookup response timed out")]
+    LookupTimeout,
+    /// Evicted to make room: no work and no traffic for the idle timeout.
+    #[error("idle")]
+    Idle,
+    /// The peer broke the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(#[from] ProtocolViolation),
+    /// Handling the peer's messages failed on our side too many times in a row (a peer may
+    /// be wedging us into a bad state); counted as a protocol error.
+    #[error("protocol error: too many consecutive dispatch errors ({count})")]
+    TooManyInternalErrors {
+        /// Errors in a row.
+        count: u32,
+        /// The last of them.
+        #[source]
+        last: InternalError,
+    },
+    /// The peer's `connect` was rejected.
+    #[error("rejected peer connect: {0}")]
+    ConnectRejected(#[source] ConnectRejection),
+    /// The data plane could not register the peer's memory.
+    #[error("peer registration failed: {0}")]
+    RegistrationFailed(#[source] PlaneError),
+    /// The data plane reported the peer unusable.
+    #[error("data plane: {0}")]
+    DataPlaneFault(#[source] PlaneError),
+}
+
+impl CloseReason {
+    /// Who ended the session.
+    pub fn initiator(&self) -> Initiator {
+        match self {
+            CloseReason::Closed | CloseReason::Refused(_) => Initiator::User,
+            CloseReason::PeerDisconnected | CloseReason::ConnectionLost => Initiator::Remote,
+            _ => Initiator::Library,
+        }
+    }
+
+    /// An end that is routine: either side said `disconnect`, or this side closed it.
+    pub fn is_orderly(&self) -> bool {
+        matches!(self, CloseReason::Closed | CloseReason::PeerDisconnected)
+    }
+}
+
+/// A session's end as reported in [`Event::Close`](crate::Event::Close): the reason and what
+/// it costs the peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionEnd {
+    /// Why it ended (the first reason wins).
+    pub reason: CloseReason,
+    /// It ended before the peer acked our `connect`: the peer is neither dialed nor answered
+    /// again for this long.
+    pub dial_backoff: Option<Duration>,
+    /// It ended after a data-plane fault.
+    pub fault: Option<FaultRecord>,
+}
+
+/// The data-plane faults of one peer so far, and the wait before it may reconnect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultRecord {
+    /// Faults of this peer (this one included).
+    pub count: u32,
+    /// Wait before the peer may reconnect (zero for the first fault).
+    pub reconnect_backoff: Duration,
+}
+
+impl SessionEnd {
+    /// Routine (either side said `disconnect`, or we closed it, with no data-plane fault):
+    /// logged as info; anything else is worth a warning.
+    pub fn is_orderly(&self) -> bool {
+        self.reason.is_orderly() && self.fault.is_none()
+    }
+}
+
+impl fmt::Display for SessionEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.reason)?;
+        if let Some(wait) = self.dial_backoff {
+            write!(f, "; not dialed again for {} ms", wait.as_millis())?;
+        }
+        if let Some(fault) = self.fault {
+            write!(f, "; data-plane fault #{}", fault.count)?;
+            if fault.reconnect_backoff > Duration::ZERO {
+                write!(
+                    f,
+                    "; reconnect backoff {}s",
+                    fault.reconnect_backoff.as_secs()
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why an inbound connection was refused before any session existed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// A session with this peer exists already.
+    #[error("duplicate connection from {0}")]
+    Duplicate(PeerId),
+    /// Every session slot is taken.
+    #[error("session limit reached ({open}/{max})")]
+    SessionLimit {
+        /// Sessions open.
+        open: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Dials to the peer kept failing; it gets no answer until this passes.
+    #[error("backoff after failed dials to it ({} ms left)", .left.as_millis())]
+    DialBackoff {
+        /// Time left.
+        left: Duration,
+    },
+    /// The peer's data plane faulted lately; it may reconnect after this.
+    #[error("reconnect backoff after a data-plane fault ({:.1}s left)", .left.as_secs_f64())]
+    ReconnectBackoff {
+        /// Time left.
+        left: Duration,
+    },
+    /// The first payload of a peer without a session did not decode.
+    #[error("no session, and the first payload is no connect: {0}")]
+    BadFirstPayload(#[source] DecodeError),
+    /// The first message of a peer without a session is not a `connect`.
+    #[error("no session, and {0} does not open one")]
+    NotAConnect(MessageType),
+}
+
+/// How a peer broke the protocol (the session ends at once).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolViolation {
+    /// A known message whose fields fail validation.
+    #[error("malformed message: {0}")]
+    Malformed(#[source] ProtocolError),
+    /// A second `connect` on a session.
+    #[error("duplicate connect after handshake")]
+    DuplicateConnect,
+    /// A second non-empty `fetch` for one round.
+    #[error("duplicate fetch for kv_request_id={id} round={round}")]
+    DuplicateFetch {
+        /// The request.
+        id: KvRequestId,
+        /// The round.
+        round: RoundSeq,
+    },
+    /// A `fetch` naming a block outside the peer's own region.
+    #[error("fetch: block_indexes[{position}] = {index} is outside the peer's {limit} blocks")]
+    FetchOutOfRange {
+        /// Position in `block_indexes`.
+        position: usize,
+        /// The index named.
+        index: u64,
+        /// Blocks in the peer's region.
+        limit: u64,
+    },
+}
+
+/// Why a peer's `connect` was rejected (the peer gets a `disconnect`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectRejection {
+    /// The `connect` names another peer than the connection's identity.
+    #[error("connect names peer {named} but came from {from}")]
+    PeerIdMismatch {
+        /// The `peer_id` in the message.
+        named: PeerId,
+        /// The identity of the connection.
+        from: PeerId,
+    },
+    /// The block sizes differ.
+    #[error("block_len mismatch: remote={remote}, local={local}")]
+    BlockLen {
+        /// The peer's.
+        remote: u64,
+        /// Ours.
+        local: u64,
+    },
+    /// The configuration fingerprints differ.
+    #[error("config fingerprint mismatch: remote={remote:?}, local={local:?}")]
+    Fingerprint {
+        /// The peer's.
+        remote: String,
+        /// Ours.
+        local: String,
+    },
+    /// The hash seeds differ.
+    #[error("hash seed mismatch: remote={remote:?}, local={local:?}; PYTHONHASHSEED must match on all peers")]
+    HashSeed {
+        /// The peer's.
+        remote: String,
+        /// Ours.
+        local: String,
+    },
+    /// The data plane would not start registering the peer.
+    #[error("data plane refused the peer: {0}")]
+    PlaneRefused(#[source] PlaneError),
+}
+
+/// Something that went wrong on our side while handling a peer's message: counted, and
+/// enough in a row end the session.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InternalError {
+    /// The store would not pin keys it had just answered HIT (those keys are answered MISS).
+    #[error("store refused to pin keys it reported held ({0})")]
+    PinRefused(ServeCtx),
+}
+
+/// What kind of data-plane failure a [`PlaneError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PlaneErrorKind {
+    /// What the peer advertised is unusable or not allowed (metadata, address, key).
+    Rejected,
+    /// The peer is not registered (never, or no longer).
+    NotRegistered,
+    /// A local resource ran out (a thread, a descriptor, memory).
+    Resources,
+    /// The path to the peer failed (connection, I/O, the transfer agent).
+    Transport,
+}
+
+/// A data-plane failure: its kind and the plane's own description.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct PlaneError {
+    kind: PlaneErrorKind,
+    message: Arc<str>,
+}
+
+impl PlaneError {
+    /// A failure of `kind` described by `message`.
+    pub fn new(kind: PlaneErrorKind, message: impl Into<Arc<str>>) -> Self {
+        PlaneError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// What the peer advertised is unusable.
+    pub fn rejected(message: impl Into<Arc<str>>) -> Self {
+        Self::new(PlaneErrorKind::Rejected, message)
+    }
+
+    /// The peer is not registered.
+    pub fn not_registered() -> Self {
+        Self::new(PlaneErrorKind::NotRegistered, "not registered")
+    }
+
+    /// A local resource ran out.
+    pub fn resources(message: impl Into<Arc<str>>) -> Self {
+        Self::new(PlaneErrorKind::Resources, message)
+    }
+
+    /// The path to the peer failed.
+    pub fn transport(message: impl Into<Arc<str>>) -> Self {
+        Self::new(PlaneErrorKind::Transport, message)
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> PlaneErrorKind {
+        self.kind
+    }
+
+    /// The plane's description.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}

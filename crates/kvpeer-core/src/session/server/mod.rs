@@ -1,0 +1,447 @@
+//! The producer side of one peer session: serving lookups from the local store, matching
+//! supply (pinned blocks) with demand (the peer's fetch) per round, writing blocks through the
+//! data plane, `transfer_done`, abort drains and store timeouts.
+//!
+//! Driven by [`Session`](super::Session) on the core's thread. The rules that matter most:
+//!
+//! * every inbound `lookup` gets exactly one `lookup_resp`, all its keys in wire order, within
+//!   the pending deadline (HIT_PENDING/RETRY keys become MISS at 5 s);
+//! * a pin (store job) is released exactly once, and never while a write still reads its
+//!   blocks;
+//! * `abort_ack` goes out only once no write of the round can still land, however long that
+//!   takes (a write that may land is never reported stopped).
+//!
+//! Per-operation cost does not grow with the number of requests: lookups waiting on pending
+//! keys sit on a work-list, deadlines on [`Lane`]s, and each job counts the transfers reading it.
+//!
+//! This file holds the role's state (requests, rounds, pins, transfers in flight) and what
+//! every part shares; each concern is in its own file: `lookups` (serving `lookup`s), `supply`
+//! (pins offered to a round), `demand` (the peer's `fetch` and the writes it starts),
+//! `completions` (transfers that ended, the end of a round), `aborts` (`abort_fetch` drains and
+//! cancellation), `timeouts`.
+
+mod aborts;
+mod completions;
+mod demand;
+mod lookups;
+mod supply;
+mod timeouts;
+
+use std::collections::BTreeMap;
+
+use crate::maps::{Map, Set};
+use std::time::Instant;
+
+use kvpeer_proto::{KvRequestId, OffloadKey, PeerId, RoundSeq};
+use smallvec::SmallVec;
+
+use super::{Cx, RoundKey};
+use crate::config::CoreConfig;
+use crate::error::PlaneError;
+use crate::output::Event;
+use crate::timer::{earliest, Lane};
+use crate::traits::{BlockIndex, CancelMode, JobId, ServeCtx, TransferId};
+
+/// One incarnation of a round: a round key can be used again once its round ended, and
+/// entries (timer lanes, transfers, orphans) of the old one must not touch the new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Serial(u64);
+
+/// A store job: local blocks pinned for the peer until the job completes.
+#[derive(Debug, Clone, Copy)]
+struct Pin {
+    job: JobId,
+    submitted_at: Instant,
+    /// Inflight transfers reading the job's blocks; the pin stays while any does.
+    readers: u32,
+}
+
+/// A pin whose round ended while a write still read it; it completes when that write ends.
+#[derive(Debug)]
+struct Orphan {
+    pin: Pin,
+    id: KvRequestId,
+    round: RoundSeq,
+    serial: Serial,
+}
+
+/// One fetch round of one request: supply (blocks pinned for it) against demand (the fetch).
+#[derive(Debug)]
+struct Round {
+    /// Distinguishes this round from a later one under the same key.
+    serial: Serial,
+    /// Who supplies the round.
+    origin: Origin,
+    /// The peer's fetch for the round, once it came.
+    demand: Demand,
+    /// Blocks we hold for the round, not yet demanded: key → (job, local block).
+    available: Map<OffloadKey, (JobId, BlockIndex)>,
+    /// Blocks the peer wants that we do not hold yet: key → its block.
+    demanded: Map<OffloadKey, BlockIndex>,
+    /// Finish as soon as nothing is in flight.
+    finishing: bool,
+    /// Transfers of this round in flight.
+    inflight: usize,
+    /// Failed or aborted while transfers may still be writing.
+    cancel: Option<Cancelled>,
+    /// Pins (store jobs) supplying the round that have not completed; one or two, nearly
+    /// always. A pin lives here, with its round, so no table of all pins is needed.
+    pins: SmallVec<[Pin; 2]>,
+}
+
+/// Who supplies a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// The engine's stores (PD): supply may still come after the fetch.
+    Store,
+    /// Lookup pins (symmetric), or pins that expired: no supply can come after the fetch, so
+    /// unmatched demand fails at once.
+    Lookup,
+}
+
+/// Whether the peer's fetch for a round came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Demand {
+    /// Not yet: supply waits for it.
+    Awaiting,
+    /// It came; this many of its blocks are still to be written before the round succeeds.
+    Received { remaining: usize },
+}
+
+/// A cancelled round (failed or aborted while transfers may still be writing).
+#[derive(Debug, Clone, Copy)]
+struct Cancelled {
+    /// When its transfers were last asked to stop (at most once per retry interval).
+    last_stop_at: Option<Instant>,
+}
+
+impl Round {
+    fn demand_received(&self) -> bool {
+        matches!(self.demand, Demand::Received { .. })
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.cancel.is_some()
+    }
+
+    /// Cancels the round; `true` if it was not cancelled before.
+    fn cancel(&mut self) -> bool {
+        let first = self.cancel.is_none();
+        self.cancel.get_or_insert(Cancelled { last_stop_at: None });
+        first
+    }
+
+    /// `blocks` more landed; returns how many the fetch still waits for (0 before any fetch).
+    fn landed(&mut self, blocks: usize) -> usize {
+        match &mut self.demand {
+            Demand::Received { remaining } => {
+                *remaining = remaining.saturating_sub(blocks);
+                *remaining
+            }
+            Demand::Awaiting => 0,
+        }
+    }
+
+    /// Every block the fetch asked for was written.
+    fn fully_written(&self) -> bool {
+        matches!(self.demand, Demand::Received { remaining: 0 })
+    }
+
+    fn pin_mut(&mut self, job: JobId) -> Option<&mut Pin> {
+        self.pins.iter_mut().find(|p| p.job == job)
+    }
+
+    fn remove_pin(&mut self, job: JobId) -> Option<Pin> {
+        let at = self.pins.iter().position(|p| p.job == job)?;
+        Some(self.pins.swap_remove(at))
+    }
+
+    fn new(serial: Serial) -> Self {
+        Round {
+            serial,
+            origin: Origin::Store,
+            demand: Demand::Awaiting,
+            available: Map::default(),
+            demanded: Map::default(),
+            finishing: false,
+            inflight: 0,
+            cancel: None,
+            pins: SmallVec::new(),
+        }
+    }
+}
+
+/// Local → remote block pairs ready to write, and the jobs they read.
+#[derive(Debug, Default)]
+struct Matched {
+    local: Vec<BlockIndex>,
+    remote: Vec<BlockIndex>,
+    jobs: SmallVec<[JobId; 2]>,
+}
+
+impl Matched {
+    fn add(&mut self, local: BlockIndex, remote: BlockIndex, job: JobId) {
+        self.local.push(local);
+        self.remote.push(remote);
+        if !self.jobs.contains(&job) {
+            self.jobs.push(job);
+        }
+    }
+}
+
+/// An inbound lookup whose keys are not all answered yet.
+#[derive(Debug)]
+struct ActiveLookup {
+    ctx: ServeCtx,
+    round: RoundSeq,
+    keys: Vec<OffloadKey>,
+    /// Every key seen: `Some(hit)` once answered, `None` while pending (this also removes
+    /// duplicates of the lookup's keys in O(1)).
+    answers: Map<OffloadKey, Option<bool>>,
+    /// Unique keys still HIT_PENDING/RETRY.
+    pending: Vec<OffloadKey>,
+    deadline: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Request {
+    /// Open rounds by number: a request has one or two, so a list beats a map.
+    rounds: Vec<(RoundSeq, Round)>,
+    lookups: BTreeMap<u64, ActiveLookup>,
+    /// Its transfers in flight (one or two, nearly always).
+    inflight: SmallVec<[TransferId; 2]>,
+    /// Aborts of this request still draining.
+    aborts: usize,
+}
+
+impl Request {
+    fn round(&self, key: RoundSeq) -> Option<&Round> {
+        self.rounds.iter().find(|(k, _)| *k == key).map(|(_, r)| r)
+    }
+
+    fn round_mut(&mut self, key: RoundSeq) -> Option<&mut Round> {
+        self.rounds
+            .iter_mut()
+            .find(|(k, _)| *k == key)
+            .map(|(_, r)| r)
+    }
+
+    fn remove_round(&mut self, key: RoundSeq) -> Option<Round> {
+        let at = self.rounds.iter().position(|(k, _)| *k == key)?;
+        Some(self.rounds.swap_remove(at).1)
+    }
+
+    fn round_keys(&self) -> Vec<RoundSeq> {
+        self.rounds.iter().map(|(k, _)| *k).collect()
+    }
+
+    fn is_idle(&self) -> bool {
+        self.rounds.is_empty()
+            && self.lookups.is_empty()
+            && self.inflight.is_empty()
+            && self.aborts == 0
+    }
+}
+
+#[derive(Debug)]
+struct Inflight {
+    id: KvRequestId,
+    round: RoundSeq,
+    serial: Serial,
+    blocks: usize,
+    jobs: SmallVec<[JobId; 2]>,
+}
+
+/// Blocks pinned for a peer by one store job, offered as supply to one round.
+#[derive(Debug)]
+pub(crate) struct Supply<'a> {
+    pub(crate) job: JobId,
+    pub(crate) keys: &'a [OffloadKey],
+    pub(crate) blocks: &'a [BlockIndex],
+    pub(crate) round: RoundSeq,
+    /// Pinned by a lookup (symmetric), or stored by the engine (PD).
+    pub(crate) origin: Origin,
+}
+
+/// What a closed session leaves behind (already completed at the parent).
+#[derive(Debug, Default)]
+pub(crate) struct ServerClose {
+    pub(crate) failed_stores: usize,
+    pub(crate) released_serves: usize,
+}
+
+/// The producer side of one session.
+#[derive(Debug)]
+pub(crate) struct ServerRole {
+    peer: PeerId,
+    requests: Map<KvRequestId, Box<Request>>,
+    /// Requests with lookups waiting on pending keys.
+    serve_list: Set<KvRequestId>,
+    inflight: Map<TransferId, Inflight>,
+    /// Pins whose round ended while a write still read them (rare).
+    orphans: Map<JobId, Orphan>,
+    /// Pins not completed yet, in rounds and orphaned.
+    open_pins: usize,
+    store_lane: Lane<(RoundKey, Serial, JobId)>,
+    /// Rounds whose demand waits for supply (a PD fetch before its store): failed when no
+    /// supply came within the store timeout, so a peer's fetches cannot park state forever.
+    demand_lane: Lane<(RoundKey, Serial)>,
+    /// Rounds dropped because every pin expired before any fetch: a late fetch for one fails
+    /// in one round trip. Remembered for one more store timeout.
+    expired: Map<RoundKey, Instant>,
+    expired_lane: Lane<RoundKey>,
+    lookup_lane: Lane<(KvRequestId, u64)>,
+    next_lookup_id: u64,
+    next_serial: Serial,
+    /// Aborts draining: (request, round) → when the abort arrived.
+    aborts: Map<RoundKey, Instant>,
+    slow_aborts: Set<RoundKey>,
+    abort_warn_lane: Lane<RoundKey>,
+    /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
+    retry_lane: Lane<(RoundKey, Serial)>,
+    /// When pending lookup keys are next asked again.
+    repoll_at: Option<Instant>,
+    /// The data plane reported this peer unusable; no new writes.
+    pub(crate) peer_fault: Option<PlaneError>,
+}
+
+fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
+    ServeCtx {
+        peer: peer.clone(),
+        kv_request_id: id.clone(),
+        lookup: n,
+    }
+}
+
+impl ServerRole {
+    pub(crate) fn new(peer: PeerId, config: &CoreConfig) -> Self {
+        ServerRole {
+            peer,
+            requests: Map::default(),
+            serve_list: Set::default(),
+            inflight: Map::default(),
+            orphans: Map::default(),
+            open_pins: 0,
+            store_lane: Lane::new(config.store_timeout),
+            demand_lane: Lane::new(config.store_timeout),
+            expired: Map::default(),
+            expired_lane: Lane::new(config.store_timeout),
+            lookup_lane: Lane::new(config.lookup_pending_timeout),
+            next_lookup_id: 0,
+            next_serial: Serial(0),
+            aborts: Map::default(),
+            slow_aborts: Set::default(),
+            abort_warn_lane: Lane::new(config.cancel_drain_warning),
+            retry_lane: Lane::new(config.cancel_retry_interval),
+            repoll_at: None,
+            peer_fault: None,
+        }
+    }
+
+    pub(crate) fn has_inflight(&self) -> bool {
+        !self.inflight.is_empty()
+    }
+
+    /// Open requests, store jobs and inflight transfers (for invariant checks and stats).
+    pub(crate) fn counts(&self) -> (usize, usize, usize) {
+        (self.requests.len(), self.open_pins, self.inflight.len())
+    }
+
+    /// Whether this side still holds state for request `id`.
+    pub(crate) fn serves(&self, id: &KvRequestId) -> bool {
+        self.requests.contains_key(id)
+    }
+
+    fn prune(&mut self, id: &KvRequestId) {
+        if self.requests.get(id).is_some_and(|r| r.is_idle()) {
+            self.requests.remove(id);
+        }
+    }
+
+    fn round_mut(
+        &mut self,
+        id: &KvRequestId,
+        round: RoundSeq,
+        serial: Serial,
+    ) -> Option<&mut Round> {
+        self.requests
+            .get_mut(id)?
+            .round_mut(round)
+            .filter(|r| r.serial == serial)
+    }
+
+    fn round_or_new(&mut self, id: &KvRequestId, round: RoundSeq) -> &mut Round {
+        let req = self.requests.entry(id.clone()).or_default();
+        let at = match req.rounds.iter().position(|(k, _)| *k == round) {
+            Some(at) => at,
+            None => {
+                self.next_serial = Serial(self.next_serial.0 + 1);
+                req.rounds.push((round, Round::new(self.next_serial)));
+                req.rounds.len() - 1
+            }
+        };
+        &mut req.rounds[at].1
+    }
+
+    /// Completes a pin (store job) at the parent. The caller has just removed it from where it
+    /// lived, so each pin completes exactly once.
+    fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
+        self.open_pins -= 1;
+        cx.parent.complete_store_job(job, success);
+        cx.out.event(Event::StoreDone { job, success });
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        earliest([
+            self.repoll_at,
+            self.lookup_lane.next_deadline(),
+            self.store_lane.next_deadline(),
+            self.demand_lane.next_deadline(),
+            self.expired_lane.next_deadline(),
+            self.retry_lane.next_deadline(),
+            self.abort_warn_lane.next_deadline(),
+        ])
+    }
+
+    /// Tears down: every store job fails, inflight transfers are cancelled, parked lookups'
+    /// contexts are closed.
+    pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> ServerClose {
+        let mut result = ServerClose::default();
+        if !self.inflight.is_empty() {
+            let ids: Vec<TransferId> = self.inflight.keys().copied().collect();
+            cx.plane.cancel(&ids, CancelMode::Immediate);
+        }
+        self.inflight.clear();
+        let mut pins: Vec<JobId> = self.orphans.drain().map(|(job, _)| job).collect();
+        for (_, req) in self.requests.drain() {
+            for (_, rnd) in req.rounds {
+                pins.extend(rnd.pins.iter().map(|p| p.job));
+            }
+            for (_, lookup) in req.lookups {
+                cx.parent.on_request_finished(&lookup.ctx);
+                result.released_serves += 1;
+            }
+        }
+        for job in pins {
+            self.complete_pin(cx, job, false);
+            result.failed_stores += 1;
+        }
+        self.serve_list.clear();
+        self.aborts.clear();
+        self.slow_aborts.clear();
+        self.store_lane.clear();
+        self.demand_lane.clear();
+        self.expired.clear();
+        self.expired_lane.clear();
+        self.lookup_lane.clear();
+        self.retry_lane.clear();
+        self.abort_warn_lane.clear();
+        self.repoll_at = None;
+        result
+    }
+
+    /// Transfer ids in flight (for shutdown drains).
+    pub(crate) fn inflight_ids(&self) -> Vec<TransferId> {
+        self.inflight.keys().copied().collect()
+    }
+}
