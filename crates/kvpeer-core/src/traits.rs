@@ -77,6 +77,13 @@ pub trait Parent {
     fn complete_store_job(&mut self, job_id: JobId, success: bool);
     /// Closes the bookkeeping of one inbound lookup.
     fn on_request_finished(&mut self, ctx: &ServeCtx);
+    /// Whether this parent calls [`Core::serve`](crate::Core::serve) itself once a key it
+    /// answered `Retry` can be answered (an engine that answers later, on its own thread).
+    /// Then the core does not re-ask on a timer every `lookup_repoll_interval`; the lookup's
+    /// deadline still ends the wait. `false` (the default): the core re-polls.
+    fn wakes_core(&self) -> bool {
+        false
+    }
 }
 
 /// A peer's memory as its `connect` describes it.

@@ -142,6 +142,40 @@ fn a_pending_key_holds_the_single_reply_until_it_resolves() {
     m.assert_clean();
 }
 
+/// A parent that answers later (an engine) and wakes the core itself is not re-asked on a
+/// timer: nothing is due until the lookup's deadline, the reply leaves on `serve`, and a key
+/// it never answers is still answered MISS at the deadline.
+#[test]
+fn a_parent_that_wakes_the_core_is_not_re_polled() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.parent().wakes_core = true;
+    m.parent().retry.insert(key(1));
+    m.parent().retry.insert(key(2));
+    m.recv(lookup_msg("r", vec![key(1), key(2)], 0));
+    let asked = m.parent().lookups;
+    let due = m.core.poll_timeout().expect("the lookup's deadline");
+    assert!(
+        due >= m.now + Duration::from_secs(4),
+        "no re-poll timer: the next deadline is the lookup's, {:?} away",
+        due - m.now
+    );
+    m.advance(Duration::from_millis(50));
+    assert_eq!(m.parent().lookups, asked, "not asked again on a timer");
+    assert!(m.take_sent().is_empty());
+    m.parent().retry.remove(&key(1));
+    m.parent().insert(&key(1));
+    m.core.serve(m.now);
+    assert!(m.take_sent().is_empty(), "key 2 is still unanswered");
+    m.advance(Duration::from_millis(5_000));
+    assert_eq!(
+        m.take_sent(),
+        vec![lookup_resp("r", vec![key(1), key(2)], vec![true, false])]
+    );
+    m.recv(fetch("r", vec![], vec![], 0));
+    m.assert_clean();
+}
+
 /// upstream: TestServerLookupHandling.test_pending_timeout_replies_miss_no_store_job
 /// upstream: test_held_promotions_answer_peer_lookups_with_miss
 #[test]

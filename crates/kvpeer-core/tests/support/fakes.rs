@@ -19,6 +19,8 @@ pub struct FakeParent {
     pub retry: HashSet<OffloadKey>,
     /// Refuse to pin (an internal error for the core).
     pub refuse_pins: bool,
+    /// Say that this parent calls `Core::serve` itself (`Parent::wakes_core`).
+    pub wakes_core: bool,
     /// Bytes (as the key they hold) written into this node's blocks by peers.
     pub landed: HashMap<BlockIndex, OffloadKey>,
     next_job: JobId,
@@ -93,6 +95,10 @@ impl Parent for FakeParent {
         } else {
             LookupResult::Miss
         }
+    }
+
+    fn wakes_core(&self) -> bool {
+        self.wakes_core
     }
 
     fn create_store_job(&mut self, keys: &[OffloadKey], _ctx: &ServeCtx) -> Option<StoreJob> {

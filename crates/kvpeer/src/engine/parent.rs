@@ -4,11 +4,12 @@
 //! vLLM's block manager may be called only inside the engine's own step, under its lock, so a
 //! node cannot ask it synchronously as the core asks a [`Parent`]. [`EngineParent`] is the
 //! core's parent instead: a key the engine has not answered yet is a new [`Query`] (queued for
-//! the engine) and answers `Retry`, which makes the core ask again later until the lookup's
-//! deadline. The engine takes the queries with [`EngineLink::take_queries`] whenever it likes,
+//! the engine) and answers `Retry`; the core waits (no re-polling: the parent says it
+//! [wakes the core](Parent::wakes_core)) until the engine answers or the lookup's deadline
+//! passes. The engine takes the queries with [`EngineLink::take_queries`] whenever it likes,
 //! answers each with [`EngineLink::answer`] (a hit carries the block and the engine's own pin
-//! on it), and learns with [`EngineLink::take_releases`] which pins the node is done with. The
-//! node's next pass reads the answers (the link wakes it).
+//! on it), and learns with [`EngineLink::take_releases`] which pins the node is done with. An
+//! answer wakes the node's loop, whose next step asks the core to serve the waiting lookups.
 //!
 //! Every pin the engine hands over comes back exactly once as a [`Release`]: after its blocks
 //! were written to the peer (or failed to be), or when the lookup ended before they were
@@ -186,6 +187,12 @@ impl EngineParent {
 }
 
 impl Parent for EngineParent {
+    /// The node serves waiting lookups when the engine answers (the link wakes it), so the
+    /// core need not re-ask every millisecond while the engine is busy elsewhere.
+    fn wakes_core(&self) -> bool {
+        true
+    }
+
     fn on_new_request(&mut self, ctx: &ServeCtx) {
         lock(&self.shared).lookups.entry(ctx.clone()).or_default();
     }

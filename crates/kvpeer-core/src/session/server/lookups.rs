@@ -56,6 +56,10 @@ impl ServerRole {
     }
 
     pub(super) fn arm_repoll(&mut self, cx: &Cx<'_>) {
+        if cx.parent.wakes_core() {
+            // The parent calls `Core::serve` when it knows more; only deadlines remain.
+            return;
+        }
         if self.repoll_at.is_none() {
             self.repoll_at = Some(cx.now + cx.config.lookup_repoll_interval);
         }
