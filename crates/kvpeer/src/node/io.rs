@@ -43,19 +43,25 @@ enum ConnectRefused {
 
 /// A core, its parent and plane, and its control channel. The parent is the node's own block
 /// store, or an engine's (see [`crate::engine`]).
+///
+/// The low-level driver under [`Node`](crate::Node) and [`EngineNode`](crate::engine::EngineNode):
+/// public for tests and tools that drive a core over real sockets themselves (reach the core
+/// through [`NodeIo::core`]/[`NodeIo::core_mut`], take load results with
+/// [`NodeIo::take_load_result`]); an application wants one of those two instead.
 pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
-    /// The protocol core (with the store as its parent and the data plane).
-    pub core: Core<P, D>,
+    /// The protocol core (with the store as its parent and the data plane). The crate's own
+    /// drivers reach it directly; others through [`NodeIo::core`]/[`NodeIo::core_mut`].
+    pub(crate) core: Core<P, D>,
     /// The ZeroMQ control channel.
-    pub channel: ControlChannel,
+    pub(crate) channel: ControlChannel,
     /// Results of loads (job → every block landed) not yet taken by the caller. Each load's
     /// caller takes its result once (the runtime keeps a load until it does), so this holds
     /// only loads that ended since the caller last looked.
-    pub loads_done: HashMap<JobId, bool>,
+    loads_done: HashMap<JobId, bool>,
     /// Why the latest sessions ended or connections were refused (peer, refused?, reason),
     /// newest last, at most [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why
     /// it is gone.
-    pub closed: std::collections::VecDeque<(PeerId, bool, String)>,
+    closed: std::collections::VecDeque<(PeerId, bool, String)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
     /// Which peers this node talks to, judged by identity and source address.
@@ -78,7 +84,7 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
 }
 
 impl<D: DataPlane, P: Parent> NodeIo<D, P> {
-    /// How many session-end reasons [`NodeIo::closed`] keeps.
+    /// How many session-end reasons the node keeps (for [`NodeIo::close_reason`]).
     pub const CLOSED_KEPT: usize = 16;
 
     /// Why the session with `peer` ended, if it ended lately (a refusal of what the peer sent
@@ -92,6 +98,32 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                 .map(|(_, _, reason)| reason.as_str())
         };
         latest(false).or_else(|| latest(true))
+    }
+
+    /// The protocol core (with its parent and data plane).
+    pub fn core(&self) -> &Core<P, D> {
+        &self.core
+    }
+
+    /// The protocol core, to drive it: the caller then calls [`NodeIo::flush`] (or `step`) to
+    /// carry out what it asked for.
+    pub fn core_mut(&mut self) -> &mut Core<P, D> {
+        &mut self.core
+    }
+
+    /// The control channel.
+    pub fn channel(&self) -> &ControlChannel {
+        &self.channel
+    }
+
+    /// Whether a load result is waiting to be taken (without taking it).
+    pub fn load_done(&self, job: JobId) -> Option<bool> {
+        self.loads_done.get(&job).copied()
+    }
+
+    /// Whether no load result is waiting to be taken.
+    pub fn no_load_results(&self) -> bool {
+        self.loads_done.is_empty()
     }
 
     /// Wires a core to a channel bound at the core's own identity.
