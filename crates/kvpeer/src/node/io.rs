@@ -121,9 +121,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         self.loads_done.get(&job).copied()
     }
 
-    /// Whether no load result is waiting to be taken.
-    pub fn no_load_results(&self) -> bool {
-        self.loads_done.is_empty()
+    /// How many load results are waiting to be taken.
+    pub fn waiting_load_results(&self) -> usize {
+        self.loads_done.len()
     }
 
     /// Wires a core to a channel bound at the core's own identity.
