@@ -351,7 +351,8 @@ impl Node {
 
     /// Producer: stores blocks (each exactly `block_len` bytes) to serve to peers.
     pub fn store(&self, blocks: Vec<(OffloadKey, Vec<u8>)>) -> Result<(), NodeError> {
-        self.calls.ask(|reply| Command::Store { blocks, reply }, None)?
+        self.calls
+            .ask(|reply| Command::Store { blocks, reply }, None)?
     }
 
     /// Producer: allocates a block for each of `keys` not held yet and calls `fill(i, block)`

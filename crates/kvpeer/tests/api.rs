@@ -387,7 +387,10 @@ fn a_dropped_request_is_finished_and_the_producer_lets_go() {
     {
         // Looked up (the producer holds the hits for us), never fetched nor finished.
         let forgotten = consumer.request(producer.id(), "forgotten").unwrap();
-        assert_eq!(forgotten.lookup(&keys, WAIT).unwrap(), [LookupResult::Hit; 4]);
+        assert_eq!(
+            forgotten.lookup(&keys, WAIT).unwrap(),
+            [LookupResult::Hit; 4]
+        );
         until("the producer holds the lookup", &|| {
             held_open(&producer).0 == 1
         });
@@ -415,6 +418,10 @@ fn a_dropped_request_is_finished_and_the_producer_lets_go() {
     ));
     let t = Instant::now();
     drop(late);
-    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
     producer.shutdown(Duration::from_secs(1));
 }

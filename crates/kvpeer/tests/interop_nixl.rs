@@ -194,15 +194,13 @@ fn a_vllm_producer_killed_mid_transfer_leaves_kvpeer_clean() {
     let run = |consumer: &Node, r: u64| -> Result<(), NodeError> {
         let name = format!("r{r}");
         let req = consumer.request(&peer, &name)?;
-        let result = req
-            .lookup(&ks, Duration::from_secs(5))
-            .and_then(|found| {
-                if found.iter().all(|f| *f == LookupResult::Hit) {
-                    req.fetch(&ks, Duration::from_secs(20))
-                } else {
-                    Err(NodeError::LoadFailed)
-                }
-            });
+        let result = req.lookup(&ks, Duration::from_secs(5)).and_then(|found| {
+            if found.iter().all(|f| *f == LookupResult::Hit) {
+                req.fetch(&ks, Duration::from_secs(20))
+            } else {
+                Err(NodeError::LoadFailed)
+            }
+        });
         req.finish();
         if result.is_err() {
             assert!(

@@ -74,7 +74,12 @@ fn lookups(
     });
     let now = Instant::now();
     for (r, k) in &reqs {
-        assert_eq!(c.core_mut().lookup(now, r, k), LookupResult::Hit, "{:?}", r.id());
+        assert_eq!(
+            c.core_mut().lookup(now, r, k),
+            LookupResult::Hit,
+            "{:?}",
+            r.id()
+        );
     }
     reqs
 }
@@ -153,7 +158,8 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         KvRequestId::from("warm-up"),
         RequestRoles::kv_source(pid.clone()),
     );
-    c.core_mut().lookup(Instant::now(), &warm, &synthetic::key(0));
+    c.core_mut()
+        .lookup(Instant::now(), &warm, &synthetic::key(0));
     c.flush(Instant::now());
     step_until(&mut c, Duration::from_secs(10), |c| {
         c.core().session_state(&pid).is_some_and(|s| s.ready)
@@ -179,7 +185,8 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         let mut jobs = Vec::with_capacity(reqs.len());
         for (r, k) in &reqs {
             job += 1;
-            let blocks = c.core_mut()
+            let blocks = c
+                .core_mut()
                 .parent_mut()
                 .reserve(std::slice::from_ref(k))
                 .unwrap();

@@ -149,7 +149,8 @@ fn lookup<P: BuildPlane>(
     roles: RequestRoles,
     keys: &[OffloadKey],
 ) -> (kvpeer_core::Request, Vec<OffloadKey>) {
-    let req = c.core_mut()
+    let req = c
+        .core_mut()
         .on_new_request(Instant::now(), KvRequestId::from(rid), roles);
     c.flush(Instant::now());
     step_until(c, Duration::from_secs(10), |c| {
@@ -246,7 +247,11 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
         KvRequestId::from("req-3"),
         RequestRoles::prefiller(id.clone()),
     );
-    let pd_blocks = c.core_mut().parent_mut().reserve(&[synthetic::key(600)]).unwrap();
+    let pd_blocks = c
+        .core_mut()
+        .parent_mut()
+        .reserve(&[synthetic::key(600)])
+        .unwrap();
     c.core_mut().submit_load(
         Instant::now(),
         2,

@@ -85,7 +85,7 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
 
 impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     /// How many session-end reasons the node keeps (for [`NodeIo::close_reason`]).
-    pub const CLOSED_KEPT: usize = 16;
+    const CLOSED_KEPT: usize = 16;
 
     /// Why the session with `peer` ended, if it ended lately (a refusal of what the peer sent
     /// after that, a stale message, says less, so it counts only when no session ended).
@@ -127,7 +127,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// Wires a core to a channel bound at the core's own identity.
-    pub fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
+    pub(crate) fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
         NodeIo {
             core,
             channel,
@@ -145,12 +145,12 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// The decoding bounds (the core's are set separately, with `Core::set_decode_limits`).
-    pub fn set_decode_limits(&mut self, limits: DecodeLimits) {
+    pub(crate) fn set_decode_limits(&mut self, limits: DecodeLimits) {
         self.limits = limits;
     }
 
     /// Requires and sends `kvpeer_auth` on every `connect` (see [`Auth`]).
-    pub fn set_auth(&mut self, auth: Option<Auth>) {
+    pub(crate) fn set_auth(&mut self, auth: Option<Auth>) {
         self.auth = auth;
     }
 
@@ -241,7 +241,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
 
     /// Which peers this node talks to: the allowlist (see [`Allowlist`]), and whether a
     /// claimed IP identity must come from that address (see [`OriginCheck`]).
-    pub fn set_origin(&mut self, bind_identity: bool, allow: Allowlist) {
+    pub(crate) fn set_origin(&mut self, bind_identity: bool, allow: Allowlist) {
         self.origin = OriginCheck::new(bind_identity, allow, LocalAddrs::read());
     }
 
@@ -290,7 +290,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// Another handle on the wake pipe's write end: writing a byte wakes [`NodeIo::wait`].
-    pub fn wake_writer(&self) -> Option<std::io::Result<std::fs::File>> {
+    pub(crate) fn wake_writer(&self) -> Option<std::io::Result<std::fs::File>> {
         self.wake.as_ref().map(WakePipe::writer)
     }
 
