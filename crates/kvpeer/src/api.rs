@@ -400,7 +400,7 @@ impl Node {
             },
             None,
         )??;
-        Ok(NodeRequest::new(request, self.calls.clone()))
+        Ok(NodeRequest::new(request, peer.clone(), self.calls.clone()))
     }
 
     /// The bytes of a readable local block.

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
 
+mod common;
+use common::node::store;
+
 const WAIT: Duration = Duration::from_secs(10);
 
 fn pair(tag: &str, plane: PlaneKind) -> (Node, Node) {
@@ -22,18 +25,11 @@ fn share(tag: &str, plane: PlaneKind) {
     let (producer, consumer) = pair(tag, plane);
     let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..10).map(synthetic::key).collect();
-    producer
-        .store(
-            keys[..6]
-                .iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap();
+    store(&producer, &keys[..6]);
 
     let r1 = consumer.request(producer.id(), "r1").unwrap();
     assert_eq!(r1.id().as_str(), "r1");
-    assert_eq!(r1.peer(), Some(producer.id()));
+    assert_eq!(r1.peer(), producer.id());
     let found = r1.lookup(&keys, WAIT).unwrap();
     assert_eq!(found[..6], [LookupResult::Hit; 6]);
     assert_eq!(found[6..], [LookupResult::Miss; 4]);
@@ -201,13 +197,7 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     let (producer, consumer) = (Node::start(p).unwrap(), Node::start(c).unwrap());
     let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..64).map(synthetic::key).collect();
-    producer
-        .store(
-            keys.iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap();
+    store(&producer, &keys);
     let req = consumer.request(producer.id(), "r").unwrap();
     let found = req.lookup(&keys, WAIT).unwrap();
     assert!(found.iter().all(|f| *f == LookupResult::Hit));
@@ -364,15 +354,8 @@ fn connect_opens_the_session_ahead_of_any_request() {
 #[test]
 fn a_dropped_request_is_finished_and_the_producer_lets_go() {
     let (producer, consumer) = pair("drop", PlaneKind::Both);
-    let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..4).map(synthetic::key).collect();
-    producer
-        .store(
-            keys.iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap();
+    store(&producer, &keys);
     let held_open = |node: &Node| {
         let s = node.stats().unwrap();
         (s.core.server_requests, s.store.pinned)

@@ -26,6 +26,8 @@ use crate::node::runtime::Command;
 /// nothing was fetched), so it lets go of what it held; it happens on drop if not before.
 pub struct NodeRequest {
     request: Request,
+    /// The producer (also in the request's roles, as an `Option` for the core's other roles).
+    peer: PeerId,
     calls: Arc<Calls>,
     /// Whether a lookup has been sent: a fetch needs one first (it fetches the hits of a
     /// lookup), and refusing it here keeps a misuse off the wire.
@@ -42,9 +44,10 @@ impl std::fmt::Debug for NodeRequest {
 }
 
 impl NodeRequest {
-    pub(super) fn new(request: Request, calls: Arc<Calls>) -> Self {
+    pub(super) fn new(request: Request, peer: PeerId, calls: Arc<Calls>) -> Self {
         NodeRequest {
             request,
+            peer,
             calls,
             looked_up: AtomicBool::new(false),
         }
@@ -56,8 +59,8 @@ impl NodeRequest {
     }
 
     /// The producer it looks keys up at and fetches from.
-    pub fn peer(&self) -> Option<&PeerId> {
-        self.request.roles().source.as_ref().map(|s| &s.peer)
+    pub fn peer(&self) -> &PeerId {
+        &self.peer
     }
 
     /// Looks `keys` up at the producer. Answers once every key is `Hit`, `Miss` or
