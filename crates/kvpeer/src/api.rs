@@ -3,7 +3,9 @@
 //!
 //! A [`Node`] is a handle to one runtime thread (`node::runtime`), which owns everything else.
 //! Every call is a message to that thread and a wait for its answer; the calls that wait on a
-//! peer (`lookup`, `fetch`) take a timeout. The handle is `Send + Sync`: call it from any thread.
+//! peer (`lookup`, `fetch`) take a timeout. A consumer request is a [`NodeRequest`] handle
+//! (opened by [`Node::request`], finished by [`NodeRequest::finish`] or when dropped). Both
+//! handles are `Send + Sync`: call them from any thread.
 //!
 //! ```
 //! use std::time::Duration;
@@ -17,10 +19,11 @@
 //! producer.store(keys.iter().map(|k| (k.clone(), synthetic::content(k, block_len))).collect())?;
 //!
 //! let wait = Duration::from_secs(10);
-//! let found = consumer.lookup(producer.id(), "req-1", &keys, wait)?;
+//! let req = consumer.request(producer.id(), "req-1")?;
+//! let found = req.lookup(&keys, wait)?;
 //! assert!(found.iter().all(|r| *r == kvpeer::LookupResult::Hit));
-//! consumer.fetch("req-1", &keys, wait)?;
-//! consumer.finish("req-1");
+//! req.fetch(&keys, wait)?;
+//! req.finish(); // or drop it: a request is finished when its handle goes
 //! assert_eq!(consumer.read(&keys[0]), Some(synthetic::content(&keys[0], block_len)));
 //!
 //! consumer.shutdown(Duration::from_secs(3));
@@ -31,16 +34,20 @@
 
 use std::io::Write;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use kvpeer_core::{CoreConfig, CoreStats, Counters, LookupResult};
-pub use kvpeer_proto::{OffloadKey, PeerId};
+pub use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 pub use kvpeer_store::{StoreError, StoreStats};
 
 use crate::node::build::{build, BuildPlane, NodeSpec};
 use crate::node::runtime::{self, Command};
+
+mod request;
+
+pub use request::NodeRequest;
 
 /// Which data planes a node advertises and writes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -190,9 +197,12 @@ pub enum NodeError {
     /// A `store_with` fill function panicked (the blocks it was writing were released).
     #[error("the fill function panicked")]
     FillPanicked,
-    /// `fetch` or `finish` named a request that `lookup` never opened.
-    #[error("no open request {0:?} (lookup opens one)")]
-    UnknownRequest(String),
+    /// `fetch` on a request that has looked nothing up yet (it fetches a lookup's hits).
+    #[error("request {0}: fetch before any lookup (lookup finds what the peer holds)")]
+    FetchBeforeLookup(KvRequestId),
+    /// [`Node::request`] named a request that is open already (finish that one first).
+    #[error("request {0} is open already")]
+    RequestOpen(KvRequestId),
     /// The peer did not answer in time.
     #[error("{0}: no answer before the timeout")]
     Timeout(&'static str),
@@ -212,13 +222,71 @@ pub enum NodeError {
     ShutDown,
 }
 
+/// What a node advertises to peers in `connect`: its data planes' addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Advertised {
+    /// The node's name in its plane map (informational).
+    pub agent: String,
+    /// Its pool's shared-memory object (without the leading `/`), with the shm plane.
+    pub shm: Option<String>,
+    /// Its tcp data listener, `host:port`, with the tcp plane.
+    pub tcp: Option<String>,
+}
+
+impl Advertised {
+    /// Read from the `agent_metadata` a node sends; the nixl plane sends NIXL's own blob,
+    /// which names no kvpeer plane, so it reads as nothing advertised.
+    fn from_agent_metadata(bytes: &[u8]) -> Self {
+        let meta = kvpeer_net::metadata::AgentMetadata::decode(bytes).unwrap_or_default();
+        Advertised {
+            agent: meta.agent,
+            shm: meta.shm,
+            tcp: meta.tcp,
+        }
+    }
+}
+
+/// The way to a runtime thread: its call channel and the wake pipe it polls. Shared by the
+/// [`Node`] and its [`NodeRequest`]s, so a request can finish itself when dropped.
+pub(crate) struct Calls {
+    tx: Sender<Command>,
+    wake: std::fs::File,
+}
+
+impl Calls {
+    /// Sends a call without waiting for anything.
+    fn tell(&self, call: Command) {
+        // Once the runtime is gone nobody reads the pipe: wake it only for a call it will see.
+        if self.tx.send(call).is_ok() {
+            // A full pipe already means "wake up" (it is non-blocking: this never waits).
+            let _ = (&self.wake).write(&[1]);
+        }
+    }
+
+    /// Sends a call and waits for its answer, until `deadline` (plus a second) or 30 s.
+    fn ask<T>(
+        &self,
+        call: impl FnOnce(Sender<T>) -> Command,
+        deadline: Option<Instant>,
+    ) -> Result<T, NodeError> {
+        let (tx, rx): (Sender<T>, Receiver<T>) = channel();
+        self.tell(call(tx));
+        // The runtime answers timed calls at their deadline itself; the extra second only
+        // covers a runtime that has stopped.
+        let limit = deadline.map_or(Duration::from_secs(30), |d| {
+            d.saturating_duration_since(Instant::now()) + Duration::from_secs(1)
+        });
+        rx.recv_timeout(limit).map_err(|_| NodeError::ShutDown)
+    }
+}
+
 /// A running node (a handle to its runtime thread).
 pub struct Node {
     id: PeerId,
-    advertised: kvpeer_net::metadata::AgentMetadata,
+    advertised: Advertised,
     config: NodeSpec,
-    calls: Sender<Command>,
-    wake: std::fs::File,
+    calls: Arc<Calls>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -244,10 +312,8 @@ impl Node {
 
     fn start_with<P: BuildPlane + Send + 'static>(spec: NodeSpec) -> Result<Node, NodeError> {
         let io = build::<P>(&spec)?;
-        let id = io.core.local().peer_id.clone();
-        let advertised =
-            kvpeer_net::metadata::AgentMetadata::decode(&io.core.local().agent_metadata)
-                .unwrap_or_default();
+        let id = io.core().local().peer_id.clone();
+        let advertised = Advertised::from_agent_metadata(&io.core().local().agent_metadata);
         let wake = match io.wake_writer() {
             Some(w) => w.map_err(NodeError::Runtime)?,
             None => {
@@ -268,8 +334,7 @@ impl Node {
             },
             id,
             advertised,
-            calls: tx,
-            wake,
+            calls: Arc::new(Calls { tx, wake }),
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -286,7 +351,8 @@ impl Node {
 
     /// Producer: stores blocks (each exactly `block_len` bytes) to serve to peers.
     pub fn store(&self, blocks: Vec<(OffloadKey, Vec<u8>)>) -> Result<(), NodeError> {
-        self.ask(|reply| Command::Store { blocks, reply }, None)?
+        self.calls
+            .ask(|reply| Command::Store { blocks, reply }, None)?
     }
 
     /// Producer: allocates a block for each of `keys` not held yet and calls `fill(i, block)`
@@ -298,7 +364,7 @@ impl Node {
         keys: &[OffloadKey],
         fill: impl FnMut(usize, &mut [u8]) + Send + 'static,
     ) -> Result<usize, NodeError> {
-        self.ask(
+        self.calls.ask(
             |reply| Command::StoreWith {
                 keys: keys.to_vec(),
                 fill: Box::new(fill),
@@ -309,10 +375,10 @@ impl Node {
     }
 
     /// Opens the session to `peer` ahead of any request and waits until its handshake is done
-    /// (`lookup` does this on its own; this lets a caller connect before timing its work).
+    /// (a request does this on its own; this lets a caller connect before timing its work).
     pub fn connect(&self, peer: &PeerId, timeout: Duration) -> Result<(), NodeError> {
         let deadline = Instant::now() + timeout;
-        self.ask(
+        self.calls.ask(
             |reply| Command::Connect {
                 peer: peer.clone(),
                 deadline,
@@ -322,75 +388,42 @@ impl Node {
         )?
     }
 
-    /// Consumer: looks `keys` up at `peer` for request `request` (opening it, and the session,
-    /// if needed). Answers once every key is `Hit`, `Miss` or `HitPending`.
-    pub fn lookup(
-        &self,
-        peer: &PeerId,
-        request: &str,
-        keys: &[OffloadKey],
-        timeout: Duration,
-    ) -> Result<Vec<LookupResult>, NodeError> {
-        let deadline = Instant::now() + timeout;
-        self.ask(
-            |reply| Command::Lookup {
+    /// Consumer: opens request `id`, whose blocks come from `peer` (and the session to `peer`,
+    /// if needed). Look its keys up, fetch the hits and finish it through the handle; it is
+    /// finished when the handle is dropped, if not before. One request per id at a time.
+    pub fn request(&self, peer: &PeerId, id: &str) -> Result<NodeRequest, NodeError> {
+        let request = self.calls.ask(
+            |reply| Command::Open {
                 peer: peer.clone(),
-                request: request.to_owned(),
-                keys: keys.to_vec(),
-                deadline,
+                id: KvRequestId::from(id),
                 reply,
             },
-            Some(deadline),
-        )?
-    }
-
-    /// Consumer: fetches `keys` (hits of an earlier `lookup` of `request`) into local blocks.
-    /// On success they are readable with [`Node::read`]; on failure nothing of them is kept.
-    pub fn fetch(
-        &self,
-        request: &str,
-        keys: &[OffloadKey],
-        timeout: Duration,
-    ) -> Result<(), NodeError> {
-        let deadline = Instant::now() + timeout;
-        self.ask(
-            |reply| Command::Fetch {
-                request: request.to_owned(),
-                keys: keys.to_vec(),
-                deadline,
-                reply,
-            },
-            Some(deadline),
-        )?
-    }
-
-    /// Consumer: the request is done (a request with no fetch tells the peer with an empty one).
-    pub fn finish(&self, request: &str) {
-        self.tell(Command::Finish {
-            request: request.to_owned(),
-        });
+            None,
+        )??;
+        Ok(NodeRequest::new(request, peer.clone(), self.calls.clone()))
     }
 
     /// The bytes of a readable local block.
     pub fn read(&self, key: &OffloadKey) -> Option<Vec<u8>> {
-        self.ask(
-            |reply| Command::Read {
-                keys: vec![key.clone()],
-                reply,
-            },
-            None,
-        )
-        .ok()
-        .and_then(|mut v: Vec<Option<Vec<u8>>>| v.pop().flatten())
+        self.calls
+            .ask(
+                |reply| Command::Read {
+                    keys: vec![key.clone()],
+                    reply,
+                },
+                None,
+            )
+            .ok()
+            .and_then(|mut v: Vec<Option<Vec<u8>>>| v.pop().flatten())
     }
 
     /// Open state, running totals and latencies.
     pub fn stats(&self) -> Result<NodeStats, NodeError> {
-        self.ask(|reply| Command::Stats { reply }, None)
+        self.calls.ask(|reply| Command::Stats { reply }, None)
     }
 
     /// The data planes this node advertises to peers.
-    pub fn advertised(&self) -> &kvpeer_net::metadata::AgentMetadata {
+    pub fn advertised(&self) -> &Advertised {
         &self.advertised
     }
 
@@ -398,32 +431,11 @@ impl Node {
     /// stops the runtime thread. The pool is released when the last handle goes.
     pub fn shutdown(&self, drain: Duration) {
         let (tx, rx) = channel();
-        self.tell(Command::Shutdown { drain, reply: tx });
+        self.calls.tell(Command::Shutdown { drain, reply: tx });
         let _ = rx.recv_timeout(drain + Duration::from_secs(5));
         if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
             let _ = thread.join();
         }
-    }
-
-    fn tell(&self, call: Command) {
-        let _ = self.calls.send(call);
-        // A full pipe already means "wake up".
-        let _ = (&self.wake).write(&[1]);
-    }
-
-    fn ask<T>(
-        &self,
-        call: impl FnOnce(Sender<T>) -> Command,
-        deadline: Option<Instant>,
-    ) -> Result<T, NodeError> {
-        let (tx, rx): (Sender<T>, Receiver<T>) = channel();
-        self.tell(call(tx));
-        // The runtime answers timed calls at their deadline itself; the extra second only
-        // covers a runtime that has stopped.
-        let limit = deadline.map_or(Duration::from_secs(30), |d| {
-            d.saturating_duration_since(Instant::now()) + Duration::from_secs(1)
-        });
-        rx.recv_timeout(limit).map_err(|_| NodeError::ShutDown)
     }
 }
 

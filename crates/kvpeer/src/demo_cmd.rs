@@ -128,7 +128,8 @@ fn demo(args: &DemoArgs) -> Result<bool, NodeError> {
             .count();
         let rest = &keys[local..];
         let t = Instant::now();
-        let found = consumer.lookup(producer.id(), &request, rest, WAIT)?;
+        let req = consumer.request(producer.id(), &request)?;
+        let found = req.lookup(rest, WAIT)?;
         let lookup = t.elapsed();
         // A prefix cache reuses the leading run of hits.
         let hits = found
@@ -137,10 +138,10 @@ fn demo(args: &DemoArgs) -> Result<bool, NodeError> {
             .count();
         let t = Instant::now();
         if hits > 0 {
-            consumer.fetch(&request, &rest[..hits], WAIT)?;
+            req.fetch(&rest[..hits], WAIT)?;
         }
         let fetch = t.elapsed();
-        consumer.finish(&request);
+        req.finish();
         for k in &rest[..hits] {
             if consumer.read(k) != Some(synthetic::content(k, len)) {
                 corrupt += 1;

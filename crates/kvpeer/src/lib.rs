@@ -9,5 +9,8 @@ pub mod engine;
 pub mod metrics;
 pub mod node;
 
-pub use api::{LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId, PlaneKind};
+pub use api::{
+    Advertised, KvRequestId, LookupResult, Node, NodeConfig, NodeError, NodeRequest, OffloadKey,
+    PeerId, PlaneKind,
+};
 pub mod synthetic;

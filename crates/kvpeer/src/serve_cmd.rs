@@ -81,13 +81,13 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         None => "-".into(),
     };
 
-    let meta = node.advertised();
+    let advertised = node.advertised();
     let spec = node.config();
     println!(
         "kvpeer serve: ready id={} plane={plane} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics}",
         node.id(),
-        meta.shm.as_deref().unwrap_or("-"),
-        meta.tcp.as_deref().unwrap_or("-"),
+        advertised.shm.as_deref().unwrap_or("-"),
+        advertised.tcp.as_deref().unwrap_or("-"),
         spec.num_blocks,
         spec.block_len,
         args.fill

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
 
+mod common;
+use common::node::store;
+
 const WAIT: Duration = Duration::from_secs(10);
 
 fn pair(tag: &str, plane: PlaneKind) -> (Node, Node) {
@@ -22,31 +25,26 @@ fn share(tag: &str, plane: PlaneKind) {
     let (producer, consumer) = pair(tag, plane);
     let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..10).map(synthetic::key).collect();
-    producer
-        .store(
-            keys[..6]
-                .iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap();
+    store(&producer, &keys[..6]);
 
-    let found = consumer.lookup(producer.id(), "r1", &keys, WAIT).unwrap();
+    let r1 = consumer.request(producer.id(), "r1").unwrap();
+    assert_eq!(r1.id().as_str(), "r1");
+    assert_eq!(r1.peer(), producer.id());
+    let found = r1.lookup(&keys, WAIT).unwrap();
     assert_eq!(found[..6], [LookupResult::Hit; 6]);
     assert_eq!(found[6..], [LookupResult::Miss; 4]);
-    consumer.fetch("r1", &keys[..6], WAIT).unwrap();
+    r1.fetch(&keys[..6], WAIT).unwrap();
     for k in &keys[..6] {
         assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
     }
     assert_eq!(consumer.read(&keys[7]), None);
-    consumer.finish("r1");
+    r1.finish();
 
     // A request that misses everything, finished without a fetch (terminal empty fetch).
-    let found = consumer
-        .lookup(producer.id(), "r2", &keys[8..], WAIT)
-        .unwrap();
+    let r2 = consumer.request(producer.id(), "r2").unwrap();
+    let found = r2.lookup(&keys[8..], WAIT).unwrap();
     assert_eq!(found, [LookupResult::Miss; 2]);
-    consumer.finish("r2");
+    r2.finish();
 
     // The producer lets go of everything it held for the consumer.
     let deadline = Instant::now() + WAIT;
@@ -109,10 +107,19 @@ fn two_nodes_share_blocks_through_the_api_with_both_planes() {
 fn misuse_and_silent_peers_get_clear_errors_in_bounded_time() {
     let node = Node::start(NodeConfig::local("api-errors")).unwrap();
     let key = synthetic::key(1);
+    let idle = PeerId::new("127.0.0.1:1");
+    let early = node.request(&idle, "never-looked-up").unwrap();
     assert!(matches!(
-        node.fetch("never-looked-up", std::slice::from_ref(&key), WAIT),
-        Err(NodeError::UnknownRequest(_))
+        early.fetch(std::slice::from_ref(&key), WAIT),
+        Err(NodeError::FetchBeforeLookup(id)) if id.as_str() == "never-looked-up"
     ));
+    // One request per id at a time; once finished, the id is free again.
+    assert!(matches!(
+        node.request(&idle, "never-looked-up"),
+        Err(NodeError::RequestOpen(id)) if id.as_str() == "never-looked-up"
+    ));
+    early.finish();
+    node.request(&idle, "never-looked-up").unwrap().finish();
     assert!(matches!(
         node.store(vec![(key.clone(), vec![0u8; 3])]),
         Err(NodeError::Store(_))
@@ -123,24 +130,21 @@ fn misuse_and_silent_peers_get_clear_errors_in_bounded_time() {
     let gone = PeerId::new(nobody.local_addr().unwrap().to_string());
     drop(nobody);
     let t = Instant::now();
-    let r = node.lookup(
-        &gone,
-        "r",
-        std::slice::from_ref(&key),
-        Duration::from_secs(5),
-    );
+    let gone_req = node.request(&gone, "r").unwrap();
+    let r = gone_req.lookup(std::slice::from_ref(&key), Duration::from_secs(5));
     assert!(matches!(&r, Ok(v) if *v == [LookupResult::Miss]), "{r:?}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     // A peer that accepts the connection and never speaks: the call gives up at its timeout.
     let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let silent = PeerId::new(mute.local_addr().unwrap().to_string());
+    let silent_req = node.request(&silent, "s").unwrap();
     let t = Instant::now();
-    let r = node.lookup(&silent, "s", &[key], Duration::from_millis(300));
+    let r = silent_req.lookup(&[key], Duration::from_millis(300));
     assert!(matches!(r, Err(NodeError::Timeout("lookup"))), "{r:?}");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-    node.finish("s");
+    silent_req.finish();
     drop(mute);
-    node.finish("r");
+    gone_req.finish();
     node.shutdown(Duration::from_secs(1));
 }
 
@@ -159,17 +163,19 @@ fn the_allowlist_refuses_peers_both_ways_and_never_dials_them() {
 
     // Outbound: the strict node will not dial a peer outside its list; the keys answer MISS.
     let t = Instant::now();
-    let r = strict.lookup(open.id(), "out", std::slice::from_ref(&key), WAIT);
+    let out = strict.request(open.id(), "out").unwrap();
+    let r = out.lookup(std::slice::from_ref(&key), WAIT);
     assert!(matches!(&r, Ok(v) if *v == [LookupResult::Miss]), "{r:?}");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-    strict.finish("out");
+    out.finish();
 
     // Inbound: the open node's connect is dropped before the protocol sees it and its
     // connection closed; no session opens and nothing is dialed back, so the open node's
     // lookup fails over to MISS as soon as its connection is gone.
-    let r = open.lookup(strict.id(), "in", &[key], Duration::from_secs(5));
+    let inbound = open.request(strict.id(), "in").unwrap();
+    let r = inbound.lookup(&[key], Duration::from_secs(5));
     assert!(matches!(&r, Ok(v) if *v == [LookupResult::Miss]), "{r:?}");
-    open.finish("in");
+    inbound.finish();
     let stats = strict.stats().unwrap();
     assert_eq!(stats.core.sessions, 0, "{:?}", stats.core);
     assert_eq!(
@@ -191,18 +197,13 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     let (producer, consumer) = (Node::start(p).unwrap(), Node::start(c).unwrap());
     let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..64).map(synthetic::key).collect();
-    producer
-        .store(
-            keys.iter()
-                .map(|k| (k.clone(), synthetic::content(k, len)))
-                .collect(),
-        )
-        .unwrap();
-    let found = consumer.lookup(producer.id(), "r", &keys, WAIT).unwrap();
+    store(&producer, &keys);
+    let req = consumer.request(producer.id(), "r").unwrap();
+    let found = req.lookup(&keys, WAIT).unwrap();
     assert!(found.iter().all(|f| *f == LookupResult::Hit));
 
     let fetched = std::thread::scope(|s| {
-        let fetch = s.spawn(|| consumer.fetch("r", &keys, WAIT));
+        let fetch = s.spawn(|| req.fetch(&keys, WAIT));
         // Wait until the producer is writing (bounded), then shut it down mid-write: it drains
         // (up to 5 s) before it disconnects.
         let deadline = Instant::now() + WAIT;
@@ -221,7 +222,7 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     for k in &keys {
         assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
     }
-    consumer.finish("r");
+    req.finish();
     let stats = consumer.stats().unwrap();
     let (core, store) = (stats.core, stats.store);
     assert_eq!(
@@ -251,13 +252,11 @@ fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
 
     // Same secret: the handshake completes and blocks flow.
     let friend = node("api-auth-friend", Some(secret));
-    assert_eq!(
-        friend.lookup(producer.id(), "a", keys, WAIT).unwrap(),
-        [LookupResult::Hit]
-    );
-    friend.fetch("a", keys, WAIT).unwrap();
+    let a = friend.request(producer.id(), "a").unwrap();
+    assert_eq!(a.lookup(keys, WAIT).unwrap(), [LookupResult::Hit]);
+    a.fetch(keys, WAIT).unwrap();
     assert_eq!(friend.read(&key), Some(synthetic::content(&key, len)));
-    friend.finish("a");
+    a.finish();
 
     // No secret (a stock vLLM peer, say), or another one: refused, nothing opens.
     for (tag, secret) in [
@@ -265,12 +264,13 @@ fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
         ("api-auth-other", Some("a different secret, long enough")),
     ] {
         let stranger = node(tag, secret);
-        let r = stranger.lookup(producer.id(), "b", keys, Duration::from_secs(5));
+        let b = stranger.request(producer.id(), "b").unwrap();
+        let r = b.lookup(keys, Duration::from_secs(5));
         assert!(
             matches!(&r, Ok(v) if *v == [LookupResult::Miss]),
             "{tag}: refused and its connection closed, so it misses: {r:?}"
         );
-        stranger.finish("b");
+        b.finish();
         stranger.shutdown(Duration::from_secs(1));
     }
     let stats = producer.stats().unwrap();
@@ -302,15 +302,13 @@ fn a_producer_writes_blocks_in_place_and_peers_fetch_them() {
     let r = producer.store_with(&other, |_, _| panic!("engine bug"));
     assert!(matches!(r, Err(NodeError::FillPanicked)), "{r:?}");
     assert_eq!(producer.read(&other[0]), None);
-    assert_eq!(
-        consumer.lookup(producer.id(), "r", &keys, WAIT).unwrap(),
-        [LookupResult::Hit; 4]
-    );
-    consumer.fetch("r", &keys, WAIT).unwrap();
+    let req = consumer.request(producer.id(), "r").unwrap();
+    assert_eq!(req.lookup(&keys, WAIT).unwrap(), [LookupResult::Hit; 4]);
+    req.fetch(&keys, WAIT).unwrap();
     for k in &keys {
         assert_eq!(consumer.read(k), Some(synthetic::content(k, len)));
     }
-    consumer.finish("r");
+    req.finish();
     consumer.shutdown(Duration::from_secs(1));
     producer.shutdown(Duration::from_secs(1));
 }
@@ -324,9 +322,10 @@ fn a_message_over_the_key_limit_costs_the_sender_its_session() {
     let keys: Vec<_> = (0..8).map(synthetic::key).collect();
     // Eight keys in one lookup: a protocol error at the producer, which disconnects; the
     // consumer's keys fall back to MISS.
-    let r = consumer.lookup(producer.id(), "big", &keys, WAIT).unwrap();
+    let big = consumer.request(producer.id(), "big").unwrap();
+    let r = big.lookup(&keys, WAIT).unwrap();
     assert_eq!(r, [LookupResult::Miss; 8]);
-    consumer.finish("big");
+    big.finish();
     let deadline = Instant::now() + WAIT;
     while producer.stats().unwrap().counters.protocol_errors == 0 {
         assert!(Instant::now() < deadline, "no protocol error counted");
@@ -349,5 +348,63 @@ fn connect_opens_the_session_ahead_of_any_request() {
     let r = consumer.connect(&gone, Duration::from_secs(5));
     assert!(matches!(r, Err(NodeError::Refused { .. })), "{r:?}");
     consumer.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn a_dropped_request_is_finished_and_the_producer_lets_go() {
+    let (producer, consumer) = pair("drop", PlaneKind::Both);
+    let keys: Vec<_> = (0..4).map(synthetic::key).collect();
+    store(&producer, &keys);
+    let held_open = |node: &Node| {
+        let s = node.stats().unwrap();
+        (s.core.server_requests, s.store.pinned)
+    };
+    let until = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + WAIT;
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    {
+        // Looked up (the producer holds the hits for us), never fetched nor finished.
+        let forgotten = consumer.request(producer.id(), "forgotten").unwrap();
+        assert_eq!(
+            forgotten.lookup(&keys, WAIT).unwrap(),
+            [LookupResult::Hit; 4]
+        );
+        until("the producer holds the lookup", &|| {
+            held_open(&producer).0 == 1
+        });
+    }
+    until("the dropped request was finished at the producer", &|| {
+        held_open(&producer) == (0, 0)
+    });
+    assert_eq!(consumer.stats().unwrap().core.client_requests, 0);
+    // Its id is free again.
+    consumer
+        .request(producer.id(), "forgotten")
+        .unwrap()
+        .finish();
+
+    // A handle that outlives its node fails cleanly and drops without blocking or panicking.
+    let late = consumer.request(producer.id(), "late").unwrap();
+    consumer.shutdown(Duration::from_secs(1));
+    assert!(matches!(
+        late.lookup(&keys, Duration::from_millis(100)),
+        Err(NodeError::ShutDown)
+    ));
+    assert!(matches!(
+        consumer.request(producer.id(), "after"),
+        Err(NodeError::ShutDown)
+    ));
+    let t = Instant::now();
+    drop(late);
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
     producer.shutdown(Duration::from_secs(1));
 }

@@ -147,7 +147,8 @@ fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks()
     let block_len = consumer.config().block_len as usize;
     let mut asked = held[..4].to_vec();
     asked.push(synthetic::key(99)); // not held
-    let found = consumer.lookup(&engine_id, "req-1", &asked, WAIT).unwrap();
+    let req = consumer.request(&engine_id, "req-1").unwrap();
+    let found = req.lookup(&asked, WAIT).unwrap();
     assert_eq!(
         found,
         [
@@ -158,8 +159,8 @@ fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks()
             LookupResult::Miss
         ]
     );
-    consumer.fetch("req-1", &asked[..4], WAIT).unwrap();
-    consumer.finish("req-1");
+    req.fetch(&asked[..4], WAIT).unwrap();
+    req.finish();
     for key in &asked[..4] {
         assert_eq!(
             consumer.read(key),

@@ -63,40 +63,40 @@ fn share<P: BuildPlane>(tag: &str) {
         build::<P>(&spec(&format!("{tag}c"))).unwrap(),
         build::<P>(&spec(&format!("{tag}p"))).unwrap(),
     );
-    let pid = p.core.local().peer_id.clone();
+    let pid = p.core().local().peer_id.clone();
     for n in 0..5 {
-        p.core.parent_mut().put(&key(n), &content(n)).unwrap();
+        p.core_mut().parent_mut().put(&key(n), &content(n)).unwrap();
     }
-    let req = c.core.on_new_request(
+    let req = c.core_mut().on_new_request(
         Instant::now(),
         KvRequestId::from("req-1"),
         RequestRoles::kv_source(pid.clone()),
     );
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, _| {
-        c.core.session_state(&pid).is_some_and(|s| s.ready)
+        c.core().session_state(&pid).is_some_and(|s| s.ready)
     });
 
     let wanted: Vec<OffloadKey> = (0..7).map(key).collect();
     for k in &wanted {
-        c.core.lookup(Instant::now(), &req, k);
+        c.core_mut().lookup(Instant::now(), &req, k);
     }
-    c.core.flush_lookups(Instant::now());
+    c.core_mut().flush_lookups(Instant::now());
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, _| {
         wanted
             .iter()
-            .all(|k| c.core.lookup(Instant::now(), &req, k) != LookupResult::Retry)
+            .all(|k| c.core_mut().lookup(Instant::now(), &req, k) != LookupResult::Retry)
     });
     let hits: Vec<OffloadKey> = wanted
         .iter()
-        .filter(|k| c.core.lookup(Instant::now(), &req, k) == LookupResult::Hit)
+        .filter(|k| c.core_mut().lookup(Instant::now(), &req, k) == LookupResult::Hit)
         .cloned()
         .collect();
     assert_eq!(hits, wanted[..5].to_vec());
 
-    let blocks = c.core.parent_mut().reserve(&hits).unwrap();
-    c.core.submit_load(
+    let blocks = c.core_mut().parent_mut().reserve(&hits).unwrap();
+    c.core_mut().submit_load(
         Instant::now(),
         JobId::new(1),
         &req,
@@ -104,39 +104,37 @@ fn share<P: BuildPlane>(tag: &str) {
         blocks.clone(),
     );
     c.flush(Instant::now());
-    run_until(&mut c, &mut p, |c, _| {
-        c.loads_done.contains_key(&JobId::new(1))
-    });
+    run_until(&mut c, &mut p, |c, _| c.load_done(JobId::new(1)).is_some());
     assert_eq!(c.take_load_result(JobId::new(1)), Some(true));
-    c.core.parent_mut().finish_write(&blocks, true);
+    c.core_mut().parent_mut().finish_write(&blocks, true);
     for (n, b) in blocks.iter().enumerate() {
         assert_eq!(
-            c.core.parent().read(*b).unwrap(),
+            c.core().parent().read(*b).unwrap(),
             &content(n as u64)[..],
             "key {n}"
         );
     }
 
     // A second request that misses everything: its finish sends the terminal fetch.
-    let miss = c.core.on_new_request(
+    let miss = c.core_mut().on_new_request(
         Instant::now(),
         KvRequestId::from("req-2"),
         RequestRoles::kv_source(pid.clone()),
     );
-    c.core.lookup(Instant::now(), &miss, &key(99));
-    c.core.flush_lookups(Instant::now());
+    c.core_mut().lookup(Instant::now(), &miss, &key(99));
+    c.core_mut().flush_lookups(Instant::now());
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, _| {
-        c.core.lookup(Instant::now(), &miss, &key(99)) == LookupResult::Miss
+        c.core_mut().lookup(Instant::now(), &miss, &key(99)) == LookupResult::Miss
     });
     // A PD load the producer never serves: finishing aborts it, the producer acks.
-    let pd = c.core.on_new_request(
+    let pd = c.core_mut().on_new_request(
         Instant::now(),
         KvRequestId::from("req-3"),
         RequestRoles::prefiller(pid.clone()),
     );
-    let pd_blocks = c.core.parent_mut().reserve(&[key(50)]).unwrap();
-    c.core.submit_load(
+    let pd_blocks = c.core_mut().parent_mut().reserve(&[key(50)]).unwrap();
+    c.core_mut().submit_load(
         Instant::now(),
         JobId::new(2),
         &pd,
@@ -144,19 +142,19 @@ fn share<P: BuildPlane>(tag: &str) {
         pd_blocks.clone(),
     );
     for r in [&req, &miss, &pd] {
-        c.core.finish(Instant::now(), r);
+        c.core_mut().finish(Instant::now(), r);
     }
     c.flush(Instant::now());
     run_until(&mut c, &mut p, |c, p| {
-        c.loads_done.get(&JobId::new(2)) == Some(&false) && p.core.stats().server_requests == 0
+        c.load_done(JobId::new(2)) == Some(false) && p.core().stats().server_requests == 0
     });
     assert_eq!(c.take_load_result(JobId::new(2)), Some(false));
     // Every result was taken once; store results are never kept.
-    assert!(c.loads_done.is_empty() && p.loads_done.is_empty());
-    c.core.parent_mut().finish_write(&pd_blocks, false);
+    assert!(c.waiting_load_results() == 0 && p.waiting_load_results() == 0);
+    c.core_mut().parent_mut().finish_write(&pd_blocks, false);
     for n in [&c, &p] {
         assert_clean(n);
-        let s = n.core.parent().stats();
+        let s = n.core().parent().stats();
         assert_eq!(s.open_contexts, 0, "{s:?}");
     }
 }

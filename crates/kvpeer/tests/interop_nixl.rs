@@ -73,12 +73,13 @@ fn two_kvpeer_nodes_share_blocks_over_nixl() {
     store(&producer, &keys(0..16));
     let ks = keys(0..20);
     let t = Duration::from_secs(30);
-    let found = consumer.lookup(producer.id(), "r", &ks, t).unwrap();
+    let req = consumer.request(producer.id(), "r").unwrap();
+    let found = req.lookup(&ks, t).unwrap();
     assert_eq!(found[..16], [LookupResult::Hit; 16]);
     assert_eq!(found[16..], [LookupResult::Miss; 4]);
-    consumer.fetch("r", &ks[..16], t).unwrap();
+    req.fetch(&ks[..16], t).unwrap();
     assert_bytes(&consumer, &ks[..16]);
-    consumer.finish("r");
+    req.finish();
     assert_node_clean(&consumer);
     assert_node_clean(&producer);
     consumer.shutdown(Duration::from_secs(3));
@@ -192,16 +193,15 @@ fn a_vllm_producer_killed_mid_transfer_leaves_kvpeer_clean() {
     let ks = keys(0..64);
     let run = |consumer: &Node, r: u64| -> Result<(), NodeError> {
         let name = format!("r{r}");
-        let result = consumer
-            .lookup(&peer, &name, &ks, Duration::from_secs(5))
-            .and_then(|found| {
-                if found.iter().all(|f| *f == LookupResult::Hit) {
-                    consumer.fetch(&name, &ks, Duration::from_secs(20))
-                } else {
-                    Err(NodeError::LoadFailed)
-                }
-            });
-        consumer.finish(&name);
+        let req = consumer.request(&peer, &name)?;
+        let result = req.lookup(&ks, Duration::from_secs(5)).and_then(|found| {
+            if found.iter().all(|f| *f == LookupResult::Hit) {
+                req.fetch(&ks, Duration::from_secs(20))
+            } else {
+                Err(NodeError::LoadFailed)
+            }
+        });
+        req.finish();
         if result.is_err() {
             assert!(
                 ks.iter().all(|k| consumer.read(k).is_none()),
@@ -275,12 +275,10 @@ fn kvpeers_abort_of_a_landing_nixl_write_waits_for_vllms_ack() {
     let mut aborted = false;
     for attempt in 0..10 {
         let name = format!("a{attempt}");
-        assert_eq!(
-            consumer.lookup(&peer, &name, &ks, t).unwrap(),
-            [LookupResult::Hit; 64]
-        );
-        let result = consumer.fetch(&name, &ks, t);
-        consumer.finish(&name);
+        let req = consumer.request(&peer, &name).unwrap();
+        assert_eq!(req.lookup(&ks, t).unwrap(), [LookupResult::Hit; 64]);
+        let result = req.fetch(&ks, t);
+        req.finish();
         match result {
             Ok(()) => assert_bytes(&consumer, &ks),
             Err(NodeError::LoadFailed) => {
@@ -302,13 +300,11 @@ fn kvpeers_abort_of_a_landing_nixl_write_waits_for_vllms_ack() {
     // first stays connected: vLLM's transport may go deaf once it closes a session,
     // docs/behaviour.md #11).
     let next = node("after-abort", mb2, Duration::from_secs(30));
-    assert_eq!(
-        next.lookup(&peer, "b", &ks, t).unwrap(),
-        [LookupResult::Hit; 64]
-    );
-    next.fetch("b", &ks, t).unwrap();
+    let req = next.request(&peer, "b").unwrap();
+    assert_eq!(req.lookup(&ks, t).unwrap(), [LookupResult::Hit; 64]);
+    req.fetch(&ks, t).unwrap();
     assert_bytes(&next, &ks);
-    next.finish("b");
+    req.finish();
     assert_node_clean(&next);
     next.shutdown(Duration::from_secs(3));
     consumer.shutdown(Duration::from_secs(3));

@@ -88,11 +88,12 @@ fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
     store(&middle, &held);
     store(&slow, &landing);
     let t = Duration::from_secs(30);
-    let found = middle.lookup(slow.id(), "warm", &landing, t).unwrap();
+    let warm = Arc::new(middle.request(slow.id(), "warm").unwrap());
+    let found = warm.lookup(&landing, t).unwrap();
     assert_eq!(found, [LookupResult::Hit; 2]);
     let loading = {
-        let (middle, landing) = (middle.clone(), landing.clone());
-        std::thread::spawn(move || middle.fetch("warm", &landing, Duration::from_secs(60)))
+        let (warm, landing) = (warm.clone(), landing.clone());
+        std::thread::spawn(move || warm.fetch(&landing, Duration::from_secs(60)))
     };
     // The load has reserved its block once the pool shows a block being written.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -128,7 +129,8 @@ fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
     assert_eq!(middle.stats().unwrap().counters.pending_expired, 1);
 
     loading.join().unwrap().unwrap();
-    middle.finish("warm");
+    // The loading thread's clone is gone with it: this is the last handle.
+    Arc::into_inner(warm).expect("no other handle").finish();
     assert_bytes(&middle, &landing);
     assert_node_clean(&middle);
     assert_node_clean(&slow);
@@ -187,8 +189,9 @@ fn vllm_answers_a_pending_key_miss_at_the_5_s_deadline() {
     let ks = keys(0..5);
     let t = Duration::from_secs(30);
     consumer.connect(&peer, t).unwrap();
+    let req = consumer.request(&peer, "r").unwrap();
     let started = Instant::now();
-    let found = consumer.lookup(&peer, "r", &ks, t).unwrap();
+    let found = req.lookup(&ks, t).unwrap();
     let waited = started.elapsed();
     assert_eq!(
         found,
@@ -198,9 +201,9 @@ fn vllm_answers_a_pending_key_miss_at_the_5_s_deadline() {
         waited >= Duration::from_millis(4_900),
         "answered after {waited:?}"
     );
-    consumer.fetch("r", &ks[..4], t).unwrap();
+    req.fetch(&ks[..4], t).unwrap();
     assert_bytes(&consumer, &ks[..4]);
-    consumer.finish("r");
+    req.finish();
     consumer.shutdown(Duration::from_secs(3));
     vllm_stop(&mut producer);
 }
@@ -214,11 +217,9 @@ fn kvpeers_load_timeout_is_aborted_and_acked_by_vllm() {
     let peer = PeerId::new(id);
     let ks = keys(0..4);
     let t = Duration::from_secs(30);
-    assert_eq!(
-        consumer.lookup(&peer, "r", &ks, t).unwrap(),
-        [LookupResult::Hit; 4]
-    );
-    let failed = consumer.fetch("r", &ks, t);
+    let req = consumer.request(&peer, "r").unwrap();
+    assert_eq!(req.lookup(&ks, t).unwrap(), [LookupResult::Hit; 4]);
+    let failed = req.fetch(&ks, t);
     assert!(matches!(failed, Err(NodeError::LoadFailed)), "{failed:?}");
     let c = consumer.stats().unwrap().counters;
     assert_eq!(
@@ -227,7 +228,7 @@ fn kvpeers_load_timeout_is_aborted_and_acked_by_vllm() {
         "{c:?}"
     );
     assert!(ks.iter().all(|k| consumer.read(k).is_none()));
-    consumer.finish("r");
+    req.finish();
     assert_node_clean(&consumer);
     consumer.shutdown(Duration::from_secs(3));
     let s = vllm_stop(&mut producer);
@@ -341,13 +342,14 @@ fn kvpeer_reconnects_to_a_restarted_vllm_producer() {
     let request = |r: u64| -> Result<(), NodeError> {
         let ks = keys(r * 4..r * 4 + 4);
         let name = format!("r{r}");
-        let found = consumer.lookup(&peer, &name, &ks, Duration::from_secs(3));
+        let req = consumer.request(&peer, &name)?;
+        let found = req.lookup(&ks, Duration::from_secs(3));
         let result = match found {
-            Ok(f) if f == [LookupResult::Hit; 4] => consumer.fetch(&name, &ks, t),
+            Ok(f) if f == [LookupResult::Hit; 4] => req.fetch(&ks, t),
             Ok(f) => panic!("{f:?}"),
             Err(e) => Err(e),
         };
-        consumer.finish(&name);
+        req.finish();
         if result.is_ok() {
             assert_bytes(&consumer, &ks);
         }

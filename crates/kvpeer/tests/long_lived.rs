@@ -50,31 +50,36 @@ fn lookups(
     let now = Instant::now();
     let reqs: Vec<(Request, OffloadKey)> = (first..first + n)
         .map(|i| {
-            let req = c.core.on_new_request(
+            let req = c.core_mut().on_new_request(
                 now,
                 KvRequestId::from(format!("{tag}-{i}").as_str()),
                 RequestRoles::kv_source(producer.clone()),
             );
             let key = synthetic::key(i % HELD);
-            c.core.lookup(now, &req, &key);
+            c.core_mut().lookup(now, &req, &key);
             (req, key)
         })
         .collect();
-    c.core.flush_lookups(now);
+    c.core_mut().flush_lookups(now);
     c.flush(now);
     step_until(c, Duration::from_secs(30), |c| {
         let now = Instant::now();
         let done = reqs
             .iter()
-            .all(|(r, k)| c.core.lookup(now, r, k) != LookupResult::Retry);
+            .all(|(r, k)| c.core_mut().lookup(now, r, k) != LookupResult::Retry);
         // Keys asked again (as an engine polls) go out with the next flush.
-        c.core.flush_lookups(now);
+        c.core_mut().flush_lookups(now);
         c.flush(now);
         done
     });
     let now = Instant::now();
     for (r, k) in &reqs {
-        assert_eq!(c.core.lookup(now, r, k), LookupResult::Hit, "{:?}", r.id());
+        assert_eq!(
+            c.core_mut().lookup(now, r, k),
+            LookupResult::Hit,
+            "{:?}",
+            r.id()
+        );
     }
     reqs
 }
@@ -90,7 +95,7 @@ fn settle(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration, pause: D
 /// Waits (bounded by `timeout`) until the consumer holds no request, then until the producer
 /// holds nothing open (bounded: 10 s; the caller asserts it).
 fn drain(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration) {
-    step_until(c, timeout, |c| c.core.stats().client_requests == 0);
+    step_until(c, timeout, |c| c.core().stats().client_requests == 0);
     settle(
         c,
         producer,
@@ -148,17 +153,18 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     .unwrap();
 
     // The session first, as an engine's first request would open it.
-    let warm = c.core.on_new_request(
+    let warm = c.core_mut().on_new_request(
         Instant::now(),
         KvRequestId::from("warm-up"),
         RequestRoles::kv_source(pid.clone()),
     );
-    c.core.lookup(Instant::now(), &warm, &synthetic::key(0));
+    c.core_mut()
+        .lookup(Instant::now(), &warm, &synthetic::key(0));
     c.flush(Instant::now());
     step_until(&mut c, Duration::from_secs(10), |c| {
-        c.core.session_state(&pid).is_some_and(|s| s.ready)
+        c.core().session_state(&pid).is_some_and(|s| s.ready)
     });
-    c.core.finish(Instant::now(), &warm);
+    c.core_mut().finish(Instant::now(), &warm);
     c.flush(Instant::now());
 
     let rss0 = rss_kib();
@@ -180,11 +186,11 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         for (r, k) in &reqs {
             job += 1;
             let blocks = c
-                .core
+                .core_mut()
                 .parent_mut()
                 .reserve(std::slice::from_ref(k))
                 .unwrap();
-            c.core
+            c.core_mut()
                 .submit_load(now, JobId::new(job), r, vec![k.clone()], blocks.clone());
             jobs.push((job, blocks, k.clone()));
         }
@@ -202,17 +208,17 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         });
         for (j, blocks, k) in &jobs {
             assert!(results[j], "load {j} failed");
-            c.core.parent_mut().finish_write(blocks, true);
+            c.core_mut().parent_mut().finish_write(blocks, true);
             if *j % 997 == 0 {
                 assert_eq!(
-                    c.core.parent().read(blocks[0]).unwrap(),
+                    c.core().parent().read(blocks[0]).unwrap(),
                     &synthetic::content(k, LEN as usize)[..]
                 );
             }
         }
         let now = Instant::now();
         for (r, _) in &reqs {
-            c.core.finish(now, r);
+            c.core_mut().finish(now, r);
         }
         c.flush(now);
         first += n;
@@ -223,7 +229,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
                 "{first} rounds in {:?}: RSS {} KiB, producer open {open:?}, consumer {:?}",
                 started.elapsed(),
                 rss_kib(),
-                c.core.stats()
+                c.core().stats()
             );
         }
     }
@@ -242,9 +248,9 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
         "after the served rounds"
     );
     assert!(
-        c.loads_done.is_empty(),
+        c.waiting_load_results() == 0,
         "consumer load results left: {}",
-        c.loads_done.len()
+        c.waiting_load_results()
     );
 
     // 2. Lookups never fetched and never finished: the producer must drop each at its store
@@ -288,7 +294,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     for chunk in open_reqs.chunks(BATCH as usize) {
         let now = Instant::now();
         for (r, _) in chunk {
-            c.core.finish(now, r);
+            c.core_mut().finish(now, r);
         }
         c.flush(now);
         for _ in 0..3 {

@@ -150,24 +150,24 @@ fn lookup<P: BuildPlane>(
     keys: &[OffloadKey],
 ) -> (kvpeer_core::Request, Vec<OffloadKey>) {
     let req = c
-        .core
+        .core_mut()
         .on_new_request(Instant::now(), KvRequestId::from(rid), roles);
     c.flush(Instant::now());
     step_until(c, Duration::from_secs(10), |c| {
-        c.core.session_state(peer).is_some_and(|s| s.ready)
+        c.core().session_state(peer).is_some_and(|s| s.ready)
     });
     for k in keys {
-        c.core.lookup(Instant::now(), &req, k);
+        c.core_mut().lookup(Instant::now(), &req, k);
     }
-    c.core.flush_lookups(Instant::now());
+    c.core_mut().flush_lookups(Instant::now());
     c.flush(Instant::now());
     step_until(c, Duration::from_secs(10), |c| {
         keys.iter()
-            .all(|k| c.core.lookup(Instant::now(), &req, k) != LookupResult::Retry)
+            .all(|k| c.core_mut().lookup(Instant::now(), &req, k) != LookupResult::Retry)
     });
     let hits = keys
         .iter()
-        .take_while(|k| c.core.lookup(Instant::now(), &req, k) == LookupResult::Hit)
+        .take_while(|k| c.core_mut().lookup(Instant::now(), &req, k) == LookupResult::Hit)
         .cloned()
         .collect();
     (req, hits)
@@ -183,9 +183,9 @@ fn load<P: BuildPlane>(
     before_wait: impl FnOnce(),
 ) -> (Vec<BlockIndex>, bool, Duration) {
     let job = JobId::new(job);
-    let blocks = c.core.parent_mut().reserve(keys).unwrap();
+    let blocks = c.core_mut().parent_mut().reserve(keys).unwrap();
     let started = Instant::now();
-    c.core
+    c.core_mut()
         .submit_load(Instant::now(), job, req, keys.to_vec(), blocks.clone());
     c.flush(Instant::now());
     before_wait();
@@ -196,14 +196,14 @@ fn load<P: BuildPlane>(
     });
     let elapsed = started.elapsed();
     let success = success == Some(true);
-    c.core.parent_mut().finish_write(&blocks, success);
+    c.core_mut().parent_mut().finish_write(&blocks, success);
     (blocks, success, elapsed)
 }
 
 fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[BlockIndex], len: usize) {
     for (k, b) in keys.iter().zip(blocks) {
         assert_eq!(
-            c.core.parent().read(*b).unwrap(),
+            c.core().parent().read(*b).unwrap(),
             &synthetic::content(k, len)[..],
             "block of {k:?}"
         );
@@ -243,13 +243,17 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
     );
     assert!(none.is_empty());
     // A PD load the server never stores: finishing the request aborts it; the abort_ack ends it.
-    let pd = c.core.on_new_request(
+    let pd = c.core_mut().on_new_request(
         Instant::now(),
         KvRequestId::from("req-3"),
         RequestRoles::prefiller(id.clone()),
     );
-    let pd_blocks = c.core.parent_mut().reserve(&[synthetic::key(600)]).unwrap();
-    c.core.submit_load(
+    let pd_blocks = c
+        .core_mut()
+        .parent_mut()
+        .reserve(&[synthetic::key(600)])
+        .unwrap();
+    c.core_mut().submit_load(
         Instant::now(),
         JobId::new(2),
         &pd,
@@ -257,16 +261,16 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
         pd_blocks.clone(),
     );
     for r in [&req, &miss, &pd] {
-        c.core.finish(Instant::now(), r);
+        c.core_mut().finish(Instant::now(), r);
     }
     c.flush(Instant::now());
     let mut aborted = None;
     step_until(&mut c, Duration::from_secs(10), |c| {
         aborted = aborted.or(c.take_load_result(JobId::new(2)));
-        aborted.is_some() && c.core.stats().client_requests == 0
+        aborted.is_some() && c.core().stats().client_requests == 0
     });
     assert_eq!(aborted, Some(false));
-    c.core.parent_mut().finish_write(&pd_blocks, false);
+    c.core_mut().parent_mut().finish_write(&pd_blocks, false);
     assert_clean(&c);
 }
 
@@ -328,9 +332,9 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
         took <= LOAD_TIMEOUT + Duration::from_secs(2),
         "ended after {took:?}, the load timeout is {LOAD_TIMEOUT:?}"
     );
-    c.core.finish(Instant::now(), &req);
+    c.core_mut().finish(Instant::now(), &req);
     step_until(&mut c, Duration::from_secs(10), |c| {
-        c.core.stats().client_requests == 0 && c.core.stats().inflight == 0
+        c.core().stats().client_requests == 0 && c.core().stats().inflight == 0
     });
     assert_clean(&c);
     if ok {
@@ -338,7 +342,7 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
     } else {
         for k in &hits {
             assert_eq!(
-                c.core.parent_mut().lookup(k),
+                c.core_mut().parent_mut().lookup(k),
                 LookupResult::Miss,
                 "a failed load leaves nothing readable"
             );
@@ -359,7 +363,7 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
     let (blocks, ok, _) = load(&mut c, &req, 2, &hits, || {});
     assert!(ok);
     verify(&c, &hits, &blocks, BIG_LEN as usize);
-    c.core.finish(Instant::now(), &req);
+    c.core_mut().finish(Instant::now(), &req);
     c.flush(Instant::now());
     assert_clean(&c);
 }
@@ -390,12 +394,12 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
     );
     for i in 0..BIG_BLOCKS {
         let k = synthetic::key(i);
-        p.core
+        p.core_mut()
             .parent_mut()
             .put(&k, &synthetic::content(&k, BIG_LEN as usize))
             .unwrap();
     }
-    let id = p.core.local().peer_id.to_string();
+    let id = p.core().local().peer_id.to_string();
     let fetch = Cli::fetch_shared(&id)
         .plane(plane)
         .pool(BIG_BLOCKS, BIG_LEN)
@@ -403,11 +407,11 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
         .arg("--first", 0);
     let mut consumer = fetch.spawn();
     step_until(&mut p, Duration::from_secs(60), |p| {
-        kill_when(&p.core.stats())
+        kill_when(&p.core().stats())
     });
     consumer.kill9();
     step_until(&mut p, LOAD_TIMEOUT + Duration::from_secs(5), |p| {
-        let k = p.core.stats();
+        let k = p.core().stats();
         k.sessions == 0 && k.server_requests == 0 && k.store_jobs == 0 && k.inflight == 0
     });
     assert_clean(&p);
@@ -424,7 +428,7 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
     assert_eq!(num(&summary, "hits"), 8, "{summary}");
     assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
     step_until(&mut p, Duration::from_secs(15), |p| {
-        p.core.stats().server_requests == 0 && p.core.stats().store_jobs == 0
+        p.core().stats().server_requests == 0 && p.core().stats().store_jobs == 0
     });
     assert_clean(&p);
 }

@@ -23,12 +23,12 @@ use kvpeer_proto::{Connect, PeerId};
 use sha2::Sha256;
 
 /// How far a peer's clock may be from ours, and how long nonces are remembered.
-pub const WINDOW: Duration = Duration::from_secs(300);
+pub(crate) const WINDOW: Duration = Duration::from_secs(300);
 const VERSION: u8 = 2;
 const LEN: usize = 1 + 8 + 16 + 32;
 
 /// The secret and the nonces seen within the window.
-pub struct Auth {
+pub(crate) struct Auth {
     secret: Vec<u8>,
     seen: HashSet<[u8; 16]>,
     /// (time seen, nonce), oldest first, to forget nonces once the window has passed.
@@ -88,7 +88,7 @@ fn unix_now() -> u64 {
 
 impl Auth {
     /// Authentication with `secret` (at least 16 bytes).
-    pub fn new(secret: Vec<u8>) -> Result<Self, AuthError> {
+    pub(crate) fn new(secret: Vec<u8>) -> Result<Self, AuthError> {
         if secret.len() < 16 {
             return Err(AuthError::ShortSecret(secret.len()));
         }
@@ -122,7 +122,7 @@ impl Auth {
     }
 
     /// The `kvpeer_auth` value for `c` sent to `destination`, now.
-    pub fn sign(&self, destination: &PeerId, c: &Connect) -> Result<Vec<u8>, AuthError> {
+    pub(crate) fn sign(&self, destination: &PeerId, c: &Connect) -> Result<Vec<u8>, AuthError> {
         let mut nonce = [0u8; 16];
         getrandom::fill(&mut nonce).map_err(|e| AuthError::NoRandomness(e.to_string()))?;
         Ok(self.sign_at(destination, c, unix_now(), nonce))
@@ -143,7 +143,12 @@ impl Auth {
 
     /// Checks the `kvpeer_auth` of `c`, received by this node (`us`) on a socket claiming
     /// identity `sender`; remembers its nonce if it is valid.
-    pub fn verify(&mut self, us: &PeerId, sender: &PeerId, c: &Connect) -> Result<(), AuthError> {
+    pub(crate) fn verify(
+        &mut self,
+        us: &PeerId,
+        sender: &PeerId,
+        c: &Connect,
+    ) -> Result<(), AuthError> {
         self.verify_at(us, sender, c, unix_now())
     }
 

@@ -43,19 +43,25 @@ enum ConnectRefused {
 
 /// A core, its parent and plane, and its control channel. The parent is the node's own block
 /// store, or an engine's (see [`crate::engine`]).
+///
+/// The low-level driver under [`Node`](crate::Node) and [`EngineNode`](crate::engine::EngineNode):
+/// public for tests and tools that drive a core over real sockets themselves (reach the core
+/// through [`NodeIo::core`]/[`NodeIo::core_mut`], take load results with
+/// [`NodeIo::take_load_result`]); an application wants one of those two instead.
 pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
-    /// The protocol core (with the store as its parent and the data plane).
-    pub core: Core<P, D>,
+    /// The protocol core (with the store as its parent and the data plane). The crate's own
+    /// drivers reach it directly; others through [`NodeIo::core`]/[`NodeIo::core_mut`].
+    pub(crate) core: Core<P, D>,
     /// The ZeroMQ control channel.
-    pub channel: ControlChannel,
+    pub(crate) channel: ControlChannel,
     /// Results of loads (job → every block landed) not yet taken by the caller. Each load's
     /// caller takes its result once (the runtime keeps a load until it does), so this holds
     /// only loads that ended since the caller last looked.
-    pub loads_done: HashMap<JobId, bool>,
+    loads_done: HashMap<JobId, bool>,
     /// Why the latest sessions ended or connections were refused (peer, refused?, reason),
     /// newest last, at most [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why
     /// it is gone.
-    pub closed: std::collections::VecDeque<(PeerId, bool, String)>,
+    closed: std::collections::VecDeque<(PeerId, bool, String)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
     /// Which peers this node talks to, judged by identity and source address.
@@ -78,8 +84,8 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
 }
 
 impl<D: DataPlane, P: Parent> NodeIo<D, P> {
-    /// How many session-end reasons [`NodeIo::closed`] keeps.
-    pub const CLOSED_KEPT: usize = 16;
+    /// How many session-end reasons the node keeps (for [`NodeIo::close_reason`]).
+    const CLOSED_KEPT: usize = 16;
 
     /// Why the session with `peer` ended, if it ended lately (a refusal of what the peer sent
     /// after that, a stale message, says less, so it counts only when no session ended).
@@ -94,8 +100,34 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         latest(false).or_else(|| latest(true))
     }
 
+    /// The protocol core (with its parent and data plane).
+    pub fn core(&self) -> &Core<P, D> {
+        &self.core
+    }
+
+    /// The protocol core, to drive it: the caller then calls [`NodeIo::flush`] (or `step`) to
+    /// carry out what it asked for.
+    pub fn core_mut(&mut self) -> &mut Core<P, D> {
+        &mut self.core
+    }
+
+    /// The control channel.
+    pub fn channel(&self) -> &ControlChannel {
+        &self.channel
+    }
+
+    /// Whether a load result is waiting to be taken (without taking it).
+    pub fn load_done(&self, job: JobId) -> Option<bool> {
+        self.loads_done.get(&job).copied()
+    }
+
+    /// How many load results are waiting to be taken.
+    pub fn waiting_load_results(&self) -> usize {
+        self.loads_done.len()
+    }
+
     /// Wires a core to a channel bound at the core's own identity.
-    pub fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
+    pub(crate) fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
         NodeIo {
             core,
             channel,
@@ -113,12 +145,12 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// The decoding bounds (the core's are set separately, with `Core::set_decode_limits`).
-    pub fn set_decode_limits(&mut self, limits: DecodeLimits) {
+    pub(crate) fn set_decode_limits(&mut self, limits: DecodeLimits) {
         self.limits = limits;
     }
 
     /// Requires and sends `kvpeer_auth` on every `connect` (see [`Auth`]).
-    pub fn set_auth(&mut self, auth: Option<Auth>) {
+    pub(crate) fn set_auth(&mut self, auth: Option<Auth>) {
         self.auth = auth;
     }
 
@@ -209,7 +241,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
 
     /// Which peers this node talks to: the allowlist (see [`Allowlist`]), and whether a
     /// claimed IP identity must come from that address (see [`OriginCheck`]).
-    pub fn set_origin(&mut self, bind_identity: bool, allow: Allowlist) {
+    pub(crate) fn set_origin(&mut self, bind_identity: bool, allow: Allowlist) {
         self.origin = OriginCheck::new(bind_identity, allow, LocalAddrs::read());
     }
 
@@ -258,7 +290,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// Another handle on the wake pipe's write end: writing a byte wakes [`NodeIo::wait`].
-    pub fn wake_writer(&self) -> Option<std::io::Result<std::fs::File>> {
+    pub(crate) fn wake_writer(&self) -> Option<std::io::Result<std::fs::File>> {
         self.wake.as_ref().map(WakePipe::writer)
     }
 

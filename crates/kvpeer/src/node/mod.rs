@@ -1,11 +1,18 @@
 //! The kvpeer node: a core, a block store, a data plane and a control channel, driven by one
 //! thread: [`build`] makes the parts, [`io::NodeIo`] is one round of I/O, `runtime` is the
 //! thread that owns a node behind the [`Node`](crate::Node) handle.
+//!
+//! Public for configuration ([`allow::Allowlist`], [`build::NodeSpec`]) and as the low-level
+//! driver ([`build::build`], [`io::NodeIo`]) that tests and tools use to run a core over real
+//! sockets from their own loop; the rest (authentication, origin checks, the wake pipe, the
+//! runtime thread) is internal.
 
 pub mod allow;
-pub mod auth;
+pub(crate) mod auth;
 pub mod build;
 pub mod io;
-pub mod origin;
+pub(crate) mod origin;
 pub(crate) mod runtime;
-pub mod wake;
+pub(crate) mod wake;
+
+pub use auth::AuthError;

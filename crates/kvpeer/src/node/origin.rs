@@ -26,7 +26,7 @@ use super::allow::{Allowlist, NotAllowed};
 /// Why a message is not heard from where it came, or a data address is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum OriginError {
+pub(crate) enum OriginError {
     /// The claimed identity is not allowed.
     #[error(transparent)]
     NotAllowed(#[from] NotAllowed),
@@ -75,11 +75,11 @@ pub enum OriginError {
 
 /// This host's interface addresses, read once.
 #[derive(Debug, Clone, Default)]
-pub struct LocalAddrs(Vec<IpAddr>);
+pub(crate) struct LocalAddrs(Vec<IpAddr>);
 
 impl LocalAddrs {
     /// The addresses of this host's interfaces now (empty if the system will not say).
-    pub fn read() -> Self {
+    pub(crate) fn read() -> Self {
         let addrs = nix::ifaddrs::getifaddrs()
             .map(|ifs| {
                 ifs.filter_map(|i| i.address)
@@ -95,7 +95,8 @@ impl LocalAddrs {
     }
 
     /// Exactly these addresses (tests).
-    pub fn of(addrs: Vec<IpAddr>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn of(addrs: Vec<IpAddr>) -> Self {
         LocalAddrs(addrs)
     }
 
@@ -106,7 +107,7 @@ impl LocalAddrs {
 
 /// The policy: identity binding on or off, the allowlist, this host's addresses.
 #[derive(Debug, Clone)]
-pub struct OriginCheck {
+pub(crate) struct OriginCheck {
     bind_identity: bool,
     allow: Allowlist,
     local: LocalAddrs,
@@ -135,7 +136,7 @@ fn host_of(peer: &PeerId) -> Option<(String, Option<IpAddr>)> {
 
 impl OriginCheck {
     /// A policy.
-    pub fn new(bind_identity: bool, allow: Allowlist, local: LocalAddrs) -> Self {
+    pub(crate) fn new(bind_identity: bool, allow: Allowlist, local: LocalAddrs) -> Self {
         OriginCheck {
             bind_identity,
             allow,
@@ -144,12 +145,12 @@ impl OriginCheck {
     }
 
     /// The allowlist (for checks of peers we dial, which have no source yet).
-    pub fn allowlist(&self) -> &Allowlist {
+    pub(crate) fn allowlist(&self) -> &Allowlist {
         &self.allow
     }
 
     /// `Ok` if a message claiming `peer` may have come from `source`, else why not.
-    pub fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
+    pub(crate) fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
         self.allow.check(peer)?;
         if !self.allow.allows_source(source) {
             return Err(OriginError::SourceNotAllowed(source));
@@ -180,7 +181,7 @@ impl OriginCheck {
     /// identity binding, an IP-literal data host must be the peer's own host (or, from a peer
     /// of this host, one of this host's addresses), so a peer cannot aim our writer at a third
     /// machine.
-    pub fn check_data_addr(&self, peer: &PeerId, addr: &str) -> Result<(), OriginError> {
+    pub(crate) fn check_data_addr(&self, peer: &PeerId, addr: &str) -> Result<(), OriginError> {
         let data = PeerId::new(addr);
         self.allow
             .check(&data)

@@ -7,7 +7,7 @@
 //! a heartbeat or a peer wakes it. Calls reply on their own channel; a call whose caller has gone
 //! away is finished and its reply dropped.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -38,15 +38,19 @@ pub(crate) enum Command {
         deadline: Instant,
         reply: Sender<Result<(), NodeError>>,
     },
-    Lookup {
+    Open {
         peer: PeerId,
-        request: String,
+        id: KvRequestId,
+        reply: Sender<Result<Request, NodeError>>,
+    },
+    Lookup {
+        request: Request,
         keys: Vec<OffloadKey>,
         deadline: Instant,
         reply: Sender<Result<Vec<LookupResult>, NodeError>>,
     },
     Fetch {
-        request: String,
+        request: Request,
         keys: Vec<OffloadKey>,
         deadline: Instant,
         reply: Sender<Result<(), NodeError>>,
@@ -56,7 +60,7 @@ pub(crate) enum Command {
         reply: Sender<Vec<Option<Vec<u8>>>>,
     },
     Finish {
-        request: String,
+        request: Request,
     },
     Stats {
         reply: Sender<NodeStats>,
@@ -92,7 +96,9 @@ struct PendingLoad {
 /// The thread's state besides the node itself.
 struct Runtime<P: BuildPlane> {
     io: NodeIo<P>,
-    requests: HashMap<String, Request>,
+    /// Ids of the requests open now (the handles carry the requests themselves): one request
+    /// per id, as the core keys its state by id.
+    open: HashSet<KvRequestId>,
     connects: Vec<PendingConnect>,
     lookups: Vec<PendingLookup>,
     /// Loads by job, until the core reports them ended (a caller that gave up waiting has
@@ -107,7 +113,7 @@ struct Runtime<P: BuildPlane> {
 pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
     let mut rt = Runtime {
         io,
-        requests: HashMap::new(),
+        open: HashSet::new(),
         connects: Vec::new(),
         lookups: Vec::new(),
         loads: HashMap::new(),
@@ -178,24 +184,28 @@ impl<P: BuildPlane> Runtime<P> {
                     let _ = reply.send(Err(NodeError::Refused { peer, reason: None }));
                 }
             }
+            Command::Open { peer, id, reply } => {
+                if self.open.contains(&id) {
+                    let _ = reply.send(Err(NodeError::RequestOpen(id)));
+                    return;
+                }
+                let req = self
+                    .io
+                    .core
+                    .on_new_request(now, id, RequestRoles::kv_source(peer));
+                if reply.send(Ok(req.clone())).is_ok() {
+                    self.open.insert(req.id().clone());
+                } else {
+                    // The caller gave up waiting: no handle will ever finish it.
+                    self.io.core.finish(now, &req);
+                }
+            }
             Command::Lookup {
-                peer,
-                request,
+                request: req,
                 keys,
                 deadline,
                 reply,
             } => {
-                let req = self
-                    .requests
-                    .entry(request.clone())
-                    .or_insert_with(|| {
-                        self.io.core.on_new_request(
-                            now,
-                            KvRequestId::from(request.as_str()),
-                            RequestRoles::kv_source(peer.clone()),
-                        )
-                    })
-                    .clone();
                 for k in &keys {
                     self.io.core.lookup(now, &req, k);
                 }
@@ -209,15 +219,11 @@ impl<P: BuildPlane> Runtime<P> {
                 });
             }
             Command::Fetch {
-                request,
+                request: req,
                 keys,
                 deadline,
                 reply,
             } => {
-                let Some(req) = self.requests.get(&request).cloned() else {
-                    let _ = reply.send(Err(NodeError::UnknownRequest(request)));
-                    return;
-                };
                 let blocks = match self.io.core.parent_mut().reserve(&keys) {
                     Ok(b) => b,
                     Err(e) => {
@@ -254,8 +260,9 @@ impl<P: BuildPlane> Runtime<P> {
                 let _ = reply.send(out);
             }
             Command::Finish { request } => {
-                if let Some(req) = self.requests.remove(&request) {
-                    self.io.core.finish(now, &req);
+                // A handle finishes its request once; the set only guards ids.
+                if self.open.remove(request.id()) {
+                    self.io.core.finish(now, &request);
                 }
             }
             Command::Stats { reply } => {

@@ -17,14 +17,14 @@ use kvpeer_net::shm::Wake;
 
 /// The read end, owned by the node's thread.
 #[derive(Debug)]
-pub struct WakePipe {
+pub(crate) struct WakePipe {
     read: File,
     write: Arc<File>,
 }
 
 impl WakePipe {
     /// A new pipe.
-    pub fn new() -> std::io::Result<Self> {
+    pub(crate) fn new() -> std::io::Result<Self> {
         let (read, write) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
         Ok(WakePipe {
             read: File::from(read),
@@ -33,7 +33,7 @@ impl WakePipe {
     }
 
     /// The hook to hand to data planes.
-    pub fn hook(&self) -> Wake {
+    pub(crate) fn hook(&self) -> Wake {
         let write = self.write.clone();
         Arc::new(move || {
             // A full pipe already means "wake up": dropping this byte loses nothing.
@@ -42,17 +42,17 @@ impl WakePipe {
     }
 
     /// Another handle on the write end (for a signal handler to write to).
-    pub fn writer(&self) -> std::io::Result<File> {
+    pub(crate) fn writer(&self) -> std::io::Result<File> {
         self.write.try_clone()
     }
 
     /// The descriptor to poll.
-    pub fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.read.as_raw_fd()
     }
 
     /// Empties the pipe after waking.
-    pub fn drain(&self) {
+    pub(crate) fn drain(&self) {
         let mut buf = [0u8; 256];
         loop {
             match (&self.read).read(&mut buf) {

@@ -15,8 +15,8 @@ pub(crate) fn step_until<P: BuildPlane>(
     if !step_for(n, timeout, Duration::from_millis(2), done) {
         panic!(
             "condition not reached within {timeout:?}: core {:?}, store {:?}",
-            n.core.stats(),
-            n.core.parent().stats()
+            n.core().stats(),
+            n.core().parent().stats()
         );
     }
 }
@@ -63,9 +63,9 @@ pub(crate) fn step_both_until<P: BuildPlane>(
 
 /// Nothing pinned, written, or held for any peer.
 pub(crate) fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {
-    let s = n.core.parent().stats();
+    let s = n.core().parent().stats();
     assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
-    let k = n.core.stats();
+    let k = n.core().stats();
     assert_eq!(
         (
             k.client_requests,
