@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{BlockIndex, JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{BlockIndex, Core, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockBusy, Pool, PoolView};
 
@@ -177,12 +177,9 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
-        check_job(job, keys.len(), blocks.len())?;
-        let now = Instant::now();
-        self.io.core.submit_store(now, job, request, keys, blocks);
-        self.collect(now);
-        self.io.flush(now);
-        Ok(())
+        self.submit(job, keys, blocks, |core, now, keys, blocks| {
+            core.submit_store(now, job, request, keys, blocks)
+        })
     }
 
     /// Asks the request's producer about `keys`; the answer comes as
@@ -210,9 +207,24 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
+        self.submit(job, keys, blocks, |core, now, keys, blocks| {
+            core.submit_load(now, job, request, keys, blocks)
+        })
+    }
+
+    /// Checks an engine's job, hands it to the core with `submit`, and sends what it caused
+    /// (a store for a request without the PD role ends at once: its event is collected).
+    fn submit(
+        &mut self,
+        job: JobId,
+        keys: Vec<OffloadKey>,
+        blocks: Vec<BlockIndex>,
+        submit: impl FnOnce(&mut Core<EngineParent, D>, Instant, Vec<OffloadKey>, Vec<BlockIndex>),
+    ) -> Result<(), EngineError> {
         check_job(job, keys.len(), blocks.len())?;
         let now = Instant::now();
-        self.io.core.submit_load(now, job, request, keys, blocks);
+        submit(&mut self.io.core, now, keys, blocks);
+        self.collect(now);
         self.io.flush(now);
         Ok(())
     }
@@ -238,18 +250,7 @@ impl<D: BuildPlane> EngineNode<D> {
 
     /// Drains running writes for at most `drain`, then says `disconnect` to every peer.
     pub fn shutdown(mut self, drain: Duration) {
-        let until = Instant::now() + drain;
-        loop {
-            let now = Instant::now();
-            self.step(now);
-            if self.io.core.shutdown_drain(now) || now >= until {
-                break;
-            }
-            self.io.wait(now, until.saturating_duration_since(now));
-        }
-        let now = Instant::now();
-        self.io.core.shutdown(now);
-        self.io.flush(now);
+        self.io.shutdown(drain);
     }
 
     /// Turns what the core finished into events: answered lookups, ended loads.

@@ -300,6 +300,23 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         self.loads_done.remove(&job)
     }
 
+    /// A graceful end: steps until the core's running writes drained (at most `drain`), then
+    /// ends every session with a `disconnect` and lets the messages leave.
+    pub(crate) fn shutdown(&mut self, drain: Duration) {
+        let until = Instant::now() + drain;
+        loop {
+            let now = Instant::now();
+            self.step(now);
+            if self.core.shutdown_drain(now) || now >= until {
+                break;
+            }
+            self.wait(now, until.saturating_duration_since(now));
+        }
+        let now = Instant::now();
+        self.core.shutdown(now);
+        self.flush(now);
+    }
+
     /// Every load result not yet taken (job, every block landed), each once.
     pub fn take_load_results(&mut self) -> Vec<(JobId, bool)> {
         self.loads_done.drain().collect()

@@ -404,18 +404,7 @@ impl<P: BuildPlane> Runtime<P> {
     /// `disconnect` and lets the messages leave.
     fn shutdown(&mut self, drain: Duration) {
         info!("shutting down");
-        let until = Instant::now() + drain;
-        loop {
-            let now = Instant::now();
-            self.io.step(now);
-            if self.io.core.shutdown_drain(now) || now >= until {
-                break;
-            }
-            self.io.wait(now, until.saturating_duration_since(now));
-        }
-        let now = Instant::now();
-        self.io.core.shutdown(now);
-        self.io.flush(now);
+        self.io.shutdown(drain);
         for (_, l) in self.loads.drain() {
             self.io.core.parent_mut().finish_write(&l.blocks, false);
             if let Some(reply) = l.reply {
