@@ -33,6 +33,7 @@
 //! ```
 
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -252,6 +253,8 @@ impl Advertised {
 pub(crate) struct Calls {
     tx: Sender<Command>,
     wake: std::fs::File,
+    /// Names each request handle (see `NodeRequest`).
+    next_token: AtomicU64,
 }
 
 impl Calls {
@@ -334,7 +337,11 @@ impl Node {
             },
             id,
             advertised,
-            calls: Arc::new(Calls { tx, wake }),
+            calls: Arc::new(Calls {
+                tx,
+                wake,
+                next_token: AtomicU64::new(0),
+            }),
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -390,17 +397,26 @@ impl Node {
 
     /// Consumer: opens request `id`, whose blocks come from `peer` (and the session to `peer`,
     /// if needed). Look its keys up, fetch the hits and finish it through the handle; it is
-    /// finished when the handle is dropped, if not before. One request per id at a time.
+    /// finished when the handle is dropped, if not before. One request per id at a time: the
+    /// calls of a second handle for an id still open fail with [`NodeError::RequestOpen`].
+    /// Returns at once (the open reaches the runtime before the handle's first call).
     pub fn request(&self, peer: &PeerId, id: &str) -> Result<NodeRequest, NodeError> {
-        let request = self.calls.ask(
-            |reply| Command::Open {
-                peer: peer.clone(),
-                id: KvRequestId::from(id),
-                reply,
-            },
-            None,
-        )??;
-        Ok(NodeRequest::new(request, peer.clone(), self.calls.clone()))
+        if self.thread.lock().map_or(true, |t| t.is_none()) {
+            return Err(NodeError::ShutDown);
+        }
+        let id = KvRequestId::from(id);
+        let token = self.calls.next_token.fetch_add(1, Ordering::Relaxed);
+        self.calls.tell(Command::Open {
+            peer: peer.clone(),
+            id: id.clone(),
+            token,
+        });
+        Ok(NodeRequest::new(
+            id,
+            token,
+            peer.clone(),
+            self.calls.clone(),
+        ))
     }
 
     /// The bytes of a readable local block.

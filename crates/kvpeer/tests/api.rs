@@ -113,13 +113,25 @@ fn misuse_and_silent_peers_get_clear_errors_in_bounded_time() {
         early.fetch(std::slice::from_ref(&key), WAIT),
         Err(NodeError::FetchBeforeLookup(id)) if id.as_str() == "never-looked-up"
     ));
-    // One request per id at a time; once finished, the id is free again.
+    // One request per id at a time: a second handle for it can neither use it nor, dropped,
+    // finish it; once the first is finished, the id is free again.
+    let second = node.request(&idle, "never-looked-up").unwrap();
     assert!(matches!(
-        node.request(&idle, "never-looked-up"),
+        second.lookup(std::slice::from_ref(&key), WAIT),
         Err(NodeError::RequestOpen(id)) if id.as_str() == "never-looked-up"
     ));
+    drop(second);
+    assert!(
+        early.lookup(std::slice::from_ref(&key), WAIT).is_ok(),
+        "the second handle's drop left the first request open, its own"
+    );
     early.finish();
-    node.request(&idle, "never-looked-up").unwrap().finish();
+    let again = node.request(&idle, "never-looked-up").unwrap();
+    assert!(matches!(
+        again.fetch(std::slice::from_ref(&key), WAIT),
+        Err(NodeError::FetchBeforeLookup(_))
+    ));
+    again.finish();
     assert!(matches!(
         node.store(vec![(key.clone(), vec![0u8; 3])]),
         Err(NodeError::Store(_))

@@ -1,19 +1,22 @@
 //! [`NodeRequest`]: one consumer request of a [`Node`](crate::Node), as a handle.
 //!
-//! Contract: [`Node::request`](crate::Node::request) opens the request on the runtime thread
-//! (the core's `on_new_request`, which also opens the session to the producer) and returns the
-//! handle, which carries the core's [`Request`] (id and roles) and a way to reach the runtime.
-//! Every call on it sends that `Request` with the command, so the runtime keeps no table of
-//! requests by name. The handle finishes the request exactly once: by [`NodeRequest::finish`]
-//! or, if the caller forgot, when it is dropped, so a forgotten request never leaves lookup
-//! state or pins behind at the producer. Dropping never blocks (an unbounded channel and a
-//! non-blocking wake pipe) and never panics, even after the node is shut down.
+//! Contract: [`Node::request`](crate::Node::request) tells the runtime thread to open the
+//! request (the core's `on_new_request`, which also opens the session to the producer) without
+//! waiting for it, and returns the handle: its id, its producer and a token naming this handle.
+//! The runtime keeps each open request with the token of the handle that holds it; every call
+//! on the handle names both, so a second handle for an id already open gets `RequestOpen` and
+//! can neither use nor finish the first one's request. Opening costs no round trip: the
+//! channel delivers the open before the handle's first call. The handle finishes the request
+//! exactly once: by [`NodeRequest::finish`] or, if the caller forgot, when it is dropped, so a
+//! forgotten request never leaves lookup state or pins behind at the producer. Dropping never
+//! blocks (an unbounded channel and a non-blocking wake pipe) and never panics, even after the
+//! node is shut down.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{LookupResult, Request};
+use kvpeer_core::LookupResult;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 use super::{Calls, NodeError};
@@ -25,7 +28,9 @@ use crate::node::runtime::Command;
 /// Finishing tells the producer the request is done (with the terminal empty `fetch` when
 /// nothing was fetched), so it lets go of what it held; it happens on drop if not before.
 pub struct NodeRequest {
-    request: Request,
+    id: KvRequestId,
+    /// Names this handle to the runtime (unique per node).
+    token: u64,
     /// The producer (also in the request's roles, as an `Option` for the core's other roles).
     peer: PeerId,
     calls: Arc<Calls>,
@@ -37,16 +42,17 @@ pub struct NodeRequest {
 impl std::fmt::Debug for NodeRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeRequest")
-            .field("id", self.request.id())
+            .field("id", &self.id)
             .field("peer", &self.peer())
             .finish()
     }
 }
 
 impl NodeRequest {
-    pub(super) fn new(request: Request, peer: PeerId, calls: Arc<Calls>) -> Self {
+    pub(super) fn new(id: KvRequestId, token: u64, peer: PeerId, calls: Arc<Calls>) -> Self {
         NodeRequest {
-            request,
+            id,
+            token,
             peer,
             calls,
             looked_up: AtomicBool::new(false),
@@ -55,7 +61,7 @@ impl NodeRequest {
 
     /// The request's `kv_request_id`.
     pub fn id(&self) -> &KvRequestId {
-        self.request.id()
+        &self.id
     }
 
     /// The producer it looks keys up at and fetches from.
@@ -74,7 +80,8 @@ impl NodeRequest {
         self.looked_up.store(true, Ordering::Relaxed);
         self.calls.ask(
             |reply| Command::Lookup {
-                request: self.request.clone(),
+                id: self.id.clone(),
+                token: self.token,
                 keys: keys.to_vec(),
                 deadline,
                 reply,
@@ -88,12 +95,13 @@ impl NodeRequest {
     /// of them is kept.
     pub fn fetch(&self, keys: &[OffloadKey], timeout: Duration) -> Result<(), NodeError> {
         if !self.looked_up.load(Ordering::Relaxed) {
-            return Err(NodeError::FetchBeforeLookup(self.request.id().clone()));
+            return Err(NodeError::FetchBeforeLookup(self.id.clone()));
         }
         let deadline = Instant::now() + timeout;
         self.calls.ask(
             |reply| Command::Fetch {
-                request: self.request.clone(),
+                id: self.id.clone(),
+                token: self.token,
                 keys: keys.to_vec(),
                 deadline,
                 reply,
@@ -115,7 +123,8 @@ impl Drop for NodeRequest {
         // Without waiting: a handle dropped on any thread, even after the node stopped, must
         // neither block nor panic (the send fails quietly once the runtime is gone).
         self.calls.tell(Command::Finish {
-            request: self.request.clone(),
+            id: self.id.clone(),
+            token: self.token,
         });
     }
 }

@@ -7,7 +7,7 @@
 //! a heartbeat or a peer wakes it. Calls reply on their own channel; a call whose caller has gone
 //! away is finished and its reply dropped.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -38,19 +38,23 @@ pub(crate) enum Command {
         deadline: Instant,
         reply: Sender<Result<(), NodeError>>,
     },
+    /// Opens request `id` for the handle `token` (no answer: a handle's later calls learn
+    /// whether it holds the request).
     Open {
         peer: PeerId,
         id: KvRequestId,
-        reply: Sender<Result<Request, NodeError>>,
+        token: u64,
     },
     Lookup {
-        request: Request,
+        id: KvRequestId,
+        token: u64,
         keys: Vec<OffloadKey>,
         deadline: Instant,
         reply: Sender<Result<Vec<LookupResult>, NodeError>>,
     },
     Fetch {
-        request: Request,
+        id: KvRequestId,
+        token: u64,
         keys: Vec<OffloadKey>,
         deadline: Instant,
         reply: Sender<Result<(), NodeError>>,
@@ -60,7 +64,8 @@ pub(crate) enum Command {
         reply: Sender<Vec<Option<Vec<u8>>>>,
     },
     Finish {
-        request: Request,
+        id: KvRequestId,
+        token: u64,
     },
     Stats {
         reply: Sender<NodeStats>,
@@ -96,9 +101,10 @@ struct PendingLoad {
 /// The thread's state besides the node itself.
 struct Runtime<P: BuildPlane> {
     io: NodeIo<P>,
-    /// Ids of the requests open now (the handles carry the requests themselves): one request
-    /// per id, as the core keys its state by id.
-    open: HashSet<KvRequestId>,
+    /// The requests open now, each with the token of the handle that holds it: one request
+    /// per id at a time (the core keys its state by id), and only its own handle's calls
+    /// reach it (a second handle for an open id gets `RequestOpen`).
+    open: HashMap<KvRequestId, (Request, u64)>,
     connects: Vec<PendingConnect>,
     lookups: Vec<PendingLookup>,
     /// Loads by job, until the core reports them ended (a caller that gave up waiting has
@@ -113,7 +119,7 @@ struct Runtime<P: BuildPlane> {
 pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
     let mut rt = Runtime {
         io,
-        open: HashSet::new(),
+        open: HashMap::new(),
         connects: Vec::new(),
         lookups: Vec::new(),
         loads: HashMap::new(),
@@ -184,28 +190,26 @@ impl<P: BuildPlane> Runtime<P> {
                     let _ = reply.send(Err(NodeError::Refused { peer, reason: None }));
                 }
             }
-            Command::Open { peer, id, reply } => {
-                if self.open.contains(&id) {
-                    let _ = reply.send(Err(NodeError::RequestOpen(id)));
-                    return;
-                }
-                let req = self
-                    .io
-                    .core
-                    .on_new_request(now, id, RequestRoles::kv_source(peer));
-                if reply.send(Ok(req.clone())).is_ok() {
-                    self.open.insert(req.id().clone());
-                } else {
-                    // The caller gave up waiting: no handle will ever finish it.
-                    self.io.core.finish(now, &req);
+            Command::Open { peer, id, token } => {
+                if !self.open.contains_key(&id) {
+                    let req =
+                        self.io
+                            .core
+                            .on_new_request(now, id.clone(), RequestRoles::kv_source(peer));
+                    self.open.insert(id, (req, token));
                 }
             }
             Command::Lookup {
-                request: req,
+                id,
+                token,
                 keys,
                 deadline,
                 reply,
             } => {
+                let Some(req) = self.held(&id, token) else {
+                    let _ = reply.send(Err(NodeError::RequestOpen(id)));
+                    return;
+                };
                 for k in &keys {
                     self.io.core.lookup(now, &req, k);
                 }
@@ -219,11 +223,16 @@ impl<P: BuildPlane> Runtime<P> {
                 });
             }
             Command::Fetch {
-                request: req,
+                id,
+                token,
                 keys,
                 deadline,
                 reply,
             } => {
+                let Some(req) = self.held(&id, token) else {
+                    let _ = reply.send(Err(NodeError::RequestOpen(id)));
+                    return;
+                };
                 let blocks = match self.io.core.parent_mut().reserve(&keys) {
                     Ok(b) => b,
                     Err(e) => {
@@ -259,10 +268,12 @@ impl<P: BuildPlane> Runtime<P> {
                     .collect();
                 let _ = reply.send(out);
             }
-            Command::Finish { request } => {
-                // A handle finishes its request once; the set only guards ids.
-                if self.open.remove(request.id()) {
-                    self.io.core.finish(now, &request);
+            Command::Finish { id, token } => {
+                // Only the handle that holds the request finishes it (once: its drop).
+                if self.held(&id, token).is_some() {
+                    if let Some((req, _)) = self.open.remove(&id) {
+                        self.io.core.finish(now, &req);
+                    }
                 }
             }
             Command::Stats { reply } => {
@@ -275,6 +286,14 @@ impl<P: BuildPlane> Runtime<P> {
                 });
             }
             Command::Shutdown { .. } => {}
+        }
+    }
+
+    /// The request `id`, if the handle `token` holds it.
+    fn held(&self, id: &KvRequestId, token: u64) -> Option<Request> {
+        match self.open.get(id) {
+            Some((req, holder)) if *holder == token => Some(req.clone()),
+            _ => None,
         }
     }
 
