@@ -113,6 +113,17 @@ pub enum BlockBusy {
     /// Granted to a peer's write, or a peer's write is landing in it.
     #[error("a peer's write may land in it")]
     PeerWrite,
+    /// A write to a peer may be reading it (the owner pinned it for a peer).
+    #[error("a write to a peer may be reading it")]
+    PeerRead,
+    /// The caller's buffer is not one block long.
+    #[error("{got} bytes for a block of {want}")]
+    WrongLength {
+        /// Bytes given.
+        got: usize,
+        /// The block's length.
+        want: usize,
+    },
 }
 
 /// The shared-memory object behind a [`Pool::shm`] pool: what the `shm` plane proves and
@@ -629,6 +640,22 @@ impl Pool {
         PoolWriter {
             mem: self.view.mem.clone(),
         }
+    }
+
+    /// The bytes of one block, for the owner to read: refused while a peer holds a permit for
+    /// the block or is writing it. (The owner grants permits; while it borrows the block none
+    /// can be granted by it, so the answer holds for the borrow.)
+    pub fn quiet_block(&self, block: BlockIndex) -> Result<&[u8], BlockBusy> {
+        let mem = &self.view.mem;
+        if mem.offset(block).is_none() {
+            return Err(BlockBusy::Outside);
+        }
+        let p = mem.permits();
+        if p.claimed.contains(&block) || p.granted.values().any(|s| s.contains(&block)) {
+            return Err(BlockBusy::PeerWrite);
+        }
+        drop(p);
+        self.view.block(block).ok_or(BlockBusy::Outside)
     }
 
     /// The bytes of one block, for the owner to write: refused while a peer holds a permit for

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpeer::engine::{
-    Answer, BlockIndex, EngineEvent, EngineNode, EnginePin, JobId, KvRequestId, Pool, RequestRoles,
+    Answer, BlockBusy, BlockIndex, EngineEvent, EngineNode, EnginePin, JobId, KvRequestId, Pool,
+    RequestRoles,
 };
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
 
@@ -62,6 +63,8 @@ struct EngineLog {
     released_unused: usize,
     /// Questions and pins the node still held when the engine stopped.
     outstanding: (usize, usize),
+    /// Writes into a block pinned for a peer, refused.
+    writes_refused_while_pinned: u32,
 }
 
 /// Runs an engine on its own thread: `held` keys in blocks 10, 11, ... of its pool. Its step
@@ -74,13 +77,12 @@ fn run_engine(
     released: Arc<AtomicUsize>,
 ) -> std::thread::JoinHandle<EngineLog> {
     std::thread::spawn(move || {
-        let block_len = node.pool().block_len() as usize;
+        let block_len = node.block_len() as usize;
         let mut index = HashMap::new();
         for (i, key) in held.iter().enumerate() {
             let block = 10 + i as u64;
-            node.block_mut(BlockIndex::new(block))
-                .unwrap()
-                .copy_from_slice(&synthetic::content(key, block_len));
+            node.write_block(BlockIndex::new(block), &synthetic::content(key, block_len))
+                .unwrap();
             index.insert(key.clone(), block);
         }
         let link = node.link();
@@ -113,6 +115,10 @@ fn run_engine(
                         let block = pin_blocks.remove(&pin.0).unwrap();
                         *log.pins.get_mut(&block).unwrap() -= 1;
                     }
+                } else if let Answer::Hit { block, .. } = answer {
+                    // Pinned for a peer: the engine cannot overwrite it until it comes back.
+                    let refused = node.write_block(block, &vec![0xFF; block_len]);
+                    log.writes_refused_while_pinned += u32::from(refused.is_err());
                 }
             }
             for r in link.take_releases() {
@@ -189,6 +195,10 @@ fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks()
         log.pins
     );
     assert_eq!(log.outstanding, (0, 0));
+    assert_eq!(
+        log.writes_refused_while_pinned, 4,
+        "no write into a block a peer's write may be reading (the fetched bytes above are intact)"
+    );
     consumer.shutdown(Duration::from_secs(1));
 }
 
@@ -242,17 +252,11 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
     );
     engine.finish(&req);
     for (key, block) in keys.iter().zip(&blocks) {
-        assert_eq!(
-            engine.pool().block(*block).unwrap(),
-            synthetic::content(key, block_len).as_slice()
-        );
+        assert_eq!(read(&engine, *block), synthetic::content(key, block_len));
     }
     for untouched in [0u64, 1, 2, 4, 5, 6, 8, 9, 10, 12] {
         assert!(
-            engine
-                .pool()
-                .block(BlockIndex::new(untouched))
-                .unwrap()
+            read(&engine, BlockIndex::new(untouched))
                 .iter()
                 .all(|&b| b == 0),
             "block {untouched} was not the load's"
@@ -295,19 +299,25 @@ fn drive_until(
 fn two_engines_do_prefill_decode_from_one_thread() {
     let mut producer = engine_node("eng-pd-p");
     let mut consumer = engine_node("eng-pd-c");
-    let block_len = producer.pool().block_len() as usize;
+    let block_len = producer.block_len() as usize;
     let keys: Vec<OffloadKey> = (0..3).map(|i| synthetic::key(100 + i)).collect();
     for (key, block) in keys.iter().zip([20u64, 21, 22]) {
         producer
-            .block_mut(BlockIndex::new(block))
-            .unwrap()
-            .copy_from_slice(&synthetic::content(key, block_len));
+            .write_block(BlockIndex::new(block), &synthetic::content(key, block_len))
+            .unwrap();
     }
     let id = KvRequestId::from("pd-1");
     let offered = producer.new_request_with(id.clone(), RequestRoles::decoder());
     producer
         .store(JobId::new(9), &offered, keys.clone(), blocks(&[20, 21, 22]))
         .unwrap();
+    assert!(
+        matches!(
+            producer.write_block(BlockIndex::new(21), &vec![0; block_len]),
+            Err(BlockBusy::PeerRead)
+        ),
+        "a block offered to a peer is not writable until its store ends"
+    );
     let fetching =
         consumer.new_request_with(id.clone(), RequestRoles::prefiller(producer.id().clone()));
     consumer
@@ -338,16 +348,17 @@ fn two_engines_do_prefill_decode_from_one_thread() {
     );
     for (key, block) in keys.iter().zip([2u64, 0, 1]) {
         assert_eq!(
-            consumer.pool().block(BlockIndex::new(block)).unwrap(),
-            synthetic::content(key, block_len).as_slice()
+            read(&consumer, BlockIndex::new(block)),
+            synthetic::content(key, block_len)
         );
     }
-    assert!(consumer
-        .pool()
-        .block(BlockIndex::new(3))
-        .unwrap()
-        .iter()
-        .all(|&b| b == 0));
+    assert!(read(&consumer, BlockIndex::new(3)).iter().all(|&b| b == 0));
+    assert!(
+        producer
+            .write_block(BlockIndex::new(21), &vec![0; block_len])
+            .is_ok(),
+        "writable again once the store ended"
+    );
     consumer.finish(&fetching);
     producer.finish(&offered);
     assert_eq!(producer.outstanding(), (0, 0));
@@ -365,4 +376,37 @@ fn two_engines_do_prefill_decode_from_one_thread() {
 
 fn blocks(indexes: &[u64]) -> Vec<BlockIndex> {
     indexes.iter().map(|&i| BlockIndex::new(i)).collect()
+}
+
+fn read(engine: &EngineNode<TcpPlane>, block: BlockIndex) -> Vec<u8> {
+    let mut out = vec![0u8; engine.block_len() as usize];
+    engine.read_block(block, &mut out).unwrap();
+    out
+}
+
+/// A lookup still waiting when the engine finishes its request is answered MISS at once,
+/// exactly once, and the finished request is not asked about again.
+#[test]
+fn finishing_a_request_answers_its_waiting_lookup_miss_once() {
+    // A producer that accepts the connection and never says a word.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_id = kvpeer::PeerId::new(silent.local_addr().unwrap().to_string());
+    let mut engine = engine_node("eng-finish");
+    let req = engine.new_request(KvRequestId::from("req-f"), silent_id);
+    engine.lookup(&req, vec![synthetic::key(1), synthetic::key(2)]);
+    engine.drive(Duration::from_millis(20));
+    assert_eq!(engine.poll_event(), None, "nobody answered yet");
+    engine.finish(&req);
+    assert_eq!(
+        engine.poll_event(),
+        Some(EngineEvent::LookedUp {
+            kv_request_id: KvRequestId::from("req-f"),
+            results: vec![LookupResult::Miss, LookupResult::Miss],
+        })
+    );
+    for _ in 0..10 {
+        engine.drive(Duration::from_millis(5));
+    }
+    assert_eq!(engine.poll_event(), None, "answered once");
+    engine.shutdown(Duration::from_millis(100));
 }

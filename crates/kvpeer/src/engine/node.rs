@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, Core, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use kvpeer_store::{BlockBusy, Pool, PoolView};
+use kvpeer_store::{BlockBusy, Pool};
 
 use super::parent::{EngineLink, EngineParent, FIRST_PIN_JOB};
 use crate::node::build::{build_with, BuildError, BuildPlane, NodeSpec};
@@ -75,6 +75,10 @@ pub struct EngineNode<D: BuildPlane> {
     link: EngineLink,
     pool: Pool,
     lookups: Vec<WaitingLookup>,
+    /// Blocks of the engine's own stores still running (a write to a peer may read them).
+    storing: std::collections::HashMap<JobId, Vec<BlockIndex>>,
+    /// `shutdown` ran (else `Drop` ends the sessions).
+    shut_down: bool,
     events: VecDeque<EngineEvent>,
 }
 
@@ -109,6 +113,8 @@ impl<D: BuildPlane> EngineNode<D> {
             link,
             pool,
             lookups: Vec::new(),
+            storing: Default::default(),
+            shut_down: false,
             events: VecDeque::new(),
         })
     }
@@ -123,16 +129,37 @@ impl<D: BuildPlane> EngineNode<D> {
         self.link.clone()
     }
 
-    /// The pool's blocks, to read what a load brought.
-    pub fn pool(&self) -> &PoolView {
-        self.pool.view()
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> u64 {
+        self.pool.num_blocks()
     }
 
-    /// One block, for the engine to write what peers may fetch. Refused while a peer may
-    /// write it (a load into it is running); the engine must not write a block it pinned
-    /// for a peer either.
-    pub fn block_mut(&mut self, block: BlockIndex) -> Result<&mut [u8], BlockBusy> {
-        self.pool.block_mut(block)
+    /// Bytes per block.
+    pub fn block_len(&self) -> u64 {
+        self.pool.block_len()
+    }
+
+    /// Copies block `block` into `out` (a block's length): what a load brought. Refused while
+    /// a peer may write it (a load into it is running). Copies, never lends: no reference to
+    /// the pool escapes, so nothing can alias a peer's write.
+    pub fn read_block(&self, block: BlockIndex, out: &mut [u8]) -> Result<(), BlockBusy> {
+        // No permit can be granted while `self` is borrowed (grants come from this node's
+        // core, on the engine's thread), so the check holds for the copy.
+        let bytes = self.pool.quiet_block(block)?;
+        let given = out.len();
+        copy_whole(out, bytes, given)
+    }
+
+    /// Writes `bytes` (a block's length) into block `block`, for peers to fetch. Refused while
+    /// a peer may write the block (a load into it) or a write to a peer may read it (a pin the
+    /// node holds on it, or a store of the engine's still running).
+    pub fn write_block(&mut self, block: BlockIndex, bytes: &[u8]) -> Result<(), BlockBusy> {
+        let stored = self.storing.values().any(|blocks| blocks.contains(&block));
+        if stored || self.io.core.parent().is_pinned(block) {
+            return Err(BlockBusy::PeerRead);
+        }
+        let target = self.pool.block_mut(block)?;
+        copy_whole(target, bytes, bytes.len())
     }
 
     /// Waits at most `max` for the network, a data-plane completion, an engine's answer or the
@@ -177,6 +204,8 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
+        check_job(job, keys.len(), blocks.len())?;
+        self.storing.insert(job, blocks.clone());
         self.submit(job, keys, blocks, |core, now, keys, blocks| {
             core.submit_store(now, job, request, keys, blocks)
         })
@@ -232,6 +261,19 @@ impl<D: BuildPlane> EngineNode<D> {
     /// Ends a request: its lookups and loads still waiting are answered `Miss` / failed.
     pub fn finish(&mut self, request: &Request) {
         let now = Instant::now();
+        // Answered here, before the core forgets the request: asking the core about it after
+        // `finish` would open it again and send a new lookup to the producer.
+        let events = &mut self.events;
+        self.lookups.retain(|l| {
+            if l.request.id() != request.id() {
+                return true;
+            }
+            events.push_back(EngineEvent::LookedUp {
+                kv_request_id: l.request.id().clone(),
+                results: vec![LookupResult::Miss; l.keys.len()],
+            });
+            false
+        });
         self.io.core.finish(now, request);
         self.collect(now);
         self.io.flush(now);
@@ -249,8 +291,15 @@ impl<D: BuildPlane> EngineNode<D> {
     }
 
     /// Drains running writes for at most `drain`, then says `disconnect` to every peer.
-    pub fn shutdown(mut self, drain: Duration) {
+    /// Returns the events not taken yet, the last ones included (the engine's loads and
+    /// stores that ended with the shutdown: their blocks are the engine's again); pins the
+    /// node held come back through the [`EngineLink`]. Dropping the node does the same with
+    /// no drain, the events lost.
+    pub fn shutdown(mut self, drain: Duration) -> Vec<EngineEvent> {
         self.io.shutdown(drain);
+        self.shut_down = true;
+        self.collect(Instant::now());
+        self.events.drain(..).collect()
     }
 
     /// Turns what the core finished into events: answered lookups, ended loads.
@@ -290,7 +339,37 @@ impl<D: BuildPlane> EngineNode<D> {
                 .into_iter()
                 .map(|(job, success)| EngineEvent::Stored { job, success }),
         );
+        let storing = &mut self.storing;
+        for e in &self.events {
+            if let EngineEvent::Stored { job, .. } = e {
+                storing.remove(job);
+            }
+        }
     }
+}
+
+impl<D: BuildPlane> Drop for EngineNode<D> {
+    fn drop(&mut self) {
+        if !self.shut_down {
+            // Sessions end and every job completes, so the engine's pins come back through
+            // its link and peers hear `disconnect` instead of a silent close.
+            self.io.shutdown(Duration::ZERO);
+        }
+    }
+}
+
+/// Copies a whole block between the pool and the caller's buffer of `given` bytes.
+fn copy_whole(dst: &mut [u8], src: &[u8], given: usize) -> Result<(), BlockBusy> {
+    if dst.len() != src.len() {
+        let want = if given == dst.len() {
+            src.len()
+        } else {
+            dst.len()
+        };
+        return Err(BlockBusy::WrongLength { got: given, want });
+    }
+    dst.copy_from_slice(src);
+    Ok(())
 }
 
 /// An engine's job id and the lengths of its keys and blocks, checked.

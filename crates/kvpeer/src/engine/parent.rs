@@ -92,7 +92,10 @@ struct Shared {
     /// Which lookup and key each open question belongs to.
     questions: HashMap<QueryId, (ServeCtx, OffloadKey)>,
     /// Pins held by store jobs the core runs.
-    jobs: HashMap<JobId, Vec<EnginePin>>,
+    jobs: HashMap<JobId, Vec<(EnginePin, BlockIndex)>>,
+    /// How many of the engine's pins the node holds on each block (a peer's write reads it,
+    /// so the engine must not write it meanwhile).
+    pinned: HashMap<BlockIndex, u32>,
     /// Pins given back, not yet taken by the engine.
     releases: Vec<Release>,
     /// The engine's own store jobs (`EngineNode::store`) that ended: (job, blocks reached the
@@ -103,6 +106,17 @@ struct Shared {
 }
 
 impl Shared {
+    /// Gives a pin back to the engine.
+    fn release(&mut self, pin: EnginePin, block: BlockIndex, sent: bool) {
+        if let Some(n) = self.pinned.get_mut(&block) {
+            *n -= 1;
+            if *n == 0 {
+                self.pinned.remove(&block);
+            }
+        }
+        self.releases.push(Release { pin, sent });
+    }
+
     fn ask(&mut self, ctx: &ServeCtx, key: &OffloadKey) -> QueryId {
         let id = QueryId(self.next_query);
         self.next_query += 1;
@@ -166,6 +180,12 @@ impl EngineParent {
         std::mem::take(&mut lock(&self.shared).answered)
     }
 
+    /// Whether the node holds one of the engine's pins on `block` (a write to a peer may be
+    /// reading it).
+    pub(super) fn is_pinned(&self, block: BlockIndex) -> bool {
+        lock(&self.shared).pinned.contains_key(&block)
+    }
+
     /// The engine's own store jobs that ended since the last call: (job, blocks reached the
     /// peer).
     pub fn take_stores_done(&mut self) -> Vec<(JobId, bool)> {
@@ -224,7 +244,7 @@ impl Parent for EngineParent {
             match answers.get(key) {
                 Some(Slot::Answered(Answer::Hit { block, pin })) => {
                     blocks.push(*block);
-                    pins.push(*pin);
+                    pins.push((*pin, *block));
                 }
                 // The core pins only keys just answered HIT; anything else is refused whole.
                 _ => return None,
@@ -243,8 +263,9 @@ impl Parent for EngineParent {
     fn complete_store_job(&mut self, job_id: JobId, success: bool) {
         let mut s = lock(&self.shared);
         if let Some(pins) = s.jobs.remove(&job_id) {
-            s.releases
-                .extend(pins.into_iter().map(|pin| Release { pin, sent: success }));
+            for (pin, block) in pins {
+                s.release(pin, block, success);
+            }
         } else if job_id.get() < FIRST_PIN_JOB {
             // One of the engine's own jobs: it unpins when it hears.
             s.stores_done.push((job_id, success));
@@ -261,9 +282,7 @@ impl Parent for EngineParent {
                 Slot::Asked(id) => {
                     s.questions.remove(&id);
                 }
-                Slot::Answered(Answer::Hit { pin, .. }) => {
-                    s.releases.push(Release { pin, sent: false });
-                }
+                Slot::Answered(Answer::Hit { pin, block }) => s.release(pin, block, false),
                 Slot::Answered(_) => {}
             }
         }
@@ -296,6 +315,9 @@ impl EngineLink {
                 return false;
             };
             *slot = Slot::Answered(answer);
+            if let Answer::Hit { block, .. } = answer {
+                *s.pinned.entry(block).or_default() += 1;
+            }
             s.answered = true;
         }
         if let Some(wake) = &self.wake {

@@ -272,6 +272,9 @@ impl<P: BuildPlane> Runtime<P> {
                 // Only the handle that holds the request finishes it (once: its drop).
                 if self.held(&id, token).is_some() {
                     if let Some((req, _)) = self.open.remove(&id) {
+                        // Its lookups still waiting go too (their caller is gone): asking
+                        // the core about a finished request would open it again.
+                        self.lookups.retain(|l| l.request.id() != &id);
                         self.io.core.finish(now, &req);
                     }
                 }
