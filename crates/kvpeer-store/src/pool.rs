@@ -646,6 +646,12 @@ impl Pool {
     /// the block or is writing it. (The owner grants permits; while it borrows the block none
     /// can be granted by it, so the answer holds for the borrow.)
     pub fn quiet_block(&self, block: BlockIndex) -> Result<&[u8], BlockBusy> {
+        self.no_peer_writes(block)?;
+        self.view.block(block).ok_or(BlockBusy::Outside)
+    }
+
+    /// `Ok` if `block` is in the pool and no peer holds a permit for it or is writing it.
+    fn no_peer_writes(&self, block: BlockIndex) -> Result<(), BlockBusy> {
         let mem = &self.view.mem;
         if mem.offset(block).is_none() {
             return Err(BlockBusy::Outside);
@@ -654,22 +660,14 @@ impl Pool {
         if p.claimed.contains(&block) || p.granted.values().any(|s| s.contains(&block)) {
             return Err(BlockBusy::PeerWrite);
         }
-        drop(p);
-        self.view.block(block).ok_or(BlockBusy::Outside)
+        Ok(())
     }
 
     /// The bytes of one block, for the owner to write: refused while a peer holds a permit for
     /// the block or is writing it.
     pub fn block_mut(&mut self, block: BlockIndex) -> Result<&mut [u8], BlockBusy> {
+        self.no_peer_writes(block)?;
         let mem = &self.view.mem;
-        if mem.offset(block).is_none() {
-            return Err(BlockBusy::Outside);
-        }
-        let p = mem.permits();
-        if p.claimed.contains(&block) || p.granted.values().any(|s| s.contains(&block)) {
-            return Err(BlockBusy::PeerWrite);
-        }
-        drop(p);
         // Exclusive in this process: the owner is borrowed mutably for the slice's life, no
         // claim holds the block and no permit for it is outstanding (a claim needs one; the
         // node grants permits only for blocks of its own fetches, from the thread that holds

@@ -204,9 +204,7 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
-        check_job(job, keys.len(), blocks.len())?;
-        self.storing.insert(job, blocks.clone());
-        self.submit(job, keys, blocks, |core, now, keys, blocks| {
+        self.submit(job, keys, blocks, true, |core, now, keys, blocks| {
             core.submit_store(now, job, request, keys, blocks)
         })
     }
@@ -236,21 +234,27 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
     ) -> Result<(), EngineError> {
-        self.submit(job, keys, blocks, |core, now, keys, blocks| {
+        self.submit(job, keys, blocks, false, |core, now, keys, blocks| {
             core.submit_load(now, job, request, keys, blocks)
         })
     }
 
     /// Checks an engine's job, hands it to the core with `submit`, and sends what it caused
-    /// (a store for a request without the PD role ends at once: its event is collected).
+    /// (a store for a request without the PD role ends at once: its event is collected). The
+    /// blocks of a store (`offered`) stay unwritable for the engine until it ends.
     fn submit(
         &mut self,
         job: JobId,
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
+        offered: bool,
         submit: impl FnOnce(&mut Core<EngineParent, D>, Instant, Vec<OffloadKey>, Vec<BlockIndex>),
     ) -> Result<(), EngineError> {
         check_job(job, keys.len(), blocks.len())?;
+        if offered {
+            // Before the core sees it: a store that ends at once is collected just below.
+            self.storing.insert(job, blocks.clone());
+        }
         let now = Instant::now();
         submit(&mut self.io.core, now, keys, blocks);
         self.collect(now);
@@ -304,17 +308,12 @@ impl<D: BuildPlane> EngineNode<D> {
 
     /// Turns what the core finished into events: answered lookups, ended loads.
     fn collect(&mut self, now: Instant) {
-        let core = &mut self.io.core;
+        let io = &mut self.io;
         let events = &mut self.events;
         self.lookups.retain(|l| {
-            let results: Vec<LookupResult> = l
-                .keys
-                .iter()
-                .map(|k| core.lookup(now, &l.request, k))
-                .collect();
-            if results.contains(&LookupResult::Retry) {
+            let Some(results) = io.lookup_answers(now, &l.request, &l.keys) else {
                 return true;
-            }
+            };
             events.push_back(EngineEvent::LookedUp {
                 kv_request_id: l.request.id().clone(),
                 results,

@@ -286,21 +286,23 @@ impl Parent for EngineParent {
                 Slot::Answered(_) => {}
             }
         }
-        let questions = &s.questions;
-        let still_asked: VecDeque<Query> = s
-            .asked
-            .iter()
-            .filter(|q| questions.contains_key(&q.id))
-            .cloned()
-            .collect();
-        s.asked = still_asked;
+        // Its questions still queued are skipped when the engine takes them (`take_queries`):
+        // filtering the queue here would cost every ended lookup a walk of all of it.
     }
 }
 
 impl EngineLink {
     /// The questions peers asked since the last call, oldest first.
     pub fn take_queries(&self) -> Vec<Query> {
-        lock(&self.shared).asked.drain(..).collect()
+        let mut s = lock(&self.shared);
+        let Shared {
+            asked, questions, ..
+        } = &mut *s;
+        // A question whose lookup ended is no longer asked.
+        asked
+            .drain(..)
+            .filter(|q| questions.contains_key(&q.id))
+            .collect()
     }
 
     /// Answers question `id`. `false` if nobody asks any more (the lookup ended): a hit's pin

@@ -317,6 +317,21 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         self.flush(now);
     }
 
+    /// What the request's producer said of each of `keys`, once none is still `Retry` (asked,
+    /// not answered yet); `None` before that.
+    pub(crate) fn lookup_answers(
+        &mut self,
+        now: Instant,
+        request: &kvpeer_core::Request,
+        keys: &[kvpeer_proto::OffloadKey],
+    ) -> Option<Vec<kvpeer_core::LookupResult>> {
+        let results: Vec<_> = keys
+            .iter()
+            .map(|k| self.core.lookup(now, request, k))
+            .collect();
+        (!results.contains(&kvpeer_core::LookupResult::Retry)).then_some(results)
+    }
+
     /// Every load result not yet taken (job, every block landed), each once.
     pub fn take_load_results(&mut self) -> Vec<(JobId, bool)> {
         self.loads_done.drain().collect()

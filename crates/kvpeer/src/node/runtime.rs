@@ -355,15 +355,10 @@ impl<P: BuildPlane> Runtime<P> {
                 }
                 Some(_) => true,
             });
-        let core = &mut self.io.core;
+        let io = &mut self.io;
         let latency = &mut self.calls.lookup_latency;
         self.lookups.retain(|l| {
-            let results: Vec<LookupResult> = l
-                .keys
-                .iter()
-                .map(|k| core.lookup(now, &l.request, k))
-                .collect();
-            if results.iter().all(|r| *r != LookupResult::Retry) {
+            if let Some(results) = io.lookup_answers(now, &l.request, &l.keys) {
                 latency.record(now.saturating_duration_since(l.started));
                 let _ = l.reply.send(Ok(results));
                 false
