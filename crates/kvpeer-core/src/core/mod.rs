@@ -133,6 +133,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         &self.local
     }
 
+    /// Changes the prefix-cache hash seed this node advertises and checks, for sessions that
+    /// begin from now on (an engine learns its seed only after the node is built: vLLM draws
+    /// it when it initialises its hashing). Sessions already open keep the seed they agreed.
+    pub fn set_hash_seed(&mut self, seed: String) {
+        self.local.hash_seed = seed;
+    }
+
     /// The local store.
     pub fn parent(&self) -> &P {
         &self.parent

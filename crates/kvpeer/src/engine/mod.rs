@@ -10,7 +10,9 @@
 mod node;
 mod parent;
 
-pub use kvpeer_core::{BlockIndex, JobId, Request, RequestRoles};
+pub use kvpeer_core::{
+    BlockIndex, CoreStats, Counters, JobId, LookupResult, Request, RequestRoles,
+};
 pub use kvpeer_proto::KvRequestId;
 pub use kvpeer_store::{BlockBusy, Pool, PoolError, PoolView};
 pub use node::{EngineError, EngineEvent, EngineNode};

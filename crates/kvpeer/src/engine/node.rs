@@ -12,7 +12,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{BlockIndex, Core, JobId, LookupResult, Request, RequestRoles};
+use kvpeer_core::{
+    BlockIndex, Core, CoreStats, Counters, JobId, LookupResult, Request, RequestRoles,
+};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockBusy, Pool};
 
@@ -292,6 +294,22 @@ impl<D: BuildPlane> EngineNode<D> {
     /// peer's lookup ended and every write completed).
     pub fn outstanding(&self) -> (usize, usize) {
         self.io.core.parent().outstanding()
+    }
+
+    /// The prefix-cache hash seed for sessions that begin from now on (an engine may learn
+    /// its own only after the node is built).
+    pub fn set_hash_seed(&mut self, seed: &str) {
+        self.io.core.set_hash_seed(seed.to_owned());
+    }
+
+    /// Running totals of the protocol (lookups, hits, fetches, transfers, errors).
+    pub fn counters(&self) -> Counters {
+        *self.io.core.counters()
+    }
+
+    /// Open state of the protocol (sessions, requests, pins held for peers, transfers).
+    pub fn core_stats(&self) -> CoreStats {
+        self.io.core.stats()
     }
 
     /// Drains running writes for at most `drain`, then says `disconnect` to every peer.

@@ -27,6 +27,18 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct QueryId(u64);
 
+impl QueryId {
+    /// Its number, for an engine that keeps questions outside Rust (the Python binding).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The question numbered `n` (an answer to a number never asked is refused).
+    pub fn from_raw(n: u64) -> Self {
+        QueryId(n)
+    }
+}
+
 /// The engine's own handle on a pinned block (its block manager's reference, opaque here).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EnginePin(pub u64);

@@ -1,0 +1,46 @@
+//! The module's Python exceptions, and how Rust errors become them.
+//!
+//! * `KvpeerError` (a `RuntimeError`): the node could not do what was asked (build, bind,
+//!   shut down); the message is the Rust error's chain.
+//! * `ConfigError` (a `ValueError`): a setting is unknown or out of bounds; `args` is
+//!   `(message, key)`, so a caller can name the key in its own terms.
+//! * `PlaneUnavailable` (a `KvpeerError`): the plane asked for is not in this build (nixl).
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::PyErr;
+
+create_exception!(
+    _native,
+    KvpeerError,
+    PyRuntimeError,
+    "kvpeer could not do what was asked."
+);
+create_exception!(
+    _native,
+    ConfigError,
+    PyValueError,
+    "A setting is unknown or has a bad value; args[1] names the key."
+);
+create_exception!(
+    _native,
+    PlaneUnavailable,
+    KvpeerError,
+    "The data plane asked for is not in this build."
+);
+
+/// `e` and its sources, one sentence each, as a `KvpeerError`.
+pub(crate) fn kvpeer_error(what: &str, e: &(dyn std::error::Error + 'static)) -> PyErr {
+    let mut text = format!("{what}: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    KvpeerError::new_err(text)
+}
+
+/// A configuration error, naming its key.
+pub(crate) fn config_error(e: &kvpeer::config::ConfigError) -> PyErr {
+    ConfigError::new_err((e.to_string(), e.key.clone()))
+}

@@ -1,0 +1,100 @@
+//! The engine's block memory as a kvpeer pool: a writable Python buffer (vLLM's
+//! `primary_kv_view`, a 2-D memoryview of `(num_chunks, row_stride)` bytes) becomes a
+//! [`Pool::external`] of `num_chunks` blocks, each a row.
+//!
+//! The memory is pinned by a buffer export held for the node's whole life: `ctypes`'
+//! `c_char.from_buffer` (the limited C API of CPython 3.10, which this abi3 module targets,
+//! has no buffer protocol; ctypes' export is the same `PyObject_GetBuffer` underneath). While
+//! it is held the exporter can neither free nor resize the memory (an `mmap` refuses to close,
+//! a `bytearray` to grow). [`Export`] holds it, and lets it go only once the pool and
+//! everything that shares it (planes' views) are gone; if something still held the pool, it
+//! is never let go (a leaked export, never a freed buffer under a writer).
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use kvpeer::engine::Pool;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// The export of the engine's memory, outliving the pool made over it.
+pub(crate) struct Export {
+    /// The ctypes object holding the export.
+    pin: Option<Py<PyAny>>,
+    /// One reference is the pool's `keep_alive`: while any pool (or a view of it) lives, the
+    /// count is above 1.
+    alive: Arc<()>,
+}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        let Some(pin) = self.pin.take() else {
+            return;
+        };
+        if Arc::strong_count(&self.alive) == 1 {
+            // Without the GIL, pyo3 defers the release to the next time it is held.
+            drop(pin);
+        } else {
+            tracing::error!(
+                "the engine's memory is still shared by a plane: its buffer stays exported"
+            );
+            std::mem::forget(pin);
+        }
+    }
+}
+
+/// The pool over `memory`, and the export that keeps it alive (drop it after the pool). The
+/// block length is the row stride (vLLM's `block_size_bytes = primary_kv_view.strides[0]`).
+pub(crate) fn engine_pool(memory: &Bound<'_, PyAny>) -> PyResult<(Pool, Export)> {
+    let py = memory.py();
+    let bad = |what: String| PyValueError::new_err(format!("the engine's memory {what}"));
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((memory,))
+        .map_err(|e| bad(format!("is not a buffer: {e}")))?;
+    if view.getattr("readonly")?.extract::<bool>()? {
+        return Err(bad("is read-only: peers write loaded blocks into it".into()));
+    }
+    if !view.getattr("c_contiguous")?.extract::<bool>()? {
+        return Err(bad("must be C-contiguous (rows one after another)".into()));
+    }
+    let item = view.getattr("itemsize")?.extract::<usize>()?;
+    let shape: Vec<usize> = view.getattr("shape")?.extract()?;
+    let (rows, row_len) = match shape.as_slice() {
+        [rows, row_items] => (*rows as u64, (*row_items * item) as u64),
+        other => {
+            return Err(bad(format!(
+                "must have two dimensions (blocks, bytes per block), not {}",
+                other.len()
+            )))
+        }
+    };
+    if rows == 0 || row_len == 0 {
+        return Err(bad("is empty".into()));
+    }
+    let ctypes = py.import("ctypes")?;
+    let pin = ctypes
+        .getattr("c_char")?
+        .call_method1("from_buffer", (&view,))
+        .map_err(|e| bad(format!("cannot be pinned: {e}")))?;
+    let address: usize = ctypes.getattr("addressof")?.call1((&pin,))?.extract()?;
+    let base = NonNull::new(address as *mut u8).ok_or_else(|| bad("is at address 0".into()))?;
+    let alive = Arc::new(());
+    // SAFETY: `base` is the start of `rows × row_len` writable, C-contiguous bytes (checked
+    // above on the memoryview whose export `pin` holds); the export pins them (the exporter
+    // can neither free nor resize them) until `Export` lets `pin` go, which it does only once
+    // the pool's `keep_alive` (a clone of `alive`) is dropped. Python code may still write
+    // the same bytes (the engine filling or reading its blocks) through its own buffer, never
+    // through Rust references; kvpeer writes only into blocks the engine gave it for a load.
+    let pool =
+        unsafe { Pool::external(base, rows, row_len, row_len, Some(Box::new(alive.clone()))) }
+            .map_err(|e| bad(e.to_string()))?;
+    Ok((
+        pool,
+        Export {
+            pin: Some(pin.unbind()),
+            alive,
+        },
+    ))
+}

@@ -1,0 +1,172 @@
+//! `Node`: a standalone kvpeer node for Python, with its own pool and runtime thread (the Rust
+//! [`kvpeer::Node`]): store blocks for peers, look up and fetch a peer's blocks, read what
+//! landed. Calls that wait for a peer take a timeout and release the GIL while they wait.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvpeer::{Node as RustNode, NodeError, OffloadKey, PeerId};
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::{kvpeer_error, ConfigError};
+use crate::settings::node_config;
+
+/// A kvpeer node with its own pool (see the module documentation).
+#[pyclass(module = "kvpeer._native", frozen)]
+pub(crate) struct Node {
+    inner: RustNode,
+}
+
+#[pymethods]
+impl Node {
+    /// Starts a node with `settings` (kvpeer's configuration keys as text, see
+    /// docs/configuration.md; unset keys take their defaults); `tag` names its pool's shm
+    /// object.
+    #[new]
+    #[pyo3(signature = (settings=BTreeMap::new(), tag="python"))]
+    fn new(py: Python<'_>, settings: BTreeMap<String, String>, tag: &str) -> PyResult<Self> {
+        let config = node_config(tag, &settings)?;
+        let inner = py
+            .detach(|| RustNode::start(config))
+            .map_err(|e| node_error("cannot start the node", e))?;
+        Ok(Node { inner })
+    }
+
+    /// The node's identity, `host:port`.
+    #[getter]
+    fn id(&self) -> String {
+        self.inner.id().to_string()
+    }
+
+    /// Stores `blocks` (`{key: bytes}`, each a block's length) for peers to fetch.
+    fn store(&self, py: Python<'_>, blocks: BTreeMap<Vec<u8>, Vec<u8>>) -> PyResult<()> {
+        let blocks = blocks
+            .into_iter()
+            .map(|(k, v)| (OffloadKey::from_bytes(&k), v))
+            .collect();
+        py.detach(|| self.inner.store(blocks))
+            .map_err(|e| node_error("store", e))
+    }
+
+    /// Asks `peer` (`host:port`) which of `keys` it holds, for the request `kv_request_id`;
+    /// returns one bool per key. Waits at most `timeout_s`.
+    #[pyo3(signature = (peer, keys, kv_request_id="python-lookup", timeout_s=10.0))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        keys: Vec<Vec<u8>>,
+        kv_request_id: &str,
+        timeout_s: f64,
+    ) -> PyResult<Vec<bool>> {
+        let keys = keys_of(keys);
+        let timeout = seconds(timeout_s)?;
+        let peer = PeerId::new(peer);
+        py.detach(|| {
+            let request = self.inner.request(&peer, kv_request_id)?;
+            let results = request.lookup(&keys, timeout)?;
+            Ok::<_, NodeError>(
+                results
+                    .into_iter()
+                    .map(|r| r == kvpeer::LookupResult::Hit)
+                    .collect(),
+            )
+        })
+        .map_err(|e| node_error("lookup", e))
+    }
+
+    /// Looks up `keys` at `peer` and fetches those it holds into this node's pool; returns
+    /// the keys fetched (read them with `read`). Waits at most `timeout_s` for each step.
+    #[pyo3(signature = (peer, keys, kv_request_id="python-fetch", timeout_s=10.0))]
+    fn fetch<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        keys: Vec<Vec<u8>>,
+        kv_request_id: &str,
+        timeout_s: f64,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let keys = keys_of(keys);
+        let timeout = seconds(timeout_s)?;
+        let peer = PeerId::new(peer);
+        let fetched = py
+            .detach(|| {
+                let request = self.inner.request(&peer, kv_request_id)?;
+                let results = request.lookup(&keys, timeout)?;
+                let hits: Vec<OffloadKey> = keys
+                    .iter()
+                    .zip(results)
+                    .filter(|(_, r)| *r == kvpeer::LookupResult::Hit)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                if !hits.is_empty() {
+                    request.fetch(&hits, timeout)?;
+                }
+                Ok::<_, NodeError>(hits)
+            })
+            .map_err(|e| node_error("fetch", e))?;
+        Ok(fetched
+            .iter()
+            .map(|k| PyBytes::new(py, k.as_bytes()))
+            .collect())
+    }
+
+    /// The bytes this node holds for `key`, or None.
+    fn read<'py>(&self, py: Python<'py>, key: Vec<u8>) -> Option<Bound<'py, PyBytes>> {
+        let key = OffloadKey::from_bytes(&key);
+        py.detach(|| self.inner.read(&key))
+            .map(|bytes| PyBytes::new(py, &bytes))
+    }
+
+    /// The node's running totals and open state, by name.
+    fn stats(&self, py: Python<'_>) -> PyResult<BTreeMap<&'static str, u64>> {
+        let s = py
+            .detach(|| self.inner.stats())
+            .map_err(|e| node_error("stats", e))?;
+        let c = s.counters;
+        Ok(BTreeMap::from([
+            ("lookups_sent", c.lookups_sent),
+            ("lookups_served", c.lookups_served),
+            ("lookup_hits_served", c.lookup_hits_served),
+            ("fetches_sent", c.fetches_sent),
+            ("fetches_served", c.fetches_served),
+            ("fetch_blocks_served", c.fetch_blocks_served),
+            ("loads_ok", c.loads_ok),
+            ("loads_failed", c.loads_failed),
+            ("sessions", s.core.sessions as u64),
+            ("bytes_fetched", s.bytes_fetched),
+            ("refused_peers", s.refused_peers),
+        ]))
+    }
+
+    /// Drains running writes for at most `drain_s` seconds, then stops the node.
+    #[pyo3(signature = (drain_s=3.0))]
+    fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<()> {
+        let drain = seconds(drain_s)?;
+        py.detach(|| self.inner.shutdown(drain));
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Node(id={:?})", self.inner.id().to_string())
+    }
+}
+
+fn keys_of(keys: Vec<Vec<u8>>) -> Vec<OffloadKey> {
+    keys.iter().map(|k| OffloadKey::from_bytes(k)).collect()
+}
+
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| PyValueError::new_err(format!("{s} is not a duration in seconds")))
+}
+
+fn node_error(what: &str, e: NodeError) -> PyErr {
+    match e {
+        NodeError::Timeout(_) => PyTimeoutError::new_err(format!("{what}: {e}")),
+        NodeError::Config(c) => ConfigError::new_err((c.to_string(), c.key.clone())),
+        e => kvpeer_error(what, &e),
+    }
+}

@@ -1,0 +1,429 @@
+//! `EngineTier`: a kvpeer node inside an inference engine, over the engine's own block memory
+//! (vLLM's primary tier), driven by the engine from whichever thread holds its lock.
+//!
+//! Python (`kvpeer.vllm.KvpeerTier`) gives work (`open`, `lookup`, `load`, `store`,
+//! `finish`), drives the node (`poll`: handle what arrived, waiting at most what it says),
+//! and takes results (`poll`'s events), peers' questions (`take_queries`), and pins the node
+//! is done with (`take_releases`). Every method releases the GIL while Rust works; none waits
+//! on the network beyond the bound the caller gives `poll`. The node's own state sits behind
+//! one mutex, so the object may be used from any Python thread, one call at a time or not.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvpeer::engine::{
+    Answer, BlockIndex, EngineEvent, EngineLink, EnginePin, JobId, KvRequestId, LookupResult,
+    QueryId, Request, RequestRoles,
+};
+use kvpeer::{OffloadKey, PeerId, PlaneKind};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::engine::{self, Engine, StartError};
+use crate::errors::{kvpeer_error, KvpeerError, PlaneUnavailable};
+use crate::memory::{engine_pool, Export};
+use crate::settings::node_config;
+
+/// A request as the engine holds it (made by `EngineTier.open`).
+#[pyclass(module = "kvpeer._native", frozen)]
+pub(crate) struct NativeRequest {
+    inner: Request,
+}
+
+#[pymethods]
+impl NativeRequest {
+    /// The request's `kv_request_id`.
+    #[getter]
+    fn kv_request_id(&self) -> String {
+        self.inner.id().to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("NativeRequest({:?})", self.inner.id().to_string())
+    }
+}
+
+/// Results of one `poll`: answered lookups `(kv_request_id, [hit, ...])`, ended loads and
+/// ended stores `(job, success)`.
+type Polled = (Vec<(String, Vec<bool>)>, Vec<(u64, bool)>, Vec<(u64, bool)>);
+
+struct Live {
+    // Field order is drop order: the node (and its planes) before the memory's export.
+    engine: Box<dyn Engine>,
+    link: EngineLink,
+}
+
+/// A kvpeer node over an engine's block memory (see the module documentation).
+#[pyclass(module = "kvpeer._native", frozen)]
+pub(crate) struct EngineTier {
+    live: Mutex<Option<Live>>,
+    /// Dropped after `live` (declared after it): the memory outlives the node.
+    _export: Export,
+    id: String,
+    num_blocks: u64,
+    block_len: u64,
+    plane: PlaneKind,
+}
+
+#[pymethods]
+impl EngineTier {
+    /// Builds the node over `memory` (a writable 2-D buffer: one row per block) with
+    /// `settings`, kvpeer's configuration keys as text (docs/configuration.md); `tag` names
+    /// the node's objects. Binds the control channel and makes the data plane.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        memory: &Bound<'_, PyAny>,
+        settings: BTreeMap<String, String>,
+        tag: &str,
+    ) -> PyResult<Self> {
+        let config = node_config(tag, &settings)?;
+        let (pool, export) = engine_pool(memory)?;
+        let (num_blocks, block_len) = (pool.num_blocks(), pool.block_len());
+        let plane = config.plane;
+        let built = py.detach(|| engine::build(plane, &config.spec, pool));
+        let engine = match built {
+            Ok(e) => e,
+            Err(e @ StartError::NotBuilt(_)) => {
+                return Err(PlaneUnavailable::new_err(e.to_string()))
+            }
+            Err(e) => return Err(kvpeer_error("cannot start the kvpeer node", &e)),
+        };
+        let id = engine.id();
+        let link = engine.link();
+        Ok(EngineTier {
+            live: Mutex::new(Some(Live { engine, link })),
+            _export: export,
+            id,
+            num_blocks,
+            block_len,
+            plane,
+        })
+    }
+
+    /// The node's identity, `host:port` (its control address, which peers dial).
+    #[getter]
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Blocks in the engine's memory.
+    #[getter]
+    fn num_blocks(&self) -> u64 {
+        self.num_blocks
+    }
+
+    /// Bytes per block.
+    #[getter]
+    fn block_len(&self) -> u64 {
+        self.block_len
+    }
+
+    /// The data plane in use: `tcp`, `shm`, `both` or `nixl`.
+    #[getter]
+    fn plane(&self) -> &'static str {
+        self.plane.name()
+    }
+
+    /// Opens a request. `source`: the producer's `host:port` for a consumer (`probe` true for
+    /// `remote_kv_source`, false for a PD `remote_prefiller`); `decoder`: this engine produces
+    /// the request's blocks for a peer that fetches them (`remote_decoder`).
+    #[pyo3(signature = (kv_request_id, source=None, probe=true, decoder=false))]
+    fn open(
+        &self,
+        py: Python<'_>,
+        kv_request_id: &str,
+        source: Option<&str>,
+        probe: bool,
+        decoder: bool,
+    ) -> PyResult<NativeRequest> {
+        let id = KvRequestId::new(kv_request_id);
+        let roles = RequestRoles {
+            source: source.map(|peer| kvpeer_core::Source {
+                peer: PeerId::new(peer),
+                probe,
+            }),
+            decoder,
+        };
+        let inner = py.detach(|| self.with(|live| Ok(live.engine.open(id, roles))))?;
+        Ok(NativeRequest { inner })
+    }
+
+    /// The prefix-cache hash seed for sessions that begin from now on (vLLM resolves its seed
+    /// after building its tiers).
+    fn set_hash_seed(&self, py: Python<'_>, seed: &str) -> PyResult<()> {
+        py.detach(|| {
+            self.with(|live| {
+                live.engine.set_hash_seed(seed);
+                Ok(())
+            })
+        })
+    }
+
+    /// Asks the request's producer about `keys`; answered by a later `poll`.
+    fn lookup(&self, py: Python<'_>, request: &NativeRequest, keys: Vec<Vec<u8>>) -> PyResult<()> {
+        let keys = offload_keys(keys);
+        py.detach(|| {
+            self.with(|live| {
+                live.engine.lookup(&request.inner, keys);
+                Ok(())
+            })
+        })
+    }
+
+    /// Fetches `keys` into the engine's `blocks`; ends as a load event of `job`.
+    fn load(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        request: &NativeRequest,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+    ) -> PyResult<()> {
+        let (keys, blocks) = (offload_keys(keys), block_indices(blocks));
+        py.detach(|| {
+            self.with(|live| {
+                live.engine
+                    .load(JobId::new(job), &request.inner, keys, blocks)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))
+            })
+        })
+    }
+
+    /// Offers `keys` in the engine's pinned `blocks` to the peer that fetches the request (a PD
+    /// producer); ends as a store event of `job` (at once for a request without that role).
+    fn store(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        request: &NativeRequest,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+    ) -> PyResult<()> {
+        let (keys, blocks) = (offload_keys(keys), block_indices(blocks));
+        py.detach(|| {
+            self.with(|live| {
+                live.engine
+                    .store(JobId::new(job), &request.inner, keys, blocks)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))
+            })
+        })
+    }
+
+    /// Ends a request: its waiting lookups answer miss, its loads still running fail.
+    fn finish(&self, py: Python<'_>, request: &NativeRequest) -> PyResult<()> {
+        py.detach(|| {
+            self.with(|live| {
+                live.engine.finish(&request.inner);
+                Ok(())
+            })
+        })
+    }
+
+    /// Handles what arrived (waiting up to `wait_s` seconds for it when > 0), then returns
+    /// `(lookups, loads, stores)`: answered lookups as `(kv_request_id, [hit, ...])` in the
+    /// order asked, ended loads and stores as `(job, success)`.
+    #[pyo3(signature = (wait_s=0.0))]
+    fn poll(&self, py: Python<'_>, wait_s: f64) -> PyResult<Polled> {
+        let wait = duration(wait_s)?;
+        py.detach(|| {
+            self.with(|live| {
+                if wait.is_zero() {
+                    live.engine.step();
+                } else {
+                    live.engine.drive(wait);
+                }
+                Ok(split_events(std::iter::from_fn(|| {
+                    live.engine.poll_event()
+                })))
+            })
+        })
+    }
+
+    /// Peers' questions the engine has not taken: `(query, peer, kv_request_id, key)`.
+    fn take_queries<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(u64, String, String, Bound<'py, PyBytes>)>> {
+        let link = self.link()?;
+        let queries = py.detach(|| link.take_queries());
+        Ok(queries
+            .into_iter()
+            .map(|q| {
+                (
+                    q.id.get(),
+                    q.peer.to_string(),
+                    q.kv_request_id.to_string(),
+                    PyBytes::new(py, q.key.as_bytes()),
+                )
+            })
+            .collect())
+    }
+
+    /// Answers questions: `(query, kind, block, pin)` with kind 0 miss, 1 hit (the key's bytes
+    /// are in `block`, pinned by the engine as `pin` until that pin comes back from
+    /// `take_releases`), 2 pending (ask again). Returns, per answer, whether it was taken (a
+    /// refused hit's pin stays the engine's).
+    fn answer(&self, py: Python<'_>, answers: Vec<(u64, u8, u64, u64)>) -> PyResult<Vec<bool>> {
+        let link = self.link()?;
+        let mut parsed = Vec::with_capacity(answers.len());
+        for (query, kind, block, pin) in answers {
+            let answer = match kind {
+                0 => Answer::Miss,
+                1 => Answer::Hit {
+                    block: BlockIndex::new(block),
+                    pin: EnginePin(pin),
+                },
+                2 => Answer::Pending,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "answer kind {other} is not 0 (miss), 1 (hit) or 2 (pending)"
+                    )))
+                }
+            };
+            parsed.push((QueryId::from_raw(query), answer));
+        }
+        Ok(py.detach(|| {
+            parsed
+                .into_iter()
+                .map(|(id, answer)| link.answer(id, answer))
+                .collect()
+        }))
+    }
+
+    /// Pins the node is done with: `(pin, sent)`, `sent` when the block reached the peer.
+    fn take_releases(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool)>> {
+        let link = self.link()?;
+        Ok(py.detach(|| {
+            link.take_releases()
+                .into_iter()
+                .map(|r| (r.pin.0, r.sent))
+                .collect()
+        }))
+    }
+
+    /// `(questions not answered, pins not given back)`: both 0 once nothing of the engine's is
+    /// held for a peer.
+    fn outstanding(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        py.detach(|| self.with(|live| Ok(live.engine.outstanding())))
+    }
+
+    /// The node's running totals and open state, by name.
+    fn stats(&self, py: Python<'_>) -> PyResult<BTreeMap<&'static str, u64>> {
+        py.detach(|| {
+            self.with(|live| {
+                let c = live.engine.counters();
+                let s = live.engine.core_stats();
+                Ok(BTreeMap::from([
+                    ("lookups_sent", c.lookups_sent),
+                    ("lookup_keys_sent", c.lookup_keys_sent),
+                    ("lookup_hits_received", c.lookup_hits_received),
+                    ("lookup_misses_received", c.lookup_misses_received),
+                    ("lookups_served", c.lookups_served),
+                    ("lookup_hits_served", c.lookup_hits_served),
+                    ("lookup_misses_served", c.lookup_misses_served),
+                    ("fetches_sent", c.fetches_sent),
+                    ("fetch_blocks_sent", c.fetch_blocks_sent),
+                    ("fetches_served", c.fetches_served),
+                    ("fetch_blocks_served", c.fetch_blocks_served),
+                    ("transfers_ok", c.transfers_ok),
+                    ("transfers_failed", c.transfers_failed),
+                    ("loads_ok", c.loads_ok),
+                    ("loads_failed", c.loads_failed),
+                    ("sessions_opened", c.sessions_opened),
+                    ("sessions_closed", c.sessions_closed),
+                    ("sessions", s.sessions as u64),
+                    ("inflight_transfers", s.inflight as u64),
+                    ("store_jobs", s.store_jobs as u64),
+                ]))
+            })
+        })
+    }
+
+    /// Drains running writes for at most `drain_s` seconds, says `disconnect` to every peer
+    /// and stops the node. Returns the loads and stores that ended with it, `(job, success)`;
+    /// the pins it held come back from `take_releases`. Later calls but `take_releases` fail.
+    #[pyo3(signature = (drain_s=3.0))]
+    fn shutdown(
+        &self,
+        py: Python<'_>,
+        drain_s: f64,
+    ) -> PyResult<(Vec<(u64, bool)>, Vec<(u64, bool)>)> {
+        let drain = duration(drain_s)?;
+        let live = py.detach(|| self.lock().take());
+        let Some(live) = live else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let Live { engine, link } = live;
+        let events = py.detach(|| engine.shutdown(drain));
+        // The link stays usable for the last releases.
+        *self.lock() = None;
+        drop(link);
+        let (_, loads, stores) = split_events(events.into_iter());
+        Ok((loads, stores))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "EngineTier(id={:?}, plane={}, blocks={}x{})",
+            self.id,
+            self.plane.name(),
+            self.num_blocks,
+            self.block_len
+        )
+    }
+}
+
+impl EngineTier {
+    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
+        // A panic inside a call leaves the node as it was between calls: keep serving.
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Live) -> PyResult<T>) -> PyResult<T> {
+        match self.lock().as_mut() {
+            Some(live) => f(live),
+            None => Err(KvpeerError::new_err("the kvpeer node was shut down")),
+        }
+    }
+
+    fn link(&self) -> PyResult<EngineLink> {
+        self.with(|live| Ok(live.link.clone()))
+    }
+}
+
+fn offload_keys(keys: Vec<Vec<u8>>) -> Vec<OffloadKey> {
+    keys.iter().map(|k| OffloadKey::from_bytes(k)).collect()
+}
+
+fn block_indices(blocks: Vec<u64>) -> Vec<BlockIndex> {
+    blocks.into_iter().map(BlockIndex::new).collect()
+}
+
+fn duration(seconds: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| PyValueError::new_err(format!("{seconds} is not a duration in seconds")))
+}
+
+fn split_events(events: impl Iterator<Item = EngineEvent>) -> Polled {
+    let (mut lookups, mut loads, mut stores) = (Vec::new(), Vec::new(), Vec::new());
+    for event in events {
+        match event {
+            EngineEvent::LookedUp {
+                kv_request_id,
+                results,
+            } => lookups.push((
+                kv_request_id.to_string(),
+                results
+                    .into_iter()
+                    .map(|r| r == LookupResult::Hit)
+                    .collect(),
+            )),
+            EngineEvent::Loaded { job, success } => loads.push((job.get(), success)),
+            EngineEvent::Stored { job, success } => stores.push((job.get(), success)),
+        }
+    }
+    (lookups, loads, stores)
+}

@@ -1,0 +1,692 @@
+"""kvpeer as a vLLM 0.33 secondary tier: the engine's P2P tier, in Rust.
+
+vLLM loads it by module path (``vllm/v1/kv_offload/tiering/factory.py``) from the engine's
+``--kv-transfer-config``::
+
+    "secondary_tiers": [{"type": "KvpeerTier", "module_path": "kvpeer.vllm",
+                         "host": "10.0.0.5", "port": 5710, "plane": "auto",
+                         "allow": ["10.0.0.0/8"]}]
+
+It speaks the stock ``p2p`` tier's protocol byte for byte, so engines running either tier
+share blocks both ways. The tier is a thin adapter: the node (sessions, lookups, fetches,
+deadlines, the data plane) is kvpeer's Rust ``EngineTier`` over vLLM's primary tier memory;
+this module translates vLLM's calls and keeps only the per-request bookkeeping vLLM's
+contract needs (which keys a request asked, which pins a peer holds).
+
+Threads: vLLM calls every method under its manager lock, from the scheduler thread or its
+``vllm_offload_tier_poll`` thread (``tolerates_off_thread_polling``); ``shutdown`` without
+the lock. No method waits on the network (``drain_jobs`` and ``shutdown`` wait for transfers
+to end, as the contract asks). Rust never calls Python: results come back as return values.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    ParentManager,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpeer import _native
+
+logger = logging.getLogger("kvpeer.vllm")
+
+# The stock tier's defaults (vLLM's envs), read the same way.
+_DEFAULT_HOST = "localhost"
+_DEFAULT_PORT = 5710
+# Seconds drain_jobs waits before it warns that a transfer is stuck (it keeps waiting: a
+# transfer may not be aborted mid-copy; kvpeer's own deadlines end it).
+_DRAIN_WARN_S = 5.0
+# How long shutdown lets running writes finish before it closes the sessions.
+_SHUTDOWN_DRAIN_S = 3.0
+# How long one wait of drain_jobs lasts.
+_DRAIN_WAIT_S = 0.001
+
+# Keys of the tier's config entry: the stock tier's, then kvpeer's. The value is the
+# kvpeer setting it becomes (None: handled here).
+_STOCK_KEYS = ("host", "port", "backends", "num_threads", "unbound_store_timeout_s")
+_KVPEER_KEYS = (
+    "plane",
+    "allow",
+    "auth_secret_file",
+    "max_peers",
+    "tcp_max_rate",
+    "metrics",
+    "lookup_timeout_s",
+    "load_timeout_s",
+    "handshake_timeout_s",
+    "idle_timeout_s",
+)
+# vLLM passes these itself (factory.py): not user settings.
+_FRAMEWORK_KEYS = ("locality", "backpressure_detector")
+# The stock tier's environment variables, and the kvpeer settings they set.
+_ENV_SETTINGS = {
+    "VLLM_P2P_MAX_PEERS": "max_peers",
+    "VLLM_P2P_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
+    "VLLM_P2P_IDLE_TIMEOUT_S": "idle_timeout_s",
+}
+# A kvpeer setting, back to the key the user wrote (for error messages).
+_USER_KEY = {
+    "listen_host": "host",
+    "listen_port": "port",
+    "allowlist": "allow",
+    "unbound_store_timeout_s": "unbound_store_timeout_s",
+}
+
+_HIT, _MISS, _PENDING = 1, 0, 2
+
+# Metric names (vLLM's Prometheus registry, through build_metric_definitions/get_stats).
+_METRICS = {
+    "vllm:kv_offload_kvpeer_lookup_keys": "Keys this engine asked peers about.",
+    "vllm:kv_offload_kvpeer_lookup_hits": "Keys peers said they hold.",
+    "vllm:kv_offload_kvpeer_loaded_blocks": "Blocks loaded from peers.",
+    "vllm:kv_offload_kvpeer_failed_loads": "Loads from peers that failed.",
+    "vllm:kv_offload_kvpeer_served_lookups": "Keys peers asked this engine about.",
+    "vllm:kv_offload_kvpeer_served_blocks": "Blocks written to peers.",
+}
+
+
+class _Consumer:
+    """This engine fetches the request's blocks from a peer."""
+
+    __slots__ = ("native", "probe", "answers", "asked", "unsent", "batches", "failed")
+
+    def __init__(self, native: Any, probe: bool) -> None:
+        self.native = native
+        self.probe = probe
+        # key -> the producer holds it (answered keys only).
+        self.answers: dict[bytes, bool] = {}
+        # Keys asked or to be asked, not answered yet.
+        self.asked: set[bytes] = set()
+        # Keys to ask at the step's end.
+        self.unsent: list[bytes] = []
+        # Lookups sent, oldest first: their keys, in the order asked.
+        self.batches: deque[list[bytes]] = deque()
+        # A load or the session failed: lookups answer MISS (local prefill).
+        self.failed = False
+
+
+class _Producer:
+    """This engine produces the request's blocks for a peer (PD ``remote_decoder``)."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+
+class KvpeerTier(SecondaryTierManager):
+    """vLLM's P2P secondary tier on kvpeer's Rust node (see the module documentation).
+
+    Configuration (the entry's keys; every other key is refused at start-up):
+
+    * the stock ``p2p`` tier's: ``host`` (default ``$VLLM_P2P_SIDE_CHANNEL_HOST`` or
+      ``localhost``), ``port`` (default ``$VLLM_P2P_SIDE_CHANNEL_PORT`` or 5710, plus the
+      data-parallel rank), ``backends`` (NIXL backends; kvpeer's nixl plane runs UCX only),
+      ``num_threads`` (accepted; kvpeer's nixl plane makes progress on the engine's calls),
+      ``unbound_store_timeout_s``; and ``VLLM_P2P_MAX_PEERS``,
+      ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``;
+    * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else tcp;
+      or ``nixl``, ``tcp``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
+      ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``metrics`` (bool), and the
+      timeouts ``lookup_timeout_s``, ``load_timeout_s``, ``handshake_timeout_s``,
+      ``idle_timeout_s``.
+    """
+
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+    tolerates_off_thread_polling: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str = "KvpeerTier",
+        backpressure_detector: Any = None,
+        **config: Any,
+    ) -> None:
+        if backpressure_detector is not None:
+            raise ValueError(
+                "KvpeerTier: 'backpressure' is not supported (as for the stock p2p tier: "
+                "a dropped store leaves a PD decoder waiting instead of failing fast)"
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        self.locality = config.pop("locality", None)
+        settings, self._metrics = _settings(offloading_spec, config)
+        self._fingerprint = settings.get("config_fingerprint", "")
+        self._seed_final = False
+        self._tier = _start(primary_kv_view, settings, offloading_spec)
+        self._apply_engine_seed()
+        self._block_len = self._tier.block_len
+        # Lookups sent and not answered, by kv_request_id.
+        self._waiting: dict[str, _Consumer] = {}
+        # Consumers with keys to ask at the step's end.
+        self._to_flush: list[_Consumer] = []
+        # job -> (consumer, bytes, submit time), for loads running.
+        self._loads: dict[int, tuple[_Consumer, int, float]] = {}
+        # PD stores running: job -> submit time.
+        self._stores: dict[int, float] = {}
+        # Store jobs vLLM made for peers' hits: job -> [pins not back yet, all sent].
+        self._pins: dict[int, list] = {}
+        self._finished: list[JobResult] = []
+        self._counts = dict.fromkeys(_METRICS, 0)
+        self._closed = False
+        logger.info(
+            "kvpeer tier %s: plane %s, %d blocks of %d bytes",
+            self._tier.id,
+            self._tier.plane,
+            self._tier.num_blocks,
+            self._block_len,
+        )
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def peer_id(self) -> str:
+        """This engine's P2P identity, ``host:port`` (what peers put in ``remote_host``/
+        ``remote_port``)."""
+        return self._tier.id
+
+    @property
+    def plane(self) -> str:
+        """The data plane in use (``nixl`` or ``tcp``)."""
+        return self._tier.plane
+
+    # ------------------------------------------------------------------ consumer side
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        params = req_context.kv_transfer_params or {}
+        source, probe = params.get("remote_prefiller"), False
+        if source is None:
+            source, probe = params.get("remote_kv_source"), True
+        if source:
+            peer = _peer_of(source)
+            kv_request_id = source.get("kv_request_id")
+            if peer is not None and kv_request_id:
+                self._apply_engine_seed()
+                native = self._tier.open(str(kv_request_id), peer, probe, False)
+                req_context.set_state(_Consumer(native, probe))
+        dest = params.get("remote_decoder")
+        if dest is not None:
+            kv_request_id = dest.get("kv_request_id") if isinstance(dest, dict) else None
+            native = (
+                self._tier.open(str(kv_request_id), None, True, True)
+                if kv_request_id
+                else None
+            )
+            req_context.set_state(_Producer(native))
+            if native is not None:
+                return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        consumer = req_context.get_state(_Consumer)
+        if consumer is None or consumer.failed:
+            return LookupResult.MISS
+        if not consumer.probe:
+            # PD decoder: the prefiller has every block of the request.
+            return LookupResult.HIT
+        answer = consumer.answers.get(key)
+        if answer is not None:
+            return LookupResult.HIT if answer else LookupResult.MISS
+        if key not in consumer.asked:
+            consumer.asked.add(key)
+            if not consumer.unsent:
+                self._to_flush.append(consumer)
+            consumer.unsent.append(key)
+        return LookupResult.RETRY
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # One lookup message per request per step, as the stock tier batches them.
+        if not self._to_flush:
+            return
+        tier = self._tier
+        for consumer in self._to_flush:
+            keys, consumer.unsent = consumer.unsent, []
+            consumer.batches.append(keys)
+            self._waiting[consumer.native.kv_request_id] = consumer
+            tier.lookup(consumer.native, keys)
+            self._counts["vllm:kv_offload_kvpeer_lookup_keys"] += len(keys)
+        self._to_flush = []
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        consumer = job_metadata.req_context.get_state(_Consumer)
+        keys = list(job_metadata.keys)
+        if consumer is None or consumer.failed:
+            self._finished.append(JobResult(job_id=job_id, success=False))
+            return
+        if not keys:
+            self._finished.append(JobResult(job_id=job_id, success=True))
+            return
+        blocks = job_metadata.chunk_ids.tolist()
+        try:
+            self._tier.load(job_id, consumer.native, keys, blocks)
+        except (ValueError, _native.KvpeerError) as e:
+            logger.warning("kvpeer: load %d refused: %s", job_id, e)
+            consumer.failed = True
+            self._finished.append(JobResult(job_id=job_id, success=False))
+            return
+        self._loads[job_id] = (
+            consumer,
+            len(keys) * self._block_len,
+            job_metadata.submit_time,
+        )
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        producer = job_metadata.req_context.get_state(_Producer)
+        if producer is None:
+            # Not a remote-decode request: nothing to hand to a peer.
+            self._finished.append(JobResult(job_id=job_id, success=True))
+            return
+        if producer.native is None:
+            logger.warning("kvpeer: store %d for a remote_decoder without an id", job_id)
+            self._finished.append(JobResult(job_id=job_id, success=False))
+            return
+        try:
+            self._tier.store(
+                job_id,
+                producer.native,
+                list(job_metadata.keys),
+                job_metadata.chunk_ids.tolist(),
+            )
+        except (ValueError, _native.KvpeerError) as e:
+            logger.warning("kvpeer: store %d refused: %s", job_id, e)
+            self._finished.append(JobResult(job_id=job_id, success=False))
+            return
+        self._stores[job_id] = job_metadata.submit_time
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        consumer = req_context.get_state(_Consumer)
+        if consumer is not None:
+            if consumer.unsent:
+                consumer.unsent = []
+                self._to_flush = [c for c in self._to_flush if c is not consumer]
+            self._tier.finish(consumer.native)
+            self._collect()
+        producer = req_context.get_state(_Producer)
+        if producer is not None and producer.native is not None:
+            # The request's blocks stay offered until the peer fetched them or the
+            # unbound-store timeout passed: the peer may ask after the request ended.
+            pass
+
+    # ------------------------------------------------------------------ polling
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._collect()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def has_pending_work(self) -> bool:
+        # Keep the engine stepping while anything of ours moves; peers are served by the
+        # tier-poll thread in between.
+        return bool(self._loads or self._stores or self._pins or self._waiting or self._to_flush)
+
+    def drain_jobs(self) -> None:
+        start = time.monotonic()
+        warned = False
+        while self._loads or self._stores:
+            self._collect(wait_s=_DRAIN_WAIT_S)
+            if not warned and time.monotonic() - start > _DRAIN_WARN_S:
+                logger.warning(
+                    "kvpeer: drain_jobs still waits for %d loads and %d stores",
+                    len(self._loads),
+                    len(self._stores),
+                )
+                warned = True
+
+    def _collect(self, wait_s: float = 0.0) -> None:
+        """Drives the node once and turns what ended into results."""
+        lookups, loads, stores = self._tier.poll(wait_s)
+        if lookups:
+            for kv_request_id, hits in lookups:
+                consumer = self._waiting.get(kv_request_id)
+                if consumer is None or not consumer.batches:
+                    continue
+                keys = consumer.batches.popleft()
+                if not consumer.batches:
+                    del self._waiting[kv_request_id]
+                answers = consumer.answers
+                for key, hit in zip(keys, hits):
+                    answers[key] = hit
+                consumer.asked.difference_update(keys)
+                self._counts["vllm:kv_offload_kvpeer_lookup_hits"] += sum(hits)
+        if loads:
+            now = time.monotonic()
+            for job_id, ok in loads:
+                entry = self._loads.pop(job_id, None)
+                if entry is None:
+                    continue
+                consumer, nbytes, submitted = entry
+                if ok:
+                    self._counts["vllm:kv_offload_kvpeer_loaded_blocks"] += (
+                        nbytes // self._block_len
+                    )
+                else:
+                    consumer.failed = True
+                    self._counts["vllm:kv_offload_kvpeer_failed_loads"] += 1
+                self._finished.append(
+                    JobResult(
+                        job_id=job_id,
+                        success=ok,
+                        transfer_time=now - submitted,
+                        transfer_bytes=nbytes if ok else 0,
+                    )
+                )
+        if stores:
+            for job_id, ok in stores:
+                if self._stores.pop(job_id, None) is not None:
+                    self._finished.append(JobResult(job_id=job_id, success=ok))
+        if self._pins:
+            for pin, sent in self._tier.take_releases():
+                self._release(pin, sent)
+
+    def _release(self, job_id: int, sent: bool) -> None:
+        entry = self._pins.get(job_id)
+        if entry is None:
+            return
+        entry[0] -= 1
+        entry[1] = entry[1] and sent
+        if entry[0] == 0:
+            del self._pins[job_id]
+            self._finished.append(JobResult(job_id=job_id, success=entry[1]))
+            if entry[1]:
+                self._counts["vllm:kv_offload_kvpeer_served_blocks"] += entry[2]
+
+    # ------------------------------------------------------------------ producer side
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        queries = self._tier.take_queries()
+        if not queries:
+            return
+        # One vLLM request per peer request, as the stock tier makes per lookup: the
+        # required order (on_new_request, lookups, create_store_job, on_request_finished).
+        groups: dict[tuple[str, str], list] = {}
+        for q in queries:
+            groups.setdefault((q[1], q[2]), []).append(q)
+        answers = []
+        hit = LookupResult.HIT
+        miss = LookupResult.MISS
+        for (peer, kv_request_id), group in groups.items():
+            ctx = ReqContext(req_id=f"kvpeer:{peer}:{kv_request_id}:q{group[0][0]}")
+            parent.on_new_request(ctx)
+            try:
+                hits = []
+                for query, _, _, key in group:
+                    result = parent.lookup(key, ctx)
+                    if result is hit:
+                        hits.append((query, key))
+                    elif result is miss:
+                        answers.append((query, _MISS, 0, 0))
+                    else:  # HIT_PENDING, RETRY: the question comes back
+                        answers.append((query, _PENDING, 0, 0))
+                if hits:
+                    job = parent.create_store_job([k for _, k in hits], ctx)
+                    blocks = job.chunk_ids.tolist()
+                    self._pins[job.job_id] = [len(hits), True, len(hits)]
+                    for (query, _), block in zip(hits, blocks):
+                        answers.append((query, _HIT, block, job.job_id))
+            finally:
+                parent.on_request_finished(ctx)
+        self._counts["vllm:kv_offload_kvpeer_served_lookups"] += len(queries)
+        taken = self._tier.answer(answers)
+        for (query, kind, _, job_id), ok in zip(answers, taken):
+            if kind == _HIT and not ok:
+                # Nobody asks any more: the pin goes back unused.
+                self._release(job_id, False)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loads, stores = self._tier.shutdown(_SHUTDOWN_DRAIN_S)
+        for job_id, ok in loads:
+            if self._loads.pop(job_id, None) is not None:
+                self._finished.append(JobResult(job_id=job_id, success=ok))
+        for job_id, ok in stores:
+            if self._stores.pop(job_id, None) is not None:
+                self._finished.append(JobResult(job_id=job_id, success=ok))
+        for pin, sent in self._tier.take_releases():
+            self._release(pin, sent)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        if not extra_config.get("metrics", True):
+            return {}
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+        return {
+            name: OffloadingCounterMetadata(documentation=doc)
+            for name, doc in _METRICS.items()
+        }
+
+    def get_stats(self) -> Any:
+        if not self._metrics or not any(self._counts.values()):
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        for name, value in self._counts.items():
+            if value:
+                stats.increase_counter(name, value)
+        self._counts = dict.fromkeys(_METRICS, 0)
+        return stats
+
+    def node_stats(self) -> dict[str, int]:
+        """The Rust node's running totals and open state (sessions, transfers, loads)."""
+        return self._tier.stats()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _apply_engine_seed(self) -> None:
+        """Takes vLLM's hash seed once vLLM has drawn it (after the tiers are built)."""
+        if self._seed_final:
+            return
+        seed, final = _engine_seed()
+        if seed is not None:
+            self._tier.set_hash_seed(seed)
+        self._seed_final = final
+
+
+def _peer_of(role: Any) -> str | None:
+    if not isinstance(role, dict):
+        return None
+    host, port = role.get("remote_host"), role.get("remote_port")
+    if host and port:
+        return f"{host}:{port}"
+    return None
+
+
+def _engine_seed() -> tuple[str | None, bool]:
+    """vLLM's NONE_HASH seed and whether it is final (vLLM resolved it)."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return None, True
+    final = getattr(kv_cache_utils, "_NONE_HASH_SEED", None) is not None
+    return kv_cache_utils.get_none_hash_seed(), final
+
+
+def _fingerprint(offloading_spec: Any) -> str:
+    """vLLM's config fingerprint for this engine, as the stock tier computes it."""
+    try:
+        from vllm.v1.kv_offload.file_mapper import FileMapper
+
+        fields = FileMapper.from_offloading_spec(
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        ).get_run_config()
+    except Exception as e:  # an engine without the run config: no fingerprint
+        logger.debug("kvpeer: no config fingerprint: %s", e)
+        return ""
+    if not fields:
+        return ""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _text(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    raise ValueError(f"KvpeerTier: {key!r} must be a number or a string, not {value!r}")
+
+
+def _settings(offloading_spec: Any, config: dict[str, Any]) -> tuple[dict[str, str], bool]:
+    """kvpeer's settings from the tier's config entry, the environment and the engine."""
+    unknown = [k for k in config if k not in _STOCK_KEYS + _KVPEER_KEYS + _FRAMEWORK_KEYS]
+    if unknown:
+        raise ValueError(
+            f"KvpeerTier: unknown config key {unknown[0]!r} (known: "
+            f"{', '.join(_STOCK_KEYS + _KVPEER_KEYS)})"
+        )
+    settings: dict[str, str] = {}
+    for env, key in _ENV_SETTINGS.items():
+        if os.environ.get(env):
+            settings[key] = os.environ[env]
+    host = config.get("host") or os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST") or _DEFAULT_HOST
+    port = config.get("port")
+    if port is None:
+        port = os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", _DEFAULT_PORT)
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"KvpeerTier: 'port' must be a port number, not {port!r}") from None
+    dp_index = _dp_index(offloading_spec)
+    settings["listen_host"] = _text("host", host)
+    settings["listen_port"] = str(port + dp_index if port else 0)
+    backends = config.get("backends")
+    if backends is not None and (
+        not isinstance(backends, (list, tuple)) or [str(b).upper() for b in backends] != ["UCX"]
+    ):
+        raise ValueError(
+            f"KvpeerTier: 'backends' {backends!r} is not supported: kvpeer's nixl plane "
+            "runs NIXL's UCX backend (use [\"UCX\"] or leave it out)"
+        )
+    if "num_threads" in config:
+        try:
+            if int(config["num_threads"]) < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"KvpeerTier: 'num_threads' must be a positive integer, "
+                f"not {config['num_threads']!r}"
+            ) from None
+    for key in (
+        "unbound_store_timeout_s",
+        "max_peers",
+        "tcp_max_rate",
+        "lookup_timeout_s",
+        "load_timeout_s",
+        "handshake_timeout_s",
+        "idle_timeout_s",
+    ):
+        if key in config:
+            settings[key] = _text(key, config[key])
+    if "auth_secret_file" in config:
+        settings["auth_secret_file"] = _text("auth_secret_file", config["auth_secret_file"])
+    allow = config.get("allow")
+    if allow is not None:
+        if isinstance(allow, str):
+            allow = [allow]
+        if not isinstance(allow, (list, tuple)) or not all(isinstance(r, str) for r in allow):
+            raise ValueError(f"KvpeerTier: 'allow' must be a list of rules, not {allow!r}")
+        if allow:
+            settings["allowlist"] = ",".join(allow)
+    metrics = config.get("metrics", True)
+    if not isinstance(metrics, bool):
+        raise ValueError(f"KvpeerTier: 'metrics' must be true or false, not {metrics!r}")
+    settings["plane"], lib_dir = _plane(config.get("plane", "auto"))
+    if lib_dir is not None:
+        settings["nixl_lib_dir"] = lib_dir
+    seed, _ = _engine_seed()
+    if seed is not None:
+        settings["hash_seed"] = seed
+    settings["config_fingerprint"] = _fingerprint(offloading_spec)
+    return settings, metrics
+
+
+def _dp_index(offloading_spec: Any) -> int:
+    try:
+        return int(offloading_spec.config.parallel.data_parallel_index)
+    except AttributeError:
+        return 0
+
+
+def _nixl_lib_dir() -> str | None:
+    """The directory of NIXL's C library inside the installed ``nixl`` wheel, if any."""
+    for path in sys.path:
+        for found in glob.glob(os.path.join(path or ".", ".nixl*.mesonpy.libs", "libnixl_capi.so")):
+            return os.path.dirname(os.path.abspath(found))
+    return None
+
+
+def _plane(plane: Any) -> tuple[str, str | None]:
+    """kvpeer's plane setting for the tier's ``plane``, and NIXL's library directory."""
+    if plane not in ("auto", "nixl", "tcp", "shm", "both"):
+        raise ValueError(
+            f"KvpeerTier: 'plane' must be auto, nixl or tcp, not {plane!r}"
+        )
+    if plane in ("shm", "both"):
+        raise ValueError(
+            f"KvpeerTier: 'plane' {plane!r} is not available inside vLLM yet: the shm plane "
+            "needs a pool kvpeer owns (its ownership proof lives in the pool object), and "
+            "vLLM's primary tier memory is vLLM's (use auto, nixl or tcp)"
+        )
+    if plane == "tcp":
+        return "tcp", None
+    lib_dir = _nixl_lib_dir() if _native.NIXL_BUILT else None
+    if plane == "nixl":
+        if not _native.NIXL_BUILT:
+            raise ValueError(
+                "KvpeerTier: 'plane' nixl needs kvpeer built with NIXL "
+                "(MATURIN_PEP517_ARGS='--features nixl' pip install ...)"
+            )
+        if lib_dir is None:
+            raise ValueError("KvpeerTier: 'plane' nixl needs NIXL installed (pip install nixl)")
+        return "nixl", lib_dir
+    # auto: NIXL when it is there (stock peers speak nothing else), else tcp.
+    if lib_dir is not None:
+        return "nixl", lib_dir
+    return "tcp", None
+
+
+def _start(memory: memoryview, settings: dict[str, str], offloading_spec: Any) -> Any:
+    engine_id = "engine"
+    try:
+        engine_id = str(offloading_spec.config.kv_transfer_config.engine_id)
+    except AttributeError:
+        pass
+    try:
+        return _native.EngineTier(memory, settings, f"vllm-{engine_id}"[:40])
+    except _native.ConfigError as e:
+        message, key = e.args[0], e.args[1] if len(e.args) > 1 else "?"
+        user_key = _USER_KEY.get(key, key)
+        raise ValueError(f"KvpeerTier: bad value for {user_key!r}: {message}") from None
