@@ -47,7 +47,13 @@ impl NativeRequest {
 
 /// Results of one `poll`: answered lookups `(kv_request_id, [hit, ...])`, ended loads and
 /// ended stores `(job, success)`.
-type Polled = (Vec<(String, Vec<bool>)>, Vec<(u64, bool)>, Vec<(u64, bool)>);
+type Polled = (Vec<(String, Vec<bool>)>, Vec<Ended>, Vec<Ended>);
+
+/// A load or store that ended: `(job, success)`.
+type Ended = (u64, bool);
+
+/// A peer's question as Python sees it: `(query, peer, kv_request_id, key)`.
+type PyQuery<'py> = (u64, String, String, Bound<'py, PyBytes>);
 
 struct Live {
     // Field order is drop order: the node (and its planes) before the memory's export.
@@ -243,10 +249,7 @@ impl EngineTier {
     }
 
     /// Peers' questions the engine has not taken: `(query, peer, kv_request_id, key)`.
-    fn take_queries<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<Vec<(u64, String, String, Bound<'py, PyBytes>)>> {
+    fn take_queries<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyQuery<'py>>> {
         let link = self.link()?;
         let queries = py.detach(|| link.take_queries());
         Ok(queries
@@ -346,11 +349,7 @@ impl EngineTier {
     /// and stops the node. Returns the loads and stores that ended with it, `(job, success)`;
     /// the pins it held come back from `take_releases`. Later calls but `take_releases` fail.
     #[pyo3(signature = (drain_s=3.0))]
-    fn shutdown(
-        &self,
-        py: Python<'_>,
-        drain_s: f64,
-    ) -> PyResult<(Vec<(u64, bool)>, Vec<(u64, bool)>)> {
+    fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<(Vec<Ended>, Vec<Ended>)> {
         let drain = duration(drain_s)?;
         let live = py.detach(|| self.lock().take());
         let Some(live) = live else {
