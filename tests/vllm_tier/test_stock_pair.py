@@ -5,8 +5,11 @@ harness moves blocks byte-exact before kvpeer's tier is put in it.
 Every wait is a bounded `drive` loop (a few seconds at most); ports are picked free.
 """
 
+import errno
+
 import numpy as np
 import pytest
+import zmq
 
 from harness import Engine, drive, free_port, make_key
 
@@ -24,11 +27,20 @@ def random_blocks(n: int, seed: int, block_len: int = BLOCK_LEN) -> list[bytes]:
     return [rng.bytes(block_len) for _ in range(n)]
 
 
+def p2p_engine(engines, block_len: int = BLOCK_LEN, **kwargs) -> Engine:
+    """An engine with the stock p2p tier on a free port (another pick if it was taken since)."""
+    for attempt in range(3):
+        try:
+            return engines(p2p(free_port()), NUM_CHUNKS, block_len, **kwargs)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def pair(engines, *, poll_s: float = 0, b_kwargs: dict | None = None) -> tuple[Engine, Engine]:
-    a = engines(p2p(free_port()), NUM_CHUNKS, BLOCK_LEN, engine_id="A", tier_poll_interval_s=poll_s)
-    kwargs = {"engine_id": "B", "tier_poll_interval_s": poll_s, **(b_kwargs or {})}
-    block_len = kwargs.pop("block_len", BLOCK_LEN)
-    b = engines(p2p(free_port()), NUM_CHUNKS, block_len, **kwargs)
+    a = p2p_engine(engines, engine_id="A", tier_poll_interval_s=poll_s)
+    b = p2p_engine(engines, **{"engine_id": "B", "tier_poll_interval_s": poll_s, **(b_kwargs or {})})
     return a, b
 
 
