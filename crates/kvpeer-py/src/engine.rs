@@ -114,6 +114,7 @@ pub(crate) enum StartError {
     #[error(transparent)]
     Build(#[from] BuildError),
     /// The plane was asked for but is not in this build.
+    #[cfg_attr(feature = "nixl", allow(dead_code))]
     #[error("the {0} plane is not in this build of kvpeer (build it with the `nixl` feature)")]
     NotBuilt(PlaneKind),
 }

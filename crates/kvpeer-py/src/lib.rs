@@ -24,6 +24,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    init_logs();
     m.add_class::<tier::EngineTier>()?;
     m.add_class::<tier::NativeRequest>()?;
     m.add_class::<node::Node>()?;
@@ -36,4 +37,20 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NIXL_BUILT", cfg!(feature = "nixl"))?;
     Ok(())
+}
+
+/// With `KVPEER_LOG` set (`info`, `debug`, `kvpeer_net=debug`, ...), the node's logs go to
+/// stderr, as the `kvpeer` binary's do; without it the module logs nothing.
+fn init_logs() {
+    let Ok(filter) = std::env::var("KVPEER_LOG") else {
+        return;
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Another subscriber already installed (an embedder's) keeps its place.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
 }

@@ -56,15 +56,15 @@ type Ended = (u64, bool);
 type PyQuery<'py> = (u64, String, String, Bound<'py, PyBytes>);
 
 struct Live {
-    // Field order is drop order: the node (and its planes) before the memory's export.
     engine: Box<dyn Engine>,
-    link: EngineLink,
 }
 
 /// A kvpeer node over an engine's block memory (see the module documentation).
 #[pyclass(module = "kvpeer._native", frozen)]
 pub(crate) struct EngineTier {
     live: Mutex<Option<Live>>,
+    /// The engine's end of the producer side; usable after shutdown (the last releases).
+    link: EngineLink,
     /// Dropped after `live` (declared after it): the memory outlives the node.
     _export: Export,
     id: String,
@@ -100,7 +100,8 @@ impl EngineTier {
         let id = engine.id();
         let link = engine.link();
         Ok(EngineTier {
-            live: Mutex::new(Some(Live { engine, link })),
+            live: Mutex::new(Some(Live { engine })),
+            link,
             _export: export,
             id,
             num_blocks,
@@ -347,7 +348,8 @@ impl EngineTier {
 
     /// Drains running writes for at most `drain_s` seconds, says `disconnect` to every peer
     /// and stops the node. Returns the loads and stores that ended with it, `(job, success)`;
-    /// the pins it held come back from `take_releases`. Later calls but `take_releases` fail.
+    /// the pins it held come back from `take_releases`. Later calls fail, but for the link's
+    /// (`take_queries`, `answer`, `take_releases`).
     #[pyo3(signature = (drain_s=3.0))]
     fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<(Vec<Ended>, Vec<Ended>)> {
         let drain = duration(drain_s)?;
@@ -355,11 +357,7 @@ impl EngineTier {
         let Some(live) = live else {
             return Ok((Vec::new(), Vec::new()));
         };
-        let Live { engine, link } = live;
-        let events = py.detach(|| engine.shutdown(drain));
-        // The link stays usable for the last releases.
-        *self.lock() = None;
-        drop(link);
+        let events = py.detach(|| live.engine.shutdown(drain));
         let (_, loads, stores) = split_events(events.into_iter());
         Ok((loads, stores))
     }
@@ -389,7 +387,7 @@ impl EngineTier {
     }
 
     fn link(&self) -> PyResult<EngineLink> {
-        self.with(|live| Ok(live.link.clone()))
+        Ok(self.link.clone())
     }
 }
 

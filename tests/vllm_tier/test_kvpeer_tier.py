@@ -1,0 +1,343 @@
+"""kvpeer's vLLM tier (`kvpeer.vllm.KvpeerTier`, loaded by vLLM's SecondaryTierFactory through
+`module_path`) inside vLLM 0.33's real TieringOffloadingManager:
+
+* two KvpeerTier engines move blocks both ways, byte-exact, on tcp and on nixl: symmetric
+  rounds (RETRY, then HIT), partial prefixes, PD roles;
+* the mixed fleet: KvpeerTier and vLLM's stock P2PSecondaryTierManager (NixlTransport), each
+  as producer and as consumer;
+* failures: a peer gone mid-load (the job fails, the slots are freed, nothing stays pinned), a
+  peer refused by the allowlist (and an allowed one served byte-exact), mismatched block
+  length and hash seed, bad config keys, drain_jobs with loads in flight, shutdown with peers
+  connected.
+
+Every wait is a bounded `drive` loop; ports are picked free.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvpeer
+from harness import Engine, drive, free_port, make_key
+
+NUM_CHUNKS = 16
+BLOCK_LEN = 4096
+TIMEOUT_S = 10.0
+NIXL = kvpeer.NIXL_BUILT
+
+
+def kvpeer_tier(plane: str = "tcp", **extra) -> dict:
+    return {
+        "type": "KvpeerTier",
+        "module_path": "kvpeer.vllm",
+        "host": "127.0.0.1",
+        "port": free_port(),
+        "plane": plane,
+        **extra,
+    }
+
+
+def stock_tier() -> dict:
+    return {"type": "p2p", "host": "127.0.0.1", "port": free_port()}
+
+
+def random_blocks(n: int, seed: int, block_len: int = BLOCK_LEN) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(block_len) for _ in range(n)]
+
+
+def produce(a: Engine, keys, blocks, kv_transfer_params=None, req_id="a-req") -> None:
+    """A computes the blocks: offloads them to its CPU tier."""
+    req = a.new_request(req_id, kv_transfer_params)
+    assert a.put(keys, blocks, req) == keys
+    a.finish(req)
+    a.step()
+
+
+def source(a: Engine, kv_request_id: str = "kv-1", role: str = "remote_kv_source") -> dict:
+    return {
+        role: {
+            "kv_request_id": kv_request_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": a.port,
+        }
+    }
+
+
+def wait_lookup(engines_, b: Engine, keys, req) -> tuple[int, list[tuple[str, ...]]]:
+    answers: list[tuple[str, ...]] = []
+    hits: list[int] = []
+
+    def resolved() -> bool:
+        n = b.lookup(keys, req)
+        answers.append(tuple(r.name for r in b.last_lookup))
+        if n is not None:
+            hits.append(n)
+        return n is not None
+
+    drive(engines_, resolved, timeout_s=TIMEOUT_S)
+    return hits[0], answers
+
+
+def settle(*engines_: Engine) -> None:
+    drive(
+        list(engines_),
+        lambda: all(e.jobs_in_flight() == 0 for e in engines_),
+        timeout_s=TIMEOUT_S,
+    )
+
+
+def planes() -> list:
+    return ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="no nixl"))]
+
+
+def pull(a: Engine, b: Engine, keys, blocks, kv_request_id="kv-1") -> list[tuple[str, ...]]:
+    """B pulls `keys` from A (symmetric P2P) and checks every byte."""
+    req = b.new_request(f"b-{kv_request_id}", source(a, kv_request_id))
+    hits, answers = wait_lookup([a, b], b, keys, req)
+    assert hits == len(keys), answers
+    assert [b.read(k) for k in keys] == blocks
+    assert b.load(keys, req) == blocks
+    b.finish(req)
+    settle(a, b)
+    assert [a.pins(k) for k in keys] == [0] * len(keys)
+    assert [b.pins(k) for k in keys] == [0] * len(keys)
+    return answers
+
+
+@pytest.mark.parametrize("plane", planes())
+def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane):
+    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    assert type(a.tier).__name__ == "KvpeerTier" and a.tier.plane == plane
+    keys_a = [make_key(f"a-{i}") for i in range(6)]
+    keys_b = [make_key(f"b-{i}") for i in range(5)]
+    blocks_a, blocks_b = random_blocks(6, 1), random_blocks(5, 2)
+    produce(a, keys_a, blocks_a)
+    produce(b, keys_b, blocks_b, req_id="b-own")
+    answers = pull(a, b, keys_a, blocks_a, "kv-ab")
+    # Rounds as the stock tier: RETRY while the peer is asked, then the promotion, then HIT.
+    assert answers[0] == ("RETRY",) * len(keys_a) and answers[-1] == ("HIT",) * len(keys_a)
+    pull(b, a, keys_b, blocks_b, "kv-ba")
+    # A second request for blocks B now holds locally needs no peer.
+    req = b.new_request("b-again", source(a, "kv-again"))
+    assert b.lookup(keys_a, req) == len(keys_a)
+    b.finish(req)
+
+
+@pytest.mark.parametrize("plane", planes())
+def test_partial_prefix_and_pd_roles(engines, plane):
+    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    keys = [make_key(f"part-{i}") for i in range(5)]
+    blocks = random_blocks(3, 3)
+    produce(a, keys[:3], blocks)
+    req = b.new_request("b-part", source(a, "kv-part"))
+    hits, answers = wait_lookup([a, b], b, keys, req)
+    assert hits == 3, answers
+    assert answers[-1] == ("HIT", "HIT", "HIT", "MISS"), answers
+    assert [b.read(k) for k in keys[:3]] == blocks and b.read(keys[3]) is None
+    b.finish(req)
+    settle(a, b)
+
+    # PD: A prefills for decoder B (REQUEST_LEVEL, parked until B fetches); B trusts A.
+    pd_keys = [make_key(f"pd-{i}") for i in range(4)]
+    pd_blocks = random_blocks(4, 4)
+    producer = a.new_request("a-pd", {"remote_decoder": {"kv_request_id": "kv-pd"}})
+    assert a.policy(producer).name == "REQUEST_LEVEL"
+    assert a.put(pd_keys, pd_blocks, producer) == pd_keys
+    a.finish(producer)
+    a.step()
+    req = b.new_request("b-pd", source(a, "kv-pd", role="remote_prefiller"))
+    hits, answers = wait_lookup([a, b], b, pd_keys, req)
+    assert hits == len(pd_keys), answers
+    assert answers[0] == ("HIT_PENDING",) * len(pd_keys), answers
+    assert [b.read(k) for k in pd_keys] == pd_blocks
+    b.finish(req)
+    settle(a, b)
+    assert [a.pins(k) for k in pd_keys] == [0] * len(pd_keys)
+
+
+@pytest.mark.skipif(not NIXL, reason="kvpeer built without nixl")
+@pytest.mark.parametrize("kvpeer_produces", [True, False], ids=["kvpeer-to-stock", "stock-to-kvpeer"])
+def test_mixed_fleet_with_the_stock_p2p_tier(engines, kvpeer_produces):
+    ours = engines(kvpeer_tier("auto"), NUM_CHUNKS, BLOCK_LEN, engine_id="K")
+    stock = engines(stock_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="S")
+    assert ours.tier.plane == "nixl", "auto picks nixl when NIXL is installed"
+    assert type(stock.tier).__name__ == "P2PSecondaryTierManager"
+    a, b = (ours, stock) if kvpeer_produces else (stock, ours)
+    keys = [make_key(f"mix-{i}") for i in range(6)]
+    blocks = random_blocks(len(keys), 5)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, "kv-mix")
+    # And the other way on the same pair of engines (the session both ways).
+    back_keys = [make_key(f"back-{i}") for i in range(3)]
+    back_blocks = random_blocks(3, 6)
+    produce(b, back_keys, back_blocks, req_id="b-own")
+    pull(b, a, back_keys, back_blocks, "kv-back")
+
+
+@pytest.mark.parametrize(
+    "b_kwargs",
+    [{"hash_seed": "another-seed"}, {"block_len": 2 * BLOCK_LEN}],
+    ids=["hash-seed", "block-len"],
+)
+def test_mismatched_peer_is_a_miss(engines, b_kwargs):
+    block_len = b_kwargs.get("block_len", BLOCK_LEN)
+    a = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(
+        kvpeer_tier(),
+        NUM_CHUNKS,
+        block_len,
+        engine_id="B",
+        **{k: v for k, v in b_kwargs.items() if k != "block_len"},
+    )
+    keys = [make_key(f"mm-{i}") for i in range(3)]
+    produce(a, keys, random_blocks(3, 7))
+    req = b.new_request("b-mm", source(a, "kv-mm"))
+    hits, answers = wait_lookup([a, b], b, keys, req)
+    assert hits == 0, answers
+    assert [b.read(k) for k in keys] == [None] * 3
+    b.finish(req)
+    assert a.tier.node_stats()["lookups_served"] == 0
+
+
+def test_allowlist_refuses_a_peer_and_serves_the_allowed_one(engines):
+    """A allows 127.0.0.1 only (any port): the intruder on 127.0.0.2 (also loopback) is refused
+    before its messages reach the protocol, and a peer on 127.0.0.1 is served byte-exact."""
+    a = engines(kvpeer_tier(allow=["127.0.0.1"]), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    intruder_config = kvpeer_tier()
+    intruder_config["host"] = "127.0.0.2"
+    intruder = engines(intruder_config, NUM_CHUNKS, BLOCK_LEN, engine_id="X")
+    friend = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="F")
+    keys = [make_key(f"allow-{i}") for i in range(4)]
+    blocks = random_blocks(4, 8)
+    produce(a, keys, blocks)
+    before = a.region.array.copy()
+
+    req = intruder.new_request("x-req", source(a, "kv-x"))
+    hits, answers = wait_lookup([a, intruder, friend], intruder, keys, req)
+    assert hits == 0, answers
+    assert [intruder.read(k) for k in keys] == [None] * 4
+    intruder.finish(req)
+    # From A's side: nothing was served to the intruder, and its memory is unchanged; from the
+    # intruder's: no lookup was ever answered with a hit.
+    assert a.tier.node_stats()["lookups_served"] == 0
+    assert intruder.tier.node_stats()["lookup_hits_received"] == 0
+    assert np.array_equal(a.region.array, before)
+
+    pull(a, friend, keys, blocks, "kv-friend")
+    assert a.tier.node_stats()["lookups_served"] >= 1
+
+
+def test_peer_killed_mid_load_fails_the_job_and_frees_the_slots(engines):
+    """The producer (another process) is killed with SIGKILL while B's load from it runs:
+    the job fails, no key is readable in B's primary tier, no slot stays pinned, nothing of
+    the tier's waits, and the request falls back to local prefill (MISS)."""
+    # 12 blocks of 64 KiB at 256 KiB/s per peer: the load takes ~3 s; the kill lands in it.
+    block_len, n = 65536, 12
+    port = free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(here, "peer_process.py"), str(port), str(block_len),
+         str(n), "9", "262144"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        b = engines(kvpeer_tier(), NUM_CHUNKS, block_len, engine_id="B")
+        keys = [make_key(f"gone-{i}") for i in range(n)]
+        req = b.new_request("b-gone", {"remote_kv_source": {
+            "kv_request_id": "kv-gone", "remote_host": "127.0.0.1", "remote_port": port}})
+        drive([b], lambda: b.lookup(keys, req) is not None or b.jobs_in_flight() > 0,
+              timeout_s=TIMEOUT_S)
+        assert b.jobs_in_flight() > 0, "the promotion (a load from the child) is running"
+        time.sleep(0.3)
+        child.kill()
+        child.wait(timeout=10)
+        drive([b], lambda: b.jobs_in_flight() == 0, timeout_s=40)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert [b.read(k) for k in keys] == [None] * n
+    assert all(b.pins(k) in (None, 0) for k in keys)
+    stats = b.tier.node_stats()
+    assert stats["loads_failed"] >= 1 and stats["loads_ok"] == 0, stats
+    assert not b.tier.has_pending_work()
+    assert b.lookup(keys, req) == 0  # the request falls back to local prefill
+    b.finish(req)
+
+
+def test_drain_jobs_waits_for_loads_in_flight(engines):
+    block_len = 65536
+    a = engines(kvpeer_tier(tcp_max_rate=4 * 1048576), NUM_CHUNKS, block_len, engine_id="A")
+    b = engines(kvpeer_tier(), NUM_CHUNKS, block_len, engine_id="B")
+    keys = [make_key(f"drain-{i}") for i in range(8)]
+    blocks = random_blocks(len(keys), 10, block_len)
+    produce(a, keys, blocks)
+    req = b.new_request("b-drain", source(a, "kv-drain"))
+    drive([a, b], lambda: b.lookup(keys, req) is not None or b.jobs_in_flight() > 0, timeout_s=TIMEOUT_S)
+    assert b.jobs_in_flight() > 0
+    assert b.tier._loads, "a load is in flight"
+    # A serves on another thread while B's scheduler blocks in drain_jobs (as vLLM's
+    # reset_cache does), under B's lock.
+    stop = threading.Event()
+
+    def serve_a():
+        while not stop.is_set():
+            a.step()
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=serve_a)
+    t.start()
+    try:
+        with b._scope():
+            b.tier.drain_jobs()
+            # Every load ended (none aborted): nothing of the tier's is running.
+            assert not b.tier._loads
+    finally:
+        stop.set()
+        t.join()
+    settle(a, b)
+    assert [b.read(k) for k in keys] == blocks
+    b.finish(req)
+
+
+def test_shutdown_with_peers_connected(engines):
+    a = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    keys = [make_key(f"sd-{i}") for i in range(3)]
+    blocks = random_blocks(3, 11)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, "kv-sd")
+    assert a.tier.node_stats()["sessions"] == 1
+    b.shutdown()  # B says disconnect
+    drive([a], lambda: a.tier.node_stats()["sessions"] == 0, timeout_s=TIMEOUT_S)
+    a.shutdown()
+    a.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"max_peers": "many"}, "max_peers"),
+        ({"plane": "carrier-pigeon"}, "plane"),
+        ({"plane": "shm"}, "plane"),
+        ({"allow": ["10.0.0.0/33"]}, "allow"),
+        ({"port": "x"}, "port"),
+        ({"backends": ["LIBFABRIC"]}, "backends"),
+        ({"unbound_store_timeout_s": -1}, "unbound_store_timeout_s"),
+        ({"metrics": "yes"}, "metrics"),
+    ],
+)
+def test_bad_config_fails_start_up_naming_the_key(engines, config, key):
+    with pytest.raises(ValueError, match=repr(key)):
+        engines(kvpeer_tier(**config), NUM_CHUNKS, BLOCK_LEN)
