@@ -8,6 +8,9 @@
 #      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run.
 #      Then the nixl plane's tests (feature `nixl`), against vLLM's own NixlTransport: NIXL's
 #      wheel goes into the venv (tests/requirements-nixl.txt); building needs libclang-dev.
+#      Then the Python package (`pip install .`, built by maturin from crates/kvpeer-py) and its
+#      tests: kvpeer's vLLM tier inside vLLM 0.33's real tiering manager (tests/vllm_tier,
+#      modules extracted from the same wheel) and kvpeer.Node (tests/python), with pytest.
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -46,6 +49,18 @@ cargo test --workspace
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"
 UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl
+
+# The Python package, installed as a user installs it (pip builds it with maturin, in release),
+# with the nixl plane for the mixed-fleet tests; then vLLM 0.33's real tiering manager around
+# its tier (tests/vllm_tier: the wheel's scheduler-side modules, never committed) and the
+# kvpeer.Node tests (tests/python).
+echo "== the kvpeer Python package: pip install . (with the nixl plane)"
+MATURIN_PEP517_ARGS="--features nixl" "$venv/bin/pip" install --quiet --disable-pip-version-check \
+  --force-reinstall --no-deps .
+echo "== kvpeer's vLLM tier inside vLLM 0.33's tiering manager, and kvpeer.Node (pytest)"
+vllm_tier_pythonpath="$(KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setup.sh)"
+(cd tests && UCX_NET_DEVICES=lo UCX_MODULES='^ib*' PYTHONPATH="$vllm_tier_pythonpath" \
+  "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider vllm_tier python)
 
 generated="$PWD/target/generated-vectors.json"
 seed_args=()

@@ -110,10 +110,16 @@ def pull(a: Engine, b: Engine, keys, blocks, kv_request_id="kv-1") -> list[tuple
     return answers
 
 
-@pytest.mark.parametrize("plane", planes())
-def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane):
-    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
-    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+@pytest.mark.parametrize(
+    ("plane", "poll_s"),
+    [("tcp", 0), ("tcp", 0.001), pytest.param("nixl", 0, marks=pytest.mark.skipif(not NIXL, reason="no nixl"))],
+    ids=["tcp-stepped", "tcp-tier-poll-thread", "nixl-stepped"],
+)
+def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
+    """With poll_s > 0 vLLM's tier-poll thread also calls the tier between steps
+    (tolerates_off_thread_polling), under the manager's lock."""
+    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A", tier_poll_interval_s=poll_s)
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B", tier_poll_interval_s=poll_s)
     assert type(a.tier).__name__ == "KvpeerTier" and a.tier.plane == plane
     keys_a = [make_key(f"a-{i}") for i in range(6)]
     keys_b = [make_key(f"b-{i}") for i in range(5)]
@@ -124,6 +130,13 @@ def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane):
     # Rounds as the stock tier: RETRY while the peer is asked, then the promotion, then HIT.
     assert answers[0] == ("RETRY",) * len(keys_a) and answers[-1] == ("HIT",) * len(keys_a)
     pull(b, a, keys_b, blocks_b, "kv-ba")
+    # vLLM's metrics: what each side asked, loaded and served, through get_stats.
+    with b._scope():
+        counted = b.tier.get_stats().reduce()
+    assert counted["vllm:kv_offload_kvpeer_lookup_keys"] == len(keys_a), counted
+    assert counted["vllm:kv_offload_kvpeer_loaded_blocks"] == len(keys_a), counted
+    assert counted["vllm:kv_offload_kvpeer_served_blocks"] == len(keys_b), counted
+    assert set(type(b.tier).build_metric_definitions({})) >= set(counted)
     # A second request for blocks B now holds locally needs no peer.
     req = b.new_request("b-again", source(a, "kv-again"))
     assert b.lookup(keys_a, req) == len(keys_a)
@@ -308,6 +321,21 @@ def test_drain_jobs_waits_for_loads_in_flight(engines):
     settle(a, b)
     assert [b.read(k) for k in keys] == blocks
     b.finish(req)
+
+
+def test_a_producer_keeps_hearing_consumers_that_come_and_go(engines):
+    """The stock transport went deaf after the 3rd to 23rd closed session (docs/behaviour.md
+    #11); kvpeer's tier serves 30 consumer engines in turn, each shut down after its pull."""
+    a = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    keys = [make_key(f"turn-{i}") for i in range(2)]
+    blocks = random_blocks(2, 12)
+    produce(a, keys, blocks)
+    for i in range(30):
+        b = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id=f"B{i}")
+        pull(a, b, keys, blocks, f"kv-turn-{i}")
+        b.shutdown()
+    drive([a], lambda: a.tier.node_stats()["sessions"] == 0, timeout_s=TIMEOUT_S)
+    assert a.tier.node_stats()["sessions_opened"] >= 30
 
 
 def test_shutdown_with_peers_connected(engines):

@@ -29,13 +29,19 @@ create_exception!(
     "The data plane asked for is not in this build."
 );
 
-/// `e` and its sources, one sentence each, as a `KvpeerError`.
+/// `e` and those of its sources its own text does not already say, as a `KvpeerError`.
 pub(crate) fn kvpeer_error(what: &str, e: &(dyn std::error::Error + 'static)) -> PyErr {
-    let mut text = format!("{what}: {e}");
+    let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
-        text.push_str(&format!(": {s}"));
+        let said = s.to_string();
+        if !text.contains(&said) {
+            text.push_str(&format!(": {said}"));
+        }
         source = s.source();
+    }
+    if !text.starts_with(what) {
+        text = format!("{what}: {text}");
     }
     KvpeerError::new_err(text)
 }

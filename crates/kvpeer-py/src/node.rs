@@ -3,6 +3,7 @@
 //! landed. Calls that wait for a peer take a timeout and release the GIL while they wait.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvpeer::{Node as RustNode, NodeError, OffloadKey, PeerId};
@@ -12,6 +13,9 @@ use pyo3::types::PyBytes;
 
 use crate::errors::{kvpeer_error, ConfigError};
 use crate::settings::node_config;
+
+/// Nodes made by this process so far.
+static NODES: AtomicU64 = AtomicU64::new(0);
 
 /// A kvpeer node with its own pool (see the module documentation).
 #[pyclass(module = "kvpeer._native", frozen)]
@@ -27,7 +31,10 @@ impl Node {
     #[new]
     #[pyo3(signature = (settings=BTreeMap::new(), tag="python"))]
     fn new(py: Python<'_>, settings: BTreeMap<String, String>, tag: &str) -> PyResult<Self> {
-        let config = node_config(tag, &settings)?;
+        // Each node's pool is a shm object named after the tag and the process: one more
+        // number keeps a process's nodes apart.
+        let n = NODES.fetch_add(1, Ordering::Relaxed);
+        let config = node_config(&format!("{tag}-{n}"), &settings)?;
         let inner = py
             .detach(|| RustNode::start(config))
             .map_err(|e| node_error("cannot start the node", e))?;
