@@ -70,18 +70,9 @@ impl Node {
     ) -> PyResult<Vec<bool>> {
         let keys = keys_of(keys);
         let timeout = seconds(timeout_s)?;
-        let peer = PeerId::new(peer);
-        py.detach(|| {
-            let request = self.inner.request(&peer, kv_request_id)?;
-            let results = request.lookup(&keys, timeout)?;
-            Ok::<_, NodeError>(
-                results
-                    .into_iter()
-                    .map(|r| r == kvpeer::LookupResult::Hit)
-                    .collect(),
-            )
-        })
-        .map_err(|e| node_error("lookup", e))
+        py.detach(|| self.pull(peer, kv_request_id, &keys, timeout, false))
+            .map_err(|e| node_error("lookup", e))
+            .map(|(hits, _)| hits)
     }
 
     /// Looks up `keys` at `peer` and fetches those it holds into this node's pool; returns
@@ -97,22 +88,8 @@ impl Node {
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let keys = keys_of(keys);
         let timeout = seconds(timeout_s)?;
-        let peer = PeerId::new(peer);
-        let fetched = py
-            .detach(|| {
-                let request = self.inner.request(&peer, kv_request_id)?;
-                let results = request.lookup(&keys, timeout)?;
-                let hits: Vec<OffloadKey> = keys
-                    .iter()
-                    .zip(results)
-                    .filter(|(_, r)| *r == kvpeer::LookupResult::Hit)
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                if !hits.is_empty() {
-                    request.fetch(&hits, timeout)?;
-                }
-                Ok::<_, NodeError>(hits)
-            })
+        let (_, fetched) = py
+            .detach(|| self.pull(peer, kv_request_id, &keys, timeout, true))
             .map_err(|e| node_error("fetch", e))?;
         Ok(fetched
             .iter()
@@ -158,6 +135,39 @@ impl Node {
 
     fn __repr__(&self) -> String {
         format!("Node(id={:?})", self.inner.id().to_string())
+    }
+}
+
+impl Node {
+    /// Looks `keys` up at `peer` as request `kv_request_id`, and with `fetch` fetches the hits
+    /// into this node's pool. Returns each key's answer and the keys fetched.
+    fn pull(
+        &self,
+        peer: &str,
+        kv_request_id: &str,
+        keys: &[OffloadKey],
+        timeout: Duration,
+        fetch: bool,
+    ) -> Result<(Vec<bool>, Vec<OffloadKey>), NodeError> {
+        let request = self.inner.request(&PeerId::new(peer), kv_request_id)?;
+        let hits: Vec<bool> = request
+            .lookup(keys, timeout)?
+            .into_iter()
+            .map(|r| r == kvpeer::LookupResult::Hit)
+            .collect();
+        let mut fetched = Vec::new();
+        if fetch {
+            fetched = keys
+                .iter()
+                .zip(&hits)
+                .filter(|(_, hit)| **hit)
+                .map(|(k, _)| k.clone())
+                .collect();
+            if !fetched.is_empty() {
+                request.fetch(&fetched, timeout)?;
+            }
+        }
+        Ok((hits, fetched))
     }
 }
 

@@ -189,14 +189,7 @@ impl EngineTier {
         keys: Vec<Vec<u8>>,
         blocks: Vec<u64>,
     ) -> PyResult<()> {
-        let (keys, blocks) = (offload_keys(keys), block_indices(blocks));
-        py.detach(|| {
-            self.with(|live| {
-                live.engine
-                    .load(JobId::new(job), &request.inner, keys, blocks)
-                    .map_err(|e| PyValueError::new_err(e.to_string()))
-            })
-        })
+        self.submit(py, Job::Load, job, request, keys, blocks)
     }
 
     /// Offers `keys` in the engine's pinned `blocks` to the peer that fetches the request (a PD
@@ -209,14 +202,7 @@ impl EngineTier {
         keys: Vec<Vec<u8>>,
         blocks: Vec<u64>,
     ) -> PyResult<()> {
-        let (keys, blocks) = (offload_keys(keys), block_indices(blocks));
-        py.detach(|| {
-            self.with(|live| {
-                live.engine
-                    .store(JobId::new(job), &request.inner, keys, blocks)
-                    .map_err(|e| PyValueError::new_err(e.to_string()))
-            })
-        })
+        self.submit(py, Job::Store, job, request, keys, blocks)
     }
 
     /// Ends a request: its waiting lookups answer miss, its loads still running fail.
@@ -373,7 +359,37 @@ impl EngineTier {
     }
 }
 
+/// Which of the engine's jobs [`EngineTier::submit`] hands over.
+#[derive(Clone, Copy)]
+enum Job {
+    Load,
+    Store,
+}
+
 impl EngineTier {
+    /// Hands a load or a store of `keys` in `blocks` to the node, without the GIL.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        kind: Job,
+        job: u64,
+        request: &NativeRequest,
+        keys: Vec<Vec<u8>>,
+        blocks: Vec<u64>,
+    ) -> PyResult<()> {
+        let (job, keys, blocks) = (JobId::new(job), offload_keys(keys), block_indices(blocks));
+        py.detach(|| {
+            self.with(|live| {
+                let engine = &mut live.engine;
+                match kind {
+                    Job::Load => engine.load(job, &request.inner, keys, blocks),
+                    Job::Store => engine.store(job, &request.inner, keys, blocks),
+                }
+                .map_err(|e| PyValueError::new_err(e.to_string()))
+            })
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, Option<Live>> {
         // A panic inside a call leaves the node as it was between calls: keep serving.
         self.live.lock().unwrap_or_else(|p| p.into_inner())
