@@ -338,20 +338,27 @@ class KvpeerTier(SecondaryTierManager):
         return finished
 
     def has_pending_work(self) -> bool:
-        # Keep the engine stepping while anything of ours moves; peers are served by the
-        # tier-poll thread in between.
-        return bool(self._loads or self._stores or self._pins or self._waiting or self._to_flush)
+        # Keep the engine stepping while anything of ours moves or a peer's question waits
+        # for vLLM's answer. An idle engine hears new peers through vLLM's tier-poll thread
+        # (tolerates_off_thread_polling; every tier_poll_interval_s, 1 ms by default), so it
+        # need not spin as the stock tier makes it (whose has_pending_work is always True).
+        if self._loads or self._stores or self._pins or self._waiting or self._to_flush:
+            return True
+        unanswered, _ = self._tier.outstanding()
+        return unanswered > 0
 
     def drain_jobs(self) -> None:
+        """Waits until no load runs and no write to a peer reads the primary tier. Never
+        aborts a transfer. PD stores still parked for a peer that has not fetched them are left
+        parked (as the stock tier leaves them): they touch no memory until that fetch."""
         start = time.monotonic()
         warned = False
-        while self._loads or self._stores:
+        while self._loads or self._tier.stats()["inflight_transfers"]:
             self._collect(wait_s=_DRAIN_WAIT_S)
             if not warned and time.monotonic() - start > _DRAIN_WARN_S:
                 logger.warning(
-                    "kvpeer: drain_jobs still waits for %d loads and %d stores",
+                    "kvpeer: drain_jobs still waits for %d loads and writes to peers",
                     len(self._loads),
-                    len(self._stores),
                 )
                 warned = True
 
