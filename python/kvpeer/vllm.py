@@ -461,6 +461,8 @@ class KvpeerTier(SecondaryTierManager):
             if kind == _HIT and not ok:
                 # Nobody asks any more: the pin goes back unused.
                 self._release(job_id, False)
+        # The answers leave now, in this call, as the stock tier's do (not at the next poll).
+        self._collect()
 
     # ------------------------------------------------------------------ lifecycle
 

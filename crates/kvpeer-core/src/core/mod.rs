@@ -246,6 +246,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         stats
     }
 
+    /// Whether any write to a peer is running on the data plane.
+    pub fn has_inflight(&self) -> bool {
+        self.sessions.values().any(|s| s.counts().3 > 0)
+    }
+
     /// Whether a session with `peer` exists, and whether the peer has acked our `connect`.
     pub fn session_state(&self, peer: &PeerId) -> Option<SessionState> {
         self.sessions.get(peer).map(|s| SessionState {

@@ -169,18 +169,34 @@ impl<D: BuildPlane> EngineNode<D> {
     pub fn drive(&mut self, max: Duration) {
         let now = Instant::now();
         self.io.wait(now, max);
-        self.step(Instant::now());
+        self.handle(Instant::now());
     }
 
     /// Handles what is there (messages, completions, deadlines, the engine's answers) and
     /// sends what is due. Never waits.
     pub fn step(&mut self, now: Instant) {
+        // One poll of every socket with no timeout says which have input, so the step reads
+        // only those (without it, every connection and the listener is tried: a system call
+        // each, on the engine's thread, for an idle node too).
+        self.io.wait(now, Duration::ZERO);
+        self.handle(now);
+    }
+
+    /// What `step` and `drive` do once the sockets were polled.
+    fn handle(&mut self, now: Instant) {
         self.io.step(now);
         if self.io.core.parent_mut().take_answered() {
             self.io.core.serve(now);
         }
         self.collect(now);
         self.io.flush(now);
+        if self.io.core.has_inflight() {
+            // Writes this step started may be done already (a small NIXL WRITE on one host):
+            // their `transfer_done` leaves now instead of at the engine's next step.
+            self.io.core.handle_data_plane(now);
+            self.collect(now);
+            self.io.flush(now);
+        }
     }
 
     /// Opens a request whose KV source is `peer` (it is dialed when the first lookup leaves).
