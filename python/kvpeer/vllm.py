@@ -326,9 +326,9 @@ class KvpeerTier(SecondaryTierManager):
             self._collect()
         producer = req_context.get_state(_Producer)
         if producer is not None and producer.native is not None:
-            # The request's blocks stay offered until the peer fetched them or the
-            # unbound-store timeout passed: the peer may ask after the request ended.
-            pass
+            # As the stock tier: a peer that already fetched this request is done with it;
+            # stores no peer asked for yet stay parked until the unbound-store timeout.
+            self._tier.finish(producer.native)
 
     # ------------------------------------------------------------------ polling
 

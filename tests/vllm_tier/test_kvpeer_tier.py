@@ -369,3 +369,20 @@ def test_shutdown_with_peers_connected(engines):
 def test_bad_config_fails_start_up_naming_the_key(engines, config, key):
     with pytest.raises(ValueError, match=repr(key)):
         engines(kvpeer_tier(**config), NUM_CHUNKS, BLOCK_LEN)
+
+
+def test_shutdown_lets_the_engine_unmap_its_memory(engines):
+    """After shutdown the tier holds no export of vLLM's primary memory: the memory can be
+    resized or unmapped (vLLM closes its mmap after the tiers' shutdown)."""
+    import mmap
+
+    from kvpeer import _native
+
+    region = mmap.mmap(-1, 8 * 4096)
+    view = memoryview(region).cast("B", (8, 4096))
+    tier = _native.EngineTier(view, {"plane": "tcp"}, "unmap-test")
+    with pytest.raises(BufferError):
+        region.close()  # pinned while the node lives
+    tier.shutdown(0.1)
+    view.release()
+    region.close()  # no export left

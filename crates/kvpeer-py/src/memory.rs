@@ -17,6 +17,9 @@ use kvpeer::engine::Pool;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+/// How long letting go of the export waits for the planes' threads to drop their views.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The export of the engine's memory, outliving the pool made over it.
 pub(crate) struct Export {
     /// The ctypes object holding the export.
@@ -31,6 +34,12 @@ impl Drop for Export {
         let Some(pin) = self.pin.take() else {
             return;
         };
+        // A plane's threads let go of their views as they end, which may be just after the
+        // node that stopped them: wait a little for them (bounded) before deciding.
+        let deadline = std::time::Instant::now() + RELEASE_WAIT;
+        while Arc::strong_count(&self.alive) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         if Arc::strong_count(&self.alive) == 1 {
             // Without the GIL, pyo3 defers the release to the next time it is held.
             drop(pin);

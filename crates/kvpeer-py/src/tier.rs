@@ -65,8 +65,9 @@ pub(crate) struct EngineTier {
     live: Mutex<Option<Live>>,
     /// The engine's end of the producer side; usable after shutdown (the last releases).
     link: EngineLink,
-    /// Dropped after `live` (declared after it): the memory outlives the node.
-    _export: Export,
+    /// Dropped after `live` (declared after it): the memory outlives the node. Let go at
+    /// `shutdown`, once the node is gone, so the engine can unmap its memory after it.
+    export: Mutex<Option<Export>>,
     id: String,
     num_blocks: u64,
     block_len: u64,
@@ -102,7 +103,7 @@ impl EngineTier {
         Ok(EngineTier {
             live: Mutex::new(Some(Live { engine })),
             link,
-            _export: export,
+            export: Mutex::new(Some(export)),
             id,
             num_blocks,
             block_len,
@@ -344,6 +345,10 @@ impl EngineTier {
             return Ok((Vec::new(), Vec::new()));
         };
         let events = py.detach(|| live.engine.shutdown(drain));
+        // The node, its pool and its planes are gone: the buffer export goes too (with the
+        // GIL held), or stays if something still shares the pool (see `Export`).
+        let export = self.export.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(export);
         let (_, loads, stores) = split_events(events.into_iter());
         Ok((loads, stores))
     }
