@@ -171,7 +171,7 @@ class KvpeerTier(SecondaryTierManager):
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.locality = config.pop("locality", None)
-        settings, self._metrics = _settings(offloading_spec, config)
+        settings, self._metrics = _settings(offloading_spec, primary_kv_view, config)
         self._fingerprint = settings.get("config_fingerprint", "")
         self._seed_final = False
         self._tier = _start(primary_kv_view, settings, offloading_spec)
@@ -568,7 +568,9 @@ def _text(key: str, value: Any) -> str:
     raise ValueError(f"KvpeerTier: {key!r} must be a number or a string, not {value!r}")
 
 
-def _settings(offloading_spec: Any, config: dict[str, Any]) -> tuple[dict[str, str], bool]:
+def _settings(
+    offloading_spec: Any, primary_kv_view: memoryview, config: dict[str, Any]
+) -> tuple[dict[str, str], bool]:
     """kvpeer's settings from the tier's config entry, the environment and the engine."""
     unknown = [k for k in config if k not in _STOCK_KEYS + _KVPEER_KEYS + _FRAMEWORK_KEYS]
     if unknown:
@@ -632,7 +634,7 @@ def _settings(offloading_spec: Any, config: dict[str, Any]) -> tuple[dict[str, s
     metrics = config.get("metrics", True)
     if not isinstance(metrics, bool):
         raise ValueError(f"KvpeerTier: 'metrics' must be true or false, not {metrics!r}")
-    settings["plane"], lib_dir = _plane(config.get("plane", "auto"))
+    settings["plane"], lib_dir = _plane(config.get("plane", "auto"), primary_kv_view)
     if lib_dir is not None:
         settings["nixl_lib_dir"] = lib_dir
     seed, _ = _engine_seed()
@@ -657,20 +659,32 @@ def _nixl_lib_dir() -> str | None:
     return None
 
 
-def _plane(plane: Any) -> tuple[str, str | None]:
-    """kvpeer's plane setting for the tier's ``plane``, and NIXL's library directory."""
+def _plane(plane: Any, memory: memoryview) -> tuple[str, str | None]:
+    """kvpeer's plane setting for the tier's ``plane``, and NIXL's library directory.
+
+    * ``tcp``: kvpeer's tcp plane, into vLLM's memory under write permits;
+    * ``shm`` / ``both``: same-host kvpeer peers write vLLM's memory through its /dev/shm file
+      (vLLM's ``SharedOffloadRegion``, one segment), proven by a trailer page kvpeer adds past
+      the blocks; ``both`` adds tcp for peers on other hosts;
+    * ``nixl``: NIXL, what stock engines speak;
+    * ``auto``: nixl when NIXL is there (stock peers speak nothing else), else both when the
+      memory is a /dev/shm file, else tcp.
+    """
     if plane not in ("auto", "nixl", "tcp", "shm", "both"):
         raise ValueError(
-            f"KvpeerTier: 'plane' must be auto, nixl or tcp, not {plane!r}"
-        )
-    if plane in ("shm", "both"):
-        raise ValueError(
-            f"KvpeerTier: 'plane' {plane!r} is not available inside vLLM yet: the shm plane "
-            "needs a pool kvpeer owns (its ownership proof lives in the pool object), and "
-            "vLLM's primary tier memory is vLLM's (use auto, nixl or tcp)"
+            f"KvpeerTier: 'plane' must be auto, nixl, tcp, shm or both, not {plane!r}"
         )
     if plane == "tcp":
         return "tcp", None
+    shm_object = _native.shm_object_of(memory)
+    if plane in ("shm", "both"):
+        if shm_object is None:
+            raise ValueError(
+                f"KvpeerTier: 'plane' {plane!r} needs vLLM's primary memory to be a /dev/shm "
+                "file mapped in one segment (vLLM's SharedOffloadRegion); it is not here "
+                "(use auto, nixl or tcp)"
+            )
+        return plane, None
     lib_dir = _nixl_lib_dir() if _native.NIXL_BUILT else None
     if plane == "nixl":
         if not _native.NIXL_BUILT:
@@ -681,10 +695,9 @@ def _plane(plane: Any) -> tuple[str, str | None]:
         if lib_dir is None:
             raise ValueError("KvpeerTier: 'plane' nixl needs NIXL installed (pip install nixl)")
         return "nixl", lib_dir
-    # auto: NIXL when it is there (stock peers speak nothing else), else tcp.
     if lib_dir is not None:
         return "nixl", lib_dir
-    return "tcp", None
+    return ("both", None) if shm_object is not None else ("tcp", None)
 
 
 def _start(memory: memoryview, settings: dict[str, str], offloading_spec: Any) -> Any:

@@ -131,6 +131,34 @@ class MemoryRegion:
         self.cleaned_up = True
 
 
+class ShmMemoryRegion(MemoryRegion):
+    """A region laid out as vLLM's SharedOffloadRegion lays out a single segment: the file
+    `/dev/shm/vllm_offload_{engine_id}.mmap` (created exclusively, 0600), mapped shared, the
+    int8 array over the mapping. For tests of tiers that use the file itself (kvpeer's shm
+    plane); unlinked at cleanup, as vLLM does."""
+
+    def __init__(self, num_chunks: int, block_len: int, engine_id: str):
+        import mmap
+        import os
+
+        self.path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, num_chunks * block_len)
+            self._map = mmap.mmap(fd, num_chunks * block_len, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.int8).reshape(num_chunks, block_len)
+        self.cleaned_up = False
+
+    def cleanup(self) -> None:
+        import os
+
+        self.cleaned_up = True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
 class HarnessOffloadingSpec(OffloadingSpec):
     """An `OffloadingSpec` (vLLM's abstract base, unchanged) over a real `OffloadingConfig`, as the
     secondary tiers receive it. The p2p tier reads the config for its fingerprint fields
@@ -535,6 +563,7 @@ def make_engine(
     offloading_config: OffloadingConfig | None = None,
     cache_policy: str = "lru",
     enable_events: bool = False,
+    shm_region: bool = False,
     **config_kwargs: Any,
 ) -> Engine:
     """Build an engine the way vLLM's TieringOffloadingSpec.get_manager does, on a MemoryRegion:
@@ -548,7 +577,8 @@ def make_engine(
     engine's NONE_HASH seed (None: vLLM's default). The spec's OffloadingConfig is
     `offloading_config`, or `make_offloading_config(block_len, **config_kwargs)` (model, dtype,
     tokens_per_block, tokens_per_hash, layer_names, data_parallel_index): engines that differ
-    there have different p2p config fingerprints."""
+    there have different p2p config fingerprints. `shm_region`: the primary memory is a
+    /dev/shm file as vLLM maps it (ShmMemoryRegion), not an anonymous array."""
     engine_id = engine_id or f"harness-{uuid.uuid4().hex[:8]}"
     if tier_config is None:
         tier_configs: list[dict] = []
@@ -572,7 +602,11 @@ def make_engine(
     ident = threading.get_ident()
     prev_seed = kv_cache_utils._thread_seeds.get(ident, _UNSET)
     kv_cache_utils._thread_seeds[ident] = hash_seed
-    region = MemoryRegion(num_chunks, block_len)
+    region = (
+        ShmMemoryRegion(num_chunks, block_len, engine_id)
+        if shm_region
+        else MemoryRegion(num_chunks, block_len)
+    )
     primary = CPUPrimaryTierOffloadingManager(
         num_chunks=num_chunks,
         mmap_region=region,

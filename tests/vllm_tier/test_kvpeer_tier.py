@@ -112,15 +112,32 @@ def pull(a: Engine, b: Engine, keys, blocks, kv_request_id="kv-1") -> list[tuple
 
 @pytest.mark.parametrize(
     ("plane", "poll_s"),
-    [("tcp", 0), ("tcp", 0.001), pytest.param("nixl", 0, marks=pytest.mark.skipif(not NIXL, reason="no nixl"))],
-    ids=["tcp-stepped", "tcp-tier-poll-thread", "nixl-stepped"],
+    [
+        ("tcp", 0),
+        ("tcp", 0.001),
+        ("shm", 0),
+        ("both", 0),
+        pytest.param("nixl", 0, marks=pytest.mark.skipif(not NIXL, reason="no nixl")),
+    ],
+    ids=["tcp-stepped", "tcp-tier-poll-thread", "shm-stepped", "both-stepped", "nixl-stepped"],
 )
 def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
     """With poll_s > 0 vLLM's tier-poll thread also calls the tier between steps
-    (tolerates_off_thread_polling), under the manager's lock."""
-    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A", tier_poll_interval_s=poll_s)
-    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B", tier_poll_interval_s=poll_s)
+    (tolerates_off_thread_polling), under the manager's lock. On shm (and both, which picks
+    shm on one host) the primary memory is a /dev/shm file, as vLLM maps it."""
+    shm = plane in ("shm", "both")
+    a = engines(
+        kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"A-{plane}-{os.getpid()}",
+        tier_poll_interval_s=poll_s, shm_region=shm,
+    )
+    b = engines(
+        kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"B-{plane}-{os.getpid()}",
+        tier_poll_interval_s=poll_s, shm_region=shm,
+    )
     assert type(a.tier).__name__ == "KvpeerTier" and a.tier.plane == plane
+    if shm:
+        # vLLM's file, grown by kvpeer's trailer page (the shm plane's ownership proof).
+        assert os.path.getsize(a.region.path) == NUM_CHUNKS * BLOCK_LEN + 4096
     keys_a = [make_key(f"a-{i}") for i in range(6)]
     keys_b = [make_key(f"b-{i}") for i in range(5)]
     blocks_a, blocks_b = random_blocks(6, 1), random_blocks(5, 2)
@@ -143,10 +160,11 @@ def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
     b.finish(req)
 
 
-@pytest.mark.parametrize("plane", planes())
+@pytest.mark.parametrize("plane", planes() + ["shm"])
 def test_partial_prefix_and_pd_roles(engines, plane):
-    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
-    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    shm = plane == "shm"
+    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"A-pp-{plane}-{os.getpid()}", shm_region=shm)
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"B-pp-{plane}-{os.getpid()}", shm_region=shm)
     keys = [make_key(f"part-{i}") for i in range(5)]
     blocks = random_blocks(3, 3)
     produce(a, keys[:3], blocks)
@@ -358,7 +376,7 @@ def test_shutdown_with_peers_connected(engines):
         ({"bogus": 1}, "bogus"),
         ({"max_peers": "many"}, "max_peers"),
         ({"plane": "carrier-pigeon"}, "plane"),
-        ({"plane": "shm"}, "plane"),
+        ({"plane": "shm"}, "plane"),  # the memory here is no /dev/shm file
         ({"allow": ["10.0.0.0/33"]}, "allow"),
         ({"port": "x"}, "port"),
         ({"backends": ["LIBFABRIC"]}, "backends"),

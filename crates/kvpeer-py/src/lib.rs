@@ -36,6 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NIXL_BUILT", cfg!(feature = "nixl"))?;
+    m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;
     Ok(())
 }
 
@@ -53,4 +54,27 @@ fn init_logs() {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .try_init();
+}
+
+/// The `/dev/shm` object `memory` (a buffer) is a shared mapping of, from its start, or None:
+/// whether the `shm` plane can serve it (vLLM's primary tier is
+/// `/dev/shm/vllm_offload_<engine>.mmap`).
+#[pyfunction]
+fn shm_object_of(memory: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    let py = memory.py();
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((memory,))?;
+    let nbytes: u64 = view.getattr("nbytes")?.extract()?;
+    let ctypes = py.import("ctypes")?;
+    // A read-only buffer cannot be pinned for writing; then it is no pool at all.
+    let Ok(pin) = ctypes
+        .getattr("c_char")?
+        .call_method1("from_buffer", (&view,))
+    else {
+        return Ok(None);
+    };
+    let address: usize = ctypes.getattr("addressof")?.call1((&pin,))?.extract()?;
+    Ok(memory::shm_object_of(address, nbytes))
 }

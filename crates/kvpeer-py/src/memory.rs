@@ -52,9 +52,21 @@ impl Drop for Export {
     }
 }
 
+/// The `/dev/shm` object the engine's memory is a shared mapping of, from its start, if any
+/// (vLLM's primary tier is `/dev/shm/vllm_offload_<engine>.mmap`): what the shm plane serves.
+pub(crate) fn shm_object_of(address: usize, len: u64) -> Option<String> {
+    let mapping = kvpeer_store::maps::shared_file_at(address as u64, len)?;
+    let path = mapping.path.to_str()?;
+    let name = path.strip_prefix("/dev/shm/")?;
+    // A deleted object (" (deleted)") cannot be opened by name; nor a nested path.
+    (mapping.offset == 0 && !name.contains('/') && !name.contains(' ')).then(|| name.to_owned())
+}
+
 /// The pool over `memory`, and the export that keeps it alive (drop it after the pool). The
 /// block length is the row stride (vLLM's `block_size_bytes = primary_kv_view.strides[0]`).
-pub(crate) fn engine_pool(memory: &Bound<'_, PyAny>) -> PyResult<(Pool, Export)> {
+/// With `shm`, the memory must be a mapping of a `/dev/shm` object (see [`shm_object_of`]),
+/// adopted so that the shm plane can serve it ([`Pool::adopt_shm`]).
+pub(crate) fn engine_pool(memory: &Bound<'_, PyAny>, shm: bool) -> PyResult<(Pool, Export)> {
     let py = memory.py();
     let bad = |what: String| PyValueError::new_err(format!("the engine's memory {what}"));
     let view = py
@@ -89,6 +101,16 @@ pub(crate) fn engine_pool(memory: &Bound<'_, PyAny>) -> PyResult<(Pool, Export)>
         .map_err(|e| bad(format!("cannot be pinned: {e}")))?;
     let address: usize = ctypes.getattr("addressof")?.call1((&pin,))?.extract()?;
     let base = NonNull::new(address as *mut u8).ok_or_else(|| bad("is at address 0".into()))?;
+    let object = match shm {
+        true => Some(shm_object_of(address, rows * row_len).ok_or_else(|| {
+            bad(
+                "is not a mapping of a /dev/shm object, which the shm plane needs (vLLM's \
+                 primary tier is one: /dev/shm/vllm_offload_<engine>.mmap)"
+                    .into(),
+            )
+        })?),
+        false => None,
+    };
     let alive = Arc::new(());
     // SAFETY: `base` is the start of `rows × row_len` writable, C-contiguous bytes (checked
     // above on the memoryview whose export `pin` holds); the export pins them (the exporter
@@ -96,9 +118,15 @@ pub(crate) fn engine_pool(memory: &Bound<'_, PyAny>) -> PyResult<(Pool, Export)>
     // the pool's `keep_alive` (a clone of `alive`) is dropped. Python code may still write
     // the same bytes (the engine filling or reading its blocks) through its own buffer, never
     // through Rust references; kvpeer writes only into blocks the engine gave it for a load.
-    let pool =
-        unsafe { Pool::external(base, rows, row_len, row_len, Some(Box::new(alive.clone()))) }
-            .map_err(|e| bad(e.to_string()))?;
+    // (`adopt_shm` also checks that `base` is a shared mapping of the object it names.)
+    let keep_alive: Box<dyn std::any::Any + Send + Sync> = Box::new(alive.clone());
+    let pool = unsafe {
+        match object {
+            Some(name) => Pool::adopt_shm(&name, base, rows, row_len, Some(keep_alive)),
+            None => Pool::external(base, rows, row_len, row_len, Some(keep_alive)),
+        }
+    }
+    .map_err(|e| bad(e.to_string()))?;
     Ok((
         pool,
         Export {

@@ -87,7 +87,8 @@ impl EngineTier {
         tag: &str,
     ) -> PyResult<Self> {
         let config = node_config(tag, &settings)?;
-        let (pool, export) = engine_pool(memory)?;
+        let shm = matches!(config.plane, PlaneKind::Shm | PlaneKind::Both);
+        let (pool, export) = engine_pool(memory, shm)?;
         let (num_blocks, block_len) = (pool.num_blocks(), pool.block_len());
         let plane = config.plane;
         let built = py.detach(|| engine::build(plane, &config.spec, pool));

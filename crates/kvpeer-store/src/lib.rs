@@ -10,6 +10,7 @@
 //! index entry holding the 48-byte key), under 1% of a 16 KiB block.
 
 mod lru;
+pub mod maps;
 mod pool;
 mod store;
 pub mod trailer;

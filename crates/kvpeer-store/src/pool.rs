@@ -6,8 +6,9 @@
 //! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
 //! [`crate::trailer`], so that the `shm` plane can prove to a peer that this node owns the
 //! object it names), or memory an embedding engine registered itself ([`Pool::external`]: a
-//! base address and a row stride, block `i` at `base + i × stride`). The shm object is mapped
-//! once, here; the data planes never map it themselves. They get:
+//! base address and a row stride, block `i` at `base + i × stride`), or an engine's own mapping
+//! of a shared-memory object the engine made ([`Pool::adopt_shm`]: vLLM's primary tier; the
+//! trailer goes past the engine's blocks). The shm object is mapped once, here; the data planes never map it themselves. They get:
 //!
 //! * a [`PoolView`]: a cheap clone (a reference count) reading block `i` as `&[u8]`, and the
 //!   addresses NIXL registers;
@@ -81,6 +82,14 @@ pub enum PoolError {
     /// No randomness for the pool's secret.
     #[error("no randomness for the pool's secret: {0}")]
     Random(getrandom::Error),
+    /// An engine's shared-memory object that [`Pool::adopt_shm`] cannot serve.
+    #[error("cannot serve shared-memory object /{name} with the shm plane: {why}")]
+    NotAdoptable {
+        /// Its name.
+        name: String,
+        /// Why not.
+        why: String,
+    },
     /// `mlock` failed (raise `ulimit -l`, or run without locking).
     #[error("cannot lock {bytes} bytes in memory: {source}")]
     Lock {
@@ -164,6 +173,14 @@ enum Backing {
         /// Whatever the embedder wants released once the pool no longer uses the memory.
         _keep_alive: Option<Box<dyn Any + Send + Sync>>,
     },
+    /// An engine's memory that is a shared-memory object the engine made and mapped
+    /// ([`Pool::adopt_shm`]): the blocks are the engine's mapping, the trailer ours.
+    Adopted {
+        /// The trailer page, mapped apart from the blocks (never read through).
+        _trailer: MmapMut,
+        object: ShmObject,
+        _keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    },
     /// A peer's pool object, mapped by the shm plane to write the blocks the peer names.
     Peer { map: MmapMut },
 }
@@ -239,7 +256,9 @@ impl Memory {
 impl std::fmt::Debug for Memory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let shm = match &self.backing {
-            Backing::Shm { object, .. } => Some(object.name.as_str()),
+            Backing::Shm { object, .. } | Backing::Adopted { object, .. } => {
+                Some(object.name.as_str())
+            }
             Backing::External { .. } | Backing::Peer { .. } => None,
         };
         f.debug_struct("Memory")
@@ -287,7 +306,7 @@ impl PoolView {
     /// The shared-memory object, for a [`Pool::shm`] pool; `None` for external memory.
     pub fn shm(&self) -> Option<&ShmObject> {
         match &self.mem.backing {
-            Backing::Shm { object, .. } => Some(object),
+            Backing::Shm { object, .. } | Backing::Adopted { object, .. } => Some(object),
             Backing::External { .. } | Backing::Peer { .. } => None,
         }
     }
@@ -563,6 +582,99 @@ impl Pool {
         ))
     }
 
+    /// A pool over an engine's memory that is the engine's own mapping of the shared-memory
+    /// object `/dev/shm/<name>` (vLLM's primary tier), so the `shm` plane can serve it: block
+    /// `i` at `base + i × block_len`, as the object's bytes from offset 0. The object must hold
+    /// exactly the blocks (or the blocks and a trailer a kvpeer pool left); it is grown by one
+    /// page, the trailer, where a fresh secret goes (mapped apart: the engine's mapping is not
+    /// touched beyond the blocks). `base` must be a shared, writable mapping of that very
+    /// object over all the blocks (checked in `/proc/self/maps`); otherwise, or for a block
+    /// length that is not a whole number of pages, it is refused. Dropping the pool leaves the
+    /// object (the engine's) and its trailer.
+    ///
+    /// # Safety
+    ///
+    /// As [`Pool::external`]: the engine's mapping at `base` stays mapped until `keep_alive`
+    /// is dropped, and is not accessed through Rust references elsewhere meanwhile.
+    pub unsafe fn adopt_shm(
+        name: &str,
+        base: NonNull<u8>,
+        num_blocks: u64,
+        block_len: u64,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Result<Self, PoolError> {
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
+        let refuse = |why: String| PoolError::NotAdoptable {
+            name: name.to_owned(),
+            why,
+        };
+        let page = 4096u64;
+        if block_len % page != 0 {
+            return Err(refuse(format!(
+                "a block of {block_len} bytes is not whole pages"
+            )));
+        }
+        let path = format!("/{name}");
+        let fd = shm_open(path.as_str(), OFlag::O_RDWR, Mode::empty())
+            .map_err(|e| refuse(format!("cannot open it: {e}")))?;
+        let file = File::from(fd);
+        let stat = file
+            .metadata()
+            .map_err(|e| refuse(format!("cannot examine it: {e}")))?;
+        let blocks_len = span as u64;
+        let with_trailer =
+            trailer::object_len(num_blocks, block_len).ok_or_else(|| refuse("too large".into()))?;
+        if stat.len() != blocks_len && stat.len() != with_trailer {
+            return Err(refuse(format!(
+                "it holds {} bytes, not {num_blocks} blocks of {block_len}",
+                stat.len()
+            )));
+        }
+        match crate::maps::shared_file_at(base.as_ptr() as u64, blocks_len) {
+            Some(m) if m.inode == stat.ino() && m.offset == 0 => {}
+            _ => {
+                return Err(refuse(
+                    "the engine's memory is not a shared mapping of it from its start".into(),
+                ))
+            }
+        }
+        if stat.len() == blocks_len {
+            let size = i64::try_from(with_trailer).map_err(|_| refuse("too large".into()))?;
+            ftruncate(&file, size).map_err(|e| refuse(format!("cannot add the trailer: {e}")))?;
+        }
+        let secret = trailer::new_secret().map_err(PoolError::Random)?;
+        // SAFETY: the trailer page past the engine's blocks, which this pool just added (or
+        // which a kvpeer pool added before): the engine maps only the blocks, so nothing else
+        // in this process reaches these bytes; a peer only ever reads them (the `shm` plane's
+        // ownership check). The map is only written here, once.
+        let mut trailer_map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(blocks_len)
+                .len(trailer::TRAILER_LEN as usize)
+                .map_mut(&file)
+        }
+        .map_err(|e| refuse(format!("cannot map its trailer: {e}")))?;
+        let head = trailer::encode(&secret);
+        trailer_map[..head.len()].copy_from_slice(&head);
+        trailer_map[head.len()..].fill(0);
+        let object = ShmObject {
+            name: name.to_owned(),
+            secret,
+            file_id: (stat.dev(), stat.ino()),
+        };
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_bytes, block_bytes),
+            span,
+            Backing::Adopted {
+                _trailer: trailer_map,
+                object,
+                _keep_alive: keep_alive,
+            },
+        ))
+    }
+
     /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
     /// `block_len` bytes, to write the blocks the peer names in its fetches. Only for an object
     /// already proven to be that peer's pool of exactly that size (the shm plane checks size,
@@ -603,7 +715,7 @@ impl Pool {
             Backing::Shm { _map: map, .. } | Backing::Peer { map } => {
                 map.advise(memmap2::Advice::PopulateWrite)
             }
-            Backing::External { .. } => Ok(()),
+            Backing::External { .. } | Backing::Adopted { .. } => Ok(()),
         }
     }
 
@@ -703,8 +815,9 @@ impl Deref for Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        if let Some(name) = self.view.shm_name() {
-            let _ = shm_unlink(format!("/{name}").as_str());
+        // Only an object this pool created goes; an adopted one is the engine's.
+        if let Backing::Shm { object, .. } = &self.view.mem.backing {
+            let _ = shm_unlink(format!("/{}", object.name).as_str());
         }
     }
 }
@@ -749,6 +862,68 @@ mod tests {
         drop(r);
         assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
         assert!(view.block(blk(2)).unwrap().iter().all(|b| *b == 7));
+    }
+
+    #[test]
+    fn an_engines_shm_object_is_adopted_with_a_trailer_and_left_on_drop() {
+        // The engine makes and maps its object (as vLLM does its primary tier).
+        let name = unique("adopt");
+        let path = format!("/dev/shm/{name}");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        file.set_len(4 * 4096).unwrap();
+        // SAFETY: this test's own object, mapped for the test's length.
+        let mut engine_map = unsafe { MmapMut::map_mut(&file) }.unwrap();
+        engine_map[4096..8192].fill(9);
+        let base = NonNull::new(engine_map.as_mut_ptr()).unwrap();
+        // SAFETY: `engine_map` outlives the pool (dropped at the end of the test).
+        let pool = unsafe { Pool::adopt_shm(&name, base, 4, 4096, None) }.unwrap();
+        assert_eq!(pool.shm_name(), Some(name.as_str()));
+        assert!(
+            pool.block(blk(1)).unwrap().iter().all(|b| *b == 9),
+            "the engine's bytes"
+        );
+        let raw = std::fs::read(&path).unwrap();
+        assert_eq!(raw.len() as u64, 4 * 4096 + trailer::TRAILER_LEN);
+        assert_eq!(
+            trailer::parse_trailer(&raw[4 * 4096..]),
+            Ok(*pool.shm().unwrap().secret())
+        );
+        drop(pool);
+        assert!(
+            std::path::Path::new(&path).exists(),
+            "the engine's object stays"
+        );
+        // Adopted again (the trailer is there now): a new secret.
+        // SAFETY: as above.
+        let again = unsafe { Pool::adopt_shm(&name, base, 4, 4096, None) }.unwrap();
+        let raw = std::fs::read(&path).unwrap();
+        assert_eq!(
+            trailer::parse_trailer(&raw[4 * 4096..]),
+            Ok(*again.shm().unwrap().secret())
+        );
+        drop(again);
+        // Memory that is not a mapping of the object, or the wrong size, is refused.
+        let mut other = vec![0u8; 4 * 4096];
+        let elsewhere = NonNull::new(other.as_mut_ptr()).unwrap();
+        // SAFETY: `other` outlives the attempt.
+        let refused = unsafe { Pool::adopt_shm(&name, elsewhere, 4, 4096, None) };
+        assert!(
+            matches!(refused, Err(PoolError::NotAdoptable { .. })),
+            "{refused:?}"
+        );
+        // SAFETY: as above.
+        let refused = unsafe { Pool::adopt_shm(&name, base, 3, 4096, None) };
+        assert!(
+            matches!(refused, Err(PoolError::NotAdoptable { .. })),
+            "{refused:?}"
+        );
+        drop(engine_map);
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

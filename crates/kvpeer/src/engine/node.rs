@@ -94,12 +94,14 @@ impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
 
 impl<D: BuildPlane> EngineNode<D> {
     /// Builds the node over `pool`, the engine's block memory: its own registered region
-    /// ([`Pool::external`], for the tcp and nixl planes) or a shared-memory object
-    /// ([`Pool::shm`], for every plane). Binds the control channel and makes the data plane.
+    /// ([`Pool::external`], for the tcp and nixl planes), or a shared-memory object
+    /// ([`Pool::shm`], or the engine's own adopted with [`Pool::adopt_shm`]: every plane). Binds the control channel and makes the data plane.
     pub fn build(spec: &NodeSpec, pool: Pool) -> Result<Self, BuildError> {
         let spec = NodeSpec {
             num_blocks: pool.num_blocks(),
             block_len: pool.block_len(),
+            // The shm plane advertises the pool's own object (an engine's, when adopted).
+            shm_name: pool.shm_name().unwrap_or(&spec.shm_name).to_owned(),
             ..spec.clone()
         };
         let (io, (link, pool)) = build_with::<D, EngineParent, _>(
