@@ -146,8 +146,9 @@ class KvpeerTier(SecondaryTierManager):
       ``num_threads`` (accepted; kvpeer's nixl plane makes progress on the engine's calls),
       ``unbound_store_timeout_s``; and ``VLLM_P2P_MAX_PEERS``,
       ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``;
-    * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else tcp;
-      or ``nixl``, ``tcp``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
+    * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else
+      ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
+      ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
       ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``metrics`` (bool), and the
       timeouts ``lookup_timeout_s``, ``load_timeout_s``, ``handshake_timeout_s``,
       ``idle_timeout_s``.
