@@ -26,7 +26,7 @@ process's threads by name; and, after the requests, the cost of an idle step per
 Per-request times are the median over the repeats; latencies and rounds are pooled.
 
     python bench_tier.py [--requests 200] [--requests-large 30] [--keys 16] [--repeat 3]
-                         [--cases kvpeer-nixl,kvpeer-tcp,stock] [--blocks 16384,2097152]
+                         [--cases kvpeer-nixl,kvpeer-tcp,kvpeer-shm,stock] [--blocks 16384,2097152]
                          [--pause-ms 0.5] [--clock wall|cpu] [--json PATH]
                          [--native]    # kvpeer's Rust calls timed apart (a proxy adds a little)
                          [--profile]   # cProfile of the tier methods (figures then inflated)
@@ -94,7 +94,7 @@ MANAGER_METHODS = (
 )
 # What a serving tier calls back on vLLM's manager (ParentManager), inside serve_external_requests.
 PARENT_METHODS = ("on_new_request", "lookup", "create_store_job", "on_request_finished")
-CASES = ("kvpeer-nixl", "kvpeer-tcp", "stock")
+CASES = ("kvpeer-nixl", "kvpeer-tcp", "kvpeer-shm", "stock")
 KIB = 1024
 ROUND_LIMIT = 20_000  # rounds per wait: a bound, never reached in a healthy run
 WAIT_LIMIT_S = 10.0  # seconds per wait, likewise
@@ -224,7 +224,16 @@ def new_engine(case: str, num_chunks: int, block_len: int, engine_id: str) -> En
     """An engine of `case` on a free port (another pick if it was taken in the meantime)."""
     for attempt in range(3):
         try:
-            return make_engine(tier_config(case), num_chunks, block_len, engine_id=engine_id)
+            # kvpeer's shm plane serves vLLM's /dev/shm file: give the engine one, as vLLM maps
+            # its primary tier (a name unique to this process).
+            shm = case == "kvpeer-shm"
+            return make_engine(
+                tier_config(case),
+                num_chunks,
+                block_len,
+                engine_id=f"{engine_id}-{os.getpid()}" if shm else engine_id,
+                shm_region=shm,
+            )
         except Exception as exc:  # noqa: BLE001 - a port taken since free_port(): try another
             if "in use" not in str(exc).lower() or attempt == 2:
                 raise
