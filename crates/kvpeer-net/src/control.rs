@@ -1,4 +1,5 @@
-//! The control channel: ZeroMQ, wire-compatible with vLLM's `ZmqTransport`.
+//! The control channel: ZMTP 3.1 spoken by kvpeer itself, wire-compatible with vLLM's
+//! `ZmqTransport` (libzmq ROUTER and DEALER sockets), with no libzmq and no I/O thread.
 //!
 //! * The listening side is kvpeer's own ZMTP ([`Inbound`]) at `host:port`, which is the node's
 //!   identity; it behaves as libzmq's ROUTER on the wire, but every message comes with the
@@ -6,31 +7,40 @@
 //!   the node can close one connection. Several connections may claim one identity; none locks
 //!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
 //!   shape but one frame are dropped.
-//! * One DEALER per peer, connected to the peer's ROUTER, with `ZMQ_IDENTITY` = our identity;
-//!   each message is one frame (a msgpack payload). Sends never block: a full queue
-//!   (`SNDHWM` 1000) marks the connection lost, as vLLM does.
-//! * Heartbeats 2 s / 10 s / 10 s on both sides; `LINGER` 500 ms on DEALERs; frames over
+//! * One DEALER connection per peer ([`Outbound`], protocol in [`Dealer`](crate::dealer::Dealer)),
+//!   connected to the peer's ROUTER with `Identity` = our identity; each message is one frame
+//!   (a msgpack payload). Sends never block and are written at once when the connection is
+//!   idle; a full queue (`send_queue`, 1000 messages, libzmq's `SNDHWM`) marks the connection
+//!   lost, as vLLM does.
+//! * Heartbeats 2 s / 10 s / 10 s on both sides; closed connections linger 500 ms; frames over
 //!   `max_message_bytes` (default 64 MiB) are refused from their header: the connection that
 //!   announced one is closed (a 1 TiB header included) and everyone else is served.
-//! * A socket monitor on each DEALER: DISCONNECTED, CLOSED or a failed handshake mean the
-//!   connection is lost ([`ChannelEvent::Lost`]). Closing a DEALER stops its monitor first:
-//!   libzmq's I/O thread sends monitor events with blocking sends, so an event for a DEALER
-//!   whose monitor reader is already gone would block that thread, and with it every socket of
-//!   the channel, for good (seen when a peer was killed mid-transfer).
-//! * Dial-back is lazy: sending to a peer without a DEALER opens one (to the peer's identity,
-//!   `host:port`). The core opens a session only on a `connect`, so junk never makes us dial.
+//! * An outbound connection that fails to connect, or fails once connected (end of stream,
+//!   error, handshake or protocol failure, heartbeat timeout), is lost
+//!   ([`ChannelEvent::Lost`], as libzmq's socket monitor reported CLOSED or DISCONNECTED) and
+//!   dropped; a connect that cannot even start (no descriptor) is retried every 100 ms.
+//! * Dial-back is lazy: sending to a peer without a connection opens one (to the peer's
+//!   identity, `host:port`). The core opens a session only on a `connect`, so junk never makes
+//!   us dial.
 //!
-//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps until a socket is
-//! readable or the timeout passes; nothing else blocks.
+//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps in one `poll(2)` on
+//! every socket (and the caller's extra descriptor) until something is ready or the nearest
+//! deadline (heartbeats, handshakes, retries, lingers) or the timeout passes; nothing else
+//! blocks, except dropping the channel, which gives queued messages up to `linger` to leave,
+//! as libzmq's `zmq_ctx_term` did.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
 use std::net::IpAddr;
-use std::time::Duration;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
-use tracing::{debug, warn};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use tracing::warn;
 
+use crate::dealer::DealerLimits;
 use crate::inbound::{ConnId, Inbound, InboundEvent, InboundLimits};
+use crate::outbound::{OutId, Outbound, OutboundConfig};
 
 /// Settings of the control channel; `Default` is vLLM's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,9 +51,15 @@ pub struct ControlConfig {
     pub heartbeat_timeout: Duration,
     /// Heartbeat TTL told to the peer (`ZMQ_HEARTBEAT_TTL`).
     pub heartbeat_ttl: Duration,
+    /// How long an outbound connection's handshake may take once TCP is connected
+    /// (`ZMQ_HANDSHAKE_IVL`).
+    pub handshake_timeout: Duration,
+    /// How soon an outbound connect that could not start (no descriptor) is tried again
+    /// (`ZMQ_RECONNECT_IVL`).
+    pub reconnect_interval: Duration,
     /// Messages queued per peer before a send fails (`ZMQ_SNDHWM`).
     pub send_queue: i32,
-    /// How long unsent messages linger after a DEALER closes (`ZMQ_LINGER`).
+    /// How long unsent messages linger after an outbound connection closes (`ZMQ_LINGER`).
     pub linger: Duration,
     /// Largest frame accepted (`ZMQ_MAXMSGSIZE`).
     pub max_message_bytes: i64,
@@ -59,6 +75,8 @@ impl Default for ControlConfig {
             heartbeat_interval: Duration::from_secs(2),
             heartbeat_timeout: Duration::from_secs(10),
             heartbeat_ttl: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(30),
+            reconnect_interval: Duration::from_millis(100),
             send_queue: 1000,
             linger: Duration::from_millis(500),
             max_message_bytes: 64 << 20,
@@ -83,19 +101,9 @@ pub enum ControlError {
         /// The system's error.
         source: std::io::Error,
     },
-    /// A ZeroMQ call failed.
-    #[error("{what}: {source}")]
-    Zmq {
-        /// What was being done.
-        what: String,
-        /// libzmq's error.
-        source: zmq::Error,
-    },
-}
-
-fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> ControlError {
-    let what = what.into();
-    move |source| ControlError::Zmq { what, source }
+    /// Waiting on the sockets failed.
+    #[error("cannot wait on the control sockets: {0}")]
+    Wait(#[source] std::io::Error),
 }
 
 /// Something that happened on the channel.
@@ -113,14 +121,15 @@ pub enum ChannelEvent {
         payload: Vec<u8>,
     },
     /// An inbound connection is gone (closed by the peer, heartbeat or handshake timeout,
-    /// bad bytes). The session it carried, if any, learns it from its DEALER's side.
+    /// bad bytes). The session it carried, if any, learns it from its outbound side.
     InboundClosed {
         /// The connection.
         conn: ConnId,
         /// The identity it claimed, if it got that far.
         peer: Option<PeerId>,
     },
-    /// The connection to a peer is gone (monitor event or failed send); its DEALER is closed.
+    /// The outbound connection to a peer is gone (it could not connect, or failed once
+    /// connected); it is closed, and the next send dials afresh.
     Lost {
         /// The peer.
         peer: PeerId,
@@ -143,55 +152,39 @@ pub enum SendError {
     },
 }
 
-struct Dealer {
-    socket: zmq::Socket,
-    monitor: zmq::Socket,
+/// What the last `wait` saw ready; the next `recv` reads only those (each read attempt costs a
+/// syscall). `None` lists mean every connection (no wait since the last `recv`). A connection
+/// skipped is seen by the next `wait` at once (`poll` is level-triggered).
+#[derive(Debug, Default)]
+struct Readiness {
+    listener_idle: bool,
+    inbound: Option<Vec<ConnId>>,
+    outbound: Option<Vec<OutId>>,
 }
 
-impl Drop for Dealer {
-    fn drop(&mut self) {
-        // Stop the monitor before the DEALER and the monitor reader close (the fields drop
-        // after this). Under libzmq's monitor lock this closes the monitor's sending end, so
-        // the I/O thread, tearing the DEALER down later, has nowhere to block.
-        // SAFETY: `self.socket` is a live DEALER owned by this struct, used only by this
-        // thread; a NULL endpoint is zmq_socket_monitor's documented way to stop monitoring.
-        let rc =
-            unsafe { zmq_sys::zmq_socket_monitor(self.socket.as_mut_ptr(), std::ptr::null(), 0) };
-        if rc != 0 {
-            warn!("could not stop a DEALER's monitor before closing it");
-        }
-    }
-}
-
-/// The ZeroMQ control channel of one node.
+/// The control channel of one node.
 pub struct ControlChannel {
-    ctx: zmq::Context,
     inbound: Inbound,
+    outbound: Outbound,
     identity: PeerId,
-    config: ControlConfig,
-    dealers: HashMap<PeerId, Dealer>,
-    next_monitor: u64,
-    /// Events found while sending (lost connections), returned by the next `recv`.
-    pending: Vec<ChannelEvent>,
-    /// What the last `wait` saw readable: the next `recv` reads only those (each read attempt
-    /// costs a syscall). A socket skipped is seen by the next `wait` at once (`zmq_poll` is
-    /// level-triggered).
-    listener_ready: std::cell::Cell<bool>,
-    readable_conns: std::cell::RefCell<Vec<ConnId>>,
-    monitors_ready: std::cell::Cell<bool>,
+    ready: RefCell<Readiness>,
 }
 
 impl std::fmt::Debug for ControlChannel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ControlChannel")
             .field("identity", &self.identity)
-            .field("peers", &self.dealers.len())
+            .field("inbound", &self.inbound)
+            .field("outbound", &self.outbound)
             .finish()
     }
 }
 
-fn ms(d: Duration) -> i32 {
-    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
+/// `d` as a poll(2) timeout in milliseconds, rounded up (a deadline 0.3 ms away must not turn
+/// into a busy loop), at most `i32::MAX`.
+pub(crate) fn poll_timeout(d: Duration) -> PollTimeout {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    PollTimeout::try_from(ms.min(i32::MAX as u128)).unwrap_or(PollTimeout::MAX)
 }
 
 fn limits(config: &ControlConfig) -> InboundLimits {
@@ -210,6 +203,21 @@ fn limits(config: &ControlConfig) -> InboundLimits {
     }
 }
 
+fn outbound_config(config: &ControlConfig) -> OutboundConfig {
+    OutboundConfig {
+        dealer: DealerLimits {
+            max_message_bytes: u64::try_from(config.max_message_bytes).unwrap_or(0),
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+            heartbeat_ttl: config.heartbeat_ttl,
+            handshake_timeout: config.handshake_timeout,
+            send_queue: usize::try_from(config.send_queue).unwrap_or(0),
+        },
+        linger: config.linger,
+        reconnect_interval: config.reconnect_interval,
+    }
+}
+
 fn listen(addr: &str, config: &ControlConfig) -> Result<Inbound, ControlError> {
     Inbound::bind(addr, limits(config)).map_err(|source| ControlError::Bind {
         addr: addr.to_owned(),
@@ -217,11 +225,13 @@ fn listen(addr: &str, config: &ControlConfig) -> Result<Inbound, ControlError> {
     })
 }
 
-fn heartbeats(s: &zmq::Socket, c: &ControlConfig) -> Result<(), zmq::Error> {
-    s.set_heartbeat_ivl(ms(c.heartbeat_interval))?;
-    s.set_heartbeat_timeout(ms(c.heartbeat_timeout))?;
-    s.set_heartbeat_ttl(ms(c.heartbeat_ttl))?;
-    s.set_maxmsgsize(c.max_message_bytes)
+/// Who a polled descriptor belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Extra,
+    Listener,
+    Inbound(ConnId),
+    Outbound(OutId),
 }
 
 impl ControlChannel {
@@ -250,16 +260,10 @@ impl ControlChannel {
 
     fn new(inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
         ControlChannel {
-            ctx: zmq::Context::new(),
             inbound,
+            outbound: Outbound::new(&identity, outbound_config(&config)),
             identity,
-            config,
-            dealers: HashMap::new(),
-            next_monitor: 0,
-            pending: Vec::new(),
-            listener_ready: std::cell::Cell::new(true),
-            readable_conns: std::cell::RefCell::new(Vec::new()),
-            monitors_ready: std::cell::Cell::new(true),
+            ready: RefCell::new(Readiness::default()),
         }
     }
 
@@ -278,83 +282,46 @@ impl ControlChannel {
         self.inbound.connections()
     }
 
-    /// Whether a DEALER to `peer` is open.
-    pub fn connected(&self, peer: &PeerId) -> bool {
-        self.dealers.contains_key(peer)
+    /// Outbound connections held now, lingering ones included.
+    pub fn outbound_connections(&self) -> usize {
+        self.outbound.connections()
     }
 
-    /// Opens a DEALER to `peer` (no-op if open). Messages queue until TCP connects.
+    /// Whether an outbound connection to `peer` is open.
+    pub fn connected(&self, peer: &PeerId) -> bool {
+        self.outbound.connected(peer)
+    }
+
+    /// Opens an outbound connection to `peer` (no-op if open). Never blocks: messages queue
+    /// until TCP connects and the handshake is done.
     pub fn dial(&mut self, peer: &PeerId) -> Result<(), ControlError> {
-        if self.dealers.contains_key(peer) {
+        if self.outbound.connected(peer) {
             return Ok(());
         }
         peer.host_port()
             .map_err(|_| ControlError::BadIdentity(peer.to_string()))?;
-        let socket = self
-            .ctx
-            .socket(zmq::DEALER)
-            .map_err(zerr("create a DEALER"))?;
-        let setup = |s: &zmq::Socket| -> Result<(), zmq::Error> {
-            s.set_identity(self.identity.as_str().as_bytes())?;
-            heartbeats(s, &self.config)?;
-            s.set_sndhwm(self.config.send_queue)?;
-            s.set_linger(ms(self.config.linger))?;
-            s.set_immediate(false)
-        };
-        setup(&socket).map_err(zerr(format!("configure the DEALER to {peer}")))?;
-        self.next_monitor += 1;
-        let endpoint = format!("inproc://kvpeer-monitor-{}", self.next_monitor);
-        let events = zmq::SocketEvent::DISCONNECTED as i32
-            | zmq::SocketEvent::CLOSED as i32
-            | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL as i32
-            | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL as i32
-            | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH as i32;
-        socket
-            .monitor(&endpoint, events)
-            .map_err(zerr(format!("monitor the DEALER to {peer}")))?;
-        let monitor = self
-            .ctx
-            .socket(zmq::PAIR)
-            .map_err(zerr("create a monitor socket"))?;
-        monitor
-            .connect(&endpoint)
-            .map_err(zerr(format!("connect the monitor of {peer}")))?;
-        socket
-            .connect(&format!("tcp://{peer}"))
-            .map_err(zerr(format!("connect tcp://{peer}")))?;
-        debug!(%peer, "control connection opened");
-        self.dealers
-            .insert(peer.clone(), Dealer { socket, monitor });
+        self.outbound.dial(peer, Instant::now());
         Ok(())
     }
 
-    /// Closes the DEALER to `peer` (queued messages linger up to `linger`).
+    /// Closes the outbound connection to `peer` (queued messages linger up to `linger`).
     pub fn close(&mut self, peer: &PeerId) {
-        if self.dealers.remove(peer).is_some() {
-            debug!(%peer, "control connection closed");
-        }
+        self.outbound.close(peer, Instant::now());
     }
 
-    /// Sends one payload to `peer`, opening a DEALER to it first if needed. Never blocks.
+    /// Sends one payload to `peer`, opening a connection to it first if needed. Never blocks.
     pub fn send(&mut self, peer: &PeerId, payload: &[u8]) -> Result<(), SendError> {
         let lost = |reason: String| SendError::Lost {
             peer: peer.clone(),
             reason,
         };
-        if !self.dealers.contains_key(peer) {
+        if !self.outbound.connected(peer) {
             self.dial(peer).map_err(|e| lost(e.to_string()))?;
         }
-        let Some(dealer) = self.dealers.get(peer) else {
-            return Err(lost("no connection".into()));
-        };
-        match dealer.socket.send(payload, zmq::DONTWAIT) {
+        match self.outbound.send(peer, payload, Instant::now()) {
             Ok(()) => Ok(()),
-            Err(e) => {
-                let reason = if e == zmq::Error::EAGAIN {
-                    "send queue full".to_string()
-                } else {
-                    e.to_string()
-                };
+            Err(full) => {
+                let reason = full.to_string();
                 warn!(%peer, %reason, "control send failed; connection lost");
                 self.close(peer);
                 Err(lost(reason))
@@ -362,92 +329,100 @@ impl ControlChannel {
         }
     }
 
-    /// Sleeps until a payload or a monitor event may be ready, or `timeout` passes.
+    /// Sleeps until a payload or a lost connection may be ready, or `timeout` passes.
     pub fn wait(&self, timeout: Duration) -> Result<bool, ControlError> {
         self.wait_with(timeout, None)
     }
 
     /// As [`ControlChannel::wait`], also waking when `extra` (a file descriptor, e.g. the read
-    /// end of the data plane's wake pipe) becomes readable.
-    pub fn wait_with(
-        &self,
-        timeout: Duration,
-        extra: Option<std::os::fd::RawFd>,
-    ) -> Result<bool, ControlError> {
-        let conns = self.inbound.connections();
-        let mut items = Vec::with_capacity(2 + conns + self.dealers.len());
+    /// end of the data plane's wake pipe, open for the whole call) becomes readable.
+    pub fn wait_with(&self, timeout: Duration, extra: Option<RawFd>) -> Result<bool, ControlError> {
+        let mut ready = self.ready.borrow_mut();
+        if self.outbound.has_losses() {
+            // A lost connection waits to be reported: no sleeping.
+            *ready = Readiness::default();
+            return Ok(true);
+        }
+        let now = Instant::now();
+        let mut fds = Vec::with_capacity(2 + self.inbound.connections() + 8);
+        let mut slots = Vec::with_capacity(fds.capacity());
         if let Some(fd) = extra {
-            items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+            // SAFETY: the caller keeps `extra` open for this call (the documented contract);
+            // poll(2) only reads the number, and a closed descriptor would come back POLLNVAL,
+            // never touching memory.
+            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            slots.push(Slot::Extra);
         }
-        let first_fd = items.len();
-        let listening = self.inbound.listening(std::time::Instant::now());
-        for (i, (fd, sending)) in self.inbound.poll_fds().enumerate() {
-            let events = if i == 0 && !listening {
+        let listening = self.inbound.listening(now);
+        for ((fd, sending), slot) in self
+            .inbound
+            .poll_fds()
+            .zip(std::iter::once(Slot::Listener).chain(self.inbound.conn_ids().map(Slot::Inbound)))
+        {
+            let flags = match slot {
                 // The listener rests after a failed accept (its deadline wakes us).
-                zmq::PollEvents::empty()
-            } else if sending {
-                zmq::POLLIN | zmq::POLLOUT
-            } else {
-                zmq::POLLIN
+                Slot::Listener if !listening => PollFlags::empty(),
+                _ if sending => PollFlags::POLLIN | PollFlags::POLLOUT,
+                _ => PollFlags::POLLIN,
             };
-            items.push(zmq::PollItem::from_fd(fd, events));
+            fds.push(PollFd::new(fd, flags));
+            slots.push(slot);
         }
-        let first_monitor = items.len();
-        for d in self.dealers.values() {
-            items.push(d.monitor.as_poll_item(zmq::POLLIN));
+        for (id, fd, flags) in self.outbound.poll_fds() {
+            fds.push(PollFd::new(fd, flags));
+            slots.push(Slot::Outbound(id));
         }
-        // Heartbeats and handshake deadlines of inbound connections wake us too.
-        let timeout = match self.inbound.next_deadline() {
-            Some(at) => timeout.min(at.saturating_duration_since(std::time::Instant::now())),
-            None => timeout,
-        };
-        match zmq::poll(&mut items, i64::from(ms(timeout))) {
+        // Heartbeats, handshakes, retries and lingers wake us too.
+        let timeout = [self.inbound.next_deadline(), self.outbound.next_deadline()]
+            .into_iter()
+            .flatten()
+            .map(|at| at.saturating_duration_since(now))
+            .fold(timeout, Duration::min);
+        match nix::poll::poll(&mut fds, poll_timeout(timeout)) {
             Ok(n) => {
-                let ready = |i: &zmq::PollItem| i.is_readable() || i.is_writable() || i.is_error();
-                self.listener_ready.set(ready(&items[first_fd]));
-                let mut readable = self.readable_conns.borrow_mut();
-                readable.clear();
-                readable.extend(
-                    self.inbound
-                        .conn_ids()
-                        .zip(&items[first_fd + 1..first_monitor])
-                        .filter(|(_, item)| ready(item))
-                        .map(|(id, _)| id),
-                );
-                self.monitors_ready
-                    .set(items[first_monitor..].iter().any(|i| i.is_readable()));
+                let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
+                let mut listener_ready = false;
+                for (fd, slot) in fds.iter().zip(&slots) {
+                    if fd.revents().is_none_or(|r| r.is_empty()) {
+                        continue;
+                    }
+                    match *slot {
+                        Slot::Extra => {}
+                        Slot::Listener => listener_ready = true,
+                        Slot::Inbound(id) => inbound.push(id),
+                        Slot::Outbound(id) => outbound.push(id),
+                    }
+                }
+                *ready = Readiness {
+                    listener_idle: !listener_ready,
+                    inbound: Some(inbound),
+                    outbound: Some(outbound),
+                };
                 Ok(n > 0)
             }
             // A signal woke us: the caller looks at what changed, as after any wake-up.
-            Err(zmq::Error::EINTR) => {
-                self.listener_ready.set(true);
-                let mut readable = self.readable_conns.borrow_mut();
-                readable.clear();
-                readable.extend(self.inbound.conn_ids());
-                self.monitors_ready.set(true);
+            Err(nix::errno::Errno::EINTR) => {
+                *ready = Readiness::default();
                 Ok(true)
             }
-            Err(e) => Err(zerr("poll")(e)),
+            Err(e) => Err(ControlError::Wait(e.into())),
         }
     }
 
-    /// Reads the inbound connections the last wait saw ready (all of them after a `recv`
-    /// without a wait in between), runs their heartbeats, and turns what came into events.
-    fn read_inbound(&mut self, events: &mut Vec<ChannelEvent>) {
-        let listener_ready = self.listener_ready.replace(true);
-        let readable = {
-            let mut r = self.readable_conns.borrow_mut();
-            let taken = std::mem::take(&mut *r);
-            r.extend(self.inbound.conn_ids());
-            taken
-        };
+    /// Reads the inbound connections in `readable` (all for `None`), runs their heartbeats,
+    /// and turns what came into events.
+    fn read_inbound(
+        &mut self,
+        now: Instant,
+        listener_ready: bool,
+        readable: Option<Vec<ConnId>>,
+        events: &mut Vec<ChannelEvent>,
+    ) {
+        let readable = readable.unwrap_or_else(|| self.inbound.conn_ids().collect());
         let mut happened = Vec::new();
-        self.inbound.progress(
-            std::time::Instant::now(),
-            listener_ready,
-            &readable,
-            &mut happened,
-        );
+        self.inbound
+            .progress(now, listener_ready, &readable, &mut happened);
         events.extend(happened.into_iter().map(|e| match e {
             InboundEvent::Payload {
                 conn,
@@ -465,42 +440,30 @@ impl ControlChannel {
     }
 
     /// Everything that arrived, without blocking: payloads and closes of inbound connections,
-    /// lost outbound connections.
+    /// lost outbound connections (after the inbound ones: see below).
     pub fn recv(&mut self) -> Vec<ChannelEvent> {
-        let mut events = std::mem::take(&mut self.pending);
-        // Inbound connections are read first, and all of them when a DEALER's monitor has news
-        // (a peer's connection closed), whatever the last wait saw: a peer's last messages (its
-        // `disconnect`) were sent before its connection closed and must be handled first.
-        let monitors_ready = self.monitors_ready.replace(true);
-        if monitors_ready {
-            let all: Vec<ConnId> = self.inbound.conn_ids().collect();
-            *self.readable_conns.borrow_mut() = all;
-        }
-        self.read_inbound(&mut events);
-        let mut lost = Vec::new();
-        let monitors = if monitors_ready {
-            &self.dealers
+        let now = Instant::now();
+        let ready = self.ready.take();
+        self.outbound.progress(now, ready.outbound.as_deref());
+        // Inbound connections are read first, and all of them when an outbound connection was
+        // lost, whatever the last wait saw: a peer's last messages (its `disconnect`) were sent
+        // before its connection closed and must be handled first.
+        let readable = if self.outbound.has_losses() {
+            None
         } else {
-            &HashMap::new()
+            ready.inbound
         };
-        for (peer, dealer) in monitors {
-            while let Ok(frames) = dealer.monitor.recv_multipart(zmq::DONTWAIT) {
-                let event = frames
-                    .first()
-                    .and_then(|f| f.get(..2))
-                    .map(|b| u16::from_le_bytes([b[0], b[1]]));
-                lost.push((
-                    peer.clone(),
-                    format!("control connection lost (monitor event {event:?})"),
-                ));
-            }
-        }
-        for (peer, reason) in lost {
-            if self.dealers.contains_key(&peer) {
-                self.close(&peer);
-                events.push(ChannelEvent::Lost { peer, reason });
-            }
-        }
+        let mut events = Vec::new();
+        self.read_inbound(now, !ready.listener_idle, readable, &mut events);
+        events.extend(
+            self.outbound
+                .take_losses()
+                .into_iter()
+                .map(|(peer, reason)| ChannelEvent::Lost {
+                    peer,
+                    reason: format!("control connection lost: {reason}"),
+                }),
+        );
         events
     }
 }

@@ -9,7 +9,7 @@
 //! the node decides which connection holds a session (several may claim one identity; none
 //! blocks another) and closes the others.
 //!
-//! Speaks to libzmq 4.3 DEALERs (vLLM's `ZmqTransport`, pyzmq, kvpeer's own outbound sockets)
+//! Speaks to libzmq 4.3 DEALERs (vLLM's `ZmqTransport`, pyzmq) and kvpeer's own (`dealer.rs`)
 //! as a libzmq ROUTER does: ZMTP 3.1, NULL mechanism, READY with `Socket-Type: ROUTER`, PONG
 //! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`, and a
 //! connection that sends nothing for `heartbeat_timeout` (or does not finish its handshake in
@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
@@ -149,11 +149,11 @@ impl Inbound {
     /// Descriptors to poll: the listener, then each connection (with whether it has bytes to
     /// send), in [`Inbound::conn_ids`] order. Whether to ask the listener for readability is
     /// [`Inbound::listening`].
-    pub fn poll_fds(&self) -> impl Iterator<Item = (RawFd, bool)> + '_ {
-        std::iter::once((self.listener.as_raw_fd(), false)).chain(
+    pub fn poll_fds(&self) -> impl Iterator<Item = (BorrowedFd<'_>, bool)> + '_ {
+        std::iter::once((self.listener.as_fd(), false)).chain(
             self.conns
                 .values()
-                .map(|c| (c.stream.as_raw_fd(), !c.out.is_empty())),
+                .map(|c| (c.stream.as_fd(), !c.out.is_empty())),
         )
     }
 
@@ -327,8 +327,9 @@ impl Inbound {
                             .ok_or("an identity that is not host:port")?;
                         c.identity = Some(PeerId::new(id));
                     }
-                    Input::Ping { context } => c.out.extend(zmtp::pong(&context)),
-                    Input::Command => {}
+                    Input::Ping { context, .. } => c.out.extend(zmtp::pong(&context)),
+                    // This decoder keeps messages; commands only prove the peer alive.
+                    Input::Command | Input::Discarded { .. } => {}
                     Input::Message(mut frames) => {
                         let Some(peer) = c.identity.clone() else {
                             return Err("a message before READY".into());

@@ -2,9 +2,10 @@
 //! messages, and data planes that implement the core's [`DataPlane`](kvpeer_core::DataPlane).
 //! They make no protocol decisions.
 //!
-//! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`: inbound
-//!   connections speak ZMTP through kvpeer's own [`inbound`] listener ([`zmtp`] is the codec),
-//!   outbound ones are libzmq DEALERs.
+//! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`, ZMTP spoken
+//!   by kvpeer on the node's thread (no libzmq): inbound connections through the [`inbound`]
+//!   listener, outbound ones through [`outbound`] ([`dealer`] is a connection's protocol,
+//!   [`zmtp`] the codec both sides share).
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
 //!   `tcp`, `tcp_key`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool, once the peer has
@@ -14,11 +15,13 @@
 //! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
 
 pub mod control;
+pub mod dealer;
 pub mod dual;
 pub mod inbound;
 pub mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod outbound;
 mod prefault;
 pub mod shm;
 mod shm_object;

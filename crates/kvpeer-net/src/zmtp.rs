@@ -1,7 +1,7 @@
-//! ZMTP 3.1 with the NULL mechanism, the accepting side of one connection, without I/O.
+//! ZMTP 3.1 with the NULL mechanism: the codec of one connection, without I/O.
 //!
-//! What a libzmq 4.3 DEALER (vLLM's `ZmqTransport`, pyzmq, kvpeer's own outbound sockets) speaks
-//! to a ROUTER (RFC 23/ZMTP and 37/ZMTP 3.1):
+//! What a libzmq 4.3 DEALER (vLLM's `ZmqTransport`, pyzmq, kvpeer's own outbound side) and a
+//! ROUTER speak to each other (RFC 23/ZMTP and 37/ZMTP 3.1):
 //!
 //! ```text
 //! greeting   0xFF · 8 bytes · 0x7F · major 3 · minor · mechanism (20 bytes, "NULL" + zeros)
@@ -15,8 +15,13 @@
 //!
 //! [`Decoder`] takes bytes as they come and yields [`Input`]s; it checks every frame's size from
 //! its header before buffering the body, so a peer announcing a frame over the limit is refused
-//! before a byte of it is kept. The writers build the few things the accepting side sends.
-//! Pure: no sockets, no clock; the connection code (`inbound.rs`) drives it.
+//! before a byte of it is kept. A peer's greeting is judged as soon as its signature and version
+//! byte are in (a ZMTP 2 peer sends only 12 bytes and would otherwise wait for ours in vain);
+//! any major version from 3 on is accepted, as libzmq does (3.0 and 3.1 frame alike). A decoder
+//! made with [`Decoder::discarding`] skips message bodies as they arrive instead of buffering
+//! them (the DEALER side, which never reads messages): its memory is bounded by one command.
+//! The writers build what either side sends. Pure: no sockets, no clock; `inbound.rs` (the
+//! accepting side) and `dealer.rs` (the connecting side) drive it.
 
 /// Bytes of a ZMTP 3 greeting.
 pub const GREETING_LEN: usize = 64;
@@ -40,8 +45,8 @@ pub enum ZmtpError {
     /// The greeting's signature is not ZMTP's.
     #[error("not a ZMTP greeting (signature {0:02x?})")]
     Signature(Vec<u8>),
-    /// A ZMTP version before 3.
-    #[error("ZMTP version {0} is not supported (3 or later)")]
+    /// A ZMTP version before 3 (the greeting's version byte: ZMTP 2.0 sends 1).
+    #[error("the peer speaks an older ZMTP (version byte {0}; ZMTP 2.0 sends 1): ZMTP 3.0 or later is required")]
     Version(u8),
     /// A security mechanism other than NULL.
     #[error("security mechanism {0:?} is not supported (NULL only)")]
@@ -73,8 +78,17 @@ pub enum Input {
     },
     /// A whole message: its frames in order.
     Message(Vec<Vec<u8>>),
+    /// A whole message skipped by a [`Decoder::discarding`] (never buffered).
+    Discarded {
+        /// Its frames.
+        frames: usize,
+        /// Its bytes.
+        bytes: u64,
+    },
     /// A heartbeat: answer with [`pong`] carrying this context.
     Ping {
+        /// The time to live it announces, in deciseconds (0: none).
+        ttl_deciseconds: u16,
         /// The context to echo.
         context: Vec<u8>,
     },
@@ -99,7 +113,14 @@ pub struct Decoder {
     max_frame: u64,
     /// Frames of the message being received (MORE set on all but the last).
     parts: Vec<Vec<u8>>,
+    /// How many frames and bytes the message being received has had so far.
+    part_count: usize,
     parts_bytes: u64,
+    /// Message bodies are skipped, not kept.
+    discard: bool,
+    /// Bytes of the frame being skipped still to come, and whether more frames follow it.
+    skip: u64,
+    skip_more: bool,
 }
 
 impl Decoder {
@@ -111,7 +132,20 @@ impl Decoder {
             phase: Phase::Greeting,
             max_frame,
             parts: Vec::new(),
+            part_count: 0,
             parts_bytes: 0,
+            discard: false,
+            skip: 0,
+            skip_more: false,
+        }
+    }
+
+    /// A decoder that skips message bodies as they arrive ([`Input::Discarded`]) under the same
+    /// limits: nothing of a message is kept.
+    pub fn discarding(max_frame: u64) -> Self {
+        Decoder {
+            discard: true,
+            ..Decoder::new(max_frame)
         }
     }
 
@@ -144,23 +178,65 @@ impl Decoder {
     /// The next input, if whole; an error ends the connection.
     pub fn next_input(&mut self) -> Result<Option<Input>, ZmtpError> {
         loop {
+            if self.skip > 0 {
+                let available = (self.buf.len() - self.at) as u64;
+                let n = available.min(self.skip);
+                // `n` ≤ the bytes buffered, which fit in memory.
+                self.at += n as usize;
+                self.skip -= n;
+                if self.skip > 0 {
+                    return Ok(None);
+                }
+                if !self.skip_more {
+                    return Ok(Some(self.end_of_discarded()));
+                }
+            }
             let rest = &self.buf[self.at..];
             match self.phase {
                 Phase::Greeting => {
+                    // Refuse a foreign protocol or an old version as soon as its first bytes
+                    // show it.
+                    check_greeting(&rest[..rest.len().min(GREETING_LEN)])?;
                     if rest.len() < GREETING_LEN {
-                        // Refuse a foreign protocol as soon as its first bytes show it.
-                        if !rest.is_empty() && rest[0] != 0xFF {
-                            return Err(ZmtpError::Signature(rest[..rest.len().min(10)].to_vec()));
-                        }
                         return Ok(None);
                     }
-                    check_greeting(&rest[..GREETING_LEN])?;
                     self.at += GREETING_LEN;
                     self.phase = Phase::Handshake;
                     return Ok(Some(Input::Greeting));
                 }
                 Phase::Handshake | Phase::Traffic => {
-                    let Some((flags, body)) = self.frame()? else {
+                    let Some((flags, header, size)) = self.header()? else {
+                        return Ok(None);
+                    };
+                    let message = flags & FLAG_COMMAND == 0;
+                    // Each part of a message costs its bytes and its bookkeeping: a stream of
+                    // empty frames with MORE must not grow without bound.
+                    let (count, bytes) = (
+                        self.part_count + 1,
+                        self.parts_bytes.saturating_add(size + PART_OVERHEAD),
+                    );
+                    if message {
+                        if self.phase == Phase::Handshake {
+                            return Err(ZmtpError::Malformed("message before READY"));
+                        }
+                        if count > MAX_PARTS || bytes > self.max_frame {
+                            return Err(ZmtpError::TooLarge {
+                                size: bytes,
+                                limit: self.max_frame,
+                            });
+                        }
+                        if self.discard {
+                            (self.part_count, self.parts_bytes) = (count, bytes);
+                            self.at += header;
+                            self.skip = size;
+                            self.skip_more = flags & FLAG_MORE != 0;
+                            if size == 0 && !self.skip_more {
+                                return Ok(Some(self.end_of_discarded()));
+                            }
+                            continue;
+                        }
+                    }
+                    let Some(body) = self.body(header, size)? else {
                         return Ok(None);
                     };
                     if flags & FLAG_COMMAND != 0 {
@@ -175,20 +251,10 @@ impl Decoder {
                         }
                         return Ok(Some(input));
                     }
-                    if self.phase == Phase::Handshake {
-                        return Err(ZmtpError::Malformed("message before READY"));
-                    }
-                    // Each part costs its bytes and its bookkeeping: a stream of empty frames
-                    // with MORE must not grow without bound.
-                    self.parts_bytes += body.len() as u64 + PART_OVERHEAD;
-                    if self.parts.len() >= MAX_PARTS || self.parts_bytes > self.max_frame {
-                        return Err(ZmtpError::TooLarge {
-                            size: self.parts_bytes,
-                            limit: self.max_frame,
-                        });
-                    }
+                    (self.part_count, self.parts_bytes) = (count, bytes);
                     self.parts.push(body);
                     if flags & FLAG_MORE == 0 {
+                        self.part_count = 0;
                         self.parts_bytes = 0;
                         return Ok(Some(Input::Message(std::mem::take(&mut self.parts))));
                     }
@@ -197,8 +263,19 @@ impl Decoder {
         }
     }
 
-    /// One whole frame (flags, body), checking its size from the header first.
-    fn frame(&mut self) -> Result<Option<(u8, Vec<u8>)>, ZmtpError> {
+    /// The message whose last frame was just skipped.
+    fn end_of_discarded(&mut self) -> Input {
+        let frames = std::mem::take(&mut self.part_count);
+        let counted = std::mem::take(&mut self.parts_bytes);
+        Input::Discarded {
+            frames,
+            bytes: counted.saturating_sub(frames as u64 * PART_OVERHEAD),
+        }
+    }
+
+    /// The next frame's header: (flags, header length, body size), the size checked against
+    /// the limit before anything else is done with it.
+    fn header(&self) -> Result<Option<(u8, usize, u64)>, ZmtpError> {
         let rest = &self.buf[self.at..];
         let Some(&flags) = rest.first() else {
             return Ok(None);
@@ -224,16 +301,25 @@ impl Decoder {
         if size > limit {
             return Err(ZmtpError::TooLarge { size, limit });
         }
+        Ok(Some((flags, header, size)))
+    }
+
+    /// The body of the frame whose header is at the front, once whole (consumed with it).
+    fn body(&mut self, header: usize, size: u64) -> Result<Option<Vec<u8>>, ZmtpError> {
         // `size` ≤ the limit, which fits in memory by configuration.
         let size = usize::try_from(size).map_err(|_| ZmtpError::Malformed("frame size"))?;
         // The body is buffered as it arrives, never reserved from the header: a peer that
         // announces a large frame and sends nothing costs nothing.
-        let Some(body) = rest.get(header..header + size) else {
+        let rest = &self.buf[self.at..];
+        let Some(body) = header
+            .checked_add(size)
+            .and_then(|end| rest.get(header..end))
+        else {
             return Ok(None);
         };
         let body = body.to_vec();
         self.at += header + size;
-        Ok(Some((flags, body)))
+        Ok(Some(body))
     }
 }
 
@@ -241,14 +327,24 @@ const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
 
+/// Checks as much of a greeting as `g` holds (up to its 64 bytes): the signature from its first
+/// byte, the major version from byte 10, the mechanism once whole.
 fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
-    if g[0] != 0xFF || g[9] & 0x01 != 0x01 {
-        return Err(ZmtpError::Signature(g[..10].to_vec()));
+    let signature_bad = match g.len() {
+        0 => false,
+        1..=9 => g[0] != 0xFF,
+        _ => g[0] != 0xFF || g[9] & 0x01 != 0x01,
+    };
+    if signature_bad {
+        return Err(ZmtpError::Signature(g[..g.len().min(10)].to_vec()));
     }
-    if g[10] < 3 {
-        return Err(ZmtpError::Version(g[10]));
+    match g.get(10) {
+        Some(&major) if major < 3 => return Err(ZmtpError::Version(major)),
+        _ => {}
     }
-    let mechanism = &g[12..32];
+    let Some(mechanism) = g.get(12..32) else {
+        return Ok(());
+    };
     let name_len = mechanism.iter().position(|b| *b == 0).unwrap_or(20);
     if &mechanism[..name_len] != b"NULL" {
         return Err(ZmtpError::Mechanism(
@@ -297,8 +393,12 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
         }
         b"PING" => {
             // TTL (2 bytes) then up to 16 bytes of context.
-            let context = data.get(2..).ok_or(ZmtpError::Malformed("PING"))?;
+            let (ttl, context) = match data {
+                [a, b, context @ ..] => (u16::from_be_bytes([*a, *b]), context),
+                _ => return Err(ZmtpError::Malformed("PING")),
+            };
             Ok(Input::Ping {
+                ttl_deciseconds: ttl,
                 context: context[..context.len().min(16)].to_vec(),
             })
         }
@@ -334,13 +434,21 @@ fn command_frame(name: &[u8], data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// READY with `Socket-Type` = `socket_type`.
+/// READY with `Socket-Type` = `socket_type` (what a ROUTER sends).
 pub fn ready(socket_type: &str) -> Vec<u8> {
+    ready_with(&[("Socket-Type", socket_type.as_bytes())])
+}
+
+/// READY with these properties, in order (a DEALER's: `Socket-Type` and `Identity`). Names are
+/// short constants; a value's length is written as a u32 (identities are host:port strings).
+pub fn ready_with(properties: &[(&str, &[u8])]) -> Vec<u8> {
     let mut data = Vec::new();
-    data.push(11);
-    data.extend_from_slice(b"Socket-Type");
-    data.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    data.extend_from_slice(socket_type.as_bytes());
+    for (name, value) in properties {
+        data.push(name.len() as u8);
+        data.extend_from_slice(name.as_bytes());
+        data.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        data.extend_from_slice(value);
+    }
     command_frame(b"READY", &data)
 }
 
@@ -354,9 +462,16 @@ pub fn pong(context: &[u8]) -> Vec<u8> {
     command_frame(b"PONG", context)
 }
 
-/// One message frame (no MORE): how a DEALER sends a one-frame message. For tests and tools.
+/// One message frame (no MORE): how a DEALER sends a one-frame message.
 pub fn message_frame(body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(9 + body.len());
+    write_message_frame(&mut out, body);
+    out
+}
+
+/// Appends one message frame (no MORE) carrying `body` to `out`: short up to 255 bytes, long
+/// (a u64 size) beyond.
+pub fn write_message_frame(out: &mut Vec<u8>, body: &[u8]) {
     if body.len() > 255 {
         out.push(FLAG_LONG);
         out.extend_from_slice(&(body.len() as u64).to_be_bytes());
@@ -365,7 +480,6 @@ pub fn message_frame(body: &[u8]) -> Vec<u8> {
         out.push(body.len() as u8);
     }
     out.extend_from_slice(body);
-    out
 }
 
 #[cfg(test)]
@@ -373,14 +487,7 @@ mod tests {
     use super::*;
 
     fn ready_with_identity(id: &[u8]) -> Vec<u8> {
-        let mut data = Vec::new();
-        for (k, v) in [(&b"Socket-Type"[..], &b"DEALER"[..]), (b"Identity", id)] {
-            data.push(k.len() as u8);
-            data.extend_from_slice(k);
-            data.extend_from_slice(&(v.len() as u32).to_be_bytes());
-            data.extend_from_slice(v);
-        }
-        command_frame(b"READY", &data)
+        ready_with(&[("Socket-Type", b"DEALER"), ("Identity", id)])
     }
 
     fn all(d: &mut Decoder) -> Result<Vec<Input>, ZmtpError> {
@@ -413,7 +520,10 @@ mod tests {
                     socket_type: b"DEALER".to_vec(),
                     identity: b"127.0.0.1:5600".to_vec()
                 },
-                Input::Ping { context: vec![] },
+                Input::Ping {
+                    ttl_deciseconds: 100,
+                    context: vec![]
+                },
                 Input::Message(vec![b"hello".to_vec()]),
                 Input::Message(vec![big]),
             ]

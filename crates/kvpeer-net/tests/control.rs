@@ -1,6 +1,7 @@
-//! The ZeroMQ control channel on 127.0.0.1: payloads both ways with lazy dial-back, lost
-//! connections, and hostile peers (a 1 TiB frame header, wrong frame shapes, bad identities)
-//! that cost only their own connection.
+//! The control channel on 127.0.0.1: payloads both ways with lazy dial-back, lost
+//! connections, and hostile DEALERs (a 1 TiB frame header, wrong frame shapes, bad identities),
+//! spoken byte by byte, that cost only their own connection. The outbound side against
+//! scripted ROUTERs is `control_dealer.rs`; against pyzmq, `control_pyzmq.rs`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -23,11 +24,22 @@ fn channel() -> ControlChannel {
     ControlChannel::bind(free_id(), ControlConfig::default()).unwrap()
 }
 
-/// Waits (bounded) until `ch` yields an event matching `want`; returns it.
-fn expect(ch: &mut ControlChannel, want: impl Fn(&ChannelEvent) -> bool) -> ChannelEvent {
+/// Waits (bounded) until `ch` yields an event matching `want`; returns it. The channels in
+/// `also` are driven meanwhile (their events dropped): a channel makes progress only on its
+/// owner's thread, as a node's runtime drives its own, so a sender must be driven for its
+/// connection to connect and its handshake to finish.
+fn expect(
+    ch: &mut ControlChannel,
+    also: &mut [&mut ControlChannel],
+    want: impl Fn(&ChannelEvent) -> bool,
+) -> ChannelEvent {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        ch.wait(Duration::from_millis(100)).unwrap();
+        ch.wait(Duration::from_millis(if also.is_empty() { 100 } else { 5 }))
+            .unwrap();
+        for other in also.iter_mut() {
+            other.recv();
+        }
         if let Some(e) = ch.recv().into_iter().find(|e| want(e)) {
             return e;
         }
@@ -45,11 +57,15 @@ fn payloads_flow_both_ways_and_the_reply_dials_back() {
     let (mut a, mut b) = (channel(), channel());
     let (ida, idb) = (a.identity().clone(), b.identity().clone());
     a.send(&idb, b"\x81\xa4type\xaadisconnect").unwrap();
-    expect(&mut b, payload_from(&ida, b"\x81\xa4type\xaadisconnect"));
+    expect(
+        &mut b,
+        &mut [&mut a],
+        payload_from(&ida, b"\x81\xa4type\xaadisconnect"),
+    );
     assert!(!b.connected(&ida), "no DEALER back until b answers");
     b.send(&ida, b"reply").unwrap();
     assert!(b.connected(&ida), "the reply dialed back");
-    expect(&mut a, payload_from(&idb, b"reply"));
+    expect(&mut a, &mut [&mut b], payload_from(&idb, b"reply"));
 }
 
 #[test]
@@ -57,15 +73,16 @@ fn a_peer_that_goes_away_is_reported_lost() {
     let (mut a, mut b) = (channel(), channel());
     let (ida, idb) = (a.identity().clone(), b.identity().clone());
     a.send(&idb, b"hello").unwrap();
-    expect(&mut b, payload_from(&ida, b"hello"));
+    expect(&mut b, &mut [&mut a], payload_from(&ida, b"hello"));
     drop(b);
-    let lost = expect(&mut a, |e| matches!(e, ChannelEvent::Lost { .. }));
+    let lost = expect(&mut a, &mut [], |e| matches!(e, ChannelEvent::Lost { .. }));
     assert!(matches!(lost, ChannelEvent::Lost { peer, .. } if peer == idb));
     assert!(!a.connected(&idb));
 }
 
-/// ZMTP 3.0 by hand: greeting, NULL handshake as a DEALER with `identity`.
-fn zmtp_peer(target: &PeerId, identity: &str) -> TcpStream {
+/// ZMTP 3.0 by hand: greeting and READY as a DEALER with `identity`; the ROUTER's greeting is
+/// read, its READY not (see [`zmtp_peer`]).
+fn zmtp_dealer(target: &PeerId, identity: &str) -> TcpStream {
     let mut s = TcpStream::connect(target.as_str()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
@@ -86,6 +103,12 @@ fn zmtp_peer(target: &PeerId, identity: &str) -> TcpStream {
     }
     s.write_all(&[0x04, ready.len() as u8]).unwrap();
     s.write_all(&ready).unwrap();
+    s
+}
+
+/// As [`zmtp_dealer`], and the ROUTER's READY read: the handshake is done.
+fn zmtp_peer(target: &PeerId, identity: &str) -> TcpStream {
+    let mut s = zmtp_dealer(target, identity);
     let mut head = [0u8; 2];
     s.read_exact(&mut head).unwrap();
     let mut body = vec![0u8; head[1] as usize];
@@ -141,32 +164,36 @@ fn a_peer_announcing_a_1_tib_frame_is_dropped_and_others_are_still_served() {
         "nothing from it reached the node: {seen:?}"
     );
     a.send(&idb, b"still here").unwrap();
-    expect(&mut b, payload_from(&ida, b"still here"));
+    expect(&mut b, &mut [&mut a], payload_from(&ida, b"still here"));
 }
 
 #[test]
 fn wrong_frame_shapes_and_identities_that_are_not_host_port_are_dropped() {
     let (mut a, mut b) = (channel(), channel());
     let (ida, idb) = (a.identity().clone(), b.identity().clone());
-    // A two-frame message from a DEALER arrives at the ROUTER as three frames: dropped.
-    let ctx = zmq::Context::new();
-    let raw = ctx.socket(zmq::DEALER).unwrap();
-    raw.set_linger(0).unwrap();
-    raw.set_identity(b"127.0.0.1:10").unwrap();
-    raw.connect(&format!("tcp://{idb}")).unwrap();
-    raw.send_multipart([&b"one"[..], &b"two"[..]], 0).unwrap();
-    // An identity that is not host:port: nobody could dial it back.
-    let odd = ctx.socket(zmq::DEALER).unwrap();
-    // Its connection is closed at READY, so "hi" never leaves: do not wait for it at exit.
-    odd.set_linger(0).unwrap();
-    odd.set_identity(b"not-an-address").unwrap();
-    odd.connect(&format!("tcp://{idb}")).unwrap();
-    odd.send(&b"hi"[..], 0).unwrap();
+    let target = idb.clone();
+    let hostile = std::thread::spawn(move || {
+        // A two-frame message from a DEALER arrives at the ROUTER as three frames: dropped.
+        let mut raw = zmtp_peer(&target, "127.0.0.1:10");
+        raw.write_all(&[0x01, 3, b'o', b'n', b'e', 0x00, 3, b't', b'w', b'o'])
+            .unwrap();
+        // An identity that is not host:port: nobody could dial it back. Its connection is
+        // closed at READY, so "hi" never arrives.
+        let mut odd = zmtp_dealer(&target, "not-an-address");
+        let _ = odd.write_all(&[0x00, 2, b'h', b'i']);
+        (raw, odd) // held open until the test ends
+    });
+    let mut seen = Vec::new();
+    while !hostile.is_finished() {
+        b.wait(Duration::from_millis(10)).unwrap();
+        seen.extend(b.recv());
+    }
+    let _held = hostile.join().unwrap();
     a.send(&idb, b"marker").unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    let mut seen = Vec::new();
     while Instant::now() < deadline && !seen.iter().any(payload_from(&ida, b"marker")) {
-        b.wait(Duration::from_millis(100)).unwrap();
+        b.wait(Duration::from_millis(5)).unwrap();
+        a.recv();
         seen.extend(b.recv());
     }
     assert!(seen.iter().any(payload_from(&ida, b"marker")));
@@ -196,14 +223,18 @@ fn a_channel_bound_on_any_port_takes_the_real_port_as_its_identity() {
     let mut b = channel();
     let idb = b.identity().clone();
     b.send(&ida, b"to the picked port").unwrap();
-    expect(&mut a, payload_from(&idb, b"to the picked port"));
+    expect(
+        &mut a,
+        &mut [&mut b],
+        payload_from(&idb, b"to the picked port"),
+    );
     a.send(&idb, b"and back").unwrap();
-    expect(&mut b, payload_from(&ida, b"and back"));
+    expect(&mut b, &mut [&mut a], payload_from(&ida, b"and back"));
 }
 
-/// A lost peer's DEALER is closed while libzmq may still report events on its monitor; the
-/// channel must stop the monitor first, or libzmq's I/O thread blocks on the monitor forever
-/// and the whole channel goes deaf (found with a peer killed by SIGKILL).
+/// Many peers come and go, half of them lost, half closed by the node first: the channel keeps
+/// hearing new ones (with libzmq, a monitor left attached to a closed DEALER blocked its I/O
+/// thread and the whole channel went deaf: found with a peer killed by SIGKILL).
 #[test]
 fn the_channel_keeps_hearing_new_peers_after_many_lost_ones() {
     let mut a = channel();
@@ -213,13 +244,14 @@ fn the_channel_keeps_hearing_new_peers_after_many_lost_ones() {
         let idb = b.identity().clone();
         let hello = format!("hello {round}");
         b.send(&ida, hello.as_bytes()).unwrap();
-        expect(&mut a, payload_from(&idb, hello.as_bytes()));
+        expect(&mut a, &mut [&mut b], payload_from(&idb, hello.as_bytes()));
         a.send(&idb, b"reply").unwrap();
-        expect(&mut b, payload_from(&ida, b"reply"));
+        expect(&mut b, &mut [&mut a], payload_from(&ida, b"reply"));
         if round % 2 == 0 {
             drop(b);
             expect(
                 &mut a,
+                &mut [],
                 |e| matches!(e, ChannelEvent::Lost { peer, .. } if *peer == idb),
             );
         } else {
@@ -231,7 +263,12 @@ fn the_channel_keeps_hearing_new_peers_after_many_lost_ones() {
     }
     let mut last = channel();
     last.send(&ida, b"still listening?").unwrap();
-    expect(&mut a, payload_from(last.identity(), b"still listening?"));
+    let idl = last.identity().clone();
+    expect(
+        &mut a,
+        &mut [&mut last],
+        payload_from(&idl, b"still listening?"),
+    );
 }
 
 /// libzmq's ROUTER ignored a second connection claiming an identity in use, so a silent
@@ -261,7 +298,7 @@ fn a_silent_squatter_does_not_lock_out_the_identity_it_claims() {
     // The real peer with the same identity is heard.
     a.send(&idb, b"the real one").unwrap();
     let ChannelEvent::Payload { conn: real, .. } =
-        expect(&mut b, payload_from(&ida, b"the real one"))
+        expect(&mut b, &mut [&mut a], payload_from(&ida, b"the real one"))
     else {
         unreachable!()
     };
@@ -274,7 +311,7 @@ fn a_silent_squatter_does_not_lock_out_the_identity_it_claims() {
         "the squatter's connection was closed"
     );
     a.send(&idb, b"still heard").unwrap();
-    expect(&mut b, payload_from(&ida, b"still heard"));
+    expect(&mut b, &mut [&mut a], payload_from(&ida, b"still heard"));
 }
 
 /// Out of descriptors, a connection waiting on the listener keeps it readable: the channel
@@ -315,5 +352,10 @@ fn the_listener_rests_while_out_of_descriptors_and_serves_after() {
     );
     let mut honest = channel();
     honest.send(&id, b"still served").unwrap();
-    expect(&mut ch, payload_from(honest.identity(), b"still served"));
+    let idh = honest.identity().clone();
+    expect(
+        &mut ch,
+        &mut [&mut honest],
+        payload_from(&idh, b"still served"),
+    );
 }

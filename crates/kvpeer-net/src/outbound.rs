@@ -1,0 +1,530 @@
+//! The control channel's connecting side: one ZMTP DEALER connection per peer, driven by the
+//! node's own thread (no libzmq, no I/O thread).
+//!
+//! Each connection is a non-blocking `TcpStream` and a [`Dealer`] (the protocol, sans-IO).
+//! The observable behaviour is libzmq's DEALER with the socket monitor the channel used to
+//! keep, because the core and every test rely on it:
+//!
+//! * [`Outbound::dial`] never blocks: an IP address is connected to at once (non-blocking
+//!   `connect`), a host name is resolved on a short-lived helper thread whose pipe wakes the
+//!   poll. Messages queue from the start and leave once the handshake is done.
+//! * A connect that fails (refused, unreachable, reset) is a lost connection: libzmq's monitor
+//!   reported it as `CLOSED`, which the channel took as lost, and the core answers its
+//!   lookups MISS at once instead of waiting for a deadline. When no socket can be made at all
+//!   (out of descriptors), the connect is retried every `reconnect_interval` (100 ms) without
+//!   a report, as libzmq's reconnect timer does.
+//! * Once connected, end of stream, a socket error, a handshake or protocol failure, or a
+//!   heartbeat timeout is a lost connection; so is a name that does not resolve. A lost
+//!   connection is reported once (by [`Outbound::take_losses`]) and dropped; the next send
+//!   dials afresh.
+//! * [`Outbound::close`] lets the queued messages linger up to `linger` (500 ms) without
+//!   blocking: the connection stays in the poll set, reports nothing, and is dropped once its
+//!   messages are written, when it fails, or at the deadline. Dropping `Outbound` (the
+//!   channel) waits up to `linger` for them, as `zmq_ctx_term` did.
+//!
+//! Readiness comes from the channel's single `poll(2)` ([`Outbound::poll_fds`]); deadlines
+//! (heartbeats, handshakes, retries, lingers) from [`Outbound::next_deadline`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvpeer_proto::PeerId;
+use nix::errno::Errno;
+use nix::poll::PollFlags;
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use tracing::{debug, warn};
+
+use crate::dealer::{Dealer, DealerLimits, QueueFull};
+
+/// One outbound connection's number, unique for the channel's life.
+pub type OutId = u64;
+
+/// Settings of the connecting side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboundConfig {
+    /// Each connection's protocol limits.
+    pub dealer: DealerLimits,
+    /// How long a closed connection may go on writing its queued messages.
+    pub linger: Duration,
+    /// How soon a connect that could not even start is tried again.
+    pub reconnect_interval: Duration,
+}
+
+/// Bytes read from one connection per round (a DEALER receives little: heartbeats).
+const READ_BUDGET: usize = 1 << 20;
+
+/// Where a connection's transport is.
+enum Link {
+    /// A host name resolving on a helper thread; `done` (a pipe's read end) turns readable when
+    /// the thread ends.
+    Resolving {
+        result: mpsc::Receiver<Result<SocketAddr, String>>,
+        done: File,
+    },
+    /// No socket could be made: try again at `until`.
+    Waiting { until: Instant },
+    /// TCP connect in progress.
+    Connecting(TcpStream),
+    /// Connected: ZMTP flows.
+    Open(TcpStream),
+    /// Failed; the reason waits to be reported.
+    Failed(String),
+}
+
+struct Conn {
+    peer: PeerId,
+    addr: Option<SocketAddr>,
+    dealer: Dealer,
+    link: Link,
+    /// Closed by the node: lingers until drained, failed, or this deadline; never reported.
+    linger_until: Option<Instant>,
+}
+
+/// The outbound connections of one channel.
+pub struct Outbound {
+    identity: Vec<u8>,
+    config: OutboundConfig,
+    conns: BTreeMap<OutId, Conn>,
+    by_peer: HashMap<PeerId, OutId>,
+    next: OutId,
+}
+
+impl std::fmt::Debug for Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbound")
+            .field("peers", &self.by_peer.len())
+            .field("lingering", &(self.conns.len() - self.by_peer.len()))
+            .finish()
+    }
+}
+
+/// `host` as an IP address, IPv6 brackets removed; `None` for a host name.
+fn ip_literal(host: &str) -> Option<IpAddr> {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+        .parse()
+        .ok()
+}
+
+/// Resolves `host` on a helper thread (libzmq's resolution blocked the caller of
+/// `zmq_connect`); the first IPv4 address is taken, else the first, as libzmq does.
+fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let (tx, result) = mpsc::channel();
+    let host = host.to_owned();
+    std::thread::Builder::new()
+        .name("kvpeer-resolve".into())
+        .spawn(move || {
+            let found = (host.as_str(), port)
+                .to_socket_addrs()
+                .map_err(|e| format!("cannot resolve {host}: {e}"))
+                .and_then(|addrs| {
+                    let addrs: Vec<SocketAddr> = addrs.collect();
+                    addrs
+                        .iter()
+                        .find(|a| a.is_ipv4())
+                        .or(addrs.first())
+                        .copied()
+                        .ok_or_else(|| format!("{host} has no address"))
+                });
+            let _ = tx.send(found);
+            // The read end turns readable (end of file) and wakes the poll.
+            drop(write);
+        })?;
+    Ok(Link::Resolving {
+        result,
+        done: File::from(read),
+    })
+}
+
+/// Starts a non-blocking connect to `addr`: `Ok(link)` (connecting, or connected already),
+/// `Err(Some(reason))` when the connect failed (a lost connection), `Err(None)` when no socket
+/// could be made (try again later).
+fn connect(addr: SocketAddr) -> Result<Link, Option<String>> {
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = match socket::socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) {
+        Ok(fd) => fd,
+        Err(e) => {
+            if let Some(suppressed) = crate::admit_warning("cannot make a control socket") {
+                warn!(error = %e, suppressed, "cannot make a control socket; retrying");
+            }
+            return Err(None);
+        }
+    };
+    match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
+        Ok(()) | Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => {
+            Ok(Link::Connecting(TcpStream::from(fd)))
+        }
+        Err(e) => Err(Some(format!("cannot connect to {addr}: {}", e.desc()))),
+    }
+}
+
+impl Conn {
+    /// Starts (or restarts) reaching the peer at `now`.
+    fn start(&mut self, now: Instant, retry: Duration) {
+        let Some(addr) = self.addr else {
+            let (host, port) = match self.peer.host_port() {
+                Ok(hp) => hp,
+                Err(e) => {
+                    self.link = Link::Failed(e.to_string());
+                    return;
+                }
+            };
+            self.link = resolve(host, port).unwrap_or_else(|e| {
+                warn!(peer = %self.peer, error = %e, "cannot start resolving; retrying");
+                Link::Waiting { until: now + retry }
+            });
+            return;
+        };
+        self.link = match connect(addr) {
+            Ok(link) => link,
+            Err(Some(reason)) => Link::Failed(reason),
+            Err(None) => Link::Waiting { until: now + retry },
+        };
+    }
+
+    /// What to poll this connection for.
+    fn poll_fd(&self) -> Option<(BorrowedFd<'_>, PollFlags)> {
+        match &self.link {
+            Link::Resolving { done, .. } => Some((done.as_fd(), PollFlags::POLLIN)),
+            Link::Connecting(s) => Some((s.as_fd(), PollFlags::POLLOUT)),
+            Link::Open(s) if self.dealer.transmit().is_empty() => {
+                Some((s.as_fd(), PollFlags::POLLIN))
+            }
+            Link::Open(s) => Some((s.as_fd(), PollFlags::POLLIN | PollFlags::POLLOUT)),
+            Link::Waiting { .. } | Link::Failed(_) => None,
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        let link = match &self.link {
+            Link::Waiting { until } => Some(*until),
+            Link::Open(_) => self.dealer.poll_timeout(),
+            _ => None,
+        };
+        [link, self.linger_until].into_iter().flatten().min()
+    }
+
+    fn failed(&self) -> bool {
+        matches!(self.link, Link::Failed(_))
+    }
+
+    fn fail(&mut self, reason: String) {
+        debug!(peer = %self.peer, %reason, "control connection failed");
+        self.link = Link::Failed(reason);
+    }
+
+    /// Handles readiness (or a look without any) at `now`.
+    fn progress(&mut self, now: Instant, retry: Duration) {
+        match &mut self.link {
+            Link::Resolving { result, .. } => match result.try_recv() {
+                Ok(Ok(addr)) => {
+                    self.addr = Some(addr);
+                    self.start(now, retry);
+                }
+                Ok(Err(reason)) => self.fail(reason),
+                Err(mpsc::TryRecvError::Empty) => return,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.fail("the resolver thread ended without an answer".into())
+                }
+            },
+            Link::Connecting(stream) => match stream.take_error() {
+                Ok(Some(e)) | Err(e) => {
+                    let addr = self.addr.map(|a| a.to_string()).unwrap_or_default();
+                    return self.fail(format!("cannot connect to {addr}: {e}"));
+                }
+                Ok(None) => match stream.peer_addr() {
+                    Ok(_) => {
+                        let _ = stream.set_nodelay(true);
+                        let Link::Connecting(stream) =
+                            std::mem::replace(&mut self.link, Link::Waiting { until: now })
+                        else {
+                            return;
+                        };
+                        self.link = Link::Open(stream);
+                        self.dealer.connected(now);
+                        debug!(peer = %self.peer, "control connection connected");
+                    }
+                    // Not yet.
+                    Err(e) if e.kind() == ErrorKind::NotConnected => return,
+                    Err(e) => return self.fail(format!("cannot connect: {e}")),
+                },
+            },
+            Link::Open(_) => {
+                if let Err(reason) = self.read(now) {
+                    return self.fail(reason);
+                }
+            }
+            Link::Waiting { .. } | Link::Failed(_) => return,
+        }
+        self.flush();
+    }
+
+    fn read(&mut self, now: Instant) -> Result<(), String> {
+        let Link::Open(stream) = &mut self.link else {
+            return Ok(());
+        };
+        let mut chunk = [0u8; 16 * 1024];
+        let mut budget = READ_BUDGET;
+        loop {
+            let n = match stream.read(&mut chunk) {
+                Ok(0) => return Err("closed by the peer".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            };
+            self.dealer
+                .handle_bytes(&chunk[..n], now)
+                .map_err(|e| e.to_string())?;
+            budget = budget.saturating_sub(n);
+            if budget == 0 || n < chunk.len() {
+                // A short read drained the socket for now; the level-triggered poll reports
+                // anything that came since.
+                return Ok(());
+            }
+        }
+    }
+
+    /// Writes what the dealer has for the socket, until the socket would block.
+    fn flush(&mut self) {
+        let Link::Open(stream) = &mut self.link else {
+            return;
+        };
+        loop {
+            let bytes = self.dealer.transmit();
+            if bytes.is_empty() {
+                return;
+            }
+            match stream.write(bytes) {
+                Ok(0) => return self.fail("cannot send".into()),
+                Ok(n) => self.dealer.advance(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return self.fail(e.to_string()),
+            }
+        }
+    }
+
+    /// Runs the deadlines due at `now`.
+    fn timeouts(&mut self, now: Instant, retry: Duration) {
+        match &self.link {
+            Link::Waiting { until } if now >= *until => {
+                self.start(now, retry);
+                self.progress(now, retry);
+            }
+            Link::Open(_) => {
+                let before = self.dealer.transmit().len();
+                if let Err(e) = self.dealer.handle_timeout(now) {
+                    return self.fail(e.to_string());
+                }
+                if before == 0 && !self.dealer.transmit().is_empty() {
+                    // A PING to send; bytes already waiting are written when POLLOUT says so.
+                    self.flush();
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Outbound {
+    /// No connections yet; `identity` is what our READY says.
+    pub fn new(identity: &PeerId, config: OutboundConfig) -> Self {
+        Outbound {
+            identity: identity.as_str().as_bytes().to_vec(),
+            config,
+            conns: BTreeMap::new(),
+            by_peer: HashMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Whether a connection to `peer` is open (connecting, connected, or failed and not yet
+    /// reported).
+    pub fn connected(&self, peer: &PeerId) -> bool {
+        self.by_peer.contains_key(peer)
+    }
+
+    /// Connections, lingering ones included.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Opens a connection to `peer` (`host:port`) at `now`, unless one is open.
+    pub fn dial(&mut self, peer: &PeerId, now: Instant) {
+        if self.by_peer.contains_key(peer) {
+            return;
+        }
+        let addr = peer
+            .host_port()
+            .ok()
+            .and_then(|(host, port)| Some(SocketAddr::new(ip_literal(host)?, port)));
+        let mut conn = Conn {
+            peer: peer.clone(),
+            addr,
+            dealer: Dealer::new(&self.identity, self.config.dealer.clone()),
+            link: Link::Waiting { until: now },
+            linger_until: None,
+        };
+        conn.start(now, self.config.reconnect_interval);
+        debug!(%peer, "control connection opened");
+        self.next += 1;
+        self.conns.insert(self.next, conn);
+        self.by_peer.insert(peer.clone(), self.next);
+    }
+
+    /// Queues one message to `peer`, dialling first if needed, and writes it at once when the
+    /// connection is idle.
+    pub fn send(&mut self, peer: &PeerId, payload: &[u8], now: Instant) -> Result<(), QueueFull> {
+        if !self.by_peer.contains_key(peer) {
+            self.dial(peer, now);
+        }
+        let Some(conn) = self.by_peer.get(peer).and_then(|id| self.conns.get_mut(id)) else {
+            return Err(QueueFull);
+        };
+        let idle = conn.dealer.transmit().is_empty();
+        conn.dealer.queue(payload)?;
+        if idle {
+            conn.flush();
+        }
+        Ok(())
+    }
+
+    /// Closes the connection to `peer` at `now`; its queued messages linger (no report).
+    pub fn close(&mut self, peer: &PeerId, now: Instant) {
+        let Some(id) = self.by_peer.remove(peer) else {
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        debug!(%peer, "control connection closed");
+        if conn.failed() || conn.dealer.is_drained() || self.config.linger.is_zero() {
+            self.conns.remove(&id);
+        } else {
+            conn.linger_until = Some(now + self.config.linger);
+        }
+    }
+
+    /// What to poll: each connection's descriptor and events, with its id.
+    pub fn poll_fds(&self) -> impl Iterator<Item = (OutId, BorrowedFd<'_>, PollFlags)> + '_ {
+        self.conns
+            .iter()
+            .filter_map(|(id, c)| c.poll_fd().map(|(fd, flags)| (*id, fd, flags)))
+    }
+
+    /// When the next deadline falls due (heartbeats, handshakes, retries, lingers).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.conns.values().filter_map(Conn::deadline).min()
+    }
+
+    /// Whether a lost connection waits to be reported (the caller must not sleep).
+    pub fn has_losses(&self) -> bool {
+        self.conns
+            .values()
+            .any(|c| c.failed() && c.linger_until.is_none())
+    }
+
+    /// Handles the connections `ready` names (every one for `None`), then every deadline due
+    /// at `now`; lingering connections that are done are dropped.
+    pub fn progress(&mut self, now: Instant, ready: Option<&[OutId]>) {
+        let retry = self.config.reconnect_interval;
+        match ready {
+            Some(ids) => {
+                for id in ids {
+                    if let Some(c) = self.conns.get_mut(id) {
+                        c.progress(now, retry);
+                    }
+                }
+            }
+            None => self.conns.values_mut().for_each(|c| c.progress(now, retry)),
+        }
+        for c in self.conns.values_mut() {
+            c.timeouts(now, retry);
+        }
+        self.conns.retain(|_, c| match c.linger_until {
+            None => true,
+            Some(until) => !(c.failed() || c.dealer.is_drained() || now >= until),
+        });
+    }
+
+    /// The lost connections not yet reported, each once, dropped (peer, reason).
+    pub fn take_losses(&mut self) -> Vec<(PeerId, String)> {
+        let ids: Vec<OutId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.failed() && c.linger_until.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        let mut lost = Vec::with_capacity(ids.len());
+        for id in ids {
+            let Some(c) = self.conns.remove(&id) else {
+                continue;
+            };
+            if self.by_peer.get(&c.peer) == Some(&id) {
+                self.by_peer.remove(&c.peer);
+            }
+            if let Link::Failed(reason) = c.link {
+                lost.push((c.peer, reason));
+            }
+        }
+        lost
+    }
+
+    /// Closes every connection and gives their queued messages up to `linger` to leave,
+    /// blocking (the channel is going away).
+    fn linger_all(&mut self) {
+        let start = Instant::now();
+        let peers: Vec<PeerId> = self.by_peer.keys().cloned().collect();
+        for peer in &peers {
+            self.close(peer, start);
+        }
+        let deadline = start + self.config.linger;
+        while !self.conns.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            let wait = self
+                .next_deadline()
+                .unwrap_or(deadline)
+                .min(deadline)
+                .saturating_duration_since(now);
+            let mut fds: Vec<nix::poll::PollFd<'_>> = self
+                .poll_fds()
+                .map(|(_, fd, flags)| nix::poll::PollFd::new(fd, flags))
+                .collect();
+            let _ = nix::poll::poll(&mut fds, crate::control::poll_timeout(wait));
+            drop(fds);
+            self.progress(Instant::now(), None);
+        }
+        if !self.conns.is_empty() {
+            debug!(
+                connections = self.conns.len(),
+                "control messages still unsent when the channel closed"
+            );
+        }
+    }
+}
+
+impl Drop for Outbound {
+    fn drop(&mut self) {
+        self.linger_all();
+    }
+}
