@@ -1,5 +1,6 @@
 //! The control channel against a Python peer that speaks like vLLM's `ZmqTransport`: pyzmq
-//! ROUTER bound at its identity, a DEALER with that identity, msgspec-encoded payloads.
+//! ROUTER bound at its identity, a DEALER with that identity, msgspec-encoded payloads; and
+//! kvpeer's own DEALER side against a bare pyzmq ROUTER (libzmq 4.3), byte for byte.
 //!
 //! Python comes from `KVPEER_PYTHON`, or from the venv `scripts/test.sh` makes
 //! (`target/kvpeer-venv`, with pyzmq and msgspec). Without either this test fails and says so.
@@ -7,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig};
@@ -53,6 +54,19 @@ msg = msgspec.msgpack.decode(frames[1])
 print(frames[0].decode(), msg["type"], msg["peer_id"])
 "#;
 
+/// Drives `ch` (its connections progress only on this thread) until `child` exits; returns
+/// its output and the channel's events meanwhile.
+fn drive_until_exit(ch: &mut ControlChannel, mut child: Child) -> (Output, Vec<ChannelEvent>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut events = Vec::new();
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the Python peer did not finish");
+        ch.wait(Duration::from_millis(5)).unwrap();
+        events.extend(ch.recv());
+    }
+    (child.wait_with_output().unwrap(), events)
+}
+
 #[test]
 fn a_pyzmq_peer_and_the_channel_exchange_messages_both_ways() {
     let mut ours = ControlChannel::bind(free_id(), ControlConfig::default()).unwrap();
@@ -84,7 +98,7 @@ fn a_pyzmq_peer_and_the_channel_exchange_messages_both_ways() {
     .encode()
     .unwrap();
     ours.send(&theirs, &reply).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let (out, _) = drive_until_exit(&mut ours, child);
     assert!(
         out.status.success(),
         "python: {}",
@@ -95,4 +109,95 @@ fn a_pyzmq_peer_and_the_channel_exchange_messages_both_ways() {
         format!("{} connect_ack {}", ours.identity(), ours.identity()),
         "the Python ROUTER got [our identity, our payload] and msgspec decoded it"
     );
+}
+
+/// A bare pyzmq ROUTER (libzmq's, with vLLM's heartbeat settings) bound at `argv[1]`: prints
+/// every message it receives as hex frames, one line each, until it has `argv[2]` of them, then
+/// sends one message back to the DEALER (which the DEALER drops, as libzmq's were never read).
+const ROUTER: &str = r#"
+import sys, zmq
+me, want = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 500)
+for opt, v in ((zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10000), (zmq.HEARTBEAT_TTL, 10000)):
+    router.setsockopt(opt, v)
+router.bind(f"tcp://{me}")
+print("bound", flush=True)
+for _ in range(want):
+    if router.poll(20000) == 0:
+        sys.exit("no message from kvpeer")
+    frames = router.recv_multipart()
+    print(" ".join(f.hex() for f in frames), flush=True)
+router.send_multipart([frames[0], b"dropped by the DEALER"])
+"#;
+
+#[test]
+fn kvpeer_dealer_to_a_pyzmq_router_carries_its_identity_and_exact_bytes() {
+    let mut ours = ControlChannel::bind(free_id(), ControlConfig::default()).unwrap();
+    let theirs = free_id();
+    // Short, exactly 255 (the last short frame), 256 (the first long one), 64 KiB, empty.
+    let payloads: Vec<Vec<u8>> = vec![
+        b"\x81\xa4type\xaadisconnect".to_vec(),
+        (0..255u32).map(|i| i as u8).collect(),
+        (0..256u32).map(|i| (i * 7) as u8).collect(),
+        (0..65536u32).map(|i| (i % 251) as u8).collect(),
+        Vec::new(),
+    ];
+    let mut child = Command::new(python())
+        .args([
+            "-u",
+            "-c",
+            ROUTER,
+            theirs.as_str(),
+            &payloads.len().to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A refused connect is lost (as libzmq's monitor reported CLOSED), so the first send
+    // waits for Python to say it listens. Its output is read as it comes (a pipe holds 64 KiB).
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    assert_eq!(line.trim(), "bound");
+    let reader = std::thread::spawn(move || {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+        rest
+    });
+    for p in &payloads {
+        ours.send(&theirs, p).unwrap();
+    }
+    let (out, events) = drive_until_exit(&mut ours, child);
+    assert!(
+        out.status.success(),
+        "python: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, ChannelEvent::Payload { .. })),
+        "what the ROUTER sent the DEALER is dropped: {events:?}"
+    );
+    let printed = reader.join().unwrap();
+    let identity_hex: String = ours
+        .identity()
+        .as_str()
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let lines: Vec<&str> = printed.lines().collect();
+    assert_eq!(lines.len(), payloads.len(), "{lines:?}");
+    for (line, p) in lines.iter().zip(&payloads) {
+        let hex: String = p.iter().map(|b| format!("{b:02x}")).collect();
+        // An empty frame prints as nothing after the separator.
+        assert_eq!(
+            line.trim_end(),
+            format!("{identity_hex} {hex}").trim_end(),
+            "pyzmq's ROUTER got [our identity, the exact payload]"
+        );
+    }
 }
