@@ -7,7 +7,7 @@
 //!   the node can close one connection. Several connections may claim one identity; none locks
 //!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
 //!   shape but one frame are dropped.
-//! * One DEALER connection per peer ([`Outbound`], protocol in [`Dealer`](crate::dealer::Dealer)),
+//! * One DEALER connection per peer (`outbound.rs`, protocol in [`Dealer`](crate::dealer::Dealer)),
 //!   connected to the peer's ROUTER with `Identity` = our identity; each message is one frame
 //!   (a msgpack payload). Sends never block and are written at once when the connection is
 //!   idle; a full queue (`send_queue`, 1000 messages, libzmq's `SNDHWM`) marks the connection
@@ -57,7 +57,8 @@ pub struct ControlConfig {
     /// How soon an outbound connect that could not start (no descriptor) is tried again
     /// (`ZMQ_RECONNECT_IVL`).
     pub reconnect_interval: Duration,
-    /// Messages queued per peer before a send fails (`ZMQ_SNDHWM`).
+    /// Messages queued per peer before a send fails (`ZMQ_SNDHWM`; 0 or less: no limit, as
+    /// libzmq).
     pub send_queue: i32,
     /// How long unsent messages linger after an outbound connection closes (`ZMQ_LINGER`).
     pub linger: Duration,
@@ -211,7 +212,10 @@ fn outbound_config(config: &ControlConfig) -> OutboundConfig {
             heartbeat_timeout: config.heartbeat_timeout,
             heartbeat_ttl: config.heartbeat_ttl,
             handshake_timeout: config.handshake_timeout,
-            send_queue: usize::try_from(config.send_queue).unwrap_or(0),
+            send_queue: match usize::try_from(config.send_queue) {
+                Ok(n) if n > 0 => n,
+                _ => usize::MAX,
+            },
         },
         linger: config.linger,
         reconnect_interval: config.reconnect_interval,

@@ -150,6 +150,11 @@ impl Dealer {
         self.dropped
     }
 
+    /// Bytes received and not yet decoded (at most a frame header and one command).
+    pub fn pending(&self) -> usize {
+        self.decoder.pending()
+    }
+
     /// Bytes this connection holds (to write, and received not yet decoded).
     pub fn buffered(&self) -> usize {
         self.out.capacity() + self.decoder.buffered()

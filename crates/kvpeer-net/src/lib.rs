@@ -4,7 +4,7 @@
 //!
 //! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`, ZMTP spoken
 //!   by kvpeer on the node's thread (no libzmq): inbound connections through the [`inbound`]
-//!   listener, outbound ones through [`outbound`] ([`dealer`] is a connection's protocol,
+//!   listener, outbound ones through `outbound.rs` ([`dealer`] is a connection's protocol,
 //!   [`zmtp`] the codec both sides share).
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
 //!   `tcp`, `tcp_key`).
@@ -21,7 +21,7 @@ pub mod inbound;
 pub mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
-pub mod outbound;
+mod outbound;
 mod prefault;
 pub mod shm;
 mod shm_object;

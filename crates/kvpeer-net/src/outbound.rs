@@ -42,17 +42,17 @@ use tracing::{debug, warn};
 use crate::dealer::{Dealer, DealerLimits, QueueFull};
 
 /// One outbound connection's number, unique for the channel's life.
-pub type OutId = u64;
+pub(crate) type OutId = u64;
 
 /// Settings of the connecting side.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboundConfig {
+pub(crate) struct OutboundConfig {
     /// Each connection's protocol limits.
-    pub dealer: DealerLimits,
+    pub(crate) dealer: DealerLimits,
     /// How long a closed connection may go on writing its queued messages.
-    pub linger: Duration,
+    pub(crate) linger: Duration,
     /// How soon a connect that could not even start is tried again.
-    pub reconnect_interval: Duration,
+    pub(crate) reconnect_interval: Duration,
 }
 
 /// Bytes read from one connection per round (a DEALER receives little: heartbeats).
@@ -86,7 +86,7 @@ struct Conn {
 }
 
 /// The outbound connections of one channel.
-pub struct Outbound {
+pub(crate) struct Outbound {
     identity: Vec<u8>,
     config: OutboundConfig,
     conns: BTreeMap<OutId, Conn>,
@@ -345,7 +345,7 @@ impl Conn {
 
 impl Outbound {
     /// No connections yet; `identity` is what our READY says.
-    pub fn new(identity: &PeerId, config: OutboundConfig) -> Self {
+    pub(crate) fn new(identity: &PeerId, config: OutboundConfig) -> Self {
         Outbound {
             identity: identity.as_str().as_bytes().to_vec(),
             config,
@@ -357,19 +357,19 @@ impl Outbound {
 
     /// Whether a connection to `peer` is open (connecting, connected, or failed and not yet
     /// reported).
-    pub fn connected(&self, peer: &PeerId) -> bool {
+    pub(crate) fn connected(&self, peer: &PeerId) -> bool {
         self.by_peer.contains_key(peer)
     }
 
     /// Connections, lingering ones included.
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.conns.len()
     }
 
-    /// Opens a connection to `peer` (`host:port`) at `now`, unless one is open.
-    pub fn dial(&mut self, peer: &PeerId, now: Instant) {
-        if self.by_peer.contains_key(peer) {
-            return;
+    /// Opens a connection to `peer` (`host:port`) at `now`, unless one is open; its id.
+    pub(crate) fn dial(&mut self, peer: &PeerId, now: Instant) -> OutId {
+        if let Some(id) = self.by_peer.get(peer) {
+            return *id;
         }
         let addr = peer
             .host_port()
@@ -387,16 +387,21 @@ impl Outbound {
         self.next += 1;
         self.conns.insert(self.next, conn);
         self.by_peer.insert(peer.clone(), self.next);
+        self.next
     }
 
     /// Queues one message to `peer`, dialling first if needed, and writes it at once when the
     /// connection is idle.
-    pub fn send(&mut self, peer: &PeerId, payload: &[u8], now: Instant) -> Result<(), QueueFull> {
-        if !self.by_peer.contains_key(peer) {
-            self.dial(peer, now);
-        }
-        let Some(conn) = self.by_peer.get(peer).and_then(|id| self.conns.get_mut(id)) else {
-            return Err(QueueFull);
+    pub(crate) fn send(
+        &mut self,
+        peer: &PeerId,
+        payload: &[u8],
+        now: Instant,
+    ) -> Result<(), QueueFull> {
+        let id = self.dial(peer, now);
+        let Some(conn) = self.conns.get_mut(&id) else {
+            // `dial` just gave this id: never the case.
+            return Ok(());
         };
         let idle = conn.dealer.transmit().is_empty();
         conn.dealer.queue(payload)?;
@@ -407,7 +412,7 @@ impl Outbound {
     }
 
     /// Closes the connection to `peer` at `now`; its queued messages linger (no report).
-    pub fn close(&mut self, peer: &PeerId, now: Instant) {
+    pub(crate) fn close(&mut self, peer: &PeerId, now: Instant) {
         let Some(id) = self.by_peer.remove(peer) else {
             return;
         };
@@ -423,19 +428,19 @@ impl Outbound {
     }
 
     /// What to poll: each connection's descriptor and events, with its id.
-    pub fn poll_fds(&self) -> impl Iterator<Item = (OutId, BorrowedFd<'_>, PollFlags)> + '_ {
+    pub(crate) fn poll_fds(&self) -> impl Iterator<Item = (OutId, BorrowedFd<'_>, PollFlags)> + '_ {
         self.conns
             .iter()
             .filter_map(|(id, c)| c.poll_fd().map(|(fd, flags)| (*id, fd, flags)))
     }
 
     /// When the next deadline falls due (heartbeats, handshakes, retries, lingers).
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.conns.values().filter_map(Conn::deadline).min()
     }
 
     /// Whether a lost connection waits to be reported (the caller must not sleep).
-    pub fn has_losses(&self) -> bool {
+    pub(crate) fn has_losses(&self) -> bool {
         self.conns
             .values()
             .any(|c| c.failed() && c.linger_until.is_none())
@@ -443,7 +448,7 @@ impl Outbound {
 
     /// Handles the connections `ready` names (every one for `None`), then every deadline due
     /// at `now`; lingering connections that are done are dropped.
-    pub fn progress(&mut self, now: Instant, ready: Option<&[OutId]>) {
+    pub(crate) fn progress(&mut self, now: Instant, ready: Option<&[OutId]>) {
         let retry = self.config.reconnect_interval;
         match ready {
             Some(ids) => {
@@ -465,7 +470,7 @@ impl Outbound {
     }
 
     /// The lost connections not yet reported, each once, dropped (peer, reason).
-    pub fn take_losses(&mut self) -> Vec<(PeerId, String)> {
+    pub(crate) fn take_losses(&mut self) -> Vec<(PeerId, String)> {
         let ids: Vec<OutId> = self
             .conns
             .iter()

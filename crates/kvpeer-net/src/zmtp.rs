@@ -154,6 +154,12 @@ impl Decoder {
         self.buf.capacity() + self.parts.iter().map(Vec::capacity).sum::<usize>()
     }
 
+    /// Bytes received and not yet consumed (a [`Decoder::discarding`] never holds message
+    /// bytes: at most a frame header and one command).
+    pub fn pending(&self) -> usize {
+        self.buf.len() - self.at
+    }
+
     /// Whether the peer's READY arrived.
     pub fn is_ready(&self) -> bool {
         self.phase == Phase::Traffic
