@@ -88,15 +88,16 @@ fn payload() -> Vec<u8> {
     .unwrap()
 }
 
-/// Waits for the next payload on `ch` (sleeping in the channel's poll, as a node does).
+/// Waits for the next payload on `ch` as a node's loop does: sleep in the channel's poll, then
+/// read what it saw ready (one `recv` per wait).
 fn next(ch: &mut ControlChannel) -> Vec<u8> {
     loop {
+        ch.wait(Duration::from_secs(5)).unwrap();
         for event in ch.recv() {
             if let ChannelEvent::Payload { payload, .. } = event {
                 return payload;
             }
         }
-        ch.wait(Duration::from_secs(5)).unwrap();
     }
 }
 
