@@ -579,3 +579,29 @@ fn a_peers_last_message_comes_before_its_loss() {
         "{events:?}"
     );
 }
+
+/// A host name is resolved on a helper thread (the send returns at once) and then reached.
+#[test]
+fn a_host_name_is_resolved_off_the_node_thread_and_reached() {
+    let mut a = channel();
+    let ida = a.identity().clone();
+    let (listener, router) = router_listener();
+    let port = router.host_port().unwrap().1;
+    let named = PeerId::new(format!("localhost:{port}"));
+    let t = Instant::now();
+    a.send(&named, b"by name").unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(50),
+        "a send never blocks"
+    );
+    let peer = std::thread::spawn(move || {
+        let mut r = Router::accept(&listener);
+        let props = r.handshake(3, 1);
+        (props, r.read_message(), r)
+    });
+    let ((props, got, _open), events) = drive_until(&mut a, peer);
+    assert_eq!(props[1].1, ida.as_str().as_bytes());
+    assert_eq!(got, b"by name");
+    assert!(events.is_empty(), "{events:?}");
+    assert!(a.connected(&named));
+}
