@@ -14,8 +14,9 @@
 //!   [`QueueFull`], as libzmq's `SNDHWM` refuses it.
 //! * Heartbeats, libzmq's rules: once READY, a PING (carrying our `heartbeat_ttl`) every
 //!   `heartbeat_interval`; a PING unanswered by any byte within `heartbeat_timeout` ends the
-//!   connection, and so does silence past the TTL the peer's own PING announced. Every PING of
-//!   the peer gets a PONG with its context. The handshake must finish within
+//!   connection, and so does silence past the TTL the peer's own PING announced. A PING of the
+//!   peer gets a PONG with its context, one PONG unwritten at a time (as libzmq: a peer that
+//!   PINGs and never reads cannot grow our buffer). The handshake must finish within
 //!   `handshake_timeout` of the TCP connection (libzmq's `ZMQ_HANDSHAKE_IVL`, 30 s).
 //! * Messages the peer sends are decoded under `max_message_bytes` (checked from the frame
 //!   header, before anything is kept) and dropped without being buffered: libzmq's DEALERs
@@ -96,6 +97,10 @@ pub struct Dealer {
     next_ping: Option<Instant>,
     ping_deadline: Option<Instant>,
     ttl_deadline: Option<(Instant, Duration)>,
+    /// Where our last PONG ends in the stream: while it is unwritten, further PINGs get no
+    /// PONG of their own (libzmq keeps one PONG pending too), so a peer that PINGs and never
+    /// reads cannot grow our buffer.
+    pong_end: u64,
     dropped: u64,
 }
 
@@ -120,6 +125,7 @@ impl Dealer {
             next_ping: None,
             ping_deadline: None,
             ttl_deadline: None,
+            pong_end: 0,
             dropped: 0,
         }
     }
@@ -231,7 +237,10 @@ impl Dealer {
                     ttl_deciseconds,
                     context,
                 } => {
-                    self.out.extend(zmtp::pong(&context));
+                    if self.pong_end <= self.written {
+                        self.out.extend(zmtp::pong(&context));
+                        self.pong_end = self.stream_end();
+                    }
                     if ttl_deciseconds > 0 && self.ttl_deadline.is_none() {
                         let ttl = Duration::from_millis(u64::from(ttl_deciseconds) * 100);
                         self.ttl_deadline = Some((now + ttl, ttl));
@@ -482,6 +491,25 @@ mod tests {
         assert_eq!(
             d.handle_timeout(t + s(4)),
             Err(DealerError::TtlExpired(s(3)))
+        );
+    }
+
+    #[test]
+    fn a_peer_that_pings_and_never_reads_gets_one_pong_pending_at_a_time() {
+        let t = Instant::now();
+        let mut d = Dealer::new(b"a:1", limits());
+        d.connected(t);
+        d.handle_bytes(&router_hello(1), t).unwrap();
+        drain(&mut d);
+        let pings = zmtp::ping(0).repeat(10_000);
+        d.handle_bytes(&pings, t).unwrap();
+        assert_eq!(d.transmit(), zmtp::pong(b""), "one PONG, not ten thousand");
+        drain(&mut d);
+        d.handle_bytes(&zmtp::ping(0), t).unwrap();
+        assert_eq!(
+            drain(&mut d),
+            zmtp::pong(b""),
+            "written: the next PING is answered"
         );
     }
 
