@@ -98,9 +98,11 @@ class Producer:
 
 def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: int,
             prefixes: int, plane: str = "shm", env: dict | None = None,
-            miss_share: float = MISS_SHARE, concurrency: int = 1) -> dict:
+            miss_share: float = MISS_SHARE, concurrency: int = 1,
+            wrap: list[str] | None = None) -> dict:
     """Runs a consumer to its end (the checked warm-up, then the timed requests); returns its
-    figures in one shape for both kinds."""
+    figures in one shape for both kinds. `wrap` goes before the command (a counter such as
+    `perf stat ... --`)."""
     common = ["--peer", peer.id, "--requests", str(requests), "--keys", str(KEYS),
               "--miss-share", str(miss_share), "--prefixes", str(prefixes),
               "--blocks", str(KEYS * (concurrency + (concurrency > 1))),
@@ -111,6 +113,7 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
         cmd = [kvpeer, "fetch", "--json", *KVPEER_FETCH_MODE, *common]
     else:
         cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "fetch", *common]
+    cmd = [*(wrap or []), *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                          env=dict(os.environ, KVPEER_LOG="warn", **(env or {})))
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
