@@ -7,6 +7,8 @@
 //!   turns a key into a pull candidate.
 //! * [`Follower`]: one engine's event stream: sequence numbers, gaps, publisher restarts, and
 //!   the replays that recover what a late join or a gap lost.
+//! * [`Publisher`]: the pool's own stream in vLLM's form (what its store took in and let go),
+//!   with vLLM's replay buffer, for the routers that already index vLLM engines.
 //!
 //! Pure (quinn-proto's sans-IO style): no sockets, no clock reads, no threads; the caller (the
 //! pool node's follower thread) feeds bytes and instants and carries out what comes back.
@@ -16,6 +18,8 @@
 mod follower;
 mod holdings;
 pub mod keys;
+mod publisher;
 
 pub use follower::{FollowAction, Follower, FollowerLimits, FollowerStats};
 pub use holdings::{Admission, EngineSlot, Holdings, PullCandidate};
+pub use publisher::{Frames, Publisher, StoreChange, OWNERSHIP};
