@@ -4,7 +4,8 @@ Same machine, same run, same workload for every pairing: N requests one after an
 looking up 64 keys (1 in 8 missing at the producer) and fetching the 56 hits, over loopback
 ZeroMQ and the shm data plane, with 16 KiB and with 2 MiB blocks. The vLLM side is
 `vllm_peer.py` (vLLM's own ZmqTransport + P2PSession, driven as its tier manager does); the
-kvpeer side is the release `kvpeer` binary (`serve`, `fetch`).
+kvpeer side is the release `kvpeer` binary (`serve`, and `fetch --driven`: the node on the
+consumer's own thread, as an engine embeds it; `--node-consumer` for the runtime-thread Node).
 
 Each consumer first runs 8 warm-up requests that check every byte, then the timed requests
 (bytes not checked, so the figures are the transfer's, not the check's). Reported per pairing: lookup round
@@ -34,6 +35,9 @@ KEYS, MISS_SHARE = 64, 0.125
 HITS = KEYS - round(KEYS * MISS_SHARE)
 WARMUP = 8  # requests first, every byte checked, not in the figures
 TICKS = os.sysconf("SC_CLK_TCK")
+# How a kvpeer consumer runs its node: `--driven` on the command's own thread, as an engine
+# embeds kvpeer (issue 14); `--node-consumer` empties this for the runtime-thread `Node`.
+KVPEER_FETCH_MODE = ["--driven"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -94,9 +98,11 @@ class Producer:
 
 def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: int,
             prefixes: int, plane: str = "shm", env: dict | None = None,
-            miss_share: float = MISS_SHARE, concurrency: int = 1) -> dict:
+            miss_share: float = MISS_SHARE, concurrency: int = 1,
+            wrap: list[str] | None = None) -> dict:
     """Runs a consumer to its end (the checked warm-up, then the timed requests); returns its
-    figures in one shape for both kinds."""
+    figures in one shape for both kinds. `wrap` goes before the command (a counter such as
+    `perf stat ... --`)."""
     common = ["--peer", peer.id, "--requests", str(requests), "--keys", str(KEYS),
               "--miss-share", str(miss_share), "--prefixes", str(prefixes),
               "--blocks", str(KEYS * (concurrency + (concurrency > 1))),
@@ -104,9 +110,10 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
               "--warmup", str(WARMUP), "--no-verify", "--concurrency", str(concurrency),
               *plane_args(kind, plane)]
     if kind == "kvpeer":
-        cmd = [kvpeer, "fetch", "--json", *common]
+        cmd = [kvpeer, "fetch", "--json", *KVPEER_FETCH_MODE, *common]
     else:
         cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "fetch", *common]
+    cmd = [*(wrap or []), *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                          env=dict(os.environ, KVPEER_LOG="warn", **(env or {})))
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
@@ -210,7 +217,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight together on every consumer (default 1)")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--node-consumer", action="store_true",
+                   help="kvpeer consumers on the runtime-thread Node (default: engine-driven)")
     args = p.parse_args()
+    if args.node_consumer:
+        KVPEER_FETCH_MODE.clear()
     rows = []
     pairings = [("vllm", "vllm"), ("vllm", "kvpeer"), ("kvpeer", "vllm"), ("kvpeer", "kvpeer")]
     for block_len, requests, prefixes in [
@@ -225,7 +236,8 @@ def main() -> int:
                   f"{time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {KEYS} keys/request, {HITS} hits, shm plane, "
-          f"{args.concurrency} request(s) in flight\n")
+          f"{args.concurrency} request(s) in flight, kvpeer consumer "
+          f"{'driven' if KVPEER_FETCH_MODE else 'Node'}\n")
     print(table(rows))
     print()
     print(ratios(rows))

@@ -2,8 +2,9 @@
 # Prepares vLLM 0.33.0's P2P modules for the interop tests, without committing any of vLLM:
 #   1. the released wheel is downloaded once into a cache outside the repo
 #      (${KVPEER_CACHE:-$HOME/.cache/kvpeer}), and re-used when present;
-#   2. only vllm/v1/kv_offload/tiering/p2p/{control,session}/, data/{base,nixl}.py and
-#      vllm/distributed/nixl_utils.py are extracted, unchanged, into target/interop/pysrc;
+#   2. only vllm/v1/kv_offload/tiering/p2p/{control,session}/, data/{base,nixl}.py,
+#      vllm/distributed/nixl_utils.py and vllm/distributed/kv_events.py (the KV event
+#      publisher) are extracted, unchanged, into target/interop/pysrc;
 #   3. the few modules they import from the rest of vLLM come from tests/interop/stubs
 #      (written for this project, upstream names and defaults).
 # Prints the directory to put on PYTHONPATH. Needs the Python of scripts/test.sh's venv
@@ -31,7 +32,8 @@ base = "vllm/v1/kv_offload/tiering/p2p/"
 wanted = lambda n: n.endswith(".py") and (
     n.startswith(base + "control/")
     or n.startswith(base + "session/")
-    or n in (base + "data/base.py", base + "data/nixl.py", "vllm/distributed/nixl_utils.py")
+    or n in (base + "data/base.py", base + "data/nixl.py", "vllm/distributed/nixl_utils.py",
+             "vllm/distributed/kv_events.py")
 )
 with zipfile.ZipFile(wheel) as z:
     names = [n for n in z.namelist() if wanted(n)]

@@ -44,6 +44,7 @@
 
 mod decode;
 mod error;
+pub mod events;
 pub mod json;
 mod limits;
 mod message;

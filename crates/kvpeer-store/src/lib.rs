@@ -18,4 +18,4 @@ pub mod trailer;
 pub use pool::{
     BlockBusy, ClaimError, Pool, PoolError, PoolView, PoolWriter, ShmObject, WriteClaim,
 };
-pub use store::{BlockStore, StoreConfig, StoreError, StoreStats};
+pub use store::{BlockStore, KeyChange, StoreConfig, StoreError, StoreStats};

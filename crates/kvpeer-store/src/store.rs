@@ -102,6 +102,24 @@ pub struct StoreStats {
     pub open_contexts: u64,
 }
 
+/// What the store did to a key: the change log a pool node publishes as KV events
+/// ([`BlockStore::record_changes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyChange {
+    /// The key's block became readable.
+    Stored(OffloadKey),
+    /// The key is no longer held (evicted, or being fetched again).
+    Removed(OffloadKey),
+}
+
+/// The change log: bounded, oldest changes dropped (and counted) past its length.
+#[derive(Debug)]
+struct ChangeLog {
+    changes: std::collections::VecDeque<KeyChange>,
+    max: usize,
+    dropped: u64,
+}
+
 /// The node's pool of KV blocks.
 #[derive(Debug)]
 pub struct BlockStore {
@@ -115,6 +133,7 @@ pub struct BlockStore {
     pinned: u64,
     writing: u64,
     open_contexts: u64,
+    changes: Option<ChangeLog>,
 }
 
 impl BlockStore {
@@ -172,7 +191,39 @@ impl BlockStore {
             pinned: 0,
             writing: 0,
             open_contexts: 0,
+            changes: None,
         })
+    }
+
+    /// Keeps a log of the keys that become readable and stop being held, at most `max`
+    /// changes between two [`BlockStore::take_changes`] (older ones are dropped, and counted).
+    pub fn record_changes(&mut self, max: usize) {
+        self.changes = Some(ChangeLog {
+            changes: std::collections::VecDeque::new(),
+            max: max.max(1),
+            dropped: 0,
+        });
+    }
+
+    /// The changes since the last call, in order, and how many were dropped for room.
+    pub fn take_changes(&mut self) -> (Vec<KeyChange>, u64) {
+        match &mut self.changes {
+            Some(log) => (
+                log.changes.drain(..).collect(),
+                std::mem::take(&mut log.dropped),
+            ),
+            None => (Vec::new(), 0),
+        }
+    }
+
+    fn log(&mut self, change: KeyChange) {
+        if let Some(log) = &mut self.changes {
+            if log.changes.len() >= log.max {
+                log.changes.pop_front();
+                log.dropped += 1;
+            }
+            log.changes.push_back(change);
+        }
     }
 
     /// The pool (its memory, shm object, base address, size): a [`crate::PoolView`] to the
@@ -295,12 +346,19 @@ impl BlockStore {
 
     fn evict(&mut self, b: u32) {
         let slot = &mut self.slots[b as usize];
+        let was_ready = slot.state == State::Ready;
+        let mut gone = None;
         if let Some(key) = slot.key.take() {
             if self.index.get(&key) == Some(&b) {
                 self.index.remove(&key);
+                gone = Some(key);
             }
         }
         slot.state = State::Free;
+        // A block that never became readable was never announced.
+        if let (Some(key), true) = (gone, was_ready) {
+            self.log(KeyChange::Removed(key));
+        }
     }
 
     /// Reserves destination blocks for a fetch of `keys` (the consumer side). Until
@@ -312,6 +370,9 @@ impl BlockStore {
         for (key, b) in keys.iter().zip(taken) {
             if let Some(old) = self.index.insert(key.clone(), b) {
                 // The key was held elsewhere: its old block loses it.
+                if self.slots[old as usize].state == State::Ready {
+                    self.log(KeyChange::Removed(key.clone()));
+                }
                 let slot = &mut self.slots[old as usize];
                 if slot.state == State::Ready && slot.pins == 0 {
                     self.lru.remove(old);
@@ -342,6 +403,11 @@ impl BlockStore {
                 self.slots[b as usize].state = State::Ready;
                 if self.slots[b as usize].pins == 0 {
                     self.lru.touch(b);
+                }
+                if let Some(key) = self.slots[b as usize].key.clone() {
+                    if self.index.get(&key) == Some(&b) {
+                        self.log(KeyChange::Stored(key));
+                    }
                 }
             } else {
                 self.evict(b);

@@ -246,3 +246,46 @@ fn the_node_cannot_write_a_block_a_peer_may_write() {
     drop(claim);
     assert!(s.write_target(blocks[0]).is_ok(), "the peer's write ended");
 }
+
+/// The change log a pool node publishes: a key is announced when its block becomes readable
+/// and withdrawn when it is evicted or fetched again; a write that failed was never announced;
+/// the log is bounded, the oldest dropped and counted; off, it records nothing.
+#[test]
+fn the_change_log_follows_what_is_readable() {
+    use kvpeer_store::KeyChange::{Removed, Stored};
+    let mut s = store("changes", 2);
+    s.put(&key(0), &bytes(0)).unwrap();
+    assert_eq!(s.take_changes(), (vec![], 0), "off until asked for");
+    s.record_changes(100);
+    s.put(&key(1), &bytes(1)).unwrap();
+    // A third key evicts the least recently used (key 0).
+    s.put(&key(2), &bytes(2)).unwrap();
+    // A failed write is never announced (it evicts key 1 first, which is).
+    let b = s.reserve(&[key(3)]).unwrap();
+    s.finish_write(&b, false);
+    // Key 2 fetched again: withdrawn, then announced once the write lands.
+    let b = s.reserve(&[key(2)]).unwrap();
+    s.finish_write(&b, true);
+    assert_eq!(
+        s.take_changes(),
+        (
+            vec![
+                Stored(key(1)),
+                Removed(key(0)),
+                Stored(key(2)),
+                Removed(key(1)),
+                Removed(key(2)),
+                Stored(key(2)),
+            ],
+            0
+        )
+    );
+    s.record_changes(2);
+    for n in 10..15 {
+        s.put(&key(n), &bytes(n as u8)).unwrap();
+    }
+    let (changes, dropped) = s.take_changes();
+    assert_eq!(changes, vec![Removed(key(12)), Stored(key(14))]);
+    // 10 took the block the failed write freed; 11..=14 each evicted one: 9 changes.
+    assert_eq!(dropped, 7);
+}

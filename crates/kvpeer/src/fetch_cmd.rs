@@ -8,7 +8,8 @@
 //! the workload's seconds, and GB/s over the loads' own time: fetch sent to blocks landed).
 //! Exit status 0 when every load succeeded and every byte matched, 1 otherwise, 2 for bad
 //! arguments. Every wait is bounded by `--timeout-secs`. Runs on the public API
-//! ([`kvpeer::Node`]), as an engine would.
+//! ([`kvpeer::Node`]), as an engine would; with `--driven`, on an engine-driven node instead
+//! ([`crate::fetch_driven`]).
 
 use std::time::{Duration, Instant};
 
@@ -21,61 +22,65 @@ use crate::node_args::NodeArgs;
 pub(crate) struct FetchArgs {
     /// The serving peer's control address (its identity).
     #[arg(long)]
-    peer: String,
+    pub(crate) peer: String,
     #[command(flatten)]
-    node: NodeArgs,
+    pub(crate) node: NodeArgs,
     /// Requests to run, one after another.
     #[arg(long, default_value_t = 16)]
-    requests: u64,
+    pub(crate) requests: u64,
     /// Keys looked up per request.
     #[arg(long, default_value_t = 8)]
-    keys: u64,
+    pub(crate) keys: u64,
     /// Share of each request's keys that are new (looked up, never held by anyone); they come
     /// after the shared prefix, as a prompt's new text follows its shared start.
     #[arg(long, default_value_t = 0.25, value_parser = parse_share)]
-    miss_share: f64,
+    pub(crate) miss_share: f64,
     /// Cycle the requests over this many shared prefixes (request `r` uses prefix `r % N`), so
     /// a long run needs only N prefixes filled at the peer; 0: every request its own prefix.
     #[arg(long, default_value_t = 0)]
-    prefixes: u64,
+    pub(crate) prefixes: u64,
     /// Synthetic index of the first key.
     #[arg(long, default_value_t = 0)]
-    first: u64,
+    pub(crate) first: u64,
     /// Print the summary as one JSON object instead of `key=value` pairs.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Skip the byte check of fetched blocks (benchmarks: measure the transfer, not the
     /// check); blocks are still counted. Warm-up requests are always checked.
     #[arg(long)]
-    no_verify: bool,
+    pub(crate) no_verify: bool,
     /// Requests in flight at once (callers of the node, each running its share in turn). With
     /// more than one, the pool needs keys × (concurrency + 1) blocks, so that blocks a caller
     /// just fetched are not evicted by the others' reservations before it reads them.
     #[arg(long, default_value_t = 1)]
-    concurrency: u64,
+    pub(crate) concurrency: u64,
     /// Requests run first and left out of the figures (their bytes are checked; a failure or
     /// a mismatch still fails the run).
     #[arg(long, default_value_t = 0)]
-    warmup: u64,
+    pub(crate) warmup: u64,
     /// Bound on every wait (handshake, one lookup, one fetch), in seconds.
     #[arg(long, default_value_t = 30)]
-    timeout_secs: u64,
+    pub(crate) timeout_secs: u64,
+    /// Drive the node on this command's thread, as an engine embedding kvpeer does (no
+    /// runtime thread, no hop per call; `--concurrency` requests in flight on the one thread).
+    #[arg(long)]
+    pub(crate) driven: bool,
 }
 
 /// What a run measured.
 #[derive(Debug, Default)]
-struct Tally {
-    hits: u64,
-    misses: u64,
-    bytes: u64,
-    failed_loads: u64,
-    corrupt_blocks: u64,
-    lookup_us: Vec<u64>,
-    fetch_us: Vec<u64>,
+pub(crate) struct Tally {
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
+    pub(crate) bytes: u64,
+    pub(crate) failed_loads: u64,
+    pub(crate) corrupt_blocks: u64,
+    pub(crate) lookup_us: Vec<u64>,
+    pub(crate) fetch_us: Vec<u64>,
     /// From the first request to the last finish (the node's start-up and handshake excluded).
-    workload: Duration,
+    pub(crate) workload: Duration,
     /// CPU time (user + system, every thread of this process) over `workload`.
-    cpu: Duration,
+    pub(crate) cpu: Duration,
 }
 
 impl Tally {
@@ -93,7 +98,7 @@ impl Tally {
 }
 
 /// CPU time this process has used so far (every thread, user + system); zero if unknown.
-fn process_cpu() -> Duration {
+pub(crate) fn process_cpu() -> Duration {
     use nix::sys::resource::{getrusage, UsageWho};
     getrusage(UsageWho::RUSAGE_SELF).map_or(Duration::ZERO, |u| {
         let tv = |t: nix::sys::time::TimeVal| {
@@ -141,7 +146,12 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         );
         return 2;
     }
-    match fetch(&args, config) {
+    let outcome = if args.driven {
+        crate::fetch_driven::fetch(&args, config)
+    } else {
+        fetch(&args, config)
+    };
+    match outcome {
         Ok(t) => {
             let secs = t.workload.as_secs_f64();
             // Throughput of the loads themselves (fetch sent to blocks landed).
@@ -212,7 +222,7 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
 /// signal's default action otherwise), so a watcher removes the pool's shared-memory object and
 /// exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
 /// behind (`kill -9` still does: nothing can run then).
-fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
+pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .map_err(|e| format!("cannot watch signals: {e}"))?;
@@ -334,21 +344,7 @@ impl Run<'_> {
             timeout,
         } = *self;
         let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
-        // The first keys of each request are the shared prefix (the peer may hold them); the
-        // last `misses` are new text no one has computed (synthetic indexes never filled).
-        let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
-        let shared = args.keys - misses;
-        let prefix = if args.prefixes > 0 {
-            r % args.prefixes
-        } else {
-            r
-        };
-        let first = args.first + prefix * shared;
-        let new = MISS_BASE + r * misses;
-        let keys: Vec<OffloadKey> = (first..first + shared)
-            .chain(new..new + misses)
-            .map(synthetic::key)
-            .collect();
+        let keys = request_keys(args, r);
         // Opening the request (and the session, the first time) counts as part of the lookup.
         let lookup_started = Instant::now();
         let req = node.request(peer, &request).map_err(|e| e.to_string())?;
@@ -391,20 +387,38 @@ impl Run<'_> {
     }
 }
 
-fn micros(d: Duration) -> u64 {
+/// The keys request `r` looks up: first the shared prefix (the peer may hold it), then the
+/// `--miss-share` of new text no one has computed (synthetic indexes never filled).
+pub(crate) fn request_keys(args: &FetchArgs, r: u64) -> Vec<OffloadKey> {
+    let misses = ((args.keys as f64 * args.miss_share).round() as u64).min(args.keys);
+    let shared = args.keys - misses;
+    let prefix = if args.prefixes > 0 {
+        r % args.prefixes
+    } else {
+        r
+    };
+    let first = args.first + prefix * shared;
+    let new = MISS_BASE + r * misses;
+    (first..first + shared)
+        .chain(new..new + misses)
+        .map(synthetic::key)
+        .collect()
+}
+
+pub(crate) fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// A one-line progress bar on stderr, drawn only when stderr is a terminal (never into logs or
 /// pipes), at most ten times a second.
-struct Progress {
+pub(crate) struct Progress {
     total: u64,
     on: bool,
     last: Option<Instant>,
 }
 
 impl Progress {
-    fn new(total: u64, wanted: bool) -> Self {
+    pub(crate) fn new(total: u64, wanted: bool) -> Self {
         use std::io::IsTerminal;
         Progress {
             total,
@@ -413,7 +427,7 @@ impl Progress {
         }
     }
 
-    fn show(&mut self, done: u64, t: &Tally) {
+    pub(crate) fn show(&mut self, done: u64, t: &Tally) {
         if !self.on
             || self
                 .last
@@ -434,7 +448,7 @@ impl Progress {
         );
     }
 
-    fn done(&mut self) {
+    pub(crate) fn done(&mut self) {
         if self.on {
             // Clear the bar so the summary starts on a clean line.
             eprint!("\r{}\r", " ".repeat(80));

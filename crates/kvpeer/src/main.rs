@@ -6,6 +6,7 @@
 
 mod demo_cmd;
 mod fetch_cmd;
+mod fetch_driven;
 mod node_args;
 mod serve_cmd;
 mod wire_cmd;

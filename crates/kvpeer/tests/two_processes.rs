@@ -723,3 +723,82 @@ fn fetch_runs_requests_in_flight_together() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--concurrency"), "{stderr}");
 }
+
+/// `fetch --driven`: the node runs on the command's own thread (an engine-driven node, no
+/// runtime thread), one request at a time and four in flight on that one thread, every byte
+/// checked; on tcp and on shm.
+#[test]
+fn fetch_drives_the_node_on_its_own_thread() {
+    for plane in ["tcp", "shm"] {
+        let (_server, id) = Cli::serve()
+            .plane(plane)
+            .pool(64, 4096)
+            .arg("--fill", 32)
+            .start_serving();
+        for concurrency in [1, 4] {
+            let out = Cli::fetch_shared(id.as_str())
+                .plane(plane)
+                .arg("--block-len", 4096)
+                .arg("--blocks", 40)
+                .arg("--keys", 8)
+                .arg("--prefixes", 4)
+                .arg("--requests", 24)
+                .arg("--warmup", 2)
+                .arg("--concurrency", concurrency)
+                .flag("--driven")
+                .flag("--json")
+                .output();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{plane} ×{concurrency}: {stderr}");
+            let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            // 24 timed requests of 8 keys of the 4 shared prefixes, all held (32 filled).
+            assert_eq!(
+                (s["hits"].as_u64(), s["misses"].as_u64()),
+                (Some(192), Some(0)),
+                "{plane} ×{concurrency}: {s}"
+            );
+            assert_eq!(s["bytes"].as_u64(), Some(192 * 4096), "{s}");
+            assert_eq!(s["corrupt_blocks"], 0, "{s}");
+            assert_eq!(s["failed_loads"], 0, "{s}");
+        }
+        // Keys the peer never held: every request ends with the terminal empty fetch, and the
+        // peer still serves the next run.
+        let (s, _) = Cli::fetch_shared(id.as_str())
+            .plane(plane)
+            .pool(40, 4096)
+            .workload(6, 8)
+            .arg("--first", 1000)
+            .arg("--concurrency", 2)
+            .flag("--driven")
+            .flag("--json")
+            .run_json();
+        assert_eq!(
+            (s["hits"].as_u64(), s["misses"].as_u64()),
+            (Some(0), Some(48)),
+            "{s}"
+        );
+    }
+}
+
+/// A driven fetch from a peer that never answers ends within `--timeout-secs` with an error
+/// naming the phase, not a hang.
+#[test]
+fn a_driven_fetch_from_a_silent_peer_is_a_bounded_error() {
+    // A listener that accepts and never speaks ZMTP.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = format!("127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let mut fetch = Cli::fetch(&peer)
+        .pool(32, 4096)
+        .workload(1, 4)
+        .arg("--timeout-secs", 1)
+        .flag("--driven")
+        .spawn();
+    // `wait_while` fails the test if the command is still running after 30 s.
+    let status = fetch.wait_while(Duration::from_secs(30), || {
+        std::thread::sleep(Duration::from_millis(10))
+    });
+    assert_eq!(status, 1);
+    let stderr = fetch.stderr.lock().unwrap().clone();
+    assert!(stderr.contains("lookup took longer than 1 s"), "{stderr}");
+    drop(silent);
+}

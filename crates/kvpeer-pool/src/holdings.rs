@@ -1,0 +1,333 @@
+//! Which followed engine holds which key, and the rule that makes a key worth pulling.
+//!
+//! One entry per key some followed engine holds (on its CPU tier), with the set of engines
+//! holding it (a bit each: at most [`EngineSlot::MAX`] engines per pool node). Bounded: past
+//! `max_keys` the oldest entry is forgotten (the pool then merely misses a chance to pull it).
+//! An engine that restarted or went away is forgotten whole ([`Holdings::forget_engine`]).
+//!
+//! Admission: a key becomes a [`PullCandidate`] the moment `min_holders` engines hold it (1:
+//! everything any engine holds; 2: only chunks computed on more than one engine, the shared
+//! prefixes). It is offered once; [`Holdings::pull_failed`] lets it be offered again by the next
+//! engine that announces it. The caller drops candidates its own store already holds (an
+//! engine re-announces blocks it fetched from the pool).
+
+use std::collections::{HashMap, VecDeque};
+
+use kvpeer_proto::OffloadKey;
+
+/// A followed engine's place in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineSlot(u8);
+
+impl EngineSlot {
+    /// Engines one index tracks.
+    pub const MAX: usize = 64;
+
+    /// Slot `i`, if `i < MAX`.
+    pub fn new(i: usize) -> Option<Self> {
+        u8::try_from(i)
+            .ok()
+            .filter(|&i| usize::from(i) < Self::MAX)
+            .map(EngineSlot)
+    }
+
+    /// Its number.
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+
+    fn bit(self) -> u64 {
+        1 << self.0
+    }
+}
+
+/// When a key is worth pulling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// Engines that must hold a key before it is pulled (at least 1).
+    pub min_holders: u32,
+}
+
+impl Default for Admission {
+    fn default() -> Self {
+        Admission { min_holders: 1 }
+    }
+}
+
+/// A key to pull, and an engine that holds it (the one that announced it last).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullCandidate {
+    /// The key.
+    pub key: OffloadKey,
+    /// Where to pull it from.
+    pub from: EngineSlot,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    holders: u64,
+    last_holder: EngineSlot,
+    /// Its place in `order` (an older generation there is stale).
+    generation: u64,
+    /// Offered as a candidate (and not failed since).
+    offered: bool,
+}
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The index.
+#[derive(Debug)]
+pub struct Holdings {
+    entries: FastMap<OffloadKey, Entry>,
+    /// Keys by age, with their generation; entries re-made since are stale and skipped.
+    order: VecDeque<(u64, OffloadKey)>,
+    next_generation: u64,
+    max_keys: usize,
+    admission: Admission,
+    per_engine: [u64; EngineSlot::MAX],
+    forgotten: u64,
+}
+
+impl Holdings {
+    /// An empty index of at most `max_keys` keys (at least 1).
+    pub fn new(max_keys: usize, admission: Admission) -> Self {
+        Holdings {
+            entries: FastMap::default(),
+            order: VecDeque::new(),
+            next_generation: 0,
+            max_keys: max_keys.max(1),
+            admission: Admission {
+                min_holders: admission.min_holders.max(1),
+            },
+            per_engine: [0; EngineSlot::MAX],
+            forgotten: 0,
+        }
+    }
+
+    /// `engine` holds `key`; the key, if it just became worth pulling.
+    pub fn stored(&mut self, engine: EngineSlot, key: OffloadKey) -> Option<PullCandidate> {
+        let entry = match self.entries.get_mut(&key) {
+            Some(e) => e,
+            None => {
+                self.make_room();
+                let generation = self.next_generation;
+                self.next_generation += 1;
+                self.order.push_back((generation, key.clone()));
+                self.entries.entry(key.clone()).or_insert(Entry {
+                    holders: 0,
+                    last_holder: engine,
+                    generation,
+                    offered: false,
+                })
+            }
+        };
+        if entry.holders & engine.bit() == 0 {
+            entry.holders |= engine.bit();
+            self.per_engine[engine.index()] += 1;
+        }
+        entry.last_holder = engine;
+        if entry.offered || entry.holders.count_ones() < self.admission.min_holders {
+            return None;
+        }
+        entry.offered = true;
+        Some(PullCandidate { key, from: engine })
+    }
+
+    /// `engine` no longer holds `key` (a key no engine holds any more is forgotten).
+    pub fn removed(&mut self, engine: EngineSlot, key: &OffloadKey) {
+        let Some(entry) = self.entries.get_mut(key) else {
+            return;
+        };
+        if entry.holders & engine.bit() != 0 {
+            entry.holders &= !engine.bit();
+            self.per_engine[engine.index()] -= 1;
+        }
+        if entry.holders == 0 {
+            self.entries.remove(key);
+        } else if entry.last_holder == engine {
+            entry.last_holder = lowest_holder(entry.holders);
+        }
+    }
+
+    /// Everything `engine` held is gone (it restarted, or it is no longer followed).
+    pub fn forget_engine(&mut self, engine: EngineSlot) {
+        if self.per_engine[engine.index()] == 0 {
+            return;
+        }
+        self.entries.retain(|_, e| {
+            e.holders &= !engine.bit();
+            if e.last_holder == engine && e.holders != 0 {
+                e.last_holder = lowest_holder(e.holders);
+            }
+            e.holders != 0
+        });
+        self.per_engine[engine.index()] = 0;
+    }
+
+    /// A pull of `key` failed: the next engine to announce it offers it again.
+    pub fn pull_failed(&mut self, key: &OffloadKey) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.offered = false;
+        }
+    }
+
+    /// Engines holding `key`.
+    pub fn holders(&self, key: &OffloadKey) -> u32 {
+        self.entries.get(key).map_or(0, |e| e.holders.count_ones())
+    }
+
+    /// Whether `engine` holds `key`.
+    pub fn holds(&self, engine: EngineSlot, key: &OffloadKey) -> bool {
+        self.entries
+            .get(key)
+            .is_some_and(|e| e.holders & engine.bit() != 0)
+    }
+
+    /// Keys `engine` holds.
+    pub fn count(&self, engine: EngineSlot) -> u64 {
+        self.per_engine[engine.index()]
+    }
+
+    /// Keys in the index.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the index is empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Keys forgotten to stay within `max_keys`.
+    pub fn forgotten(&self) -> u64 {
+        self.forgotten
+    }
+
+    /// Forgets the oldest entries until one more fits.
+    fn make_room(&mut self) {
+        while self.entries.len() >= self.max_keys {
+            let Some((generation, key)) = self.order.pop_front() else {
+                return;
+            };
+            let live = self
+                .entries
+                .get(&key)
+                .is_some_and(|e| e.generation == generation);
+            if live {
+                if let Some(e) = self.entries.remove(&key) {
+                    for i in 0..EngineSlot::MAX {
+                        if e.holders & (1 << i) != 0 {
+                            self.per_engine[i] -= 1;
+                        }
+                    }
+                }
+                self.forgotten += 1;
+            }
+        }
+        // Stale generations pile up when keys come and go; drop them once they dominate.
+        if self.order.len() > 2 * self.max_keys + 1024 {
+            let entries = &self.entries;
+            self.order
+                .retain(|(g, k)| entries.get(k).is_some_and(|e| e.generation == *g));
+        }
+    }
+}
+
+fn lowest_holder(holders: u64) -> EngineSlot {
+    // `holders` is not zero: trailing_zeros < 64 fits a slot.
+    EngineSlot(holders.trailing_zeros() as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u8) -> OffloadKey {
+        OffloadKey::from_parts(&[i; 32], 0)
+    }
+
+    fn slot(i: usize) -> EngineSlot {
+        EngineSlot::new(i).unwrap_or_else(|| panic!("slot {i}"))
+    }
+
+    #[test]
+    fn one_holder_is_enough_by_default_and_a_key_is_offered_once() {
+        let mut h = Holdings::new(100, Admission::default());
+        assert_eq!(
+            h.stored(slot(0), key(1)),
+            Some(PullCandidate {
+                key: key(1),
+                from: slot(0)
+            })
+        );
+        assert_eq!(h.stored(slot(1), key(1)), None);
+        assert_eq!(h.holders(&key(1)), 2);
+        h.pull_failed(&key(1));
+        assert_eq!(
+            h.stored(slot(1), key(1)),
+            Some(PullCandidate {
+                key: key(1),
+                from: slot(1)
+            })
+        );
+    }
+
+    #[test]
+    fn shared_only_waits_for_a_second_engine() {
+        let mut h = Holdings::new(100, Admission { min_holders: 2 });
+        assert_eq!(h.stored(slot(0), key(1)), None);
+        assert_eq!(
+            h.stored(slot(0), key(1)),
+            None,
+            "the same engine twice is one holder"
+        );
+        assert_eq!(h.stored(slot(3), key(1)).map(|c| c.from), Some(slot(3)));
+    }
+
+    #[test]
+    fn removals_and_restarts_forget_what_is_gone() {
+        let mut h = Holdings::new(100, Admission::default());
+        h.stored(slot(0), key(1));
+        h.stored(slot(1), key(1));
+        h.stored(slot(0), key(2));
+        h.removed(slot(0), &key(1));
+        assert_eq!(h.holders(&key(1)), 1);
+        assert!(!h.holds(slot(0), &key(1)));
+        h.forget_engine(slot(0));
+        assert_eq!(h.count(slot(0)), 0);
+        assert_eq!(h.holders(&key(2)), 0);
+        assert_eq!(h.len(), 1);
+        h.removed(slot(1), &key(1));
+        assert!(h.is_empty());
+        // Removing what is not there changes nothing.
+        h.removed(slot(5), &key(9));
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn the_index_stays_within_its_bound_forgetting_the_oldest() {
+        let mut h = Holdings::new(3, Admission::default());
+        for i in 0..10u8 {
+            h.stored(slot(usize::from(i % 2)), key(i));
+            assert!(h.len() <= 3);
+        }
+        assert_eq!(h.forgotten(), 7);
+        assert_eq!(h.holders(&key(9)), 1);
+        assert_eq!(h.holders(&key(6)), 0);
+        assert_eq!(h.count(slot(0)) + h.count(slot(1)), 3);
+        // Keys that come and go do not grow the age queue without bound.
+        for round in 0..10_000u32 {
+            let k = OffloadKey::from_parts(&round.to_be_bytes(), 1);
+            h.stored(slot(0), k.clone());
+            h.removed(slot(0), &k);
+        }
+        assert!(h.order.len() <= 2 * 3 + 1024 + 1);
+    }
+
+    #[test]
+    fn slots_stop_at_sixty_four() {
+        assert!(EngineSlot::new(63).is_some());
+        assert!(EngineSlot::new(64).is_none());
+        assert!(EngineSlot::new(1000).is_none());
+    }
+}

@@ -1,0 +1,25 @@
+//! kvpeer's pool node, the parts without I/O (issue 15): a node that learns what engines hold
+//! from the KV events they already publish, and pulls over P2P the blocks worth keeping.
+//!
+//! * [`keys`]: the P2P offload key an event names (a CPU-tier chunk: its last hash and its KV
+//!   group), or why it names none (int hashes, another medium).
+//! * [`Holdings`]: which followed engine holds which key, bounded, with the admission rule that
+//!   turns a key into a pull candidate.
+//! * [`Follower`]: one engine's event stream: sequence numbers, gaps, publisher restarts, and
+//!   the replays that recover what a late join or a gap lost.
+//! * [`Publisher`]: the pool's own stream in vLLM's form (what its store took in and let go),
+//!   with vLLM's replay buffer, for the routers that already index vLLM engines.
+//!
+//! Pure (quinn-proto's sans-IO style): no sockets, no clock reads, no threads; the caller (the
+//! pool node's follower thread) feeds bytes and instants and carries out what comes back.
+
+#![forbid(unsafe_code)]
+
+mod follower;
+mod holdings;
+pub mod keys;
+mod publisher;
+
+pub use follower::{FollowAction, Follower, FollowerLimits, FollowerStats};
+pub use holdings::{Admission, EngineSlot, Holdings, PullCandidate};
+pub use publisher::{Frames, Publisher, StoreChange, OWNERSHIP};

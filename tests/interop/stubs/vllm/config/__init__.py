@@ -1,0 +1,1 @@
+"""Stub package (kvpeer interop tests): only `kv_events` (the publisher's config) is used."""

@@ -1,0 +1,1 @@
+"""Stub package (kvpeer interop tests): only `network_utils` is used."""
