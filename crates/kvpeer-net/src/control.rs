@@ -23,7 +23,7 @@
 //!   identity, `host:port`). The core opens a session only on a `connect`, so junk never makes
 //!   us dial.
 //!
-//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps in one `poll(2)` on
+//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps in one `ppoll(2)` on
 //! every socket (and the caller's extra descriptor) until something is ready or the nearest
 //! deadline (heartbeats, handshakes, retries, lingers) or the timeout passes; nothing else
 //! blocks, except dropping the channel, which gives queued messages up to `linger` to leave,
@@ -35,7 +35,8 @@ use std::os::fd::{BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
-use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::poll::{PollFd, PollFlags};
+use nix::sys::time::TimeSpec;
 use tracing::warn;
 
 use crate::dealer::DealerLimits;
@@ -181,11 +182,12 @@ impl std::fmt::Debug for ControlChannel {
     }
 }
 
-/// `d` as a poll(2) timeout in milliseconds, rounded up (a deadline 0.3 ms away must not turn
-/// into a busy loop), at most `i32::MAX`.
-pub(crate) fn poll_timeout(d: Duration) -> PollTimeout {
-    let ms = d.as_nanos().div_ceil(1_000_000);
-    PollTimeout::try_from(ms.min(i32::MAX as u128)).unwrap_or(PollTimeout::MAX)
+/// Sleeps in `ppoll(2)` on `fds` for at most `d`: its timeout has nanosecond precision, so a
+/// deadline (a load's 1 ms timeout, a heartbeat) is met within the kernel's timer slack, where
+/// `poll(2)`'s milliseconds would wake up to a millisecond late or spin until it. At most a day.
+pub(crate) fn sleep_on(fds: &mut [PollFd<'_>], d: Duration) -> nix::Result<nix::libc::c_int> {
+    let timeout = TimeSpec::from_duration(d.min(Duration::from_secs(86_400)));
+    nix::poll::ppoll(fds, Some(timeout), None)
 }
 
 fn limits(config: &ControlConfig) -> InboundLimits {
@@ -383,7 +385,7 @@ impl ControlChannel {
             .flatten()
             .map(|at| at.saturating_duration_since(now))
             .fold(timeout, Duration::min);
-        match nix::poll::poll(&mut fds, poll_timeout(timeout)) {
+        match sleep_on(&mut fds, timeout) {
             Ok(n) => {
                 let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
                 let mut listener_ready = false;

@@ -22,7 +22,7 @@
 //!   messages are written, when it fails, or at the deadline. Dropping `Outbound` (the
 //!   channel) waits up to `linger` for them, as `zmq_ctx_term` did.
 //!
-//! Readiness comes from the channel's single `poll(2)` ([`Outbound::poll_fds`]); deadlines
+//! Readiness comes from the channel's single `ppoll(2)` ([`Outbound::poll_fds`]); deadlines
 //! (heartbeats, handshakes, retries, lingers) from [`Outbound::next_deadline`].
 
 use std::collections::{BTreeMap, HashMap};
@@ -515,7 +515,7 @@ impl Outbound {
                 .poll_fds()
                 .map(|(_, fd, flags)| nix::poll::PollFd::new(fd, flags))
                 .collect();
-            let _ = nix::poll::poll(&mut fds, crate::control::poll_timeout(wait));
+            let _ = crate::control::sleep_on(&mut fds, wait);
             drop(fds);
             self.progress(Instant::now(), None);
         }
