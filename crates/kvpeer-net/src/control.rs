@@ -354,7 +354,7 @@ impl ControlChannel {
         let mut slots = Vec::with_capacity(fds.capacity());
         if let Some(fd) = extra {
             // SAFETY: the caller keeps `extra` open for this call (the documented contract);
-            // poll(2) only reads the number, and a closed descriptor would come back POLLNVAL,
+            // ppoll(2) only reads the number, and a closed descriptor would come back POLLNVAL,
             // never touching memory.
             let fd = unsafe { BorrowedFd::borrow_raw(fd) };
             fds.push(PollFd::new(fd, PollFlags::POLLIN));
