@@ -1,5 +1,7 @@
 //! The connecting side of one control connection: a ZMTP 3.1 DEALER as a state machine, without
-//! I/O (quinn-proto style: bytes and time in, bytes and deadlines out).
+//! I/O (quinn-proto style: bytes and time in, bytes and deadlines out). It is a
+//! [`Connection`] in the control DEALER's [`Role`], with the control channel's settings and
+//! errors.
 //!
 //! What it speaks, as libzmq 4.3's DEALER with vLLM's settings does:
 //!
@@ -27,10 +29,13 @@
 //! went with [`Dealer::advance`], feeds what it reads to [`Dealer::handle_bytes`], and calls
 //! [`Dealer::handle_timeout`] at [`Dealer::poll_timeout`]. Any error ends the connection.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::zmtp::{self, Decoder, Input, ZmtpError};
+pub use crate::connection::QueueFull;
+use crate::connection::{ConnError, ConnLimits, Connection, Role};
+use crate::zmtp::ZmtpError;
+#[cfg(test)]
+use crate::zmtp::{self, Decoder, Input};
 
 /// Settings of one DEALER connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +52,21 @@ pub struct DealerLimits {
     pub handshake_timeout: Duration,
     /// Messages that may wait unwritten.
     pub send_queue: usize,
+}
+
+impl From<DealerLimits> for ConnLimits {
+    fn from(l: DealerLimits) -> Self {
+        ConnLimits {
+            max_message_bytes: l.max_message_bytes,
+            heartbeat_interval: l.heartbeat_interval,
+            heartbeat_timeout: l.heartbeat_timeout,
+            heartbeat_ttl: l.heartbeat_ttl,
+            handshake_timeout: l.handshake_timeout,
+            send_queue: l.send_queue,
+            // The control channel bounds its queue in messages only, as libzmq does.
+            send_queue_bytes: usize::MAX,
+        }
+    }
 }
 
 /// Why a DEALER connection ended.
@@ -70,238 +90,94 @@ pub enum DealerError {
     TtlExpired(Duration),
 }
 
-/// The send queue is full: the message was not queued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("send queue full")]
-pub struct QueueFull;
-
-/// Buffer capacity kept once everything queued was written; a larger one is given back.
-const KEEP_CAPACITY: usize = 256 * 1024;
+impl From<ConnError> for DealerError {
+    fn from(e: ConnError) -> Self {
+        match e {
+            ConnError::Zmtp(e) => DealerError::Zmtp(e),
+            ConnError::PeerType { got, .. } => DealerError::SocketType(got),
+            ConnError::HandshakeTimeout(d) => DealerError::HandshakeTimeout(d),
+            ConnError::HeartbeatTimeout(d) => DealerError::HeartbeatTimeout(d),
+            ConnError::TtlExpired(d) => DealerError::TtlExpired(d),
+        }
+    }
+}
 
 /// One DEALER connection's protocol state.
 #[derive(Debug)]
-pub struct Dealer {
-    limits: DealerLimits,
-    decoder: Decoder,
-    /// Bytes to write, in stream order, from `at` on.
-    out: Vec<u8>,
-    at: usize,
-    /// Until the peer's READY only `out[..gate]` (greeting and READY) may leave.
-    gate: Option<usize>,
-    /// Stream offsets: bytes handed to the socket so far, and where each queued message ends.
-    written: u64,
-    ends: VecDeque<u64>,
-    /// Set by [`Dealer::connected`]: the handshake's deadline.
-    handshake_deadline: Option<Instant>,
-    ready: bool,
-    next_ping: Option<Instant>,
-    ping_deadline: Option<Instant>,
-    ttl_deadline: Option<(Instant, Duration)>,
-    /// Where our last PONG ends in the stream: while it is unwritten, further PINGs get no
-    /// PONG of their own (libzmq keeps one PONG pending too), so a peer that PINGs and never
-    /// reads cannot grow our buffer.
-    pong_end: u64,
-    dropped: u64,
-}
+pub struct Dealer(Connection);
 
 impl Dealer {
     /// A DEALER that will introduce itself as `identity`. Messages may be queued at once.
     pub fn new(identity: &[u8], limits: DealerLimits) -> Self {
-        let mut out = zmtp::greeting().to_vec();
-        out.extend(zmtp::ready_with(&[
-            ("Socket-Type", b"DEALER"),
-            ("Identity", identity),
-        ]));
-        Dealer {
-            decoder: Decoder::discarding(limits.max_message_bytes),
-            limits,
-            gate: Some(out.len()),
-            out,
-            at: 0,
-            written: 0,
-            ends: VecDeque::new(),
-            handshake_deadline: None,
-            ready: false,
-            next_ping: None,
-            ping_deadline: None,
-            ttl_deadline: None,
-            pong_end: 0,
-            dropped: 0,
-        }
+        Dealer(Connection::new(
+            Role::control_dealer(identity),
+            limits.into(),
+        ))
     }
 
     /// TCP is connected at `now`: the handshake's clock starts.
     pub fn connected(&mut self, now: Instant) {
-        self.handshake_deadline
-            .get_or_insert(now + self.limits.handshake_timeout);
+        self.0.connected(now);
     }
 
     /// Whether the peer's READY arrived and was accepted.
     pub fn is_ready(&self) -> bool {
-        self.ready
+        self.0.is_ready()
     }
 
     /// Messages queued and not yet wholly written.
     pub fn queued(&self) -> usize {
-        self.ends.len()
+        self.0.queued()
     }
 
     /// Whether every queued message was written (commands may still wait).
     pub fn is_drained(&self) -> bool {
-        self.ends.is_empty()
+        self.0.is_drained()
     }
 
     /// Messages the peer sent, dropped.
     pub fn dropped(&self) -> u64 {
-        self.dropped
+        self.0.dropped()
     }
 
     /// Bytes received and not yet decoded (at most a frame header and one command).
     pub fn pending(&self) -> usize {
-        self.decoder.pending()
+        self.0.pending()
     }
 
     /// Bytes this connection holds (to write, and received not yet decoded).
     pub fn buffered(&self) -> usize {
-        self.out.capacity() + self.decoder.buffered()
+        self.0.buffered()
     }
 
     /// Queues one message (one frame).
     pub fn queue(&mut self, payload: &[u8]) -> Result<(), QueueFull> {
-        if self.ends.len() >= self.limits.send_queue {
-            return Err(QueueFull);
-        }
-        zmtp::write_message_frame(&mut self.out, payload);
-        self.ends.push_back(self.stream_end());
-        Ok(())
+        self.0.queue(&[payload])
     }
 
     /// Bytes to write now.
     pub fn transmit(&self) -> &[u8] {
-        let end = self.gate.unwrap_or(self.out.len());
-        &self.out[self.at.min(end)..end]
+        self.0.transmit()
     }
 
     /// `n` bytes of [`Dealer::transmit`] were written.
     pub fn advance(&mut self, n: usize) {
-        let n = n.min(self.transmit().len());
-        self.at += n;
-        self.written += n as u64;
-        while self.ends.front().is_some_and(|end| *end <= self.written) {
-            self.ends.pop_front();
-        }
-        if self.at == self.out.len() {
-            self.out.clear();
-            self.at = 0;
-            if let Some(gate) = &mut self.gate {
-                *gate = 0;
-            }
-            if self.out.capacity() > KEEP_CAPACITY {
-                self.out = Vec::new();
-            }
-        } else if self.at > 64 * 1024 && self.at * 2 > self.out.len() {
-            self.out.drain(..self.at);
-            if let Some(gate) = &mut self.gate {
-                *gate -= self.at;
-            }
-            self.at = 0;
-        }
+        self.0.advance(n);
     }
 
     /// Bytes read from the connection at `now`.
     pub fn handle_bytes(&mut self, bytes: &[u8], now: Instant) -> Result<(), DealerError> {
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        // Any byte proves the peer alive (libzmq cancels both timers on every read).
-        self.ping_deadline = None;
-        self.ttl_deadline = None;
-        self.decoder.push(bytes);
-        while let Some(input) = self.decoder.next_input()? {
-            match input {
-                // Ours went out with our READY.
-                Input::Greeting | Input::Command => {}
-                Input::Ready { socket_type, .. } => {
-                    if socket_type != b"ROUTER" {
-                        return Err(DealerError::SocketType(
-                            String::from_utf8_lossy(&socket_type).into_owned(),
-                        ));
-                    }
-                    self.ready = true;
-                    self.gate = None;
-                    if !self.limits.heartbeat_interval.is_zero() {
-                        self.next_ping = Some(now + self.limits.heartbeat_interval);
-                    }
-                }
-                Input::Ping {
-                    ttl_deciseconds,
-                    context,
-                } => {
-                    if self.pong_end <= self.written {
-                        self.out.extend(zmtp::pong(&context));
-                        self.pong_end = self.stream_end();
-                    }
-                    if ttl_deciseconds > 0 && self.ttl_deadline.is_none() {
-                        let ttl = Duration::from_millis(u64::from(ttl_deciseconds) * 100);
-                        self.ttl_deadline = Some((now + ttl, ttl));
-                    }
-                }
-                Input::Message(_) | Input::Discarded { .. } => self.dropped += 1,
-            }
-        }
-        Ok(())
+        Ok(self.0.handle_bytes(bytes, now)?)
     }
 
     /// Runs the deadlines due at `now` (a PING may be queued).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), DealerError> {
-        if !self.ready && self.handshake_deadline.is_some_and(|d| now >= d) {
-            return Err(DealerError::HandshakeTimeout(self.limits.handshake_timeout));
-        }
-        if self.ping_deadline.is_some_and(|d| now >= d) {
-            return Err(DealerError::HeartbeatTimeout(self.heartbeat_timeout()));
-        }
-        if let Some((at, ttl)) = self.ttl_deadline {
-            if now >= at {
-                return Err(DealerError::TtlExpired(ttl));
-            }
-        }
-        if let Some(at) = self.next_ping.filter(|at| now >= *at) {
-            let ttl =
-                u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
-            self.out.extend(zmtp::ping(ttl));
-            // A late wake-up does not bunch PINGs up.
-            self.next_ping = Some(at.max(now) + self.limits.heartbeat_interval);
-            self.ping_deadline
-                .get_or_insert(now + self.heartbeat_timeout());
-        }
-        Ok(())
+        Ok(self.0.handle_timeout(now)?)
     }
 
     /// When [`Dealer::handle_timeout`] has something to do next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let handshake = self.handshake_deadline.filter(|_| !self.ready);
-        [
-            handshake,
-            self.next_ping,
-            self.ping_deadline,
-            self.ttl_deadline.map(|(at, _)| at),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
-    }
-
-    fn heartbeat_timeout(&self) -> Duration {
-        if self.limits.heartbeat_timeout.is_zero() {
-            self.limits.heartbeat_interval
-        } else {
-            self.limits.heartbeat_timeout
-        }
-    }
-
-    /// The stream offset just past everything queued.
-    fn stream_end(&self) -> u64 {
-        self.written + (self.out.len() - self.at) as u64
+        self.0.poll_timeout()
     }
 }
 

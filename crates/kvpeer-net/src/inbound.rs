@@ -329,7 +329,10 @@ impl Inbound {
                     }
                     Input::Ping { context, .. } => c.out.extend(zmtp::pong(&context)),
                     // This decoder keeps messages; commands only prove the peer alive.
-                    Input::Command | Input::Discarded { .. } => {}
+                    Input::Command
+                    | Input::Subscribe(_)
+                    | Input::Cancel(_)
+                    | Input::Discarded { .. } => {}
                     Input::Message(mut frames) => {
                         let Some(peer) = c.identity.clone() else {
                             return Err("a message before READY".into());

@@ -14,9 +14,11 @@
 //! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
 //! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
 
+pub mod connection;
 pub mod control;
 pub mod dealer;
 pub mod dual;
+pub mod events;
 pub mod inbound;
 pub mod metadata;
 #[cfg(feature = "nixl")]
@@ -25,6 +27,7 @@ mod outbound;
 mod prefault;
 pub mod shm;
 mod shm_object;
+mod sockio;
 pub mod tcp;
 pub mod zmtp;
 

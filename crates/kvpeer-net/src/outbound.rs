@@ -27,19 +27,17 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
-use nix::errno::Errno;
 use nix::poll::PollFlags;
-use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::{debug, warn};
 
 use crate::dealer::{Dealer, DealerLimits, QueueFull};
+use crate::sockio;
 
 /// One outbound connection's number, unique for the channel's life.
 pub(crate) type OutId = u64;
@@ -147,31 +145,7 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
 /// `Err(Some(reason))` when the connect failed (a lost connection), `Err(None)` when no socket
 /// could be made (try again later).
 fn connect(addr: SocketAddr) -> Result<Link, Option<String>> {
-    let family = if addr.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = match socket::socket(
-        family,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    ) {
-        Ok(fd) => fd,
-        Err(e) => {
-            if let Some(suppressed) = crate::admit_warning("cannot make a control socket") {
-                warn!(error = %e, suppressed, "cannot make a control socket; retrying");
-            }
-            return Err(None);
-        }
-    };
-    match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
-        Ok(()) | Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => {
-            Ok(Link::Connecting(TcpStream::from(fd)))
-        }
-        Err(e) => Err(Some(format!("cannot connect to {addr}: {}", e.desc()))),
-    }
+    sockio::start_connect(addr).map(Link::Connecting)
 }
 
 impl Conn {
@@ -243,14 +217,12 @@ impl Conn {
                     self.fail("the resolver thread ended without an answer".into())
                 }
             },
-            Link::Connecting(stream) => match stream.take_error() {
-                Ok(Some(e)) | Err(e) => {
-                    let addr = self.addr.map(|a| a.to_string()).unwrap_or_default();
-                    return self.fail(format!("cannot connect to {addr}: {e}"));
-                }
-                Ok(None) => match stream.peer_addr() {
-                    Ok(_) => {
-                        let _ = stream.set_nodelay(true);
+            Link::Connecting(stream) => {
+                let addr = self.addr.map(|a| a.to_string()).unwrap_or_default();
+                match sockio::connect_done(stream, &addr) {
+                    Err(reason) => return self.fail(reason),
+                    Ok(false) => return,
+                    Ok(true) => {
                         let Link::Connecting(stream) =
                             std::mem::replace(&mut self.link, Link::Waiting { until: now })
                         else {
@@ -260,11 +232,8 @@ impl Conn {
                         self.dealer.connected(now);
                         debug!(peer = %self.peer, "control connection connected");
                     }
-                    // Not yet.
-                    Err(e) if e.kind() == ErrorKind::NotConnected => return,
-                    Err(e) => return self.fail(format!("cannot connect: {e}")),
-                },
-            },
+                }
+            }
             Link::Open(_) => {
                 if let Err(reason) = self.read(now) {
                     return self.fail(reason);
@@ -279,26 +248,10 @@ impl Conn {
         let Link::Open(stream) = &mut self.link else {
             return Ok(());
         };
-        let mut chunk = [0u8; 16 * 1024];
-        let mut budget = READ_BUDGET;
-        loop {
-            let n = match stream.read(&mut chunk) {
-                Ok(0) => return Err("closed by the peer".into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.to_string()),
-            };
-            self.dealer
-                .handle_bytes(&chunk[..n], now)
-                .map_err(|e| e.to_string())?;
-            budget = budget.saturating_sub(n);
-            if budget == 0 || n < chunk.len() {
-                // A short read drained the socket for now; the level-triggered poll reports
-                // anything that came since.
-                return Ok(());
-            }
-        }
+        let dealer = &mut self.dealer;
+        sockio::read_available(stream, READ_BUDGET, |bytes| {
+            dealer.handle_bytes(bytes, now).map_err(|e| e.to_string())
+        })
     }
 
     /// Writes what the dealer has for the socket, until the socket would block.
@@ -306,18 +259,8 @@ impl Conn {
         let Link::Open(stream) = &mut self.link else {
             return;
         };
-        loop {
-            let bytes = self.dealer.transmit();
-            if bytes.is_empty() {
-                return;
-            }
-            match stream.write(bytes) {
-                Ok(0) => return self.fail("cannot send".into()),
-                Ok(n) => self.dealer.advance(n),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return self.fail(e.to_string()),
-            }
+        if let Err(reason) = sockio::write_available(stream, &mut self.dealer) {
+            self.fail(reason);
         }
     }
 

@@ -92,7 +92,13 @@ pub enum Input {
         /// The context to echo.
         context: Vec<u8>,
     },
-    /// Any other command (PONG, ERROR, SUBSCRIBE, ...): it only proves the peer is alive.
+    /// A SUB's SUBSCRIBE command (ZMTP 3.1): messages whose first frame starts with this
+    /// prefix are wanted. (A ZMTP 3.0 SUB sends the message `0x01 · prefix` instead.)
+    Subscribe(Vec<u8>),
+    /// A SUB's CANCEL command (ZMTP 3.1): one SUBSCRIBE of this prefix is withdrawn. (ZMTP 3.0:
+    /// the message `0x00 · prefix`.)
+    Cancel(Vec<u8>),
+    /// Any other command (PONG, ERROR, ...): it only proves the peer is alive.
     Command,
 }
 
@@ -408,6 +414,8 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                 context: context[..context.len().min(16)].to_vec(),
             })
         }
+        b"SUBSCRIBE" => Ok(Input::Subscribe(data.to_vec())),
+        b"CANCEL" => Ok(Input::Cancel(data.to_vec())),
         _ => Ok(Input::Command),
     }
 }
@@ -478,14 +486,60 @@ pub fn message_frame(body: &[u8]) -> Vec<u8> {
 /// Appends one message frame (no MORE) carrying `body` to `out`: short up to 255 bytes, long
 /// (a u64 size) beyond.
 pub fn write_message_frame(out: &mut Vec<u8>, body: &[u8]) {
+    write_frame(out, body, false);
+}
+
+/// Appends one message frame carrying `body` to `out`, with MORE set when `more` (another
+/// frame of the same message follows).
+pub fn write_frame(out: &mut Vec<u8>, body: &[u8], more: bool) {
+    let more = if more { FLAG_MORE } else { 0 };
     if body.len() > 255 {
-        out.push(FLAG_LONG);
+        out.push(FLAG_LONG | more);
         out.extend_from_slice(&(body.len() as u64).to_be_bytes());
     } else {
-        out.push(0);
+        out.push(more);
         out.push(body.len() as u8);
     }
     out.extend_from_slice(body);
+}
+
+/// Appends a multipart message (MORE on every frame but the last) to `out`; no frames is one
+/// empty frame (a message has at least one).
+pub fn write_message(out: &mut Vec<u8>, parts: &[&[u8]]) {
+    match parts.split_last() {
+        None => write_frame(out, &[], false),
+        Some((last, first)) => {
+            for part in first {
+                write_frame(out, part, true);
+            }
+            write_frame(out, last, false);
+        }
+    }
+}
+
+/// Bytes [`write_message`] appends for `parts`.
+pub fn message_len(parts: &[&[u8]]) -> usize {
+    parts
+        .iter()
+        .map(|p| p.len() + if p.len() > 255 { 9 } else { 2 })
+        .sum::<usize>()
+        .max(2)
+}
+
+/// The body of a ZMTP 3.0 subscription message, which a SUB sends as an ordinary message:
+/// `0x01 · prefix` to subscribe, `0x00 · prefix` to cancel. libzmq 4.3's PUB and XPUB take it
+/// from ZMTP 3.0 and 3.1 peers alike (a 3.1 libzmq SUB sends the SUBSCRIBE command instead).
+pub fn subscription(prefix: &[u8], subscribe: bool) -> Vec<u8> {
+    let mut body = Vec::with_capacity(1 + prefix.len());
+    body.push(u8::from(subscribe));
+    body.extend_from_slice(prefix);
+    body
+}
+
+/// A ZMTP 3.1 SUBSCRIBE (or, when not `subscribe`, CANCEL) command for `prefix`.
+pub fn subscription_command(prefix: &[u8], subscribe: bool) -> Vec<u8> {
+    let name: &[u8] = if subscribe { b"SUBSCRIBE" } else { b"CANCEL" };
+    command_frame(name, prefix)
 }
 
 #[cfg(test)]
@@ -594,6 +648,36 @@ mod tests {
         assert_eq!(all(&mut d).unwrap().len(), 3);
         d.push(&ping(1));
         assert!(d.buffered() <= KEEP_CAPACITY, "{}", d.buffered());
+    }
+
+    #[test]
+    fn subscriptions_come_as_commands_and_multipart_messages_frame_with_more() {
+        let mut d = Decoder::new(1 << 20);
+        d.push(&greeting());
+        d.push(&ready("SUB"));
+        d.push(&subscription_command(b"kv@a", true));
+        d.push(&subscription_command(b"", false));
+        let mut bytes = Vec::new();
+        write_message(&mut bytes, &[b"topic", &[0; 8], &vec![5; 300]]);
+        assert_eq!(
+            bytes.len(),
+            message_len(&[b"topic", &[0; 8], &vec![5; 300]])
+        );
+        write_message(&mut bytes, &[]);
+        assert_eq!(message_len(&[]), 2);
+        d.push(&bytes);
+        let got = all(&mut d).unwrap();
+        assert_eq!(
+            got[2..],
+            [
+                Input::Subscribe(b"kv@a".to_vec()),
+                Input::Cancel(Vec::new()),
+                Input::Message(vec![b"topic".to_vec(), vec![0; 8], vec![5; 300]]),
+                Input::Message(vec![Vec::new()]),
+            ]
+        );
+        assert_eq!(subscription(b"ab", true), b"\x01ab");
+        assert_eq!(subscription(b"ab", false), b"\x00ab");
     }
 
     #[test]

@@ -1,0 +1,651 @@
+//! One ZMTP 3.1 connection of any socket type, as a state machine without I/O (quinn-proto
+//! style: bytes and time in, bytes and deadlines out). The control channel's DEALER
+//! ([`Dealer`](crate::dealer::Dealer)) and every socket of the KV event stream
+//! ([`crate::events`]: SUB, PUB, the replay DEALER and ROUTER) are this machine in a [`Role`].
+//!
+//! What it speaks, as libzmq 4.3 does for that socket type:
+//!
+//! * From the start our greeting (ZMTP 3.1, NULL, not as-server) and our READY
+//!   (`Socket-Type`, and `Identity` when the role has one, as libzmq sends it only for DEALER,
+//!   REQ and ROUTER) are queued, in one write. Which side opened the TCP connection does not
+//!   matter: a SUB that accepted a PUB's connection speaks exactly as one that connected.
+//! * The peer's greeting may be any major version from 3 on; an older version, a foreign
+//!   signature or another mechanism is refused ([`ZmtpError`]) as soon as the bytes show it.
+//!   Its READY must name a socket type the role talks to ([`ConnError::PeerType`]).
+//! * Messages (multipart: MORE on all frames but the last; short frames up to 255 bytes, long
+//!   beyond) are queued from the start but leave only after the peer's READY was checked, in
+//!   order. At most `send_queue` messages and `send_queue_bytes` bytes wait unwritten (one
+//!   message of any size when nothing waits); one more is [`QueueFull`], as libzmq's `SNDHWM`
+//!   refuses it (a DEALER's send fails, a PUB drops the message for that peer).
+//! * Heartbeats, libzmq's rules: once READY, a PING (carrying our `heartbeat_ttl`) every
+//!   `heartbeat_interval`; a PING unanswered by any byte within `heartbeat_timeout` ends the
+//!   connection, and so does silence past the TTL the peer's own PING announced. A PING of the
+//!   peer gets a PONG with its context, one PONG unwritten at a time (a peer that PINGs and
+//!   never reads cannot grow our buffer). The handshake must finish within
+//!   `handshake_timeout` of [`Connection::connected`].
+//! * What the peer sends is decoded under `max_message_bytes` (checked from each frame's
+//!   header, before anything is kept). A role that keeps messages ([`Role::keep`]) yields them
+//!   and the peer's SUBSCRIBE and CANCEL commands as [`Incoming`] from
+//!   [`Connection::poll_incoming`]; one that does not skips message bodies unbuffered and
+//!   counts them ([`Connection::dropped`]): memory is then one command (64 KiB) plus one read.
+//!
+//! The caller (an I/O driver on its own thread: `outbound.rs`, `events/`) writes
+//! [`Connection::transmit`] to the socket and reports how much went with
+//! [`Connection::advance`], feeds what it reads to [`Connection::handle_bytes`] and drains
+//! [`Connection::poll_incoming`] after each call (so what is held is what one read brought),
+//! and calls [`Connection::handle_timeout`] at [`Connection::poll_timeout`]. Nothing here
+//! blocks or reads a clock; any error ends the connection.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::zmtp::{self, Decoder, Input, ZmtpError};
+
+/// Which socket this side is, and what it talks to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Role {
+    /// Our `Socket-Type`.
+    pub socket_type: &'static str,
+    /// Our `Identity` property, if the role sends one.
+    pub identity: Option<Vec<u8>>,
+    /// The peer socket types accepted (ZMTP's valid combinations).
+    pub peers: &'static [&'static str],
+    /// Whether the peer's messages and subscriptions are kept and yielded, or skipped.
+    pub keep: bool,
+}
+
+impl Role {
+    /// The control channel's DEALER: introduces itself as `identity`, talks to a ROUTER, never
+    /// reads what the ROUTER sends (libzmq's DEALERs in vLLM were never read either).
+    pub fn control_dealer(identity: &[u8]) -> Self {
+        Role {
+            socket_type: "DEALER",
+            identity: Some(identity.to_vec()),
+            peers: &["ROUTER"],
+            keep: false,
+        }
+    }
+
+    /// A DEALER whose answers are read (the KV event stream's replay client). libzmq sends an
+    /// empty `Identity` for a DEALER without one.
+    pub fn dealer() -> Self {
+        Role {
+            socket_type: "DEALER",
+            identity: Some(Vec::new()),
+            peers: &["ROUTER"],
+            keep: true,
+        }
+    }
+
+    /// A SUB: talks to a PUB or XPUB, keeps what it sends.
+    pub fn sub() -> Self {
+        Role {
+            socket_type: "SUB",
+            identity: None,
+            peers: &["PUB", "XPUB"],
+            keep: true,
+        }
+    }
+
+    /// A PUB: talks to a SUB or XSUB, keeps their subscriptions.
+    pub fn publisher() -> Self {
+        Role {
+            socket_type: "PUB",
+            identity: None,
+            peers: &["SUB", "XSUB"],
+            keep: true,
+        }
+    }
+
+    /// A ROUTER (the KV event stream's replay server): talks to a DEALER, REQ or ROUTER,
+    /// keeps their requests.
+    pub fn router() -> Self {
+        Role {
+            socket_type: "ROUTER",
+            identity: Some(Vec::new()),
+            peers: &["DEALER", "REQ", "ROUTER"],
+            keep: true,
+        }
+    }
+}
+
+/// Settings of one connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Largest message accepted from the peer (and frame, from its header).
+    pub max_message_bytes: u64,
+    /// How often we PING once the handshake is done (zero: never).
+    pub heartbeat_interval: Duration,
+    /// How long a PING may go unanswered (zero: the interval).
+    pub heartbeat_timeout: Duration,
+    /// The TTL our PINGs tell the peer.
+    pub heartbeat_ttl: Duration,
+    /// How long the handshake may take once TCP is connected.
+    pub handshake_timeout: Duration,
+    /// Messages that may wait unwritten.
+    pub send_queue: usize,
+    /// Bytes that may wait unwritten (one message of any size when nothing waits).
+    pub send_queue_bytes: usize,
+}
+
+/// Why a connection ended.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnError {
+    /// The peer's bytes are not ZMTP this side speaks.
+    #[error(transparent)]
+    Zmtp(#[from] ZmtpError),
+    /// The peer's READY names a socket type this one does not talk to.
+    #[error("the peer is a {got:?} socket; a {ours} talks to {peers:?}")]
+    PeerType {
+        /// The peer's `Socket-Type`.
+        got: String,
+        /// Ours.
+        ours: &'static str,
+        /// The ones ours talks to.
+        peers: &'static [&'static str],
+    },
+    /// No READY within the handshake timeout.
+    #[error("handshake not done within {0:?}")]
+    HandshakeTimeout(Duration),
+    /// Our PING got no answer.
+    #[error("no answer to our heartbeat within {0:?}")]
+    HeartbeatTimeout(Duration),
+    /// The peer fell silent past the TTL its own PING announced.
+    #[error("the peer fell silent past its heartbeat TTL of {0:?}")]
+    TtlExpired(Duration),
+}
+
+/// The send queue is full: the message was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("send queue full")]
+pub struct QueueFull;
+
+/// What a role that keeps messages got from the peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Incoming {
+    /// A whole message: its frames in order.
+    Message(Vec<Vec<u8>>),
+    /// A SUBSCRIBE command for this prefix.
+    Subscribe(Vec<u8>),
+    /// A CANCEL command for this prefix.
+    Cancel(Vec<u8>),
+}
+
+/// Buffer capacity kept once everything queued was written; a larger one is given back.
+const KEEP_CAPACITY: usize = 256 * 1024;
+
+/// One connection's protocol state.
+#[derive(Debug)]
+pub struct Connection {
+    role: Role,
+    limits: ConnLimits,
+    decoder: Decoder,
+    /// Bytes to write, in stream order, from `at` on.
+    out: Vec<u8>,
+    at: usize,
+    /// Until the peer's READY only `out[..gate]` (greeting and READY) may leave.
+    gate: Option<usize>,
+    /// Stream offsets: bytes handed to the socket so far, and where each queued message ends.
+    written: u64,
+    ends: VecDeque<u64>,
+    /// Set by [`Connection::connected`]: the handshake's deadline.
+    handshake_deadline: Option<Instant>,
+    ready: bool,
+    next_ping: Option<Instant>,
+    ping_deadline: Option<Instant>,
+    ttl_deadline: Option<(Instant, Duration)>,
+    /// Where our last PONG ends in the stream: while it is unwritten, further PINGs get no
+    /// PONG of their own (libzmq keeps one PONG pending too).
+    pong_end: u64,
+    dropped: u64,
+    incoming: VecDeque<Incoming>,
+}
+
+impl Connection {
+    /// A connection speaking as `role`. Messages may be queued at once.
+    pub fn new(role: Role, limits: ConnLimits) -> Self {
+        let mut out = zmtp::greeting().to_vec();
+        let socket_type = role.socket_type.as_bytes();
+        out.extend(match &role.identity {
+            Some(id) => zmtp::ready_with(&[("Socket-Type", socket_type), ("Identity", id)]),
+            None => zmtp::ready_with(&[("Socket-Type", socket_type)]),
+        });
+        let decoder = if role.keep {
+            Decoder::new(limits.max_message_bytes)
+        } else {
+            Decoder::discarding(limits.max_message_bytes)
+        };
+        Connection {
+            role,
+            decoder,
+            limits,
+            gate: Some(out.len()),
+            out,
+            at: 0,
+            written: 0,
+            ends: VecDeque::new(),
+            handshake_deadline: None,
+            ready: false,
+            next_ping: None,
+            ping_deadline: None,
+            ttl_deadline: None,
+            pong_end: 0,
+            dropped: 0,
+            incoming: VecDeque::new(),
+        }
+    }
+
+    /// The role it speaks as.
+    pub fn role(&self) -> &Role {
+        &self.role
+    }
+
+    /// TCP is connected (or accepted) at `now`: the handshake's clock starts.
+    pub fn connected(&mut self, now: Instant) {
+        self.handshake_deadline
+            .get_or_insert(now + self.limits.handshake_timeout);
+    }
+
+    /// Whether the peer's READY arrived and was accepted.
+    pub fn is_ready(&self) -> bool {
+        self.ready
+    }
+
+    /// Messages queued and not yet wholly written.
+    pub fn queued(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether every queued message was written (commands may still wait).
+    pub fn is_drained(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Messages the peer sent, skipped (a role that does not keep them).
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Bytes received and not yet decoded.
+    pub fn pending(&self) -> usize {
+        self.decoder.pending()
+    }
+
+    /// Bytes this connection holds (to write, received not yet decoded, decoded not yet taken).
+    pub fn buffered(&self) -> usize {
+        let incoming: usize = self
+            .incoming
+            .iter()
+            .map(|i| match i {
+                Incoming::Message(frames) => frames.iter().map(Vec::capacity).sum(),
+                Incoming::Subscribe(p) | Incoming::Cancel(p) => p.capacity(),
+            })
+            .sum();
+        self.out.capacity() + self.decoder.buffered() + incoming
+    }
+
+    /// Queues one message of `parts` (no parts: one empty frame).
+    pub fn queue(&mut self, parts: &[&[u8]]) -> Result<(), QueueFull> {
+        let unwritten = self.out.len() - self.at;
+        if self.ends.len() >= self.limits.send_queue
+            || (!self.ends.is_empty()
+                && unwritten.saturating_add(zmtp::message_len(parts))
+                    > self.limits.send_queue_bytes)
+        {
+            return Err(QueueFull);
+        }
+        zmtp::write_message(&mut self.out, parts);
+        self.ends.push_back(self.stream_end());
+        Ok(())
+    }
+
+    /// Bytes to write now.
+    pub fn transmit(&self) -> &[u8] {
+        let end = self.gate.unwrap_or(self.out.len());
+        &self.out[self.at.min(end)..end]
+    }
+
+    /// `n` bytes of [`Connection::transmit`] were written.
+    pub fn advance(&mut self, n: usize) {
+        let n = n.min(self.transmit().len());
+        self.at += n;
+        self.written += n as u64;
+        while self.ends.front().is_some_and(|end| *end <= self.written) {
+            self.ends.pop_front();
+        }
+        if self.at == self.out.len() {
+            self.out.clear();
+            self.at = 0;
+            if let Some(gate) = &mut self.gate {
+                *gate = 0;
+            }
+            if self.out.capacity() > KEEP_CAPACITY {
+                self.out = Vec::new();
+            }
+        } else if self.at > 64 * 1024 && self.at * 2 > self.out.len() {
+            self.out.drain(..self.at);
+            if let Some(gate) = &mut self.gate {
+                *gate -= self.at;
+            }
+            self.at = 0;
+        }
+    }
+
+    /// Bytes read from the connection at `now`. What a keeping role got waits in
+    /// [`Connection::poll_incoming`].
+    pub fn handle_bytes(&mut self, bytes: &[u8], now: Instant) -> Result<(), ConnError> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // Any byte proves the peer alive (libzmq cancels both timers on every read).
+        self.ping_deadline = None;
+        self.ttl_deadline = None;
+        self.decoder.push(bytes);
+        while let Some(input) = self.decoder.next_input()? {
+            match input {
+                // Ours went out with our READY.
+                Input::Greeting | Input::Command => {}
+                Input::Ready { socket_type, .. } => {
+                    if !self.role.peers.iter().any(|p| p.as_bytes() == socket_type) {
+                        return Err(ConnError::PeerType {
+                            got: String::from_utf8_lossy(&socket_type).into_owned(),
+                            ours: self.role.socket_type,
+                            peers: self.role.peers,
+                        });
+                    }
+                    self.ready = true;
+                    self.gate = None;
+                    if !self.limits.heartbeat_interval.is_zero() {
+                        self.next_ping = Some(now + self.limits.heartbeat_interval);
+                    }
+                }
+                Input::Ping {
+                    ttl_deciseconds,
+                    context,
+                } => {
+                    if self.pong_end <= self.written {
+                        self.out.extend(zmtp::pong(&context));
+                        self.pong_end = self.stream_end();
+                    }
+                    if ttl_deciseconds > 0 && self.ttl_deadline.is_none() {
+                        let ttl = Duration::from_millis(u64::from(ttl_deciseconds) * 100);
+                        self.ttl_deadline = Some((now + ttl, ttl));
+                    }
+                }
+                Input::Discarded { .. } => self.dropped += 1,
+                Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
+                Input::Subscribe(prefix) if self.role.keep => {
+                    self.incoming.push_back(Incoming::Subscribe(prefix))
+                }
+                Input::Cancel(prefix) if self.role.keep => {
+                    self.incoming.push_back(Incoming::Cancel(prefix))
+                }
+                Input::Subscribe(_) | Input::Cancel(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The next thing the peer sent (a keeping role), in order.
+    pub fn poll_incoming(&mut self) -> Option<Incoming> {
+        self.incoming.pop_front()
+    }
+
+    /// Runs the deadlines due at `now` (a PING may be queued).
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ConnError> {
+        if !self.ready && self.handshake_deadline.is_some_and(|d| now >= d) {
+            return Err(ConnError::HandshakeTimeout(self.limits.handshake_timeout));
+        }
+        if self.ping_deadline.is_some_and(|d| now >= d) {
+            return Err(ConnError::HeartbeatTimeout(self.heartbeat_timeout()));
+        }
+        if let Some((at, ttl)) = self.ttl_deadline {
+            if now >= at {
+                return Err(ConnError::TtlExpired(ttl));
+            }
+        }
+        if let Some(at) = self.next_ping.filter(|at| now >= *at) {
+            let ttl =
+                u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
+            self.out.extend(zmtp::ping(ttl));
+            // A late wake-up does not bunch PINGs up.
+            self.next_ping = Some(at.max(now) + self.limits.heartbeat_interval);
+            self.ping_deadline
+                .get_or_insert(now + self.heartbeat_timeout());
+        }
+        Ok(())
+    }
+
+    /// When [`Connection::handle_timeout`] has something to do next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let handshake = self.handshake_deadline.filter(|_| !self.ready);
+        [
+            handshake,
+            self.next_ping,
+            self.ping_deadline,
+            self.ttl_deadline.map(|(at, _)| at),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn heartbeat_timeout(&self) -> Duration {
+        if self.limits.heartbeat_timeout.is_zero() {
+            self.limits.heartbeat_interval
+        } else {
+            self.limits.heartbeat_timeout
+        }
+    }
+
+    /// The stream offset just past everything queued.
+    fn stream_end(&self) -> u64 {
+        self.written + (self.out.len() - self.at) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn limits() -> ConnLimits {
+        ConnLimits {
+            max_message_bytes: 1 << 20,
+            heartbeat_interval: Duration::from_secs(2),
+            heartbeat_timeout: Duration::from_secs(10),
+            heartbeat_ttl: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(30),
+            send_queue: 4,
+            send_queue_bytes: 1000,
+        }
+    }
+
+    /// A peer's side of the handshake: greeting and READY as `socket_type`.
+    fn hello(socket_type: &str) -> Vec<u8> {
+        let mut g = zmtp::greeting().to_vec();
+        g.extend(zmtp::ready(socket_type));
+        g
+    }
+
+    /// Everything `c` would write now, written.
+    fn drain(c: &mut Connection) -> Vec<u8> {
+        let bytes = c.transmit().to_vec();
+        c.advance(bytes.len());
+        bytes
+    }
+
+    /// What a peer decodes of `bytes`.
+    fn decode(bytes: &[u8]) -> Vec<Input> {
+        let mut dec = Decoder::new(1 << 20);
+        dec.push(bytes);
+        let mut out = Vec::new();
+        while let Some(i) = dec.next_input().unwrap() {
+            out.push(i);
+        }
+        out
+    }
+
+    fn incoming(c: &mut Connection) -> Vec<Incoming> {
+        std::iter::from_fn(|| c.poll_incoming()).collect()
+    }
+
+    #[test]
+    fn a_sub_introduces_itself_without_identity_and_takes_only_a_pub() {
+        let t = Instant::now();
+        let mut c = Connection::new(Role::sub(), limits());
+        c.queue(&[&zmtp::subscription(b"kv@", true)]).unwrap();
+        let bytes = drain(&mut c);
+        assert_eq!(
+            decode(&bytes),
+            vec![
+                Input::Greeting,
+                Input::Ready {
+                    socket_type: b"SUB".to_vec(),
+                    identity: Vec::new()
+                }
+            ],
+            "the subscription waits for the PUB's READY"
+        );
+        assert!(!bytes.windows(8).any(|w| w == b"Identity"), "no Identity");
+        c.handle_bytes(&hello("PUB"), t).unwrap();
+        assert_eq!(
+            decode(&[bytes, drain(&mut c)].concat())[2..],
+            [Input::Message(vec![b"\x01kv@".to_vec()])]
+        );
+        let mut x = Connection::new(Role::sub(), limits());
+        x.handle_bytes(&hello("XPUB"), t).unwrap();
+        assert!(x.is_ready());
+        let mut wrong = Connection::new(Role::sub(), limits());
+        let e = wrong.handle_bytes(&hello("ROUTER"), t).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the peer is a \"ROUTER\" socket; a SUB talks to [\"PUB\", \"XPUB\"]"
+        );
+    }
+
+    #[test]
+    fn a_keeping_role_yields_multipart_messages_and_subscriptions_in_order() {
+        let t = Instant::now();
+        let mut c = Connection::new(Role::publisher(), limits());
+        let mut peer = hello("SUB");
+        peer.extend(zmtp::subscription_command(b"kv@a", true));
+        peer.extend(zmtp::message_frame(&zmtp::subscription(b"kv@b", true)));
+        peer.extend(zmtp::subscription_command(b"kv@a", false));
+        for b in &peer {
+            c.handle_bytes(std::slice::from_ref(b), t).unwrap();
+        }
+        assert_eq!(
+            incoming(&mut c),
+            vec![
+                Incoming::Subscribe(b"kv@a".to_vec()),
+                Incoming::Message(vec![b"\x01kv@b".to_vec()]),
+                Incoming::Cancel(b"kv@a".to_vec()),
+            ]
+        );
+        assert_eq!(c.dropped(), 0);
+        // A skipping role ignores subscriptions and counts messages.
+        let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+        let mut peer = hello("ROUTER");
+        peer.extend(zmtp::subscription_command(b"x", true));
+        peer.extend(zmtp::message_frame(b"m"));
+        d.handle_bytes(&peer, t).unwrap();
+        assert_eq!((d.poll_incoming(), d.dropped()), (None, 1));
+    }
+
+    #[test]
+    fn a_replay_dealer_sends_multipart_requests_and_reads_the_routers_answers() {
+        let t = Instant::now();
+        let mut c = Connection::new(Role::dealer(), limits());
+        c.connected(t);
+        c.queue(&[b"", &7u64.to_be_bytes()]).unwrap();
+        let mut sent = drain(&mut c);
+        c.handle_bytes(&hello("ROUTER"), t).unwrap();
+        sent.extend(drain(&mut c));
+        let got = decode(&sent);
+        assert_eq!(
+            got[1],
+            Input::Ready {
+                socket_type: b"DEALER".to_vec(),
+                identity: Vec::new()
+            }
+        );
+        assert_eq!(
+            got[2],
+            Input::Message(vec![Vec::new(), 7u64.to_be_bytes().to_vec()])
+        );
+        let mut answer = Vec::new();
+        zmtp::write_message(&mut answer, &[b"", b"t", &7u64.to_be_bytes(), b"payload"]);
+        zmtp::write_message(&mut answer, &[b"", b"", &(-1i64).to_be_bytes(), b""]);
+        c.handle_bytes(&answer, t).unwrap();
+        assert_eq!(
+            incoming(&mut c),
+            vec![
+                Incoming::Message(vec![
+                    Vec::new(),
+                    b"t".to_vec(),
+                    7u64.to_be_bytes().to_vec(),
+                    b"payload".to_vec()
+                ]),
+                Incoming::Message(vec![
+                    Vec::new(),
+                    Vec::new(),
+                    (-1i64).to_be_bytes().to_vec(),
+                    Vec::new()
+                ]),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_send_queue_is_bounded_in_messages_and_bytes_never_splitting_one() {
+        let t = Instant::now();
+        let mut c = Connection::new(Role::publisher(), limits());
+        c.handle_bytes(&hello("SUB"), t).unwrap();
+        // One message larger than the byte cap goes when nothing waits...
+        c.queue(&[b"t", &[0; 8], &[1; 2000]]).unwrap();
+        // ...and nothing more fits behind it.
+        assert_eq!(c.queue(&[b"t"]), Err(QueueFull));
+        drain(&mut c);
+        for i in 0..4u8 {
+            c.queue(&[b"t", &[i]]).unwrap();
+        }
+        assert_eq!(c.queue(&[b"t"]), Err(QueueFull), "four messages wait");
+        // Part of the first written: still queued; once whole, room for one.
+        c.advance(3);
+        assert_eq!(c.queued(), 4);
+        c.advance(4);
+        assert_eq!(c.queued(), 3);
+        c.queue(&[b"t", b"u"]).unwrap();
+        // Over the bytes: 300-byte payloads, three fit under 1000.
+        let mut c = Connection::new(Role::publisher(), limits());
+        c.handle_bytes(&hello("SUB"), t).unwrap();
+        drain(&mut c);
+        let big = [9u8; 300];
+        for _ in 0..3 {
+            c.queue(&[&big]).unwrap();
+        }
+        assert_eq!(c.queue(&[&big]), Err(QueueFull));
+        let written = drain(&mut c);
+        assert_eq!(decode(&[hello("PUB"), written].concat()).len(), 5);
+    }
+
+    #[test]
+    fn a_huge_frame_from_a_keeping_role_is_refused_from_its_header() {
+        let mut c = Connection::new(Role::sub(), limits());
+        c.handle_bytes(&hello("PUB"), Instant::now()).unwrap();
+        let mut header = vec![0x02];
+        header.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        let e = c.handle_bytes(&header, Instant::now()).unwrap_err();
+        assert_eq!(
+            e,
+            ConnError::Zmtp(ZmtpError::TooLarge {
+                size: 1 << 40,
+                limit: 1 << 20
+            })
+        );
+        assert!(c.buffered() < 64 * 1024, "{}", c.buffered());
+    }
+}

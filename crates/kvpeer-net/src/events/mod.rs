@@ -1,0 +1,117 @@
+//! vLLM's KV event stream on the wire, spoken natively (no libzmq): the sockets of vLLM 0.33's
+//! `ZmqEventPublisher` (`vllm/distributed/kv_events.py`) from both ends.
+//!
+//! * [`EventSubscriber`] follows one engine: a SUB that connects to the engine's bound PUB
+//!   (`endpoint = "tcp://*:P"`) or binds and accepts the PUB the engine connects
+//!   (`endpoint = "tcp://host:P"`), plus, when the engine has a replay socket, a DEALER to its
+//!   ROUTER for [`EventSubscriber::request_replay`]. It yields [`SubEvent`]s, which is what
+//!   `kvpeer_pool::Follower` takes (`connected`, `live`, `replayed`, `replay_end`).
+//! * [`EventPublisher`] is the pool's own stream: a PUB listener whose subscribers get every
+//!   published message whose topic their subscription prefixes (drops past a bounded
+//!   per-connection queue, counted: libzmq's `SNDHWM` for a PUB), and an optional replay ROUTER
+//!   answering each `["", start_seq]` with the messages `kvpeer_pool::Publisher::replay` gives.
+//! * [`wire`]: the messages' shapes.
+//!
+//! The protocol of each connection is [`Connection`](crate::connection::Connection) (sans-IO);
+//! `client.rs` (a connecting socket that reconnects with backoff) and `server.rs` (a listener
+//! and its accepted connections, capped) carry it over non-blocking TCP.
+//!
+//! **Threads.** Everything here is owned by one thread (the pool node's), which may drive any
+//! number of subscribers and publishers together without blocking: each is an [`EventIo`]
+//! (descriptors to poll, its next deadline, progress on readiness), and [`wait_all`] sleeps in
+//! one `ppoll(2)` over all of them and an extra descriptor of the caller's (a wake pipe), as
+//! [`ControlChannel::wait_with`](crate::control::ControlChannel::wait_with) does. After a wait
+//! the caller takes what happened (`EventSubscriber::poll_event`,
+//! `EventPublisher::serve_replays`); `publish` and `request_replay` never block (they write at
+//! once when the socket takes it, else queue, bounded). Nothing reads a clock except at the
+//! entry points (`wait_all`, `publish`).
+
+mod client;
+mod publisher;
+mod server;
+mod subscriber;
+pub mod wire;
+
+use std::os::fd::BorrowedFd;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags};
+
+pub use publisher::{EventPublisher, PublisherConfig, PublisherStats};
+pub use subscriber::{EventSubscriber, SubEndpoint, SubEvent, SubscriberConfig, SubscriberStats};
+
+/// Why a KV event socket could not be set up or waited on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EventsError {
+    /// A listening socket could not be bound.
+    #[error("cannot listen for the KV event stream ({what}) at {addr}: {source}")]
+    Bind {
+        /// Which socket (`"PUB"`, `"replay ROUTER"`, `"SUB"`).
+        what: &'static str,
+        /// Where.
+        addr: std::net::SocketAddr,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Waiting on the sockets failed.
+    #[error("cannot wait on the KV event sockets: {0}")]
+    Wait(#[source] std::io::Error),
+}
+
+/// Something one thread drives with others in one poll: its descriptors, its next deadline,
+/// and what to do when the poll returns. [`wait_all`] calls the three in that order, with
+/// nothing in between, so `progress` sees `revents` in the order `poll_fds` appended them.
+pub trait EventIo {
+    /// Appends the descriptors to poll and what for (empty flags: polled for errors only).
+    fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>);
+    /// When it must be driven without readiness (`now` or earlier: at once, e.g. while it
+    /// holds events not yet taken).
+    fn next_deadline(&self, now: Instant) -> Option<Instant>;
+    /// The poll returned: `revents[i]` is what it saw on the `i`-th descriptor `poll_fds`
+    /// appended (empty: nothing). Reads, writes and runs the deadlines due at `now`.
+    fn progress(&mut self, now: Instant, revents: &[PollFlags]);
+}
+
+/// Sleeps in one `ppoll(2)` over every driver's descriptors and `extra` (readable wakes it)
+/// until something is ready, the nearest deadline, or `timeout`; then drives each. Whether any
+/// descriptor was ready (a signal counts as a wake-up).
+pub fn wait_all(
+    drivers: &mut [&mut dyn EventIo],
+    timeout: Duration,
+    extra: Option<BorrowedFd<'_>>,
+) -> Result<bool, EventsError> {
+    let now = Instant::now();
+    let mut fds = Vec::new();
+    if let Some(fd) = extra {
+        fds.push(PollFd::new(fd, PollFlags::POLLIN));
+    }
+    let mut counts = Vec::with_capacity(drivers.len());
+    let mut timeout = timeout;
+    for d in drivers.iter() {
+        let before = fds.len();
+        d.poll_fds(now, &mut fds);
+        counts.push(fds.len() - before);
+        if let Some(at) = d.next_deadline(now) {
+            timeout = timeout.min(at.saturating_duration_since(now));
+        }
+    }
+    let woke = match crate::control::sleep_on(&mut fds, timeout) {
+        Ok(n) => n > 0,
+        // A signal woke us: drive everything once, as after any wake-up.
+        Err(nix::errno::Errno::EINTR) => true,
+        Err(e) => return Err(EventsError::Wait(e.into())),
+    };
+    let revents: Vec<PollFlags> = fds
+        .iter()
+        .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+        .collect();
+    drop(fds);
+    let now = Instant::now();
+    let mut at = usize::from(extra.is_some());
+    for (d, n) in drivers.iter_mut().zip(counts) {
+        d.progress(now, revents.get(at..at + n).unwrap_or_default());
+        at += n;
+    }
+    Ok(woke)
+}

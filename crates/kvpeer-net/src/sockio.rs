@@ -1,0 +1,167 @@
+//! The non-blocking socket steps every ZMTP driver takes (the control channel's outbound side,
+//! the KV event stream's sockets): start a connect, see whether it finished, read what is
+//! there, write what a connection has to send. Each returns as soon as the socket would block;
+//! none sleeps. Called on the thread that owns the socket.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+
+use nix::errno::Errno;
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use tracing::warn;
+
+use crate::connection::Connection;
+use crate::dealer::Dealer;
+
+/// Something with bytes for the socket: a connection's [`transmit`](Connection::transmit) and
+/// [`advance`](Connection::advance).
+pub(crate) trait Outgoing {
+    /// Bytes to write now.
+    fn transmit(&self) -> &[u8];
+    /// `n` bytes of them were written.
+    fn advance(&mut self, n: usize);
+}
+
+impl Outgoing for Connection {
+    fn transmit(&self) -> &[u8] {
+        Connection::transmit(self)
+    }
+    fn advance(&mut self, n: usize) {
+        Connection::advance(self, n);
+    }
+}
+
+impl Outgoing for Dealer {
+    fn transmit(&self) -> &[u8] {
+        Dealer::transmit(self)
+    }
+    fn advance(&mut self, n: usize) {
+        Dealer::advance(self, n);
+    }
+}
+
+/// Starts a non-blocking connect to `addr`: the socket (connecting, or connected already),
+/// `Err(Some(reason))` when the connect failed at once, `Err(None)` when no socket could be
+/// made (out of descriptors: try again later).
+pub(crate) fn start_connect(addr: SocketAddr) -> Result<TcpStream, Option<String>> {
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = match socket::socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) {
+        Ok(fd) => fd,
+        Err(e) => {
+            if let Some(suppressed) = crate::admit_warning("cannot make a socket") {
+                warn!(error = %e, suppressed, "cannot make a socket; retrying");
+            }
+            return Err(None);
+        }
+    };
+    match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
+        Ok(()) | Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => Ok(TcpStream::from(fd)),
+        Err(e) => Err(Some(format!("cannot connect to {addr}: {}", e.desc()))),
+    }
+}
+
+/// Whether the connect `stream` started (to `addr`) is done: `Ok(true)` connected (no-delay
+/// set), `Ok(false)` not yet, `Err` with the reason it failed.
+pub(crate) fn connect_done(stream: &TcpStream, addr: &str) -> Result<bool, String> {
+    match stream.take_error() {
+        Ok(Some(e)) | Err(e) => Err(format!("cannot connect to {addr}: {e}")),
+        Ok(None) => match stream.peer_addr() {
+            Ok(_) => {
+                let _ = stream.set_nodelay(true);
+                Ok(true)
+            }
+            Err(e) if e.kind() == ErrorKind::NotConnected => Ok(false),
+            Err(e) => Err(format!("cannot connect to {addr}: {e}")),
+        },
+    }
+}
+
+/// Reads what `stream` has, up to about `budget` bytes, handing each read to `on_bytes`; stops
+/// when the socket would block (or a short read shows it drained for now). End of stream or
+/// an error is the reason the connection ends.
+pub(crate) fn read_available(
+    stream: &mut TcpStream,
+    budget: usize,
+    mut on_bytes: impl FnMut(&[u8]) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut chunk = [0u8; 16 * 1024];
+    let mut budget = budget;
+    loop {
+        let n = match stream.read(&mut chunk) {
+            Ok(0) => return Err("closed by the peer".into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        };
+        on_bytes(&chunk[..n])?;
+        budget = budget.saturating_sub(n);
+        if budget == 0 || n < chunk.len() {
+            // A short read drained the socket for now; the level-triggered poll reports
+            // anything that came since.
+            return Ok(());
+        }
+    }
+}
+
+/// Writes what `conn` has for `stream` until the socket would block; whether any byte went.
+pub(crate) fn write_available(
+    stream: &mut TcpStream,
+    conn: &mut impl Outgoing,
+) -> Result<bool, String> {
+    let mut wrote = false;
+    loop {
+        let bytes = conn.transmit();
+        if bytes.is_empty() {
+            return Ok(wrote);
+        }
+        match stream.write(bytes) {
+            Ok(0) => return Err("cannot send".into()),
+            Ok(n) => {
+                conn.advance(n);
+                wrote = true;
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(wrote),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// One `accept` on a non-blocking listener.
+pub(crate) enum Accepted {
+    /// A connection, made non-blocking with no-delay, and its source address.
+    Stream(TcpStream, std::net::IpAddr),
+    /// Nothing waits.
+    None,
+    /// `accept` (or making the socket non-blocking) failed: out of descriptors, most likely.
+    Failed(std::io::Error),
+}
+
+/// Accepts one waiting connection from `listener`.
+pub(crate) fn accept(listener: &TcpListener) -> Accepted {
+    loop {
+        return match listener.accept() {
+            Ok((stream, addr)) => match stream.set_nonblocking(true) {
+                Ok(()) => {
+                    let _ = stream.set_nodelay(true);
+                    Accepted::Stream(stream, addr.ip().to_canonical())
+                }
+                Err(e) => Accepted::Failed(e),
+            },
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Accepted::None,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Accepted::Failed(e),
+        };
+    }
+}
