@@ -221,6 +221,11 @@ impl EventPublisher {
             .count()
     }
 
+    /// Subscriptions held, over every connection (a prefix subscribed twice counts once).
+    pub fn subscriptions(&self) -> usize {
+        self.subscriptions.values().map(Vec::len).sum()
+    }
+
     /// Sends one message (`parts[0]` is its topic) to every subscriber whose subscription
     /// prefixes the topic; a subscriber whose queue is full misses it (counted). Never blocks.
     pub fn publish(&mut self, parts: &[&[u8]]) {
