@@ -7,11 +7,17 @@
 //!   count and size), stops with the same error, and never holds a message byte: what it keeps
 //!   is at most one frame header and one command;
 //! * the DEALER answers, queues and times out without panicking, and holds no more than one
-//!   command besides what it has to write.
+//!   command besides what it has to write;
+//! * a connection in each role that keeps what the peer sends (the KV event stream's SUB, PUB,
+//!   replay DEALER and ROUTER) yields only messages within the limit, holds no more than one
+//!   message and one read besides what it has to write, and the event stream's shape checks
+//!   (`events::wire`) take whatever it yields without panicking.
 #![no_main]
 use std::time::{Duration, Instant};
 
+use kvpeer_net::connection::{ConnLimits, Connection, Incoming, Role};
 use kvpeer_net::dealer::{Dealer, DealerLimits};
+use kvpeer_net::events::wire;
 use kvpeer_net::zmtp::{Decoder, Input, ZmtpError};
 use libfuzzer_sys::fuzz_target;
 
@@ -99,5 +105,47 @@ fuzz_target!(|data: &[u8]| {
         dealer.advance(n);
         assert!(dealer.queued() <= 4);
         assert!(dealer.pending() <= MOST_HELD);
+    }
+
+    let conn_limits = ConnLimits {
+        max_message_bytes: LIMIT,
+        heartbeat_interval: Duration::from_millis(1),
+        heartbeat_timeout: Duration::from_millis(3),
+        heartbeat_ttl: Duration::from_secs(10),
+        handshake_timeout: Duration::from_millis(5),
+        send_queue: 4,
+        send_queue_bytes: 1024,
+    };
+    for role in [Role::sub(), Role::publisher(), Role::dealer(), Role::router()] {
+        let mut c = Connection::new(role, conn_limits.clone());
+        c.connected(t);
+        let _ = c.queue(&[b"", &0u64.to_be_bytes()]);
+        for (i, chunk) in stream.chunks(cut).enumerate() {
+            let now = t + Duration::from_millis(i as u64);
+            if c.handle_bytes(chunk, now).is_err() || c.handle_timeout(now).is_err() {
+                break;
+            }
+            // Held: at most one message being received, one read, and one command.
+            assert!(c.pending() <= MOST_HELD + LIMIT as usize + cut);
+            while let Some(incoming) = c.poll_incoming() {
+                match incoming {
+                    Incoming::Message(frames) => {
+                        let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+                        assert!(bytes <= LIMIT, "a message over the limit: {bytes}");
+                        let _ = wire::parse_subscription(&frames);
+                        let _ = wire::parse_replay_request(&frames);
+                        let _ = wire::parse_live(frames.clone());
+                        let _ = wire::parse_replay_answer(frames);
+                    }
+                    Incoming::Subscribe(p) | Incoming::Cancel(p) => {
+                        assert!(p.len() <= 64 * 1024)
+                    }
+                }
+            }
+            let _ = c.queue(&[chunk, chunk]);
+            let n = c.transmit().len().div_ceil(2);
+            c.advance(n);
+            assert!(c.queued() <= 4);
+        }
     }
 });

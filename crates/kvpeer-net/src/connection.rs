@@ -648,4 +648,70 @@ mod tests {
         );
         assert!(c.buffered() < 64 * 1024, "{}", c.buffered());
     }
+
+    /// Moves what `from` would write into `to` at `now`, as a socket taking everything.
+    fn pipe(from: &mut Connection, to: &mut Connection, now: Instant) {
+        let bytes = drain(from);
+        to.handle_bytes(&bytes, now).unwrap();
+    }
+
+    #[test]
+    fn a_sub_and_a_pub_talk_over_a_deterministic_pipe_heartbeats_included() {
+        let t = Instant::now();
+        let s = Duration::from_secs;
+        let (mut sub, mut publ) = (
+            Connection::new(Role::sub(), limits()),
+            Connection::new(Role::publisher(), limits()),
+        );
+        sub.connected(t);
+        publ.connected(t);
+        sub.queue(&[&zmtp::subscription(b"kv@", true)]).unwrap();
+        for _ in 0..2 {
+            pipe(&mut sub, &mut publ, t);
+            pipe(&mut publ, &mut sub, t);
+        }
+        assert!(sub.is_ready() && publ.is_ready());
+        assert_eq!(
+            incoming(&mut publ),
+            vec![Incoming::Message(vec![b"\x01kv@".to_vec()])]
+        );
+        publ.queue(&[b"kv@a", &1u64.to_be_bytes(), b"batch"])
+            .unwrap();
+        pipe(&mut publ, &mut sub, t);
+        assert_eq!(
+            incoming(&mut sub),
+            vec![Incoming::Message(vec![
+                b"kv@a".to_vec(),
+                1u64.to_be_bytes().to_vec(),
+                b"batch".to_vec()
+            ])]
+        );
+        // Both PING at 2 s; each answers the other's, so neither times out at 12 s.
+        assert_eq!(
+            (sub.poll_timeout(), publ.poll_timeout()),
+            (Some(t + s(2)), Some(t + s(2)))
+        );
+        for c in [&mut sub, &mut publ] {
+            c.handle_timeout(t + s(2)).unwrap();
+        }
+        pipe(&mut sub, &mut publ, t + s(2));
+        pipe(&mut publ, &mut sub, t + s(2));
+        pipe(&mut sub, &mut publ, t + s(2));
+        assert!(incoming(&mut sub).is_empty() && incoming(&mut publ).is_empty());
+        // The SUB stops reading: the PUB's PING at 4 s goes unanswered, 10 s later it is over.
+        publ.handle_timeout(t + s(4)).unwrap();
+        publ.handle_timeout(t + s(13)).unwrap();
+        assert_eq!(
+            publ.handle_timeout(t + s(14)),
+            Err(ConnError::HeartbeatTimeout(s(10)))
+        );
+        // The SUB hears nothing either: the PUB's PING at 2 s announced a TTL of 10 s, which
+        // ends it at 12 s, before its own PING of 4 s would time out at 14 s.
+        sub.handle_timeout(t + s(4)).unwrap();
+        sub.handle_timeout(t + s(11)).unwrap();
+        assert_eq!(
+            sub.handle_timeout(t + s(12)),
+            Err(ConnError::TtlExpired(s(10)))
+        );
+    }
 }

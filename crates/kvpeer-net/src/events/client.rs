@@ -44,7 +44,10 @@ enum State {
     /// TCP connect in progress since `since`.
     Connecting { stream: TcpStream, since: Instant },
     /// Connected: ZMTP flows.
-    Open { stream: TcpStream, conn: Connection },
+    Open {
+        stream: TcpStream,
+        conn: Box<Connection>,
+    },
 }
 
 /// A connecting socket that reconnects.
@@ -143,7 +146,7 @@ impl Client {
         let idle = conn.transmit().is_empty();
         conn.queue(parts)?;
         if idle {
-            if let Err(reason) = sockio::write_available(stream, conn) {
+            if let Err(reason) = sockio::write_available(stream, &mut **conn) {
                 debug!(addr = %self.addr, %reason, "event stream connection failed");
                 // Reported at the next progress (the socket errs again or reads end of stream).
             }
@@ -212,7 +215,8 @@ impl Client {
                     else {
                         return Ok(());
                     };
-                    let mut conn = Connection::new(self.role.clone(), self.limits.clone());
+                    let mut conn =
+                        Box::new(Connection::new(self.role.clone(), self.limits.clone()));
                     conn.connected(now);
                     debug!(addr = %self.addr, role = self.role.socket_type,
                         "event stream connection connected");
@@ -239,7 +243,7 @@ impl Client {
         while let Some(incoming) = conn.poll_incoming() {
             out.push(LinkEvent::Incoming(incoming));
         }
-        sockio::write_available(stream, conn).map_err(fail)?;
+        sockio::write_available(stream, &mut **conn).map_err(fail)?;
         Ok(())
     }
 }
