@@ -16,8 +16,9 @@ PY
 done
 echo "seeded $(ls "$here/corpus/decode" | wc -l) payloads per target"
 
-# zmtp_decode: control-channel byte streams (first byte: the read size), both sides' openings,
-# heartbeats, short and long frames, multipart, a 1 TiB header, ZMTP 2.0 and foreign bytes.
+# zmtp_decode: control-channel and KV event stream byte streams (first byte: the read size),
+# every side's opening, heartbeats, short and long frames, multipart, subscriptions, replay
+# requests and answers, a 1 TiB header, ZMTP 2.0 and foreign bytes.
 mkdir -p "$here/corpus/zmtp_decode"
 python3 - "$here/corpus/zmtp_decode" <<'PY'
 import struct, sys, pathlib
@@ -44,6 +45,17 @@ seeds = {
     "one-tib-header": greeting() + ready(b"ROUTER") + b"\x02" + struct.pack(">Q", 1 << 40) + b"\0" * 64,
     "zmtp-2": bytes([0xFF] + [0] * 8 + [0x7F, 1, 5]),
     "http": b"GET / HTTP/1.1\r\n\r\n",
+    # The KV event stream: a PUB's batches to a SUB, a SUB's subscriptions (both forms) to a
+    # PUB, a DEALER's replay request to a ROUTER and the ROUTER's answer.
+    "pub-to-sub": greeting() + ready(b"PUB") + frame(b"kv@a", True)
+        + frame(struct.pack(">Q", 7), True) + frame(b"\x93\xcb" + b"\0" * 8 + b"\x90\x00"),
+    "sub-to-pub": greeting() + ready(b"SUB") + command(b"SUBSCRIBE", b"kv@") + frame(b"\x01kv@b")
+        + command(b"CANCEL", b"kv@") + frame(b"\x00kv@b"),
+    "dealer-replay": greeting() + ready(b"DEALER", b"") + frame(b"", True)
+        + frame(struct.pack(">Q", 0)),
+    "router-answer": greeting() + ready(b"ROUTER") + frame(b"", True) + frame(b"t", True)
+        + frame(struct.pack(">Q", 3), True) + frame(b"p") + frame(b"", True) + frame(b"", True)
+        + frame(b"\xff" * 8, True) + frame(b""),
 }
 for name, stream in seeds.items():
     for cut in (1, 7, 63):

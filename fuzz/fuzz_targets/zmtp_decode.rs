@@ -91,7 +91,7 @@ fuzz_target!(|data: &[u8]| {
         send_queue: 4,
     };
     let t = Instant::now();
-    let mut dealer = Dealer::new(b"127.0.0.1:5600", limits);
+    let mut dealer = Dealer::new(b"127.0.0.1:5600", limits.clone());
     dealer.connected(t);
     let _ = dealer.queue(b"hello");
     for (i, chunk) in stream.chunks(cut).enumerate() {
@@ -108,13 +108,8 @@ fuzz_target!(|data: &[u8]| {
     }
 
     let conn_limits = ConnLimits {
-        max_message_bytes: LIMIT,
-        heartbeat_interval: Duration::from_millis(1),
-        heartbeat_timeout: Duration::from_millis(3),
-        heartbeat_ttl: Duration::from_secs(10),
-        handshake_timeout: Duration::from_millis(5),
-        send_queue: 4,
         send_queue_bytes: 1024,
+        ..ConnLimits::from(limits)
     };
     for role in [Role::sub(), Role::publisher(), Role::dealer(), Role::router()] {
         let mut c = Connection::new(role, conn_limits.clone());

@@ -5,7 +5,10 @@
 //! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`, ZMTP spoken
 //!   by kvpeer on the node's thread (no libzmq): inbound connections through the [`inbound`]
 //!   listener, outbound ones through `outbound.rs` ([`dealer`] is a connection's protocol,
-//!   [`zmtp`] the codec both sides share).
+//!   [`zmtp`] the codec both sides share; [`connection`] is one ZMTP connection of any socket
+//!   type, without I/O, which the DEALER and every event-stream socket are).
+//! * [`events`]: vLLM's KV event stream, natively: following an engine's PUB and replay ROUTER
+//!   ([`events::EventSubscriber`]) and serving the pool's own ([`events::EventPublisher`]).
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
 //!   `tcp`, `tcp_key`).
 //! * [`shm`]: same-host writes straight into the peer's shared-memory pool, once the peer has

@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use events_support::{any_port, take, until};
+use events_support::{any_port, lives, take, until};
 use kvpeer_net::events::{
     wait_all, EventIo, EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent,
     SubscriberConfig,
@@ -112,16 +112,6 @@ fn messages(inputs: &[Input]) -> Vec<Vec<Vec<u8>>> {
         .iter()
         .filter_map(|i| match i {
             Input::Message(m) => Some(m.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
-fn lives(events: &[SubEvent]) -> Vec<(u64, Vec<u8>)> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            SubEvent::Live { seq, payload } => Some((*seq, payload.clone())),
             _ => None,
         })
         .collect()

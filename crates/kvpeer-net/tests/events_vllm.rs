@@ -20,7 +20,7 @@ mod events_support;
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
-use events_support::{any_port, take, unhex, until, Py};
+use events_support::{any_port, lives, replayed, take, unhex, until, Py};
 use kvpeer_net::events::{EventSubscriber, SubEndpoint, SubEvent, SubscriberConfig};
 use kvpeer_proto::events::{decode_batch, BlockHash, EventLimits, KvEvent};
 
@@ -174,13 +174,7 @@ fn follow_live(sub: &mut EventSubscriber, py: &mut Py) -> Vec<SubEvent> {
         .unwrap()
         .parse()
         .unwrap();
-    let live: Vec<(u64, Vec<u8>)> = events
-        .iter()
-        .filter_map(|e| match e {
-            SubEvent::Live { seq, payload } => Some((*seq, payload.clone())),
-            _ => None,
-        })
-        .collect();
+    let live = lives(&events);
     // Every live batch is one vLLM published, in order (probes may have been dropped before
     // the subscription reached the PUB; none after).
     for w in live.windows(2) {
@@ -277,15 +271,12 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
         "the replay",
         |e, _| e.contains(&SubEvent::ReplayEnd),
     );
-    let replayed: Vec<(u64, Vec<u8>)> = events
-        .iter()
-        .filter_map(|e| match e {
-            SubEvent::Replayed { seq, payload } => Some((*seq, payload.clone())),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(replayed, published, "seqs 0..4, byte-exact, in order");
-    for (seq, payload) in &replayed {
+    let replayed_batches = replayed(&events);
+    assert_eq!(
+        replayed_batches, published,
+        "seqs 0..4, byte-exact, in order"
+    );
+    for (seq, payload) in &replayed_batches {
         check_decodes(*seq, payload);
     }
     assert_eq!(events.last(), Some(&SubEvent::ReplayEnd));
@@ -302,13 +293,7 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
         "a partial replay",
         |e, _| e.contains(&SubEvent::ReplayEnd),
     );
-    let seqs: Vec<u64> = events
-        .iter()
-        .filter_map(|e| match e {
-            SubEvent::Replayed { seq, .. } => Some(*seq),
-            _ => None,
-        })
-        .collect();
+    let seqs: Vec<u64> = replayed(&events).into_iter().map(|(s, _)| s).collect();
     assert_eq!(seqs, vec![2, 3]);
     // Live from here: the subscription has long reached the PUB.
     py.say("more");
@@ -321,13 +306,7 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
         "a live batch",
         |e, _| e.iter().any(|e| matches!(e, SubEvent::Live { .. })),
     );
-    let live = events
-        .iter()
-        .find_map(|e| match e {
-            SubEvent::Live { seq, payload } => Some((*seq, payload.clone())),
-            _ => None,
-        })
-        .unwrap();
+    let live = lives(&events).into_iter().next().unwrap();
     assert_eq!(live.0, 4);
     assert_eq!(Some(&live), batches.iter().find(|(s, _)| *s == 4));
     let stats = sub.stats();

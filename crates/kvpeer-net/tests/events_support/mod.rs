@@ -6,13 +6,16 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_net::events::{EventSubscriber, SubEvent};
+
+#[path = "../python_env/mod.rs"]
+mod python_env;
+pub(crate) use python_env::{python, pythonpath};
 
 /// How long any loop of these tests may run before it fails (a liveness bound, not a
 /// measurement: nothing asserts how fast anything is).
@@ -31,51 +34,33 @@ pub(crate) fn until(what: &str, mut step: impl FnMut() -> bool) {
     }
 }
 
+/// The live batches among `events`: (seq, payload).
+pub(crate) fn lives(events: &[SubEvent]) -> Vec<(u64, Vec<u8>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            SubEvent::Live { seq, payload } => Some((*seq, payload.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The replayed batches among `events`: (seq, payload).
+pub(crate) fn replayed(events: &[SubEvent]) -> Vec<(u64, Vec<u8>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            SubEvent::Replayed { seq, payload } => Some((*seq, payload.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Moves every event `sub` holds into `into`.
 pub(crate) fn take(sub: &mut EventSubscriber, into: &mut Vec<SubEvent>) {
     while let Some(e) = sub.poll_event() {
         into.push(e);
     }
-}
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Python with pyzmq and msgspec: `KVPEER_PYTHON`, or scripts/test.sh's venv.
-pub(crate) fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo().join("target/kvpeer-venv/bin/python");
-    assert!(
-        venv.exists(),
-        "needs Python with pyzmq and msgspec: run scripts/test.sh (it makes {}) or set KVPEER_PYTHON",
-        venv.display()
-    );
-    venv
-}
-
-/// The PYTHONPATH holding vLLM 0.33's `kv_events.py` and the stubs (setup.sh, once per test
-/// binary; `KVPEER_INTEROP_PYTHONPATH` names a prepared one).
-pub(crate) fn pythonpath() -> &'static str {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        if let Ok(p) = std::env::var("KVPEER_INTEROP_PYTHONPATH") {
-            return p;
-        }
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/setup.sh"))
-            .env("KVPEER_PYTHON", python())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "tests/interop/setup.sh failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    })
 }
 
 /// A Python peer: its stdout as lines, its stdin to talk to it.

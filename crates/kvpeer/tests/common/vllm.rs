@@ -1,51 +1,16 @@
 //! Running vLLM's own P2P code as a peer process (`tests/interop/vllm_peer.py`), and reading
 //! both sides' open state, for the interop tests.
 
-use std::path::PathBuf;
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use super::{http_get, metrics_addr, samples, Proc, BIN};
 
-pub(crate) fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-pub(crate) fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo().join("target/kvpeer-venv/bin/python");
-    assert!(
-        venv.exists(),
-        "needs the Python of scripts/test.sh's venv: run scripts/test.sh or set KVPEER_PYTHON"
-    );
-    venv
-}
-
-/// The PYTHONPATH holding vLLM's P2P modules and the stubs (setup.sh, once per test binary).
-pub(crate) fn pythonpath() -> &'static str {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        if let Ok(p) = std::env::var("KVPEER_INTEROP_PYTHONPATH") {
-            return p;
-        }
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/setup.sh"))
-            .env("KVPEER_PYTHON", python())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "tests/interop/setup.sh failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    })
-}
+#[path = "../../../kvpeer-net/tests/python_env/mod.rs"]
+mod python_env;
+pub(crate) use python_env::{python, pythonpath, repo};
 
 /// `vllm_peer.py ARGS` (a vLLM peer process).
 pub(crate) fn vllm(args: &[&str]) -> Proc {
