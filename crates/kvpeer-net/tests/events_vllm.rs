@@ -304,7 +304,10 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
         &mut batches,
         &mut lines,
         "a live batch",
-        |e, _| e.iter().any(|e| matches!(e, SubEvent::Live { .. })),
+        // vLLM prints the batch after publishing it: it may arrive first.
+        |e, l| {
+            e.iter().any(|e| matches!(e, SubEvent::Live { .. })) && l.iter().any(|l| l == "done")
+        },
     );
     let live = lives(&events).into_iter().next().unwrap();
     assert_eq!(live.0, 4);
