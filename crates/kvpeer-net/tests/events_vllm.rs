@@ -112,98 +112,91 @@ fn check_decodes(seq: u64, payload: &[u8]) {
     assert_eq!(batch.events.len(), if seq % 2 == 1 { 2 } else { 1 });
 }
 
-/// Drives `sub` (events into `events`) and reads `py`'s lines (batches into `batches`) until
-/// `done`.
-fn pump(
-    sub: &mut EventSubscriber,
-    py: &mut Py,
-    events: &mut Vec<SubEvent>,
-    batches: &mut Vec<(u64, Vec<u8>)>,
-    lines: &mut Vec<String>,
-    what: &str,
-    mut done: impl FnMut(&[SubEvent], &[String]) -> bool,
-) {
-    until(what, || {
-        sub.wait(Duration::from_millis(10)).unwrap();
-        take(sub, events);
-        while let Some(line) = py.try_line() {
-            if let Some(b) = parse_batch(&line) {
-                batches.push(b);
-            } else {
-                lines.push(line);
-            }
-        }
-        done(events, lines)
-    });
+/// A subscriber and vLLM's publisher process, with what each has said so far.
+struct Session {
+    sub: EventSubscriber,
+    py: Py,
+    events: Vec<SubEvent>,
+    /// The batches vLLM published: (seq, payload).
+    batches: Vec<(u64, Vec<u8>)>,
+    /// vLLM's other lines.
+    lines: Vec<String>,
 }
 
-/// The live part of a test: probes until one arrives, then 4 batches, which must arrive as
-/// published, in order, byte-exact.
-fn follow_live(sub: &mut EventSubscriber, py: &mut Py) -> Vec<SubEvent> {
-    let (mut events, mut batches, mut lines) = (Vec::new(), Vec::new(), Vec::new());
-    pump(
-        sub,
-        py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "a probe",
-        |e, _| e.iter().any(|e| matches!(e, SubEvent::Live { .. })),
-    );
-    py.say("go");
-    pump(
-        sub,
-        py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "the batches",
-        |e, l| {
+impl Session {
+    fn new(sub: EventSubscriber, py: Py) -> Self {
+        Session {
+            sub,
+            py,
+            events: Vec::new(),
+            batches: Vec::new(),
+            lines: Vec::new(),
+        }
+    }
+
+    /// Drives the subscriber and reads vLLM's lines until `done(events, lines)`.
+    fn pump(&mut self, what: &str, mut done: impl FnMut(&[SubEvent], &[String]) -> bool) {
+        until(what, || {
+            self.sub.wait(Duration::from_millis(10)).unwrap();
+            take(&mut self.sub, &mut self.events);
+            while let Some(line) = self.py.try_line() {
+                match parse_batch(&line) {
+                    Some(b) => self.batches.push(b),
+                    None => self.lines.push(line),
+                }
+            }
+            done(&self.events, &self.lines)
+        });
+    }
+
+    /// The number vLLM printed after `word `.
+    fn said(&self, word: &str) -> Option<u64> {
+        self.lines
+            .iter()
+            .find_map(|l| l.strip_prefix(word)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// The live part of a test: probes until one arrives, then 4 batches, which must arrive
+    /// as published, in order, byte-exact.
+    fn follow_live(&mut self) {
+        self.pump("a probe", |e, _| !lives(e).is_empty());
+        self.py.say("go");
+        self.pump("the batches", |e, l| {
             let Some(probes) = l.iter().find_map(|l| l.strip_prefix("probes ")) else {
                 return false;
             };
             let last = probes.parse::<u64>().unwrap() + 3;
-            l.iter().any(|l| l == "done")
-                && e.iter()
-                    .any(|e| matches!(e, SubEvent::Live { seq, .. } if *seq == last))
-        },
-    );
-    let probes: u64 = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("probes "))
-        .unwrap()
-        .parse()
-        .unwrap();
-    let live = lives(&events);
-    // Every live batch is one vLLM published, in order (probes may have been dropped before
-    // the subscription reached the PUB; none after).
-    for w in live.windows(2) {
-        assert_eq!(w[1].0, w[0].0 + 1, "in order, no gap once subscribed");
+            l.iter().any(|l| l == "done") && lives(e).iter().any(|(seq, _)| *seq == last)
+        });
+        let probes = self.said("probes").unwrap();
+        let live = lives(&self.events);
+        // Every live batch is one vLLM published, in order (probes may have been dropped
+        // before the subscription reached the PUB; none after).
+        for w in live.windows(2) {
+            assert_eq!(w[1].0, w[0].0 + 1, "in order, no gap once subscribed");
+        }
+        let checked: Vec<&(u64, Vec<u8>)> = live.iter().filter(|(s, _)| *s >= probes).collect();
+        assert_eq!(checked.len(), 4);
+        for (seq, payload) in checked {
+            let (_, published) = self.batches.iter().find(|(s, _)| s == seq).unwrap();
+            assert_eq!(payload, published, "batch {seq} byte-exact");
+            check_decodes(*seq, payload);
+        }
+        assert!(
+            live.iter().any(|(_, p)| p.len() > 64 * 1024),
+            "the large batch came"
+        );
     }
-    let checked: Vec<&(u64, Vec<u8>)> = live.iter().filter(|(s, _)| *s >= probes).collect();
-    assert_eq!(checked.len(), 4);
-    for (seq, payload) in checked {
-        let (_, published) = batches.iter().find(|(s, _)| s == seq).unwrap();
-        assert_eq!(payload, published, "batch {seq} byte-exact");
-        check_decodes(*seq, payload);
-    }
-    assert!(
-        live.iter().any(|(_, p)| p.len() > 64 * 1024),
-        "the large batch came"
-    );
-    events
-}
 
-/// Stops the publisher (driving `sub` meanwhile); the events that came.
-fn quit(mut py: Py, sub: &mut EventSubscriber) -> Vec<SubEvent> {
-    py.say("quit");
-    let mut events = Vec::new();
-    until("vLLM's publisher to exit", || {
-        sub.wait(Duration::from_millis(10)).unwrap();
-        take(sub, &mut events);
-        py.exited()
-    });
-    events
+    /// Stops the publisher (driving the subscriber meanwhile).
+    fn quit(&mut self) {
+        self.py.say("quit");
+        until("vLLM's publisher to exit", || {
+            self.sub.wait(Duration::from_millis(10)).unwrap();
+            take(&mut self.sub, &mut self.events);
+            self.py.exited()
+        });
+    }
 }
 
 #[test]
@@ -217,12 +210,12 @@ fn live_batches_from_vllms_publisher_arrive_byte_exact() {
     assert_eq!(py.line(), "ready");
     let mut config = SubscriberConfig::new(SubEndpoint::Connect(local(port)));
     config.topic = b"kv@".to_vec();
-    let mut sub = EventSubscriber::new(config).unwrap();
-    let events = follow_live(&mut sub, &mut py);
-    assert_eq!(events[0], SubEvent::Connected);
-    assert_eq!(sub.stats().malformed, 0);
-    assert_eq!(sub.stats().connects, 1);
-    quit(py, &mut sub);
+    let mut s = Session::new(EventSubscriber::new(config).unwrap(), py);
+    s.follow_live();
+    assert_eq!(s.events[0], SubEvent::Connected);
+    assert_eq!(s.sub.stats().malformed, 0);
+    assert_eq!(s.sub.stats().connects, 1);
+    s.quit();
 }
 
 #[test]
@@ -249,29 +242,12 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
     assert_eq!(published.len(), 4);
     let mut config = SubscriberConfig::new(SubEndpoint::Connect(local(port)));
     config.replay = Some(local(replay));
-    let mut sub = EventSubscriber::new(config).unwrap();
-    let (mut events, mut batches, mut lines) = (Vec::new(), Vec::new(), Vec::new());
-    pump(
-        &mut sub,
-        &mut py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "connected",
-        |e, _| e.contains(&SubEvent::Connected),
-    );
+    let mut s = Session::new(EventSubscriber::new(config).unwrap(), py);
+    s.pump("connected", |e, _| e.contains(&SubEvent::Connected));
     // What the follower asks on every connect: everything from the next batch it needs.
-    sub.request_replay(0);
-    pump(
-        &mut sub,
-        &mut py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "the replay",
-        |e, _| e.contains(&SubEvent::ReplayEnd),
-    );
-    let replayed_batches = replayed(&events);
+    s.sub.request_replay(0);
+    s.pump("the replay", |e, _| e.contains(&SubEvent::ReplayEnd));
+    let replayed_batches = replayed(&s.events);
     assert_eq!(
         replayed_batches, published,
         "seqs 0..4, byte-exact, in order"
@@ -279,51 +255,34 @@ fn a_late_subscriber_recovers_earlier_batches_by_replay_then_follows_live() {
     for (seq, payload) in &replayed_batches {
         check_decodes(*seq, payload);
     }
-    assert_eq!(events.last(), Some(&SubEvent::ReplayEnd));
-    assert!(!events.iter().any(|e| matches!(e, SubEvent::Live { .. })));
+    assert_eq!(s.events.last(), Some(&SubEvent::ReplayEnd));
+    assert!(lives(&s.events).is_empty());
     // A replay from the middle: only what is kept from there on.
-    events.clear();
-    sub.request_replay(2);
-    pump(
-        &mut sub,
-        &mut py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "a partial replay",
-        |e, _| e.contains(&SubEvent::ReplayEnd),
-    );
-    let seqs: Vec<u64> = replayed(&events).into_iter().map(|(s, _)| s).collect();
+    s.events.clear();
+    s.sub.request_replay(2);
+    s.pump("a partial replay", |e, _| e.contains(&SubEvent::ReplayEnd));
+    let seqs: Vec<u64> = replayed(&s.events).into_iter().map(|(q, _)| q).collect();
     assert_eq!(seqs, vec![2, 3]);
     // Live from here: the subscription has long reached the PUB.
-    py.say("more");
-    pump(
-        &mut sub,
-        &mut py,
-        &mut events,
-        &mut batches,
-        &mut lines,
-        "a live batch",
-        // vLLM prints the batch after publishing it: it may arrive first.
-        |e, l| {
-            e.iter().any(|e| matches!(e, SubEvent::Live { .. })) && l.iter().any(|l| l == "done")
-        },
-    );
-    let live = lives(&events).into_iter().next().unwrap();
+    s.py.say("more");
+    // vLLM prints the batch after publishing it: it may arrive first.
+    s.pump("a live batch", |e, l| {
+        !lives(e).is_empty() && l.iter().any(|l| l == "done")
+    });
+    let live = lives(&s.events).into_iter().next().unwrap();
     assert_eq!(live.0, 4);
-    assert_eq!(Some(&live), batches.iter().find(|(s, _)| *s == 4));
-    let stats = sub.stats();
+    assert_eq!(Some(&live), s.batches.iter().find(|(q, _)| *q == 4));
+    let stats = s.sub.stats();
     assert_eq!(
         (stats.replayed, stats.replay_ends, stats.malformed),
         (6, 2, 0)
     );
-    quit(py, &mut sub);
+    s.quit();
 }
 
 #[test]
 fn vllms_connecting_publisher_reaches_a_bound_subscriber() {
-    let mut sub =
-        EventSubscriber::new(SubscriberConfig::new(SubEndpoint::Bind(any_port()))).unwrap();
+    let sub = EventSubscriber::new(SubscriberConfig::new(SubEndpoint::Bind(any_port()))).unwrap();
     let port = sub.local_addr().unwrap().port();
     // Not "*" nor "::": vLLM's PUB connects.
     let mut py = Py::start(
@@ -336,15 +295,14 @@ fn vllms_connecting_publisher_reaches_a_bound_subscriber() {
         true,
     );
     assert_eq!(py.line(), "ready");
-    let events = follow_live(&mut sub, &mut py);
-    assert_eq!(events[0], SubEvent::Connected);
-    assert!(sub.is_connected());
-    let mut events = quit(py, &mut sub);
+    let mut s = Session::new(sub, py);
+    s.follow_live();
+    assert_eq!(s.events[0], SubEvent::Connected);
+    assert!(s.sub.is_connected());
+    s.quit();
     // vLLM closed its PUB: the bound SUB sees the connection go.
-    until("the loss", || {
-        sub.wait(Duration::from_millis(10)).unwrap();
-        take(&mut sub, &mut events);
-        events.iter().any(|e| matches!(e, SubEvent::Lost { .. }))
+    s.pump("the loss", |e, _| {
+        e.iter().any(|e| matches!(e, SubEvent::Lost { .. }))
     });
-    assert!(!sub.is_connected());
+    assert!(!s.sub.is_connected());
 }
