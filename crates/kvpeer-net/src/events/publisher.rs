@@ -240,7 +240,7 @@ impl EventPublisher {
             .collect();
         let mut out = Vec::new();
         for id in matching {
-            match self.pubs.queue(id, parts) {
+            match self.pubs.queue(now, id, parts) {
                 Ok(()) => {
                     self.stats.delivered += 1;
                     // Written at once when the socket takes it; else POLLOUT wakes the wait.
@@ -323,7 +323,7 @@ impl EventPublisher {
         };
         while let Some(message) = client.answer.front() {
             let parts: Vec<&[u8]> = message.iter().map(Vec::as_slice).collect();
-            if server.queue(id, &parts).is_err() {
+            if server.queue(now, id, &parts).is_err() {
                 break;
             }
             client.answer.pop_front();

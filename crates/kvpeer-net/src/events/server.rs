@@ -159,10 +159,21 @@ impl Server {
             .min()
     }
 
-    /// Queues a message to connection `id` (not written yet: [`Server::flush`]).
-    pub(crate) fn queue(&mut self, id: PeerId, parts: &[&[u8]]) -> Result<(), QueueFull> {
+    /// Queues a message to connection `id` at `now` (not written yet: [`Server::flush`]).
+    pub(crate) fn queue(
+        &mut self,
+        now: Instant,
+        id: PeerId,
+        parts: &[&[u8]],
+    ) -> Result<(), QueueFull> {
         match self.peers.get_mut(&id) {
-            Some(p) if p.conn.is_ready() => p.conn.queue(parts),
+            Some(p) if p.conn.is_ready() => {
+                if p.conn.transmit().is_empty() {
+                    // The stall clock starts when bytes start waiting.
+                    p.last_written = now;
+                }
+                p.conn.queue(parts)
+            }
             _ => Err(QueueFull),
         }
     }
@@ -211,6 +222,10 @@ impl Server {
         out: &mut Vec<(PeerId, LinkEvent)>,
     ) {
         let ids: Vec<PeerId> = self.peers.keys().copied().collect();
+        if self.accept_paused_until.is_some_and(|until| now >= until) {
+            // Rested: the listener is polled again from the next wait (its deadline is gone).
+            self.accept_paused_until = None;
+        }
         if revents.first().is_some_and(|r| !r.is_empty()) {
             // New connections send their greeting and READY at once.
             for id in self.accept(now) {

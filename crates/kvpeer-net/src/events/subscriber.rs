@@ -302,7 +302,7 @@ impl EventSubscriber {
                         let _ = client.send(&[&subscription]);
                     }
                     (SubSide::Bind(server), Some(id)) => {
-                        let _ = server.queue(id, &[&subscription]);
+                        let _ = server.queue(now, id, &[&subscription]);
                         let mut lost = Vec::new();
                         server.flush(now, id, &mut lost);
                         for (_, event) in lost {
