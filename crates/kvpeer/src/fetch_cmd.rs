@@ -260,6 +260,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
         args,
         block_len: usize::try_from(node.config().block_len).map_err(|e| e.to_string())?,
         timeout: Duration::from_secs(args.timeout_secs),
+        pid: std::process::id(),
     };
     let mut tally = Tally::default();
     // The handshake is not part of any request's lookup time, nor of the workload's.
@@ -331,6 +332,8 @@ struct Run<'a> {
     args: &'a FetchArgs,
     block_len: usize,
     timeout: Duration,
+    /// This process's id, in the request ids (read once: `getpid` is a system call).
+    pid: u32,
 }
 
 impl Run<'_> {
@@ -342,8 +345,9 @@ impl Run<'_> {
             args,
             block_len,
             timeout,
+            pid: _,
         } = *self;
-        let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
+        let request = format!("kvpeer-fetch-{}-{r}", self.pid);
         let keys = request_keys(args, r);
         // Opening the request (and the session, the first time) counts as part of the lookup.
         let lookup_started = Instant::now();
