@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
@@ -40,7 +40,7 @@ use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync,
     XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::lock;
 use crate::shm::Wake;
@@ -273,11 +273,19 @@ impl NixlPlane {
             addr: base,
             len: pool.span_len() as usize,
         };
+        let started = Instant::now();
         let registration = agent
             .register_memory(&region, None)
             .map_err(setup("register the pool"))?;
+        let registered = started.elapsed();
         let local = prepare(&agent, "", base as u64, num_blocks, block_len)
             .map_err(setup("prepare the local descriptors"))?;
+        info!(
+            bytes = region.len,
+            register_us = registered.as_micros() as u64,
+            prepare_us = (started.elapsed() - registered).as_micros() as u64,
+            "nixl: pool registered"
+        );
         let metadata = agent
             .get_local_md()
             .map_err(setup("read the agent's metadata"))?;
@@ -420,6 +428,7 @@ impl DataPlane for NixlPlane {
         std::thread::Builder::new()
             .name("kvpeer-nixl-register".into())
             .spawn(move || {
+                let started = Instant::now();
                 let result = agent
                     .load_remote_md(&memory.agent_metadata)
                     .map_err(|e| format!("NIXL refused the peer's metadata: {e}"))
@@ -443,7 +452,12 @@ impl DataPlane for NixlPlane {
                         .map(|d| (name, Dlist(d)))
                         .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
                     });
-                debug!(peer = %who, ok = result.is_ok(), "nixl registration done");
+                info!(
+                    peer = %who,
+                    ok = result.is_ok(),
+                    elapsed_us = started.elapsed().as_micros() as u64,
+                    "nixl: peer registered"
+                );
                 // Nobody waits any more (the peer was removed or registered again): release
                 // what was built.
                 if let Err(std::sync::mpsc::SendError(Ok((name, dlist)))) = tx.send(result) {
