@@ -9,7 +9,8 @@ in), so it includes one control round trip; the figure is the fetch size over th
 time. Consumers first run checked warm-up requests (every byte compared). Per NIXL case also:
 how long the producer's NIXL took to register its pool (`register_memory`); per case, how much
 of the producer's pool (its most resident mapping) the kernel holds in huge pages
-(`AnonHugePages` + `ShmemPmdMapped` in /proc/PID/smaps) while it served.
+(`AnonHugePages` + `ShmemPmdMapped` in /proc/PID/smaps) while it served, and the CPU time per
+fetch of both processes (all their threads: NIXL's progress thread too, where it runs).
 
     scripts/bench-planes.sh                         # builds with --features nixl, runs this
 """
@@ -72,8 +73,10 @@ def run(kind, kvpeer, plane, env, block_len, requests):
         env["KVPEER_LOG"] = "warn,kvpeer_net::nixl=info"
     p = bench.Producer(kind, kvpeer, block_len, 2, plane=plane, env=env, hits=bench.KEYS)
     try:
+        cpu0 = bench.cpu_seconds(p.proc.pid)
         r = bench.consume(kind, kvpeer, p, block_len, requests, 2, plane=plane, env=env,
                           miss_share=0.0)
+        producer_cpu = bench.cpu_seconds(p.proc.pid) - cpu0
         huge = pool_huge_mb(p.proc.pid)
     finally:
         p.stop()
@@ -85,6 +88,10 @@ def run(kind, kvpeer, plane, env, block_len, requests):
         "fetch_p99_us": r["fetch_us"][1],
         "gb_per_s": round(fetch / (r["fetch_us"][0] / 1e6) / 1e9, 2),
         "register_ms": register_ms(kind, p) if "nixl" in plane else None,
+        # CPU per fetch: the consumer's over the timed fetches, the producer's over all it
+        # served (the warm-up too), every thread.
+        "consumer_cpu_ms": round(r["cpu"] / requests * 1000, 1),
+        "producer_cpu_ms": round(producer_cpu / (requests + bench.WARMUP) * 1000, 1),
         "pool_huge_mb": huge,
     }
 
@@ -106,14 +113,16 @@ def main() -> int:
             rows.append({"case": label, "block_len": block_len, **r})
             print(f"  {label}, {block_len} B: {r}", file=sys.stderr, flush=True)
     print("| case | 64 × 64 KiB: GB/s (fetch p50 / p99 µs) | 64 × 2 MiB: GB/s (fetch p50 / p99 µs) "
+          "| CPU ms per fetch, consumer + producer (64 KiB; 2 MiB) "
           "| pool registration ms (64 KiB, 2 MiB pool) | producer pool in huge pages MB (64 KiB, 2 MiB) |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for label, *_ in cases:
         got = [next(x for x in rows if x["case"] == label and x["block_len"] == b) for b in SIZES]
         cells = [f"{r['gb_per_s']} ({r['fetch_p50_us']} / {r['fetch_p99_us']})" for r in got]
         reg = ", ".join("–" if r["register_ms"] is None else str(r["register_ms"]) for r in got)
         huge = ", ".join(str(r["pool_huge_mb"]) for r in got)
-        print(f"| {label} | {cells[0]} | {cells[1]} | {reg} | {huge} |")
+        cpu = "; ".join(f"{r['consumer_cpu_ms']} + {r['producer_cpu_ms']}" for r in got)
+        print(f"| {label} | {cells[0]} | {cells[1]} | {cpu} | {reg} | {huge} |")
     pick = {(r["case"], r["block_len"]): r["gb_per_s"] for r in rows}
     print()
     for block_len in SIZES:

@@ -1,8 +1,9 @@
 //! The `nixl` data plane (cargo feature `nixl`): NIXL one-sided WRITEs, over its UCX backend,
 //! into a peer's registered DRAM — the data plane stock vLLM engines use (`NixlTransport`).
 //!
-//! The node's pool (the store's [`PoolView`]: a shm object or an engine's own memory; this
-//! plane only needs its addresses and never maps anything) is registered with NIXL as one DRAM
+//! The node's pool (the store's [`PoolView`]: a node's own pool is private anonymous memory in
+//! huge pages, `kvpeer_store::Pool::anonymous`, an engine's is the engine's; this plane only
+//! needs its addresses and never maps anything) is registered with NIXL as one DRAM
 //! region; a prepared descriptor list holds one descriptor per block, as vLLM's. What the node
 //! advertises in `connect` is NIXL's own metadata blob (what vLLM's `add_remote_agent` reads),
 //! and `base_addr` is the pool's address, so a vLLM peer's descriptors
