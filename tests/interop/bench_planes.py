@@ -8,7 +8,7 @@ workload for all: requests of 64 keys, all held, so each fetch moves 64 blocks; 
 in), so it includes one control round trip; the figure is the fetch size over the median fetch
 time. Consumers first run checked warm-up requests (every byte compared). Per NIXL case also:
 how long the producer's NIXL took to register its pool (`register_memory`); per case, how much
-of the producer's pool (its most resident mapping) the kernel holds in huge pages
+of the producer's pool (found by its size in /proc/PID/smaps) the kernel holds in huge pages
 (`AnonHugePages` + `ShmemPmdMapped` in /proc/PID/smaps) while it served, and the CPU time per
 fetch of both processes (all their threads: NIXL's progress thread too, where it runs).
 
@@ -40,22 +40,27 @@ CASES = [
 SIZES = (64 * 1024, 2 << 20)
 
 
-def pool_huge_mb(pid: int) -> float:
-    """MB in transparent huge pages (anonymous or shmem) of the process's most resident mapping:
-    the pool's, in these producers (its blocks are most of what they hold)."""
+def pool_huge_mb(pid: int, pool_bytes: int) -> float | None:
+    """MB in transparent huge pages (anonymous or shmem) of the producer's pool: its most
+    resident mapping just large enough for `pool_bytes` (a kvpeer shm pool has a trailer page
+    more, an anonymous one up to 4 MiB of rounding to huge pages). None: no such mapping."""
     maps, cur = [], None
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split(None, 1)[0]
             if "-" in head and not head.endswith(":"):
-                cur = {"rss": 0, "huge": 0}
+                cur = {"size": 0, "rss": 0, "huge": 0}
                 maps.append(cur)
+            elif cur is not None and head == "Size:":
+                cur["size"] = int(line.split()[1]) * 1024
             elif cur is not None and head == "Rss:":
                 cur["rss"] = int(line.split()[1])
             elif cur is not None and head in ("AnonHugePages:", "ShmemPmdMapped:"):
                 cur["huge"] += int(line.split()[1])
-    pool = max(maps, key=lambda m: m["rss"], default={"huge": 0})
-    return round(pool["huge"] / 1024, 1)
+    fits = [m for m in maps if pool_bytes <= m["size"] <= pool_bytes + (4 << 20) + 4096]
+    if not fits:
+        return None
+    return round(max(fits, key=lambda m: m["rss"])["huge"] / 1024, 1)
 
 
 def register_ms(kind: str, producer: bench.Producer) -> float | None:
@@ -77,7 +82,8 @@ def run(kind, kvpeer, plane, env, block_len, requests):
         r = bench.consume(kind, kvpeer, p, block_len, requests, 2, plane=plane, env=env,
                           miss_share=0.0)
         producer_cpu = bench.cpu_seconds(p.proc.pid) - cpu0
-        huge = pool_huge_mb(p.proc.pid)
+        # The producer's pool: the blocks it serves and 32 more (bench.Producer).
+        huge = pool_huge_mb(p.proc.pid, (2 * bench.KEYS + 32) * block_len)
     finally:
         p.stop()
     if r["failed"] or r["corrupt"]:
