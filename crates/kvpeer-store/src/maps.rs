@@ -92,6 +92,39 @@ impl MappingUsage {
     pub fn has_flag(&self, flag: &str) -> bool {
         self.vm_flags.iter().any(|f| f == flag)
     }
+
+    /// Whether this mapping, advised for huge pages and populated, has what the kernel's
+    /// transparent-huge-page mode (`mode`, from [`thp_mode`]; `None`: no THP in the kernel)
+    /// gives such memory: the advice recorded (`hg`) whenever THP is built in, and memory in
+    /// 2 MiB pages when the mode is `madvise` or `always`. `Err` says what is missing.
+    pub fn check_huge_pages(&self, mode: Option<&str>) -> Result<(), String> {
+        let Some(mode) = mode else {
+            return Ok(());
+        };
+        if !self.has_flag("hg") {
+            return Err(format!(
+                "not advised for huge pages (VmFlags {:?})",
+                self.vm_flags
+            ));
+        }
+        if (mode == "madvise" || mode == "always") && self.anon_huge_kb < 2048 {
+            return Err(format!(
+                "THP is {mode} but no huge page backs it (AnonHugePages {} kB of {} kB \
+                 resident)",
+                self.anon_huge_kb, self.rss_kb
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The mode `/sys/kernel/mm/transparent_hugepage/enabled` selects (`madvise` of
+/// `always [madvise] never`); `None` on a kernel without transparent huge pages.
+pub fn thp_mode() -> Option<String> {
+    let modes = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    let start = modes.find('[')?;
+    let end = modes[start..].find(']')?;
+    modes.get(start + 1..start + end).map(str::to_owned)
 }
 
 /// The mapping of this process that holds `addr`, as `/proc/self/smaps` reports it; `None` when
@@ -284,6 +317,34 @@ VmFlags: rd wr sh mr mw me ms sd
             None,
             "past the last mapping"
         );
+    }
+
+    #[test]
+    fn huge_pages_are_checked_against_the_kernels_mode() {
+        let advised = usage_in(SMAPS, 0x7f0000001000).unwrap();
+        let plain = usage_in(SMAPS, 0x7f0000400000).unwrap();
+        let small = MappingUsage {
+            anon_huge_kb: 0,
+            ..advised.clone()
+        };
+        for mode in ["madvise", "always"] {
+            assert_eq!(advised.check_huge_pages(Some(mode)), Ok(()));
+            assert!(
+                small.check_huge_pages(Some(mode)).is_err(),
+                "{mode}: no huge page"
+            );
+            assert!(
+                plain.check_huge_pages(Some(mode)).is_err(),
+                "{mode}: not advised"
+            );
+        }
+        assert_eq!(
+            small.check_huge_pages(Some("never")),
+            Ok(()),
+            "never: advice only"
+        );
+        assert!(plain.check_huge_pages(Some("never")).is_err());
+        assert_eq!(plain.check_huge_pages(None), Ok(()), "no THP in the kernel");
     }
 
     #[test]

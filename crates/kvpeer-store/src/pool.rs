@@ -43,7 +43,7 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mlock, shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::trailer::{self, SECRET_LEN};
 
@@ -600,6 +600,12 @@ impl Pool {
                 source,
             })?;
         }
+        if let Some(usage) = crate::maps::usage_at(base.as_ptr() as u64) {
+            match usage.check_huge_pages(crate::maps::thp_mode().as_deref()) {
+                Ok(()) => debug!(huge_kb = usage.anon_huge_kb, "pool in huge pages"),
+                Err(why) => info!(%why, "the pool is not in huge pages; transfers run slower"),
+            }
+        }
         Ok(Pool::from_parts(
             base,
             num_blocks,
@@ -1013,15 +1019,6 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
-    /// The mode `/sys/kernel/mm/transparent_hugepage/enabled` selects (`[madvise]` of
-    /// `always [madvise] never`), `None` on a kernel without transparent huge pages.
-    fn thp_mode() -> Option<String> {
-        let modes = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
-        let start = modes.find('[')?;
-        let end = modes[start..].find(']')?;
-        Some(modes[start + 1..start + end].to_owned())
-    }
-
     #[test]
     fn an_anonymous_pool_is_private_huge_page_aligned_and_advised_for_huge_pages() {
         // 3 blocks of 1 MiB: the last huge page is half used and must still be in the mapping.
@@ -1044,17 +1041,9 @@ mod tests {
         // What the kernel is configured to do decides what must be seen, never a skip: with
         // THP compiled in, the advice is always recorded (`hg`); with THP on for advised
         // memory, the pre-faulted blocks are in huge pages.
-        match thp_mode().as_deref() {
-            None => assert!(!usage.has_flag("hg"), "no THP in this kernel: {usage:?}"),
-            Some(mode) => {
-                assert!(usage.has_flag("hg"), "MADV_HUGEPAGE recorded: {usage:?}");
-                if mode == "always" || mode == "madvise" {
-                    assert!(
-                        usage.anon_huge_kb >= 2048,
-                        "THP is {mode}: the pre-faulted pool is in huge pages: {usage:?}"
-                    );
-                }
-            }
+        let mode = maps::thp_mode();
+        if let Err(why) = usage.check_huge_pages(mode.as_deref()) {
+            panic!("THP {mode:?}: {why}: {usage:?}");
         }
         // The memory outlives the owner with its last view, as a shm pool's.
         let view = pool.view().clone();

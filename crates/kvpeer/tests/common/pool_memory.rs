@@ -4,15 +4,6 @@
 
 use kvpeer_store::{maps, Pool, HUGE_PAGE};
 
-/// The mode `/sys/kernel/mm/transparent_hugepage/enabled` selects (`madvise` of
-/// `always [madvise] never`); `None` on a kernel without transparent huge pages.
-pub(crate) fn thp_mode() -> Option<String> {
-    let modes = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
-    let start = modes.find('[')?;
-    let end = modes[start..].find(']')?;
-    Some(modes[start + 1..start + end].to_owned())
-}
-
 /// `pool` is a shared `/dev/shm` object (`shared`), or private anonymous memory starting on a
 /// huge-page boundary, advised for huge pages (`hg`) and, when the kernel gives huge pages to
 /// advised memory, in them. What the kernel is configured to do decides what is asserted;
@@ -33,17 +24,8 @@ pub(crate) fn assert_pool_memory(pool: &Pool, shared: bool) {
         "private anonymous memory: {usage:?}"
     );
     assert_eq!(pool.base_addr() % HUGE_PAGE as u64, 0, "2 MiB-aligned");
-    match thp_mode().as_deref() {
-        None => {}
-        Some(mode) => {
-            assert!(usage.has_flag("hg"), "advised for huge pages: {usage:?}");
-            // Even a pool under 2 MiB: its first huge page lies wholly inside the mapping.
-            if mode == "always" || mode == "madvise" {
-                assert!(
-                    usage.anon_huge_kb >= 2048,
-                    "THP is {mode}: the pre-faulted pool is in huge pages: {usage:?}"
-                );
-            }
-        }
+    let mode = maps::thp_mode();
+    if let Err(why) = usage.check_huge_pages(mode.as_deref()) {
+        panic!("THP {mode:?}: {why}: {usage:?}");
     }
 }
