@@ -28,10 +28,13 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_MODULES=${UCX_MODULES:-'^ib*'}
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-# Per thread: "tid name ns" of process $1.
+# Per thread: "tid name ns" of process $1 (a thread that ends meanwhile is left out).
 snap() {
+  local t name ns
   for t in /proc/"$1"/task/*; do
-    echo "$(basename "$t") $(tr ' ' _ < "$t/comm") $(cut -d' ' -f1 "$t/schedstat")"
+    name="$(tr ' ' _ < "$t/comm" 2>/dev/null)" || continue
+    ns="$(cut -d' ' -f1 "$t/schedstat" 2>/dev/null)" || continue
+    echo "$(basename "$t") $name $ns"
   done | sort
 }
 
