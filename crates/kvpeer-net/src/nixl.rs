@@ -25,6 +25,7 @@
 //! into this node completes only once this side's worker answers (UCX's wire-up of the peer's
 //! endpoint; every byte when UCX moves them over TCP). Between them the watcher waits on a
 //! condition variable: an idle node spends no CPU on NIXL.
+//!
 //! Cancelling never reports a WRITE as stopped while NIXL may still land it (spec §3): `Wait`
 //! releases only requests NIXL reports ended. A request whose state check fails with a backend
 //! error (NIXL's remote-disconnect class) has ended and failed, and faults its peer; any other
@@ -678,7 +679,8 @@ impl DataPlane for NixlPlane {
         }
         let (state, ready) = &*self.shared;
         let mut s = lock(state);
-        *s.expected.entry(peer.clone()).or_default() += blocks.len() as u64;
+        let left = s.expected.entry(peer.clone()).or_default();
+        *left = left.saturating_add(blocks.len() as u64);
         ready.notify_one();
     }
 
