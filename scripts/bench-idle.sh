@@ -26,7 +26,8 @@ if [ -z "${KVPEER_NIXL_LIB_DIR:-}" ]; then
 fi
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_MODULES=${UCX_MODULES:-'^ib*'}
 tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+pid=""
+trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi; rm -rf "$tmp"' EXIT
 
 # Per thread: "tid name ns" of process $1 (a thread that ends meanwhile is left out).
 snap() {
@@ -60,5 +61,6 @@ for plane in shm tcp both nixl; do
   sleep 2
   read -r after after_thread < <(measure "$pid")
   kill "$pid"; wait "$pid" 2>/dev/null || true
+  pid=""
   echo "| $plane | $idle ($idle_thread) | $after ($after_thread) |"
 done
