@@ -52,8 +52,13 @@ for plane in shm tcp both nixl; do
   args=(--plane "$plane" --block-len 65536 --nixl-lib-dir "$KVPEER_NIXL_LIB_DIR")
   "$bin" serve "${args[@]}" --blocks 256 --fill 64 > "$tmp/serve.out" 2> "$tmp/serve.err" &
   pid=$!
-  for _ in $(seq 100); do grep -q " ready " "$tmp/serve.out" && break; sleep 0.1; done
-  id="$(grep -o 'id=[^ ]*' "$tmp/serve.out" | head -n1 | cut -d= -f2)"
+  for _ in $(seq 300); do grep -q " ready " "$tmp/serve.out" && break; sleep 0.1; done
+  id="$(grep -o 'id=[^ ]*' "$tmp/serve.out" | head -n1 | cut -d= -f2 || true)"
+  if [ -z "$id" ]; then
+    echo "bench-idle: the $plane node never got ready:" >&2
+    cat "$tmp/serve.out" "$tmp/serve.err" >&2
+    exit 1
+  fi
   sleep 2
   read -r idle idle_thread < <(measure "$pid")
   "$bin" fetch "${args[@]}" --peer "$id" --blocks 64 --requests 20 --keys 64 \
