@@ -219,8 +219,8 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
 }
 
 /// On SIGINT or SIGTERM the node never gets to drop its pool (the process ends with the
-/// signal's default action otherwise), so a watcher removes the pool's shared-memory object and
-/// exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
+/// signal's default action otherwise), so a watcher removes the pool's shared-memory object (on
+/// the planes that make one: shm, both) and exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
 /// behind (`kill -9` still does: nothing can run then).
 pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
@@ -231,9 +231,14 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
         .name("kvpeer-fetch-signals".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
-                // The object may not exist yet (or any more): nothing to remove then.
-                let _ = nix::sys::mman::shm_unlink(path.as_str());
-                eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed");
+                // The object may not exist yet (or any more), or at all (a tcp or nixl pool is
+                // anonymous memory): nothing to remove then.
+                match nix::sys::mman::shm_unlink(path.as_str()) {
+                    Ok(()) => {
+                        eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed")
+                    }
+                    Err(_) => eprintln!("kvpeer fetch: stopped by signal {signal}"),
+                }
                 std::process::exit(128 + signal);
             }
         })
