@@ -49,6 +49,9 @@ cargo test --workspace
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"
 UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl
+echo "== the nixl plane's own tests: external pools, who progresses UCX (cargo feature nixl)"
+UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer-net --features nixl \
+  --test nixl_external --test nixl_progress --test nixl_progress_over_tcp
 
 # The Python package, installed as a user installs it (pip builds it with maturin, in release),
 # with the nixl plane for the mixed-fleet tests; then vLLM 0.33's real tiering manager around

@@ -120,6 +120,14 @@ def read_block(name: str, index: int, block_len: int) -> bytes:
         return f.read(block_len)
 
 
+def read_memory_block(pid: int, base_addr: int, index: int, block_len: int) -> bytes:
+    """Block `index` of a pool in another process's memory (any kind: a tcp node's pool is
+    private anonymous memory), at the `base_addr` its `connect` advertised."""
+    with open(f"/proc/{pid}/mem", "rb") as f:
+        f.seek(base_addr + index * block_len)
+        return f.read(block_len)
+
+
 # --- kvpeer_auth v2 (crates/kvpeer/src/node/auth.rs) ------------------------------------------
 
 
@@ -505,13 +513,18 @@ def cmd_producer(a) -> int:
     peer = Peer(a.bind)
     tcp = DummyTcp()
     emit({"event": "ready", "id": peer.identity})
-    victim_pool = None
-    if a.pool_from_stdin:
+    victim_pid = None
+    if a.victim_pid_from_stdin:
         r, _, _ = select.select([sys.stdin], [], [], 30)
         if r:
-            victim_pool = sys.stdin.readline().strip() or None
+            victim_pid = int(sys.stdin.readline().strip() or 0) or None
     victim = None
     victim_meta: dict = {}
+    victim_base = 0
+
+    def victim_blocks(idx: list[int]) -> list[bytes]:
+        return [read_memory_block(victim_pid, victim_base, r, a.block_len) for r in idx]
+
     out: dict = {"event": "summary", "spoofs": {}, "honest": None, "served_fetches": 0}
     deadline = time.monotonic() + a.timeout
     done = False
@@ -522,6 +535,7 @@ def cmd_producer(a) -> int:
             if t == "connect" and victim is None:
                 victim = who
                 victim_meta = msgpack.unpackb(msg["agent_metadata"], raw=False)
+                victim_base = msg["base_addr"]
                 meta = metadata(peer.identity, None, None, tcp.addr, tcp.key)
                 peer.send(victim, connect_msg(peer.identity, meta, msg["num_blocks"],
                                               a.block_len, a.hash_seed))
@@ -537,9 +551,7 @@ def cmd_producer(a) -> int:
                 addr = victim_meta.get("tcp")
                 issued = victim_meta.get("tcp_key") or b""
                 junk = [b"\xee" * a.block_len for _ in keys]
-                before = (
-                    [read_block(victim_pool, r, a.block_len) for r in idx] if victim_pool else None
-                )
+                before = victim_blocks(idx) if victim_pid else None
                 attempts = {
                     # A third party claims the producer's id on the old HELLO (no key)...
                     "v1_as_producer": hello(1, peer.identity, None),
@@ -552,8 +564,8 @@ def cmd_producer(a) -> int:
                 }
                 for name, h in attempts.items():
                     out["spoofs"][name] = data_attempt(addr, h, write_frame(7, idx, junk), a.wait)
-                if victim_pool:
-                    after = [read_block(victim_pool, r, a.block_len) for r in idx]
+                if victim_pid:
+                    after = victim_blocks(idx)
                     out["victim_pool_unchanged"] = before == after
                     out["victim_pool_has_junk"] = any(b == junk[0] for b in after)
                 # Junk connections holding the victim's data port (idle, never a HELLO).
@@ -580,7 +592,7 @@ def cmd_producer(a) -> int:
             elif t == "disconnect":
                 done = True
     out["victim"] = victim
-    out["victim_pool"] = victim_pool
+    out["victim_pid"] = victim_pid
     out["received"] = [m["type"] for m in peer.received]
     emit(out)
     peer.close()
@@ -738,7 +750,8 @@ def main() -> int:
     s = sub.add_parser("producer")
     common(s)
     s.add_argument("--timeout", type=float, default=60.0)
-    s.add_argument("--pool-from-stdin", action="store_true")
+    s.add_argument("--victim-pid-from-stdin", action="store_true",
+                   help="read the victim's pid, to read its pool at its advertised base_addr")
     s.add_argument("--flood", type=int, default=0,
                    help="idle connections opened to the victim's data port before the write")
 

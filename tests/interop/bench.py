@@ -50,6 +50,8 @@ def cpu_seconds(pid: int) -> float:
 def plane_args(kind: str, plane: str) -> list[str]:
     """The flags that put a peer of `kind` on `plane` (shm, tcp, nixl)."""
     if kind == "vllm":
+        if plane == "nixl-numpy":
+            return ["--transport", "nixl", "--pool", "numpy"]
         return ["--transport", "nixl" if plane == "nixl" else "shm"]
     args = ["--plane", plane]
     if plane == "nixl":
@@ -68,7 +70,7 @@ class Producer:
             cmd = [kvpeer, "serve", *common]
         else:
             cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "serve", *common]
-        env = dict(os.environ, KVPEER_LOG="warn", **(env or {}))
+        env = {**os.environ, "KVPEER_LOG": "warn", **(env or {})}
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
@@ -78,10 +80,15 @@ class Producer:
                 self.id = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)["id"]
                 break
             if kind == "vllm" and line.startswith("{"):
-                self.id = json.loads(line)["id"]
+                self.ready = json.loads(line)
+                self.id = self.ready["id"]
                 break
         else:
             sys.exit(f"the {kind} producer never got ready:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def log_tail(self) -> str:
         self.log.seek(0)
@@ -115,7 +122,7 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
         cmd = [sys.executable, os.path.join(HERE, "vllm_peer.py"), "fetch", *common]
     cmd = [*(wrap or []), *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                         env=dict(os.environ, KVPEER_LOG="warn", **(env or {})))
+                         env={**os.environ, "KVPEER_LOG": "warn", **(env or {})})
     lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode != 0 or not lines:
         sys.exit(f"{kind} consumer failed ({out.returncode}):\n{out.stdout}\n{out.stderr}\n"

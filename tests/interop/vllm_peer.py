@@ -52,6 +52,44 @@ def key(i: int) -> bytes:
     return hashlib.sha256(f"kvpeer-synthetic:{i}".encode()).digest() + (0).to_bytes(4, "big")
 
 
+class ArrayPool:
+    """A pool in a numpy array (anonymous memory: transparent huge pages where the kernel
+    gives them), as vLLM's CPU tier holds its blocks; for the nixl transport only (no object a
+    shm peer could open)."""
+
+    def __init__(self, num_blocks: int, block_len: int) -> None:
+        import numpy as np
+
+        self.array = np.zeros((num_blocks, block_len), dtype=np.uint8)
+        self.block_len = block_len
+        self.view = memoryview(self.array)
+        self.name = None
+
+    def block(self, i: int) -> memoryview:
+        return memoryview(self.array[i])
+
+    def close(self) -> None:
+        pass  # the transport keeps a pointer into it; the array goes at exit
+
+
+def timed_nixl_registration(register_us: list[int]) -> None:
+    """Times every `register_memory` of vLLM's NIXL agent class (the pool's registration) into
+    `register_us`."""
+    from vllm.distributed import nixl_utils
+
+    cls = nixl_utils.NixlWrapper
+    real = cls.register_memory
+
+    def register_memory(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            register_us.append(int((time.perf_counter() - t0) * 1e6))
+
+    cls.register_memory = register_memory
+
+
 def content(k: bytes, n: int) -> bytes:
     """The bytes of the block holding synthetic key `k`."""
     p = hashlib.sha256(k).digest()
@@ -183,12 +221,19 @@ class VllmPeer:
         self.local_id = f"{host}:{port}"
         self.block_len = args.block_len
         self.hash_seed = args.hash_seed
-        self.pool = ShmPool(f"kvpeer-vllm-{tag}-{os.getpid()}", args.blocks, args.block_len)
+        if args.pool == "numpy":
+            if args.transport != "nixl":
+                sys.exit("--pool numpy needs --transport nixl (a shm peer opens the pool by name)")
+            self.pool = ArrayPool(args.blocks, args.block_len)
+        else:
+            self.pool = ShmPool(f"kvpeer-vllm-{tag}-{os.getpid()}", args.blocks, args.block_len)
         fields = {"model": args.model} if args.model else None
+        self.register_us: list[int] = []
         if args.transport == "nixl":
             # vLLM's own NIXL transport, as its manager makes it (a uuid agent name, UCX).
             from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport
 
+            timed_nixl_registration(self.register_us)
             self.data = NixlTransport(str(uuid.uuid4()), self.pool.view, config_fields=fields)
             if not self.data.available:
                 sys.exit("NIXL is not available (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
@@ -305,12 +350,18 @@ class VllmPeer:
             "abort_ack_rounds": self.wire.abort_ack_rounds,
             "deaths": self.deaths,
             "leftover": self.leftover(),
+            "nixl_register_us": self.register_us,
             **extra,
         }
 
 
 def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def pool_name(pool) -> str | None:
+    """The pool's shared-memory object, if it has one."""
+    return pool.shm.name if isinstance(pool, ShmPool) else None
 
 
 def percentiles(samples: list[int]) -> list[int]:
@@ -337,7 +388,8 @@ def serve(args) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    emit({"event": "ready", "id": peer.local_id, "shm": peer.pool.shm.name})
+    emit({"event": "ready", "id": peer.local_id, "shm": pool_name(peer.pool),
+          "nixl_register_us": peer.register_us})
     cpu0 = time.process_time()
     while not stop:
         peer.tick()
@@ -355,7 +407,8 @@ def fetch(args) -> int:
     peer = VllmPeer(args, "fetch")
     free_blocks = list(range(peer.pool.view.shape[0]))
     session = peer.connect(args.peer)
-    emit({"event": "ready", "id": peer.local_id, "shm": peer.pool.shm.name})
+    emit({"event": "ready", "id": peer.local_id, "shm": pool_name(peer.pool),
+          "nixl_register_us": peer.register_us})
     # A refused session is reaped (and closed) by the round that sees it dead.
     if not peer.wait(lambda: session.ready or args.peer not in peer.sessions, args.timeout):
         sys.exit("handshake timed out")
@@ -530,6 +583,10 @@ def main() -> int:
         s.add_argument(
             "--transport", choices=["shm", "nixl"], default="shm",
             help="data plane: kvpeer's shm plane, or vLLM's own NixlTransport",
+        )
+        s.add_argument(
+            "--pool", choices=["shm", "numpy"], default="shm",
+            help="the blocks' memory: a shared-memory object, or a numpy array (nixl only)",
         )
     serve_p, fetch_p = sub.choices["serve"], sub.choices["fetch"]
     serve_p.add_argument("--fill", type=int, default=0, help="hold synthetic blocks first..+N")

@@ -283,6 +283,11 @@ impl ControlChannel {
         self.inbound.close(conn);
     }
 
+    /// How long unsent bytes may linger after a connection is closed (`ControlConfig::linger`).
+    pub fn linger(&self) -> Duration {
+        self.outbound.linger()
+    }
+
     /// Inbound connections open now.
     pub fn inbound_connections(&self) -> usize {
         self.inbound.connections()

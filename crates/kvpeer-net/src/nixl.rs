@@ -1,8 +1,9 @@
 //! The `nixl` data plane (cargo feature `nixl`): NIXL one-sided WRITEs, over its UCX backend,
 //! into a peer's registered DRAM — the data plane stock vLLM engines use (`NixlTransport`).
 //!
-//! The node's pool (the store's [`PoolView`]: a shm object or an engine's own memory; this
-//! plane only needs its addresses and never maps anything) is registered with NIXL as one DRAM
+//! The node's pool (the store's [`PoolView`]: a node's own pool is private anonymous memory in
+//! huge pages, `kvpeer_store::Pool::anonymous`, an engine's is the engine's; this plane only
+//! needs its addresses and never maps anything) is registered with NIXL as one DRAM
 //! region; a prepared descriptor list holds one descriptor per block, as vLLM's. What the node
 //! advertises in `connect` is NIXL's own metadata blob (what vLLM's `add_remote_agent` reads),
 //! and `base_addr` is the pool's address, so a vLLM peer's descriptors
@@ -14,6 +15,17 @@
 //! runs on a helper thread; the core acks the peer's `connect` only once it has landed. A write
 //! is one prepared WRITE request of the named blocks; completion is read by polling the
 //! request's state, on a watcher thread while anything is in flight, which wakes the runtime.
+//!
+//! Progress: NIXL's agent is made without its progress thread. That thread (NIXL's UCX
+//! backend, `pthrDelay` 0 as NIXL's Python API sets it) polls UCX without ever blocking, a whole
+//! core for as long as the agent lives, transfers or not. Here UCX is progressed only by the
+//! watcher thread, and only while this node has work for it: WRITEs of its own in flight (each
+//! state check progresses UCX's worker) or WRITEs it expects from a peer
+//! ([`DataPlane::expect_writes`], from a fetch sent until its load ends), since a peer's WRITE
+//! into this node completes only once this side's worker answers (UCX's wire-up of the peer's
+//! endpoint; every byte when UCX moves them over TCP). Between them the watcher waits on a
+//! condition variable: an idle node spends no CPU on NIXL.
+//!
 //! Cancelling never reports a WRITE as stopped while NIXL may still land it (spec §3): `Wait`
 //! releases only requests NIXL reports ended. A request whose state check fails with a backend
 //! error (NIXL's remote-disconnect class) has ended and failed, and faults its peer; any other
@@ -28,7 +40,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
@@ -37,10 +49,10 @@ use kvpeer_core::{
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
 use nixl_sys::{
-    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, ThreadSync,
-    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, RegistrationHandle,
+    ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::lock;
 use crate::shm::Wake;
@@ -196,7 +208,34 @@ struct Shared {
     inflight: HashMap<TransferId, Inflight>,
     /// Per peer: ended transfers, and a fault.
     ended: HashMap<PeerId, PlanePoll>,
+    /// Per peer: blocks of this node's loads it may still WRITE into (see `expect_writes`).
+    expected: HashMap<PeerId, u64>,
+    /// The watcher's passes over the work (each progresses UCX).
+    sweeps: u64,
+    /// The watcher waits for work (on the condition variable).
+    parked: bool,
     stop: bool,
+}
+
+impl Shared {
+    /// Whether UCX must be progressed: WRITEs of ours in flight, or a peer's expected.
+    fn busy(&self) -> bool {
+        !self.inflight.is_empty() || !self.expected.is_empty()
+    }
+}
+
+/// What the watcher thread is doing (for tests and diagnostics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatcherState {
+    /// Passes the watcher made over the work so far; each progressed UCX. Constant while the
+    /// plane is idle.
+    pub sweeps: u64,
+    /// The watcher is waiting for work (no WRITE in flight, none expected), spending no CPU.
+    pub parked: bool,
+    /// WRITEs of this node in flight.
+    pub inflight: usize,
+    /// Peers whose WRITEs this node expects.
+    pub expecting: usize,
 }
 
 /// The nixl data plane of one node.
@@ -233,8 +272,20 @@ impl std::fmt::Debug for NixlPlane {
     }
 }
 
-/// How often the watcher checks WRITEs in flight (NIXL reports completion only when asked).
+/// How often the watcher progresses UCX and checks WRITEs in flight while there are any, or
+/// while a peer's are expected (NIXL reports completion only when asked; without its progress
+/// thread, nothing else moves UCX).
 const WATCH_INTERVAL: Duration = Duration::from_micros(50);
+
+/// The agent's settings: NIXL's read-write locking (the plane calls it from the runtime, the
+/// registration and the watcher threads), and no progress thread (see the module's doc).
+pub fn agent_config() -> AgentConfig {
+    AgentConfig {
+        thread_sync: ThreadSync::Rw,
+        enable_prog_thread: false,
+        ..AgentConfig::default()
+    }
+}
 
 impl NixlPlane {
     /// A plane for the node whose pool is `pool` (the store's view): its blocks (not a shm
@@ -250,11 +301,7 @@ impl NixlPlane {
         }
         load_library(config.lib_dir.as_deref())?;
         let setup = |step| move |error| NixlError::Setup { step, error };
-        let agent_config = AgentConfig {
-            thread_sync: ThreadSync::Rw,
-            ..AgentConfig::default()
-        };
-        let agent = Agent::new_configured(&config.agent_name, &agent_config)
+        let agent = Agent::new_configured(&config.agent_name, &agent_config())
             .map_err(setup("create the agent"))?;
         let (_, mut params) = agent
             .get_plugin_params("UCX")
@@ -273,11 +320,19 @@ impl NixlPlane {
             addr: base,
             len: pool.span_len() as usize,
         };
+        let started = Instant::now();
         let registration = agent
             .register_memory(&region, None)
             .map_err(setup("register the pool"))?;
+        let registered = started.elapsed();
         let local = prepare(&agent, "", base as u64, num_blocks, block_len)
             .map_err(setup("prepare the local descriptors"))?;
+        info!(
+            bytes = region.len,
+            register_us = registered.as_micros() as u64,
+            prepare_us = (started.elapsed() - registered).as_micros() as u64,
+            "nixl: pool registered"
+        );
         let metadata = agent
             .get_local_md()
             .map_err(setup("read the agent's metadata"))?;
@@ -318,6 +373,18 @@ impl NixlPlane {
     pub fn base_addr(&self) -> u64 {
         self.pool.base_addr()
     }
+
+    /// What the watcher thread is doing: whether it waits for work, and how often it has
+    /// progressed UCX.
+    pub fn watcher_state(&self) -> WatcherState {
+        let s = lock(&self.shared.0);
+        WatcherState {
+            sweeps: s.sweeps,
+            parked: s.parked,
+            inflight: s.inflight.len(),
+            expecting: s.expected.len(),
+        }
+    }
 }
 
 /// One descriptor per block of the region at `base`, prepared for `agent_name` ("" = local).
@@ -335,62 +402,93 @@ fn prepare(
     agent.prepare_xfer_dlist(agent_name, &descs, None)
 }
 
-/// The watcher: while WRITEs are in flight, asks NIXL for their state every
-/// [`WATCH_INTERVAL`]; ended ones move to `ended` and wake the runtime.
+/// The watcher: while WRITEs are in flight or expected, progresses UCX every
+/// [`WATCH_INTERVAL`] (asking NIXL for each WRITE's state does it; with none of ours in flight,
+/// asking for notifications does); ended WRITEs move to `ended` and wake the runtime. With
+/// nothing to do it waits on the condition variable.
 fn watch(agent: &Agent, shared: &(Mutex<Shared>, Condvar), wake: &Wake) {
     let (state, ready) = shared;
     let mut s = lock(state);
     loop {
-        while s.inflight.is_empty() && !s.stop {
+        while !s.busy() && !s.stop {
+            s.parked = true;
             s = ready.wait(s).unwrap_or_else(|p| p.into_inner());
         }
+        s.parked = false;
         if s.stop {
             return;
         }
-        let mut ended = false;
-        let Shared {
-            inflight,
-            ended: reports,
-            ..
-        } = &mut *s;
-        inflight.retain(|&id, entry| match agent.get_xfer_status(&entry.request) {
-            Ok(XferStatus::InProgress) => true,
-            Ok(XferStatus::Success) => {
-                reports.entry(entry.peer.clone()).or_default().done.push(id);
-                ended = true;
-                false
-            }
-            // NIXL's remote-disconnect class: nothing more of this WRITE can land.
-            Err(nixl_sys::NixlError::BackendError) => {
-                let poll = reports.entry(entry.peer.clone()).or_default();
-                poll.failed.push(id);
-                poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
-                warn!(peer = %entry.peer, transfer = id.get(), "nixl WRITE failed");
-                ended = true;
-                false
-            }
-            // Any other error says nothing about the WRITE itself: it stays in flight (it may
-            // still land) and its peer is faulted, once, so the session winds down.
-            Err(error) => {
-                if !entry.struck {
-                    entry.struck = true;
-                    warn!(peer = %entry.peer, transfer = id.get(), %error, "nixl state check failed");
-                    let poll = reports.entry(entry.peer.clone()).or_default();
-                    poll.peer_fault = Some(PlaneError::transport(format!(
-                        "NIXL state check failed: {error}"
-                    )));
-                    ended = true;
-                }
-                true
-            }
-        });
-        if ended {
+        s.sweeps += 1;
+        if s.inflight.is_empty() {
+            // Only a peer's WRITEs are expected: progress UCX so they can land and complete.
+            drop(s);
+            progress(agent);
+            s = lock(state);
+        } else if check_inflight(agent, &mut s) {
             wake();
         }
         drop(s);
         std::thread::sleep(WATCH_INTERVAL);
         s = lock(state);
     }
+}
+
+/// Progresses UCX's worker once, for WRITEs other agents make into this node's pool: NIXL's
+/// notification check does it (the agent has no progress thread). kvpeer sends and reads no
+/// notifications; any a peer sends are dropped.
+fn progress(agent: &Agent) {
+    let result = NotificationMap::new().and_then(|mut notifs| {
+        agent.get_notifications(&mut notifs, None)?;
+        notifs.is_empty()
+    });
+    match result {
+        Ok(true) => {}
+        Ok(false) => debug!("nixl: dropped a peer's notifications (kvpeer uses none)"),
+        Err(error) => debug!(%error, "nixl: progressing UCX failed"),
+    }
+}
+
+/// Asks NIXL for the state of every WRITE in flight (which progresses UCX); ended ones move to
+/// `ended`. Whether anything ended (or its peer was faulted).
+fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
+    let mut ended = false;
+    let Shared {
+        inflight,
+        ended: reports,
+        ..
+    } = s;
+    inflight.retain(|&id, entry| match agent.get_xfer_status(&entry.request) {
+        Ok(XferStatus::InProgress) => true,
+        Ok(XferStatus::Success) => {
+            reports.entry(entry.peer.clone()).or_default().done.push(id);
+            ended = true;
+            false
+        }
+        // NIXL's remote-disconnect class: nothing more of this WRITE can land.
+        Err(nixl_sys::NixlError::BackendError) => {
+            let poll = reports.entry(entry.peer.clone()).or_default();
+            poll.failed.push(id);
+            poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
+            warn!(peer = %entry.peer, transfer = id.get(), "nixl WRITE failed");
+            ended = true;
+            false
+        }
+        // Any other error says nothing about the WRITE itself: it stays in flight (it may
+        // still land) and its peer is faulted, once, so the session winds down.
+        Err(error) => {
+            if !entry.struck {
+                entry.struck = true;
+                warn!(peer = %entry.peer, transfer = id.get(), %error, "nixl state check failed");
+                let poll = reports.entry(entry.peer.clone()).or_default();
+                poll.peer_fault = Some(PlaneError::transport(format!(
+                    "NIXL state check failed: {error}"
+                )));
+                ended = true;
+            }
+            true
+        }
+    });
+    ended
 }
 
 impl DataPlane for NixlPlane {
@@ -420,6 +518,7 @@ impl DataPlane for NixlPlane {
         std::thread::Builder::new()
             .name("kvpeer-nixl-register".into())
             .spawn(move || {
+                let started = Instant::now();
                 let result = agent
                     .load_remote_md(&memory.agent_metadata)
                     .map_err(|e| format!("NIXL refused the peer's metadata: {e}"))
@@ -443,7 +542,12 @@ impl DataPlane for NixlPlane {
                         .map(|d| (name, Dlist(d)))
                         .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
                     });
-                debug!(peer = %who, ok = result.is_ok(), "nixl registration done");
+                info!(
+                    peer = %who,
+                    ok = result.is_ok(),
+                    elapsed_us = started.elapsed().as_micros() as u64,
+                    "nixl: peer registered"
+                );
                 // Nobody waits any more (the peer was removed or registered again): release
                 // what was built.
                 if let Err(std::sync::mpsc::SendError(Ok((name, dlist)))) = tx.send(result) {
@@ -513,6 +617,7 @@ impl DataPlane for NixlPlane {
         // when the thread's send fails and the result is dropped.
         self.pending.remove(peer);
         self.failed.remove(peer);
+        lock(&self.shared.0).expected.remove(peer);
         if let Some(p) = self.peers.remove(peer) {
             drop(p.dlist);
             if let Err(e) = self.agent.invalidate_remote_md(&p.name) {
@@ -566,6 +671,27 @@ impl DataPlane for NixlPlane {
 
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         lock(&self.shared.0).ended.remove(peer).unwrap_or_default()
+    }
+
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let (state, ready) = &*self.shared;
+        let mut s = lock(state);
+        let left = s.expected.entry(peer.clone()).or_default();
+        *left = left.saturating_add(blocks.len() as u64);
+        ready.notify_one();
+    }
+
+    fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        let mut s = lock(&self.shared.0);
+        if let Some(left) = s.expected.get_mut(peer) {
+            *left = left.saturating_sub(blocks.len() as u64);
+            if *left == 0 {
+                s.expected.remove(peer);
+            }
+        }
     }
 
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {

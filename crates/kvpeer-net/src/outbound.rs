@@ -309,6 +309,11 @@ impl Outbound {
         self.conns.len()
     }
 
+    /// How long closed connections may linger.
+    pub(crate) fn linger(&self) -> Duration {
+        self.config.linger
+    }
+
     /// Opens a connection to `peer` (`host:port`) at `now`, unless one is open; its id.
     pub(crate) fn dial(&mut self, peer: &PeerId, now: Instant) -> OutId {
         if let Some(id) = self.by_peer.get(peer) {

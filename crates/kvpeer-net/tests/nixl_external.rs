@@ -86,7 +86,7 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
     let (a_pool, a_base) = region(|i| i as u8 + 1);
     let (b_pool, b_base) = region(|_| 0);
     let mut a = plane("a", &a_pool);
-    let b = plane("b", &b_pool);
+    let mut b = plane("b", &b_pool);
     assert_eq!(b.base_addr(), b_pool.base_addr(), "the pool's own address");
     let a_before = raw(&a_pool, a_base);
     let b_before = raw(&b_pool, b_base);
@@ -107,6 +107,9 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
 
     let (local, remote) = ([0u64, 2, 7], [5u64, 1, 7]);
     let (local, remote) = (local.map(BlockIndex::new), remote.map(BlockIndex::new));
+    // b expects a's WRITE (as a node does from its fetch on): its watcher progresses UCX.
+    let pa = PeerId::new("127.0.0.1:7101");
+    b.expect_writes(&pa, &remote);
     let tid = a.write_blocks(&pb, &local, &remote).unwrap();
     let poll = wait(|| {
         let poll = a.poll(&pb);
@@ -127,6 +130,7 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
         "only the written blocks changed"
     );
     assert!(raw(&a_pool, a_base) == a_before, "the source is only read");
+    b.end_writes(&pa, &remote);
     a.remove_remote_peer(&pb);
 }
 

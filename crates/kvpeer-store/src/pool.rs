@@ -5,7 +5,11 @@
 //! The memory is either a POSIX shared-memory object the pool creates ([`Pool::shm`]:
 //! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
 //! [`crate::trailer`], so that the `shm` plane can prove to a peer that this node owns the
-//! object it names), or memory an embedding engine registered itself ([`Pool::external`]: a
+//! object it names), or private anonymous memory the pool maps for planes no peer maps
+//! ([`Pool::anonymous`]: tcp and nixl; 2 MiB-aligned and advised for transparent huge pages,
+//! which `/dev/shm` objects do not get unless the kernel's `shmem_enabled` says so, and no
+//! trailer: no peer opens it, so there is no ownership to prove), or memory an embedding
+//! engine registered itself ([`Pool::external`]: a
 //! base address and a row stride, block `i` at `base + i × stride`), or an engine's own mapping
 //! of a shared-memory object the engine made ([`Pool::adopt_shm`]: vLLM's primary tier; the
 //! trailer goes past the engine's blocks). The shm object is mapped once, here; the data planes never map it themselves. They get:
@@ -39,9 +43,13 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mlock, shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::trailer::{self, SECRET_LEN};
+
+/// Bytes of a transparent huge page on x86-64 and most arm64 kernels: where an anonymous pool
+/// starts, and the unit its mapping is rounded to.
+pub const HUGE_PAGE: usize = 2 << 20;
 
 /// Why a pool could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -169,6 +177,14 @@ enum Backing {
         _map: MmapMut,
         object: ShmObject,
     },
+    /// Private anonymous memory ([`Pool::anonymous`]): the blocks start at the first 2 MiB
+    /// boundary inside the mapping.
+    Anon {
+        /// Never read through: `Memory::base` points into it. Kept to unmap on drop.
+        map: MmapMut,
+        /// Bytes from the mapping's start to the first block.
+        offset: usize,
+    },
     External {
         /// Whatever the embedder wants released once the pool no longer uses the memory.
         _keep_alive: Option<Box<dyn Any + Send + Sync>>,
@@ -205,7 +221,8 @@ struct Memory {
 }
 
 // SAFETY: `Memory` is a pointer to bytes plus bookkeeping behind a mutex. The bytes are valid
-// from any thread (a shared mapping, or external memory whose creator promised so), and every
+// from any thread (a mapping of this process, shared or anonymous, or external memory whose
+// creator promised so), and every
 // access goes through the rules of this file: reads of whole blocks, and writes only by the
 // owner (`&mut Pool`, refusing blocks peers may write) or by the one claim holding a block.
 unsafe impl Send for Memory {}
@@ -259,7 +276,7 @@ impl std::fmt::Debug for Memory {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => {
                 Some(object.name.as_str())
             }
-            Backing::External { .. } | Backing::Peer { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
         };
         f.debug_struct("Memory")
             .field("base", &self.base)
@@ -303,11 +320,12 @@ impl PoolView {
         self.mem.span as u64
     }
 
-    /// The shared-memory object, for a [`Pool::shm`] pool; `None` for external memory.
+    /// The shared-memory object, for a [`Pool::shm`] pool (or an adopted one); `None` for
+    /// anonymous or external memory.
     pub fn shm(&self) -> Option<&ShmObject> {
         match &self.mem.backing {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => Some(object),
-            Backing::External { .. } | Backing::Peer { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
         }
     }
 
@@ -526,6 +544,77 @@ impl Pool {
         ))
     }
 
+    /// Private anonymous memory for `num_blocks × block_len` bytes, zeroed, for a node whose
+    /// planes never let a peer map the pool (tcp, nixl): no shared-memory object and no trailer
+    /// (the trailer's secret proves ownership of an object a peer opens; here there is none,
+    /// and [`PoolView::shm`] is `None`, so the shm plane refuses the pool). The blocks start on
+    /// a 2 MiB boundary and the mapping is advised for transparent huge pages
+    /// (`MADV_HUGEPAGE`: the kernel backs it with 2 MiB pages when
+    /// `/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` or `always`), then
+    /// pre-faulted and, with `lock`, locked in memory. Fewer, larger pages make NIXL/UCX
+    /// transfers and the tcp plane's copies cheaper than over a `/dev/shm` object, which gets
+    /// huge pages only if `shmem_enabled` allows. Huge pages are best effort: without them the
+    /// pool works on 4 KiB pages.
+    pub fn anonymous(num_blocks: u64, block_len: u64, lock: bool) -> Result<Self, PoolError> {
+        let bad = || PoolError::BadSize {
+            num_blocks,
+            block_len,
+        };
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
+        // Room to start the blocks on a huge-page boundary and to end the last huge page
+        // inside the mapping (a huge page needs its whole 2 MiB inside one mapping).
+        let len = span
+            .checked_next_multiple_of(HUGE_PAGE)
+            .and_then(|l| l.checked_add(HUGE_PAGE))
+            .filter(|l| isize::try_from(*l).is_ok())
+            .ok_or_else(bad)?;
+        let map_err = |source| PoolError::Map {
+            name: "(anonymous)".into(),
+            source,
+        };
+        let mut map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_anon()
+            .map_err(map_err)?;
+        let start = map.as_ptr() as usize;
+        let offset = start.next_multiple_of(HUGE_PAGE) - start;
+        // `offset < HUGE_PAGE` and `len >= span + HUGE_PAGE`: the blocks are inside the map.
+        let huge = map.advise_range(memmap2::Advice::HugePage, offset, len - offset);
+        if let Err(e) = huge {
+            debug!(error = %e, "no transparent huge pages for the pool; 4 KiB pages");
+        }
+        // As for a shm pool: every page now, not on a transfer's first touch.
+        if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, offset, span) {
+            debug!(error = %e, "could not pre-fault the pool; pages fault in on first use");
+        }
+        let Some(base) = map
+            .get_mut(offset..)
+            .and_then(|b| NonNull::new(b.as_mut_ptr()))
+        else {
+            return Err(bad());
+        };
+        if lock {
+            // SAFETY: `base`/`span` lie inside our live mapping.
+            unsafe { mlock(base.cast(), span) }.map_err(|source| PoolError::Lock {
+                bytes: span,
+                source,
+            })?;
+        }
+        if let Some(usage) = crate::maps::usage_at(base.as_ptr() as u64) {
+            match usage.check_huge_pages(crate::maps::thp_mode().as_deref()) {
+                Ok(()) => debug!(huge_kb = usage.anon_huge_kb, "pool in huge pages"),
+                Err(why) => info!(%why, "the pool is not in huge pages; transfers run slower"),
+            }
+        }
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_bytes, block_bytes),
+            span,
+            Backing::Anon { map, offset },
+        ))
+    }
+
     /// A pool over memory this node does not own: `num_blocks` blocks of `block_len` bytes,
     /// block `i` at `base + i × stride` (an engine's registered KV region; the bytes between
     /// blocks are never touched). `keep_alive` is dropped once nothing uses the memory any
@@ -715,6 +804,9 @@ impl Pool {
             Backing::Shm { _map: map, .. } | Backing::Peer { map } => {
                 map.advise(memmap2::Advice::PopulateWrite)
             }
+            Backing::Anon { map, offset } => {
+                map.advise_range(memmap2::Advice::PopulateWrite, *offset, self.view.mem.span)
+            }
             Backing::External { .. } | Backing::Adopted { .. } => Ok(()),
         }
     }
@@ -825,6 +917,7 @@ impl Drop for Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::maps;
 
     fn blk(i: u64) -> BlockIndex {
         BlockIndex::new(i)
@@ -927,6 +1020,48 @@ mod tests {
     }
 
     #[test]
+    fn an_anonymous_pool_is_private_huge_page_aligned_and_advised_for_huge_pages() {
+        // 3 blocks of 1 MiB: the last huge page is half used and must still be in the mapping.
+        let mut pool = Pool::anonymous(3, 1 << 20, false).unwrap();
+        assert_eq!(pool.base_addr() % HUGE_PAGE as u64, 0, "2 MiB-aligned");
+        assert!(pool.shm().is_none(), "no object: the shm plane refuses it");
+        assert_eq!((pool.span_len(), pool.stride()), (3 << 20, 1 << 20));
+        assert!(
+            pool.block(blk(2)).unwrap().iter().all(|b| *b == 0),
+            "zeroed"
+        );
+        pool.block_mut(blk(1)).unwrap().fill(5);
+        assert!(pool.block(blk(1)).unwrap().iter().all(|b| *b == 5));
+        pool.populate_write().unwrap();
+        let usage = maps::usage_at(pool.base_addr()).unwrap();
+        assert!(
+            usage.path.is_empty() && usage.inode == 0 && !usage.shared,
+            "private anonymous memory: {usage:?}"
+        );
+        // What the kernel is configured to do decides what must be seen, never a skip: with
+        // THP compiled in, the advice is always recorded (`hg`); with THP on for advised
+        // memory, the pre-faulted blocks are in huge pages.
+        let mode = maps::thp_mode();
+        if let Err(why) = usage.check_huge_pages(mode.as_deref()) {
+            panic!("THP {mode:?}: {why}: {usage:?}");
+        }
+        // The memory outlives the owner with its last view, as a shm pool's.
+        let view = pool.view().clone();
+        drop(pool);
+        assert!(view.block(blk(1)).unwrap().iter().all(|b| *b == 5));
+    }
+
+    #[test]
+    fn a_shm_pool_stays_a_shared_object() {
+        let pool = Pool::shm(&unique("shared"), 2, 1 << 20, false).unwrap();
+        let usage = maps::usage_at(pool.base_addr()).unwrap();
+        assert!(
+            usage.shared && usage.path.starts_with("/dev/shm/"),
+            "{usage:?}"
+        );
+    }
+
+    #[test]
     fn a_name_in_use_or_a_zero_size_is_refused() {
         let name = unique("dup");
         let _r = Pool::shm(&name, 1, 4096, false).unwrap();
@@ -940,6 +1075,14 @@ mod tests {
         ));
         assert!(matches!(
             Pool::shm(&unique("big"), u64::MAX, 2, false),
+            Err(PoolError::BadSize { .. })
+        ));
+        assert!(matches!(
+            Pool::anonymous(0, 4096, false),
+            Err(PoolError::BadSize { .. })
+        ));
+        assert!(matches!(
+            Pool::anonymous(u64::MAX / 2, 2, false),
             Err(PoolError::BadSize { .. })
         ));
     }

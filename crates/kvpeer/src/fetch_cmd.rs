@@ -219,8 +219,8 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
 }
 
 /// On SIGINT or SIGTERM the node never gets to drop its pool (the process ends with the
-/// signal's default action otherwise), so a watcher removes the pool's shared-memory object and
-/// exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
+/// signal's default action otherwise), so a watcher removes the pool's shared-memory object (on
+/// the planes that make one: shm, both) and exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
 /// behind (`kill -9` still does: nothing can run then).
 pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
@@ -231,9 +231,14 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
         .name("kvpeer-fetch-signals".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
-                // The object may not exist yet (or any more): nothing to remove then.
-                let _ = nix::sys::mman::shm_unlink(path.as_str());
-                eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed");
+                // The object may not exist yet (or any more), or at all (a tcp or nixl pool is
+                // anonymous memory): nothing to remove then.
+                match nix::sys::mman::shm_unlink(path.as_str()) {
+                    Ok(()) => {
+                        eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed")
+                    }
+                    Err(_) => eprintln!("kvpeer fetch: stopped by signal {signal}"),
+                }
                 std::process::exit(128 + signal);
             }
         })
@@ -260,6 +265,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
         args,
         block_len: usize::try_from(node.config().block_len).map_err(|e| e.to_string())?,
         timeout: Duration::from_secs(args.timeout_secs),
+        pid: std::process::id(),
     };
     let mut tally = Tally::default();
     // The handshake is not part of any request's lookup time, nor of the workload's.
@@ -331,6 +337,8 @@ struct Run<'a> {
     args: &'a FetchArgs,
     block_len: usize,
     timeout: Duration,
+    /// This process's id, in the request ids (read once: `getpid` is a system call).
+    pid: u32,
 }
 
 impl Run<'_> {
@@ -342,8 +350,9 @@ impl Run<'_> {
             args,
             block_len,
             timeout,
+            pid: _,
         } = *self;
-        let request = format!("kvpeer-fetch-{}-{r}", std::process::id());
+        let request = format!("kvpeer-fetch-{}-{r}", self.pid);
         let keys = request_keys(args, r);
         // Opening the request (and the session, the first time) counts as part of the lookup.
         let lookup_started = Instant::now();

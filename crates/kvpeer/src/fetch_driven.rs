@@ -69,6 +69,8 @@ fn run<D: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String
         timeout: Duration::from_secs(args.timeout_secs),
         in_flight: HashMap::new(),
         next_job: 0,
+        // Read once: `getpid` is a system call per request otherwise.
+        pid: std::process::id(),
     };
     let result = driver.workload();
     // `disconnect` to the peer, so it closes the session in order.
@@ -86,6 +88,8 @@ struct Driver<'a, D: BuildPlane> {
     /// Requests in flight by their id.
     in_flight: HashMap<KvRequestId, InFlight>,
     next_job: u64,
+    /// This process's id, in the request ids.
+    pid: u32,
 }
 
 impl<D: BuildPlane> Driver<'_, D> {
@@ -149,7 +153,7 @@ impl<D: BuildPlane> Driver<'_, D> {
 
     /// Opens request `r` in `slot` and sends its lookup.
     fn start(&mut self, r: u64, slot: u64, verify: bool) {
-        let id = KvRequestId::from(format!("kvpeer-fetch-{}-{r}", std::process::id()));
+        let id = KvRequestId::from(format!("kvpeer-fetch-{}-{r}", self.pid));
         let request = self.node.new_request(id.clone(), self.peer.clone());
         let keys = request_keys(self.args, r);
         self.node.lookup(&request, keys.clone());

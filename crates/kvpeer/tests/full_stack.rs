@@ -1,7 +1,8 @@
 //! Two whole nodes in one process on 127.0.0.1: each a core over a real block store, a real data
 //! plane (shm, then tcp) and the real ZeroMQ control channel, driven by the node's I/O step.
 //! Handshake, lookups with hits and misses, fetch with byte-exact verification, terminal fetch,
-//! abort; afterwards nothing pinned, written or open on either side.
+//! abort; afterwards nothing pinned, written or open on either side. Each node's pool is the
+//! memory its plane needs: a `/dev/shm` object for shm and both, anonymous huge pages for tcp.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -18,6 +19,7 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;
 use common::node_io::{assert_clean, step_both_until};
+use common::pool_memory::assert_pool_memory;
 
 const BLOCKS: u64 = 32;
 const LEN: u64 = 16 * 1024;
@@ -58,11 +60,15 @@ fn run_until<P: BuildPlane>(
     step_both_until(a, b, Duration::from_secs(10), done);
 }
 
-fn share<P: BuildPlane>(tag: &str) {
+/// Shares blocks between two nodes on plane `P`, whose pools must be shared `/dev/shm` objects
+/// (`shared_pool`: a peer maps them) or private anonymous memory in huge pages.
+fn share<P: BuildPlane>(tag: &str, shared_pool: bool) {
     let (mut c, mut p) = (
         build::<P>(&spec(&format!("{tag}c"))).unwrap(),
         build::<P>(&spec(&format!("{tag}p"))).unwrap(),
     );
+    assert_pool_memory(c.core().parent().pool(), shared_pool);
+    assert_pool_memory(p.core().parent().pool(), shared_pool);
     let pid = p.core().local().peer_id.clone();
     for n in 0..5 {
         p.core_mut().parent_mut().put(&key(n), &content(n)).unwrap();
@@ -161,15 +167,15 @@ fn share<P: BuildPlane>(tag: &str) {
 
 #[test]
 fn two_nodes_over_zeromq_and_shm() {
-    share::<ShmPlane>("shm");
+    share::<ShmPlane>("shm", true);
 }
 
 #[test]
 fn two_nodes_over_zeromq_and_tcp() {
-    share::<TcpPlane>("tcp");
+    share::<TcpPlane>("tcp", false);
 }
 
 #[test]
 fn two_nodes_over_zeromq_with_both_planes_advertised() {
-    share::<DualPlane>("dual");
+    share::<DualPlane>("dual", true);
 }

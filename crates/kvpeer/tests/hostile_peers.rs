@@ -394,7 +394,7 @@ fn tcp_victim(flood: usize) {
     let mut producer = attacker_with(
         &[
             "producer",
-            "--pool-from-stdin",
+            "--victim-pid-from-stdin",
             "--block-len",
             LEN,
             "--timeout",
@@ -431,7 +431,8 @@ fn tcp_victim(flood: usize) {
         "fetch",
     );
     let mut stdin = producer.child.stdin.take().unwrap();
-    writeln!(stdin, "{}", victim.shm).unwrap();
+    // The attacker reads the victim's pool in its memory (a tcp node's pool is private).
+    writeln!(stdin, "{}", victim.child.id()).unwrap();
     drop(stdin);
     let status = victim.wait_while(Duration::from_secs(70), || {
         std::thread::sleep(Duration::from_millis(10))

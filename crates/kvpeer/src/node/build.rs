@@ -1,5 +1,7 @@
-//! Builds a node's parts from one spec: the block store (a fresh shm object), a data plane,
-//! the control channel bound at the node's identity, and the core wired to them.
+//! Builds a node's parts from one spec: the block store (its pool a fresh shm object for the
+//! planes that let a same-host peer map it, private anonymous memory in huge pages for the
+//! others), a data plane, the control channel bound at the node's identity, and the core wired
+//! to them.
 
 use std::time::Instant;
 
@@ -26,7 +28,7 @@ pub struct NodeSpec {
     pub num_blocks: u64,
     /// Bytes per block.
     pub block_len: u64,
-    /// Name of the pool's shm object.
+    /// Name of the pool's shm object (made only for a plane that needs one: shm, both).
     pub shm_name: String,
     /// Where the tcp plane listens (`host:0` picks a port).
     pub tcp_listen: String,
@@ -94,6 +96,12 @@ pub enum BuildError {
 
 /// A data plane a node can be built with.
 pub trait BuildPlane: DataPlane + Sized {
+    /// Whether the node's own pool must be a shared-memory object (with the trailer proving
+    /// whose it is), because a same-host peer maps it and writes into it: the shm plane, alone
+    /// or in `both`. Otherwise [`build`] gives the pool private anonymous memory in transparent
+    /// huge pages ([`Pool::anonymous`]), which a `/dev/shm` object does not get.
+    const SHARED_POOL: bool = false;
+
     /// Makes the plane over the node's pool (the store's: the planes never map it themselves);
     /// returns it and what it advertises.
     fn build(spec: &NodeSpec, pool: &Pool, wake: Wake)
@@ -145,6 +153,8 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
 }
 
 impl BuildPlane for ShmPlane {
+    const SHARED_POOL: bool = true;
+
     fn build(
         spec: &NodeSpec,
         pool: &Pool,
@@ -180,6 +190,8 @@ impl BuildPlane for TcpPlane {
 }
 
 impl BuildPlane for DualPlane {
+    const SHARED_POOL: bool = true;
+
     fn build(
         spec: &NodeSpec,
         pool: &Pool,
@@ -197,16 +209,17 @@ impl BuildPlane for DualPlane {
 
 /// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
 /// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
+/// The pool is a shm object named `spec.shm_name` when `P` needs one
+/// ([`BuildPlane::SHARED_POOL`]), else private anonymous memory.
 pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     let (io, ()) = build_with(
         spec,
         |spec| {
-            Ok(Pool::shm(
-                &spec.shm_name,
-                spec.num_blocks,
-                spec.block_len,
-                false,
-            )?)
+            Ok(if P::SHARED_POOL {
+                Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?
+            } else {
+                Pool::anonymous(spec.num_blocks, spec.block_len, false)?
+            })
         },
         |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
     )?;

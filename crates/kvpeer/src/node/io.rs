@@ -315,6 +315,26 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         let now = Instant::now();
         self.core.shutdown(now);
         self.flush(now);
+        self.let_peers_read_the_disconnect();
+    }
+
+    /// After the `disconnect`s left: waits (at most the channel's linger) until the peers
+    /// closed their connections to this node, each once it has read our `disconnect`. Closing
+    /// ours first would let a peer see its connection drop in the same poll as the message and
+    /// take the end for a loss (vLLM's transport sweeps a connection whose monitor reported it
+    /// closed before its session reads what came on it). What arrives meanwhile is dropped.
+    fn let_peers_read_the_disconnect(&mut self) {
+        let until = Instant::now() + self.channel.linger();
+        while self.channel.inbound_connections() > 0 {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            if self.channel.wait(until - now).is_err() {
+                break;
+            }
+            drop(self.channel.recv());
+        }
     }
 
     /// What the request's producer said of each of `keys`, once none is still `Retry` (asked,

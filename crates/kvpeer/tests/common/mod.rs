@@ -15,6 +15,7 @@ use kvpeer_proto::PeerId;
 pub(crate) mod cli;
 pub(crate) mod node;
 pub(crate) mod node_io;
+pub(crate) mod pool_memory;
 pub(crate) mod vllm;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_kvpeer");
