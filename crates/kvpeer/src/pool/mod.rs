@@ -13,12 +13,13 @@
 //!   store's change log (one call to the runtime thread, `Node::take_store_changes`),
 //!   publishes it and answers replay requests.
 //! * one **puller thread per followed engine**, which takes candidates in groups of up to
-//!   [`PULL_BATCH`] keys, drops the keys the node holds already (`Node::contains`), and pulls
-//!   the rest as a stock consumer of that engine: `request`, `lookup`, `fetch` of the leading
-//!   hits, `finish`. Two token buckets bound it: lookups per second to this engine
-//!   (`pull_max_lookups`) and bytes per second for all engines together (`pull_max_rate`).
-//!   A failed or missed key goes back to the pool thread (`Holdings::pull_failed`) over a
-//!   bounded channel. Each wait is the Node API's (its lookup and load timeouts), so a dead
+//!   [`PULL_BATCH`] keys (a quarter of the pool at most), drops the keys the node holds
+//!   already (`Node::contains`), and pulls the rest as a stock consumer of that engine:
+//!   `request`, `lookup`, `fetch` of the leading hits, `finish`. Two token buckets bound it:
+//!   lookups per second to this engine (`pull_max_lookups`) and bytes per second for all
+//!   engines together (`pull_max_rate`). A failed or missed key goes back to the pool thread
+//!   (`Holdings::pull_failed`) over a bounded channel. Each wait is the Node API's (its lookup
+//!   and load timeouts), so a dead
 //!   engine costs only its own puller's time.
 //!
 //! Nothing here blocks the node's runtime thread: every call to it is a message with a bounded

@@ -62,6 +62,11 @@ pub(super) struct Puller {
 impl Puller {
     pub(super) fn run(mut self, jobs: &Receiver<PullJob>) {
         let mut next = 0u64;
+        // A request never takes more than a quarter of the pool: a pool smaller than what the
+        // engines announce then keeps its latest blocks instead of failing whole batches.
+        let batch = usize::try_from(self.node.config().num_blocks / 4)
+            .unwrap_or(PULL_BATCH)
+            .clamp(1, PULL_BATCH);
         while !self.stop.load(Ordering::Relaxed) {
             let first = match jobs.recv_timeout(super::TICK) {
                 Ok(j) => j,
@@ -69,7 +74,7 @@ impl Puller {
                 Err(RecvTimeoutError::Disconnected) => return,
             };
             let mut keys = vec![first.key];
-            while keys.len() < PULL_BATCH {
+            while keys.len() < batch {
                 match jobs.try_recv() {
                     Ok(j) => keys.push(j.key),
                     Err(_) => break,
