@@ -386,4 +386,38 @@ mod tests {
         assert_eq!(c.spec.tcp_max_write_rate, None);
         assert_eq!(c.spec.auth_secret, None);
     }
+
+    #[test]
+    fn the_pool_keys_resolve_and_bad_values_name_their_key() {
+        let mut set = Settings::default();
+        set.set(
+            "follow",
+            "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558=127.0.0.1:5710",
+            "t",
+        );
+        set.set("pull_max_rate", "1000", "t");
+        set.set("publish_events", "tcp://*:5557", "t");
+        let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.pool.follow.len(), 1);
+        assert_eq!(c.pool.max_rate, Some(1000));
+        assert_eq!(c.pool.min_holders, 1);
+        assert!(c.pool.enabled());
+        assert!(!resolve_one(&Settings::default(), "t")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .pool
+            .enabled());
+        for (key, value) in [
+            ("follow", "tcp://127.0.0.1:5557"),
+            ("pull_min_holders", "0"),
+            ("pull_max_rate", "fast"),
+            ("pull_max_lookups", "0"),
+            ("publish_events", "127.0.0.1:5557"),
+            ("publish_replay", "tcp://*:5558"),
+        ] {
+            let mut set = Settings::default();
+            set.set(key, value, "t");
+            let e = resolve_one(&set, "t").map(|_| ()).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+    }
 }

@@ -19,8 +19,7 @@
 //!   lookups per second to this engine (`pull_max_lookups`) and bytes per second for all
 //!   engines together (`pull_max_rate`). A failed or missed key goes back to the pool thread
 //!   (`Holdings::pull_failed`) over a bounded channel. Each wait is the Node API's (its lookup
-//!   and load timeouts), so a dead
-//!   engine costs only its own puller's time.
+//!   and load timeouts), so a dead engine costs only its own puller's time.
 //!
 //! Nothing here blocks the node's runtime thread: every call to it is a message with a bounded
 //! wait. Everything is bounded: the channels, the index (`Holdings`), the followers' held
