@@ -12,24 +12,10 @@
 
 mod common;
 
-use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use common::free_port;
-use common::vllm::{kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch, vllm_serve};
-
-/// UCX on loopback only, in this process and the children it starts.
-fn ucx_env() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if std::env::var_os("UCX_NET_DEVICES").is_none() {
-            std::env::set_var("UCX_NET_DEVICES", "lo");
-        }
-        if std::env::var_os("UCX_MODULES").is_none() {
-            std::env::set_var("UCX_MODULES", "^ib*");
-        }
-    });
-}
+use common::vllm::{kvpeer_serve_on, metric, nixl_lib_dir, ucx_env, vllm_fetch, vllm_serve};
 
 /// Waits (bounded) until metric `name` of `p` reaches `want`; its last value.
 fn wait_metric(p: &common::Proc, name: &str, want: f64, within: Duration) -> f64 {
