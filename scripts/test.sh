@@ -48,7 +48,7 @@ cargo test --workspace
 
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"
-UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl
+UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl --test pool_nixl
 echo "== the nixl plane's own tests: external pools, who progresses UCX (cargo feature nixl)"
 UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer-net --features nixl \
   --test nixl_external --test nixl_progress --test nixl_progress_over_tcp

@@ -10,6 +10,8 @@ step's end (`flush_pending_lookups`). The data plane is kvpeer's `shm` plane
 
     vllm_peer.py serve --fill 256              producer: serves synthetic blocks until SIGTERM
     vllm_peer.py fetch --peer HOST:PORT        consumer: the `kvpeer fetch` workload
+    vllm_peer.py serve --fill 8 --kv-events tcp://*:5557 --kv-events-replay tcp://*:5558
+                                               producer announcing its blocks (vLLM's KV events)
 
 Both print JSON lines on stdout: `{"event": "ready", ...}` once listening, and
 `{"event": "summary", ...}` at the end, with the workload's figures, the messages seen on the
@@ -388,6 +390,7 @@ def serve(args) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    events = publish_kv_events(args) if args.kv_events else None
     emit({"event": "ready", "id": peer.local_id, "shm": pool_name(peer.pool),
           "nixl_register_us": peer.register_us})
     cpu0 = time.process_time()
@@ -395,8 +398,31 @@ def serve(args) -> int:
         peer.tick()
         time.sleep(TICK_S)
     emit(peer.summary(cpu_s=round(time.process_time() - cpu0, 3)))
+    if events is not None:
+        events.shutdown()
     peer.close()
     return 0
+
+
+def publish_kv_events(args):
+    """vLLM's own `ZmqEventPublisher` announcing the filled blocks, as vLLM's CPU tier does
+    with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: one batch of placeholder `BlockStored`
+    events, `medium="CPU"`, each chunk's hash the offload key's bytes without its 4-byte group
+    suffix and `group_idx` that suffix. Batch 0, kept in the publisher's replay buffer for a
+    subscriber that joins later."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=args.kv_events,
+                            replay_endpoint=args.kv_events_replay or None)
+    evs = []
+    for b in range(args.fill):
+        k = key(args.first + b)
+        evs.append(BlockStored(block_hashes=[k[:-4]], parent_block_hash=None, token_ids=[],
+                               block_size=0, lora_id=None, medium="CPU", lora_name=None,
+                               group_idx=int.from_bytes(k[-4:], "big")))
+    pub.publish(KVEventBatch(ts=time.time(), events=evs))
+    pub._event_queue.join()  # sent (and in the replay buffer) before `ready`
+    return pub
 
 
 # -- fetch --------------------------------------------------------------------------------
@@ -593,6 +619,10 @@ def main() -> int:
     serve_p.add_argument("--pending-first", type=int, default=0)
     serve_p.add_argument("--pending-count", type=int, default=0, help="keys answered HIT_PENDING")
     serve_p.add_argument("--stall-writes", action="store_true", help="writes never land")
+    serve_p.add_argument(
+        "--kv-events", default="", help="publish KV events for the filled blocks (PUB endpoint)"
+    )
+    serve_p.add_argument("--kv-events-replay", default="", help="the events' replay endpoint")
     fetch_p.add_argument("--peer", required=True)
     fetch_p.add_argument("--requests", type=int, default=16)
     fetch_p.add_argument("--keys", type=int, default=8)

@@ -205,6 +205,11 @@ impl BlockStore {
         });
     }
 
+    /// Whether the change log is kept ([`BlockStore::record_changes`]).
+    pub fn recording_changes(&self) -> bool {
+        self.changes.is_some()
+    }
+
     /// The changes since the last call, in order, and how many were dropped for room.
     pub fn take_changes(&mut self) -> (Vec<KeyChange>, u64) {
         match &mut self.changes {

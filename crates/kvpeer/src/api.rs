@@ -109,6 +109,9 @@ pub struct NodeConfig {
     pub spec: NodeSpec,
     /// Its data planes.
     pub plane: PlaneKind,
+    /// The pool node's settings (`kvpeer serve --follow`; off by default): read by
+    /// [`crate::pool::Pool::start`], not by [`Node::start`].
+    pub pool: crate::pool::PoolConfig,
 }
 
 impl NodeConfig {
@@ -436,6 +439,29 @@ impl Node {
     /// Open state, running totals and latencies.
     pub fn stats(&self) -> Result<NodeStats, NodeError> {
         self.calls.ask(|reply| Command::Stats { reply }, None)
+    }
+
+    /// Which of `keys` the store holds readable (a cheap check: no bytes copied).
+    pub fn contains(&self, keys: &[OffloadKey]) -> Result<Vec<bool>, NodeError> {
+        self.calls.ask(
+            |reply| Command::Contains {
+                keys: keys.to_vec(),
+                reply,
+            },
+            None,
+        )
+    }
+
+    /// What the store took in and let go since the last call, in order, and how many changes
+    /// were dropped for room. The first call starts the store's change log (at most `max`
+    /// changes kept between two calls); before it nothing is recorded. The pool node
+    /// publishes these as its KV events (`kvpeer::pool`).
+    pub fn take_store_changes(
+        &self,
+        max: usize,
+    ) -> Result<(Vec<kvpeer_store::KeyChange>, u64), NodeError> {
+        self.calls
+            .ask(|reply| Command::TakeChanges { max, reply }, None)
     }
 
     /// The data planes this node advertises to peers.

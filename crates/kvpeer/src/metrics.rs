@@ -15,6 +15,7 @@ use std::time::Duration;
 use tracing::{debug, warn};
 
 use crate::api::{Histogram, Node, NodeStats};
+use crate::pool::{Pool, PoolStats};
 
 /// Renders `s` in the Prometheus text format.
 pub fn render(s: &NodeStats) -> String {
@@ -223,9 +224,133 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
     let _ = writeln!(out, "{name}_count {}", h.total());
 }
 
+/// Renders the pool node's counters (`kvpeer_pool_*`) in the Prometheus text format.
+pub fn render_pool(s: &PoolStats) -> String {
+    let mut out = String::new();
+    let counters: [(&str, &str, u64); 18] = [
+        (
+            "kvpeer_follow_event_batches_total",
+            "KV event batches applied",
+            s.batches,
+        ),
+        ("kvpeer_follow_events_total", "KV events read", s.events),
+        (
+            "kvpeer_follow_malformed_total",
+            "KV event batches and events that did not decode",
+            s.malformed,
+        ),
+        (
+            "kvpeer_follow_gaps_total",
+            "gaps in KV event sequence numbers",
+            s.gaps,
+        ),
+        (
+            "kvpeer_follow_restarts_total",
+            "KV event publisher restarts seen",
+            s.restarts,
+        ),
+        (
+            "kvpeer_follow_lost_batches_total",
+            "KV event batches no replay recovered",
+            s.lost_batches,
+        ),
+        (
+            "kvpeer_follow_replays_total",
+            "KV event replays asked for",
+            s.replays,
+        ),
+        (
+            "kvpeer_follow_int_hash_events_total",
+            "KV events with int hashes (no key)",
+            s.int_hashes,
+        ),
+        (
+            "kvpeer_follow_candidates_total",
+            "pull candidates handed to the pullers",
+            s.candidates,
+        ),
+        (
+            "kvpeer_follow_candidates_dropped_total",
+            "pull candidates dropped (a puller's queue was full)",
+            s.candidates_dropped,
+        ),
+        (
+            "kvpeer_follow_already_held_total",
+            "pull candidates the node held already",
+            s.already_held,
+        ),
+        (
+            "kvpeer_follow_pull_requests_total",
+            "pull requests made to engines",
+            s.pull_requests,
+        ),
+        (
+            "kvpeer_follow_pulled_blocks_total",
+            "blocks pulled from engines",
+            s.pulled_blocks,
+        ),
+        (
+            "kvpeer_follow_pulled_bytes_total",
+            "bytes pulled from engines",
+            s.pulled_bytes,
+        ),
+        (
+            "kvpeer_follow_pull_failures_total",
+            "keys whose pull failed or missed",
+            s.pull_failures,
+        ),
+        (
+            "kvpeer_events_published_total",
+            "KV event batches the node published",
+            s.published_batches,
+        ),
+        (
+            "kvpeer_events_publish_dropped_total",
+            "store changes dropped before publishing",
+            s.publish_dropped,
+        ),
+        ("kvpeer_follow_engines", "engines followed", s.engines),
+    ];
+    for (name, help, v) in counters {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+        );
+    }
+    for (name, help, v) in [
+        (
+            "kvpeer_follow_connected_engines",
+            "followed engines whose event stream is connected",
+            s.connected,
+        ),
+        (
+            "kvpeer_follow_indexed_keys",
+            "keys the pool's index holds",
+            s.indexed_keys,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    out
+}
+
 /// Serves `GET /metrics` for `node` at `addr` (port 0 picks one) on a thread of its own, until
 /// the process ends. Returns the bound address.
 pub fn serve(addr: &str, node: Arc<Node>) -> std::io::Result<SocketAddr> {
+    serve_with_pool(addr, node, None)
+}
+
+/// [`serve`], plus the pool node's counters (`kvpeer_pool_*`) when there is a pool.
+pub fn serve_with_pool(
+    addr: &str,
+    node: Arc<Node>,
+    pool: Option<Arc<Pool>>,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let bound = listener.local_addr()?;
     std::thread::Builder::new()
@@ -234,7 +359,7 @@ pub fn serve(addr: &str, node: Arc<Node>) -> std::io::Result<SocketAddr> {
             for conn in listener.incoming() {
                 match conn {
                     Ok(stream) => {
-                        if let Err(e) = answer(stream, &node) {
+                        if let Err(e) = answer(stream, &node, pool.as_deref()) {
                             debug!(error = %e, "metrics request failed");
                         }
                     }
@@ -245,7 +370,7 @@ pub fn serve(addr: &str, node: Arc<Node>) -> std::io::Result<SocketAddr> {
     Ok(bound)
 }
 
-fn answer(mut stream: TcpStream, node: &Node) -> std::io::Result<()> {
+fn answer(mut stream: TcpStream, node: &Node, pool: Option<&Pool>) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     stream.set_write_timeout(Some(Duration::from_secs(2)))?;
     // The request line and headers, bounded: nothing else of the request matters.
@@ -262,7 +387,13 @@ fn answer(mut stream: TcpStream, node: &Node) -> std::io::Result<()> {
     let path = request.split_whitespace().nth(1).unwrap_or("");
     let (status, body) = match (request.starts_with("GET "), path) {
         (true, "/metrics") => match node.stats() {
-            Ok(s) => ("200 OK", render(&s)),
+            Ok(s) => {
+                let mut body = render(&s);
+                if let Some(pool) = pool {
+                    body.push_str(&render_pool(&pool.stats()));
+                }
+                ("200 OK", body)
+            }
             Err(e) => ("503 Service Unavailable", format!("{e}\n")),
         },
         (true, _) => ("404 Not Found", "try /metrics\n".to_owned()),

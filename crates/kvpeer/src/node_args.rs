@@ -80,6 +80,26 @@ pub(crate) struct NodeArgs {
         &[&KEY.nixl_lib_dir],
     ))]
     pub(crate) nixl_lib_dir: Option<std::path::PathBuf>,
+    #[arg(long, value_name = "EVENTS=PEER", help = help_of(
+        &format!("{}; repeat for more engines (docs/pool.md)", KEY.follow.help),
+        &[&KEY.follow],
+    ))]
+    pub(crate) follow: Vec<String>,
+    #[arg(long, help = help(&KEY.pull_min_holders))]
+    pub(crate) pull_min_holders: Option<u64>,
+    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
+        &format!("{} (suffixes K, M, G: powers of 1000)", KEY.pull_max_rate.help),
+        &[&KEY.pull_max_rate],
+    ))]
+    pub(crate) pull_max_rate: Option<u64>,
+    #[arg(long, help = help(&KEY.pull_max_lookups))]
+    pub(crate) pull_max_lookups: Option<u64>,
+    #[arg(long, value_name = "ENDPOINT", help = help(&KEY.publish_events))]
+    pub(crate) publish_events: Option<String>,
+    #[arg(long, value_name = "ENDPOINT", help = help(&KEY.publish_replay))]
+    pub(crate) publish_replay: Option<String>,
+    #[arg(long, value_name = "TOPIC", help = help(&KEY.publish_topic))]
+    pub(crate) publish_topic: Option<String>,
 }
 
 impl NodeArgs {
@@ -141,6 +161,38 @@ impl NodeArgs {
             &KEY.nixl_lib_dir,
             path(&self.nixl_lib_dir),
             "--nixl-lib-dir",
+        );
+        let follow = (!self.follow.is_empty()).then(|| self.follow.join(";"));
+        set(&KEY.follow, follow, "--follow");
+        set(
+            &KEY.pull_min_holders,
+            text(self.pull_min_holders),
+            "--pull-min-holders",
+        );
+        set(
+            &KEY.pull_max_rate,
+            text(self.pull_max_rate),
+            "--pull-max-rate",
+        );
+        set(
+            &KEY.pull_max_lookups,
+            text(self.pull_max_lookups),
+            "--pull-max-lookups",
+        );
+        set(
+            &KEY.publish_events,
+            self.publish_events.clone(),
+            "--publish-events",
+        );
+        set(
+            &KEY.publish_replay,
+            self.publish_replay.clone(),
+            "--publish-replay",
+        );
+        set(
+            &KEY.publish_topic,
+            self.publish_topic.clone(),
+            "--publish-topic",
         );
         Ok(flags)
     }

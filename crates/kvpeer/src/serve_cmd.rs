@@ -1,6 +1,7 @@
 //! `kvpeer serve`: runs a node with a block pool until SIGINT or SIGTERM, serving its blocks to
 //! every peer that asks. `--fill N` first stores synthetic blocks 0..N (docs/synthetic-workload.md);
-//! `--metrics HOST:PORT` serves Prometheus metrics.
+//! `--metrics HOST:PORT` serves Prometheus metrics. With `--follow` or `--publish-events` it is
+//! a pool node ([`kvpeer::pool`], docs/pool.md).
 //!
 //! Once listening it prints one line to stdout, `kvpeer serve: ready id=HOST:PORT ...`, so scripts
 //! and tests know where to connect. The node runs on its own runtime thread ([`kvpeer::Node`]);
@@ -11,6 +12,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvpeer::pool::Pool;
 use kvpeer::{synthetic, Node};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -57,6 +59,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     };
     let allow_all = config.spec.allowlist.allows_all();
     let plane = config.plane.name();
+    let pool_config = config.pool.clone();
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {
@@ -69,8 +72,20 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         node.shutdown(Duration::from_secs(1));
         return 1;
     }
+    let pool = if pool_config.enabled() {
+        match Pool::start(node.clone(), &pool_config) {
+            Ok(p) => Some(Arc::new(p)),
+            Err(e) => {
+                eprintln!("kvpeer serve: {e}");
+                node.shutdown(Duration::from_secs(1));
+                return 1;
+            }
+        }
+    } else {
+        None
+    };
     let metrics = match &args.metrics {
-        Some(addr) => match kvpeer::metrics::serve(addr, node.clone()) {
+        Some(addr) => match kvpeer::metrics::serve_with_pool(addr, node.clone(), pool.clone()) {
             Ok(bound) => bound.to_string(),
             Err(e) => {
                 eprintln!("kvpeer serve: cannot serve metrics at {addr}: {e}");
@@ -84,13 +99,14 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let advertised = node.advertised();
     let spec = node.config();
     println!(
-        "kvpeer serve: ready id={} plane={plane} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics}",
+        "kvpeer serve: ready id={} plane={plane} shm={} tcp={} blocks={} block_len={} filled={} metrics={metrics} follow={}",
         node.id(),
         advertised.shm.as_deref().unwrap_or("-"),
         advertised.tcp.as_deref().unwrap_or("-"),
         spec.num_blocks,
         spec.block_len,
-        args.fill
+        args.fill,
+        pool_config.follow.len()
     );
     // A closed stdout (the launcher went away) must not stop the node.
     let _ = std::io::stdout().flush();
@@ -110,6 +126,13 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
 
     if let Some(signal) = signals.forever().next() {
         info!(signal, "stopping on signal");
+    }
+    // The pool's threads first: they call the node.
+    if let Some(pool) = pool {
+        match Arc::try_unwrap(pool) {
+            Ok(pool) => pool.shutdown(),
+            Err(shared) => drop(shared),
+        }
     }
     node.shutdown(Duration::from_secs(3));
     0

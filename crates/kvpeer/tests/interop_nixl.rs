@@ -12,32 +12,19 @@
 mod common;
 
 use std::process::Command;
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::pool_memory::assert_pool_memory;
 use common::vllm::{
-    assert_serve_clean, kvpeer_fetch, kvpeer_serve_on, metric, nixl_lib_dir, vllm_fetch,
+    assert_serve_clean, kvpeer_fetch, kvpeer_serve_on, metric, nixl_lib_dir, ucx_env, vllm_fetch,
     vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
     vllm_stop_after_disconnect,
 };
 use common::{free_port, BIN};
 use kvpeer::node::build::build;
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
-
-/// UCX on loopback only, in this process and the children it starts.
-fn ucx_env() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if std::env::var_os("UCX_NET_DEVICES").is_none() {
-            std::env::set_var("UCX_NET_DEVICES", "lo");
-        }
-        if std::env::var_os("UCX_MODULES").is_none() {
-            std::env::set_var("UCX_MODULES", "^ib*");
-        }
-    });
-}
 
 /// A vLLM NixlTransport producer holding 64 blocks of 2 MiB.
 const PRODUCER_2MIB: [&str; 8] = [

@@ -133,6 +133,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             ..base.spec
         },
         plane: PlaneKind::Shm,
+        pool: base.pool,
     })
     .unwrap();
     let held: Vec<(OffloadKey, Vec<u8>)> = (0..HELD)

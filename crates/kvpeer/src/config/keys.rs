@@ -149,6 +149,20 @@ declare_keys! {
     bind_identity = "true";
     /// file holding the shared secret of the authenticated handshake (unset: off)
     auth_secret_file;
+    /// pool node: engines' KV event streams to follow, EVENTS=PEER or EVENTS,REPLAY=PEER (bind:EVENTS to accept a PUB that connects); `;` between several
+    follow;
+    /// pool node: engines that must hold a key before it is pulled
+    pull_min_holders = "1";
+    /// pool node: cap on pulled bytes per second, all engines together (unset: uncapped)
+    pull_max_rate;
+    /// pool node: most lookups per second sent to each followed engine
+    pull_max_lookups = "50";
+    /// pool node: where to bind a PUB for the node's own KV events, e.g. tcp://*:5557 (unset: off)
+    publish_events;
+    /// pool node: where to bind the ROUTER answering replays of its events (unset: none)
+    publish_replay;
+    /// pool node: the topic of its published KV events
+    publish_topic = "";
 }
 
 /// One key's value as text, and where it came from (`file kvpeer.toml`, `env PYTHONHASHSEED`,

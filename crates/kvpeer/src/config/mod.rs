@@ -25,6 +25,8 @@ use std::time::Duration;
 use crate::api::{NodeConfig, PlaneKind};
 use crate::node::allow::Allowlist;
 use crate::node::build::{NixlOptions, NodeSpec};
+use crate::pool::config::{endpoint, parse_follow};
+use crate::pool::PoolConfig;
 use kvpeer_core::CoreConfig;
 use kvpeer_net::control::ControlConfig;
 use kvpeer_proto::{DecodeLimits, PeerId};
@@ -216,7 +218,57 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             nixl,
         },
         plane,
+        pool: pool(&s)?,
     })
+}
+
+fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
+    let follow = match s.get(&KEY.follow) {
+        None => Vec::new(),
+        Some((v, src)) => parse_follow(v).map_err(|e| bad(src, KEY.follow.name, e))?,
+    };
+    let endpoint_of = |key: &Key| -> Result<Option<std::net::SocketAddr>, ConfigError> {
+        s.get(key)
+            .map(|(v, src)| endpoint(v, true).map_err(|e| bad(src, key.name, e)))
+            .transpose()
+    };
+    let max_rate = match s.get(&KEY.pull_max_rate) {
+        None => None,
+        Some(_) => Some(s.number(&KEY.pull_max_rate, 1, u64::MAX)?),
+    };
+    let config = PoolConfig {
+        follow,
+        min_holders: s.number(
+            &KEY.pull_min_holders,
+            1,
+            kvpeer_pool::EngineSlot::MAX as u64,
+        )? as u32,
+        max_rate,
+        max_lookups: s.number(&KEY.pull_max_lookups, 1, 1 << 20)?,
+        publish: endpoint_of(&KEY.publish_events)?,
+        publish_replay: endpoint_of(&KEY.publish_replay)?,
+        topic: s.text(&KEY.publish_topic),
+    };
+    if config.follow.len() > kvpeer_pool::EngineSlot::MAX {
+        let src = s.get(&KEY.follow).map_or("default", |(_, src)| src);
+        return Err(bad(
+            src,
+            KEY.follow.name,
+            format!(
+                "at most {} engines per pool node",
+                kvpeer_pool::EngineSlot::MAX
+            ),
+        ));
+    }
+    if config.publish_replay.is_some() && config.publish.is_none() {
+        let src = s.get(&KEY.publish_replay).map_or("default", |(_, src)| src);
+        return Err(bad(
+            src,
+            KEY.publish_replay.name,
+            "needs publish_events".into(),
+        ));
+    }
+    Ok(config)
 }
 
 /// The merged settings, read key by key with each key's declared default.
@@ -333,5 +385,39 @@ mod tests {
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
         assert_eq!(c.spec.auth_secret, None);
+    }
+
+    #[test]
+    fn the_pool_keys_resolve_and_bad_values_name_their_key() {
+        let mut set = Settings::default();
+        set.set(
+            "follow",
+            "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558=127.0.0.1:5710",
+            "t",
+        );
+        set.set("pull_max_rate", "1000", "t");
+        set.set("publish_events", "tcp://*:5557", "t");
+        let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.pool.follow.len(), 1);
+        assert_eq!(c.pool.max_rate, Some(1000));
+        assert_eq!(c.pool.min_holders, 1);
+        assert!(c.pool.enabled());
+        assert!(!resolve_one(&Settings::default(), "t")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .pool
+            .enabled());
+        for (key, value) in [
+            ("follow", "tcp://127.0.0.1:5557"),
+            ("pull_min_holders", "0"),
+            ("pull_max_rate", "fast"),
+            ("pull_max_lookups", "0"),
+            ("publish_events", "127.0.0.1:5557"),
+            ("publish_replay", "tcp://*:5558"),
+        ] {
+            let mut set = Settings::default();
+            set.set(key, value, "t");
+            let e = resolve_one(&set, "t").map(|_| ()).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
     }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer_store::KeyChange;
 use tracing::{debug, info};
 
 use super::build::BuildPlane;
@@ -66,6 +67,17 @@ pub(crate) enum Command {
     Finish {
         id: KvRequestId,
         token: u64,
+    },
+    /// Which keys the store holds readable.
+    Contains {
+        keys: Vec<OffloadKey>,
+        reply: Sender<Vec<bool>>,
+    },
+    /// The store's change log since the last call (recording starts with the first call,
+    /// at most `max` changes kept between two calls), and how many were dropped for room.
+    TakeChanges {
+        max: usize,
+        reply: Sender<(Vec<KeyChange>, u64)>,
     },
     Stats {
         reply: Sender<NodeStats>,
@@ -267,6 +279,17 @@ impl<P: BuildPlane> Runtime<P> {
                     })
                     .collect();
                 let _ = reply.send(out);
+            }
+            Command::Contains { keys, reply } => {
+                let store = self.io.core.parent();
+                let _ = reply.send(keys.iter().map(|k| store.block_of(k).is_some()).collect());
+            }
+            Command::TakeChanges { max, reply } => {
+                let store = self.io.core.parent_mut();
+                if !store.recording_changes() {
+                    store.record_changes(max);
+                }
+                let _ = reply.send(store.take_changes());
             }
             Command::Finish { id, token } => {
                 // Only the handle that holds the request finishes it (once: its drop).

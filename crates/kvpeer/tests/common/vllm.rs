@@ -230,3 +230,16 @@ pub(crate) fn vllm_fetch_three_rounds(
     assert_vllm_clean(&s);
     s
 }
+
+/// UCX on loopback only, in this process and the children it starts.
+pub(crate) fn ucx_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("UCX_NET_DEVICES").is_none() {
+            std::env::set_var("UCX_NET_DEVICES", "lo");
+        }
+        if std::env::var_os("UCX_MODULES").is_none() {
+            std::env::set_var("UCX_MODULES", "^ib*");
+        }
+    });
+}

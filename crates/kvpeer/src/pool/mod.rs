@@ -1,0 +1,436 @@
+//! The pool node (issue 15; docs/pool.md): a node that learns what engines hold from the KV
+//! events they publish, pulls the blocks worth keeping over P2P (a stock P2P consumer of each
+//! engine), serves them to any engine (as every node does), and publishes its own KV events.
+//!
+//! **Threads and their contract.** [`Pool::start`] starts, beside the node's runtime thread:
+//!
+//! * the **pool thread**, which owns one `EventSubscriber` + `Follower` per followed engine,
+//!   the `Holdings` index, and the `EventPublisher` if one is configured. It sleeps in one
+//!   `events::wait_all` over every socket, at most [`TICK`] at a time; feeds each follower
+//!   what its subscriber brought; carries out the replays the followers ask for; hands pull
+//!   candidates to the engine's puller over a bounded channel (full: dropped and counted, the
+//!   key offered again by the next engine that announces it); and every [`TICK`] takes the
+//!   store's change log (one call to the runtime thread, `Node::take_store_changes`),
+//!   publishes it and answers replay requests.
+//! * one **puller thread per followed engine**, which takes candidates in groups of up to
+//!   [`PULL_BATCH`] keys (a quarter of the pool at most), drops the keys the node holds
+//!   already (`Node::contains`), and pulls the rest as a stock consumer of that engine:
+//!   `request`, `lookup`, `fetch` of the leading hits, `finish`. Two token buckets bound it:
+//!   lookups per second to this engine (`pull_max_lookups`) and bytes per second for all
+//!   engines together (`pull_max_rate`). A failed or missed key goes back to the pool thread
+//!   (`Holdings::pull_failed`) over a bounded channel. Each wait is the Node API's (its lookup
+//!   and load timeouts), so a dead engine costs only its own puller's time.
+//!
+//! Nothing here blocks the node's runtime thread: every call to it is a message with a bounded
+//! wait. Everything is bounded: the channels, the index (`Holdings`), the followers' held
+//! batches, the publisher's replay buffer, the store's change log between two ticks.
+
+pub mod config;
+mod puller;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvpeer_net::events::{
+    self, EventIo, EventPublisher, EventSubscriber, EventsError, PublisherConfig, SubEvent,
+    SubscriberConfig,
+};
+use kvpeer_pool::{
+    Admission, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings, Publisher, StoreChange,
+};
+use kvpeer_proto::OffloadKey;
+use kvpeer_store::KeyChange;
+use tracing::{info, warn};
+
+pub use config::{FollowSpec, PoolConfig};
+
+use crate::api::Node;
+
+/// The pool thread's longest sleep, and how often it publishes the store's changes.
+pub const TICK: Duration = Duration::from_millis(50);
+/// Most keys one pull request looks up.
+pub const PULL_BATCH: usize = 64;
+/// Candidates waiting for each engine's puller; more are dropped (and counted).
+const PULL_QUEUE: usize = 4096;
+/// Failed keys waiting for the pool thread; more are dropped (the key is then offered only
+/// when its engine announces it again after a restart).
+const FAILED_QUEUE: usize = 4096;
+/// Keys the index holds, all engines together.
+const MAX_KEYS: usize = 1 << 20;
+/// Store changes kept between two ticks (older are dropped and counted).
+const MAX_CHANGES: usize = 1 << 16;
+/// Batches the node's own publisher keeps for replays (vLLM's buffer).
+const REPLAY_BUFFER: usize = 10_000;
+
+/// Why the pool could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// A KV event socket could not be set up.
+    #[error(transparent)]
+    Events(#[from] EventsError),
+    /// An engine slot was out of range (more engines than a pool node follows).
+    #[error("a pool node follows at most {} engines", EngineSlot::MAX)]
+    TooManyEngines,
+    /// A thread could not be started.
+    #[error("cannot start the pool's threads: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// What the pool did so far (counters since start, and a few gauges).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Engines followed.
+    pub engines: u64,
+    /// Followed engines whose event stream is connected (gauge).
+    pub connected: u64,
+    /// Event batches applied.
+    pub batches: u64,
+    /// Events read.
+    pub events: u64,
+    /// Batches and events that did not decode (dropped; the stream goes on).
+    pub malformed: u64,
+    /// Gaps in sequence numbers seen.
+    pub gaps: u64,
+    /// Publisher restarts seen (what that engine held is forgotten).
+    pub restarts: u64,
+    /// Batches no replay could recover.
+    pub lost_batches: u64,
+    /// Replays asked for.
+    pub replays: u64,
+    /// Events with int hashes (no key can be formed).
+    pub int_hashes: u64,
+    /// Keys the index holds (gauge).
+    pub indexed_keys: u64,
+    /// Pull candidates handed to the pullers.
+    pub candidates: u64,
+    /// Candidates dropped because a puller's queue was full.
+    pub candidates_dropped: u64,
+    /// Candidates the node held already (not pulled).
+    pub already_held: u64,
+    /// Pull requests made (one lookup, at most one fetch).
+    pub pull_requests: u64,
+    /// Blocks pulled.
+    pub pulled_blocks: u64,
+    /// Bytes pulled.
+    pub pulled_bytes: u64,
+    /// Keys whose pull failed or missed.
+    pub pull_failures: u64,
+    /// Event batches the node published.
+    pub published_batches: u64,
+    /// Store changes dropped before they could be published (the log overflowed).
+    pub publish_dropped: u64,
+}
+
+/// What the threads count together.
+#[derive(Debug, Default)]
+struct Shared {
+    /// The pool thread's part, replaced each tick.
+    followed: Mutex<PoolStats>,
+    candidates: AtomicU64,
+    candidates_dropped: AtomicU64,
+    already_held: AtomicU64,
+    pull_requests: AtomicU64,
+    pulled_blocks: AtomicU64,
+    pulled_bytes: AtomicU64,
+    pull_failures: AtomicU64,
+}
+
+/// A running pool: its threads, until [`Pool::shutdown`] (or drop).
+#[derive(Debug)]
+pub struct Pool {
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// A pull candidate on its way to the engine's puller.
+#[derive(Debug)]
+struct PullJob {
+    key: OffloadKey,
+}
+
+impl Pool {
+    /// Starts the pool thread and a puller per followed engine for `node`.
+    pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<Pool, PoolError> {
+        let shared = Arc::new(Shared::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (failed_tx, failed_rx) = sync_channel::<OffloadKey>(FAILED_QUEUE);
+        let bytes = Arc::new(Mutex::new(puller::Bucket::new(config.max_rate)));
+        let mut engines = Vec::new();
+        let mut threads = Vec::new();
+        for (i, spec) in config.follow.iter().enumerate() {
+            let slot = EngineSlot::new(i).ok_or(PoolError::TooManyEngines)?;
+            let mut sub_config = SubscriberConfig::new(spec.events);
+            sub_config.replay = spec.replay;
+            let subscriber = EventSubscriber::new(sub_config)?;
+            let follower = Follower::new(slot, FollowerLimits::default(), spec.replay.is_some());
+            let (tx, rx) = sync_channel::<PullJob>(PULL_QUEUE);
+            let puller = puller::Puller {
+                node: node.clone(),
+                peer: spec.peer.clone(),
+                lookups: puller::Bucket::new(Some(config.max_lookups)),
+                bytes: bytes.clone(),
+                failed: failed_tx.clone(),
+                shared: shared.clone(),
+                stop: stop.clone(),
+            };
+            threads.push(spawn(&format!("kvpeer-pull-{i}"), move || {
+                puller.run(&rx);
+            })?);
+            info!(engine = i, events = ?spec.events, replay = ?spec.replay, peer = %spec.peer, "following");
+            engines.push(Engine {
+                subscriber,
+                follower,
+                pulls: tx,
+            });
+        }
+        let publishing = match config.publish {
+            Some(bind) => {
+                let mut pub_config = PublisherConfig::new(bind);
+                pub_config.replay_bind = config.publish_replay;
+                let socket = EventPublisher::bind(pub_config)?;
+                info!(events = ?socket.local_addr().ok(), replay = ?socket.replay_addr(), "publishing KV events");
+                // Recording starts now: what the store held before is not announced.
+                let _ = node.take_store_changes(MAX_CHANGES);
+                Some((socket, Publisher::new(&config.topic, REPLAY_BUFFER)))
+            }
+            None => None,
+        };
+        let mut thread = PoolThread {
+            node,
+            engines,
+            holdings: Holdings::new(
+                MAX_KEYS,
+                Admission {
+                    min_holders: config.min_holders,
+                },
+            ),
+            publishing,
+            failed: failed_rx,
+            shared: shared.clone(),
+            stop: stop.clone(),
+            published: 0,
+            publish_dropped: 0,
+        };
+        threads.push(spawn("kvpeer-pool", move || thread.run())?);
+        Ok(Pool {
+            shared,
+            stop,
+            threads,
+        })
+    }
+
+    /// What the pool did so far.
+    pub fn stats(&self) -> PoolStats {
+        let s = &self.shared;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let followed = s.followed.lock().map(|f| *f).unwrap_or_default();
+        PoolStats {
+            candidates: load(&s.candidates),
+            candidates_dropped: load(&s.candidates_dropped),
+            already_held: load(&s.already_held),
+            pull_requests: load(&s.pull_requests),
+            pulled_blocks: load(&s.pulled_blocks),
+            pulled_bytes: load(&s.pulled_bytes),
+            pull_failures: load(&s.pull_failures),
+            ..followed
+        }
+    }
+
+    /// Stops the threads and waits for them (a puller finishes the request it is in, within
+    /// the node's timeouts).
+    pub fn shutdown(mut self) {
+        self.stop_threads();
+    }
+
+    fn stop_threads(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.stop_threads();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, PoolError> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(PoolError::Thread)
+}
+
+/// One followed engine.
+struct Engine {
+    subscriber: EventSubscriber,
+    follower: Follower,
+    pulls: SyncSender<PullJob>,
+}
+
+struct PoolThread {
+    node: Arc<Node>,
+    engines: Vec<Engine>,
+    holdings: Holdings,
+    publishing: Option<(EventPublisher, Publisher)>,
+    failed: Receiver<OffloadKey>,
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    published: u64,
+    publish_dropped: u64,
+}
+
+impl PoolThread {
+    fn run(&mut self) {
+        let mut last_publish = Instant::now();
+        while !self.stop.load(Ordering::Relaxed) {
+            if let Err(e) = self.wait() {
+                warn!(error = %e, "the pool's wait failed; retrying after a tick");
+                std::thread::sleep(TICK);
+            }
+            let now = Instant::now();
+            self.follow(now);
+            while let Ok(key) = self.failed.try_recv() {
+                self.holdings.pull_failed(&key);
+            }
+            if now.saturating_duration_since(last_publish) >= TICK {
+                last_publish = now;
+                self.publish();
+            }
+            self.count();
+        }
+    }
+
+    fn wait(&mut self) -> Result<bool, EventsError> {
+        let mut drivers: Vec<&mut dyn EventIo> = Vec::with_capacity(self.engines.len() + 1);
+        for e in &mut self.engines {
+            drivers.push(&mut e.subscriber);
+        }
+        if let Some((socket, _)) = &mut self.publishing {
+            drivers.push(socket);
+        }
+        events::wait_all(&mut drivers, TICK, None)
+    }
+
+    /// Feeds every follower what its subscriber brought, and carries out what comes back.
+    fn follow(&mut self, now: Instant) {
+        for engine in &mut self.engines {
+            while let Some(event) = engine.subscriber.poll_event() {
+                let f = &mut engine.follower;
+                let actions = match event {
+                    SubEvent::Connected => {
+                        info!(engine = f.slot().index(), "event stream connected");
+                        f.connected(now)
+                    }
+                    SubEvent::Live { seq, payload } => {
+                        f.live(now, seq, payload, &mut self.holdings)
+                    }
+                    SubEvent::Replayed { seq, payload } => {
+                        f.replayed(seq, &payload, &mut self.holdings)
+                    }
+                    SubEvent::ReplayEnd => f.replay_end(&mut self.holdings),
+                    SubEvent::Lost { reason } => {
+                        warn!(engine = f.slot().index(), %reason, "event stream lost; reconnecting");
+                        Vec::new()
+                    }
+                };
+                carry_out(engine, actions, &mut self.holdings, &self.shared);
+            }
+            let actions = engine.follower.tick(now, &mut self.holdings);
+            carry_out(engine, actions, &mut self.holdings, &self.shared);
+        }
+    }
+
+    /// Publishes what the store took in and let go since the last tick, and answers replays.
+    fn publish(&mut self) {
+        let Some((socket, publisher)) = &mut self.publishing else {
+            return;
+        };
+        match self.node.take_store_changes(MAX_CHANGES) {
+            Ok((changes, dropped)) => {
+                self.publish_dropped += dropped;
+                let changes: Vec<StoreChange> = changes
+                    .into_iter()
+                    .map(|c| match c {
+                        KeyChange::Stored(k) => StoreChange::Stored(k),
+                        KeyChange::Removed(k) => StoreChange::Removed(k),
+                    })
+                    .collect();
+                let ts = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                match publisher.publish(ts, &changes) {
+                    Ok(Some(frames)) => {
+                        socket.publish(&[&frames.topic, &frames.seq, &frames.payload]);
+                        self.published += 1;
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(error = %e, "cannot encode the pool's KV events"),
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot take the store's changes"),
+        }
+        socket.serve_replays(|start| {
+            publisher
+                .replay(start)
+                .into_iter()
+                .map(|f| vec![f.topic, f.seq.to_vec(), f.payload])
+        });
+    }
+
+    fn count(&self) {
+        let mut s = PoolStats {
+            engines: self.engines.len() as u64,
+            indexed_keys: self.holdings.len() as u64,
+            published_batches: self.published,
+            publish_dropped: self.publish_dropped,
+            ..PoolStats::default()
+        };
+        for e in &self.engines {
+            let f = e.follower.stats();
+            s.connected += u64::from(e.subscriber.is_connected());
+            s.batches += f.batches;
+            s.events += f.events;
+            s.malformed += f.malformed_batches + f.malformed_events;
+            s.gaps += f.gaps;
+            s.restarts += f.restarts;
+            s.lost_batches += f.lost_batches;
+            s.replays += f.replays;
+            s.int_hashes += f.int_hashes;
+        }
+        if let Ok(mut followed) = self.shared.followed.lock() {
+            *followed = s;
+        }
+    }
+}
+
+/// Carries out a follower's actions: replays asked of its subscriber, candidates handed to its
+/// puller (a full queue drops one, offered again when an engine next announces it).
+fn carry_out(
+    engine: &mut Engine,
+    actions: Vec<FollowAction>,
+    holdings: &mut Holdings,
+    shared: &Shared,
+) {
+    for action in actions {
+        match action {
+            FollowAction::Replay { from } => engine.subscriber.request_replay(from),
+            FollowAction::Pull(c) => match engine.pulls.try_send(PullJob { key: c.key }) {
+                Ok(()) => {
+                    shared.candidates.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
+                    holdings.pull_failed(&job.key);
+                    shared.candidates_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! The pool node in process, on the tcp plane: an engine (a kvpeer node holding synthetic
+//! blocks) announces them on a KV event stream in vLLM's form (kvpeer's own native PUB and
+//! replay ROUTER, driven by a thread of the test), and a second node with a [`Pool`] follows
+//! it. Publisher restarts, malformed batches, a pool smaller than what is announced, and the
+//! pool's own published stream. (Against stock vLLM over NIXL: `pool_nixl.rs`.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvpeer::pool::{FollowSpec, Pool, PoolConfig, PoolStats};
+use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
+use kvpeer_net::events::{
+    EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
+};
+use kvpeer_pool::keys::{key_event, KeyEvent};
+use kvpeer_pool::{Publisher, StoreChange};
+use kvpeer_proto::events::{decode_batch, EventLimits};
+
+const LEN: u64 = 4096;
+
+fn node(tag: &str, blocks: u64) -> Node {
+    let config = NodeConfig::builder(tag)
+        .plane(PlaneKind::Tcp)
+        .num_blocks(blocks)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    Node::start(config).unwrap()
+}
+
+fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
+    range.map(synthetic::key).collect()
+}
+
+/// An engine node holding synthetic blocks `0..n`.
+fn engine(tag: &str, n: u64) -> Node {
+    let e = node(tag, n.max(1));
+    let blocks = keys(0..n)
+        .into_iter()
+        .map(|k| {
+            let v = synthetic::content(&k, LEN as usize);
+            (k, v)
+        })
+        .collect();
+    e.store(blocks).unwrap();
+    e
+}
+
+enum Say {
+    /// A batch announcing these keys stored.
+    Stored(Vec<OffloadKey>),
+    /// A payload that is no batch.
+    Garbage,
+    /// The publisher restarts: `seq` from 0, its buffer empty.
+    Restart,
+}
+
+/// An engine's KV event stream, driven by a thread: a PUB and a replay ROUTER on loopback.
+struct Stream {
+    tx: Option<Sender<Say>>,
+    events: SocketAddr,
+    replay: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Stream {
+    fn start() -> Stream {
+        let mut config = PublisherConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)));
+        config.replay_bind = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+        let mut socket = EventPublisher::bind(config).unwrap();
+        let events = socket.local_addr().unwrap();
+        let replay = socket.replay_addr().unwrap();
+        let (tx, rx) = channel::<Say>();
+        let thread = std::thread::spawn(move || {
+            let mut seq = 0u64;
+            let mut kept: Vec<(u64, Vec<u8>)> = Vec::new();
+            loop {
+                let replay = |start: u64| {
+                    let mut out: Vec<Vec<Vec<u8>>> = kept
+                        .iter()
+                        .filter(|(s, _)| *s >= start)
+                        .map(|(s, p)| vec![Vec::new(), s.to_be_bytes().to_vec(), p.clone()])
+                        .collect();
+                    out.push(vec![Vec::new(), (-1i64).to_be_bytes().to_vec(), Vec::new()]);
+                    out
+                };
+                socket.serve(Duration::from_millis(10), replay).unwrap();
+                let said = match rx.try_recv() {
+                    Ok(s) => s,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => continue,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                };
+                let payload = match said {
+                    Say::Restart => {
+                        seq = 0;
+                        kept.clear();
+                        continue;
+                    }
+                    Say::Garbage => b"\xc1 not msgpack".to_vec(),
+                    Say::Stored(keys) => {
+                        let changes: Vec<StoreChange> =
+                            keys.into_iter().map(StoreChange::Stored).collect();
+                        Publisher::new("", 1)
+                            .publish(1.0, &changes)
+                            .unwrap()
+                            .unwrap()
+                            .payload
+                    }
+                };
+                socket.publish(&[b"", &seq.to_be_bytes(), &payload]);
+                kept.push((seq, payload));
+                seq += 1;
+            }
+        });
+        Stream {
+            tx: Some(tx),
+            events,
+            replay,
+            thread: Some(thread),
+        }
+    }
+
+    fn say(&self, s: Say) {
+        self.tx.as_ref().unwrap().send(s).unwrap();
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn follow(stream: &Stream, engine: &Node) -> PoolConfig {
+    PoolConfig {
+        follow: vec![FollowSpec {
+            events: SubEndpoint::Connect(stream.events),
+            replay: Some(stream.replay),
+            peer: engine.id().clone(),
+        }],
+        ..PoolConfig::default()
+    }
+}
+
+/// Waits (bounded) until `done(stats)`; the last stats.
+fn wait_for(pool: &Pool, what: &str, done: impl Fn(&PoolStats) -> bool) -> PoolStats {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = pool.stats();
+        if done(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn assert_holds(node: &Node, keys: &[OffloadKey]) {
+    for k in keys {
+        assert_eq!(
+            node.read(k),
+            Some(synthetic::content(k, LEN as usize)),
+            "{k:?}"
+        );
+    }
+}
+
+#[test]
+fn a_pool_pulls_what_an_engine_announces_and_publishes_what_it_took_in() {
+    let engine = engine("pool-e1", 8);
+    let stream = Stream::start();
+    // Announced before the pool follows: the replay on connect brings it.
+    stream.say(Say::Stored(keys(0..8)));
+    let pool_node = Arc::new(node("pool-p1", 64));
+    let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let config = PoolConfig {
+        publish: Some(publish),
+        publish_replay: Some(publish_replay),
+        topic: "kv@pool".into(),
+        ..follow(&stream, &engine)
+    };
+    let pool = Pool::start(pool_node.clone(), &config).unwrap();
+    let s = wait_for(&pool, "8 pulled", |s| s.pulled_blocks == 8);
+    assert_eq!((s.pull_failures, s.malformed, s.batches), (0, 0, 1));
+    assert_eq!(s.pulled_bytes, 8 * LEN);
+    assert_holds(&pool_node, &keys(0..8));
+
+    // A second announcement of the same keys pulls nothing again.
+    stream.say(Say::Stored(keys(0..8)));
+    let s = wait_for(&pool, "the second batch", |s| s.batches == 2);
+    assert_eq!(s.pulled_blocks, 8);
+
+    // The pool's own stream: a late subscriber's replay names every key it took in.
+    let _ = wait_for(&pool, "published", |s| s.published_batches >= 1);
+    let mut sub_config = SubscriberConfig::new(SubEndpoint::Connect(publish));
+    sub_config.replay = Some(publish_replay);
+    let mut sub = EventSubscriber::new(sub_config).unwrap();
+    let mut stored = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut ended = false;
+    while !ended {
+        assert!(Instant::now() < deadline, "no replay end; got {stored:?}");
+        sub.wait(Duration::from_millis(50)).unwrap();
+        while let Some(e) = sub.poll_event() {
+            match e {
+                SubEvent::Connected => sub.request_replay(0),
+                SubEvent::Replayed { payload, .. } | SubEvent::Live { payload, .. } => {
+                    let batch = decode_batch(&payload, &EventLimits::default()).unwrap();
+                    for e in batch.events {
+                        if let KeyEvent::Stored(k) = key_event(&e.unwrap()) {
+                            stored.push(k);
+                        }
+                    }
+                }
+                SubEvent::ReplayEnd => ended = true,
+                SubEvent::Lost { .. } => {}
+            }
+        }
+    }
+    stored.sort();
+    let mut want = keys(0..8);
+    want.sort();
+    assert_eq!(stored, want);
+    pool.shutdown();
+}
+
+#[test]
+fn a_publisher_restart_forgets_the_engine_and_learns_it_again() {
+    let engine = engine("pool-e2", 8);
+    let stream = Stream::start();
+    let pool_node = Arc::new(node("pool-p2", 64));
+    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    stream.say(Say::Stored(keys(0..2)));
+    stream.say(Say::Stored(keys(2..4)));
+    let s = wait_for(&pool, "4 pulled", |s| s.pulled_blocks == 4);
+    assert_eq!(s.indexed_keys, 4);
+    stream.say(Say::Restart);
+    stream.say(Say::Stored(keys(4..8)));
+    let s = wait_for(&pool, "the restart seen, 4 more pulled", |s| {
+        s.restarts == 1 && s.pulled_blocks == 8
+    });
+    assert_eq!(s.indexed_keys, 4, "what the old engine held is forgotten");
+    assert_holds(&pool_node, &keys(0..8));
+    pool.shutdown();
+}
+
+#[test]
+fn a_malformed_batch_is_counted_and_the_stream_goes_on() {
+    let engine = engine("pool-e3", 4);
+    let stream = Stream::start();
+    let pool_node = Arc::new(node("pool-p3", 64));
+    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    stream.say(Say::Garbage);
+    stream.say(Say::Stored(keys(0..4)));
+    let s = wait_for(&pool, "4 pulled after the bad batch", |s| {
+        s.pulled_blocks == 4
+    });
+    assert_eq!((s.malformed, s.gaps, s.restarts), (1, 0, 0));
+    assert_holds(&pool_node, &keys(0..4));
+    pool.shutdown();
+}
+
+#[test]
+fn a_pool_smaller_than_what_is_announced_keeps_within_its_blocks() {
+    let engine = engine("pool-e4", 32);
+    let stream = Stream::start();
+    let pool_node = Arc::new(node("pool-p4", 8));
+    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    for i in 0..4 {
+        stream.say(Say::Stored(keys(i * 8..i * 8 + 8)));
+    }
+    let s = wait_for(&pool, "every candidate tried", |s| {
+        s.candidates == 32 && s.pulled_blocks + s.pull_failures + s.already_held >= 32
+    });
+    assert!(s.pulled_blocks >= 8, "{s:?}");
+    let store = pool_node.stats().unwrap().store;
+    assert!(store.ready <= 8, "{store:?}");
+    // The latest batch's blocks are the ones kept (LRU), whole.
+    assert_holds(&pool_node, &keys(24..32));
+    pool.shutdown();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
