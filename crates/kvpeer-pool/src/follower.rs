@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvpeer_proto::events::{decode_batch, EventError, EventLimits};
+use kvpeer_proto::events::{decode_batch, BlockStored, EventError, EventLimits, KvEvent};
 use tracing::warn;
 
 use crate::holdings::{EngineSlot, Holdings, PullCandidate};
@@ -348,6 +348,14 @@ impl Follower {
                     continue;
                 }
             };
+            if let KvEvent::Stored(BlockStored {
+                group_idx: Some(group),
+                kv_cache_spec_kind: Some(kind),
+                ..
+            }) = &event
+            {
+                holdings.learn_group_kind(*group, kind);
+            }
             match key_event(&event) {
                 KeyEvent::Stored(key) => {
                     self.stats.stored += 1;

@@ -86,7 +86,12 @@ pub struct Holdings {
     admission: Admission,
     per_engine: [u64; EngineSlot::MAX],
     forgotten: u64,
+    /// Each KV cache group's kind (`kv_cache_spec_kind`), as the engines' events said it.
+    group_kinds: std::collections::BTreeMap<u32, String>,
 }
+
+/// Groups whose kind the index keeps (models have a handful).
+const MAX_GROUP_KINDS: usize = 256;
 
 impl Holdings {
     /// An empty index of at most `max_keys` keys (at least 1).
@@ -101,7 +106,28 @@ impl Holdings {
             },
             per_engine: [0; EngineSlot::MAX],
             forgotten: 0,
+            group_kinds: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// An engine said KV cache group `group` is of kind `kind` (its GPU events say it, and
+    /// vLLM's self-describing CPU events): kept, so the pool's own events can say it too.
+    /// Returns whether that changed what is known. Past [`MAX_GROUP_KINDS`] groups, new ones
+    /// are not kept.
+    pub fn learn_group_kind(&mut self, group: u32, kind: &str) -> bool {
+        match self.group_kinds.get(&group) {
+            Some(known) if known == kind => false,
+            None if self.group_kinds.len() >= MAX_GROUP_KINDS => false,
+            _ => {
+                self.group_kinds.insert(group, kind.to_owned());
+                true
+            }
+        }
+    }
+
+    /// The kinds of the groups learned so far.
+    pub fn group_kinds(&self) -> &std::collections::BTreeMap<u32, String> {
+        &self.group_kinds
     }
 
     /// `engine` holds `key`; the key, if it just became worth pulling.
@@ -322,6 +348,22 @@ mod tests {
             h.removed(slot(0), &k);
         }
         assert!(h.order.len() <= 2 * 3 + 1024 + 1);
+    }
+
+    #[test]
+    fn group_kinds_are_learned_and_bounded() {
+        let mut h = Holdings::new(10, Admission::default());
+        assert!(h.learn_group_kind(0, "full_attention"));
+        assert!(!h.learn_group_kind(0, "full_attention"));
+        assert!(
+            h.learn_group_kind(0, "sliding_window"),
+            "a changed kind is news"
+        );
+        for g in 1..1000 {
+            h.learn_group_kind(g, "mamba");
+        }
+        assert_eq!(h.group_kinds().len(), MAX_GROUP_KINDS);
+        assert_eq!(h.group_kinds()[&0], "sliding_window");
     }
 
     #[test]

@@ -49,6 +49,9 @@ pub struct Publisher {
     buffer: VecDeque<(u64, Vec<u8>)>,
     buffer_len: usize,
     data_parallel_rank: Option<i64>,
+    /// The kind of each KV cache group, said in every `BlockStored` of that group (routers
+    /// such as llm-d's skip a store of a group whose kind they never learned).
+    group_kinds: std::collections::BTreeMap<u32, String>,
 }
 
 impl Publisher {
@@ -60,6 +63,14 @@ impl Publisher {
             buffer: VecDeque::new(),
             buffer_len: buffer_len.max(1),
             data_parallel_rank: Some(0),
+            group_kinds: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// The kinds of the KV cache groups, as the followed engines said them.
+    pub fn set_group_kinds(&mut self, kinds: &std::collections::BTreeMap<u32, String>) {
+        if &self.group_kinds != kinds {
+            self.group_kinds = kinds.clone();
         }
     }
 
@@ -69,7 +80,7 @@ impl Publisher {
         ts: f64,
         changes: &[StoreChange],
     ) -> Result<Option<Frames>, EncodeError> {
-        let events = events_of(changes);
+        let events = events_of(changes, &self.group_kinds);
         if events.is_empty() {
             return Ok(None);
         }
@@ -115,7 +126,10 @@ impl Publisher {
 
 /// The events of `changes`, in order: each store one `BlockStored`, each run of removals one
 /// `BlockRemoved` per group.
-fn events_of(changes: &[StoreChange]) -> Vec<KvEvent> {
+fn events_of(
+    changes: &[StoreChange],
+    group_kinds: &std::collections::BTreeMap<u32, String>,
+) -> Vec<KvEvent> {
     let mut events = Vec::new();
     let mut removed: Vec<(u32, Vec<BlockHash>)> = Vec::new();
     let flush = |removed: &mut Vec<(u32, Vec<BlockHash>)>, events: &mut Vec<KvEvent>| {
@@ -140,6 +154,7 @@ fn events_of(changes: &[StoreChange]) -> Vec<KvEvent> {
                     block_hashes: vec![BlockHash::Bytes(hash.to_vec())],
                     medium: Some(crate::keys::CPU_MEDIUM.into()),
                     group_idx: Some(group),
+                    kv_cache_spec_kind: group_kinds.get(&group).cloned(),
                     ownership: Some(OWNERSHIP.into()),
                     ..BlockStored::default()
                 }));
@@ -212,6 +227,30 @@ mod tests {
         );
         assert_eq!(p.publish(13.0, &[]).unwrap(), None);
         assert_eq!(p.next_seq(), 1);
+
+        // With the groups' kinds learned, each store says its group's kind.
+        let kinds = [(0, "full_attention".to_string())].into_iter().collect();
+        p.set_group_kinds(&kinds);
+        let frames = p
+            .publish(
+                14.0,
+                &[
+                    StoreChange::Stored(key(3, 0)),
+                    StoreChange::Stored(key(4, 5)),
+                ],
+            )
+            .unwrap()
+            .unwrap();
+        let batch = decode_batch(&frames.payload, &EventLimits::default()).unwrap();
+        let said: Vec<Option<String>> = batch
+            .events
+            .iter()
+            .map(|e| match e {
+                Ok(KvEvent::Stored(s)) => s.kv_cache_spec_kind.clone(),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(said, vec![Some("full_attention".into()), None]);
     }
 
     #[test]

@@ -278,3 +278,25 @@ fn batches_held_during_a_replay_are_bounded() {
     assert_eq!(s.lost_batches, 3);
     assert!(rig.held(3) && rig.held(4) && !rig.held(0));
 }
+
+/// The kind of a KV cache group comes from whatever event of the engine says it (GPU events
+/// do), so the pool's own events can say it too.
+#[test]
+fn a_groups_kind_is_learned_from_the_engines_events() {
+    let mut rig = Rig::new(false, FollowerLimits::default());
+    rig.live(
+        0,
+        batch(&[KvEvent::Stored(BlockStored {
+            block_hashes: vec![BlockHash::Int(1)],
+            medium: Some("GPU".into()),
+            group_idx: Some(2),
+            kv_cache_spec_kind: Some("sliding_window".into()),
+            ..BlockStored::default()
+        })]),
+    );
+    assert_eq!(
+        rig.holdings.group_kinds().get(&2).map(String::as_str),
+        Some("sliding_window")
+    );
+    assert_eq!(rig.follower.stats().not_cpu, 1);
+}

@@ -240,6 +240,7 @@ fn any_event() -> impl Strategy<Value = KvEvent> {
                         block_size,
                         medium,
                         group_idx,
+                        kv_cache_spec_kind: lora_name.as_ref().map(|n| format!("{n}_kind")),
                         lora_name,
                         locality,
                         ownership,

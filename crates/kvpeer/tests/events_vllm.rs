@@ -47,7 +47,8 @@ const VLLM_EVENTS: &str = "[\
         ownership='p2p'),\
     BlockStored(block_hashes=[11, 12, 2**64 - 1], parent_block_hash=10, \
         token_ids=list(range(48)), block_size=16, lora_id=None, medium='GPU', \
-        lora_name='adapter', extra_keys=[None, None, ('salt',)], locality='LOCAL'),\
+        lora_name='adapter', extra_keys=[None, None, ('salt',)], \
+        kv_cache_spec_kind='full_attention', locality='LOCAL'),\
     BlockRemoved(block_hashes=[bytes(range(32)), b'\\xff' * 32], medium='CPU', group_idx=3),\
     AllBlocksCleared()]";
 
@@ -72,6 +73,7 @@ fn expected_events() -> Vec<KvEvent> {
             block_size: 16,
             medium: Some("GPU".into()),
             lora_name: Some("adapter".into()),
+            kv_cache_spec_kind: Some("full_attention".into()),
             locality: Some("LOCAL".into()),
             ..BlockStored::default()
         }),
@@ -136,6 +138,7 @@ fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
             block_hashes: vec![BlockHash::Int(77)],
             medium: Some("CPU".into()),
             group_idx: Some(70000),
+            kv_cache_spec_kind: Some("full_attention".into()),
             locality: Some("LOCAL".into()),
             ownership: Some("kvpeer".into()),
             ..BlockStored::default()
@@ -156,7 +159,8 @@ fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
          evs = [BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[], \
              block_size=0, lora_id=None, medium='CPU', lora_name=None, group_idx=0),\
            BlockStored(block_hashes=[77], parent_block_hash=None, token_ids=[], block_size=0, \
-             lora_id=None, medium='CPU', lora_name=None, group_idx=70000, locality='LOCAL', \
+             lora_id=None, medium='CPU', lora_name=None, group_idx=70000, \
+             kv_cache_spec_kind='full_attention', locality='LOCAL', \
              ownership='kvpeer'),\
            BlockRemoved(block_hashes=[h, 5], medium='CPU', group_idx=0),\
            AllBlocksCleared()]\n\

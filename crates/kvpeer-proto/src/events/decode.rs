@@ -276,6 +276,9 @@ fn read_field(
         }
         (_, "medium") => s.medium = opt_str(r, limits).map_err(at)?,
         (Kind::Stored, "lora_name") => s.lora_name = opt_str(r, limits).map_err(at)?,
+        (Kind::Stored, "kv_cache_spec_kind") => {
+            s.kv_cache_spec_kind = opt_str(r, limits).map_err(at)?
+        }
         (_, "locality") => s.locality = opt_str(r, limits).map_err(at)?,
         (_, "ownership") => s.ownership = opt_str(r, limits).map_err(at)?,
         (_, "group_idx") => {

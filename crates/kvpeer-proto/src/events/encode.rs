@@ -41,10 +41,11 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent) -> Result<(), EncodeError> {
         KvEvent::Stored(s) => {
             let optional = [
                 s.group_idx.is_some(),
+                s.kv_cache_spec_kind.is_some(),
                 s.locality.is_some(),
                 s.ownership.is_some(),
             ];
-            // map16 always (see the module doc); at most 11 entries here.
+            // map16 always (see the module doc); at most 12 entries here.
             let entries = 8 + optional.iter().filter(|x| **x).count() as u16;
             out.push(0xde);
             out.extend_from_slice(&entries.to_be_bytes());
@@ -65,6 +66,12 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent) -> Result<(), EncodeError> {
             opt_str(out, "medium", s.medium.as_deref(), true)?;
             opt_str(out, "lora_name", s.lora_name.as_deref(), true)?;
             group(out, s.group_idx)?;
+            opt_str(
+                out,
+                "kv_cache_spec_kind",
+                s.kv_cache_spec_kind.as_deref(),
+                false,
+            )?;
             opt_str(out, "locality", s.locality.as_deref(), false)?;
             opt_str(out, "ownership", s.ownership.as_deref(), false)?;
         }

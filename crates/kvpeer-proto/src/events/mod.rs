@@ -51,6 +51,10 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// The KV cache group (set by the offloading connector's events).
     pub group_idx: Option<u32>,
+    /// The group's cache kind (`kv_cache_spec_kind`, e.g. full attention), when the publisher
+    /// says it: routers classify a group by it (llm-d skips stores of a group whose kind it
+    /// never learned).
+    pub kv_cache_spec_kind: Option<String>,
     /// The LoRA adapter, if any (blocks of different adapters never share a key).
     pub lora_name: Option<String>,
     /// `LOCAL` or `REMOTE` relative to the publisher, if said.

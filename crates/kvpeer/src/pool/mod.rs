@@ -366,6 +366,7 @@ impl PoolThread {
                 let ts = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64());
+                publisher.set_group_kinds(self.holdings.group_kinds());
                 match publisher.publish(ts, &changes) {
                     Ok(Some(frames)) => {
                         socket.publish(&[&frames.topic, &frames.seq, &frames.payload]);
