@@ -510,7 +510,7 @@ fn svg(without: &RunResult, with: &RunResult) -> String {
         ("#d62728", "", "without: local hits"),
     ];
     for (k, (c, dash, label)) in legend.iter().enumerate() {
-        let ly = top + 14.0 + 18.0 * k as f64;
+        let ly = h - bottom - 70.0 + 18.0 * k as f64;
         let _ = writeln!(
             s,
             "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{c}\" stroke-width=\"2\" {dash}/><text x=\"{}\" y=\"{}\">{label}</text>",
