@@ -404,7 +404,7 @@ fn ingest_sockets(batches: Arc<Vec<Vec<u8>>>) -> Ingest {
         }
     });
     // Wait for the subscription, then publish at the pace the subscriber takes them (a PUB
-    // drops what a slow subscriber cannot take: paced by its queue, nothing is lost).
+    // drops what a slow subscriber cannot take: a dropped batch is published again).
     while publisher.subscribed() == 0 {
         publisher
             .serve(Duration::from_millis(5), |_| Vec::<Vec<Vec<u8>>>::new())
@@ -423,6 +423,12 @@ fn ingest_sockets(batches: Arc<Vec<Vec<u8>>>) -> Ingest {
                 .serve(Duration::from_micros(200), |_| Vec::<Vec<Vec<u8>>>::new())
                 .unwrap();
         }
+    }
+    // What is still queued is written only while the publisher is driven.
+    while !subscriber.is_finished() {
+        publisher
+            .serve(Duration::from_millis(5), |_| Vec::<Vec<Vec<u8>>>::new())
+            .unwrap();
     }
     let r = subscriber.join().unwrap();
     eprintln!("[ingest] publisher: {:?}", publisher.stats());
