@@ -452,6 +452,19 @@ impl Node {
         )
     }
 
+    /// Which of `keys` the store holds readable, each held one becoming the most recently used
+    /// (an engine's own prefix hit, as vLLM's CPU tier marks one; [`contains`](Node::contains)
+    /// leaves the eviction order alone).
+    pub fn touch(&self, keys: &[OffloadKey]) -> Result<Vec<bool>, NodeError> {
+        self.calls.ask(
+            |reply| Command::Touch {
+                keys: keys.to_vec(),
+                reply,
+            },
+            None,
+        )
+    }
+
     /// What the store took in and let go since the last call, in order, and how many changes
     /// were dropped for room. The first call starts the store's change log (at most `max`
     /// changes kept between two calls); before it nothing is recorded. The pool node

@@ -289,6 +289,22 @@ fn a_pool_smaller_than_what_is_announced_keeps_within_its_blocks() {
     pool.shutdown();
 }
 
+#[test]
+fn a_touched_block_is_kept_and_an_untouched_one_evicted() {
+    let n = engine("pool-touch", 2);
+    let k = keys(0..3);
+    assert_eq!(n.touch(&k).unwrap(), vec![true, true, false]);
+    assert_eq!(n.contains(&k[1..2]).unwrap(), vec![true]);
+    n.touch(&k[..1]).unwrap();
+    // 0 is now the most recently used (contains left the order alone): storing 2 evicts 1.
+    n.store(vec![(
+        k[2].clone(),
+        synthetic::content(&k[2], LEN as usize),
+    )])
+    .unwrap();
+    assert_eq!(n.contains(&k).unwrap(), vec![true, false, true]);
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

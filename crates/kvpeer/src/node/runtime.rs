@@ -73,6 +73,11 @@ pub(crate) enum Command {
         keys: Vec<OffloadKey>,
         reply: Sender<Vec<bool>>,
     },
+    /// Which keys the store holds readable, each held one made the most recently used.
+    Touch {
+        keys: Vec<OffloadKey>,
+        reply: Sender<Vec<bool>>,
+    },
     /// The store's change log since the last call (recording starts with the first call,
     /// at most `max` changes kept between two calls), and how many were dropped for room.
     TakeChanges {
@@ -283,6 +288,14 @@ impl<P: BuildPlane> Runtime<P> {
             Command::Contains { keys, reply } => {
                 let store = self.io.core.parent();
                 let _ = reply.send(keys.iter().map(|k| store.block_of(k).is_some()).collect());
+            }
+            Command::Touch { keys, reply } => {
+                let store = self.io.core.parent_mut();
+                let _ = reply.send(
+                    keys.iter()
+                        .map(|k| store.lookup(k) == LookupResult::Hit)
+                        .collect(),
+                );
             }
             Command::TakeChanges { max, reply } => {
                 let store = self.io.core.parent_mut();
