@@ -58,6 +58,9 @@ enum Say {
     Garbage,
     /// The publisher restarts: `seq` from 0, its buffer empty.
     Restart,
+    /// A batch announcing these keys that the subscriber misses (kept for replay, never sent
+    /// live: what a PUB past its high-water mark does).
+    Missed(Vec<OffloadKey>),
 }
 
 /// An engine's KV event stream, driven by a thread: a PUB and a replay ROUTER on loopback.
@@ -95,6 +98,7 @@ impl Stream {
                     Err(std::sync::mpsc::TryRecvError::Empty) => continue,
                     Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
                 };
+                let live = !matches!(said, Say::Missed(_));
                 let payload = match said {
                     Say::Restart => {
                         seq = 0;
@@ -102,7 +106,7 @@ impl Stream {
                         continue;
                     }
                     Say::Garbage => b"\xc1 not msgpack".to_vec(),
-                    Say::Stored(keys) => {
+                    Say::Stored(keys) | Say::Missed(keys) => {
                         let changes: Vec<StoreChange> =
                             keys.into_iter().map(StoreChange::Stored).collect();
                         Publisher::new("", 1)
@@ -112,7 +116,9 @@ impl Stream {
                             .payload
                     }
                 };
-                socket.publish(&[b"", &seq.to_be_bytes(), &payload]);
+                if live {
+                    socket.publish(&[b"", &seq.to_be_bytes(), &payload]);
+                }
                 kept.push((seq, payload));
                 seq += 1;
             }
@@ -250,6 +256,26 @@ fn a_publisher_restart_forgets_the_engine_and_learns_it_again() {
     });
     assert_eq!(s.indexed_keys, 4, "what the old engine held is forgotten");
     assert_holds(&pool_node, &keys(0..8));
+    pool.shutdown();
+}
+
+/// A batch missed on the live stream shows as a gap in `seq`: the pool asks the engine's
+/// replay socket for it, and pulls what it announced too, nothing lost.
+#[test]
+fn a_gap_is_recovered_through_the_replay_socket() {
+    let engine = engine("pool-e5", 6);
+    let stream = Stream::start();
+    let pool_node = Arc::new(node("pool-p5", 64));
+    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    stream.say(Say::Stored(keys(0..2)));
+    wait_for(&pool, "2 pulled", |s| s.pulled_blocks == 2);
+    stream.say(Say::Missed(keys(2..4)));
+    stream.say(Say::Stored(keys(4..6)));
+    let s = wait_for(&pool, "the gap replayed, 6 pulled", |s| {
+        s.pulled_blocks == 6
+    });
+    assert_eq!((s.gaps, s.lost_batches, s.restarts), (1, 0, 0), "{s:?}");
+    assert_holds(&pool_node, &keys(0..6));
     pool.shutdown();
 }
 
