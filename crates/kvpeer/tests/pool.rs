@@ -315,6 +315,32 @@ fn a_pool_smaller_than_what_is_announced_keeps_within_its_blocks() {
     pool.shutdown();
 }
 
+/// `pull_min_holders` 2: a chunk is pulled only once two followed engines hold it (a shared
+/// prefix); what one engine alone announced is indexed, never pulled.
+#[test]
+fn with_two_holders_required_only_shared_chunks_are_pulled() {
+    let (engine_a, engine_b) = (engine("pool-e6a", 8), engine("pool-e6b", 8));
+    let (stream_a, stream_b) = (Stream::start(), Stream::start());
+    let pool_node = Arc::new(node("pool-p6", 64));
+    let mut config = follow(&stream_a, &engine_a);
+    config.follow.extend(follow(&stream_b, &engine_b).follow);
+    config.min_holders = 2;
+    let pool = Pool::start(pool_node.clone(), &config).unwrap();
+    // A announces 0..6, B announces 4..8: only 4 and 5 are held by both.
+    stream_a.say(Say::Stored(keys(0..6)));
+    stream_b.say(Say::Stored(keys(4..8)));
+    let s = wait_for(&pool, "the shared chunks pulled", |s| {
+        s.indexed_keys == 8 && s.pulled_blocks == 2
+    });
+    assert_eq!(s.candidates, 2, "{s:?}");
+    assert_holds(&pool_node, &keys(4..6));
+    assert_eq!(
+        pool_node.contains(&keys(0..8)).unwrap(),
+        vec![false, false, false, false, true, true, false, false]
+    );
+    pool.shutdown();
+}
+
 #[test]
 fn a_touched_block_is_kept_and_an_untouched_one_evicted() {
     let n = engine("pool-touch", 2);
