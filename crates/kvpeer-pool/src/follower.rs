@@ -13,8 +13,8 @@
 //! within `replay_timeout` (no replay socket, a dead publisher) is given up the same way.
 //!
 //! Malformed batches and events are counted and logged once per kind; they never stop the
-//! stream. Memory: the held batches (`max_held_batches`, each at most the decoder's payload
-//! limit) and the [`Holdings`].
+//! stream. Memory: the held batches (`max_held_batches` of at most the decoder's payload
+//! limit each, and `max_held_bytes` together) and the [`Holdings`].
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -30,6 +30,9 @@ use crate::keys::{key_event, KeyEvent, Unusable};
 pub struct FollowerLimits {
     /// Live batches held while a replay runs (older ones are dropped past it, and counted).
     pub max_held_batches: usize,
+    /// Bytes those held batches may take together (each may be up to the decoder's payload
+    /// limit, so the count alone would let a publisher make the follower hold gigabytes).
+    pub max_held_bytes: usize,
     /// How long a replay may take before it is given up.
     pub replay_timeout: Duration,
     /// The decoder's limits.
@@ -40,6 +43,7 @@ impl Default for FollowerLimits {
     fn default() -> Self {
         FollowerLimits {
             max_held_batches: 4096,
+            max_held_bytes: 64 << 20,
             replay_timeout: Duration::from_secs(5),
             events: EventLimits::default(),
         }
@@ -110,6 +114,8 @@ pub struct Follower {
     next: Option<u64>,
     replay: Replay,
     held: VecDeque<(u64, Vec<u8>)>,
+    /// Bytes of `held`.
+    held_bytes: usize,
     stats: FollowerStats,
     /// Kinds of trouble already logged (one warning per kind per follower).
     logged: u16,
@@ -134,6 +140,7 @@ impl Follower {
             next: None,
             replay: Replay::Idle,
             held: VecDeque::new(),
+            held_bytes: 0,
             stats: FollowerStats::default(),
             logged: 0,
         }
@@ -289,17 +296,24 @@ impl Follower {
     }
 
     fn hold(&mut self, seq: u64, payload: Vec<u8>) {
-        if self.held.len() >= self.limits.max_held_batches.max(1) {
-            self.held.pop_front();
+        while !self.held.is_empty()
+            && (self.held.len() >= self.limits.max_held_batches.max(1)
+                || self.held_bytes + payload.len() > self.limits.max_held_bytes)
+        {
+            if let Some((_, old)) = self.held.pop_front() {
+                self.held_bytes -= old.len();
+            }
             self.stats.held_dropped += 1;
             self.log_once(LOG_HELD_DROPPED, || {
                 "too many live batches during a replay: dropping the oldest".into()
             });
         }
+        self.held_bytes += payload.len();
         self.held.push_back((seq, payload));
     }
 
     fn drain_held(&mut self, holdings: &mut Holdings, out: &mut Vec<FollowAction>) {
+        self.held_bytes = 0;
         let mut held: Vec<(u64, Vec<u8>)> = self.held.drain(..).collect();
         held.sort_by_key(|(seq, _)| *seq);
         for (seq, payload) in held {

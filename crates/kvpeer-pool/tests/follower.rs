@@ -300,3 +300,23 @@ fn a_groups_kind_is_learned_from_the_engines_events() {
     );
     assert_eq!(rig.follower.stats().not_cpu, 1);
 }
+
+/// The batches held during a replay are bounded in bytes too: large payloads cannot make the
+/// follower hold more than `max_held_bytes`.
+#[test]
+fn batches_held_during_a_replay_are_bounded_in_bytes() {
+    let one = stores(0).len();
+    let limits = FollowerLimits {
+        max_held_bytes: 2 * one,
+        ..FollowerLimits::default()
+    };
+    let mut rig = Rig::new(true, limits);
+    rig.follower.connected(rig.now);
+    for seq in 0..5 {
+        rig.live(seq, stores(seq));
+    }
+    rig.follower.replay_end(&mut rig.holdings);
+    let s = rig.follower.stats();
+    assert_eq!(s.held_dropped, 3);
+    assert!(rig.held(3) && rig.held(4) && !rig.held(2));
+}
