@@ -38,6 +38,9 @@ import time
 import msgpack
 import zmq
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zmtp_raw import RawDealer, RawRouter  # noqa: E402
+
 MISS_BASE = 1 << 48
 TRAILER_LEN = 4096
 MAGIC = b"KVPSHM01"
@@ -87,10 +90,15 @@ def unpack(payload: bytes):
 # --- shm pool objects and tokens (crates/kvpeer-store/src/trailer.rs) -------------------------
 
 
-def shm_token(secret: bytes, destination: str) -> bytes:
-    """HMAC-SHA256(secret, u32be(len) ‖ "kvpeer-shm-token-v1" ‖ u32be(len) ‖ destination)."""
+def shm_token(secret: bytes, destination: str, challenge: bytes | None) -> bytes:
+    """HMAC-SHA256(secret, u32be(len) ‖ "kvpeer-shm-token-v2" ‖ u32be(len) ‖ destination ‖
+    u32be(len) ‖ challenge), or version 1 (no challenge) when `challenge` is None."""
+    if challenge is None:
+        fields = (b"kvpeer-shm-token-v1", destination.encode())
+    else:
+        fields = (b"kvpeer-shm-token-v2", destination.encode(), challenge)
     msg = b""
-    for field in (b"kvpeer-shm-token-v1", destination.encode()):
+    for field in fields:
         msg += struct.pack(">I", len(field)) + field
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
@@ -128,18 +136,20 @@ def read_memory_block(pid: int, base_addr: int, index: int, block_len: int) -> b
         return f.read(block_len)
 
 
-# --- kvpeer_auth v2 (crates/kvpeer/src/node/auth.rs) ------------------------------------------
+# --- kvpeer_auth v3 (crates/kvpeer/src/node/auth.rs) ------------------------------------------
 
 
-def auth_token(secret: bytes, destination: str, c: dict, when: int, nonce: bytes) -> bytes:
+def auth_token(secret: bytes, destination: str, challenge: bytes, c: dict, when: int,
+               nonce: bytes) -> bytes:
     mac = hmac.new(secret, digestmod=hashlib.sha256)
 
     def field(b: bytes) -> None:
         mac.update(struct.pack(">Q", len(b)))
         mac.update(b)
 
-    field(b"kvpeer-auth-v2")
+    field(b"kvpeer-auth-v3")
     field(destination.encode())
+    field(challenge)
     field(c["peer_id"].encode())
     field(c["agent_metadata"])
     field(struct.pack(">Q", c["base_addr"]))
@@ -149,7 +159,7 @@ def auth_token(secret: bytes, destination: str, c: dict, when: int, nonce: bytes
     field(c["hash_seed"].encode())
     field(struct.pack(">Q", when))
     field(nonce)
-    return bytes([2]) + struct.pack(">Q", when) + nonce + mac.digest()
+    return bytes([3]) + struct.pack(">Q", when) + nonce + mac.digest()
 
 
 # --- the control channel ----------------------------------------------------------------------
@@ -171,16 +181,18 @@ class Peer:
         self.received: list[dict] = []  # every message heard, with who sent it
 
     def dealer(self, node: str, source: str | None = None, identity: str | None = None):
+        """Our DEALER to `node`: ZMTP spoken here (zmtp_raw.py), so the node's READY, and the
+        challenge our proofs must be made for, can be read."""
         ident = identity or self.identity
         if (node, ident) in self.dealers:
             return self.dealers[(node, ident)]
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, ident.encode())
-        s.setsockopt(zmq.LINGER, 1000)
-        s.setsockopt(zmq.SNDHWM, 100000)
-        s.connect(f"tcp://{source}:0;{node}" if source else f"tcp://{node}")
+        s = RawDealer(node, ident, source)
         self.dealers[(node, ident)] = s
         return s
+
+    def challenge(self, node: str, source: str | None = None) -> bytes | None:
+        """The challenge `node` gave our connection to it (None: none, or not connected)."""
+        return self.dealer(node, source).challenge()
 
     def send(self, node: str, msg, source: str | None = None, identity: str | None = None):
         payload = msg if isinstance(msg, bytes) else pack(msg)
@@ -189,6 +201,8 @@ class Peer:
     def poll(self, timeout_s: float) -> list[tuple[str, dict]]:
         """Messages reaching our ROUTER within `timeout_s` (returns at the first batch)."""
         out = []
+        for d in self.dealers.values():
+            d.pump()  # PINGs answered, the node's closing seen
         if self.router.poll(int(timeout_s * 1000)):
             while True:
                 try:
@@ -300,7 +314,8 @@ def cmd_session(a) -> int:
     elif a.shm_token == "random":
         token = os.urandom(32)
     elif a.shm_token == "from-object":
-        token = shm_token(read_secret(shm, a.secret_blocks or num_blocks, block_len), a.node)
+        token = shm_token(read_secret(shm, a.secret_blocks or num_blocks, block_len), a.node,
+                          peer.challenge(a.node, a.source))
     else:
         token = bytes.fromhex(a.shm_token)
     tcp = DummyTcp() if a.tcp_dummy else None
@@ -398,10 +413,14 @@ def cmd_auth(a) -> int:
     peer = Peer(a.bind)
     own_pool = f"kvpeer-hostile-{os.getpid()}"
     pool_secret = create_pool(own_pool, a.num_blocks, a.block_len)
-    # One token per destination: B gets A's (as a captured connect would carry).
-    meta = metadata(peer.identity, own_pool, shm_token(pool_secret, a.node_a), None, None)
+    # One token per destination and connection: B gets what A's connection was given (as a
+    # captured connect would carry).
+    challenge_a = peer.challenge(a.node_a)
+    meta = metadata(peer.identity, own_pool, shm_token(pool_secret, a.node_a, challenge_a),
+                    None, None)
     c = connect_msg(peer.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
-    c["kvpeer_auth"] = auth_token(secret, a.node_a, c, int(time.time()), os.urandom(16))
+    c["kvpeer_auth"] = auth_token(secret, a.node_a, challenge_a, c, int(time.time()),
+                                  os.urandom(16))
     captured = pack(c)
     out: dict = {"event": "summary", "identity": peer.identity}
 
@@ -676,7 +695,8 @@ def cmd_connects(a) -> int:
     # A pool of our own with a valid token: the registration succeeds, only the dial fails.
     own_pool = f"kvpeer-hostile-{os.getpid()}"
     secret = create_pool(own_pool, a.num_blocks, a.block_len)
-    meta = metadata(a.identity, own_pool, shm_token(secret, a.node), None, None)
+    challenge = peer.dealer(a.node, identity=a.identity).challenge()
+    meta = metadata(a.identity, own_pool, shm_token(secret, a.node, challenge), None, None)
     c = connect_msg(a.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
     emit({"event": "ready"})
     for _ in range(a.count):

@@ -162,10 +162,25 @@ pub trait DataPlane {
     fn end_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
 
     /// The `agent_metadata` that this node's `connect` to `peer` carries, given what the node
-    /// advertises to everyone. Planes that bind writes to one destination (a token proving the
-    /// pool is ours, a key for the data connection) add per-destination fields here; called by
-    /// the node just before a `connect` leaves, once per `connect`.
-    fn connect_metadata(&mut self, _peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+    /// advertises to everyone and the challenge `peer` gave the connection the `connect` goes
+    /// on (a kvpeer node gives one per connection; `None` from other peers). Planes that bind
+    /// writes to one destination (a token proving the pool is ours, a key for the data
+    /// connection) add per-destination fields here, bound to the challenge where they are
+    /// proofs; called by the node just before a `connect` leaves, once per `connect`.
+    fn connect_metadata(
+        &mut self,
+        _peer: &PeerId,
+        _challenge: Option<&[u8]>,
+        advertised: &[u8],
+    ) -> Vec<u8> {
         advertised.to_vec()
     }
+
+    /// The challenge this node gave the connection `peer`'s `connect` came on, told just before
+    /// the core sees that `connect` (so before [`DataPlane::add_remote_peer`]): a plane that
+    /// checks a proof in the peer's metadata requires it to be made for this challenge, so a
+    /// proof captured on another connection, or made for an earlier instance of this node at
+    /// the same address, is refused. `None`: no challenge was given (a test driving the core
+    /// without a channel).
+    fn bind_challenge(&mut self, _peer: &PeerId, _challenge: Option<&[u8]>) {}
 }

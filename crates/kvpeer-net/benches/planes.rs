@@ -197,8 +197,12 @@ fn main() {
                 shm: b.pool().shm_name().map(str::to_owned),
                 // b's proof, made for the writer (a), that it owns its pool.
                 shm_token: Some(
-                    kvpeer_store::trailer::token(b.pool().shm().unwrap().secret(), pa.as_str())
-                        .to_vec(),
+                    kvpeer_store::trailer::token(
+                        b.pool().shm().unwrap().secret(),
+                        pa.as_str(),
+                        None,
+                    )
+                    .to_vec(),
                 ),
                 tcp: None,
                 ..Default::default()
@@ -234,7 +238,7 @@ fn main() {
         };
         // b's `connect` to a carries the key a's HELLO presents to b's data port.
         let with_key =
-            AgentMetadata::decode(&rx.connect_metadata(&pa, &advertised.encode())).unwrap();
+            AgentMetadata::decode(&rx.connect_metadata(&pa, None, &advertised.encode())).unwrap();
         register(&mut tx, &pb, with_key, len);
         let blocks: Vec<BlockIndex> = (0..PER_FETCH).map(BlockIndex::new).collect();
         let got = plane_gbps(

@@ -192,6 +192,8 @@ pub struct Connection {
     /// Set by [`Connection::connected`]: the handshake's deadline.
     handshake_deadline: Option<Instant>,
     ready: bool,
+    /// The challenge the peer's READY gave (a kvpeer ROUTER's; see [`zmtp::CHALLENGE_PROPERTY`]).
+    peer_challenge: Option<Vec<u8>>,
     next_ping: Option<Instant>,
     ping_deadline: Option<Instant>,
     ttl_deadline: Option<(Instant, Duration)>,
@@ -227,6 +229,7 @@ impl Connection {
             ends: VecDeque::new(),
             handshake_deadline: None,
             ready: false,
+            peer_challenge: None,
             next_ping: None,
             ping_deadline: None,
             ttl_deadline: None,
@@ -250,6 +253,11 @@ impl Connection {
     /// Whether the peer's READY arrived and was accepted.
     pub fn is_ready(&self) -> bool {
         self.ready
+    }
+
+    /// The challenge the peer gave in its READY (`None` before it, or when it gave none).
+    pub fn peer_challenge(&self) -> Option<&[u8]> {
+        self.peer_challenge.as_deref()
     }
 
     /// Messages queued and not yet wholly written.
@@ -346,7 +354,11 @@ impl Connection {
             match input {
                 // Ours went out with our READY.
                 Input::Greeting | Input::Command => {}
-                Input::Ready { socket_type, .. } => {
+                Input::Ready {
+                    socket_type,
+                    challenge,
+                    ..
+                } => {
                     if !self.role.peers.iter().any(|p| p.as_bytes() == socket_type) {
                         return Err(ConnError::PeerType {
                             got: String::from_utf8_lossy(&socket_type).into_owned(),
@@ -355,6 +367,7 @@ impl Connection {
                         });
                     }
                     self.ready = true;
+                    self.peer_challenge = challenge;
                     self.gate = None;
                     if !self.limits.heartbeat_interval.is_zero() {
                         self.next_ping = Some(now + self.limits.heartbeat_interval);
@@ -504,7 +517,8 @@ mod tests {
                 Input::Greeting,
                 Input::Ready {
                     socket_type: b"SUB".to_vec(),
-                    identity: Vec::new()
+                    identity: Vec::new(),
+                    challenge: None,
                 }
             ],
             "the subscription waits for the PUB's READY"
@@ -569,7 +583,8 @@ mod tests {
             got[1],
             Input::Ready {
                 socket_type: b"DEALER".to_vec(),
-                identity: Vec::new()
+                identity: Vec::new(),
+                challenge: None,
             }
         );
         assert_eq!(

@@ -298,6 +298,24 @@ impl ControlChannel {
         self.outbound.connections()
     }
 
+    /// Whether the outbound connection to `peer` finished its handshake and, if so, the
+    /// challenge the peer's READY gave (a kvpeer node gives one per connection; other ROUTERs
+    /// none): `None` while no connection to `peer` is ready.
+    pub fn outbound_challenge(&self, peer: &PeerId) -> Option<Option<&[u8]>> {
+        self.outbound.ready_challenge(peer)
+    }
+
+    /// The challenge this node's READY gave inbound connection `conn` (`None` once it closed).
+    pub fn inbound_challenge(&self, conn: ConnId) -> Option<&[u8]> {
+        self.inbound.challenge(conn)
+    }
+
+    /// Marks whether a live session is bound to inbound connection `conn`: when the listener
+    /// is full, a newcomer evicts connections without a session first.
+    pub fn set_holds_session(&mut self, conn: ConnId, holds: bool) {
+        self.inbound.set_holds_session(conn, holds);
+    }
+
     /// Whether an outbound connection to `peer` is open.
     pub fn connected(&self, peer: &PeerId) -> bool {
         self.outbound.connected(peer)

@@ -125,6 +125,11 @@ impl Dealer {
         self.0.is_ready()
     }
 
+    /// The challenge the peer's READY gave (a kvpeer ROUTER's), once READY.
+    pub fn peer_challenge(&self) -> Option<&[u8]> {
+        self.0.peer_challenge()
+    }
+
     /// Messages queued and not yet wholly written.
     pub fn queued(&self) -> usize {
         self.0.queued()
@@ -238,7 +243,8 @@ mod tests {
                 Input::Greeting,
                 Input::Ready {
                     socket_type: b"DEALER".to_vec(),
-                    identity: b"127.0.0.1:5600".to_vec()
+                    identity: b"127.0.0.1:5600".to_vec(),
+                    challenge: None,
                 }
             ]
         );

@@ -205,8 +205,17 @@ impl DataPlane for DualPlane {
         self.tcp.end_writes(peer, blocks);
     }
 
-    fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
-        let with_shm = self.shm.connect_metadata(peer, advertised);
-        self.tcp.connect_metadata(peer, &with_shm)
+    fn connect_metadata(
+        &mut self,
+        peer: &PeerId,
+        challenge: Option<&[u8]>,
+        advertised: &[u8],
+    ) -> Vec<u8> {
+        let with_shm = self.shm.connect_metadata(peer, challenge, advertised);
+        self.tcp.connect_metadata(peer, challenge, &with_shm)
+    }
+
+    fn bind_challenge(&mut self, peer: &PeerId, challenge: Option<&[u8]>) {
+        self.shm.bind_challenge(peer, challenge);
     }
 }

@@ -14,7 +14,11 @@
 //! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`, and a
 //! connection that sends nothing for `heartbeat_timeout` (or does not finish its handshake in
 //! that time) is closed. Frames over `max_message_bytes` are refused from their header.
-//! Connections are capped in all and per source address, so one host cannot take every slot.
+//! Connections are capped in all and per source address; when a cap is reached a newcomer
+//! evicts the idlest connection of its own (or the heaviest) source that carries no session
+//! (`admission.rs`), so no process can lock the others of its host out. Each connection is
+//! given a fresh random challenge in our READY ([`zmtp::CHALLENGE_PROPERTY`]): a kvpeer peer's
+//! proofs are made for that connection ([`Inbound::challenge`]).
 //!
 //! Owned by the node's runtime thread with the rest of the channel; every socket is
 //! non-blocking and polled with the channel's other sockets, so nothing here blocks.
@@ -28,6 +32,7 @@ use std::time::{Duration, Instant};
 use kvpeer_proto::PeerId;
 use tracing::{debug, warn};
 
+use crate::admission::{self, Caps, Holder};
 use crate::zmtp::{self, Decoder, Input};
 
 /// One inbound connection's number, unique for the channel's life.
@@ -83,9 +88,16 @@ struct Conn {
     /// Bytes to send (ZMTP commands only: this side never sends messages).
     out: Vec<u8>,
     identity: Option<PeerId>,
+    /// The challenge our READY gives it (see [`zmtp::CHALLENGE_PROPERTY`]).
+    challenge: [u8; zmtp::CHALLENGE_LEN],
     opened: Instant,
     last_recv: Instant,
     last_sent: Instant,
+    /// When it last delivered a message (accepted, if it never did): how idle it is when a
+    /// newcomer needs its slot (`admission`).
+    last_active: Instant,
+    /// Whether the node bound a live session to it ([`Inbound::set_holds_session`]).
+    holds_session: bool,
 }
 
 /// Bytes of unsent commands a connection may hold before it counts as not reading.
@@ -205,7 +217,7 @@ impl Inbound {
         events: &mut Vec<InboundEvent>,
     ) {
         if listener_ready {
-            self.accept(now);
+            self.accept(now, events);
         }
         for &conn in readable {
             if let Err(why) = self.read(now, conn, events) {
@@ -230,7 +242,20 @@ impl Inbound {
         }
     }
 
-    fn accept(&mut self, now: Instant) {
+    /// The challenge our READY gave connection `conn`.
+    pub fn challenge(&self, conn: ConnId) -> Option<&[u8]> {
+        self.conns.get(&conn).map(|c| &c.challenge[..])
+    }
+
+    /// Marks whether a live session is bound to `conn`: such a connection gives its slot up to
+    /// a newcomer only after every connection of its source that carries none.
+    pub fn set_holds_session(&mut self, conn: ConnId, holds: bool) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.holds_session = holds;
+        }
+    }
+
+    fn accept(&mut self, now: Instant, events: &mut Vec<InboundEvent>) {
         if !self.listening(now) {
             return;
         }
@@ -251,15 +276,15 @@ impl Inbound {
                 }
             };
             let source = addr.ip().to_canonical();
-            let from_source = self.conns.values().filter(|c| c.source == source).count();
-            if self.conns.len() >= self.limits.max_connections
-                || from_source >= self.limits.max_per_source
-            {
-                if let Some(suppressed) = crate::admit_warning("control connection refused") {
-                    warn!(%source, open = self.conns.len(), from_source, suppressed,
-                        "refusing a control connection: too many open");
+            if !self.make_room(source, events) {
+                continue; // no slot can be had (caps of zero): dropped, closed
+            }
+            let mut challenge = [0u8; zmtp::CHALLENGE_LEN];
+            if let Err(e) = getrandom::fill(&mut challenge) {
+                if let Some(suppressed) = crate::admit_warning("no randomness") {
+                    warn!(error = %e, suppressed, "no randomness for a connection's challenge");
                 }
-                continue; // dropped: closed
+                continue;
             }
             if let Err(e) = stream.set_nonblocking(true) {
                 warn!(error = %e, "cannot make a control connection non-blocking");
@@ -274,9 +299,12 @@ impl Inbound {
                 decoder: Decoder::new(self.limits.max_message_bytes),
                 out: Vec::new(),
                 identity: None,
+                challenge,
                 opened: now,
                 last_recv: now,
                 last_sent: now,
+                last_active: now,
+                holds_session: false,
             };
             // Our whole greeting at once: libzmq reads it in its own steps.
             c.out.extend_from_slice(&zmtp::greeting());
@@ -309,11 +337,15 @@ impl Inbound {
             while let Some(input) = c.decoder.next_input().map_err(|e| e.to_string())? {
                 match input {
                     Input::Greeting => {
-                        c.out.extend(zmtp::ready("ROUTER"));
+                        c.out.extend(zmtp::ready_with(&[
+                            ("Socket-Type", b"ROUTER"),
+                            (zmtp::CHALLENGE_PROPERTY, &c.challenge),
+                        ]));
                     }
                     Input::Ready {
                         socket_type,
                         identity,
+                        ..
                     } => {
                         if !matches!(&socket_type[..], b"DEALER" | b"REQ" | b"ROUTER") {
                             return Err(format!(
@@ -346,6 +378,7 @@ impl Inbound {
                             }
                             continue;
                         }
+                        c.last_active = now;
                         events.push(InboundEvent::Payload {
                             conn,
                             peer,
@@ -436,6 +469,35 @@ impl Inbound {
             }
             self.drop_conn(hog, "buffers over the node's cap", events);
         }
+    }
+
+    /// Makes a slot for a newcomer from `source` if the caps are reached, by closing the
+    /// holder the admission policy names (`admission`: its own source's, or the heaviest
+    /// source's, idlest connection without a session). `false` when no slot can be had.
+    fn make_room(&mut self, source: IpAddr, events: &mut Vec<InboundEvent>) -> bool {
+        let caps = Caps {
+            max_connections: self.limits.max_connections,
+            max_per_source: self.limits.max_per_source,
+        };
+        let holders: Vec<Holder<ConnId>> = self
+            .conns
+            .iter()
+            .map(|(&id, c)| Holder {
+                id,
+                source: c.source,
+                last_active: c.last_active,
+                holds_session: c.holds_session,
+            })
+            .collect();
+        if let Some(victim) = admission::evict_for(&holders, source, caps) {
+            if let Some(suppressed) = crate::admit_warning("control connection evicted") {
+                warn!(%source, open = self.conns.len(), suppressed,
+                    "control connections full: closing the idlest one of the heaviest source");
+            }
+            self.drop_conn(victim, "evicted for a newcomer (connections full)", events);
+        }
+        let from_source = self.conns.values().filter(|c| c.source == source).count();
+        self.conns.len() < caps.max_connections && from_source < caps.max_per_source
     }
 
     fn drop_conn(&mut self, conn: ConnId, why: &str, events: &mut Vec<InboundEvent>) {

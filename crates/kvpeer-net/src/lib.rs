@@ -17,6 +17,7 @@
 //! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
 //! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
 
+mod admission;
 pub mod connection;
 pub mod control;
 pub mod dealer;
@@ -27,7 +28,6 @@ pub mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod outbound;
-mod prefault;
 pub mod shm;
 mod shm_object;
 mod sockio;

@@ -304,6 +304,13 @@ impl Outbound {
         self.by_peer.contains_key(peer)
     }
 
+    /// Whether the connection to `peer` finished its handshake, and the challenge the peer's
+    /// READY gave: `None` while there is no ready connection.
+    pub(crate) fn ready_challenge(&self, peer: &PeerId) -> Option<Option<&[u8]>> {
+        let conn = self.conns.get(self.by_peer.get(peer)?)?;
+        conn.dealer.is_ready().then(|| conn.dealer.peer_challenge())
+    }
+
     /// Connections, lingering ones included.
     pub(crate) fn connections(&self) -> usize {
         self.conns.len()

@@ -1,24 +1,29 @@
 //! The `shm` data plane: peers on one host write blocks straight into each other's pools.
 //!
 //! Registration opens the peer's POSIX shared-memory object by the name its `agent_metadata`
-//! gives and proves it is the peer's pool before anything is mapped writable: the object is a
-//! regular file, not this node's own pool (same device and inode), exactly
+//! gives and proves it is the peer's pool before anything is written: the object is a regular
+//! file owned by this node's user, not this node's own pool (same device and inode), exactly
 //! `num_blocks × block_len + TRAILER_LEN` bytes, its trailer starts with the magic, and the
-//! peer's `shm_token` is the HMAC of the trailer's secret for this node's id
-//! ([`kvpeer_store::trailer`]). A peer that cannot read the object cannot make the token, and a
-//! token made for another node is worthless here, so a peer can no longer direct this node's
-//! writes into its own pool or into another object of the same user. Only then are the blocks
-//! (not the trailer) mapped read-write; the registration is `Pending` until a helper thread has
-//! pre-faulted that mapping (`prefault`), so no copy pays page faults and the runtime never
-//! waits for the pre-fault: on the runtime thread, registration is `open`, `fstat`, a 40-byte
-//! `pread`, one HMAC and `mmap`. This node's own `connect` carries its token for each
-//! destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
-//! trailer. A write copies local block `l` into the peer's region at `r × block_len`. Local
-//! blocks are read through the store's [`PoolView`]: the plane never maps its own pool. A pool
-//! over an engine's own memory ([`kvpeer_store::Pool::external`]) has no object a peer could
-//! map, so the plane refuses it ([`ShmError::NotShm`]). A peer's pool, once proven here, is
-//! mapped by kvpeer-store ([`Pool::map_peer`]) and written with [`Pool::block_mut`], so this
-//! plane holds no `unsafe`.
+//! peer's `shm_token` is the HMAC of the trailer's secret for this node's id and the challenge
+//! this node gave the connection the `connect` came on ([`kvpeer_store::trailer`]). A peer that
+//! cannot read the object cannot make the token, a token made for another node (or for an
+//! earlier instance or connection of this one) is worthless here, so a peer cannot direct this
+//! node's writes into its own pool or into another object of the same user.
+//!
+//! **A peer's pool is never mapped.** The object is the peer's: it may shrink, grow or punch
+//! holes in it whenever it likes, and a store through a mapping of a shrunk object faults
+//! (SIGBUS) and kills the process. So a write is `pwrite(2)` on the object's descriptor, block by
+//! block, from the node's own pool: the kernel copies, and a shrunk object makes the write fail
+//! (or extend the file with just the bytes the fetch wrote), never the node. Before each
+//! transfer the object's size is checked again (one `fstat`); an object that changed fails the
+//! transfer without writing. Nothing of a peer's object is allocated or touched by the node
+//! beyond the blocks its fetches write (no pre-fault). On the runtime thread, registration is
+//! `open`, `fstat`, a 40-byte `pread` and one HMAC. This node's own `connect` carries its token
+//! for each destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
+//! trailer and the challenge the destination gave. Local blocks are read through the store's
+//! [`PoolView`]: the plane never maps its own pool. A pool over an engine's own memory
+//! ([`kvpeer_store::Pool::external`]) has no object a peer could open, so the plane refuses it
+//! ([`ShmError::NotShm`]). The plane holds no `unsafe`.
 //!
 //! Called by the core on the runtime thread. A transfer of at most [`INLINE_COPY_BYTES`] is
 //! copied right there (a few tens of microseconds, less than handing it to another thread and
@@ -41,7 +46,7 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use kvpeer_store::{Pool, PoolView};
+use kvpeer_store::PoolView;
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -54,13 +59,64 @@ pub type Wake = Arc<dyn Fn() + Send + Sync>;
 /// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
 pub const INLINE_COPY_BYTES: u64 = 8 << 20;
 
-/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool `dst`
-/// (indexes checked by `write_in_range` before the copy was accepted).
-fn copy_blocks(src: &PoolView, dst: &mut Pool, local: &[BlockIndex], remote: &[BlockIndex]) {
+/// A proven peer's pool object: written through its descriptor, never mapped.
+#[derive(Debug)]
+struct PeerObject {
+    file: File,
+    /// The object's length when it was proven (blocks and trailer).
+    len: u64,
+    block_len: u64,
+}
+
+/// Why a write into a peer's pool failed (the transfer fails; the node goes on).
+#[derive(Debug, thiserror::Error)]
+enum PeerWriteError {
+    /// The peer changed its object's size since it proved it.
+    #[error("the peer's pool object is now {now} bytes, not the {proven} it proved")]
+    Resized { proven: u64, now: u64 },
+    /// The object could not be examined.
+    #[error("cannot fstat the peer's pool object: {0}")]
+    Stat(std::io::Error),
+    /// A block of this node's own pool is out of range (checked before; never expected).
+    #[error("local block {0} is not in this node's pool")]
+    LocalBlock(u64),
+    /// The kernel refused the write (no space left in the peer's tmpfs, a sealed object, ...).
+    #[error("writing block {block} of the peer's pool: {source}")]
+    Write { block: u64, source: std::io::Error },
+}
+
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool object `dst`
+/// (indexes checked by `write_in_range` before the copy was accepted) with `pwrite(2)`: a peer
+/// that shrinks or replaces the bytes under its object can make this fail, never fault.
+fn copy_blocks(
+    src: &PoolView,
+    dst: &PeerObject,
+    local: &[BlockIndex],
+    remote: &[BlockIndex],
+) -> Result<(), PeerWriteError> {
+    let now = dst.file.metadata().map_err(PeerWriteError::Stat)?.len();
+    if now != dst.len {
+        return Err(PeerWriteError::Resized {
+            proven: dst.len,
+            now,
+        });
+    }
     for (&l, &r) in local.iter().zip(remote) {
-        if let (Some(from), Ok(to)) = (src.block(l), dst.block_mut(r)) {
-            to.copy_from_slice(from);
-        }
+        let from = src.block(l).ok_or(PeerWriteError::LocalBlock(l.get()))?;
+        dst.file
+            .write_all_at(from, r.get() * dst.block_len)
+            .map_err(|source| PeerWriteError::Write {
+                block: r.get(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
+/// Logs a failed write into a peer's pool (rate-limited: a peer causes it at will).
+fn warn_write_failed(peer: &PeerId, e: &PeerWriteError) {
+    if let Some(suppressed) = crate::admit_warning("shm write into a peer's pool failed") {
+        warn!(%peer, error = %e, suppressed, "shm write into a peer's pool failed");
     }
 }
 
@@ -83,7 +139,7 @@ pub enum ShmError {
 struct Job {
     tid: TransferId,
     peer: PeerId,
-    dst: Arc<Mutex<Pool>>,
+    dst: Arc<PeerObject>,
     local: Vec<BlockIndex>,
     remote: Vec<BlockIndex>,
 }
@@ -99,13 +155,10 @@ struct Shared {
 }
 
 struct PeerMap {
-    /// Our mapping of the peer's pool (kvpeer-store maps it, after `prove`).
-    region: Arc<Mutex<Pool>>,
+    /// The peer's pool object, proven by `prove` (written with `pwrite`, never mapped).
+    region: Arc<PeerObject>,
     num_blocks: u64,
 }
-
-/// Peer mappings whose pre-faulting finished: (peer, registration number, mapping).
-type Prefaulted = Arc<Mutex<Vec<(PeerId, u64, PeerMap)>>>;
 
 /// The shm data plane of one node.
 pub struct ShmPlane {
@@ -121,10 +174,13 @@ pub struct ShmPlane {
     block_len: u64,
     peers: HashMap<PeerId, PeerMap>,
     registrations: HashMap<PeerId, Registration>,
-    /// Registrations waiting for their mapping's pre-fault: peer → registration number.
-    prefaulting: HashMap<PeerId, u64>,
-    prefaulted: Prefaulted,
-    registration_seq: u64,
+    /// The challenge this node gave the connection each peer's `connect` came on (see
+    /// [`DataPlane::bind_challenge`]): its token must be made for it.
+    challenges: HashMap<PeerId, Vec<u8>>,
+    /// Whether a version-1 token (made for this node's address, not for a challenge: what a
+    /// peer sends that cannot read our READY) is accepted too. Off by default: such a token
+    /// is good at any later instance at this address (docs/security.md, "Fresh proofs").
+    allow_replayable_tokens: bool,
     next_tid: TransferId,
     shared: Arc<Mutex<Shared>>,
     jobs: Option<Sender<Job>>,
@@ -167,14 +223,18 @@ impl ShmPlane {
                             }
                             s.running = Some(job.tid);
                         }
-                        {
-                            let mut dst = job.dst.lock().unwrap_or_else(|p| p.into_inner());
-                            copy_blocks(&local, &mut dst, &job.local, &job.remote);
+                        let copied = copy_blocks(&local, &job.dst, &job.local, &job.remote);
+                        if let Err(e) = &copied {
+                            warn_write_failed(&job.peer, e);
                         }
                         let mut s = lock(&shared);
                         s.running = None;
                         if !s.abandoned.remove(&job.tid) {
-                            s.ended.entry(job.peer).or_default().done.push(job.tid);
+                            let ended = s.ended.entry(job.peer).or_default();
+                            match copied {
+                                Ok(()) => ended.done.push(job.tid),
+                                Err(_) => ended.failed.push(job.tid),
+                            }
                         }
                         drop(s);
                         wake();
@@ -192,9 +252,8 @@ impl ShmPlane {
             block_len,
             peers: HashMap::new(),
             registrations: HashMap::new(),
-            prefaulting: HashMap::new(),
-            prefaulted: Arc::default(),
-            registration_seq: 0,
+            challenges: HashMap::new(),
+            allow_replayable_tokens: false,
             next_tid: TransferId::new(0),
             shared,
             jobs: Some(tx),
@@ -202,9 +261,9 @@ impl ShmPlane {
         })
     }
 
-    /// Opens, proves and maps the pool a peer names; nothing is mapped writable unless every
-    /// check passes. Runtime thread: `open`, `fstat`, a 40-byte `pread`, one HMAC, `mmap`.
-    fn map_peer(&self, memory: &RemoteMemory) -> Result<PeerMap, String> {
+    /// Opens and proves the pool a peer names; nothing is written unless every check passes.
+    /// Runtime thread: `open`, `fstat`, a 40-byte `pread`, one HMAC.
+    fn open_peer(&self, peer: &PeerId, memory: &RemoteMemory) -> Result<PeerMap, String> {
         let meta = AgentMetadata::decode(&memory.agent_metadata).map_err(|e| e.to_string())?;
         let name = meta.shm.ok_or("the peer offers no shm plane")?;
         if memory.block_len != self.block_len {
@@ -216,26 +275,43 @@ impl ShmPlane {
         let token = meta
             .shm_token
             .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
+        let challenge = self.challenges.get(peer).map(Vec::as_slice);
         let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
-        self.prove(&name, &file, memory.num_blocks, &token)?;
-        let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
-            .map_err(|e| format!("cannot map {name:?}: {e}"))?;
+        let len = self.prove(&name, &file, memory.num_blocks, &token, challenge)?;
         Ok(PeerMap {
-            region: Arc::new(Mutex::new(map)),
+            region: Arc::new(PeerObject {
+                file,
+                len,
+                block_len: self.block_len,
+            }),
             num_blocks: memory.num_blocks,
         })
     }
 
     /// Checks that `file` (the object `/name` a peer named) is that peer's pool of `num_blocks`
-    /// blocks: a regular file, not our own pool, exactly blocks plus trailer long, with the
-    /// trailer's magic, and `token` made from its secret for this node. Returns the blocks'
-    /// byte length.
-    fn prove(&self, name: &str, file: &File, num_blocks: u64, token: &[u8]) -> Result<u64, String> {
+    /// blocks: a regular file of this node's user, not our own pool, exactly blocks plus
+    /// trailer long, with the trailer's magic, and `token` made from its secret for this node
+    /// and `challenge`. Returns the object's byte length.
+    fn prove(
+        &self,
+        name: &str,
+        file: &File,
+        num_blocks: u64,
+        token: &[u8],
+        challenge: Option<&[u8]>,
+    ) -> Result<u64, String> {
         let stat = file
             .metadata()
             .map_err(|e| format!("cannot fstat {name:?}: {e}"))?;
         if !stat.file_type().is_file() {
             return Err(format!("{name:?} is not a shared-memory object"));
+        }
+        let uid = nix::unistd::geteuid().as_raw();
+        if stat.uid() != uid {
+            return Err(format!(
+                "{name:?} belongs to uid {}, not to this node's uid {uid}",
+                stat.uid()
+            ));
         }
         if (stat.dev(), stat.ino()) == self.local_object {
             return Err(format!("{name:?} is this node's own pool"));
@@ -257,12 +333,24 @@ impl ShmPlane {
         file.read_exact_at(&mut head, blocks_len)
             .map_err(|e| format!("cannot read the trailer of {name:?}: {e}"))?;
         let secret = trailer::parse_trailer(&head).map_err(|e| format!("{name:?}: {e}"))?;
-        if !trailer::verify(&secret, self.local_id.as_str(), token) {
+        let us = self.local_id.as_str();
+        let proven = trailer::verify(&secret, us, challenge, token)
+            || (self.allow_replayable_tokens && trailer::verify(&secret, us, None, token));
+        if !proven {
             return Err(format!(
-                "the peer's shm_token does not prove it owns {name:?} (wrong or for another node)"
+                "the peer's shm_token does not prove it owns {name:?} (wrong, for another node, \
+                 or for an earlier connection)"
             ));
         }
-        Ok(blocks_len)
+        Ok(expected)
+    }
+
+    /// Accepts version-1 tokens too (bound to this node's address, not to a connection): for
+    /// peers whose control channel cannot read the challenge (kvpeer's Python shm transport
+    /// inside a stock vLLM session). Such a token can be replayed by whoever held it, at any
+    /// later instance of this node at the same address.
+    pub fn set_allow_replayable_tokens(&mut self, allow: bool) {
+        self.allow_replayable_tokens = allow;
     }
 
     /// Transfers queued or running (for tests and stats).
@@ -275,68 +363,43 @@ impl ShmPlane {
 impl DataPlane for ShmPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         self.remove_remote_peer(peer);
-        let map = match self.map_peer(memory) {
-            Ok(map) => map,
+        match self.open_peer(peer, memory) {
+            Ok(map) => {
+                self.peers.insert(peer.clone(), map);
+                self.registrations.insert(peer.clone(), Registration::Done);
+            }
             Err(e) => {
                 if let Some(suppressed) = crate::admit_warning("shm registration failed") {
                     warn!(%peer, error = %e, suppressed, "shm registration failed");
                 }
                 self.registrations
                     .insert(peer.clone(), Registration::Failed(PlaneError::rejected(e)));
-                return Ok(());
-            }
-        };
-        // Pre-faulting a large pool takes a while (0.2 s per GiB): do it off the runtime
-        // thread; the registration is done when it is.
-        self.registration_seq += 1;
-        let seq = self.registration_seq;
-        let (done, wake, who) = (self.prefaulted.clone(), self.wake.clone(), peer.clone());
-        let spawned = std::thread::Builder::new()
-            .name("kvpeer-shm-prefault".into())
-            .spawn(move || {
-                crate::prefault::for_write(&lock(&map.region), "a peer's pool");
-                lock(&done).push((who, seq, map));
-                wake();
-            });
-        match spawned {
-            Ok(_) => {
-                self.prefaulting.insert(peer.clone(), seq);
-                self.registrations
-                    .insert(peer.clone(), Registration::Pending);
-            }
-            Err(e) => {
-                warn!(%peer, error = %e, "cannot start a pre-fault thread");
-                self.registrations.insert(
-                    peer.clone(),
-                    Registration::Failed(PlaneError::resources(format!(
-                        "cannot start a pre-fault thread: {e}"
-                    ))),
-                );
             }
         }
         Ok(())
     }
 
     fn registration(&mut self, peer: &PeerId) -> Registration {
-        let finished = std::mem::take(&mut *lock(&self.prefaulted));
-        for (who, seq, map) in finished {
-            // A result for a registration since removed or replaced is dropped.
-            if self.prefaulting.get(&who) == Some(&seq) {
-                self.prefaulting.remove(&who);
-                self.peers.insert(who.clone(), map);
-                self.registrations.insert(who, Registration::Done);
-            }
-        }
         self.registrations
             .get(peer)
             .cloned()
             .unwrap_or_else(|| Registration::Failed(PlaneError::not_registered()))
     }
 
+    fn bind_challenge(&mut self, peer: &PeerId, challenge: Option<&[u8]>) {
+        match challenge {
+            Some(c) => {
+                self.challenges.insert(peer.clone(), c.to_vec());
+            }
+            None => {
+                self.challenges.remove(peer);
+            }
+        }
+    }
+
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         self.peers.remove(peer);
         self.registrations.remove(peer);
-        self.prefaulting.remove(peer);
     }
 
     fn write_blocks(
@@ -355,16 +418,17 @@ impl DataPlane for ShmPlane {
         self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
-            {
-                let mut dst = map.region.lock().unwrap_or_else(|p| p.into_inner());
-                copy_blocks(&self.local, &mut dst, local, remote);
+            let copied = copy_blocks(&self.local, &map.region, local, remote);
+            let mut s = lock(&self.shared);
+            let ended = s.ended.entry(peer.clone()).or_default();
+            match copied {
+                Ok(()) => ended.done.push(tid),
+                Err(e) => {
+                    warn_write_failed(peer, &e);
+                    ended.failed.push(tid);
+                }
             }
-            lock(&self.shared)
-                .ended
-                .entry(peer.clone())
-                .or_default()
-                .done
-                .push(tid);
+            drop(s);
             (self.wake)();
             return Some(tid);
         }
@@ -387,10 +451,16 @@ impl DataPlane for ShmPlane {
         lock(&self.shared).ended.remove(peer).unwrap_or_default()
     }
 
-    fn connect_metadata(&mut self, peer: &PeerId, advertised: &[u8]) -> Vec<u8> {
+    fn connect_metadata(
+        &mut self,
+        peer: &PeerId,
+        challenge: Option<&[u8]>,
+        advertised: &[u8],
+    ) -> Vec<u8> {
         match AgentMetadata::decode(advertised) {
             Ok(mut meta) if meta.shm.is_some() => {
-                meta.shm_token = Some(trailer::token(&self.secret, peer.as_str()).to_vec());
+                meta.shm_token =
+                    Some(trailer::token(&self.secret, peer.as_str(), challenge).to_vec());
                 meta.encode()
             }
             _ => advertised.to_vec(),

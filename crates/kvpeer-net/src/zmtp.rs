@@ -26,6 +26,16 @@
 /// Bytes of a ZMTP 3 greeting.
 pub const GREETING_LEN: usize = 64;
 
+/// The READY property in which a kvpeer ROUTER gives each accepted connection a fresh random
+/// challenge (16 bytes): a peer's proofs in its `connect` (the `shm_token`, `kvpeer_auth`) are
+/// made for it, so they are good on that one connection of that one instance of the node and
+/// nowhere else (docs/security.md, "Fresh proofs"). libzmq and pyzmq keep unknown properties as
+/// metadata and otherwise ignore them.
+pub const CHALLENGE_PROPERTY: &str = "X-Kvpeer-Challenge";
+
+/// Bytes of a challenge.
+pub const CHALLENGE_LEN: usize = 16;
+
 /// Longest command body this side accepts (READY carries two short properties; PING 18 bytes).
 const MAX_COMMAND_BYTES: u64 = 64 * 1024;
 
@@ -75,6 +85,8 @@ pub enum Input {
         socket_type: Vec<u8>,
         /// Its `Identity` property (empty when it set none).
         identity: Vec<u8>,
+        /// Its [`CHALLENGE_PROPERTY`] (a kvpeer ROUTER's per-connection challenge), if any.
+        challenge: Option<Vec<u8>>,
     },
     /// A whole message: its frames in order.
     Message(Vec<Vec<u8>>),
@@ -378,6 +390,7 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
         b"READY" => {
             let mut socket_type = Vec::new();
             let mut identity = Vec::new();
+            let mut challenge = None;
             let mut p = data;
             while let Some((&n, after)) = p.split_first() {
                 let key = after
@@ -395,12 +408,15 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                     socket_type = value.to_vec();
                 } else if key.eq_ignore_ascii_case(b"Identity") {
                     identity = value.to_vec();
+                } else if key.eq_ignore_ascii_case(CHALLENGE_PROPERTY.as_bytes()) {
+                    challenge = Some(value.to_vec());
                 }
                 p = &after[4 + vlen..];
             }
             Ok(Input::Ready {
                 socket_type,
                 identity,
+                challenge,
             })
         }
         b"PING" => {
@@ -578,7 +594,8 @@ mod tests {
                 Input::Greeting,
                 Input::Ready {
                     socket_type: b"DEALER".to_vec(),
-                    identity: b"127.0.0.1:5600".to_vec()
+                    identity: b"127.0.0.1:5600".to_vec(),
+                    challenge: None,
                 },
                 Input::Ping {
                     ttl_deciseconds: 100,

@@ -41,7 +41,7 @@ fn pool(tag: &str) -> (BlockStore, String) {
 
 /// The token the owner of `store`'s pool sends this node.
 fn token_for_me(store: &BlockStore) -> Option<Vec<u8>> {
-    Some(trailer::token(store.pool().shm().unwrap().secret(), ME).to_vec())
+    Some(trailer::token(store.pool().shm().unwrap().secret(), ME, None).to_vec())
 }
 
 fn memory(shm: &str, num_blocks: u64, shm_token: Option<Vec<u8>>) -> RemoteMemory {
@@ -118,21 +118,16 @@ fn assert_refused(p: &mut ShmPlane, peer: &PeerId, why: &str) {
 }
 
 #[test]
-fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
+fn a_peer_pool_is_registered_at_once_and_written_through_its_object() {
     let (mut mine, _) = pool("a");
     let (theirs, their_name) = pool("b");
     let (local, bytes) = fill(&mut mine, 7);
-    let (mut p, wakes) = plane(&mine);
+    let (mut p, _) = plane(&mine);
     let peer = PeerId::new("127.0.0.1:7001");
     p.add_remote_peer(&peer, &memory(&their_name, BLOCKS, token_for_me(&theirs)))
         .unwrap();
-    assert_eq!(settle(&mut p, &peer), Registration::Done);
-    // The helper hands over its mapping, then wakes the runtime: the wake may trail by a moment.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while wakes.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the helper woke the runtime");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    // No mapping, no pre-fault: the registration is done when the proof is.
+    assert_eq!(p.registration(&peer), Registration::Done);
     // The registration is usable: a write lands in the peer's pool, byte-exact, and nowhere
     // else (its trailer is untouched).
     let before = object_bytes(&their_name);
@@ -160,7 +155,7 @@ fn a_peer_pool_is_registered_after_its_prefault_and_the_runtime_is_woken() {
 }
 
 #[test]
-fn a_registration_replaced_or_removed_while_prefaulting_never_comes_back() {
+fn a_registration_replaced_or_removed_never_comes_back() {
     let (mine, _) = pool("c");
     let (small, small_name) = pool("d");
     let (mut p, _) = plane(&mine);
@@ -222,7 +217,10 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
         // for our own id. Only the (device, inode) check stops it.
         ("a valid token", token_for_me(&mine)),
         ("a token for another node", {
-            Some(trailer::token(mine.pool().shm().unwrap().secret(), "127.0.0.1:7010").to_vec())
+            Some(
+                trailer::token(mine.pool().shm().unwrap().secret(), "127.0.0.1:7010", None)
+                    .to_vec(),
+            )
         }),
         ("garbage", Some(vec![0xa5; 32])),
     ];
@@ -265,7 +263,14 @@ fn a_peer_naming_another_pool_without_its_token_is_refused() {
         (
             "does not prove",
             // The victim's token, but made for another node (sniffed from a connect to it).
-            Some(trailer::token(victim.pool().shm().unwrap().secret(), "127.0.0.1:7999").to_vec()),
+            Some(
+                trailer::token(
+                    victim.pool().shm().unwrap().secret(),
+                    "127.0.0.1:7999",
+                    None,
+                )
+                .to_vec(),
+            ),
         ),
         (
             "does not prove",
@@ -321,7 +326,7 @@ fn a_peer_lying_about_its_size_or_an_object_without_a_trailer_is_refused() {
     bytes[at..at + 8].copy_from_slice(b"KVPSHM00");
     bytes[at + 8..at + 40].fill(0x11);
     std::fs::write(format!("/dev/shm/{fake}"), &bytes).unwrap();
-    let forged = trailer::token(&[0x11; 32], ME).to_vec();
+    let forged = trailer::token(&[0x11; 32], ME, None).to_vec();
     p.add_remote_peer(&peer, &memory(&fake, BLOCKS, Some(forged.clone())))
         .unwrap();
     assert_refused(&mut p, &peer, "magic");
@@ -356,7 +361,7 @@ fn connect_metadata_carries_a_token_for_each_destination() {
     .encode();
 
     // The peer's connect to us carries its token for us; registering it works.
-    let to_me = q.connect_metadata(&me(), &advertised);
+    let to_me = q.connect_metadata(&me(), None, &advertised);
     let meta = AgentMetadata::decode(&to_me).unwrap();
     assert_eq!(meta.shm_token, token_for_me(&theirs));
     assert_eq!(
@@ -374,7 +379,7 @@ fn connect_metadata_carries_a_token_for_each_destination() {
     assert_eq!(settle(&mut p, &them), Registration::Done);
 
     // Its connect to someone else carries another token, which we refuse.
-    let to_other = q.connect_metadata(&PeerId::new("127.0.0.1:7014"), &advertised);
+    let to_other = q.connect_metadata(&PeerId::new("127.0.0.1:7014"), None, &advertised);
     assert_ne!(
         AgentMetadata::decode(&to_other).unwrap().shm_token,
         meta.shm_token
@@ -389,8 +394,8 @@ fn connect_metadata_carries_a_token_for_each_destination() {
         ..Default::default()
     }
     .encode();
-    assert_eq!(q.connect_metadata(&me(), &tcp_only), tcp_only);
-    assert_eq!(q.connect_metadata(&me(), b"\xc1nixl"), b"\xc1nixl");
+    assert_eq!(q.connect_metadata(&me(), None, &tcp_only), tcp_only);
+    assert_eq!(q.connect_metadata(&me(), None, b"\xc1nixl"), b"\xc1nixl");
 }
 
 #[test]

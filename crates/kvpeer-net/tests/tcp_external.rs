@@ -92,7 +92,7 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
     let rx_before = raw(&rx_pool, rx_base);
 
     let memory = RemoteMemory {
-        agent_metadata: rx.connect_metadata(&writer, &advertised(&rx)),
+        agent_metadata: rx.connect_metadata(&writer, None, &advertised(&rx)),
         base_addr: rx_pool.base_addr(),
         num_blocks: BLOCKS,
         block_len: LEN,

@@ -45,7 +45,7 @@ fn registered_writer(rx: &mut TcpPlane, store: &BlockStore) -> TcpPlane {
     let mut tx = plane(TX, store, TcpLimits::default());
     let adv = advertised(rx);
     let memory = RemoteMemory {
-        agent_metadata: rx.connect_metadata(&PeerId::new(TX), &adv),
+        agent_metadata: rx.connect_metadata(&PeerId::new(TX), None, &adv),
         base_addr: 0,
         num_blocks: BLOCKS,
         block_len: LEN,

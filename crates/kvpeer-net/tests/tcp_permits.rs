@@ -108,7 +108,7 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
     }
     .encode();
     let memory = RemoteMemory {
-        agent_metadata: rx.connect_metadata(&PeerId::new("10.0.0.2:5710"), &advertised),
+        agent_metadata: rx.connect_metadata(&PeerId::new("10.0.0.2:5710"), None, &advertised),
         base_addr: 0,
         num_blocks: BLOCKS,
         block_len: LEN,

@@ -162,10 +162,10 @@ fn deliver<P: Plane>(from: &mut Node<P>, to: &mut Node<P>) -> bool {
         moved = true;
         // As the node does before a `connect` leaves: the planes' per-destination fields.
         if let Message::Connect(c) = &mut t.message {
-            c.agent_metadata = from
-                .core
-                .plane_mut()
-                .connect_metadata(&t.peer, &c.agent_metadata);
+            c.agent_metadata =
+                from.core
+                    .plane_mut()
+                    .connect_metadata(&t.peer, None, &c.agent_metadata);
         }
         let payload = t.message.encode().unwrap();
         to.core.handle_payload(Instant::now(), &from.id, &payload);

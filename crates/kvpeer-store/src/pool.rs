@@ -1,6 +1,7 @@
 //! The pool's memory and its one owner: every `unsafe` that touches a pool's memory (the
-//! node's own, and a proven peer's that the shm plane writes, [`Pool::map_peer`]) lives in
-//! this file.
+//! node's own) lives in this file. A peer's pool is never mapped: the shm plane writes it
+//! through the object's descriptor (a peer may shrink its own object at any time, and a store
+//! through a mapping of a shrunk object would kill the node with SIGBUS).
 //!
 //! The memory is either a POSIX shared-memory object the pool creates ([`Pool::shm`]:
 //! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
@@ -197,8 +198,6 @@ enum Backing {
         object: ShmObject,
         _keep_alive: Option<Box<dyn Any + Send + Sync>>,
     },
-    /// A peer's pool object, mapped by the shm plane to write the blocks the peer names.
-    Peer { map: MmapMut },
 }
 
 /// Blocks handed to peers' writes: permits granted per peer, and blocks a claim is writing.
@@ -276,7 +275,7 @@ impl std::fmt::Debug for Memory {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => {
                 Some(object.name.as_str())
             }
-            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } => None,
         };
         f.debug_struct("Memory")
             .field("base", &self.base)
@@ -325,7 +324,7 @@ impl PoolView {
     pub fn shm(&self) -> Option<&ShmObject> {
         match &self.mem.backing {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => Some(object),
-            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } => None,
         }
     }
 
@@ -764,46 +763,12 @@ impl Pool {
         ))
     }
 
-    /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
-    /// `block_len` bytes, to write the blocks the peer names in its fetches. Only for an object
-    /// already proven to be that peer's pool of exactly that size (the shm plane checks size,
-    /// trailer and token first). Dropping it unmaps; the object is the peer's and stays.
-    pub fn map_peer(file: &File, num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
-        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
-        // SAFETY: the peer's pool, shared with it by design and proven to be its own by the
-        // caller; only its blocks are mapped, at a length the object holds (checked by the
-        // caller against the object's size). This node writes only blocks the peer named in a
-        // fetch (reserved by the peer for this write) and never reads the mapping. A peer that
-        // shrinks its own object makes our next copy fault (docs/security.md, "Open"): only a
-        // process of the node's own user can.
-        let mut map =
-            unsafe { memmap2::MmapOptions::new().len(span).map_mut(file) }.map_err(|source| {
-                PoolError::Map {
-                    name: "(a peer's pool)".into(),
-                    source,
-                }
-            })?;
-        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::BadSize {
-            num_blocks,
-            block_len,
-        })?;
-        Ok(Pool::from_parts(
-            base,
-            num_blocks,
-            (block_bytes, block_bytes),
-            span,
-            Backing::Peer { map },
-        ))
-    }
-
     /// Fills the page-table entries of a mapped pool for writing (`MADV_POPULATE_WRITE`), so
     /// no copy pays page faults; without touching the bytes, so it is safe while others write
     /// them. External memory is the embedder's: nothing is done.
     pub fn populate_write(&self) -> std::io::Result<()> {
         match &self.view.mem.backing {
-            Backing::Shm { _map: map, .. } | Backing::Peer { map } => {
-                map.advise(memmap2::Advice::PopulateWrite)
-            }
+            Backing::Shm { _map: map, .. } => map.advise(memmap2::Advice::PopulateWrite),
             Backing::Anon { map, offset } => {
                 map.advise_range(memmap2::Advice::PopulateWrite, *offset, self.view.mem.span)
             }

@@ -13,9 +13,16 @@
 //!
 //! A node proves to a destination peer `D` that it owns the object it names in `agent_metadata`
 //! by sending `shm_token = HMAC-SHA256(secret, msg)` with
-//! `msg = u32be(19) ‖ "kvpeer-shm-token-v1" ‖ u32be(len(D)) ‖ D` (`D` the destination's peer
-//! id, UTF-8). Only a process that can read the object knows the secret; a token made for one
-//! destination is worthless to any other.
+//! `msg = u32be(19) ‖ "kvpeer-shm-token-v2" ‖ u32be(len(D)) ‖ D ‖ u32be(len(C)) ‖ C` (`D` the
+//! destination's peer id, UTF-8; `C` the challenge the destination's READY gave the connection
+//! the `connect` goes on, 16 random bytes). Only a process that can read the object knows the
+//! secret; a token made for one destination is worthless to any other, and one made for one
+//! connection of the destination is worthless on any other connection or to a later instance
+//! at the same address (docs/security.md, "Fresh proofs").
+//!
+//! A destination that gives no challenge (a ROUTER that is not kvpeer's) gets version 1:
+//! `msg = u32be(19) ‖ "kvpeer-shm-token-v1" ‖ u32be(len(D)) ‖ D`, the same for every
+//! connection: a kvpeer node accepts it only when configured to (`shm_allow_replayable_tokens`).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -28,8 +35,10 @@ pub const MAGIC: [u8; 8] = *b"KVPSHM01";
 pub const SECRET_LEN: usize = 32;
 /// Bytes of a token (an HMAC-SHA256).
 pub const TOKEN_LEN: usize = 32;
-/// The domain-separation label, first field of a token's message.
+/// The domain-separation label of a version-1 token (no challenge), first field of its message.
 pub const TOKEN_LABEL: &[u8] = b"kvpeer-shm-token-v1";
+/// The label of a version-2 token (bound to the destination's challenge).
+pub const TOKEN_LABEL_V2: &[u8] = b"kvpeer-shm-token-v2";
 
 /// Why bytes are not a pool trailer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,13 +80,17 @@ pub fn parse_trailer(bytes: &[u8]) -> Result<[u8; SECRET_LEN], TrailerError> {
     Ok(out)
 }
 
-fn mac(secret: &[u8; SECRET_LEN], destination: &str) -> Hmac<Sha256> {
+fn mac(secret: &[u8; SECRET_LEN], destination: &str, challenge: Option<&[u8]>) -> Hmac<Sha256> {
     // Any key length is valid for HMAC: this cannot fail.
     let mut mac = match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
         Ok(mac) => mac,
         Err(_) => unreachable!("HMAC takes keys of any length"),
     };
-    for field in [TOKEN_LABEL, destination.as_bytes()] {
+    let fields: &[&[u8]] = match challenge {
+        Some(c) => &[TOKEN_LABEL_V2, destination.as_bytes(), c],
+        None => &[TOKEN_LABEL, destination.as_bytes()],
+    };
+    for field in fields {
         // Peer ids and the label are far below 4 GiB; a longer one is cut to u32::MAX in the
         // prefix, which no honest destination reaches.
         let len = u32::try_from(field.len()).unwrap_or(u32::MAX);
@@ -87,14 +100,30 @@ fn mac(secret: &[u8; SECRET_LEN], destination: &str) -> Hmac<Sha256> {
     mac
 }
 
-/// The token proving ownership of the pool with `secret` to the peer `destination`.
-pub fn token(secret: &[u8; SECRET_LEN], destination: &str) -> [u8; TOKEN_LEN] {
-    mac(secret, destination).finalize().into_bytes().into()
+/// The token proving ownership of the pool with `secret` to the peer `destination`, on the
+/// connection it gave `challenge` (version 2), or with none (version 1).
+pub fn token(
+    secret: &[u8; SECRET_LEN],
+    destination: &str,
+    challenge: Option<&[u8]>,
+) -> [u8; TOKEN_LEN] {
+    mac(secret, destination, challenge)
+        .finalize()
+        .into_bytes()
+        .into()
 }
 
-/// Whether `candidate` is [`token`]`(secret, destination)`, compared in constant time.
-pub fn verify(secret: &[u8; SECRET_LEN], destination: &str, candidate: &[u8]) -> bool {
-    mac(secret, destination).verify_slice(candidate).is_ok()
+/// Whether `candidate` is [`token`]`(secret, destination, challenge)`, compared in constant
+/// time.
+pub fn verify(
+    secret: &[u8; SECRET_LEN],
+    destination: &str,
+    challenge: Option<&[u8]>,
+    candidate: &[u8],
+) -> bool {
+    mac(secret, destination, challenge)
+        .verify_slice(candidate)
+        .is_ok()
 }
 
 /// A fresh random secret.
@@ -135,7 +164,7 @@ mod tests {
     #[test]
     fn a_token_is_the_hmac_of_the_length_prefixed_label_and_destination() {
         let secret: [u8; 32] = std::array::from_fn(|i| i as u8);
-        let t = token(&secret, "127.0.0.1:5711");
+        let t = token(&secret, "127.0.0.1:5711", None);
         // The message, built by hand.
         let mut msg = Vec::new();
         msg.extend_from_slice(&19u32.to_be_bytes());
@@ -150,20 +179,45 @@ mod tests {
             hex(&t),
             "7ba935412f31d30eb915b985a49c68248b39e94a95ab35e266e6bc248ba1eea2"
         );
-        assert!(verify(&secret, "127.0.0.1:5711", &t));
+        assert!(verify(&secret, "127.0.0.1:5711", None, &t));
+    }
+
+    #[test]
+    fn a_v2_token_adds_the_length_prefixed_challenge_under_its_own_label() {
+        let secret: [u8; 32] = std::array::from_fn(|i| i as u8);
+        let challenge = [0xc5u8; 16];
+        let t = token(&secret, "127.0.0.1:5711", Some(&challenge));
+        let mut msg = Vec::new();
+        msg.extend_from_slice(&19u32.to_be_bytes());
+        msg.extend_from_slice(b"kvpeer-shm-token-v2");
+        msg.extend_from_slice(&14u32.to_be_bytes());
+        msg.extend_from_slice(b"127.0.0.1:5711");
+        msg.extend_from_slice(&16u32.to_be_bytes());
+        msg.extend_from_slice(&challenge);
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&secret).unwrap();
+        mac.update(&msg);
+        assert_eq!(t, <[u8; 32]>::from(mac.finalize().into_bytes()));
+        assert!(verify(&secret, "127.0.0.1:5711", Some(&challenge), &t));
+        // Another connection's challenge, or none (version 1), does not verify it.
+        assert!(!verify(&secret, "127.0.0.1:5711", Some(&[0xc6; 16]), &t));
+        assert!(!verify(&secret, "127.0.0.1:5711", None, &t));
+        let v1 = token(&secret, "127.0.0.1:5711", None);
+        assert!(!verify(&secret, "127.0.0.1:5711", Some(&challenge), &v1));
     }
 
     #[test]
     fn a_token_binds_secret_and_destination() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
-        let t = token(&a, "127.0.0.1:1");
-        assert!(verify(&a, "127.0.0.1:1", &t));
-        assert!(!verify(&a, "127.0.0.1:2", &t), "another destination");
-        assert!(!verify(&b, "127.0.0.1:1", &t), "another secret");
-        assert!(!verify(&a, "127.0.0.1:1", &t[..31]), "truncated");
-        assert!(!verify(&a, "127.0.0.1:1", &[]), "empty");
+        let c = Some(&[9u8; 16][..]);
+        let t = token(&a, "127.0.0.1:1", c);
+        assert!(verify(&a, "127.0.0.1:1", c, &t));
+        assert!(!verify(&a, "127.0.0.1:2", c, &t), "another destination");
+        assert!(!verify(&b, "127.0.0.1:1", c, &t), "another secret");
+        assert!(!verify(&a, "127.0.0.1:1", c, &t[..31]), "truncated");
+        assert!(!verify(&a, "127.0.0.1:1", c, &[]), "empty");
         // Length prefixes keep field boundaries: no two (label, destination) pairs collide.
-        assert_ne!(token(&a, "x"), token(&a, "x\0"));
+        assert_ne!(token(&a, "x", None), token(&a, "x\0", None));
+        assert_ne!(token(&a, "x", Some(b"y")), token(&a, "xy", Some(b"")));
     }
 
     #[test]

@@ -124,8 +124,10 @@ pub struct PublisherStats {
     pub bad_requests: u64,
     /// Replay requests dropped because too many were waiting on their connection.
     pub requests_dropped: u64,
-    /// Connections refused over the caps (both listeners).
+    /// Connections refused over the caps (both listeners; only with caps of zero).
     pub refused: u64,
+    /// Connections closed to make room for newcomers over the caps (both listeners).
+    pub evicted: u64,
 }
 
 #[derive(Debug, Default)]
@@ -208,6 +210,7 @@ impl EventPublisher {
             subscribers: self.pubs.connections(),
             replay_clients: self.replay.as_ref().map_or(0, Server::connections),
             refused: self.pubs.refused() + self.replay.as_ref().map_or(0, Server::refused),
+            evicted: self.pubs.evicted() + self.replay.as_ref().map_or(0, Server::evicted),
             ..self.stats
         }
     }

@@ -2,8 +2,11 @@
 //! that binds for an engine whose PUB connects) and its accepted connections, each a
 //! [`Connection`] in the listener's [`Role`].
 //!
-//! Bounds against hostile peers: connections are capped in all and per source address (one
-//! over is accepted and closed at once, so the listener never stays readable); each
+//! Bounds against hostile peers: connections are capped in all and per source address; one
+//! over evicts the holder that is worth least (`admission.rs`: of its own source, or of the
+//! heaviest source when the listener is full, a connection that never subscribed or asked
+//! before one that did, then the idlest), so one process cannot lock the others of its host
+//! out; each
 //! connection's input is decoded under its `max_message_bytes` (a 1 TiB frame header ends that
 //! connection before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; a
 //! connection that does not finish its handshake, answers no heartbeat, or takes none of our
@@ -22,7 +25,8 @@ use nix::poll::{PollFd, PollFlags};
 use tracing::{debug, warn};
 
 use super::client::{LinkEvent, READ_BUDGET};
-use crate::connection::{ConnLimits, Connection, QueueFull, Role};
+use crate::admission::{self, Caps, Holder};
+use crate::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
 use crate::sockio::{self, Accepted};
 
 /// How long the listener rests after `accept` fails before it is polled again.
@@ -50,6 +54,10 @@ struct Peer {
     conn: Connection,
     /// When the socket last took bytes, or had none to take.
     last_written: Instant,
+    /// When the peer last subscribed, asked, or took bytes of ours (accepted, if never).
+    last_active: Instant,
+    /// Whether it ever subscribed or sent a request: a client at work, evicted after idle ones.
+    engaged: bool,
 }
 
 /// A listener and its connections.
@@ -61,6 +69,7 @@ pub(crate) struct Server {
     next: PeerId,
     accept_paused_until: Option<Instant>,
     refused: u64,
+    evicted: u64,
 }
 
 impl std::fmt::Debug for Server {
@@ -90,6 +99,7 @@ impl Server {
             next: 0,
             accept_paused_until: None,
             refused: 0,
+            evicted: 0,
         })
     }
 
@@ -103,9 +113,14 @@ impl Server {
         self.peers.len()
     }
 
-    /// Connections refused over the caps.
+    /// Connections refused over the caps (only when no slot can be had: caps of zero).
     pub(crate) fn refused(&self) -> u64 {
         self.refused
+    }
+
+    /// Connections closed to make room for a newcomer.
+    pub(crate) fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// The connections' numbers, in [`Server::poll_fds`] order.
@@ -186,6 +201,9 @@ impl Server {
         };
         match sockio::write_available(&mut p.stream, &mut p.conn) {
             Ok(wrote) => {
+                if wrote {
+                    p.last_active = now;
+                }
                 if wrote || p.conn.transmit().is_empty() {
                     p.last_written = now;
                 }
@@ -228,7 +246,7 @@ impl Server {
         }
         if revents.first().is_some_and(|r| !r.is_empty()) {
             // New connections send their greeting and READY at once.
-            for id in self.accept(now) {
+            for id in self.accept(now, out) {
                 self.flush(now, id, out);
             }
         }
@@ -261,6 +279,9 @@ impl Server {
                 out.push((id, LinkEvent::Ready));
             }
             while let Some(incoming) = p.conn.poll_incoming() {
+                if matches!(incoming, Incoming::Message(_) | Incoming::Subscribe(_)) {
+                    (p.last_active, p.engaged) = (now, true);
+                }
                 out.push((id, LinkEvent::Incoming(incoming)));
             }
             match result {
@@ -270,8 +291,41 @@ impl Server {
         }
     }
 
+    /// Makes a slot for a newcomer from `source` when a cap is reached, closing the holder the
+    /// admission policy names (reported in `out`); `false` when no slot can be had.
+    fn make_room(&mut self, source: IpAddr, out: &mut Vec<(PeerId, LinkEvent)>) -> bool {
+        let caps = Caps {
+            max_connections: self.limits.max_connections,
+            max_per_source: self.limits.max_per_source,
+        };
+        let holders: Vec<Holder<PeerId>> = self
+            .peers
+            .iter()
+            .map(|(&id, p)| Holder {
+                id,
+                source: p.source,
+                last_active: p.last_active,
+                holds_session: p.engaged,
+            })
+            .collect();
+        if let Some(victim) = admission::evict_for(&holders, source, caps) {
+            self.evicted += 1;
+            if let Some(suppressed) = crate::admit_warning("event connection evicted") {
+                warn!(%source, open = self.peers.len(), suppressed, role = self.role.socket_type,
+                    "KV event stream connections full: closing the idlest of the heaviest source");
+            }
+            self.close(
+                victim,
+                "evicted for a newcomer (connections full)".into(),
+                out,
+            );
+        }
+        let from_source = self.peers.values().filter(|p| p.source == source).count();
+        self.peers.len() < caps.max_connections && from_source < caps.max_per_source
+    }
+
     /// Accepts the connections waiting; their numbers.
-    fn accept(&mut self, now: Instant) -> Vec<PeerId> {
+    fn accept(&mut self, now: Instant, out: &mut Vec<(PeerId, LinkEvent)>) -> Vec<PeerId> {
         let mut accepted = Vec::new();
         if self.accept_paused_until.is_some_and(|until| now < until) {
             return accepted;
@@ -291,17 +345,9 @@ impl Server {
                     return accepted;
                 }
             };
-            let from_source = self.peers.values().filter(|p| p.source == source).count();
-            if self.peers.len() >= self.limits.max_connections
-                || from_source >= self.limits.max_per_source
-            {
+            if !self.make_room(source, out) {
                 self.refused += 1;
-                if let Some(suppressed) = crate::admit_warning("event connection refused") {
-                    warn!(%source, open = self.peers.len(), from_source, suppressed,
-                        role = self.role.socket_type,
-                        "refusing a KV event stream connection: too many open");
-                }
-                continue; // dropped: closed
+                continue; // no slot can be had (caps of zero): dropped, closed
             }
             let mut conn = Connection::new(self.role.clone(), self.limits.conn.clone());
             conn.connected(now);
@@ -315,6 +361,8 @@ impl Server {
                     source,
                     conn,
                     last_written: now,
+                    last_active: now,
+                    engaged: false,
                 },
             );
             accepted.push(self.next);

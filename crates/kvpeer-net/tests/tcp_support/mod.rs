@@ -53,7 +53,7 @@ pub(crate) fn advertised(rx: &TcpPlane) -> Vec<u8> {
 /// The key `rx` issues to `writer` in its `connect` (a fresh one each call).
 pub(crate) fn issue(rx: &mut TcpPlane, writer: &str) -> Vec<u8> {
     let adv = advertised(rx);
-    let meta = rx.connect_metadata(&PeerId::new(writer), &adv);
+    let meta = rx.connect_metadata(&PeerId::new(writer), None, &adv);
     AgentMetadata::decode(&meta).unwrap().tcp_key.unwrap()
 }
 

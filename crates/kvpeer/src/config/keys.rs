@@ -147,6 +147,8 @@ declare_keys! {
     allowlist;
     /// a peer's IP identity must come from that address: true or false
     bind_identity = "true";
+    /// accept shm tokens not bound to a connection's challenge (replayable; only for peers that cannot read it)
+    shm_allow_replayable_tokens = "false";
     /// file holding the shared secret of the authenticated handshake (unset: off)
     auth_secret_file;
     /// pool node: engines' KV event streams to follow, EVENTS=PEER or EVENTS,REPLAY=PEER (bind:EVENTS to accept a PUB that connects); `;` between several

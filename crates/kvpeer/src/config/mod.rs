@@ -212,6 +212,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             core,
             allowlist: allowlist(&s)?,
             bind_identity: s.boolean(&KEY.bind_identity)?,
+            shm_allow_replayable_tokens: s.boolean(&KEY.shm_allow_replayable_tokens)?,
             auth_secret: auth_secret(&s)?,
             control,
             limits,

@@ -44,6 +44,9 @@ pub struct NodeSpec {
     pub allowlist: Allowlist,
     /// Whether a peer's IP identity must come from that address (docs/security.md).
     pub bind_identity: bool,
+    /// Whether the shm plane accepts version-1 tokens, not bound to a connection's challenge
+    /// (docs/security.md, "Fresh proofs"; off by default).
+    pub shm_allow_replayable_tokens: bool,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
     pub auth_secret: Option<Vec<u8>>,
     /// The control channel's socket settings (frame size limit, heartbeats, queue).
@@ -160,7 +163,8 @@ impl BuildPlane for ShmPlane {
         pool: &Pool,
         wake: Wake,
     ) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = ShmPlane::new(spec.id.clone(), pool.view().clone(), wake)?;
+        let mut plane = ShmPlane::new(spec.id.clone(), pool.view().clone(), wake)?;
+        plane.set_allow_replayable_tokens(spec.shm_allow_replayable_tokens);
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: Some(spec.shm_name.clone()),

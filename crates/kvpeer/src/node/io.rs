@@ -12,8 +12,16 @@
 //! [`OriginCheck`]); a `connect` must also name data addresses the node may connect to and,
 //! with a secret, prove it. Nothing leaves for a peer outside the allowlist: not a dial, not
 //! a queued message. Warnings a peer can cause are rate-limited.
+//!
+//! Fresh proofs: every inbound connection gets a random challenge in this node's READY, and a
+//! `connect` that arrives is checked against the challenge of the connection it came on (the
+//! data plane's `shm_token` via [`DataPlane::bind_challenge`], `kvpeer_auth` here). The other
+//! way, this node's own `connect` to a peer waits (with everything queued behind it) until the
+//! peer's READY told the challenge of our connection, and its proofs are made for that one
+//! ([`NodeIo::flush`]): so nothing this node sends can be replayed to another connection or to
+//! a later instance of the peer at the same address.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
@@ -81,7 +89,16 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     auth: Option<Auth>,
     /// The same decoding bounds as the core's (used to read a `connect` before the core).
     limits: DecodeLimits,
+    /// Messages for peers whose `connect` waits for the challenge of our connection to them
+    /// (the `connect` first, then what the core sent after it, in order); released by
+    /// [`NodeIo::release_held`] once the connection is ready, dropped when it is lost.
+    held: HashMap<PeerId, VecDeque<Message>>,
 }
+
+/// Messages held for one peer while its `connect` waits for the challenge, at most: the
+/// control DEALER's own send queue (a peer that never finishes its handshake is lost at the
+/// handshake timeout, and its held messages with it).
+const MAX_HELD: usize = 1000;
 
 impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     /// How many session-end reasons the node keeps (for [`NodeIo::close_reason`]).
@@ -141,6 +158,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             bound: HashMap::new(),
             auth: None,
             limits: DecodeLimits::default(),
+            held: HashMap::new(),
         }
     }
 
@@ -178,7 +196,8 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             }
             return;
         };
-        if let Err(reason) = self.check_connect(peer, c) {
+        let challenge = self.channel.inbound_challenge(conn).map(<[u8]>::to_vec);
+        if let Err(reason) = self.check_connect(peer, challenge.as_deref(), c) {
             self.refuse(now, peer, &reason, "connect");
             self.channel.close_inbound(conn);
             return;
@@ -194,8 +213,30 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             }
             _ => {}
         }
-        self.bound.insert(peer.clone(), conn);
+        self.bind(peer, conn);
+        // The plane checks the `connect`'s proofs against this connection's challenge.
+        self.core
+            .plane_mut()
+            .bind_challenge(peer, challenge.as_deref());
         self.core.handle_message(now, peer, message);
+    }
+
+    /// Binds `peer`'s session to inbound connection `conn` (and tells the channel, so a full
+    /// listener evicts connections without a session first).
+    fn bind(&mut self, peer: &PeerId, conn: ConnId) {
+        if let Some(old) = self.bound.insert(peer.clone(), conn) {
+            if old != conn {
+                self.channel.set_holds_session(old, false);
+            }
+        }
+        self.channel.set_holds_session(conn, true);
+    }
+
+    /// Forgets which connection speaks for `peer`.
+    fn unbind(&mut self, peer: &PeerId) {
+        if let Some(conn) = self.bound.remove(peer) {
+            self.channel.set_holds_session(conn, false);
+        }
     }
 
     /// Whether connection `conn` may speak for `peer`: it is the bound one, or none is bound and
@@ -206,7 +247,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             Some(&bound) => bound == conn,
             None => {
                 if self.core.session_state(peer).is_some() {
-                    self.bound.insert(peer.clone(), conn);
+                    self.bind(peer, conn);
                 }
                 true
             }
@@ -223,6 +264,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     fn check_connect(
         &mut self,
         peer: &PeerId,
+        challenge: Option<&[u8]>,
         c: &kvpeer_proto::Connect,
     ) -> Result<(), ConnectRefused> {
         // Only kvpeer's plane map names addresses; NIXL's blob is NIXL's (docs/security.md).
@@ -234,7 +276,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         }
         if let Some(auth) = self.auth.as_mut() {
             let us = self.channel.identity().clone();
-            auth.verify(&us, peer, c)?;
+            auth.verify(&us, challenge.unwrap_or_default(), peer, c)?;
         }
         Ok(())
     }
@@ -386,9 +428,14 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                     }
                 }
                 ChannelEvent::InboundClosed { peer: None, .. } => {}
-                ChannelEvent::Lost { peer, .. } => self.core.handle_connection_lost(now, &peer),
+                ChannelEvent::Lost { peer, .. } => {
+                    // What waited for this connection's challenge goes with it.
+                    self.held.remove(&peer);
+                    self.core.handle_connection_lost(now, &peer)
+                }
             }
         }
+        self.release_held(now);
         self.core.handle_data_plane(now);
         if self.core.poll_timeout().is_some_and(|t| t <= now) {
             self.core.handle_timeout(now);
@@ -400,7 +447,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     pub fn flush(&mut self, now: Instant) {
         loop {
             let mut progressed = false;
-            while let Some(mut t) = self.core.poll_transmit() {
+            while let Some(t) = self.core.poll_transmit() {
                 progressed = true;
                 if !self.may_dial(now, &t.peer) {
                     // Never dialed, never sent to: its requests fall back at once.
@@ -408,29 +455,40 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                         .handle_connection_refused(now, &t.peer, "not in the allowlist");
                     continue;
                 }
-                if let Message::Connect(c) = &mut t.message {
-                    c.agent_metadata = self
-                        .core
-                        .plane_mut()
-                        .connect_metadata(&t.peer, &c.agent_metadata);
-                }
-                if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
-                    match auth.sign(&t.peer, c) {
-                        Ok(token) => c.kvpeer_auth = Some(token),
-                        Err(e) => warn!(peer = %t.peer, error = %e, "cannot sign connect"),
+                if let Some(queue) = self.held.get_mut(&t.peer) {
+                    // Behind a `connect` that waits for its challenge: order is kept.
+                    if queue.len() < MAX_HELD {
+                        queue.push_back(t.message);
+                    } else {
+                        warn!(peer = %t.peer, held = queue.len(),
+                            "the peer never finished its handshake; too many messages held");
+                        self.held.remove(&t.peer);
+                        self.channel.close(&t.peer);
+                        self.core.handle_connection_lost(now, &t.peer);
                     }
+                    continue;
                 }
-                let sent = match t.message.encode() {
-                    Ok(payload) => self
+                if matches!(t.message, Message::Connect(_)) {
+                    match self
                         .channel
-                        .send(&t.peer, &payload)
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                };
-                if let Err(e) = sent {
-                    warn!(peer = %t.peer, error = %e, "send failed");
-                    self.core.handle_connection_lost(now, &t.peer);
+                        .outbound_challenge(&t.peer)
+                        .map(|c| c.map(<[u8]>::to_vec))
+                    {
+                        Some(challenge) => self.send_connect(now, &t.peer, t.message, challenge),
+                        None => {
+                            // Its proofs are made for our connection's challenge: wait for
+                            // the peer's READY (the connection opens now if it is not open).
+                            if let Err(e) = self.channel.dial(&t.peer) {
+                                warn!(peer = %t.peer, error = %e, "dial failed");
+                                self.core.handle_connection_lost(now, &t.peer);
+                                continue;
+                            }
+                            self.held.insert(t.peer, VecDeque::from([t.message]));
+                        }
+                    }
+                    continue;
                 }
+                self.send(now, &t.peer, &t.message);
             }
             while let Some(event) = self.core.poll_event() {
                 progressed = true;
@@ -464,12 +522,82 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         }
     }
 
+    /// Makes the proofs of our `connect` to `peer` for the challenge its READY gave our
+    /// connection (`None`: a ROUTER that gives none, such as a stock vLLM engine's), signs it
+    /// when authentication is on, and sends it.
+    fn send_connect(
+        &mut self,
+        now: Instant,
+        peer: &PeerId,
+        mut message: Message,
+        challenge: Option<Vec<u8>>,
+    ) {
+        if let Message::Connect(c) = &mut message {
+            c.agent_metadata = self.core.plane_mut().connect_metadata(
+                peer,
+                challenge.as_deref(),
+                &c.agent_metadata,
+            );
+            if let Some(auth) = &self.auth {
+                match auth.sign(peer, challenge.as_deref().unwrap_or_default(), c) {
+                    Ok(token) => c.kvpeer_auth = Some(token),
+                    Err(e) => warn!(%peer, error = %e, "cannot sign connect"),
+                }
+            }
+        }
+        self.send(now, peer, &message);
+    }
+
+    /// Encodes and sends one message; a failed send loses the peer's connection.
+    fn send(&mut self, now: Instant, peer: &PeerId, message: &Message) {
+        let sent = match message.encode() {
+            Ok(payload) => self.channel.send(peer, &payload).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = sent {
+            warn!(%peer, error = %e, "send failed");
+            self.held.remove(peer);
+            self.core.handle_connection_lost(now, peer);
+        }
+    }
+
+    /// Sends what waited for a challenge, for every peer whose connection is now ready: the
+    /// `connect` first, its proofs made for that connection, then the rest in order.
+    fn release_held(&mut self, now: Instant) {
+        if self.held.is_empty() {
+            return;
+        }
+        let ready: Vec<(PeerId, Option<Vec<u8>>)> = self
+            .held
+            .keys()
+            .filter_map(|peer| {
+                let challenge = self.channel.outbound_challenge(peer)?;
+                Some((peer.clone(), challenge.map(<[u8]>::to_vec)))
+            })
+            .collect();
+        for (peer, challenge) in ready {
+            let Some(mut queue) = self.held.remove(&peer) else {
+                continue;
+            };
+            if let Some(connect) = queue.pop_front() {
+                self.send_connect(now, &peer, connect, challenge);
+            }
+            for message in queue {
+                if self.held.contains_key(&peer) || !self.channel.connected(&peer) {
+                    break; // the send above lost the connection
+                }
+                self.send(now, &peer, &message);
+            }
+        }
+    }
+
     fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
         self.channel.close(&peer);
+        self.held.remove(&peer);
         if self.core.session_state(&peer).is_none() {
             // No session (it ended, or none was opened): the next `connect` binds whichever
             // connection sends it, and a refused stranger leaves no entry behind.
-            self.bound.remove(&peer);
+            self.unbind(&peer);
         }
         if self.closed.len() == Self::CLOSED_KEPT {
             self.closed.pop_front();
