@@ -18,6 +18,13 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
   connects  many `connect`s claiming an identity whose port drops every connection
   squat     hold a connection claiming someone else's identity, silent, then inject a
             `fetch` into that identity's session
+  impostor  hold a node's address before the node binds it, collect the proofs an honest
+            kvpeer consumer sends there, then replay them to the real node once it runs
+            (claiming the consumer's identity) and fetch into the consumer's pool
+
+  session --shrink-own-pool: after the handshake, shrink our own (proven) pool object under the
+  node before its write (a node that maps peers' objects dies of SIGBUS); the summary says how
+  many bytes of our object the node made the kernel allocate (`own_pool_allocated`).
 
 Needs pyzmq and msgpack (tests/requirements.txt).
 """
@@ -348,6 +355,16 @@ def cmd_session(a) -> int:
         # Let a disconnect that follows the ack arrive too.
         peer.wait_for({"disconnect"}, 0.3, note)
         peer.send(a.node, {"type": "connect_ack", "peer_id": peer_id}, source=a.source)
+    allocated = None
+    if own_pool:
+        # What registering our (sparse) object made the kernel allocate for it, before any write.
+        peer.wait_for(set(), 0.5, note)
+        allocated = os.stat(f"/dev/shm/{own_pool}").st_blocks * 512
+    if own_pool and a.shrink_own_pool:
+        # Our object, proven: now cut it to nothing but one page under the node.
+        fd = os.open(f"/dev/shm/{own_pool}", os.O_RDWR)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
     keys = [key(i) for i in span(a.keys)]
     indexes = span(a.indexes) if a.indexes else list(range(len(keys)))
     hits = None
@@ -369,7 +386,7 @@ def cmd_session(a) -> int:
             transfer_done.append(got[1].get("success"))
             break
     own_ok = None
-    if own_pool and transfer_done and transfer_done[0] is True:
+    if own_pool and transfer_done and transfer_done[0] is True and not a.shrink_own_pool:
         own_ok = all(
             read_block(own_pool, r, block_len) == content(k, block_len)
             for k, r in zip(keys, indexes)
@@ -394,6 +411,8 @@ def cmd_session(a) -> int:
         "hits": hits,
         "transfer_done": transfer_done,
         "own_pool_bytes_ok": own_ok,
+        "own_pool_allocated": allocated,
+        "closed_by_node": any(d.closed for d in peer.dealers.values()),
         "extra_received": [m["type"] for m in heard_extra],
     })
     peer.close()
@@ -732,6 +751,93 @@ def cmd_squat(a) -> int:
     return 0
 
 
+# --- an impostor at a node's address, replaying what it collected to the real node ---------------
+
+
+def cmd_impostor(a) -> int:
+    """Plays the node at `--listen` before it runs: an honest kvpeer consumer dials it and sends
+    its `connect` (its shm_token and, with auth on, its kvpeer_auth, made for what our READY
+    said). The listener is closed; once the real node answers at the same address, the captured
+    `connect` is replayed to it from a connection claiming the consumer's identity (loopback may
+    claim it), then a blind handshake, lookup and fetch of `--key` into block `--index` of the
+    consumer's pool. The summary says whether the node closed our connection and whether the
+    consumer's block now holds the key's bytes (the write landed)."""
+    challenge = None if a.challenge == "none" else os.urandom(16)
+    router = RawRouter(a.listen, challenge)
+    emit({"event": "ready"})
+    victim = router.accept(30.0)
+    if victim is None:
+        emit({"event": "summary", "error": "no victim dialled us"})
+        return 1
+    deadline = time.monotonic() + 30.0
+    while not victim.messages and not victim.closed and time.monotonic() < deadline:
+        victim.pump(0.1)
+    if not victim.messages:
+        emit({"event": "summary", "error": "the victim sent no connect"})
+        return 1
+    captured = victim.messages[0]
+    c = unpack(captured)
+    meta = msgpack.unpackb(c["agent_metadata"], raw=False)
+    victim_id, pool = c["peer_id"], meta.get("shm")
+    block_len = c["block_len"]
+    router.close_listener()
+    # Held open: the victim's object stays readable here even if the victim exits and unlinks it.
+    pool_fd = os.open(f"/dev/shm/{pool}", os.O_RDONLY)
+
+    def victim_block() -> bytes:
+        return os.pread(pool_fd, block_len, a.index * block_len)
+
+    emit({"event": "captured", "victim": victim_id, "pool": pool,
+          "has_auth": "kvpeer_auth" in c, "has_token": "shm_token" in meta})
+    # The real node binds our address now: wait for it (our victim connection stays open and
+    # answered, so the victim keeps its pool and does not re-dial).
+    node = None
+    deadline = time.monotonic() + 30.0
+    while node is None and time.monotonic() < deadline:
+        victim.pump(0.05)
+        try:
+            d = RawDealer(a.listen, victim_id, timeout=1.0)
+        except OSError:
+            time.sleep(0.1)
+            continue
+        if d.props is not None:
+            node = d
+        else:
+            d.close()
+    if node is None:
+        emit({"event": "summary", "error": "the real node never answered"})
+        return 1
+    expected = content(key(a.key), block_len)
+    before = victim_block()
+    node.send(captured)
+    for msg, pause in (
+        ({"type": "connect_ack", "peer_id": victim_id}, 0.5),
+        ({"type": "lookup", "kv_request_id": "replayed-1", "keys": [key(a.key)],
+          "round_seq": 0}, 0.3),
+        ({"type": "fetch", "kv_request_id": "replayed-1", "keys": [key(a.key)],
+          "block_indexes": [a.index], "round_seq": 0}, 0.5),
+    ):
+        end = time.monotonic() + pause
+        while time.monotonic() < end:
+            node.pump(0.05)
+            victim.pump(0.0)
+        node.send(pack(msg))
+    written = False
+    end = time.monotonic() + a.wait
+    while time.monotonic() < end and not written:
+        node.pump(0.05)
+        victim.pump(0.0)
+        written = victim_block() == expected
+    emit({"event": "summary", "victim": victim_id, "pool": pool,
+          "node_challenge": (node.challenge() or b"").hex(),
+          "closed_by_node": node.closed, "victim_block_written": written,
+          "victim_block_was_key": before == expected})
+    node.close()
+    victim.close()
+    os.close(pool_fd)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -760,6 +866,8 @@ def main() -> int:
     s.add_argument("--keys", default="", help="synthetic key indexes to look up and fetch")
     s.add_argument("--indexes", default="", help="block indexes our fetch names")
     s.add_argument("--linger", type=float, default=0.0)
+    s.add_argument("--shrink-own-pool", action="store_true",
+                   help="after the handshake, cut our own pool object to one page")
 
     s = sub.add_parser("auth")
     common(s)
@@ -795,9 +903,18 @@ def main() -> int:
     s.add_argument("--hold", type=float, default=3.0)
     s.add_argument("--after", type=float, default=3.0)
 
+    s = sub.add_parser("impostor")
+    common(s)
+    s.add_argument("--listen", required=True, help="the address the real node will bind later")
+    s.add_argument("--challenge", choices=["none", "random"], default="random",
+                   help="what our READY gives the victim: no challenge, or one of ours")
+    s.add_argument("--key", type=int, default=20, help="synthetic key fetched into the victim")
+    s.add_argument("--index", type=int, default=63, help="the victim's block written")
+
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
-            "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat}[a.cmd](a)
+            "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
+            "impostor": cmd_impostor}[a.cmd](a)
 
 
 if __name__ == "__main__":

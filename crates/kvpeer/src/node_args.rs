@@ -73,6 +73,8 @@ pub(crate) struct NodeArgs {
         &[&KEY.bind_identity],
     ))]
     pub(crate) bind_identity: Option<bool>,
+    #[arg(long, value_name = "BOOL", help = help(&KEY.shm_allow_replayable_tokens))]
+    pub(crate) shm_allow_replayable_tokens: Option<bool>,
     #[arg(long, value_name = "FILE", help = help(&KEY.auth_secret_file))]
     pub(crate) auth_secret_file: Option<std::path::PathBuf>,
     #[arg(long, value_name = "DIR", help = help_of(
@@ -151,6 +153,11 @@ impl NodeArgs {
             &KEY.bind_identity,
             self.bind_identity.map(|b| b.to_string()),
             "--bind-identity",
+        );
+        set(
+            &KEY.shm_allow_replayable_tokens,
+            self.shm_allow_replayable_tokens.map(|b| b.to_string()),
+            "--shm-allow-replayable-tokens",
         );
         set(
             &KEY.auth_secret_file,

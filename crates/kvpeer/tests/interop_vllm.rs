@@ -23,14 +23,17 @@ use common::node::{assert_bytes, assert_node_clean, keys, store};
 use common::vllm::{
     assert_serve_clean, assert_vllm_clean, kvpeer_fetch, kvpeer_serve, metric, vllm, vllm_fetch,
     vllm_fetch_three_rounds, vllm_pd_fetch_aborted, vllm_serve, vllm_stop,
-    vllm_stop_after_disconnect,
+    vllm_stop_after_disconnect, VLLM_SHM_TOKENS,
 };
 use common::{free_port, BIN};
 use kvpeer::{LookupResult, Node, NodeConfig, NodeError, PeerId, PlaneKind};
 
-/// A kvpeer node in this process on the shm plane.
+/// A kvpeer node in this process on the shm plane (taking the address-bound tokens vLLM's
+/// session sends over kvpeer's Python shm transport: it cannot read our challenge).
 fn node(tag: &str, load_timeout: Duration) -> Node {
-    let config = NodeConfig::builder(&format!("interop-{tag}")).plane(PlaneKind::Shm);
+    let config = NodeConfig::builder(&format!("interop-{tag}"))
+        .plane(PlaneKind::Shm)
+        .shm_allow_replayable_tokens(true);
     common::node::start(config, load_timeout)
 }
 
@@ -82,6 +85,7 @@ fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
     let slow = Node::start(slow).unwrap();
     let mut middle = NodeConfig::local("interop-middle");
     middle.plane = PlaneKind::Both;
+    middle.spec.shm_allow_replayable_tokens = true;
     let middle = Arc::new(Node::start(middle).unwrap());
     let held = keys(0..4);
     let landing = keys(4..6);
@@ -291,6 +295,7 @@ fn mismatched_peers_are_refused_both_ways() {
         let (mut producer, id) = vllm_serve(&["--fill", "8", "--model", "m"]);
         let out = Command::new(BIN)
             .args(["fetch", "--peer", &id, "--plane", "shm", "--requests", "1"])
+            .args(VLLM_SHM_TOKENS)
             .args(["--timeout-secs", "20"])
             .args(bad)
             .output()

@@ -104,6 +104,12 @@ impl NodeConfigBuilder {
         self.put(&KEY.tcp_max_rate, bytes_per_second)
     }
 
+    /// Whether the shm plane also accepts tokens not bound to a connection's challenge (for
+    /// peers that cannot read it; replayable: docs/security.md, "Fresh proofs").
+    pub fn shm_allow_replayable_tokens(self, allow: bool) -> Self {
+        self.put(&KEY.shm_allow_replayable_tokens, allow)
+    }
+
     /// Most sessions at once.
     pub fn max_peers(self, peers: u64) -> Self {
         self.put(&KEY.max_peers, peers)

@@ -93,6 +93,9 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     /// (the `connect` first, then what the core sent after it, in order); released by
     /// [`NodeIo::release_held`] once the connection is ready, dropped when it is lost.
     held: HashMap<PeerId, VecDeque<Message>>,
+    /// Peers whose session ended while messages were held for them (a refusal's `disconnect`
+    /// among them): their connection closes once those left, not before.
+    close_after_held: HashSet<PeerId>,
 }
 
 /// Messages held for one peer while its `connect` waits for the challenge, at most: the
@@ -159,6 +162,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             auth: None,
             limits: DecodeLimits::default(),
             held: HashMap::new(),
+            close_after_held: HashSet::new(),
         }
     }
 
@@ -431,6 +435,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                 ChannelEvent::Lost { peer, .. } => {
                     // What waited for this connection's challenge goes with it.
                     self.held.remove(&peer);
+                    self.close_after_held.remove(&peer);
                     self.core.handle_connection_lost(now, &peer)
                 }
             }
@@ -557,6 +562,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         if let Err(e) = sent {
             warn!(%peer, error = %e, "send failed");
             self.held.remove(peer);
+            self.close_after_held.remove(peer);
             self.core.handle_connection_lost(now, peer);
         }
     }
@@ -588,12 +594,21 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                 }
                 self.send(now, &peer, &message);
             }
+            if self.close_after_held.remove(&peer) {
+                // Its session ended meanwhile: what it was told lingers out, then it closes.
+                self.channel.close(&peer);
+            }
         }
     }
 
     fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
-        self.channel.close(&peer);
-        self.held.remove(&peer);
+        if self.held.contains_key(&peer) {
+            // Its `connect` (and what followed, a `disconnect` with a refusal) still waits for
+            // the challenge: they leave first (or go with the connection when it is lost).
+            self.close_after_held.insert(peer.clone());
+        } else {
+            self.channel.close(&peer);
+        }
         if self.core.session_state(&peer).is_none() {
             // No session (it ended, or none was opened): the next `connect` binds whichever
             // connection sends it, and a refused stranger leaves no entry behind.

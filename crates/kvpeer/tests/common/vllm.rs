@@ -44,9 +44,18 @@ pub(crate) fn vllm_fetch(args: &[&str]) -> (i32, Value) {
     (status, summary)
 }
 
+/// What a kvpeer process on the shm plane needs to hear vLLM's session over kvpeer's Python
+/// shm transport (`tests/interop/shm_transport.py`): that transport's tokens are bound to our
+/// address only, since pyzmq cannot show it the challenge in our READY (docs/security.md,
+/// "Fresh proofs").
+pub(crate) const VLLM_SHM_TOKENS: &[&str] = &["--shm-allow-replayable-tokens", "true"];
+
 /// `kvpeer serve` on the shm plane with metrics, plus `extra`.
 pub(crate) fn kvpeer_serve(extra: &[&str]) -> (Proc, String) {
-    kvpeer_serve_on(&["--plane", "shm"], extra)
+    kvpeer_serve_on(
+        &["--plane", "shm", VLLM_SHM_TOKENS[0], VLLM_SHM_TOKENS[1]],
+        extra,
+    )
 }
 
 /// `kvpeer serve` with `plane` (its flags) and metrics, plus `extra`.
@@ -139,6 +148,7 @@ pub(crate) fn vllm_stop(p: &mut Proc) -> Value {
 pub(crate) fn kvpeer_fetch(id: &str, args: &[&str], producer: &Proc) -> Value {
     let out = Command::new(BIN)
         .args(["fetch", "--peer", id, "--json"])
+        .args(VLLM_SHM_TOKENS)
         .args(args)
         .output()
         .unwrap();
