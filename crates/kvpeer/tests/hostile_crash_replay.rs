@@ -137,7 +137,7 @@ fn registering_a_large_sparse_pool_allocates_none_of_it() {
 fn replay_at_a_later_instance(challenge: &str, fetch_extra: &[&str], node_extra: &[&str]) -> Value {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let mut impostor = attacker(&["impostor", "--listen", &addr, "--challenge", challenge]);
+    let impostor = attacker(&["impostor", "--listen", &addr, "--challenge", challenge]);
     impostor.event("ready");
     // The victim: an honest consumer with its own shm pool, dialling what it takes for the node.
     let mut victim_args = vec![
