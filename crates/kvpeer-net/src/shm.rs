@@ -305,7 +305,9 @@ impl DataPlane for ShmPlane {
                     .insert(peer.clone(), Registration::Pending);
             }
             Err(e) => {
-                warn!(%peer, error = %e, "cannot start a pre-fault thread");
+                if let Some(suppressed) = crate::admit_warning("cannot start a pre-fault thread") {
+                    warn!(%peer, error = %e, suppressed, "cannot start a pre-fault thread");
+                }
                 self.registrations.insert(
                     peer.clone(),
                     Registration::Failed(PlaneError::resources(format!(

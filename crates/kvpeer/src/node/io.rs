@@ -417,7 +417,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                 if let (Some(auth), Message::Connect(c)) = (&self.auth, &mut t.message) {
                     match auth.sign(&t.peer, c) {
                         Ok(token) => c.kvpeer_auth = Some(token),
-                        Err(e) => warn!(peer = %t.peer, error = %e, "cannot sign connect"),
+                        Err(e) => {
+                            warn_throttled!(self.throttle, now, "cannot sign connect", peer = %t.peer, error = %e)
+                        }
                     }
                 }
                 let sent = match t.message.encode() {
@@ -428,7 +430,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                     Err(e) => Err(e.to_string()),
                 };
                 if let Err(e) = sent {
-                    warn!(peer = %t.peer, error = %e, "send failed");
+                    warn_throttled!(self.throttle, now, "send failed", peer = %t.peer, error = %e);
                     self.core.handle_connection_lost(now, &t.peer);
                 }
             }
@@ -441,7 +443,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                             self.core
                                 .handle_connection_refused(now, &peer, "not in the allowlist");
                         } else if let Err(e) = self.channel.dial(&peer) {
-                            warn!(%peer, error = %e, "dial failed");
+                            warn_throttled!(self.throttle, now, "dial failed", %peer, error = %e);
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
@@ -486,7 +488,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             .map_or(max, |t| t.saturating_duration_since(now).min(max));
         let fd = self.wake.as_ref().map(WakePipe::fd);
         if let Err(e) = self.channel.wait_with(until_deadline, fd) {
-            warn!(error = %e, "control channel wait failed");
+            if let Some(suppressed) = crate::admit_warning("control channel wait failed") {
+                warn!(error = %e, suppressed, "control channel wait failed");
+            }
         }
     }
 }
