@@ -16,6 +16,8 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
   flood     junk payloads at a node: undecodable, unknown types, messages without a session,
             connects that must be rejected, and payloads from many spoofed identities
   connects  many `connect`s claiming an identity whose port drops every connection
+  cycles    sessions opened properly and ended at once (disconnect, or a protocol error), in
+            a loop
   squat     hold a connection claiming someone else's identity, silent, then inject a
             `fetch` into that identity's session
   impostor  hold a node's address before the node binds it, collect the proofs an honest
@@ -727,6 +729,47 @@ def cmd_connects(a) -> int:
     return 0
 
 
+# --- sessions opened and ended at will ----------------------------------------------------------
+
+
+def cmd_cycles(a) -> int:
+    """`--count` sessions one after another, each opened properly (a pool of our own, a valid
+    token, the node's `connect` acked) and ended at once: with `disconnect`, or with a `fetch`
+    naming a negative block (a protocol error) every other time when `--protocol-errors`."""
+    peer = Peer(a.bind)
+    own_pool = f"kvpeer-hostile-{os.getpid()}"
+    secret = create_pool(own_pool, a.num_blocks, a.block_len)
+    token = shm_token(secret, a.node, peer.challenge(a.node))
+    meta = metadata(peer.identity, own_pool, token, None, None)
+    c = connect_msg(peer.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
+    emit({"event": "ready", "identity": peer.identity})
+    acked = errors = 0
+    for i in range(a.count):
+        peer.send(a.node, c)
+        if peer.wait_for({"connect_ack"}, a.wait):
+            acked += 1
+            peer.send(a.node, {"type": "connect_ack", "peer_id": peer.identity})
+        else:
+            # Refused (the last session ended before the node saw our ack: its dial backoff,
+            # 250 ms at first): let it pass.
+            time.sleep(0.3)
+            continue
+        if a.protocol_errors and i % 2:
+            peer.send(a.node, {"type": "fetch", "kv_request_id": f"c{i}", "keys": [key(0)],
+                               "block_indexes": [-1], "round_seq": 0})
+            errors += 1
+            # The node's `disconnect` ends the session before the next `connect`.
+            peer.wait_for({"disconnect"}, a.wait)
+        else:
+            peer.send(a.node, {"type": "disconnect"})
+            # Let the node end the session before the next `connect`.
+            time.sleep(0.01)
+    emit({"event": "summary", "sessions": a.count, "acked": acked, "protocol_errors": errors})
+    peer.close()
+    os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
 # --- identity squatting -------------------------------------------------------------------------
 
 
@@ -896,6 +939,12 @@ def main() -> int:
     s.add_argument("--count", type=int, default=100)
     s.add_argument("--interval", type=float, default=0.03)
 
+    s = sub.add_parser("cycles")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--count", type=int, default=200)
+    s.add_argument("--protocol-errors", action="store_true")
+
     s = sub.add_parser("squat")
     common(s)
     s.add_argument("--node", required=True)
@@ -914,7 +963,7 @@ def main() -> int:
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
-            "impostor": cmd_impostor}[a.cmd](a)
+            "impostor": cmd_impostor, "cycles": cmd_cycles}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,37 @@ macro_rules! warn_throttled {
     };
 }
 
+/// [`warn_throttled!`] at `error` level: for errors a peer can cause at will.
+#[macro_export]
+macro_rules! error_throttled {
+    ($throttle:expr, $now:expr, $msg:literal) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::error!(suppressed, $msg);
+        }
+    };
+    ($throttle:expr, $now:expr, $msg:literal, $($field:tt)+) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::error!($($field)+, suppressed, $msg);
+        }
+    };
+}
+
+/// [`warn_throttled!`] at `info` level: for routine lines a peer can repeat at will (a session
+/// opened and closed in a loop).
+#[macro_export]
+macro_rules! info_throttled {
+    ($throttle:expr, $now:expr, $msg:literal) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::info!(suppressed, $msg);
+        }
+    };
+    ($throttle:expr, $now:expr, $msg:literal, $($field:tt)+) => {
+        if let Some(suppressed) = $throttle.admit($msg, $now) {
+            tracing::info!($($field)+, suppressed, $msg);
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -351,7 +351,11 @@ impl ControlChannel {
             Ok(()) => Ok(()),
             Err(full) => {
                 let reason = full.to_string();
-                warn!(%peer, %reason, "control send failed; connection lost");
+                if let Some(suppressed) =
+                    crate::admit_warning("control send failed; connection lost")
+                {
+                    warn!(%peer, %reason, suppressed, "control send failed; connection lost");
+                }
                 self.close(peer);
                 Err(lost(reason))
             }

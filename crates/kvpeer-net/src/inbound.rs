@@ -287,7 +287,11 @@ impl Inbound {
                 continue;
             }
             if let Err(e) = stream.set_nonblocking(true) {
-                warn!(error = %e, "cannot make a control connection non-blocking");
+                if let Some(suppressed) =
+                    crate::admit_warning("cannot make a control connection non-blocking")
+                {
+                    warn!(error = %e, suppressed, "cannot make a control connection non-blocking");
+                }
                 continue;
             }
             let _ = stream.set_nodelay(true);

@@ -469,7 +469,9 @@ fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
             let poll = reports.entry(entry.peer.clone()).or_default();
             poll.failed.push(id);
             poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
-            warn!(peer = %entry.peer, transfer = id.get(), "nixl WRITE failed");
+            if let Some(suppressed) = crate::admit_warning("nixl WRITE failed") {
+                warn!(peer = %entry.peer, transfer = id.get(), suppressed, "nixl WRITE failed");
+            }
             ended = true;
             false
         }
@@ -478,7 +480,9 @@ fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
         Err(error) => {
             if !entry.struck {
                 entry.struck = true;
-                warn!(peer = %entry.peer, transfer = id.get(), %error, "nixl state check failed");
+                if let Some(suppressed) = crate::admit_warning("nixl state check failed") {
+                    warn!(peer = %entry.peer, transfer = id.get(), %error, suppressed, "nixl state check failed");
+                }
                 let poll = reports.entry(entry.peer.clone()).or_default();
                 poll.peer_fault = Some(PlaneError::transport(format!(
                     "NIXL state check failed: {error}"
@@ -504,7 +508,11 @@ impl DataPlane for NixlPlane {
         }
         // A peer replaying our own metadata would have us WRITE into our own pool.
         if memory.agent_metadata == self.metadata {
-            warn!(%peer, "nixl registration refused: the peer sent this node's own metadata");
+            if let Some(suppressed) = crate::admit_warning(
+                "nixl registration refused: the peer sent this node's own metadata",
+            ) {
+                warn!(%peer, suppressed, "nixl registration refused: the peer sent this node's own metadata");
+            }
             return Err(PlaneError::rejected(
                 "the peer's NIXL metadata is this node's own",
             ));
@@ -527,7 +535,9 @@ impl DataPlane for NixlPlane {
                         // too, so the refusal does not depend on NIXL's version. Nothing is
                         // invalidated: our own name must stay ours.
                         if name == own_name {
-                            warn!(peer = %who, "nixl registration refused: the peer presents this node's own agent");
+                            if let Some(suppressed) = crate::admit_warning("nixl registration refused: the peer presents this node's own agent") {
+                                warn!(peer = %who, suppressed, "nixl registration refused: the peer presents this node's own agent");
+                            }
                             return Err(format!(
                                 "the peer's NIXL agent {name:?} is this node's own"
                             ));
@@ -542,12 +552,15 @@ impl DataPlane for NixlPlane {
                         .map(|d| (name, Dlist(d)))
                         .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
                     });
-                info!(
-                    peer = %who,
-                    ok = result.is_ok(),
-                    elapsed_us = started.elapsed().as_micros() as u64,
-                    "nixl: peer registered"
-                );
+                if let Some(suppressed) = crate::admit_warning("nixl: peer registered") {
+                    info!(
+                        peer = %who,
+                        ok = result.is_ok(),
+                        elapsed_us = started.elapsed().as_micros() as u64,
+                        suppressed,
+                        "nixl: peer registered"
+                    );
+                }
                 // Nobody waits any more (the peer was removed or registered again): release
                 // what was built.
                 if let Err(std::sync::mpsc::SendError(Ok((name, dlist)))) = tx.send(result) {
@@ -636,7 +649,11 @@ impl DataPlane for NixlPlane {
         // NIXL refuses an empty request.
         if local.is_empty() || !crate::write_in_range(local, remote, self.num_blocks, p.num_blocks)
         {
-            warn!(%peer, "nixl write refused: block index out of range");
+            if let Some(suppressed) =
+                crate::admit_warning("nixl write refused: block index out of range")
+            {
+                warn!(%peer, suppressed, "nixl write refused: block index out of range");
+            }
             return None;
         }
         let index = |v: &[BlockIndex]| -> Option<Vec<i32>> {
@@ -650,7 +667,9 @@ impl DataPlane for NixlPlane {
         {
             Ok(req) => req,
             Err(e) => {
-                warn!(%peer, error = %e, "nixl WRITE could not be posted");
+                if let Some(suppressed) = crate::admit_warning("nixl WRITE could not be posted") {
+                    warn!(%peer, error = %e, suppressed, "nixl WRITE could not be posted");
+                }
                 return None;
             }
         };

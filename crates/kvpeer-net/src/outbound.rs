@@ -160,7 +160,9 @@ impl Conn {
                 }
             };
             self.link = resolve(host, port).unwrap_or_else(|e| {
-                warn!(peer = %self.peer, error = %e, "cannot start resolving; retrying");
+                if let Some(suppressed) = crate::admit_warning("cannot start resolving; retrying") {
+                    warn!(peer = %self.peer, error = %e, suppressed, "cannot start resolving; retrying");
+                }
                 Link::Waiting { until: now + retry }
             });
             return;

@@ -15,3 +15,16 @@ pub use api::{
     PeerId, PlaneKind,
 };
 pub mod synthetic;
+
+/// Whether a warning of `kind` is logged now, through one process-wide
+/// [`WarnThrottle`](kvpeer_core::throttle::WarnThrottle), for the threads that own none (the
+/// pool's, its pullers, the node's wait): `Some(suppressed)`, or `None` (counted, not logged).
+pub(crate) fn admit_warning(kind: &'static str) -> Option<u64> {
+    use std::sync::{LazyLock, Mutex, PoisonError};
+    static THROTTLE: LazyLock<Mutex<kvpeer_core::throttle::WarnThrottle>> =
+        LazyLock::new(Default::default);
+    THROTTLE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .admit(kind, std::time::Instant::now())
+}

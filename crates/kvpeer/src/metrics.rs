@@ -1,18 +1,25 @@
 //! The Prometheus endpoint: `GET /metrics` answers the node's [`NodeStats`] in the text
 //! exposition format (version 0.0.4).
 //!
-//! One thread accepts connections and answers each in turn: a scrape is a few kilobytes, and a
-//! slow or silent client is cut off by its 2 s read and write timeouts, so it can delay the
-//! next scrape but never the node (stats are one call to the runtime thread). Written by hand:
-//! the format is a few lines of text, and an HTTP framework would outweigh the node.
+//! One thread serves every connection over nonblocking sockets (one `poll`), so no client can
+//! hold it: each connection must send its whole request head within [`HEAD_DEADLINE`] (however
+//! steadily it drips bytes) and in at most [`MAX_HEAD`] bytes, and take its response within
+//! [`WRITE_DEADLINE`]; at most [`MAX_CONNECTIONS`] are open, a newcomer evicting the oldest, so
+//! a scraper is never refused because stalled clients came first (issue 19). A scrape is a few
+//! kilobytes; stats are one call to the runtime thread. Written by hand: the format is a few
+//! lines of text, and an HTTP framework would outweigh the node.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tracing::{debug, warn};
+use kvpeer_core::throttle::WarnThrottle;
+use kvpeer_core::warn_throttled;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use tracing::debug;
 
 use crate::api::{Histogram, Node, NodeStats};
 use crate::pool::{Pool, PoolStats};
@@ -339,6 +346,381 @@ pub fn render_pool(s: &PoolStats) -> String {
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// The HTTP endpoint
+
+/// Connections the endpoint keeps open at once. A newcomer past this evicts the oldest open
+/// connection (it is not refused): a scraper that connects gets its turn however many stalled
+/// clients came before it, and an honest scrape takes milliseconds, so it is never the oldest
+/// for long.
+pub const MAX_CONNECTIONS: usize = 32;
+
+/// The whole request head (request line and headers) must arrive within this after the
+/// connection is accepted, however slowly or steadily its bytes come; then it is closed.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The longest request head read: a longer one is answered `431` and closed.
+pub const MAX_HEAD: usize = 8 * 1024;
+
+/// The whole response must be taken by the client within this after its request; then the
+/// connection is closed.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Connections accepted per turn of the loop, so a flood of connects cannot keep the endpoint
+/// from reading the ones it holds.
+const ACCEPTS_PER_TURN: usize = 16;
+
+/// After a failed accept (out of descriptors, most likely) the listener rests this long: the
+/// connection still waiting would keep it readable and spin the loop.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The longest the loop sleeps without looking at its deadlines.
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// Why the endpoint closed a connection before (or instead of) a complete answer.
+#[derive(Debug, thiserror::Error)]
+enum Closed {
+    #[error("request head not complete within {HEAD_DEADLINE:?}")]
+    HeadDeadline,
+    #[error("response not taken within {WRITE_DEADLINE:?}")]
+    WriteDeadline,
+    #[error("evicted: {MAX_CONNECTIONS} connections were open")]
+    Evicted,
+    #[error("the client closed before its request head was complete")]
+    Eof,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// How the endpoint has treated its clients (`kvpeer_metrics_*`).
+#[derive(Debug, Default, Clone, Copy)]
+struct EndpointStats {
+    /// Connections closed at their head or write deadline.
+    timed_out: u64,
+    /// Connections evicted by a newcomer when [`MAX_CONNECTIONS`] were open.
+    evicted: u64,
+    /// Request heads over [`MAX_HEAD`].
+    too_large: u64,
+}
+
+impl EndpointStats {
+    fn render(&self) -> String {
+        let mut out = String::new();
+        for (name, help, value) in [
+            (
+                "kvpeer_metrics_timed_out_total",
+                "metrics connections closed at their request or response deadline",
+                self.timed_out,
+            ),
+            (
+                "kvpeer_metrics_evicted_total",
+                "metrics connections evicted by a newer one while the endpoint was full",
+                self.evicted,
+            ),
+            (
+                "kvpeer_metrics_oversized_total",
+                "metrics requests whose head was over the limit",
+                self.too_large,
+            ),
+        ] {
+            metric(&mut out, name, help, "counter", value);
+        }
+        out
+    }
+}
+
+enum State {
+    /// Reading the request head: what came so far.
+    Reading(Vec<u8>),
+    /// Writing the response: its bytes and how many went.
+    Writing(Vec<u8>, usize),
+}
+
+struct Conn {
+    stream: TcpStream,
+    accepted: Instant,
+    /// When the current state must be over.
+    deadline: Instant,
+    state: State,
+}
+
+/// Where a request head ends (after its blank line; a bare-LF blank line is taken too), if it
+/// has.
+fn head_end(buf: &[u8]) -> Option<usize> {
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    match (crlf, lf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `GET /metrics` for `node` (and `pool`) over nonblocking sockets, on one thread: every
+/// connection has a deadline for its request head and one for its response, heads are bounded,
+/// and at most [`MAX_CONNECTIONS`] are open (a newcomer evicts the oldest).
+struct Endpoint {
+    listener: TcpListener,
+    node: Arc<Node>,
+    pool: Option<Arc<Pool>>,
+    conns: Vec<Conn>,
+    accept_paused_until: Option<Instant>,
+    throttle: WarnThrottle,
+    stats: EndpointStats,
+}
+
+impl Endpoint {
+    fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            self.throttle.tick(now);
+            self.expire(now);
+            let ready = match self.wait(now) {
+                Ok(ready) => ready,
+                Err(e) => {
+                    warn_throttled!(self.throttle, now, "the metrics endpoint's wait failed; retrying", error = %e);
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            // Connections first (newest last), then newcomers: a flood of connects cannot
+            // starve the connections already held.
+            let mut closed = Vec::new();
+            for (i, ready) in ready.conns.iter().enumerate() {
+                if *ready {
+                    if let Err(e) = self.step(i) {
+                        closed.push((i, e));
+                    }
+                }
+            }
+            for (i, why) in closed.into_iter().rev() {
+                let c = self.conns.swap_remove(i);
+                self.closing(&c, &why);
+            }
+            // Done writing: closed in `step` by marking them (see `finished`).
+            self.conns.retain(|c| !finished(c));
+            if ready.listener {
+                self.accept(now);
+            }
+        }
+    }
+
+    /// Closes the connections past their deadline.
+    fn expire(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.conns.len() {
+            if self.conns[i].deadline <= now {
+                let c = self.conns.swap_remove(i);
+                let why = match c.state {
+                    State::Reading(_) => Closed::HeadDeadline,
+                    State::Writing(..) => Closed::WriteDeadline,
+                };
+                self.stats.timed_out += 1;
+                self.closing(&c, &why);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Waits until the listener or a connection is ready, or the next deadline.
+    fn wait(&self, now: Instant) -> nix::Result<Ready> {
+        let listening = self.accept_paused_until.is_none_or(|t| t <= now);
+        let mut until = now + MAX_WAIT;
+        if let Some(t) = self.accept_paused_until.filter(|t| *t > now) {
+            until = until.min(t);
+        }
+        for c in &self.conns {
+            until = until.min(c.deadline);
+        }
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(self.conns.len() + 1);
+        fds.push(PollFd::new(
+            self.listener.as_fd(),
+            if listening {
+                PollFlags::POLLIN
+            } else {
+                PollFlags::empty()
+            },
+        ));
+        for c in &self.conns {
+            let flags = match c.state {
+                State::Reading(_) => PollFlags::POLLIN,
+                State::Writing(..) => PollFlags::POLLOUT,
+            };
+            fds.push(PollFd::new(c.stream.as_fd(), flags));
+        }
+        let wait = until.saturating_duration_since(now);
+        // Rounded up: a timeout rounded down to 0 ms would spin until the deadline.
+        let ms = u16::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u16::MAX);
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+        let is_ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+        Ok(Ready {
+            listener: listening && is_ready(&fds[0]),
+            conns: fds[1..].iter().map(is_ready).collect(),
+        })
+    }
+
+    /// Accepts what waits (a bounded number per turn), evicting the oldest connections to keep
+    /// at most [`MAX_CONNECTIONS`].
+    fn accept(&mut self, now: Instant) {
+        for _ in 0..ACCEPTS_PER_TURN {
+            let stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    warn_throttled!(self.throttle, now, "cannot accept a metrics connection; backing off", error = %e);
+                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
+                    return;
+                }
+            };
+            if let Err(e) = stream.set_nonblocking(true) {
+                debug!(error = %e, "cannot make a metrics connection non-blocking");
+                continue;
+            }
+            if self.conns.len() >= MAX_CONNECTIONS {
+                if let Some(oldest) = (0..self.conns.len()).min_by_key(|i| self.conns[*i].accepted)
+                {
+                    let c = self.conns.swap_remove(oldest);
+                    self.stats.evicted += 1;
+                    warn_throttled!(self.throttle, now, "metrics endpoint full; evicting the oldest connection",
+                        open = MAX_CONNECTIONS, peer = ?c.stream.peer_addr().ok());
+                    self.closing(&c, &Closed::Evicted);
+                }
+            }
+            self.conns.push(Conn {
+                stream,
+                accepted: now,
+                deadline: now + HEAD_DEADLINE,
+                state: State::Reading(Vec::new()),
+            });
+        }
+    }
+
+    /// Reads or writes what connection `i` is ready for; an error closes it.
+    fn step(&mut self, i: usize) -> Result<(), Closed> {
+        if let Some(head) = self.read_head(i)? {
+            let response = match head {
+                Head::Complete(head) => self.respond(&head),
+                Head::TooLarge => {
+                    self.stats.too_large += 1;
+                    response(
+                        "431 Request Header Fields Too Large",
+                        &format!("request head over {MAX_HEAD} bytes\n"),
+                    )
+                }
+            };
+            let c = &mut self.conns[i];
+            c.state = State::Writing(response, 0);
+            c.deadline = Instant::now() + WRITE_DEADLINE;
+        }
+        let c = &mut self.conns[i];
+        if let State::Writing(bytes, sent) = &mut c.state {
+            while *sent < bytes.len() {
+                match c.stream.write(&bytes[*sent..]) {
+                    Ok(0) => return Err(Closed::Io(ErrorKind::WriteZero.into())),
+                    Ok(n) => *sent += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads what connection `i` sent of its request head: the head once it is complete or
+    /// over [`MAX_HEAD`], `None` while it is not (or the connection is writing already).
+    fn read_head(&mut self, i: usize) -> Result<Option<Head>, Closed> {
+        let c = &mut self.conns[i];
+        let State::Reading(buf) = &mut c.state else {
+            return Ok(None);
+        };
+        let mut chunk = [0u8; 4096];
+        let mut eof = false;
+        loop {
+            // One byte over the bound tells a head that is too long from one that just fits.
+            let room = (MAX_HEAD + 1).saturating_sub(buf.len()).min(chunk.len());
+            if room == 0 || head_end(buf).is_some() {
+                break;
+            }
+            match c.stream.read(&mut chunk[..room]) {
+                Ok(0) if buf.is_empty() => return Err(Closed::Eof),
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(match head_end(buf) {
+            Some(end) => Some(Head::Complete(
+                String::from_utf8_lossy(&buf[..end]).into_owned(),
+            )),
+            None if buf.len() > MAX_HEAD => Some(Head::TooLarge),
+            // A client that sent part of a head and closed its side is answered as it stands.
+            None if eof => Some(Head::Complete(String::from_utf8_lossy(buf).into_owned())),
+            None => None,
+        })
+    }
+
+    /// The response to a request head.
+    fn respond(&self, head: &str) -> Vec<u8> {
+        let path = head.split_whitespace().nth(1).unwrap_or("");
+        match (head.starts_with("GET "), path) {
+            (true, "/metrics") => match self.node.stats() {
+                Ok(s) => {
+                    let mut body = render(&s);
+                    if let Some(pool) = &self.pool {
+                        body.push_str(&render_pool(&pool.stats()));
+                    }
+                    body.push_str(&self.stats.render());
+                    response("200 OK", &body)
+                }
+                Err(e) => response("503 Service Unavailable", &format!("{e}\n")),
+            },
+            (true, _) => response("404 Not Found", "try /metrics\n"),
+            _ => response("405 Method Not Allowed", "GET only\n"),
+        }
+    }
+
+    fn closing(&self, c: &Conn, why: &Closed) {
+        debug!(peer = ?c.stream.peer_addr().ok(), reason = %why, "closing a metrics connection");
+    }
+}
+
+/// A request head read to its end, or one too long to read.
+enum Head {
+    Complete(String),
+    TooLarge,
+}
+
+/// Which sockets `poll` said are ready.
+struct Ready {
+    listener: bool,
+    conns: Vec<bool>,
+}
+
+/// Whether `c` has written all of its response (then it is closed).
+fn finished(c: &Conn) -> bool {
+    matches!(&c.state, State::Writing(bytes, sent) if *sent >= bytes.len())
+}
+
+fn response(status: &str, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
 /// Serves `GET /metrics` for `node` at `addr` (port 0 picks one) on a thread of its own, until
 /// the process ends. Returns the bound address.
 pub fn serve(addr: &str, node: Arc<Node>) -> std::io::Result<SocketAddr> {
@@ -353,56 +735,18 @@ pub fn serve_with_pool(
 ) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let bound = listener.local_addr()?;
+    listener.set_nonblocking(true)?;
+    let endpoint = Endpoint {
+        listener,
+        node,
+        pool,
+        conns: Vec::with_capacity(MAX_CONNECTIONS),
+        accept_paused_until: None,
+        throttle: WarnThrottle::default(),
+        stats: EndpointStats::default(),
+    };
     std::thread::Builder::new()
         .name("kvpeer-metrics".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                match conn {
-                    Ok(stream) => {
-                        if let Err(e) = answer(stream, &node, pool.as_deref()) {
-                            debug!(error = %e, "metrics request failed");
-                        }
-                    }
-                    Err(e) => warn!(error = %e, "metrics accept failed"),
-                }
-            }
-        })?;
+        .spawn(move || endpoint.run())?;
     Ok(bound)
-}
-
-fn answer(mut stream: TcpStream, node: &Node, pool: Option<&Pool>) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    // The request line and headers, bounded: nothing else of the request matters.
-    let mut buf = [0u8; 4096];
-    let mut len = 0;
-    while len < buf.len() && !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf[len..])?;
-        if n == 0 {
-            break;
-        }
-        len += n;
-    }
-    let request = String::from_utf8_lossy(&buf[..len]);
-    let path = request.split_whitespace().nth(1).unwrap_or("");
-    let (status, body) = match (request.starts_with("GET "), path) {
-        (true, "/metrics") => match node.stats() {
-            Ok(s) => {
-                let mut body = render(&s);
-                if let Some(pool) = pool {
-                    body.push_str(&render_pool(&pool.stats()));
-                }
-                ("200 OK", body)
-            }
-            Err(e) => ("503 Service Unavailable", format!("{e}\n")),
-        },
-        (true, _) => ("404 Not Found", "try /metrics\n".to_owned()),
-        _ => ("405 Method Not Allowed", "GET only\n".to_owned()),
-    };
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    stream.flush()
 }

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::{Message, PeerId};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use super::Core;
 use crate::error::{CloseReason, FaultRecord, Refusal, SessionEnd};
@@ -99,7 +99,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return false;
         }
         if self.sessions.len() >= self.config.max_peers {
-            warn!(%peer, limit = self.config.max_peers, "not dialing: session limit reached");
+            crate::warn_throttled!(self.out.throttle, self.now, "not dialing: session limit reached", %peer, limit = self.config.max_peers);
             return false;
         }
         info!(%peer, "opening a session");
@@ -205,7 +205,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .map(|s| s.peer().clone())
             .collect();
         for peer in idle {
-            info!(%peer, "evicting an idle peer");
+            crate::info_throttled!(self.out.throttle, self.now, "evicting an idle peer", %peer);
             if let Some(s) = self.sessions.get_mut(&peer) {
                 s.disconnect(&mut self.out, self.now, CloseReason::Idle);
             }

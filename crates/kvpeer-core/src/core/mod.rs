@@ -28,7 +28,7 @@ use std::time::Instant;
 use kvpeer_proto::{
     decode_with_limits, DecodeError, DecodeLimits, KvRequestId, Message, OffloadKey, PeerId,
 };
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::error::{CloseReason, ProtocolViolation, Refusal};
@@ -271,7 +271,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.out.event(Event::Refused { peer, reason });
             return false;
         }
-        info!(%peer, "accepting inbound peer");
+        crate::info_throttled!(self.out.throttle, self.now, "accepting inbound peer", %peer);
         self.open_session(peer);
         true
     }
@@ -612,7 +612,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         // else (timeouts, lost connections, faults, protocol errors) is worth a warning.
         let reason = &end;
         if end.is_orderly() {
-            info!(%peer, %reason, "session closed");
+            crate::info_throttled!(self.out.throttle, self.now, "session closed", %peer, %reason);
         } else {
             crate::warn_throttled!(self.out.throttle, self.now, "peer down",
                 %peer,

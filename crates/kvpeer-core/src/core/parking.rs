@@ -9,7 +9,6 @@
 use std::time::Instant;
 
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use tracing::warn;
 
 use super::Core;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent};
@@ -33,7 +32,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         blocks: Vec<BlockIndex>,
     ) {
         if self.reaped.contains_key(id) {
-            warn!(kv_request_id = %id, job = job.get(), "store for a request whose parked stores were reaped; failing it");
+            crate::warn_throttled!(self.out.throttle, self.now, "store for a request whose parked stores were reaped; failing it", kv_request_id = %id, job = job.get());
             self.complete_store(job, false);
             return;
         }
@@ -103,7 +102,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 continue;
             }
             let batches = self.unbound.remove(&id).unwrap_or_default();
-            warn!(kv_request_id = %id, jobs = batches.len(), "parked stores were never fetched; failing them");
+            crate::warn_throttled!(self.out.throttle, self.now, "parked stores were never fetched; failing them", kv_request_id = %id, jobs = batches.len());
             for batch in batches {
                 self.complete_store(batch.job, false);
             }

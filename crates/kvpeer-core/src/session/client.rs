@@ -403,7 +403,7 @@ impl ClientRole {
             if load.aborted_at.is_some() || load.submitted_at + self.load_lane.delay() != deadline {
                 continue;
             }
-            warn!(peer = %link.peer, kv_request_id = %id, round = %round, "load timed out; sending abort_fetch");
+            crate::warn_throttled!(cx.out.throttle, now, "load timed out; sending abort_fetch", peer = %link.peer, kv_request_id = %id, round = %round);
             load.aborted_at = Some(now);
             self.abort_lane.arm(now, RoundKey::new(&id, round));
             link.send(
@@ -423,7 +423,7 @@ impl ClientRole {
                 .and_then(|r| r.load_mut(round))
                 .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
             if fired {
-                warn!(peer = %link.peer, kv_request_id = %id, round = %round, "abort_ack timed out; failing the load");
+                crate::warn_throttled!(cx.out.throttle, now, "abort_ack timed out; failing the load", peer = %link.peer, kv_request_id = %id, round = %round);
                 self.complete(cx, &id, round, false);
             }
         }

@@ -11,7 +11,6 @@ pub(crate) mod server;
 use std::time::Instant;
 
 use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId, RoundSeq};
-use tracing::{error, info, warn};
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
@@ -193,7 +192,7 @@ impl Session {
     }
 
     fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: CloseReason) {
-        error!(peer = %self.link.peer, %reason, "protocol error; disconnecting");
+        crate::error_throttled!(cx.out.throttle, cx.now, "protocol error; disconnecting", peer = %self.link.peer, %reason);
         cx.out.counters.protocol_errors += 1;
         self.disconnect(cx.out, cx.now, reason);
     }
@@ -202,7 +201,7 @@ impl Session {
     /// session (a peer may be wedging us into a bad state).
     fn internal_error(&mut self, cx: &mut Cx<'_>, reason: InternalError) {
         self.dispatch_errors += 1;
-        error!(peer = %self.link.peer, %reason, count = self.dispatch_errors, "internal error handling a message");
+        crate::error_throttled!(cx.out.throttle, cx.now, "internal error handling a message", peer = %self.link.peer, %reason, count = self.dispatch_errors);
         if self.dispatch_errors >= cx.config.max_consecutive_dispatch_errors {
             let count = self.dispatch_errors;
             self.protocol_error(
@@ -245,7 +244,7 @@ impl Session {
                 Ok(())
             }
             Message::Disconnect => {
-                info!(peer = %self.link.peer, "peer disconnected");
+                crate::info_throttled!(cx.out.throttle, cx.now, "peer disconnected", peer = %self.link.peer);
                 self.mark_dead(CloseReason::PeerDisconnected);
                 Ok(())
             }
@@ -410,10 +409,13 @@ impl Session {
         if self.is_dead() {
             return;
         }
-        let since = *self.peer_fault_at.get_or_insert_with(|| {
-            warn!(peer = %self.link.peer, %fault, "data plane faulted; disconnecting once inflight transfers drain");
-            cx.now
-        });
+        let since = match self.peer_fault_at {
+            Some(since) => since,
+            None => {
+                crate::warn_throttled!(cx.out.throttle, cx.now, "data plane faulted; disconnecting once inflight transfers drain", peer = %self.link.peer, %fault);
+                *self.peer_fault_at.insert(cx.now)
+            }
+        };
         if self.server.has_inflight() && cx.now < since + cx.config.peer_fault_drain {
             return;
         }
@@ -425,12 +427,12 @@ impl Session {
             return;
         }
         if !self.link.is_ready() && cx.now >= self.handshake_deadline {
-            warn!(peer = %self.link.peer, "handshake timed out");
+            crate::warn_throttled!(cx.out.throttle, cx.now, "handshake timed out", peer = %self.link.peer);
             self.mark_dead(CloseReason::HandshakeTimeout);
             return;
         }
         if let Some(expired) = self.client.handle_timeout(&mut self.link, cx) {
-            warn!(peer = %self.link.peer, kv_request_id = %expired, "lookup response timed out; disconnecting the peer");
+            crate::warn_throttled!(cx.out.throttle, cx.now, "lookup response timed out; disconnecting the peer", peer = %self.link.peer, kv_request_id = %expired);
             self.disconnect(cx.out, cx.now, CloseReason::LookupTimeout);
             return;
         }

@@ -545,7 +545,11 @@ impl DataPlane for TcpPlane {
         if let Err(e) = getrandom::fill(&mut key) {
             // Without a key the peer's writer refuses to register (no tcp writes into us from
             // it this session), which is safe; an old key must not stand in.
-            warn!(%peer, error = %e, "no randomness for a tcp key; the peer cannot write to us over tcp");
+            if let Some(suppressed) = crate::admit_warning(
+                "no randomness for a tcp key; the peer cannot write to us over tcp",
+            ) {
+                warn!(%peer, error = %e, suppressed, "no randomness for a tcp key; the peer cannot write to us over tcp");
+            }
             let closed = lock(&self.gate).withdraw(peer);
             for _ in 0..closed {
                 Counters::bump(&self.counters.key_closes);

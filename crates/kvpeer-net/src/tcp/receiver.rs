@@ -214,7 +214,11 @@ impl Accept {
             }
             if let Err(e) = wait_readable(&listener) {
                 if e != nix::errno::Errno::EINTR {
-                    warn!(error = %e, "cannot wait on the tcp data listener; backing off");
+                    if let Some(suppressed) =
+                        crate::admit_warning("cannot wait on the tcp data listener; backing off")
+                    {
+                        warn!(error = %e, suppressed, "cannot wait on the tcp data listener; backing off");
+                    }
                     std::thread::sleep(ACCEPT_BACKOFF);
                 }
                 continue;
@@ -304,7 +308,9 @@ impl Accept {
                 lock(&gate).forget(id);
             });
         if let Err(e) = spawned {
-            warn!(error = %e, "cannot start a tcp receive thread");
+            if let Some(suppressed) = crate::admit_warning("cannot start a tcp receive thread") {
+                warn!(error = %e, suppressed, "cannot start a tcp receive thread");
+            }
             if let Some(c) = lock(&self.gate).conns.remove(&id) {
                 close(&c.stream);
             }

@@ -160,7 +160,9 @@ impl TcpPlane {
                 wake();
             });
         if let Err(e) = spawned {
-            warn!(error = %e, "cannot start a tcp dial thread");
+            if let Some(suppressed) = crate::admit_warning("cannot start a tcp dial thread") {
+                warn!(error = %e, suppressed, "cannot start a tcp dial thread");
+            }
             lock(&self.links).dialing.remove(&who);
             lock(&self.registrations).insert(
                 who,

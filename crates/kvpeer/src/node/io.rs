@@ -465,8 +465,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                     if queue.len() < MAX_HELD {
                         queue.push_back(t.message);
                     } else {
-                        warn!(peer = %t.peer, held = queue.len(),
-                            "the peer never finished its handshake; too many messages held");
+                        warn_throttled!(self.throttle, now,
+                            "the peer never finished its handshake; too many messages held",
+                            peer = %t.peer, held = queue.len());
                         self.held.remove(&t.peer);
                         self.channel.close(&t.peer);
                         self.core.handle_connection_lost(now, &t.peer);
@@ -484,7 +485,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                             // Its proofs are made for our connection's challenge: wait for
                             // the peer's READY (the connection opens now if it is not open).
                             if let Err(e) = self.channel.dial(&t.peer) {
-                                warn!(peer = %t.peer, error = %e, "dial failed");
+                                warn_throttled!(self.throttle, now, "dial failed", peer = %t.peer, error = %e);
                                 self.core.handle_connection_lost(now, &t.peer);
                                 continue;
                             }
@@ -504,7 +505,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                             self.core
                                 .handle_connection_refused(now, &peer, "not in the allowlist");
                         } else if let Err(e) = self.channel.dial(&peer) {
-                            warn!(%peer, error = %e, "dial failed");
+                            warn_throttled!(self.throttle, now, "dial failed", %peer, error = %e);
                             self.core.handle_connection_lost(now, &peer);
                         }
                     }
@@ -546,7 +547,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             if let Some(auth) = &self.auth {
                 match auth.sign(peer, challenge.as_deref().unwrap_or_default(), c) {
                     Ok(token) => c.kvpeer_auth = Some(token),
-                    Err(e) => warn!(%peer, error = %e, "cannot sign connect"),
+                    Err(e) => {
+                        warn_throttled!(self.throttle, now, "cannot sign connect", %peer, error = %e)
+                    }
                 }
             }
         }
@@ -560,7 +563,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             Err(e) => Err(e.to_string()),
         };
         if let Err(e) = sent {
-            warn!(%peer, error = %e, "send failed");
+            warn_throttled!(self.throttle, now, "send failed", %peer, error = %e);
             self.held.remove(peer);
             self.close_after_held.remove(peer);
             self.core.handle_connection_lost(now, peer);
@@ -629,7 +632,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             .map_or(max, |t| t.saturating_duration_since(now).min(max));
         let fd = self.wake.as_ref().map(WakePipe::fd);
         if let Err(e) = self.channel.wait_with(until_deadline, fd) {
-            warn!(error = %e, "control channel wait failed");
+            if let Some(suppressed) = crate::admit_warning("control channel wait failed") {
+                warn!(error = %e, suppressed, "control channel wait failed");
+            }
         }
     }
 }

@@ -292,7 +292,11 @@ impl PoolThread {
         let mut last_publish = Instant::now();
         while !self.stop.load(Ordering::Relaxed) {
             if let Err(e) = self.wait() {
-                warn!(error = %e, "the pool's wait failed; retrying after a tick");
+                if let Some(suppressed) =
+                    crate::admit_warning("the pool's wait failed; retrying after a tick")
+                {
+                    warn!(error = %e, suppressed, "the pool's wait failed; retrying after a tick");
+                }
                 std::thread::sleep(TICK);
             }
             let now = Instant::now();
@@ -326,7 +330,12 @@ impl PoolThread {
                 let f = &mut engine.follower;
                 let actions = match event {
                     SubEvent::Connected => {
-                        info!(engine = f.slot().index(), "event stream connected");
+                        if let Some(suppressed) = crate::admit_warning("event stream connected") {
+                            info!(
+                                engine = f.slot().index(),
+                                suppressed, "event stream connected"
+                            );
+                        }
                         f.connected(now)
                     }
                     SubEvent::Live { seq, payload } => {
@@ -337,7 +346,11 @@ impl PoolThread {
                     }
                     SubEvent::ReplayEnd => f.replay_end(&mut self.holdings),
                     SubEvent::Lost { reason } => {
-                        warn!(engine = f.slot().index(), %reason, "event stream lost; reconnecting");
+                        if let Some(suppressed) =
+                            crate::admit_warning("event stream lost; reconnecting")
+                        {
+                            warn!(engine = f.slot().index(), %reason, suppressed, "event stream lost; reconnecting");
+                        }
                         Vec::new()
                     }
                 };

@@ -136,19 +136,27 @@ impl Puller {
                         match req.fetch(&keys[..hits], load_timeout) {
                             Ok(()) => hits,
                             Err(e) => {
-                                warn!(peer = %self.peer, error = %e, "a pull's fetch failed");
+                                if let Some(suppressed) =
+                                    crate::admit_warning("a pull's fetch failed")
+                                {
+                                    warn!(peer = %self.peer, error = %e, suppressed, "a pull's fetch failed");
+                                }
                                 0
                             }
                         }
                     }
                 }
                 Err(e) => {
-                    warn!(peer = %self.peer, error = %e, "a pull's lookup failed");
+                    if let Some(suppressed) = crate::admit_warning("a pull's lookup failed") {
+                        warn!(peer = %self.peer, error = %e, suppressed, "a pull's lookup failed");
+                    }
                     0
                 }
             },
             Err(e) => {
-                warn!(peer = %self.peer, error = %e, "cannot open a pull request");
+                if let Some(suppressed) = crate::admit_warning("cannot open a pull request") {
+                    warn!(peer = %self.peer, error = %e, suppressed, "cannot open a pull request");
+                }
                 0
             }
         };

@@ -8,7 +8,7 @@
 
 use kvpeer_proto::{KvRequestId, Message, RoundSeq, TransferDone};
 use smallvec::SmallVec;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::{Inflight, Orphan, Serial, ServerRole};
 use crate::output::Link;
@@ -156,7 +156,7 @@ impl ServerRole {
         }
         for tid in poll.done {
             let Some(xfer) = self.pop_inflight(tid) else {
-                warn!(peer = %self.peer, tid = tid.get(), "data plane reported an unknown transfer done");
+                crate::warn_throttled!(cx.out.throttle, cx.now, "data plane reported an unknown transfer done", peer = %self.peer, tid = tid.get());
                 continue;
             };
             let cancelled = self
@@ -181,7 +181,7 @@ impl ServerRole {
         }
         for tid in poll.failed {
             let Some(xfer) = self.pop_inflight(tid) else {
-                warn!(peer = %self.peer, tid = tid.get(), "data plane reported an unknown transfer failed");
+                crate::warn_throttled!(cx.out.throttle, cx.now, "data plane reported an unknown transfer failed", peer = %self.peer, tid = tid.get());
                 continue;
             };
             let in_round = self

@@ -6,7 +6,6 @@
 //! write that cannot start finishes its round as failed once nothing else is in flight.
 
 use kvpeer_proto::{KvRequestId, OffloadKey, RoundSeq};
-use tracing::warn;
 
 use super::{Demand, Inflight, Matched, Origin, Round, Serial, ServerRole};
 use crate::error::ProtocolViolation;
@@ -111,7 +110,7 @@ impl ServerRole {
             Some(_) => None,
         };
         let Some(tid) = tid else {
-            warn!(peer = %self.peer, kv_request_id = %id, round = %round, blocks = matched.local.len(), "write_blocks failed");
+            crate::warn_throttled!(cx.out.throttle, cx.now, "write_blocks failed", peer = %self.peer, kv_request_id = %id, round = %round, blocks = matched.local.len());
             let Some(rnd) = self.round_mut(id, round, serial) else {
                 return;
             };

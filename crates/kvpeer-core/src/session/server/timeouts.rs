@@ -5,7 +5,7 @@
 //! round serial); a stale entry is dropped; a store job that times out while read cancels the
 //! writes reading it, and one never fetched drops its round.
 
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::{Pin, ServerRole};
 use crate::error::InternalError;
@@ -108,8 +108,9 @@ impl ServerRole {
         }
         while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {
             if self.aborts.contains_key(&key) && self.slow_aborts.insert(key.clone()) {
-                warn!(peer = %self.peer, kv_request_id = %key.id, round = %key.round,
-                    "abort still waiting for transfers to stop; holding their pins and the abort_ack");
+                crate::warn_throttled!(cx.out.throttle, now,
+                    "abort still waiting for transfers to stop; holding their pins and the abort_ack",
+                    peer = %self.peer, kv_request_id = %key.id, round = %key.round);
             }
         }
         result
