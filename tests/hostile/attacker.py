@@ -27,6 +27,8 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
   session --shrink-own-pool: after the handshake, shrink our own (proven) pool object under the
   node before its write (a node that maps peers' objects dies of SIGBUS); the summary says how
   many bytes of our object the node made the kernel allocate (`own_pool_allocated`).
+  trickle   a consumer over tcp: lookup + fetch synthetic keys, then read the node's data
+            connection a trickle at a time (or at full speed, ACKing: the control run)
 
 Needs pyzmq and msgpack (tests/requirements.txt).
 """
@@ -878,6 +880,132 @@ def cmd_impostor(a) -> int:
     node.close()
     victim.close()
     os.close(pool_fd)
+# --- trickle: a consumer that reads its tcp data connection slowly -----------------------------
+
+
+def cmd_trickle(a) -> int:
+    peer = Peer(a.bind)
+    data = socket.socket()
+    # A small receive window: the node's writer is held by our reading, not by our buffer.
+    data.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, a.rcvbuf)
+    data.bind(("127.0.0.1", 0))
+    data.listen(4)
+    addr = "127.0.0.1:%d" % data.getsockname()[1]
+    tcp_key = os.urandom(32)
+    meta = metadata(peer.identity, None, None, addr, tcp_key)
+    c = connect_msg(peer.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
+    emit({"event": "ready", "identity": peer.identity})
+    state = {"connect_ack": False, "disconnect": False, "transfer_done": []}
+
+    def note(who, msg):
+        t = msg.get("type")
+        if t == "connect_ack":
+            state["connect_ack"] = True
+        elif t == "disconnect":
+            state["disconnect"] = True
+        elif t == "transfer_done":
+            state["transfer_done"].append(msg.get("success"))
+
+    peer.send(a.node, c)
+    peer.wait_for({"connect_ack", "disconnect"}, a.wait, note)
+    peer.send(a.node, {"type": "connect_ack", "peer_id": peer.identity})
+    keys = [key(i) for i in span(a.keys)]
+    indexes = list(range(len(keys)))
+    hits = None
+    peer.send(a.node, {"type": "lookup", "kv_request_id": "trickle-1", "keys": keys,
+                       "round_seq": 0})
+    got = peer.wait_for({"lookup_resp"}, a.wait, note)
+    if got:
+        hits = got[1].get("hits")
+    data.settimeout(a.wait)
+    conn, _ = data.accept()
+    peer.send(a.node, {"type": "fetch", "kv_request_id": "trickle-1", "keys": keys,
+                       "block_indexes": indexes, "round_seq": 0})
+    start = time.monotonic()
+    # What the node's writer must send: its HELLO (checked by length and key), then WRITEs of
+    # our keys' blocks.
+    expected_blocks = b"".join(content(k, a.block_len) for k in keys)
+    got_bytes = bytearray()
+    closed_after = None
+    acked = 0
+    parsed = 0  # bytes of got_bytes consumed by complete frames
+    hello_len = None
+    block_bytes = bytearray()
+    frames_ok = True
+    while time.monotonic() - start < a.hold:
+        for who, msg in peer.poll(0.0):
+            note(who, msg)
+        r, _, _ = select.select([conn], [], [], 0.05)
+        if r:
+            try:
+                chunk = conn.recv(a.chunk if a.reading == "trickle" else 1 << 20)
+            except (ConnectionResetError, BrokenPipeError):
+                chunk = b""
+            if not chunk:
+                closed_after = time.monotonic() - start
+                break
+            got_bytes += chunk
+        # Parse what is complete: the HELLO, then whole WRITEs (header, then blocks); slices
+        # only of headers, so reading at full speed stays fast.
+        while True:
+            have = len(got_bytes) - parsed
+            if hello_len is None:
+                if have < 7:
+                    break
+                hello_len = 7 + struct.unpack(">H", got_bytes[5:7])[0] + 32
+                frames_ok &= bytes(got_bytes[:5]) == b"KVPH\x02"
+                continue
+            if parsed == 0:
+                if have < hello_len:
+                    break
+                frames_ok &= bytes(got_bytes[hello_len - 32:hello_len]) == tcp_key
+                parsed = hello_len
+                continue
+            if have < 16:
+                break
+            frames_ok &= bytes(got_bytes[parsed:parsed + 4]) == b"KVPW"
+            tid, count = struct.unpack(">QI", got_bytes[parsed + 4:parsed + 16])
+            head = 16 + 8 * count
+            if have < head + count * a.block_len:
+                break
+            block_bytes += got_bytes[parsed + head:parsed + head + count * a.block_len]
+            parsed += head + count * a.block_len
+            if a.reading == "full":
+                conn.sendall(b"KVPA" + struct.pack(">Q", tid) + b"\x00")
+                acked += 1
+        if state["transfer_done"] and a.reading == "full":
+            break
+        if a.reading == "trickle":
+            time.sleep(a.every)
+    frames_ok &= expected_blocks.startswith(bytes(block_bytes))
+    if hello_len is not None and parsed > 0 and len(got_bytes) - parsed >= 16:
+        # A WRITE cut short: what came of its blocks must be our blocks' start.
+        count = struct.unpack(">I", got_bytes[parsed + 12:parsed + 16])[0]
+        body = bytes(got_bytes[parsed + 16 + 8 * count:])
+        frames_ok &= expected_blocks[len(block_bytes):].startswith(body)
+    # Let a transfer_done or disconnect that follows the close arrive.
+    peer.wait_for({"transfer_done"} if not state["transfer_done"] else set(), a.wait, note)
+    peer.wait_for(set(), 0.3, note)
+    emit({
+        "event": "summary",
+        "identity": peer.identity,
+        "connect_ack": state["connect_ack"],
+        "hits": None if hits is None else sum(1 for h in hits if h),
+        "bytes": len(got_bytes),
+        "frame_bytes": 16 + 8 * len(keys) + len(expected_blocks),
+        "frames_ok": bool(frames_ok),
+        "blocks_received": len(block_bytes) // a.block_len,
+        "acked": acked,
+        "closed_after_s": closed_after,
+        "transfer_done": state["transfer_done"],
+        "disconnect": state["disconnect"],
+    })
+    if not state["disconnect"]:
+        peer.send(a.node, {"type": "disconnect"})
+        time.sleep(0.2)
+    conn.close()
+    data.close()
+    peer.close()
     return 0
 
 
@@ -959,11 +1087,20 @@ def main() -> int:
                    help="what our READY gives the victim: no challenge, or one of ours")
     s.add_argument("--key", type=int, default=20, help="synthetic key fetched into the victim")
     s.add_argument("--index", type=int, default=63, help="the victim's block written")
+    s = sub.add_parser("trickle")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--keys", default="0-63", help="synthetic key indexes to look up and fetch")
+    s.add_argument("--reading", choices=["trickle", "full"], default="trickle")
+    s.add_argument("--chunk", type=int, default=1024, help="bytes per read when trickling")
+    s.add_argument("--every", type=float, default=0.02, help="pause between reads, seconds")
+    s.add_argument("--rcvbuf", type=int, default=4096, help="our data socket's SO_RCVBUF")
+    s.add_argument("--hold", type=float, default=20.0, help="longest we read, seconds")
 
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
-            "impostor": cmd_impostor, "cycles": cmd_cycles}[a.cmd](a)
+            "impostor": cmd_impostor, "cycles": cmd_cycles, "trickle": cmd_trickle}[a.cmd](a)
 
 
 if __name__ == "__main__":

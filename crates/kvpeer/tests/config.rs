@@ -304,12 +304,16 @@ fn the_builder_starts_from_the_declared_defaults_and_checks_bounds() {
         .allow("10.0.0.0/8")
         .allow("node-a")
         .set("idle_timeout_s", 0)
+        .set("tcp_min_rate", 250_000)
+        .set("tcp_transfer_timeout_s", 4)
         .build()
         .unwrap();
     assert_eq!(c.spec.id.as_str(), "127.0.0.2:7000");
     assert_eq!((c.spec.num_blocks, c.spec.block_len), (8, 4096));
     assert_eq!((c.plane, c.spec.hash_seed.as_str()), (PlaneKind::Shm, "7"));
     assert_eq!(c.spec.tcp_max_write_rate, Some(1000));
+    assert_eq!(c.spec.tcp_min_write_rate, 250_000);
+    assert_eq!(c.spec.tcp_transfer_timeout, Duration::from_secs(4));
     assert_eq!(c.spec.core.max_peers, 3);
     assert_eq!(c.spec.core.idle_timeout, Duration::ZERO);
     let peer = |s: &str| kvpeer::PeerId::new(s);

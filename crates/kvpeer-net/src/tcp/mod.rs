@@ -43,6 +43,13 @@
 //! idle timeout. A writer whose idle connection was closed reconnects (same key) before its
 //! next WRITE; a connection that closes with WRITEs awaiting their ACK faults the peer.
 //!
+//! **Transfer deadlines** (send side): a WRITE must be acknowledged within
+//! `transfer_timeout + bytes / min_write_rate` of its first byte leaving (the rate never above
+//! this node's own `max_write_rate`; a WRITE pipelined behind others also gets their time).
+//! One watcher thread per plane fails a late transfer: the peer is faulted (its transfers fail,
+//! so their pins are released, and the session winds down) and its data connection is reset,
+//! so a consumer that reads a trickle, or never ACKs, holds neither pins nor writer for long.
+//!
 //! Threads: a listener and one reader per inbound connection (receive side); per peer one
 //! writer, and one acknowledgement reader per connection (send side). The core's thread only
 //! queues and polls; `wake` runs after each completion. One user-space copy per side: the
@@ -59,7 +66,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
@@ -68,7 +75,7 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::{PoolView, PoolWriter};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::lock;
 use crate::metadata::AgentMetadata;
@@ -97,7 +104,8 @@ pub enum TcpError {
     },
 }
 
-/// Caps and deadlines of the data port (receive side); the writer also uses `idle_timeout`.
+/// Caps and deadlines of the data port (receive side), and of this node's writes (send side:
+/// `idle_timeout`, `min_write_rate`, `transfer_timeout`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TcpLimits {
     /// Inbound connections open at once. Over it a new connection takes the place of the
@@ -114,6 +122,13 @@ pub struct TcpLimits {
     /// A connection with no frame started for this long is closed. A writer whose connection
     /// has been idle for half this long opens a fresh one before its next WRITE.
     pub idle_timeout: Duration,
+    /// Send side: the slowest a peer may take this node's WRITEs, in bytes per second (0 is
+    /// taken as 1). With `transfer_timeout` it sets each transfer's deadline.
+    pub min_write_rate: u64,
+    /// Send side: a WRITE of `n` bytes must be acknowledged within
+    /// `transfer_timeout + n / min_write_rate` of its first byte being sent, or the peer is
+    /// faulted and its data connection reset.
+    pub transfer_timeout: Duration,
 }
 
 impl Default for TcpLimits {
@@ -124,6 +139,8 @@ impl Default for TcpLimits {
             hello_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
+            min_write_rate: 1_000_000,
+            transfer_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -150,6 +167,11 @@ pub struct TcpCounters {
     pub accept_errors: u64,
     /// Times a writer opened a fresh connection after its idle one closed.
     pub reconnects: u64,
+    /// Inbound connections closed because the load their WRITE was landing in ended.
+    pub load_closes: u64,
+    /// Transfers this node wrote that were not acknowledged by their deadline (each faulted
+    /// its peer and reset its data connection).
+    pub transfer_timeouts: u64,
 }
 
 #[derive(Default)]
@@ -163,6 +185,8 @@ struct Counters {
     key_closes: AtomicU64,
     accept_errors: AtomicU64,
     reconnects: AtomicU64,
+    transfer_timeouts: AtomicU64,
+    load_closes: AtomicU64,
 }
 
 impl Counters {
@@ -182,6 +206,8 @@ impl Counters {
             key_closes: get(&self.key_closes),
             accept_errors: get(&self.accept_errors),
             reconnects: get(&self.reconnects),
+            transfer_timeouts: get(&self.transfer_timeouts),
+            load_closes: get(&self.load_closes),
         }
     }
 }
@@ -190,13 +216,28 @@ impl Counters {
 struct Ends {
     /// Ended transfers not yet polled, per peer.
     ended: HashMap<PeerId, PlanePoll>,
-    /// Transfers written but not acknowledged: tid → (peer, the connection it went out on).
-    sent: HashMap<TransferId, (PeerId, u64)>,
+    /// Transfers written but not acknowledged.
+    sent: HashMap<TransferId, Sent>,
+    /// The deadline the watcher sleeps until (`None`: it waits for a transfer to be sent).
+    next_deadline: Option<Instant>,
     /// Transfers queued to a writer, not yet sent: tid → peer.
     queued: HashMap<TransferId, PeerId>,
     faults: HashMap<PeerId, String>,
     /// Per peer, its writer's current connection: (its number, still open).
     conns: HashMap<PeerId, (u64, bool)>,
+}
+
+/// A transfer written (or being written) and not yet acknowledged.
+#[derive(Debug, Clone)]
+struct Sent {
+    peer: PeerId,
+    /// The connection it went out on.
+    conn: u64,
+    /// Its ACK must arrive by then.
+    deadline: Instant,
+    /// When its first byte was sent, and its bytes (for the log line of a late one).
+    started: Instant,
+    bytes: u64,
 }
 
 /// Outbound links, and the dials still running (a dial whose peer was removed or registered
@@ -219,6 +260,9 @@ pub struct TcpPlane {
     block_len: u64,
     addr: SocketAddr,
     ends: Arc<Mutex<Ends>>,
+    /// Wakes the deadline watcher (with `ends`'s lock) when a transfer's deadline is earlier
+    /// than the one it sleeps until, and when the plane stops.
+    deadlines: Arc<Condvar>,
     registrations: Arc<Mutex<HashMap<PeerId, Registration>>>,
     links: Arc<Mutex<Links>>,
     next_tid: TransferId,
@@ -268,6 +312,7 @@ impl TcpPlane {
             block_len,
             addr,
             ends: Arc::default(),
+            deadlines: Arc::default(),
             registrations: Arc::default(),
             links: Arc::default(),
             next_tid: TransferId::new(0),
@@ -288,6 +333,21 @@ impl TcpPlane {
         std::thread::Builder::new()
             .name("kvpeer-tcp-listen".into())
             .spawn(move || accept.run(listener))
+            .map_err(|source| TcpError::Listen {
+                addr: listen.into(),
+                source,
+            })?;
+        let watch = sender::Watch {
+            ends: plane.ends.clone(),
+            deadlines: plane.deadlines.clone(),
+            links: plane.links.clone(),
+            counters: plane.counters.clone(),
+            wake: plane.wake.clone(),
+            stop: plane.stop.clone(),
+        };
+        std::thread::Builder::new()
+            .name("kvpeer-tcp-deadline".into())
+            .spawn(move || watch.run())
             .map_err(|source| TcpError::Listen {
                 addr: listen.into(),
                 source,
@@ -343,7 +403,7 @@ impl TcpPlane {
         let mut lost: Vec<TransferId> = e
             .sent
             .iter()
-            .filter(|(_, (p, _))| p == peer)
+            .filter(|(_, s)| s.peer == *peer)
             .map(|(t, _)| *t)
             .collect();
         for tid in &lost {
@@ -526,6 +586,14 @@ impl DataPlane for TcpPlane {
 
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
         self.pool.revoke(peer, blocks);
+        // A WRITE still landing in the ended load's blocks is cut off now, not at its deadline.
+        let cut = lock(&self.gate).end_writes(peer, blocks);
+        for _ in 0..cut {
+            Counters::bump(&self.counters.load_closes);
+        }
+        if cut > 0 {
+            debug!(%peer, cut, "closed tcp data connections still writing an ended load");
+        }
     }
 
     fn connect_metadata(
@@ -568,6 +636,10 @@ impl DataPlane for TcpPlane {
 impl Drop for TcpPlane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        {
+            let _e = lock(&self.ends);
+            self.deadlines.notify_all();
+        }
         // Wake the listener out of accept().
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
         lock(&self.gate).close_all();
@@ -582,4 +654,16 @@ impl Drop for TcpPlane {
 /// Shuts a socket both ways, so the thread reading it returns at once.
 fn close(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
+}
+
+/// Shuts a socket both ways and makes its last close a reset: bytes still in its send buffer
+/// (a peer that stopped reading) are dropped instead of trickling out ahead of the FIN.
+fn abort(s: &TcpStream) {
+    let off = nix::sys::socket::sockopt::Linger;
+    let now = nix::libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let _ = nix::sys::socket::setsockopt(s, off, &now);
+    close(s);
 }

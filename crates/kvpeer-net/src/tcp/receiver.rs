@@ -1,7 +1,7 @@
 //! The receive side of the tcp plane: the data port's listener, its caps, issued keys, and one
 //! reader per inbound connection (HELLO, then WRITEs straight into the pool).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,6 +36,8 @@ struct Conn {
     stream: TcpStream,
     /// Past its HELLO: the writer and the generation of the key it presented.
     writer: Option<(PeerId, u64)>,
+    /// The blocks of the WRITE it is reading (claimed, not yet acknowledged).
+    claimed: Vec<BlockIndex>,
 }
 
 /// Issued keys and open inbound connections, under one lock so that authenticating a
@@ -140,6 +142,7 @@ impl Gate {
             Conn {
                 stream,
                 writer: None,
+                claimed: Vec::new(),
             },
         );
         Admit::Yes { id, evicted }
@@ -168,6 +171,34 @@ impl Gate {
             }
         }
         Some(older.len())
+    }
+
+    /// The load that gave `writer` the permits for `blocks` ended: a connection of that writer
+    /// still reading a WRITE into any of them is closed (its reader stops at its next read,
+    /// the WRITE is never acknowledged). Returns how many were closed.
+    pub(super) fn end_writes(&mut self, writer: &PeerId, blocks: &[BlockIndex]) -> usize {
+        let ended: HashSet<BlockIndex> = blocks.iter().copied().collect();
+        let cut: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| matches!(&c.writer, Some((w, _)) if w == writer))
+            .filter(|(_, c)| c.claimed.iter().any(|b| ended.contains(b)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &cut {
+            if let Some(c) = self.conns.remove(id) {
+                close(&c.stream);
+            }
+        }
+        cut.len()
+    }
+
+    /// Records the blocks connection `id` is writing (empty: none).
+    fn set_claimed(&mut self, id: u64, blocks: &[BlockIndex]) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.claimed.clear();
+            c.claimed.extend_from_slice(blocks);
+        }
     }
 
     /// Connection `id` is open and its writer's key is still the one it presented.
@@ -380,8 +411,10 @@ impl Connection<'_> {
                 // take longer than `frame_timeout` as a whole, but never stalls that long.
                 self.frame_part(block, Instant::now() + self.limits.frame_timeout)?;
             }
-            // Every byte is in: the write is over before the writer hears of it.
+            // Every byte is in: the write is over before the writer hears of it (and before the
+            // load can end, which closes connections still writing its blocks).
             drop(claim);
+            lock(self.gate).set_claimed(self.id, &[]);
             self.s.write_all(&wire::encode_ack(tid, true))?;
             idle_since = Instant::now();
         }
@@ -448,11 +481,15 @@ impl Connection<'_> {
         indexes: &[BlockIndex],
     ) -> std::io::Result<WriteClaim> {
         let claimed = {
-            let gate = lock(self.gate);
+            let mut gate = lock(self.gate);
             if !gate.is_current(self.id) {
                 return Err(protocol(format!("{writer}: its key was withdrawn")));
             }
-            self.pool.claim(writer, indexes)
+            let claimed = self.pool.claim(writer, indexes);
+            if claimed.is_ok() {
+                gate.set_claimed(self.id, indexes);
+            }
+            claimed
         };
         claimed.map_err(|e| self.refuse(tid, writer, e.to_string()))
     }

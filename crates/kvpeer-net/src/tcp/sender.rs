@@ -1,11 +1,12 @@
 //! The send side of the tcp plane: per peer, a dial at registration, then one writer thread
-//! (which reconnects when its idle connection was closed) and an ACK reader per connection.
+//! (which reconnects when its idle connection was closed) and an ACK reader per connection;
+//! per plane, one watcher failing transfers not acknowledged by their deadline.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, PlaneError, Registration, TransferId};
@@ -15,7 +16,8 @@ use tracing::{debug, warn};
 
 use super::wire::{self, ACK_LEN};
 use super::{
-    close, protocol, Counters, Ends, TcpPlane, CONNECT_TIMEOUT, KEY_LEN, WRITE_STALL_TIMEOUT,
+    abort, close, protocol, Counters, Ends, Links, Sent, TcpPlane, CONNECT_TIMEOUT, KEY_LEN,
+    WRITE_STALL_TIMEOUT,
 };
 use crate::lock;
 use crate::shm::Wake;
@@ -66,6 +68,15 @@ impl PeerLink {
             close(s);
         }
     }
+
+    /// Ends the link at once: as [`PeerLink::close`], and the connection is reset, so bytes a
+    /// peer has not read are dropped rather than kept for it.
+    fn abort(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(s) = lock(&self.current).as_ref() {
+            abort(s);
+        }
+    }
 }
 
 /// Everything a link's threads need.
@@ -76,6 +87,7 @@ struct LinkCx {
     me: PeerId,
     key: [u8; KEY_LEN],
     ends: Arc<Mutex<Ends>>,
+    deadlines: Arc<Condvar>,
     wake: Wake,
     counters: Arc<Counters>,
 }
@@ -116,15 +128,23 @@ impl TcpPlane {
             me: self.local_id.clone(),
             key,
             ends: self.ends.clone(),
+            deadlines: self.deadlines.clone(),
             wake: self.wake.clone(),
             counters: self.counters.clone(),
         };
+        let limits = lock(&self.limits).clone();
         let writer = Writer {
             local: self.local.clone(),
             block_len: self.block_len as usize,
             rate: self.max_write_rate,
             // Reconnect before the receiver's idle timeout can race a new WRITE.
-            stale_after: lock(&self.limits).idle_timeout / 2,
+            stale_after: limits.idle_timeout / 2,
+            // Never asks a peer to take our bytes faster than we send them.
+            min_rate: limits
+                .min_write_rate
+                .min(self.max_write_rate.unwrap_or(u64::MAX))
+                .max(1),
+            grace: limits.transfer_timeout,
         };
         let who = peer.clone();
         let (links, registrations, wake) = (
@@ -196,6 +216,10 @@ struct Writer {
     block_len: usize,
     rate: Option<u64>,
     stale_after: Duration,
+    /// The slowest a peer may take our WRITEs (bytes per second, at least 1).
+    min_rate: u64,
+    /// A WRITE's fixed allowance on top of its bytes at `min_rate`.
+    grace: Duration,
 }
 
 /// What the writer does with its next job.
@@ -315,28 +339,73 @@ impl Writer {
             return Step::Skip;
         }
         let open = e.conns.get(&cx.peer) == Some(&(conn, true));
-        let pending = e.sent.values().any(|(p, n)| *p == cx.peer && *n == conn);
+        let pending = e.sent.values().any(|s| s.peer == cx.peer && s.conn == conn);
         // With WRITEs awaiting their ACK the connection is in use: if it closes, they fault.
         if pending || (open && last_sent.elapsed() < self.stale_after) {
             e.queued.remove(&job.tid);
-            e.sent.insert(job.tid, (cx.peer.clone(), conn));
+            let now = Instant::now();
+            let bytes = (job.local.len() as u64).saturating_mul(self.block_len as u64);
+            let own = bytes_at(bytes, self.min_rate);
+            // Pipelined behind WRITEs still awaiting their ACK, it gets their time too.
+            let ahead = e
+                .sent
+                .values()
+                .filter(|s| s.peer == cx.peer)
+                .map(|s| s.deadline)
+                .max();
+            let mut deadline = later(now, self.grace.saturating_add(own));
+            if let Some(ahead) = ahead {
+                deadline = deadline.max(later(ahead, own));
+            }
+            e.sent.insert(
+                job.tid,
+                Sent {
+                    peer: cx.peer.clone(),
+                    conn,
+                    deadline,
+                    started: now,
+                    bytes,
+                },
+            );
+            if e.next_deadline.is_none_or(|next| deadline < next) {
+                cx.deadlines.notify_all();
+            }
             return Step::Send;
         }
         Step::Reconnect
     }
 }
 
+/// How long `bytes` take at `rate` bytes per second (at least 1).
+fn bytes_at(bytes: u64, rate: u64) -> Duration {
+    let rate = rate.max(1);
+    let secs = bytes / rate;
+    let nanos = (bytes % rate) as u128 * 1_000_000_000 / rate as u128;
+    Duration::new(secs, nanos as u32)
+}
+
+/// `t + d`, or as far as an `Instant` goes (a deadline that far off never comes).
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(t)
+}
+
 /// Takes back a job whose frame never left (its connection was found closed) if nothing else
 /// awaits an ACK on that connection; `false` if it is too late (the ACK reader faulted it).
 fn retract(cx: &LinkCx, job: &Job, conn: u64) -> bool {
     let mut e = lock(&cx.ends);
-    if e.sent.get(&job.tid) != Some(&(cx.peer.clone(), conn)) {
+    if !e
+        .sent
+        .get(&job.tid)
+        .is_some_and(|s| s.peer == cx.peer && s.conn == conn)
+    {
         return false;
     }
     let others = e
         .sent
         .iter()
-        .any(|(t, (p, n))| *t != job.tid && *p == cx.peer && *n == conn);
+        .any(|(t, s)| *t != job.tid && s.peer == cx.peer && s.conn == conn);
     if others {
         return false;
     }
@@ -400,7 +469,7 @@ fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
             let pending: Vec<TransferId> = e
                 .sent
                 .iter()
-                .filter(|(_, (p, n))| *p == cx.peer && *n == conn)
+                .filter(|(_, s)| s.peer == cx.peer && s.conn == conn)
                 .map(|(t, _)| *t)
                 .collect();
             let current = e.conns.get(&cx.peer).is_some_and(|c| c.0 == conn);
@@ -519,5 +588,87 @@ impl Pacer {
 
     fn due(&self, bytes: u64) -> Duration {
         Duration::from_secs_f64(bytes as f64 / self.rate as f64)
+    }
+}
+
+/// The plane's deadline watcher: sleeps until the earliest deadline of a transfer awaiting its
+/// ACK (or until one is sent, with nothing pending), and fails each transfer past it.
+pub(super) struct Watch {
+    pub(super) ends: Arc<Mutex<Ends>>,
+    pub(super) deadlines: Arc<Condvar>,
+    pub(super) links: Arc<Mutex<Links>>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) wake: Wake,
+    pub(super) stop: Arc<AtomicBool>,
+}
+
+impl Watch {
+    pub(super) fn run(self) {
+        let mut e = lock(&self.ends);
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let now = Instant::now();
+            let late: Vec<(TransferId, Sent)> = e
+                .sent
+                .iter()
+                .filter(|(_, s)| s.deadline <= now)
+                .map(|(t, s)| (*t, s.clone()))
+                .collect();
+            if !late.is_empty() {
+                e.next_deadline = None;
+                drop(e);
+                for (tid, sent) in late {
+                    self.expire(tid, &sent);
+                }
+                e = lock(&self.ends);
+                continue;
+            }
+            let next = e.sent.values().map(|s| s.deadline).min();
+            e.next_deadline = next;
+            e = match next {
+                None => self.deadlines.wait(e).unwrap_or_else(|p| p.into_inner()),
+                Some(at) => {
+                    let left = at.saturating_duration_since(now);
+                    let waited = self.deadlines.wait_timeout(e, left);
+                    waited.unwrap_or_else(|p| p.into_inner()).0
+                }
+            };
+        }
+    }
+
+    /// Fails transfer `tid`, still unacknowledged past its deadline: its peer is faulted (its
+    /// transfers fail, the session winds down) and its link reset and dropped, so the writer
+    /// thread, the ACK reader and the socket's buffers go at once.
+    fn expire(&self, tid: TransferId, sent: &Sent) {
+        let mut links = lock(&self.links);
+        {
+            let e = lock(&self.ends);
+            // Acknowledged, failed or cancelled meanwhile, or already faulted.
+            let pending = e.sent.get(&tid).is_some_and(|s| s.conn == sent.conn);
+            if !pending || e.faults.contains_key(&sent.peer) {
+                return;
+            }
+        }
+        Counters::bump(&self.counters.transfer_timeouts);
+        let took = sent.started.elapsed();
+        let allowed = sent.deadline.saturating_duration_since(sent.started);
+        let why = format!(
+            "tcp transfer {} ({} bytes) not acknowledged within {allowed:?} of its first byte",
+            tid.get(),
+            sent.bytes
+        );
+        if let Some(suppressed) = crate::admit_warning("tcp transfer past its deadline") {
+            warn!(peer = %sent.peer, tid = tid.get(), bytes = sent.bytes, ?took, ?allowed, suppressed,
+                "tcp transfer not acknowledged by its deadline; faulting the peer and resetting its data connection");
+        }
+        TcpPlane::fault(&self.ends, &sent.peer, why, &self.wake);
+        let link = links.map.remove(&sent.peer);
+        drop(links);
+        lock(&self.ends).conns.remove(&sent.peer);
+        if let Some(link) = link {
+            link.abort();
+        }
     }
 }

@@ -119,6 +119,10 @@ declare_keys! {
     nixl_backend_params;
     /// cap on tcp bytes per second to each peer (unset: uncapped)
     tcp_max_rate;
+    /// slowest a peer may take this node's tcp writes, bytes per second: each transfer must be acknowledged within tcp_transfer_timeout_s plus its bytes at this rate (never above tcp_max_rate)
+    tcp_min_rate = "1000000";
+    /// seconds a tcp transfer may take beyond its bytes at tcp_min_rate before its peer is faulted and its data connection reset
+    tcp_transfer_timeout_s = "30";
     /// most sessions at once (vLLM's default)
     max_peers = "128", env "VLLM_P2P_MAX_PEERS";
     /// seconds a handshake may take

@@ -207,6 +207,8 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
             tcp_listen: format!("{host}:0"),
             tcp_max_write_rate,
+            tcp_min_write_rate: s.number(&KEY.tcp_min_rate, 1, u64::MAX)?,
+            tcp_transfer_timeout: secs(&KEY.tcp_transfer_timeout_s, 1)?,
             hash_seed: s.text(&KEY.hash_seed),
             config_fingerprint: s.text(&KEY.config_fingerprint),
             core,
@@ -385,6 +387,9 @@ mod tests {
         assert_eq!(c.plane, PlaneKind::default());
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
+        let tcp = kvpeer_net::tcp::TcpLimits::default();
+        assert_eq!(c.spec.tcp_min_write_rate, tcp.min_write_rate);
+        assert_eq!(c.spec.tcp_transfer_timeout, tcp.transfer_timeout);
         assert_eq!(c.spec.auth_secret, None);
     }
 

@@ -10,7 +10,7 @@ use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
 use kvpeer_net::dual::DualPlane;
 use kvpeer_net::metadata::AgentMetadata;
 use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
-use kvpeer_net::tcp::{TcpError, TcpPlane};
+use kvpeer_net::tcp::{TcpError, TcpLimits, TcpPlane};
 use kvpeer_proto::{DecodeLimits, PeerId};
 use kvpeer_store::{BlockStore, Pool, PoolError, StoreError};
 
@@ -34,6 +34,11 @@ pub struct NodeSpec {
     pub tcp_listen: String,
     /// Cap on the tcp plane's bytes per second to each peer (`None`: uncapped).
     pub tcp_max_write_rate: Option<u64>,
+    /// The slowest a peer may take the tcp plane's writes (bytes per second): each transfer
+    /// must be acknowledged within `tcp_transfer_timeout` plus its bytes at this rate.
+    pub tcp_min_write_rate: u64,
+    /// A tcp transfer's allowance on top of its bytes at `tcp_min_write_rate`.
+    pub tcp_transfer_timeout: std::time::Duration,
     /// Prefix-cache hash seed.
     pub hash_seed: String,
     /// Model configuration fingerprint ("" matches anything).
@@ -182,7 +187,12 @@ impl BuildPlane for TcpPlane {
         wake: Wake,
     ) -> Result<(Self, AgentMetadata), BuildError> {
         let plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
-            .with_max_write_rate(spec.tcp_max_write_rate);
+            .with_max_write_rate(spec.tcp_max_write_rate)
+            .with_limits(TcpLimits {
+                min_write_rate: spec.tcp_min_write_rate,
+                transfer_timeout: spec.tcp_transfer_timeout,
+                ..TcpLimits::default()
+            });
         let meta = AgentMetadata {
             agent: spec.id.to_string(),
             shm: None,
