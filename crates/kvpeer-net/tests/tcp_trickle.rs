@@ -111,7 +111,7 @@ fn register_honest(tx: &mut TcpPlane, rx: &mut TcpPlane) {
     }
     .encode();
     let memory = RemoteMemory {
-        agent_metadata: rx.connect_metadata(&PeerId::new(TX), &adv),
+        agent_metadata: rx.connect_metadata(&PeerId::new(TX), None, &adv),
         base_addr: 0,
         num_blocks: BLOCKS,
         block_len: LEN,
