@@ -20,6 +20,8 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
             a loop
   squat     hold a connection claiming someone else's identity, silent, then inject a
             `fetch` into that identity's session
+  sessions  open `--count` sessions from one host (one identity per port, each with its own
+            ROUTER), hold them, and re-open any the node ends, for `--duration` seconds
   impostor  hold a node's address before the node binds it, collect the proofs an honest
             kvpeer consumer sends there, then replay them to the real node once it runs
             (claiming the consumer's identity) and fetch into the consumer's pool
@@ -796,6 +798,57 @@ def cmd_squat(a) -> int:
     return 0
 
 
+# --- many sessions from one host ---------------------------------------------------------------
+
+
+def cmd_sessions(a) -> int:
+    """Holds as many sessions at once as it can: `--count` identities of this host (each a
+    ROUTER of its own, so the node can answer), every one opened properly (our own pool, a
+    token for the connection's challenge, the node's `connect` acked); any session the node
+    ends (a `disconnect`) is opened again at once, for `--duration` seconds. The summary says
+    how many were alive at the end and how many the node ended."""
+    own_pool = f"kvpeer-hostile-{os.getpid()}"
+    secret = create_pool(own_pool, a.num_blocks, a.block_len)
+    peers = [Peer(a.bind) for _ in range(a.count)]
+    alive: dict[str, bool] = {}
+    ended = opened = 0
+
+    def open_session(p: Peer) -> None:
+        nonlocal opened
+        token = shm_token(secret, a.node, p.challenge(a.node))
+        meta = metadata(p.identity, own_pool, token, None, None)
+        p.send(a.node, connect_msg(p.identity, meta, a.num_blocks, a.block_len, a.hash_seed))
+        opened += 1
+
+    for p in peers:
+        open_session(p)
+    emit({"event": "ready", "identities": [p.identity for p in peers]})
+    end = time.monotonic() + a.duration
+    while time.monotonic() < end:
+        for p in peers:
+            for _who, msg in p.poll(0.0):
+                t = msg.get("type")
+                if t == "connect_ack":
+                    p.send(a.node, {"type": "connect_ack", "peer_id": p.identity})
+                    alive[p.identity] = True
+                elif t == "disconnect" and alive.get(p.identity, True):
+                    alive[p.identity] = False
+                    ended += 1
+                    # Fresh connection (the node may have closed ours), then a fresh session.
+                    d = p.dealers.pop((a.node, p.identity), None)
+                    if d is not None:
+                        d.close()
+                    time.sleep(0.01)
+                    open_session(p)
+        time.sleep(0.005)
+    emit({"event": "summary", "opened": opened, "ended_by_node": ended,
+          "alive": sum(1 for v in alive.values() if v)})
+    for p in peers:
+        p.close()
+    os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
 # --- an impostor at a node's address, replaying what it collected to the real node ---------------
 
 
@@ -1080,6 +1133,12 @@ def main() -> int:
     s.add_argument("--hold", type=float, default=3.0)
     s.add_argument("--after", type=float, default=3.0)
 
+    s = sub.add_parser("sessions")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--count", type=int, default=40)
+    s.add_argument("--duration", type=float, default=10.0)
+
     s = sub.add_parser("impostor")
     common(s)
     s.add_argument("--listen", required=True, help="the address the real node will bind later")
@@ -1100,7 +1159,7 @@ def main() -> int:
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
-            "impostor": cmd_impostor, "cycles": cmd_cycles, "trickle": cmd_trickle}[a.cmd](a)
+            "impostor": cmd_impostor, "sessions": cmd_sessions, "cycles": cmd_cycles, "trickle": cmd_trickle}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ use kvpeer_proto::PeerId;
 pub struct CoreConfig {
     /// Most sessions at once, inbound and outbound (`VLLM_P2P_MAX_PEERS`).
     pub max_peers: usize,
+    /// Most sessions at once with peers of one host (the host of their identity, which the
+    /// node binds to the source address: docs/security.md, G3). When the limit or this share
+    /// is reached, a newcomer takes the slot of a session of its own host (over the share) or
+    /// of the host holding the most, idle first, least lately active first.
+    pub max_peers_per_host: usize,
     /// A session must finish its handshake within this (`VLLM_P2P_HANDSHAKE_TIMEOUT_S`).
     pub handshake_timeout: Duration,
     /// Idle sessions older than this are evicted when few peer slots are left
@@ -55,6 +60,7 @@ impl Default for CoreConfig {
     fn default() -> Self {
         CoreConfig {
             max_peers: 128,
+            max_peers_per_host: 32,
             handshake_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(300),
             idle_headroom: 8,

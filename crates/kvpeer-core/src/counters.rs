@@ -48,6 +48,8 @@ pub struct Counters {
     pub sessions_opened: u64,
     /// Sessions ended, for any reason.
     pub sessions_closed: u64,
+    /// Sessions ended to give their slot to a newcomer (sessions or a host's share full).
+    pub sessions_evicted: u64,
     /// Peers disconnected for breaking the protocol.
     pub protocol_errors: u64,
 }

@@ -51,6 +51,10 @@ pub enum CloseReason {
     /// Evicted to make room: no work and no traffic for the idle timeout.
     #[error("idle")]
     Idle,
+    /// Its slot was given to a newcomer: the sessions were full (or its host's share was), and
+    /// of its host's (or the heaviest host's) sessions it was the idlest.
+    #[error("evicted for a newcomer: sessions full")]
+    Evicted,
     /// The peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(#[from] ProtocolViolation),

@@ -222,6 +222,9 @@ fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
 /// upstream: TestAcceptNewPeers.test_creates_session_for_new_peer
 #[test]
 fn the_session_limit_applies_in_and_out() {
+    // vLLM refuses a newcomer at the limit; kvpeer gives it the slot of the idlest session of
+    // the host holding the most (docs/behaviour.md, "Sessions full"), so no host can lock the
+    // others out. A request over the limit whose peer cannot get a slot still falls back.
     let config = CoreConfig {
         max_peers: 2,
         ..Default::default()
@@ -231,24 +234,102 @@ fn the_session_limit_applies_in_and_out() {
     m.open("a", RequestRoles::kv_source(p(1)));
     m.open("b", RequestRoles::kv_source(p(1)));
     assert!(m.core.handle_inbound(m.now, p(2)));
-    m.open("c", RequestRoles::kv_source(p(3)));
-    assert!(!m.core.handle_inbound(m.now, p(4)));
     m.pump();
     assert_eq!(
         m.core.stats().sessions,
         2,
         "the second request reused its peer's session"
     );
-    assert_eq!(
-        m.lookup("c", &key(1)),
-        LookupResult::Miss,
-        "over the cap: fall back"
-    );
     assert_eq!(m.lookup("a", &key(1)), LookupResult::Retry);
-    assert!(m
-        .events
-        .iter()
-        .any(|e| matches!(e, Event::Refused { peer, .. } if *peer == p(4))));
+    // p(1)'s session has a lookup waiting; p(2)'s none: a newcomer takes p(2)'s slot.
+    m.now += S(1);
+    assert!(m.core.handle_inbound(m.now, p(4)));
+    m.pump();
+    assert_eq!(m.core.stats().sessions, 2);
+    assert!(
+        m.core.session_state(&p(2)).is_none(),
+        "the idle one gave way"
+    );
+    assert!(
+        m.core.session_state(&p(1)).is_some(),
+        "the busy one kept its slot"
+    );
+    assert_eq!(m.core.counters().sessions_evicted, 1);
+    assert_eq!(m.lookup("a", &key(1)), LookupResult::Retry);
+}
+
+/// One host opening sessions from many ports holds at most its share (`max_peers_per_host`):
+/// past it, its newcomers evict its own sessions, never another host's; and when every slot
+/// is taken, a newcomer from another host gets the slot of the heaviest host's idlest session.
+#[test]
+fn a_host_flooding_sessions_evicts_its_own_and_others_still_get_in() {
+    let config = CoreConfig {
+        max_peers: 8,
+        max_peers_per_host: 4,
+        ..Default::default()
+    };
+    let mut m = Mock::with_config(config);
+    let attacker = |port: u16| PeerId::new(format!("10.9.0.1:{port}"));
+    let honest = |i: u8| PeerId::new(format!("10.1.0.{i}:5710"));
+    // Three honest peers of three hosts hold sessions with work (a lookup waiting).
+    for i in 1..=3u8 {
+        let name = format!("h{i}");
+        m.open(&name, RequestRoles::kv_source(honest(i)));
+        assert_eq!(m.lookup(&name, &key(u64::from(i))), LookupResult::Retry);
+    }
+    m.pump();
+    // The attacker opens 100 sessions from one host, one after another.
+    for port in 0..100u16 {
+        m.now += S(1);
+        assert!(
+            m.core.handle_inbound(m.now, attacker(6000 + port)),
+            "a newcomer always gets in"
+        );
+        m.pump();
+    }
+    let sessions = |m: &Mock, f: &dyn Fn(&PeerId) -> bool| {
+        (0..200u16)
+            .map(attacker)
+            .chain((1..=9u8).map(honest))
+            .chain((6000..6100u16).map(attacker))
+            .filter(|p| f(p) && m.core.session_state(p).is_some())
+            .count()
+    };
+    assert_eq!(
+        sessions(&m, &|p| p.as_str().starts_with("10.9.")),
+        4,
+        "the attacker's host holds its share, no more"
+    );
+    for i in 1..=3u8 {
+        assert!(
+            m.core.session_state(&honest(i)).is_some(),
+            "honest {i} kept its slot"
+        );
+    }
+    // The attacker's newest sessions are the ones left (each newcomer evicted its oldest).
+    assert!(m.core.session_state(&attacker(6099)).is_some());
+    assert!(m.core.session_state(&attacker(6000)).is_none());
+    // An honest newcomer of another host fills the last slot; two more each take the slot of
+    // the heaviest host's idlest session: the attacker's.
+    for i in 4..=5u8 {
+        m.now += S(1);
+        assert!(m.core.handle_inbound(m.now, honest(i)));
+    }
+    assert_eq!(m.core.stats().sessions, 8);
+    m.now += S(1);
+    assert!(
+        m.core.handle_inbound(m.now, honest(6)),
+        "a newcomer at the limit"
+    );
+    m.pump();
+    assert_eq!(m.core.stats().sessions, 8);
+    assert_eq!(sessions(&m, &|p| p.as_str().starts_with("10.9.")), 2);
+    for i in 1..=6u8 {
+        assert!(
+            m.core.session_state(&honest(i)).is_some(),
+            "honest {i} served"
+        );
+    }
 }
 
 /// upstream: TestAcceptNewPeers.test_duplicate_connection_is_closed_and_existing_session_untouched

@@ -61,6 +61,10 @@ pub struct ControlConfig {
     /// Messages queued per peer before a send fails (`ZMQ_SNDHWM`; 0 or less: no limit, as
     /// libzmq).
     pub send_queue: i32,
+    /// Bytes queued unwritten per peer before a send fails and the connection closes (libzmq
+    /// bounds messages only; kvpeer bounds both, so a peer that never reads costs a bounded
+    /// amount of memory).
+    pub send_queue_bytes: usize,
     /// How long unsent messages linger after an outbound connection closes (`ZMQ_LINGER`).
     pub linger: Duration,
     /// Largest frame accepted (`ZMQ_MAXMSGSIZE`).
@@ -80,6 +84,7 @@ impl Default for ControlConfig {
             handshake_timeout: Duration::from_secs(30),
             reconnect_interval: Duration::from_millis(100),
             send_queue: 1000,
+            send_queue_bytes: 16 << 20,
             linger: Duration::from_millis(500),
             max_message_bytes: 64 << 20,
             max_inbound: 1024,
@@ -218,6 +223,7 @@ fn outbound_config(config: &ControlConfig) -> OutboundConfig {
                 Ok(n) if n > 0 => n,
                 _ => usize::MAX,
             },
+            send_queue_bytes: config.send_queue_bytes.max(1),
         },
         linger: config.linger,
         reconnect_interval: config.reconnect_interval,

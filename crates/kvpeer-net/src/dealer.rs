@@ -52,6 +52,9 @@ pub struct DealerLimits {
     pub handshake_timeout: Duration,
     /// Messages that may wait unwritten.
     pub send_queue: usize,
+    /// Bytes that may wait unwritten (one message over it is still taken when nothing waits):
+    /// a peer that answers heartbeats but never reads what we send costs at most this much.
+    pub send_queue_bytes: usize,
 }
 
 impl From<DealerLimits> for ConnLimits {
@@ -63,8 +66,7 @@ impl From<DealerLimits> for ConnLimits {
             heartbeat_ttl: l.heartbeat_ttl,
             handshake_timeout: l.handshake_timeout,
             send_queue: l.send_queue,
-            // The control channel bounds its queue in messages only, as libzmq does.
-            send_queue_bytes: usize::MAX,
+            send_queue_bytes: l.send_queue_bytes,
         }
     }
 }
@@ -200,6 +202,7 @@ mod tests {
             heartbeat_ttl: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(30),
             send_queue: 4,
+            send_queue_bytes: usize::MAX,
         }
     }
 

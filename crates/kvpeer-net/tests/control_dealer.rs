@@ -453,6 +453,60 @@ fn a_full_send_queue_is_lost_and_the_connection_closes_after_its_linger() {
     );
 }
 
+/// A peer that finished its handshake but never reads what we send (it answers nothing, and
+/// TCP's window closes) makes us buffer at most `send_queue_bytes`: the send past it fails,
+/// the connection closes, and a peer that reads is served byte-exact meanwhile.
+#[test]
+fn a_peer_that_never_reads_costs_at_most_the_queues_bytes() {
+    let cap = 4 << 20;
+    let mut a = channel_with(ControlConfig {
+        send_queue_bytes: cap,
+        ..ControlConfig::default()
+    });
+    let (listener, mute) = router_listener();
+    let (honest_listener, honest) = router_listener();
+    let reader = std::thread::spawn(move || {
+        let mut r = Router::accept(&honest_listener);
+        r.handshake(3, 1);
+        (0..3).map(|_| r.read_message()).collect::<Vec<_>>()
+    });
+    let payload = vec![0x5au8; 256 * 1024];
+    a.send(&mute, &payload).unwrap();
+    // The mute peer completes its handshake and then reads nothing.
+    let mute_peer = std::thread::spawn(move || {
+        let mut r = Router::accept(&listener);
+        r.handshake(3, 1);
+        r
+    });
+    let (r, _) = drive_until(&mut a, mute_peer);
+    let mut sent = 1usize;
+    let failed = loop {
+        drive(&mut [&mut a], Duration::from_millis(5), |_| false);
+        match a.send(&mute, &payload) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 10_000, "the queue never filled ({sent} sent)");
+    };
+    let SendError::Lost { reason, .. } = failed else {
+        unreachable!()
+    };
+    assert_eq!(reason, "send queue full");
+    // What the kernel took plus our queue: a few MiB, nowhere near what was offered.
+    let offered = sent * payload.len();
+    assert!(
+        offered < cap + (32 << 20),
+        "{offered} bytes taken before the queue filled (cap {cap})"
+    );
+    assert!(!a.connected(&mute));
+    for i in 0..3u8 {
+        a.send(&honest, &[i; 3]).unwrap();
+    }
+    let (got, _) = drive_until(&mut a, reader);
+    assert_eq!(got, vec![vec![0u8; 3], vec![1u8; 3], vec![2u8; 3]]);
+    drop(r);
+}
+
 #[test]
 fn a_router_announcing_a_1_tib_frame_is_dropped_and_other_peers_are_served_byte_exact() {
     let mut a = channel();

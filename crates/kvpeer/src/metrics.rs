@@ -28,7 +28,7 @@ use crate::pool::{Pool, PoolStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 22] = [
+    let counters: [(&str, &str, u64); 23] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -128,6 +128,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_sessions_closed_total",
             "sessions ended",
             c.sessions_closed,
+        ),
+        (
+            "kvpeer_sessions_evicted_total",
+            "sessions ended to give their slot to a newcomer (sessions or a host's share full)",
+            c.sessions_evicted,
         ),
         (
             "kvpeer_protocol_errors_total",

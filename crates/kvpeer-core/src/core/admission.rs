@@ -1,5 +1,6 @@
-//! Admission: which sessions may exist. Inbound connections refused (a duplicate, the session
-//! limit, a backoff), dials held back, the reconnect backoff after data-plane faults and the
+//! Admission: which sessions may exist. Inbound connections refused (a duplicate, a backoff)
+//! or admitted by evicting a session when the sessions or the newcomer's host's share are full
+//! (`make_room_for`: eviction, not refusal, so no host can lock others out), dials held back, the reconnect backoff after data-plane faults and the
 //! dial backoff after sessions that never got the peer's ack, and idle eviction near the limit.
 //!
 //! Contract: a peer in dial backoff gets no answer at all (an answer would make it dial again);
@@ -51,6 +52,11 @@ pub(super) fn next_backoff(
     wait
 }
 
+/// The host part of a peer's identity (the whole identity when it is not `host:port`).
+fn host_of(peer: &PeerId) -> &str {
+    peer.host_port().map_or(peer.as_str(), |(host, _)| host)
+}
+
 impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Why an inbound connection from `peer` (no session yet) is refused, if it is: a
     /// duplicate, the session limit, or a backoff. During a reconnect backoff the peer gets a
@@ -58,12 +64,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     pub(super) fn refusal(&mut self, peer: &PeerId) -> Option<Refusal> {
         if self.sessions.contains_key(peer) {
             return Some(Refusal::Duplicate(peer.clone()));
-        }
-        if self.sessions.len() >= self.config.max_peers {
-            return Some(Refusal::SessionLimit {
-                open: self.sessions.len(),
-                max: self.config.max_peers,
-            });
         }
         let wait = self.reconnect_wait(peer);
         let dial_wait = self.dial_backoff.get(peer).map_or(Duration::ZERO, |b| {
@@ -77,8 +77,58 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.out.transmit(peer, Message::Disconnect);
             Some(Refusal::ReconnectBackoff { left: wait })
         } else {
-            None
+            self.make_room_for(peer)
         }
+    }
+
+    /// Makes a slot for a newcomer from `peer`'s host when the sessions (or that host's share,
+    /// `max_peers_per_host`) are full: the session that gives its slot up is one of the
+    /// newcomer's own host when that host holds its share, else one of the host holding the
+    /// most sessions; among those, one without pending work before one with, then the least
+    /// lately active. So one host, or two, cannot hold every slot: a newcomer always gets in,
+    /// and a host that floods sessions evicts its own. `Some` refusal only when no session may
+    /// give way (a limit of zero).
+    pub(super) fn make_room_for(&mut self, peer: &PeerId) -> Option<Refusal> {
+        let host = host_of(peer);
+        let mut counts: Map<&str, usize> = Map::default();
+        for p in self.sessions.keys() {
+            *counts.entry(host_of(p)).or_default() += 1;
+        }
+        let own = counts.get(host).copied().unwrap_or(0);
+        let heaviest = counts.values().copied().max().unwrap_or(0);
+        // Whose sessions may give way: the newcomer's own host's when it holds its share, else
+        // those of the hosts holding the most.
+        let own_host_full = own >= self.config.max_peers_per_host;
+        if !own_host_full && self.sessions.len() < self.config.max_peers {
+            return None;
+        }
+        let gives_way = |h: &str| {
+            if own_host_full {
+                h == host
+            } else {
+                counts.get(h).copied() == Some(heaviest)
+            }
+        };
+        let victim = self
+            .sessions
+            .values()
+            .filter(|s| gives_way(host_of(s.peer())))
+            .min_by_key(|s| (s.has_pending_work(), s.link.last_activity))
+            .map(|s| s.peer().clone());
+        let Some(victim) = victim else {
+            return Some(Refusal::SessionLimit {
+                open: self.sessions.len(),
+                max: self.config.max_peers,
+            });
+        };
+        crate::info_throttled!(self.out.throttle, self.now, "sessions full: evicting the idlest of the heaviest host",
+            newcomer = %peer, evicted = %victim);
+        if let Some(s) = self.sessions.get_mut(&victim) {
+            s.disconnect(&mut self.out, self.now, CloseReason::Evicted);
+        }
+        self.end_session(&victim);
+        self.out.counters.sessions_evicted += 1;
+        None
     }
 
     /// Opens a session toward `peer` unless one exists; `false` if it cannot.
@@ -98,8 +148,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             debug!(%peer, "not dialing: backoff after failed dials");
             return false;
         }
-        if self.sessions.len() >= self.config.max_peers {
-            crate::warn_throttled!(self.out.throttle, self.now, "not dialing: session limit reached", %peer, limit = self.config.max_peers);
+        if let Some(refusal) = self.make_room_for(peer) {
+            crate::warn_throttled!(self.out.throttle, self.now, "not dialing: session limit reached", %peer, %refusal);
             return false;
         }
         info!(%peer, "opening a session");

@@ -125,6 +125,8 @@ declare_keys! {
     tcp_transfer_timeout_s = "30";
     /// most sessions at once (vLLM's default)
     max_peers = "128", env "VLLM_P2P_MAX_PEERS";
+    /// most sessions at once with peers of one host; when full, a newcomer evicts the idlest session of its host or of the heaviest
+    max_peers_per_host = "32";
     /// seconds a handshake may take
     handshake_timeout_s = "30", env "VLLM_P2P_HANDSHAKE_TIMEOUT_S";
     /// idle-session eviction age in seconds, 0 = never
@@ -147,6 +149,12 @@ declare_keys! {
     max_message_bytes = "67108864";
     /// most entries in one list of a message
     max_keys_per_message = "1048576";
+    /// bytes queued unwritten to one peer before its control connection is closed
+    send_queue_bytes = "16777216";
+    /// inbound control connections at once (a newcomer evicts the idlest when full)
+    max_inbound_connections = "1024";
+    /// inbound control connections at once from one source address (a newcomer evicts that source's idlest)
+    max_inbound_per_source = "64";
     /// peers to talk to: CIDR, host or host:port rules (unset: all)
     allowlist;
     /// a peer's IP identity must come from that address: true or false

@@ -148,6 +148,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
     };
     let core = CoreConfig {
         max_peers: s.number(&KEY.max_peers, 1, 1 << 20)? as usize,
+        max_peers_per_host: s.number(&KEY.max_peers_per_host, 1, 1 << 20)? as usize,
         handshake_timeout: secs(&KEY.handshake_timeout_s, 1)?,
         idle_timeout: secs(&KEY.idle_timeout_s, 0)?,
         lookup_timeout: secs(&KEY.lookup_timeout_s, 1)?,
@@ -167,6 +168,9 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
     };
     let control = ControlConfig {
         max_message_bytes: max_message as i64,
+        send_queue_bytes: s.number(&KEY.send_queue_bytes, 1024, 1 << 40)? as usize,
+        max_inbound: s.number(&KEY.max_inbound_connections, 1, 1 << 20)? as usize,
+        max_inbound_per_source: s.number(&KEY.max_inbound_per_source, 1, 1 << 20)? as usize,
         ..ControlConfig::default()
     };
     let plane: PlaneKind = s.parsed(&KEY.plane)?;
