@@ -61,6 +61,10 @@ impl ServerRole {
         let demand_received = rnd.demand_received();
         if new_pin {
             self.open_pins += 1;
+            if origin == Origin::Lookup {
+                self.pin_blocks.insert(job, keys.len());
+                self.pinned_blocks += keys.len();
+            }
             self.store_lane
                 .arm(cx.now, (RoundKey::new(id, round), serial, job));
         }
