@@ -142,9 +142,9 @@ declare_keys! {
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";
     /// keys of one peer's lookups asked per step of the node's loop (the rest wait a step)
-    lookup_slice_keys = "4096";
+    lookup_slice_keys = "2048";
     /// keys of one peer's lookups asked per second (past it they wait; MISS at their deadline)
-    lookup_keys_per_s = "1048576";
+    lookup_keys_per_s = "262144";
     /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
     max_pins_per_peer;
     /// keys held for one peer at once (open lookups, fetches waiting for a store)
