@@ -345,7 +345,9 @@ fn what_a_peer_can_make_the_node_hold_is_bounded() {
         ..CoreConfig::default()
     };
     let mut p = Peers::new(config);
-    // Keys the store cannot answer yet: the lookups stay open until their deadline.
+    // Keys the store cannot answer yet: the lookups stay open until their deadline (the store
+    // says when it knows more, so the core does not re-ask on a timer).
+    p.parent().wakes_core = true;
     for k in keys(0..2_000) {
         p.parent().retry.insert(k);
     }
@@ -390,5 +392,34 @@ fn what_a_peer_can_make_the_node_hold_is_bounded() {
     p.advance(Duration::from_secs(31));
     let share = p.share(&attacker);
     assert_eq!((share.held_keys, share.requests), (0, 0), "{share:?}");
+    assert!(p.alive(&attacker));
+}
+
+#[test]
+fn long_keys_count_against_the_peers_share_of_bytes() {
+    let config = CoreConfig {
+        max_held_bytes_per_peer: 1 << 20,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    let long = |i: u32| OffloadKey::from(&[&i.to_be_bytes()[..], &[0xab; 1020]].concat()[..]);
+    let first: Vec<OffloadKey> = (0..300).map(long).collect();
+    let second: Vec<OffloadKey> = (300..600).map(long).collect();
+    p.parent().wakes_core = true;
+    for k in first.iter().chain(&second) {
+        p.parent().retry.insert(k.clone());
+    }
+    let attacker = p.join(1);
+    p.recv(&attacker, lookup_msg("a1", first, 0));
+    assert!(p.responses(&attacker).is_empty(), "held, pending");
+    let held = p.share(&attacker).held_bytes;
+    assert!((600_000..1 << 20).contains(&held), "{held} bytes estimated");
+    p.recv(&attacker, lookup_msg("a2", second, 0));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1, "past the share of bytes: answered at once");
+    assert_eq!(resp[0].2, vec![false; 300]);
+    assert_eq!(p.share(&attacker).held_bytes, held);
+    p.advance(Duration::from_secs(6));
+    assert_eq!(p.share(&attacker).held_bytes, 0);
     assert!(p.alive(&attacker));
 }

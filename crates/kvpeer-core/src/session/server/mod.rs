@@ -204,6 +204,10 @@ impl Held {
     /// Estimated memory per key held: the key in the message's list, its copy in a map at the
     /// map's worst load, and the map's control bytes.
     const BYTES_PER_KEY: usize = 3 * std::mem::size_of::<OffloadKey>() + 8;
+    /// Estimated memory of the entry holding them (an open lookup with its context, or a
+    /// round with its maps), beyond its keys.
+    const BYTES_PER_ENTRY: usize =
+        256 + std::mem::size_of::<ActiveLookup>() + std::mem::size_of::<Round>();
 
     /// What holding `keys` costs (an empty list still costs one key: its entry).
     pub(crate) fn of(keys: &[OffloadKey]) -> Self {
@@ -214,7 +218,7 @@ impl Held {
             .sum();
         Held {
             keys: keys.len().max(1),
-            bytes: keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
+            bytes: Self::BYTES_PER_ENTRY + keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
         }
     }
 
