@@ -19,6 +19,7 @@ mod common;
 #[path = "common/hostile.rs"]
 mod hostile;
 
+use common::vllm::metric;
 use hostile::*;
 
 const BLOCKS: u64 = 4096;
@@ -38,6 +39,8 @@ fn serve(toml: &str) -> (common::Proc, String, tempfile_path::Path) {
         "4096",
         "--fill",
         &blocks,
+        "--metrics",
+        "127.0.0.1:0",
     ];
     let (p, id) = serve_at(&args, "info", None);
     (p, id, file)
@@ -90,7 +93,7 @@ fn n(v: &Value) -> u64 {
 /// every key.
 #[test]
 fn hoarded_pins_answer_miss_past_the_share_and_an_honest_fetch_is_served() {
-    let (_server, id, _file) = serve("");
+    let (server, id, _file) = serve("");
     let share = BLOCKS / 8;
     let last = (BLOCKS - 1).to_string();
     let keys = format!("0-{last}");
@@ -114,6 +117,9 @@ fn hoarded_pins_answer_miss_past_the_share_and_an_honest_fetch_is_served() {
     // An honest peer on the same host, during the attack, past the attacker's pinned share.
     let run = honest_fetch(&id, "tcp", 4, 8, &["--first", "1000"]);
     assert_fetch_ok(&run, 32, "during the hoarding");
+    // The node counted the MISS it answered past the share: 3584 + 4096 keys.
+    let over = metric(&server, "kvpeer_lookup_keys_over_share_total");
+    assert_eq!(over, (2 * BLOCKS - share) as f64);
 
     // Control: the same attacker, within its share, is served HIT for every key.
     let within = format!("{}-{}", 2 * share, 3 * share - 1);
