@@ -59,7 +59,8 @@ pub struct CoreConfig {
     /// second's worth); past it the peer's lookups wait (keys still unasked at the lookup's
     /// pending deadline answer MISS).
     pub lookup_keys_per_sec: u64,
-    /// Blocks pinned for one peer's lookups at once; keys past it answer MISS (not pinned).
+    /// Distinct blocks pinned for one peer's lookups at once (and 8 pin references per block
+    /// of it); keys past it answer MISS (not pinned).
     /// `None`: one eighth of the pool, but at least 256 blocks (or the whole pool if smaller).
     pub max_pins_per_peer: Option<usize>,
     /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each) and the

@@ -423,3 +423,31 @@ fn long_keys_count_against_the_peers_share_of_bytes() {
     assert_eq!(p.share(&attacker).held_bytes, 0);
     assert!(p.alive(&attacker));
 }
+
+#[test]
+fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
+    let config = CoreConfig {
+        max_pins_per_peer: Some(8),
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    for k in keys(0..4) {
+        p.parent().insert(&k);
+    }
+    let peer = p.join(1);
+    // The same four keys, looked up again and again (as many requests of one prompt do): each
+    // pins the same blocks, so the share of distinct blocks is never reached...
+    for r in 0..16 {
+        p.recv(&peer, lookup_msg(&format!("r{r}"), keys(0..4), 0));
+        assert_eq!(p.responses(&peer)[0].2, vec![true; 4], "lookup {r}");
+    }
+    assert_eq!(p.share(&peer).pinned_blocks, 4);
+    assert_eq!(p.share(&peer).pins, 16);
+    // ...but the pins themselves are bounded: 8 references per block of the share.
+    p.recv(&peer, lookup_msg("r16", keys(0..4), 0));
+    assert_eq!(p.responses(&peer)[0].2, vec![false; 4]);
+    assert_eq!(p.share(&peer).pins, 16);
+    p.advance(Duration::from_secs(31));
+    assert_eq!(p.share(&peer).pinned_blocks, 0);
+    assert_eq!(p.share(&peer).pins, 0);
+}

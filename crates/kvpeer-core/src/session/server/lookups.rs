@@ -22,6 +22,10 @@ use crate::output::Link;
 use crate::session::Cx;
 use crate::traits::LookupResult;
 
+/// Pin references a peer's lookups may hold per block of its share (lookups of the same keys,
+/// each pinning them again, are each a store job).
+const PIN_REFS_PER_BLOCK: usize = 8;
+
 impl ServerRole {
     /// An inbound `lookup`: queued behind the peer's earlier lookups still being asked, and
     /// served at once (its first slice) if there are none.
@@ -201,8 +205,11 @@ impl ServerRole {
                 Some(None) if first_pass => continue,
                 _ => {}
             }
-            if self.pinned_blocks + hits.len() >= self.max_pins {
-                // The peer holds its share of the pool pinned: MISS, not asked, not pinned.
+            if self.pinned.len() + hits.len() >= self.max_pins
+                || self.pin_refs + hits.len() >= PIN_REFS_PER_BLOCK * self.max_pins
+            {
+                // The peer holds its share of the pool pinned (or pins the same blocks over
+                // and over): MISS, not asked, not pinned.
                 lookup.answers.insert(key.clone(), Some(false));
                 over_share += 1;
                 continue;
@@ -223,7 +230,7 @@ impl ServerRole {
         }
         if over_share > 0 {
             crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of pins; answering MISS",
-                peer = %self.peer, kv_request_id = %id, keys = over_share, pinned = self.pinned_blocks, share = self.max_pins);
+                peer = %self.peer, kv_request_id = %id, keys = over_share, pinned = self.pinned.len(), share = self.max_pins);
             cx.out.counters.lookup_keys_over_share += over_share;
         }
         if hits.is_empty() {

@@ -397,9 +397,11 @@ pub(crate) struct ServerRole {
     bucket: KeyBucket,
     /// Keys and bytes held for this peer (open lookups, parked demand).
     held: Held,
-    /// Blocks pinned by this peer's lookups, and per open lookup pin how many.
-    pinned_blocks: usize,
-    pin_blocks: Map<JobId, usize>,
+    /// Distinct blocks pinned by this peer's lookups (how many of its pins hold each), the
+    /// blocks of each open lookup pin, and how many pin references those hold in all.
+    pinned: Map<BlockIndex, u32>,
+    pin_blocks: Map<JobId, Vec<BlockIndex>>,
+    pin_refs: usize,
     /// Most blocks this peer's lookups may hold pinned.
     max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
@@ -439,8 +441,9 @@ impl ServerRole {
             slice_at: None,
             bucket: KeyBucket::new(config.lookup_keys_per_sec, now),
             held: Held::default(),
-            pinned_blocks: 0,
+            pinned: Map::default(),
             pin_blocks: Map::default(),
+            pin_refs: 0,
             max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
         }
@@ -496,7 +499,15 @@ impl ServerRole {
     fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
         self.open_pins -= 1;
         if let Some(blocks) = self.pin_blocks.remove(&job) {
-            self.pinned_blocks = self.pinned_blocks.saturating_sub(blocks);
+            self.pin_refs = self.pin_refs.saturating_sub(blocks.len());
+            for block in blocks {
+                if let Some(n) = self.pinned.get_mut(&block) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.pinned.remove(&block);
+                    }
+                }
+            }
         }
         cx.parent.complete_store_job(job, success);
         cx.out.event(Event::StoreDone { job, success });
@@ -552,14 +563,15 @@ impl ServerRole {
         self.backlog.clear();
         self.slice_at = None;
         self.held = Held::default();
-        self.pinned_blocks = 0;
+        self.pinned.clear();
         self.pin_blocks.clear();
+        self.pin_refs = 0;
         result
     }
 
     /// Keys and bytes held for the peer, blocks pinned for its lookups (for tests and stats).
     pub(crate) fn shares(&self) -> (Held, usize) {
-        (self.held, self.pinned_blocks)
+        (self.held, self.pinned.len())
     }
 
     /// Transfer ids in flight (for shutdown drains).

@@ -62,8 +62,11 @@ impl ServerRole {
         if new_pin {
             self.open_pins += 1;
             if origin == Origin::Lookup {
-                self.pin_blocks.insert(job, keys.len());
-                self.pinned_blocks += keys.len();
+                for &block in blocks {
+                    *self.pinned.entry(block).or_default() += 1;
+                }
+                self.pin_refs += blocks.len();
+                self.pin_blocks.insert(job, blocks.to_vec());
             }
             self.store_lane
                 .arm(cx.now, (RoundKey::new(id, round), serial, job));
