@@ -59,12 +59,12 @@ pub struct CoreConfig {
     /// second's worth); past it the peer's lookups wait (keys still unasked at the lookup's
     /// pending deadline answer MISS).
     pub lookup_keys_per_sec: u64,
-    /// Distinct blocks pinned for one peer's lookups at once (and 8 pin references per block
-    /// of it); keys past it answer MISS (not pinned).
+    /// Distinct blocks pinned for one peer's lookups at once (each pin reference also counts
+    /// toward `max_held_keys_per_peer`); keys past it answer MISS (not pinned).
     /// `None`: one eighth of the pool, but at least 256 blocks (or the whole pool if smaller).
     pub max_pins_per_peer: Option<usize>,
-    /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each) and the
-    /// keys of its fetches waiting for a store. A lookup past it answers MISS at once, a fetch
+    /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each), its pin
+    /// references and the keys of its fetches waiting for a store. A lookup past it answers MISS at once, a fetch
     /// fails at once.
     pub max_held_keys_per_peer: usize,
     /// Estimated bytes of what [`CoreConfig::max_held_keys_per_peer`] counts, bounded the same way.

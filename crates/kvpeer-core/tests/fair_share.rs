@@ -255,10 +255,11 @@ fn a_max_size_lookup_is_served_in_slices_with_another_peers_lookup_answered_betw
         n - cap as u64,
         "counted"
     );
+    let share = p.share(&attacker);
     assert_eq!(
-        p.share(&attacker).held_keys,
-        0,
-        "nothing held once answered"
+        (share.held_keys, share.pinned_blocks),
+        (1, 1),
+        "once answered, only its pin of the one hit is held"
     );
     assert!(p.alive(&attacker));
     eprintln!(
@@ -303,7 +304,12 @@ fn the_keys_per_second_budget_defers_a_peer_without_ending_its_session() {
     assert_eq!(p.parent().lookups, 30_001);
     assert!(p.core.counters().lookup_slices_deferred > 0);
     assert!(p.alive(&attacker), "deferred, not disconnected");
-    assert_eq!(p.share(&attacker).held_keys, 0);
+    let share = p.share(&attacker);
+    assert_eq!(
+        (share.held_keys, share.pinned_blocks),
+        (1, 1),
+        "its one pin"
+    );
 }
 
 #[test]
@@ -428,6 +434,8 @@ fn long_keys_count_against_the_peers_share_of_bytes() {
 fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
     let config = CoreConfig {
         max_pins_per_peer: Some(8),
+        // 16 pins of 4 blocks, and the 4 keys of the lookup being served.
+        max_held_keys_per_peer: 68,
         ..CoreConfig::default()
     };
     let mut p = Peers::new(config);
@@ -443,7 +451,7 @@ fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
     }
     assert_eq!(p.share(&peer).pinned_blocks, 4);
     assert_eq!(p.share(&peer).pins, 16);
-    // ...but the pins themselves are bounded: 8 references per block of the share.
+    // ...but the pins themselves are bounded: each pin reference is held for the peer.
     p.recv(&peer, lookup_msg("r16", keys(0..4), 0));
     assert_eq!(p.responses(&peer)[0].2, vec![false; 4]);
     assert_eq!(p.share(&peer).pins, 16);

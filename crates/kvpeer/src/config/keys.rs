@@ -147,7 +147,7 @@ declare_keys! {
     lookup_keys_per_s = "262144";
     /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
     max_pins_per_peer;
-    /// keys held for one peer at once (open lookups, fetches waiting for a store)
+    /// keys held for one peer at once (open lookups, pin references, fetches waiting for a store)
     max_held_keys_per_peer = "2097152";
     /// estimated bytes of those keys
     max_held_bytes_per_peer = "268435456";

@@ -22,10 +22,6 @@ use crate::output::Link;
 use crate::session::Cx;
 use crate::traits::LookupResult;
 
-/// Pin references a peer's lookups may hold per block of its share (lookups of the same keys,
-/// each pinning them again, are each a store job).
-const PIN_REFS_PER_BLOCK: usize = 8;
-
 impl ServerRole {
     /// An inbound `lookup`: queued behind the peer's earlier lookups still being asked, and
     /// served at once (its first slice) if there are none.
@@ -205,11 +201,13 @@ impl ServerRole {
                 Some(None) if first_pass => continue,
                 _ => {}
             }
+            let more = Held::pins(hits.len() + 1);
             if self.pinned.len() + hits.len() >= self.max_pins
-                || self.pin_refs + hits.len() >= PIN_REFS_PER_BLOCK * self.max_pins
+                || self.held.keys + more.keys > cx.config.max_held_keys_per_peer
+                || self.held.bytes + more.bytes > cx.config.max_held_bytes_per_peer
             {
-                // The peer holds its share of the pool pinned (or pins the same blocks over
-                // and over): MISS, not asked, not pinned.
+                // The peer holds its share of the pool pinned (or of held keys: pins of the
+                // same blocks over and over): MISS, not asked, not pinned.
                 lookup.answers.insert(key.clone(), Some(false));
                 over_share += 1;
                 continue;

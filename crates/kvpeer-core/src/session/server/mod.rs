@@ -203,7 +203,7 @@ pub(crate) struct Held {
 impl Held {
     /// Estimated memory per key held: the key in the message's list, its copy in a map at the
     /// map's worst load, and the map's control bytes.
-    const BYTES_PER_KEY: usize = 3 * std::mem::size_of::<OffloadKey>() + 8;
+    pub(super) const BYTES_PER_KEY: usize = 3 * std::mem::size_of::<OffloadKey>() + 8;
     /// Estimated memory of the entry holding them (an open lookup with its context, or a
     /// round with its maps), beyond its keys.
     const BYTES_PER_ENTRY: usize =
@@ -219,6 +219,14 @@ impl Held {
         Held {
             keys: keys.len().max(1),
             bytes: Self::BYTES_PER_ENTRY + keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
+        }
+    }
+
+    /// What `n` pin references hold (their keys in the round's supply, the store's job).
+    pub(super) fn pins(n: usize) -> Self {
+        Held {
+            keys: n,
+            bytes: n * Self::BYTES_PER_KEY,
         }
     }
 
@@ -397,11 +405,10 @@ pub(crate) struct ServerRole {
     bucket: KeyBucket,
     /// Keys and bytes held for this peer (open lookups, parked demand).
     held: Held,
-    /// Distinct blocks pinned by this peer's lookups (how many of its pins hold each), the
-    /// blocks of each open lookup pin, and how many pin references those hold in all.
+    /// Distinct blocks pinned by this peer's lookups (how many of its pins hold each), and
+    /// the blocks of each open lookup pin (their references count as held keys).
     pinned: Map<BlockIndex, u32>,
     pin_blocks: Map<JobId, Vec<BlockIndex>>,
-    pin_refs: usize,
     /// Most blocks this peer's lookups may hold pinned.
     max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
@@ -443,7 +450,6 @@ impl ServerRole {
             held: Held::default(),
             pinned: Map::default(),
             pin_blocks: Map::default(),
-            pin_refs: 0,
             max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
         }
@@ -499,7 +505,7 @@ impl ServerRole {
     fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
         self.open_pins -= 1;
         if let Some(blocks) = self.pin_blocks.remove(&job) {
-            self.pin_refs = self.pin_refs.saturating_sub(blocks.len());
+            self.held.sub(Held::pins(blocks.len()));
             for block in blocks {
                 if let Some(n) = self.pinned.get_mut(&block) {
                     *n -= 1;
@@ -565,7 +571,6 @@ impl ServerRole {
         self.held = Held::default();
         self.pinned.clear();
         self.pin_blocks.clear();
-        self.pin_refs = 0;
         result
     }
 

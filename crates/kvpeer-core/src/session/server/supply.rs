@@ -7,7 +7,7 @@
 
 use kvpeer_proto::KvRequestId;
 
-use super::{Matched, Origin, Pin, ServerRole, Supply};
+use super::{Held, Matched, Origin, Pin, ServerRole, Supply};
 use crate::output::{Event, Link};
 use crate::session::{Cx, RoundKey};
 
@@ -65,7 +65,7 @@ impl ServerRole {
                 for &block in blocks {
                     *self.pinned.entry(block).or_default() += 1;
                 }
-                self.pin_refs += blocks.len();
+                self.held.add(Held::pins(blocks.len()));
                 self.pin_blocks.insert(job, blocks.to_vec());
             }
             self.store_lane
