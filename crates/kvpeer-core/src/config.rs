@@ -113,7 +113,7 @@ impl Default for CoreConfig {
             max_pins_per_peer: None,
             max_held_keys_per_peer: 1 << 21,
             max_held_bytes_per_peer: 256 << 20,
-            max_requests_per_peer: 16384,
+            max_requests_per_peer: 1 << 17,
         }
     }
 }

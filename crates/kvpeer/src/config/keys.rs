@@ -152,7 +152,7 @@ declare_keys! {
     /// estimated bytes of those keys
     max_held_bytes_per_peer = "268435456";
     /// requests one peer may have open on this node's producer side
-    max_requests_per_peer = "16384";
+    max_requests_per_peer = "131072";
     /// largest control message accepted, in bytes
     max_message_bytes = "67108864";
     /// most entries in one list of a message
