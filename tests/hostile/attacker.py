@@ -31,6 +31,8 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
   many bytes of our object the node made the kernel allocate (`own_pool_allocated`).
   trickle   a consumer over tcp: lookup + fetch synthetic keys, then read the node's data
             connection a trickle at a time (or at full speed, ACKing: the control run)
+  hoard     a correct session that looks up keys and never fetches them (pins held until the
+            store timeout), then optionally one huge lookup; reports what each lookup_resp said
 
 Needs pyzmq and msgpack (tests/requirements.txt).
 """
@@ -1062,6 +1064,83 @@ def cmd_trickle(a) -> int:
     return 0
 
 
+# --- hoard -------------------------------------------------------------------------------------
+
+
+def cmd_hoard(a) -> int:
+    peer = Peer(a.bind)
+    tcp = DummyTcp()
+    meta = metadata(peer.identity, None, None, tcp.addr, tcp.key)
+    c = connect_msg(peer.identity, meta, a.num_blocks, a.block_len, a.hash_seed)
+    state = {"connect_ack": False, "disconnect": False}
+
+    def note(who, msg):
+        tcp.pump()
+        t = msg.get("type")
+        if t == "connect_ack":
+            state["connect_ack"] = True
+        elif t == "disconnect":
+            state["disconnect"] = True
+
+    peer.send(a.node, c)
+    peer.wait_for({"connect_ack", "disconnect"}, a.wait, note)
+    if not state["connect_ack"]:
+        emit({"event": "summary", "connect_ack": False, "lookups": [], "huge": None})
+        peer.close()
+        return 0
+    peer.send(a.node, {"type": "connect_ack", "peer_id": peer.identity})
+
+    def answer(keys: list[bytes], rid: str, wait: float):
+        sent = time.monotonic()
+        peer.send(a.node, {"type": "lookup", "kv_request_id": rid, "keys": keys,
+                           "round_seq": 0})
+        deadline = sent + wait
+        while time.monotonic() < deadline:
+            got = peer.wait_for({"lookup_resp"}, deadline - time.monotonic(), note)
+            if got and got[1].get("kv_request_id") == rid:
+                hits = got[1].get("hits") or []
+                return {
+                    "rid": rid,
+                    "keys": len(keys),
+                    "answered": len(hits),
+                    "hits": sum(1 for h in hits if h),
+                    "first_miss": next((i for i, h in enumerate(hits) if not h), None),
+                    "hits_after_first_miss": sum(
+                        1 for h in hits[next((i for i, h in enumerate(hits) if not h),
+                                             len(hits)):] if h),
+                    "seconds": time.monotonic() - sent,
+                    "at": time.time(),
+                }
+        return {"rid": rid, "keys": len(keys), "answered": None, "seconds": None}
+
+    keys = [key(i) for i in span(a.keys)]
+    lookups = []
+    for r in range(a.rounds):
+        lookups.append(answer(keys, f"hoard-{r}", a.wait))
+    emit({"event": "hoarded", "lookups": lookups})
+    huge = None
+    if a.huge:
+        big = [key(i % a.huge_distinct) for i in range(a.huge)]
+        emit({"event": "huge_sending", "at": time.time()})
+        huge = answer(big, "hoard-huge", a.wait)
+        emit({"event": "huge_answered", "huge": huge})
+    end = time.monotonic() + a.hold
+    while time.monotonic() < end:
+        peer.wait_for(set(), min(0.2, max(0.0, end - time.monotonic())), note)
+    peer.send(a.node, {"type": "disconnect"})
+    time.sleep(0.2)
+    emit({
+        "event": "summary",
+        "connect_ack": state["connect_ack"],
+        "disconnect": state["disconnect"],
+        "lookups": lookups,
+        "huge": huge,
+        "received": sorted({m["type"] for m in peer.received}),
+    })
+    peer.close()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1155,11 +1234,21 @@ def main() -> int:
     s.add_argument("--every", type=float, default=0.02, help="pause between reads, seconds")
     s.add_argument("--rcvbuf", type=int, default=4096, help="our data socket's SO_RCVBUF")
     s.add_argument("--hold", type=float, default=20.0, help="longest we read, seconds")
+    s = sub.add_parser("hoard")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--keys", default="0-63", help="synthetic key indexes each lookup names")
+    s.add_argument("--rounds", type=int, default=1, help="lookups of those keys (none fetched)")
+    s.add_argument("--huge", type=int, default=0, help="then one lookup of this many keys")
+    s.add_argument("--huge-distinct", type=int, default=1 << 30,
+                   help="key i of the huge lookup is synthetic key i modulo this")
+    s.add_argument("--hold", type=float, default=0.0, help="seconds to stay connected after")
 
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
-            "impostor": cmd_impostor, "sessions": cmd_sessions, "cycles": cmd_cycles, "trickle": cmd_trickle}[a.cmd](a)
+            "impostor": cmd_impostor, "sessions": cmd_sessions, "cycles": cmd_cycles,
+            "trickle": cmd_trickle, "hoard": cmd_hoard}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,39 @@ pub struct CoreConfig {
     pub reaped_id_retention: Duration,
     /// Consecutive internal errors in dispatch that disconnect a peer.
     pub max_consecutive_dispatch_errors: u32,
+    /// Keys of one inbound `lookup` asked of the store; the keys past it answer MISS unasked
+    /// (the `lookup_resp` still lists every key). vLLM sends one key per block of a request.
+    pub max_lookup_keys: usize,
+    /// Keys of one peer's lookups asked of the store per core step; the rest of a larger
+    /// lookup waits for the next step, so other peers' messages are handled in between.
+    pub lookup_slice_keys: usize,
+    /// Keys of one peer's lookups asked of the store per second (a token bucket holding one
+    /// second's worth); past it the peer's lookups wait (keys still unasked at the lookup's
+    /// pending deadline answer MISS).
+    pub lookup_keys_per_sec: u64,
+    /// Distinct blocks pinned for one peer's lookups at once (each pin reference also counts
+    /// toward `max_held_keys_per_peer`); keys past it answer MISS (not pinned).
+    /// `None`: one eighth of the pool, but at least 256 blocks (or the whole pool if smaller).
+    pub max_pins_per_peer: Option<usize>,
+    /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each), its pin
+    /// references and the keys of its fetches waiting for a store. A lookup past it answers MISS at once, a fetch
+    /// fails at once.
+    pub max_held_keys_per_peer: usize,
+    /// Estimated bytes of what [`CoreConfig::max_held_keys_per_peer`] counts, bounded the same way.
+    pub max_held_bytes_per_peer: usize,
+    /// Requests one peer may have open on this node's producer side at once; a lookup or
+    /// fetch that would open another is answered MISS / failed at once.
+    pub max_requests_per_peer: usize,
+}
+
+impl CoreConfig {
+    /// Blocks a peer's lookups may hold pinned, for a pool of `num_blocks`.
+    pub fn pins_per_peer(&self, num_blocks: u64) -> usize {
+        self.max_pins_per_peer.unwrap_or_else(|| {
+            let pool = usize::try_from(num_blocks).unwrap_or(usize::MAX);
+            (pool / 8).max(pool.min(256))
+        })
+    }
 }
 
 impl Default for CoreConfig {
@@ -80,6 +113,13 @@ impl Default for CoreConfig {
             unbound_store_timeout: Duration::from_secs(60),
             reaped_id_retention: Duration::from_secs(60),
             max_consecutive_dispatch_errors: 5,
+            max_lookup_keys: 1 << 17,
+            lookup_slice_keys: 2048,
+            lookup_keys_per_sec: 1 << 18,
+            max_pins_per_peer: None,
+            max_held_keys_per_peer: 1 << 21,
+            max_held_bytes_per_peer: 256 << 20,
+            max_requests_per_peer: 1 << 17,
         }
     }
 }

@@ -52,6 +52,20 @@ pub struct Counters {
     pub sessions_evicted: u64,
     /// Peers disconnected for breaking the protocol.
     pub protocol_errors: u64,
+    /// Producer: keys past `max_lookup_keys` of a lookup, answered MISS unasked.
+    pub lookup_keys_over_cap: u64,
+    /// Producer: keys answered MISS (not pinned) because their peer's pin share was full.
+    pub lookup_keys_over_share: u64,
+    /// Producer: lookups answered MISS at once: their peer held its share of keys, bytes or
+    /// requests already.
+    pub lookups_over_budget: u64,
+    /// Producer: fetches failed at once for the same reason.
+    pub fetches_over_budget: u64,
+    /// Producer: times a peer's lookups waited for a later step (slice done or keys-per-second
+    /// budget spent) with keys still to ask.
+    pub lookup_slices_deferred: u64,
+    /// Producer: keys never asked because their lookup's pending deadline passed first.
+    pub lookup_keys_unasked: u64,
 }
 
 impl Counters {

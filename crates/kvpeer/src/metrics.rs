@@ -28,7 +28,7 @@ use crate::pool::{Pool, PoolStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 23] = [
+    let counters: [(&str, &str, u64); 29] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -68,6 +68,36 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_pending_expired_total",
             "pending keys answered MISS at their deadline",
             c.pending_expired,
+        ),
+        (
+            "kvpeer_lookup_keys_over_cap_total",
+            "keys past max_lookup_keys of a peer's lookup, answered MISS unasked",
+            c.lookup_keys_over_cap,
+        ),
+        (
+            "kvpeer_lookup_keys_over_share_total",
+            "keys answered MISS because their peer's pin share was full",
+            c.lookup_keys_over_share,
+        ),
+        (
+            "kvpeer_lookups_over_budget_total",
+            "lookups answered MISS at once: their peer held its share of keys, bytes or requests",
+            c.lookups_over_budget,
+        ),
+        (
+            "kvpeer_fetches_over_budget_total",
+            "fetches failed at once: their peer held its share of keys, bytes or requests",
+            c.fetches_over_budget,
+        ),
+        (
+            "kvpeer_lookup_slices_deferred_total",
+            "times a peer's lookups waited for a later step (slice done or keys-per-second budget spent)",
+            c.lookup_slices_deferred,
+        ),
+        (
+            "kvpeer_lookup_keys_unasked_total",
+            "keys never asked because their lookup's pending deadline passed first",
+            c.lookup_keys_unasked,
         ),
         (
             "kvpeer_fetches_sent_total",

@@ -246,6 +246,22 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         stats
     }
 
+    /// What this node's producer side holds for `peer` against its fair share (docs/security.md,
+    /// G7), or `None` without a session.
+    pub fn peer_share(&self, peer: &PeerId) -> Option<PeerShare> {
+        self.sessions.get(peer).map(|s| {
+            let (held_keys, held_bytes, pinned_blocks) = s.shares();
+            let (_, requests, pins, _, _) = s.counts();
+            PeerShare {
+                held_keys,
+                held_bytes,
+                pinned_blocks,
+                requests,
+                pins,
+            }
+        })
+    }
+
     /// Whether any write to a peer is running on the data plane.
     pub fn has_inflight(&self) -> bool {
         self.sessions.values().any(|s| s.counts().3 > 0)
@@ -626,6 +642,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             end,
         });
     }
+}
+
+/// What a node holds for one peer, counted against the peer's fair share.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeerShare {
+    /// Keys of its open lookups and parked fetch demand (`max_held_keys_per_peer`).
+    pub held_keys: usize,
+    /// Their estimated bytes (`max_held_bytes_per_peer`).
+    pub held_bytes: usize,
+    /// Blocks pinned for its lookups (`max_pins_per_peer`).
+    pub pinned_blocks: usize,
+    /// Producer-side requests open for it (`max_requests_per_peer`).
+    pub requests: usize,
+    /// Store jobs (pins) open for it.
+    pub pins: usize,
 }
 
 /// What the caller can see of one session.

@@ -130,7 +130,7 @@ impl Session {
             local_id: local.peer_id.clone(),
             peer_fault_drain: config.peer_fault_drain,
             client: ClientRole::new(peer.clone(), config),
-            server: ServerRole::new(peer, config),
+            server: ServerRole::new(peer, config, local.num_blocks, now),
             state: State::AwaitingConnect,
             handshake_deadline: now + config.handshake_timeout,
             dispatch_errors: 0,
@@ -530,6 +530,12 @@ impl Session {
             inflight,
             self.link.queued_len(),
         )
+    }
+
+    /// What the producer side holds for the peer: (keys, estimated bytes, pinned blocks).
+    pub(crate) fn shares(&self) -> (usize, usize, usize) {
+        let (held, pinned) = self.server.shares();
+        (held.keys, held.bytes, pinned)
     }
 
     /// Tears the session down, sending `disconnect` if it has not ended yet.

@@ -145,6 +145,20 @@ declare_keys! {
     unbound_store_timeout_s = "60";
     /// seconds a faulted peer's writes may drain before it is dropped
     peer_fault_drain_s = "10";
+    /// keys of one inbound lookup asked of the store; the rest answer MISS
+    max_lookup_keys = "131072";
+    /// keys of one peer's lookups asked per step of the node's loop (the rest wait a step)
+    lookup_slice_keys = "2048";
+    /// keys of one peer's lookups asked per second (past it they wait; MISS at their deadline)
+    lookup_keys_per_s = "262144";
+    /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
+    max_pins_per_peer;
+    /// keys held for one peer at once (open lookups, pin references, fetches waiting for a store)
+    max_held_keys_per_peer = "2097152";
+    /// estimated bytes of those keys
+    max_held_bytes_per_peer = "268435456";
+    /// requests one peer may have open on this node's producer side
+    max_requests_per_peer = "131072";
     /// largest control message accepted, in bytes
     max_message_bytes = "67108864";
     /// most entries in one list of a message

@@ -158,6 +158,16 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         lookup_pending_timeout: secs(&KEY.lookup_pending_timeout_s, 1)?,
         unbound_store_timeout: secs(&KEY.unbound_store_timeout_s, 1)?,
         peer_fault_drain: secs(&KEY.peer_fault_drain_s, 1)?,
+        max_lookup_keys: s.number(&KEY.max_lookup_keys, 1, 1 << 24)? as usize,
+        lookup_slice_keys: s.number(&KEY.lookup_slice_keys, 1, 1 << 24)? as usize,
+        lookup_keys_per_sec: s.number(&KEY.lookup_keys_per_s, 1, 1 << 40)?,
+        max_pins_per_peer: match s.get(&KEY.max_pins_per_peer) {
+            None => None,
+            Some(_) => Some(s.number(&KEY.max_pins_per_peer, 1, u64::from(u32::MAX))? as usize),
+        },
+        max_held_keys_per_peer: s.number(&KEY.max_held_keys_per_peer, 1, 1 << 32)? as usize,
+        max_held_bytes_per_peer: s.number(&KEY.max_held_bytes_per_peer, 1024, 1 << 44)? as usize,
+        max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
         ..CoreConfig::default()
     };
     let max_message = s.number(&KEY.max_message_bytes, 1024, 1 << 31)?;

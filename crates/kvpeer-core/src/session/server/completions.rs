@@ -102,6 +102,7 @@ impl ServerRole {
         let Some(rnd) = req.remove_round(round) else {
             return;
         };
+        self.held.sub(rnd.held);
         let success = !rnd.is_cancelled() && success.unwrap_or_else(|| rnd.fully_written());
         let (serial, demand_received) = (rnd.serial, rnd.demand_received());
         for pin in rnd.pins {

@@ -5,9 +5,9 @@
 //! (symmetric) fails at once, demand waiting for a PD store is bounded by the store timeout; a
 //! write that cannot start finishes its round as failed once nothing else is in flight.
 
-use kvpeer_proto::{KvRequestId, OffloadKey, RoundSeq};
+use kvpeer_proto::{KvRequestId, Message, OffloadKey, RoundSeq, TransferDone};
 
-use super::{Demand, Inflight, Matched, Origin, Round, Serial, ServerRole};
+use super::{Demand, Held, Inflight, Matched, Origin, Round, Serial, ServerRole};
 use crate::error::ProtocolViolation;
 use crate::maps::Map;
 use crate::output::Link;
@@ -32,6 +32,25 @@ impl ServerRole {
                 id: id.clone(),
                 round,
             });
+        }
+        if !keys.is_empty()
+            && !self.requests.contains_key(id)
+            && self.requests.len() >= cx.config.max_requests_per_peer
+        {
+            // The peer holds its share of requests: fail the round without keeping anything.
+            crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of requests; failing its fetch",
+                peer = %self.peer, kv_request_id = %id, requests = self.requests.len());
+            cx.out.counters.fetches_over_budget += 1;
+            link.send(
+                cx.out,
+                cx.now,
+                Message::TransferDone(TransferDone {
+                    kv_request_id: id.clone(),
+                    success: false,
+                    round_seq: round,
+                }),
+            );
+            return Ok(());
         }
         let expired =
             existing.is_none() && self.expired.remove(&RoundKey::new(id, round)).is_some();
@@ -71,13 +90,29 @@ impl ServerRole {
             }
             return Ok(());
         }
-        let (symmetric_miss, finishing, inflight) = (
+        let (symmetric_miss, parked, finishing, inflight) = (
             rnd.origin == Origin::Lookup && !rnd.demanded.is_empty(),
+            rnd.origin == Origin::Store && !rnd.demanded.is_empty(),
             rnd.finishing,
             rnd.inflight,
         );
-        if rnd.origin == Origin::Store && !rnd.demanded.is_empty() {
-            // Demand parked for a later store (PD): bounded by the store timeout.
+        if parked {
+            // Demand parked for a later store (PD): bounded by the store timeout, and by the
+            // peer's share of held keys and bytes.
+            let held = Held::of(keys);
+            if self.held.keys + held.keys > cx.config.max_held_keys_per_peer
+                || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
+            {
+                crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of parked fetches; failing its fetch",
+                    peer = %self.peer, kv_request_id = %id, keys = keys.len(), held_keys = self.held.keys, held_bytes = self.held.bytes);
+                cx.out.counters.fetches_over_budget += 1;
+                self.finalize(link, cx, id, round, Some(false), true);
+                return Ok(());
+            }
+            if let Some(rnd) = self.round_mut(id, round, serial) {
+                rnd.held = held;
+                self.held.add(held);
+            }
             self.demand_lane
                 .arm(cx.now, (RoundKey::new(id, round), serial));
         }

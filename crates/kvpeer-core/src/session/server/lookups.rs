@@ -5,10 +5,17 @@
 //! (keys still pending at the deadline answer MISS), unless the request ends first; every
 //! serve context is opened and closed exactly once at the parent; a store that will not pin
 //! keys it answered HIT is an internal error and those keys answer MISS.
+//!
+//! Fair shares (docs/security.md, G7): a peer's lookups are asked of the store in arrival
+//! order, at most `lookup_slice_keys` keys per core step and `lookup_keys_per_sec` per second,
+//! so one huge lookup cannot hold the core's thread while other peers wait; keys past
+//! `max_lookup_keys` of one lookup, and keys that would pin more than the peer's pin share,
+//! answer MISS unasked; a lookup that would hold more keys, bytes or requests for the peer than
+//! its share answers MISS at once.
 
 use kvpeer_proto::{KvRequestId, LookupResp, Message, OffloadKey, RoundSeq};
 
-use super::{serve_ctx, ActiveLookup, Origin, ServerRole, Supply};
+use super::{serve_ctx, ActiveLookup, Held, Origin, ServerRole, Supply};
 use crate::error::InternalError;
 use crate::maps::Map;
 use crate::output::Link;
@@ -16,7 +23,8 @@ use crate::session::Cx;
 use crate::traits::LookupResult;
 
 impl ServerRole {
-    /// An inbound `lookup`, served at once against the parent.
+    /// An inbound `lookup`: queued behind the peer's earlier lookups still being asked, and
+    /// served at once (its first slice) if there are none.
     pub(crate) fn on_lookup(
         &mut self,
         link: &mut Link,
@@ -29,30 +37,137 @@ impl ServerRole {
         let n = self.next_lookup_id;
         let ctx = serve_ctx(&self.peer, id, n);
         cx.parent.on_new_request(&ctx);
+        let held = Held::of(&keys);
+        let end = keys.len().min(cx.config.max_lookup_keys);
         let mut lookup = ActiveLookup {
             ctx,
             round,
             keys,
+            next: 0,
+            end,
+            held,
             answers: Map::default(),
             pending: Vec::new(),
             deadline: cx.now + self.lookup_lane.delay(),
         };
-        // Each unique key once, in wire order.
-        let keys = lookup.keys.clone();
-        let pin_failed = self.poll_keys(link, cx, id, &mut lookup, keys, true);
-        if lookup.pending.is_empty() {
+        let new_request = !self.requests.contains_key(id);
+        let over_budget = self.held.keys + held.keys > cx.config.max_held_keys_per_peer
+            || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
+            || (new_request && self.requests.len() >= cx.config.max_requests_per_peer);
+        if over_budget {
+            crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of lookups; answering MISS",
+                peer = %self.peer, kv_request_id = %id, keys = lookup.keys.len(),
+                held_keys = self.held.keys, held_bytes = self.held.bytes, requests = self.requests.len());
+            cx.out.counters.lookups_over_budget += 1;
+            lookup.end = 0;
+            self.held.add(held);
             self.finish_lookup(link, cx, id, lookup);
-        } else {
-            self.lookup_lane.arm(cx.now, (id.clone(), n));
-            self.requests
-                .entry(id.clone())
-                .or_default()
-                .lookups
-                .insert(n, lookup);
-            self.serve_list.insert(id.clone());
-            self.arm_repoll(cx);
+            return Ok(());
         }
-        pin_failed
+        if end < lookup.keys.len() {
+            let over = lookup.keys.len() - end;
+            crate::warn_throttled!(cx.out.throttle, cx.now, "lookup has more keys than max_lookup_keys; the rest answer MISS",
+                peer = %self.peer, kv_request_id = %id, keys = lookup.keys.len(), asked = end);
+            cx.out.counters.lookup_keys_over_cap += over as u64;
+        }
+        self.held.add(held);
+        self.lookup_lane.arm(cx.now, (id.clone(), n));
+        self.requests
+            .entry(id.clone())
+            .or_default()
+            .lookups
+            .insert(n, lookup);
+        self.backlog.push_back((id.clone(), n));
+        if self.backlog.len() == 1 {
+            self.serve_backlog(link, cx)
+        } else {
+            // Behind the peer's earlier lookups: the next slice (already timed) reaches it.
+            Ok(())
+        }
+    }
+
+    /// Asks the store about the next slice of the peer's queued lookups: at most
+    /// `lookup_slice_keys` keys, and no more than the peer's keys-per-second budget holds. A
+    /// lookup whose keys were all asked is answered (or parked on its pending keys).
+    pub(super) fn serve_backlog(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+    ) -> Result<(), InternalError> {
+        self.slice_at = None;
+        let mut budget = cx
+            .config
+            .lookup_slice_keys
+            .max(1)
+            .min(self.bucket.available(cx.now));
+        let mut result = Ok(());
+        while let Some((id, n)) = self.backlog.front().cloned() {
+            let Some(mut lookup) = self
+                .requests
+                .get_mut(&id)
+                .and_then(|r| r.lookups.remove(&n))
+            else {
+                // Answered (deadline) or dropped (the request ended) meanwhile.
+                self.backlog.pop_front();
+                continue;
+            };
+            if lookup.next >= lookup.end {
+                // Its keys were all asked (deadline): parked or answered elsewhere.
+                self.reinsert(&id, n, lookup);
+                self.backlog.pop_front();
+                continue;
+            }
+            if budget == 0 {
+                self.reinsert(&id, n, lookup);
+                break;
+            }
+            let take = budget.min(lookup.end - lookup.next);
+            let keys = std::mem::take(&mut lookup.keys);
+            let slice = &keys[lookup.next..lookup.next + take];
+            if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, slice, true) {
+                result = Err(e);
+            }
+            lookup.keys = keys;
+            lookup.next += take;
+            budget -= take;
+            self.bucket.take(take);
+            if lookup.next < lookup.end {
+                self.reinsert(&id, n, lookup);
+                continue;
+            }
+            self.backlog.pop_front();
+            if lookup.pending.is_empty() {
+                self.finish_lookup(link, cx, &id, lookup);
+                self.prune(&id);
+            } else {
+                self.reinsert(&id, n, lookup);
+                self.serve_list.insert(id.clone());
+                self.arm_repoll(cx);
+            }
+        }
+        if let Some((id, n)) = self.backlog.front() {
+            cx.out.counters.lookup_slices_deferred += 1;
+            let left = self
+                .requests
+                .get(id)
+                .and_then(|r| r.lookups.get(n))
+                .map_or(1, |l| l.end.saturating_sub(l.next).max(1));
+            let want = left.min(cx.config.lookup_slice_keys.max(1));
+            self.slice_at = Some(if self.bucket.available(cx.now) >= want {
+                cx.now
+            } else {
+                self.bucket.when(cx.now, want)
+            });
+        }
+        result
+    }
+
+    fn reinsert(&mut self, id: &KvRequestId, n: u64, lookup: ActiveLookup) {
+        self.requests
+            .entry(id.clone())
+            .or_default()
+            .lookups
+            .insert(n, lookup);
     }
 
     pub(super) fn arm_repoll(&mut self, cx: &Cx<'_>) {
@@ -74,31 +189,47 @@ impl ServerRole {
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         lookup: &mut ActiveLookup,
-        keys: Vec<OffloadKey>,
+        keys: &[OffloadKey],
         first_pass: bool,
     ) -> Result<(), InternalError> {
         let mut hits: Vec<OffloadKey> = Vec::new();
-        lookup.pending.clear();
+        let mut over_share = 0u64;
         for key in keys {
-            match lookup.answers.get(&key) {
+            match lookup.answers.get(key) {
                 Some(Some(_)) => continue,
                 // First pass: a repeat of a key already polled in this message.
                 Some(None) if first_pass => continue,
                 _ => {}
             }
-            match cx.parent.lookup(&key, &lookup.ctx) {
+            let more = Held::pins(hits.len() + 1);
+            if self.pinned.len() + hits.len() >= self.max_pins
+                || self.held.keys + more.keys > cx.config.max_held_keys_per_peer
+                || self.held.bytes + more.bytes > cx.config.max_held_bytes_per_peer
+            {
+                // The peer holds its share of the pool pinned (or of held keys: pins of the
+                // same blocks over and over): MISS, not asked, not pinned.
+                lookup.answers.insert(key.clone(), Some(false));
+                over_share += 1;
+                continue;
+            }
+            match cx.parent.lookup(key, &lookup.ctx) {
                 LookupResult::Hit => {
                     lookup.answers.insert(key.clone(), Some(true));
-                    hits.push(key);
+                    hits.push(key.clone());
                 }
                 LookupResult::Miss => {
-                    lookup.answers.insert(key, Some(false));
+                    lookup.answers.insert(key.clone(), Some(false));
                 }
                 LookupResult::HitPending | LookupResult::Retry => {
                     lookup.answers.insert(key.clone(), None);
-                    lookup.pending.push(key);
+                    lookup.pending.push(key.clone());
                 }
             }
+        }
+        if over_share > 0 {
+            crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of pins; answering MISS",
+                peer = %self.peer, kv_request_id = %id, keys = over_share, pinned = self.pinned.len(), share = self.max_pins);
+            cx.out.counters.lookup_keys_over_share += over_share;
         }
         if hits.is_empty() {
             return Ok(());
@@ -135,11 +266,20 @@ impl ServerRole {
         id: &KvRequestId,
         lookup: ActiveLookup,
     ) {
+        self.held.sub(lookup.held);
+        if lookup.next < lookup.end {
+            cx.out.counters.lookup_keys_unasked += (lookup.end - lookup.next) as u64;
+        }
         if !lookup.keys.is_empty() {
+            // Keys past the last one asked were never answered: MISS without a map probe.
+            let asked = lookup.next.min(lookup.end);
             let hits = lookup
                 .keys
                 .iter()
-                .map(|k| lookup.answers.get(k).copied().flatten().unwrap_or(false))
+                .enumerate()
+                .map(|(i, k)| {
+                    i < asked && lookup.answers.get(k).copied().flatten().unwrap_or(false)
+                })
                 .collect();
             link.send(
                 cx.out,
@@ -165,9 +305,17 @@ impl ServerRole {
             };
             let parked = std::mem::take(&mut req.lookups);
             for (n, mut lookup) in parked {
-                let keys = std::mem::take(&mut lookup.pending);
-                if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, keys, false) {
-                    result = Err(e);
+                // Still queued for its first pass: the backlog asks it, unless time is up.
+                let queued = lookup.next < lookup.end;
+                if queued && cx.now < lookup.deadline {
+                    self.reinsert(&id, n, lookup);
+                    continue;
+                }
+                if !queued {
+                    let keys = std::mem::take(&mut lookup.pending);
+                    if let Err(e) = self.poll_keys(link, cx, &id, &mut lookup, &keys, false) {
+                        result = Err(e);
+                    }
                 }
                 if !lookup.pending.is_empty() && cx.now >= lookup.deadline {
                     cx.out.counters.pending_expired += lookup.pending.len() as u64;
@@ -184,7 +332,7 @@ impl ServerRole {
             if self
                 .requests
                 .get(&id)
-                .is_some_and(|r| !r.lookups.is_empty())
+                .is_some_and(|r| r.lookups.values().any(|l| l.next >= l.end))
             {
                 self.serve_list.insert(id);
             } else {
@@ -204,6 +352,7 @@ impl ServerRole {
             return;
         };
         for (_, lookup) in std::mem::take(&mut req.lookups) {
+            self.held.sub(lookup.held);
             cx.parent.on_request_finished(&lookup.ctx);
         }
         self.serve_list.remove(id);

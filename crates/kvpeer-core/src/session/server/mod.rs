@@ -87,6 +87,8 @@ struct Round {
     /// Pins (store jobs) supplying the round that have not completed; one or two, nearly
     /// always. A pin lives here, with its round, so no table of all pins is needed.
     pins: SmallVec<[Pin; 2]>,
+    /// What its parked demand counts toward the peer's held budget (keys, bytes).
+    held: Held,
 }
 
 /// Who supplies a round.
@@ -167,6 +169,7 @@ impl Round {
             inflight: 0,
             cancel: None,
             pins: SmallVec::new(),
+            held: Held::default(),
         }
     }
 }
@@ -189,12 +192,105 @@ impl Matched {
     }
 }
 
+/// Keys and estimated bytes held for a peer (its open lookups, its fetches waiting for a
+/// store), counted against `max_held_keys_per_peer` / `max_held_bytes_per_peer`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub(crate) keys: usize,
+    pub(crate) bytes: usize,
+}
+
+impl Held {
+    /// Estimated memory per key held: the key in the message's list, its copy in a map at the
+    /// map's worst load, and the map's control bytes.
+    pub(super) const BYTES_PER_KEY: usize = 3 * std::mem::size_of::<OffloadKey>() + 8;
+    /// Estimated memory of the entry holding them (an open lookup with its context, or a
+    /// round with its maps), beyond its keys.
+    const BYTES_PER_ENTRY: usize =
+        256 + std::mem::size_of::<ActiveLookup>() + std::mem::size_of::<Round>();
+
+    /// What holding `keys` costs (an empty list still costs one key: its entry).
+    pub(crate) fn of(keys: &[OffloadKey]) -> Self {
+        let heap: usize = keys
+            .iter()
+            .map(|k| k.as_bytes().len())
+            .filter(|&n| n > std::mem::size_of::<OffloadKey>())
+            .sum();
+        Held {
+            keys: keys.len().max(1),
+            bytes: Self::BYTES_PER_ENTRY + keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
+        }
+    }
+
+    /// What `n` pin references hold (their keys in the round's supply, the store's job).
+    pub(super) fn pins(n: usize) -> Self {
+        Held {
+            keys: n,
+            bytes: n * Self::BYTES_PER_KEY,
+        }
+    }
+
+    fn add(&mut self, other: Held) {
+        self.keys += other.keys;
+        self.bytes += other.bytes;
+    }
+
+    fn sub(&mut self, other: Held) {
+        self.keys = self.keys.saturating_sub(other.keys);
+        self.bytes = self.bytes.saturating_sub(other.bytes);
+    }
+}
+
+/// A per-peer token bucket of keys looked up per second (one second's worth at most).
+#[derive(Debug)]
+struct KeyBucket {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl KeyBucket {
+    fn new(rate: u64, now: Instant) -> Self {
+        let rate = rate.max(1) as f64;
+        KeyBucket {
+            rate,
+            tokens: rate,
+            at: now,
+        }
+    }
+
+    /// Whole keys available at `now`.
+    fn available(&mut self, now: Instant) -> usize {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + dt * self.rate).min(self.rate);
+        self.at = self.at.max(now);
+        self.tokens as usize
+    }
+
+    fn take(&mut self, n: usize) {
+        self.tokens -= n as f64;
+    }
+
+    /// When `n` keys will be available (at least 1 ms from `now`).
+    fn when(&self, now: Instant, n: usize) -> Instant {
+        let want = (n as f64).min(self.rate) - self.tokens;
+        let wait = (want / self.rate).max(0.001);
+        now + std::time::Duration::from_secs_f64(wait)
+    }
+}
+
 /// An inbound lookup whose keys are not all answered yet.
 #[derive(Debug)]
 struct ActiveLookup {
     ctx: ServeCtx,
     round: RoundSeq,
     keys: Vec<OffloadKey>,
+    /// The first key of `keys` not asked yet (the lookup is served in slices).
+    next: usize,
+    /// Keys from here on are answered MISS unasked (`max_lookup_keys`).
+    end: usize,
+    /// What the lookup counts toward the peer's held budget.
+    held: Held,
     /// Every key seen: `Some(hit)` once answered, `None` while pending (this also removes
     /// duplicates of the lookup's keys in O(1)).
     answers: Map<OffloadKey, Option<bool>>,
@@ -301,6 +397,20 @@ pub(crate) struct ServerRole {
     retry_lane: Lane<(RoundKey, Serial)>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
+    /// Lookups whose keys are not all asked yet, in arrival order: served a slice per step.
+    backlog: std::collections::VecDeque<(KvRequestId, u64)>,
+    /// When the backlog is next served.
+    slice_at: Option<Instant>,
+    /// Keys per second this peer's lookups may ask of the store.
+    bucket: KeyBucket,
+    /// Keys and bytes held for this peer (open lookups, parked demand).
+    held: Held,
+    /// Distinct blocks pinned by this peer's lookups (how many of its pins hold each), and
+    /// the blocks of each open lookup pin (their references count as held keys).
+    pinned: Map<BlockIndex, u32>,
+    pin_blocks: Map<JobId, Vec<BlockIndex>>,
+    /// Most blocks this peer's lookups may hold pinned.
+    max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
     pub(crate) peer_fault: Option<PlaneError>,
 }
@@ -314,7 +424,7 @@ fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
 }
 
 impl ServerRole {
-    pub(crate) fn new(peer: PeerId, config: &CoreConfig) -> Self {
+    pub(crate) fn new(peer: PeerId, config: &CoreConfig, num_blocks: u64, now: Instant) -> Self {
         ServerRole {
             peer,
             requests: Map::default(),
@@ -334,6 +444,13 @@ impl ServerRole {
             abort_warn_lane: Lane::new(config.cancel_drain_warning),
             retry_lane: Lane::new(config.cancel_retry_interval),
             repoll_at: None,
+            backlog: std::collections::VecDeque::new(),
+            slice_at: None,
+            bucket: KeyBucket::new(config.lookup_keys_per_sec, now),
+            held: Held::default(),
+            pinned: Map::default(),
+            pin_blocks: Map::default(),
+            max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
         }
     }
@@ -387,6 +504,17 @@ impl ServerRole {
     /// lived, so each pin completes exactly once.
     fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
         self.open_pins -= 1;
+        if let Some(blocks) = self.pin_blocks.remove(&job) {
+            self.held.sub(Held::pins(blocks.len()));
+            for block in blocks {
+                if let Some(n) = self.pinned.get_mut(&block) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.pinned.remove(&block);
+                    }
+                }
+            }
+        }
         cx.parent.complete_store_job(job, success);
         cx.out.event(Event::StoreDone { job, success });
     }
@@ -394,6 +522,7 @@ impl ServerRole {
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         earliest([
             self.repoll_at,
+            self.slice_at,
             self.lookup_lane.next_deadline(),
             self.store_lane.next_deadline(),
             self.demand_lane.next_deadline(),
@@ -437,7 +566,17 @@ impl ServerRole {
         self.retry_lane.clear();
         self.abort_warn_lane.clear();
         self.repoll_at = None;
+        self.backlog.clear();
+        self.slice_at = None;
+        self.held = Held::default();
+        self.pinned.clear();
+        self.pin_blocks.clear();
         result
+    }
+
+    /// Keys and bytes held for the peer, blocks pinned for its lookups (for tests and stats).
+    pub(crate) fn shares(&self) -> (Held, usize) {
+        (self.held, self.pinned.len())
     }
 
     /// Transfer ids in flight (for shutdown drains).

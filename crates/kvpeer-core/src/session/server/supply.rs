@@ -7,7 +7,7 @@
 
 use kvpeer_proto::KvRequestId;
 
-use super::{Matched, Origin, Pin, ServerRole, Supply};
+use super::{Held, Matched, Origin, Pin, ServerRole, Supply};
 use crate::output::{Event, Link};
 use crate::session::{Cx, RoundKey};
 
@@ -61,6 +61,13 @@ impl ServerRole {
         let demand_received = rnd.demand_received();
         if new_pin {
             self.open_pins += 1;
+            if origin == Origin::Lookup {
+                for &block in blocks {
+                    *self.pinned.entry(block).or_default() += 1;
+                }
+                self.held.add(Held::pins(blocks.len()));
+                self.pin_blocks.insert(job, blocks.to_vec());
+            }
             self.store_lane
                 .arm(cx.now, (RoundKey::new(id, round), serial, job));
         }

@@ -1,0 +1,461 @@
+//! A misbehaving peer costs only itself (docs/security.md, G7): one core, two scripted peers
+//! (an attacker and an honest one). Pins past a peer's share answer MISS while the other peer
+//! still hits and pins; a max-size lookup is served in slices with the other peer's lookup
+//! answered in between; a keys-per-second budget defers a peer without ending its session; the
+//! state a peer can make the node hold is bounded.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvpeer_core::{Core, CoreConfig, PeerShare};
+use kvpeer_proto::{Connect, ConnectAck, DecodeLimits, Message, OffloadKey, PeerId};
+use support::cluster::{key, local, peer_id, TestCore};
+use support::fakes::{FakeParent, FakePlane};
+use support::mock::{fetch, lookup_msg};
+
+/// One core and any number of scripted peers, with virtual time.
+struct Peers {
+    now: Instant,
+    core: TestCore,
+    sent: HashMap<PeerId, Vec<Message>>,
+}
+
+impl Peers {
+    fn new(config: CoreConfig) -> Self {
+        let now = Instant::now();
+        let mut core = Core::new(
+            config,
+            local(0),
+            FakeParent::default(),
+            FakePlane::default(),
+            now,
+        );
+        core.set_decode_limits(DecodeLimits::default());
+        Peers {
+            now,
+            core,
+            sent: HashMap::new(),
+        }
+    }
+
+    fn parent(&mut self) -> &mut FakeParent {
+        self.core.parent_mut()
+    }
+
+    fn pump(&mut self) {
+        while let Some(t) = self.core.poll_transmit() {
+            self.sent.entry(t.peer).or_default().push(t.message);
+        }
+        while self.core.poll_event().is_some() {}
+    }
+
+    /// Peer `i` connects and completes the handshake.
+    fn join(&mut self, i: usize) -> PeerId {
+        let peer = peer_id(i);
+        assert!(self.core.handle_inbound(self.now, peer.clone()));
+        let l = local(i);
+        self.recv(
+            &peer,
+            Message::Connect(Connect {
+                peer_id: l.peer_id,
+                agent_metadata: l.agent_metadata,
+                base_addr: l.base_addr,
+                num_blocks: l.num_blocks,
+                block_len: l.block_len,
+                config_fingerprint: Some(l.config_fingerprint),
+                hash_seed: l.hash_seed,
+                kvpeer_auth: None,
+            }),
+        );
+        self.recv(
+            &peer,
+            Message::ConnectAck(ConnectAck {
+                peer_id: peer.clone(),
+            }),
+        );
+        self.take(&peer);
+        peer
+    }
+
+    fn recv(&mut self, peer: &PeerId, message: Message) {
+        self.core.handle_message(self.now, peer, message);
+        self.pump();
+    }
+
+    /// One step of the node's loop at the current instant: the deadlines that are due.
+    fn step(&mut self) {
+        if self.core.poll_timeout().is_some_and(|t| t <= self.now) {
+            self.core.handle_timeout(self.now);
+        }
+        self.pump();
+    }
+
+    /// Advances virtual time, firing every deadline on the way.
+    fn advance(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            self.pump();
+            match self.core.poll_timeout() {
+                Some(t) if t <= end => {
+                    self.now = self.now.max(t);
+                    self.core.handle_timeout(self.now);
+                }
+                _ => break,
+            }
+        }
+        self.now = end;
+        self.core.handle_timeout(self.now);
+        self.pump();
+    }
+
+    fn take(&mut self, peer: &PeerId) -> Vec<Message> {
+        self.pump();
+        self.sent.remove(peer).unwrap_or_default()
+    }
+
+    /// The `lookup_resp`s sent to `peer` (taken), as (request, hits).
+    fn responses(&mut self, peer: &PeerId) -> Vec<(String, Vec<OffloadKey>, Vec<bool>)> {
+        self.take(peer)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::LookupResp(r) => Some((r.kv_request_id.to_string(), r.keys, r.hits)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn share(&self, peer: &PeerId) -> PeerShare {
+        self.core.peer_share(peer).expect("a session")
+    }
+
+    fn alive(&self, peer: &PeerId) -> bool {
+        self.core.session_state(peer).is_some()
+    }
+}
+
+fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
+    range.map(key).collect()
+}
+
+#[test]
+fn a_peer_past_its_pin_share_gets_miss_while_another_still_hits_and_pins() {
+    let config = CoreConfig {
+        max_pins_per_peer: Some(8),
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    for k in keys(0..64) {
+        p.parent().insert(&k);
+    }
+    let attacker = p.join(1);
+    let honest = p.join(2);
+
+    // The attacker looks up every key and never fetches.
+    p.recv(&attacker, lookup_msg("a1", keys(0..64), 0));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1, "one lookup_resp per lookup");
+    let hits = &resp[0].2;
+    assert_eq!(hits.len(), 64);
+    assert!(hits[..8].iter().all(|h| *h), "its share hits: {hits:?}");
+    assert!(hits[8..].iter().all(|h| !*h), "past its share: MISS");
+    p.recv(&attacker, lookup_msg("a2", keys(0..64), 0));
+    assert!(p.responses(&attacker)[0].2.iter().all(|h| !h));
+    assert_eq!(p.share(&attacker).pinned_blocks, 8);
+    assert_eq!(p.parent().lookup_jobs, 1, "only the share was pinned");
+    assert_eq!(p.core.counters().lookup_keys_over_share, 56 + 64);
+
+    // The honest peer still hits, its blocks are pinned, and its fetch is served.
+    let pins_before = p.parent().pins.len();
+    p.recv(&honest, lookup_msg("h", keys(10..16), 0));
+    let resp = p.responses(&honest);
+    assert_eq!(resp.len(), 1);
+    assert_eq!(resp[0].2, vec![true; 6]);
+    assert_eq!(
+        p.parent().pins.len(),
+        pins_before + 1,
+        "pinned for the honest peer"
+    );
+    assert_eq!(p.share(&honest).pinned_blocks, 6);
+    p.recv(&honest, fetch("h", keys(10..16), (0..6).collect(), 0));
+    let running = p.core.plane_mut().running();
+    assert_eq!(running.len(), 1, "the honest fetch is written");
+    p.core.plane_mut().end(running[0], true);
+    p.core.handle_data_plane(p.now);
+    let done: Vec<Message> = p.take(&honest);
+    assert!(
+        done.iter()
+            .any(|m| matches!(m, Message::TransferDone(t) if t.success)),
+        "{done:?}"
+    );
+    assert_eq!(p.share(&honest).pinned_blocks, 0, "its pin went back");
+
+    // The attacker's pins go at the store timeout; then it may pin its share again.
+    p.advance(Duration::from_secs(31));
+    assert_eq!(p.share(&attacker).pinned_blocks, 0);
+    assert!(p.alive(&attacker) && p.alive(&honest));
+    p.recv(&attacker, lookup_msg("a3", keys(0..16), 0));
+    let hits = &p.responses(&attacker)[0].2;
+    assert_eq!(hits.iter().filter(|h| **h).count(), 8);
+}
+
+#[test]
+fn a_max_size_lookup_is_served_in_slices_with_another_peers_lookup_answered_between() {
+    let config = CoreConfig::default();
+    let (slice, cap) = (config.lookup_slice_keys, config.max_lookup_keys);
+    let mut p = Peers::new(config);
+    let n = DecodeLimits::default().max_list_len as u64;
+    // A few keys held: one inside the asked part, one past `max_lookup_keys`.
+    p.parent().insert(&key(7));
+    p.parent().insert(&key(cap as u64 + 5));
+    for k in keys(1_000_000_000..1_000_000_003) {
+        p.parent().insert(&k);
+    }
+    let attacker = p.join(1);
+    let honest = p.join(2);
+
+    let started = Instant::now();
+    p.recv(&attacker, lookup_msg("huge", keys(0..n), 0));
+    let first_slice = started.elapsed();
+    assert!(p.responses(&attacker).is_empty(), "not answered in one go");
+    assert_eq!(p.parent().lookups, slice, "one slice asked");
+
+    // The honest peer's lookup, arriving meanwhile, is answered at once.
+    let honest_keys = keys(1_000_000_000..1_000_000_003);
+    p.recv(&honest, lookup_msg("h", honest_keys.clone(), 0));
+    let resp = p.responses(&honest);
+    assert_eq!(resp, vec![("h".into(), honest_keys, vec![true; 3])]);
+    assert!(p.responses(&attacker).is_empty());
+
+    // Each further step of the loop asks one more slice, until the cap.
+    let mut steps = 0;
+    let mut resp = Vec::new();
+    let started = Instant::now();
+    while resp.is_empty() {
+        steps += 1;
+        assert!(steps <= cap / slice + 2, "bounded");
+        p.step();
+        resp = p.responses(&attacker);
+        assert!(p.parent().lookups <= 3 + slice * (steps + 1));
+    }
+    let rest = started.elapsed();
+    assert_eq!(steps, cap.div_ceil(slice) - 1);
+    assert_eq!(resp.len(), 1, "one lookup_resp for the lookup");
+    let (_, keys_back, hits) = &resp[0];
+    assert_eq!(keys_back.len(), n as usize, "every key, in wire order");
+    assert_eq!(keys_back[12345], key(12345));
+    let held: Vec<usize> = (0..hits.len()).filter(|&i| hits[i]).collect();
+    assert_eq!(held, vec![7], "the key past max_lookup_keys is not asked");
+    assert_eq!(p.parent().lookups, cap + 3);
+    assert_eq!(
+        p.core.counters().lookup_keys_over_cap,
+        n - cap as u64,
+        "counted"
+    );
+    let share = p.share(&attacker);
+    assert_eq!(
+        (share.held_keys, share.pinned_blocks),
+        (1, 1),
+        "once answered, only its pin of the one hit is held"
+    );
+    assert!(p.alive(&attacker));
+    eprintln!(
+        "lookup of {n} keys: first slice of {slice} keys {first_slice:?} (incl. the copy of the \
+         message), {steps} more slices {rest:?} ({:.2} us per key asked)",
+        rest.as_secs_f64() * 1e6 / (cap - slice) as f64
+    );
+}
+
+#[test]
+fn the_keys_per_second_budget_defers_a_peer_without_ending_its_session() {
+    let config = CoreConfig {
+        lookup_keys_per_sec: 10_000,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    p.parent().insert(&key(1));
+    let attacker = p.join(1);
+    let honest = p.join(2);
+    for r in 0..3 {
+        p.recv(
+            &attacker,
+            lookup_msg(&format!("a{r}"), keys(r * 10_000..(r + 1) * 10_000), 0),
+        );
+    }
+    // One second's budget: the first lookup, in slices at the same instant.
+    for _ in 0..10 {
+        p.step();
+    }
+    assert_eq!(p.responses(&attacker).len(), 1);
+    assert_eq!(p.parent().lookups, 10_000);
+    // The honest peer has its own budget.
+    p.recv(&honest, lookup_msg("h", vec![key(1)], 0));
+    assert_eq!(p.responses(&honest)[0].2, vec![true]);
+    // The rest follows as the bucket refills, each lookup answered once, within its deadline.
+    p.advance(Duration::from_millis(1100));
+    assert_eq!(p.responses(&attacker).len(), 1);
+    p.advance(Duration::from_millis(1100));
+    let last = p.responses(&attacker);
+    assert_eq!(last.len(), 1);
+    assert!(last[0].2.iter().all(|h| !h));
+    assert_eq!(p.parent().lookups, 30_001);
+    assert!(p.core.counters().lookup_slices_deferred > 0);
+    assert!(p.alive(&attacker), "deferred, not disconnected");
+    let share = p.share(&attacker);
+    assert_eq!(
+        (share.held_keys, share.pinned_blocks),
+        (1, 1),
+        "its one pin"
+    );
+}
+
+#[test]
+fn keys_still_unasked_at_the_pending_deadline_answer_miss() {
+    let config = CoreConfig {
+        lookup_keys_per_sec: 1_000,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    for k in keys(0..10_000) {
+        p.parent().insert(&k);
+    }
+    let attacker = p.join(1);
+    p.recv(&attacker, lookup_msg("a", keys(0..10_000), 0));
+    p.advance(Duration::from_secs(4));
+    assert!(p.responses(&attacker).is_empty());
+    p.advance(Duration::from_millis(1100));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1, "answered at the deadline");
+    let hits = &resp[0].2;
+    let asked = hits.iter().filter(|h| **h).count();
+    assert!(
+        (5_000..=6_100).contains(&asked),
+        "{asked} keys asked in 5 s"
+    );
+    assert!(hits[..asked].iter().all(|h| *h) && hits[asked..].iter().all(|h| !h));
+    assert_eq!(
+        p.core.counters().lookup_keys_unasked,
+        (10_000 - asked) as u64
+    );
+    assert!(p.alive(&attacker));
+}
+
+#[test]
+fn what_a_peer_can_make_the_node_hold_is_bounded() {
+    let config = CoreConfig {
+        max_held_keys_per_peer: 1_000,
+        max_requests_per_peer: 4,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    // Keys the store cannot answer yet: the lookups stay open until their deadline (the store
+    // says when it knows more, so the core does not re-ask on a timer).
+    p.parent().wakes_core = true;
+    for k in keys(0..2_000) {
+        p.parent().retry.insert(k);
+    }
+    let attacker = p.join(1);
+    let honest = p.join(2);
+    p.recv(&attacker, lookup_msg("a1", keys(0..600), 0));
+    assert!(p.responses(&attacker).is_empty(), "held, pending");
+    assert_eq!(p.share(&attacker).held_keys, 600);
+    // Past its share of held keys: answered MISS at once, nothing held.
+    p.recv(&attacker, lookup_msg("a2", keys(600..1_200), 0));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1);
+    assert_eq!(resp[0].2, vec![false; 600]);
+    assert_eq!(p.share(&attacker).held_keys, 600);
+    assert_eq!(p.core.counters().lookups_over_budget, 1);
+
+    // Fetches for ids nothing will store: parked (PD) up to the request share, the rest fail.
+    for r in 0..10u64 {
+        p.recv(
+            &attacker,
+            fetch(&format!("f{r}"), keys(5_000 + r..5_001 + r), vec![r], 0),
+        );
+    }
+    let failed = p
+        .take(&attacker)
+        .into_iter()
+        .filter(|m| matches!(m, Message::TransferDone(t) if !t.success))
+        .count();
+    let share = p.share(&attacker);
+    assert!(share.requests <= 4, "{share:?}");
+    assert_eq!(failed, 10 - 3, "a1 holds one request, three fetches parked");
+    assert_eq!(share.held_keys, 603);
+    assert!(share.held_bytes > 0);
+    assert!(p.core.counters().fetches_over_budget >= 7);
+
+    // The honest peer is unaffected.
+    p.parent().insert(&key(9_999));
+    p.recv(&honest, lookup_msg("h", vec![key(9_999)], 0));
+    assert_eq!(p.responses(&honest)[0].2, vec![true]);
+
+    // Everything held goes back at the deadlines; the session lives on.
+    p.advance(Duration::from_secs(31));
+    let share = p.share(&attacker);
+    assert_eq!((share.held_keys, share.requests), (0, 0), "{share:?}");
+    assert!(p.alive(&attacker));
+}
+
+#[test]
+fn long_keys_count_against_the_peers_share_of_bytes() {
+    let config = CoreConfig {
+        max_held_bytes_per_peer: 1 << 20,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    let long = |i: u32| OffloadKey::from(&[&i.to_be_bytes()[..], &[0xab; 1020]].concat()[..]);
+    let first: Vec<OffloadKey> = (0..300).map(long).collect();
+    let second: Vec<OffloadKey> = (300..600).map(long).collect();
+    p.parent().wakes_core = true;
+    for k in first.iter().chain(&second) {
+        p.parent().retry.insert(k.clone());
+    }
+    let attacker = p.join(1);
+    p.recv(&attacker, lookup_msg("a1", first, 0));
+    assert!(p.responses(&attacker).is_empty(), "held, pending");
+    let held = p.share(&attacker).held_bytes;
+    assert!((600_000..1 << 20).contains(&held), "{held} bytes estimated");
+    p.recv(&attacker, lookup_msg("a2", second, 0));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1, "past the share of bytes: answered at once");
+    assert_eq!(resp[0].2, vec![false; 300]);
+    assert_eq!(p.share(&attacker).held_bytes, held);
+    p.advance(Duration::from_secs(6));
+    assert_eq!(p.share(&attacker).held_bytes, 0);
+    assert!(p.alive(&attacker));
+}
+
+#[test]
+fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
+    let config = CoreConfig {
+        max_pins_per_peer: Some(8),
+        // 16 pins of 4 blocks, and the 4 keys of the lookup being served.
+        max_held_keys_per_peer: 68,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    for k in keys(0..4) {
+        p.parent().insert(&k);
+    }
+    let peer = p.join(1);
+    // The same four keys, looked up again and again (as many requests of one prompt do): each
+    // pins the same blocks, so the share of distinct blocks is never reached...
+    for r in 0..16 {
+        p.recv(&peer, lookup_msg(&format!("r{r}"), keys(0..4), 0));
+        assert_eq!(p.responses(&peer)[0].2, vec![true; 4], "lookup {r}");
+    }
+    assert_eq!(p.share(&peer).pinned_blocks, 4);
+    assert_eq!(p.share(&peer).pins, 16);
+    // ...but the pins themselves are bounded: each pin reference is held for the peer.
+    p.recv(&peer, lookup_msg("r16", keys(0..4), 0));
+    assert_eq!(p.responses(&peer)[0].2, vec![false; 4]);
+    assert_eq!(p.share(&peer).pins, 16);
+    p.advance(Duration::from_secs(31));
+    assert_eq!(p.share(&peer).pinned_blocks, 0);
+    assert_eq!(p.share(&peer).pins, 0);
+}
