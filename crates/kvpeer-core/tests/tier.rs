@@ -231,9 +231,10 @@ fn the_session_limit_applies_in_and_out() {
     };
     let mut m = Mock::with_config(config);
     let p = |i: u8| PeerId::new(format!("10.1.0.{i}:5710"));
+    assert!(m.core.handle_inbound(m.now, p(2)));
+    m.now += S(1);
     m.open("a", RequestRoles::kv_source(p(1)));
     m.open("b", RequestRoles::kv_source(p(1)));
-    assert!(m.core.handle_inbound(m.now, p(2)));
     m.pump();
     assert_eq!(
         m.core.stats().sessions,
@@ -241,7 +242,7 @@ fn the_session_limit_applies_in_and_out() {
         "the second request reused its peer's session"
     );
     assert_eq!(m.lookup("a", &key(1)), LookupResult::Retry);
-    // p(1)'s session has a lookup waiting; p(2)'s none: a newcomer takes p(2)'s slot.
+    // p(2)'s session has been quiet longest: a newcomer takes its slot.
     m.now += S(1);
     assert!(m.core.handle_inbound(m.now, p(4)));
     m.pump();
