@@ -10,15 +10,17 @@
 //! earlier instance or connection of this one) is worthless here, so a peer cannot direct this
 //! node's writes into its own pool or into another object of the same user.
 //!
-//! **A peer's pool is never mapped.** The object is the peer's: it may shrink, grow or punch
-//! holes in it whenever it likes, and a store through a mapping of a shrunk object faults
-//! (SIGBUS) and kills the process. So a write is `pwrite(2)` on the object's descriptor, block by
-//! block, from the node's own pool: the kernel copies, and a shrunk object makes the write fail
-//! (or extend the file with just the bytes the fetch wrote), never the node. Before each
-//! transfer the object's size is checked again (one `fstat`); an object that changed fails the
-//! transfer without writing. Nothing of a peer's object is allocated or touched by the node
-//! beyond the blocks its fetches write (no pre-fault). On the runtime thread, registration is
-//! `open`, `fstat`, a 40-byte `pread` and one HMAC. This node's own `connect` carries its token
+//! **A peer's pool cannot fault the node.** The object is the peer's: it may shrink, grow or
+//! punch holes in it whenever it likes, and a store through a mapping of a shrunk object faults
+//! (SIGBUS), which would end the process. The blocks are mapped by kvpeer-store under its
+//! SIGBUS guard ([`kvpeer_store::guard`]): such a fault makes the rest of the mapping private
+//! memory and flags it, the copy completes into nothing, and the plane fails that transfer (and
+//! every later one to that peer). Before each transfer the object's size is checked again (one
+//! `fstat`), so a peer that shrank it fails fast without a fault. Writing through the file
+//! (`pwrite`) would need no guard but measured 0.2–0.6× of a memcpy (docs/benchmarks.md).
+//! Nothing of a peer's object is pre-faulted or allocated by the node beyond the pages its
+//! fetches write. On the runtime thread, registration is `open`, `fstat`, a 40-byte `pread`,
+//! one HMAC and `mmap`. This node's own `connect` carries its token
 //! for each destination ([`DataPlane::connect_metadata`]), made from the secret in its own pool's
 //! trailer and the challenge the destination gave. Local blocks are read through the store's
 //! [`PoolView`]: the plane never maps its own pool. A pool over an engine's own memory
@@ -46,7 +48,7 @@ use kvpeer_core::{
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use kvpeer_store::PoolView;
+use kvpeer_store::{Pool, PoolView};
 use tracing::warn;
 
 use crate::metadata::AgentMetadata;
@@ -59,13 +61,13 @@ pub type Wake = Arc<dyn Fn() + Send + Sync>;
 /// the two thread hand-offs cost as much as the copy; docs/benchmarks.md).
 pub const INLINE_COPY_BYTES: u64 = 8 << 20;
 
-/// A proven peer's pool object: written through its descriptor, never mapped.
+/// A proven peer's pool object: its guarded mapping, and the descriptor its size is checked on.
 #[derive(Debug)]
 struct PeerObject {
+    map: Mutex<Pool>,
     file: File,
     /// The object's length when it was proven (blocks and trailer).
     len: u64,
-    block_len: u64,
 }
 
 /// Why a write into a peer's pool failed (the transfer fails; the node goes on).
@@ -77,17 +79,16 @@ enum PeerWriteError {
     /// The object could not be examined.
     #[error("cannot fstat the peer's pool object: {0}")]
     Stat(std::io::Error),
-    /// A block of this node's own pool is out of range (checked before; never expected).
-    #[error("local block {0} is not in this node's pool")]
-    LocalBlock(u64),
-    /// The kernel refused the write (no space left in the peer's tmpfs, a sealed object, ...).
-    #[error("writing block {block} of the peer's pool: {source}")]
-    Write { block: u64, source: std::io::Error },
+    /// A store into the mapping faulted: the peer shrank (or punched) its object mid-copy.
+    #[error("the peer's pool object shrank under the copy (guarded fault)")]
+    Faulted,
 }
 
-/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool object `dst`
-/// (indexes checked by `write_in_range` before the copy was accepted) with `pwrite(2)`: a peer
-/// that shrinks or replaces the bytes under its object can make this fail, never fault.
+/// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool `dst`
+/// (indexes checked by `write_in_range` before the copy was accepted): after checking that the
+/// object still has its proven size, a memcpy per block through the guarded mapping; a peer
+/// that shrinks its object meanwhile makes this fail ([`PeerWriteError::Faulted`]), never the
+/// node.
 fn copy_blocks(
     src: &PoolView,
     dst: &PeerObject,
@@ -101,14 +102,17 @@ fn copy_blocks(
             now,
         });
     }
+    let mut map = dst.map.lock().unwrap_or_else(|p| p.into_inner());
+    if map.peer_faulted() {
+        return Err(PeerWriteError::Faulted);
+    }
     for (&l, &r) in local.iter().zip(remote) {
-        let from = src.block(l).ok_or(PeerWriteError::LocalBlock(l.get()))?;
-        dst.file
-            .write_all_at(from, r.get() * dst.block_len)
-            .map_err(|source| PeerWriteError::Write {
-                block: r.get(),
-                source,
-            })?;
+        if let (Some(from), Ok(to)) = (src.block(l), map.block_mut(r)) {
+            to.copy_from_slice(from);
+        }
+    }
+    if map.peer_faulted() {
+        return Err(PeerWriteError::Faulted);
     }
     Ok(())
 }
@@ -155,7 +159,7 @@ struct Shared {
 }
 
 struct PeerMap {
-    /// The peer's pool object, proven by `prove` (written with `pwrite`, never mapped).
+    /// The peer's pool object, proven by `prove`, mapped under the SIGBUS guard.
     region: Arc<PeerObject>,
     num_blocks: u64,
 }
@@ -278,11 +282,13 @@ impl ShmPlane {
         let challenge = self.challenges.get(peer).map(Vec::as_slice);
         let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
         let len = self.prove(&name, &file, memory.num_blocks, &token, challenge)?;
+        let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
+            .map_err(|e| format!("cannot map {name:?}: {e}"))?;
         Ok(PeerMap {
             region: Arc::new(PeerObject {
+                map: Mutex::new(map),
                 file,
                 len,
-                block_len: self.block_len,
             }),
             num_blocks: memory.num_blocks,
         })

@@ -1,7 +1,7 @@
 //! The pool's memory and its one owner: every `unsafe` that touches a pool's memory (the
-//! node's own) lives in this file. A peer's pool is never mapped: the shm plane writes it
-//! through the object's descriptor (a peer may shrink its own object at any time, and a store
-//! through a mapping of a shrunk object would kill the node with SIGBUS).
+//! node's own, and a proven peer's that the shm plane writes, [`Pool::map_peer`], under the
+//! SIGBUS guard of [`crate::guard`]: a peer may shrink its own object at any time) lives in
+//! this file and in `guard.rs`.
 //!
 //! The memory is either a POSIX shared-memory object the pool creates ([`Pool::shm`]:
 //! `num_blocks × block_len` bytes of blocks, then the trailer holding the pool's secret, see
@@ -46,6 +46,7 @@ use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
 use tracing::{debug, info};
 
+use crate::guard::GuardedRegion;
 use crate::trailer::{self, SECRET_LEN};
 
 /// Bytes of a transparent huge page on x86-64 and most arm64 kernels: where an anonymous pool
@@ -91,6 +92,9 @@ pub enum PoolError {
     /// No randomness for the pool's secret.
     #[error("no randomness for the pool's secret: {0}")]
     Random(getrandom::Error),
+    /// A peer's mapping could not be put under the SIGBUS guard.
+    #[error("cannot guard the mapping of a peer's pool: {0}")]
+    Guard(crate::guard::GuardError),
     /// An engine's shared-memory object that [`Pool::adopt_shm`] cannot serve.
     #[error("cannot serve shared-memory object /{name} with the shm plane: {why}")]
     NotAdoptable {
@@ -198,6 +202,9 @@ enum Backing {
         object: ShmObject,
         _keep_alive: Option<Box<dyn Any + Send + Sync>>,
     },
+    /// A peer's pool object, mapped by the shm plane to write the blocks the peer names, under
+    /// the SIGBUS guard (`guard`, dropped first: unregistered before the unmap).
+    Peer { guard: GuardedRegion, _map: MmapMut },
 }
 
 /// Blocks handed to peers' writes: permits granted per peer, and blocks a claim is writing.
@@ -275,7 +282,7 @@ impl std::fmt::Debug for Memory {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => {
                 Some(object.name.as_str())
             }
-            Backing::Anon { .. } | Backing::External { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
         };
         f.debug_struct("Memory")
             .field("base", &self.base)
@@ -324,7 +331,7 @@ impl PoolView {
     pub fn shm(&self) -> Option<&ShmObject> {
         match &self.mem.backing {
             Backing::Shm { object, .. } | Backing::Adopted { object, .. } => Some(object),
-            Backing::Anon { .. } | Backing::External { .. } => None,
+            Backing::Anon { .. } | Backing::External { .. } | Backing::Peer { .. } => None,
         }
     }
 
@@ -763,6 +770,48 @@ impl Pool {
         ))
     }
 
+    /// Maps the blocks (not the trailer) of a peer's pool object `file`, `num_blocks` of
+    /// `block_len` bytes, to write the blocks the peer names in its fetches, under the SIGBUS
+    /// guard ([`crate::guard`]): a peer that shrinks its object later makes our next store into
+    /// it land in private memory and [`Pool::peer_faulted`] say so, instead of killing the
+    /// node. Only for an object already proven to be that peer's pool of exactly that size
+    /// (the shm plane checks owner, size, trailer and token first). Nothing is pre-faulted: a
+    /// page is touched only when a fetch writes it (a sparse object costs nothing until then).
+    /// Dropping it unmaps; the object is the peer's and stays.
+    pub fn map_peer(file: &File, num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
+        let (span, block_bytes) = contiguous(num_blocks, block_len)?;
+        // SAFETY: the peer's pool, shared with it by design and proven to be its own by the
+        // caller; only its blocks are mapped, at a length the object held when proven. This
+        // node writes only blocks the peer named in a fetch (reserved by the peer for this
+        // write) and never reads the mapping. A peer that shrinks its own object afterwards
+        // makes a store fault: the guard registered below turns that fault into a flag.
+        let mut map =
+            unsafe { memmap2::MmapOptions::new().len(span).map_mut(file) }.map_err(|source| {
+                PoolError::Map {
+                    name: "(a peer's pool)".into(),
+                    source,
+                }
+            })?;
+        let base = NonNull::new(map.as_mut_ptr()).ok_or(PoolError::BadSize {
+            num_blocks,
+            block_len,
+        })?;
+        let guard = GuardedRegion::register(base.as_ptr(), span).map_err(PoolError::Guard)?;
+        Ok(Pool::from_parts(
+            base,
+            num_blocks,
+            (block_bytes, block_bytes),
+            span,
+            Backing::Peer { guard, _map: map },
+        ))
+    }
+
+    /// For a peer's pool ([`Pool::map_peer`]): whether a store into it faulted since it was
+    /// mapped (the peer shrank its object); `false` for every other pool.
+    pub fn peer_faulted(&self) -> bool {
+        matches!(&self.view.mem.backing, Backing::Peer { guard, .. } if guard.faulted())
+    }
+
     /// Fills the page-table entries of a mapped pool for writing (`MADV_POPULATE_WRITE`), so
     /// no copy pays page faults; without touching the bytes, so it is safe while others write
     /// them. External memory is the embedder's: nothing is done.
@@ -772,7 +821,9 @@ impl Pool {
             Backing::Anon { map, offset } => {
                 map.advise_range(memmap2::Advice::PopulateWrite, *offset, self.view.mem.span)
             }
-            Backing::External { .. } | Backing::Adopted { .. } => Ok(()),
+            // A peer's object is the peer's: never pre-faulted (a sparse one would be
+            // allocated whole, charged to this node).
+            Backing::External { .. } | Backing::Adopted { .. } | Backing::Peer { .. } => Ok(()),
         }
     }
 
