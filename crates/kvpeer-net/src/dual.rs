@@ -111,9 +111,8 @@ impl DataPlane for DualPlane {
         if offers_shm {
             self.shm.add_remote_peer(peer, memory)?;
         }
-        // Proven and mapped (pre-faulting may still run: Pending until it is done) or refused;
-        // the proof is synchronous, so a registration still Pending here can no longer fail
-        // its checks, and a Failed one never mapped the object writable.
+        // Proven and mapped, or refused: the proof is synchronous, and a Failed registration
+        // never mapped the object writable.
         let shm_usable =
             offers_shm && !matches!(self.shm.registration(peer), Registration::Failed(_));
         if shm_usable {
