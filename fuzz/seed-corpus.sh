@@ -39,6 +39,9 @@ def frame(body, more=False):
 seeds = {
     "dealer-session": greeting() + ready(b"DEALER", b"127.0.0.1:5600") + command(b"PING", b"\0\x64")
         + frame(b"\x81\xa4type\xaadisconnect") + frame(bytes(range(256)) + b"long"),
+    "router-challenge": greeting() + command(b"READY", b"".join(bytes([len(k)]) + k
+        + struct.pack(">I", len(v)) + v for k, v in [(b"Socket-Type", b"ROUTER"),
+        (b"X-Kvpeer-Challenge", bytes(range(16)))])) + command(b"PING", b"\0\x64") + frame(b"m"),
     "router-session": greeting(3, 0) + ready(b"ROUTER") + command(b"PING", b"\0\x64ctx")
         + command(b"PONG", b"ctx") + frame(b"to a dealer"),
     "multipart": greeting() + ready(b"ROUTER") + frame(b"a", True) + frame(b"", True) + frame(b"bc"),

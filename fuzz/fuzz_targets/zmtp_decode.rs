@@ -89,6 +89,7 @@ fuzz_target!(|data: &[u8]| {
         heartbeat_ttl: Duration::from_secs(10),
         handshake_timeout: Duration::from_millis(5),
         send_queue: 4,
+        send_queue_bytes: 4096,
     };
     let t = Instant::now();
     let mut dealer = Dealer::new(b"127.0.0.1:5600", limits.clone());

@@ -76,7 +76,23 @@ _KVPEER_KEYS = (
     "load_timeout_s",
     "handshake_timeout_s",
     "idle_timeout_s",
+) + (
+    # Fair shares of what peers consume (docs/security.md, G7 and G10), as in a config file.
+    "max_peers_per_host",
+    "send_queue_bytes",
+    "max_inbound_connections",
+    "max_inbound_per_source",
+    "max_lookup_keys",
+    "lookup_slice_keys",
+    "lookup_keys_per_s",
+    "max_pins_per_peer",
+    "max_held_keys_per_peer",
+    "max_held_bytes_per_peer",
+    "max_requests_per_peer",
+    "tcp_min_rate",
+    "tcp_transfer_timeout_s",
 )
+_FAIR_SHARE_KEYS = _KVPEER_KEYS[10:]
 # vLLM passes these itself (factory.py): not user settings.
 _FRAMEWORK_KEYS = ("locality", "backpressure_detector")
 # The stock tier's environment variables, and the kvpeer settings they set.
@@ -619,7 +635,7 @@ def _settings(
         "load_timeout_s",
         "handshake_timeout_s",
         "idle_timeout_s",
-    ):
+    ) + _FAIR_SHARE_KEYS:
         if key in config:
             settings[key] = _text(key, config[key])
     if "auth_secret_file" in config:

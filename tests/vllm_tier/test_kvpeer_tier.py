@@ -389,6 +389,8 @@ def test_shutdown_with_peers_connected(engines):
         ({"backends": ["LIBFABRIC"]}, "backends"),
         ({"unbound_store_timeout_s": -1}, "unbound_store_timeout_s"),
         ({"metrics": "yes"}, "metrics"),
+        ({"max_peers_per_host": 0}, "max_peers_per_host"),
+        ({"max_pins_per_peer": "lots"}, "max_pins_per_peer"),
     ],
 )
 def test_bad_config_fails_start_up_naming_the_key(engines, config, key):
