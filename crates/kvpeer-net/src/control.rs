@@ -86,7 +86,7 @@ impl Default for ControlConfig {
             send_queue: 1000,
             send_queue_bytes: 16 << 20,
             linger: Duration::from_millis(500),
-            max_message_bytes: 64 << 20,
+            max_message_bytes: 16 << 20,
             max_inbound: 1024,
             max_inbound_per_source: 64,
         }

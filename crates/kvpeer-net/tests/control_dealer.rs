@@ -536,7 +536,7 @@ fn a_router_announcing_a_1_tib_frame_is_dropped_and_other_peers_are_served_byte_
     assert!(peer.join().unwrap(), "the hostile connection was dropped");
     let reason = lost_reason(&events, &hostile).expect("lost");
     assert!(
-        reason.contains("frame of 1099511627776 bytes is over the 67108864-byte limit"),
+        reason.contains("frame of 1099511627776 bytes is over the 16777216-byte limit"),
         "{reason}"
     );
     // Everyone else is served, byte-exact.

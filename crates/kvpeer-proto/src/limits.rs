@@ -6,26 +6,27 @@
 /// Limits applied while decoding one payload. `Default` gives the values kvpeer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeLimits {
-    /// Largest payload accepted, in bytes. Default 64 MiB, the same bound the control channel
-    /// sets on its sockets.
+    /// Largest payload accepted, in bytes. Default 16 MiB, the same bound the control channel
+    /// sets on its sockets: three times a lookup of the most keys (131,072 of 36 bytes), and a
+    /// bound on what one peer's message costs the node (docs/security.md, G10).
     pub max_payload_bytes: usize,
     /// Deepest container nesting accepted. Messages need 2 levels (map, then list); unknown
     /// fields may nest more. Default 64; values above [`DecodeLimits::MAX_DEPTH_CEILING`] are
     /// treated as the ceiling, which keeps every walk well inside the thread's stack.
     pub max_depth: usize,
-    /// Most entries in one list field (`keys`, `block_indexes`, `hits`). Default 1,048,576,
-    /// more keys than a million-token prompt has blocks. Checked at the list header, before
-    /// the list is allocated.
+    /// Most entries in one list field (`keys`, `block_indexes`, `hits`). Default 131,072: the
+    /// blocks of a two-million-token prompt at vLLM's 16 tokens per block (vLLM sends one key
+    /// per block). Checked at the list header, before the list is allocated.
     pub max_list_len: usize,
 }
 
 impl DecodeLimits {
-    /// Default payload limit: 64 MiB.
-    pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
+    /// Default payload limit: 16 MiB.
+    pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
     /// Default nesting limit.
     pub const DEFAULT_MAX_DEPTH: usize = 64;
     /// Default list length limit.
-    pub const DEFAULT_MAX_LIST_LEN: usize = 1 << 20;
+    pub const DEFAULT_MAX_LIST_LEN: usize = 1 << 17;
     /// Hard ceiling on `max_depth`.
     pub const MAX_DEPTH_CEILING: usize = 512;
 

@@ -138,7 +138,9 @@ fn hoarded_pins_answer_miss_past_the_share_and_an_honest_fetch_is_served() {
 /// every key, HIT for its share only.
 #[test]
 fn a_huge_lookup_does_not_stop_an_honest_peer_being_served() {
-    let (_server, id, _file) = serve("max_lookup_keys = 1048576\n");
+    let (_server, id, _file) = serve(
+        "max_lookup_keys = 1048576\nmax_keys_per_message = 1048576\nmax_message_bytes = 67108864\n",
+    );
     let share = BLOCKS / 8;
 
     // Control: the honest fetch alone.

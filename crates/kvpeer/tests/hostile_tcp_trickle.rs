@@ -21,12 +21,14 @@ use common::vllm::metric;
 use hostile::*;
 
 /// 1024 blocks of 4 KiB, all filled: one fetch of every key is a 4 MiB WRITE, far more than
-/// the sockets buffer. Its deadline: 1 s + 4 MiB at 2 MB/s, about 3.1 s.
+/// the sockets buffer. Its deadline: 1 s + 4 MiB at 2 MB/s, about 3.1 s. The attacker may pin
+/// the whole pool (`max_pins_per_peer`): this test is about how long a transfer holds pins,
+/// not how many (hostile_fair_lookups.rs).
 fn serve_tcp(dir: &std::path::Path) -> (common::Proc, String) {
     let config = dir.join("kvpeer.toml");
     std::fs::write(
         &config,
-        "tcp_min_rate = 2000000\ntcp_transfer_timeout_s = 1\n",
+        "tcp_min_rate = 2000000\ntcp_transfer_timeout_s = 1\nmax_pins_per_peer = 1024\n",
     )
     .unwrap();
     let config = config.display().to_string();

@@ -160,9 +160,9 @@ declare_keys! {
     /// requests one peer may have open on this node's producer side
     max_requests_per_peer = "131072";
     /// largest control message accepted, in bytes
-    max_message_bytes = "67108864";
+    max_message_bytes = "16777216";
     /// most entries in one list of a message
-    max_keys_per_message = "1048576";
+    max_keys_per_message = "131072";
     /// bytes queued unwritten to one peer before its control connection is closed
     send_queue_bytes = "16777216";
     /// inbound control connections at once (a newcomer evicts the idlest when full)
