@@ -102,8 +102,11 @@ struct Conn {
 
 /// Bytes of unsent commands a connection may hold before it counts as not reading.
 const MAX_UNSENT: usize = 64 * 1024;
-/// Bytes read from one connection per round, so one busy peer cannot starve the others.
-const READ_BUDGET: usize = 8 << 20;
+/// Bytes read from one connection per round, so one busy peer cannot starve the others: each
+/// round reads every ready connection once more, so a peer flooding at full speed delays the
+/// others by what this many bytes of its messages cost (measured: 8 MiB let a junk flood push
+/// an honest peer's lookup p99 far past the rest; scripts/bench-fairness.sh).
+const READ_BUDGET: usize = 256 << 10;
 
 /// The listener and its connections.
 pub struct Inbound {
