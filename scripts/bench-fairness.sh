@@ -4,7 +4,11 @@
 # speed, against the same honest load with no attacker, in one run; and how much the node's
 # memory grew while each attacker ran (peak VmRSS during the attack minus VmRSS before it).
 #
-#   scripts/bench-fairness.sh [--requests N] [--kvpeer BIN] [--config FILE] [--only NAME]
+#   scripts/bench-fairness.sh [--requests N] [--kvpeer BIN] [--config FILE] [--only NAME] [--pin]
+#
+# --pin runs the node and the honest consumer on CPU 0 and the attacker on CPU 1 (taskset), so
+# the figures show what the node's own bounds leave of the attacker's cost, not the attacker's
+# process taking a core from the node on a small machine.
 #
 # The attackers are tests/hostile/attacker.py's (pyzmq + msgpack from tests/requirements.txt,
 # in the venv of scripts/test.sh, KVPEER_VENV): sessions (200 sessions against 64 slots, each
@@ -18,12 +22,15 @@ requests=2000
 bin=target/release/kvpeer
 config=()
 only=""
+node_cpu=()
+attacker_cpu=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) requests=$2; shift 2 ;;
     --kvpeer) bin=$2; shift 2 ;;
     --config) config=(--config "$2"); shift 2 ;;
     --only) only=$2; shift 2 ;;
+    --pin) node_cpu=(taskset -c 0); attacker_cpu=(taskset -c 1); shift ;;
     *) echo "usage: $0 [--requests N] [--kvpeer BIN] [--config FILE] [--only NAME]" >&2; exit 2 ;;
   esac
 done
@@ -48,7 +55,7 @@ trap cleanup EXIT
 
 blocks=4096
 len=16384
-"$bin" serve --plane both --blocks "$blocks" --block-len "$len" --fill 2048 --max-peers 64 "${config[@]}" \
+"${node_cpu[@]}" "$bin" serve --plane both --blocks "$blocks" --block-len "$len" --fill 2048 --max-peers 64 "${config[@]}" \
   > "$tmp/serve.out" 2> "$tmp/serve.err" &
 node=$!
 for _ in $(seq 600); do grep -q " ready " "$tmp/serve.out" && break; sleep 0.1; done
@@ -63,7 +70,7 @@ rss_kib() { awk '/^VmRSS:/ { print $2 }' "/proc/$node/status"; }
 
 # One honest run: its JSON summary in $tmp/honest.json (every byte checked by the child).
 honest() {
-  if ! "$bin" fetch --peer "$id" --plane shm --blocks 512 --block-len "$len" \
+  if ! "${node_cpu[@]}" "$bin" fetch --peer "$id" --plane shm --blocks 512 --block-len "$len" \
       --requests "$requests" --keys 8 --miss-share 0 --prefixes 64 --warmup 50 --json \
       --timeout-secs 60 > "$tmp/honest.json" 2> "$tmp/honest.err"; then
     echo "bench-fairness: the honest fetch failed:" >&2
@@ -76,7 +83,7 @@ field() { "$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv
 
 # An attacker, run again whenever it ends, until killed.
 start_attack() {
-  ( while true; do "$py" tests/hostile/attacker.py "$@" > /dev/null 2>&1 || true; done ) &
+  ( trap exit TERM; while true; do "${attacker_cpu[@]}" "$py" tests/hostile/attacker.py "$@" > /dev/null 2>&1 || true; done ) &
   attack_pid=$!
 }
 
