@@ -412,6 +412,13 @@ impl ControlChannel {
             fds.push(PollFd::new(fd, flags));
             slots.push(Slot::Outbound(id));
         }
+        // A connection with messages left over from its last round (its share per round was
+        // taken) is read again at once: poll, but do not sleep.
+        let timeout = if self.inbound.has_backlog() {
+            Duration::ZERO
+        } else {
+            timeout
+        };
         // Heartbeats, handshakes, retries and lingers wake us too.
         let timeout = [self.inbound.next_deadline(), self.outbound.next_deadline()]
             .into_iter()

@@ -98,6 +98,9 @@ struct Conn {
     last_active: Instant,
     /// Whether the node bound a live session to it ([`Inbound::set_holds_session`]).
     holds_session: bool,
+    /// Its decoder holds input past this round's [`MESSAGES_PER_ROUND`]: read it next round
+    /// whether or not the socket is readable.
+    backlog: bool,
 }
 
 /// Bytes of unsent commands a connection may hold before it counts as not reading.
@@ -107,6 +110,10 @@ const MAX_UNSENT: usize = 64 * 1024;
 /// others by what this many bytes of its messages cost (measured: 8 MiB let a junk flood push
 /// an honest peer's lookup p99 far past the rest; scripts/bench-fairness.sh).
 const READ_BUDGET: usize = 256 << 10;
+/// Messages taken from one connection per round: what its decoder holds beyond them waits for
+/// the next round (which comes at once), so a peer sending tiny messages at full speed delays
+/// each other connection by at most this many messages' work per round.
+const MESSAGES_PER_ROUND: usize = 128;
 
 /// The listener and its connections.
 pub struct Inbound {
@@ -222,7 +229,13 @@ impl Inbound {
         if listener_ready {
             self.accept(now, events);
         }
-        for &conn in readable {
+        let backlogged: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(id, c)| c.backlog && !readable.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        for &conn in readable.iter().chain(&backlogged) {
             if let Err(why) = self.read(now, conn, events) {
                 self.drop_conn(conn, &why, events);
             }
@@ -312,6 +325,7 @@ impl Inbound {
                 last_sent: now,
                 last_active: now,
                 holds_session: false,
+                backlog: false,
             };
             // Our whole greeting at once: libzmq reads it in its own steps.
             c.out.extend_from_slice(&zmtp::greeting());
@@ -320,6 +334,10 @@ impl Inbound {
         }
     }
 
+    /// Reads connection `conn` for one round: first what its decoder still holds from the last
+    /// round, then the socket under [`READ_BUDGET`]; at most [`MESSAGES_PER_ROUND`] messages
+    /// leave per round, the rest wait in the decoder (the connection is then `backlog`, and the
+    /// next round comes without waiting for the socket).
     fn read(
         &mut self,
         now: Instant,
@@ -329,6 +347,11 @@ impl Inbound {
         let Some(c) = self.conns.get_mut(&conn) else {
             return Ok(());
         };
+        let mut delivered = 0usize;
+        c.backlog = false;
+        if !decode(c, conn, now, &mut delivered, events)? {
+            return Ok(());
+        }
         let mut chunk = [0u8; 64 * 1024];
         let mut budget = READ_BUDGET;
         loop {
@@ -341,59 +364,8 @@ impl Inbound {
             };
             c.last_recv = now;
             c.decoder.push(&chunk[..n]);
-            while let Some(input) = c.decoder.next_input().map_err(|e| e.to_string())? {
-                match input {
-                    Input::Greeting => {
-                        c.out.extend(zmtp::ready_with(&[
-                            ("Socket-Type", b"ROUTER"),
-                            (zmtp::CHALLENGE_PROPERTY, &c.challenge),
-                        ]));
-                    }
-                    Input::Ready {
-                        socket_type,
-                        identity,
-                        ..
-                    } => {
-                        if !matches!(&socket_type[..], b"DEALER" | b"REQ" | b"ROUTER") {
-                            return Err(format!(
-                                "socket type {:?} cannot talk to a ROUTER",
-                                String::from_utf8_lossy(&socket_type)
-                            ));
-                        }
-                        let id = std::str::from_utf8(&identity)
-                            .ok()
-                            .filter(|id| PeerId::parse(id).is_ok())
-                            .ok_or("an identity that is not host:port")?;
-                        c.identity = Some(PeerId::new(id));
-                    }
-                    Input::Ping { context, .. } => c.out.extend(zmtp::pong(&context)),
-                    // This decoder keeps messages; commands only prove the peer alive.
-                    Input::Command
-                    | Input::Subscribe(_)
-                    | Input::Cancel(_)
-                    | Input::Discarded { .. } => {}
-                    Input::Message(mut frames) => {
-                        let Some(peer) = c.identity.clone() else {
-                            return Err("a message before READY".into());
-                        };
-                        if frames.len() != 1 {
-                            if let Some(suppressed) =
-                                crate::admit_warning("dropping a control message")
-                            {
-                                warn!(frames = frames.len(), %peer, suppressed,
-                                    "dropping a message that is not one frame");
-                            }
-                            continue;
-                        }
-                        c.last_active = now;
-                        events.push(InboundEvent::Payload {
-                            conn,
-                            peer,
-                            source: c.source,
-                            payload: frames.pop().unwrap_or_default(),
-                        });
-                    }
-                }
+            if !decode(c, conn, now, &mut delivered, events)? {
+                return Ok(());
             }
             budget = budget.saturating_sub(n);
             if budget == 0 || n < chunk.len() {
@@ -403,6 +375,11 @@ impl Inbound {
             }
         }
         Ok(())
+    }
+
+    /// Whether a connection holds decoded input it could not deliver last round.
+    pub fn has_backlog(&self) -> bool {
+        self.conns.values().any(|c| c.backlog)
     }
 
     fn flush(&mut self, now: Instant, conn: ConnId) -> Result<(), String> {
@@ -517,5 +494,74 @@ impl Inbound {
             conn,
             peer: c.identity,
         });
+    }
+}
+
+/// Turns what `c`'s decoder holds into answers and events, until it holds no whole input or
+/// `delivered` reaches [`MESSAGES_PER_ROUND`] (then `c.backlog` is set and `false` returned:
+/// stop reading this connection this round).
+fn decode(
+    c: &mut Conn,
+    conn: ConnId,
+    now: Instant,
+    delivered: &mut usize,
+    events: &mut Vec<InboundEvent>,
+) -> Result<bool, String> {
+    loop {
+        if *delivered >= MESSAGES_PER_ROUND {
+            c.backlog = true;
+            return Ok(false);
+        }
+        let Some(input) = c.decoder.next_input().map_err(|e| e.to_string())? else {
+            return Ok(true);
+        };
+        match input {
+            Input::Greeting => {
+                c.out.extend(zmtp::ready_with(&[
+                    ("Socket-Type", b"ROUTER"),
+                    (zmtp::CHALLENGE_PROPERTY, &c.challenge),
+                ]));
+            }
+            Input::Ready {
+                socket_type,
+                identity,
+                ..
+            } => {
+                if !matches!(&socket_type[..], b"DEALER" | b"REQ" | b"ROUTER") {
+                    return Err(format!(
+                        "socket type {:?} cannot talk to a ROUTER",
+                        String::from_utf8_lossy(&socket_type)
+                    ));
+                }
+                let id = std::str::from_utf8(&identity)
+                    .ok()
+                    .filter(|id| PeerId::parse(id).is_ok())
+                    .ok_or("an identity that is not host:port")?;
+                c.identity = Some(PeerId::new(id));
+            }
+            Input::Ping { context, .. } => c.out.extend(zmtp::pong(&context)),
+            // This decoder keeps messages; commands only prove the peer alive.
+            Input::Command | Input::Subscribe(_) | Input::Cancel(_) | Input::Discarded { .. } => {}
+            Input::Message(mut frames) => {
+                let Some(peer) = c.identity.clone() else {
+                    return Err("a message before READY".into());
+                };
+                *delivered += 1;
+                if frames.len() != 1 {
+                    if let Some(suppressed) = crate::admit_warning("dropping a control message") {
+                        warn!(frames = frames.len(), %peer, suppressed,
+                            "dropping a message that is not one frame");
+                    }
+                    continue;
+                }
+                c.last_active = now;
+                events.push(InboundEvent::Payload {
+                    conn,
+                    peer,
+                    source: c.source,
+                    payload: frames.pop().unwrap_or_default(),
+                });
+            }
+        }
     }
 }

@@ -359,3 +359,56 @@ fn the_listener_rests_while_out_of_descriptors_and_serves_after() {
         payload_from(&idh, b"still served"),
     );
 }
+
+/// A peer that sends tiny messages at full speed gets at most its share of each round: another
+/// connection's message, ready at the same time, is delivered within the first round, not
+/// behind everything the flooder had queued (each round takes at most 128 messages from one
+/// connection; what its decoder holds beyond them is read in the next round, at once).
+#[test]
+fn a_flooding_connection_cannot_push_another_peers_message_behind_its_flood() {
+    const FLOOD: usize = 20_000;
+    let mut node = channel();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let peers = std::thread::spawn(move || {
+        let mut flood = zmtp_peer(&id, "127.0.0.1:7101");
+        let mut honest = zmtp_peer(&id, "127.0.0.1:7102");
+        ready_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        let bytes: Vec<u8> = (0..FLOOD).flat_map(|_| [0x00, 1, b'x']).collect();
+        flood.write_all(&bytes).unwrap();
+        honest
+            .write_all(&[0x00, 6, b'h', b'o', b'n', b'e', b's', b't'])
+            .unwrap();
+        (flood, honest)
+    });
+    // Both handshakes done, then nothing read until both peers have written everything.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready_rx.try_recv().is_err() {
+        assert!(Instant::now() < deadline, "handshakes");
+        node.wait(Duration::from_millis(5)).unwrap();
+        node.recv();
+    }
+    go_tx.send(()).unwrap();
+    let (_flood, _honest) = peers.join().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut before = 0usize;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    'read: loop {
+        assert!(Instant::now() < deadline, "the honest message never came");
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            if let ChannelEvent::Payload { payload, .. } = e {
+                if payload == b"honest" {
+                    break 'read;
+                }
+                before += 1;
+            }
+        }
+    }
+    assert!(
+        before <= 256,
+        "{before} of the flood's {FLOOD} messages came before the honest one"
+    );
+}
