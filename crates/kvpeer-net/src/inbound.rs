@@ -114,6 +114,10 @@ const READ_BUDGET: usize = 256 << 10;
 /// the next round (which comes at once), so a peer sending tiny messages at full speed delays
 /// each other connection by at most this many messages' work per round.
 const MESSAGES_PER_ROUND: usize = 128;
+/// Connections accepted per round: a burst of new connections (a flooder's) is taken a few at a
+/// time, the connections already open read in between (the listener stays readable, so the next
+/// round comes at once).
+const ACCEPTS_PER_ROUND: usize = 16;
 
 /// The listener and its connections.
 pub struct Inbound {
@@ -276,7 +280,7 @@ impl Inbound {
             return;
         }
         self.accept_paused_until = None;
-        loop {
+        for _ in 0..ACCEPTS_PER_ROUND {
             let (stream, addr) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
