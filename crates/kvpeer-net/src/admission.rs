@@ -8,11 +8,13 @@
 //! lock every other process of its host out with a few dozen idle connections. Instead a
 //! newcomer always gets in, and the holder that is worth least gives its slot up:
 //!
-//! 1. within the newcomer's own source when that source is full, else within the source that
-//!    holds the most connections (the heaviest holder) when the listener is full;
+//! 1. within the newcomer's own source when that source is full; when the whole listener is
+//!    full, among every connection;
 //! 2. there, a connection that carries no session before one that does (the node marks the
-//!    connection a live session is bound to: an honest peer's working connection);
-//! 3. then the idlest: the one whose last message is oldest (a connection that never sent one
+//!    connection a live session is bound to: an honest peer's working connection), so a flood
+//!    spread over many sources evicts its own connections before any source's sessions;
+//! 3. then one of the source holding the most connections (the heaviest holder);
+//! 4. then the idlest: the one whose last message is oldest (a connection that never sent one
 //!    counts from when it was accepted), so connections that only sit and answer heartbeats go
 //!    first; ties go to the oldest connection.
 //!
@@ -54,32 +56,22 @@ pub(crate) fn evict_for<Id: Copy>(
     source: IpAddr,
     caps: Caps,
 ) -> Option<Id> {
-    let from_source = holders.iter().filter(|h| h.source == source).count();
-    let within = if from_source >= caps.max_per_source {
-        source
-    } else if holders.len() >= caps.max_connections {
-        heaviest_source(holders)?
-    } else {
-        return None;
-    };
-    holders
-        .iter()
-        .filter(|h| h.source == within)
-        .min_by_key(|h| (h.holds_session, h.last_active))
-        .map(|h| h.id)
-}
-
-/// The source address holding the most connections (ties: the lowest address, so the choice
-/// does not depend on iteration order).
-fn heaviest_source<Id>(holders: &[Holder<Id>]) -> Option<IpAddr> {
     let mut counts: HashMap<IpAddr, usize> = HashMap::new();
     for h in holders {
         *counts.entry(h.source).or_default() += 1;
     }
-    counts
-        .into_iter()
-        .max_by(|(a, na), (b, nb)| na.cmp(nb).then(b.cmp(a)))
-        .map(|(source, _)| source)
+    let own_source_full = counts.get(&source).copied().unwrap_or(0) >= caps.max_per_source;
+    if !own_source_full && holders.len() < caps.max_connections {
+        return None;
+    }
+    holders
+        .iter()
+        .filter(|h| !own_source_full || h.source == source)
+        .min_by_key(|h| {
+            let weight = counts.get(&h.source).copied().unwrap_or(0);
+            (h.holds_session, std::cmp::Reverse(weight), h.last_active)
+        })
+        .map(|h| h.id)
 }
 
 #[cfg(test)]
@@ -132,6 +124,24 @@ mod tests {
             holder(2, "127.0.0.1", 700, false, t0),
         ];
         assert_eq!(evict_for(&held, ip("127.0.0.1"), CAPS), Some(2));
+    }
+
+    #[test]
+    fn a_full_listener_takes_a_connection_without_a_session_from_any_source_first() {
+        let t0 = Instant::now();
+        let caps = Caps {
+            max_connections: 4,
+            max_per_source: 4,
+        };
+        // Loopback holds the most, all with sessions; a flooder's lone connections elsewhere
+        // carry none: one of those goes, the idlest.
+        let held = [
+            holder(1, "127.0.0.1", 900, true, t0),
+            holder(2, "127.0.0.1", 800, true, t0),
+            holder(3, "10.0.0.7", 100, false, t0),
+            holder(4, "10.0.0.8", 200, false, t0),
+        ];
+        assert_eq!(evict_for(&held, ip("10.0.0.9"), caps), Some(4));
     }
 
     #[test]

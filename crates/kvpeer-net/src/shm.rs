@@ -423,7 +423,10 @@ impl DataPlane for ShmPlane {
         }
         self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
-        if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES {
+        // Inline unless the worker is copying into this peer's pool right now (the runtime
+        // never waits for a long copy: a busy pool's copy joins the worker's queue instead).
+        let pool_busy = map.region.map.try_lock().is_err();
+        if local.len() as u64 * self.block_len <= INLINE_COPY_BYTES && !pool_busy {
             let copied = copy_blocks(&self.local, &map.region, local, remote);
             let mut s = lock(&self.shared);
             let ended = s.ended.entry(peer.clone()).or_default();

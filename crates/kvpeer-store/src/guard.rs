@@ -7,8 +7,9 @@
 //! into a peer's pool"), so the shm plane keeps its mapping and this guard makes the fault
 //! harmless, as Wayland compositors do for their clients' shm buffers: every peer mapping is
 //! registered here, and a process-wide SIGBUS handler that finds the faulting address inside a
-//! registered mapping maps private anonymous memory over the rest of that mapping (from the
-//! faulting page on), marks the mapping as faulted, and returns. The interrupted copy then
+//! registered mapping maps private anonymous memory (`MAP_NORESERVE`, a bounded window from the
+//! faulting page on; a store past it faults again) over that part of the mapping, marks the
+//! mapping as faulted, and returns. The interrupted copy then
 //! completes into memory nobody reads, and the plane, seeing [`GuardedRegion::faulted`], fails
 //! the transfer and the peer. A SIGBUS anywhere else goes to the handler that was installed
 //! before (or the default action: the process dies, as it would have without the guard).
@@ -144,29 +145,40 @@ fn install() -> Result<(), GuardError> {
     (*outcome).map_err(GuardError::Install)
 }
 
-/// The slot whose registered range holds `addr`, read under each slot's seqlock.
-fn guarded_slot(addr: usize) -> Option<&'static Slot> {
-    SLOTS.iter().find(|slot| {
+/// The slot whose registered range holds `addr`, with that range (`start`, `len`) as read
+/// under the slot's seqlock.
+fn guarded_slot(addr: usize) -> Option<(&'static Slot, usize, usize)> {
+    SLOTS.iter().find_map(|slot| {
         let before = slot.seq.load(Ordering::Acquire);
         if before % 2 == 1 {
-            return false;
+            return None;
         }
         let start = slot.start.load(Ordering::Acquire);
         let len = slot.len.load(Ordering::Acquire);
         let after = slot.seq.load(Ordering::Acquire);
-        before == after && len > 0 && addr >= start && addr - start < len
+        (before == after && len > 0 && addr >= start && addr - start < len)
+            .then_some((slot, start, len))
     })
 }
 
+/// Bytes of private memory mapped per fault: a bounded window from the faulting page (a later
+/// store past it faults again and maps the next window), so the handler never asks the kernel
+/// for more than this however large the peer's (possibly sparse) mapping is.
+const WINDOW: usize = 2 << 20;
+
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler; `si_addr` is the
-    // faulting address for SIGBUS.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    if let Some(slot) = guarded_slot(addr) {
+    // faulting address for a SIGBUS the kernel raised (`si_code` > 0; a SIGBUS sent by a
+    // process, `si_code` <= 0, carries no address and is passed on).
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    // SAFETY: errno is thread-local; saved here and restored before returning, as a handler
+    // must (mmap may set it).
+    let errno = unsafe { *libc::__errno_location() };
+    let guarded = if code > 0 { guarded_slot(addr) } else { None };
+    if let Some((slot, start, len)) = guarded {
         let page = PAGE.load(Ordering::Acquire);
-        let start = slot.start.load(Ordering::Acquire);
-        let end = start + slot.len.load(Ordering::Acquire);
         let from = addr & !(page - 1);
+        let end = (start + len).min(from.saturating_add(WINDOW));
         // SAFETY: `[from, end)` lies inside a registered peer mapping (checked above), which
         // this process mapped for its shm plane and writes only through the copy that faulted;
         // replacing it with private anonymous pages makes the faulting store (re-executed on
@@ -177,13 +189,15 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
                 from as *mut libc::c_void,
                 end - from,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
         };
         if mapped != libc::MAP_FAILED {
             slot.faulted.store(true, Ordering::Release);
+            // SAFETY: as above.
+            unsafe { *libc::__errno_location() = errno };
             return;
         }
     }

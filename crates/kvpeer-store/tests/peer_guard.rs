@@ -99,3 +99,21 @@ fn many_peer_mappings_come_and_go_without_running_out_of_guards() {
         assert!(!pool.peer_faulted());
     }
 }
+
+#[test]
+fn a_fault_in_a_huge_sparse_mapping_costs_a_bounded_window_not_the_mapping() {
+    // 8 GiB of 64 KiB blocks, sparse (costs nothing), then cut to one block: a store near its
+    // end is caught with a bounded private window, whatever the machine's memory.
+    let blocks = 128 * 1024;
+    let obj = Object::new("huge", blocks * LEN + 4096);
+    let mut pool = Pool::map_peer(&obj.file, blocks, LEN).unwrap();
+    obj.file.set_len(LEN).unwrap();
+    pool.block_mut(BlockIndex::new(blocks - 1))
+        .unwrap()
+        .fill(0x55);
+    assert!(pool.peer_faulted());
+    pool.block_mut(BlockIndex::new(blocks / 2))
+        .unwrap()
+        .fill(0x66);
+    assert_eq!(obj.file.metadata().unwrap().len(), LEN);
+}

@@ -92,11 +92,23 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     /// Messages for peers whose `connect` waits for the challenge of our connection to them
     /// (the `connect` first, then what the core sent after it, in order); released by
     /// [`NodeIo::release_held`] once the connection is ready, dropped when it is lost.
-    held: HashMap<PeerId, VecDeque<Message>>,
+    held: HashMap<PeerId, Held>,
     /// Peers whose session ended while messages were held for them (a refusal's `disconnect`
     /// among them): their connection closes once those left, not before.
     close_after_held: HashSet<PeerId>,
 }
+
+/// What waits for one peer's challenge: since when, and the messages in order.
+#[derive(Debug)]
+struct Held {
+    since: Instant,
+    queue: VecDeque<Message>,
+}
+
+/// How long messages may wait for a peer's challenge: the control channel's handshake timeout
+/// (a connection that never becomes ready, and is never reported lost either, e.g. one whose
+/// name never resolves, gives its messages up then and is reported lost to the core).
+const HELD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Messages held for one peer while its `connect` waits for the challenge, at most: the
 /// control DEALER's own send queue (a peer that never finishes its handshake is lost at the
@@ -460,15 +472,20 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                         .handle_connection_refused(now, &t.peer, "not in the allowlist");
                     continue;
                 }
-                if let Some(queue) = self.held.get_mut(&t.peer) {
-                    // Behind a `connect` that waits for its challenge: order is kept.
-                    if queue.len() < MAX_HELD {
-                        queue.push_back(t.message);
+                if let Some(held) = self.held.get_mut(&t.peer) {
+                    // Behind a `connect` that waits for its challenge: order is kept. A new
+                    // session's `connect` among them means the connection is to stay open.
+                    if matches!(t.message, Message::Connect(_)) {
+                        self.close_after_held.remove(&t.peer);
+                    }
+                    if held.queue.len() < MAX_HELD {
+                        held.queue.push_back(t.message);
                     } else {
                         warn_throttled!(self.throttle, now,
                             "the peer never finished its handshake; too many messages held",
-                            peer = %t.peer, held = queue.len());
+                            peer = %t.peer, held = held.queue.len());
                         self.held.remove(&t.peer);
+                        self.close_after_held.remove(&t.peer);
                         self.channel.close(&t.peer);
                         self.core.handle_connection_lost(now, &t.peer);
                     }
@@ -480,7 +497,9 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                         .outbound_challenge(&t.peer)
                         .map(|c| c.map(<[u8]>::to_vec))
                     {
-                        Some(challenge) => self.send_connect(now, &t.peer, t.message, challenge),
+                        Some(challenge) => {
+                            self.send_connect(now, &t.peer, t.message, challenge.as_deref());
+                        }
                         None => {
                             // Its proofs are made for our connection's challenge: wait for
                             // the peer's READY (the connection opens now if it is not open).
@@ -489,7 +508,13 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                                 self.core.handle_connection_lost(now, &t.peer);
                                 continue;
                             }
-                            self.held.insert(t.peer, VecDeque::from([t.message]));
+                            self.held.insert(
+                                t.peer,
+                                Held {
+                                    since: now,
+                                    queue: VecDeque::from([t.message]),
+                                },
+                            );
                         }
                     }
                     continue;
@@ -536,16 +561,15 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         now: Instant,
         peer: &PeerId,
         mut message: Message,
-        challenge: Option<Vec<u8>>,
-    ) {
+        challenge: Option<&[u8]>,
+    ) -> bool {
         if let Message::Connect(c) = &mut message {
-            c.agent_metadata = self.core.plane_mut().connect_metadata(
-                peer,
-                challenge.as_deref(),
-                &c.agent_metadata,
-            );
+            c.agent_metadata =
+                self.core
+                    .plane_mut()
+                    .connect_metadata(peer, challenge, &c.agent_metadata);
             if let Some(auth) = &self.auth {
-                match auth.sign(peer, challenge.as_deref().unwrap_or_default(), c) {
+                match auth.sign(peer, challenge.unwrap_or_default(), c) {
                     Ok(token) => c.kvpeer_auth = Some(token),
                     Err(e) => {
                         warn_throttled!(self.throttle, now, "cannot sign connect", %peer, error = %e)
@@ -553,11 +577,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                 }
             }
         }
-        self.send(now, peer, &message);
+        self.send(now, peer, &message)
     }
 
-    /// Encodes and sends one message; a failed send loses the peer's connection.
-    fn send(&mut self, now: Instant, peer: &PeerId, message: &Message) {
+    /// Encodes and sends one message; a failed send loses the peer's connection (`false`).
+    fn send(&mut self, now: Instant, peer: &PeerId, message: &Message) -> bool {
         let sent = match message.encode() {
             Ok(payload) => self.channel.send(peer, &payload).map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -566,36 +590,53 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             warn_throttled!(self.throttle, now, "send failed", %peer, error = %e);
             self.held.remove(peer);
             self.close_after_held.remove(peer);
+            self.channel.close(peer);
             self.core.handle_connection_lost(now, peer);
+            return false;
         }
+        true
     }
 
-    /// Sends what waited for a challenge, for every peer whose connection is now ready: the
-    /// `connect` first, its proofs made for that connection, then the rest in order.
+    /// Sends what waited for a challenge, for every peer whose connection is now ready: each
+    /// `connect` (the first, and a later session's) with its proofs made for that connection,
+    /// the rest as it came, in order. What waited longer than [`HELD_TIMEOUT`] for a connection
+    /// that never became ready is dropped, the connection closed and reported lost.
     fn release_held(&mut self, now: Instant) {
         if self.held.is_empty() {
             return;
         }
-        let ready: Vec<(PeerId, Option<Vec<u8>>)> = self
-            .held
-            .keys()
-            .filter_map(|peer| {
-                let challenge = self.channel.outbound_challenge(peer)?;
-                Some((peer.clone(), challenge.map(<[u8]>::to_vec)))
-            })
-            .collect();
+        let mut ready = Vec::new();
+        let mut expired = Vec::new();
+        for (peer, held) in &self.held {
+            match self.channel.outbound_challenge(peer) {
+                Some(challenge) => ready.push((peer.clone(), challenge.map(<[u8]>::to_vec))),
+                None if now.saturating_duration_since(held.since) >= HELD_TIMEOUT => {
+                    expired.push(peer.clone())
+                }
+                None => {}
+            }
+        }
+        for peer in expired {
+            warn_throttled!(self.throttle, now, "no handshake with the peer in time; its messages dropped", %peer);
+            self.held.remove(&peer);
+            self.close_after_held.remove(&peer);
+            self.channel.close(&peer);
+            self.core.handle_connection_lost(now, &peer);
+        }
         for (peer, challenge) in ready {
-            let Some(mut queue) = self.held.remove(&peer) else {
+            let Some(held) = self.held.remove(&peer) else {
                 continue;
             };
-            if let Some(connect) = queue.pop_front() {
-                self.send_connect(now, &peer, connect, challenge);
-            }
-            for message in queue {
-                if self.held.contains_key(&peer) || !self.channel.connected(&peer) {
-                    break; // the send above lost the connection
+            for message in held.queue {
+                let sent = match message {
+                    Message::Connect(_) => {
+                        self.send_connect(now, &peer, message, challenge.as_deref())
+                    }
+                    _ => self.send(now, &peer, &message),
+                };
+                if !sent {
+                    break; // the connection is lost (the core was told)
                 }
-                self.send(now, &peer, &message);
             }
             if self.close_after_held.remove(&peer) {
                 // Its session ended meanwhile: what it was told lingers out, then it closes.
