@@ -178,9 +178,11 @@ pub struct ShmPlane {
     block_len: u64,
     peers: HashMap<PeerId, PeerMap>,
     registrations: HashMap<PeerId, Registration>,
-    /// The challenge this node gave the connection each peer's `connect` came on (see
-    /// [`DataPlane::bind_challenge`]): its token must be made for it.
-    challenges: HashMap<PeerId, Vec<u8>>,
+    /// The challenge this node gave the connection the latest `connect` came on, and whose it
+    /// is ([`DataPlane::bind_challenge`]): the core registers a peer while it handles that
+    /// `connect`, so one slot is enough, and a peer claiming a million identities leaves no
+    /// more than one behind.
+    challenge: Option<(PeerId, Vec<u8>)>,
     /// Whether a version-1 token (made for this node's address, not for a challenge: what a
     /// peer sends that cannot read our READY) is accepted too. Off by default: such a token
     /// is good at any later instance at this address (docs/security.md, "Fresh proofs").
@@ -256,7 +258,7 @@ impl ShmPlane {
             block_len,
             peers: HashMap::new(),
             registrations: HashMap::new(),
-            challenges: HashMap::new(),
+            challenge: None,
             allow_replayable_tokens: false,
             next_tid: TransferId::new(0),
             shared,
@@ -279,7 +281,11 @@ impl ShmPlane {
         let token = meta
             .shm_token
             .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
-        let challenge = self.challenges.get(peer).map(Vec::as_slice);
+        let challenge = self
+            .challenge
+            .as_ref()
+            .filter(|(whose, _)| whose == peer)
+            .map(|(_, c)| c.as_slice());
         let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
         let len = self.prove(&name, &file, memory.num_blocks, &token, challenge)?;
         let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
@@ -393,14 +399,7 @@ impl DataPlane for ShmPlane {
     }
 
     fn bind_challenge(&mut self, peer: &PeerId, challenge: Option<&[u8]>) {
-        match challenge {
-            Some(c) => {
-                self.challenges.insert(peer.clone(), c.to_vec());
-            }
-            None => {
-                self.challenges.remove(peer);
-            }
-        }
+        self.challenge = challenge.map(|c| (peer.clone(), c.to_vec()));
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {

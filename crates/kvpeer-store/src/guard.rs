@@ -75,7 +75,7 @@ impl Slot {
 
 static SLOTS: [Slot; MAX_GUARDED] = [const { Slot::new() }; MAX_GUARDED];
 /// Which slots are taken (writers only; never touched by the handler).
-static TAKEN: Mutex<Vec<bool>> = Mutex::new(Vec::new());
+static TAKEN: Mutex<[bool; MAX_GUARDED]> = Mutex::new([false; MAX_GUARDED]);
 /// The SIGBUS action in place before ours, to pass on faults that are not a peer's.
 static PREVIOUS: OnceLock<SigAction> = OnceLock::new();
 /// The installation's outcome (once per process).
@@ -94,9 +94,6 @@ impl GuardedRegion {
     pub fn register(start: *const u8, len: usize) -> Result<Self, GuardError> {
         install()?;
         let mut taken = TAKEN.lock().unwrap_or_else(|p| p.into_inner());
-        if taken.is_empty() {
-            taken.resize(MAX_GUARDED, false);
-        }
         let slot = taken.iter().position(|t| !t).ok_or(GuardError::Full)?;
         taken[slot] = true;
         SLOTS[slot].set(start as usize, len);

@@ -599,12 +599,11 @@ impl DataPlane for TcpPlane {
     fn connect_metadata(
         &mut self,
         peer: &PeerId,
-        challenge: Option<&[u8]>,
-        advertised: &[u8],
-    ) -> Vec<u8> {
         // The key is fresh per `connect` and withdrawn with the session: nothing to bind to
         // the challenge (a writer's HELLO proves it holds the key this node issued).
-        let _ = challenge;
+        _challenge: Option<&[u8]>,
+        advertised: &[u8],
+    ) -> Vec<u8> {
         let mut meta = match AgentMetadata::decode(advertised) {
             Ok(meta) if meta.tcp.is_some() => meta,
             _ => return advertised.to_vec(),
