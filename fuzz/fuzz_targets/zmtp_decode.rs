@@ -9,8 +9,10 @@
 //! * the DEALER answers, queues and times out without panicking, and holds no more than one
 //!   command besides what it has to write;
 //! * a connection in each role that keeps what the peer sends (the KV event stream's SUB, PUB,
-//!   replay DEALER and ROUTER) yields only messages within the limit, holds no more than one
-//!   message and one read besides what it has to write, and the event stream's shape checks
+//!   replay DEALER and ROUTER, and the control channel's ROUTER with its challenge) yields only
+//!   messages within the limit, never more than `max_incoming` at once (decoding pauses there
+//!   and resumes in order, as a listener's rounds take them), holds no more than one message
+//!   and one read besides what it has to write, and the event stream's shape checks
 //!   (`events::wire`) take whatever it yields without panicking.
 #![no_main]
 use std::time::{Duration, Instant};
@@ -49,6 +51,22 @@ fn next(d: &mut Decoder) -> Option<Seen> {
         }
         Ok(Some(i)) => Some(Seen::Input(i)),
         Err(e) => Some(Seen::Error(e)),
+    }
+}
+
+/// What a listener does with one thing a connection yielded: the limits hold and the event
+/// stream's shape checks take it without panicking.
+fn take(incoming: Incoming) {
+    match incoming {
+        Incoming::Message(frames) => {
+            let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+            assert!(bytes <= LIMIT, "a message over the limit: {bytes}");
+            let _ = wire::parse_subscription(&frames);
+            let _ = wire::parse_replay_request(&frames);
+            let _ = wire::parse_live(frames.clone());
+            let _ = wire::parse_replay_answer(frames);
+        }
+        Incoming::Subscribe(p) | Incoming::Cancel(p) => assert!(p.len() <= 64 * 1024),
     }
 }
 
@@ -110,32 +128,44 @@ fuzz_target!(|data: &[u8]| {
 
     let conn_limits = ConnLimits {
         send_queue_bytes: 1024,
+        // Small, so decoding pauses and resumes (a listener's round) within small inputs.
+        max_incoming: 3,
         ..ConnLimits::from(limits)
     };
-    for role in [Role::sub(), Role::publisher(), Role::dealer(), Role::router()] {
+    let mut control_router = Role::control_router();
+    control_router.challenge = Some([7; 16]);
+    for role in [
+        Role::sub(),
+        Role::publisher(),
+        Role::dealer(),
+        Role::router(),
+        control_router,
+    ] {
         let mut c = Connection::new(role, conn_limits.clone());
         c.connected(t);
         let _ = c.queue(&[b"", &0u64.to_be_bytes()]);
-        for (i, chunk) in stream.chunks(cut).enumerate() {
+        'conn: for (i, chunk) in stream.chunks(cut).enumerate() {
             let now = t + Duration::from_millis(i as u64);
             if c.handle_bytes(chunk, now).is_err() || c.handle_timeout(now).is_err() {
                 break;
             }
-            // Held: at most one message being received, one read, and one command.
-            assert!(c.pending() <= MOST_HELD + LIMIT as usize + cut);
-            while let Some(incoming) = c.poll_incoming() {
-                match incoming {
-                    Incoming::Message(frames) => {
-                        let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
-                        assert!(bytes <= LIMIT, "a message over the limit: {bytes}");
-                        let _ = wire::parse_subscription(&frames);
-                        let _ = wire::parse_replay_request(&frames);
-                        let _ = wire::parse_live(frames.clone());
-                        let _ = wire::parse_replay_answer(frames);
-                    }
-                    Incoming::Subscribe(p) | Incoming::Cancel(p) => {
-                        assert!(p.len() <= 64 * 1024)
-                    }
+            // As a listener's rounds: take what is held (at most `max_incoming`), let the
+            // decoder go on, and read no more until it holds nothing whole.
+            loop {
+                // Held: at most one message being received, one read, and one command, plus
+                // the things decoded and not taken yet.
+                assert!(c.pending() <= MOST_HELD + LIMIT as usize + cut);
+                let mut taken = 0;
+                while let Some(incoming) = c.poll_incoming() {
+                    taken += 1;
+                    assert!(taken <= 3, "more than max_incoming held");
+                    take(incoming);
+                }
+                if !c.holds_input() {
+                    break;
+                }
+                if c.decode_held(now).is_err() {
+                    break 'conn;
                 }
             }
             let _ = c.queue(&[chunk, chunk]);

@@ -52,6 +52,10 @@ pub struct Role {
     pub peers: &'static [&'static str],
     /// Whether the peer's messages and subscriptions are kept and yielded, or skipped.
     pub keep: bool,
+    /// A challenge our READY gives the peer ([`zmtp::CHALLENGE_PROPERTY`]): the control
+    /// ROUTER's, fresh per connection (the listener draws it), so a kvpeer peer's proofs are
+    /// made for this connection.
+    pub challenge: Option<[u8; zmtp::CHALLENGE_LEN]>,
 }
 
 impl Role {
@@ -63,6 +67,7 @@ impl Role {
             identity: Some(identity.to_vec()),
             peers: &["ROUTER"],
             keep: false,
+            challenge: None,
         }
     }
 
@@ -74,6 +79,7 @@ impl Role {
             identity: Some(Vec::new()),
             peers: &["ROUTER"],
             keep: true,
+            challenge: None,
         }
     }
 
@@ -84,6 +90,7 @@ impl Role {
             identity: None,
             peers: &["PUB", "XPUB"],
             keep: true,
+            challenge: None,
         }
     }
 
@@ -94,6 +101,20 @@ impl Role {
             identity: None,
             peers: &["SUB", "XSUB"],
             keep: true,
+            challenge: None,
+        }
+    }
+
+    /// The control channel's ROUTER (the node's listening side): talks to a DEALER, REQ or
+    /// ROUTER, keeps their messages, sends no `Identity` (as before: vLLM's DEALERs route by
+    /// their own). The listener sets [`Role::challenge`] per connection.
+    pub fn control_router() -> Self {
+        Role {
+            socket_type: "ROUTER",
+            identity: None,
+            peers: &["DEALER", "REQ", "ROUTER"],
+            keep: true,
+            challenge: None,
         }
     }
 
@@ -105,6 +126,7 @@ impl Role {
             identity: Some(Vec::new()),
             peers: &["DEALER", "REQ", "ROUTER"],
             keep: true,
+            challenge: None,
         }
     }
 }
@@ -126,6 +148,11 @@ pub struct ConnLimits {
     pub send_queue: usize,
     /// Bytes that may wait unwritten (one message of any size when nothing waits).
     pub send_queue_bytes: usize,
+    /// Things received ([`Incoming`]) held for [`Connection::poll_incoming`] before decoding
+    /// pauses: what else the peer sent stays undecoded until [`Connection::decode_held`]. A
+    /// listener takes this many per connection per round, so a peer sending tiny messages at
+    /// full speed delays each other connection by at most this much work. At least one.
+    pub max_incoming: usize,
 }
 
 /// Why a connection ended.
@@ -202,6 +229,10 @@ pub struct Connection {
     pong_end: u64,
     dropped: u64,
     incoming: VecDeque<Incoming>,
+    /// Decoding paused at `max_incoming`: the decoder may hold more.
+    paused: bool,
+    /// The `Identity` the peer's READY gave.
+    peer_identity: Option<Vec<u8>>,
 }
 
 impl Connection {
@@ -209,10 +240,14 @@ impl Connection {
     pub fn new(role: Role, limits: ConnLimits) -> Self {
         let mut out = zmtp::greeting().to_vec();
         let socket_type = role.socket_type.as_bytes();
-        out.extend(match &role.identity {
-            Some(id) => zmtp::ready_with(&[("Socket-Type", socket_type), ("Identity", id)]),
-            None => zmtp::ready_with(&[("Socket-Type", socket_type)]),
-        });
+        let mut properties: Vec<(&str, &[u8])> = vec![("Socket-Type", socket_type)];
+        if let Some(id) = &role.identity {
+            properties.push(("Identity", id));
+        }
+        if let Some(challenge) = &role.challenge {
+            properties.push((zmtp::CHALLENGE_PROPERTY, challenge));
+        }
+        out.extend(zmtp::ready_with(&properties));
         let decoder = if role.keep {
             Decoder::new(limits.max_message_bytes)
         } else {
@@ -236,6 +271,8 @@ impl Connection {
             pong_end: 0,
             dropped: 0,
             incoming: VecDeque::new(),
+            paused: false,
+            peer_identity: None,
         }
     }
 
@@ -258,6 +295,22 @@ impl Connection {
     /// The challenge the peer gave in its READY (`None` before it, or when it gave none).
     pub fn peer_challenge(&self) -> Option<&[u8]> {
         self.peer_challenge.as_deref()
+    }
+
+    /// The `Identity` the peer's READY gave (`None` before it).
+    pub fn peer_identity(&self) -> Option<&[u8]> {
+        self.peer_identity.as_deref()
+    }
+
+    /// The challenge our READY gave the peer.
+    pub fn challenge(&self) -> Option<&[u8]> {
+        self.role.challenge.as_ref().map(|c| &c[..])
+    }
+
+    /// Whether decoding paused at `max_incoming` with input perhaps left: call
+    /// [`Connection::decode_held`] once [`Connection::poll_incoming`] was drained.
+    pub fn holds_input(&self) -> bool {
+        self.paused
     }
 
     /// Messages queued and not yet wholly written.
@@ -350,14 +403,32 @@ impl Connection {
         self.ping_deadline = None;
         self.ttl_deadline = None;
         self.decoder.push(bytes);
-        while let Some(input) = self.decoder.next_input()? {
+        self.decode(now)
+    }
+
+    /// Decodes what the decoder still holds (after [`Connection::holds_input`]), up to
+    /// `max_incoming` things held.
+    pub fn decode_held(&mut self, now: Instant) -> Result<(), ConnError> {
+        self.decode(now)
+    }
+
+    fn decode(&mut self, now: Instant) -> Result<(), ConnError> {
+        self.paused = false;
+        loop {
+            if self.incoming.len() >= self.limits.max_incoming.max(1) {
+                self.paused = true;
+                return Ok(());
+            }
+            let Some(input) = self.decoder.next_input()? else {
+                return Ok(());
+            };
             match input {
                 // Ours went out with our READY.
                 Input::Greeting | Input::Command => {}
                 Input::Ready {
                     socket_type,
+                    identity,
                     challenge,
-                    ..
                 } => {
                     if !self.role.peers.iter().any(|p| p.as_bytes() == socket_type) {
                         return Err(ConnError::PeerType {
@@ -368,6 +439,7 @@ impl Connection {
                     }
                     self.ready = true;
                     self.peer_challenge = challenge;
+                    self.peer_identity = Some(identity);
                     self.gate = None;
                     if !self.limits.heartbeat_interval.is_zero() {
                         self.next_ping = Some(now + self.limits.heartbeat_interval);
@@ -397,7 +469,6 @@ impl Connection {
                 Input::Subscribe(_) | Input::Cancel(_) => {}
             }
         }
-        Ok(())
     }
 
     /// The next thing the peer sent (a keeping role), in order.
@@ -473,6 +544,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(30),
             send_queue: 4,
             send_queue_bytes: 1000,
+            max_incoming: usize::MAX,
         }
     }
 
@@ -612,6 +684,60 @@ mod tests {
                 ]),
             ]
         );
+    }
+
+    #[test]
+    fn decoding_pauses_at_max_incoming_and_resumes_in_order_commands_included() {
+        let t = Instant::now();
+        let mut c = Connection::new(
+            Role::control_router(),
+            ConnLimits {
+                max_incoming: 2,
+                ..limits()
+            },
+        );
+        let mut peer = greeting_and_ready("DEALER", b"10.0.0.1:5600");
+        for i in 0..5u8 {
+            peer.extend(zmtp::message_frame(&[i]));
+        }
+        peer.extend(zmtp::ping(100));
+        c.handle_bytes(&peer, t).unwrap();
+        let before_pong = drain(&mut c);
+        assert_eq!(c.peer_identity(), Some(&b"10.0.0.1:5600"[..]));
+        let mut seen = Vec::new();
+        let mut rounds = 0;
+        loop {
+            let round = incoming(&mut c);
+            assert!(
+                round.len() <= 2,
+                "a round yields at most max_incoming: {round:?}"
+            );
+            seen.extend(round);
+            rounds += 1;
+            if !c.holds_input() {
+                break;
+            }
+            // The PING behind the held messages is not answered before they are taken.
+            assert!(c.transmit().is_empty());
+            c.decode_held(t).unwrap();
+        }
+        let expected: Vec<Incoming> = (0..5u8).map(|i| Incoming::Message(vec![vec![i]])).collect();
+        assert_eq!((seen, rounds), (expected, 3));
+        // Greeting and READY went at once; the PONG only once the messages before it were
+        // decoded.
+        assert_eq!(decode(&before_pong).len(), 2);
+        let pong = drain(&mut c);
+        assert_eq!(pong, zmtp::pong(&[]));
+    }
+
+    /// A peer's greeting and READY with an identity.
+    fn greeting_and_ready(socket_type: &str, identity: &[u8]) -> Vec<u8> {
+        let mut g = zmtp::greeting().to_vec();
+        g.extend(zmtp::ready_with(&[
+            ("Socket-Type", socket_type.as_bytes()),
+            ("Identity", identity),
+        ]));
+        g
     }
 
     #[test]

@@ -73,6 +73,19 @@ pub struct ControlConfig {
     pub max_inbound: usize,
     /// Inbound connections at once from one source address.
     pub max_inbound_per_source: usize,
+    /// Bytes read from one inbound connection per round, so one busy peer cannot starve the
+    /// others: each round reads every ready connection once more, so a peer flooding at full
+    /// speed delays the others by what this many bytes of its messages cost (measured: 8 MiB
+    /// let a junk flood push an honest peer's lookup p99 far past the rest;
+    /// scripts/bench-fairness.sh).
+    pub inbound_read_budget: usize,
+    /// Messages taken from one inbound connection per round: what else it sent waits for the
+    /// next round (which comes at once), so a peer sending tiny messages at full speed delays
+    /// each other connection by at most this many messages' work per round.
+    pub inbound_messages_per_round: usize,
+    /// Inbound connections accepted per round: a burst of new connections (a flooder's) is
+    /// taken a few at a time, the connections already open read in between.
+    pub inbound_accepts_per_round: usize,
 }
 
 impl Default for ControlConfig {
@@ -89,6 +102,9 @@ impl Default for ControlConfig {
             max_message_bytes: 16 << 20,
             max_inbound: 1024,
             max_inbound_per_source: 64,
+            inbound_read_budget: 256 << 10,
+            inbound_messages_per_round: 128,
+            inbound_accepts_per_round: 16,
         }
     }
 }
@@ -208,6 +224,9 @@ fn limits(config: &ControlConfig) -> InboundLimits {
         max_buffered_bytes: usize::try_from(config.max_message_bytes)
             .unwrap_or(usize::MAX)
             .saturating_mul(8),
+        read_budget: config.inbound_read_budget.max(1),
+        messages_per_round: config.inbound_messages_per_round.max(1),
+        accepts_per_round: config.inbound_accepts_per_round.max(1),
     }
 }
 
@@ -393,38 +412,24 @@ impl ControlChannel {
             fds.push(PollFd::new(fd, PollFlags::POLLIN));
             slots.push(Slot::Extra);
         }
-        let listening = self.inbound.listening(now);
-        for ((fd, sending), slot) in self
-            .inbound
-            .poll_fds()
-            .zip(std::iter::once(Slot::Listener).chain(self.inbound.conn_ids().map(Slot::Inbound)))
-        {
-            let flags = match slot {
-                // The listener rests after a failed accept (its deadline wakes us).
-                Slot::Listener if !listening => PollFlags::empty(),
-                _ if sending => PollFlags::POLLIN | PollFlags::POLLOUT,
-                _ => PollFlags::POLLIN,
-            };
-            fds.push(PollFd::new(fd, flags));
-            slots.push(slot);
-        }
+        self.inbound.poll_fds(now, &mut fds);
+        slots.push(Slot::Listener);
+        slots.extend(self.inbound.conn_ids().map(Slot::Inbound));
         for (id, fd, flags) in self.outbound.poll_fds() {
             fds.push(PollFd::new(fd, flags));
             slots.push(Slot::Outbound(id));
         }
-        // A connection with messages left over from its last round (its share per round was
-        // taken) is read again at once: poll, but do not sleep.
-        let timeout = if self.inbound.has_backlog() {
-            Duration::ZERO
-        } else {
-            timeout
-        };
-        // Heartbeats, handshakes, retries and lingers wake us too.
-        let timeout = [self.inbound.next_deadline(), self.outbound.next_deadline()]
-            .into_iter()
-            .flatten()
-            .map(|at| at.saturating_duration_since(now))
-            .fold(timeout, Duration::min);
+        // Heartbeats, handshakes, retries and lingers wake us too, and a connection with input
+        // left over from its last round (its share per round was taken) is read again at once:
+        // its deadline is now.
+        let timeout = [
+            self.inbound.next_deadline(now),
+            self.outbound.next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|at| at.saturating_duration_since(now))
+        .fold(timeout, Duration::min);
         match sleep_on(&mut fds, timeout) {
             Ok(n) => {
                 let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
@@ -465,10 +470,9 @@ impl ControlChannel {
         readable: Option<Vec<ConnId>>,
         events: &mut Vec<ChannelEvent>,
     ) {
-        let readable = readable.unwrap_or_else(|| self.inbound.conn_ids().collect());
         let mut happened = Vec::new();
         self.inbound
-            .progress(now, listener_ready, &readable, &mut happened);
+            .progress(now, listener_ready, readable.as_deref(), &mut happened);
         events.extend(happened.into_iter().map(|e| match e {
             InboundEvent::Payload {
                 conn,

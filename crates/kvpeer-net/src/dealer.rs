@@ -67,6 +67,8 @@ impl From<DealerLimits> for ConnLimits {
             handshake_timeout: l.handshake_timeout,
             send_queue: l.send_queue,
             send_queue_bytes: l.send_queue_bytes,
+            // A DEALER of the control channel keeps nothing it reads.
+            max_incoming: usize::MAX,
         }
     }
 }

@@ -1,42 +1,40 @@
-//! The control channel's listening side: ZMTP spoken by kvpeer itself on the node's thread.
+//! The control channel's listening side: a [`Listener`] of ZMTP connections in the control
+//! ROUTER's [`Role`], on the node's thread.
 //!
 //! libzmq's ROUTER routes by the identity a peer claims and hides everything else: a silent
 //! connection that claims identity X first locks the real X out, and the application can
 //! neither see that connection nor close it (docs/security.md). Here every inbound connection
-//! is kvpeer's own: accepted from a non-blocking `TcpListener`, its greeting and READY read by
-//! [`zmtp::Decoder`](crate::zmtp::Decoder), so each message comes with the connection it
-//! arrived on (a [`ConnId`]), the identity that connection claimed and its source address, and
-//! the node decides which connection holds a session (several may claim one identity; none
-//! blocks another) and closes the others.
+//! is kvpeer's own, so each message comes with the connection it arrived on (a [`ConnId`]),
+//! the identity that connection claimed and its source address, and the node decides which
+//! connection holds a session (several may claim one identity; none blocks another) and
+//! closes the others.
 //!
 //! Speaks to libzmq 4.3 DEALERs (vLLM's `ZmqTransport`, pyzmq) and kvpeer's own (`dealer.rs`)
 //! as a libzmq ROUTER does: ZMTP 3.1, NULL mechanism, READY with `Socket-Type: ROUTER`, PONG
-//! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`, and a
-//! connection that sends nothing for `heartbeat_timeout` (or does not finish its handshake in
-//! that time) is closed. Frames over `max_message_bytes` are refused from their header.
-//! Connections are capped in all and per source address; when a cap is reached a newcomer
-//! evicts the idlest connection of its own (or the heaviest) source that carries no session
-//! (`admission.rs`), so no process can lock the others of its host out. Each connection is
-//! given a fresh random challenge in our READY ([`zmtp::CHALLENGE_PROPERTY`]): a kvpeer peer's
-//! proofs are made for that connection ([`Inbound::challenge`]).
+//! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`
+//! ([`Connection`](crate::connection::Connection) is the protocol, as for every other socket).
+//! What this file adds to the listener: the identity a READY claims must be `host:port`, a
+//! message must be one frame (others are dropped), each connection gets a fresh challenge
+//! ([`zmtp::CHALLENGE_PROPERTY`](crate::zmtp::CHALLENGE_PROPERTY)) a kvpeer peer's proofs are
+//! made for ([`Inbound::challenge`]), and a connection bound to a session is evicted after
+//! every other of its source ([`Inbound::set_holds_session`]). Every bound (connections in all
+//! and per source, work per round, buffers, deadlines) is the listener's.
 //!
 //! Owned by the node's runtime thread with the rest of the channel; every socket is
 //! non-blocking and polled with the channel's other sockets, so nothing here blocks.
 
-use std::collections::BTreeMap;
-use std::io::{ErrorKind, Read, Write};
-use std::net::{IpAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use kvpeer_proto::PeerId;
-use tracing::{debug, warn};
+use nix::poll::PollFd;
+use tracing::warn;
 
-use crate::admission::{self, Caps, Holder};
-use crate::zmtp::{self, Decoder, Input};
+use crate::connection::{ConnLimits, Incoming, Role};
+use crate::listener::{LinkEvent, Listener, ListenerLimits, Readable};
 
-/// One inbound connection's number, unique for the channel's life.
-pub type ConnId = u64;
+pub use crate::listener::ConnId;
 
 /// Bounds of the listening side.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,7 +43,7 @@ pub struct InboundLimits {
     pub max_message_bytes: u64,
     /// How often an idle connection is pinged.
     pub heartbeat_interval: Duration,
-    /// Silence (or an unfinished handshake) after which a connection is closed.
+    /// How long a PING may go unanswered, and the handshake and a write stall may take.
     pub heartbeat_timeout: Duration,
     /// The TTL our PINGs tell the peer.
     pub heartbeat_ttl: Duration,
@@ -56,6 +54,12 @@ pub struct InboundLimits {
     /// Bytes all connections may hold buffered together (partial messages); over it, the
     /// connection holding the most is closed.
     pub max_buffered_bytes: usize,
+    /// Bytes read from one connection per round.
+    pub read_budget: usize,
+    /// Messages taken from one connection per round.
+    pub messages_per_round: usize,
+    /// Connections accepted per round.
+    pub accepts_per_round: usize,
 }
 
 /// What happened on the listening side.
@@ -81,78 +85,52 @@ pub enum InboundEvent {
     },
 }
 
-struct Conn {
-    stream: TcpStream,
-    source: IpAddr,
-    decoder: Decoder,
-    /// Bytes to send (ZMTP commands only: this side never sends messages).
-    out: Vec<u8>,
-    identity: Option<PeerId>,
-    /// The challenge our READY gives it (see [`zmtp::CHALLENGE_PROPERTY`]).
-    challenge: [u8; zmtp::CHALLENGE_LEN],
-    opened: Instant,
-    last_recv: Instant,
-    last_sent: Instant,
-    /// When it last delivered a message (accepted, if it never did): how idle it is when a
-    /// newcomer needs its slot (`admission`).
-    last_active: Instant,
-    /// Whether the node bound a live session to it ([`Inbound::set_holds_session`]).
-    holds_session: bool,
-    /// Its decoder holds input past this round's [`MESSAGES_PER_ROUND`]: read it next round
-    /// whether or not the socket is readable.
-    backlog: bool,
-}
-
-/// Bytes of unsent commands a connection may hold before it counts as not reading.
-const MAX_UNSENT: usize = 64 * 1024;
-/// Bytes read from one connection per round, so one busy peer cannot starve the others: each
-/// round reads every ready connection once more, so a peer flooding at full speed delays the
-/// others by what this many bytes of its messages cost (measured: 8 MiB let a junk flood push
-/// an honest peer's lookup p99 far past the rest; scripts/bench-fairness.sh).
-const READ_BUDGET: usize = 256 << 10;
-/// Messages taken from one connection per round: what its decoder holds beyond them waits for
-/// the next round (which comes at once), so a peer sending tiny messages at full speed delays
-/// each other connection by at most this many messages' work per round.
-const MESSAGES_PER_ROUND: usize = 128;
-/// Connections accepted per round: a burst of new connections (a flooder's) is taken a few at a
-/// time, the connections already open read in between (the listener stays readable, so the next
-/// round comes at once).
-const ACCEPTS_PER_ROUND: usize = 16;
-
 /// The listener and its connections.
+#[derive(Debug)]
 pub struct Inbound {
-    listener: TcpListener,
-    conns: BTreeMap<ConnId, Conn>,
-    next: ConnId,
-    limits: InboundLimits,
-    /// After `accept` failed (out of descriptors, most likely) the listener is not polled
-    /// until then: a listener that stays readable would otherwise spin the loop.
-    accept_paused_until: Option<Instant>,
-}
-
-/// How long the listener rests after `accept` fails before it is polled again.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
-impl std::fmt::Debug for Inbound {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Inbound")
-            .field("addr", &self.listener.local_addr().ok())
-            .field("connections", &self.conns.len())
-            .finish()
-    }
+    listener: Listener,
+    /// The identity each READY connection claimed.
+    identities: HashMap<ConnId, PeerId>,
 }
 
 impl Inbound {
     /// Listens on `addr` (`host:port`; port 0 picks one).
     pub fn bind(addr: &str, limits: InboundLimits) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
+        let addr: SocketAddr = addr.to_socket_addrs()?.next().ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::AddrNotAvailable,
+                format!("{addr} resolves to no address"),
+            )
+        })?;
+        let conn = ConnLimits {
+            max_message_bytes: limits.max_message_bytes,
+            heartbeat_interval: limits.heartbeat_interval,
+            heartbeat_timeout: limits.heartbeat_timeout,
+            heartbeat_ttl: limits.heartbeat_ttl,
+            handshake_timeout: limits.heartbeat_timeout,
+            // The ROUTER side sends no messages, only commands (one PONG pending at a time).
+            send_queue: 1,
+            send_queue_bytes: 1,
+            max_incoming: limits.messages_per_round,
+        };
+        let listener = Listener::bind(
+            addr,
+            Role::control_router(),
+            ListenerLimits {
+                conn,
+                max_connections: limits.max_connections,
+                max_per_source: limits.max_per_source,
+                stall_timeout: limits.heartbeat_timeout,
+                read_budget: limits.read_budget,
+                accepts_per_round: limits.accepts_per_round,
+                max_buffered_bytes: limits.max_buffered_bytes,
+                challenge: true,
+                engage_on_request: false,
+            },
+        )?;
         Ok(Inbound {
             listener,
-            conns: BTreeMap::new(),
-            next: 0,
-            limits,
-            accept_paused_until: None,
+            identities: HashMap::new(),
         })
     }
 
@@ -163,409 +141,123 @@ impl Inbound {
 
     /// Connections open now.
     pub fn connections(&self) -> usize {
-        self.conns.len()
+        self.listener.connections()
     }
 
-    /// Whether the listener should be polled for new connections at `now` (not while it rests
-    /// after a failed `accept`; [`Inbound::next_deadline`] wakes the caller when that ends).
-    pub fn listening(&self, now: Instant) -> bool {
-        self.accept_paused_until.is_none_or(|until| now >= until)
+    /// Connections closed to make room for a newcomer.
+    pub fn evicted(&self) -> u64 {
+        self.listener.evicted()
     }
 
-    /// Descriptors to poll: the listener, then each connection (with whether it has bytes to
-    /// send), in [`Inbound::conn_ids`] order. Whether to ask the listener for readability is
-    /// [`Inbound::listening`].
-    pub fn poll_fds(&self) -> impl Iterator<Item = (BorrowedFd<'_>, bool)> + '_ {
-        std::iter::once((self.listener.as_fd(), false)).chain(
-            self.conns
-                .values()
-                .map(|c| (c.stream.as_fd(), !c.out.is_empty())),
-        )
+    /// Descriptors to poll, appended to `fds`: the listener, then each connection in
+    /// [`Inbound::conn_ids`] order.
+    pub fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>) {
+        self.listener.poll_fds(now, true, fds);
     }
 
     /// The connections, in [`Inbound::poll_fds`] order (after the listener).
     pub fn conn_ids(&self) -> impl Iterator<Item = ConnId> + '_ {
-        self.conns.keys().copied()
+        self.listener.ids()
     }
 
-    /// When the next heartbeat or deadline falls due.
-    pub fn next_deadline(&self) -> Option<Instant> {
-        let l = &self.limits;
-        let conns = self
-            .conns
-            .values()
-            .map(|c| {
-                let silence = c.last_recv + l.heartbeat_timeout;
-                if !c.out.is_empty() {
-                    // Waiting for the socket to take our bytes (POLLOUT wakes us): the only
-                    // deadline is the write stall's, never a past heartbeat (that would spin).
-                    silence.min(c.last_sent + l.heartbeat_timeout)
-                } else if c.identity.is_some() {
-                    silence.min(c.last_sent + l.heartbeat_interval)
-                } else {
-                    silence.min(c.opened + l.heartbeat_timeout)
-                }
-            })
-            .min();
-        match (conns, self.accept_paused_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+    /// Whether a connection holds input past its last round's share: poll, do not sleep.
+    pub fn has_backlog(&self) -> bool {
+        self.listener.has_backlog()
+    }
+
+    /// When the next heartbeat or deadline falls due (`now` with a backlog).
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        self.listener.deadline(now)
     }
 
     /// Closes connection `conn` (no event: the caller asked).
     pub fn close(&mut self, conn: ConnId) {
-        if let Some(c) = self.conns.remove(&conn) {
-            let _ = c.stream.shutdown(std::net::Shutdown::Both);
-            debug!(conn, peer = ?c.identity, "inbound control connection closed");
-        }
-    }
-
-    /// Accepts what is waiting (when `listener_ready`), reads the connections in `readable`,
-    /// sends what is pending, and runs heartbeats and deadlines at `now`.
-    pub fn progress(
-        &mut self,
-        now: Instant,
-        listener_ready: bool,
-        readable: &[ConnId],
-        events: &mut Vec<InboundEvent>,
-    ) {
-        if listener_ready {
-            self.accept(now, events);
-        }
-        let backlogged: Vec<ConnId> = self
-            .conns
-            .iter()
-            .filter(|(id, c)| c.backlog && !readable.contains(id))
-            .map(|(id, _)| *id)
-            .collect();
-        for &conn in readable.iter().chain(&backlogged) {
-            if let Err(why) = self.read(now, conn, events) {
-                self.drop_conn(conn, &why, events);
-            }
-        }
-        self.heartbeats(now, events);
-        if !readable.is_empty() {
-            // Buffers grow only by reading.
-            self.shed_buffers(events);
-        }
-        let ids: Vec<ConnId> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| !c.out.is_empty())
-            .map(|(id, _)| *id)
-            .collect();
-        for conn in ids {
-            if let Err(why) = self.flush(now, conn) {
-                self.drop_conn(conn, &why, events);
-            }
-        }
+        self.identities.remove(&conn);
+        let mut ignored = Vec::new();
+        self.listener
+            .close(conn, "closed by the node".into(), &mut ignored);
     }
 
     /// The challenge our READY gave connection `conn`.
     pub fn challenge(&self, conn: ConnId) -> Option<&[u8]> {
-        self.conns.get(&conn).map(|c| &c.challenge[..])
+        self.listener.connection(conn).and_then(|c| c.challenge())
     }
 
     /// Marks whether a live session is bound to `conn`: such a connection gives its slot up to
     /// a newcomer only after every connection of its source that carries none.
     pub fn set_holds_session(&mut self, conn: ConnId, holds: bool) {
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.holds_session = holds;
-        }
+        self.listener.set_engaged(conn, holds);
     }
 
-    fn accept(&mut self, now: Instant, events: &mut Vec<InboundEvent>) {
-        if !self.listening(now) {
-            return;
-        }
-        self.accept_paused_until = None;
-        for _ in 0..ACCEPTS_PER_ROUND {
-            let (stream, addr) = match self.listener.accept() {
-                Ok(accepted) => accepted,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // Out of descriptors, most likely: the listener rests a while, or the
-                    // connection still waiting would keep it readable and spin the loop.
-                    if let Some(suppressed) = crate::admit_warning("cannot accept") {
-                        warn!(error = %e, suppressed, "cannot accept a control connection");
-                    }
-                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
-                    return;
-                }
-            };
-            let source = addr.ip().to_canonical();
-            if !self.make_room(source, events) {
-                continue; // no slot can be had (caps of zero): dropped, closed
-            }
-            let mut challenge = [0u8; zmtp::CHALLENGE_LEN];
-            if let Err(e) = getrandom::fill(&mut challenge) {
-                if let Some(suppressed) = crate::admit_warning("no randomness") {
-                    warn!(error = %e, suppressed, "no randomness for a connection's challenge");
-                }
-                continue;
-            }
-            if let Err(e) = stream.set_nonblocking(true) {
-                if let Some(suppressed) =
-                    crate::admit_warning("cannot make a control connection non-blocking")
-                {
-                    warn!(error = %e, suppressed, "cannot make a control connection non-blocking");
-                }
-                continue;
-            }
-            let _ = stream.set_nodelay(true);
-            self.next += 1;
-            let conn = self.next;
-            let mut c = Conn {
-                stream,
-                source,
-                decoder: Decoder::new(self.limits.max_message_bytes),
-                out: Vec::new(),
-                identity: None,
-                challenge,
-                opened: now,
-                last_recv: now,
-                last_sent: now,
-                last_active: now,
-                holds_session: false,
-                backlog: false,
-            };
-            // Our whole greeting at once: libzmq reads it in its own steps.
-            c.out.extend_from_slice(&zmtp::greeting());
-            self.conns.insert(conn, c);
-            debug!(conn, %source, "inbound control connection");
-        }
-    }
-
-    /// Reads connection `conn` for one round: first what its decoder still holds from the last
-    /// round, then the socket under [`READ_BUDGET`]; at most [`MESSAGES_PER_ROUND`] messages
-    /// leave per round, the rest wait in the decoder (the connection is then `backlog`, and the
-    /// next round comes without waiting for the socket).
-    fn read(
+    /// Accepts what is waiting (when `listener_ready`), reads the connections in `readable`
+    /// (all for `None`; sorted), sends what is pending, and runs heartbeats and deadlines at
+    /// `now`.
+    pub fn progress(
         &mut self,
         now: Instant,
-        conn: ConnId,
+        listener_ready: bool,
+        readable: Option<&[ConnId]>,
         events: &mut Vec<InboundEvent>,
-    ) -> Result<(), String> {
-        let Some(c) = self.conns.get_mut(&conn) else {
-            return Ok(());
-        };
-        let mut delivered = 0usize;
-        c.backlog = false;
-        if !decode(c, conn, now, &mut delivered, events)? {
-            return Ok(());
-        }
-        let mut chunk = [0u8; 64 * 1024];
-        let mut budget = READ_BUDGET;
-        loop {
-            let n = match c.stream.read(&mut chunk) {
-                Ok(0) => return Err("closed by the peer".into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.to_string()),
-            };
-            c.last_recv = now;
-            c.decoder.push(&chunk[..n]);
-            if !decode(c, conn, now, &mut delivered, events)? {
-                return Ok(());
-            }
-            budget = budget.saturating_sub(n);
-            if budget == 0 || n < chunk.len() {
-                // A short read drained the socket for now (saving the read that would say
-                // so); the level-triggered poll reports anything that came since.
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether a connection holds decoded input it could not deliver last round.
-    pub fn has_backlog(&self) -> bool {
-        self.conns.values().any(|c| c.backlog)
-    }
-
-    fn flush(&mut self, now: Instant, conn: ConnId) -> Result<(), String> {
-        let Some(c) = self.conns.get_mut(&conn) else {
-            return Ok(());
-        };
-        while !c.out.is_empty() {
-            match c.stream.write(&c.out) {
-                Ok(0) => return Err("cannot send".into()),
-                Ok(n) => {
-                    c.out.drain(..n);
-                    c.last_sent = now;
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        if c.out.len() > MAX_UNSENT {
-            return Err("the peer does not read".into());
-        }
-        Ok(())
-    }
-
-    fn heartbeats(&mut self, now: Instant, events: &mut Vec<InboundEvent>) {
-        let l = self.limits.clone();
-        let ttl = u16::try_from(l.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
-        let mut dead = Vec::new();
-        for (&id, c) in self.conns.iter_mut() {
-            if c.identity.is_none() && now.saturating_duration_since(c.opened) > l.heartbeat_timeout
-            {
-                dead.push((id, "handshake timed out"));
-            } else if now.saturating_duration_since(c.last_recv) > l.heartbeat_timeout {
-                dead.push((id, "heartbeat timed out"));
-            } else if !c.out.is_empty()
-                && now.saturating_duration_since(c.last_sent) > l.heartbeat_timeout
-            {
-                dead.push((id, "the peer does not read"));
-            } else if c.identity.is_some()
-                && c.out.is_empty()
-                && now.saturating_duration_since(c.last_sent) >= l.heartbeat_interval
-            {
-                c.out.extend(zmtp::ping(ttl));
-            }
-        }
-        for (id, why) in dead {
-            self.drop_conn(id, why, events);
-        }
-    }
-
-    /// Each connection may buffer up to one message of `max_message_bytes`; all together at
-    /// most `max_buffered_bytes`, so many connections holding large partial frames cannot
-    /// exhaust memory: the largest holder goes first.
-    fn shed_buffers(&mut self, events: &mut Vec<InboundEvent>) {
-        loop {
-            let total: usize = self.conns.values().map(|c| c.decoder.buffered()).sum();
-            if total <= self.limits.max_buffered_bytes {
-                return;
-            }
-            let Some((&hog, _)) = self.conns.iter().max_by_key(|(_, c)| c.decoder.buffered())
-            else {
-                return;
-            };
-            if let Some(suppressed) = crate::admit_warning("control buffers over the cap") {
-                warn!(
-                    total,
-                    cap = self.limits.max_buffered_bytes,
-                    suppressed,
-                    "closing the control connection holding the most buffered bytes"
-                );
-            }
-            self.drop_conn(hog, "buffers over the node's cap", events);
-        }
-    }
-
-    /// Makes a slot for a newcomer from `source` if the caps are reached, by closing the
-    /// holder the admission policy names (`admission`: its own source's, or the heaviest
-    /// source's, idlest connection without a session). `false` when no slot can be had.
-    fn make_room(&mut self, source: IpAddr, events: &mut Vec<InboundEvent>) -> bool {
-        let caps = Caps {
-            max_connections: self.limits.max_connections,
-            max_per_source: self.limits.max_per_source,
-        };
-        let holders: Vec<Holder<ConnId>> = self
-            .conns
-            .iter()
-            .map(|(&id, c)| Holder {
-                id,
-                source: c.source,
-                last_active: c.last_active,
-                holds_session: c.holds_session,
-            })
-            .collect();
-        if let Some(victim) = admission::evict_for(&holders, source, caps) {
-            if let Some(suppressed) = crate::admit_warning("control connection evicted") {
-                warn!(%source, open = self.conns.len(), suppressed,
-                    "control connections full: closing the idlest one of the heaviest source");
-            }
-            self.drop_conn(victim, "evicted for a newcomer (connections full)", events);
-        }
-        let from_source = self.conns.values().filter(|c| c.source == source).count();
-        self.conns.len() < caps.max_connections && from_source < caps.max_per_source
-    }
-
-    fn drop_conn(&mut self, conn: ConnId, why: &str, events: &mut Vec<InboundEvent>) {
-        let Some(c) = self.conns.remove(&conn) else {
-            return;
-        };
-        let _ = c.stream.shutdown(std::net::Shutdown::Both);
-        debug!(conn, peer = ?c.identity, source = %c.source, why, "inbound control connection ended");
-        events.push(InboundEvent::Closed {
-            conn,
-            peer: c.identity,
-        });
-    }
-}
-
-/// Turns what `c`'s decoder holds into answers and events, until it holds no whole input or
-/// `delivered` reaches [`MESSAGES_PER_ROUND`] (then `c.backlog` is set and `false` returned:
-/// stop reading this connection this round).
-fn decode(
-    c: &mut Conn,
-    conn: ConnId,
-    now: Instant,
-    delivered: &mut usize,
-    events: &mut Vec<InboundEvent>,
-) -> Result<bool, String> {
-    loop {
-        if *delivered >= MESSAGES_PER_ROUND {
-            c.backlog = true;
-            return Ok(false);
-        }
-        let Some(input) = c.decoder.next_input().map_err(|e| e.to_string())? else {
-            return Ok(true);
-        };
-        match input {
-            Input::Greeting => {
-                c.out.extend(zmtp::ready_with(&[
-                    ("Socket-Type", b"ROUTER"),
-                    (zmtp::CHALLENGE_PROPERTY, &c.challenge),
-                ]));
-            }
-            Input::Ready {
-                socket_type,
-                identity,
-                ..
-            } => {
-                if !matches!(&socket_type[..], b"DEALER" | b"REQ" | b"ROUTER") {
-                    return Err(format!(
-                        "socket type {:?} cannot talk to a ROUTER",
-                        String::from_utf8_lossy(&socket_type)
-                    ));
-                }
-                let id = std::str::from_utf8(&identity)
-                    .ok()
-                    .filter(|id| PeerId::parse(id).is_ok())
-                    .ok_or("an identity that is not host:port")?;
-                c.identity = Some(PeerId::new(id));
-            }
-            Input::Ping { context, .. } => c.out.extend(zmtp::pong(&context)),
-            // This decoder keeps messages; commands only prove the peer alive.
-            Input::Command | Input::Subscribe(_) | Input::Cancel(_) | Input::Discarded { .. } => {}
-            Input::Message(mut frames) => {
-                let Some(peer) = c.identity.clone() else {
-                    return Err("a message before READY".into());
-                };
-                *delivered += 1;
-                if frames.len() != 1 {
-                    if let Some(suppressed) = crate::admit_warning("dropping a control message") {
-                        warn!(frames = frames.len(), %peer, suppressed,
-                            "dropping a message that is not one frame");
+    ) {
+        let readable = readable.map_or(Readable::All, Readable::Only);
+        let mut happened = Vec::new();
+        self.listener
+            .progress_ids(now, listener_ready, readable, &mut happened);
+        let mut refused = Vec::new();
+        for (conn, event) in happened {
+            match event {
+                LinkEvent::Ready => match self.claimed_identity(conn) {
+                    Some(peer) => {
+                        self.identities.insert(conn, peer);
                     }
-                    continue;
+                    None => refused.push(conn),
+                },
+                LinkEvent::Incoming(Incoming::Message(mut frames)) => {
+                    let (Some(peer), Some(source)) =
+                        (self.identities.get(&conn), self.listener.source(conn))
+                    else {
+                        continue; // refused below, or already gone
+                    };
+                    if frames.len() != 1 {
+                        if let Some(suppressed) = crate::admit_warning("dropping a control message")
+                        {
+                            warn!(frames = frames.len(), %peer, suppressed,
+                                "dropping a message that is not one frame");
+                        }
+                        continue;
+                    }
+                    events.push(InboundEvent::Payload {
+                        conn,
+                        peer: peer.clone(),
+                        source,
+                        payload: frames.pop().unwrap_or_default(),
+                    });
                 }
-                c.last_active = now;
-                events.push(InboundEvent::Payload {
+                // Subscriptions mean nothing to a ROUTER.
+                LinkEvent::Incoming(Incoming::Subscribe(_) | Incoming::Cancel(_)) => {}
+                LinkEvent::Lost { .. } => events.push(InboundEvent::Closed {
                     conn,
-                    peer,
-                    source: c.source,
-                    payload: frames.pop().unwrap_or_default(),
-                });
+                    peer: self.identities.remove(&conn),
+                }),
             }
         }
+        for conn in refused {
+            let mut lost = Vec::new();
+            self.listener
+                .close(conn, "an identity that is not host:port".into(), &mut lost);
+            events.extend(
+                lost.into_iter()
+                    .map(|(conn, _)| InboundEvent::Closed { conn, peer: None }),
+            );
+        }
+    }
+
+    /// The identity connection `conn`'s READY claimed, if it is `host:port`.
+    fn claimed_identity(&self, conn: ConnId) -> Option<PeerId> {
+        let identity = self.listener.connection(conn)?.peer_identity()?;
+        std::str::from_utf8(identity)
+            .ok()
+            .filter(|id| PeerId::parse(id).is_ok())
+            .map(PeerId::new)
     }
 }

@@ -4,9 +4,11 @@
 //!
 //! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`, ZMTP spoken
 //!   by kvpeer on the node's thread (no libzmq): inbound connections through the [`inbound`]
-//!   listener, outbound ones through `outbound.rs` ([`dealer`] is a connection's protocol,
-//!   [`zmtp`] the codec both sides share; [`connection`] is one ZMTP connection of any socket
-//!   type, without I/O, which the DEALER and every event-stream socket are).
+//!   ROUTER, outbound ones through `outbound.rs` ([`dealer`]). [`connection`] is one ZMTP
+//!   connection of any socket type, without I/O, which the control ROUTER and DEALER and every
+//!   event-stream socket are; `listener.rs` is one listening socket and its connections, with
+//!   every bound against a hostile peer, which the control ROUTER and every event-stream
+//!   listener are; [`zmtp`] is the codec.
 //! * [`events`]: vLLM's KV event stream, natively: following an engine's PUB and replay ROUTER
 //!   ([`events::EventSubscriber`]) and serving the pool's own ([`events::EventPublisher`]).
 //! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
@@ -24,6 +26,7 @@ pub mod dealer;
 pub mod dual;
 pub mod events;
 pub mod inbound;
+mod listener;
 pub mod metadata;
 #[cfg(feature = "nixl")]
 pub mod nixl;

@@ -16,27 +16,13 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags};
 use tracing::debug;
 
-use crate::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
+use crate::connection::{ConnLimits, Connection, QueueFull, Role};
 use crate::sockio;
 
 /// Bytes read from one connection per round, so one busy stream cannot starve the others.
 pub(crate) const READ_BUDGET: usize = 4 << 20;
 
-/// What happened on a link.
-#[derive(Debug)]
-pub(crate) enum LinkEvent {
-    /// The handshake is done: messages flow.
-    Ready,
-    /// The peer sent this.
-    Incoming(Incoming),
-    /// The connection ended (it had reached [`LinkEvent::Ready`] when `was_ready`).
-    Lost {
-        /// Why.
-        reason: String,
-        /// Whether it had been ready.
-        was_ready: bool,
-    },
-}
+pub(crate) use crate::listener::LinkEvent;
 
 enum State {
     /// No connection: the next attempt at `until`.

@@ -13,8 +13,9 @@
 //! * [`wire`]: the messages' shapes.
 //!
 //! The protocol of each connection is [`Connection`](crate::connection::Connection) (sans-IO);
-//! `client.rs` (a connecting socket that reconnects with backoff) and `server.rs` (a listener
-//! and its accepted connections, capped) carry it over non-blocking TCP.
+//! `client.rs` (a connecting socket that reconnects with backoff) and the crate's listener
+//! (`listener.rs`: a listening socket and its accepted connections, capped, which the control
+//! ROUTER is too) carry it over non-blocking TCP.
 //!
 //! **Threads.** Everything here is owned by one thread (the pool node's), which may drive any
 //! number of subscribers and publishers together without blocking: each is an [`EventIo`]
@@ -28,7 +29,6 @@
 
 mod client;
 mod publisher;
-mod server;
 mod subscriber;
 pub mod wire;
 

@@ -37,9 +37,9 @@ use nix::poll::{PollFd, PollFlags};
 use tracing::warn;
 
 use super::client::LinkEvent;
-use super::server::{PeerId, Server, ServerLimits};
 use super::{wire, EventIo, EventsError};
 use crate::connection::{ConnLimits, Incoming, Role};
+use crate::listener::{ConnId as PeerId, Listener as Server, ListenerLimits as ServerLimits};
 
 /// Settings of a publisher.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +82,8 @@ impl PublisherConfig {
             handshake_timeout: Duration::from_secs(10),
             send_queue: 1000,
             send_queue_bytes: 8 << 20,
+            // Subscriptions and replay requests taken per connection per round.
+            max_incoming: 128,
         };
         PublisherConfig {
             bind,
@@ -153,11 +155,13 @@ pub struct EventPublisher {
 impl EventPublisher {
     /// Listens per `config`.
     pub fn bind(config: PublisherConfig) -> Result<Self, EventsError> {
-        let limits = |conn: &ConnLimits, max_connections| ServerLimits {
-            conn: conn.clone(),
-            max_connections,
-            max_per_source: config.max_per_source,
-            stall_timeout: config.stall_timeout,
+        let limits = |conn: &ConnLimits, max_connections| {
+            ServerLimits::event_stream(
+                conn.clone(),
+                max_connections,
+                config.max_per_source,
+                config.stall_timeout,
+            )
         };
         let pubs = Server::bind(
             config.bind,
@@ -430,9 +434,9 @@ impl EventIo for EventPublisher {
         }
     }
 
-    fn next_deadline(&self, _now: Instant) -> Option<Instant> {
-        let replay = self.replay.as_ref().and_then(Server::deadline);
-        self.pubs.deadline().into_iter().chain(replay).min()
+    fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        let replay = self.replay.as_ref().and_then(|r| r.deadline(now));
+        self.pubs.deadline(now).into_iter().chain(replay).min()
     }
 
     fn progress(&mut self, now: Instant, revents: &[PollFlags]) {

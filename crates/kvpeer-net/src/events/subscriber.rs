@@ -33,10 +33,10 @@ use nix::poll::{PollFd, PollFlags};
 use tracing::{debug, warn};
 
 use super::client::{Client, LinkEvent};
-use super::server::{Server, ServerLimits};
 use super::wire::{self, ReplayAnswer};
 use super::{EventIo, EventsError};
 use crate::connection::{ConnLimits, Incoming, Role};
+use crate::listener::{Listener as Server, ListenerLimits as ServerLimits};
 use crate::zmtp;
 
 /// Where the engine's PUB is.
@@ -89,6 +89,8 @@ impl SubscriberConfig {
                 handshake_timeout: Duration::from_secs(30),
                 send_queue: 64,
                 send_queue_bytes: 64 << 10,
+                // Batches are taken as they come; `max_pending_events` stops the reading.
+                max_incoming: usize::MAX,
             },
             reconnect_interval: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
@@ -194,12 +196,12 @@ impl EventSubscriber {
                 now,
             )),
             SubEndpoint::Bind(addr) => {
-                let limits = ServerLimits {
-                    conn: config.conn.clone(),
-                    max_connections: config.max_publishers,
-                    max_per_source: config.max_publishers,
-                    stall_timeout: config.conn.heartbeat_timeout,
-                };
+                let limits = ServerLimits::event_stream(
+                    config.conn.clone(),
+                    config.max_publishers,
+                    config.max_publishers,
+                    config.conn.heartbeat_timeout,
+                );
                 SubSide::Bind(Server::bind(addr, Role::sub(), limits).map_err(|source| {
                     EventsError::Bind {
                         what: "SUB",
@@ -415,7 +417,7 @@ impl EventIo for EventSubscriber {
         }
         let sub = match &self.sub {
             SubSide::Connect(client) => client.deadline(),
-            SubSide::Bind(server) => server.deadline(),
+            SubSide::Bind(server) => server.deadline(now),
         };
         let replay = self.replay.as_ref().and_then(Client::deadline);
         sub.into_iter().chain(replay).min()

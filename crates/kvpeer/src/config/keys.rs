@@ -169,6 +169,12 @@ declare_keys! {
     max_inbound_connections = "1024";
     /// inbound control connections at once from one source address (a newcomer evicts that source's idlest)
     max_inbound_per_source = "64";
+    /// bytes read from one inbound control connection per round of the node's loop
+    inbound_read_budget = "262144";
+    /// messages taken from one inbound control connection per round (the rest wait a round)
+    inbound_messages_per_round = "128";
+    /// inbound control connections accepted per round (a burst is taken a few at a time)
+    inbound_accepts_per_round = "16";
     /// peers to talk to: CIDR, host or host:port rules (unset: all)
     allowlist;
     /// a peer's IP identity must come from that address: true or false
@@ -191,6 +197,12 @@ declare_keys! {
     publish_replay;
     /// pool node: the topic of its published KV events
     publish_topic = "";
+    /// pool node: subscribers of its KV events at once (a newcomer evicts the idlest when full)
+    max_event_subscribers = "64";
+    /// pool node: replay clients of its KV events at once
+    max_event_replay_clients = "16";
+    /// pool node: KV event connections at once from one source address, per socket
+    max_event_per_source = "16";
 }
 
 /// One key's value as text, and where it came from (`file kvpeer.toml`, `env PYTHONHASHSEED`,

@@ -181,6 +181,9 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         send_queue_bytes: s.number(&KEY.send_queue_bytes, 1024, 1 << 40)? as usize,
         max_inbound: s.number(&KEY.max_inbound_connections, 1, 1 << 20)? as usize,
         max_inbound_per_source: s.number(&KEY.max_inbound_per_source, 1, 1 << 20)? as usize,
+        inbound_read_budget: s.number(&KEY.inbound_read_budget, 1024, 1 << 30)? as usize,
+        inbound_messages_per_round: s.number(&KEY.inbound_messages_per_round, 1, 1 << 20)? as usize,
+        inbound_accepts_per_round: s.number(&KEY.inbound_accepts_per_round, 1, 1 << 20)? as usize,
         ..ControlConfig::default()
     };
     let plane: PlaneKind = s.parsed(&KEY.plane)?;
@@ -265,6 +268,9 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
         publish: endpoint_of(&KEY.publish_events)?,
         publish_replay: endpoint_of(&KEY.publish_replay)?,
         topic: s.text(&KEY.publish_topic),
+        max_event_subscribers: s.number(&KEY.max_event_subscribers, 1, 1 << 20)? as usize,
+        max_event_replay_clients: s.number(&KEY.max_event_replay_clients, 1, 1 << 20)? as usize,
+        max_event_per_source: s.number(&KEY.max_event_per_source, 1, 1 << 20)? as usize,
     };
     if config.follow.len() > kvpeer_pool::EngineSlot::MAX {
         let src = s.get(&KEY.follow).map_or("default", |(_, src)| src);
@@ -405,6 +411,28 @@ mod tests {
         assert_eq!(c.spec.tcp_min_write_rate, tcp.min_write_rate);
         assert_eq!(c.spec.tcp_transfer_timeout, tcp.transfer_timeout);
         assert_eq!(c.spec.auth_secret, None);
+        // The pool node's event sockets: the publisher's own defaults.
+        let publisher = kvpeer_net::events::PublisherConfig::new(([127, 0, 0, 1], 0).into());
+        let pool = crate::pool::PoolConfig::default();
+        for (resolved, declared, publishers) in [
+            (
+                c.pool.max_event_subscribers,
+                pool.max_event_subscribers,
+                publisher.max_subscribers,
+            ),
+            (
+                c.pool.max_event_replay_clients,
+                pool.max_event_replay_clients,
+                publisher.max_replay_clients,
+            ),
+            (
+                c.pool.max_event_per_source,
+                pool.max_event_per_source,
+                publisher.max_per_source,
+            ),
+        ] {
+            assert_eq!((resolved, declared), (publishers, publishers));
+        }
     }
 
     #[test]

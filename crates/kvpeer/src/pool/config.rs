@@ -34,6 +34,12 @@ pub struct PoolConfig {
     pub publish_replay: Option<SocketAddr>,
     /// The topic of the node's events.
     pub topic: String,
+    /// Subscribers of the node's events at once.
+    pub max_event_subscribers: usize,
+    /// Replay clients of the node's events at once.
+    pub max_event_replay_clients: usize,
+    /// Event connections at once from one source address, per socket.
+    pub max_event_per_source: usize,
 }
 
 impl Default for PoolConfig {
@@ -46,6 +52,9 @@ impl Default for PoolConfig {
             publish: None,
             publish_replay: None,
             topic: String::new(),
+            max_event_subscribers: 64,
+            max_event_replay_clients: 16,
+            max_event_per_source: 16,
         }
     }
 }

@@ -192,6 +192,9 @@ impl Pool {
             Some(bind) => {
                 let mut pub_config = PublisherConfig::new(bind);
                 pub_config.replay_bind = config.publish_replay;
+                pub_config.max_subscribers = config.max_event_subscribers;
+                pub_config.max_replay_clients = config.max_event_replay_clients;
+                pub_config.max_per_source = config.max_event_per_source;
                 let socket = EventPublisher::bind(pub_config)?;
                 info!(events = ?socket.local_addr().ok(), replay = ?socket.replay_addr(), "publishing KV events");
                 // Recording starts now: what the store held before is not announced.
