@@ -85,6 +85,8 @@ _KVPEER_KEYS = (
     "inbound_read_budget",
     "inbound_messages_per_round",
     "inbound_accepts_per_round",
+    "inbound_round_quantum_us",
+    "inbound_ms_per_s",
     "max_lookup_keys",
     "lookup_slice_keys",
     "lookup_keys_per_s",

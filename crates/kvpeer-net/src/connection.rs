@@ -307,10 +307,12 @@ impl Connection {
         self.role.challenge.as_ref().map(|c| &c[..])
     }
 
-    /// Whether decoding paused at `max_incoming` with input perhaps left: call
-    /// [`Connection::decode_held`] once [`Connection::poll_incoming`] was drained.
+    /// Whether the connection holds input not taken yet: things waiting in
+    /// [`Connection::poll_incoming`], or bytes left undecoded when decoding paused at
+    /// `max_incoming` (then [`Connection::decode_held`] goes on). A listener reads no more from
+    /// the socket meanwhile.
     pub fn holds_input(&self) -> bool {
-        self.paused
+        self.paused || !self.incoming.is_empty()
     }
 
     /// Messages queued and not yet wholly written.

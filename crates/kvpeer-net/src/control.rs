@@ -86,6 +86,14 @@ pub struct ControlConfig {
     /// Inbound connections accepted per round: a burst of new connections (a flooder's) is
     /// taken a few at a time, the connections already open read in between.
     pub inbound_accepts_per_round: usize,
+    /// The node's time one inbound connection's messages are given per round (deficit round
+    /// robin on what [`ControlChannel::charge_inbound`] reports): a peer whose messages are
+    /// expensive or many delays each other connection by about this much per round.
+    pub inbound_round_quantum: Duration,
+    /// The node's time one inbound connection's messages may take per second: past it the
+    /// connection is not read until its share refills, so one peer cannot keep the node's thread
+    /// (and the core it shares with the engine and other peers' processes) busy.
+    pub inbound_time_per_second: Duration,
 }
 
 impl Default for ControlConfig {
@@ -105,6 +113,8 @@ impl Default for ControlConfig {
             inbound_read_budget: 256 << 10,
             inbound_messages_per_round: 128,
             inbound_accepts_per_round: 16,
+            inbound_round_quantum: Duration::from_micros(250),
+            inbound_time_per_second: Duration::from_millis(250),
         }
     }
 }
@@ -227,6 +237,8 @@ fn limits(config: &ControlConfig) -> InboundLimits {
         read_budget: config.inbound_read_budget.max(1),
         messages_per_round: config.inbound_messages_per_round.max(1),
         accepts_per_round: config.inbound_accepts_per_round.max(1),
+        round_quantum: config.inbound_round_quantum,
+        time_per_second: config.inbound_time_per_second,
     }
 }
 
@@ -328,6 +340,12 @@ impl ControlChannel {
     /// none): `None` while no connection to `peer` is ready.
     pub fn outbound_challenge(&self, peer: &PeerId) -> Option<Option<&[u8]>> {
         self.outbound.ready_challenge(peer)
+    }
+
+    /// Handling one message that came on inbound connection `conn` cost the caller `cost`
+    /// (see [`ControlConfig::inbound_round_quantum`]).
+    pub fn charge_inbound(&mut self, conn: ConnId, cost: Duration) {
+        self.inbound.charge(conn, cost);
     }
 
     /// The challenge this node's READY gave inbound connection `conn` (`None` once it closed).

@@ -18,7 +18,9 @@
 //! ([`zmtp::CHALLENGE_PROPERTY`](crate::zmtp::CHALLENGE_PROPERTY)) a kvpeer peer's proofs are
 //! made for ([`Inbound::challenge`]), and a connection bound to a session is evicted after
 //! every other of its source ([`Inbound::set_holds_session`]). Every bound (connections in all
-//! and per source, work per round, buffers, deadlines) is the listener's.
+//! and per source, work per round, buffers, deadlines) is the listener's; the node reports what
+//! each message cost it ([`Inbound::charge`]), so each connection's round is about
+//! `round_quantum` of the node's time, whatever its messages cost.
 //!
 //! Owned by the node's runtime thread with the rest of the channel; every socket is
 //! non-blocking and polled with the channel's other sockets, so nothing here blocks.
@@ -60,6 +62,10 @@ pub struct InboundLimits {
     pub messages_per_round: usize,
     /// Connections accepted per round.
     pub accepts_per_round: usize,
+    /// The node's time one connection's messages are given per round ([`Inbound::charge`]).
+    pub round_quantum: Duration,
+    /// The node's time one connection's messages may take per second.
+    pub time_per_second: Duration,
 }
 
 /// What happened on the listening side.
@@ -126,6 +132,8 @@ impl Inbound {
                 max_buffered_bytes: limits.max_buffered_bytes,
                 challenge: true,
                 engage_on_request: false,
+                round_quantum: Some(limits.round_quantum),
+                time_per_second: Some(limits.time_per_second),
             },
         )?;
         Ok(Inbound {
@@ -161,8 +169,8 @@ impl Inbound {
     }
 
     /// Whether a connection holds input past its last round's share: poll, do not sleep.
-    pub fn has_backlog(&self) -> bool {
-        self.listener.has_backlog()
+    pub fn has_backlog(&self, now: Instant) -> bool {
+        self.listener.has_backlog(now)
     }
 
     /// When the next heartbeat or deadline falls due (`now` with a backlog).
@@ -176,6 +184,13 @@ impl Inbound {
         let mut ignored = Vec::new();
         self.listener
             .close(conn, "closed by the node".into(), &mut ignored);
+    }
+
+    /// Handling one message of connection `conn` cost the node `cost`: each connection is given
+    /// about `round_quantum` of the node's time per round, so a peer whose messages are
+    /// expensive or many delays the others by about that much per round.
+    pub fn charge(&mut self, conn: ConnId, cost: Duration) {
+        self.listener.charge(conn, cost);
     }
 
     /// The challenge our READY gave connection `conn`.

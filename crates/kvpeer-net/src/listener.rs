@@ -71,6 +71,17 @@ pub(crate) struct ListenerLimits {
     /// Whether a connection that sent a message or subscription is engaged from then on (the
     /// event stream's clients; the control channel marks its own, by session).
     pub(crate) engage_on_request: bool,
+    /// The caller's time each connection may be given per round (deficit round robin): with
+    /// it, the caller reports what handling each message cost ([`Listener::charge`]), and a
+    /// connection is given about this much of it per round, whatever its messages cost, so a
+    /// peer whose messages are expensive (or many) delays each other connection by about this
+    /// much per round. `None`: only `max_incoming` bounds a round.
+    pub(crate) round_quantum: Option<Duration>,
+    /// The caller's time one connection's messages may take per second (with
+    /// `round_quantum`): past it the connection is neither read nor polled until its share
+    /// refills, so no one peer keeps the caller's thread busy (and the core it shares with
+    /// other processes) however many rounds it would win. `None`: no rate.
+    pub(crate) time_per_second: Option<Duration>,
 }
 
 /// What happened on one connection.
@@ -110,6 +121,48 @@ struct Peer {
     /// A client at work (a session bound to it; a subscription or request made), evicted after
     /// the others.
     engaged: bool,
+    /// Its deficit round robin credit, in nanoseconds of the caller's time (`round_quantum`):
+    /// each round with input adds one quantum (up to one), each message handled takes what it
+    /// cost; at zero or less, it is given nothing this round.
+    credit_ns: i64,
+    /// What one of its messages cost the caller lately (a moving average), to take as many as
+    /// its credit covers.
+    cost_ns: u64,
+    /// Its share of the caller's time per second (`time_per_second`), in nanoseconds, as of
+    /// `rate_at`: it refills at that rate up to a tenth of a second's worth.
+    rate_ns: i64,
+    rate_at: Instant,
+}
+
+impl Peer {
+    /// Its time-per-second share at `now` (refilled since `rate_at`, not stored).
+    fn rate_at(&self, now: Instant, per_second: Duration) -> i64 {
+        let per_second = per_second.as_nanos();
+        let refill =
+            now.saturating_duration_since(self.rate_at).as_nanos() * per_second / 1_000_000_000;
+        let cap = i64::try_from(per_second / 10).unwrap_or(i64::MAX);
+        self.rate_ns
+            .saturating_add(i64::try_from(refill).unwrap_or(i64::MAX))
+            .min(cap)
+    }
+
+    /// Whether it spent its time-per-second share and waits for it to refill.
+    fn throttled(&self, now: Instant, per_second: Option<Duration>) -> bool {
+        per_second.is_some_and(|r| self.rate_at(now, r) <= 0)
+    }
+
+    /// When a throttled share is back above zero.
+    fn refilled_at(&self, now: Instant, per_second: Duration) -> Instant {
+        let debt = u128::from(self.rate_at(now, per_second).min(0).unsigned_abs());
+        let wait = debt * 1_000_000_000 / per_second.as_nanos().max(1);
+        now + Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX))
+            + Duration::from_micros(1)
+    }
+}
+
+/// Nanoseconds as an `i64`, saturating.
+fn nanos(d: Duration) -> i64 {
+    i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
 /// A listener and its connections.
@@ -160,6 +213,8 @@ impl ListenerLimits {
             max_buffered_bytes: per_connection.saturating_mul(max_connections),
             challenge: false,
             engage_on_request: true,
+            round_quantum: None,
+            time_per_second: None,
         }
     }
 }
@@ -228,6 +283,24 @@ impl Listener {
         }
     }
 
+    /// Connection `id`'s handling of one message cost the caller `cost` (with `round_quantum`).
+    pub(crate) fn charge(&mut self, id: ConnId, cost: Duration) {
+        if let Some(p) = self.peers.get_mut(&id) {
+            let ns = nanos(cost);
+            p.credit_ns = p.credit_ns.saturating_sub(ns);
+            p.cost_ns = (p
+                .cost_ns
+                .saturating_mul(7)
+                .saturating_add(ns.unsigned_abs()))
+                / 8;
+            if let Some(per_second) = self.limits.time_per_second {
+                let now = Instant::now().max(p.rate_at);
+                p.rate_ns = p.rate_at(now, per_second).saturating_sub(ns);
+                p.rate_at = now;
+            }
+        }
+    }
+
     /// Whether the listener itself is polled at `now` (not while it rests after a failed
     /// `accept`; [`Listener::deadline`] wakes the caller when that ends).
     pub(crate) fn listening(&self, now: Instant) -> bool {
@@ -244,6 +317,9 @@ impl Listener {
         };
         fds.push(PollFd::new(self.listener.as_fd(), flags));
         for p in self.peers.values() {
+            // A connection that spent its time per second is not read until it refills (its
+            // deadline wakes the caller then).
+            let read = read && !p.throttled(now, self.limits.time_per_second);
             let mut flags = if read {
                 PollFlags::POLLIN
             } else {
@@ -263,22 +339,31 @@ impl Listener {
 
     /// Whether a connection holds input it was not given a round for yet: the next round
     /// should come at once.
-    pub(crate) fn has_backlog(&self) -> bool {
-        self.peers.values().any(|p| p.conn.holds_input())
+    pub(crate) fn has_backlog(&self, now: Instant) -> bool {
+        self.peers
+            .values()
+            .any(|p| p.conn.holds_input() && !p.throttled(now, self.limits.time_per_second))
     }
 
     /// When [`Listener::progress`] has something to do without readiness (`now` when a
     /// connection holds input left from its last round).
     pub(crate) fn deadline(&self, now: Instant) -> Option<Instant> {
-        if self.has_backlog() {
+        if self.has_backlog(now) {
             return Some(now);
         }
         let stall = self.limits.stall_timeout;
+        let per_second = self.limits.time_per_second;
         self.peers
             .values()
             .filter_map(|p| {
                 let stalled = (!p.conn.transmit().is_empty()).then_some(p.last_written + stall);
-                [p.conn.poll_timeout(), stalled].into_iter().flatten().min()
+                let refilled = per_second
+                    .filter(|_| p.throttled(now, per_second))
+                    .map(|r| p.refilled_at(now, r));
+                [p.conn.poll_timeout(), stalled, refilled]
+                    .into_iter()
+                    .flatten()
+                    .min()
             })
             .chain(self.accept_paused_until)
             .min()
@@ -394,16 +479,36 @@ impl Listener {
                 Readable::Only(ready) => ready.binary_search(&id).is_ok(),
             };
             read_any |= read;
+            // What this round may take of it: with a quantum, as many messages as its credit
+            // covers at what they cost lately (none while it is in debt), else `max_incoming`.
+            let share = match self.limits.round_quantum {
+                None => usize::MAX,
+                Some(_) if p.throttled(now, self.limits.time_per_second) => 0,
+                Some(quantum) => {
+                    let quantum = nanos(quantum);
+                    if read || p.conn.holds_input() {
+                        p.credit_ns = p.credit_ns.saturating_add(quantum).min(quantum);
+                    }
+                    if p.credit_ns <= 0 {
+                        0
+                    } else {
+                        let covered = p.credit_ns.unsigned_abs() / p.cost_ns.max(1);
+                        usize::try_from(covered).unwrap_or(usize::MAX).max(1)
+                    }
+                }
+            };
             let was_ready = p.conn.is_ready();
             let mut step = || -> Result<(), String> {
-                if p.conn.holds_input() {
-                    p.conn.decode_held(now).map_err(|e| e.to_string())?;
-                }
-                if read && !p.conn.holds_input() {
-                    let conn = &mut p.conn;
-                    sockio::read_available(&mut p.stream, self.limits.read_budget, |bytes| {
-                        conn.handle_bytes(bytes, now).map_err(|e| e.to_string())
-                    })?;
+                if share > 0 {
+                    if p.conn.holds_input() {
+                        p.conn.decode_held(now).map_err(|e| e.to_string())?;
+                    }
+                    if read && !p.conn.holds_input() {
+                        let conn = &mut p.conn;
+                        sockio::read_available(&mut p.stream, self.limits.read_budget, |bytes| {
+                            conn.handle_bytes(bytes, now).map_err(|e| e.to_string())
+                        })?;
+                    }
                 }
                 p.conn.handle_timeout(now).map_err(|e| e.to_string())?;
                 if !p.conn.transmit().is_empty()
@@ -420,7 +525,22 @@ impl Listener {
             if !was_ready && p.conn.is_ready() {
                 out.push((id, LinkEvent::Ready));
             }
-            while let Some(incoming) = p.conn.poll_incoming() {
+            // A connection that ends gives up everything it sent before (a peer's last
+            // messages, its `disconnect`, come before its loss), whatever its share.
+            let share = if result.is_err() { usize::MAX } else { share };
+            let mut taken = 0;
+            while taken < share {
+                let incoming = match p.conn.poll_incoming() {
+                    Some(incoming) => incoming,
+                    None if result.is_err() && p.conn.holds_input() => {
+                        if p.conn.decode_held(now).is_err() {
+                            break;
+                        }
+                        continue;
+                    }
+                    None => break,
+                };
+                taken += 1;
                 if matches!(incoming, Incoming::Message(_) | Incoming::Subscribe(_)) {
                     p.last_active = now;
                     p.engaged |= self.limits.engage_on_request;
@@ -544,6 +664,10 @@ impl Listener {
                     last_written: now,
                     last_active: now,
                     engaged: false,
+                    credit_ns: 0,
+                    cost_ns: 0,
+                    rate_ns: self.limits.time_per_second.map_or(0, |r| nanos(r) / 10),
+                    rate_at: now,
                 },
             );
             accepted.push(self.next);

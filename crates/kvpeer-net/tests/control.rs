@@ -412,3 +412,110 @@ fn a_flooding_connection_cannot_push_another_peers_message_behind_its_flood() {
         "{before} of the flood's {FLOOD} messages came before the honest one"
     );
 }
+
+/// A peer whose messages are expensive gets about its quantum of the node's time per round and
+/// its time per second, however fast it sends: the node (this test) reports what each of its
+/// messages cost, 1 ms, and the channel gives it about 100 ms of them per second; an honest
+/// connection's messages, sent while the flooder still has thousands queued, are delivered
+/// at once, before any more of the flood, and byte-exact.
+#[test]
+fn an_expensive_connection_gets_its_time_per_second_and_an_honest_one_is_served_at_once() {
+    const FLOOD: usize = 20_000;
+    const COST: Duration = Duration::from_millis(1);
+    let config = ControlConfig {
+        inbound_round_quantum: Duration::from_millis(1),
+        inbound_time_per_second: Duration::from_millis(100),
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (again_tx, again_rx) = std::sync::mpsc::channel::<()>();
+    let peers = std::thread::spawn(move || {
+        let mut flood = zmtp_peer(&id, "127.0.0.1:7111");
+        let mut honest = zmtp_peer(&id, "127.0.0.1:7112");
+        ready_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        let bytes: Vec<u8> = (0..FLOOD).flat_map(|_| [0x00, 1, b'x']).collect();
+        flood.write_all(&bytes).unwrap();
+        honest
+            .write_all(&[0x00, 7, b'h', b'o', b'n', b'e', b's', b't', b'1'])
+            .unwrap();
+        again_rx.recv().unwrap();
+        honest
+            .write_all(&[0x00, 7, b'h', b'o', b'n', b'e', b's', b't', b'2'])
+            .unwrap();
+        (flood, honest)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready_rx.try_recv().is_err() {
+        assert!(Instant::now() < deadline, "handshakes");
+        node.wait(Duration::from_millis(5)).unwrap();
+        node.recv();
+    }
+    go_tx.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    // Drive the node for a while as a node does, charging each flood message its cost.
+    let started = Instant::now();
+    let (mut flood_seen, mut before_honest) = (0usize, None);
+    /// Drives `node` until `until` or an honest message (`want`), counting flood messages.
+    fn drive(
+        node: &mut ControlChannel,
+        until: Instant,
+        want: Option<&[u8]>,
+        flood_seen: &mut usize,
+    ) -> bool {
+        while Instant::now() < until {
+            node.wait(Duration::from_millis(5)).unwrap();
+            for e in node.recv() {
+                if let ChannelEvent::Payload { payload, conn, .. } = e {
+                    if payload == b"x" {
+                        *flood_seen += 1;
+                        node.charge_inbound(conn, COST);
+                    } else {
+                        assert_eq!(Some(&payload[..]), want, "an honest message, byte-exact");
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+    assert!(drive(
+        &mut node,
+        started + Duration::from_secs(10),
+        Some(b"honest1"),
+        &mut flood_seen
+    ));
+    before_honest.get_or_insert(flood_seen);
+    let window = Duration::from_secs(2);
+    assert!(!drive(&mut node, started + window, None, &mut flood_seen));
+    let elapsed = started.elapsed();
+    // Its share: the bucket's first tenth of a second, 100 ms per second since, one round's
+    // overshoot (128 messages taken before any cost was known), at 1 ms a message.
+    let most = 100 + (elapsed.as_millis() as usize / 10) + 128;
+    assert!(
+        flood_seen <= most && flood_seen >= 100,
+        "the flooder's messages handled in {elapsed:?}: {flood_seen} (share: at most {most})"
+    );
+    assert!(
+        before_honest.unwrap_or(0) <= 128,
+        "{before_honest:?} flood messages before the honest one"
+    );
+    // The flooder still has most of its messages queued; an honest message now comes first.
+    again_tx.send(()).unwrap();
+    let seen = flood_seen;
+    assert!(drive(
+        &mut node,
+        Instant::now() + Duration::from_secs(10),
+        Some(b"honest2"),
+        &mut flood_seen
+    ));
+    assert!(
+        flood_seen - seen <= 128,
+        "{} flood messages came before the second honest one",
+        flood_seen - seen
+    );
+    let _ = peers.join().unwrap();
+}

@@ -428,12 +428,16 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                     source,
                     payload,
                 } => {
+                    // What handling it costs this thread is charged to its connection: the
+                    // channel gives each connection about the same time per round.
+                    let started = Instant::now();
                     if self.heard(now, &peer, source) {
                         self.inbound(now, &peer, conn, &payload)
                     } else {
                         // A claim its source cannot back: this connection is never heard.
                         self.channel.close_inbound(conn);
                     }
+                    self.channel.charge_inbound(conn, started.elapsed());
                 }
                 ChannelEvent::InboundClosed {
                     conn,
