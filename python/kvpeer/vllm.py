@@ -91,6 +91,7 @@ _KVPEER_KEYS = (
     "lookup_slice_keys",
     "lookup_keys_per_s",
     "max_pins_per_peer",
+    "max_pinned_blocks",
     "max_held_keys_per_peer",
     "max_held_bytes_per_peer",
     "max_requests_per_peer",

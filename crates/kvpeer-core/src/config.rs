@@ -68,6 +68,12 @@ pub struct CoreConfig {
     /// toward `max_held_keys_per_peer`); keys past it answer MISS (not pinned).
     /// `None`: one eighth of the pool, but at least 256 blocks (or the whole pool if smaller).
     pub max_pins_per_peer: Option<usize>,
+    /// Blocks pinned for all peers' lookups together (each peer's distinct blocks, summed);
+    /// past it the heaviest holder's oldest pins that no write reads and no fetch asked for are
+    /// released (that lookup's fetch then fails), so lookups never fetched cannot keep the pool
+    /// from taking new blocks, and a newcomer's lookups still pin. `None`: half the pool, but at
+    /// least one peer's share.
+    pub max_pinned_blocks: Option<usize>,
     /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each), its pin
     /// references and the keys of its fetches waiting for a store. A lookup past it answers MISS at once, a fetch
     /// fails at once.
@@ -85,6 +91,14 @@ impl CoreConfig {
         self.max_pins_per_peer.unwrap_or_else(|| {
             let pool = usize::try_from(num_blocks).unwrap_or(usize::MAX);
             (pool / 8).max(pool.min(256))
+        })
+    }
+
+    /// Blocks all peers' lookups may hold pinned together, for a pool of `num_blocks`.
+    pub fn pinned_blocks_total(&self, num_blocks: u64) -> usize {
+        self.max_pinned_blocks.unwrap_or_else(|| {
+            let pool = usize::try_from(num_blocks).unwrap_or(usize::MAX);
+            (pool / 2).max(self.pins_per_peer(num_blocks))
         })
     }
 }
@@ -117,6 +131,7 @@ impl Default for CoreConfig {
             lookup_slice_keys: 2048,
             lookup_keys_per_sec: 1 << 18,
             max_pins_per_peer: None,
+            max_pinned_blocks: None,
             max_held_keys_per_peer: 1 << 21,
             max_held_bytes_per_peer: 256 << 20,
             max_requests_per_peer: 1 << 17,

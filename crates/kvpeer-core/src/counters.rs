@@ -56,6 +56,9 @@ pub struct Counters {
     pub lookup_keys_over_cap: u64,
     /// Producer: keys answered MISS (not pinned) because their peer's pin share was full.
     pub lookup_keys_over_share: u64,
+    /// Producer: pinned blocks released early, taken from the heaviest holder because all
+    /// peers' pins together reached `max_pinned_blocks`.
+    pub pins_evicted: u64,
     /// Producer: lookups answered MISS at once: their peer held its share of keys, bytes or
     /// requests already.
     pub lookups_over_budget: u64,

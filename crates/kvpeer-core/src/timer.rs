@@ -56,6 +56,11 @@ impl<K> Lane<K> {
         self.queue.clear();
     }
 
+    /// The `i`-th entry from the earliest (stale ones included).
+    pub(crate) fn get(&self, i: usize) -> Option<&K> {
+        self.queue.get(i).map(|(_, k)| k)
+    }
+
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.queue.len()

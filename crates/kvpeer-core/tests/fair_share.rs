@@ -459,3 +459,78 @@ fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
     assert_eq!(p.share(&peer).pinned_blocks, 0);
     assert_eq!(p.share(&peer).pins, 0);
 }
+
+/// All peers' pins together are capped (`max_pinned_blocks`), with eviction: a hoarder holding
+/// its share of pins, never fetched, loses its oldest ones when an honest peer's lookups need
+/// room, so the honest peer hits, pins and is served byte-for-byte as asked; the hoarder's later
+/// fetch of an evicted lookup fails at once (from its side: `transfer_done(success=false)`, no
+/// write), and its newest pins still serve it.
+#[test]
+fn all_peers_pins_are_capped_and_the_heaviest_holders_oldest_go_first() {
+    let config = CoreConfig {
+        max_pins_per_peer: Some(32),
+        max_pinned_blocks: Some(40),
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    for k in keys(0..64) {
+        p.parent().insert(&k);
+    }
+    let hoarder = p.join(1);
+    let honest = p.join(2);
+
+    // The hoarder pins its whole share in two lookups, oldest first, and never fetches.
+    p.recv(&hoarder, lookup_msg("old", keys(0..16), 0));
+    p.recv(&hoarder, lookup_msg("new", keys(16..32), 0));
+    for (_, _, hits) in p.responses(&hoarder) {
+        assert!(hits.iter().all(|h| *h));
+    }
+    assert_eq!(p.share(&hoarder).pinned_blocks, 32);
+
+    // The honest peer's 16 keys bring all pins to 48 > 40: the hoarder's oldest lookup goes.
+    p.recv(&honest, lookup_msg("h", keys(40..56), 0));
+    let resp = p.responses(&honest);
+    assert_eq!(resp[0].2, vec![true; 16], "the honest peer hits");
+    assert_eq!(p.share(&honest).pinned_blocks, 16, "and keeps its pins");
+    assert_eq!(
+        p.share(&hoarder).pinned_blocks,
+        16,
+        "the hoarder's oldest 16 went"
+    );
+    assert_eq!(p.core.counters().pins_evicted, 16);
+    assert!(
+        p.alive(&hoarder) && p.alive(&honest),
+        "eviction ends no session"
+    );
+
+    // The honest fetch is written and succeeds.
+    p.recv(&honest, fetch("h", keys(40..56), (0..16).collect(), 0));
+    let running = p.core.plane_mut().running();
+    assert_eq!(running.len(), 1, "the honest fetch is written");
+    p.core.plane_mut().end(running[0], true);
+    p.core.handle_data_plane(p.now);
+    assert!(p
+        .take(&honest)
+        .iter()
+        .any(|m| matches!(m, Message::TransferDone(t) if t.success)));
+
+    // From the hoarder's side: its evicted lookup's fetch fails at once, nothing written; its
+    // newer one is still served.
+    p.recv(&hoarder, fetch("old", keys(0..16), (0..16).collect(), 0));
+    assert!(
+        p.core.plane_mut().running().is_empty(),
+        "no write for an evicted pin"
+    );
+    let got = p.take(&hoarder);
+    assert!(
+        got.iter()
+            .any(|m| matches!(m, Message::TransferDone(t) if !t.success)),
+        "{got:?}"
+    );
+    p.recv(&hoarder, fetch("new", keys(16..32), (0..16).collect(), 0));
+    assert_eq!(
+        p.core.plane_mut().running().len(),
+        1,
+        "its newest pins serve it"
+    );
+}

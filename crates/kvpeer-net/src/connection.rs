@@ -315,6 +315,11 @@ impl Connection {
         self.paused || !self.incoming.is_empty()
     }
 
+    /// Whether decoding paused at `max_incoming` (bytes may wait undecoded): a reader stops.
+    pub fn decoding_paused(&self) -> bool {
+        self.paused
+    }
+
     /// Messages queued and not yet wholly written.
     pub fn queued(&self) -> usize {
         self.ends.len()

@@ -95,8 +95,9 @@ pub enum InboundEvent {
 #[derive(Debug)]
 pub struct Inbound {
     listener: Listener,
-    /// The identity each READY connection claimed.
-    identities: HashMap<ConnId, PeerId>,
+    /// The identity each READY connection claimed, and its source address (kept until its
+    /// `Lost`, so messages of a round that also ended it are still delivered).
+    identities: HashMap<ConnId, (PeerId, IpAddr)>,
 }
 
 impl Inbound {
@@ -221,17 +222,15 @@ impl Inbound {
         let mut refused = Vec::new();
         for (conn, event) in happened {
             match event {
-                LinkEvent::Ready => match self.claimed_identity(conn) {
-                    Some(peer) => {
-                        self.identities.insert(conn, peer);
+                LinkEvent::Ready { identity, source } => match (claimed(&identity), source) {
+                    (Some(peer), Some(source)) => {
+                        self.identities.insert(conn, (peer, source));
                     }
-                    None => refused.push(conn),
+                    _ => refused.push(conn),
                 },
                 LinkEvent::Incoming(Incoming::Message(mut frames)) => {
-                    let (Some(peer), Some(source)) =
-                        (self.identities.get(&conn), self.listener.source(conn))
-                    else {
-                        continue; // refused below, or already gone
+                    let Some((peer, source)) = self.identities.get(&conn) else {
+                        continue; // refused below
                     };
                     if frames.len() != 1 {
                         if let Some(suppressed) = crate::admit_warning("dropping a control message")
@@ -244,7 +243,7 @@ impl Inbound {
                     events.push(InboundEvent::Payload {
                         conn,
                         peer: peer.clone(),
-                        source,
+                        source: *source,
                         payload: frames.pop().unwrap_or_default(),
                     });
                 }
@@ -252,7 +251,7 @@ impl Inbound {
                 LinkEvent::Incoming(Incoming::Subscribe(_) | Incoming::Cancel(_)) => {}
                 LinkEvent::Lost { .. } => events.push(InboundEvent::Closed {
                     conn,
-                    peer: self.identities.remove(&conn),
+                    peer: self.identities.remove(&conn).map(|(peer, _)| peer),
                 }),
             }
         }
@@ -266,13 +265,12 @@ impl Inbound {
             );
         }
     }
+}
 
-    /// The identity connection `conn`'s READY claimed, if it is `host:port`.
-    fn claimed_identity(&self, conn: ConnId) -> Option<PeerId> {
-        let identity = self.listener.connection(conn)?.peer_identity()?;
-        std::str::from_utf8(identity)
-            .ok()
-            .filter(|id| PeerId::parse(id).is_ok())
-            .map(PeerId::new)
-    }
+/// The identity a READY claimed, if it is `host:port`.
+fn claimed(identity: &[u8]) -> Option<PeerId> {
+    std::str::from_utf8(identity)
+        .ok()
+        .filter(|id| PeerId::parse(id).is_ok())
+        .map(PeerId::new)
 }

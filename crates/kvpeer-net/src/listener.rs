@@ -87,8 +87,15 @@ pub(crate) struct ListenerLimits {
 /// What happened on one connection.
 #[derive(Debug)]
 pub(crate) enum LinkEvent {
-    /// The handshake is done: messages flow.
-    Ready,
+    /// The handshake is done: messages flow. The peer's `Identity` and (accepted connections)
+    /// its source address come with it, for a caller that handles events after the round, when
+    /// a connection that ended in it is gone.
+    Ready {
+        /// The `Identity` its READY gave (empty when none).
+        identity: Vec<u8>,
+        /// Its TCP source address (accepted connections).
+        source: Option<IpAddr>,
+    },
     /// The peer sent this.
     Incoming(Incoming),
     /// The connection ended (it had reached [`LinkEvent::Ready`] when `was_ready`).
@@ -270,11 +277,6 @@ impl Listener {
         self.peers.get(&id).map(|p| &p.conn)
     }
 
-    /// Connection `id`'s source address.
-    pub(crate) fn source(&self, id: ConnId) -> Option<IpAddr> {
-        self.peers.get(&id).map(|p| p.source)
-    }
-
     /// Marks connection `id` as engaged (a session is bound to it) or not: an engaged one gives
     /// its slot up to a newcomer only after every other one of its source.
     pub(crate) fn set_engaged(&mut self, id: ConnId, engaged: bool) {
@@ -295,7 +297,12 @@ impl Listener {
                 / 8;
             if let Some(per_second) = self.limits.time_per_second {
                 let now = Instant::now().max(p.rate_at);
-                p.rate_ns = p.rate_at(now, per_second).saturating_sub(ns);
+                // Debt is bounded to one second's share, so a connection waits at most a second
+                // (far inside its heartbeat timeout) however expensive one message was.
+                p.rate_ns = p
+                    .rate_at(now, per_second)
+                    .saturating_sub(ns)
+                    .max(-nanos(per_second));
                 p.rate_at = now;
             }
         }
@@ -396,7 +403,9 @@ impl Listener {
         };
         match sockio::write_available(&mut p.stream, &mut p.conn) {
             Ok(wrote) => {
-                if wrote {
+                if wrote && self.limits.engage_on_request {
+                    // A subscriber taking our messages is at work; our own PINGs to a control
+                    // connection say nothing of it.
                     p.last_active = now;
                 }
                 if wrote || p.conn.transmit().is_empty() {
@@ -468,26 +477,57 @@ impl Listener {
                 self.flush(now, id, out);
             }
         }
+        let per_second = self.limits.time_per_second;
+        let is_read = |id: ConnId| match readable {
+            Readable::All => true,
+            // The poll's order is the map's: sorted.
+            Readable::Only(ready) => ready.binary_search(&id).is_ok(),
+        };
+        // Deficit round robin: every connection with input gets the same number of quanta this
+        // round, as many as it takes for one of them to be out of debt (one, unless all are in
+        // debt: then no round is wasted on giving nobody anything).
+        let quanta = self.limits.round_quantum.map(|q| {
+            let q = nanos(q).max(1);
+            self.peers
+                .iter()
+                .filter(|(&id, p)| {
+                    (is_read(id) || p.conn.holds_input()) && !p.throttled(now, per_second)
+                })
+                .map(|(_, p)| {
+                    (1 - p.credit_ns.min(0))
+                        .unsigned_abs()
+                        .div_ceil(q.unsigned_abs())
+                })
+                .min()
+                .unwrap_or(1)
+                .max(1)
+                .try_into()
+                .unwrap_or(i64::MAX)
+                .saturating_mul(q)
+        });
         let mut read_any = false;
         for id in ids {
             let Some(p) = self.peers.get_mut(&id) else {
                 continue;
             };
-            let read = match readable {
-                Readable::All => true,
-                // The poll's order is the map's: sorted.
-                Readable::Only(ready) => ready.binary_search(&id).is_ok(),
-            };
+            let read = is_read(id);
             read_any |= read;
+            let throttled = p.throttled(now, per_second);
+            // A throttled connection is polled for nothing but our writes: reported ready
+            // with nothing to write, it was reset or hung up.
+            let hung_up = throttled
+                && matches!(readable, Readable::Only(_))
+                && read
+                && p.conn.transmit().is_empty();
             // What this round may take of it: with a quantum, as many messages as its credit
-            // covers at what they cost lately (none while it is in debt), else `max_incoming`.
-            let share = match self.limits.round_quantum {
-                None => usize::MAX,
-                Some(_) if p.throttled(now, self.limits.time_per_second) => 0,
-                Some(quantum) => {
+            // covers at what they cost lately (none while it is in debt or throttled), else
+            // `max_incoming`.
+            let share = match (self.limits.round_quantum, quanta) {
+                (Some(_), _) if throttled => 0,
+                (Some(quantum), Some(quanta)) => {
                     let quantum = nanos(quantum);
                     if read || p.conn.holds_input() {
-                        p.credit_ns = p.credit_ns.saturating_add(quantum).min(quantum);
+                        p.credit_ns = p.credit_ns.saturating_add(quanta).min(quantum);
                     }
                     if p.credit_ns <= 0 {
                         0
@@ -496,17 +536,24 @@ impl Listener {
                         usize::try_from(covered).unwrap_or(usize::MAX).max(1)
                     }
                 }
+                _ => usize::MAX,
             };
             let was_ready = p.conn.is_ready();
             let mut step = || -> Result<(), String> {
+                if hung_up {
+                    return Err("reset or hung up while throttled".into());
+                }
                 if share > 0 {
                     if p.conn.holds_input() {
                         p.conn.decode_held(now).map_err(|e| e.to_string())?;
                     }
                     if read && !p.conn.holds_input() {
+                        // Reading stops once the connection holds this round's share, so what
+                        // it sent beyond (its end of stream too) waits in the socket.
                         let conn = &mut p.conn;
-                        sockio::read_available(&mut p.stream, self.limits.read_budget, |bytes| {
-                            conn.handle_bytes(bytes, now).map_err(|e| e.to_string())
+                        sockio::read_while(&mut p.stream, self.limits.read_budget, |bytes| {
+                            conn.handle_bytes(bytes, now).map_err(|e| e.to_string())?;
+                            Ok(!conn.decoding_paused())
                         })?;
                     }
                 }
@@ -523,7 +570,13 @@ impl Listener {
             };
             let result = step();
             if !was_ready && p.conn.is_ready() {
-                out.push((id, LinkEvent::Ready));
+                out.push((
+                    id,
+                    LinkEvent::Ready {
+                        identity: p.conn.peer_identity().unwrap_or_default().to_vec(),
+                        source: Some(p.source),
+                    },
+                ));
             }
             // A connection that ends gives up everything it sent before (a peer's last
             // messages, its `disconnect`, come before its loss), whatever its share.
@@ -665,7 +718,12 @@ impl Listener {
                     last_active: now,
                     engaged: false,
                     credit_ns: 0,
-                    cost_ns: 0,
+                    // Until its messages were charged: a sixteenth of a quantum each, so its
+                    // first round takes at most 16 of them.
+                    cost_ns: self
+                        .limits
+                        .round_quantum
+                        .map_or(0, |q| nanos(q).unsigned_abs() / 16),
                     rate_ns: self.limits.time_per_second.map_or(0, |r| nanos(r) / 10),
                     rate_at: now,
                 },

@@ -94,6 +94,17 @@ pub(crate) fn read_available(
     budget: usize,
     mut on_bytes: impl FnMut(&[u8]) -> Result<(), String>,
 ) -> Result<(), String> {
+    read_while(stream, budget, |bytes| on_bytes(bytes).map(|()| true))
+}
+
+/// As [`read_available`], also stopping after a read for which `on_bytes` says `false` (the
+/// reader holds all it should this round; what else came waits in the socket, and so does its
+/// end of stream).
+pub(crate) fn read_while(
+    stream: &mut TcpStream,
+    budget: usize,
+    mut on_bytes: impl FnMut(&[u8]) -> Result<bool, String>,
+) -> Result<(), String> {
     let mut chunk = [0u8; 16 * 1024];
     let mut budget = budget;
     loop {
@@ -104,7 +115,9 @@ pub(crate) fn read_available(
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(e.to_string()),
         };
-        on_bytes(&chunk[..n])?;
+        if !on_bytes(&chunk[..n])? {
+            return Ok(());
+        }
         budget = budget.saturating_sub(n);
         if budget == 0 || n < chunk.len() {
             // A short read drained the socket for now; the level-triggered poll reports

@@ -519,3 +519,63 @@ fn an_expensive_connection_gets_its_time_per_second_and_an_honest_one_is_served_
     );
     let _ = peers.join().unwrap();
 }
+
+/// A short-lived DEALER whose greeting, READY, messages and end of stream all arrive together
+/// (written in one go, then closed) has every message delivered, in order and byte-exact,
+/// before its close; and so has one that sends more messages than one round takes before it
+/// closes.
+#[test]
+fn messages_that_arrive_with_the_close_are_delivered_before_it() {
+    let mut node = channel();
+    let id = node.identity().clone();
+    for count in [3usize, 1000] {
+        let mut s = TcpStream::connect(id.as_str()).unwrap();
+        let mut bytes = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+        bytes.extend_from_slice(b"NULL");
+        bytes.resize(64, 0);
+        let mut ready = vec![5u8];
+        ready.extend_from_slice(b"READY");
+        for (name, value) in [("Socket-Type", "DEALER"), ("Identity", "127.0.0.1:7121")] {
+            ready.push(name.len() as u8);
+            ready.extend_from_slice(name.as_bytes());
+            ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            ready.extend_from_slice(value.as_bytes());
+        }
+        bytes.extend_from_slice(&[0x04, ready.len() as u8]);
+        bytes.extend_from_slice(&ready);
+        for i in 0..count {
+            let m = format!("m{i}");
+            bytes.extend_from_slice(&[0x00, m.len() as u8]);
+            bytes.extend_from_slice(m.as_bytes());
+        }
+        s.write_all(&bytes).unwrap();
+        drop(s);
+        std::thread::sleep(Duration::from_millis(50));
+        let (mut got, mut closed) = (Vec::new(), false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !closed {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {count} messages, no close",
+                got.len()
+            );
+            node.wait(Duration::from_millis(5)).unwrap();
+            for e in node.recv() {
+                match e {
+                    ChannelEvent::Payload { payload, peer, .. } => {
+                        assert!(!closed, "a message after the close");
+                        assert_eq!(peer.as_str(), "127.0.0.1:7121");
+                        got.push(String::from_utf8(payload).unwrap());
+                    }
+                    ChannelEvent::InboundClosed { peer, .. } => {
+                        assert_eq!(peer.as_ref().map(PeerId::as_str), Some("127.0.0.1:7121"));
+                        closed = true;
+                    }
+                    ChannelEvent::Lost { .. } => {}
+                }
+            }
+        }
+        let want: Vec<String> = (0..count).map(|i| format!("m{i}")).collect();
+        assert_eq!(got, want);
+    }
+}

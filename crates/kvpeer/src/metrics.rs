@@ -28,7 +28,7 @@ use crate::pool::{Pool, PoolStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 29] = [
+    let counters: [(&str, &str, u64); 30] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -78,6 +78,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_lookup_keys_over_share_total",
             "keys answered MISS because their peer's pin share was full",
             c.lookup_keys_over_share,
+        ),
+        (
+            "kvpeer_pins_evicted_total",
+            "pinned blocks released early from the heaviest holder: all peers' pins reached max_pinned_blocks",
+            c.pins_evicted,
         ),
         (
             "kvpeer_lookups_over_budget_total",

@@ -131,6 +131,50 @@ fn hoarded_pins_answer_miss_past_the_share_and_an_honest_fetch_is_served() {
     drop(attacker);
 }
 
+/// Hoarders of one host that each pin their share (512 blocks), never fetched, reach the
+/// node-wide cap (`max_pinned_blocks` 1024) after two of them; a third one still gets its whole
+/// share (its socket: HIT for every key), because the heaviest holder's oldest pins are released
+/// for it (`kvpeer_pins_evicted_total` counts 512), so the pinned total stays at the cap; an honest
+/// fetch meanwhile is served byte-exact.
+#[test]
+fn all_peers_pins_are_capped_by_evicting_the_heaviest_holders_oldest() {
+    let (server, id, _file) = serve("max_pinned_blocks = 1024\n");
+    let share = BLOCKS / 8;
+    let hoard = |i: u64| {
+        let keys = format!("{}-{}", i * share, (i + 1) * share - 1);
+        attacker(&[
+            "hoard", "--node", &id, "--keys", &keys, "--rounds", "1", "--hold", "20", "--wait",
+            "20",
+        ])
+    };
+    let first = hoard(0);
+    let second = hoard(1);
+    for h in [&first, &second] {
+        let got = h.event("hoarded");
+        assert_eq!(n(&got["lookups"][0]["hits"]), share, "{got}");
+    }
+    assert_eq!(
+        metric(&server, "kvpeer_pins_evicted_total"),
+        0.0,
+        "at the cap, not over"
+    );
+    let third = hoard(2);
+    let got = third.event("hoarded");
+    assert_eq!(
+        n(&got["lookups"][0]["hits"]),
+        share,
+        "the newcomer pins its whole share: {got}"
+    );
+    assert_eq!(
+        metric(&server, "kvpeer_pins_evicted_total"),
+        share as f64,
+        "one holder's oldest pins went for it"
+    );
+    let run = honest_fetch(&id, "tcp", 4, 8, &["--first", "3000"]);
+    assert_fetch_ok(&run, 32, "with the pool's pins at the cap");
+    drop((first, second, third));
+}
+
 /// The attacker sends one lookup of 1,048,576 keys (the most one message may carry), all asked
 /// of the store (`max_lookup_keys` raised to that). The node asks them a slice per step of its
 /// loop, so an honest fetch started meanwhile is served byte-exact before the huge lookup is

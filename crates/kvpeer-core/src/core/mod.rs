@@ -593,6 +593,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
         self.drain_failed_loads();
+        self.enforce_pin_cap();
         let dead: Vec<PeerId> = self
             .sessions
             .values()
@@ -601,6 +602,36 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .collect();
         for peer in dead {
             self.end_session(&peer);
+        }
+    }
+
+    /// While all peers' lookup pins together exceed `max_pinned_blocks`, releases the heaviest
+    /// holder's oldest idle ones (docs/security.md, G7: eviction, not refusal).
+    fn enforce_pin_cap(&mut self) {
+        let cap = self.config.pinned_blocks_total(self.local.num_blocks);
+        let total: usize = self.sessions.values().map(|s| s.shares().2).sum();
+        let mut over = total.saturating_sub(cap);
+        while over > 0 {
+            let Some(heaviest) = self
+                .sessions
+                .values()
+                .filter(|s| !s.is_dead())
+                .max_by_key(|s| s.shares().2)
+                .map(|s| s.peer().clone())
+            else {
+                return;
+            };
+            let released = self
+                .with_session(&heaviest, |s, cx, _| s.evict_oldest_pins(cx, over))
+                .unwrap_or(0);
+            if released == 0 {
+                return; // what it holds is being read or fetched: it goes when that ends
+            }
+            self.out.counters.pins_evicted += released as u64;
+            crate::warn_throttled!(self.out.throttle, self.now,
+                "all peers' pins reached the node's cap; releasing the heaviest holder's oldest",
+                peer = %heaviest, released, cap);
+            over = over.saturating_sub(released);
         }
     }
 

@@ -533,6 +533,11 @@ impl Session {
     }
 
     /// What the producer side holds for the peer: (keys, estimated bytes, pinned blocks).
+    /// Releases up to `want` of this peer's oldest idle lookup pins (blocks released).
+    pub(crate) fn evict_oldest_pins(&mut self, cx: &mut Cx<'_>, want: usize) -> usize {
+        self.server.evict_oldest_pins(&mut self.link, cx, want)
+    }
+
     pub(crate) fn shares(&self) -> (usize, usize, usize) {
         let (held, pinned) = self.server.shares();
         (held.keys, held.bytes, pinned)

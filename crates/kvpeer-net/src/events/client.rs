@@ -224,7 +224,10 @@ impl Client {
         conn.handle_timeout(now).map_err(|e| fail(e.to_string()))?;
         if !was_ready && conn.is_ready() {
             self.next_backoff = self.backoff.0;
-            out.push(LinkEvent::Ready);
+            out.push(LinkEvent::Ready {
+                identity: conn.peer_identity().unwrap_or_default().to_vec(),
+                source: None,
+            });
         }
         while let Some(incoming) = conn.poll_incoming() {
             out.push(LinkEvent::Incoming(incoming));

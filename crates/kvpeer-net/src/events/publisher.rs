@@ -343,7 +343,7 @@ impl EventPublisher {
     fn on_pub_events(&mut self, events: Vec<(PeerId, LinkEvent)>) {
         for (id, event) in events {
             let subscription = match event {
-                LinkEvent::Ready => {
+                LinkEvent::Ready { .. } => {
                     self.subscriptions.insert(id, Vec::new());
                     continue;
                 }
@@ -394,7 +394,7 @@ impl EventPublisher {
     fn on_replay_events(&mut self, events: Vec<(PeerId, LinkEvent)>) {
         for (id, event) in events {
             match event {
-                LinkEvent::Ready => {
+                LinkEvent::Ready { .. } => {
                     self.clients.insert(id, ReplayClient::default());
                 }
                 LinkEvent::Lost { .. } => {

@@ -297,7 +297,7 @@ impl EventSubscriber {
     /// What a SUB connection (`peer` on a bound SUB) did.
     fn on_sub(&mut self, peer: Option<u64>, event: LinkEvent, now: Instant) {
         match event {
-            LinkEvent::Ready => {
+            LinkEvent::Ready { .. } => {
                 let subscription = zmtp::subscription(&self.config.topic, true);
                 match (&mut self.sub, peer) {
                     (SubSide::Connect(client), _) => {
@@ -343,7 +343,7 @@ impl EventSubscriber {
     /// What the replay DEALER did.
     fn on_replay(&mut self, event: LinkEvent) {
         match event {
-            LinkEvent::Ready => {
+            LinkEvent::Ready { .. } => {
                 if let Some(replay) = &mut self.replay {
                     for from in &self.outstanding {
                         send_request(replay, *from);

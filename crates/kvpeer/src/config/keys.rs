@@ -153,6 +153,8 @@ declare_keys! {
     lookup_keys_per_s = "262144";
     /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
     max_pins_per_peer;
+    /// blocks pinned for all peers' lookups together; past it the heaviest holder's oldest go (unset: half of num_blocks, at least one peer's share)
+    max_pinned_blocks;
     /// keys held for one peer at once (open lookups, pin references, fetches waiting for a store)
     max_held_keys_per_peer = "2097152";
     /// estimated bytes of those keys

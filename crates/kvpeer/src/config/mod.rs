@@ -165,6 +165,10 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             None => None,
             Some(_) => Some(s.number(&KEY.max_pins_per_peer, 1, u64::from(u32::MAX))? as usize),
         },
+        max_pinned_blocks: match s.get(&KEY.max_pinned_blocks) {
+            None => None,
+            Some(_) => Some(s.number(&KEY.max_pinned_blocks, 1, u64::from(u32::MAX))? as usize),
+        },
         max_held_keys_per_peer: s.number(&KEY.max_held_keys_per_peer, 1, 1 << 32)? as usize,
         max_held_bytes_per_peer: s.number(&KEY.max_held_bytes_per_peer, 1024, 1 << 44)? as usize,
         max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
@@ -184,6 +188,12 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         inbound_read_budget: s.number(&KEY.inbound_read_budget, 1024, 1 << 30)? as usize,
         inbound_messages_per_round: s.number(&KEY.inbound_messages_per_round, 1, 1 << 20)? as usize,
         inbound_accepts_per_round: s.number(&KEY.inbound_accepts_per_round, 1, 1 << 20)? as usize,
+        inbound_round_quantum: Duration::from_micros(s.number(
+            &KEY.inbound_round_quantum_us,
+            1,
+            1_000_000,
+        )?),
+        inbound_time_per_second: Duration::from_millis(s.number(&KEY.inbound_ms_per_s, 1, 1000)?),
         ..ControlConfig::default()
     };
     let plane: PlaneKind = s.parsed(&KEY.plane)?;
@@ -432,6 +442,59 @@ mod tests {
             ),
         ] {
             assert_eq!((resolved, declared), (publishers, publishers));
+        }
+    }
+
+    /// Each fair-share key of the listener and the pins reaches what it configures (a key that
+    /// is declared but never read would leave the default).
+    #[test]
+    fn the_round_budget_pin_and_event_socket_keys_reach_their_config() {
+        let mut set = Settings::default();
+        for (key, value) in [
+            ("inbound_read_budget", "4096"),
+            ("inbound_messages_per_round", "7"),
+            ("inbound_accepts_per_round", "3"),
+            ("inbound_round_quantum_us", "90"),
+            ("inbound_ms_per_s", "40"),
+            ("max_pinned_blocks", "77"),
+            ("max_event_subscribers", "5"),
+            ("max_event_replay_clients", "4"),
+            ("max_event_per_source", "2"),
+        ] {
+            set.set(key, value, "t");
+        }
+        let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        let control = &c.spec.control;
+        assert_eq!(
+            (
+                control.inbound_read_budget,
+                control.inbound_messages_per_round,
+                control.inbound_accepts_per_round,
+                control.inbound_round_quantum,
+                control.inbound_time_per_second,
+            ),
+            (
+                4096,
+                7,
+                3,
+                Duration::from_micros(90),
+                Duration::from_millis(40)
+            )
+        );
+        assert_eq!(c.spec.core.max_pinned_blocks, Some(77));
+        assert_eq!(
+            (
+                c.pool.max_event_subscribers,
+                c.pool.max_event_replay_clients,
+                c.pool.max_event_per_source
+            ),
+            (5, 4, 2)
+        );
+        for (key, value) in [("inbound_round_quantum_us", "0"), ("inbound_ms_per_s", "0")] {
+            let mut set = Settings::default();
+            set.set(key, value, "t");
+            let e = resolve_one(&set, "t").unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
         }
     }
 

@@ -121,3 +121,47 @@ impl ServerRole {
         result
     }
 }
+
+impl ServerRole {
+    /// Releases this peer's oldest lookup pins that no write reads and no fetch asked for yet,
+    /// as their store timeout would (the round is dropped; a later fetch of it fails in one
+    /// round trip), until `want` distinct blocks went or none is left: the node-wide pin cap
+    /// (`CoreConfig::max_pinned_blocks`) takes them from its heaviest holder. The blocks released.
+    pub(crate) fn evict_oldest_pins(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        want: usize,
+    ) -> usize {
+        let before = self.pinned.len();
+        let mut i = 0;
+        while before.saturating_sub(self.pinned.len()) < want {
+            let Some((key, serial, job)) = self.store_lane.get(i).cloned() else {
+                break;
+            };
+            i += 1;
+            let RoundKey { id, round } = key;
+            let Some(rnd) = self.round_mut(&id, round, serial) else {
+                continue;
+            };
+            let idle = rnd.pin_mut(job).is_some_and(|pin| pin.readers == 0)
+                && !rnd.demand_received()
+                && rnd.inflight == 0;
+            if !idle {
+                continue;
+            }
+            rnd.available.retain(|_, (j, _)| *j != job);
+            if rnd.remove_pin(job).is_none() {
+                continue;
+            }
+            let unfetched = rnd.pins.is_empty();
+            self.complete_pin(cx, job, false);
+            if unfetched {
+                self.finalize(link, cx, &id, round, Some(false), false);
+                self.expired.insert(RoundKey::new(&id, round), cx.now);
+                self.expired_lane.arm(cx.now, RoundKey::new(&id, round));
+            }
+        }
+        before.saturating_sub(self.pinned.len())
+    }
+}
