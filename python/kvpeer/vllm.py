@@ -92,6 +92,7 @@ _KVPEER_KEYS = (
     "lookup_keys_per_s",
     "max_pins_per_peer",
     "max_pinned_blocks",
+    "pin_eviction_min_age_ms",
     "max_held_keys_per_peer",
     "max_held_bytes_per_peer",
     "max_requests_per_peer",

@@ -74,6 +74,9 @@ pub struct CoreConfig {
     /// from taking new blocks, and a newcomer's lookups still pin. `None`: half the pool, but at
     /// least one peer's share.
     pub max_pinned_blocks: Option<usize>,
+    /// How old a lookup's pin must be before the node-wide cap may release it: a consumer
+    /// fetches right after its lookup, so a younger pin is likely about to be read.
+    pub pin_eviction_min_age: Duration,
     /// Keys held for one peer at once: its open lookups (unanswered, at least 1 each), its pin
     /// references and the keys of its fetches waiting for a store. A lookup past it answers MISS at once, a fetch
     /// fails at once.
@@ -132,6 +135,7 @@ impl Default for CoreConfig {
             lookup_keys_per_sec: 1 << 18,
             max_pins_per_peer: None,
             max_pinned_blocks: None,
+            pin_eviction_min_age: Duration::from_secs(1),
             max_held_keys_per_peer: 1 << 21,
             max_held_bytes_per_peer: 256 << 20,
             max_requests_per_peer: 1 << 17,

@@ -103,9 +103,12 @@ fn a_trickle_reading_consumer_is_cut_off_at_its_deadline_and_its_pins_released()
     let s = summary(slow);
     println!("attacker: {s}");
     assert!(s["connect_ack"].as_bool().unwrap(), "{s}");
-    let closed = s["closed_after_s"]
-        .as_f64()
-        .unwrap_or_else(|| panic!("the attacker's data socket was never closed: {s}"));
+    let closed = s["closed_after_s"].as_f64().unwrap_or_else(|| {
+        panic!(
+            "the attacker's data socket was never closed: {s}\nnode: {}",
+            server.log()
+        )
+    });
     assert!(
         (2.5..8.0).contains(&closed),
         "closed {closed} s after the fetch; the deadline is about 3.1 s: {s}"

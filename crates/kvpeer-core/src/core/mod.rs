@@ -611,27 +611,32 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let cap = self.config.pinned_blocks_total(self.local.num_blocks);
         let total: usize = self.sessions.values().map(|s| s.shares().2).sum();
         let mut over = total.saturating_sub(cap);
-        while over > 0 {
-            let Some(heaviest) = self
-                .sessions
-                .values()
-                .filter(|s| !s.is_dead())
-                .max_by_key(|s| s.shares().2)
-                .map(|s| s.peer().clone())
-            else {
-                return;
-            };
+        if over == 0 {
+            return;
+        }
+        // Heaviest first; one whose pins are all read, fetched or young is passed over.
+        let mut holders: Vec<(usize, PeerId)> = self
+            .sessions
+            .values()
+            .filter(|s| !s.is_dead())
+            .map(|s| (s.shares().2, s.peer().clone()))
+            .collect();
+        holders.sort_by(|a, b| b.0.cmp(&a.0));
+        for (_, peer) in holders {
             let released = self
-                .with_session(&heaviest, |s, cx, _| s.evict_oldest_pins(cx, over))
+                .with_session(&peer, |s, cx, _| s.evict_oldest_pins(cx, over))
                 .unwrap_or(0);
             if released == 0 {
-                return; // what it holds is being read or fetched: it goes when that ends
+                continue;
             }
             self.out.counters.pins_evicted += released as u64;
             crate::warn_throttled!(self.out.throttle, self.now,
                 "all peers' pins reached the node's cap; releasing the heaviest holder's oldest",
-                peer = %heaviest, released, cap);
+                %peer, released, cap);
             over = over.saturating_sub(released);
+            if over == 0 {
+                return;
+            }
         }
     }
 

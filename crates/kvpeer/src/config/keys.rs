@@ -155,6 +155,8 @@ declare_keys! {
     max_pins_per_peer;
     /// blocks pinned for all peers' lookups together; past it the heaviest holder's oldest go (unset: half of num_blocks, at least one peer's share)
     max_pinned_blocks;
+    /// milliseconds a lookup's pin is kept before that cap may release it
+    pin_eviction_min_age_ms = "1000";
     /// keys held for one peer at once (open lookups, pin references, fetches waiting for a store)
     max_held_keys_per_peer = "2097152";
     /// estimated bytes of those keys

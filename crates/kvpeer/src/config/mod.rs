@@ -169,6 +169,11 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             None => None,
             Some(_) => Some(s.number(&KEY.max_pinned_blocks, 1, u64::from(u32::MAX))? as usize),
         },
+        pin_eviction_min_age: Duration::from_millis(s.number(
+            &KEY.pin_eviction_min_age_ms,
+            0,
+            3_600_000,
+        )?),
         max_held_keys_per_peer: s.number(&KEY.max_held_keys_per_peer, 1, 1 << 32)? as usize,
         max_held_bytes_per_peer: s.number(&KEY.max_held_bytes_per_peer, 1024, 1 << 44)? as usize,
         max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
@@ -457,6 +462,7 @@ mod tests {
             ("inbound_round_quantum_us", "90"),
             ("inbound_ms_per_s", "40"),
             ("max_pinned_blocks", "77"),
+            ("pin_eviction_min_age_ms", "250"),
             ("max_event_subscribers", "5"),
             ("max_event_replay_clients", "4"),
             ("max_event_per_source", "2"),
@@ -482,6 +488,7 @@ mod tests {
             )
         );
         assert_eq!(c.spec.core.max_pinned_blocks, Some(77));
+        assert_eq!(c.spec.core.pin_eviction_min_age, Duration::from_millis(250));
         assert_eq!(
             (
                 c.pool.max_event_subscribers,

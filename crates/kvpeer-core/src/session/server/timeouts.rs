@@ -5,6 +5,8 @@
 //! round serial); a stale entry is dropped; a store job that times out while read cancels the
 //! writes reading it, and one never fetched drops its round.
 
+use std::time::Instant;
+
 use tracing::debug;
 
 use super::{Pin, ServerRole};
@@ -126,7 +128,9 @@ impl ServerRole {
     /// Releases this peer's oldest lookup pins that no write reads and no fetch asked for yet,
     /// as their store timeout would (the round is dropped; a later fetch of it fails in one
     /// round trip), until `want` distinct blocks went or none is left: the node-wide pin cap
-    /// (`CoreConfig::max_pinned_blocks`) takes them from its heaviest holder. The blocks released.
+    /// (`CoreConfig::max_pinned_blocks`) takes them from its heaviest holder. A pin younger than
+    /// `pin_eviction_min_age` stays (its fetch is likely on the way: a consumer fetches right
+    /// after its lookup). The blocks released.
     pub(crate) fn evict_oldest_pins(
         &mut self,
         link: &mut Link,
@@ -134,6 +138,7 @@ impl ServerRole {
         want: usize,
     ) -> usize {
         let before = self.pinned.len();
+        let min_age = cx.config.pin_eviction_min_age;
         let mut i = 0;
         while before.saturating_sub(self.pinned.len()) < want {
             let Some((key, serial, job)) = self.store_lane.get(i).cloned() else {
@@ -144,6 +149,10 @@ impl ServerRole {
             let Some(rnd) = self.round_mut(&id, round, serial) else {
                 continue;
             };
+            let young = |at: Instant| cx.now.saturating_duration_since(at) < min_age;
+            if rnd.pin_mut(job).is_some_and(|pin| young(pin.submitted_at)) {
+                break; // the lane is in pinning order: every later one is younger
+            }
             let idle = rnd.pin_mut(job).is_some_and(|pin| pin.readers == 0)
                 && !rnd.demand_received()
                 && rnd.inflight == 0;
