@@ -621,7 +621,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .filter(|s| !s.is_dead())
             .map(|s| (s.shares().2, s.peer().clone()))
             .collect();
-        holders.sort_by(|a, b| b.0.cmp(&a.0));
+        holders.sort_by_key(|h| std::cmp::Reverse(h.0));
         for (_, peer) in holders {
             let released = self
                 .with_session(&peer, |s, cx, _| s.evict_oldest_pins(cx, over))
