@@ -113,8 +113,8 @@ impl Default for ControlConfig {
             inbound_read_budget: 256 << 10,
             inbound_messages_per_round: 128,
             inbound_accepts_per_round: 16,
-            inbound_round_quantum: Duration::from_micros(250),
-            inbound_time_per_second: Duration::from_millis(250),
+            inbound_round_quantum: Duration::from_micros(100),
+            inbound_time_per_second: Duration::from_millis(150),
         }
     }
 }

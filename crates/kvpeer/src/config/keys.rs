@@ -180,9 +180,9 @@ declare_keys! {
     /// inbound control connections accepted per round (a burst is taken a few at a time)
     inbound_accepts_per_round = "16";
     /// microseconds of the node's thread one inbound control connection's messages get per round
-    inbound_round_quantum_us = "250";
+    inbound_round_quantum_us = "100";
     /// milliseconds of the node's thread one inbound control connection's messages may take per second
-    inbound_ms_per_s = "250";
+    inbound_ms_per_s = "150";
     /// peers to talk to: CIDR, host or host:port rules (unset: all)
     allowlist;
     /// a peer's IP identity must come from that address: true or false

@@ -39,6 +39,11 @@ impl ServerRole {
         cx.parent.on_new_request(&ctx);
         let held = Held::of(&keys);
         let end = keys.len().min(cx.config.max_lookup_keys);
+        // Sized for the keys asked now (a slice), so the map does not rehash as they go in.
+        let answers = Map::with_capacity_and_hasher(
+            end.min(cx.config.lookup_slice_keys),
+            Default::default(),
+        );
         let mut lookup = ActiveLookup {
             ctx,
             round,
@@ -46,7 +51,7 @@ impl ServerRole {
             next: 0,
             end,
             held,
-            answers: Map::default(),
+            answers,
             pending: Vec::new(),
             deadline: cx.now + self.lookup_lane.delay(),
         };
