@@ -40,10 +40,8 @@ impl ServerRole {
         let held = Held::of(&keys);
         let end = keys.len().min(cx.config.max_lookup_keys);
         // Sized for the keys asked now (a slice), so the map does not rehash as they go in.
-        let answers = Map::with_capacity_and_hasher(
-            end.min(cx.config.lookup_slice_keys),
-            Default::default(),
-        );
+        let answers =
+            Map::with_capacity_and_hasher(end.min(cx.config.lookup_slice_keys), Default::default());
         let mut lookup = ActiveLookup {
             ctx,
             round,
