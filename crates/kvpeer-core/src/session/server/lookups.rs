@@ -195,6 +195,15 @@ impl ServerRole {
         keys: &[OffloadKey],
         first_pass: bool,
     ) -> Result<(), InternalError> {
+        if first_pass && self.pinned.len() >= self.max_pins {
+            // The peer holds its whole share pinned: every key of this slice is MISS, unasked,
+            // and left out of `answers` (a key absent from it is answered MISS), so a hoarder's
+            // lookups cost the node their decoding and their answer, no work per key.
+            crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of pins; answering MISS",
+                peer = %self.peer, kv_request_id = %id, keys = keys.len(), pinned = self.pinned.len(), share = self.max_pins);
+            cx.out.counters.lookup_keys_over_share += keys.len() as u64;
+            return Ok(());
+        }
         let mut hits: Vec<OffloadKey> = Vec::new();
         let mut over_share = 0u64;
         for key in keys {
