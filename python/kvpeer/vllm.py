@@ -725,11 +725,10 @@ def _plane(plane: Any, memory: memoryview) -> tuple[str, str | None]:
 
 
 def _start(memory: memoryview, settings: dict[str, str], offloading_spec: Any) -> Any:
-    engine_id = "engine"
-    try:
-        engine_id = str(offloading_spec.config.kv_transfer_config.engine_id)
-    except AttributeError:
-        pass
+    # vLLM's OffloadingConfig carries the engine's id (distinct per data-parallel rank); it only
+    # names the node's thread and log lines.
+    config = getattr(offloading_spec, "config", None)
+    engine_id = str(getattr(config, "engine_id", None) or "engine")
     try:
         return _native.EngineTier(memory, settings, f"vllm-{engine_id}"[:40])
     except _native.ConfigError as e:
