@@ -13,10 +13,14 @@ deadlines, the data plane) is kvpeer's Rust ``EngineTier`` over vLLM's primary t
 this module translates vLLM's calls and keeps only the per-request bookkeeping vLLM's
 contract needs (which keys a request asked, which pins a peer holds).
 
-Threads: vLLM calls every method under its manager lock, from the scheduler thread or its
-``vllm_offload_tier_poll`` thread (``tolerates_off_thread_polling``); ``shutdown`` without
-the lock. No method waits on the network (``drain_jobs`` and ``shutdown`` wait for transfers
-to end, as the contract asks). Rust never calls Python: results come back as return values.
+Threads: vLLM calls every method from the scheduler thread and, where it has one (0.33 with
+``tier_poll_interval_s`` > 0), its ``vllm_offload_tier_poll`` thread
+(``tolerates_off_thread_polling``), under its manager lock where it has one; ``shutdown``
+without the lock. Where no thread polls tiers (vLLM 0.32; 0.33 with the interval at 0), an idle
+engine steps only while a tier has pending work, so ``has_pending_work`` is then always true (as
+the stock tier's), else an idle producer would never answer a peer. No method waits on the
+network (``drain_jobs`` and ``shutdown`` wait for transfers to end, as the contract asks). Rust
+never calls Python: results come back as return values.
 """
 
 from __future__ import annotations
@@ -201,6 +205,8 @@ class KvpeerTier(SecondaryTierManager):
         self._tier = _start(primary_kv_view, settings, offloading_spec)
         self._apply_engine_seed()
         self._block_len = self._tier.block_len
+        # Whether vLLM services this tier off the engine's thread (0.33's tier-poll thread).
+        self._polled = _polled_off_thread(offloading_spec)
         # Lookups sent and not answered, by kv_request_id.
         self._waiting: dict[str, _Consumer] = {}
         # Consumers with keys to ask at the step's end.
@@ -363,9 +369,17 @@ class KvpeerTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         # Keep the engine stepping while anything of ours moves or a peer's question waits
-        # for vLLM's answer. An idle engine hears new peers through vLLM's tier-poll thread
-        # (tolerates_off_thread_polling; every tier_poll_interval_s, 1 ms by default), so it
-        # need not spin as the stock tier makes it (whose has_pending_work is always True).
+        # for vLLM's answer. Where vLLM services tiers from its tier-poll thread
+        # (tolerates_off_thread_polling; every tier_poll_interval_s, 1 ms by default) an idle
+        # engine hears new peers through it and need not spin. Where it does not (vLLM 0.32 has
+        # no such thread; 0.33 with tier_poll_interval_s <= 0), an idle engine steps only while
+        # a tier says it has work: then always, as the stock tier does, or an idle producer
+        # would never answer a peer.
+        return not self._polled or self._busy()
+
+    def _busy(self) -> bool:
+        """Whether anything of this tier's moves: loads, stores, pins, lookups waiting or to
+        send, or a peer's question waiting for vLLM's answer."""
         if self._loads or self._stores or self._pins or self._waiting or self._to_flush:
             return True
         unanswered, _ = self._tier.outstanding()
@@ -722,6 +736,19 @@ def _plane(plane: Any, memory: memoryview) -> tuple[str, str | None]:
     if lib_dir is not None:
         return "nixl", lib_dir
     return ("both", None) if shm_object is not None else ("tcp", None)
+
+
+def _polled_off_thread(offloading_spec: Any) -> bool:
+    """Whether vLLM calls tiers that tolerate it from a tier-poll thread: its base class knows
+    the flag (vLLM 0.33 on) and the spec's poll interval is positive (zero or less turns the
+    thread off). Read from what vLLM provides, not from its version."""
+    if not hasattr(SecondaryTierManager, "tolerates_off_thread_polling"):
+        return False
+    interval = getattr(offloading_spec, "tier_poll_interval_s", None)
+    try:
+        return interval is not None and float(interval) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _start(memory: memoryview, settings: dict[str, str], offloading_spec: Any) -> Any:

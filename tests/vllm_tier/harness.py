@@ -598,6 +598,9 @@ def make_engine(
     elif config_kwargs:
         raise TypeError("config keywords and offloading_config are exclusive")
     spec = HarnessOffloadingSpec(offloading_config, hash_seed=hash_seed)
+    # As vLLM's TieringOffloadingSpec, which reads it from the extra config and hands itself to
+    # the tiers it builds.
+    spec.tier_poll_interval_s = tier_poll_interval_s
 
     ident = threading.get_ident()
     prev_seed = kv_cache_utils._thread_seeds.get(ident, _UNSET)

@@ -308,9 +308,33 @@ def test_peer_killed_mid_load_fails_the_job_and_frees_the_slots(engines):
     assert all(b.pins(k) in (None, 0) for k in keys)
     stats = b.tier.node_stats()
     assert stats["loads_failed"] >= 1 and stats["loads_ok"] == 0, stats
-    assert not b.tier.has_pending_work()
+    # Nothing of the tier's waits (B is stepped without vLLM's tier-poll thread, so it keeps the
+    # engine stepping all the same: test_an_idle_tier_keeps_an_unpolled_engine_stepping).
+    assert not b.tier._busy()
     assert b.lookup(keys, req) == 0  # the request falls back to local prefill
     b.finish(req)
+
+
+@pytest.mark.parametrize("poll_s", [0, 0.001], ids=["unpolled", "tier-poll-thread"])
+def test_an_idle_tier_keeps_an_unpolled_engine_stepping(engines, poll_s):
+    """Where vLLM services tiers from no thread (vLLM 0.32 has none; 0.33 with
+    tier_poll_interval_s <= 0) an idle engine steps only while a tier has pending work, so an
+    idle KvpeerTier says it has some, always, as the stock tier does: else an idle producer
+    would never answer a peer. With 0.33's tier-poll thread it says so only while its own work
+    moves. Detected from what vLLM gives the tier, not from its version."""
+    a = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id=f"idle-{poll_s}",
+                tier_poll_interval_s=poll_s)
+    assert not a.tier._busy()
+    assert a.tier.has_pending_work() is (poll_s == 0)
+    # Still true once a peer came and went (the unpolled engine must keep answering).
+    b = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id=f"idle-peer-{poll_s}",
+                tier_poll_interval_s=poll_s)
+    keys = [make_key(f"idle-{poll_s}-{i}") for i in range(2)]
+    blocks = random_blocks(2, 9)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, f"kv-idle-{poll_s}")
+    drive([a, b], lambda: not a.tier._busy() and not b.tier._busy(), timeout_s=TIMEOUT_S)
+    assert a.tier.has_pending_work() is (poll_s == 0)
 
 
 def test_drain_jobs_waits_for_loads_in_flight(engines):
