@@ -410,16 +410,12 @@ impl Connection {
         self.ping_deadline = None;
         self.ttl_deadline = None;
         self.decoder.push(bytes);
-        self.decode(now)
+        self.decode_held(now)
     }
 
-    /// Decodes what the decoder still holds (after [`Connection::holds_input`]), up to
+    /// Decodes what the decoder holds (after [`Connection::holds_input`]), up to
     /// `max_incoming` things held.
     pub fn decode_held(&mut self, now: Instant) -> Result<(), ConnError> {
-        self.decode(now)
-    }
-
-    fn decode(&mut self, now: Instant) -> Result<(), ConnError> {
         self.paused = false;
         loop {
             if self.incoming.len() >= self.limits.max_incoming.max(1) {

@@ -234,9 +234,9 @@ fn limits(config: &ControlConfig) -> InboundLimits {
         max_buffered_bytes: usize::try_from(config.max_message_bytes)
             .unwrap_or(usize::MAX)
             .saturating_mul(8),
-        read_budget: config.inbound_read_budget.max(1),
-        messages_per_round: config.inbound_messages_per_round.max(1),
-        accepts_per_round: config.inbound_accepts_per_round.max(1),
+        read_budget: config.inbound_read_budget,
+        messages_per_round: config.inbound_messages_per_round,
+        accepts_per_round: config.inbound_accepts_per_round,
         round_quantum: config.inbound_round_quantum,
         time_per_second: config.inbound_time_per_second,
     }

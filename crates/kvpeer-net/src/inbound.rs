@@ -153,11 +153,6 @@ impl Inbound {
         self.listener.connections()
     }
 
-    /// Connections closed to make room for a newcomer.
-    pub fn evicted(&self) -> u64 {
-        self.listener.evicted()
-    }
-
     /// Descriptors to poll, appended to `fds`: the listener, then each connection in
     /// [`Inbound::conn_ids`] order.
     pub fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>) {
@@ -167,11 +162,6 @@ impl Inbound {
     /// The connections, in [`Inbound::poll_fds`] order (after the listener).
     pub fn conn_ids(&self) -> impl Iterator<Item = ConnId> + '_ {
         self.listener.ids()
-    }
-
-    /// Whether a connection holds input past its last round's share: poll, do not sleep.
-    pub fn has_backlog(&self, now: Instant) -> bool {
-        self.listener.has_backlog(now)
     }
 
     /// When the next heartbeat or deadline falls due (`now` with a backlog).

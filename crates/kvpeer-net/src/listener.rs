@@ -143,7 +143,7 @@ struct Peer {
 
 impl Peer {
     /// Its time-per-second share at `now` (refilled since `rate_at`, not stored).
-    fn rate_at(&self, now: Instant, per_second: Duration) -> i64 {
+    fn share_at(&self, now: Instant, per_second: Duration) -> i64 {
         let per_second = per_second.as_nanos();
         let refill =
             now.saturating_duration_since(self.rate_at).as_nanos() * per_second / 1_000_000_000;
@@ -155,12 +155,12 @@ impl Peer {
 
     /// Whether it spent its time-per-second share and waits for it to refill.
     fn throttled(&self, now: Instant, per_second: Option<Duration>) -> bool {
-        per_second.is_some_and(|r| self.rate_at(now, r) <= 0)
+        per_second.is_some_and(|r| self.share_at(now, r) <= 0)
     }
 
     /// When a throttled share is back above zero.
     fn refilled_at(&self, now: Instant, per_second: Duration) -> Instant {
-        let debt = u128::from(self.rate_at(now, per_second).min(0).unsigned_abs());
+        let debt = u128::from(self.share_at(now, per_second).min(0).unsigned_abs());
         let wait = debt * 1_000_000_000 / per_second.as_nanos().max(1);
         now + Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX))
             + Duration::from_micros(1)
@@ -235,6 +235,15 @@ impl Listener {
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
+        // The one place the budgets are made usable: a zero share means none (a quantum or a
+        // rate of zero would give a connection nothing, ever), a zero count one.
+        let limits = ListenerLimits {
+            read_budget: limits.read_budget.max(1),
+            accepts_per_round: limits.accepts_per_round.max(1),
+            round_quantum: limits.round_quantum.filter(|q| !q.is_zero()),
+            time_per_second: limits.time_per_second.filter(|r| !r.is_zero()),
+            ..limits
+        };
         Ok(Listener {
             listener,
             role,
@@ -300,7 +309,7 @@ impl Listener {
                 // Debt is bounded to one second's share, so a connection waits at most a second
                 // (far inside its heartbeat timeout) however expensive one message was.
                 p.rate_ns = p
-                    .rate_at(now, per_second)
+                    .share_at(now, per_second)
                     .saturating_sub(ns)
                     .max(-nanos(per_second));
                 p.rate_at = now;
@@ -310,7 +319,7 @@ impl Listener {
 
     /// Whether the listener itself is polled at `now` (not while it rests after a failed
     /// `accept`; [`Listener::deadline`] wakes the caller when that ends).
-    pub(crate) fn listening(&self, now: Instant) -> bool {
+    fn listening(&self, now: Instant) -> bool {
         self.accept_paused_until.is_none_or(|until| now >= until)
     }
 
@@ -346,7 +355,7 @@ impl Listener {
 
     /// Whether a connection holds input it was not given a round for yet: the next round
     /// should come at once.
-    pub(crate) fn has_backlog(&self, now: Instant) -> bool {
+    fn has_backlog(&self, now: Instant) -> bool {
         self.peers
             .values()
             .any(|p| p.conn.holds_input() && !p.throttled(now, self.limits.time_per_second))
@@ -487,7 +496,7 @@ impl Listener {
         // round, as many as it takes for one of them to be out of debt (one, unless all are in
         // debt: then no round is wasted on giving nobody anything).
         let quanta = self.limits.round_quantum.map(|q| {
-            let q = nanos(q).max(1);
+            let q = nanos(q);
             self.peers
                 .iter()
                 .filter(|(&id, p)| {
@@ -676,7 +685,7 @@ impl Listener {
             return accepted;
         }
         self.accept_paused_until = None;
-        for _ in 0..self.limits.accepts_per_round.max(1) {
+        for _ in 0..self.limits.accepts_per_round {
             let (stream, source) = match sockio::accept(&self.listener) {
                 Accepted::Stream(stream, source) => (stream, source),
                 Accepted::None => break,
