@@ -110,7 +110,8 @@ pub(crate) enum LinkEvent {
 /// Which connections a round reads.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Readable<'a> {
-    /// Every one (the caller does not know which are ready).
+    /// Every one, and all it holds, whatever its shares (the caller does not know which are
+    /// ready, or must see everything each connection sent before it acts on a loss).
     All,
     /// These (the poll said so).
     Only(&'a [ConnId]),
@@ -531,7 +532,12 @@ impl Listener {
             // What this round may take of it: with a quantum, as many messages as its credit
             // covers at what they cost lately (none while it is in debt or throttled), else
             // `max_incoming`.
+            // Read all (the caller must see what every connection sent, e.g. before an
+            // outbound loss: a peer's last messages come before it) gives no shares either.
+            let drain = matches!(readable, Readable::All);
+            let throttled = throttled && !drain;
             let share = match (self.limits.round_quantum, quanta) {
+                _ if drain => usize::MAX,
                 (Some(_), _) if throttled => 0,
                 (Some(quantum), Some(quanta)) => {
                     let quantum = nanos(quantum);
