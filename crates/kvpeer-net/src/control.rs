@@ -479,18 +479,24 @@ impl ControlChannel {
         }
     }
 
-    /// Reads the inbound connections in `readable` (all for `None`), runs their heartbeats,
-    /// and turns what came into events.
+    /// Reads the inbound connections in `readable` (all for `None`) and those of the `lost`
+    /// peers to the end, runs their heartbeats, and turns what came into events.
     fn read_inbound(
         &mut self,
         now: Instant,
         listener_ready: bool,
         readable: Option<Vec<ConnId>>,
+        lost: &[PeerId],
         events: &mut Vec<ChannelEvent>,
     ) {
         let mut happened = Vec::new();
-        self.inbound
-            .progress(now, listener_ready, readable.as_deref(), &mut happened);
+        self.inbound.progress(
+            now,
+            listener_ready,
+            readable.as_deref(),
+            lost,
+            &mut happened,
+        );
         events.extend(happened.into_iter().map(|e| match e {
             InboundEvent::Payload {
                 conn,
@@ -513,16 +519,12 @@ impl ControlChannel {
         let now = Instant::now();
         let ready = self.ready.take();
         self.outbound.progress(now, ready.outbound.as_deref());
-        // Inbound connections are read first, and all of them when an outbound connection was
-        // lost, whatever the last wait saw: a peer's last messages (its `disconnect`) were sent
-        // before its connection closed and must be handled first.
-        let readable = if self.outbound.has_losses() {
-            None
-        } else {
-            ready.inbound
-        };
+        // Inbound connections are read first, and a lost peer's to the end, whatever the last
+        // wait saw and whatever their shares: a peer's last messages (its `disconnect`) were
+        // sent before its connection closed and must be handled first.
+        let lost = self.outbound.lost_peers();
         let mut events = Vec::new();
-        self.read_inbound(now, !ready.listener_idle, readable, &mut events);
+        self.read_inbound(now, !ready.listener_idle, ready.inbound, &lost, &mut events);
         events.extend(
             self.outbound
                 .take_losses()

@@ -196,16 +196,30 @@ impl Inbound {
     }
 
     /// Accepts what is waiting (when `listener_ready`), reads the connections in `readable`
-    /// (all for `None`; sorted), sends what is pending, and runs heartbeats and deadlines at
-    /// `now`.
+    /// (all for `None`; sorted) within their shares and those of the peers in `lost` to the
+    /// end, sends what is pending, and runs heartbeats and deadlines at `now`.
     pub fn progress(
         &mut self,
         now: Instant,
         listener_ready: bool,
         readable: Option<&[ConnId]>,
+        lost: &[PeerId],
         events: &mut Vec<InboundEvent>,
     ) {
-        let readable = readable.map_or(Readable::All, Readable::Only);
+        let mut drain: Vec<ConnId> = Vec::new();
+        if !lost.is_empty() {
+            drain = self
+                .identities
+                .iter()
+                .filter(|(_, (peer, _))| lost.contains(peer))
+                .map(|(conn, _)| *conn)
+                .collect();
+            drain.sort_unstable();
+        }
+        let readable = Readable {
+            sockets: readable,
+            drain: &drain,
+        };
         let mut happened = Vec::new();
         self.listener
             .progress_ids(now, listener_ready, readable, &mut happened);

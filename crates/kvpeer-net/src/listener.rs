@@ -109,12 +109,23 @@ pub(crate) enum LinkEvent {
 
 /// Which connections a round reads.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Readable<'a> {
-    /// Every one, and all it holds, whatever its shares (the caller does not know which are
-    /// ready, or must see everything each connection sent before it acts on a loss).
-    All,
-    /// These (the poll said so).
-    Only(&'a [ConnId]),
+pub(crate) struct Readable<'a> {
+    /// The sockets to read: these (sorted; the poll said so), or every one for `None` (the
+    /// caller does not know which are ready). Each within its shares.
+    pub(crate) sockets: Option<&'a [ConnId]>,
+    /// Connections (sorted) read to the end this round, whatever their shares: the caller
+    /// must see everything they sent before it acts on their peer's loss.
+    pub(crate) drain: &'a [ConnId],
+}
+
+impl<'a> Readable<'a> {
+    /// The sockets the poll saw ready, nothing drained.
+    pub(crate) fn only(ready: &'a [ConnId]) -> Self {
+        Self {
+            sockets: Some(ready),
+            drain: &[],
+        }
+    }
 }
 
 struct Peer {
@@ -463,7 +474,7 @@ impl Listener {
         } else {
             Vec::new()
         };
-        self.progress_ids(now, listener_ready, Readable::Only(&ready), out);
+        self.progress_ids(now, listener_ready, Readable::only(&ready), out);
     }
 
     /// Accepts what waits (when `listener_ready`), gives each connection its round (what its
@@ -488,11 +499,14 @@ impl Listener {
             }
         }
         let per_second = self.limits.time_per_second;
-        let is_read = |id: ConnId| match readable {
-            Readable::All => true,
-            // The poll's order is the map's: sorted.
-            Readable::Only(ready) => ready.binary_search(&id).is_ok(),
+        // The poll's order is the map's: sorted.
+        let polled = |id: ConnId| {
+            readable
+                .sockets
+                .is_some_and(|ready| ready.binary_search(&id).is_ok())
         };
+        let drained = |id: ConnId| readable.drain.binary_search(&id).is_ok();
+        let is_read = |id: ConnId| readable.sockets.is_none() || polled(id) || drained(id);
         // Deficit round robin: every connection with input gets the same number of quanta this
         // round, as many as it takes for one of them to be out of debt (one, unless all are in
         // debt: then no round is wasted on giving nobody anything).
@@ -522,20 +536,16 @@ impl Listener {
             };
             let read = is_read(id);
             read_any |= read;
-            let throttled = p.throttled(now, per_second);
+            // A drained connection's peer was lost: the caller must see all it sent first (its
+            // last messages, its `disconnect`, come before the loss), whatever its shares.
+            let drain = drained(id);
+            let throttled = p.throttled(now, per_second) && !drain;
             // A throttled connection is polled for nothing but our writes: reported ready
             // with nothing to write, it was reset or hung up.
-            let hung_up = throttled
-                && matches!(readable, Readable::Only(_))
-                && read
-                && p.conn.transmit().is_empty();
+            let hung_up = throttled && polled(id) && p.conn.transmit().is_empty();
             // What this round may take of it: with a quantum, as many messages as its credit
             // covers at what they cost lately (none while it is in debt or throttled), else
             // `max_incoming`.
-            // Read all (the caller must see what every connection sent, e.g. before an
-            // outbound loss: a peer's last messages come before it) gives no shares either.
-            let drain = matches!(readable, Readable::All);
-            let throttled = throttled && !drain;
             let share = match (self.limits.round_quantum, quanta) {
                 _ if drain => usize::MAX,
                 (Some(_), _) if throttled => 0,

@@ -200,6 +200,11 @@ impl Conn {
         matches!(self.link, Link::Failed(_))
     }
 
+    /// Lost and not yet reported (a lingering connection's end is no loss).
+    fn unreported_loss(&self) -> bool {
+        self.failed() && self.linger_until.is_none()
+    }
+
     fn fail(&mut self, reason: String) {
         debug!(peer = %self.peer, %reason, "control connection failed");
         self.link = Link::Failed(reason);
@@ -398,9 +403,16 @@ impl Outbound {
 
     /// Whether a lost connection waits to be reported (the caller must not sleep).
     pub(crate) fn has_losses(&self) -> bool {
+        self.conns.values().any(Conn::unreported_loss)
+    }
+
+    /// The peers whose lost connections wait to be reported.
+    pub(crate) fn lost_peers(&self) -> Vec<PeerId> {
         self.conns
             .values()
-            .any(|c| c.failed() && c.linger_until.is_none())
+            .filter(|c| c.unreported_loss())
+            .map(|c| c.peer.clone())
+            .collect()
     }
 
     /// Handles the connections `ready` names (every one for `None`), then every deadline due
@@ -431,7 +443,7 @@ impl Outbound {
         let ids: Vec<OutId> = self
             .conns
             .iter()
-            .filter(|(_, c)| c.failed() && c.linger_until.is_none())
+            .filter(|(_, c)| c.unreported_loss())
             .map(|(id, _)| *id)
             .collect();
         let mut lost = Vec::with_capacity(ids.len());

@@ -579,3 +579,91 @@ fn messages_that_arrive_with_the_close_are_delivered_before_it() {
         assert_eq!(got, want);
     }
 }
+
+/// A peer whose inbound connection is throttled (one message cost the node more than its share
+/// per second) still has its last message, sent just before it went away, delivered before
+/// its loss is reported; another throttled connection, whose peer is not lost, keeps waiting
+/// for its share meanwhile (a loss does not read every connection past its shares), and is
+/// served once its share refills.
+#[test]
+fn a_throttled_peers_last_message_comes_before_its_loss_and_no_one_elses_share_is_bypassed() {
+    let mut node = channel();
+    let mut leaving = channel();
+    let (idn, idl) = (node.identity().clone(), leaving.identity().clone());
+    // The node sends its greeting only when driven: the handshake runs on a thread.
+    let dialer = {
+        let idn = idn.clone();
+        std::thread::spawn(move || {
+            let mut s = zmtp_dealer(&idn, "127.0.0.1:7131");
+            s.write_all(&[0x00, 2, b'f', b'1']).unwrap();
+            s
+        })
+    };
+    let f1 = expect(
+        &mut node,
+        &mut [],
+        |e| matches!(e, ChannelEvent::Payload { payload, .. } if payload == b"f1"),
+    );
+    let ChannelEvent::Payload {
+        conn: flood_conn, ..
+    } = f1
+    else {
+        unreachable!()
+    };
+    let mut flood = dialer.join().unwrap();
+    leaving.send(&idn, b"hello").unwrap();
+    let hello = expect(&mut node, &mut [&mut leaving], payload_from(&idl, b"hello"));
+    let ChannelEvent::Payload {
+        conn: leaving_conn, ..
+    } = hello
+    else {
+        unreachable!()
+    };
+    // The node answers, so it holds an outbound connection to `leaving` whose loss it reports.
+    node.send(&idl, b"reply").unwrap();
+    expect(&mut leaving, &mut [&mut node], payload_from(&idn, b"reply"));
+    // Both inbound connections now owe the node a second of their share.
+    node.charge_inbound(flood_conn, Duration::from_secs(5));
+    node.charge_inbound(leaving_conn, Duration::from_secs(5));
+    let charged = Instant::now();
+    flood.write_all(&[0x00, 2, b'f', b'2']).unwrap();
+    leaving.send(&idn, b"bye").unwrap();
+    drop(leaving); // lingers until "bye" is written, then closes both its sockets
+    let (mut bye_at, mut lost_at, mut f2_at) = (None, None, None);
+    let mut batch = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f2_at.is_none() || lost_at.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "bye {bye_at:?} lost {lost_at:?} f2 {f2_at:?}"
+        );
+        node.wait(Duration::from_millis(5)).unwrap();
+        batch += 1;
+        for e in node.recv() {
+            match e {
+                ChannelEvent::Payload { payload, .. } if payload == b"bye" => {
+                    bye_at = Some(batch);
+                }
+                ChannelEvent::Payload { payload, .. } if payload == b"f2" => {
+                    f2_at = Some((batch, charged.elapsed()));
+                }
+                ChannelEvent::Lost { peer, .. } if peer == idl => lost_at = Some(batch),
+                _ => {}
+            }
+        }
+        assert!(
+            lost_at.is_none() || bye_at.is_some_and(|b| b <= lost_at.unwrap_or(0)),
+            "the loss came before the peer's last message"
+        );
+    }
+    let (f2_batch, f2_after) = f2_at.unwrap_or_default();
+    assert!(
+        f2_batch > lost_at.unwrap_or(usize::MAX),
+        "the other throttled connection was read with the lost peer's"
+    );
+    // Its share refills at the node's time per second: a second of debt takes about a second.
+    assert!(
+        f2_after >= Duration::from_millis(500),
+        "served {f2_after:?} after owing a second"
+    );
+}
