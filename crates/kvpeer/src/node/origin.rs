@@ -181,14 +181,25 @@ impl OriginCheck {
     /// identity binding, an IP-literal data host must be the peer's own host (or, from a peer
     /// of this host, one of this host's addresses), so a peer cannot aim our writer at a third
     /// machine.
+    ///
+    /// A peer the allowlist names exactly (`host:port`) may advertise a data address on its own
+    /// host (the same IP, or the same host name): its data port is not its control port, and
+    /// listing one peer must not break its tcp plane. It can aim our writer at no other host.
     pub(crate) fn check_data_addr(&self, peer: &PeerId, addr: &str) -> Result<(), OriginError> {
         let data = PeerId::new(addr);
-        self.allow
-            .check(&data)
-            .map_err(|why| OriginError::DataNotAllowed {
-                addr: addr.to_owned(),
-                why,
-            })?;
+        if let Err(why) = self.allow.check(&data) {
+            let own_host = match (host_of(peer), host_of(&data)) {
+                (Some((_, Some(p))), Some((_, Some(d)))) => same_ip(p, d),
+                (Some((p, None)), Some((d, None))) => p.eq_ignore_ascii_case(&d),
+                _ => false,
+            };
+            if !(own_host && self.allow.check(peer).is_ok()) {
+                return Err(OriginError::DataNotAllowed {
+                    addr: addr.to_owned(),
+                    why,
+                });
+            }
+        }
         if !self.bind_identity {
             return Ok(());
         }
@@ -284,5 +295,26 @@ mod tests {
         );
         assert_eq!(listed.check_data_addr(&p, "10.0.0.6:7000"), Ok(()));
         assert!(listed.check_data_addr(&p, "10.0.1.6:7000").is_err());
+    }
+
+    #[test]
+    fn a_peer_listed_by_host_and_port_may_advertise_data_on_its_own_host_only() {
+        let exact = OriginCheck::new(
+            true,
+            Allowlist::parse(&["127.0.0.1:5600", "node-b:5600"]).unwrap_or_default(),
+            LocalAddrs::of(vec![]),
+        );
+        let p = PeerId::new("127.0.0.1:5600");
+        assert_eq!(exact.check_data_addr(&p, "127.0.0.1:41000"), Ok(()));
+        // Not on another host, nor for a peer the list does not name.
+        assert!(exact.check_data_addr(&p, "10.0.0.6:41000").is_err());
+        let unlisted = PeerId::new("127.0.0.1:5601");
+        let e = exact
+            .check_data_addr(&unlisted, "127.0.0.1:41000")
+            .unwrap_err();
+        assert!(matches!(e, OriginError::DataNotAllowed { .. }), "{e}");
+        let named = PeerId::new("node-b:5600");
+        assert_eq!(exact.check_data_addr(&named, "NODE-B:41000"), Ok(()));
+        assert!(exact.check_data_addr(&named, "node-c:41000").is_err());
     }
 }

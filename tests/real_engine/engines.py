@@ -1,0 +1,247 @@
+"""Real vLLM engines in their own processes, for the tests: start, ask, read counters, kill.
+
+Each engine is ``engine_server.py`` (vLLM's offline ``LLM`` on the CPU platform with
+``kvpeer.vllm.cpu``'s offloading spec and one secondary tier) in a new session (process group)
+of its own, so that killing it ends its engine-core and worker processes too. Commands go to its
+stdin; answers come back on a pipe, each waited for with a deadline; vLLM's logs go to a file
+that a failing test prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SERVER = HERE / "engine_server.py"
+# Tokens per engine block (vLLM's CPU attention needs a multiple of 32), and per prompt.
+BLOCK_SIZE = 32
+# How long an engine may take to start (several start at once on 2 cores) and to answer.
+START_TIMEOUT_S = 600.0
+ANSWER_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A loopback port free now (bound and released; the engine binds it right after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stock_tier(port: int, **extra: Any) -> dict[str, Any]:
+    """vLLM's own p2p tier (NIXL data plane)."""
+    return {"type": "p2p", "host": "127.0.0.1", "port": port, **extra}
+
+
+def kvpeer_tier(port: int, plane: str, **extra: Any) -> dict[str, Any]:
+    """kvpeer's tier on `plane`."""
+    return {
+        "type": "KvpeerTier",
+        "module_path": "kvpeer.vllm",
+        "host": "127.0.0.1",
+        "port": port,
+        "plane": plane,
+        **extra,
+    }
+
+
+@dataclass
+class Engine:
+    """One engine process; `tier_label` is how vLLM labels its secondary tier's counters."""
+
+    name: str
+    tier: dict[str, Any]
+    model: str
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    engine_id: str = ""
+    process: subprocess.Popen | None = None
+    _results: Any = None
+    _buffer: str = ""
+
+    @property
+    def port(self) -> int:
+        return int(self.tier["port"])
+
+    @property
+    def tier_label(self) -> str:
+        return f"1:{self.tier['type']}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> None:
+        self.engine_id = f"kvpeer-real-{os.getpid()}-{self.name}"
+        read_end, write_end = os.pipe()
+        config = {
+            "model": self.model,
+            "engine_id": self.engine_id,
+            "result_fd": write_end,
+            "block_size": BLOCK_SIZE,
+            "extra_config": {
+                "spec_name": "CPUTieringOffloadingSpec",
+                "spec_module_path": "kvpeer.vllm.cpu",
+                "cpu_bytes_to_use": 256 << 20,
+                "secondary_tiers": [self.tier],
+            },
+        }
+        env = dict(os.environ)
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            UCX_NET_DEVICES="lo",
+            UCX_MODULES="^ib*",
+            PYTHONUNBUFFERED="1",
+            # Several engines share 2 cores, and an idle 0.32 engine with a p2p tier steps
+            # without pause (has_pending_work): one OpenMP thread each, sleeping when idle,
+            # bound to no core.
+            OMP_NUM_THREADS="1",
+            OMP_WAIT_POLICY="PASSIVE",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+        )
+        env.update(self.env)
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, str(SERVER), json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=[write_end],
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        log.close()
+        os.close(write_end)
+        self._results = read_end
+
+    def wait_ready(self) -> float:
+        """Seconds the engine took to start."""
+        return float(self._read(START_TIMEOUT_S)["seconds"])
+
+    def ask(self, command: dict[str, Any], timeout: float = ANSWER_TIMEOUT_S) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        answer = self._read(timeout)
+        if "error" in answer:
+            raise RuntimeError(f"{self.name}: {answer['error']}\n{answer.get('traceback', '')}")
+        return answer
+
+    def generate(
+        self, prompt: list[int], source: Engine | None = None, max_tokens: int = 8
+    ) -> dict[str, Any]:
+        """Greedy tokens for `prompt`, loading what it can from `source` (a peer engine)."""
+        command: dict[str, Any] = {"cmd": "generate", "prompt": prompt, "max_tokens": max_tokens}
+        if source is not None:
+            command["kv_transfer_params"] = {
+                "remote_kv_source": {
+                    "kv_request_id": f"{self.name}-{time.monotonic_ns()}",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": source.port,
+                }
+            }
+        return self.ask(command)
+
+    def metrics(self) -> dict[str, float]:
+        return self.ask({"cmd": "metrics"})["metrics"]
+
+    def counter(self, metrics: dict[str, float], name: str, tier: bool = False) -> float:
+        """The value of counter `name` (this engine's secondary tier's series when `tier`)."""
+        total = 0.0
+        for key, value in metrics.items():
+            if key.split("{", 1)[0] != name:
+                continue
+            if tier and f"tier={self.tier_label}" not in key:
+                continue
+            total += float(value or 0)
+        return total
+
+    def pause(self) -> None:
+        """SIGSTOP to the whole engine: an idle 0.32 engine with a p2p tier steps without
+        pause, and vLLM's own tier keeps about 2.5 cores busy while idle (its NIXL progress
+        thread and engine loop), so engines not in a test are frozen to leave the 2 cores to
+        those that are. Their sessions may time out meanwhile; a request opens a new one."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL to the engine's whole process group (its engine core and worker too)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+            # Its engine core and worker are its children: reaped by init, gone with the group.
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.resume()
+            try:
+                self.ask({"cmd": "quit"}, timeout=60)
+                self.process.wait(60)
+            except Exception:
+                pass
+        self.kill()
+        # An engine killed without its shutdown leaves its offload region behind.
+        Path(f"/dev/shm/vllm_offload_{self.engine_id}.mmap").unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while "\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no answer within {timeout} s\n{self.log_tail()}")
+            ready, _, _ = select.select([self._results], [], [], min(left, 1.0))
+            if not ready:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited ({self.process.returncode})\n{self.log_tail()}"
+                    )
+                continue
+            chunk = os.read(self._results, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"{self.name} closed its answers\n{self.log_tail()}")
+            self._buffer += chunk.decode()
+        line, self._buffer = self._buffer.split("\n", 1)
+        return json.loads(line)
+
+
+def make_model(directory: Path) -> str:
+    """A tiny Llama with random weights (no hub): 2 layers, head size 64 (the CPU attention
+    backend's smallest), float32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8192,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
