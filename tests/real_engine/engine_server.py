@@ -50,7 +50,6 @@ def main() -> None:
         kv_transfer_config=kv,
         seed=0,
         disable_log_stats=False,
-        distributed_executor_backend=config.get("executor", "uni"),
     )
     answer(results, {"ready": True, "seconds": time.perf_counter() - started})
     prefixes = tuple(config.get("metric_prefixes", ["kv_offload", "prefix_cache", "p2p"]))
