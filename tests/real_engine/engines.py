@@ -63,6 +63,10 @@ class Engine:
     model: str
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
+    # engine_server.py settings (max_model_len, kv_cache_memory_bytes, ...), and the bytes of
+    # vLLM's offload region that the tiers share.
+    options: dict[str, Any] = field(default_factory=dict)
+    offload_bytes: int = 256 << 20
     engine_id: str = ""
     process: subprocess.Popen | None = None
     _results: Any = None
@@ -91,9 +95,10 @@ class Engine:
             "extra_config": {
                 "spec_name": "CPUTieringOffloadingSpec",
                 "spec_module_path": "kvpeer.vllm.cpu",
-                "cpu_bytes_to_use": 256 << 20,
+                "cpu_bytes_to_use": self.offload_bytes,
                 "secondary_tiers": [self.tier],
             },
+            **self.options,
         }
         env = dict(os.environ)
         env.update(
@@ -226,22 +231,23 @@ class Engine:
         return json.loads(line)
 
 
-def make_model(directory: Path) -> str:
-    """A tiny Llama with random weights (no hub): 2 layers, head size 64 (the CPU attention
-    backend's smallest), float32."""
+def make_model(directory: Path, **shape: Any) -> str:
+    """A Llama with random weights (no hub), float32; by default tiny: 2 layers, head size 64
+    (the CPU attention backend's smallest). `shape` overrides LlamaConfig's fields."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=8192,
-        torch_dtype="float32",
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 8192,
+    }
+    fields.update(shape)
+    config = LlamaConfig(torch_dtype="float32", **fields)
     LlamaForCausalLM(config).save_pretrained(directory)
     return str(directory)

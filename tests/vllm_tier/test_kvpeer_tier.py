@@ -162,6 +162,10 @@ def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
     assert counted["vllm:kv_offload_kvpeer_loaded_blocks"] == len(keys_a), counted
     assert counted["vllm:kv_offload_kvpeer_served_blocks"] == len(keys_b), counted
     assert set(type(b.tier).build_metric_definitions({})) >= set(counted)
+    # The time vLLM's threads spent in the tier's methods: reported by whole milliseconds,
+    # the rest kept for the next report.
+    busy_ns = counted.get("vllm:kv_offload_kvpeer_busy_us", 0) * 1000 + b.tier._busy_ns
+    assert busy_ns > 0, counted
     # A second request for blocks B now holds locally needs no peer.
     req = b.new_request("b-again", source(a, "kv-again"))
     assert b.lookup(keys_a, req) == len(keys_a)

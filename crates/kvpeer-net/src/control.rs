@@ -364,6 +364,12 @@ impl ControlChannel {
         self.outbound.connected(peer)
     }
 
+    /// Whether the outbound connection to `peer` is ready and its socket has not seen the
+    /// peer's end of stream (checked now, not at the last round).
+    pub fn outbound_open(&self, peer: &PeerId) -> bool {
+        self.outbound.ready_and_open(peer)
+    }
+
     /// Opens an outbound connection to `peer` (no-op if open). Never blocks: messages queue
     /// until TCP connects and the handshake is done.
     pub fn dial(&mut self, peer: &PeerId) -> Result<(), ControlError> {

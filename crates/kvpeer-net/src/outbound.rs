@@ -318,6 +318,25 @@ impl Outbound {
         conn.dealer.is_ready().then(|| conn.dealer.peer_challenge())
     }
 
+    /// Whether the connection to `peer` is ready and its socket has not ended: a peek at it
+    /// (a peer's end of stream waits unread until the next round reads it).
+    pub(crate) fn ready_and_open(&self, peer: &PeerId) -> bool {
+        let Some(conn) = self.by_peer.get(peer).and_then(|id| self.conns.get(id)) else {
+            return false;
+        };
+        let Link::Open(stream) = &conn.link else {
+            return false;
+        };
+        if !conn.dealer.is_ready() {
+            return false;
+        }
+        // Non-blocking: bytes waiting or none yet means open; 0 is the peer's end of stream.
+        match stream.peek(&mut [0u8; 1]) {
+            Ok(n) => n > 0,
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+
     /// Connections, lingering ones included.
     pub(crate) fn connections(&self) -> usize {
         self.conns.len()

@@ -1024,3 +1024,52 @@ fn a_squatter_holding_a_peers_identity_cannot_lock_it_out_or_speak_for_it() {
         "after the squat",
     );
 }
+
+/// A peer whose own connection to the node closes while the node's connection to it lives on
+/// (vLLM's tier closes its DEALER when its heartbeat expires, e.g. after the engine was paused,
+/// and keeps its ROUTER), and that dials again with a new `connect`: that is a new incarnation,
+/// not a duplicate `connect`. Before, the node answered it as a protocol error with a
+/// `disconnect`, which ended the peer's new session at once, and the peer computed locally
+/// (found by the real-engine chain test). Judged from the peer's side: each of its three
+/// sessions is acked, never told `disconnect`, and fetches its 8 blocks byte-exact into its
+/// own pool; an honest `kvpeer fetch` is served byte-exact after.
+#[test]
+fn a_peer_that_dials_again_after_its_connection_closed_gets_a_new_session() {
+    let (node, node_id) = serve("shm", 16, &[]);
+    let s = attack(&[
+        "redial",
+        "--node",
+        &node_id,
+        "--keys",
+        "0-7",
+        "--sessions",
+        "3",
+        "--gap",
+        "0.5",
+    ]);
+    let sessions = s["sessions"].as_array().expect("sessions");
+    assert_eq!(sessions.len(), 3, "{s}");
+    for (i, session) in sessions.iter().enumerate() {
+        assert!(
+            flag(session, "connect_ack"),
+            "session {i}: {s}\n{}",
+            node.log()
+        );
+        assert!(
+            !flag(session, "disconnect"),
+            "session {i} was told disconnect: {s}"
+        );
+        assert_eq!(
+            session["hits"],
+            serde_json::json!(vec![true; 8]),
+            "session {i}: {s}"
+        );
+        assert_eq!(session["transfer_done"], true, "session {i}: {s}");
+        assert_eq!(session["bytes_exact"], true, "session {i}: {s}");
+    }
+    assert_fetch_ok(
+        &honest_fetch(&node_id, "shm", 2, 8, &[]),
+        16,
+        "after the peer dialed again",
+    );
+}

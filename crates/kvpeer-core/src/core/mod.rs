@@ -272,6 +272,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.sessions.get(peer).map(|s| SessionState {
             ready: s.link.is_ready(),
             pending_work: s.has_pending_work(),
+            connected: s.takes_no_connect(),
         })
     }
 
@@ -702,4 +703,7 @@ pub struct SessionState {
     pub ready: bool,
     /// Loads, transfers or a registration outstanding.
     pub pending_work: bool,
+    /// The handshake has gone past the peer's `connect` (one was accepted, or it acked ours):
+    /// a `connect` now comes from a new incarnation of the peer, or is a protocol error.
+    pub connected: bool,
 }

@@ -151,6 +151,12 @@ impl Session {
         matches!(self.state, State::Dead(_))
     }
 
+    /// Whether another `connect` on this session would be a duplicate (one was accepted, or
+    /// the peer acked ours: its `connect` comes before its ack).
+    pub(crate) fn takes_no_connect(&self) -> bool {
+        self.link.is_ready() || !matches!(self.state, State::AwaitingConnect)
+    }
+
     /// Why the session ended, if it did.
     pub(crate) fn death(&self) -> Option<&CloseReason> {
         match &self.state {
@@ -313,7 +319,7 @@ impl Session {
     }
 
     fn on_connect(&mut self, cx: &mut Cx<'_>, local: &LocalNode, c: Connect) {
-        if self.link.is_ready() || !matches!(self.state, State::AwaitingConnect) {
+        if self.takes_no_connect() {
             self.protocol_error(cx, ProtocolViolation::DuplicateConnect.into());
             return;
         }

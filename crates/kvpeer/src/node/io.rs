@@ -96,6 +96,9 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     /// Peers whose session ended while messages were held for them (a refusal's `disconnect`
     /// among them): their connection closes once those left, not before.
     close_after_held: HashSet<PeerId>,
+    /// A peer whose session ends because it dialed again while our connection to it is still
+    /// open: that connection stays for its next session (see [`NodeIo::take_over`]).
+    keep_outbound: Option<PeerId>,
 }
 
 /// What waits for one peer's challenge: since when, and the messages in order.
@@ -175,6 +178,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             limits: DecodeLimits::default(),
             held: HashMap::new(),
             close_after_held: HashSet::new(),
+            keep_outbound: None,
         }
     }
 
@@ -218,14 +222,22 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             self.channel.close_inbound(conn);
             return;
         }
+        let session = self.core.session_state(peer);
         match self.bound.get(peer) {
-            Some(&old) if old != conn && self.core.session_state(peer).is_some() => {
+            Some(&old) if old != conn && session.is_some() => {
                 // A new connection's `connect` for a live session: the peer restarted, or its
-                // old connection is half-dead. The newest wins; the old session ends first.
+                // old connection is half-dead. The newest wins.
                 debug!(%peer, old, conn, "a newer connection takes the peer's identity over");
-                self.core.handle_connection_lost(now, peer);
-                self.flush(now);
+                self.take_over(now, peer);
                 self.channel.close_inbound(old);
+            }
+            None if session.is_some_and(|s| s.connected) => {
+                // The session's own connection closed (the peer dropped it: vLLM's tier does
+                // when its heartbeat expires, e.g. after a pause) while ours to it lived on,
+                // and the peer dials again with a new `connect`: a new incarnation, not a
+                // duplicate (answered as a protocol error, it would end the new session).
+                debug!(%peer, conn, "a peer whose connection closed dials again");
+                self.take_over(now, peer);
             }
             _ => {}
         }
@@ -235,6 +247,20 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             .plane_mut()
             .bind_challenge(peer, challenge.as_deref());
         self.core.handle_message(now, peer, message);
+    }
+
+    /// Ends `peer`'s session before its new `connect` opens the next one. Our connection to it
+    /// stays when it is still open: a peer that dialed again while alive (its ROUTER kept)
+    /// would otherwise see our new connection claim the identity of the old one before its
+    /// ROUTER dropped that, and libzmq ignores a connection with an identity in use. A peer
+    /// that restarted closed it (its end of stream is seen here), so we dial afresh.
+    fn take_over(&mut self, now: Instant, peer: &PeerId) {
+        if self.channel.outbound_open(peer) {
+            self.keep_outbound = Some(peer.clone());
+        }
+        self.core.handle_connection_lost(now, peer);
+        self.flush(now);
+        self.keep_outbound = None;
     }
 
     /// Binds `peer`'s session to inbound connection `conn` (and tells the channel, so a full
@@ -654,7 +680,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             // Its `connect` (and what followed, a `disconnect` with a refusal) still waits for
             // the challenge: they leave first (or go with the connection when it is lost).
             self.close_after_held.insert(peer.clone());
-        } else {
+        } else if self.keep_outbound.as_ref() != Some(&peer) {
             self.channel.close(&peer);
         }
         if self.core.session_state(&peer).is_none() {

