@@ -35,7 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engines import BLOCK_SIZE, Engine, free_port, kvpeer_tier, make_model, stock_tier  # noqa: E402
+from engines import BLOCK_SIZE, Engine, free_port, kvpeer_tier, make_model  # noqa: E402
+from engines import start_in_turn, stock_tier  # noqa: E402
 
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 TIER_HITS = "vllm:kv_offload_tiering_chunk_hits"
@@ -147,13 +148,8 @@ def run_pairing(label: str, model: str, root: Path, lengths: list[int], reps: in
     a, b = engine_pair(label, model, root, max(lengths))
     rows = []
     try:
-        # One at a time: an idle stock engine would slow the other's start.
-        for engine in (a, b):
-            engine.start()
-            print(f"{engine.name}: ready in {engine.wait_ready():.0f} s", file=sys.stderr)
-            engine.pause()
-        a.resume()
-        b.resume()
+        # One at a time: an idle engine would slow the other's start.
+        start_in_turn([a, b])
         # Warm-up: the first request of an engine pays its one-time costs.
         measure(a, b, min(lengths), -1, label)
         for length in lengths:

@@ -1,4 +1,5 @@
-"""The fleet of real engines the tests share (engine start-up dominates: each starts once).
+"""The real engines a test runs: ``running(*names)`` starts those named, fresh for the test,
+and stops them after it (see engines.start_in_turn for why none outlives its test).
 
 * ``S1``, ``S2``: vLLM's own p2p tier (NIXL).
 * ``K1``: kvpeer's tier on the nixl plane (talks to S1, S2), short timeouts.
@@ -13,70 +14,57 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engines import Engine, free_port, kvpeer_tier, make_model, stock_tier  # noqa: E402
+from engines import Engine, free_port, kvpeer_tier, make_model, start_in_turn  # noqa: E402
+from engines import stock_tier  # noqa: E402
+
+NAMES = ("S1", "S2", "K1", "K2", "K3", "K4", "K5")
+
+
+def fleet_spec(ports: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Each engine's tier and environment, given every engine's control port."""
+    fast = {"lookup_timeout_s": 5, "handshake_timeout_s": 5}
+    return {
+        "S1": {"tier": stock_tier(ports["S1"])},
+        "S2": {"tier": stock_tier(ports["S2"])},
+        "K1": {"tier": kvpeer_tier(ports["K1"], "nixl", **fast)},
+        "K2": {"tier": kvpeer_tier(ports["K2"], "tcp", **fast)},
+        "K3": {"tier": kvpeer_tier(ports["K3"], "tcp", tcp_max_rate=1_000_000, **fast)},
+        "K4": {
+            "tier": kvpeer_tier(ports["K4"], "tcp", allow=[f"127.0.0.1:{ports['K2']}"], **fast)
+        },
+        "K5": {"tier": kvpeer_tier(ports["K5"], "tcp", **fast), "env": {"PYTHONHASHSEED": "4242"}},
+    }
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory):
-    root = tmp_path_factory.mktemp("real-engine")
-    model = make_model(root / "model")
-    ports = {name: free_port() for name in ("S1", "S2", "K1", "K2", "K3", "K4", "K5")}
-    fast = {"lookup_timeout_s": 5, "handshake_timeout_s": 5}
-    engines = {
-        "S1": Engine("S1", stock_tier(ports["S1"]), model, root),
-        "S2": Engine("S2", stock_tier(ports["S2"]), model, root),
-        "K1": Engine("K1", kvpeer_tier(ports["K1"], "nixl", **fast), model, root),
-        "K2": Engine("K2", kvpeer_tier(ports["K2"], "tcp", **fast), model, root),
-        "K3": Engine(
-            "K3", kvpeer_tier(ports["K3"], "tcp", tcp_max_rate=1_000_000, **fast), model, root
-        ),
-        "K4": Engine(
-            "K4",
-            kvpeer_tier(ports["K4"], "tcp", allow=[f"127.0.0.1:{ports['K2']}"], **fast),
-            model,
-            root,
-        ),
-        "K5": Engine(
-            "K5",
-            kvpeer_tier(ports["K5"], "tcp", **fast),
-            model,
-            root,
-            env={"PYTHONHASHSEED": "4242"},
-        ),
-    }
-    try:
-        # One at a time, each paused once ready: an idle engine steps without pause (see
-        # Engine.pause), and six of them would starve the seventh's start.
-        for engine in engines.values():
-            engine.start()
-            engine.wait_ready()
-            engine.pause()
-        yield engines
-    finally:
-        for engine in engines.values():
-            engine.stop()
+def model(tmp_path_factory) -> str:
+    return make_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture
-def running(fleet):
-    """`running(*names)`: those engines run, every other one is paused (see Engine.pause)."""
+def running(model, tmp_path):
+    """`running(*names)`: those engines, started for this test (logs in its tmp_path)."""
+    started: list[Engine] = []
 
-    def only(*names: str) -> dict[str, Engine]:
-        for name, engine in fleet.items():
-            if name not in names:
-                engine.pause()
-        for name in names:
-            fleet[name].resume()
-        return {name: fleet[name] for name in names}
+    def start(*names: str) -> dict[str, Engine]:
+        spec = fleet_spec({name: free_port() for name in NAMES})
+        engines = {
+            name: Engine(name, spec[name]["tier"], model, tmp_path, env=spec[name].get("env", {}))
+            for name in names
+        }
+        started.extend(engines.values())
+        start_in_turn(list(engines.values()))
+        return engines
 
-    yield only
-    for engine in fleet.values():
-        engine.pause()
+    yield start
+    for engine in started:
+        engine.stop()
 
 
 @pytest.fixture

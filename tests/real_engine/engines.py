@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,14 +29,44 @@ SERVER = HERE / "engine_server.py"
 BLOCK_SIZE = 32
 # How long an engine may take to start (several start at once on 2 cores) and to answer.
 START_TIMEOUT_S = 600.0
+# The priority of an engine that waits while others start or compute (see start_in_turn).
+IDLE_NICE = 19
 ANSWER_TIMEOUT_S = 300.0
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port free now (bound and released; the engine binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range.
+
+    Ports are chosen long before the engine binds them (all engines of a fleet start one after
+    another, minutes apart). A port from the ephemeral range could meanwhile be taken by any
+    socket bound to port 0 or any outgoing connection of an engine started earlier (a CI run
+    lost K4 that way: "Address already in use"); nothing takes a port below that range unasked.
+    """
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 12000)
+    for _ in range(1000):
+        port = random.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}..{low}")
 
 
 def stock_tier(port: int, **extra: Any) -> dict[str, Any]:
@@ -123,7 +155,11 @@ class Engine:
             pass_fds=[write_end],
             env=env,
             text=True,
-            start_new_session=True,
+            # Its own process group (killed as one), but not its own session: with the
+            # kernel's autogroup scheduling (sched_autogroup_enabled, on here) every session
+            # is a group with a fair share of its own, so a niced engine in a session of its
+            # own still took half the CPU from the engine a test was waiting on.
+            process_group=0,
         )
         log.close()
         os.close(write_end)
@@ -171,17 +207,26 @@ class Engine:
             total += float(value or 0)
         return total
 
-    def pause(self) -> None:
-        """SIGSTOP to the whole engine: an idle 0.32 engine with a p2p tier steps without
-        pause, and vLLM's own tier keeps about 2.5 cores busy while idle (its NIXL progress
-        thread and engine loop), so engines not in a test are frozen to leave the 2 cores to
-        those that are. Their sessions may time out meanwhile; a request opens a new one."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGSTOP)
+    @contextmanager
+    def idle(self):
+        """This engine at the lowest priority meanwhile (nice 19, every thread of its process
+        group), while another one computes: not frozen, so it keeps answering heartbeats
+        and its engine core's deadlines hold."""
+        self._set_nice(IDLE_NICE)
+        try:
+            yield self
+        finally:
+            self._set_nice(0)
 
-    def resume(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGCONT)
+    def _set_nice(self, nice: int) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.setpriority(os.PRIO_PGRP, self.process.pid, nice)
+        except PermissionError:
+            # Raising a priority back needs CAP_SYS_NICE: without it an engine stays low,
+            # as do the others (the engine of a test still gets its share).
+            pass
 
     def kill(self) -> None:
         """SIGKILL to the engine's whole process group (its engine core and worker too)."""
@@ -194,7 +239,6 @@ class Engine:
         if self.process is None:
             return
         if self.process.poll() is None:
-            self.resume()
             try:
                 self.ask({"cmd": "quit"}, timeout=60)
                 self.process.wait(60)
@@ -229,6 +273,28 @@ class Engine:
             self._buffer += chunk.decode()
         line, self._buffer = self._buffer.split("\n", 1)
         return json.loads(line)
+
+
+def start_in_turn(engines: list[Engine]) -> None:
+    """Starts `engines` one after another, each ready one at the lowest priority while the
+    next starts, all back at normal priority once all are ready.
+
+    An idle 0.32 engine steps without pause (vLLM's own tier keeps about 2.5 cores busy while
+    idle: its NIXL progress thread and engine loop), so started engines would starve the next
+    one's start on 2 cores. Engines live for one test only: frozen engines (SIGSTOP), tried
+    to keep one fleet for the whole session, sometimes never recovered (an engine core whose
+    worker stopped reading its queue, then garbage blocks served to a peer) or lost their
+    engine core to vLLM's RPC timeout; the lowest priority alone, for six idle engines, made
+    the seventh take 12 minutes to start instead of 20 s.
+    """
+    try:
+        for engine in engines:
+            engine.start()
+            engine.wait_ready()
+            engine._set_nice(IDLE_NICE)
+    finally:
+        for engine in engines:
+            engine._set_nice(0)
 
 
 def make_model(directory: Path, **shape: Any) -> str:

@@ -3,8 +3,8 @@ vLLM's own p2p tier and kvpeer's, in every pairing, in a chain, and when it must
 consumer's greedy tokens equal the producer's local compute (logprobs within float
 tolerance), and vLLM's own counters say where its tokens came from.
 
-The engines are the session's ``fleet`` (conftest.py), those of each test running, the others
-paused; the last test kills one of them.
+Each test starts the engines it names (conftest.py's ``running``) and stops them after; the
+chain test and the last test kill one each.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def load(consumer: Engine, source: Engine, prompt: list[int]) -> tuple[dict, flo
 
 
 def assert_loaded_from_peer(consumer: Engine, source: Engine, prompt: list[int]) -> dict:
-    reference = computed_locally(source, prompt)
+    with consumer.idle():
+        reference = computed_locally(source, prompt)
     out, hits, read = load(consumer, source, prompt)
     assert_same_output(out, reference)
     blocks = len(prompt) // BLOCK_SIZE
@@ -87,7 +88,10 @@ def test_a_chain_of_three_engines(running, prompt):
     """C loads from B what B loaded from A: S1 computes, K1 loads it from S1, S2 from K1."""
     fleet = running("S1", "K1", "S2")
     a, b, c = fleet["S1"], fleet["K1"], fleet["S2"]
-    reference = assert_loaded_from_peer(b, a, prompt)
+    with c.idle():
+        reference = assert_loaded_from_peer(b, a, prompt)
+    # A is stopped: what C loads can only come from B.
+    a.kill()
     out, hits, _ = load(c, b, prompt)
     assert_same_output(out, reference)
     assert hits >= len(prompt) // BLOCK_SIZE - 1
