@@ -15,7 +15,9 @@ idle stock engine keeps cores busy: docs/testing.md). For each prompt length and
 
 The **copy limit** is one memcpy of the bytes B's tier read (vLLM's own counter), measured in
 this process; "over floor" is peer minus floor, what the load added; the tier's own time is
-kvpeer's ``vllm:kv_offload_kvpeer_busy_us`` counter on B (and on A), over the peer request.
+kvpeer's ``vllm:kv_offload_kvpeer_busy_us`` counter on B, over the peer request (A serves
+on kvpeer's own threads, and vLLM reports an idle engine's tier stats only with its next
+request).
 
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` in the engine's process.
 """
@@ -73,10 +75,16 @@ def engine_pair(label: str, model: str, root: Path, longest: int) -> tuple[Engin
     # Two threads for whichever engine computes (the other one idles, mostly waiting).
     env = {"OMP_NUM_THREADS": "2"}
     tag = label.replace(" ", "-").replace("(", "").replace(")", "")
+    extra = {}
+    if not label.startswith("stock"):
+        # The region here holds one longest prompt; a peer's default pin share at A (1/8 of
+        # the region, at least 256 chunks: docs/configuration.md) would stop one 16k-token
+        # request at 8k tokens. A deployed region is many prompts, so the share covers one.
+        extra["max_pins_per_peer"] = kv_bytes // (KV_BYTES_PER_TOKEN * BLOCK_SIZE)
     return tuple(  # type: ignore[return-value]
         Engine(
             f"{tag}-{side}",
-            PAIRINGS[label](free_port()),
+            {**PAIRINGS[label](free_port()), **extra},
             model,
             root,
             env=env,
@@ -118,9 +126,9 @@ def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
     produced = a.generate(prompt, max_tokens=1)
     # A's store into its tier ends after its request: let it land before B asks.
     time.sleep(0.5)
-    b_before, a_before = b.metrics(), a.metrics()
+    b_before = b.metrics()
     peer = b.generate(prompt, source=a, max_tokens=1)
-    b_after, a_after = b.metrics(), a.metrics()
+    b_after = b.metrics()
     floor = b.generate(prompt, max_tokens=1)
     local = b.generate(fresh, max_tokens=1)
     read = delta(b, b_before, b_after, READ_BYTES)
@@ -140,7 +148,6 @@ def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
         "read_bytes": read,
         "copy_s": copy_seconds(int(read)),
         "consumer_tier_ms": busy_ms(b, b_before, b_after),
-        "producer_tier_ms": busy_ms(a, a_before, a_after),
     }
 
 
@@ -174,7 +181,7 @@ def median(rows: list[dict], key: str) -> float:
 def table(rows: list[dict], lengths: list[int]) -> str:
     out = [
         "| prompt | pairing | TTFT local | TTFT from peer | floor | over floor | copy limit "
-        "| peer / local | tier time B (A) | loaded, same tokens |",
+        "| peer / local | B's tier time | loaded, same tokens |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for length in lengths:
@@ -188,10 +195,7 @@ def table(rows: list[dict], lengths: list[int]) -> str:
             copy = median(mine, "copy_s")
             tier = ""
             if mine[0]["consumer_tier_ms"] is not None:
-                tier = (
-                    f"{median(mine, 'consumer_tier_ms'):.1f} ms "
-                    f"({median(mine, 'producer_tier_ms'):.1f} ms)"
-                )
+                tier = f"{median(mine, 'consumer_tier_ms'):.1f} ms"
             vs_stock = ""
             if stock_peer and not label.startswith("stock"):
                 vs_stock = f", {peer / stock_peer:.2f}x stock"

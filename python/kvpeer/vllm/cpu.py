@@ -184,6 +184,7 @@ class CPUOffloadingWorker(OffloadingWorker):
             raise OffloadLayoutError(
                 f"job {job_id}: {len(sizes)} KV groups, the cache has {len(self._groups)}"
             )
+        self._check_bounds(job_id, blocks, chunks)
         per_chunk = self._blocks_per_chunk
         moved = 0
         block_at = chunk_at = 0
@@ -199,17 +200,23 @@ class CPUOffloadingWorker(OffloadingWorker):
                     f"{len(blocks)} engine blocks or {len(chunks)} chunks given"
                 )
             logical = np.arange(skip, skip + size, dtype=np.int64)
-            engine_rows = torch.from_numpy(blocks[block_at : block_at + size])
-            chunk_rows = torch.from_numpy(
-                chunks[chunk_at : chunk_at + group_chunks][logical // per_chunk]
+            runs = self._runs(
+                blocks[block_at : block_at + size],
+                chunks[chunk_at : chunk_at + group_chunks][logical // per_chunk],
+                logical % per_chunk,
             )
-            sub_slots = torch.from_numpy(logical % per_chunk)
             for tensor_index, nbytes in refs:
                 t = self._tensors[tensor_index]
-                if store:
-                    t.offload[chunk_rows, sub_slots, :nbytes] = t.engine[engine_rows, :nbytes]
-                else:
-                    t.engine[engine_rows, :nbytes] = t.offload[chunk_rows, sub_slots, :nbytes]
+                for engine_row, chunk, sub_slot, count in runs:
+                    ours = t.engine[engine_row : engine_row + count, :nbytes]
+                    if per_chunk == 1:
+                        theirs = t.offload[chunk : chunk + count, 0, :nbytes]
+                    else:
+                        theirs = t.offload[chunk, sub_slot : sub_slot + count, :nbytes]
+                    if store:
+                        theirs.copy_(ours)
+                    else:
+                        ours.copy_(theirs)
                 moved += size * nbytes
             block_at += size
             chunk_at += group_chunks
@@ -227,6 +234,45 @@ class CPUOffloadingWorker(OffloadingWorker):
             )
         )
         return True
+
+    def _check_bounds(self, job_id: int, blocks: np.ndarray, chunks: np.ndarray) -> None:
+        """Every block in the cache and every chunk in the region, before anything moves
+        (slices, unlike index tensors, would silently stop at the end)."""
+        engine_blocks = min((t.engine.shape[0] for t in self._tensors), default=0)
+        region_chunks = min((t.offload.shape[0] for t in self._tensors), default=0)
+        if len(blocks) and (blocks.min() < 0 or blocks.max() >= engine_blocks):
+            raise OffloadLayoutError(
+                f"job {job_id}: engine blocks {blocks.min()}..{blocks.max()} outside the "
+                f"cache's {engine_blocks}"
+            )
+        if len(chunks) and (chunks.min() < 0 or chunks.max() >= region_chunks):
+            raise OffloadLayoutError(
+                f"job {job_id}: chunks {chunks.min()}..{chunks.max()} outside the region's "
+                f"{region_chunks}"
+            )
+
+    def _runs(
+        self, engine_rows: np.ndarray, chunk_rows: np.ndarray, sub_slots: np.ndarray
+    ) -> list[tuple[int, int, int, int]]:
+        """(engine row, chunk, sub-slot, count) of each run of blocks that lie one after the
+        other on both sides: one slice copy each. Torch's gather-scatter by index tensors
+        (``engine[rows] = offload[chunks, slots]``) copied 128 MiB in ~100 ms here, slice
+        copies in ~26 ms, the machine's memcpy ~22 ms."""
+        if self._blocks_per_chunk == 1:
+            # Sub-slot 0 of chunk c + 1 follows chunk c (as a strided slice of rows).
+            follows = (np.diff(engine_rows) == 1) & (np.diff(chunk_rows) == 1)
+        else:
+            follows = (
+                (np.diff(engine_rows) == 1)
+                & (np.diff(chunk_rows) == 0)
+                & (np.diff(sub_slots) == 1)
+            )
+        starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
+        ends = np.concatenate((starts[1:], [len(engine_rows)]))
+        return [
+            (int(engine_rows[a]), int(chunk_rows[a]), int(sub_slots[a]), int(b - a))
+            for a, b in zip(starts, ends)
+        ]
 
     def get_finished(self) -> list[TransferResult]:
         finished, self._finished = self._finished, []
