@@ -127,7 +127,11 @@ fn a_pyzmq_dealer_replays_what_the_pool_keeps_from_the_native_router() {
     for i in 0..5u8 {
         let key = OffloadKey::from_parts(&[i; 32], u32::from(i));
         let f = pool
-            .publish(f64::from(i), &[StoreChange::Stored(key)])
+            .publish(
+                f64::from(i),
+                &[StoreChange::Stored(key)],
+                &mut kvpeer_pool::Catalog::new(kvpeer_pool::CatalogLimits::default()),
+            )
             .unwrap()
             .unwrap();
         // Nobody subscribes: the PUB drops it, the pool's buffer keeps it.

@@ -362,13 +362,16 @@ impl Follower {
                     continue;
                 }
             };
-            if let KvEvent::Stored(BlockStored {
-                group_idx: Some(group),
-                kv_cache_spec_kind: Some(kind),
-                ..
-            }) = &event
-            {
-                holdings.learn_group_kind(*group, kind);
+            if let KvEvent::Stored(stored) = &event {
+                if let BlockStored {
+                    group_idx: Some(group),
+                    kv_cache_spec_kind: Some(kind),
+                    ..
+                } = stored
+                {
+                    holdings.learn_group_kind(*group, kind);
+                }
+                holdings.catalog_mut().learn(stored);
             }
             match key_event(&event) {
                 KeyEvent::Stored(key) => {

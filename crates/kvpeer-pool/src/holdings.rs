@@ -15,6 +15,8 @@ use std::collections::{HashMap, VecDeque};
 
 use kvpeer_proto::OffloadKey;
 
+use crate::catalog::{Catalog, CatalogLimits};
+
 /// A followed engine's place in the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineSlot(u8);
@@ -88,6 +90,8 @@ pub struct Holdings {
     forgotten: u64,
     /// Each KV cache group's kind (`kv_cache_spec_kind`), as the engines' events said it.
     group_kinds: std::collections::BTreeMap<u32, String>,
+    /// What each chunk is beyond its key, from the same events.
+    catalog: Catalog,
 }
 
 /// Groups whose kind the index keeps (models have a handful).
@@ -107,7 +111,18 @@ impl Holdings {
             per_engine: [0; EngineSlot::MAX],
             forgotten: 0,
             group_kinds: std::collections::BTreeMap::new(),
+            catalog: Catalog::new(CatalogLimits::default()),
         }
+    }
+
+    /// What each chunk is beyond its key (learned by the followers, read by the publisher).
+    pub fn catalog_mut(&mut self) -> &mut Catalog {
+        &mut self.catalog
+    }
+
+    /// The catalog, to read its counts.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
     }
 
     /// An engine said KV cache group `group` is of kind `kind` (its GPU events say it, and

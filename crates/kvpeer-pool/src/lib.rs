@@ -7,6 +7,9 @@
 //!   turns a key into a pull candidate.
 //! * [`Follower`]: one engine's event stream: sequence numbers, gaps, publisher restarts, and
 //!   the replays that recover what a late join or a gap lost.
+//! * [`Catalog`]: what each chunk is beyond its key (its blocks' hashes, parent, tokens,
+//!   block size), learned from the engines' GPU and self-describing events, so the pool's
+//!   events describe it as an engine's do.
 //! * [`Publisher`]: the pool's own stream in vLLM's form (what its store took in and let go),
 //!   with vLLM's replay buffer, for the routers that already index vLLM engines.
 //!
@@ -15,11 +18,15 @@
 
 #![forbid(unsafe_code)]
 
+mod catalog;
 mod follower;
 mod holdings;
 pub mod keys;
 mod publisher;
 
+pub use catalog::{Catalog, CatalogLimits, CatalogStats, ChunkDescription, Undescribed};
 pub use follower::{FollowAction, Follower, FollowerLimits, FollowerStats};
 pub use holdings::{Admission, EngineSlot, Holdings, PullCandidate};
-pub use publisher::{Frames, Publisher, StoreChange, OWNERSHIP};
+pub use publisher::{
+    low_64_bits, Frames, HashForm, Publisher, PublisherStats, StoreChange, MAX_FANOUT, OWNERSHIP,
+};

@@ -117,6 +117,7 @@ fn limits_hold_before_anything_is_kept() {
         max_events: 4,
         max_hashes: 3,
         max_hash_bytes: 32,
+        max_tokens: 5,
         max_str_bytes: 8,
         max_payload_bytes: 4096,
         max_depth: 6,
@@ -135,6 +136,25 @@ fn limits_hold_before_anything_is_kept() {
         decode_batch(&wide, &limits).unwrap().events[0],
         Err(EventError::BadEvent { .. })
     ));
+    // Token ids: within the limit they are kept; past it, or not ids, the event is an error.
+    let with_tokens = |tokens: Vec<Value>| {
+        let mut e = stored_map(vec![hash32(1)]);
+        if let Value::Map(entries) = &mut e {
+            entries[3].1 = Value::Array(tokens);
+        }
+        batch(vec![e])
+    };
+    let five = with_tokens((0..5).map(Value::Uint).collect());
+    match &decode_batch(&five, &limits).unwrap().events[0] {
+        Ok(KvEvent::Stored(s)) => assert_eq!(s.token_ids, vec![0, 1, 2, 3, 4]),
+        other => panic!("{other:?}"),
+    }
+    let six = with_tokens((0..6).map(Value::Uint).collect());
+    assert!(decode_batch(&six, &limits).unwrap().events[0].is_err());
+    let huge = with_tokens(vec![Value::Uint(1 << 32)]);
+    assert!(decode_batch(&huge, &limits).unwrap().events[0].is_err());
+    let text = with_tokens(vec![s("a")]);
+    assert!(decode_batch(&text, &limits).unwrap().events[0].is_err());
     let long_hash = batch(vec![stored_map(vec![Value::Bin(vec![0; 33])])]);
     assert!(decode_batch(&long_hash, &limits).unwrap().events[0].is_err());
     let mut long_medium = stored_map(vec![hash32(1)]);
@@ -171,6 +191,43 @@ fn limits_hold_before_anything_is_kept() {
         0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd, 0xff, 0xff, 0xff, 0xff,
     ];
     assert!(decode_batch(&lying, &EventLimits::default()).is_err());
+}
+
+/// `extra_keys` and `lookahead_token_ids` are noticed, not kept: nil or a list of nils is
+/// vLLM's "none"; anything else means the blocks' hashes depend on more than their tokens.
+#[test]
+fn extra_keys_are_noticed_only_when_some_block_has_one() {
+    let with = |field: &str, value: Value| {
+        let mut e = stored_map(vec![hash32(1), hash32(2)]);
+        if let Value::Map(entries) = &mut e {
+            entries.push((s(field), value));
+        }
+        match &decode_batch(&batch(vec![e]), &EventLimits::default())
+            .unwrap()
+            .events[0]
+        {
+            Ok(KvEvent::Stored(s)) => s.has_extra_keys,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(!with("extra_keys", Value::Nil));
+    assert!(!with(
+        "extra_keys",
+        Value::Array(vec![Value::Nil, Value::Nil])
+    ));
+    assert!(with(
+        "extra_keys",
+        Value::Array(vec![Value::Nil, Value::Array(vec![s("salt")])])
+    ));
+    assert!(with(
+        "extra_keys",
+        Value::Map(vec![(s("a"), Value::Uint(1))])
+    ));
+    assert!(!with("lookahead_token_ids", Value::Nil));
+    assert!(with(
+        "lookahead_token_ids",
+        Value::Array(vec![Value::Array(vec![Value::Uint(5)])])
+    ));
 }
 
 #[test]
@@ -220,7 +277,11 @@ fn any_event() -> impl Strategy<Value = KvEvent> {
             proptest::option::of(any::<u32>()),
             name.clone(),
             name.clone(),
-            name.clone(),
+            (
+                name.clone(),
+                proptest::collection::vec(any::<u32>(), 0..40),
+                proptest::option::of(any::<i64>()),
+            ),
         )
             .prop_map(
                 |(
@@ -231,12 +292,14 @@ fn any_event() -> impl Strategy<Value = KvEvent> {
                     group_idx,
                     lora_name,
                     locality,
-                    ownership,
+                    (ownership, token_ids, lora_id),
                 )| {
                     KvEvent::Stored(BlockStored {
                         block_hashes,
                         parent_block_hash,
-                        token_count: 0,
+                        token_ids,
+                        lora_id,
+                        has_extra_keys: false,
                         block_size,
                         medium,
                         group_idx,

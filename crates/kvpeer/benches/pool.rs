@@ -321,7 +321,7 @@ fn batches(n: u64) -> Vec<Vec<u8>> {
                     KvEvent::Stored(BlockStored {
                         block_hashes: (0..4).map(|h| hash(i, h)).collect(),
                         parent_block_hash: Some(hash(i, 99)),
-                        token_count: 64,
+                        token_ids: (0..64).collect(),
                         block_size: 16,
                         medium: Some("CPU".into()),
                         group_idx: Some(0),

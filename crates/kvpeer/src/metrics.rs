@@ -274,7 +274,7 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
 /// Renders the pool node's counters (`kvpeer_pool_*`) in the Prometheus text format.
 pub fn render_pool(s: &PoolStats) -> String {
     let mut out = String::new();
-    let counters: [(&str, &str, u64); 18] = [
+    let counters: [(&str, &str, u64); 20] = [
         (
             "kvpeer_follow_event_batches_total",
             "KV event batches applied",
@@ -356,6 +356,16 @@ pub fn render_pool(s: &PoolStats) -> String {
             "store changes dropped before publishing",
             s.publish_dropped,
         ),
+        (
+            "kvpeer_events_published_described_total",
+            "chunks the node published with their blocks, tokens and parent",
+            s.published_described,
+        ),
+        (
+            "kvpeer_follow_extra_key_blocks_total",
+            "blocks announced with extra keys (LoRA, multimodal, cache salt): never described",
+            s.extra_key_blocks,
+        ),
         ("kvpeer_follow_engines", "engines followed", s.engines),
     ];
     for (name, help, v) in counters {
@@ -380,8 +390,29 @@ pub fn render_pool(s: &PoolStats) -> String {
             "keys the pool's index holds",
             s.indexed_keys,
         ),
+        (
+            "kvpeer_catalog_blocks",
+            "GPU blocks the pool keeps to describe chunks",
+            s.catalog_blocks,
+        ),
+        (
+            "kvpeer_catalog_chunks",
+            "chunks the pool keeps (described or not)",
+            s.catalog_chunks,
+        ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    }
+    let name = "kvpeer_events_published_undescribed_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} chunks published as placeholders (no tokens), by why\n# TYPE {name} counter"
+    );
+    for (reason, v) in ["unknown", "too_long", "inconsistent"]
+        .iter()
+        .zip(s.published_undescribed)
+    {
+        let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {v}");
     }
     out
 }

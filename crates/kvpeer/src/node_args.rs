@@ -102,6 +102,8 @@ pub(crate) struct NodeArgs {
     pub(crate) publish_replay: Option<String>,
     #[arg(long, value_name = "TOPIC", help = help(&KEY.publish_topic))]
     pub(crate) publish_topic: Option<String>,
+    #[arg(long, value_name = "bytes|int", help = help(&KEY.publish_hashes))]
+    pub(crate) publish_hashes: Option<String>,
 }
 
 impl NodeArgs {
@@ -200,6 +202,11 @@ impl NodeArgs {
             &KEY.publish_topic,
             self.publish_topic.clone(),
             "--publish-topic",
+        );
+        set(
+            &KEY.publish_hashes,
+            self.publish_hashes.clone(),
+            "--publish-hashes",
         );
         Ok(flags)
     }

@@ -69,10 +69,11 @@ fn expected_events() -> Vec<KvEvent> {
                 BlockHash::Int(u64::MAX),
             ],
             parent_block_hash: Some(BlockHash::Int(10)),
-            token_count: 48,
+            token_ids: (0..48).collect(),
             block_size: 16,
             medium: Some("GPU".into()),
             lora_name: Some("adapter".into()),
+            has_extra_keys: true,
             kv_cache_spec_kind: Some("full_attention".into()),
             locality: Some("LOCAL".into()),
             ..BlockStored::default()
@@ -122,7 +123,8 @@ fn the_array_form_of_older_releases_decodes_too() {
     assert_eq!(batch.data_parallel_rank, Some(0));
 }
 
-/// What a pool node publishes (placeholder stores, removals): byte-identical to vLLM's own
+/// What a pool node publishes (placeholder stores, described chunks with their tokens,
+/// parent and block size in bytes and in int hashes, removals): byte-identical to vLLM's own
 /// encoding of the same events, and read back by vLLM's typed decoder.
 #[test]
 fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
@@ -143,6 +145,31 @@ fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
             ownership: Some("kvpeer".into()),
             ..BlockStored::default()
         }),
+        KvEvent::Stored(BlockStored {
+            block_hashes: vec![
+                BlockHash::Bytes(vec![7; 32]),
+                BlockHash::Bytes(key_hash.clone()),
+            ],
+            parent_block_hash: Some(BlockHash::Bytes(vec![6; 32])),
+            token_ids: (0..32).map(|t| t * 1000).collect(),
+            block_size: 16,
+            medium: Some("CPU".into()),
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some("full_attention".into()),
+            ownership: Some("kvpeer".into()),
+            ..BlockStored::default()
+        }),
+        KvEvent::Stored(BlockStored {
+            block_hashes: vec![BlockHash::Int(u64::MAX), BlockHash::Int(3)],
+            parent_block_hash: Some(BlockHash::Int(1 << 63)),
+            token_ids: vec![5, 70000, u32::MAX, 0],
+            block_size: 2,
+            lora_id: Some(-3),
+            medium: Some("CPU".into()),
+            lora_name: Some("adapter".into()),
+            group_idx: Some(1),
+            ..BlockStored::default()
+        }),
         KvEvent::Removed(BlockRemoved {
             block_hashes: vec![BlockHash::Bytes(key_hash), BlockHash::Int(5)],
             medium: Some("CPU".into()),
@@ -152,7 +179,7 @@ fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
         KvEvent::AllCleared,
     ];
     let ours = encode_batch(7.25, &events, Some(1)).unwrap();
-    let unset_rank = encode_batch(7.25, &events[3..], None).unwrap();
+    let unset_rank = encode_batch(7.25, &events[5..], None).unwrap();
     let script = format!(
         "ours = bytes.fromhex('{}')\n\
          h = bytes(range(100, 132))\n\
@@ -162,11 +189,18 @@ fn batches_kvpeer_encodes_are_byte_identical_to_vllms() {
              lora_id=None, medium='CPU', lora_name=None, group_idx=70000, \
              kv_cache_spec_kind='full_attention', locality='LOCAL', \
              ownership='kvpeer'),\
+           BlockStored(block_hashes=[bytes([7] * 32), h], parent_block_hash=bytes([6] * 32), \
+             token_ids=[t * 1000 for t in range(32)], block_size=16, lora_id=None, \
+             medium='CPU', lora_name=None, group_idx=0, \
+             kv_cache_spec_kind='full_attention', ownership='kvpeer'),\
+           BlockStored(block_hashes=[2**64 - 1, 3], parent_block_hash=2**63, \
+             token_ids=[5, 70000, 2**32 - 1, 0], block_size=2, lora_id=-3, medium='CPU', \
+             lora_name='adapter', group_idx=1),\
            BlockRemoved(block_hashes=[h, 5], medium='CPU', group_idx=0),\
            AllBlocksCleared()]\n\
          print(msgspec.msgpack.encode(KVEventBatch(ts=7.25, events=evs, \
              data_parallel_rank=1)).hex())\n\
-         print(msgspec.msgpack.encode(KVEventBatch(ts=7.25, events=evs[3:])).hex())\n\
+         print(msgspec.msgpack.encode(KVEventBatch(ts=7.25, events=evs[5:])).hex())\n\
          b = msgspec.msgpack.Decoder(KVEventBatch).decode(ours)\n\
          print(b == KVEventBatch(ts=7.25, events=evs, data_parallel_rank=1))\n",
         hex::encode(&ours)

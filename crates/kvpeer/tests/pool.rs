@@ -18,8 +18,10 @@ use kvpeer_net::events::{
     EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
 };
 use kvpeer_pool::keys::{key_event, KeyEvent};
-use kvpeer_pool::{Publisher, StoreChange};
-use kvpeer_proto::events::{decode_batch, EventLimits};
+use kvpeer_pool::{Catalog, CatalogLimits, HashForm, Publisher, StoreChange};
+use kvpeer_proto::events::{
+    decode_batch, encode_batch, BlockHash, BlockStored, EventLimits, KvEvent,
+};
 
 const LEN: u64 = 4096;
 
@@ -61,6 +63,8 @@ enum Say {
     /// A batch announcing these keys that the subscriber misses (kept for replay, never sent
     /// live: what a PUB past its high-water mark does).
     Missed(Vec<OffloadKey>),
+    /// A batch of these events, as given.
+    Events(Vec<KvEvent>),
 }
 
 /// An engine's KV event stream, driven by a thread: a PUB and a replay ROUTER on loopback.
@@ -106,11 +110,12 @@ impl Stream {
                         continue;
                     }
                     Say::Garbage => b"\xc1 not msgpack".to_vec(),
+                    Say::Events(events) => encode_batch(1.0, &events, Some(0)).unwrap(),
                     Say::Stored(keys) | Say::Missed(keys) => {
                         let changes: Vec<StoreChange> =
                             keys.into_iter().map(StoreChange::Stored).collect();
                         Publisher::new("", 1)
-                            .publish(1.0, &changes)
+                            .publish(1.0, &changes, &mut Catalog::new(CatalogLimits::default()))
                             .unwrap()
                             .unwrap()
                             .payload
@@ -207,36 +212,141 @@ fn a_pool_pulls_what_an_engine_announces_and_publishes_what_it_took_in() {
 
     // The pool's own stream: a late subscriber's replay names every key it took in.
     let _ = wait_for(&pool, "published", |s| s.published_batches >= 1);
-    let mut sub_config = SubscriberConfig::new(SubEndpoint::Connect(publish));
-    sub_config.replay = Some(publish_replay);
-    let mut sub = EventSubscriber::new(sub_config).unwrap();
-    let mut stored = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut ended = false;
-    while !ended {
-        assert!(Instant::now() < deadline, "no replay end; got {stored:?}");
-        sub.wait(Duration::from_millis(50)).unwrap();
-        while let Some(e) = sub.poll_event() {
-            match e {
-                SubEvent::Connected => sub.request_replay(0),
-                SubEvent::Replayed { payload, .. } | SubEvent::Live { payload, .. } => {
-                    let batch = decode_batch(&payload, &EventLimits::default()).unwrap();
-                    for e in batch.events {
-                        if let KeyEvent::Stored(k) = key_event(&e.unwrap()) {
-                            stored.push(k);
-                        }
-                    }
-                }
-                SubEvent::ReplayEnd => ended = true,
-                SubEvent::Lost { .. } => {}
-            }
-        }
-    }
+    let mut stored: Vec<OffloadKey> = replayed(publish, publish_replay)
+        .iter()
+        .filter_map(|e| match key_event(e) {
+            KeyEvent::Stored(k) => Some(k),
+            _ => None,
+        })
+        .collect();
     stored.sort();
     let mut want = keys(0..8);
     want.sort();
     assert_eq!(stored, want);
     pool.shutdown();
+}
+
+/// Everything a late subscriber of the pool's stream gets in its replay.
+fn replayed(publish: SocketAddr, publish_replay: SocketAddr) -> Vec<KvEvent> {
+    let mut sub_config = SubscriberConfig::new(SubEndpoint::Connect(publish));
+    sub_config.replay = Some(publish_replay);
+    let mut sub = EventSubscriber::new(sub_config).unwrap();
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no replay end; got {events:?}");
+        sub.wait(Duration::from_millis(50)).unwrap();
+        while let Some(e) = sub.poll_event() {
+            match e {
+                SubEvent::Connected => sub.request_replay(0),
+                SubEvent::Replayed { payload, .. } => {
+                    let batch = decode_batch(&payload, &EventLimits::default()).unwrap();
+                    events.extend(batch.events.into_iter().map(Result::unwrap));
+                }
+                SubEvent::ReplayEnd => return events,
+                SubEvent::Live { .. } | SubEvent::Lost { .. } => {}
+            }
+        }
+    }
+}
+
+/// A GPU block's hash in the test prompt: chunk `c`'s first block is made up here, its second
+/// is the chunk's key (a CPU chunk is named by its last block's hash).
+fn block_hash(c: u64, second: bool) -> Vec<u8> {
+    if second {
+        synthetic::key(c).as_bytes()[..32].to_vec()
+    } else {
+        let mut h = vec![0xb0; 32];
+        h[..8].copy_from_slice(&c.to_be_bytes());
+        h
+    }
+}
+
+fn tokens_of(c: u64) -> Vec<u32> {
+    (0..32).map(|t| (c * 100 + t) as u32).collect()
+}
+
+/// What routers need from a pool's events: an engine announces a 4-chunk prompt on its GPU
+/// pool (blocks of 16 tokens, tokens and parents) and offloads each chunk of 2 blocks to its
+/// CPU tier (vLLM's placeholder events); the pool pulls them and publishes each chunk with
+/// its two block hashes, its parent, its 32 tokens and block size 16, in bytes and in the int
+/// form, what a subscriber of the pool's stream receives. A chunk whose blocks were never
+/// announced is published as vLLM's placeholder, counted, never with made-up tokens.
+#[test]
+fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() {
+    for form in [HashForm::Bytes, HashForm::Int] {
+        let engine = engine("pool-e7", 5);
+        let stream = Stream::start();
+        let blocks: Vec<Vec<u8>> = (0..4)
+            .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
+            .collect();
+        stream.say(Say::Events(vec![KvEvent::Stored(BlockStored {
+            block_hashes: blocks.iter().cloned().map(BlockHash::Bytes).collect(),
+            token_ids: (0..4).flat_map(tokens_of).collect(),
+            block_size: 16,
+            medium: Some("GPU".into()),
+            group_idx: Some(0),
+            kv_cache_spec_kind: Some("full_attention".into()),
+            ..BlockStored::default()
+        })]));
+        stream.say(Say::Stored(keys(0..5)));
+        let pool_node = Arc::new(node("pool-p7", 64));
+        let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let config = PoolConfig {
+            publish: Some(publish),
+            publish_replay: Some(publish_replay),
+            hash_form: form,
+            ..follow(&stream, &engine)
+        };
+        let pool = Pool::start(pool_node.clone(), &config).unwrap();
+        wait_for(&pool, "5 pulled", |s| s.pulled_blocks == 5);
+        let s = wait_for(&pool, "5 published", |s| {
+            s.published_described + s.published_undescribed[0] == 5
+        });
+        assert_eq!(
+            (s.published_described, s.published_undescribed),
+            (4, [1, 0, 0])
+        );
+        let as_form = |h: &[u8]| match form {
+            HashForm::Bytes => BlockHash::Bytes(h.to_vec()),
+            HashForm::Int => BlockHash::Int(kvpeer_pool::low_64_bits(h)),
+        };
+        let mut stores: Vec<BlockStored> = replayed(publish, publish_replay)
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::Stored(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stores.len(), 5, "{stores:?}");
+        // In the order the pool took them in; sort by the chunk's name for the check.
+        let key_hash = |c: u64| as_form(&block_hash(c, true));
+        for c in 0..4u64 {
+            let at = stores
+                .iter()
+                .position(|s| s.block_hashes.last() == Some(&key_hash(c)))
+                .unwrap_or_else(|| panic!("chunk {c} not published: {stores:?}"));
+            let s = stores.remove(at);
+            assert_eq!(
+                s.block_hashes,
+                vec![as_form(&block_hash(c, false)), key_hash(c)]
+            );
+            let parent = c.checked_sub(1).map(key_hash);
+            assert_eq!(s.parent_block_hash, parent, "chunk {c}");
+            assert_eq!(s.token_ids, tokens_of(c));
+            assert_eq!(s.block_size, 16);
+            assert_eq!(s.group_idx, Some(0));
+            assert_eq!(s.medium.as_deref(), Some("CPU"));
+            assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+        }
+        // Chunk 4: no GPU block of it was announced: vLLM's placeholder.
+        assert_eq!(stores.len(), 1);
+        assert_eq!(stores[0].block_hashes, vec![key_hash(4)]);
+        assert!(stores[0].token_ids.is_empty() && stores[0].block_size == 0);
+        assert_eq!(stores[0].parent_block_hash, None);
+        pool.shutdown();
+    }
 }
 
 #[test]

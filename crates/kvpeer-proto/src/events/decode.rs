@@ -258,15 +258,41 @@ fn read_field(
             };
         }
         (Kind::Stored, "token_ids") => match r.next_token().map_err(msgpack)? {
-            Token::Nil => s.token_count = 0,
+            Token::Nil => s.token_ids.clear(),
             Token::Array(n) => {
-                s.token_count = n as u64;
-                for _ in 0..n {
-                    r.skip_value(2, depth).map_err(msgpack)?;
+                if n > limits.max_tokens {
+                    return Err(at(format!(
+                        "{n} token ids, over the limit of {}",
+                        limits.max_tokens
+                    )));
                 }
+                let mut tokens = Vec::with_capacity(n);
+                for _ in 0..n {
+                    tokens.push(match r.next_token().map_err(msgpack)? {
+                        Token::Uint(u) => u32::try_from(u)
+                            .map_err(|_| at(format!("token id {u} does not fit 32 bits")))?,
+                        t => return Err(at(format!("a token id is a {}", t.kind()))),
+                    });
+                }
+                s.token_ids = tokens;
             }
             t => return Err(at(format!("a {}, not a list", t.kind()))),
         },
+        (Kind::Stored, "lora_id") => {
+            s.lora_id = match r.next_token().map_err(msgpack)? {
+                Token::Nil => None,
+                Token::Uint(u) => {
+                    Some(i64::try_from(u).map_err(|_| at(format!("{u} does not fit 8 bytes")))?)
+                }
+                Token::NegInt(i) => Some(i),
+                t => return Err(at(format!("a {}, not an id", t.kind()))),
+            };
+        }
+        (Kind::Stored, "extra_keys" | "lookahead_token_ids") => {
+            if not_all_nil(r, depth).map_err(msgpack)? {
+                s.has_extra_keys = true;
+            }
+        }
         (Kind::Stored, "block_size") => {
             s.block_size = match r.next_token().map_err(msgpack)? {
                 Token::Uint(u) => u,
@@ -293,6 +319,28 @@ fn read_field(
         _ => r.skip_value(1, depth).map_err(msgpack)?,
     }
     Ok(())
+}
+
+/// Skips one field's value; whether anything in it is not nil (nil, or a list of nils, is
+/// vLLM's "none").
+fn not_all_nil(r: &mut Reader<'_>, depth: usize) -> Result<bool, crate::MsgpackError> {
+    let start = r.position();
+    r.skip_value(1, depth)?;
+    let mut value = Reader::new(r.since(start));
+    match value.next_token()? {
+        Token::Nil => Ok(false),
+        Token::Array(n) => {
+            for _ in 0..n {
+                let at = value.position();
+                value.skip_value(2, depth)?;
+                if value.since(at) != [0xc0] {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        }
+        _ => Ok(true),
+    }
 }
 
 fn hash(t: Token<'_>, limits: &EventLimits) -> Result<BlockHash, String> {

@@ -6,8 +6,8 @@
 //! fields written: `BlockStored` (20 fields with its tag) always gets a map16 header, the
 //! smaller structs a fixmap.
 //!
-//! The decoder does not keep token ids, so a `BlockStored` is written with `token_ids: []`:
-//! the form of vLLM's own CPU-tier placeholder events, which is what a pool node publishes.
+//! `extra_keys` and `lookahead_token_ids` are never written (the decoder does not keep them):
+//! a pool node describes again only blocks whose hash depends on their tokens and parent alone.
 
 use super::{BlockHash, KvEvent};
 use crate::error::EncodeError;
@@ -22,7 +22,7 @@ pub fn encode_batch(
     events: &[KvEvent],
     data_parallel_rank: Option<i64>,
 ) -> Result<Vec<u8>, EncodeError> {
-    let mut out = Vec::with_capacity(16 + events.len() * 96);
+    let mut out = Vec::with_capacity(16 + events.len() * 160);
     write_array_len(&mut out, 3)?;
     write_f64(&mut out, ts);
     write_array_len(&mut out, events.len())?;
@@ -58,11 +58,17 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent) -> Result<(), EncodeError> {
                 None => write_nil(out),
             }
             write_str(out, "token_ids")?;
-            write_array_len(out, 0)?;
+            write_array_len(out, s.token_ids.len())?;
+            for &token in &s.token_ids {
+                write_uint(out, u64::from(token));
+            }
             write_str(out, "block_size")?;
             write_uint(out, s.block_size);
             write_str(out, "lora_id")?;
-            write_nil(out);
+            match s.lora_id {
+                Some(id) => write_int(out, id),
+                None => write_nil(out),
+            }
             opt_str(out, "medium", s.medium.as_deref(), true)?;
             opt_str(out, "lora_name", s.lora_name.as_deref(), true)?;
             group(out, s.group_idx)?;

@@ -9,10 +9,10 @@
 //! hash      bin (32 bytes: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) | uint (its low 64 bits)
 //! ```
 //!
-//! The decoder walks the payload with the crate's bounded reader and keeps only what a pool
-//! needs (hashes, group, medium, sizes, ownership): token ids and extra keys are counted or
-//! skipped, never stored, so a batch costs memory in proportion to its hashes, bounded by
-//! [`EventLimits`]. A malformed event is that event's error ([`EventError`]); the batch's other
+//! The decoder walks the payload with the crate's bounded reader and keeps what a pool needs
+//! (hashes, parent, token ids, group, medium, sizes, LoRA, ownership): extra keys and
+//! lookahead tokens are only noticed, never stored, so a batch costs memory in proportion to
+//! its hashes and tokens, bounded by [`EventLimits`]. A malformed event is that event's error ([`EventError`]); the batch's other
 //! events still decode. A batch that is not a batch at all is one error for the whole payload.
 //!
 //! Pure: no sockets, no clock. Who calls it: the pool node's event follower (issue 15), on its
@@ -43,10 +43,17 @@ pub struct BlockStored {
     pub block_hashes: Vec<BlockHash>,
     /// The block before the first one, if any.
     pub parent_block_hash: Option<BlockHash>,
-    /// How many token ids the event listed (the ids themselves are not kept).
-    pub token_count: u64,
+    /// The tokens of all the event's blocks, in order (`block_size` per block; empty in the CPU
+    /// tier's placeholder events).
+    pub token_ids: Vec<u32>,
     /// Tokens per block (0 in the CPU tier's placeholder events).
     pub block_size: u64,
+    /// The LoRA adapter's id (deprecated by vLLM in favour of `lora_name`, still published).
+    pub lora_id: Option<i64>,
+    /// Whether the blocks' hashes depend on more than their tokens and parent: `extra_keys`
+    /// (LoRA name, multimodal inputs, cache salt) or `lookahead_token_ids` set to something
+    /// other than nil. Those values are not kept, so such blocks cannot be described again.
+    pub has_extra_keys: bool,
     /// `"GPU"`, `"CPU"`, `"STORAGE"`, or unset.
     pub medium: Option<String>,
     /// The KV cache group (set by the offloading connector's events).
@@ -113,6 +120,8 @@ pub struct EventLimits {
     pub max_hashes: usize,
     /// Longest byte hash. Default 64 (vLLM's are 32).
     pub max_hash_bytes: usize,
+    /// Most token ids in one event. Default 1,048,576 (a 1M-token prompt's blocks at once).
+    pub max_tokens: usize,
     /// Longest string field kept (medium, lora name, ownership, tags). Default 256.
     pub max_str_bytes: usize,
     /// Deepest nesting in fields that are skipped. Default 16.
@@ -126,6 +135,7 @@ impl Default for EventLimits {
             max_events: 1 << 16,
             max_hashes: 1 << 16,
             max_hash_bytes: 64,
+            max_tokens: 1 << 20,
             max_str_bytes: 256,
             max_depth: 16,
         }

@@ -283,6 +283,18 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
         publish: endpoint_of(&KEY.publish_events)?,
         publish_replay: endpoint_of(&KEY.publish_replay)?,
         topic: s.text(&KEY.publish_topic),
+        hash_form: match s.text(&KEY.publish_hashes).trim() {
+            "bytes" => kvpeer_pool::HashForm::Bytes,
+            "int" => kvpeer_pool::HashForm::Int,
+            other => {
+                let src = s.get(&KEY.publish_hashes).map_or("default", |(_, src)| src);
+                return Err(bad(
+                    src,
+                    KEY.publish_hashes.name,
+                    format!("{other:?} is not bytes or int"),
+                ));
+            }
+        },
         max_event_subscribers: s.number(&KEY.max_event_subscribers, 1, 1 << 20)? as usize,
         max_event_replay_clients: s.number(&KEY.max_event_replay_clients, 1, 1 << 20)? as usize,
         max_event_per_source: s.number(&KEY.max_event_per_source, 1, 1 << 20)? as usize,

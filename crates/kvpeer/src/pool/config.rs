@@ -34,6 +34,8 @@ pub struct PoolConfig {
     pub publish_replay: Option<SocketAddr>,
     /// The topic of the node's events.
     pub topic: String,
+    /// How the node's events write block hashes.
+    pub hash_form: kvpeer_pool::HashForm,
     /// Subscribers of the node's events at once.
     pub max_event_subscribers: usize,
     /// Replay clients of the node's events at once.
@@ -52,6 +54,7 @@ impl Default for PoolConfig {
             publish: None,
             publish_replay: None,
             topic: String::new(),
+            hash_form: kvpeer_pool::HashForm::Bytes,
             max_event_subscribers: 64,
             max_event_replay_clients: 16,
             max_event_per_source: 16,

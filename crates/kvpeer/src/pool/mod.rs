@@ -39,7 +39,8 @@ use kvpeer_net::events::{
     SubscriberConfig,
 };
 use kvpeer_pool::{
-    Admission, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings, Publisher, StoreChange,
+    Admission, CatalogStats, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings,
+    Publisher, PublisherStats, StoreChange,
 };
 use kvpeer_proto::OffloadKey;
 use kvpeer_store::KeyChange;
@@ -123,6 +124,18 @@ pub struct PoolStats {
     pub published_batches: u64,
     /// Store changes dropped before they could be published (the log overflowed).
     pub publish_dropped: u64,
+    /// Stores the node published with the chunk's blocks, tokens and parent.
+    pub published_described: u64,
+    /// Stores it published as placeholders, nothing having described the chunk (`Unknown`:
+    /// its blocks were never announced with tokens; `TooLong`; `Inconsistent`: see
+    /// `kvpeer_pool::Undescribed`).
+    pub published_undescribed: [u64; 3],
+    /// GPU blocks the catalog keeps (gauge).
+    pub catalog_blocks: u64,
+    /// Chunks the catalog keeps (gauge).
+    pub catalog_chunks: u64,
+    /// Blocks announced with extra keys (LoRA, multimodal, cache salt): not describable.
+    pub extra_key_blocks: u64,
 }
 
 /// What the threads count together.
@@ -199,7 +212,9 @@ impl Pool {
                 info!(events = ?socket.local_addr().ok(), replay = ?socket.replay_addr(), "publishing KV events");
                 // Recording starts now: what the store held before is not announced.
                 let _ = node.take_store_changes(MAX_CHANGES);
-                Some((socket, Publisher::new(&config.topic, REPLAY_BUFFER)))
+                let mut publisher = Publisher::new(&config.topic, REPLAY_BUFFER);
+                publisher.set_hash_form(config.hash_form);
+                Some((socket, publisher))
             }
             None => None,
         };
@@ -383,7 +398,10 @@ impl PoolThread {
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64());
                 publisher.set_group_kinds(self.holdings.group_kinds());
-                match publisher.publish(ts, &changes) {
+                let before = publisher.stats();
+                let result = publisher.publish(ts, &changes, self.holdings.catalog_mut());
+                log_undescribed(before, publisher.stats(), self.holdings.catalog().stats());
+                match result {
                     Ok(Some(frames)) => {
                         socket.publish(&[&frames.topic, &frames.seq, &frames.payload]);
                         self.published += 1;
@@ -410,6 +428,19 @@ impl PoolThread {
             publish_dropped: self.publish_dropped,
             ..PoolStats::default()
         };
+        if let Some((_, publisher)) = &self.publishing {
+            let p = publisher.stats();
+            s.published_described = p.described;
+            s.published_undescribed = [
+                p.undescribed_unknown,
+                p.undescribed_too_long,
+                p.undescribed_inconsistent,
+            ];
+        }
+        let c = self.holdings.catalog().stats();
+        s.catalog_blocks = c.blocks;
+        s.catalog_chunks = c.chunks;
+        s.extra_key_blocks = c.extra_keys;
         for e in &self.engines {
             let f = e.follower.stats();
             s.connected += u64::from(e.subscriber.is_connected());
@@ -424,6 +455,42 @@ impl PoolThread {
         }
         if let Ok(mut followed) = self.shared.followed.lock() {
             *followed = s;
+        }
+    }
+}
+
+/// Says once per reason that the node published a chunk without its description, and what
+/// it would need (the first time a count grows; the counts are metrics).
+fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: CatalogStats) {
+    static LOGGED: [AtomicBool; 3] = [
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+    ];
+    let grew = [
+        after.undescribed_unknown > before.undescribed_unknown,
+        after.undescribed_too_long > before.undescribed_too_long,
+        after.undescribed_inconsistent > before.undescribed_inconsistent,
+    ];
+    let why = [
+        "none of its blocks was announced with tokens: follow the engines whose GPU events \
+         carry them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), or enable vLLM's \
+         self_describing_kv_events; blocks with extra keys (LoRA, multimodal, cache salt) are \
+         never described",
+        "the walk back through its blocks did not reach the chunk before it",
+        "its blocks disagree with the group's blocks per chunk (a chunk announcement was \
+         missed) or with each other",
+    ];
+    for i in 0..3 {
+        if grew[i] && !LOGGED[i].swap(true, Ordering::Relaxed) {
+            warn!(
+                extra_key_blocks = catalog.extra_keys,
+                int_hash_stores = catalog.int_hashes,
+                "a chunk was published in vLLM's placeholder form (no tokens, block_size 0), \
+                 which routers that hash tokens do not index: {} (logged once; counted in \
+                 kvpeer_events_published_undescribed_total)",
+                why[i]
+            );
         }
     }
 }
