@@ -6,7 +6,9 @@
 //! payload)` with `seq` from 0; the last `buffer` batches are kept for replay; a replay request
 //! for `start` is answered with every kept batch whose `seq ≥ start`, then an end marker whose
 //! `seq` is −1. Every key the store takes in is one `BlockStored` (`medium: "CPU"`,
-//! `group_idx` = the key's 4-byte group, `ownership: "kvpeer"`, the group's kind once learned):
+//! `group_idx` = the key's 4-byte group, the group's kind once learned, and no `ownership`
+//! unless one is set: an engine's own CPU tier says none, and routers treat a value
+//! differently, see [`Publisher::set_ownership`]):
 //! in vLLM's **self-describing** form when the [`Catalog`] describes the chunk (its blocks'
 //! hashes, the last naming the key, its parent, its tokens, the engine's block size), which is
 //! what a router that hashes tokens needs; otherwise in vLLM's placeholder form (the one hash,
@@ -83,7 +85,8 @@ pub struct Frames {
     pub payload: Vec<u8>,
 }
 
-/// The `ownership` a pool node's events carry (vLLM's names a secondary tier there).
+/// An `ownership` a pool node's events may carry (vLLM's names a secondary tier there), for
+/// routers that should tell a pool from an engine's CPU tier.
 pub const OWNERSHIP: &str = "kvpeer";
 
 /// The publishing side's state: the next `seq` and the replay buffer.
@@ -98,6 +101,7 @@ pub struct Publisher {
     /// such as llm-d's skip a store of a group whose kind they never learned).
     group_kinds: std::collections::BTreeMap<u32, String>,
     hash_form: HashForm,
+    ownership: Option<String>,
     /// Every hash a held chunk was announced with, when more than its key's.
     fanout: FastMap<OffloadKey, Vec<Box<[u8]>>>,
     stats: PublisherStats,
@@ -114,6 +118,7 @@ impl Publisher {
             data_parallel_rank: Some(0),
             group_kinds: std::collections::BTreeMap::new(),
             hash_form: HashForm::Bytes,
+            ownership: None,
             fanout: FastMap::default(),
             stats: PublisherStats::default(),
         }
@@ -122,6 +127,15 @@ impl Publisher {
     /// Hashes written in `form` from now on.
     pub fn set_hash_form(&mut self, form: HashForm) {
         self.hash_form = form;
+    }
+
+    /// The `ownership` every event says from now on (`None`: left out, as an engine's own CPU
+    /// tier). Routers differ: vllm-router 0.1.17 scores blocks with an ownership as an
+    /// external cache (×0.6 by default, ×0.8 for a host tier without) and removes them only by
+    /// a removal of the same ownership; Dynamo's indexer 1.6.1 ignores every event that has
+    /// one; llm-d ignores the field (docs/scaling.md).
+    pub fn set_ownership(&mut self, ownership: Option<String>) {
+        self.ownership = ownership;
     }
 
     /// What it wrote so far.
@@ -236,7 +250,7 @@ impl Publisher {
             medium: Some(crate::keys::CPU_MEDIUM.into()),
             group_idx: Some(group),
             kv_cache_spec_kind: self.group_kinds.get(&group).cloned(),
-            ownership: Some(OWNERSHIP.into()),
+            ownership: self.ownership.clone(),
             ..BlockStored::default()
         };
         match catalog.describe(key) {
@@ -284,7 +298,7 @@ impl Publisher {
                 block_hashes: hashes,
                 medium: Some(crate::keys::CPU_MEDIUM.into()),
                 group_idx: Some(group),
-                ownership: Some(OWNERSHIP.into()),
+                ownership: self.ownership.clone(),
                 ..BlockRemoved::default()
             }));
         }
@@ -380,7 +394,7 @@ mod tests {
         );
         assert_eq!(described.token_ids, vec![30, 31, 40, 41]);
         assert_eq!(described.block_size, 2);
-        assert_eq!(described.ownership.as_deref(), Some(OWNERSHIP));
+        assert_eq!(described.ownership, None);
         // The same chunk still names the same key to a follower (its last hash).
         assert_eq!(key_event(&events[0]), KeyEvent::Stored(key(4, 0)));
         // A chunk nothing described: vLLM's placeholder, counted.

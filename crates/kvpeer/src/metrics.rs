@@ -391,6 +391,11 @@ pub fn render_pool(s: &PoolStats) -> String {
             s.indexed_keys,
         ),
         (
+            "kvpeer_events_subscribers",
+            "connections subscribed to the node's KV events",
+            s.event_subscribers,
+        ),
+        (
             "kvpeer_catalog_blocks",
             "GPU blocks the pool keeps to describe chunks",
             s.catalog_blocks,

@@ -104,6 +104,8 @@ pub(crate) struct NodeArgs {
     pub(crate) publish_topic: Option<String>,
     #[arg(long, value_name = "bytes|int", help = help(&KEY.publish_hashes))]
     pub(crate) publish_hashes: Option<String>,
+    #[arg(long, value_name = "NAME", help = help(&KEY.publish_ownership))]
+    pub(crate) publish_ownership: Option<String>,
 }
 
 impl NodeArgs {
@@ -207,6 +209,11 @@ impl NodeArgs {
             &KEY.publish_hashes,
             self.publish_hashes.clone(),
             "--publish-hashes",
+        );
+        set(
+            &KEY.publish_ownership,
+            self.publish_ownership.clone(),
+            "--publish-ownership",
         );
         Ok(flags)
     }

@@ -270,11 +270,12 @@ fn tokens_of(c: u64) -> Vec<u32> {
 /// pool (blocks of 16 tokens, tokens and parents) and offloads each chunk of 2 blocks to its
 /// CPU tier (vLLM's placeholder events); the pool pulls them and publishes each chunk with
 /// its two block hashes, its parent, its 32 tokens and block size 16, in bytes and in the int
-/// form, what a subscriber of the pool's stream receives. A chunk whose blocks were never
-/// announced is published as vLLM's placeholder, counted, never with made-up tokens.
+/// form, with no `ownership` (as an engine's own CPU tier) or the one set: what a subscriber
+/// of the pool's stream receives. A chunk whose blocks were never announced is published as
+/// vLLM's placeholder, counted, never with made-up tokens.
 #[test]
 fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() {
-    for form in [HashForm::Bytes, HashForm::Int] {
+    for (form, ownership) in [(HashForm::Bytes, None), (HashForm::Int, Some("kvpeer"))] {
         let engine = engine("pool-e7", 5);
         let stream = Stream::start();
         let blocks: Vec<Vec<u8>> = (0..4)
@@ -297,6 +298,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
             publish: Some(publish),
             publish_replay: Some(publish_replay),
             hash_form: form,
+            ownership: ownership.map(str::to_owned),
             ..follow(&stream, &engine)
         };
         let pool = Pool::start(pool_node.clone(), &config).unwrap();
@@ -339,6 +341,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
             assert_eq!(s.group_idx, Some(0));
             assert_eq!(s.medium.as_deref(), Some("CPU"));
             assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+            assert_eq!(s.ownership.as_deref(), ownership);
         }
         // Chunk 4: no GPU block of it was announced: vLLM's placeholder.
         assert_eq!(stores.len(), 1);

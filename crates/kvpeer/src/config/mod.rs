@@ -283,6 +283,7 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
         publish: endpoint_of(&KEY.publish_events)?,
         publish_replay: endpoint_of(&KEY.publish_replay)?,
         topic: s.text(&KEY.publish_topic),
+        ownership: Some(s.text(&KEY.publish_ownership).trim().to_owned()).filter(|o| !o.is_empty()),
         hash_form: match s.text(&KEY.publish_hashes).trim() {
             "bytes" => kvpeer_pool::HashForm::Bytes,
             "int" => kvpeer_pool::HashForm::Int,

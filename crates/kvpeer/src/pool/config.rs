@@ -36,6 +36,8 @@ pub struct PoolConfig {
     pub topic: String,
     /// How the node's events write block hashes.
     pub hash_form: kvpeer_pool::HashForm,
+    /// The `ownership` the node's events say (`None`: left out).
+    pub ownership: Option<String>,
     /// Subscribers of the node's events at once.
     pub max_event_subscribers: usize,
     /// Replay clients of the node's events at once.
@@ -55,6 +57,7 @@ impl Default for PoolConfig {
             publish_replay: None,
             topic: String::new(),
             hash_form: kvpeer_pool::HashForm::Bytes,
+            ownership: None,
             max_event_subscribers: 64,
             max_event_replay_clients: 16,
             max_event_per_source: 16,

@@ -136,6 +136,8 @@ pub struct PoolStats {
     pub catalog_chunks: u64,
     /// Blocks announced with extra keys (LoRA, multimodal, cache salt): not describable.
     pub extra_key_blocks: u64,
+    /// Connections subscribed to the node's events (gauge).
+    pub event_subscribers: u64,
 }
 
 /// What the threads count together.
@@ -214,6 +216,7 @@ impl Pool {
                 let _ = node.take_store_changes(MAX_CHANGES);
                 let mut publisher = Publisher::new(&config.topic, REPLAY_BUFFER);
                 publisher.set_hash_form(config.hash_form);
+                publisher.set_ownership(config.ownership.clone());
                 Some((socket, publisher))
             }
             None => None,
@@ -428,7 +431,8 @@ impl PoolThread {
             publish_dropped: self.publish_dropped,
             ..PoolStats::default()
         };
-        if let Some((_, publisher)) = &self.publishing {
+        if let Some((socket, publisher)) = &self.publishing {
+            s.event_subscribers = socket.subscribed() as u64;
             let p = publisher.stats();
             s.published_described = p.described;
             s.published_undescribed = [
