@@ -34,6 +34,9 @@ use kvpeer_proto::OffloadKey;
 
 use crate::keys::CPU_MEDIUM;
 
+/// Most chunks [`Catalog::root`] walks through (a 1M-token prompt in 256-token chunks).
+pub const MAX_ANCESTORS: usize = 4096;
+
 /// The catalog's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CatalogLimits {
@@ -261,6 +264,22 @@ impl Catalog {
         self.stats.walked += 1;
         self.put_chunk(key.clone(), Some(description.clone()));
         Ok(description)
+    }
+
+    /// The root chunk of the prefix chunk `key` ends: each chunk's parent is the last block of
+    /// the chunk before it, so the walk goes chunk by chunk to one with no parent. Every chunk
+    /// on the way must be describable; at most [`MAX_ANCESTORS`] of them.
+    pub fn root(&mut self, key: &OffloadKey) -> Result<OffloadKey, Undescribed> {
+        let (_, group) = split(key).ok_or(Undescribed::Unknown)?;
+        let mut current = key.clone();
+        for _ in 0..MAX_ANCESTORS {
+            let description = self.describe(&current)?;
+            match &description.parent {
+                None => return Ok(current),
+                Some(parent) => current = OffloadKey::from_parts(parent, group),
+            }
+        }
+        Err(Undescribed::TooLong)
     }
 
     /// What the catalog saw.
@@ -615,6 +634,22 @@ mod tests {
         c.learn(&placeholder(8));
         assert_eq!(c.describe(&key(8)), Err(Undescribed::Unknown));
         assert_eq!(c.stats().bad_tokens, 1);
+    }
+
+    #[test]
+    fn a_chunks_root_is_found_through_its_parents() {
+        let mut c = Catalog::new(CatalogLimits::default());
+        c.learn(&stored(&[1, 2, 3, 4, 5, 6], None, "GPU"));
+        for last in [2, 4, 6] {
+            c.learn(&placeholder(last));
+        }
+        for last in [2, 4, 6] {
+            assert_eq!(c.root(&key(last)), Ok(key(2)));
+        }
+        // A chunk whose ancestors are not all known has no root.
+        c.learn(&stored(&[8, 9], Some(7), "GPU"));
+        c.learn(&placeholder(9));
+        assert_eq!(c.root(&key(9)), Err(Undescribed::Unknown));
     }
 
     #[test]

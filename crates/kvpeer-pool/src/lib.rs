@@ -10,6 +10,8 @@
 //! * [`Catalog`]: what each chunk is beyond its key (its blocks' hashes, parent, tokens,
 //!   block size), learned from the engines' GPU and self-describing events, so the pool's
 //!   events describe it as an engine's do.
+//! * [`shard`]: which of several pool nodes owns a prefix (rendezvous hashing of its root
+//!   chunk), for `--shard` admission and for whoever picks a pool for a request.
 //! * [`Publisher`]: the pool's own stream in vLLM's form (what its store took in and let go),
 //!   with vLLM's replay buffer, for the routers that already index vLLM engines.
 //!
@@ -23,8 +25,11 @@ mod follower;
 mod holdings;
 pub mod keys;
 mod publisher;
+pub mod shard;
 
-pub use catalog::{Catalog, CatalogLimits, CatalogStats, ChunkDescription, Undescribed};
+pub use catalog::{
+    Catalog, CatalogLimits, CatalogStats, ChunkDescription, Undescribed, MAX_ANCESTORS,
+};
 pub use follower::{FollowAction, Follower, FollowerLimits, FollowerStats};
 pub use holdings::{Admission, EngineSlot, Holdings, PullCandidate};
 pub use publisher::{

@@ -274,7 +274,7 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
 /// Renders the pool node's counters (`kvpeer_pool_*`) in the Prometheus text format.
 pub fn render_pool(s: &PoolStats) -> String {
     let mut out = String::new();
-    let counters: [(&str, &str, u64); 20] = [
+    let counters: [(&str, &str, u64); 22] = [
         (
             "kvpeer_follow_event_batches_total",
             "KV event batches applied",
@@ -360,6 +360,16 @@ pub fn render_pool(s: &PoolStats) -> String {
             "kvpeer_events_published_described_total",
             "chunks the node published with their blocks, tokens and parent",
             s.published_described,
+        ),
+        (
+            "kvpeer_follow_shard_others_total",
+            "candidates not pulled: another pool node owns their prefix",
+            s.shard_others,
+        ),
+        (
+            "kvpeer_follow_shard_unknown_root_total",
+            "candidates not pulled: their prefix's root chunk is not known",
+            s.shard_unknown_root,
         ),
         (
             "kvpeer_follow_extra_key_blocks_total",

@@ -104,6 +104,8 @@ pub(crate) struct NodeArgs {
     pub(crate) publish_topic: Option<String>,
     #[arg(long, value_name = "bytes|int", help = help(&KEY.publish_hashes))]
     pub(crate) publish_hashes: Option<String>,
+    #[arg(long, value_name = "HOST:PORT,...", help = help(&KEY.pool_shard))]
+    pub(crate) shard: Option<String>,
     #[arg(long, value_name = "NAME", help = help(&KEY.publish_ownership))]
     pub(crate) publish_ownership: Option<String>,
 }
@@ -210,6 +212,7 @@ impl NodeArgs {
             self.publish_hashes.clone(),
             "--publish-hashes",
         );
+        set(&KEY.pool_shard, self.shard.clone(), "--shard");
         set(
             &KEY.publish_ownership,
             self.publish_ownership.clone(),

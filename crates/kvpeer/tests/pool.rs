@@ -454,6 +454,82 @@ fn with_two_holders_required_only_shared_chunks_are_pulled() {
     pool.shutdown();
 }
 
+/// A prompt `p` of two chunks (synthetic keys 2p and 2p + 1), as an engine's GPU pool
+/// announces it: four blocks of 16 tokens, the second of each chunk its key's hash.
+fn prompt_gpu_event(p: u64) -> KvEvent {
+    let blocks: Vec<Vec<u8>> = [2 * p, 2 * p + 1]
+        .into_iter()
+        .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
+        .collect();
+    KvEvent::Stored(BlockStored {
+        block_hashes: blocks.into_iter().map(BlockHash::Bytes).collect(),
+        token_ids: [2 * p, 2 * p + 1].into_iter().flat_map(tokens_of).collect(),
+        block_size: 16,
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+        ..BlockStored::default()
+    })
+}
+
+/// `shard`: two pool nodes follow the same engine and split its prefixes by rendezvous
+/// hashing of each prefix's root chunk: each pulls exactly the prompts whose root it owns
+/// (both chunks of each, never one without the other), none is pulled twice, and together
+/// they hold all of them. A chunk whose prefix's root is unknown (its engine sent no GPU
+/// events for it) is pulled by neither, and counted.
+#[test]
+fn sharded_pools_split_the_prefixes_by_their_root_chunk() {
+    let prompts = 8u64;
+    let engine = engine("pool-e9", 2 * prompts + 1);
+    let stream = Stream::start();
+    let (a, b) = (
+        Arc::new(node("pool-p9a", 64)),
+        Arc::new(node("pool-p9b", 64)),
+    );
+    let members = vec![a.id().clone(), b.id().clone()];
+    let config = PoolConfig {
+        shard: members.clone(),
+        ..follow(&stream, &engine)
+    };
+    let pool_a = Pool::start(a.clone(), &config).unwrap();
+    let pool_b = Pool::start(b.clone(), &config).unwrap();
+    wait_for(&pool_a, "a connected", |s| s.connected == 1);
+    wait_for(&pool_b, "b connected", |s| s.connected == 1);
+    stream.say(Say::Events((0..prompts).map(prompt_gpu_event).collect()));
+    stream.say(Say::Stored(keys(0..2 * prompts + 1)));
+    let owner = |p: u64| {
+        let root = synthetic::key(2 * p);
+        kvpeer_pool::shard::owner(&[members[0].as_str(), members[1].as_str()], &root).unwrap()
+    };
+    let mine = |i: usize| -> Vec<OffloadKey> {
+        (0..prompts)
+            .filter(|&p| owner(p) == i)
+            .flat_map(|p| keys(2 * p..2 * p + 2))
+            .collect()
+    };
+    for (i, (pool, held)) in [(&pool_a, &a), (&pool_b, &b)].into_iter().enumerate() {
+        let want = mine(i);
+        let s = wait_for(pool, "its share pulled", |s| {
+            s.pulled_blocks == want.len() as u64 && s.shard_unknown_root >= 1
+        });
+        assert_eq!(s.shard_others, 2 * prompts - want.len() as u64, "{s:?}");
+        assert_holds(held, &want);
+        let all = keys(0..2 * prompts + 1);
+        let holds = held.contains(&all).unwrap();
+        for (k, h) in all.iter().zip(holds) {
+            assert_eq!(h, want.contains(k), "{k:?}");
+        }
+    }
+    pool_a.shutdown();
+    pool_b.shutdown();
+
+    // A node that is not among the members it is given refuses to start.
+    let stranger = Arc::new(node("pool-p9c", 8));
+    assert!(matches!(
+        Pool::start(stranger, &config),
+        Err(kvpeer::pool::PoolError::NotInShard { .. })
+    ));
+}
+
 #[test]
 fn a_touched_block_is_kept_and_an_untouched_one_evicted() {
     let n = engine("pool-touch", 2);

@@ -207,6 +207,8 @@ declare_keys! {
     publish_topic = "";
     /// pool node: how its KV events write block hashes: bytes (the full hash, as engines with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) or int (the low 64 bits, for routers that take only ints, e.g. Dynamo)
     publish_hashes = "bytes";
+    /// pool node: the P2P identities (HOST:PORT, comma-separated) of every pool node that splits the key space, itself included; it then pulls only the prefixes whose root chunk rendezvous-hashes to itself (unset: everything it admits)
+    pool_shard;
     /// pool node: the ownership its KV events say (empty: none, as an engine's own CPU tier; vllm-router then scores them as a host tier, Dynamo's indexer ignores any value)
     publish_ownership = "";
     /// pool node: subscribers of its KV events at once (a newcomer evicts the idlest when full)

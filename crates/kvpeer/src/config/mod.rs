@@ -284,6 +284,31 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
         publish_replay: endpoint_of(&KEY.publish_replay)?,
         topic: s.text(&KEY.publish_topic),
         ownership: Some(s.text(&KEY.publish_ownership).trim().to_owned()).filter(|o| !o.is_empty()),
+        shard: match s.get(&KEY.pool_shard) {
+            None => Vec::new(),
+            Some((text, src)) => {
+                let mut members = Vec::new();
+                for m in text.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+                    let id = PeerId::new(m);
+                    if id.host_port().is_err() {
+                        return Err(bad(
+                            src,
+                            KEY.pool_shard.name,
+                            format!("{m:?} is not HOST:PORT"),
+                        ));
+                    }
+                    if members.contains(&id) {
+                        return Err(bad(
+                            src,
+                            KEY.pool_shard.name,
+                            format!("{m:?} is listed twice"),
+                        ));
+                    }
+                    members.push(id);
+                }
+                members
+            }
+        },
         hash_form: match s.text(&KEY.publish_hashes).trim() {
             "bytes" => kvpeer_pool::HashForm::Bytes,
             "int" => kvpeer_pool::HashForm::Int,
@@ -528,7 +553,16 @@ mod tests {
         );
         set.set("pull_max_rate", "1000", "t");
         set.set("publish_events", "tcp://*:5557", "t");
+        set.set("publish_hashes", "int", "t");
+        set.set("publish_ownership", "kvpeer", "t");
+        set.set("pool_shard", "10.0.0.5:5710, 10.0.0.6:5710", "t");
         let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.pool.hash_form, kvpeer_pool::HashForm::Int);
+        assert_eq!(c.pool.ownership.as_deref(), Some("kvpeer"));
+        assert_eq!(
+            c.pool.shard,
+            vec![PeerId::new("10.0.0.5:5710"), PeerId::new("10.0.0.6:5710")]
+        );
         assert_eq!(c.pool.follow.len(), 1);
         assert_eq!(c.pool.max_rate, Some(1000));
         assert_eq!(c.pool.min_holders, 1);
@@ -544,6 +578,9 @@ mod tests {
             ("pull_max_lookups", "0"),
             ("publish_events", "127.0.0.1:5557"),
             ("publish_replay", "tcp://*:5558"),
+            ("publish_hashes", "hex"),
+            ("pool_shard", "10.0.0.5"),
+            ("pool_shard", "a:1,a:1"),
         ] {
             let mut set = Settings::default();
             set.set(key, value, "t");

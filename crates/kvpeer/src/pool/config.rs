@@ -38,6 +38,10 @@ pub struct PoolConfig {
     pub hash_form: kvpeer_pool::HashForm,
     /// The `ownership` the node's events say (`None`: left out).
     pub ownership: Option<String>,
+    /// The P2P identities of every pool node splitting the key space, this one included:
+    /// it then pulls only the prefixes whose root chunk rendezvous-hashes to itself
+    /// (`kvpeer_pool::shard`). Empty: it pulls everything it admits.
+    pub shard: Vec<PeerId>,
     /// Subscribers of the node's events at once.
     pub max_event_subscribers: usize,
     /// Replay clients of the node's events at once.
@@ -58,6 +62,7 @@ impl Default for PoolConfig {
             topic: String::new(),
             hash_form: kvpeer_pool::HashForm::Bytes,
             ownership: None,
+            shard: Vec::new(),
             max_event_subscribers: 64,
             max_event_replay_clients: 16,
             max_event_per_source: 16,

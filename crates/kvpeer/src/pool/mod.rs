@@ -79,6 +79,14 @@ pub enum PoolError {
     /// A thread could not be started.
     #[error("cannot start the pool's threads: {0}")]
     Thread(#[source] std::io::Error),
+    /// `shard` lists the pool nodes splitting the key space, and this node is not among them.
+    #[error("pool_shard lists {members:?} but not this node ({me}): every member lists all, itself included")]
+    NotInShard {
+        /// This node's identity.
+        me: String,
+        /// The list.
+        members: Vec<String>,
+    },
 }
 
 /// What the pool did so far (counters since start, and a few gauges).
@@ -138,6 +146,11 @@ pub struct PoolStats {
     pub extra_key_blocks: u64,
     /// Connections subscribed to the node's events (gauge).
     pub event_subscribers: u64,
+    /// Candidates not pulled because another pool node owns their prefix (`shard`).
+    pub shard_others: u64,
+    /// Candidates not pulled because their prefix's root is not known (`shard`: a chunk whose
+    /// ancestors were not all described); offered again when an engine announces them again.
+    pub shard_unknown_root: u64,
 }
 
 /// What the threads count together.
@@ -171,6 +184,19 @@ struct PullJob {
 impl Pool {
     /// Starts the pool thread and a puller per followed engine for `node`.
     pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<Pool, PoolError> {
+        let shard = match config.shard.iter().position(|m| m == node.id()) {
+            _ if config.shard.is_empty() => None,
+            Some(me) => Some(Shard {
+                members: config.shard.iter().map(|m| m.as_str().to_owned()).collect(),
+                me,
+            }),
+            None => {
+                return Err(PoolError::NotInShard {
+                    me: node.id().as_str().to_owned(),
+                    members: config.shard.iter().map(|m| m.as_str().to_owned()).collect(),
+                })
+            }
+        };
         let shared = Arc::new(Shared::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (failed_tx, failed_rx) = sync_channel::<OffloadKey>(FAILED_QUEUE);
@@ -231,6 +257,8 @@ impl Pool {
                 },
             ),
             publishing,
+            shard,
+            shard_counts: ShardCounts::default(),
             failed: failed_rx,
             shared: shared.clone(),
             stop: stop.clone(),
@@ -296,11 +324,26 @@ struct Engine {
     pulls: SyncSender<PullJob>,
 }
 
+/// The pool nodes splitting the key space, and which one this is.
+struct Shard {
+    members: Vec<String>,
+    me: usize,
+}
+
+/// Candidates `shard` kept from the pullers.
+#[derive(Debug, Default, Clone, Copy)]
+struct ShardCounts {
+    others: u64,
+    unknown_root: u64,
+}
+
 struct PoolThread {
     node: Arc<Node>,
     engines: Vec<Engine>,
     holdings: Holdings,
     publishing: Option<(EventPublisher, Publisher)>,
+    shard: Option<Shard>,
+    shard_counts: ShardCounts,
     failed: Receiver<OffloadKey>,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
@@ -375,9 +418,21 @@ impl PoolThread {
                         Vec::new()
                     }
                 };
+                let actions = in_shard(
+                    self.shard.as_ref(),
+                    &mut self.holdings,
+                    &mut self.shard_counts,
+                    actions,
+                );
                 carry_out(engine, actions, &mut self.holdings, &self.shared);
             }
             let actions = engine.follower.tick(now, &mut self.holdings);
+            let actions = in_shard(
+                self.shard.as_ref(),
+                &mut self.holdings,
+                &mut self.shard_counts,
+                actions,
+            );
             carry_out(engine, actions, &mut self.holdings, &self.shared);
         }
     }
@@ -441,6 +496,8 @@ impl PoolThread {
                 p.undescribed_inconsistent,
             ];
         }
+        s.shard_others = self.shard_counts.others;
+        s.shard_unknown_root = self.shard_counts.unknown_root;
         let c = self.holdings.catalog().stats();
         s.catalog_blocks = c.blocks;
         s.catalog_chunks = c.chunks;
@@ -497,6 +554,39 @@ fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: Catal
             );
         }
     }
+}
+
+/// The actions without the candidates another pool node owns (by their prefix's root chunk)
+/// or whose root is not known yet (offered again by the next announcement).
+fn in_shard(
+    shard: Option<&Shard>,
+    holdings: &mut Holdings,
+    counts: &mut ShardCounts,
+    actions: Vec<FollowAction>,
+) -> Vec<FollowAction> {
+    let Some(shard) = shard else {
+        return actions;
+    };
+    actions
+        .into_iter()
+        .filter(|action| {
+            let FollowAction::Pull(candidate) = action else {
+                return true;
+            };
+            match holdings.catalog_mut().root(&candidate.key) {
+                Ok(root) => {
+                    let mine = kvpeer_pool::shard::owner(&shard.members, &root) == Some(shard.me);
+                    counts.others += u64::from(!mine);
+                    mine
+                }
+                Err(_) => {
+                    counts.unknown_root += 1;
+                    holdings.pull_failed(&candidate.key);
+                    false
+                }
+            }
+        })
+        .collect()
 }
 
 /// Carries out a follower's actions: replays asked of its subscriber, candidates handed to its
