@@ -12,19 +12,23 @@
 //!   is kept (its parent and its tokens). A CPU placeholder store (one hash, no tokens) is
 //!   then described by walking back from its hash through those blocks to the block before
 //!   the chunk: the prefix's root (no parent), or the last block of another chunk this
-//!   catalog has seen. The walk's length is the group's blocks per chunk: the shortest seen
-//!   (every prompt's first chunk ends at the root, so it is learned from the first prompt),
-//!   or the one a self-describing event said; a walk of any other length describes nothing.
+//!   catalog has seen. The walk's length must be the group's blocks per chunk: the one a
+//!   self-describing event said first, or else the shortest walk seen once [`CONFIRMATIONS`]
+//!   walks of new chunks agree with it (every prompt's chunks give one each). A walk that
+//!   passed a chunk whose announcement was missed is longer: it describes nothing, and a
+//!   walked description made before a shorter size was learned is withdrawn.
 //!
 //! What it cannot know it never makes up ([`Undescribed`]): int hashes (the low 64 bits do
 //! not name a key), blocks whose hash depends on more than tokens and parent (`extra_keys`:
-//! LoRA names, multimodal inputs, cache salts; lookahead tokens: their values are not kept),
-//! blocks that were never announced or were forgotten, walks that disagree with the group's
-//! chunk size. The caller then publishes vLLM's placeholder form and counts why.
+//! LoRA names, multimodal inputs, cache salts; lookahead tokens: their values are not kept;
+//! a self-describing chunk with a block seen with extra keys in a GPU event, since vLLM's
+//! self-describing events never carry them), token ids that are not vLLM's, blocks that were
+//! never announced or were forgotten, walks that disagree with the group's chunk size or come
+//! before it is confirmed. The caller then publishes vLLM's placeholder form and counts why.
 //!
-//! Bounded: at most `max_blocks` blocks and `max_chunks` chunks, the oldest learned forgotten
-//! first; a walk visits at most `max_walk` blocks. Pure: the pool thread calls it, nothing
-//! here blocks or reads a clock.
+//! Bounded: at most `max_blocks` blocks and `max_chunks` chunks, each set within `max_bytes`
+//! (tokens and hashes counted), the oldest learned forgotten first; a walk visits at most
+//! `max_walk` blocks. Pure: the pool thread calls it, nothing here blocks or reads a clock.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -45,20 +49,28 @@ pub struct CatalogLimits {
     /// Chunks kept, described or not (a described one holds its tokens and hashes). Default
     /// 131,072.
     pub max_chunks: usize,
-    /// Longest walk from a chunk's last block back to the block before it. Default 1,024.
+    /// Longest walk from a chunk's last block back to the block before it. Default 256.
     pub max_walk: usize,
-    /// Tokens the kept blocks hold together, and the kept descriptions together (each
-    /// budget): an engine's block size is its own to choose. Default 16,777,216 (64 MiB).
-    pub max_tokens: usize,
+    /// Bytes the kept blocks take together, and the kept chunks together (each budget; token
+    /// ids at 4 bytes, hashes at their length, plus a fixed cost per entry): an engine's block
+    /// size and hash length are its own to choose. Default 64 MiB.
+    pub max_bytes: usize,
 }
+
+/// Walks of new chunks that must agree on a group's blocks per chunk before a walk describes
+/// a chunk (unless a self-describing event said the size).
+pub const CONFIRMATIONS: u32 = 3;
+
+/// What an entry costs beyond its tokens and hashes (map slot, order slot, allocations).
+const ENTRY_BYTES: usize = 96;
 
 impl Default for CatalogLimits {
     fn default() -> Self {
         CatalogLimits {
             max_blocks: 1 << 18,
             max_chunks: 1 << 17,
-            max_walk: 1024,
-            max_tokens: 1 << 24,
+            max_walk: 256,
+            max_bytes: 64 << 20,
         }
     }
 }
@@ -91,6 +103,8 @@ pub enum Undescribed {
     /// Its walk disagrees with the group's blocks per chunk, or its blocks with each other
     /// (block size, LoRA).
     Inconsistent,
+    /// The group's blocks per chunk is not confirmed yet ([`CONFIRMATIONS`]).
+    Unconfirmed,
 }
 
 /// What the catalog saw (counters since start, and gauges).
@@ -110,9 +124,12 @@ pub struct CatalogStats {
     pub int_hashes: u64,
     /// Stores whose tokens do not match their blocks (`block_size` × hashes).
     pub bad_tokens: u64,
-    /// Times a group's blocks per chunk was learned smaller than before (descriptions made
-    /// before that were too long).
+    /// Times a group's blocks per chunk was learned smaller than before (walked descriptions
+    /// of another length are then withdrawn).
     pub chunk_size_lowered: u64,
+    /// Self-describing chunks refused because a GPU event announced one of their blocks with
+    /// extra keys.
+    pub tainted_chunks: u64,
 }
 
 #[derive(Debug)]
@@ -127,12 +144,30 @@ struct Block {
 #[derive(Debug)]
 struct Chunk {
     description: Option<Arc<ChunkDescription>>,
+    /// The description was made by a walk (withdrawn if the group's size is lowered).
+    walked: bool,
     generation: u64,
 }
 
 impl Chunk {
-    fn tokens(&self) -> usize {
-        self.description.as_ref().map_or(0, |d| d.token_ids.len())
+    fn bytes(&self) -> usize {
+        ENTRY_BYTES
+            + self
+                .description
+                .as_ref()
+                .map_or(0, |d| description_bytes(d))
+    }
+}
+
+fn description_bytes(d: &ChunkDescription) -> usize {
+    d.token_ids.len() * 4
+        + d.block_hashes.iter().map(|h| h.len() + 16).sum::<usize>()
+        + d.parent.as_ref().map_or(0, |p| p.len())
+}
+
+impl Block {
+    fn bytes(&self) -> usize {
+        ENTRY_BYTES + self.tokens.len() * 4 + self.parent.as_ref().map_or(0, |p| p.len())
     }
 }
 
@@ -142,6 +177,8 @@ impl Chunk {
 struct ChunkSize {
     blocks: usize,
     said: bool,
+    /// Walks of new chunks of this length seen (walked sizes only).
+    confirmations: u32,
 }
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -158,9 +195,12 @@ pub struct Catalog {
     chunk_order: VecDeque<(u64, OffloadKey)>,
     next_generation: u64,
     chunk_sizes: BTreeMap<u32, ChunkSize>,
-    /// Tokens held by `blocks`, and by the descriptions in `chunks`.
-    block_tokens: usize,
-    chunk_tokens: usize,
+    /// Bytes held by `blocks`, and by `chunks` (see [`CatalogLimits::max_bytes`]).
+    block_bytes: usize,
+    chunk_bytes: usize,
+    /// Blocks a GPU event announced with extra keys (bounded like `blocks`, oldest first).
+    tainted: FastMap<OffloadKey, ()>,
+    tainted_order: VecDeque<OffloadKey>,
     stats: CatalogStats,
 }
 
@@ -172,10 +212,12 @@ impl Catalog {
                 max_blocks: limits.max_blocks.max(1),
                 max_chunks: limits.max_chunks.max(1),
                 max_walk: limits.max_walk.max(1),
-                max_tokens: limits.max_tokens.max(1),
+                max_bytes: limits.max_bytes.max(1),
             },
-            block_tokens: 0,
-            chunk_tokens: 0,
+            block_bytes: 0,
+            chunk_bytes: 0,
+            tainted: FastMap::default(),
+            tainted_order: VecDeque::new(),
             blocks: FastMap::default(),
             block_order: VecDeque::new(),
             chunks: FastMap::default(),
@@ -213,26 +255,48 @@ impl Catalog {
         if with_tokens && !tokens_fit {
             self.stats.bad_tokens += 1;
         }
-        let describable = with_tokens && tokens_fit && !event.has_extra_keys;
+        let clean = !event.has_extra_keys && !event.bad_tokens;
+        let describable = with_tokens && tokens_fit && clean;
+        let cpu = event.medium.as_deref() == Some(CPU_MEDIUM);
         if with_tokens && tokens_fit && event.has_extra_keys {
             self.stats.extra_keys += hashes.len() as u64;
+            if !cpu {
+                for h in &hashes {
+                    self.taint(OffloadKey::from_parts(h, group));
+                }
+            }
         }
-        let cpu = event.medium.as_deref() == Some(CPU_MEDIUM);
-        if describable {
+        let tainted = cpu
+            && hashes
+                .iter()
+                .any(|h| self.tainted.contains_key(&OffloadKey::from_parts(h, group)));
+        if describable && !tainted {
             self.learn_blocks(event, &hashes, parent, group);
         }
         if !cpu {
             return;
         }
         let key = OffloadKey::from_parts(last, group);
-        if describable {
-            self.chunk_sizes.insert(
-                group,
-                ChunkSize {
-                    blocks: hashes.len(),
-                    said: true,
-                },
-            );
+        if describable && tainted {
+            self.stats.tainted_chunks += 1;
+        }
+        if describable && !tainted {
+            // The first size said stands (vLLM's partial recurrent tails say fewer blocks).
+            self.chunk_sizes.entry(group).or_insert(ChunkSize {
+                blocks: hashes.len(),
+                said: true,
+                confirmations: 0,
+            });
+            if let Some(size) = self.chunk_sizes.get_mut(&group) {
+                if !size.said {
+                    *size = ChunkSize {
+                        blocks: hashes.len(),
+                        said: true,
+                        confirmations: 0,
+                    };
+                    self.withdraw_walked(group, hashes.len());
+                }
+            }
             let description = ChunkDescription {
                 block_hashes: hashes.iter().map(|h| Box::from(*h)).collect(),
                 parent: parent.map(Box::from),
@@ -242,11 +306,20 @@ impl Catalog {
                 lora_name: event.lora_name.clone(),
             };
             self.stats.said += 1;
-            self.put_chunk(key, Some(Arc::new(description)));
+            self.put_chunk(key, Some(Arc::new(description)), false);
         } else if !self.chunks.contains_key(&key) {
-            // Seen first: a boundary for later walks, described now if its blocks are here.
-            self.put_chunk(key.clone(), None);
-            let _ = self.describe(&key);
+            // Seen first: a boundary for later walks, and one more walk of the group's size.
+            self.put_chunk(key.clone(), None, false);
+            if let Some((hash, _)) = split(&key) {
+                let hash = hash.to_vec();
+                if let Ok(d) = self.walk(&hash, group) {
+                    let count = d.block_hashes.len();
+                    if self.observe_walk(group, count) {
+                        self.stats.walked += 1;
+                        self.put_chunk(key, Some(Arc::new(d)), true);
+                    }
+                }
+            }
         }
     }
 
@@ -260,10 +333,89 @@ impl Catalog {
             return Ok(d.clone());
         }
         let (hash, group) = split(key).ok_or(Undescribed::Unknown)?;
-        let description = Arc::new(self.walk(hash, group)?);
+        let hash = hash.to_vec();
+        let d = self.walk(&hash, group)?;
+        match self.chunk_sizes.get(&group) {
+            Some(size) if size.blocks == d.block_hashes.len() => {
+                if !size.said && size.confirmations < CONFIRMATIONS {
+                    return Err(Undescribed::Unconfirmed);
+                }
+            }
+            Some(_) => return Err(Undescribed::Inconsistent),
+            None => return Err(Undescribed::Unconfirmed),
+        }
+        let description = Arc::new(d);
         self.stats.walked += 1;
-        self.put_chunk(key.clone(), Some(description.clone()));
+        self.put_chunk(key.clone(), Some(description.clone()), true);
         Ok(description)
+    }
+
+    /// A walk of a chunk seen for the first time, `count` blocks long: whether it describes
+    /// the chunk (the group's size said, or confirmed by this walk and earlier ones).
+    fn observe_walk(&mut self, group: u32, count: usize) -> bool {
+        let size = self.chunk_sizes.entry(group).or_insert(ChunkSize {
+            blocks: count,
+            said: false,
+            confirmations: 0,
+        });
+        if size.blocks == count {
+            if !size.said {
+                size.confirmations = size.confirmations.saturating_add(1);
+            }
+            return size.said || size.confirmations >= CONFIRMATIONS;
+        }
+        if size.said || count > size.blocks {
+            return false;
+        }
+        // Shorter than what was learned: the longer walks passed a missed chunk.
+        *size = ChunkSize {
+            blocks: count,
+            said: false,
+            confirmations: 1,
+        };
+        self.stats.chunk_size_lowered += 1;
+        self.withdraw_walked(group, count);
+        false
+    }
+
+    /// Walked descriptions of `group` that are not `count` blocks long are withdrawn.
+    fn withdraw_walked(&mut self, group: u32, count: usize) {
+        let stale: Vec<OffloadKey> = self
+            .chunks
+            .iter()
+            .filter(|(k, c)| {
+                c.walked
+                    && split(k).is_some_and(|(_, g)| g == group)
+                    && c.description
+                        .as_ref()
+                        .is_some_and(|d| d.block_hashes.len() != count)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in stale {
+            if let Some(c) = self.chunks.get_mut(&k) {
+                self.chunk_bytes -= c.bytes();
+                c.description = None;
+                c.walked = false;
+                self.chunk_bytes += c.bytes();
+            }
+        }
+    }
+
+    fn taint(&mut self, key: OffloadKey) {
+        if self.tainted.contains_key(&key) {
+            return;
+        }
+        while self.tainted.len() >= self.limits.max_blocks {
+            match self.tainted_order.pop_front() {
+                Some(old) => {
+                    self.tainted.remove(&old);
+                }
+                None => break,
+            }
+        }
+        self.tainted_order.push_back(key.clone());
+        self.tainted.insert(key, ());
     }
 
     /// The root chunk of the prefix chunk `key` ends: each chunk's parent is the last block of
@@ -302,7 +454,7 @@ impl Catalog {
         let Ok(size) = usize::try_from(event.block_size) else {
             return;
         };
-        if size > self.limits.max_tokens {
+        if ENTRY_BYTES + size * 4 > self.limits.max_bytes {
             return;
         }
         let lora_name: Option<Arc<str>> = event.lora_name.as_deref().map(Arc::from);
@@ -313,13 +465,7 @@ impl Catalog {
         {
             let key = OffloadKey::from_parts(hash, group);
             if let Some(old) = self.blocks.remove(&key) {
-                self.block_tokens -= old.tokens.len();
-            }
-            while !self.blocks.is_empty()
-                && (self.blocks.len() >= self.limits.max_blocks
-                    || self.block_tokens + size > self.limits.max_tokens)
-            {
-                self.forget_oldest_block();
+                self.block_bytes -= old.bytes();
             }
             let parent = match i.checked_sub(1) {
                 None => parent,
@@ -327,18 +473,25 @@ impl Catalog {
             };
             let generation = self.next_generation;
             self.next_generation += 1;
+            let block = Block {
+                parent: parent.map(Box::from),
+                tokens: Box::from(tokens),
+                lora_id: event.lora_id,
+                lora_name: lora_name.clone(),
+                generation,
+            };
+            while !self.blocks.is_empty()
+                && (self.blocks.len() >= self.limits.max_blocks
+                    || self.block_bytes + block.bytes() > self.limits.max_bytes)
+            {
+                self.forget_oldest_block();
+            }
+            if block.bytes() > self.limits.max_bytes {
+                continue;
+            }
             self.block_order.push_back((generation, key.clone()));
-            self.block_tokens += size;
-            self.blocks.insert(
-                key,
-                Block {
-                    parent: parent.map(Box::from),
-                    tokens: Box::from(tokens),
-                    lora_id: event.lora_id,
-                    lora_name: lora_name.clone(),
-                    generation,
-                },
-            );
+            self.block_bytes += block.bytes();
+            self.blocks.insert(key, block);
         }
         self.compact_block_order();
     }
@@ -380,29 +533,6 @@ impl Catalog {
             token_ids.extend_from_slice(&b.tokens);
             block_hashes.push(h);
         }
-        match self.chunk_sizes.get(&group).copied() {
-            None => {
-                self.chunk_sizes.insert(
-                    group,
-                    ChunkSize {
-                        blocks: count,
-                        said: false,
-                    },
-                );
-            }
-            Some(known) if known.blocks == count => {}
-            Some(known) if !known.said && count < known.blocks => {
-                self.stats.chunk_size_lowered += 1;
-                self.chunk_sizes.insert(
-                    group,
-                    ChunkSize {
-                        blocks: count,
-                        said: false,
-                    },
-                );
-            }
-            Some(_) => return Err(Undescribed::Inconsistent),
-        }
         Ok(ChunkDescription {
             block_hashes,
             parent,
@@ -413,31 +543,34 @@ impl Catalog {
         })
     }
 
-    fn put_chunk(&mut self, key: OffloadKey, description: Option<Arc<ChunkDescription>>) {
-        let tokens = description.as_ref().map_or(0, |d| d.token_ids.len());
+    fn put_chunk(
+        &mut self,
+        key: OffloadKey,
+        description: Option<Arc<ChunkDescription>>,
+        walked: bool,
+    ) {
         if let Some(old) = self.chunks.remove(&key) {
-            self.chunk_tokens -= old.tokens();
+            self.chunk_bytes -= old.bytes();
         }
-        if tokens > self.limits.max_tokens {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let chunk = Chunk {
+            description,
+            walked,
+            generation,
+        };
+        if chunk.bytes() > self.limits.max_bytes {
             return;
         }
         while !self.chunks.is_empty()
             && (self.chunks.len() >= self.limits.max_chunks
-                || self.chunk_tokens + tokens > self.limits.max_tokens)
+                || self.chunk_bytes + chunk.bytes() > self.limits.max_bytes)
         {
             self.forget_oldest_chunk();
         }
-        let generation = self.next_generation;
-        self.next_generation += 1;
         self.chunk_order.push_back((generation, key.clone()));
-        self.chunk_tokens += tokens;
-        self.chunks.insert(
-            key,
-            Chunk {
-                description,
-                generation,
-            },
-        );
+        self.chunk_bytes += chunk.bytes();
+        self.chunks.insert(key, chunk);
         self.compact_chunk_order();
     }
 
@@ -449,7 +582,7 @@ impl Catalog {
                 .is_some_and(|b| b.generation == generation)
             {
                 if let Some(b) = self.blocks.remove(&key) {
-                    self.block_tokens -= b.tokens.len();
+                    self.block_bytes -= b.bytes();
                 }
                 return;
             }
@@ -464,7 +597,7 @@ impl Catalog {
                 .is_some_and(|c| c.generation == generation)
             {
                 if let Some(c) = self.chunks.remove(&key) {
-                    self.chunk_tokens -= c.tokens();
+                    self.chunk_bytes -= c.bytes();
                 }
                 return;
             }
@@ -581,7 +714,7 @@ mod tests {
         assert_eq!(d.block_size, 1);
 
         // A chunk whose previous chunk was never announced walks two chunks' worth: with the
-        // group's size learned (2), that is no description, not a made-up one.
+        // group's size confirmed (2), that is no description, not a made-up one.
         c.learn(&stored(&[11, 12, 13, 14], Some(6), "GPU"));
         c.learn(&placeholder(14));
         assert_eq!(c.describe(&key(14)), Err(Undescribed::Inconsistent));
@@ -593,18 +726,50 @@ mod tests {
         );
     }
 
+    /// The first walk seen passed a missed chunk (4 blocks, not 2): it describes nothing until
+    /// the size is confirmed, and once a prompt's chunks of 2 lower and confirm it, the long
+    /// one stays undescribed; a walked description made before is withdrawn.
     #[test]
-    fn the_shortest_walk_sets_the_chunk_size_and_is_counted_when_it_lowers_it() {
+    fn a_walk_describes_only_once_the_chunk_size_is_confirmed_and_a_shorter_one_wins() {
         let mut c = Catalog::new(CatalogLimits::default());
-        // First seen: a chunk ending at 4 whose chunk ending at 2 was missed (4 blocks).
         c.learn(&stored(&[1, 2, 3, 4], None, "GPU"));
         c.learn(&placeholder(4));
-        assert_eq!(hashes(&c.describe(&key(4)).unwrap()), vec![1, 2, 3, 4]);
-        // Then a prompt's first chunk of 2: the size is lowered, and said.
-        c.learn(&stored(&[21, 22], None, "GPU"));
-        c.learn(&placeholder(22));
-        assert_eq!(hashes(&c.describe(&key(22)).unwrap()), vec![21, 22]);
+        assert_eq!(c.describe(&key(4)), Err(Undescribed::Unconfirmed));
+        // Three more 4-block walks confirm 4 (what a late join past lost chunks may see).
+        for p in [10u8, 20, 30] {
+            c.learn(&stored(&[p + 1, p + 2, p + 3, p + 4], None, "GPU"));
+            c.learn(&placeholder(p + 4));
+        }
+        assert_eq!(hashes(&c.describe(&key(14)).unwrap()), vec![11, 12, 13, 14]);
+        // A prompt in chunks of 2: the size is lowered, the 4-block descriptions withdrawn.
+        c.learn(&stored(&[41, 42, 43, 44, 45, 46], None, "GPU"));
+        for last in [42, 44, 46] {
+            c.learn(&placeholder(last));
+        }
         assert_eq!(c.stats().chunk_size_lowered, 1);
+        assert_eq!(hashes(&c.describe(&key(44)).unwrap()), vec![43, 44]);
+        assert_eq!(c.describe(&key(14)), Err(Undescribed::Inconsistent));
+        assert_eq!(c.describe(&key(4)), Err(Undescribed::Inconsistent));
+    }
+
+    /// vLLM's self-describing events never carry extra keys: a chunk one of whose blocks a GPU
+    /// event announced with extra keys is not taken as described; a partial tail (fewer
+    /// blocks) does not change the size said first.
+    #[test]
+    fn self_describing_chunks_of_tainted_blocks_are_refused_and_the_first_size_stands() {
+        let mut c = Catalog::new(CatalogLimits::default());
+        let mut salted = stored(&[1, 2], None, "GPU");
+        salted.has_extra_keys = true;
+        c.learn(&salted);
+        c.learn(&stored(&[1, 2], None, "CPU"));
+        assert_eq!(c.describe(&key(2)), Err(Undescribed::Unknown));
+        assert_eq!(c.stats().tainted_chunks, 1);
+        c.learn(&stored(&[5, 6, 7], None, "CPU"));
+        c.learn(&stored(&[8], Some(7), "CPU"));
+        assert_eq!(hashes(&c.describe(&key(8)).unwrap()), vec![8]);
+        c.learn(&stored(&[9, 10, 11], None, "GPU"));
+        c.learn(&placeholder(11));
+        assert_eq!(hashes(&c.describe(&key(11)).unwrap()), vec![9, 10, 11]);
     }
 
     #[test]
@@ -669,10 +834,10 @@ mod tests {
             max_blocks: 100,
             max_chunks: 10,
             max_walk: 1024,
-            max_tokens: 1000,
+            max_bytes: 4000,
         };
         let mut c = Catalog::new(limits);
-        // Huge blocks: 300 tokens each; only 3 fit the token budget.
+        // Huge blocks: 300 tokens each (1,296 bytes with their entry); only 3 fit the budget.
         for i in 0..50u8 {
             c.learn(&BlockStored {
                 block_hashes: vec![h(i)],
@@ -690,8 +855,19 @@ mod tests {
         }
         let s = c.stats();
         assert!(s.blocks <= 100 && s.chunks <= 10, "{s:?}");
+        assert!(c.block_bytes <= 4000 && c.chunk_bytes <= 4000);
         // The newest are the ones kept.
         assert_eq!(hashes(&c.describe(&key(249)).unwrap()), vec![249]);
+        // Many hashes of 64 bytes count as bytes, not as tokens.
+        let wide = BlockStored {
+            block_hashes: (0..60u8).map(|i| BlockHash::Bytes(vec![i; 64])).collect(),
+            token_ids: vec![0; 60],
+            block_size: 1,
+            medium: Some("CPU".into()),
+            ..BlockStored::default()
+        };
+        c.learn(&wide);
+        assert!(c.chunk_bytes <= 4000, "{}", c.chunk_bytes);
         assert!(c.block_order.len() <= 2 * c.blocks.len() + 64);
         assert!(c.chunk_order.len() <= 2 * c.chunks.len() + 64);
     }

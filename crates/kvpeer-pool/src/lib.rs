@@ -28,10 +28,12 @@ mod publisher;
 pub mod shard;
 
 pub use catalog::{
-    Catalog, CatalogLimits, CatalogStats, ChunkDescription, Undescribed, MAX_ANCESTORS,
+    Catalog, CatalogLimits, CatalogStats, ChunkDescription, Undescribed, CONFIRMATIONS,
+    MAX_ANCESTORS,
 };
 pub use follower::{FollowAction, Follower, FollowerLimits, FollowerStats};
 pub use holdings::{Admission, EngineSlot, Holdings, PullCandidate};
 pub use publisher::{
-    low_64_bits, Frames, HashForm, Publisher, PublisherStats, StoreChange, MAX_FANOUT, OWNERSHIP,
+    low_64_bits, Frames, HashForm, Publisher, PublisherStats, StoreChange, MAX_FANOUT,
+    MAX_FANOUT_HASHES, OWNERSHIP,
 };

@@ -34,9 +34,12 @@ use kvpeer_proto::{EncodeError, OffloadKey};
 
 use crate::catalog::{split, Catalog, Undescribed};
 
-/// Held chunks whose every hash is remembered for their removal (past it, a removal lists only
-/// the key's hash, and the chunk is counted in [`PublisherStats::fanout_full`]).
-pub const MAX_FANOUT: usize = 1 << 20;
+/// Bytes of hashes remembered for the removal of held chunks announced with more than one
+/// (past it, or for a chunk of more than [`MAX_FANOUT_HASHES`], a removal lists only the key's
+/// hash, and the chunk is counted in [`PublisherStats::fanout_full`]).
+pub const MAX_FANOUT: usize = 64 << 20;
+/// Most hashes remembered for one chunk.
+pub const MAX_FANOUT_HASHES: usize = 1024;
 
 /// How the pool writes block hashes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -59,6 +62,8 @@ pub struct PublisherStats {
     pub undescribed_too_long: u64,
     /// ... because the walk disagreed with the group's chunk size or its blocks disagreed.
     pub undescribed_inconsistent: u64,
+    /// ... because the group's chunk size was not confirmed yet.
+    pub undescribed_unconfirmed: u64,
     /// Chunks whose hashes could not be remembered for their removal.
     pub fanout_full: u64,
 }
@@ -104,6 +109,8 @@ pub struct Publisher {
     ownership: Option<String>,
     /// Every hash a held chunk was announced with, when more than its key's.
     fanout: FastMap<OffloadKey, Vec<Box<[u8]>>>,
+    /// Bytes of the hashes in `fanout`.
+    fanout_bytes: usize,
     stats: PublisherStats,
 }
 
@@ -120,6 +127,7 @@ impl Publisher {
             hash_form: HashForm::Bytes,
             ownership: None,
             fanout: FastMap::default(),
+            fanout_bytes: 0,
             stats: PublisherStats::default(),
         }
     }
@@ -222,7 +230,7 @@ impl Publisher {
                     let Some((hash, group)) = split(key) else {
                         continue;
                     };
-                    let hashes: Vec<BlockHash> = match self.fanout.remove(key) {
+                    let hashes: Vec<BlockHash> = match self.forget_fanout(key) {
                         Some(all) => all.iter().map(|h| self.hash(h)).collect(),
                         None => vec![self.hash(hash)],
                     };
@@ -262,14 +270,17 @@ impl Publisher {
                 stored.block_size = d.block_size;
                 stored.lora_id = d.lora_id;
                 stored.lora_name = d.lora_name.clone();
+                self.forget_fanout(key);
                 if d.block_hashes.len() > 1 {
-                    if self.fanout.len() < MAX_FANOUT || self.fanout.contains_key(key) {
+                    let bytes = fanout_bytes(&d.block_hashes);
+                    if d.block_hashes.len() <= MAX_FANOUT_HASHES
+                        && self.fanout_bytes + bytes <= MAX_FANOUT
+                    {
+                        self.fanout_bytes += bytes;
                         self.fanout.insert(key.clone(), d.block_hashes.clone());
                     } else {
                         self.stats.fanout_full += 1;
                     }
-                } else {
-                    self.fanout.remove(key);
                 }
             }
             Err(why) => {
@@ -277,12 +288,19 @@ impl Publisher {
                     Undescribed::Unknown => self.stats.undescribed_unknown += 1,
                     Undescribed::TooLong => self.stats.undescribed_too_long += 1,
                     Undescribed::Inconsistent => self.stats.undescribed_inconsistent += 1,
+                    Undescribed::Unconfirmed => self.stats.undescribed_unconfirmed += 1,
                 }
                 stored.block_hashes = vec![self.hash(hash)];
-                self.fanout.remove(key);
+                self.forget_fanout(key);
             }
         }
         stored
+    }
+
+    fn forget_fanout(&mut self, key: &OffloadKey) -> Option<Vec<Box<[u8]>>> {
+        let hashes = self.fanout.remove(key)?;
+        self.fanout_bytes -= fanout_bytes(&hashes);
+        Some(hashes)
     }
 
     fn hash(&self, h: &[u8]) -> BlockHash {
@@ -303,6 +321,11 @@ impl Publisher {
             }));
         }
     }
+}
+
+/// What a chunk's hashes cost in the fan-out map (with each allocation's overhead).
+fn fanout_bytes(hashes: &[Box<[u8]>]) -> usize {
+    64 + hashes.iter().map(|h| h.len() + 16).sum::<usize>()
 }
 
 /// vLLM's int form of a hash: the bytes as a big-endian number, its low 64 bits.
@@ -430,7 +453,7 @@ mod tests {
             block_hashes: vec![BlockHash::Bytes(hash.to_vec())],
             token_ids: vec![7, 8],
             block_size: 2,
-            medium: Some("GPU".into()),
+            medium: Some("CPU".into()),
             group_idx: Some(0),
             ..BlockStored::default()
         };

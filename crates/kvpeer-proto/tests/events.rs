@@ -144,17 +144,34 @@ fn limits_hold_before_anything_is_kept() {
         }
         batch(vec![e])
     };
+    let token_limits = EventLimits {
+        max_tokens: 5,
+        ..EventLimits::default()
+    };
     let five = with_tokens((0..5).map(Value::Uint).collect());
-    match &decode_batch(&five, &limits).unwrap().events[0] {
+    match &decode_batch(&five, &token_limits).unwrap().events[0] {
         Ok(KvEvent::Stored(s)) => assert_eq!(s.token_ids, vec![0, 1, 2, 3, 4]),
         other => panic!("{other:?}"),
     }
-    let six = with_tokens((0..6).map(Value::Uint).collect());
-    assert!(decode_batch(&six, &limits).unwrap().events[0].is_err());
-    let huge = with_tokens(vec![Value::Uint(1 << 32)]);
-    assert!(decode_batch(&huge, &limits).unwrap().events[0].is_err());
-    let text = with_tokens(vec![s("a")]);
-    assert!(decode_batch(&text, &limits).unwrap().events[0].is_err());
+    // Past the limit, or not ids: the event still decodes (its hashes count), its tokens are
+    // not kept and it says so.
+    for bad in [
+        (0..6).map(Value::Uint).collect(),
+        vec![Value::Uint(1 << 32)],
+        vec![Value::Uint(1), s("a")],
+        vec![Value::Array(vec![Value::Uint(1)])],
+    ] {
+        match &decode_batch(&with_tokens(bad.clone()), &token_limits)
+            .unwrap()
+            .events[0]
+        {
+            Ok(KvEvent::Stored(st)) => {
+                assert!(st.bad_tokens && st.token_ids.is_empty(), "{bad:?}");
+                assert_eq!(st.block_hashes, vec![BlockHash::Bytes(vec![1; 32])]);
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
     let long_hash = batch(vec![stored_map(vec![Value::Bin(vec![0; 33])])]);
     assert!(decode_batch(&long_hash, &limits).unwrap().events[0].is_err());
     let mut long_medium = stored_map(vec![hash32(1)]);
@@ -300,6 +317,7 @@ fn any_event() -> impl Strategy<Value = KvEvent> {
                         token_ids,
                         lora_id,
                         has_extra_keys: false,
+                        bad_tokens: false,
                         block_size,
                         medium,
                         group_idx,

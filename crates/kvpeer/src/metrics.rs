@@ -423,7 +423,7 @@ pub fn render_pool(s: &PoolStats) -> String {
         out,
         "# HELP {name} chunks published as placeholders (no tokens), by why\n# TYPE {name} counter"
     );
-    for (reason, v) in ["unknown", "too_long", "inconsistent"]
+    for (reason, v) in ["unknown", "too_long", "inconsistent", "unconfirmed"]
         .iter()
         .zip(s.published_undescribed)
     {

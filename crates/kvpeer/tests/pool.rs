@@ -308,7 +308,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
         });
         assert_eq!(
             (s.published_described, s.published_undescribed),
-            (4, [1, 0, 0])
+            (4, [1, 0, 0, 0])
         );
         let as_form = |h: &[u8]| match form {
             HashForm::Bytes => BlockHash::Bytes(h.to_vec()),

@@ -257,33 +257,45 @@ fn read_field(
                 t => Some(hash(t, limits).map_err(at)?),
             };
         }
-        (Kind::Stored, "token_ids") => match r.next_token().map_err(msgpack)? {
-            Token::Nil => s.token_ids.clear(),
-            Token::Array(n) => {
-                if n > limits.max_tokens {
-                    return Err(at(format!(
-                        "{n} token ids, over the limit of {}",
-                        limits.max_tokens
-                    )));
+        (Kind::Stored, "token_ids") => {
+            // Ids that are not vLLM's (not ints below 2^32, or more than the limit) make the
+            // event's blocks undescribable, not the event unreadable: its key still counts.
+            let start = r.position();
+            r.skip_value(1, depth).map_err(msgpack)?;
+            let mut value = Reader::new(r.since(start));
+            s.token_ids.clear();
+            match value.next_token().map_err(msgpack)? {
+                Token::Nil => {}
+                Token::Array(n) if n <= limits.max_tokens => {
+                    let mut tokens = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        match value.next_token().map_err(msgpack)? {
+                            Token::Uint(u) if u <= u64::from(u32::MAX) => tokens.push(u as u32),
+                            _ => {
+                                s.bad_tokens = true;
+                                tokens.clear();
+                                break;
+                            }
+                        }
+                    }
+                    if !s.bad_tokens {
+                        s.token_ids = tokens;
+                    }
                 }
-                let mut tokens = Vec::with_capacity(n);
-                for _ in 0..n {
-                    tokens.push(match r.next_token().map_err(msgpack)? {
-                        Token::Uint(u) => u32::try_from(u)
-                            .map_err(|_| at(format!("token id {u} does not fit 32 bits")))?,
-                        t => return Err(at(format!("a token id is a {}", t.kind()))),
-                    });
-                }
-                s.token_ids = tokens;
+                Token::Array(_) => s.bad_tokens = true,
+                t => return Err(at(format!("a {}, not a list", t.kind()))),
             }
-            t => return Err(at(format!("a {}, not a list", t.kind()))),
-        },
+        }
         (Kind::Stored, "lora_id") => {
             s.lora_id = match r.next_token().map_err(msgpack)? {
                 Token::Nil => None,
-                Token::Uint(u) => {
-                    Some(i64::try_from(u).map_err(|_| at(format!("{u} does not fit 8 bytes")))?)
-                }
+                Token::Uint(u) => match i64::try_from(u) {
+                    Ok(id) => Some(id),
+                    Err(_) => {
+                        s.bad_tokens = true;
+                        None
+                    }
+                },
                 Token::NegInt(i) => Some(i),
                 t => return Err(at(format!("a {}, not an id", t.kind()))),
             };

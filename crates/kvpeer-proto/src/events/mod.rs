@@ -54,6 +54,11 @@ pub struct BlockStored {
     /// (LoRA name, multimodal inputs, cache salt) or `lookahead_token_ids` set to something
     /// other than nil. Those values are not kept, so such blocks cannot be described again.
     pub has_extra_keys: bool,
+    /// Whether `token_ids` or `lora_id` held what vLLM never sends (a token id that is not an
+    /// int below 2³², more ids than [`EventLimits::max_tokens`], a LoRA id beyond `i64`):
+    /// the ids are then not kept and the blocks cannot be described again; the event's
+    /// hashes still count.
+    pub bad_tokens: bool,
     /// `"GPU"`, `"CPU"`, `"STORAGE"`, or unset.
     pub medium: Option<String>,
     /// The KV cache group (set by the offloading connector's events).
@@ -120,7 +125,8 @@ pub struct EventLimits {
     pub max_hashes: usize,
     /// Longest byte hash. Default 64 (vLLM's are 32).
     pub max_hash_bytes: usize,
-    /// Most token ids in one event. Default 1,048,576 (a 1M-token prompt's blocks at once).
+    /// Most token ids kept from one event (more make it [`BlockStored::bad_tokens`]). Default
+    /// 1,048,576 (a 1M-token prompt's blocks at once).
     pub max_tokens: usize,
     /// Longest string field kept (medium, lora name, ownership, tags). Default 256.
     pub max_str_bytes: usize,

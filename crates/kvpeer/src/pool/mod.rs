@@ -135,9 +135,9 @@ pub struct PoolStats {
     /// Stores the node published with the chunk's blocks, tokens and parent.
     pub published_described: u64,
     /// Stores it published as placeholders, nothing having described the chunk (`Unknown`:
-    /// its blocks were never announced with tokens; `TooLong`; `Inconsistent`: see
-    /// `kvpeer_pool::Undescribed`).
-    pub published_undescribed: [u64; 3],
+    /// its blocks were never announced with tokens; `TooLong`; `Inconsistent`; `Unconfirmed`:
+    /// see `kvpeer_pool::Undescribed`).
+    pub published_undescribed: [u64; 4],
     /// GPU blocks the catalog keeps (gauge).
     pub catalog_blocks: u64,
     /// Chunks the catalog keeps (gauge).
@@ -494,6 +494,7 @@ impl PoolThread {
                 p.undescribed_unknown,
                 p.undescribed_too_long,
                 p.undescribed_inconsistent,
+                p.undescribed_unconfirmed,
             ];
         }
         s.shard_others = self.shard_counts.others;
@@ -523,7 +524,8 @@ impl PoolThread {
 /// Says once per reason that the node published a chunk without its description, and what
 /// it would need (the first time a count grows; the counts are metrics).
 fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: CatalogStats) {
-    static LOGGED: [AtomicBool; 3] = [
+    static LOGGED: [AtomicBool; 4] = [
+        AtomicBool::new(false),
         AtomicBool::new(false),
         AtomicBool::new(false),
         AtomicBool::new(false),
@@ -532,6 +534,7 @@ fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: Catal
         after.undescribed_unknown > before.undescribed_unknown,
         after.undescribed_too_long > before.undescribed_too_long,
         after.undescribed_inconsistent > before.undescribed_inconsistent,
+        after.undescribed_unconfirmed > before.undescribed_unconfirmed,
     ];
     let why = [
         "none of its blocks was announced with tokens: follow the engines whose GPU events \
@@ -541,8 +544,10 @@ fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: Catal
         "the walk back through its blocks did not reach the chunk before it",
         "its blocks disagree with the group's blocks per chunk (a chunk announcement was \
          missed) or with each other",
+        "the group's blocks per chunk is not confirmed yet (fewer walks of new chunks agree \
+         than kvpeer_pool::CONFIRMATIONS, and no self-describing event said it)",
     ];
-    for i in 0..3 {
+    for i in 0..4 {
         if grew[i] && !LOGGED[i].swap(true, Ordering::Relaxed) {
             warn!(
                 extra_key_blocks = catalog.extra_keys,

@@ -1,0 +1,533 @@
+//! Issue 21's benchmark: one pool node against 2 and 4 pool nodes that split the prefixes by
+//! rendezvous hashing of each prefix's root chunk (`--shard`), for 8 engines behind a
+//! round-robin router.
+//!
+//! Run: `scripts/bench-pool.sh` (which runs this after issue 15's `pool` bench: `cargo bench
+//! -p kvpeer --bench pool_shards -- --svg docs/pool-shards.svg`). Options: `--requests N`
+//! (10,000), `--rate R` requests per second (1,000), `--seed S` (21), `--svg PATH`.
+//!
+//! **The workload** (one process, 127.0.0.1, tcp plane). Eight engines are kvpeer nodes whose
+//! store is their CPU tier (`ENGINE_BLOCKS` chunks each). Each publishes its store's changes
+//! as vLLM KV events in the self-describing form (each chunk's hash, its parent, its tokens:
+//! what an engine with vLLM's `self_describing_kv_events` says, so a pool knows each chunk's
+//! root). A request is a prefix of `CHUNKS` chunks drawn from a Zipf distribution over
+//! `PREFIXES` prefixes and goes to the engines in turn (round-robin: a router that knows no
+//! cache). The engine serves the leading chunks it holds, then asks the pool node that owns
+//! the prefix (`kvpeer_pool::shard::owner` of its root chunk over the pools' identities, what a
+//! tier's `sources` would do: one lookup, one round trip) and fetches the leading hits (one in
+//! 16 byte-checked), then "recomputes" the rest, which its stream announces. Every pool node
+//! follows all 8 engines and pulls only its share. The same request sequence runs with no
+//! pool, one pool of `POOL_BLOCKS` chunks, and 2 and 4 sharded pools of `POOL_BLOCKS / n`
+//! chunks each (the same memory in all).
+//!
+//! Reported per run: local and pool hit rates, recompute saved, the lookup's round trip (p50,
+//! p99: what asking a pool adds to a request), pulled bytes and bandwidth, each pool's memory;
+//! then the sharded runs' hit rate as a share of the single pool's (the goal: ≥ 90% with 4
+//! pools) and the plot of the hit rate per window.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
+use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind};
+use kvpeer_core::LookupResult;
+use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
+use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
+use kvpeer_proto::events::{BlockHash, BlockStored};
+use kvpeer_store::KeyChange;
+
+/// Bytes of one chunk (one CPU-tier block).
+const LEN: u64 = 16 * 1024;
+const ENGINES: usize = 8;
+/// Each engine's CPU tier, in chunks.
+const ENGINE_BLOCKS: u64 = 256;
+/// The single pool's store, in chunks; n sharded pools get a 1/n share each.
+const POOL_BLOCKS: u64 = 4096;
+const PREFIXES: u64 = 1000;
+/// Chunks per prefix.
+const CHUNKS: u64 = 8;
+const ZIPF_S: f64 = 1.1;
+/// Tokens per chunk in the published descriptions (one block of 16).
+const BLOCK_TOKENS: u32 = 16;
+/// Requests per point of the hit-rate curve.
+const WINDOW: usize = 500;
+
+struct Opts {
+    requests: usize,
+    rate: f64,
+    seed: u64,
+    svg: Option<String>,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        requests: 10_000,
+        rate: 1000.0,
+        seed: 21,
+        svg: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().expect("a value after the option");
+        match a.as_str() {
+            "--requests" => o.requests = val().parse().expect("--requests N"),
+            "--rate" => o.rate = val().parse().expect("--rate R"),
+            "--seed" => o.seed = val().parse().expect("--seed S"),
+            "--svg" => o.svg = Some(val()),
+            _ => {} // `--bench` and the like, from cargo
+        }
+    }
+    o
+}
+
+/// splitmix64, seeded.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// The prefixes of the requests, Zipf over `0..PREFIXES` by inverse CDF.
+fn workload(o: &Opts) -> Vec<u64> {
+    let mut cdf = Vec::with_capacity(PREFIXES as usize);
+    let mut acc = 0.0;
+    for r in 0..PREFIXES {
+        acc += 1.0 / ((r + 1) as f64).powf(ZIPF_S);
+        cdf.push(acc);
+    }
+    let mut rng = Rng(o.seed);
+    (0..o.requests)
+        .map(|_| {
+            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * acc;
+            cdf.partition_point(|&c| c < u).min(cdf.len() - 1) as u64
+        })
+        .collect()
+}
+
+fn prefix_keys(p: u64) -> Vec<OffloadKey> {
+    (0..CHUNKS)
+        .map(|c| synthetic::key(p * CHUNKS + c))
+        .collect()
+}
+
+fn hash_of(key: &OffloadKey) -> Vec<u8> {
+    key.as_bytes()[..32].to_vec()
+}
+
+/// What an engine knows of every prefix's chunks (their descriptions), as a catalog.
+fn engine_catalog() -> Catalog {
+    let mut catalog = Catalog::new(CatalogLimits::default());
+    for p in 0..PREFIXES {
+        let keys = prefix_keys(p);
+        for (c, key) in keys.iter().enumerate() {
+            let first = (p * CHUNKS + c as u64) as u32 * BLOCK_TOKENS;
+            catalog.learn(&BlockStored {
+                block_hashes: vec![BlockHash::Bytes(hash_of(key))],
+                parent_block_hash: c
+                    .checked_sub(1)
+                    .map(|b| BlockHash::Bytes(hash_of(&keys[b]))),
+                token_ids: (first..first + BLOCK_TOKENS).collect(),
+                block_size: u64::from(BLOCK_TOKENS),
+                medium: Some("CPU".into()),
+                group_idx: Some(0),
+                ..BlockStored::default()
+            });
+        }
+    }
+    catalog
+}
+
+/// An engine's event stream: its store's changes every 50 ms, described, with replays.
+struct EngineStream {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineStream {
+    fn start(node: Arc<Node>, events: SocketAddr, replay: SocketAddr) -> EngineStream {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut config = PublisherConfig::new(events);
+        config.replay_bind = Some(replay);
+        let mut socket = EventPublisher::bind(config).unwrap();
+        let mut catalog = engine_catalog();
+        let _ = node.take_store_changes(1 << 16);
+        let done = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut publisher = Publisher::new("", 10_000);
+            while !done.load(Ordering::Relaxed) {
+                socket
+                    .serve(Duration::from_millis(50), |start| {
+                        publisher
+                            .replay(start)
+                            .into_iter()
+                            .map(|f| vec![f.topic, f.seq.to_vec(), f.payload])
+                    })
+                    .unwrap();
+                let Ok((changes, _)) = node.take_store_changes(1 << 16) else {
+                    return;
+                };
+                let changes: Vec<StoreChange> = changes
+                    .into_iter()
+                    .map(|c| match c {
+                        KeyChange::Stored(k) => StoreChange::Stored(k),
+                        KeyChange::Removed(k) => StoreChange::Removed(k),
+                    })
+                    .collect();
+                let ts = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                if let Some(f) = publisher.publish(ts, &changes, &mut catalog).unwrap() {
+                    socket.publish(&[&f.topic, &f.seq, &f.payload]);
+                }
+            }
+        });
+        EngineStream {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for EngineStream {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn node(tag: &str, blocks: u64) -> Arc<Node> {
+    let config = NodeConfig::builder(tag)
+        .plane(PlaneKind::Tcp)
+        .num_blocks(blocks)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    Arc::new(Node::start(config).unwrap())
+}
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[derive(Debug, Default, Clone)]
+struct RunResult {
+    pools: usize,
+    local: u64,
+    pool: u64,
+    miss: u64,
+    checked: u64,
+    secs: f64,
+    pulled_bytes: u64,
+    /// Each lookup's round trip.
+    lookups: Vec<Duration>,
+    /// Per window: hit chunks (local + pool) over the window's chunks.
+    curve: Vec<f64>,
+}
+
+fn leading(flags: impl IntoIterator<Item = bool>) -> usize {
+    flags.into_iter().take_while(|h| *h).count()
+}
+
+fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
+    let tag = format!("p{pools}");
+    let mut engines = Vec::new();
+    let mut streams = Vec::new();
+    let mut follow = Vec::new();
+    for i in 0..ENGINES {
+        let e = node(&format!("shards-{tag}-e{i}"), ENGINE_BLOCKS);
+        let (events, replay) = (free_addr(), free_addr());
+        streams.push(EngineStream::start(e.clone(), events, replay));
+        follow.push(FollowSpec {
+            events: SubEndpoint::Connect(events),
+            replay: Some(replay),
+            peer: e.id().clone(),
+        });
+        engines.push(e);
+    }
+    let pool_nodes: Vec<Arc<Node>> = (0..pools)
+        .map(|i| node(&format!("shards-{tag}-pool{i}"), POOL_BLOCKS / pools as u64))
+        .collect();
+    let members: Vec<PeerId> = pool_nodes.iter().map(|n| n.id().clone()).collect();
+    let names: Vec<&str> = members.iter().map(PeerId::as_str).collect();
+    let running: Vec<Pool> = pool_nodes
+        .iter()
+        .map(|n| {
+            let config = PoolConfig {
+                follow: follow.clone(),
+                max_lookups: 1000,
+                shard: if pools > 1 {
+                    members.clone()
+                } else {
+                    Vec::new()
+                },
+                ..PoolConfig::default()
+            };
+            Pool::start(n.clone(), &config).unwrap()
+        })
+        .collect();
+    // Every stream connected and every engine's session open before the clock starts.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for p in &running {
+        while p.stats().connected < ENGINES as u64 {
+            assert!(Instant::now() < deadline, "streams: {:?}", p.stats());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for e in &engines {
+        for m in &members {
+            e.connect(m, Duration::from_secs(10)).unwrap();
+        }
+    }
+    let timeouts = engines[0].config().core.clone();
+    let mut r = RunResult {
+        pools,
+        ..RunResult::default()
+    };
+    let mut window_hits = 0u64;
+    let start = Instant::now();
+    for (i, &p) in prefixes.iter().enumerate() {
+        let due = start + Duration::from_secs_f64(i as f64 / o.rate);
+        if let Some(d) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(d);
+        }
+        let engine = &engines[i % ENGINES];
+        let keys = prefix_keys(p);
+        let local = leading(engine.touch(&keys).unwrap());
+        let mut rest = &keys[local..];
+        let mut from_pool = 0;
+        if !pool_nodes.is_empty() && !rest.is_empty() {
+            let owner = kvpeer_pool::shard::owner(&names, &keys[0]).unwrap();
+            let req = engine
+                .request(&members[owner], &format!("shards-{tag}-{i}"))
+                .unwrap();
+            let asked = Instant::now();
+            let found = req.lookup(rest, timeouts.lookup_timeout).unwrap();
+            r.lookups.push(asked.elapsed());
+            let hits = leading(found.iter().map(|f| *f == LookupResult::Hit));
+            if hits > 0 && req.fetch(&rest[..hits], timeouts.load_timeout).is_ok() {
+                from_pool = hits;
+                if i % 16 == 0 {
+                    let k = &rest[hits - 1];
+                    assert_eq!(
+                        engine.read(k),
+                        Some(synthetic::content(k, LEN as usize)),
+                        "a pool hit's bytes"
+                    );
+                    r.checked += 1;
+                }
+            }
+            req.finish();
+            rest = &rest[from_pool..];
+        }
+        if !rest.is_empty() {
+            let missing = rest.to_vec();
+            engine
+                .store_with(rest, move |j, block| {
+                    block.copy_from_slice(&synthetic::content(&missing[j], LEN as usize));
+                })
+                .unwrap();
+        }
+        r.local += local as u64;
+        r.pool += from_pool as u64;
+        r.miss += rest.len() as u64;
+        window_hits += (local + from_pool) as u64;
+        if (i + 1) % WINDOW == 0 {
+            r.curve
+                .push(window_hits as f64 / (WINDOW as u64 * CHUNKS) as f64);
+            window_hits = 0;
+        }
+    }
+    r.secs = start.elapsed().as_secs_f64();
+    for (i, p) in running.into_iter().enumerate() {
+        let s = p.stats();
+        r.pulled_bytes += s.pulled_bytes;
+        eprintln!(
+            "[{tag}] pool {i}: pulled {} blocks, shard_others {}, shard_unknown_root {}, failures {}",
+            s.pulled_blocks, s.shard_others, s.shard_unknown_root, s.pull_failures
+        );
+        p.shutdown();
+    }
+    for n in &pool_nodes {
+        n.shutdown(Duration::from_secs(1));
+    }
+    drop(streams);
+    for e in &engines {
+        e.shutdown(Duration::from_secs(1));
+    }
+    r
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+const COLOURS: [&str; 4] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
+
+fn svg(runs: &[RunResult]) -> String {
+    let (w, h, left, right, top, bottom) = (720.0, 400.0, 60.0, 20.0, 40.0, 50.0);
+    let n = runs.first().map_or(1, |r| r.curve.len().max(1)) as f64;
+    let x = |i: usize| left + (i as f64 + 1.0) / n * (w - left - right);
+    let y = |v: f64| top + (1.0 - v) * (h - top - bottom);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">Chunk hit rate per {WINDOW} requests: {ENGINES} engines, round-robin, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks</text>",
+        w / 2.0
+    );
+    for t in 0..=5 {
+        let v = t as f64 / 5.0;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{left}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{:.0}%</text>",
+            w - right,
+            y(v),
+            y(v),
+            left - 6.0,
+            y(v) + 4.0,
+            v * 100.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<line x1=\"{left}\" x2=\"{left}\" y1=\"{top}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{left}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - bottom,
+        w - right,
+        h - bottom,
+        h - bottom
+    );
+    let reqs = n as usize * WINDOW;
+    for t in 0..=4 {
+        let i = reqs * t / 4;
+        let px = left + i as f64 / reqs.max(1) as f64 * (w - left - right);
+        let _ = writeln!(
+            s,
+            "<text x=\"{px:.1}\" y=\"{}\" text-anchor=\"middle\">{i}</text>",
+            h - bottom + 16.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">requests</text>",
+        (left + w - right) / 2.0,
+        h - 8.0
+    );
+    for (k, r) in runs.iter().enumerate() {
+        let colour = COLOURS[k % COLOURS.len()];
+        let mut pts = String::new();
+        for (i, v) in r.curve.iter().enumerate() {
+            let _ = write!(pts, "{:.1},{:.1} ", x(i), y(*v));
+        }
+        let _ = writeln!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>",
+            pts.trim_end()
+        );
+        let label = match r.pools {
+            0 => "no pool: local hits".to_owned(),
+            1 => format!("1 pool of {POOL_BLOCKS} chunks"),
+            n => format!(
+                "{n} sharded pools of {} chunks each",
+                POOL_BLOCKS / n as u64
+            ),
+        };
+        let ly = h - bottom - 90.0 + 18.0 * k as f64;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"2\"/><text x=\"{}\" y=\"{}\">{label}</text>",
+            w - right - 290.0,
+            w - right - 260.0,
+            w - right - 252.0,
+            ly + 4.0
+        );
+    }
+    s += "</svg>\n";
+    s
+}
+
+fn main() {
+    let o = opts();
+    let prefixes = workload(&o);
+    let chunks = (prefixes.len() as u64 * CHUNKS) as f64;
+    println!(
+        "workload: {} requests at {}/s, round-robin over {ENGINES} engines × {ENGINE_BLOCKS} chunks, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks of {} KiB, seed {}; pool memory {POOL_BLOCKS} chunks in all",
+        prefixes.len(),
+        o.rate,
+        LEN / 1024,
+        o.seed
+    );
+    let runs: Vec<RunResult> = [0, 1, 2, 4]
+        .iter()
+        .map(|&n| run(&o, &prefixes, n))
+        .collect();
+    let pct = |v: u64| 100.0 * v as f64 / chunks;
+    println!();
+    println!("| pools | memory each | local hits | pool hits | recomputed | lookup p50 | lookup p99 | pulled | pull bandwidth |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for r in &runs {
+        let mut sorted = r.lookups.clone();
+        sorted.sort();
+        let memory = if r.pools == 0 {
+            "-".to_owned()
+        } else {
+            format!("{} MiB", (POOL_BLOCKS / r.pools as u64 * LEN) >> 20)
+        };
+        println!(
+            "| {} | {memory} | {:.1}% | {:.1}% | {:.1}% | {:.0} µs | {:.0} µs | {:.1} MiB | {:.2} MiB/s |",
+            r.pools,
+            pct(r.local),
+            pct(r.pool),
+            pct(r.miss),
+            percentile(&sorted, 0.5).as_secs_f64() * 1e6,
+            percentile(&sorted, 0.99).as_secs_f64() * 1e6,
+            r.pulled_bytes as f64 / (1 << 20) as f64,
+            r.pulled_bytes as f64 / (1 << 20) as f64 / r.secs
+        );
+    }
+    let hit = |r: &RunResult| (r.local + r.pool) as f64 / chunks;
+    let single = hit(&runs[1]);
+    println!();
+    for r in &runs[2..] {
+        println!(
+            "{} sharded pools: hit rate {:.1}% = {:.3}× the single pool's {:.1}% (goal ≥ 0.90), at 1/{} of its memory each; pool hits byte-checked: {}",
+            r.pools,
+            100.0 * hit(r),
+            hit(r) / single,
+            100.0 * single,
+            r.pools,
+            r.checked
+        );
+    }
+    println!(
+        "recompute saved by the single pool: {:.1}% of all chunks (misses {:.1}% → {:.1}%)",
+        pct(runs[0].miss.saturating_sub(runs[1].miss)),
+        pct(runs[0].miss),
+        pct(runs[1].miss)
+    );
+    if let Some(path) = &o.svg {
+        std::fs::write(path, svg(&runs)).unwrap();
+        println!("plot: {path}");
+    }
+}
