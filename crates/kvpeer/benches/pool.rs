@@ -25,7 +25,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::fmt::Write as _;
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +39,8 @@ use kvpeer_net::events::{
 };
 use kvpeer_pool::{Admission, EngineSlot, Follower, FollowerLimits, Holdings};
 use kvpeer_proto::events::{encode_batch, BlockHash, BlockStored, KvEvent};
+
+use common::{Plot, Rng, Zipf};
 
 /// Bytes of one chunk (one CPU-tier block).
 const LEN: u64 = 16 * 1024;
@@ -85,49 +88,6 @@ fn opts() -> Opts {
         }
     }
     o
-}
-
-/// splitmix64: small, seeded, good enough for a workload.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Zipf over ranks `0..n` (rank r with weight 1/(r+1)^s), by inverse CDF.
-struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    fn new(n: u64, s: f64) -> Self {
-        let mut cdf = Vec::with_capacity(n as usize);
-        let mut acc = 0.0;
-        for r in 0..n {
-            acc += 1.0 / ((r + 1) as f64).powf(s);
-            cdf.push(acc);
-        }
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf }
-    }
-
-    fn sample(&self, rng: &mut Rng) -> u64 {
-        let u = rng.unit();
-        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u64
-    }
 }
 
 /// The request sequence: (prefix, engine) each.
@@ -441,90 +401,26 @@ fn per_core(i: &Ingest) -> f64 {
 }
 
 fn svg(without: &RunResult, with: &RunResult) -> String {
-    let (w, h, left, right, top, bottom) = (720.0, 400.0, 60.0, 20.0, 40.0, 50.0);
-    let n = without.curve.len().max(1) as f64;
-    let x = |i: usize| left + (i as f64 + 1.0) / n * (w - left - right);
-    let y = |v: f64| top + (1.0 - v) * (h - top - bottom);
-    let line = |pts: &[f64], colour: &str, dash: &str| {
-        let mut s = String::new();
-        for (i, v) in pts.iter().enumerate() {
-            let _ = write!(s, "{:.1},{:.1} ", x(i), y(*v));
-        }
-        format!(
-            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" {dash} points=\"{}\"/>\n",
-            s.trim_end()
-        )
-    };
+    let plot = Plot::new(without.curve.len());
     let total = |r: &RunResult| r.curve.iter().map(|(l, p)| l + p).collect::<Vec<_>>();
     let local = |r: &RunResult| r.curve.iter().map(|(l, _)| *l).collect::<Vec<_>>();
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
-         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    let mut s = plot.frame(
+        &format!(
+            "Chunk hit rate per {WINDOW} requests: 4 engines, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks"
+        ),
+        WINDOW,
     );
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">Chunk hit rate per {WINDOW} requests: 4 engines, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks</text>",
-        w / 2.0
-    );
-    for t in 0..=5 {
-        let v = t as f64 / 5.0;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{left}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{:.0}%</text>",
-            w - right,
-            y(v),
-            y(v),
-            left - 6.0,
-            y(v) + 4.0,
-            v * 100.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<line x1=\"{left}\" x2=\"{left}\" y1=\"{top}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{left}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - bottom,
-        w - right,
-        h - bottom,
-        h - bottom
-    );
-    let reqs = without.curve.len() * WINDOW;
-    for t in 0..=4 {
-        let i = reqs * t / 4;
-        let px = left + i as f64 / reqs.max(1) as f64 * (w - left - right);
-        let _ = writeln!(
-            s,
-            "<text x=\"{px:.1}\" y=\"{}\" text-anchor=\"middle\">{i}</text>",
-            h - bottom + 16.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">requests</text>",
-        (left + w - right) / 2.0,
-        h - 8.0
-    );
-    s += &line(&total(with), "#1f77b4", "");
-    s += &line(&local(with), "#1f77b4", "stroke-dasharray=\"5,4\"");
-    s += &line(&total(without), "#d62728", "");
+    let dashed = "stroke-dasharray=\"5,4\"";
+    s += &plot.line(&total(with), "#1f77b4", "");
+    s += &plot.line(&local(with), "#1f77b4", dashed);
+    s += &plot.line(&total(without), "#d62728", "");
     let legend = [
         ("#1f77b4", "", "with the pool node: local + pool hits"),
-        (
-            "#1f77b4",
-            "stroke-dasharray=\"5,4\"",
-            "with the pool node: local hits only",
-        ),
+        ("#1f77b4", dashed, "with the pool node: local hits only"),
         ("#d62728", "", "without: local hits"),
     ];
     for (k, (c, dash, label)) in legend.iter().enumerate() {
-        let ly = h - bottom - 70.0 + 18.0 * k as f64;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{c}\" stroke-width=\"2\" {dash}/><text x=\"{}\" y=\"{}\">{label}</text>",
-            w - right - 290.0,
-            w - right - 260.0,
-            w - right - 252.0,
-            ly + 4.0
-        );
+        s += &plot.legend(k, 3, c, dash, label);
     }
     s += "</svg>\n";
     s

@@ -27,7 +27,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::fmt::Write as _;
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -41,6 +42,8 @@ use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
 use kvpeer_proto::events::{BlockHash, BlockStored};
 use kvpeer_store::KeyChange;
+
+use common::{Plot, Rng, Zipf};
 
 /// Bytes of one chunk (one CPU-tier block).
 const LEN: u64 = 16 * 1024;
@@ -86,34 +89,11 @@ fn opts() -> Opts {
     o
 }
 
-/// splitmix64, seeded.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
-/// The prefixes of the requests, Zipf over `0..PREFIXES` by inverse CDF.
+/// The prefixes of the requests, Zipf over `0..PREFIXES`.
 fn workload(o: &Opts) -> Vec<u64> {
-    let mut cdf = Vec::with_capacity(PREFIXES as usize);
-    let mut acc = 0.0;
-    for r in 0..PREFIXES {
-        acc += 1.0 / ((r + 1) as f64).powf(ZIPF_S);
-        cdf.push(acc);
-    }
+    let zipf = Zipf::new(PREFIXES, ZIPF_S);
     let mut rng = Rng(o.seed);
-    (0..o.requests)
-        .map(|_| {
-            let u = (rng.next() >> 11) as f64 / (1u64 << 53) as f64 * acc;
-            cdf.partition_point(|&c| c < u).min(cdf.len() - 1) as u64
-        })
-        .collect()
+    (0..o.requests).map(|_| zipf.sample(&mut rng)).collect()
 }
 
 fn prefix_keys(p: u64) -> Vec<OffloadKey> {
@@ -384,67 +364,16 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
 const COLOURS: [&str; 4] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
 
 fn svg(runs: &[RunResult]) -> String {
-    let (w, h, left, right, top, bottom) = (720.0, 400.0, 60.0, 20.0, 40.0, 50.0);
-    let n = runs.first().map_or(1, |r| r.curve.len().max(1)) as f64;
-    let x = |i: usize| left + (i as f64 + 1.0) / n * (w - left - right);
-    let y = |v: f64| top + (1.0 - v) * (h - top - bottom);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
-         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">Chunk hit rate per {WINDOW} requests: {ENGINES} engines, round-robin, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks</text>",
-        w / 2.0
-    );
-    for t in 0..=5 {
-        let v = t as f64 / 5.0;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{left}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{:.0}%</text>",
-            w - right,
-            y(v),
-            y(v),
-            left - 6.0,
-            y(v) + 4.0,
-            v * 100.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<line x1=\"{left}\" x2=\"{left}\" y1=\"{top}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{left}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - bottom,
-        w - right,
-        h - bottom,
-        h - bottom
-    );
-    let reqs = n as usize * WINDOW;
-    for t in 0..=4 {
-        let i = reqs * t / 4;
-        let px = left + i as f64 / reqs.max(1) as f64 * (w - left - right);
-        let _ = writeln!(
-            s,
-            "<text x=\"{px:.1}\" y=\"{}\" text-anchor=\"middle\">{i}</text>",
-            h - bottom + 16.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">requests</text>",
-        (left + w - right) / 2.0,
-        h - 8.0
+    let plot = Plot::new(runs.first().map_or(1, |r| r.curve.len()));
+    let mut s = plot.frame(
+        &format!(
+            "Chunk hit rate per {WINDOW} requests: {ENGINES} engines, round-robin, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks"
+        ),
+        WINDOW,
     );
     for (k, r) in runs.iter().enumerate() {
         let colour = COLOURS[k % COLOURS.len()];
-        let mut pts = String::new();
-        for (i, v) in r.curve.iter().enumerate() {
-            let _ = write!(pts, "{:.1},{:.1} ", x(i), y(*v));
-        }
-        let _ = writeln!(
-            s,
-            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>",
-            pts.trim_end()
-        );
+        s += &plot.line(&r.curve, colour, "");
         let label = match r.pools {
             0 => "no pool: local hits".to_owned(),
             1 => format!("1 pool of {POOL_BLOCKS} chunks"),
@@ -453,15 +382,7 @@ fn svg(runs: &[RunResult]) -> String {
                 POOL_BLOCKS / n as u64
             ),
         };
-        let ly = h - bottom - 90.0 + 18.0 * k as f64;
-        let _ = writeln!(
-            s,
-            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"2\"/><text x=\"{}\" y=\"{}\">{label}</text>",
-            w - right - 290.0,
-            w - right - 260.0,
-            w - right - 252.0,
-            ly + 4.0
-        );
+        s += &plot.legend(k, runs.len(), colour, "", &label);
     }
     s += "</svg>\n";
     s
