@@ -267,10 +267,13 @@ impl Catalog {
             }
         }
         let tainted = cpu
+            && !self.tainted.is_empty()
             && hashes
                 .iter()
                 .any(|h| self.tainted.contains_key(&OffloadKey::from_parts(h, group)));
-        if describable && !tainted {
+        // A CPU event's blocks are its chunk's own (described whole below); GPU blocks are
+        // what placeholders are walked through.
+        if describable && !cpu {
             self.learn_blocks(event, &hashes, parent, group);
         }
         if !cpu {

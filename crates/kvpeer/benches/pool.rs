@@ -27,6 +27,10 @@
 
 mod common;
 
+/// The allocator of the `kvpeer` binary (src/main.rs), so the figures are the node's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
