@@ -146,12 +146,15 @@ struct Chunk {
     description: Option<Arc<ChunkDescription>>,
     /// The description was made by a walk (withdrawn if the group's size is lowered).
     walked: bool,
+    /// The root chunk of its prefix, once [`Catalog::root`] found it.
+    root: Option<OffloadKey>,
     generation: u64,
 }
 
 impl Chunk {
     fn bytes(&self) -> usize {
         ENTRY_BYTES
+            + self.root.as_ref().map_or(0, |r| r.as_bytes().len())
             + self
                 .description
                 .as_ref()
@@ -163,11 +166,16 @@ fn description_bytes(d: &ChunkDescription) -> usize {
     d.token_ids.len() * 4
         + d.block_hashes.iter().map(|h| h.len() + 16).sum::<usize>()
         + d.parent.as_ref().map_or(0, |p| p.len())
+        + d.lora_name.as_ref().map_or(0, String::len)
 }
 
 impl Block {
     fn bytes(&self) -> usize {
-        ENTRY_BYTES + self.tokens.len() * 4 + self.parent.as_ref().map_or(0, |p| p.len())
+        // The LoRA name is shared by an event's blocks; each is charged for it.
+        ENTRY_BYTES
+            + self.tokens.len() * 4
+            + self.parent.as_ref().map_or(0, |p| p.len())
+            + self.lora_name.as_ref().map_or(0, |n| n.len())
     }
 }
 
@@ -424,17 +432,36 @@ impl Catalog {
     /// The root chunk of the prefix chunk `key` ends: each chunk's parent is the last block of
     /// the chunk before it, so the walk goes chunk by chunk to one with no parent. Every chunk
     /// on the way must be describable; at most [`MAX_ANCESTORS`] of them.
+    ///
+    /// Each chunk on the way remembers the root found (a prefix's root does not change), so
+    /// the chunks of one prompt, asked in order, cost one step each rather than one per
+    /// ancestor.
     pub fn root(&mut self, key: &OffloadKey) -> Result<OffloadKey, Undescribed> {
         let (_, group) = split(key).ok_or(Undescribed::Unknown)?;
+        let mut visited = Vec::new();
         let mut current = key.clone();
-        for _ in 0..MAX_ANCESTORS {
+        let root = loop {
+            if let Some(root) = self.chunks.get(&current).and_then(|c| c.root.clone()) {
+                break root;
+            }
+            if visited.len() >= MAX_ANCESTORS {
+                return Err(Undescribed::TooLong);
+            }
             let description = self.describe(&current)?;
+            visited.push(current.clone());
             match &description.parent {
-                None => return Ok(current),
+                None => break current,
                 Some(parent) => current = OffloadKey::from_parts(parent, group),
             }
+        };
+        for k in visited {
+            if let Some(chunk) = self.chunks.get_mut(&k) {
+                self.chunk_bytes -= chunk.bytes();
+                chunk.root = Some(root.clone());
+                self.chunk_bytes += chunk.bytes();
+            }
         }
-        Err(Undescribed::TooLong)
+        Ok(root)
     }
 
     /// What the catalog saw.
@@ -552,14 +579,19 @@ impl Catalog {
         description: Option<Arc<ChunkDescription>>,
         walked: bool,
     ) {
-        if let Some(old) = self.chunks.remove(&key) {
-            self.chunk_bytes -= old.bytes();
-        }
+        let root = match self.chunks.remove(&key) {
+            Some(old) => {
+                self.chunk_bytes -= old.bytes();
+                old.root
+            }
+            None => None,
+        };
         let generation = self.next_generation;
         self.next_generation += 1;
         let chunk = Chunk {
             description,
             walked,
+            root,
             generation,
         };
         if chunk.bytes() > self.limits.max_bytes {

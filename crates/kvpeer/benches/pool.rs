@@ -37,7 +37,6 @@ use std::time::{Duration, Instant};
 
 use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
-use kvpeer_core::LookupResult;
 use kvpeer_net::events::{
     EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
 };
@@ -144,10 +143,6 @@ struct RunResult {
     curve: Vec<(f64, f64)>,
 }
 
-fn leading(flags: impl IntoIterator<Item = bool>) -> usize {
-    flags.into_iter().take_while(|h| *h).count()
-}
-
 fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
     let tag = if with_pool { "with" } else { "without" };
     let mut engines = Vec::new();
@@ -188,7 +183,6 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
         }
         (n, p)
     });
-    let timeouts = engines[0].config().core.clone();
     let mut r = RunResult::default();
     let (mut wl, mut wp) = (0u64, 0u64);
     let start = Instant::now();
@@ -198,43 +192,19 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
         if let Some(d) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(d);
         }
-        let engine = &engines[e];
-        let keys = prefix_keys(p);
-        let local = leading(engine.touch(&keys).unwrap());
-        let mut rest = &keys[local..];
-        let mut from_pool = 0;
-        if let (Some((pool_node, _)), false) = (&pool, rest.is_empty()) {
-            let req = engine
-                .request(pool_node.id(), &format!("bench-{tag}-{i}"))
-                .unwrap();
-            let found = req.lookup(rest, timeouts.lookup_timeout).unwrap();
-            let hits = leading(found.iter().map(|f| *f == LookupResult::Hit));
-            if hits > 0 && req.fetch(&rest[..hits], timeouts.load_timeout).is_ok() {
-                from_pool = hits;
-                if i % 16 == 0 {
-                    let k = &rest[hits - 1];
-                    assert_eq!(
-                        engine.read(k),
-                        Some(synthetic::content(k, LEN as usize)),
-                        "a pool hit's bytes"
-                    );
-                    r.checked += 1;
-                }
-            }
-            req.finish();
-            rest = &rest[from_pool..];
-        }
-        if !rest.is_empty() {
-            let missing = rest.to_vec();
-            engine
-                .store_with(rest, move |j, block| {
-                    block.copy_from_slice(&synthetic::content(&missing[j], LEN as usize));
-                })
-                .unwrap();
-        }
+        let served = common::serve(
+            &engines[e],
+            pool.as_ref().map(|(n, _)| n.id()),
+            &prefix_keys(p),
+            &format!("bench-{tag}-{i}"),
+            LEN as usize,
+            i % 16 == 0,
+        );
+        let (local, from_pool) = (served.local, served.pool);
+        r.checked += u64::from(served.checked);
         r.local += local as u64;
         r.pool += from_pool as u64;
-        r.miss += rest.len() as u64;
+        r.miss += served.miss as u64;
         wl += local as u64;
         wp += from_pool as u64;
         if (i + 1) % WINDOW == 0 {

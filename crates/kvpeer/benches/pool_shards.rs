@@ -37,11 +37,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind};
-use kvpeer_core::LookupResult;
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
-use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
+use kvpeer_pool::{Catalog, CatalogLimits, Publisher};
 use kvpeer_proto::events::{BlockHash, BlockStored};
-use kvpeer_store::KeyChange;
 
 use common::{Plot, Rng, Zipf};
 
@@ -155,16 +153,9 @@ impl EngineStream {
                             .map(|f| vec![f.topic, f.seq.to_vec(), f.payload])
                     })
                     .unwrap();
-                let Ok((changes, _)) = node.take_store_changes(1 << 16) else {
+                let Ok((changes, _)) = kvpeer::pool::store_changes(&node, 1 << 16) else {
                     return;
                 };
-                let changes: Vec<StoreChange> = changes
-                    .into_iter()
-                    .map(|c| match c {
-                        KeyChange::Stored(k) => StoreChange::Stored(k),
-                        KeyChange::Removed(k) => StoreChange::Removed(k),
-                    })
-                    .collect();
                 let ts = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64());
@@ -221,10 +212,6 @@ struct RunResult {
     curve: Vec<f64>,
 }
 
-fn leading(flags: impl IntoIterator<Item = bool>) -> usize {
-    flags.into_iter().take_while(|h| *h).count()
-}
-
 fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
     let tag = format!("p{pools}");
     let mut engines = Vec::new();
@@ -275,7 +262,6 @@ fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
             e.connect(m, Duration::from_secs(10)).unwrap();
         }
     }
-    let timeouts = engines[0].config().core.clone();
     let mut r = RunResult {
         pools,
         ..RunResult::default()
@@ -287,46 +273,22 @@ fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
         if let Some(d) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(d);
         }
-        let engine = &engines[i % ENGINES];
         let keys = prefix_keys(p);
-        let local = leading(engine.touch(&keys).unwrap());
-        let mut rest = &keys[local..];
-        let mut from_pool = 0;
-        if !pool_nodes.is_empty() && !rest.is_empty() {
-            let owner = kvpeer_pool::shard::owner(&names, &keys[0]).unwrap();
-            let req = engine
-                .request(&members[owner], &format!("shards-{tag}-{i}"))
-                .unwrap();
-            let asked = Instant::now();
-            let found = req.lookup(rest, timeouts.lookup_timeout).unwrap();
-            r.lookups.push(asked.elapsed());
-            let hits = leading(found.iter().map(|f| *f == LookupResult::Hit));
-            if hits > 0 && req.fetch(&rest[..hits], timeouts.load_timeout).is_ok() {
-                from_pool = hits;
-                if i % 16 == 0 {
-                    let k = &rest[hits - 1];
-                    assert_eq!(
-                        engine.read(k),
-                        Some(synthetic::content(k, LEN as usize)),
-                        "a pool hit's bytes"
-                    );
-                    r.checked += 1;
-                }
-            }
-            req.finish();
-            rest = &rest[from_pool..];
-        }
-        if !rest.is_empty() {
-            let missing = rest.to_vec();
-            engine
-                .store_with(rest, move |j, block| {
-                    block.copy_from_slice(&synthetic::content(&missing[j], LEN as usize));
-                })
-                .unwrap();
-        }
+        let owner = kvpeer_pool::shard::owner(&names, &keys[0]).map(|o| &members[o]);
+        let served = common::serve(
+            &engines[i % ENGINES],
+            owner,
+            &keys,
+            &format!("shards-{tag}-{i}"),
+            LEN as usize,
+            i % 16 == 0,
+        );
+        let (local, from_pool) = (served.local, served.pool);
+        r.lookups.extend(served.lookup);
+        r.checked += u64::from(served.checked);
         r.local += local as u64;
         r.pool += from_pool as u64;
-        r.miss += rest.len() as u64;
+        r.miss += served.miss as u64;
         window_hits += (local + from_pool) as u64;
         if (i + 1) % WINDOW == 0 {
             r.curve

@@ -1,9 +1,87 @@
 //! What the pool benchmarks share (`pool.rs`, issue 15; `pool_shards.rs`, issue 21): the
-//! seeded random numbers and Zipf draws of their workloads, and the frame of their SVG plots.
+//! seeded random numbers and Zipf draws of their workloads, one engine's handling of a
+//! request, and the frame of their SVG plots.
 
 #![allow(dead_code)]
 
 use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use kvpeer::{synthetic, Node, OffloadKey, PeerId};
+use kvpeer_core::LookupResult;
+
+/// What an engine did for one request.
+pub(crate) struct Served {
+    /// Leading chunks it held itself.
+    pub(crate) local: usize,
+    /// Chunks after those it fetched from the pool.
+    pub(crate) pool: usize,
+    /// Chunks it recomputed.
+    pub(crate) miss: usize,
+    /// The pool lookup's round trip, if it asked one.
+    pub(crate) lookup: Option<Duration>,
+    /// Whether a fetched chunk's bytes were checked.
+    pub(crate) checked: bool,
+}
+
+fn leading(flags: impl IntoIterator<Item = bool>) -> usize {
+    flags.into_iter().take_while(|h| *h).count()
+}
+
+/// `engine` serves a request for `keys` (chunks of `len` bytes): the leading chunks it holds
+/// (they become its most recently used), then, with a `pool`, the leading hits of one lookup
+/// there, fetched (the last one byte-checked if `check`), then the rest recomputed into its
+/// tier, which announces them.
+pub(crate) fn serve(
+    engine: &Node,
+    pool: Option<&PeerId>,
+    keys: &[OffloadKey],
+    id: &str,
+    len: usize,
+    check: bool,
+) -> Served {
+    let timeouts = &engine.config().core;
+    let local = leading(engine.touch(keys).unwrap());
+    let mut rest = &keys[local..];
+    let mut served = Served {
+        local,
+        pool: 0,
+        miss: 0,
+        lookup: None,
+        checked: false,
+    };
+    if let (Some(pool), false) = (pool, rest.is_empty()) {
+        let req = engine.request(pool, id).unwrap();
+        let asked = Instant::now();
+        let found = req.lookup(rest, timeouts.lookup_timeout).unwrap();
+        served.lookup = Some(asked.elapsed());
+        let hits = leading(found.iter().map(|f| *f == LookupResult::Hit));
+        if hits > 0 && req.fetch(&rest[..hits], timeouts.load_timeout).is_ok() {
+            served.pool = hits;
+            if check {
+                let k = &rest[hits - 1];
+                assert_eq!(
+                    engine.read(k),
+                    Some(synthetic::content(k, len)),
+                    "a pool hit's bytes"
+                );
+                served.checked = true;
+            }
+        }
+        req.finish();
+        rest = &rest[served.pool..];
+    }
+    if !rest.is_empty() {
+        let missing = rest.to_vec();
+        engine
+            .store_with(rest, move |j, block| {
+                block.copy_from_slice(&synthetic::content(&missing[j], len));
+            })
+            .unwrap();
+    }
+    served.miss = rest.len();
+    served
+}
 
 /// splitmix64: small, seeded, good enough for a workload.
 pub(crate) struct Rng(pub(crate) u64);

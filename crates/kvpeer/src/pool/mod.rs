@@ -310,6 +310,20 @@ impl Drop for Pool {
     }
 }
 
+/// What `node`'s store took in and let go since the last call, as a [`Publisher`] takes it,
+/// and how many changes were dropped for room (`Node::take_store_changes`).
+pub fn store_changes(node: &Node, max: usize) -> Result<(Vec<StoreChange>, u64), crate::NodeError> {
+    let (changes, dropped) = node.take_store_changes(max)?;
+    let changes = changes
+        .into_iter()
+        .map(|c| match c {
+            KeyChange::Stored(k) => StoreChange::Stored(k),
+            KeyChange::Removed(k) => StoreChange::Removed(k),
+        })
+        .collect();
+    Ok((changes, dropped))
+}
+
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, PoolError> {
     std::thread::Builder::new()
         .name(name.to_owned())
@@ -442,16 +456,9 @@ impl PoolThread {
         let Some((socket, publisher)) = &mut self.publishing else {
             return;
         };
-        match self.node.take_store_changes(MAX_CHANGES) {
+        match store_changes(&self.node, MAX_CHANGES) {
             Ok((changes, dropped)) => {
                 self.publish_dropped += dropped;
-                let changes: Vec<StoreChange> = changes
-                    .into_iter()
-                    .map(|c| match c {
-                        KeyChange::Stored(k) => StoreChange::Stored(k),
-                        KeyChange::Removed(k) => StoreChange::Removed(k),
-                    })
-                    .collect();
                 let ts = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64());
