@@ -47,8 +47,10 @@ use crate::node::build::{build, BuildPlane, NodeSpec};
 use crate::node::runtime::{self, Command};
 
 mod request;
+mod sources;
 
 pub use request::NodeRequest;
+pub use sources::{Pull, Pulled, Sources};
 
 /// Which data planes a node advertises and writes with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
