@@ -7,6 +7,8 @@ and stops them after it (see engines.start_in_turn for why none outlives its tes
   load from it lasts long enough to be cut by a kill.
 * ``K4``: kvpeer's tier on tcp whose allowlist names K2 only.
 * ``K5``: kvpeer's tier on tcp with another hash seed (``PYTHONHASHSEED``).
+* ``K6``: kvpeer's tier on tcp whose ``sources`` are K2 and K7 (asked with no router's hint);
+  ``K7``: kvpeer's tier on tcp.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engines import Engine, free_port, kvpeer_tier, make_model, start_in_turn  # noqa: E402
 from engines import stock_tier  # noqa: E402
 
-NAMES = ("S1", "S2", "K1", "K2", "K3", "K4", "K5")
+NAMES = ("S1", "S2", "K1", "K2", "K3", "K4", "K5", "K6", "K7")
 
 
 def fleet_spec(ports: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -39,6 +41,15 @@ def fleet_spec(ports: dict[str, int]) -> dict[str, dict[str, Any]]:
             "tier": kvpeer_tier(ports["K4"], "tcp", allow=[f"127.0.0.1:{ports['K2']}"], **fast)
         },
         "K5": {"tier": kvpeer_tier(ports["K5"], "tcp", **fast), "env": {"PYTHONHASHSEED": "4242"}},
+        "K6": {
+            "tier": kvpeer_tier(
+                ports["K6"],
+                "tcp",
+                sources=[f"127.0.0.1:{ports['K2']}", f"127.0.0.1:{ports['K7']}"],
+                **fast,
+            )
+        },
+        "K7": {"tier": kvpeer_tier(ports["K7"], "tcp", **fast)},
     }
 
 

@@ -36,9 +36,12 @@ def assert_same_output(out: dict, reference: dict) -> None:
     assert max(diffs, default=0.0) <= LOGPROB_TOLERANCE, diffs
 
 
-def load(consumer: Engine, source: Engine, prompt: list[int]) -> tuple[dict, float, float]:
-    """`consumer` serves `prompt` naming `source` as its peer: (output, chunks its tier hit,
-    bytes its tier read into vLLM's primary tier), the last two from vLLM's counters."""
+def load(
+    consumer: Engine, source: Engine | None, prompt: list[int]
+) -> tuple[dict, float, float]:
+    """`consumer` serves `prompt` naming `source` as its peer (None: no peer named, as a
+    round-robin router sends it): (output, chunks its tier hit, bytes its tier read into
+    vLLM's primary tier), the last two from vLLM's counters."""
     before = consumer.metrics()
     out = consumer.generate(prompt, source=source)
     after = consumer.metrics()
@@ -143,3 +146,42 @@ def test_a_producer_killed_mid_load_leaves_the_consumer_computing(running, promp
     assert failures >= 1, "the load was not cut by the kill"
     again = consumer.generate(prompt[::-1])
     assert len(again["tokens"]) == len(out["tokens"])
+
+
+SERVED_LOOKUPS = "vllm:kv_offload_kvpeer_served_lookups"
+SERVED_BLOCKS = "vllm:kv_offload_kvpeer_served_blocks"
+
+
+def test_a_request_no_router_names_a_source_for_loads_from_the_owner_of_its_prefix(
+    running, prompt
+):
+    """K6 lists K2 and K7 as its ``sources``; both hold the prompt. A request with no
+    kv_transfer_params (what a round-robin router sends) loads it from the source that owns
+    its root chunk, and the other source is not asked at all."""
+    fleet = running("K2", "K7", "K6")
+    k2, k7, k6 = fleet["K2"], fleet["K7"], fleet["K6"]
+    with k6.idle():
+        reference = computed_locally(k2, prompt)
+        assert_same_output(computed_locally(k7, prompt), reference)
+    before = {e.name: e.metrics() for e in (k2, k7)}
+    out, hits, read = load(k6, None, prompt)
+    assert_same_output(out, reference)
+    blocks = len(prompt) // BLOCK_SIZE
+    assert hits >= blocks - 1, f"K6's tier hit {hits} of {blocks} chunks"
+    assert read >= (blocks - 1) * 1024
+
+    # A tier's counts reach vLLM's metrics when its engine steps: one short prompt each.
+    after = {}
+    for e in (k2, k7):
+        e.generate(prompt[:BLOCK_SIZE][::-1], max_tokens=1)
+        after[e.name] = e.metrics()
+
+    def delta(e: Engine, name: str) -> float:
+        return e.counter(after[e.name], name) - e.counter(before[e.name], name)
+
+    asked = {e.name: delta(e, SERVED_LOOKUPS) for e in (k2, k7)}
+    written = {e.name: delta(e, SERVED_BLOCKS) for e in (k2, k7)}
+    assert sorted(v > 0 for v in asked.values()) == [False, True], asked
+    owner = max(asked, key=asked.get)
+    assert written[owner] >= blocks - 1, written
+    assert sum(written.values()) == written[owner], written

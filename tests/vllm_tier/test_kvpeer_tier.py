@@ -419,6 +419,10 @@ def test_shutdown_with_peers_connected(engines):
         ({"metrics": "yes"}, "metrics"),
         ({"max_peers_per_host": 0}, "max_peers_per_host"),
         ({"max_pins_per_peer": "lots"}, "max_pins_per_peer"),
+        ({"sources": ["nohost"]}, "sources"),
+        ({"sources": ["10.0.0.7:99999"]}, "sources"),
+        ({"sources": ["10.0.0.7:5710", "10.0.0.7:5710"]}, "sources"),
+        ({"sources": 5710}, "sources"),
     ],
 )
 def test_bad_config_fails_start_up_naming_the_key(engines, config, key):

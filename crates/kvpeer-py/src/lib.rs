@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NIXL_BUILT", cfg!(feature = "nixl"))?;
     m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;
+    m.add_function(pyo3::wrap_pyfunction!(shard_owner, m)?)?;
     Ok(())
 }
 
@@ -77,4 +78,12 @@ fn shm_object_of(memory: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
     };
     let address: usize = ctypes.getattr("addressof")?.call1((&pin,))?.extract()?;
     Ok(memory::shm_object_of(address, nbytes))
+}
+
+/// The index in `members` (pool nodes' `host:port`, as in their `--shard` list) of the one that
+/// owns the prefix whose root chunk's key is `root`, or None without members: rendezvous
+/// hashing, the same function the pools admit by (`kvpeer_pool::shard`).
+#[pyfunction]
+fn shard_owner(members: Vec<String>, root: &[u8]) -> Option<usize> {
+    kvpeer_pool::shard::owner(&members, &kvpeer::OffloadKey::from_bytes(root))
 }

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
-use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
+use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind, Sources};
 use kvpeer_net::events::{
     EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
 };
@@ -183,6 +183,7 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
         }
         (n, p)
     });
+    let sources = Sources::new(pool.iter().map(|(n, _)| n.id().clone()));
     let mut r = RunResult::default();
     let (mut wl, mut wp) = (0u64, 0u64);
     let start = Instant::now();
@@ -194,7 +195,7 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
         }
         let served = common::serve(
             &engines[e],
-            pool.as_ref().map(|(n, _)| n.id()),
+            &sources,
             &prefix_keys(p),
             &format!("bench-{tag}-{i}"),
             LEN as usize,

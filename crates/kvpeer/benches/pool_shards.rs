@@ -1,6 +1,6 @@
 //! Issue 21's benchmark: one pool node against 2 and 4 pool nodes that split the prefixes by
 //! rendezvous hashing of each prefix's root chunk (`--shard`), for 8 engines behind a
-//! round-robin router.
+//! round-robin router, then behind a KV-aware one.
 //!
 //! Run: `scripts/bench-pool.sh` (which runs this after issue 15's `pool` bench: `cargo bench
 //! -p kvpeer --bench pool_shards -- --svg docs/pool-shards.svg`). Options: `--requests N`
@@ -11,11 +11,13 @@
 //! as vLLM KV events in the self-describing form (each chunk's hash, its parent, its tokens:
 //! what an engine with vLLM's `self_describing_kv_events` says, so a pool knows each chunk's
 //! root). A request is a prefix of `CHUNKS` chunks drawn from a Zipf distribution over
-//! `PREFIXES` prefixes and goes to the engines in turn (round-robin: a router that knows no
-//! cache). The engine serves the leading chunks it holds, then asks the pool node that owns
-//! the prefix (`kvpeer_pool::shard::owner` of its root chunk over the pools' identities, what a
-//! tier's `sources` would do: one lookup, one round trip) and fetches the leading hits (one in
-//! 16 byte-checked), then "recomputes" the rest, which its stream announces. Every pool node
+//! `PREFIXES` prefixes and goes to an engine: in turn (round-robin, a router that knows no
+//! cache), or to the engine that holds the longest leading run of it (KV-aware: what a router
+//! indexing the engines' events knows, without its lag), in turn on a tie. The engine serves
+//! the leading chunks it holds, then pulls the rest through its tier's `sources`
+//! ([`Node::pull`]: the pool node that owns the prefix's root chunk, one lookup, one round
+//! trip) and fetches the leading hits (one in 16 byte-checked), then "recomputes" the rest,
+//! which its stream announces. Every pool node
 //! follows all 8 engines and pulls only its share. The same request sequence runs with no
 //! pool, one pool of `POOL_BLOCKS` chunks, and 2 and 4 sharded pools of `POOL_BLOCKS / n`
 //! chunks each (the same memory in all).
@@ -36,7 +38,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
-use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind};
+use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind, Sources};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::{Catalog, CatalogLimits, Publisher};
 use kvpeer_proto::events::{BlockHash, BlockStored};
@@ -58,6 +60,45 @@ const ZIPF_S: f64 = 1.1;
 const BLOCK_TOKENS: u32 = 16;
 /// Requests per point of the hit-rate curve.
 const WINDOW: usize = 500;
+
+/// How requests reach the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Router {
+    /// In turn: a router that knows no cache.
+    RoundRobin,
+    /// To the engine holding the longest leading run of the prefix (what a router indexing
+    /// the engines' KV events knows, here without its event lag), in turn on a tie.
+    KvAware,
+}
+
+impl Router {
+    fn name(self) -> &'static str {
+        match self {
+            Router::RoundRobin => "round-robin",
+            Router::KvAware => "KV-aware",
+        }
+    }
+
+    fn pick(self, engines: &[Arc<Node>], keys: &[OffloadKey], i: usize) -> usize {
+        if self == Router::RoundRobin {
+            return i % engines.len();
+        }
+        let mut best = (0, i % engines.len());
+        for k in 0..engines.len() {
+            let e = (i + k) % engines.len();
+            let held = engines[e]
+                .contains(keys)
+                .unwrap()
+                .into_iter()
+                .take_while(|h| *h)
+                .count();
+            if held > best.0 {
+                best = (held, e);
+            }
+        }
+        best.1
+    }
+}
 
 struct Opts {
     requests: usize,
@@ -197,8 +238,9 @@ fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 struct RunResult {
+    router: Router,
     pools: usize,
     local: u64,
     pool: u64,
@@ -212,8 +254,15 @@ struct RunResult {
     curve: Vec<f64>,
 }
 
-fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
-    let tag = format!("p{pools}");
+fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
+    let tag = format!(
+        "{}{pools}",
+        if router == Router::KvAware {
+            "kv"
+        } else {
+            "rr"
+        }
+    );
     let mut engines = Vec::new();
     let mut streams = Vec::new();
     let mut follow = Vec::new();
@@ -232,7 +281,8 @@ fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
         .map(|i| node(&format!("shards-{tag}-pool{i}"), POOL_BLOCKS / pools as u64))
         .collect();
     let members: Vec<PeerId> = pool_nodes.iter().map(|n| n.id().clone()).collect();
-    let names: Vec<&str> = members.iter().map(PeerId::as_str).collect();
+    // What every engine's tier lists as its `sources`: the pools, as their --shard names them.
+    let sources = Sources::new(members.clone());
     let running: Vec<Pool> = pool_nodes
         .iter()
         .map(|n| {
@@ -263,8 +313,16 @@ fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
         }
     }
     let mut r = RunResult {
+        router,
         pools,
-        ..RunResult::default()
+        local: 0,
+        pool: 0,
+        miss: 0,
+        checked: 0,
+        secs: 0.0,
+        pulled_bytes: 0,
+        lookups: Vec::new(),
+        curve: Vec::new(),
     };
     let mut window_hits = 0u64;
     let start = Instant::now();
@@ -274,10 +332,9 @@ fn run(o: &Opts, prefixes: &[u64], pools: usize) -> RunResult {
             std::thread::sleep(d);
         }
         let keys = prefix_keys(p);
-        let owner = kvpeer_pool::shard::owner(&names, &keys[0]).map(|o| &members[o]);
         let served = common::serve(
-            &engines[i % ENGINES],
-            owner,
+            &engines[router.pick(&engines, &keys, i)],
+            &sources,
             &keys,
             &format!("shards-{tag}-{i}"),
             LEN as usize,
@@ -329,13 +386,25 @@ fn svg(runs: &[RunResult]) -> String {
     let plot = Plot::new(runs.first().map_or(1, |r| r.curve.len()));
     let mut s = plot.frame(
         &format!(
-            "Chunk hit rate per {WINDOW} requests: {ENGINES} engines, round-robin, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks"
+            "Chunk hit rate per {WINDOW} requests: {ENGINES} engines, round-robin (solid) and KV-aware (dashed), Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks"
         ),
         WINDOW,
     );
+    let rr = runs
+        .iter()
+        .filter(|r| r.router == Router::RoundRobin)
+        .count();
     for (k, r) in runs.iter().enumerate() {
-        let colour = COLOURS[k % COLOURS.len()];
-        s += &plot.line(&r.curve, colour, "");
+        let colour = COLOURS[k % rr.max(1) % COLOURS.len()];
+        let dash = if r.router == Router::KvAware {
+            "stroke-dasharray=\"6,4\""
+        } else {
+            ""
+        };
+        s += &plot.line(&r.curve, colour, dash);
+        if r.router == Router::KvAware {
+            continue;
+        }
         let label = match r.pools {
             0 => "no pool: local hits".to_owned(),
             1 => format!("1 pool of {POOL_BLOCKS} chunks"),
@@ -344,7 +413,7 @@ fn svg(runs: &[RunResult]) -> String {
                 POOL_BLOCKS / n as u64
             ),
         };
-        s += &plot.legend(k, runs.len(), colour, "", &label);
+        s += &plot.legend(k, rr, colour, "", &label);
     }
     s += "</svg>\n";
     s
@@ -355,20 +424,22 @@ fn main() {
     let prefixes = workload(&o);
     let chunks = (prefixes.len() as u64 * CHUNKS) as f64;
     println!(
-        "workload: {} requests at {}/s, round-robin over {ENGINES} engines × {ENGINE_BLOCKS} chunks, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks of {} KiB, seed {}; pool memory {POOL_BLOCKS} chunks in all",
+        "workload: {} requests at {}/s, round-robin then KV-aware over {ENGINES} engines × {ENGINE_BLOCKS} chunks, Zipf s={ZIPF_S} over {PREFIXES} prefixes × {CHUNKS} chunks of {} KiB, seed {}; pool memory {POOL_BLOCKS} chunks in all",
         prefixes.len(),
         o.rate,
         LEN / 1024,
         o.seed
     );
-    let runs: Vec<RunResult> = [0, 1, 2, 4]
-        .iter()
-        .map(|&n| run(&o, &prefixes, n))
-        .collect();
+    let mut runs = Vec::new();
+    for router in [Router::RoundRobin, Router::KvAware] {
+        for pools in [0, 1, 2, 4] {
+            runs.push(run(&o, &prefixes, router, pools));
+        }
+    }
     let pct = |v: u64| 100.0 * v as f64 / chunks;
     println!();
-    println!("| pools | memory each | local hits | pool hits | recomputed | lookup p50 | lookup p99 | pulled | pull bandwidth |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| router | pools | memory each | local hits | pool hits | recomputed | lookup p50 | lookup p99 | pulled | pull bandwidth |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in &runs {
         let mut sorted = r.lookups.clone();
         sorted.sort();
@@ -378,7 +449,8 @@ fn main() {
             format!("{} MiB", (POOL_BLOCKS / r.pools as u64 * LEN) >> 20)
         };
         println!(
-            "| {} | {memory} | {:.1}% | {:.1}% | {:.1}% | {:.0} µs | {:.0} µs | {:.1} MiB | {:.2} MiB/s |",
+            "| {} | {} | {memory} | {:.1}% | {:.1}% | {:.1}% | {:.0} µs | {:.0} µs | {:.1} MiB | {:.2} MiB/s |",
+            r.router.name(),
             r.pools,
             pct(r.local),
             pct(r.pool),
@@ -390,25 +462,33 @@ fn main() {
         );
     }
     let hit = |r: &RunResult| (r.local + r.pool) as f64 / chunks;
-    let single = hit(&runs[1]);
     println!();
-    for r in &runs[2..] {
+    for router in [Router::RoundRobin, Router::KvAware] {
+        let of: Vec<&RunResult> = runs.iter().filter(|r| r.router == router).collect();
+        let single = hit(of[1]);
+        for r in &of[2..] {
+            let mut sorted = r.lookups.clone();
+            sorted.sort();
+            println!(
+                "{}: {} sharded pools: hit rate {:.1}% = {:.3}× the single pool's {:.1}% (goal ≥ 0.90), at 1/{} of its memory each; lookup p99 {:.0} µs (goal ≤ 1000); pool hits byte-checked: {}",
+                router.name(),
+                r.pools,
+                100.0 * hit(r),
+                hit(r) / single,
+                100.0 * single,
+                r.pools,
+                percentile(&sorted, 0.99).as_secs_f64() * 1e6,
+                r.checked
+            );
+        }
         println!(
-            "{} sharded pools: hit rate {:.1}% = {:.3}× the single pool's {:.1}% (goal ≥ 0.90), at 1/{} of its memory each; pool hits byte-checked: {}",
-            r.pools,
-            100.0 * hit(r),
-            hit(r) / single,
-            100.0 * single,
-            r.pools,
-            r.checked
+            "{}: recompute saved by the single pool: {:.1}% of all chunks (misses {:.1}% → {:.1}%)",
+            router.name(),
+            pct(of[0].miss.saturating_sub(of[1].miss)),
+            pct(of[0].miss),
+            pct(of[1].miss)
         );
     }
-    println!(
-        "recompute saved by the single pool: {:.1}% of all chunks (misses {:.1}% → {:.1}%)",
-        pct(runs[0].miss.saturating_sub(runs[1].miss)),
-        pct(runs[0].miss),
-        pct(runs[1].miss)
-    );
     if let Some(path) = &o.svg {
         std::fs::write(path, svg(&runs)).unwrap();
         println!("plot: {path}");

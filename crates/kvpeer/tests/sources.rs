@@ -107,8 +107,16 @@ fn a_hint_is_asked_first_and_the_owner_pool_gives_the_rest() {
     };
     let got = consumer.pull(&sources, &request, &keys).unwrap();
     assert_eq!(got.fetched, keys.len(), "{got:?}");
-    assert_eq!(got.fetched_from(hinted.id()), 3, "the hint's chunks from the hint");
-    assert_eq!(got.fetched_from(owner.id()), 3, "the rest from the owner pool");
+    assert_eq!(
+        got.fetched_from(hinted.id()),
+        3,
+        "the hint's chunks from the hint"
+    );
+    assert_eq!(
+        got.fetched_from(owner.id()),
+        3,
+        "the rest from the owner pool"
+    );
     assert!(byte_exact(&consumer, &keys));
     // What each source wrote, from its side: the hint 3 blocks, the owner 3, the other none.
     let written = |n: &Node| n.stats().unwrap().counters.fetch_blocks_served;
@@ -139,18 +147,24 @@ fn a_pool_that_is_gone_or_silent_costs_one_lookup_timeout_and_the_live_pool_stil
     // One address nothing listens on, one that accepts and never says a word.
     let gone = {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        PeerId::new(&l.local_addr().unwrap().to_string())
+        PeerId::new(l.local_addr().unwrap().to_string())
     };
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
-    let silent_id = PeerId::new(&silent.local_addr().unwrap().to_string());
+    let silent_id = PeerId::new(silent.local_addr().unwrap().to_string());
     let sources = Sources::new([live.id().clone(), gone.clone(), silent_id.clone()]);
     let consumer = node("src-down-c", 64);
     for dead in [&gone, &silent_id] {
         // A prefix the dead pool owns: a miss, within the lookup timeout, nothing landed.
         let keys = prefix(owned_by(&sources, dead, 0));
         let started = Instant::now();
-        let got = consumer.pull(&sources, &pull("dead", Some(&keys[0])), &keys).unwrap();
-        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        let got = consumer
+            .pull(&sources, &pull("dead", Some(&keys[0])), &keys)
+            .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
         assert_eq!(got.fetched, 0);
         assert!(got.holders.iter().all(Option::is_none));
         assert_eq!(got.failures.len(), 1, "{:?}", got.failures);
@@ -160,7 +174,9 @@ fn a_pool_that_is_gone_or_silent_costs_one_lookup_timeout_and_the_live_pool_stil
     // The same consumer still gets the live pool's prefixes, byte-exact, without a root too.
     let keys = prefix(owned_by(&sources, live.id(), 0));
     hold(&live, &keys);
-    let got = consumer.pull(&sources, &pull("live", Some(&keys[0])), &keys).unwrap();
+    let got = consumer
+        .pull(&sources, &pull("live", Some(&keys[0])), &keys)
+        .unwrap();
     assert_eq!(got.fetched_from(live.id()), keys.len(), "{got:?}");
     assert!(byte_exact(&consumer, &keys));
     drop(silent);
@@ -170,7 +186,7 @@ fn a_pool_that_is_gone_or_silent_costs_one_lookup_timeout_and_the_live_pool_stil
 fn stages_ask_the_hint_then_the_owner_and_never_a_source_twice() {
     let members: Vec<PeerId> = ["10.0.0.5:5710", "10.0.0.6:5710", "10.0.0.7:5710"]
         .iter()
-        .map(|m| PeerId::new(m))
+        .map(PeerId::new)
         .collect();
     let sources = Sources::new(members.clone());
     // Vector of kvpeer_pool::shard (Python's hashlib): this root belongs to the second member.

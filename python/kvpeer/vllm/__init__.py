@@ -105,6 +105,9 @@ _KVPEER_KEYS = (
     "tcp_transfer_timeout_s",
 )
 _FAIR_SHARE_KEYS = _KVPEER_KEYS[10:]
+# The fleet: pool nodes (and peers) asked when no router names a producer, or after it
+# (handled here, not by the node).
+_FLEET_KEYS = ("sources",)
 # vLLM passes these itself (factory.py): not user settings.
 _FRAMEWORK_KEYS = ("locality", "backpressure_detector")
 # The stock tier's environment variables, and the kvpeer settings they set.
@@ -122,6 +125,9 @@ _USER_KEY = {
 }
 
 _HIT, _MISS, _PENDING = 1, 0, 2
+# Native load ids of the second and later parts of a load split over several sources (vLLM's
+# own job ids, used for the first part, stay far below).
+_PART_IDS = 1 << 61
 _BUSY_METRIC = "vllm:kv_offload_kvpeer_busy_us"
 
 # Metric names (vLLM's Prometheus registry, through build_metric_definitions/get_stats).
@@ -132,6 +138,8 @@ _METRICS = {
     "vllm:kv_offload_kvpeer_failed_loads": "Loads from peers that failed.",
     "vllm:kv_offload_kvpeer_served_lookups": "Keys peers asked this engine about.",
     "vllm:kv_offload_kvpeer_served_blocks": "Blocks written to peers.",
+    "vllm:kv_offload_kvpeer_unknown_roots": "Requests that asked every source in 'sources' "
+    "because their prefix's root chunk was not known.",
     _BUSY_METRIC: "Microseconds vLLM's threads spent inside this tier's methods "
     "(drain_jobs' waits excluded).",
 }
@@ -149,24 +157,61 @@ _TIMED_CALLS = (
 )
 
 
-class _Consumer:
-    """This engine fetches the request's blocks from a peer."""
+class _Leg:
+    """One source a consumer request asks: a native request at one peer."""
 
-    __slots__ = ("native", "probe", "answers", "asked", "unsent", "batches", "failed")
+    __slots__ = ("native", "peer", "consumer", "unsent", "batches")
 
-    def __init__(self, native: Any, probe: bool) -> None:
+    def __init__(self, native: Any, peer: str, consumer: _Consumer) -> None:
         self.native = native
-        self.probe = probe
-        # key -> the producer holds it (answered keys only).
-        self.answers: dict[bytes, bool] = {}
-        # Keys asked or to be asked, not answered yet.
-        self.asked: set[bytes] = set()
+        self.peer = peer
+        self.consumer = consumer
         # Keys to ask at the step's end.
         self.unsent: list[bytes] = []
         # Lookups sent, oldest first: their keys, in the order asked.
         self.batches: deque[list[bytes]] = deque()
+
+
+class _Consumer:
+    """This engine fetches the request's blocks: from the router's hint (``remote_kv_source``,
+    or a PD ``remote_prefiller``), then from the tier's ``sources`` for the keys the hint does
+    not hold. Each key asks one stage of sources at a time: the hint, then the pool that owns
+    the prefix's root chunk (every pool when the root is not known); a key all of a stage's
+    sources miss goes to the next stage, and misses after the last."""
+
+    __slots__ = ("probe", "hint", "pools", "roots", "holders", "pending", "failed")
+
+    def __init__(self, probe: bool) -> None:
+        self.probe = probe
+        self.hint: _Leg | None = None
+        # Legs to the tier's sources, by index in ``sources``, opened when first asked.
+        self.pools: dict[int, _Leg] = {}
+        # Group index -> the key of the prefix's root chunk (None: not known).
+        self.roots: dict[int, bytes | None] = {}
+        # key -> the leg that holds it, or None when no source does (answered keys only).
+        self.holders: dict[bytes, _Leg | None] = {}
+        # key -> [stage being asked, its sources that have not answered]
+        self.pending: dict[bytes, list[int]] = {}
         # A load or the session failed: lookups answer MISS (local prefill).
         self.failed = False
+
+    def legs(self) -> list[_Leg]:
+        legs = list(self.pools.values())
+        return legs if self.hint is None else [self.hint, *legs]
+
+
+class _Load:
+    """A vLLM load job, split into one native load per source that holds its keys."""
+
+    __slots__ = ("job_id", "consumer", "parts", "ok", "nbytes", "submitted")
+
+    def __init__(self, job_id: int, consumer: _Consumer, parts: int, nbytes: int, t: float):
+        self.job_id = job_id
+        self.consumer = consumer
+        self.parts = parts
+        self.ok = True
+        self.nbytes = nbytes
+        self.submitted = t
 
 
 class _Producer:
@@ -189,6 +234,11 @@ class KvpeerTier(SecondaryTierManager):
       ``num_threads`` (accepted; kvpeer's nixl plane makes progress on the engine's calls),
       ``unbound_store_timeout_s``; and ``VLLM_P2P_MAX_PEERS``,
       ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``;
+    * the fleet's: ``sources``, pool nodes' ``host:port`` as the pools' ``--shard`` list
+      names them (docs/scaling.md): a request without a router's ``remote_kv_source`` asks
+      the pool that owns its prefix (rendezvous hashing of its root chunk; every source when
+      the root is not known), one with it asks the hint first and the owner pool for the rest,
+      and each chunk loads from whichever source holds it;
     * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
       ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
@@ -223,12 +273,18 @@ class KvpeerTier(SecondaryTierManager):
         self._block_len = self._tier.block_len
         # Whether vLLM services this tier off the engine's thread (0.33's tier-poll thread).
         self._polled = _polled_off_thread(offloading_spec)
-        # Lookups sent and not answered, by kv_request_id.
-        self._waiting: dict[str, _Consumer] = {}
-        # Consumers with keys to ask at the step's end.
-        self._to_flush: list[_Consumer] = []
-        # job -> (consumer, bytes, submit time), for loads running.
-        self._loads: dict[int, tuple[_Consumer, int, float]] = {}
+        # The fleet's pool nodes, as their --shard list names them (see _sources).
+        self._sources = _sources(config.get("sources"))
+        # Group index -> end-token position of a request's first chunk (its root).
+        self._root_positions = _root_positions(offloading_spec)
+        self._next_leg = 0
+        self._next_part = _PART_IDS
+        # Legs with lookups sent and not answered, by their kv_request_id.
+        self._waiting: dict[str, _Leg] = {}
+        # Legs with keys to ask at the step's end.
+        self._to_flush: list[_Leg] = []
+        # Native load id -> the vLLM load it is a part of, for loads running.
+        self._loads: dict[int, _Load] = {}
         # PD stores running: job -> submit time.
         self._stores: dict[int, float] = {}
         # Store jobs vLLM made for peers' hits: job -> [pins not back yet, all sent].
@@ -266,13 +322,16 @@ class KvpeerTier(SecondaryTierManager):
         source, probe = params.get("remote_prefiller"), False
         if source is None:
             source, probe = params.get("remote_kv_source"), True
+        consumer = _Consumer(probe)
         if source:
             peer = _peer_of(source)
             kv_request_id = source.get("kv_request_id")
             if peer is not None and kv_request_id:
                 self._apply_engine_seed()
                 native = self._tier.open(str(kv_request_id), peer, probe, False)
-                req_context.set_state(_Consumer(native, probe))
+                consumer.hint = _Leg(native, peer, consumer)
+        if consumer.hint is not None or (probe and self._sources):
+            req_context.set_state(consumer)
         dest = params.get("remote_decoder")
         if dest is not None:
             kv_request_id = dest.get("kv_request_id") if isinstance(dest, dict) else None
@@ -293,26 +352,84 @@ class KvpeerTier(SecondaryTierManager):
         if not consumer.probe:
             # PD decoder: the prefiller has every block of the request.
             return LookupResult.HIT
-        answer = consumer.answers.get(key)
-        if answer is not None:
-            return LookupResult.HIT if answer else LookupResult.MISS
-        if key not in consumer.asked:
-            consumer.asked.add(key)
-            if not consumer.unsent:
-                self._to_flush.append(consumer)
-            consumer.unsent.append(key)
+        if key in consumer.holders:
+            return LookupResult.HIT if consumer.holders[key] is not None else LookupResult.MISS
+        if key not in consumer.pending:
+            if self._sources:
+                self._note_root(consumer, key, req_context)
+            self._ask(consumer, key, 0 if consumer.hint is not None else 1)
+            if key in consumer.holders:  # no source to ask
+                return LookupResult.MISS
         return LookupResult.RETRY
 
+    def _ask(self, consumer: _Consumer, key: bytes, stage: int) -> None:
+        """Asks `key` of the sources of `stage` (0: the hint; 1: the pools), or answers it
+        missed when no stage from there has a source."""
+        if stage == 0 and consumer.hint is None:
+            stage = 1
+        if stage == 0:
+            legs = [consumer.hint]
+        elif stage == 1:
+            legs = self._pool_legs(consumer, key)
+        else:
+            legs = []
+        if not legs:
+            consumer.pending.pop(key, None)
+            consumer.holders[key] = None
+            return
+        consumer.pending[key] = [stage, len(legs)]
+        for leg in legs:
+            if not leg.unsent:
+                self._to_flush.append(leg)
+            leg.unsent.append(key)
+
+    def _pool_legs(self, consumer: _Consumer, key: bytes) -> list[_Leg]:
+        """The legs asked about `key` after the hint: to the pool that owns its prefix's root,
+        or to every source when the root is not known; never the hint's peer again."""
+        if not self._sources:
+            return []
+        root = consumer.roots.get(_group_of(key))
+        if root is not None:
+            chosen = [_native.shard_owner(self._sources, root)]
+        else:
+            chosen = range(len(self._sources))
+        hint_peer = consumer.hint.peer if consumer.hint is not None else None
+        legs = []
+        for index in chosen:
+            if index is None or self._sources[index] == hint_peer:
+                continue
+            leg = consumer.pools.get(index)
+            if leg is None:
+                self._next_leg += 1
+                kv_request_id = f"kvpeer:{self._tier.id}:{self._next_leg}"
+                native = self._tier.open(kv_request_id, self._sources[index], True, False)
+                leg = consumer.pools[index] = _Leg(native, self._sources[index], consumer)
+            legs.append(leg)
+        return legs
+
+    def _note_root(self, consumer: _Consumer, key: bytes, req_context: ReqContext) -> None:
+        """Learns the root chunk of the request's prefix (per KV-cache group) when it asks its
+        first key of that group: vLLM records every key's end-token position in the ReqContext
+        before any lookup (the scheduler's ``update_offload_keys``), and the root's is one
+        chunk's tokens. See _root_of."""
+        group = _group_of(key)
+        if group in consumer.roots:
+            return
+        root = _root_of(req_context, key, group, self._root_positions.get(group))
+        consumer.roots[group] = root
+        if root is None and len(self._sources) > 1:
+            self._counts["vllm:kv_offload_kvpeer_unknown_roots"] += 1
+
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # One lookup message per request per step, as the stock tier batches them.
+        # One lookup message per source per request per step, as the stock tier batches them.
         if not self._to_flush:
             return
         tier = self._tier
-        for consumer in self._to_flush:
-            keys, consumer.unsent = consumer.unsent, []
-            consumer.batches.append(keys)
-            self._waiting[consumer.native.kv_request_id] = consumer
-            tier.lookup(consumer.native, keys)
+        for leg in self._to_flush:
+            keys, leg.unsent = leg.unsent, []
+            leg.batches.append(keys)
+            self._waiting[leg.native.kv_request_id] = leg
+            tier.lookup(leg.native, keys)
             self._counts["vllm:kv_offload_kvpeer_lookup_keys"] += len(keys)
         self._to_flush = []
 
@@ -327,18 +444,36 @@ class KvpeerTier(SecondaryTierManager):
             self._finished.append(JobResult(job_id=job_id, success=True))
             return
         blocks = job_metadata.chunk_ids.tolist()
-        try:
-            self._tier.load(job_id, consumer.native, keys, blocks)
-        except (ValueError, _native.KvpeerError) as e:
-            logger.warning("kvpeer: load %d refused: %s", job_id, e)
-            consumer.failed = True
-            self._finished.append(JobResult(job_id=job_id, success=False))
-            return
-        self._loads[job_id] = (
-            consumer,
-            len(keys) * self._block_len,
-            job_metadata.submit_time,
+        # Each key from the source that said it holds it (a PD prefiller holds them all).
+        parts: dict[int, tuple[_Leg, list[bytes], list[int]]] = {}
+        for key, block in zip(keys, blocks):
+            leg = consumer.hint if not consumer.probe else consumer.holders.get(key)
+            if leg is None:
+                logger.warning("kvpeer: load %d of a key no source holds", job_id)
+                self._finished.append(JobResult(job_id=job_id, success=False))
+                return
+            part = parts.setdefault(id(leg), (leg, [], []))
+            part[1].append(key)
+            part[2].append(block)
+        load = _Load(
+            job_id, consumer, len(parts), len(keys) * self._block_len, job_metadata.submit_time
         )
+        for n, (leg, part_keys, part_blocks) in enumerate(parts.values()):
+            native_id = job_id
+            if n:
+                native_id = self._next_part
+                self._next_part += 1
+            try:
+                self._tier.load(native_id, leg.native, part_keys, part_blocks)
+            except (ValueError, _native.KvpeerError) as e:
+                logger.warning("kvpeer: load %d refused: %s", job_id, e)
+                consumer.failed = True
+                load.parts -= len(parts) - n
+                load.ok = False
+                if load.parts == 0:
+                    self._finished.append(JobResult(job_id=job_id, success=False))
+                return
+            self._loads[native_id] = load
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
@@ -367,10 +502,13 @@ class KvpeerTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         consumer = req_context.get_state(_Consumer)
         if consumer is not None:
-            if consumer.unsent:
-                consumer.unsent = []
-                self._to_flush = [c for c in self._to_flush if c is not consumer]
-            self._tier.finish(consumer.native)
+            legs = consumer.legs()
+            if any(leg.unsent for leg in legs):
+                for leg in legs:
+                    leg.unsent = []
+                self._to_flush = [leg for leg in self._to_flush if leg.consumer is not consumer]
+            for leg in legs:
+                self._tier.finish(leg.native)
             self._collect()
         producer = req_context.get_state(_Producer)
         if producer is not None and producer.native is not None:
@@ -423,39 +561,18 @@ class KvpeerTier(SecondaryTierManager):
         lookups, loads, stores = self._tier.poll(wait_s)
         if lookups:
             for kv_request_id, hits in lookups:
-                consumer = self._waiting.get(kv_request_id)
-                if consumer is None or not consumer.batches:
+                leg = self._waiting.get(kv_request_id)
+                if leg is None or not leg.batches:
                     continue
-                keys = consumer.batches.popleft()
-                if not consumer.batches:
+                keys = leg.batches.popleft()
+                if not leg.batches:
                     del self._waiting[kv_request_id]
-                answers = consumer.answers
-                for key, hit in zip(keys, hits):
-                    answers[key] = hit
-                consumer.asked.difference_update(keys)
+                self._answered(leg, keys, hits)
                 self._counts["vllm:kv_offload_kvpeer_lookup_hits"] += sum(hits)
         if loads:
             now = time.monotonic()
-            for job_id, ok in loads:
-                entry = self._loads.pop(job_id, None)
-                if entry is None:
-                    continue
-                consumer, nbytes, submitted = entry
-                if ok:
-                    self._counts["vllm:kv_offload_kvpeer_loaded_blocks"] += (
-                        nbytes // self._block_len
-                    )
-                else:
-                    consumer.failed = True
-                    self._counts["vllm:kv_offload_kvpeer_failed_loads"] += 1
-                self._finished.append(
-                    JobResult(
-                        job_id=job_id,
-                        success=ok,
-                        transfer_time=now - submitted,
-                        transfer_bytes=nbytes if ok else 0,
-                    )
-                )
+            for native_id, ok in loads:
+                self._part_ended(native_id, ok, now)
         if stores:
             for job_id, ok in stores:
                 if self._stores.pop(job_id, None) is not None:
@@ -463,6 +580,44 @@ class KvpeerTier(SecondaryTierManager):
         if self._pins:
             for pin, sent in self._tier.take_releases():
                 self._release(pin, sent)
+
+    def _answered(self, leg: _Leg, keys: list[bytes], hits: list[bool]) -> None:
+        """A source's answers: a hit makes it the key's holder (the first hit, when several
+        sources were asked); a key every source of its stage missed goes to the next."""
+        consumer = leg.consumer
+        for key, hit in zip(keys, hits):
+            pending = consumer.pending.get(key)
+            if pending is None:
+                continue
+            if hit:
+                del consumer.pending[key]
+                consumer.holders[key] = leg
+                continue
+            pending[1] -= 1
+            if pending[1] == 0:
+                self._ask(consumer, key, pending[0] + 1)
+
+    def _part_ended(self, native_id: int, ok: bool, now: float) -> None:
+        load = self._loads.pop(native_id, None)
+        if load is None:
+            return
+        load.parts -= 1
+        load.ok = load.ok and ok
+        if load.parts:
+            return
+        if load.ok:
+            self._counts["vllm:kv_offload_kvpeer_loaded_blocks"] += load.nbytes // self._block_len
+        else:
+            load.consumer.failed = True
+            self._counts["vllm:kv_offload_kvpeer_failed_loads"] += 1
+        self._finished.append(
+            JobResult(
+                job_id=load.job_id,
+                success=load.ok,
+                transfer_time=now - load.submitted,
+                transfer_bytes=load.nbytes if load.ok else 0,
+            )
+        )
 
     def _release(self, job_id: int, sent: bool) -> None:
         entry = self._pins.get(job_id)
@@ -527,9 +682,9 @@ class KvpeerTier(SecondaryTierManager):
             return
         self._closed = True
         loads, stores = self._tier.shutdown(_SHUTDOWN_DRAIN_S)
-        for job_id, ok in loads:
-            if self._loads.pop(job_id, None) is not None:
-                self._finished.append(JobResult(job_id=job_id, success=ok))
+        now = time.monotonic()
+        for native_id, ok in loads:
+            self._part_ended(native_id, ok, now)
         for job_id, ok in stores:
             if self._stores.pop(job_id, None) is not None:
                 self._finished.append(JobResult(job_id=job_id, success=ok))
@@ -613,6 +768,69 @@ def _peer_of(role: Any) -> str | None:
     return None
 
 
+def _group_of(key: bytes) -> int:
+    """The KV-cache group index of an offload key (its last 4 bytes, big-endian)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+def _sources(value: Any) -> list[str]:
+    """The ``sources`` entry: pool nodes' ``host:port``, spelled as in the pools' ``--shard``
+    list (the owner of a prefix is a rendezvous hash over these strings)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"KvpeerTier: 'sources' must be a list of host:port, not {value!r}")
+    sources = []
+    for entry in value:
+        host, sep, port = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"KvpeerTier: 'sources' entry {entry!r} is not host:port")
+        if entry in sources:
+            raise ValueError(f"KvpeerTier: 'sources' lists {entry!r} twice")
+        sources.append(entry)
+    return sources
+
+
+def _root_of(req_context: Any, key: bytes, group: int, position: int | None) -> bytes | None:
+    """The key of the root chunk of the request's prefix in `group`, given `key`, the first
+    key of that group it asks, and `position`, the end-token position of a first chunk.
+
+    * `key` itself, when vLLM's public ``get_offload_key_position`` says it is at `position`
+      (the common case: nothing of the prefix is cached here);
+    * else, where the prefix's first chunks are cached here (a later turn of a conversation),
+      the key at `position` among the positions vLLM recorded for the request. vLLM 0.33 keeps
+      them in ``ReqContext._offload_key_positions`` and offers no public way to list them:
+      this is the one private name the tier reads, read only, and guarded (a vLLM without it
+      leaves the root unknown, and the request asks every source);
+    * else None.
+    """
+    if position is None:
+        return None
+    get_position = getattr(req_context, "get_offload_key_position", None)
+    if get_position is not None and get_position(key) == position:
+        return key
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if isinstance(positions, dict):
+        for candidate, end in positions.items():
+            if end == position and _group_of(bytes(candidate)) == group:
+                return bytes(candidate)
+    return None
+
+
+def _root_positions(offloading_spec: Any) -> dict[int, int]:
+    """Per KV-cache group, the end-token position vLLM gives a request's first chunk: one
+    chunk's tokens (``tokens_per_block`` x ``blocks_per_chunk``). Empty where the spec does
+    not say (then no root is learned from positions)."""
+    try:
+        per_block = tuple(offloading_spec.tokens_per_block)
+        per_chunk = int(offloading_spec.blocks_per_chunk)
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return {group: int(tokens) * per_chunk for group, tokens in enumerate(per_block)}
+
+
 def _engine_seed() -> tuple[str | None, bool]:
     """vLLM's NONE_HASH seed and whether it is final (vLLM resolved it)."""
     try:
@@ -655,11 +873,13 @@ def _settings(
     offloading_spec: Any, primary_kv_view: memoryview, config: dict[str, Any]
 ) -> tuple[dict[str, str], bool]:
     """kvpeer's settings from the tier's config entry, the environment and the engine."""
-    unknown = [k for k in config if k not in _STOCK_KEYS + _KVPEER_KEYS + _FRAMEWORK_KEYS]
+    unknown = [
+        k for k in config if k not in _STOCK_KEYS + _KVPEER_KEYS + _FLEET_KEYS + _FRAMEWORK_KEYS
+    ]
     if unknown:
         raise ValueError(
             f"KvpeerTier: unknown config key {unknown[0]!r} (known: "
-            f"{', '.join(_STOCK_KEYS + _KVPEER_KEYS)})"
+            f"{', '.join(_STOCK_KEYS + _KVPEER_KEYS + _FLEET_KEYS)})"
         )
     settings: dict[str, str] = {}
     for env, key in _ENV_SETTINGS.items():

@@ -5,10 +5,9 @@
 #![allow(dead_code)]
 
 use std::fmt::Write as _;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvpeer::{synthetic, Node, OffloadKey, PeerId};
-use kvpeer_core::LookupResult;
+use kvpeer::{synthetic, Node, OffloadKey, Pull, Sources};
 
 /// What an engine did for one request.
 pub(crate) struct Served {
@@ -28,19 +27,19 @@ fn leading(flags: impl IntoIterator<Item = bool>) -> usize {
     flags.into_iter().take_while(|h| *h).count()
 }
 
-/// `engine` serves a request for `keys` (chunks of `len` bytes): the leading chunks it holds
-/// (they become its most recently used), then, with a `pool`, the leading hits of one lookup
-/// there, fetched (the last one byte-checked if `check`), then the rest recomputed into its
-/// tier, which announces them.
+/// `engine` serves a request for `keys` (one prefix's chunks of `len` bytes, the first its
+/// root): the leading chunks it holds (they become its most recently used), then what a tier's
+/// `sources` find of the rest ([`Node::pull`]: the pool that owns the prefix's root, one
+/// lookup, the leading hits fetched, the last one byte-checked if `check`), then the rest
+/// recomputed into its tier, which announces them. No sources: no pool.
 pub(crate) fn serve(
     engine: &Node,
-    pool: Option<&PeerId>,
+    sources: &Sources,
     keys: &[OffloadKey],
     id: &str,
     len: usize,
     check: bool,
 ) -> Served {
-    let timeouts = &engine.config().core;
     let local = leading(engine.touch(keys).unwrap());
     let mut rest = &keys[local..];
     let mut served = Served {
@@ -50,25 +49,24 @@ pub(crate) fn serve(
         lookup: None,
         checked: false,
     };
-    if let (Some(pool), false) = (pool, rest.is_empty()) {
-        let req = engine.request(pool, id).unwrap();
-        let asked = Instant::now();
-        let found = req.lookup(rest, timeouts.lookup_timeout).unwrap();
-        served.lookup = Some(asked.elapsed());
-        let hits = leading(found.iter().map(|f| *f == LookupResult::Hit));
-        if hits > 0 && req.fetch(&rest[..hits], timeouts.load_timeout).is_ok() {
-            served.pool = hits;
-            if check {
-                let k = &rest[hits - 1];
-                assert_eq!(
-                    engine.read(k),
-                    Some(synthetic::content(k, len)),
-                    "a pool hit's bytes"
-                );
-                served.checked = true;
-            }
+    if !sources.pools().is_empty() && !rest.is_empty() {
+        let pull = Pull {
+            id: id.to_owned(),
+            hint: None,
+            root: Some(keys[0].clone()),
+        };
+        let pulled = engine.pull(sources, &pull, rest).unwrap();
+        served.lookup = Some(pulled.lookup);
+        served.pool = pulled.fetched;
+        if check && pulled.fetched > 0 {
+            let k = &rest[pulled.fetched - 1];
+            assert_eq!(
+                engine.read(k),
+                Some(synthetic::content(k, len)),
+                "a pool hit's bytes"
+            );
+            served.checked = true;
         }
-        req.finish();
         rest = &rest[served.pool..];
     }
     if !rest.is_empty() {

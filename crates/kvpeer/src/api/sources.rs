@@ -151,29 +151,28 @@ impl Node {
                 };
                 requests.insert(peer.clone(), self.request(peer, &id)?);
             }
-            let answers: Vec<(PeerId, Result<Vec<LookupResult>, NodeError>)> =
-                std::thread::scope(|s| {
+            // The session first, so that a source that is gone or refuses us says why (a
+            // lookup of a lost session answers all-miss).
+            let ask = |peer: &PeerId| {
+                let deadline = Instant::now() + lookup_timeout;
+                self.connect(peer, lookup_timeout)?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                requests[peer].lookup(&asked, left)
+            };
+            let answers: Vec<(PeerId, Result<Vec<LookupResult>, NodeError>)> = match &stage[..] {
+                // One source (the common case): no thread.
+                [peer] => vec![(peer.clone(), ask(peer))],
+                _ => std::thread::scope(|s| {
                     let running: Vec<_> = stage
                         .iter()
-                        .map(|peer| {
-                            let req = &requests[peer];
-                            let asked = &asked;
-                            // The session first, so that a source that is gone or refuses
-                            // us says why (a lookup of a lost session answers all-miss).
-                            let ask = move || {
-                                let deadline = Instant::now() + lookup_timeout;
-                                self.connect(peer, lookup_timeout)?;
-                                let left = deadline.saturating_duration_since(Instant::now());
-                                req.lookup(asked, left)
-                            };
-                            (peer.clone(), s.spawn(ask))
-                        })
+                        .map(|peer| (peer.clone(), s.spawn(|| ask(peer))))
                         .collect();
                     running
                         .into_iter()
                         .map(|(peer, t)| (peer, t.join().unwrap_or(Err(NodeError::ShutDown))))
                         .collect()
-                });
+                }),
+            };
             for (peer, answer) in answers {
                 match answer {
                     Ok(results) => {
@@ -196,27 +195,32 @@ impl Node {
                 by_source.entry(holder).or_default().push(key.clone());
             }
         }
-        let fetched: Vec<(PeerId, Result<(), NodeError>)> = std::thread::scope(|s| {
-            let running: Vec<_> = by_source
+        let fetch = |peer: &PeerId, want: &[OffloadKey]| requests[peer].fetch(want, load_timeout);
+        let fetched: Vec<(PeerId, Result<(), NodeError>)> = if by_source.len() == 1 {
+            by_source
                 .iter()
-                .map(|(peer, want)| {
-                    let req = &requests[*peer];
-                    (
-                        (*peer).clone(),
-                        s.spawn(move || req.fetch(want, load_timeout)),
-                    )
-                })
-                .collect();
-            running
-                .into_iter()
-                .map(|(peer, t)| (peer, t.join().unwrap_or(Err(NodeError::ShutDown))))
+                .map(|(peer, want)| ((*peer).clone(), fetch(peer, want)))
                 .collect()
-        });
+        } else {
+            std::thread::scope(|s| {
+                let running: Vec<_> = by_source
+                    .iter()
+                    .map(|(peer, want)| ((*peer).clone(), s.spawn(|| fetch(peer, want))))
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|(peer, t)| (peer, t.join().unwrap_or(Err(NodeError::ShutDown))))
+                    .collect()
+            })
+        };
         let mut landed = leading;
         for (peer, result) in fetched {
             if let Err(e) = result {
                 // The prefix stops at this source's first key: what follows is of no use.
-                if let Some(first) = pulled.holders.iter().position(|h| h.as_ref() == Some(&peer))
+                if let Some(first) = pulled
+                    .holders
+                    .iter()
+                    .position(|h| h.as_ref() == Some(&peer))
                 {
                     landed = landed.min(first);
                 }
