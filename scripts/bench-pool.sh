@@ -9,7 +9,14 @@
 #      pull bandwidth, memory per pool; the curves into docs/pool-shards.svg;
 #      crates/kvpeer/benches/pool_shards.rs).
 # One command: scripts/bench-pool.sh [--requests N] [--rate R] [--seed S]  (both benches)
+# The curves go to target/bench/ (printed at the end), never over the tracked docs/*.svg:
+# KVPEER_BENCH_SVG_DIR=docs scripts/bench-pool.sh writes them where docs/benchmarks.md shows
+# them, for a run whose figures go into the docs with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo bench -q -p kvpeer --bench pool -- --svg "$PWD/docs/pool-hit-rate.svg" "$@"
-cargo bench -q -p kvpeer --bench pool_shards -- --svg "$PWD/docs/pool-shards.svg" "$@"
+svg_dir="${KVPEER_BENCH_SVG_DIR:-target/bench}"
+mkdir -p "$svg_dir"
+svg_dir="$(cd "$svg_dir" && pwd)"
+cargo bench -q -p kvpeer --bench pool -- --svg "$svg_dir/pool-hit-rate.svg" "$@"
+cargo bench -q -p kvpeer --bench pool_shards -- --svg "$svg_dir/pool-shards.svg" "$@"
+echo "curves: $svg_dir/pool-hit-rate.svg $svg_dir/pool-shards.svg"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of kvpeer. This is the README's test command, and what CI runs.
 #
-#   1. `cargo test --workspace`: unit, property, rule and doc tests, and every wire vector of
-#      ../shared/vectors/wire-vectors.json through the library and through `kvpeer wire`.
+#   1. `cargo test --workspace`: unit, property, rule and doc tests, and every wire vector made
+#      with vLLM's own encoder (carried in crates/kvpeer-proto/tests/data/, a copy of
+#      ../shared/vectors/wire-vectors.json: checked to be the same when ../shared is beside the
+#      checkout) through the library and through `kvpeer wire`.
 #      With it, the interop tests against vLLM 0.33's own P2P code (crates/kvpeer/tests/
 #      interop_vllm.rs): tests/interop/setup.sh fetches the vLLM wheel once into a cache outside
 #      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run.
@@ -48,8 +50,15 @@ fi
 KVPEER_NIXL_LIB_DIR="$(cd "$(dirname "$(ls "$venv"/lib/python3*/site-packages/.nixl_cu12.mesonpy.libs/libnixl_capi.so)")" && pwd)"
 export KVPEER_NIXL_LIB_DIR
 
-echo "== cargo test --workspace"
-cargo test --workspace
+if [ -d ../shared ]; then
+  echo "== the carried wire vectors and scenario list are ../shared's"
+  cmp crates/kvpeer-proto/tests/data/wire-vectors.json ../shared/vectors/wire-vectors.json \
+    || { echo "crates/kvpeer-proto/tests/data/wire-vectors.json differs from ../shared's: copy it again"; exit 1; }
+fi
+
+# With the tests whose peers are Python (feature python-peers: the venv above, vLLM's modules).
+echo "== cargo test --workspace (with the Python peers)"
+cargo test --workspace --features kvpeer/python-peers,kvpeer-net/python-peers
 
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"

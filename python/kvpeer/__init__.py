@@ -13,6 +13,7 @@ from kvpeer._native import (
     ConfigError,
     KvpeerError,
     Node,
+    PeerUnavailable,
     PlaneUnavailable,
     __version__,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "KvpeerError",
     "Node",
+    "PeerUnavailable",
     "PlaneUnavailable",
     "__version__",
 ]

@@ -14,6 +14,9 @@ class ConfigError(ValueError):
 class PlaneUnavailable(KvpeerError):
     """The data plane asked for is not in this build."""
 
+class PeerUnavailable(KvpeerError):
+    """No session with the peer (unreachable, refused, or silent); the message says which."""
+
 class NativeRequest:
     """A request as the engine holds it (made by ``EngineTier.open``)."""
 

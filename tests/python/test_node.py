@@ -48,6 +48,58 @@ def test_a_bad_setting_names_its_key():
     assert e.value.args[1] == "no_such_key"
 
 
+def test_settings_take_numbers_bools_lists_and_rates_as_a_config_file_does():
+    # As a TOML file writes them: numbers, bools, lists; rates with the flags' suffixes.
+    n = kvpeer.Node(
+        {
+            "num_blocks": 16,
+            "block_len": BLOCK_LEN,
+            "plane": "tcp",
+            "tcp_max_rate": "500M",
+            "allowlist": ["127.0.0.1", "10.0.0.0/8"],
+            "bind_identity": True,
+            "pull_max_rate": 2.5e9,
+            "pool_shard": ["127.0.0.1:5710", "127.0.0.2:5710"],
+        },
+        tag="pytest",
+    )
+    try:
+        assert n.stats()["sessions"] == 0
+    finally:
+        n.shutdown(0.5)
+    with pytest.raises(kvpeer.ConfigError) as e:
+        kvpeer.Node({"num_blocks": {"many": 1}})
+    assert e.value.args[1] == "num_blocks"
+    with pytest.raises(kvpeer.ConfigError) as e:
+        kvpeer.Node({"allowlist": ["127.0.0.1", 5]})
+    assert e.value.args[1] == "allowlist"
+    with pytest.raises(kvpeer.ConfigError) as e:
+        kvpeer.Node({"tcp_max_rate": "fast"})
+    assert e.value.args[1] == "tcp_max_rate"
+    # The error names where the user wrote it, in Python's terms.
+    assert e.value.args[0].startswith("kvpeer.Node settings: tcp_max_rate: "), e.value.args[0]
+
+
+def test_a_peer_with_no_session_raises_peer_unavailable_saying_why():
+    # Nothing listens at the port: the error names it (not an all-False answer).
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    consumer = node("tcp")
+    producer = node("tcp", allowlist="10.9.9.9")
+    try:
+        with pytest.raises(kvpeer.PeerUnavailable, match="nothing listens at 127.0.0.1:"):
+            consumer.lookup(f"127.0.0.1:{port}", [os.urandom(36)], timeout_s=3.0)
+        # A node whose allowlist leaves this one out: refused, and the error says so.
+        with pytest.raises(kvpeer.PeerUnavailable, match="it refused this node"):
+            consumer.fetch(producer.id, [os.urandom(36)], timeout_s=3.0)
+        assert issubclass(kvpeer.PeerUnavailable, kvpeer.KvpeerError)
+    finally:
+        consumer.shutdown(0.1)
+        producer.shutdown(0.1)
+
+
 def test_a_silent_peer_is_a_bounded_error():
     # A socket that accepts and never answers: the lookup gives up at its timeout.
     silent = socket.socket()
@@ -60,3 +112,21 @@ def test_a_silent_peer_is_a_bounded_error():
     finally:
         consumer.shutdown(0.1)
         silent.close()
+
+
+def test_the_vllm_tier_without_vllm_is_an_import_error_that_says_what_it_needs():
+    # A Python without vLLM (this one, without the test's PYTHONPATH of vLLM's modules).
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvpeer.vllm"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: kvpeer.vllm is a vLLM secondary tier"), out.stderr
+    assert "kvpeer.Node works without vLLM" in last
+    # kvpeer itself imports, and its Node is there.
+    ok = subprocess.run([sys.executable, "-c", "import kvpeer; kvpeer.Node"], env=env, timeout=60)
+    assert ok.returncode == 0

@@ -102,7 +102,7 @@ struct BenchParent {
 }
 
 fn held(key: &OffloadKey) -> bool {
-    key.as_bytes()[0] % 8 != 0
+    !key.as_bytes()[0].is_multiple_of(8)
 }
 
 impl Parent for BenchParent {

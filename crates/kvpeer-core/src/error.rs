@@ -1,4 +1,5 @@
-//! Why things fail, as types: why a session ended ([`CloseReason`], [`SessionEnd`]), why an
+//! Why things fail, as types: why a session ended ([`CloseReason`], [`SessionEnd`]; a lost
+//! control connection's cause, [`LinkLoss`]), why an
 //! inbound connection was refused ([`Refusal`]), how a peer broke the protocol
 //! ([`ProtocolViolation`]), why its `connect` was rejected ([`ConnectRejection`]), what went
 //! wrong on our side ([`InternalError`]), and what the data plane reports ([`PlaneError`]).
@@ -8,6 +9,8 @@
 //! off) is made on the variants, never on that text.
 
 use std::fmt;
+use std::io;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,9 +39,9 @@ pub enum CloseReason {
     /// The peer said `disconnect`.
     #[error("peer disconnected")]
     PeerDisconnected,
-    /// The control connection is gone (socket closed, heartbeat lost, send failed).
-    #[error("control connection lost")]
-    ConnectionLost,
+    /// The control connection is gone, and how (refused, closed, not ZMTP, silent, ...).
+    #[error("control connection lost: {0}")]
+    ConnectionLost(LinkLoss),
     /// The node will not talk to the peer; its own words (e.g. "not in the allowlist").
     #[error("{0}")]
     Refused(Arc<str>),
@@ -84,7 +87,7 @@ impl CloseReason {
     pub fn initiator(&self) -> Initiator {
         match self {
             CloseReason::Closed | CloseReason::Refused(_) => Initiator::User,
-            CloseReason::PeerDisconnected | CloseReason::ConnectionLost => Initiator::Remote,
+            CloseReason::PeerDisconnected | CloseReason::ConnectionLost(_) => Initiator::Remote,
             _ => Initiator::Library,
         }
     }
@@ -92,6 +95,75 @@ impl CloseReason {
     /// An end that is routine: either side said `disconnect`, or this side closed it.
     pub fn is_orderly(&self) -> bool {
         matches!(self, CloseReason::Closed | CloseReason::PeerDisconnected)
+    }
+}
+
+/// How a control connection to a peer went away, as this side saw it: the cause that
+/// [`CloseReason::ConnectionLost`] carries up to the user (`kvpeer fetch`'s last line, the
+/// node's errors), so "lost" always says what was lost and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkLoss {
+    /// The peer's host name did not resolve.
+    #[error("cannot resolve {host}: {detail}")]
+    Unresolved {
+        /// The name.
+        host: Arc<str>,
+        /// The resolver's words.
+        detail: Arc<str>,
+    },
+    /// Nothing listens at the address: the connect was refused.
+    #[error("nothing listens at {0} (connection refused)")]
+    NothingListens(SocketAddr),
+    /// The address could not be reached (no route, the connect timed out, ...).
+    #[error("cannot reach {addr}: {kind}")]
+    Unreachable {
+        /// Where we dialed.
+        addr: SocketAddr,
+        /// The system's error.
+        kind: io::ErrorKind,
+    },
+    /// The peer closed the connection (end of stream).
+    #[error("closed by the peer")]
+    ClosedByPeer,
+    /// The socket failed once connected (reset, broken pipe, ...).
+    #[error("socket error: {0}")]
+    Socket(io::ErrorKind),
+    /// The peer's bytes are not ZMTP from a ROUTER socket: the port is not a kvpeer or vLLM
+    /// control port.
+    #[error("not a kvpeer or vLLM control port: {0}")]
+    NotZmtp(Arc<str>),
+    /// The ZMTP handshake (greeting and READY) did not finish in time.
+    #[error("no ZMTP handshake within {0:?}: the port accepts connections but does not answer as a kvpeer or vLLM control port")]
+    HandshakeTimeout(Duration),
+    /// Our heartbeat got no answer, or the peer fell silent past the TTL it announced.
+    #[error("the peer fell silent: no heartbeat answer within {0:?}")]
+    Silent(Duration),
+    /// Our queue to the peer overflowed or a send failed: the connection was closed.
+    #[error("cannot send to the peer: {0}")]
+    SendFailed(Arc<str>),
+    /// The node could not open a connection (no socket, a bad identity).
+    #[error("cannot dial the peer: {0}")]
+    DialFailed(Arc<str>),
+    /// The peer connected to us again: its new session replaces this one.
+    #[error("the peer connected again (its new session replaces this one)")]
+    Replaced,
+    /// The peer's messages waited for our connection's handshake, which never came in time
+    /// (or they grew past what is held for it).
+    #[error("our connection to the peer finished no handshake in time; its messages dropped")]
+    NoHandshake,
+    /// A driver that does not say (a test, an in-process transport).
+    #[error("no cause given")]
+    Unspecified,
+}
+
+impl LinkLoss {
+    /// The cause of a failed connect to `addr`.
+    pub fn of_connect(addr: SocketAddr, error: &io::Error) -> LinkLoss {
+        match error.kind() {
+            io::ErrorKind::ConnectionRefused => LinkLoss::NothingListens(addr),
+            kind => LinkLoss::Unreachable { addr, kind },
+        }
     }
 }
 

@@ -32,7 +32,7 @@ pub use crate::core::{
 };
 pub use crate::counters::Counters;
 pub use crate::error::{
-    CloseReason, ConnectRejection, FaultRecord, Initiator, InternalError, PlaneError,
+    CloseReason, ConnectRejection, FaultRecord, Initiator, InternalError, LinkLoss, PlaneError,
     PlaneErrorKind, ProtocolViolation, Refusal, SessionEnd,
 };
 pub use crate::output::{Event, Transmit};

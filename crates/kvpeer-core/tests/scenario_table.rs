@@ -1,8 +1,10 @@
 //! The table of upstream scenarios is complete and true.
 //!
-//! Reads the scenario lists of `../shared/spec/vllm-p2p-reference.md` (Appendix A:
-//! test_sessions.py, Appendix B: test_manager.py), the `/// upstream: Class.test_name` lines
-//! on the tests of this workspace, and `upstream_not_applicable.txt` (scenario | reason).
+//! Reads the upstream scenario list carried in `upstream_scenarios.txt` (the reference spec's
+//! Appendix A: test_sessions.py, Appendix B: test_manager.py; checked against
+//! `../shared/spec/vllm-p2p-reference.md` when that file is beside the checkout, as in CI), the
+//! `/// upstream: Class.test_name` lines on the tests of this workspace, and
+//! `upstream_not_applicable.txt` (scenario | reason).
 //! Fails if a scenario is covered by neither, by both, or if an annotation names a scenario
 //! that does not exist upstream. Then checks `docs/upstream-scenarios.md` is the table these
 //! sources give; `KVPEER_BLESS=1` rewrites it.
@@ -17,10 +19,29 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// (appendix, scenario) in spec order.
+/// (appendix, scenario) in spec order, as carried in `upstream_scenarios.txt`.
 fn upstream() -> Vec<(char, String)> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/upstream_scenarios.txt");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let (appendix, name) = l.split_once(' ').unwrap_or_else(|| panic!("bad line: {l}"));
+            let appendix = match appendix {
+                "A" => 'A',
+                "B" => 'B',
+                other => panic!("appendix {other:?} in: {l}"),
+            };
+            (appendix, name.trim().to_owned())
+        })
+        .collect()
+}
+
+/// (appendix, scenario) in spec order, read from the reference spec itself, when it is beside
+/// the checkout (`../shared`, as in CI; a user's clone has none).
+fn upstream_from_spec() -> Option<Vec<(char, String)>> {
     let spec = root().join("../shared/spec/vllm-p2p-reference.md");
-    let text = std::fs::read_to_string(&spec).unwrap_or_else(|e| panic!("{}: {e}", spec.display()));
+    let text = std::fs::read_to_string(&spec).ok()?;
     let mut appendix = ' ';
     let mut out = Vec::new();
     for line in text.lines() {
@@ -38,7 +59,20 @@ fn upstream() -> Vec<(char, String)> {
         let name = line.split('`').nth(3).expect("scenario line");
         out.push((appendix, name.to_owned()));
     }
-    out
+    Some(out)
+}
+
+#[test]
+fn the_carried_scenario_list_is_the_specs() {
+    // Without the spec beside the checkout there is nothing to compare with (CI has it, and
+    // scripts/test.sh refuses to run without it).
+    if let Some(spec) = upstream_from_spec() {
+        assert_eq!(
+            upstream(),
+            spec,
+            "tests/upstream_scenarios.txt differs from ../shared/spec/vllm-p2p-reference.md"
+        );
+    }
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

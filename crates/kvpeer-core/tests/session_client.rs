@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{JobId, LookupResult, Registration, RequestRoles};
+use kvpeer_core::{JobId, LinkLoss, LookupResult, Registration, RequestRoles};
 use kvpeer_proto::{ConnectAck, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
@@ -128,10 +128,14 @@ fn a_send_failure_reported_by_the_channel_ends_the_session() {
     m.ready_source("r");
     m.load(7, "r", vec![key(1)], vec![3]);
     let peer = m.peer.clone();
-    m.core.handle_connection_lost(m.now, &peer);
+    m.core
+        .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
     m.pump();
     assert_eq!(m.load_results(), vec![(JobId::new(7), false)]);
-    assert_eq!(m.closed().as_deref(), Some("control connection lost"));
+    assert_eq!(
+        m.closed().as_deref(),
+        Some("control connection lost: closed by the peer")
+    );
     assert_eq!(
         m.lookup("r", &key(1)),
         LookupResult::Miss,
@@ -195,21 +199,28 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
         ),
         (|c| c.hash_seed = "0".into(), "hash seed mismatch"),
     ];
-    for (tweak, why) in cases {
-        let mut m = Mock::new();
-        m.accept();
-        m.take_sent();
-        let mut c = m.peer_connect();
-        tweak(&mut c);
-        m.recv(Message::Connect(c));
-        // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect right away.
-        assert_eq!(m.take_sent(), vec![Message::Disconnect], "{why}");
-        assert!(m.closed().unwrap().contains(why));
-        assert!(
-            m.plane().registrations.is_empty(),
-            "{why}: never registered"
-        );
-        m.assert_clean();
+    // A session this node opened (its `connect` sent first), then one the peer's `connect`
+    // opens: there the refused peer gets `disconnect` and nothing else, not this node's
+    // `connect` (its memory's metadata).
+    for opened_here in [true, false] {
+        for (tweak, why) in &cases {
+            let mut m = Mock::new();
+            if opened_here {
+                m.accept();
+                m.take_sent();
+            }
+            let mut c = m.peer_connect();
+            tweak(&mut c);
+            m.recv(Message::Connect(c));
+            // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect at once.
+            assert_eq!(m.take_sent(), vec![Message::Disconnect], "{why}");
+            assert!(m.closed().unwrap().contains(why));
+            assert!(
+                m.plane().registrations.is_empty(),
+                "{why}: never registered"
+            );
+            m.assert_clean();
+        }
     }
 }
 
@@ -726,7 +737,8 @@ fn failed_dials_back_off_instead_of_re_dialing_at_once() {
     };
     try_request(&mut m);
     assert_eq!(dials(&mut m), 1);
-    m.core.handle_connection_lost(m.now, &m.peer.clone());
+    m.core
+        .handle_connection_lost(m.now, &m.peer.clone(), LinkLoss::ClosedByPeer);
     m.pump();
     assert!(m
         .closed()
@@ -741,7 +753,8 @@ fn failed_dials_back_off_instead_of_re_dialing_at_once() {
         m.advance(Duration::from_millis(wait_ms));
         try_request(&mut m);
         assert_eq!(dials(&mut m), 1, "one dial after {wait_ms} ms");
-        m.core.handle_connection_lost(m.now, &m.peer.clone());
+        m.core
+            .handle_connection_lost(m.now, &m.peer.clone(), LinkLoss::ClosedByPeer);
         m.pump();
         m.take_sent();
     }
@@ -750,7 +763,8 @@ fn failed_dials_back_off_instead_of_re_dialing_at_once() {
     try_request(&mut m);
     m.handshake();
     m.take_sent();
-    m.core.handle_connection_lost(m.now, &m.peer.clone());
+    m.core
+        .handle_connection_lost(m.now, &m.peer.clone(), LinkLoss::ClosedByPeer);
     m.pump();
     m.events.clear();
     try_request(&mut m);
@@ -774,4 +788,22 @@ fn a_connect_naming_another_peer_is_refused_before_registration() {
     assert!(m
         .closed()
         .is_some_and(|r| r.contains("connect names peer 10.9.9.9:5600")));
+}
+
+/// Not upstream: a session a peer's `connect` opens announces this node once that `connect`
+/// passed the checks: our `connect`, then `connect_ack` when the registration is done.
+#[test]
+fn a_peers_connect_that_passes_is_answered_with_connect_then_ack() {
+    let mut m = Mock::new();
+    let c = m.peer_connect();
+    m.recv(Message::Connect(c));
+    let sent = m.take_sent();
+    let kinds: Vec<_> = sent.iter().map(|s| s.message_type()).collect();
+    assert_eq!(
+        kinds,
+        vec![MessageType::Connect, MessageType::ConnectAck],
+        "{sent:?}"
+    );
+    assert_eq!(m.plane().registrations.len(), 1);
+    assert!(m.closed().is_none());
 }

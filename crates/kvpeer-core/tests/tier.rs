@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use kvpeer_core::{
-    CancelMode, CoreConfig, Event, JobId, LookupResult, OffloadPolicy, RequestRoles,
+    CancelMode, CoreConfig, Event, JobId, LinkLoss, LookupResult, OffloadPolicy, RequestRoles,
 };
 use kvpeer_proto::{Message, PeerId};
 use support::cluster::{id, key, Cluster};
@@ -116,7 +116,8 @@ fn loads_without_a_producer_fail_and_empty_loads_succeed() {
     m.dial("pd", RequestRoles::prefiller(m.peer.clone()));
     m.load(2, "pd", vec![], Vec::<u64>::new());
     let peer = m.peer.clone();
-    m.core.handle_connection_lost(m.now, &peer);
+    m.core
+        .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
     m.load(3, "pd", vec![key(1)], vec![1]);
     assert_eq!(
         m.load_results(),
@@ -167,7 +168,8 @@ fn a_dead_session_fails_requests_with_unanswered_probes() {
     m.lookup("r", &key(1));
     m.flush();
     let peer = m.peer.clone();
-    m.core.handle_connection_lost(m.now, &peer);
+    m.core
+        .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
     m.pump();
     assert_eq!(
         m.lookup("r", &key(1)),
@@ -438,7 +440,8 @@ fn only_data_plane_faults_back_off_and_quiet_time_resets_it() {
     for _ in 0..3 {
         m.accept();
         m.handshake();
-        m.core.handle_connection_lost(m.now, &peer);
+        m.core
+            .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
         m.pump();
         assert!(!m.closed().unwrap().contains("backoff"));
         m.events.clear();

@@ -34,6 +34,7 @@ use std::net::IpAddr;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
+use kvpeer_core::LinkLoss;
 use kvpeer_proto::PeerId;
 use nix::poll::{PollFd, PollFlags};
 use nix::sys::time::TimeSpec;
@@ -41,6 +42,7 @@ use tracing::warn;
 
 use crate::dealer::DealerLimits;
 use crate::inbound::{ConnId, Inbound, InboundEvent, InboundLimits};
+pub use crate::outbound::DialStage;
 use crate::outbound::{OutId, Outbound, OutboundConfig};
 
 /// Settings of the control channel; `Default` is vLLM's.
@@ -166,8 +168,8 @@ pub enum ChannelEvent {
     Lost {
         /// The peer.
         peer: PeerId,
-        /// What happened.
-        reason: String,
+        /// How it went away.
+        cause: LinkLoss,
     },
 }
 
@@ -176,12 +178,12 @@ pub enum ChannelEvent {
 #[non_exhaustive]
 pub enum SendError {
     /// The peer's queue is full or its socket failed: the connection is lost.
-    #[error("send to {peer} failed: {reason}")]
+    #[error("send to {peer} failed: {cause}")]
     Lost {
         /// The peer.
         peer: PeerId,
-        /// What happened.
-        reason: String,
+        /// What happened: the connection is closed.
+        cause: LinkLoss,
     },
 }
 
@@ -359,6 +361,11 @@ impl ControlChannel {
         self.inbound.set_holds_session(conn, holds);
     }
 
+    /// How far the outbound connection to `peer` got (`None`: there is none).
+    pub fn outbound_stage(&self, peer: &PeerId) -> Option<DialStage> {
+        self.outbound.stage(peer)
+    }
+
     /// Whether an outbound connection to `peer` is open.
     pub fn connected(&self, peer: &PeerId) -> bool {
         self.outbound.connected(peer)
@@ -389,12 +396,13 @@ impl ControlChannel {
 
     /// Sends one payload to `peer`, opening a connection to it first if needed. Never blocks.
     pub fn send(&mut self, peer: &PeerId, payload: &[u8]) -> Result<(), SendError> {
-        let lost = |reason: String| SendError::Lost {
+        let lost = |cause: LinkLoss| SendError::Lost {
             peer: peer.clone(),
-            reason,
+            cause,
         };
         if !self.outbound.connected(peer) {
-            self.dial(peer).map_err(|e| lost(e.to_string()))?;
+            self.dial(peer)
+                .map_err(|e| lost(LinkLoss::DialFailed(e.to_string().into())))?;
         }
         match self.outbound.send(peer, payload, Instant::now()) {
             Ok(()) => Ok(()),
@@ -406,7 +414,7 @@ impl ControlChannel {
                     warn!(%peer, %reason, suppressed, "control send failed; connection lost");
                 }
                 self.close(peer);
-                Err(lost(reason))
+                Err(lost(LinkLoss::SendFailed(reason.into())))
             }
         }
     }
@@ -535,10 +543,7 @@ impl ControlChannel {
             self.outbound
                 .take_losses()
                 .into_iter()
-                .map(|(peer, reason)| ChannelEvent::Lost {
-                    peer,
-                    reason: format!("control connection lost: {reason}"),
-                }),
+                .map(|(peer, cause)| ChannelEvent::Lost { peer, cause }),
         );
         events
     }

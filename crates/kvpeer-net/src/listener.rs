@@ -37,6 +37,8 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags};
 use tracing::{debug, warn};
 
+use kvpeer_core::LinkLoss;
+
 use crate::admission::{self, Caps, Holder};
 use crate::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
 use crate::sockio::{self, Accepted};
@@ -433,7 +435,7 @@ impl Listener {
                     p.last_written = now;
                 }
             }
-            Err(reason) => self.close(id, reason, out),
+            Err(reason) => self.close(id, reason.to_string(), out),
         }
     }
 
@@ -577,9 +579,11 @@ impl Listener {
                         // it sent beyond (its end of stream too) waits in the socket.
                         let conn = &mut p.conn;
                         sockio::read_while(&mut p.stream, self.limits.read_budget, |bytes| {
-                            conn.handle_bytes(bytes, now).map_err(|e| e.to_string())?;
+                            conn.handle_bytes(bytes, now)
+                                .map_err(|e| LinkLoss::NotZmtp(e.to_string().into()))?;
                             Ok(!conn.decoding_paused())
-                        })?;
+                        })
+                        .map_err(|e| e.to_string())?;
                     }
                 }
                 p.conn.handle_timeout(now).map_err(|e| e.to_string())?;

@@ -32,7 +32,9 @@ pub struct AgentMetadata {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "agent_metadata is not a kvpeer plane map ({0}); a stock vLLM peer sends NIXL's metadata: \
-     talk to it with the nixl plane"
+     talk to it with the nixl plane (a kvpeer built with it: `MATURIN_PEP517_ARGS=\"--features \
+     nixl\" pip install .` and `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`; then plane auto or \
+     nixl)"
 )]
 pub struct MetadataError(pub String);
 

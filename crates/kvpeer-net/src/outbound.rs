@@ -32,12 +32,24 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvpeer_core::LinkLoss;
 use kvpeer_proto::PeerId;
 use nix::poll::PollFlags;
 use tracing::{debug, warn};
 
-use crate::dealer::{Dealer, DealerLimits, QueueFull};
+use crate::dealer::{Dealer, DealerError, DealerLimits, QueueFull};
 use crate::sockio;
+
+/// How far an outbound connection got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DialStage {
+    /// Resolving the name or waiting for TCP's connect.
+    Connecting,
+    /// TCP is up; the ZMTP greeting and READY are not done.
+    Handshaking,
+    /// ZMTP is up: messages flow.
+    Ready,
+}
 
 /// One outbound connection's number, unique for the channel's life.
 pub(crate) type OutId = u64;
@@ -61,7 +73,7 @@ enum Link {
     /// A host name resolving on a helper thread; `done` (a pipe's read end) turns readable when
     /// the thread ends.
     Resolving {
-        result: mpsc::Receiver<Result<SocketAddr, String>>,
+        result: mpsc::Receiver<Result<SocketAddr, LinkLoss>>,
         done: File,
     },
     /// No socket could be made: try again at `until`.
@@ -70,8 +82,8 @@ enum Link {
     Connecting(TcpStream),
     /// Connected: ZMTP flows.
     Open(TcpStream),
-    /// Failed; the reason waits to be reported.
-    Failed(String),
+    /// Failed; the cause waits to be reported.
+    Failed(LinkLoss),
 }
 
 struct Conn {
@@ -116,12 +128,16 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
     let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     let (tx, result) = mpsc::channel();
     let host = host.to_owned();
+    let unresolved = |host: &str, detail: String| LinkLoss::Unresolved {
+        host: host.into(),
+        detail: detail.into(),
+    };
     std::thread::Builder::new()
         .name("kvpeer-resolve".into())
         .spawn(move || {
             let found = (host.as_str(), port)
                 .to_socket_addrs()
-                .map_err(|e| format!("cannot resolve {host}: {e}"))
+                .map_err(|e| unresolved(&host, e.to_string()))
                 .and_then(|addrs| {
                     let addrs: Vec<SocketAddr> = addrs.collect();
                     addrs
@@ -129,7 +145,7 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
                         .find(|a| a.is_ipv4())
                         .or(addrs.first())
                         .copied()
-                        .ok_or_else(|| format!("{host} has no address"))
+                        .ok_or_else(|| unresolved(&host, "no address".into()))
                 });
             let _ = tx.send(found);
             // The read end turns readable (end of file) and wakes the poll.
@@ -142,9 +158,9 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
 }
 
 /// Starts a non-blocking connect to `addr`: `Ok(link)` (connecting, or connected already),
-/// `Err(Some(reason))` when the connect failed (a lost connection), `Err(None)` when no socket
+/// `Err(Some(cause))` when the connect failed (a lost connection), `Err(None)` when no socket
 /// could be made (try again later).
-fn connect(addr: SocketAddr) -> Result<Link, Option<String>> {
+fn connect(addr: SocketAddr) -> Result<Link, Option<LinkLoss>> {
     sockio::start_connect(addr).map(Link::Connecting)
 }
 
@@ -155,7 +171,7 @@ impl Conn {
             let (host, port) = match self.peer.host_port() {
                 Ok(hp) => hp,
                 Err(e) => {
-                    self.link = Link::Failed(e.to_string());
+                    self.link = Link::Failed(LinkLoss::DialFailed(e.to_string().into()));
                     return;
                 }
             };
@@ -205,7 +221,7 @@ impl Conn {
         self.failed() && self.linger_until.is_none()
     }
 
-    fn fail(&mut self, reason: String) {
+    fn fail(&mut self, reason: LinkLoss) {
         debug!(peer = %self.peer, %reason, "control connection failed");
         self.link = Link::Failed(reason);
     }
@@ -220,13 +236,16 @@ impl Conn {
                 }
                 Ok(Err(reason)) => self.fail(reason),
                 Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    self.fail("the resolver thread ended without an answer".into())
-                }
+                Err(mpsc::TryRecvError::Disconnected) => self.fail(LinkLoss::Unresolved {
+                    host: self.peer.as_str().into(),
+                    detail: "the resolver thread ended without an answer".into(),
+                }),
             },
             Link::Connecting(stream) => {
-                let addr = self.addr.map(|a| a.to_string()).unwrap_or_default();
-                match sockio::connect_done(stream, &addr) {
+                let Some(addr) = self.addr else {
+                    return self.fail(LinkLoss::DialFailed("no address".into()));
+                };
+                match sockio::connect_done(stream, addr) {
                     Err(reason) => return self.fail(reason),
                     Ok(false) => return,
                     Ok(true) => {
@@ -251,13 +270,13 @@ impl Conn {
         self.flush();
     }
 
-    fn read(&mut self, now: Instant) -> Result<(), String> {
+    fn read(&mut self, now: Instant) -> Result<(), LinkLoss> {
         let Link::Open(stream) = &mut self.link else {
             return Ok(());
         };
         let dealer = &mut self.dealer;
         sockio::read_available(stream, READ_BUDGET, |bytes| {
-            dealer.handle_bytes(bytes, now).map_err(|e| e.to_string())
+            dealer.handle_bytes(bytes, now).map_err(LinkLoss::from)
         })
     }
 
@@ -281,7 +300,7 @@ impl Conn {
             Link::Open(_) => {
                 let before = self.dealer.transmit().len();
                 if let Err(e) = self.dealer.handle_timeout(now) {
-                    return self.fail(e.to_string());
+                    return self.fail(LinkLoss::from(e));
                 }
                 if before == 0 && !self.dealer.transmit().is_empty() {
                     // A PING to send; bytes already waiting are written when POLLOUT says so.
@@ -289,6 +308,18 @@ impl Conn {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+impl From<DealerError> for LinkLoss {
+    fn from(e: DealerError) -> Self {
+        match e {
+            DealerError::HandshakeTimeout(d) => LinkLoss::HandshakeTimeout(d),
+            DealerError::HeartbeatTimeout(d) | DealerError::TtlExpired(d) => LinkLoss::Silent(d),
+            e @ (DealerError::Zmtp(_) | DealerError::SocketType(_)) => {
+                LinkLoss::NotZmtp(e.to_string().into())
+            }
         }
     }
 }
@@ -309,6 +340,19 @@ impl Outbound {
     /// reported).
     pub(crate) fn connected(&self, peer: &PeerId) -> bool {
         self.by_peer.contains_key(peer)
+    }
+
+    /// How far the connection to `peer` got (`None`: there is none).
+    pub(crate) fn stage(&self, peer: &PeerId) -> Option<DialStage> {
+        let conn = self.conns.get(self.by_peer.get(peer)?)?;
+        Some(match &conn.link {
+            Link::Resolving { .. } | Link::Waiting { .. } | Link::Connecting(_) => {
+                DialStage::Connecting
+            }
+            Link::Open(_) if conn.dealer.is_ready() => DialStage::Ready,
+            Link::Open(_) => DialStage::Handshaking,
+            Link::Failed(_) => return None,
+        })
     }
 
     /// Whether the connection to `peer` finished its handshake, and the challenge the peer's
@@ -457,8 +501,8 @@ impl Outbound {
         });
     }
 
-    /// The lost connections not yet reported, each once, dropped (peer, reason).
-    pub(crate) fn take_losses(&mut self) -> Vec<(PeerId, String)> {
+    /// The lost connections not yet reported, each once, dropped (peer, cause).
+    pub(crate) fn take_losses(&mut self) -> Vec<(PeerId, LinkLoss)> {
         let ids: Vec<OutId> = self
             .conns
             .iter()

@@ -1,12 +1,14 @@
 //! The non-blocking socket steps every ZMTP driver takes (the control channel's outbound side,
 //! the KV event stream's sockets): start a connect, see whether it finished, read what is
 //! there, write what a connection has to send. Each returns as soon as the socket would block;
-//! none sleeps. Called on the thread that owns the socket.
+//! none sleeps. Called on the thread that owns the socket. A failure is a [`LinkLoss`]: the
+//! cause a lost connection carries up to the user.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 
+use kvpeer_core::LinkLoss;
 use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::warn;
@@ -42,9 +44,9 @@ impl Outgoing for Dealer {
 }
 
 /// Starts a non-blocking connect to `addr`: the socket (connecting, or connected already),
-/// `Err(Some(reason))` when the connect failed at once, `Err(None)` when no socket could be
+/// `Err(Some(cause))` when the connect failed at once, `Err(None)` when no socket could be
 /// made (out of descriptors: try again later).
-pub(crate) fn start_connect(addr: SocketAddr) -> Result<TcpStream, Option<String>> {
+pub(crate) fn start_connect(addr: SocketAddr) -> Result<TcpStream, Option<LinkLoss>> {
     let family = if addr.is_ipv4() {
         AddressFamily::Inet
     } else {
@@ -66,22 +68,22 @@ pub(crate) fn start_connect(addr: SocketAddr) -> Result<TcpStream, Option<String
     };
     match socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
         Ok(()) | Err(Errno::EINPROGRESS) | Err(Errno::EINTR) => Ok(TcpStream::from(fd)),
-        Err(e) => Err(Some(format!("cannot connect to {addr}: {}", e.desc()))),
+        Err(e) => Err(Some(LinkLoss::of_connect(addr, &std::io::Error::from(e)))),
     }
 }
 
 /// Whether the connect `stream` started (to `addr`) is done: `Ok(true)` connected (no-delay
 /// set), `Ok(false)` not yet, `Err` with the reason it failed.
-pub(crate) fn connect_done(stream: &TcpStream, addr: &str) -> Result<bool, String> {
+pub(crate) fn connect_done(stream: &TcpStream, addr: SocketAddr) -> Result<bool, LinkLoss> {
     match stream.take_error() {
-        Ok(Some(e)) | Err(e) => Err(format!("cannot connect to {addr}: {e}")),
+        Ok(Some(e)) | Err(e) => Err(LinkLoss::of_connect(addr, &e)),
         Ok(None) => match stream.peer_addr() {
             Ok(_) => {
                 let _ = stream.set_nodelay(true);
                 Ok(true)
             }
             Err(e) if e.kind() == ErrorKind::NotConnected => Ok(false),
-            Err(e) => Err(format!("cannot connect to {addr}: {e}")),
+            Err(e) => Err(LinkLoss::of_connect(addr, &e)),
         },
     }
 }
@@ -92,8 +94,8 @@ pub(crate) fn connect_done(stream: &TcpStream, addr: &str) -> Result<bool, Strin
 pub(crate) fn read_available(
     stream: &mut TcpStream,
     budget: usize,
-    mut on_bytes: impl FnMut(&[u8]) -> Result<(), String>,
-) -> Result<(), String> {
+    mut on_bytes: impl FnMut(&[u8]) -> Result<(), LinkLoss>,
+) -> Result<(), LinkLoss> {
     read_while(stream, budget, |bytes| on_bytes(bytes).map(|()| true))
 }
 
@@ -103,17 +105,17 @@ pub(crate) fn read_available(
 pub(crate) fn read_while(
     stream: &mut TcpStream,
     budget: usize,
-    mut on_bytes: impl FnMut(&[u8]) -> Result<bool, String>,
-) -> Result<(), String> {
+    mut on_bytes: impl FnMut(&[u8]) -> Result<bool, LinkLoss>,
+) -> Result<(), LinkLoss> {
     let mut chunk = [0u8; 16 * 1024];
     let mut budget = budget;
     loop {
         let n = match stream.read(&mut chunk) {
-            Ok(0) => return Err("closed by the peer".into()),
+            Ok(0) => return Err(LinkLoss::ClosedByPeer),
             Ok(n) => n,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(LinkLoss::Socket(e.kind())),
         };
         if !on_bytes(&chunk[..n])? {
             return Ok(());
@@ -131,7 +133,7 @@ pub(crate) fn read_while(
 pub(crate) fn write_available(
     stream: &mut TcpStream,
     conn: &mut impl Outgoing,
-) -> Result<bool, String> {
+) -> Result<bool, LinkLoss> {
     let mut wrote = false;
     loop {
         let bytes = conn.transmit();
@@ -139,14 +141,14 @@ pub(crate) fn write_available(
             return Ok(wrote);
         }
         match stream.write(bytes) {
-            Ok(0) => return Err("cannot send".into()),
+            Ok(0) => return Err(LinkLoss::SendFailed("the socket took no bytes".into())),
             Ok(n) => {
                 conn.advance(n);
                 wrote = true;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(wrote),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(LinkLoss::Socket(e.kind())),
         }
     }
 }

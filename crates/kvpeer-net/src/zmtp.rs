@@ -53,7 +53,7 @@ const KEEP_CAPACITY: usize = 256 * 1024;
 #[non_exhaustive]
 pub enum ZmtpError {
     /// The greeting's signature is not ZMTP's.
-    #[error("not a ZMTP greeting (signature {0:02x?})")]
+    #[error("not a ZMTP greeting: its first bytes are \"{}\"", .0.escape_ascii())]
     Signature(Vec<u8>),
     /// A ZMTP version before 3 (the greeting's version byte: ZMTP 2.0 sends 1).
     #[error("the peer speaks an older ZMTP (version byte {0}; ZMTP 2.0 sends 1): ZMTP 3.0 or later is required")]

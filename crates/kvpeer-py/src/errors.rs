@@ -5,6 +5,9 @@
 //! * `ConfigError` (a `ValueError`): a setting is unknown or out of bounds; `args` is
 //!   `(message, key)`, so a caller can name the key in its own terms.
 //! * `PlaneUnavailable` (a `KvpeerError`): the plane asked for is not in this build (nixl).
+//! * `PeerUnavailable` (a `KvpeerError`): `Node.lookup`/`fetch` found no session with the
+//!   peer: nothing listens, not a control port, it refused this node, it differs in
+//!   configuration, or it did not answer in time; the message says which.
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -27,6 +30,13 @@ create_exception!(
     PlaneUnavailable,
     KvpeerError,
     "The data plane asked for is not in this build."
+);
+
+create_exception!(
+    _native,
+    PeerUnavailable,
+    KvpeerError,
+    "No session with the peer (unreachable, refused, or silent); the message says which."
 );
 
 /// `e` and those of its sources its own text does not already say, as a `KvpeerError`.

@@ -34,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "PlaneUnavailable",
         py.get_type::<errors::PlaneUnavailable>(),
     )?;
+    m.add("PeerUnavailable", py.get_type::<errors::PeerUnavailable>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NIXL_BUILT", cfg!(feature = "nixl"))?;
     m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;

@@ -11,8 +11,8 @@ use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::errors::{kvpeer_error, ConfigError};
-use crate::settings::node_config;
+use crate::errors::{kvpeer_error, ConfigError, PeerUnavailable, PlaneUnavailable};
+use crate::settings::{node_config, settings_text};
 
 /// Nodes made by this process so far.
 static NODES: AtomicU64 = AtomicU64::new(0);
@@ -30,11 +30,19 @@ impl Node {
     /// object.
     #[new]
     #[pyo3(signature = (settings=BTreeMap::new(), tag="python"))]
-    fn new(py: Python<'_>, settings: BTreeMap<String, String>, tag: &str) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        settings: BTreeMap<String, Bound<'_, PyAny>>,
+        tag: &str,
+    ) -> PyResult<Self> {
         // Each node's pool is a shm object named after the tag and the process: one more
         // number keeps a process's nodes apart.
         let n = NODES.fetch_add(1, Ordering::Relaxed);
-        let config = node_config(&format!("{tag}-{n}"), &settings)?;
+        let config = node_config(
+            &format!("{tag}-{n}"),
+            "kvpeer.Node settings",
+            &settings_text(&settings)?,
+        )?;
         let inner = py
             .detach(|| RustNode::start(config))
             .map_err(|e| node_error("cannot start the node", e))?;
@@ -58,7 +66,8 @@ impl Node {
     }
 
     /// Asks `peer` (`host:port`) which of `keys` it holds, for the request `kv_request_id`;
-    /// returns one bool per key. Waits at most `timeout_s`.
+    /// returns one bool per key. Waits at most `timeout_s`. A peer with no session (nothing
+    /// listens, it refused this node, it never answered) raises `PeerUnavailable` saying why.
     #[pyo3(signature = (peer, keys, kv_request_id="python-lookup", timeout_s=10.0))]
     fn lookup(
         &self,
@@ -149,7 +158,11 @@ impl Node {
         timeout: Duration,
         fetch: bool,
     ) -> Result<(Vec<bool>, Vec<OffloadKey>), NodeError> {
-        let request = self.inner.request(&PeerId::new(peer), kv_request_id)?;
+        let peer = PeerId::new(peer);
+        // A session first: a peer that cannot be reached or will not have us is an error that
+        // says why (a request's own lookup answers MISS for it, as an engine falls back).
+        self.inner.connect(&peer, timeout)?;
+        let request = self.inner.request(&peer, kv_request_id)?;
         let hits: Vec<bool> = request
             .lookup(keys, timeout)?
             .into_iter()
@@ -184,6 +197,10 @@ fn node_error(what: &str, e: NodeError) -> PyErr {
     match e {
         NodeError::Timeout(_) => PyTimeoutError::new_err(format!("{what}: {e}")),
         NodeError::Config(c) => ConfigError::new_err((c.to_string(), c.key.clone())),
+        e @ NodeError::PlaneNotBuilt { .. } => PlaneUnavailable::new_err(format!("{what}: {e}")),
+        e @ (NodeError::Refused { .. } | NodeError::ConnectTimeout { .. }) => {
+            PeerUnavailable::new_err(format!("{what}: {e}"))
+        }
         e => kvpeer_error(what, &e),
     }
 }

@@ -86,7 +86,7 @@ impl EngineTier {
         settings: BTreeMap<String, String>,
         tag: &str,
     ) -> PyResult<Self> {
-        let config = node_config(tag, &settings)?;
+        let config = node_config(tag, "KvpeerTier settings", &settings)?;
         let shm = matches!(config.plane, PlaneKind::Shm | PlaneKind::Both);
         let (pool, export) = engine_pool(memory, shm)?;
         let (num_blocks, block_len) = (pool.num_blocks(), pool.block_len());

@@ -704,7 +704,7 @@ impl Pool {
             why,
         };
         let page = 4096u64;
-        if block_len % page != 0 {
+        if !block_len.is_multiple_of(page) {
             return Err(refuse(format!(
                 "a block of {block_len} bytes is not whole pages"
             )));

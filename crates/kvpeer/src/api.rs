@@ -212,20 +212,103 @@ pub enum NodeError {
     /// The peer did not answer in time.
     #[error("{0}: no answer before the timeout")]
     Timeout(&'static str),
+    /// [`Node::connect`] ran out of time; how far the connection got says where to look.
+    #[error("{peer}: {}", connect_timeout_text(*after, *stage))]
+    ConnectTimeout {
+        /// The peer.
+        peer: PeerId,
+        /// How long it waited.
+        after: Duration,
+        /// How far our connection to it got (`None`: no connection is open).
+        stage: Option<kvpeer_net::control::DialStage>,
+    },
     /// The load ended without every block landing (the peer failed, aborted or went away).
     #[error("the fetch failed: not every block landed")]
     LoadFailed,
     /// The peer could not be reached or would not have us (refused, gone, session limit).
-    #[error("no session with {peer}{}", reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    #[error("no session with {peer}{}", end.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
     Refused {
         /// The peer.
         peer: PeerId,
-        /// Why its session ended or it was refused, when the node knows.
-        reason: Option<String>,
+        /// Why its session ended or it was refused, when the node knows (boxed: a session's
+        /// end is large, and every call's `Result` carries this error).
+        end: Option<Box<PeerEnd>>,
     },
     /// The node is shut down.
     #[error("the node is shut down")]
     ShutDown,
+}
+
+fn connect_timeout_text(after: Duration, stage: Option<kvpeer_net::control::DialStage>) -> String {
+    use kvpeer_net::control::DialStage;
+    // The wait as the caller gave it (the deadline is a tick past the call's start).
+    let after = format!("{:.1} s", after.as_secs_f64());
+    match stage {
+        Some(DialStage::Connecting) => format!(
+            "TCP connect not done within {after}: the host does not answer on that port (a \
+             firewall drops it, or no such host)"
+        ),
+        Some(DialStage::Handshaking) => format!(
+            "no ZMTP handshake within {after}: the port takes connections but does not \
+             answer as a kvpeer or vLLM control port"
+        ),
+        Some(DialStage::Ready) | None => format!(
+            "no answer to our connect within {after} (the peer is overloaded, or ignores \
+             this node)"
+        ),
+    }
+}
+
+/// Why a peer is out of reach: how its session ended, or why this node refused what it sent.
+/// Its `Display` says it for a user, with what to look at when the peer refused us.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PeerEnd {
+    /// The session ended.
+    Session(kvpeer_core::SessionEnd),
+    /// This node refused what the peer sent before any session (not a `connect`, a bad proof).
+    Refused(kvpeer_core::Refusal),
+}
+
+impl PeerEnd {
+    /// The session ended before the peer acknowledged our `connect`.
+    pub fn before_handshake(&self) -> bool {
+        matches!(self, PeerEnd::Session(end) if end.dial_backoff.is_some())
+    }
+}
+
+impl std::fmt::Display for PeerEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use kvpeer_core::{CloseReason, LinkLoss};
+        let end = match self {
+            PeerEnd::Refused(r) => return write!(f, "refused: {r}"),
+            PeerEnd::Session(end) => end,
+        };
+        write!(f, "{}", end.reason)?;
+        if !self.before_handshake() {
+            return Ok(());
+        }
+        // A peer that will not have us says nothing of why (a stranger learns nothing), so
+        // name what to look at: its log has the cause.
+        match &end.reason {
+            CloseReason::ConnectionLost(LinkLoss::ClosedByPeer) => write!(
+                f,
+                " before answering our connect: it refused this node (not in its allowlist, \
+                 another --auth-secret-file or none, or its sessions full; its log names which)"
+            ),
+            CloseReason::PeerDisconnected => write!(
+                f,
+                " before accepting our connect: its configuration differs (hash seed, block \
+                 size, model or config fingerprint; its log names which)"
+            ),
+            CloseReason::HandshakeTimeout => write!(
+                f,
+                ": it took the connection but never answered our connect (overloaded, or a \
+                 peer that ignores this node)"
+            ),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What a node advertises to peers in `connect`: its data planes' addresses.

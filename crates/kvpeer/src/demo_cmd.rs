@@ -40,14 +40,17 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Runs the command; returns the exit status.
 pub(crate) fn run(args: DemoArgs) -> u8 {
     if args.requests == 0 || args.prefixes == 0 || args.prefix_blocks == 0 {
-        eprintln!("kvpeer demo: --requests, --prefixes and --prefix-blocks must be at least 1");
+        crate::report::fatal!(
+            "demo",
+            "--requests, --prefixes and --prefix-blocks must be at least 1"
+        );
         return 2;
     }
     match demo(&args) {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
-            eprintln!("kvpeer demo: {e}");
+            crate::report::fatal!("demo", "{e}");
             1
         }
     }

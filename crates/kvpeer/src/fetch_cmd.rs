@@ -112,22 +112,24 @@ pub(crate) fn process_cpu() -> Duration {
 /// Runs the command; returns the exit status.
 pub(crate) fn run(args: FetchArgs) -> u8 {
     if PeerId::new(args.peer.clone()).host_port().is_err() {
-        eprintln!(
-            "kvpeer fetch: --peer must be HOST:PORT, got {:?}",
-            args.peer
-        );
+        crate::report::fatal!("fetch", "--peer must be HOST:PORT, got {:?}", args.peer);
         return 2;
     }
-    let config = match args.node.resolve("fetch") {
+    let config = match args.node.resolve("fetch", None) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("kvpeer fetch: {e}");
+            crate::report::fatal!("fetch", "{e}");
             return 2;
         }
     };
+    if config.pool.enabled() {
+        // A config file shared with `kvpeer serve` may set them; a consumer follows nothing.
+        tracing::warn!("the pool node's keys (follow, publish_events, ...) are ignored by fetch");
+    }
     if args.keys == 0 || args.keys > config.spec.num_blocks {
-        eprintln!(
-            "kvpeer fetch: --keys must be between 1 and the pool's {} blocks",
+        crate::report::fatal!(
+            "fetch",
+            "--keys must be between 1 and the pool's {} blocks",
             config.spec.num_blocks
         );
         return 2;
@@ -139,8 +141,9 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         c => args.keys.saturating_mul(c + 1),
     };
     if args.concurrency == 0 || needed > config.spec.num_blocks {
-        eprintln!(
-            "kvpeer fetch: --concurrency must be at least 1, and the pool's {} blocks must hold \
+        crate::report::fatal!(
+            "fetch",
+            "--concurrency must be at least 1, and the pool's {} blocks must hold \
              keys × (concurrency + 1) = {needed} for several requests in flight",
             config.spec.num_blocks
         );
@@ -192,7 +195,11 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
             u8::from(t.failed_loads > 0 || t.corrupt_blocks > 0)
         }
         Err(e) => {
-            eprintln!("kvpeer fetch: {e}");
+            if args.json {
+                // A script reading the summary from stdout gets an object either way.
+                println!("{}", serde_json::json!({ "error": e }));
+            }
+            crate::report::fatal!("fetch", "{e}");
             1
         }
     }
@@ -235,9 +242,12 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
                 // anonymous memory): nothing to remove then.
                 match nix::sys::mman::shm_unlink(path.as_str()) {
                     Ok(()) => {
-                        eprintln!("kvpeer fetch: stopped by signal {signal}; pool {path} removed")
+                        crate::report::fatal!(
+                            "fetch",
+                            "stopped by signal {signal}; pool {path} removed"
+                        )
                     }
-                    Err(_) => eprintln!("kvpeer fetch: stopped by signal {signal}"),
+                    Err(_) => crate::report::fatal!("fetch", "stopped by signal {signal}"),
                 }
                 std::process::exit(128 + signal);
             }

@@ -12,7 +12,7 @@ pub mod pool;
 
 pub use api::{
     Advertised, KvRequestId, LookupResult, Node, NodeConfig, NodeError, NodeRequest, OffloadKey,
-    PeerId, PlaneKind, Pull, Pulled, Sources,
+    PeerEnd, PeerId, PlaneKind, Pull, Pulled, Sources,
 };
 pub mod synthetic;
 

@@ -8,6 +8,7 @@ mod demo_cmd;
 mod fetch_cmd;
 mod fetch_driven;
 mod node_args;
+mod report;
 mod serve_cmd;
 mod wire_cmd;
 
@@ -68,9 +69,15 @@ Example:
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    report::set_json(cli.log_format == LogFormat::Json);
     // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVPEER_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = match log_filter(std::env::var("KVPEER_LOG").ok().as_deref()) {
+        Ok(f) => f,
+        Err(e) => {
+            report::fatal_line("", &e);
+            return ExitCode::from(2);
+        }
+    };
     // Colour codes only for a person at a terminal: in a file, a pipe or a log collector they
     // are noise that breaks grep and JSON-minded readers.
     let logs = tracing_subscriber::fmt()
@@ -88,4 +95,57 @@ fn main() -> ExitCode {
         Command::Fetch(args) => fetch_cmd::run(args),
     };
     ExitCode::from(status)
+}
+
+/// The level filter `KVPEER_LOG` names (`warn` when unset or empty). Each of its
+/// comma-separated directives must be a level (`off`, `error`, `warn`, `info`, `debug`,
+/// `trace`) or `TARGET=LEVEL`: tracing would take a lone word such as `bogus` for a target
+/// to show at every level, which silences every other log line without a word.
+fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let text = value
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .unwrap_or("warn");
+    for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let level = directive
+            .rsplit_once('=')
+            .map_or(directive, |(_, level)| level);
+        if !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+            return Err(format!(
+                "KVPEER_LOG: {directive:?} is neither a level ({}) nor TARGET=LEVEL \
+                 (e.g. KVPEER_LOG=info or KVPEER_LOG=warn,kvpeer_net=debug)",
+                LEVELS.join(", ")
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(text)
+        .map_err(|e| format!("KVPEER_LOG: {text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::log_filter;
+
+    #[test]
+    fn log_levels_and_directives_are_taken_and_a_lone_word_is_refused() {
+        for good in [
+            None,
+            Some(""),
+            Some("info"),
+            Some("warn,kvpeer_net=debug"),
+            Some("OFF"),
+        ] {
+            assert!(log_filter(good).is_ok(), "{good:?}");
+        }
+        for bad in ["bogus", "info,verbose", "kvpeer=loud"] {
+            let e = log_filter(Some(bad)).unwrap_err();
+            assert!(
+                e.starts_with("KVPEER_LOG: ") && e.contains("TARGET=LEVEL"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -56,7 +56,7 @@ pub(crate) struct NodeArgs {
     pub(crate) plane: Option<PlaneKind>,
     #[arg(long, help = help(&KEY.hash_seed))]
     pub(crate) hash_seed: Option<String>,
-    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
+    #[arg(long, value_parser = config::parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
         &format!("{} (suffixes K, M, G: powers of 1000)", KEY.tcp_max_rate.help),
         &[&KEY.tcp_max_rate],
     ))]
@@ -82,6 +82,12 @@ pub(crate) struct NodeArgs {
         &[&KEY.nixl_lib_dir],
     ))]
     pub(crate) nixl_lib_dir: Option<std::path::PathBuf>,
+}
+
+/// The options of a pool node (`kvpeer serve` only: a consumer follows no engine).
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Pool node (docs/pool.md)")]
+pub(crate) struct PoolArgs {
     #[arg(long, value_name = "EVENTS=PEER", help = help_of(
         &format!("{}; repeat for more engines (docs/pool.md)", KEY.follow.help),
         &[&KEY.follow],
@@ -89,7 +95,7 @@ pub(crate) struct NodeArgs {
     pub(crate) follow: Vec<String>,
     #[arg(long, help = help(&KEY.pull_min_holders))]
     pub(crate) pull_min_holders: Option<u64>,
-    #[arg(long, value_parser = parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
+    #[arg(long, value_parser = config::parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
         &format!("{} (suffixes K, M, G: powers of 1000)", KEY.pull_max_rate.help),
         &[&KEY.pull_max_rate],
     ))]
@@ -113,7 +119,12 @@ pub(crate) struct NodeArgs {
 impl NodeArgs {
     /// The node's configuration: flags over environment over file over defaults; `role` tags
     /// the pool's shm object name (which also carries the process id).
-    pub(crate) fn resolve(&self, role: &str) -> Result<kvpeer::NodeConfig, String> {
+    /// `pool` holds the pool node's flags (`serve`); `None` for a command that runs no pool.
+    pub(crate) fn resolve(
+        &self,
+        role: &str,
+        pool: Option<&PoolArgs>,
+    ) -> Result<kvpeer::NodeConfig, String> {
         let file = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -123,7 +134,11 @@ impl NodeArgs {
             None => config::Settings::default(),
         };
         let env = config::from_env(|var| std::env::var(var).ok());
-        config::resolve(&file, &env, &self.flags()?, role).map_err(|e| e.to_string())
+        let mut flags = self.flags()?;
+        if let Some(pool) = pool {
+            pool.flags(&mut flags);
+        }
+        config::resolve(&file, &env, &flags, role).map_err(|e| e.to_string())
     }
 
     /// The keys the command line set, each named by its flag.
@@ -175,6 +190,19 @@ impl NodeArgs {
             path(&self.nixl_lib_dir),
             "--nixl-lib-dir",
         );
+        Ok(flags)
+    }
+}
+
+impl PoolArgs {
+    /// Adds the keys these flags set to `flags`, each named by its flag.
+    fn flags(&self, flags: &mut config::Settings) {
+        let mut set = |key: &Key, value: Option<String>, flag: &str| {
+            if let Some(v) = value {
+                flags.set(key.name, v, &format!("flag {flag}"));
+            }
+        };
+        let text = |v: Option<u64>| v.map(|n| n.to_string());
         let follow = (!self.follow.is_empty()).then(|| self.follow.join(";"));
         set(&KEY.follow, follow, "--follow");
         set(
@@ -218,29 +246,12 @@ impl NodeArgs {
             self.publish_ownership.clone(),
             "--publish-ownership",
         );
-        Ok(flags)
     }
-}
-
-/// `100M` → 100,000,000; a plain number is bytes.
-fn parse_rate(text: &str) -> Result<u64, String> {
-    let (digits, scale) = match text.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&text[..i], 1_000),
-        Some((i, 'M' | 'm')) => (&text[..i], 1_000_000),
-        Some((i, 'G' | 'g')) => (&text[..i], 1_000_000_000),
-        _ => (text, 1),
-    };
-    digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(scale))
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("{text:?} is not a positive rate like 500M"))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_rate;
+    use kvpeer::config::parse_rate;
 
     #[test]
     fn rates_parse_with_and_without_suffixes() {

@@ -18,13 +18,15 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tracing::{info, warn};
 
-use crate::node_args::NodeArgs;
+use crate::node_args::{NodeArgs, PoolArgs};
 
 /// `kvpeer serve` options.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
     #[command(flatten)]
     node: NodeArgs,
+    #[command(flatten)]
+    pool: PoolArgs,
     /// Store synthetic blocks 0..N before serving.
     #[arg(long, default_value_t = 0)]
     fill: u64,
@@ -35,17 +37,19 @@ pub(crate) struct ServeArgs {
 
 /// Runs the command; returns the exit status.
 pub(crate) fn run(args: ServeArgs) -> u8 {
-    let config = match args.node.resolve("serve") {
+    let config = match args.node.resolve("serve", Some(&args.pool)) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("kvpeer serve: {e}");
+            crate::report::fatal!("serve", "{e}");
             return 2;
         }
     };
     if args.fill > config.spec.num_blocks {
-        eprintln!(
-            "kvpeer serve: --fill {} is more than the pool's {} blocks",
-            args.fill, config.spec.num_blocks
+        crate::report::fatal!(
+            "serve",
+            "--fill {} is more than the pool's {} blocks",
+            args.fill,
+            config.spec.num_blocks
         );
         return 2;
     }
@@ -53,7 +57,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let mut signals = match Signals::new([SIGINT, SIGTERM]) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("kvpeer serve: cannot watch signals: {e}");
+            crate::report::fatal!("serve", "cannot watch signals: {e}");
             return 1;
         }
     };
@@ -63,20 +67,15 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {
-            eprintln!("kvpeer serve: {e}");
+            crate::report::fatal!("serve", "{e}");
             return 1;
         }
     };
-    if let Err(e) = fill(&node, args.fill) {
-        eprintln!("kvpeer serve: {e}");
-        node.shutdown(Duration::from_secs(1));
-        return 1;
-    }
     let pool = if pool_config.enabled() {
         match Pool::start(node.clone(), &pool_config) {
             Ok(p) => Some(Arc::new(p)),
             Err(e) => {
-                eprintln!("kvpeer serve: {e}");
+                crate::report::fatal!("serve", "{e}");
                 node.shutdown(Duration::from_secs(1));
                 return 1;
             }
@@ -84,11 +83,21 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     } else {
         None
     };
+    // After the pool starts: its publisher records the store's changes from its start, so the
+    // filled blocks are announced (`--publish-events`) as any block the node takes in later.
+    if let Err(e) = fill(&node, args.fill) {
+        crate::report::fatal!("serve", "{e}");
+        if let Some(pool) = pool {
+            pool.shutdown();
+        }
+        node.shutdown(Duration::from_secs(1));
+        return 1;
+    }
     let metrics = match &args.metrics {
         Some(addr) => match kvpeer::metrics::serve_with_pool(addr, node.clone(), pool.clone()) {
             Ok(bound) => bound.to_string(),
             Err(e) => {
-                eprintln!("kvpeer serve: cannot serve metrics at {addr}: {e}");
+                crate::report::fatal!("serve", "cannot serve metrics at {addr}: {e}");
                 node.shutdown(Duration::from_secs(1));
                 return 1;
             }
@@ -127,12 +136,9 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     if let Some(signal) = signals.forever().next() {
         info!(signal, "stopping on signal");
     }
-    // The pool's threads first: they call the node.
+    // The pool's threads first: they call the node (the metrics server holds the pool too).
     if let Some(pool) = pool {
-        match Arc::try_unwrap(pool) {
-            Ok(pool) => pool.shutdown(),
-            Err(shared) => drop(shared),
-        }
+        pool.shutdown();
     }
     node.shutdown(Duration::from_secs(3));
     0

@@ -250,7 +250,7 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
 fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
     let node = |tag: &str, secret: Option<&str>| {
         let mut c = NodeConfig::local(tag);
-        c.spec.auth_secret = secret.map(|s| s.as_bytes().to_vec());
+        c.spec.auth_secret = secret.map(|s| s.as_bytes().to_vec().into());
         Node::start(c).unwrap()
     };
     let secret = "sixteen+ bytes of shared secret";

@@ -265,9 +265,15 @@ fn mismatched_peers_are_refused_both_ways() {
         let (status, s) = vllm_fetch(&args);
         assert_eq!(status, 1, "{bad:?}: {s}");
         assert_eq!(s["handshake"], "refused", "{bad:?}: {s}");
-        // vLLM checks kvpeer's `connect` too and refuses on its own; kvpeer's `disconnect`
-        // arrives with it, and the session ends at once, not at the 30 s handshake timeout.
+        // kvpeer answers a refused `connect` with `disconnect` alone (not its own `connect`,
+        // which vLLM would check and refuse first): the session ends at once, not at the
+        // 30 s handshake timeout, for kvpeer's reason.
         assert_eq!(s["received"]["disconnect"], 1, "{bad:?}: {s}");
+        assert!(s["received"]["connect"].is_null(), "{bad:?}: {s}");
+        assert_eq!(
+            s["deaths"][0]["reason"], "peer disconnected",
+            "{bad:?}: {s}"
+        );
         assert!(
             s["deaths"][0]["after_s"].as_f64() < Some(5.0),
             "{bad:?}: {s}"

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use kvpeer::pool::{FollowSpec, Pool, PoolConfig, PoolStats};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
-use kvpeer_net::events::{
-    EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
-};
+use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::keys::{key_event, KeyEvent};
 use kvpeer_pool::{Catalog, CatalogLimits, HashForm, Publisher, StoreChange};
-use kvpeer_proto::events::{
-    decode_batch, encode_batch, BlockHash, BlockStored, EventLimits, KvEvent,
-};
+use kvpeer_proto::events::{encode_batch, BlockHash, BlockStored, KvEvent};
+
+mod common;
+use common::events::replayed_until;
+use common::free_port;
 
 const LEN: u64 = 4096;
 
@@ -212,7 +212,7 @@ fn a_pool_pulls_what_an_engine_announces_and_publishes_what_it_took_in() {
 
     // The pool's own stream: a late subscriber's replay names every key it took in.
     let _ = wait_for(&pool, "published", |s| s.published_batches >= 1);
-    let mut stored: Vec<OffloadKey> = replayed(publish, publish_replay)
+    let mut stored: Vec<OffloadKey> = replayed_until(publish, publish_replay, |_| true)
         .iter()
         .filter_map(|e| match key_event(e) {
             KeyEvent::Stored(k) => Some(k),
@@ -224,30 +224,6 @@ fn a_pool_pulls_what_an_engine_announces_and_publishes_what_it_took_in() {
     want.sort();
     assert_eq!(stored, want);
     pool.shutdown();
-}
-
-/// Everything a late subscriber of the pool's stream gets in its replay.
-fn replayed(publish: SocketAddr, publish_replay: SocketAddr) -> Vec<KvEvent> {
-    let mut sub_config = SubscriberConfig::new(SubEndpoint::Connect(publish));
-    sub_config.replay = Some(publish_replay);
-    let mut sub = EventSubscriber::new(sub_config).unwrap();
-    let mut events = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        assert!(Instant::now() < deadline, "no replay end; got {events:?}");
-        sub.wait(Duration::from_millis(50)).unwrap();
-        while let Some(e) = sub.poll_event() {
-            match e {
-                SubEvent::Connected => sub.request_replay(0),
-                SubEvent::Replayed { payload, .. } => {
-                    let batch = decode_batch(&payload, &EventLimits::default()).unwrap();
-                    events.extend(batch.events.into_iter().map(Result::unwrap));
-                }
-                SubEvent::ReplayEnd => return events,
-                SubEvent::Live { .. } | SubEvent::Lost { .. } => {}
-            }
-        }
-    }
 }
 
 /// A GPU block's hash in the test prompt: chunk `c`'s first block is made up here, its second
@@ -314,7 +290,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
             HashForm::Bytes => BlockHash::Bytes(h.to_vec()),
             HashForm::Int => BlockHash::Int(kvpeer_pool::low_64_bits(h)),
         };
-        let mut stores: Vec<BlockStored> = replayed(publish, publish_replay)
+        let mut stores: Vec<BlockStored> = replayed_until(publish, publish_replay, |_| true)
             .into_iter()
             .filter_map(|e| match e {
                 KvEvent::Stored(s) => Some(s),
@@ -544,12 +520,4 @@ fn a_touched_block_is_kept_and_an_untouched_one_evicted() {
     )])
     .unwrap();
     assert_eq!(n.contains(&k).unwrap(), vec![true, false, true]);
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }

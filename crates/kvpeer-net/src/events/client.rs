@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags};
 use tracing::debug;
 
+use kvpeer_core::LinkLoss;
+
 use crate::connection::{ConnLimits, Connection, QueueFull, Role};
 use crate::sockio;
 
@@ -172,7 +174,7 @@ impl Client {
             }
             match sockio::start_connect(self.addr) {
                 Ok(stream) => self.state = State::Connecting { stream, since: now },
-                Err(Some(reason)) => return Err((reason, false)),
+                Err(Some(reason)) => return Err((reason.to_string(), false)),
                 // No socket could be made: try again after the backoff, quietly.
                 Err(None) => {
                     self.state = State::Waiting {
@@ -183,8 +185,8 @@ impl Client {
             }
         }
         if let State::Connecting { stream, since } = &self.state {
-            match sockio::connect_done(stream, &self.addr.to_string()) {
-                Err(reason) => return Err((reason, false)),
+            match sockio::connect_done(stream, self.addr) {
+                Err(reason) => return Err((reason.to_string(), false)),
                 Ok(false) if now >= *since + self.limits.handshake_timeout => {
                     return Err((
                         format!(
@@ -217,9 +219,10 @@ impl Client {
         let fail = |reason: String| (reason, was_ready);
         if read && !revents.is_empty() {
             sockio::read_available(stream, READ_BUDGET, |bytes| {
-                conn.handle_bytes(bytes, now).map_err(|e| e.to_string())
+                conn.handle_bytes(bytes, now)
+                    .map_err(|e| LinkLoss::NotZmtp(e.to_string().into()))
             })
-            .map_err(fail)?;
+            .map_err(|e| fail(e.to_string()))?;
         }
         conn.handle_timeout(now).map_err(|e| fail(e.to_string()))?;
         if !was_ready && conn.is_ready() {
@@ -232,7 +235,7 @@ impl Client {
         while let Some(incoming) = conn.poll_incoming() {
             out.push(LinkEvent::Incoming(incoming));
         }
-        sockio::write_available(stream, &mut **conn).map_err(fail)?;
+        sockio::write_available(stream, &mut **conn).map_err(|e| fail(e.to_string()))?;
         Ok(())
     }
 }

@@ -205,7 +205,7 @@ pub(super) fn decode_write_head(
 
 /// The block indexes of a WRITE: `raw` is `count × 8` bytes.
 pub(super) fn decode_indexes(raw: &[u8]) -> Result<Vec<BlockIndex>, WireError> {
-    if raw.len() % 8 != 0 {
+    if !raw.len().is_multiple_of(8) {
         return Err(WireError::Truncated {
             got: raw.len(),
             need: raw.len().next_multiple_of(8),

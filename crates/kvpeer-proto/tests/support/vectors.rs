@@ -1,8 +1,11 @@
-//! Loads `../shared/vectors/wire-vectors.json`, the wire vectors made with vLLM's own encoder.
+//! Loads the wire vectors made with vLLM's own encoder: the copy carried in
+//! `crates/kvpeer-proto/tests/data/wire-vectors.json` (of `../shared/vectors/wire-vectors.json`;
+//! scripts/test.sh also runs these tests on the shared file itself when it is beside the
+//! checkout, and checks the copy is the same), or the file `KVPEER_VECTORS` names (vectors
+//! generated from other random values, tests/vectors/gen_vectors.py).
 //!
 //! Shared by the library's and the CLI's vector tests. A missing or malformed file is an error,
-//! never a skip: CI always has `../shared` beside the checkout. `KVPEER_VECTORS` names another
-//! file (for vectors generated from other random values).
+//! never a skip.
 
 // Included by several test binaries; each reads a different subset of the fields.
 #![allow(dead_code)]
@@ -29,7 +32,8 @@ pub(crate) fn path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVPEER_VECTORS") {
         return PathBuf::from(p);
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors/wire-vectors.json")
+    // Relative to either crate that includes this file (kvpeer-proto, kvpeer).
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kvpeer-proto/tests/data/wire-vectors.json")
 }
 
 fn outcome(name: &str) -> Result<Outcome, String> {

@@ -71,6 +71,11 @@ impl NodeRequest {
 
     /// Looks `keys` up at the producer. Answers once every key is `Hit`, `Miss` or
     /// `HitPending`, or fails at `timeout`.
+    ///
+    /// A producer this node has no session with (nothing listens, it refused this node, it
+    /// went away) answers every key `Miss` at once, as vLLM's tier does so the engine falls
+    /// back to computing them: call [`Node::connect`](crate::Node::connect) first to learn
+    /// why ([`NodeError::Refused`] and [`NodeError::ConnectTimeout`] say it).
     pub fn lookup(
         &self,
         keys: &[OffloadKey],

@@ -23,7 +23,8 @@
 use super::{resolve_one, ConfigError, Key, Settings, KEY};
 use crate::api::{NodeConfig, PlaneKind};
 
-/// Where a builder's values come from, in errors.
+/// Where a builder's values come from, in errors, unless [`NodeConfigBuilder::source`] names
+/// it.
 const SOURCE: &str = "NodeConfig::builder";
 
 /// Settings for one node, each unset one at its default; [`build`](Self::build) checks them.
@@ -31,6 +32,7 @@ const SOURCE: &str = "NodeConfig::builder";
 #[must_use]
 pub struct NodeConfigBuilder {
     tag: String,
+    source: String,
     settings: Settings,
     allow: Vec<String>,
 }
@@ -41,6 +43,7 @@ impl NodeConfig {
     pub fn builder(tag: &str) -> NodeConfigBuilder {
         NodeConfigBuilder {
             tag: tag.to_owned(),
+            source: SOURCE.to_owned(),
             settings: Settings::default(),
             allow: Vec::new(),
         }
@@ -57,15 +60,23 @@ impl NodeConfig {
 }
 
 impl NodeConfigBuilder {
+    /// What errors name as the values' source (`"kvpeer.Node settings"`, an embedder's own
+    /// config section): the caller's words for where its user wrote them. Set it first: it
+    /// applies to the values set after it.
+    pub fn source(mut self, name: &str) -> Self {
+        self.source = name.to_owned();
+        self
+    }
+
     fn put(mut self, key: &Key, value: impl ToString) -> Self {
-        self.settings.set(key.name, value.to_string(), SOURCE);
+        self.settings.set(key.name, value.to_string(), &self.source);
         self
     }
 
     /// Sets any key by its name in config files (`"idle_timeout_s"`, ...), as text; an
     /// unknown key or a bad value fails [`build`](Self::build).
     pub fn set(mut self, key: &str, value: impl ToString) -> Self {
-        self.settings.set(key, value.to_string(), SOURCE);
+        self.settings.set(key, value.to_string(), &self.source);
         self
     }
 

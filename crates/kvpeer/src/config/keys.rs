@@ -264,15 +264,16 @@ impl<'de> Deserialize<'de> for Setting {
                 self,
                 mut a: A,
             ) -> Result<Setting, A::Error> {
-                // A rule holds no comma, so the list travels as the comma-separated text a
-                // flag or an environment variable would give.
+                // The list travels as text, one item a line: every list key splits on newlines
+                // as well as on its own separator (`,` for rules and shard members, `;` for
+                // follow specs, whose items hold commas), as a flag or a variable gives them.
                 let mut items = Vec::new();
                 while let Some(item) = a.next_element::<String>()? {
                     items.push(item);
                 }
                 Ok(Setting {
                     list: true,
-                    ..Setting::text(items.join(","))
+                    ..Setting::text(items.join("\n"))
                 })
             }
         }

@@ -52,7 +52,9 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
     let source = format!("file {file}");
     let mut out: Settings = toml::from_str(text).map_err(|e| toml_error(text, &source, &e))?;
     out.set_source(&source);
-    if let Some(key) = out.lists().find(|k| *k != KEY.allowlist.name) {
+    // The keys that hold several items take an array of them as well as their text form.
+    let list_keys = [KEY.allowlist.name, KEY.follow.name, KEY.pool_shard.name];
+    if let Some(key) = out.lists().find(|k| !list_keys.contains(k)) {
         return Err(bad(
             &source,
             key,
@@ -224,7 +226,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
     };
     let tcp_max_write_rate = match s.get(&KEY.tcp_max_rate) {
         None => None,
-        Some(_) => Some(s.number(&KEY.tcp_max_rate, 1, u64::MAX)?),
+        Some(_) => Some(s.rate(&KEY.tcp_max_rate)?),
     };
     let id = PeerId::new(format!("{host}:{port}"));
     if port != 0 && id.host_port().is_err() {
@@ -239,7 +241,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
             tcp_listen: format!("{host}:0"),
             tcp_max_write_rate,
-            tcp_min_write_rate: s.number(&KEY.tcp_min_rate, 1, u64::MAX)?,
+            tcp_min_write_rate: s.rate(&KEY.tcp_min_rate)?,
             tcp_transfer_timeout: secs(&KEY.tcp_transfer_timeout_s, 1)?,
             hash_seed: s.text(&KEY.hash_seed),
             config_fingerprint: s.text(&KEY.config_fingerprint),
@@ -247,7 +249,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             allowlist: allowlist(&s)?,
             bind_identity: s.boolean(&KEY.bind_identity)?,
             shm_allow_replayable_tokens: s.boolean(&KEY.shm_allow_replayable_tokens)?,
-            auth_secret: auth_secret(&s)?,
+            auth_secret: auth_secret(&s)?.map(crate::node::build::AuthSecret::from),
             control,
             limits,
             nixl,
@@ -269,7 +271,7 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
     };
     let max_rate = match s.get(&KEY.pull_max_rate) {
         None => None,
-        Some(_) => Some(s.number(&KEY.pull_max_rate, 1, u64::MAX)?),
+        Some(_) => Some(s.rate(&KEY.pull_max_rate)?),
     };
     let config = PoolConfig {
         follow,
@@ -288,7 +290,11 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
             None => Vec::new(),
             Some((text, src)) => {
                 let mut members = Vec::new();
-                for m in text.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+                for m in text
+                    .split([',', '\n'])
+                    .map(str::trim)
+                    .filter(|m| !m.is_empty())
+                {
                     let id = PeerId::new(m);
                     if id.host_port().is_err() {
                         return Err(bad(
@@ -380,6 +386,15 @@ impl Values<'_> {
         Ok(n)
     }
 
+    /// A rate in bytes per second: a whole number, or one with a suffix K, M or G (powers of
+    /// 1000), in a file, the environment and flags alike.
+    fn rate(&self, key: &Key) -> Result<u64, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        parse_rate(v.trim()).map_err(|e| bad(src, key.name, e))
+    }
+
     fn parsed<T: std::str::FromStr<Err = String>>(&self, key: &Key) -> Result<T, ConfigError> {
         let Some((v, src)) = self.value(key) else {
             return Err(bad("default", key.name, "no value".into()));
@@ -407,7 +422,10 @@ fn allowlist(s: &Values<'_>) -> Result<Allowlist, ConfigError> {
     let Some((v, src)) = s.get(&KEY.allowlist) else {
         return Ok(Allowlist::default());
     };
-    let rules: Vec<&str> = v.split(',').filter(|r| !r.trim().is_empty()).collect();
+    let rules: Vec<&str> = v
+        .split([',', '\n'])
+        .filter(|r| !r.trim().is_empty())
+        .collect();
     Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e.to_string()))
 }
 
@@ -442,6 +460,23 @@ fn bad(source: &str, key: &str, problem: String) -> ConfigError {
         key: key.to_owned(),
         problem,
     }
+}
+
+/// `100M` → 100,000,000 bytes per second (suffixes K, M, G: powers of 1000); a plain number is
+/// bytes. Zero is no rate.
+pub fn parse_rate(text: &str) -> Result<u64, String> {
+    let (digits, scale) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 1_000),
+        Some((i, 'M' | 'm')) => (&text[..i], 1_000_000),
+        Some((i, 'G' | 'g')) => (&text[..i], 1_000_000_000),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{text:?} is not a positive rate like 500M"))
 }
 
 #[cfg(test)]
@@ -544,6 +579,23 @@ mod tests {
     }
 
     #[test]
+    fn list_keys_take_arrays_in_a_file_whose_items_hold_their_own_separators() {
+        let text = r#"
+follow = ["tcp://10.0.0.6:5557,tcp://10.0.0.6:5558=10.0.0.6:5710", "tcp://10.0.0.7:5557=10.0.0.7:5710"]
+pool_shard = ["10.0.0.1:5710", "10.0.0.2:5710"]
+allowlist = ["10.0.0.0/24"]
+"#;
+        let set = from_toml(text, "pool.toml").unwrap();
+        let c = resolve_one(&set, "t").unwrap();
+        assert_eq!(c.pool.follow.len(), 2);
+        assert!(c.pool.follow[0].replay.is_some());
+        assert_eq!(c.pool.follow[1].peer, PeerId::new("10.0.0.7:5710"));
+        assert_eq!(c.pool.shard.len(), 2);
+        let err = from_toml(r#"max_peers = ["1"]"#, "x.toml").unwrap_err();
+        assert!(err.to_string().contains("max_peers"), "{err}");
+    }
+
+    #[test]
     fn the_pool_keys_resolve_and_bad_values_name_their_key() {
         let mut set = Settings::default();
         set.set(
@@ -552,6 +604,8 @@ mod tests {
             "t",
         );
         set.set("pull_max_rate", "1000", "t");
+        set.set("tcp_max_rate", "500M", "t");
+        set.set("tcp_min_rate", "2k", "t");
         set.set("publish_events", "tcp://*:5557", "t");
         set.set("publish_hashes", "int", "t");
         set.set("publish_ownership", "kvpeer", "t");
@@ -565,6 +619,9 @@ mod tests {
         );
         assert_eq!(c.pool.follow.len(), 1);
         assert_eq!(c.pool.max_rate, Some(1000));
+        // Rates take the flags' suffixes in a file and the environment too.
+        assert_eq!(c.spec.tcp_max_write_rate, Some(500_000_000));
+        assert_eq!(c.spec.tcp_min_write_rate, 2000);
         assert_eq!(c.pool.min_holders, 1);
         assert!(c.pool.enabled());
         assert!(!resolve_one(&Settings::default(), "t")

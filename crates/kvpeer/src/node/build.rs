@@ -19,6 +19,30 @@ use super::auth::Auth;
 use super::io::NodeIo;
 use super::wake::WakePipe;
 
+/// The authenticated handshake's shared secret: its `Debug` says only its length, so a logged
+/// or printed [`NodeSpec`] never carries it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthSecret(Vec<u8>);
+
+impl AuthSecret {
+    /// The secret's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Vec<u8>> for AuthSecret {
+    fn from(bytes: Vec<u8>) -> Self {
+        AuthSecret(bytes)
+    }
+}
+
+impl std::fmt::Debug for AuthSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AuthSecret(<{} bytes, not shown>)", self.0.len())
+    }
+}
+
 /// What a node is.
 #[derive(Debug, Clone)]
 pub struct NodeSpec {
@@ -53,7 +77,7 @@ pub struct NodeSpec {
     /// (docs/security.md, "Fresh proofs"; off by default).
     pub shm_allow_replayable_tokens: bool,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
-    pub auth_secret: Option<Vec<u8>>,
+    pub auth_secret: Option<AuthSecret>,
     /// The control channel's socket settings (frame size limit, heartbeats, queue).
     pub control: ControlConfig,
     /// Bounds on decoding a peer's message (size, nesting, keys per message).
@@ -277,7 +301,27 @@ pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
     io.set_origin(spec.bind_identity, spec.allowlist.clone());
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
-        io.set_auth(Some(Auth::new(secret.clone()).map_err(BuildError::Auth)?));
+        io.set_auth(Some(
+            Auth::new(secret.as_bytes().to_vec()).map_err(BuildError::Auth)?,
+        ));
     }
     Ok((io, kept))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AuthSecret;
+    use crate::NodeConfig;
+
+    #[test]
+    fn a_printed_spec_never_shows_the_auth_secret() {
+        let mut config = NodeConfig::local("secret-debug");
+        config.spec.auth_secret = Some(AuthSecret::from(b"hunter2-but-sixteen-bytes".to_vec()));
+        let printed = format!("{:?} {:#?}", config, config.spec);
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(
+            printed.contains("AuthSecret(<25 bytes, not shown>)"),
+            "{printed}"
+        );
+    }
 }

@@ -25,7 +25,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
-use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, Parent};
+use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, Parent};
+
+use crate::api::PeerEnd;
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_net::inbound::ConnId;
 use kvpeer_net::metadata::AgentMetadata;
@@ -66,10 +68,9 @@ pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
     /// caller takes its result once (the runtime keeps a load until it does), so this holds
     /// only loads that ended since the caller last looked.
     loads_done: HashMap<JobId, bool>,
-    /// Why the latest sessions ended or connections were refused (peer, refused?, reason),
-    /// newest last, at most [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why
-    /// it is gone.
-    closed: std::collections::VecDeque<(PeerId, bool, String)>,
+    /// Why the latest sessions ended or connections were refused, newest last, at most
+    /// [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why it is gone.
+    closed: std::collections::VecDeque<(PeerId, PeerEnd)>,
     /// Woken by the data plane's completions.
     wake: Option<WakePipe>,
     /// Which peers this node talks to, judged by identity and source address.
@@ -124,13 +125,13 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
 
     /// Why the session with `peer` ended, if it ended lately (a refusal of what the peer sent
     /// after that, a stale message, says less, so it counts only when no session ended).
-    pub fn close_reason(&self, peer: &PeerId) -> Option<&str> {
+    pub fn close_reason(&self, peer: &PeerId) -> Option<&PeerEnd> {
         let latest = |refused: bool| {
             self.closed
                 .iter()
                 .rev()
-                .find(|(p, r, _)| p == peer && *r == refused)
-                .map(|(_, _, reason)| reason.as_str())
+                .find(|(p, end)| p == peer && matches!(end, PeerEnd::Refused(_)) == refused)
+                .map(|(_, end)| end)
         };
         latest(false).or_else(|| latest(true))
     }
@@ -258,7 +259,8 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         if self.channel.outbound_open(peer) {
             self.keep_outbound = Some(peer.clone());
         }
-        self.core.handle_connection_lost(now, peer);
+        self.core
+            .handle_connection_lost(now, peer, LinkLoss::Replaced);
         self.flush(now);
         self.keep_outbound = None;
     }
@@ -474,11 +476,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                     }
                 }
                 ChannelEvent::InboundClosed { peer: None, .. } => {}
-                ChannelEvent::Lost { peer, .. } => {
+                ChannelEvent::Lost { peer, cause } => {
                     // What waited for this connection's challenge goes with it.
                     self.held.remove(&peer);
                     self.close_after_held.remove(&peer);
-                    self.core.handle_connection_lost(now, &peer)
+                    self.core.handle_connection_lost(now, &peer, cause)
                 }
             }
         }
@@ -517,7 +519,8 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                         self.held.remove(&t.peer);
                         self.close_after_held.remove(&t.peer);
                         self.channel.close(&t.peer);
-                        self.core.handle_connection_lost(now, &t.peer);
+                        self.core
+                            .handle_connection_lost(now, &t.peer, LinkLoss::NoHandshake);
                     }
                     continue;
                 }
@@ -535,7 +538,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                             // the peer's READY (the connection opens now if it is not open).
                             if let Err(e) = self.channel.dial(&t.peer) {
                                 warn_throttled!(self.throttle, now, "dial failed", peer = %t.peer, error = %e);
-                                self.core.handle_connection_lost(now, &t.peer);
+                                self.core.handle_connection_lost(
+                                    now,
+                                    &t.peer,
+                                    LinkLoss::DialFailed(e.to_string().into()),
+                                );
                                 continue;
                             }
                             self.held.insert(
@@ -561,12 +568,16 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
                                 .handle_connection_refused(now, &peer, "not in the allowlist");
                         } else if let Err(e) = self.channel.dial(&peer) {
                             warn_throttled!(self.throttle, now, "dial failed", %peer, error = %e);
-                            self.core.handle_connection_lost(now, &peer);
+                            self.core.handle_connection_lost(
+                                now,
+                                &peer,
+                                LinkLoss::DialFailed(e.to_string().into()),
+                            );
                         }
                     }
-                    Event::Close { peer, end } => self.closed_with(peer, false, end.to_string()),
+                    Event::Close { peer, end } => self.closed_with(peer, PeerEnd::Session(end)),
                     Event::Refused { peer, reason } => {
-                        self.closed_with(peer, true, reason.to_string())
+                        self.closed_with(peer, PeerEnd::Refused(reason))
                     }
                     Event::LoadDone { job, success, .. } => {
                         self.loads_done.insert(job, success);
@@ -621,7 +632,8 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             self.held.remove(peer);
             self.close_after_held.remove(peer);
             self.channel.close(peer);
-            self.core.handle_connection_lost(now, peer);
+            self.core
+                .handle_connection_lost(now, peer, LinkLoss::SendFailed(e.into()));
             return false;
         }
         true
@@ -651,7 +663,8 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
             self.held.remove(&peer);
             self.close_after_held.remove(&peer);
             self.channel.close(&peer);
-            self.core.handle_connection_lost(now, &peer);
+            self.core
+                .handle_connection_lost(now, &peer, LinkLoss::NoHandshake);
         }
         for (peer, challenge) in ready {
             let Some(held) = self.held.remove(&peer) else {
@@ -675,7 +688,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         }
     }
 
-    fn closed_with(&mut self, peer: PeerId, refused: bool, reason: String) {
+    fn closed_with(&mut self, peer: PeerId, end: PeerEnd) {
         if self.held.contains_key(&peer) {
             // Its `connect` (and what followed, a `disconnect` with a refusal) still waits for
             // the challenge: they leave first (or go with the connection when it is lost).
@@ -691,7 +704,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
         if self.closed.len() == Self::CLOSED_KEPT {
             self.closed.pop_front();
         }
-        self.closed.push_back((peer, refused, reason));
+        self.closed.push_back((peer, end));
     }
 
     /// Sleeps until the channel may have input, the data plane completes something, the core's

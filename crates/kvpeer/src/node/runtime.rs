@@ -95,6 +95,7 @@ pub(crate) enum Command {
 
 struct PendingConnect {
     peer: PeerId,
+    since: Instant,
     deadline: Instant,
     reply: Sender<Result<(), NodeError>>,
 }
@@ -200,11 +201,12 @@ impl<P: BuildPlane> Runtime<P> {
                 if self.io.core.connect(now, &peer) {
                     self.connects.push(PendingConnect {
                         peer,
+                        since: now,
                         deadline,
                         reply,
                     });
                 } else {
-                    let _ = reply.send(Err(NodeError::Refused { peer, reason: None }));
+                    let _ = reply.send(Err(NodeError::Refused { peer, end: None }));
                 }
             }
             Command::Open { peer, id, token } => {
@@ -381,12 +383,16 @@ impl<P: BuildPlane> Runtime<P> {
                 None => {
                     let _ = c.reply.send(Err(NodeError::Refused {
                         peer: c.peer.clone(),
-                        reason: io.close_reason(&c.peer).map(str::to_owned),
+                        end: io.close_reason(&c.peer).cloned().map(Box::new),
                     }));
                     false
                 }
                 Some(_) if now >= c.deadline => {
-                    let _ = c.reply.send(Err(NodeError::Timeout("connect")));
+                    let _ = c.reply.send(Err(NodeError::ConnectTimeout {
+                        peer: c.peer.clone(),
+                        after: c.deadline.saturating_duration_since(c.since),
+                        stage: io.channel.outbound_stage(&c.peer),
+                    }));
                     false
                 }
                 Some(_) => true,

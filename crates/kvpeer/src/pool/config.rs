@@ -93,7 +93,10 @@ fn parse_one(text: &str) -> Result<FollowSpec, String> {
         .ok_or_else(|| format!("{text:?} is not EVENTS=PEER"))?;
     let peer = PeerId::new(peer.trim());
     if peer.host_port().is_err() {
-        return Err(format!("{text:?}: {peer:?} is not the peer's HOST:PORT"));
+        return Err(format!(
+            "{text:?}: {:?} is not the peer's HOST:PORT",
+            peer.as_str()
+        ));
     }
     let (events, replay) = match streams.split_once(',') {
         Some((e, r)) => (e.trim(), Some(r.trim())),

@@ -35,8 +35,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvpeer_net::events::{
-    self, EventIo, EventPublisher, EventSubscriber, EventsError, PublisherConfig, SubEvent,
-    SubscriberConfig,
+    self, EventIo, EventPublisher, EventSubscriber, EventsError, PublisherConfig, SubEndpoint,
+    SubEvent, SubscriberConfig,
 };
 use kvpeer_pool::{
     Admission, CatalogStats, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings,
@@ -172,7 +172,9 @@ struct Shared {
 pub struct Pool {
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    /// Taken by the first shutdown: a pool shared with a metrics server (an `Arc`) is still
+    /// stopped before its node is.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// A pull candidate on its way to the engine's puller.
@@ -227,6 +229,10 @@ impl Pool {
                 subscriber,
                 follower,
                 pulls: tx,
+                events: spec.events,
+                since: Instant::now(),
+                heard: false,
+                warned_silent: false,
             });
         }
         let publishing = match config.publish {
@@ -269,7 +275,7 @@ impl Pool {
         Ok(Pool {
             shared,
             stop,
-            threads,
+            threads: Mutex::new(threads),
         })
     }
 
@@ -291,14 +297,15 @@ impl Pool {
     }
 
     /// Stops the threads and waits for them (a puller finishes the request it is in, within
-    /// the node's timeouts).
-    pub fn shutdown(mut self) {
-        self.stop_threads();
-    }
-
-    fn stop_threads(&mut self) {
+    /// the node's timeouts). Call it before the node's shutdown, from any holder of the pool:
+    /// a pool thread left running calls a node that is gone. Later calls do nothing.
+    pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
+        let threads = match self.threads.lock() {
+            Ok(mut t) => std::mem::take(&mut *t),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        };
+        for t in threads {
             let _ = t.join();
         }
     }
@@ -306,7 +313,7 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        self.stop_threads();
+        self.shutdown();
     }
 }
 
@@ -336,7 +343,17 @@ struct Engine {
     subscriber: EventSubscriber,
     follower: Follower,
     pulls: SyncSender<PullJob>,
+    /// Where its events come from, for the warning below.
+    events: SubEndpoint,
+    /// Following since; whether its stream ever connected, and whether that was warned of.
+    since: Instant,
+    heard: bool,
+    warned_silent: bool,
 }
+
+/// A followed stream that never connected for this long is warned of (once): `--follow` at
+/// an endpoint nothing publishes on would otherwise wait without a word.
+const SILENT_FOLLOW_WARNING: Duration = Duration::from_secs(10);
 
 /// The pool nodes splitting the key space, and which one this is.
 struct Shard {
@@ -408,6 +425,7 @@ impl PoolThread {
                 let f = &mut engine.follower;
                 let actions = match event {
                     SubEvent::Connected => {
+                        engine.heard = true;
                         if let Some(suppressed) = crate::admit_warning("event stream connected") {
                             info!(
                                 engine = f.slot().index(),
@@ -439,6 +457,27 @@ impl PoolThread {
                     actions,
                 );
                 carry_out(engine, actions, &mut self.holdings, &self.shared);
+            }
+            if !engine.heard
+                && !engine.warned_silent
+                && now.saturating_duration_since(engine.since) >= SILENT_FOLLOW_WARNING
+            {
+                engine.warned_silent = true;
+                let what = match engine.events {
+                    SubEndpoint::Connect(addr) => format!(
+                        "nothing publishes at tcp://{addr} (is the engine up, started with \
+                         --kv-events-config naming this endpoint?)"
+                    ),
+                    SubEndpoint::Bind(addr) => format!(
+                        "no publisher connected to tcp://{addr} (is the engine's KV event \
+                         endpoint pointed here?)"
+                    ),
+                };
+                warn!(
+                    engine = engine.follower.slot().index(),
+                    "no KV event stream after {}s: {what}; still trying",
+                    SILENT_FOLLOW_WARNING.as_secs()
+                );
             }
             let actions = engine.follower.tick(now, &mut self.holdings);
             let actions = in_shard(
@@ -544,7 +583,7 @@ fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: Catal
         after.undescribed_unconfirmed > before.undescribed_unconfirmed,
     ];
     let why = [
-        "none of its blocks was announced with tokens: follow the engines whose GPU events \
+        "none of its blocks was announced with tokens (`kvpeer serve --fill` blocks never are): follow the engines whose GPU events \
          carry them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), or enable vLLM's \
          self_describing_kv_events; blocks with extra keys (LoRA, multimodal, cache salt) are \
          never described",

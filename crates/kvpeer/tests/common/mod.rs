@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvpeer_proto::PeerId;
 
 pub(crate) mod cli;
+pub(crate) mod events;
 pub(crate) mod node;
 pub(crate) mod node_io;
 pub(crate) mod pool_memory;

@@ -1,0 +1,315 @@
+//! What a user meets first with the `kvpeer` binary, checked from the outside (exit status,
+//! the last line on stderr, stdout): `kvpeer fetch` says why it has no session for each cause
+//! (nothing listens, not a control port, a port that never answers, an allowlist, a secret, a
+//! configuration that differs), in JSON too; `fetch --help` carries no pool flag; a bad
+//! `KVPEER_LOG` stops the command; a pool node announces its `--fill` blocks, warns of a
+//! `--follow` at nothing, and stops without a warning. An honest fetch is served byte-exact
+//! by the same refusing nodes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+use kvpeer::{synthetic, OffloadKey};
+use kvpeer_pool::keys::{key_event, KeyEvent};
+use kvpeer_proto::events::KvEvent;
+
+mod common;
+use common::cli::Cli;
+use common::events::replayed_until;
+use common::{free_port, Proc, BIN};
+
+/// Runs `kvpeer fetch --peer PEER` with `extra` flags to its end: (exit status, stdout,
+/// stderr's last line).
+fn fetch(peer: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
+        "fetch",
+        "--peer",
+        peer,
+        "--requests",
+        "1",
+        "--keys",
+        "1",
+        "--timeout-secs",
+        "3",
+    ];
+    args.extend_from_slice(extra);
+    let out = std::process::Command::new(BIN)
+        .args(&args)
+        .env("KVPEER_LOG", "error")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or("").to_owned();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        last,
+    )
+}
+
+/// The consumer's pool flags, then `more`.
+fn with<'a>(more: &[&'a str]) -> Vec<&'a str> {
+    ["--blocks", "16", "--block-len", "4096"]
+        .into_iter()
+        .chain(more.iter().copied())
+        .collect()
+}
+
+/// A port that takes a connection and then does `then` with it (on its own thread, bounded).
+fn listener(then: fn(std::net::TcpStream)) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        if let Ok((c, _)) = l.accept() {
+            then(c);
+        }
+    });
+    addr
+}
+
+#[test]
+fn fetch_says_why_it_has_no_session_for_each_cause() {
+    let nothing = format!("127.0.0.1:{}", free_port());
+    let http = listener(|mut c| {
+        let mut buf = [0u8; 64];
+        let _ = c.read(&mut buf);
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    let mute = listener(|_c| std::thread::sleep(Duration::from_secs(8)));
+    let secret = std::env::temp_dir().join(format!("kvpeer-first-hour-{}", std::process::id()));
+    let other = secret.with_extension("other");
+    std::fs::write(&secret, "one secret of this fleet, 32 b.").unwrap();
+    std::fs::write(&other, "another fleet's secret, 32 bytes").unwrap();
+    let secret_s = secret.display().to_string();
+    let other_s = other.display().to_string();
+    let base = |s: Cli| s.pool(16, 4096).arg("--fill", 4);
+    let (_allow, allow_id) = base(Cli::serve())
+        .arg("--allow", "10.9.9.9")
+        .start_serving();
+    let (_auth, auth_id) = base(Cli::serve())
+        .arg("--auth-secret-file", &secret_s)
+        .start_serving();
+    let (_seed, seed_id) = base(Cli::serve()).arg("--hash-seed", "7").start_serving();
+
+    let cases: Vec<(&str, String, Vec<&str>, &str)> = vec![
+        (
+            "nothing listens",
+            nothing.clone(),
+            with(&[]),
+            "control connection lost: nothing listens at 127.0.0.1:",
+        ),
+        (
+            "not a control port",
+            http,
+            with(&[]),
+            "not a kvpeer or vLLM control port: not a ZMTP greeting: its first bytes are \"HTTP/1.1 4\"",
+        ),
+        (
+            "a port that never answers",
+            mute,
+            with(&[]),
+            "no ZMTP handshake within 3.0 s: the port takes connections but does not answer",
+        ),
+        (
+            "outside the allowlist",
+            allow_id.to_string(),
+            with(&[]),
+            "closed by the peer before answering our connect: it refused this node (not in its allowlist",
+        ),
+        (
+            "another hash seed",
+            seed_id.to_string(),
+            with(&[]),
+            "peer disconnected before accepting our connect: its configuration differs (hash seed",
+        ),
+    ];
+    for (what, peer, extra, want) in &cases {
+        let (status, stdout, last) = fetch(peer, extra);
+        assert_eq!(status, 1, "{what}: {last}");
+        assert!(stdout.is_empty(), "{what}: {stdout}");
+        assert!(
+            last.starts_with(&format!("kvpeer fetch: no session with {peer}: "))
+                || last.starts_with(&format!("kvpeer fetch: {peer}: ")),
+            "{what}: {last}"
+        );
+        assert!(last.contains(want), "{what}: {last}");
+    }
+    // Another secret and none are refused alike, with the same pointer at the cause.
+    for extra in [with(&["--auth-secret-file", other_s.as_str()]), with(&[])] {
+        let (status, _, last) = fetch(auth_id.as_str(), &extra);
+        assert_eq!(status, 1, "{last}");
+        assert!(
+            last.contains("another --auth-secret-file or none"),
+            "{last}"
+        );
+    }
+
+    // With --json, stdout carries an object either way, and stderr's line is JSON too.
+    let out = std::process::Command::new(BIN)
+        .args([
+            "--log-format",
+            "json",
+            "fetch",
+            "--json",
+            "--peer",
+            &nothing,
+        ])
+        .args(["--requests", "1", "--keys", "1", "--timeout-secs", "3"])
+        .env("KVPEER_LOG", "error")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let error = summary["error"].as_str().unwrap();
+    assert!(error.contains("nothing listens at"), "{summary}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for line in stderr.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            v["level"].is_string() && v["fields"]["message"].is_string(),
+            "{line}"
+        );
+    }
+    let last: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
+    assert_eq!(last["fields"]["message"].as_str(), Some(error));
+
+    // The refusing nodes still serve a peer that is what they want, byte-exact.
+    for (peer, extra) in [
+        (
+            auth_id.as_str(),
+            with(&["--auth-secret-file", secret_s.as_str()]),
+        ),
+        (seed_id.as_str(), with(&["--hash-seed", "7"])),
+    ] {
+        let (status, stdout, last) = fetch(peer, &extra);
+        assert_eq!(status, 0, "{last}");
+        assert!(
+            stdout.contains("hits=1 ") && stdout.contains("corrupt_blocks=0 "),
+            "{stdout}"
+        );
+    }
+    let _ = std::fs::remove_file(&secret);
+    let _ = std::fs::remove_file(&other);
+}
+
+#[test]
+fn fetch_help_has_no_pool_flag_and_serve_help_has_them_all() {
+    let help = |cmd: &str| {
+        let out = std::process::Command::new(BIN)
+            .args([cmd, "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (fetch, serve) = (help("fetch"), help("serve"));
+    for flag in [
+        "--follow",
+        "--pull-min-holders",
+        "--pull-max-rate",
+        "--pull-max-lookups",
+        "--publish-events",
+        "--publish-replay",
+        "--publish-topic",
+        "--publish-hashes",
+        "--publish-ownership",
+        "--shard",
+    ] {
+        assert!(!fetch.contains(flag), "fetch --help lists {flag}");
+        assert!(serve.contains(flag), "serve --help lacks {flag}");
+    }
+    assert!(fetch.contains("--listen") && fetch.contains("--auth-secret-file"));
+}
+
+#[test]
+fn a_kvpeer_log_that_is_no_filter_stops_the_command() {
+    for (bogus, json) in [("bogus", false), ("info,loud", true)] {
+        let mut cmd = std::process::Command::new(BIN);
+        if json {
+            cmd.args(["--log-format", "json"]);
+        }
+        let out = cmd.arg("demo").env("KVPEER_LOG", bogus).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "KVPEER_LOG={bogus}");
+        assert!(out.stdout.is_empty(), "the demo did not run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let line = err.lines().last().unwrap();
+        let message = if json {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            v["fields"]["message"].as_str().unwrap().to_owned()
+        } else {
+            line.strip_prefix("kvpeer: ").unwrap().to_owned()
+        };
+        assert!(
+            message.starts_with("KVPEER_LOG: ") && message.contains("TARGET=LEVEL"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn a_pool_node_announces_its_fill_and_stops_without_a_warning() {
+    let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let (mut node, _) = Proc::serve(&[
+        "--blocks",
+        "16",
+        "--block-len",
+        "4096",
+        "--fill",
+        "6",
+        "--publish-events",
+        &format!("tcp://{publish}"),
+        "--publish-replay",
+        &format!("tcp://{replay}"),
+        "--metrics",
+        "127.0.0.1:0",
+    ]);
+    let stored_keys = |events: &[KvEvent]| -> Vec<OffloadKey> {
+        events
+            .iter()
+            .filter_map(|e| match key_event(e) {
+                KeyEvent::Stored(k) => Some(k),
+                _ => None,
+            })
+            .collect()
+    };
+    let events = replayed_until(publish, replay, |events| !stored_keys(events).is_empty());
+    let mut stored = stored_keys(&events);
+    stored.sort();
+    let mut want: Vec<OffloadKey> = (0..6).map(synthetic::key).collect();
+    want.sort();
+    assert_eq!(stored, want, "the filled blocks are announced");
+    // The metrics server holds the pool too: it still stops before the node, so nothing
+    // calls a node that is gone.
+    assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+    std::thread::sleep(Duration::from_millis(200));
+    let log = node.log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" WARN ") && !l.contains("placeholder form"))
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
+}
+
+#[test]
+fn a_pool_node_following_nothing_says_so() {
+    let events = format!("tcp://127.0.0.1:{}", free_port());
+    let follow = format!("{events}=127.0.0.1:{}", free_port());
+    let (mut node, _) = Proc::serve(&["--follow", &follow]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let want = format!("no KV event stream after 10s: nothing publishes at {events}");
+    while !node.log().contains(&want) {
+        assert!(
+            Instant::now() < deadline,
+            "no warning; log:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+}
