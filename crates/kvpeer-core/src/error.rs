@@ -133,6 +133,9 @@ pub enum LinkLoss {
     /// control port.
     #[error("not a kvpeer or vLLM control port: {0}")]
     NotZmtp(Arc<str>),
+    /// The peer broke ZMTP after its greeting (a frame over the limit, a malformed command).
+    #[error("ZMTP protocol error: {0}")]
+    Zmtp(Arc<str>),
     /// The ZMTP handshake (greeting and READY) did not finish in time.
     #[error("no ZMTP handshake within {0:?}: the port accepts connections but does not answer as a kvpeer or vLLM control port")]
     HandshakeTimeout(Duration),

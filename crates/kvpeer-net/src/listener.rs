@@ -580,7 +580,7 @@ impl Listener {
                         let conn = &mut p.conn;
                         sockio::read_while(&mut p.stream, self.limits.read_budget, |bytes| {
                             conn.handle_bytes(bytes, now)
-                                .map_err(|e| LinkLoss::NotZmtp(e.to_string().into()))?;
+                                .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
                             Ok(!conn.decoding_paused())
                         })
                         .map_err(|e| e.to_string())?;

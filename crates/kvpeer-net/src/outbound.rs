@@ -39,6 +39,7 @@ use tracing::{debug, warn};
 
 use crate::dealer::{Dealer, DealerError, DealerLimits, QueueFull};
 use crate::sockio;
+use crate::zmtp::ZmtpError;
 
 /// How far an outbound connection got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,10 @@ pub(crate) struct OutboundConfig {
     /// How soon a connect that could not even start is tried again.
     pub(crate) reconnect_interval: Duration,
 }
+
+/// How long a connection closed before its handshake finished may go on trying to deliver
+/// what it holds.
+const UNREADY_LINGER: Duration = Duration::from_secs(5);
 
 /// Bytes read from one connection per round (a DEALER receives little: heartbeats).
 const READ_BUDGET: usize = 1 << 20;
@@ -317,9 +322,12 @@ impl From<DealerError> for LinkLoss {
         match e {
             DealerError::HandshakeTimeout(d) => LinkLoss::HandshakeTimeout(d),
             DealerError::HeartbeatTimeout(d) | DealerError::TtlExpired(d) => LinkLoss::Silent(d),
-            e @ (DealerError::Zmtp(_) | DealerError::SocketType(_)) => {
-                LinkLoss::NotZmtp(e.to_string().into())
-            }
+            // What the greeting or READY says: not a control port.
+            e @ (DealerError::Zmtp(
+                ZmtpError::Signature(_) | ZmtpError::Version(_) | ZmtpError::Mechanism(_),
+            )
+            | DealerError::SocketType(_)) => LinkLoss::NotZmtp(e.to_string().into()),
+            DealerError::Zmtp(e) => LinkLoss::Zmtp(e.to_string().into()),
         }
     }
 }
@@ -448,7 +456,15 @@ impl Outbound {
         if conn.failed() || conn.dealer.is_drained() || self.config.linger.is_zero() {
             self.conns.remove(&id);
         } else {
-            conn.linger_until = Some(now + self.config.linger);
+            // A connection still connecting or in its handshake has written nothing yet: what
+            // it holds (a refusal's `disconnect`, sent on a connection just dialed) gets the
+            // time a handshake takes, not only the linger a written queue needs.
+            let linger = if conn.dealer.is_ready() {
+                self.config.linger
+            } else {
+                self.config.linger.max(UNREADY_LINGER)
+            };
+            conn.linger_until = Some(now + linger);
         }
     }
 

@@ -439,8 +439,9 @@ fn out_of_descriptors_a_dial_retries_quietly_and_delivers_when_they_are_back() {
 }
 
 /// A peer that accepts TCP but never finishes its handshake holds every message: the 1001st
-/// send finds the queue full (libzmq's SNDHWM), is lost, and the connection closes; its
-/// messages linger 500 ms and then it is gone, without blocking.
+/// send finds the queue full (libzmq's SNDHWM), is lost, and the connection closes; never
+/// ready, its messages linger up to 5 s (not the 500 ms of a ready connection) and then it is
+/// gone, without blocking.
 #[test]
 fn a_full_send_queue_is_lost_and_the_connection_closes_after_its_linger() {
     let mut a = channel();
@@ -468,8 +469,38 @@ fn a_full_send_queue_is_lost_and_the_connection_closes_after_its_linger() {
     assert!(events.is_empty(), "a closed connection reports nothing");
     assert_eq!(
         a.outbound_connections(),
+        1,
+        "still in its handshake's linger"
+    );
+    let events = drive(&mut [&mut a], Duration::from_secs(3), |_| false);
+    assert!(events.is_empty(), "a closed connection reports nothing");
+    assert_eq!(
+        a.outbound_connections(),
         0,
         "dropped at the linger deadline"
+    );
+}
+
+/// A message sent on a connection just dialed and closed at once (a refusal's `disconnect`
+/// to a peer this node will not have) still arrives when the peer's ROUTER takes longer than
+/// the 500 ms linger to answer: a connection never ready lingers for its handshake.
+#[test]
+fn a_message_closed_behind_a_slow_handshake_still_arrives() {
+    let mut a = channel();
+    let (listener, router) = router_listener();
+    a.send(&router, b"disconnect").unwrap();
+    a.close(&router);
+    let peer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        let mut r = Router::accept(&listener);
+        r.handshake(3, 1);
+        r.read_message()
+    });
+    let (got, events) = drive_until(&mut a, peer);
+    assert_eq!(got, b"disconnect");
+    assert!(
+        events.is_empty(),
+        "a closed connection reports nothing: {events:?}"
     );
 }
 

@@ -27,7 +27,7 @@
 
 mod common;
 
-/// The allocator of the `kvpeer` binary (src/main.rs), so the figures are the node's.
+/// The allocator of the `kvpeer` binary (src/bin/kvpeer/main.rs), so the figures are the node's.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -245,8 +245,9 @@ fn connect_timeout_text(after: Duration, stage: Option<kvpeer_net::control::Dial
     let after = format!("{:.1} s", after.as_secs_f64());
     match stage {
         Some(DialStage::Connecting) => format!(
-            "TCP connect not done within {after}: the host does not answer on that port (a \
-             firewall drops it, or no such host)"
+            "not connected within {after}: the name did not resolve in time, or the host does \
+             not answer on that port (a firewall drops it, no such host, or no socket could be \
+             made)"
         ),
         Some(DialStage::Handshaking) => format!(
             "no ZMTP handshake within {after}: the port takes connections but does not \
@@ -271,7 +272,8 @@ pub enum PeerEnd {
 }
 
 impl PeerEnd {
-    /// The session ended before the peer acknowledged our `connect`.
+    /// The session ended before the peer acknowledged our `connect`, for a cause other than
+    /// this node closing it (the sessions the core backs off from dialing again).
     pub fn before_handshake(&self) -> bool {
         matches!(self, PeerEnd::Session(end) if end.dial_backoff.is_some())
     }
@@ -291,15 +293,19 @@ impl std::fmt::Display for PeerEnd {
         // A peer that will not have us says nothing of why (a stranger learns nothing), so
         // name what to look at: its log has the cause.
         match &end.reason {
-            CloseReason::ConnectionLost(LinkLoss::ClosedByPeer) => write!(
+            CloseReason::ConnectionLost(
+                LinkLoss::ClosedByPeer | LinkLoss::Socket(std::io::ErrorKind::ConnectionReset),
+            ) => write!(
                 f,
-                " before answering our connect: it refused this node (not in its allowlist, \
-                 another --auth-secret-file or none, or its sessions full; its log names which)"
+                " before answering our connect: it refused this node (a kvpeer node's \
+                 allowlist, another --auth-secret-file or none, or its sessions full), or it \
+                 restarted; its log names which"
             ),
             CloseReason::PeerDisconnected => write!(
                 f,
-                " before accepting our connect: its configuration differs (hash seed, block \
-                 size, model or config fingerprint; its log names which)"
+                " before accepting our connect: it refused it (another hash seed, block size, \
+                 model or config fingerprint, no data plane in common, a backoff after faults, \
+                 or it is full or stopping); its log names which"
             ),
             CloseReason::HandshakeTimeout => write!(
                 f,

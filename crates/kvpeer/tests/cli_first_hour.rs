@@ -118,13 +118,13 @@ fn fetch_says_why_it_has_no_session_for_each_cause() {
             "outside the allowlist",
             allow_id.to_string(),
             with(&[]),
-            "closed by the peer before answering our connect: it refused this node (not in its allowlist",
+            "closed by the peer before answering our connect: it refused this node (a kvpeer node's allowlist",
         ),
         (
             "another hash seed",
             seed_id.to_string(),
             with(&[]),
-            "peer disconnected before accepting our connect: its configuration differs (hash seed",
+            "peer disconnected before accepting our connect: it refused it (another hash seed",
         ),
     ];
     for (what, peer, extra, want) in &cases {

@@ -220,7 +220,7 @@ impl Client {
         if read && !revents.is_empty() {
             sockio::read_available(stream, READ_BUDGET, |bytes| {
                 conn.handle_bytes(bytes, now)
-                    .map_err(|e| LinkLoss::NotZmtp(e.to_string().into()))
+                    .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))
             })
             .map_err(|e| fail(e.to_string()))?;
         }
