@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::shm::ShmPlane;
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::shm::ShmPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig};
 
@@ -55,7 +55,7 @@ fn pool(tag: &str, len: u64) -> BlockStore {
 }
 
 /// A wake hook that a waiting thread can sleep on (as the node's runtime does).
-fn waker() -> (kvpeer_net::shm::Wake, std::sync::mpsc::Receiver<()>) {
+fn waker() -> (kvpeer_net::data::shm::Wake, std::sync::mpsc::Receiver<()>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
     (

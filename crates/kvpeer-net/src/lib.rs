@@ -1,40 +1,22 @@
 //! kvpeer's transports, the I/O half of a node: the control channel that carries the core's
-//! messages, and data planes that implement the core's [`DataPlane`](kvpeer_core::DataPlane).
-//! They make no protocol decisions.
+//! messages, vLLM's KV event stream, and the data planes that implement the core's
+//! [`DataPlane`](kvpeer_core::DataPlane). They make no protocol decisions. Cut as vLLM's own
+//! `tiering/p2p` is (control, data), with what they share below:
 //!
-//! * [`control`]: the control channel, wire-compatible with vLLM's `ZmqTransport`, ZMTP spoken
-//!   by kvpeer on the node's thread (no libzmq): inbound connections through the [`inbound`]
-//!   ROUTER, outbound ones through `outbound.rs` ([`dealer`]). [`connection`] is one ZMTP
-//!   connection of any socket type, without I/O, which the control ROUTER and DEALER and every
-//!   event-stream socket are; `listener.rs` is one listening socket and its connections, with
-//!   every bound against a hostile peer, which the control ROUTER and every event-stream
-//!   listener are; [`zmtp`] is the codec.
+//! * [`control`]: the P2P control channel, wire-compatible with vLLM's `ZmqTransport`: the
+//!   listening ROUTER ([`control::inbound`]) and one DEALER per peer ([`control::dealer`]).
 //! * [`events`]: vLLM's KV event stream, natively: following an engine's PUB and replay ROUTER
 //!   ([`events::EventSubscriber`]) and serving the pool's own ([`events::EventPublisher`]).
-//! * [`metadata`]: the `agent_metadata` map a node advertises (`agent`, `shm`, `shm_token`,
-//!   `tcp`, `tcp_key`).
-//! * [`shm`]: same-host writes straight into the peer's shared-memory pool, once the peer has
-//!   proven it owns it (the pool trailer's secret, [`kvpeer_store::trailer`]).
-//! * [`tcp`]: any-host writes over TCP, acknowledged, checked against write permits.
-//! * [`dual`]: both advertised; `shm` to peers whose object opens, else `tcp`.
-//! * `nixl` (cargo feature `nixl`): NIXL WRITEs over UCX, what stock vLLM engines use.
+//! * [`data`]: the data planes (`shm`, `tcp`, both, `nixl`) and the metadata that advertises
+//!   them.
+//! * [`zmtp`]: ZMTP 3.1 without libzmq: the codec, one connection of any socket type as a
+//!   state machine, and the listening and connecting sockets every ZMTP socket of ours is.
+//! * `io`: how a socket is driven: the non-blocking steps every driver takes.
 
-mod admission;
-pub mod connection;
 pub mod control;
-pub mod dealer;
-pub mod dual;
+pub mod data;
 pub mod events;
-pub mod inbound;
-mod listener;
-pub mod metadata;
-#[cfg(feature = "nixl")]
-pub mod nixl;
-mod outbound;
-pub mod shm;
-mod shm_object;
-mod sockio;
-pub mod tcp;
+mod io;
 pub mod zmtp;
 
 /// Locks `m`; a poisoned lock only means a plane thread panicked, and the bookkeeping it guards

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::nixl::{NixlConfig, NixlError, NixlPlane};
+use kvpeer_net::data::nixl::{NixlConfig, NixlError, NixlPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
 

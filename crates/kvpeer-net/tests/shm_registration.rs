@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::shm::{ShmPlane, Wake};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::shm::{ShmPlane, Wake};
 use kvpeer_proto::{OffloadKey, PeerId};
 use kvpeer_store::trailer::{self, TRAILER_LEN};
 use kvpeer_store::{BlockStore, StoreConfig};
@@ -400,7 +400,7 @@ fn connect_metadata_carries_a_token_for_each_destination() {
 
 #[test]
 fn a_pool_in_external_memory_is_refused_with_a_typed_error() {
-    use kvpeer_net::shm::ShmError;
+    use kvpeer_net::data::shm::ShmError;
     use kvpeer_store::Pool;
     let mut mem = vec![0u8; (BLOCKS * LEN) as usize];
     let base = std::ptr::NonNull::new(mem.as_mut_ptr()).unwrap();

@@ -14,7 +14,7 @@ use std::time::Duration;
 mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
 use memmap2::MmapMut;

@@ -13,8 +13,8 @@ mod fd_support;
 mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::BlockStore;
 use tcp_support::*;

@@ -11,8 +11,8 @@ use std::time::Duration;
 mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::tcp::TcpLimits;
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::tcp::TcpLimits;
 use kvpeer_proto::PeerId;
 use tcp_support::*;
 

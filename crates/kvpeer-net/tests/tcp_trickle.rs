@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory, TransferId};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig};
 use tcp_support::{closed_within, connect_hello, issue, write_header};

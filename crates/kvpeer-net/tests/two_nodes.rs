@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use kvpeer_core::{
     Core, CoreConfig, DataPlane, Event, JobId, LocalNode, LookupResult, Request, RequestRoles,
 };
-use kvpeer_net::dual::{DualPlane, Route};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::shm::{ShmPlane, Wake};
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::dual::{DualPlane, Route};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::shm::{ShmPlane, Wake};
+use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, Message, OffloadKey, PeerId};
 use kvpeer_store::{BlockStore, Pool, StoreConfig};
 

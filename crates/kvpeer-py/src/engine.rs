@@ -9,9 +9,9 @@ use kvpeer::engine::{
 };
 use kvpeer::node::build::{BuildError, BuildPlane, NodeSpec};
 use kvpeer::{OffloadKey, PlaneKind};
-use kvpeer_net::dual::DualPlane;
-use kvpeer_net::shm::ShmPlane;
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::dual::DualPlane;
+use kvpeer_net::data::shm::ShmPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 
 /// What the binding asks of a node, whatever its plane.
 pub(crate) trait Engine: Send {
@@ -130,7 +130,7 @@ pub(crate) fn build(
         PlaneKind::Shm => Box::new(EngineNode::<ShmPlane>::build(spec, pool)?),
         PlaneKind::Both => Box::new(EngineNode::<DualPlane>::build(spec, pool)?),
         #[cfg(feature = "nixl")]
-        PlaneKind::Nixl => Box::new(EngineNode::<kvpeer_net::nixl::NixlPlane>::build(
+        PlaneKind::Nixl => Box::new(EngineNode::<kvpeer_net::data::nixl::NixlPlane>::build(
             spec, pool,
         )?),
         #[cfg(not(feature = "nixl"))]

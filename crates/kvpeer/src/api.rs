@@ -333,7 +333,7 @@ impl Advertised {
     /// Read from the `agent_metadata` a node sends; the nixl plane sends NIXL's own blob,
     /// which names no kvpeer plane, so it reads as nothing advertised.
     fn from_agent_metadata(bytes: &[u8]) -> Self {
-        let meta = kvpeer_net::metadata::AgentMetadata::decode(bytes).unwrap_or_default();
+        let meta = kvpeer_net::data::metadata::AgentMetadata::decode(bytes).unwrap_or_default();
         Advertised {
             agent: meta.agent,
             shm: meta.shm,
@@ -397,11 +397,11 @@ impl Node {
     /// Builds the node and starts its runtime thread.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         match config.plane {
-            PlaneKind::Shm => Self::start_with::<kvpeer_net::shm::ShmPlane>(config.spec),
-            PlaneKind::Tcp => Self::start_with::<kvpeer_net::tcp::TcpPlane>(config.spec),
-            PlaneKind::Both => Self::start_with::<kvpeer_net::dual::DualPlane>(config.spec),
+            PlaneKind::Shm => Self::start_with::<kvpeer_net::data::shm::ShmPlane>(config.spec),
+            PlaneKind::Tcp => Self::start_with::<kvpeer_net::data::tcp::TcpPlane>(config.spec),
+            PlaneKind::Both => Self::start_with::<kvpeer_net::data::dual::DualPlane>(config.spec),
             #[cfg(feature = "nixl")]
-            PlaneKind::Nixl => Self::start_with::<kvpeer_net::nixl::NixlPlane>(config.spec),
+            PlaneKind::Nixl => Self::start_with::<kvpeer_net::data::nixl::NixlPlane>(config.spec),
             #[cfg(not(feature = "nixl"))]
             PlaneKind::Nixl => Err(NodeError::PlaneNotBuilt { plane: "nixl" }),
         }

@@ -17,7 +17,7 @@ use kvpeer::engine::{
 };
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
 
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 
 const WAIT: Duration = Duration::from_secs(10);
 

@@ -12,9 +12,9 @@ use kvpeer::node::build::{build, BuildPlane, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::NodeConfig;
 use kvpeer_core::{JobId, LookupResult, RequestRoles};
-use kvpeer_net::dual::DualPlane;
-use kvpeer_net::shm::ShmPlane;
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::dual::DualPlane;
+use kvpeer_net::data::shm::ShmPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;

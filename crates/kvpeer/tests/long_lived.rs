@@ -21,7 +21,7 @@ use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::{synthetic, Node, NodeConfig, PlaneKind};
 use kvpeer_core::{CoreConfig, JobId, LookupResult, Request, RequestRoles};
-use kvpeer_net::shm::ShmPlane;
+use kvpeer_net::data::shm::ShmPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 const LEN: u64 = 4096;

@@ -16,9 +16,9 @@ use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
 use kvpeer::NodeConfig;
 use kvpeer_core::{BlockIndex, CoreConfig, CoreStats, JobId, LookupResult, RequestRoles};
-use kvpeer_net::dual::DualPlane;
-use kvpeer_net::shm::ShmPlane;
-use kvpeer_net::tcp::TcpPlane;
+use kvpeer_net::data::dual::DualPlane;
+use kvpeer_net::data::shm::ShmPlane;
+use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;

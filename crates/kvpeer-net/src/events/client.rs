@@ -18,13 +18,13 @@ use tracing::debug;
 
 use kvpeer_core::LinkLoss;
 
-use crate::connection::{ConnLimits, Connection, QueueFull, Role};
-use crate::sockio;
+use crate::io::sockio;
+use crate::zmtp::connection::{ConnLimits, Connection, QueueFull, Role};
 
 /// Bytes read from one connection per round, so one busy stream cannot starve the others.
 pub(crate) const READ_BUDGET: usize = 4 << 20;
 
-pub(crate) use crate::listener::LinkEvent;
+pub(crate) use crate::zmtp::listener::LinkEvent;
 
 enum State {
     /// No connection: the next attempt at `until`.

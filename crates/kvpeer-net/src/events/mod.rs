@@ -12,7 +12,7 @@
 //!   answering each `["", start_seq]` with the messages `kvpeer_pool::Publisher::replay` gives.
 //! * [`wire`]: the messages' shapes.
 //!
-//! The protocol of each connection is [`Connection`](crate::connection::Connection) (sans-IO);
+//! The protocol of each connection is [`Connection`](crate::zmtp::connection::Connection) (sans-IO);
 //! `client.rs` (a connecting socket that reconnects with backoff) and the crate's listener
 //! (`listener.rs`: a listening socket and its accepted connections, capped, which the control
 //! ROUTER is too) carry it over non-blocking TCP.

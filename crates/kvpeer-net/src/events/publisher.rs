@@ -38,8 +38,8 @@ use tracing::warn;
 
 use super::client::LinkEvent;
 use super::{wire, EventIo, EventsError};
-use crate::connection::{ConnLimits, Incoming, Role};
-use crate::listener::{ConnId as PeerId, Listener as Server, ListenerLimits as ServerLimits};
+use crate::zmtp::connection::{ConnLimits, Incoming, Role};
+use crate::zmtp::listener::{ConnId as PeerId, Listener as Server, ListenerLimits as ServerLimits};
 
 /// Settings of a publisher.
 #[derive(Debug, Clone, PartialEq, Eq)]

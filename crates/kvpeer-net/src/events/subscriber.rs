@@ -35,9 +35,9 @@ use tracing::{debug, warn};
 use super::client::{Client, LinkEvent};
 use super::wire::{self, ReplayAnswer};
 use super::{EventIo, EventsError};
-use crate::connection::{ConnLimits, Incoming, Role};
-use crate::listener::{Listener as Server, ListenerLimits as ServerLimits};
 use crate::zmtp;
+use crate::zmtp::connection::{ConnLimits, Incoming, Role};
+use crate::zmtp::listener::{Listener as Server, ListenerLimits as ServerLimits};
 
 /// Where the engine's PUB is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::nixl::{agent_config, NixlConfig, NixlPlane};
+use kvpeer_net::data::nixl::{agent_config, NixlConfig, NixlPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
 

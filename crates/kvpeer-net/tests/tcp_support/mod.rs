@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvpeer_core::{BlockIndex, DataPlane};
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig};
 

@@ -495,7 +495,7 @@ mod tests {
         assert_eq!(c.plane, PlaneKind::default());
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
-        let tcp = kvpeer_net::tcp::TcpLimits::default();
+        let tcp = kvpeer_net::data::tcp::TcpLimits::default();
         assert_eq!(c.spec.tcp_min_write_rate, tcp.min_write_rate);
         assert_eq!(c.spec.tcp_transfer_timeout, tcp.transfer_timeout);
         assert_eq!(c.spec.auth_secret, None);

@@ -20,7 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
-use kvpeer_net::shm::Wake;
+use kvpeer_net::data::shm::Wake;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 /// Names one question to the engine.

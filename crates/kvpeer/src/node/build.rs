@@ -7,10 +7,10 @@ use std::time::Instant;
 
 use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode, Parent};
 use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
-use kvpeer_net::dual::DualPlane;
-use kvpeer_net::metadata::AgentMetadata;
-use kvpeer_net::shm::{ShmError, ShmPlane, Wake};
-use kvpeer_net::tcp::{TcpError, TcpLimits, TcpPlane};
+use kvpeer_net::data::dual::DualPlane;
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::shm::{ShmError, ShmPlane, Wake};
+use kvpeer_net::data::tcp::{TcpError, TcpLimits, TcpPlane};
 use kvpeer_proto::{DecodeLimits, PeerId};
 use kvpeer_store::{BlockStore, Pool, PoolError, StoreError};
 
@@ -120,7 +120,7 @@ pub enum BuildError {
     /// The nixl plane.
     #[cfg(feature = "nixl")]
     #[error(transparent)]
-    Nixl(#[from] kvpeer_net::nixl::NixlError),
+    Nixl(#[from] kvpeer_net::data::nixl::NixlError),
     /// The authentication secret.
     #[error("authentication: {0}")]
     Auth(#[from] super::auth::AuthError),
@@ -153,19 +153,19 @@ pub trait BuildPlane: DataPlane + Sized {
 }
 
 #[cfg(feature = "nixl")]
-impl BuildPlane for kvpeer_net::nixl::NixlPlane {
+impl BuildPlane for kvpeer_net::data::nixl::NixlPlane {
     fn build(
         spec: &NodeSpec,
         pool: &Pool,
         wake: Wake,
     ) -> Result<(Self, AgentMetadata), BuildError> {
-        let config = kvpeer_net::nixl::NixlConfig {
+        let config = kvpeer_net::data::nixl::NixlConfig {
             // Unique per node and process; NIXL refuses a peer agent with its own name.
             agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
             backend_params: spec.nixl.backend_params.clone(),
             lib_dir: spec.nixl.lib_dir.clone(),
         };
-        let plane = kvpeer_net::nixl::NixlPlane::new(&config, pool.view().clone(), wake)?;
+        let plane = kvpeer_net::data::nixl::NixlPlane::new(&config, pool.view().clone(), wake)?;
         let meta = AgentMetadata {
             agent: config.agent_name,
             shm: None,
@@ -180,7 +180,7 @@ impl BuildPlane for kvpeer_net::nixl::NixlPlane {
     }
 
     fn base_addr(&self) -> Option<u64> {
-        Some(kvpeer_net::nixl::NixlPlane::base_addr(self))
+        Some(kvpeer_net::data::nixl::NixlPlane::base_addr(self))
     }
 }
 

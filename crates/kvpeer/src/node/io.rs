@@ -28,9 +28,9 @@ use kvpeer_core::throttle::WarnThrottle;
 use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, Parent};
 
 use crate::api::PeerEnd;
+use kvpeer_net::control::ConnId;
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
-use kvpeer_net::inbound::ConnId;
-use kvpeer_net::metadata::AgentMetadata;
+use kvpeer_net::data::metadata::AgentMetadata;
 use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
 use kvpeer_store::BlockStore;
 use tracing::{debug, warn};

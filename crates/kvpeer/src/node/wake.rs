@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use nix::fcntl::OFlag;
 
-use kvpeer_net::shm::Wake;
+use kvpeer_net::data::shm::Wake;
 
 /// The read end, owned by the node's thread.
 #[derive(Debug)]

@@ -21,11 +21,11 @@ use crate::fetch_cmd::{micros, request_keys, FetchArgs, Progress, Tally};
 /// Runs the workload on an engine-driven node of `config`'s plane.
 pub(crate) fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
     match config.plane {
-        PlaneKind::Shm => run::<kvpeer_net::shm::ShmPlane>(args, &config.spec),
-        PlaneKind::Tcp => run::<kvpeer_net::tcp::TcpPlane>(args, &config.spec),
-        PlaneKind::Both => run::<kvpeer_net::dual::DualPlane>(args, &config.spec),
+        PlaneKind::Shm => run::<kvpeer_net::data::shm::ShmPlane>(args, &config.spec),
+        PlaneKind::Tcp => run::<kvpeer_net::data::tcp::TcpPlane>(args, &config.spec),
+        PlaneKind::Both => run::<kvpeer_net::data::dual::DualPlane>(args, &config.spec),
         #[cfg(feature = "nixl")]
-        PlaneKind::Nixl => run::<kvpeer_net::nixl::NixlPlane>(args, &config.spec),
+        PlaneKind::Nixl => run::<kvpeer_net::data::nixl::NixlPlane>(args, &config.spec),
         #[cfg(not(feature = "nixl"))]
         PlaneKind::Nixl => Err("the nixl plane is not in this build of kvpeer".into()),
     }

@@ -54,8 +54,8 @@ use nixl_sys::{
 };
 use tracing::{debug, info, warn};
 
+use crate::data::shm::Wake;
 use crate::lock;
-use crate::shm::Wake;
 
 /// What to install when NIXL cannot be loaded.
 pub const INSTALL_HINT: &str = "install NIXL's wheel (`pip install --no-deps nixl==1.5.1 \

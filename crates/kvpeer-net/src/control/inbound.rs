@@ -12,7 +12,7 @@
 //! Speaks to libzmq 4.3 DEALERs (vLLM's `ZmqTransport`, pyzmq) and kvpeer's own (`dealer.rs`)
 //! as a libzmq ROUTER does: ZMTP 3.1, NULL mechanism, READY with `Socket-Type: ROUTER`, PONG
 //! for every PING, our own PINGs every `heartbeat_interval` with `heartbeat_ttl`
-//! ([`Connection`](crate::connection::Connection) is the protocol, as for every other socket).
+//! ([`Connection`](crate::zmtp::connection::Connection) is the protocol, as for every other socket).
 //! What this file adds to the listener: the identity a READY claims must be `host:port`, a
 //! message must be one frame (others are dropped), each connection gets a fresh challenge
 //! ([`zmtp::CHALLENGE_PROPERTY`](crate::zmtp::CHALLENGE_PROPERTY)) a kvpeer peer's proofs are
@@ -33,10 +33,10 @@ use kvpeer_proto::PeerId;
 use nix::poll::PollFd;
 use tracing::warn;
 
-use crate::connection::{ConnLimits, Incoming, Role};
-use crate::listener::{LinkEvent, Listener, ListenerLimits, Readable};
+use crate::zmtp::connection::{ConnLimits, Incoming, Role};
+use crate::zmtp::listener::{LinkEvent, Listener, ListenerLimits, Readable};
 
-pub use crate::listener::ConnId;
+pub use crate::zmtp::listener::ConnId;
 
 /// Bounds of the listening side.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -31,8 +31,8 @@
 
 use std::time::{Duration, Instant};
 
-pub use crate::connection::QueueFull;
-use crate::connection::{ConnError, ConnLimits, Connection, Role};
+pub use crate::zmtp::connection::QueueFull;
+use crate::zmtp::connection::{ConnError, ConnLimits, Connection, Role};
 use crate::zmtp::ZmtpError;
 #[cfg(test)]
 use crate::zmtp::{self, Decoder, Input};

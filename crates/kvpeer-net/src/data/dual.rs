@@ -23,9 +23,9 @@ use kvpeer_core::{
 use kvpeer_proto::PeerId;
 use tracing::debug;
 
-use crate::metadata::AgentMetadata;
-use crate::shm::ShmPlane;
-use crate::tcp::TcpPlane;
+use crate::data::metadata::AgentMetadata;
+use crate::data::shm::ShmPlane;
+use crate::data::tcp::TcpPlane;
 
 /// Which inner plane carries a peer's writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

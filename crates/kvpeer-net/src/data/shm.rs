@@ -51,8 +51,9 @@ use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
 use kvpeer_store::{Pool, PoolView};
 use tracing::warn;
 
-use crate::metadata::AgentMetadata;
-use crate::{lock, shm_object};
+use super::shm_object;
+use crate::data::metadata::AgentMetadata;
+use crate::lock;
 
 /// Called after a transfer completes, from the copy worker.
 pub type Wake = Arc<dyn Fn() + Send + Sync>;

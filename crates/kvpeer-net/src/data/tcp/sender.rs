@@ -19,8 +19,8 @@ use super::{
     abort, close, protocol, Counters, Ends, Links, Sent, TcpPlane, CONNECT_TIMEOUT, KEY_LEN,
     WRITE_STALL_TIMEOUT,
 };
+use crate::data::shm::Wake;
 use crate::lock;
-use crate::shm::Wake;
 
 /// Numbers outbound connections, across peers and links, so that an ACK reader can tell its
 /// connection from the one that replaced it.

@@ -37,8 +37,8 @@ use kvpeer_proto::PeerId;
 use nix::poll::PollFlags;
 use tracing::{debug, warn};
 
-use crate::dealer::{Dealer, DealerError, DealerLimits, QueueFull};
-use crate::sockio;
+use crate::control::dealer::{Dealer, DealerError, DealerLimits, QueueFull};
+use crate::io::sockio;
 use crate::zmtp::ZmtpError;
 
 /// How far an outbound connection got.

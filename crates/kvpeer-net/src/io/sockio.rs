@@ -13,8 +13,8 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::warn;
 
-use crate::connection::Connection;
-use crate::dealer::Dealer;
+use crate::control::dealer::Dealer;
+use crate::zmtp::connection::Connection;
 
 /// Something with bytes for the socket: a connection's [`transmit`](Connection::transmit) and
 /// [`advance`](Connection::advance).

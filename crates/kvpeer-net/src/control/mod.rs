@@ -7,7 +7,7 @@
 //!   the node can close one connection. Several connections may claim one identity; none locks
 //!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
 //!   shape but one frame are dropped.
-//! * One DEALER connection per peer (`outbound.rs`, protocol in [`Dealer`](crate::dealer::Dealer)),
+//! * One DEALER connection per peer (`outbound.rs`, protocol in [`Dealer`](crate::control::dealer::Dealer)),
 //!   connected to the peer's ROUTER with `Identity` = our identity; each message is one frame
 //!   (a msgpack payload). Sends never block and are written at once when the connection is
 //!   idle; a full queue (`send_queue`, 1000 messages, libzmq's `SNDHWM`) marks the connection
@@ -29,6 +29,10 @@
 //! blocks, except dropping the channel, which gives queued messages up to `linger` to leave,
 //! as libzmq's `zmq_ctx_term` did.
 
+pub mod dealer;
+pub mod inbound;
+mod outbound;
+
 use std::cell::RefCell;
 use std::net::IpAddr;
 use std::os::fd::{BorrowedFd, RawFd};
@@ -40,10 +44,11 @@ use nix::poll::{PollFd, PollFlags};
 use nix::sys::time::TimeSpec;
 use tracing::warn;
 
-use crate::dealer::DealerLimits;
-use crate::inbound::{ConnId, Inbound, InboundEvent, InboundLimits};
-pub use crate::outbound::DialStage;
-use crate::outbound::{OutId, Outbound, OutboundConfig};
+use crate::control::dealer::DealerLimits;
+use crate::control::inbound::{Inbound, InboundEvent, InboundLimits};
+pub use crate::control::outbound::DialStage;
+use crate::control::outbound::{OutId, Outbound, OutboundConfig};
+pub use inbound::ConnId;
 
 /// Settings of the control channel; `Default` is vLLM's.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! One ZMTP 3.1 connection of any socket type, as a state machine without I/O (quinn-proto
 //! style: bytes and time in, bytes and deadlines out). The control channel's DEALER
-//! ([`Dealer`](crate::dealer::Dealer)) and every socket of the KV event stream
+//! ([`Dealer`](crate::control::dealer::Dealer)) and every socket of the KV event stream
 //! ([`crate::events`]: SUB, PUB, the replay DEALER and ROUTER) are this machine in a [`Role`].
 //!
 //! What it speaks, as libzmq 4.3 does for that socket type:

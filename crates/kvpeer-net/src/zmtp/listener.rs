@@ -1,5 +1,5 @@
 //! One listening socket and its accepted connections, each a [`Connection`] in the listener's
-//! [`Role`]: the control channel's ROUTER ([`crate::inbound`]) and every listening socket of
+//! [`Role`]: the control channel's ROUTER ([`crate::control::inbound`]) and every listening socket of
 //! the KV event stream (the pool's PUB, its replay ROUTER, a SUB that binds) are this type, so
 //! each bound against a hostile peer is written once, here.
 //!
@@ -39,10 +39,10 @@ use tracing::{debug, warn};
 
 use kvpeer_core::LinkLoss;
 
-use crate::admission::{self, Caps, Holder};
-use crate::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
-use crate::sockio::{self, Accepted};
+use crate::io::sockio::{self, Accepted};
 use crate::zmtp;
+use crate::zmtp::admission::{self, Caps, Holder};
+use crate::zmtp::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
 
 /// How long the listener rests after `accept` fails before it is polled again.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);

@@ -77,9 +77,9 @@ use kvpeer_proto::PeerId;
 use kvpeer_store::{PoolView, PoolWriter};
 use tracing::{debug, warn};
 
+use crate::data::metadata::AgentMetadata;
+use crate::data::shm::Wake;
 use crate::lock;
-use crate::metadata::AgentMetadata;
-use crate::shm::Wake;
 use receiver::Gate;
 use sender::PeerLink;
 
