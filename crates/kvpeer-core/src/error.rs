@@ -155,6 +155,27 @@ pub enum LinkLoss {
     /// (or they grew past what is held for it).
     #[error("our connection to the peer finished no handshake in time; its messages dropped")]
     NoHandshake,
+    /// The TCP connect did not finish in time.
+    #[error("connect not done within {0:?}")]
+    ConnectTimeout(Duration),
+    /// The peer took none of our bytes for this long while some waited.
+    #[error("the peer took none of our bytes for {0:?}")]
+    Stalled(Duration),
+    /// Our listener was full and this connection was worth least: it made room for a newcomer.
+    #[error("evicted for a newcomer (connections full)")]
+    Evicted,
+    /// All connections together held more than the node's buffer cap, this one the most.
+    #[error("the node's buffers are over their cap and this connection held the most")]
+    OverBuffers,
+    /// Our side closed it (the node will not hear this connection).
+    #[error("closed by this node")]
+    ClosedHere,
+    /// The identity its READY claimed is not `host:port`.
+    #[error("its READY claimed an identity that is not host:port")]
+    BadIdentity,
+    /// It held more subscriptions than a subscriber may.
+    #[error("over {0} subscriptions")]
+    TooManySubscriptions(usize),
     /// A driver that does not say (a test, an in-process transport).
     #[error("no cause given")]
     Unspecified,

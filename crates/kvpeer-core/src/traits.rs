@@ -153,6 +153,15 @@ pub trait DataPlane {
     /// Cancels transfers; returns those still running (always empty for `Immediate`).
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId>;
 
+    /// The peers whose [`DataPlane::poll`] may have something new since the last call (a
+    /// transfer ended, a fault), appended to `out`: the core polls only those (and the
+    /// sessions whose registration is settling or whose fault drains), so a completion costs
+    /// the same with one peer or thousands. `false` (the default) when the plane does not keep
+    /// them: every session is then polled at each plane event.
+    fn take_news(&mut self, _out: &mut Vec<PeerId>) -> bool {
+        false
+    }
+
     /// This node sent `peer` a fetch naming these local blocks: its writes into them may come.
     /// A plane that can check incoming writes (tcp) refuses every other write from that peer.
     fn expect_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}

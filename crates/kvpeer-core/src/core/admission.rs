@@ -52,10 +52,7 @@ pub(super) fn next_backoff(
     wait
 }
 
-/// The host part of a peer's identity (the whole identity when it is not `host:port`).
-fn host_of(peer: &PeerId) -> &str {
-    peer.host_port().map_or(peer.as_str(), |(host, _)| host)
-}
+use super::index::host_of;
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Why an inbound connection from `peer` (no session yet) is refused, if it is: a
@@ -90,23 +87,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// give way (a limit of zero).
     pub(super) fn make_room_for(&mut self, peer: &PeerId) -> Option<Refusal> {
         let host = host_of(peer);
-        let mut counts: Map<&str, usize> = Map::default();
-        for p in self.sessions.keys() {
-            *counts.entry(host_of(p)).or_default() += 1;
-        }
-        let own = counts.get(host).copied().unwrap_or(0);
-        let heaviest = counts.values().copied().max().unwrap_or(0);
+        let own = self.index.on_host(host);
         // Whose sessions may give way: the newcomer's own host's when it holds its share, else
         // those of the hosts holding the most.
         let own_host_full = own >= self.config.max_peers_per_host;
         if !own_host_full && self.sessions.len() < self.config.max_peers {
             return None;
         }
+        // A limit is reached: only now is every session looked at.
+        let heaviest = self.index.heaviest_host();
+        let index = &self.index;
         let gives_way = |h: &str| {
             if own_host_full {
                 h == host
             } else {
-                counts.get(h).copied() == Some(heaviest)
+                index.on_host(h) == heaviest
             }
         };
         let victim = self
@@ -126,6 +121,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if let Some(s) = self.sessions.get_mut(&victim) {
             s.disconnect(&mut self.out, self.now, CloseReason::Evicted);
         }
+        self.refresh(&victim);
         self.end_session(&victim);
         self.out.counters.sessions_evicted += 1;
         None
@@ -169,6 +165,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             announce,
         );
         self.out.counters.sessions_opened += 1;
+        self.index.opened(&peer, &session);
         self.sessions.insert(peer, session);
     }
 
@@ -232,19 +229,16 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             && self.sessions.len() >= self.config.max_peers.saturating_sub(headroom)
     }
 
-    pub(super) fn idle_deadline(&self) -> Option<Instant> {
-        if !self.idle_eviction_active() {
-            return None;
-        }
-        self.sessions
-            .values()
-            .filter(|s| !s.has_pending_work())
-            .map(|s| s.link.last_activity + self.config.idle_timeout)
-            .min()
-    }
-
+    /// Evicts the sessions idle past `idle_timeout` while eviction is on, and sets when to look
+    /// again: the next session's idle deadline, but no sooner than a second (or an eighth of
+    /// the timeout) from now, so the walk over the sessions this takes runs at most that often
+    /// however many there are (a session may outlive its deadline by that much).
     pub(super) fn evict_idle(&mut self) {
         if !self.idle_eviction_active() {
+            self.idle_check_at = None;
+            return;
+        }
+        if self.idle_check_at.is_some_and(|at| at > self.now) {
             return;
         }
         let idle: Vec<PeerId> = self
@@ -260,7 +254,17 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             if let Some(s) = self.sessions.get_mut(&peer) {
                 s.disconnect(&mut self.out, self.now, CloseReason::Idle);
             }
+            self.refresh(&peer);
             self.end_session(&peer);
         }
+        let next = self
+            .sessions
+            .values()
+            .filter(|s| !s.has_pending_work())
+            .map(|s| s.link.last_activity + self.config.idle_timeout)
+            .min()
+            .unwrap_or(self.now + self.config.idle_timeout);
+        let spacing = (self.config.idle_timeout / 8).min(Duration::from_secs(1));
+        self.idle_check_at = Some(next.max(self.now + spacing));
     }
 }

@@ -14,12 +14,14 @@
 //! engine's handle of a request.
 
 mod admission;
+mod index;
 mod parking;
 mod request;
 
 pub use request::{OffloadPolicy, Request, RequestRoles, Source};
 
 use admission::Backoff;
+use index::SessionIndex;
 use parking::Batch;
 
 use crate::maps::{Map, Set};
@@ -88,6 +90,10 @@ pub struct Core<P: Parent, D: DataPlane> {
     faults: Map<PeerId, u32>,
     /// Peers whose dials failed lately, and when they may be dialed again.
     dial_backoff: Map<PeerId, Backoff>,
+    /// What each session needs next, so an input reaches only the sessions it concerns.
+    index: SessionIndex,
+    /// When idle sessions are next looked for (while idle eviction is on).
+    idle_check_at: Option<Instant>,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -115,6 +121,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             backoff: Map::default(),
             faults: Map::default(),
             dial_backoff: Map::default(),
+            index: SessionIndex::default(),
+            idle_check_at: None,
         }
     }
 
@@ -167,15 +175,37 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.out.throttle.tick(self.now);
     }
 
-    /// Runs `f` on one session with everything it may touch.
+    /// Runs `f` on one session with everything it may touch, then reads what changed off it.
     fn with_session<R>(
         &mut self,
         peer: &PeerId,
         f: impl FnOnce(&mut Session, &mut Cx<'_>, &LocalNode) -> R,
     ) -> Option<R> {
-        let (sessions, mut cx, local) = self.split();
-        let session = sessions.get_mut(peer)?;
-        Some(f(session, &mut cx, local))
+        let result = {
+            let (sessions, mut cx, local) = self.split();
+            let session = sessions.get_mut(peer)?;
+            f(session, &mut cx, local)
+        };
+        self.refresh(peer);
+        Some(result)
+    }
+
+    /// Runs `f` on each of `peers`' sessions (those that exist), as [`Core::with_session`].
+    fn with_sessions(
+        &mut self,
+        peers: impl IntoIterator<Item = PeerId>,
+        mut f: impl FnMut(&mut Session, &mut Cx<'_>),
+    ) {
+        for peer in peers {
+            self.with_session(&peer, |s, cx, _| f(s, cx));
+        }
+    }
+
+    /// Reads what changed off `peer`'s session (after a direct touch).
+    fn refresh(&mut self, peer: &PeerId) {
+        if let Some(session) = self.sessions.get(peer) {
+            self.index.refresh(peer, session);
+        }
     }
 
     /// Lends the sessions, what a session may touch, and this node's identity, at once.
@@ -188,14 +218,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             out: &mut self.out,
         };
         (&mut self.sessions, cx, &self.local)
-    }
-
-    /// Runs `f` on every session.
-    fn each_session(&mut self, mut f: impl FnMut(&mut Session, &mut Cx<'_>)) {
-        let (sessions, mut cx, _) = self.split();
-        for session in sessions.values_mut() {
-            f(session, &mut cx);
-        }
     }
 
     // ---------------------------------------------------------------- outputs
@@ -212,13 +234,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// When [`Core::handle_timeout`] must next be called, if ever.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let sessions = self.sessions.values().map(Session::next_deadline);
-        earliest(sessions.chain([
+        earliest([
+            self.index.next_deadline(),
             self.unbound_lane.next_deadline(),
             self.bound_lane.next_deadline(),
             self.reaped_lane.next_deadline(),
-            self.idle_deadline(),
-        ]))
+            self.idle_check_at.filter(|_| self.idle_eviction_active()),
+        ])
     }
 
     /// Running totals since the core started (for metrics).
@@ -262,7 +284,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         })
     }
 
-    /// Whether any write to a peer is running on the data plane.
+    /// Whether any write to a peer is running on the data plane (a walk over every session:
+    /// for a caller about to stop, not for every step).
     pub fn has_inflight(&self) -> bool {
         self.sessions.values().any(|s| s.counts().3 > 0)
     }
@@ -381,6 +404,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if let Some(session) = self.sessions.get_mut(peer) {
             session.mark_dead(reason);
         }
+        self.refresh(peer);
         self.settle();
     }
 
@@ -389,7 +413,17 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// The data plane may have progressed (a registration, a completion, a fault).
     pub fn handle_data_plane(&mut self, now: Instant) {
         self.advance(now);
-        self.each_session(|s, cx| s.on_data_plane(cx));
+        // The sessions the plane has news for, and those whose news it may not announce (a
+        // registration settling, a fault draining); every session if the plane cannot tell.
+        let mut peers = Vec::new();
+        if self.plane.take_news(&mut peers) {
+            peers.extend(self.index.plane_watch.iter().cloned());
+            peers.sort_unstable();
+            peers.dedup();
+        } else {
+            peers = self.sessions.keys().cloned().collect();
+        }
+        self.with_sessions(peers, |s, cx| s.on_data_plane(cx));
         self.settle();
     }
 
@@ -398,7 +432,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Fires every deadline at or before `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.advance(now);
-        self.each_session(|s, cx| s.handle_timeout(cx));
+        let due = self.index.due(self.now);
+        self.with_sessions(due, |s, cx| s.handle_timeout(cx));
         self.reap_unbound();
         self.release_idle_bindings();
         self.expire_reaped();
@@ -441,13 +476,19 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if !source.probe {
             return LookupResult::Hit;
         }
-        match self.sessions.get_mut(&source.peer) {
-            None => LookupResult::Miss,
-            Some(session) => match session.register_lookup(id, key) {
-                Some(true) => LookupResult::Hit,
-                Some(false) => LookupResult::Miss,
-                None => LookupResult::Retry,
-            },
+        let answer = match self.sessions.get_mut(&source.peer) {
+            None => return LookupResult::Miss,
+            Some(session) => session.register_lookup(id, key),
+        };
+        match answer {
+            Some(true) => LookupResult::Hit,
+            Some(false) => LookupResult::Miss,
+            None => {
+                // A probe waits for the next flush.
+                let peer = source.peer.clone();
+                self.refresh(&peer);
+                LookupResult::Retry
+            }
         }
     }
 
@@ -455,17 +496,16 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// vLLM does this once per scheduler step.
     pub fn flush_lookups(&mut self, now: Instant) {
         self.advance(now);
-        let now = self.now;
-        for session in self.sessions.values_mut() {
-            session.flush_lookups(&mut self.out, now);
-        }
+        let flushing: Vec<PeerId> = self.index.flushing.iter().cloned().collect();
+        self.with_sessions(flushing, |s, cx| s.flush_lookups(cx.out, cx.now));
     }
 
     /// Asks the store again about inbound lookups waiting on pending keys (call when blocks
     /// being written become readable; a timer does it anyway every `lookup_repoll_interval`).
     pub fn serve(&mut self, now: Instant) {
         self.advance(now);
-        self.each_session(|s, cx| s.serve(cx));
+        let serving: Vec<PeerId> = self.index.serving.iter().cloned().collect();
+        self.with_sessions(serving, |s, cx| s.serve(cx));
         self.settle();
     }
 
@@ -496,7 +536,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             Some(session) if !session.is_dead() => {
                 // From now on the producer may write into these blocks (and only these).
                 self.plane.expect_writes(&source.peer, &blocks);
-                session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks })
+                session.request_blocks(&mut self.out, now, id, Load { job, keys, blocks });
+                let peer = source.peer.clone();
+                self.refresh(&peer);
             }
             _ => {
                 warn!(kv_request_id = %id, job = job.get(), peer = %source.peer, "load with no session to the producer");
@@ -556,7 +598,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return true;
         }
         let still = self.plane.cancel(&ids, CancelMode::Wait);
-        self.each_session(|s, cx| s.on_data_plane(cx));
+        let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
+        self.with_sessions(peers, |s, cx| s.on_data_plane(cx));
         self.settle();
         still.is_empty() && self.sessions.values().all(|s| s.inflight_ids().is_empty())
     }
@@ -601,12 +644,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     fn settle(&mut self) {
         self.drain_failed_loads();
         self.enforce_pin_cap();
-        let dead: Vec<PeerId> = self
-            .sessions
-            .values()
-            .filter(|s| s.is_dead())
-            .map(|s| s.peer().clone())
-            .collect();
+        let dead: Vec<PeerId> = self.index.dead.iter().cloned().collect();
         for peer in dead {
             self.end_session(&peer);
         }
@@ -616,8 +654,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// holder's oldest idle ones (docs/security.md, G7: eviction, not refusal).
     fn enforce_pin_cap(&mut self) {
         let cap = self.config.pinned_blocks_total(self.local.num_blocks);
-        let total: usize = self.sessions.values().map(|s| s.shares().2).sum();
-        let mut over = total.saturating_sub(cap);
+        let mut over = self.index.pins.saturating_sub(cap);
         if over == 0 {
             return;
         }
@@ -657,6 +694,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let Some(mut session) = self.sessions.remove(peer) else {
             return;
         };
+        self.index.remove(peer);
         self.out.counters.sessions_closed += 1;
         self.bound.retain(|_, p| p != peer);
         let closed = session.close(&mut self.split().1);

@@ -437,6 +437,11 @@ impl ClientRole {
         expired
     }
 
+    /// Whether probes wait for the next flush.
+    pub(crate) fn has_flush_list(&self) -> bool {
+        !self.flush_list.is_empty()
+    }
+
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         earliest([
             self.load_lane.next_deadline(),

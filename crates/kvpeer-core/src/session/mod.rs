@@ -564,6 +564,25 @@ impl Session {
         )
     }
 
+    /// Whether the data plane's news may not reach it (its registration is settling, or a fault
+    /// waits for its writes to drain): such a session is polled at every plane event.
+    pub(crate) fn watches_plane(&self) -> bool {
+        !self.is_dead()
+            && (matches!(self.state, State::Registering { .. })
+                || self.peer_fault_at.is_some()
+                || self.server.peer_fault.is_some())
+    }
+
+    /// Whether inbound lookups wait for blocks being written (a `serve` would ask them again).
+    pub(crate) fn wants_serve(&self) -> bool {
+        !self.is_dead() && self.server.has_serve_list()
+    }
+
+    /// Whether probes wait to be sent (a `flush_lookups` would send them).
+    pub(crate) fn wants_flush(&self) -> bool {
+        !self.is_dead() && self.client.has_flush_list()
+    }
+
     /// What the producer side holds for the peer: (keys, estimated bytes, pinned blocks).
     /// Releases up to `want` of this peer's oldest idle lookup pins (blocks released).
     pub(crate) fn evict_oldest_pins(&mut self, cx: &mut Cx<'_>, want: usize) -> usize {

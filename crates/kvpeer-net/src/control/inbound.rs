@@ -23,18 +23,19 @@
 //! `round_quantum` of the node's time, whatever its messages cost.
 //!
 //! Owned by the node's runtime thread with the rest of the channel; every socket is
-//! non-blocking and polled with the channel's other sockets, so nothing here blocks.
+//! non-blocking and registered in the channel's one poll, so nothing here blocks.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use kvpeer_core::LinkLoss;
 use kvpeer_proto::PeerId;
-use nix::poll::PollFd;
 use tracing::warn;
 
+use crate::io::poller::{Poller, Ready, Token};
 use crate::zmtp::connection::{ConnLimits, Incoming, Role};
-use crate::zmtp::listener::{LinkEvent, Listener, ListenerLimits, Readable};
+use crate::zmtp::listener::{LinkEvent, Listener, ListenerLimits};
 
 pub use crate::zmtp::listener::ConnId;
 
@@ -101,8 +102,14 @@ pub struct Inbound {
 }
 
 impl Inbound {
-    /// Listens on `addr` (`host:port`; port 0 picks one).
-    pub fn bind(addr: &str, limits: InboundLimits) -> std::io::Result<Self> {
+    /// Listens on `addr` (`host:port`; port 0 picks one), registered in `poller` as `base`
+    /// (its connections as `base + id`).
+    pub(crate) fn bind(
+        addr: &str,
+        limits: InboundLimits,
+        poller: &Poller,
+        base: Token,
+    ) -> std::io::Result<Self> {
         let addr: SocketAddr = addr.to_socket_addrs()?.next().ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::AddrNotAvailable,
@@ -136,6 +143,8 @@ impl Inbound {
                 round_quantum: Some(limits.round_quantum),
                 time_per_second: Some(limits.time_per_second),
             },
+            poller,
+            base,
         )?;
         Ok(Inbound {
             listener,
@@ -153,20 +162,20 @@ impl Inbound {
         self.listener.connections()
     }
 
-    /// Descriptors to poll, appended to `fds`: the listener, then each connection in
-    /// [`Inbound::conn_ids`] order.
-    pub fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>) {
-        self.listener.poll_fds(now, true, fds);
+    /// Whether `token` is the listener's or one of its connections' (`span`: the channel's
+    /// token space per side).
+    pub(crate) fn owns(&self, token: Token, span: u64) -> bool {
+        self.listener.owns(token, span)
     }
 
-    /// The connections, in [`Inbound::poll_fds`] order (after the listener).
-    pub fn conn_ids(&self) -> impl Iterator<Item = ConnId> + '_ {
-        self.listener.ids()
+    /// What the channel's poll said of one of this side's tokens.
+    pub(crate) fn on_ready(&mut self, ready: Ready) {
+        self.listener.on_ready(ready);
     }
 
-    /// When the next heartbeat or deadline falls due (`now` with a backlog).
-    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        self.listener.deadline(now)
+    /// When the next heartbeat or deadline falls due (`now` with news or a backlog).
+    pub(crate) fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
+        self.listener.deadline(now, true)
     }
 
     /// Closes connection `conn` (no event: the caller asked).
@@ -174,7 +183,7 @@ impl Inbound {
         self.identities.remove(&conn);
         let mut ignored = Vec::new();
         self.listener
-            .close(conn, "closed by the node".into(), &mut ignored);
+            .close(conn, LinkLoss::ClosedHere, &mut ignored);
     }
 
     /// Handling one message of connection `conn` cost the node `cost`: each connection is given
@@ -195,14 +204,13 @@ impl Inbound {
         self.listener.set_engaged(conn, holds);
     }
 
-    /// Accepts what is waiting (when `listener_ready`), reads the connections in `readable`
-    /// (all for `None`; sorted) within their shares and those of the peers in `lost` to the
-    /// end, sends what is pending, and runs heartbeats and deadlines at `now`.
-    pub fn progress(
+    /// Accepts what is waiting, reads the connections the poll reported within their shares
+    /// and those of the peers in `lost` to the end, sends what is pending, and runs the
+    /// heartbeats and deadlines due at `now`.
+    pub(crate) fn progress(
         &mut self,
+        poller: &Poller,
         now: Instant,
-        listener_ready: bool,
-        readable: Option<&[ConnId]>,
         lost: &[PeerId],
         events: &mut Vec<InboundEvent>,
     ) {
@@ -216,13 +224,9 @@ impl Inbound {
                 .collect();
             drain.sort_unstable();
         }
-        let readable = Readable {
-            sockets: readable,
-            drain: &drain,
-        };
         let mut happened = Vec::new();
         self.listener
-            .progress_ids(now, listener_ready, readable, &mut happened);
+            .progress(poller, now, true, &drain, &mut happened);
         let mut refused = Vec::new();
         for (conn, event) in happened {
             match event {
@@ -261,8 +265,7 @@ impl Inbound {
         }
         for conn in refused {
             let mut lost = Vec::new();
-            self.listener
-                .close(conn, "an identity that is not host:port".into(), &mut lost);
+            self.listener.close(conn, LinkLoss::BadIdentity, &mut lost);
             events.extend(
                 lost.into_iter()
                     .map(|(conn, _)| InboundEvent::Closed { conn, peer: None }),

@@ -7,7 +7,7 @@
 //!   the node can close one connection. Several connections may claim one identity; none locks
 //!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
 //!   shape but one frame are dropped.
-//! * One DEALER connection per peer (`outbound.rs`, protocol in [`Dealer`](crate::control::dealer::Dealer)),
+//! * One DEALER connection per peer (`outbound.rs`: a [`Dialer`](crate::zmtp::dialer) whose connection speaks the control DEALER's role),
 //!   connected to the peer's ROUTER with `Identity` = our identity; each message is one frame
 //!   (a msgpack payload). Sends never block and are written at once when the connection is
 //!   idle; a full queue (`send_queue`, 1000 messages, libzmq's `SNDHWM`) marks the connection
@@ -23,31 +23,30 @@
 //!   identity, `host:port`). The core opens a session only on a `connect`, so junk never makes
 //!   us dial.
 //!
-//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps in one `ppoll(2)` on
-//! every socket (and the caller's extra descriptor) until something is ready or the nearest
-//! deadline (heartbeats, handshakes, retries, lingers) or the timeout passes; nothing else
+//! Owned by the node's runtime thread. [`ControlChannel::wait`] sleeps in the channel's one
+//! epoll set (every socket of both sides, registered once, and the caller's extra descriptor)
+//! until something is ready or the nearest deadline (heartbeats, handshakes, retries, lingers)
+//! or the timeout passes; [`ControlChannel::recv`] then drives only the connections the poll
+//! or a deadline named, so a wake's cost does not grow with the number of peers. Nothing else
 //! blocks, except dropping the channel, which gives queued messages up to `linger` to leave,
 //! as libzmq's `zmq_ctx_term` did.
 
-pub mod dealer;
 pub mod inbound;
 mod outbound;
 
-use std::cell::RefCell;
 use std::net::IpAddr;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::LinkLoss;
 use kvpeer_proto::PeerId;
-use nix::poll::{PollFd, PollFlags};
-use nix::sys::time::TimeSpec;
-use tracing::warn;
+use tracing::{debug, warn};
 
-use crate::control::dealer::DealerLimits;
 use crate::control::inbound::{Inbound, InboundEvent, InboundLimits};
 pub use crate::control::outbound::DialStage;
-use crate::control::outbound::{OutId, Outbound, OutboundConfig};
+use crate::control::outbound::{Outbound, OutboundConfig};
+use crate::io::poller::{Poller, Ready, Token};
+use crate::zmtp::connection::ConnLimits;
 pub use inbound::ConnId;
 
 /// Settings of the control channel; `Default` is vLLM's.
@@ -192,22 +191,24 @@ pub enum SendError {
     },
 }
 
-/// What the last `wait` saw ready; the next `recv` reads only those (each read attempt costs a
-/// syscall). `None` lists mean every connection (no wait since the last `recv`). A connection
-/// skipped is seen by the next `wait` at once (`poll` is level-triggered).
-#[derive(Debug, Default)]
-struct Readiness {
-    listener_idle: bool,
-    inbound: Option<Vec<ConnId>>,
-    outbound: Option<Vec<OutId>>,
-}
+/// The channel's tokens: the caller's extra descriptor, then a span for each side.
+const EXTRA: Token = 0;
+const INBOUND: Token = 1 << 48;
+const OUTBOUND: Token = 2 << 48;
+const SPAN: u64 = (1 << 48) - 1;
 
 /// The control channel of one node.
 pub struct ControlChannel {
+    poller: Poller,
     inbound: Inbound,
     outbound: Outbound,
     identity: PeerId,
-    ready: RefCell<Readiness>,
+    /// The caller's extra descriptor registered in the poll, if any.
+    extra: Option<RawFd>,
+    /// What the last wait reported (reused).
+    ready: Vec<Ready>,
+    /// A wait took the poll's news since the last `recv` (else `recv` takes it itself).
+    waited: bool,
 }
 
 impl std::fmt::Debug for ControlChannel {
@@ -218,14 +219,6 @@ impl std::fmt::Debug for ControlChannel {
             .field("outbound", &self.outbound)
             .finish()
     }
-}
-
-/// Sleeps in `ppoll(2)` on `fds` for at most `d`: its timeout has nanosecond precision, so a
-/// deadline (a load's 1 ms timeout, a heartbeat) is met within the kernel's timer slack, where
-/// `poll(2)`'s milliseconds would wake up to a millisecond late or spin until it. At most a day.
-pub(crate) fn sleep_on(fds: &mut [PollFd<'_>], d: Duration) -> nix::Result<nix::libc::c_int> {
-    let timeout = TimeSpec::from_duration(d.min(Duration::from_secs(86_400)));
-    nix::poll::ppoll(fds, Some(timeout), None)
 }
 
 fn limits(config: &ControlConfig) -> InboundLimits {
@@ -251,7 +244,7 @@ fn limits(config: &ControlConfig) -> InboundLimits {
 
 fn outbound_config(config: &ControlConfig) -> OutboundConfig {
     OutboundConfig {
-        dealer: DealerLimits {
+        conn: ConnLimits {
             max_message_bytes: u64::try_from(config.max_message_bytes).unwrap_or(0),
             heartbeat_interval: config.heartbeat_interval,
             heartbeat_timeout: config.heartbeat_timeout,
@@ -262,26 +255,22 @@ fn outbound_config(config: &ControlConfig) -> OutboundConfig {
                 _ => usize::MAX,
             },
             send_queue_bytes: config.send_queue_bytes.max(1),
+            // A DEALER of the control channel keeps nothing it reads.
+            max_incoming: usize::MAX,
         },
         linger: config.linger,
         reconnect_interval: config.reconnect_interval,
     }
 }
 
-fn listen(addr: &str, config: &ControlConfig) -> Result<Inbound, ControlError> {
-    Inbound::bind(addr, limits(config)).map_err(|source| ControlError::Bind {
+fn listen(addr: &str, config: &ControlConfig) -> Result<(Poller, Inbound), ControlError> {
+    let bind = |source| ControlError::Bind {
         addr: addr.to_owned(),
         source,
-    })
-}
-
-/// Who a polled descriptor belongs to.
-#[derive(Debug, Clone, Copy)]
-enum Slot {
-    Extra,
-    Listener,
-    Inbound(ConnId),
-    Outbound(OutId),
+    };
+    let poller = Poller::new().map_err(bind)?;
+    let inbound = Inbound::bind(addr, limits(config), &poller, INBOUND).map_err(bind)?;
+    Ok((poller, inbound))
 }
 
 impl ControlChannel {
@@ -290,13 +279,13 @@ impl ControlChannel {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        let inbound = listen(identity.as_str(), &config)?;
-        Ok(Self::new(inbound, identity, config))
+        let (poller, inbound) = listen(identity.as_str(), &config)?;
+        Ok(Self::new(poller, inbound, identity, config))
     }
 
     /// Listens at `host` on a port the system picks; the identity is `host:port`.
     pub fn bind_any_port(host: &str, config: ControlConfig) -> Result<Self, ControlError> {
-        let inbound = listen(PeerId::from_host_port(host, 0).as_str(), &config)?;
+        let (poller, inbound) = listen(PeerId::from_host_port(host, 0).as_str(), &config)?;
         let port = inbound.port().map_err(|source| ControlError::Bind {
             addr: host.to_owned(),
             source,
@@ -305,15 +294,18 @@ impl ControlChannel {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        Ok(Self::new(inbound, identity, config))
+        Ok(Self::new(poller, inbound, identity, config))
     }
 
-    fn new(inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+    fn new(poller: Poller, inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
         ControlChannel {
+            poller,
             inbound,
-            outbound: Outbound::new(&identity, outbound_config(&config)),
+            outbound: Outbound::new(&identity, outbound_config(&config), OUTBOUND),
             identity,
-            ready: RefCell::new(Readiness::default()),
+            extra: None,
+            ready: Vec::new(),
+            waited: false,
         }
     }
 
@@ -390,7 +382,7 @@ impl ControlChannel {
         }
         peer.host_port()
             .map_err(|_| ControlError::BadIdentity(peer.to_string()))?;
-        self.outbound.dial(peer, Instant::now());
+        self.outbound.dial(&self.poller, peer, Instant::now());
         Ok(())
     }
 
@@ -409,7 +401,10 @@ impl ControlChannel {
             self.dial(peer)
                 .map_err(|e| lost(LinkLoss::DialFailed(e.to_string().into())))?;
         }
-        match self.outbound.send(peer, payload, Instant::now()) {
+        match self
+            .outbound
+            .send(&self.poller, peer, payload, Instant::now())
+        {
             Ok(()) => Ok(()),
             Err(full) => {
                 let reason = full.to_string();
@@ -425,125 +420,111 @@ impl ControlChannel {
     }
 
     /// Sleeps until a payload or a lost connection may be ready, or `timeout` passes.
-    pub fn wait(&self, timeout: Duration) -> Result<bool, ControlError> {
+    pub fn wait(&mut self, timeout: Duration) -> Result<bool, ControlError> {
         self.wait_with(timeout, None)
     }
 
     /// As [`ControlChannel::wait`], also waking when `extra` (a file descriptor, e.g. the read
-    /// end of the data plane's wake pipe, open for the whole call) becomes readable.
-    pub fn wait_with(&self, timeout: Duration, extra: Option<RawFd>) -> Result<bool, ControlError> {
-        let mut ready = self.ready.borrow_mut();
-        if self.outbound.has_losses() {
-            // A lost connection waits to be reported: no sleeping.
-            *ready = Readiness::default();
-            return Ok(true);
+    /// end of the data plane's wake pipe, open as long as the channel) becomes readable. The
+    /// descriptor is registered in the channel's poll the first time it is given (edge-
+    /// triggered: the caller reads it until empty after each wake).
+    pub fn wait_with(
+        &mut self,
+        timeout: Duration,
+        extra: Option<RawFd>,
+    ) -> Result<bool, ControlError> {
+        if let Some(fd) = extra.filter(|fd| self.extra != Some(*fd)) {
+            // SAFETY: the caller keeps `extra` open as long as the channel (the documented
+            // contract); epoll only records the number, and a closed descriptor leaves the set
+            // by itself.
+            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+            self.poller
+                .add_input(borrowed, EXTRA)
+                .map_err(ControlError::Wait)?;
+            self.extra = Some(fd);
         }
         let now = Instant::now();
-        let mut fds = Vec::with_capacity(2 + self.inbound.connections() + 8);
-        let mut slots = Vec::with_capacity(fds.capacity());
-        if let Some(fd) = extra {
-            // SAFETY: the caller keeps `extra` open for this call (the documented contract);
-            // ppoll(2) only reads the number, and a closed descriptor would come back POLLNVAL,
-            // never touching memory.
-            let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-            fds.push(PollFd::new(fd, PollFlags::POLLIN));
-            slots.push(Slot::Extra);
-        }
-        self.inbound.poll_fds(now, &mut fds);
-        slots.push(Slot::Listener);
-        slots.extend(self.inbound.conn_ids().map(Slot::Inbound));
-        for (id, fd, flags) in self.outbound.poll_fds() {
-            fds.push(PollFd::new(fd, flags));
-            slots.push(Slot::Outbound(id));
-        }
-        // Heartbeats, handshakes, retries and lingers wake us too, and a connection with input
-        // left over from its last round (its share per round was taken) is read again at once:
-        // its deadline is now.
+        // Heartbeats, handshakes, retries and lingers wake us too, and news not yet handled
+        // (a connection with input left from its last round, a loss to report) at once.
         let timeout = [
             self.inbound.next_deadline(now),
-            self.outbound.next_deadline(),
+            self.outbound.next_deadline(now),
         ]
         .into_iter()
         .flatten()
         .map(|at| at.saturating_duration_since(now))
         .fold(timeout, Duration::min);
-        match sleep_on(&mut fds, timeout) {
-            Ok(n) => {
-                let (mut inbound, mut outbound) = (Vec::new(), Vec::new());
-                let mut listener_ready = false;
-                for (fd, slot) in fds.iter().zip(&slots) {
-                    if fd.revents().is_none_or(|r| r.is_empty()) {
-                        continue;
-                    }
-                    match *slot {
-                        Slot::Extra => {}
-                        Slot::Listener => listener_ready = true,
-                        Slot::Inbound(id) => inbound.push(id),
-                        Slot::Outbound(id) => outbound.push(id),
-                    }
-                }
-                *ready = Readiness {
-                    listener_idle: !listener_ready,
-                    inbound: Some(inbound),
-                    outbound: Some(outbound),
-                };
-                Ok(n > 0)
-            }
-            // A signal woke us: the caller looks at what changed, as after any wake-up.
-            Err(nix::errno::Errno::EINTR) => {
-                *ready = Readiness::default();
-                Ok(true)
-            }
-            Err(e) => Err(ControlError::Wait(e.into())),
+        let (woke, result) = self.take_news(timeout);
+        result.map_err(ControlError::Wait)?;
+        Ok(woke || timeout.is_zero())
+    }
+
+    /// Waits up to `timeout` for the poll's news and hands it to the sides; whether there was
+    /// any.
+    fn take_news(&mut self, timeout: Duration) -> (bool, std::io::Result<()>) {
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        let result = self.poller.wait(timeout, &mut ready);
+        for r in &ready {
+            self.dispatch(*r);
+        }
+        let woke = !ready.is_empty();
+        self.ready = ready;
+        self.waited = true;
+        (woke, result)
+    }
+
+    /// Hands one readiness to the side whose token it is.
+    fn dispatch(&mut self, ready: Ready) {
+        if ready.token == EXTRA {
+            return;
+        }
+        if self.inbound.owns(ready.token, SPAN) {
+            self.inbound.on_ready(ready);
+        } else if self.outbound.owns(ready.token, SPAN) {
+            self.outbound.on_ready(ready);
         }
     }
 
-    /// Reads the inbound connections in `readable` (all for `None`) and those of the `lost`
-    /// peers to the end, runs their heartbeats, and turns what came into events.
-    fn read_inbound(
-        &mut self,
-        now: Instant,
-        listener_ready: bool,
-        readable: Option<Vec<ConnId>>,
-        lost: &[PeerId],
-        events: &mut Vec<ChannelEvent>,
-    ) {
-        let mut happened = Vec::new();
-        self.inbound.progress(
-            now,
-            listener_ready,
-            readable.as_deref(),
-            lost,
-            &mut happened,
-        );
-        events.extend(happened.into_iter().map(|e| match e {
-            InboundEvent::Payload {
-                conn,
-                peer,
-                source,
-                payload,
-            } => ChannelEvent::Payload {
-                peer,
-                conn,
-                source,
-                payload,
-            },
-            InboundEvent::Closed { conn, peer } => ChannelEvent::InboundClosed { conn, peer },
-        }));
-    }
-
     /// Everything that arrived, without blocking: payloads and closes of inbound connections,
-    /// lost outbound connections (after the inbound ones: see below).
+    /// lost outbound connections (after the inbound ones: see below). Only the connections the
+    /// poll reported (at the last wait, or now if there was none since the last call), or
+    /// whose deadline is due, are driven.
     pub fn recv(&mut self) -> Vec<ChannelEvent> {
+        if !self.waited {
+            // No wait since the last call: take what the poll has now.
+            let (_, result) = self.take_news(Duration::ZERO);
+            if let Err(e) = result {
+                warn!(error = %e, "cannot take the control sockets' news");
+            }
+        }
+        self.waited = false;
         let now = Instant::now();
-        let ready = self.ready.take();
-        self.outbound.progress(now, ready.outbound.as_deref());
-        // Inbound connections are read first, and a lost peer's to the end, whatever the last
-        // wait saw and whatever their shares: a peer's last messages (its `disconnect`) were
-        // sent before its connection closed and must be handled first.
+        self.outbound.progress(&self.poller, now);
+        // Inbound connections are read first, and a lost peer's to the end, whatever their
+        // shares: a peer's last messages (its `disconnect`) were sent before its connection
+        // closed and must be handled first.
         let lost = self.outbound.lost_peers();
-        let mut events = Vec::new();
-        self.read_inbound(now, !ready.listener_idle, ready.inbound, &lost, &mut events);
+        let mut happened = Vec::new();
+        self.inbound
+            .progress(&self.poller, now, &lost, &mut happened);
+        let mut events: Vec<ChannelEvent> = happened
+            .into_iter()
+            .map(|e| match e {
+                InboundEvent::Payload {
+                    conn,
+                    peer,
+                    source,
+                    payload,
+                } => ChannelEvent::Payload {
+                    peer,
+                    conn,
+                    source,
+                    payload,
+                },
+                InboundEvent::Closed { conn, peer } => ChannelEvent::InboundClosed { conn, peer },
+            })
+            .collect();
         events.extend(
             self.outbound
                 .take_losses()
@@ -551,5 +532,44 @@ impl ControlChannel {
                 .map(|(peer, cause)| ChannelEvent::Lost { peer, cause }),
         );
         events
+    }
+}
+
+impl Drop for ControlChannel {
+    /// Closes every outbound connection and gives their queued messages up to `linger` to
+    /// leave, blocking (the channel is going away), as `zmq_ctx_term` did.
+    fn drop(&mut self) {
+        let start = Instant::now();
+        self.outbound.close_all(start);
+        let deadline = start + self.outbound.linger();
+        let mut ready = Vec::new();
+        while self.outbound.connections() > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            let wait = self
+                .outbound
+                .next_deadline(now)
+                .unwrap_or(deadline)
+                .min(deadline)
+                .saturating_duration_since(now);
+            ready.clear();
+            if self.poller.wait(wait, &mut ready).is_err() {
+                break;
+            }
+            for r in &ready {
+                if self.outbound.owns(r.token, SPAN) {
+                    self.outbound.on_ready(*r);
+                }
+            }
+            self.outbound.progress(&self.poller, Instant::now());
+        }
+        if self.outbound.connections() > 0 {
+            debug!(
+                connections = self.outbound.connections(),
+                "control messages still unsent when the channel closed"
+            );
+        }
     }
 }

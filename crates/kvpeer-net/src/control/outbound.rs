@@ -1,8 +1,8 @@
 //! The control channel's connecting side: one ZMTP DEALER connection per peer, driven by the
 //! node's own thread (no libzmq, no I/O thread).
 //!
-//! Each connection is a non-blocking `TcpStream` and a [`Dealer`] (the protocol, sans-IO).
-//! The observable behaviour is libzmq's DEALER with the socket monitor the channel used to
+//! Each connection is a [`Dialer`] (the crate's one connecting socket) whose [`Connection`]
+//! speaks the control DEALER's role. The observable behaviour is libzmq's DEALER with the socket monitor the channel used to
 //! keep, because the core and every test rely on it:
 //!
 //! * [`Outbound::dial`] never blocks: an IP address is connected to at once (non-blocking
@@ -22,35 +22,28 @@
 //!   messages are written, when it fails, or at the deadline. Dropping `Outbound` (the
 //!   channel) waits up to `linger` for them, as `zmq_ctx_term` did.
 //!
-//! Readiness comes from the channel's single `ppoll(2)` ([`Outbound::poll_fds`]); deadlines
-//! (heartbeats, handshakes, retries, lingers) from [`Outbound::next_deadline`].
+//! Every socket (and a resolver's pipe) is registered in the channel's [`Poller`]; readiness
+//! comes through [`Outbound::on_ready`], deadlines (heartbeats, handshakes, retries, lingers)
+//! are kept in one [`Timers`], and [`Outbound::progress`] visits only the connections the poll
+//! or a deadline named, so a wake costs what is ready, not what is open. Losses waiting to be
+//! reported are kept in a set, so asking for them costs nothing when there are none.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
-use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::LinkLoss;
 use kvpeer_proto::PeerId;
-use nix::poll::PollFlags;
 use tracing::{debug, warn};
 
-use crate::control::dealer::{Dealer, DealerError, DealerLimits, QueueFull};
-use crate::io::sockio;
-use crate::zmtp::ZmtpError;
-
-/// How far an outbound connection got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DialStage {
-    /// Resolving the name or waiting for TCP's connect.
-    Connecting,
-    /// TCP is up; the ZMTP greeting and READY are not done.
-    Handshaking,
-    /// ZMTP is up: messages flow.
-    Ready,
-}
+use crate::io::poller::{Poller, Ready, Token};
+use crate::io::timers::{coarse, Timers};
+use crate::zmtp::connection::{ConnLimits, Connection, QueueFull, Role};
+pub use crate::zmtp::dialer::DialStage;
+use crate::zmtp::dialer::Dialer;
 
 /// One outbound connection's number, unique for the channel's life.
 pub(crate) type OutId = u64;
@@ -58,8 +51,8 @@ pub(crate) type OutId = u64;
 /// Settings of the connecting side.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct OutboundConfig {
-    /// Each connection's protocol limits.
-    pub(crate) dealer: DealerLimits,
+    /// Each connection's protocol limits (the control DEALER keeps nothing it reads).
+    pub(crate) conn: ConnLimits,
     /// How long a closed connection may go on writing its queued messages.
     pub(crate) linger: Duration,
     /// How soon a connect that could not even start is tried again.
@@ -73,20 +66,21 @@ const UNREADY_LINGER: Duration = Duration::from_secs(5);
 /// Bytes read from one connection per round (a DEALER receives little: heartbeats).
 const READ_BUDGET: usize = 1 << 20;
 
+/// A resolver pipe's token is its connection's plus this (sockets stay below it).
+const RESOLVER: Token = 1 << 46;
+
 /// Where a connection's transport is.
 enum Link {
-    /// A host name resolving on a helper thread; `done` (a pipe's read end) turns readable when
-    /// the thread ends.
+    /// A host name resolving on a helper thread; `done` (a pipe's read end, registered in the
+    /// poll) turns readable when the thread ends.
     Resolving {
         result: mpsc::Receiver<Result<SocketAddr, LinkLoss>>,
         done: File,
     },
     /// No socket could be made: try again at `until`.
     Waiting { until: Instant },
-    /// TCP connect in progress.
-    Connecting(TcpStream),
-    /// Connected: ZMTP flows.
-    Open(TcpStream),
+    /// The dialer has a socket: connecting or connected.
+    Dialing,
     /// Failed; the cause waits to be reported.
     Failed(LinkLoss),
 }
@@ -94,7 +88,7 @@ enum Link {
 struct Conn {
     peer: PeerId,
     addr: Option<SocketAddr>,
-    dealer: Dealer,
+    dialer: Dialer,
     link: Link,
     /// Closed by the node: lingers until drained, failed, or this deadline; never reported.
     linger_until: Option<Instant>,
@@ -104,9 +98,16 @@ struct Conn {
 pub(crate) struct Outbound {
     identity: Vec<u8>,
     config: OutboundConfig,
+    /// Socket `id`'s token is `base + id`, its resolver pipe's `base + RESOLVER + id`.
+    base: Token,
     conns: BTreeMap<OutId, Conn>,
     by_peer: HashMap<PeerId, OutId>,
     next: OutId,
+    /// Connections the poll reported since they were last driven.
+    active: BTreeSet<OutId>,
+    timers: Timers<OutId>,
+    /// Failed connections whose loss is not reported yet (not lingering ones).
+    failed: BTreeSet<OutId>,
 }
 
 impl std::fmt::Debug for Outbound {
@@ -162,16 +163,9 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
     })
 }
 
-/// Starts a non-blocking connect to `addr`: `Ok(link)` (connecting, or connected already),
-/// `Err(Some(cause))` when the connect failed (a lost connection), `Err(None)` when no socket
-/// could be made (try again later).
-fn connect(addr: SocketAddr) -> Result<Link, Option<LinkLoss>> {
-    sockio::start_connect(addr).map(Link::Connecting)
-}
-
 impl Conn {
     /// Starts (or restarts) reaching the peer at `now`.
-    fn start(&mut self, now: Instant, retry: Duration) {
+    fn start(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
         let Some(addr) = self.addr else {
             let (host, port) = match self.peer.host_port() {
                 Ok(hp) => hp,
@@ -180,38 +174,38 @@ impl Conn {
                     return;
                 }
             };
-            self.link = resolve(host, port).unwrap_or_else(|e| {
-                if let Some(suppressed) = crate::admit_warning("cannot start resolving; retrying") {
-                    warn!(peer = %self.peer, error = %e, suppressed, "cannot start resolving; retrying");
+            self.link = match resolve(host, port) {
+                Ok(link @ Link::Resolving { .. }) => {
+                    if let Link::Resolving { done, .. } = &link {
+                        if let Err(e) = poller.add_input(done.as_fd(), token + RESOLVER) {
+                            warn!(peer = %self.peer, error = %e, "cannot poll a resolver; retrying");
+                        }
+                    }
+                    link
                 }
-                Link::Waiting { until: now + retry }
-            });
+                Ok(other) => other,
+                Err(e) => {
+                    if let Some(suppressed) =
+                        crate::admit_warning("cannot start resolving; retrying")
+                    {
+                        warn!(peer = %self.peer, error = %e, suppressed, "cannot start resolving; retrying");
+                    }
+                    Link::Waiting { until: now + retry }
+                }
+            };
             return;
         };
-        self.link = match connect(addr) {
-            Ok(link) => link,
+        self.link = match self.dialer.connect(poller, token, addr, now) {
+            Ok(()) => Link::Dialing,
             Err(Some(reason)) => Link::Failed(reason),
             Err(None) => Link::Waiting { until: now + retry },
         };
     }
 
-    /// What to poll this connection for.
-    fn poll_fd(&self) -> Option<(BorrowedFd<'_>, PollFlags)> {
-        match &self.link {
-            Link::Resolving { done, .. } => Some((done.as_fd(), PollFlags::POLLIN)),
-            Link::Connecting(s) => Some((s.as_fd(), PollFlags::POLLOUT)),
-            Link::Open(s) if self.dealer.transmit().is_empty() => {
-                Some((s.as_fd(), PollFlags::POLLIN))
-            }
-            Link::Open(s) => Some((s.as_fd(), PollFlags::POLLIN | PollFlags::POLLOUT)),
-            Link::Waiting { .. } | Link::Failed(_) => None,
-        }
-    }
-
     fn deadline(&self) -> Option<Instant> {
         let link = match &self.link {
             Link::Waiting { until } => Some(*until),
-            Link::Open(_) => self.dealer.poll_timeout(),
+            Link::Dialing => self.dialer.deadline().map(coarse),
             _ => None,
         };
         [link, self.linger_until].into_iter().flatten().min()
@@ -228,119 +222,74 @@ impl Conn {
 
     fn fail(&mut self, reason: LinkLoss) {
         debug!(peer = %self.peer, %reason, "control connection failed");
+        self.dialer.disconnect();
         self.link = Link::Failed(reason);
     }
 
-    /// Handles readiness (or a look without any) at `now`.
-    fn progress(&mut self, now: Instant, retry: Duration) {
+    /// Drives it at `now`: a resolver's answer, a retry due, the dialer's socket.
+    fn progress(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
         match &mut self.link {
             Link::Resolving { result, .. } => match result.try_recv() {
                 Ok(Ok(addr)) => {
                     self.addr = Some(addr);
-                    self.start(now, retry);
+                    self.start(poller, token, now, retry);
                 }
-                Ok(Err(reason)) => self.fail(reason),
+                Ok(Err(reason)) => return self.fail(reason),
                 Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => self.fail(LinkLoss::Unresolved {
-                    host: self.peer.as_str().into(),
-                    detail: "the resolver thread ended without an answer".into(),
-                }),
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    return self.fail(LinkLoss::Unresolved {
+                        host: self.peer.as_str().into(),
+                        detail: "the resolver thread ended without an answer".into(),
+                    })
+                }
             },
-            Link::Connecting(stream) => {
-                let Some(addr) = self.addr else {
-                    return self.fail(LinkLoss::DialFailed("no address".into()));
-                };
-                match sockio::connect_done(stream, addr) {
-                    Err(reason) => return self.fail(reason),
-                    Ok(false) => return,
-                    Ok(true) => {
-                        let Link::Connecting(stream) =
-                            std::mem::replace(&mut self.link, Link::Waiting { until: now })
-                        else {
-                            return;
-                        };
-                        self.link = Link::Open(stream);
-                        self.dealer.connected(now);
-                        debug!(peer = %self.peer, "control connection connected");
+            Link::Waiting { until } if now >= *until => self.start(poller, token, now, retry),
+            Link::Waiting { .. } | Link::Failed(_) | Link::Dialing => {}
+        }
+        if matches!(self.link, Link::Dialing) {
+            match self.dialer.progress(now, true) {
+                Ok(ready) => {
+                    if ready {
+                        debug!(peer = %self.peer, "control connection ready");
                     }
                 }
+                Err(reason) => self.fail(reason),
             }
-            Link::Open(_) => {
-                if let Err(reason) = self.read(now) {
-                    return self.fail(reason);
-                }
-            }
-            Link::Waiting { .. } | Link::Failed(_) => return,
-        }
-        self.flush();
-    }
-
-    fn read(&mut self, now: Instant) -> Result<(), LinkLoss> {
-        let Link::Open(stream) = &mut self.link else {
-            return Ok(());
-        };
-        let dealer = &mut self.dealer;
-        sockio::read_available(stream, READ_BUDGET, |bytes| {
-            dealer.handle_bytes(bytes, now).map_err(LinkLoss::from)
-        })
-    }
-
-    /// Writes what the dealer has for the socket, until the socket would block.
-    fn flush(&mut self) {
-        let Link::Open(stream) = &mut self.link else {
-            return;
-        };
-        if let Err(reason) = sockio::write_available(stream, &mut self.dealer) {
-            self.fail(reason);
-        }
-    }
-
-    /// Runs the deadlines due at `now`.
-    fn timeouts(&mut self, now: Instant, retry: Duration) {
-        match &self.link {
-            Link::Waiting { until } if now >= *until => {
-                self.start(now, retry);
-                self.progress(now, retry);
-            }
-            Link::Open(_) => {
-                let before = self.dealer.transmit().len();
-                if let Err(e) = self.dealer.handle_timeout(now) {
-                    return self.fail(LinkLoss::from(e));
-                }
-                if before == 0 && !self.dealer.transmit().is_empty() {
-                    // A PING to send; bytes already waiting are written when POLLOUT says so.
-                    self.flush();
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-impl From<DealerError> for LinkLoss {
-    fn from(e: DealerError) -> Self {
-        match e {
-            DealerError::HandshakeTimeout(d) => LinkLoss::HandshakeTimeout(d),
-            DealerError::HeartbeatTimeout(d) | DealerError::TtlExpired(d) => LinkLoss::Silent(d),
-            // What the greeting or READY says: not a control port.
-            e @ (DealerError::Zmtp(
-                ZmtpError::Signature(_) | ZmtpError::Version(_) | ZmtpError::Mechanism(_),
-            )
-            | DealerError::SocketType(_)) => LinkLoss::NotZmtp(e.to_string().into()),
-            DealerError::Zmtp(e) => LinkLoss::Zmtp(e.to_string().into()),
         }
     }
 }
 
 impl Outbound {
-    /// No connections yet; `identity` is what our READY says.
-    pub(crate) fn new(identity: &PeerId, config: OutboundConfig) -> Self {
+    /// No connections yet; `identity` is what our READY says; sockets are polled as
+    /// `base + id`.
+    pub(crate) fn new(identity: &PeerId, config: OutboundConfig, base: Token) -> Self {
         Outbound {
             identity: identity.as_str().as_bytes().to_vec(),
             config,
+            base,
             conns: BTreeMap::new(),
             by_peer: HashMap::new(),
             next: 0,
+            active: BTreeSet::new(),
+            timers: Timers::default(),
+            failed: BTreeSet::new(),
+        }
+    }
+
+    /// Whether `token` is one of this side's (`span`: the owner's token space per side).
+    pub(crate) fn owns(&self, token: Token, span: u64) -> bool {
+        token >= self.base && token - self.base <= span
+    }
+
+    /// What the poll said of one of this side's tokens.
+    pub(crate) fn on_ready(&mut self, ready: Ready) {
+        let offset = ready.token - self.base;
+        let id = offset & (RESOLVER - 1);
+        if let Some(c) = self.conns.get_mut(&id) {
+            if offset < RESOLVER {
+                c.dialer.on_ready(ready);
+            }
+            self.active.insert(id);
         }
     }
 
@@ -353,40 +302,29 @@ impl Outbound {
     /// How far the connection to `peer` got (`None`: there is none).
     pub(crate) fn stage(&self, peer: &PeerId) -> Option<DialStage> {
         let conn = self.conns.get(self.by_peer.get(peer)?)?;
-        Some(match &conn.link {
-            Link::Resolving { .. } | Link::Waiting { .. } | Link::Connecting(_) => {
-                DialStage::Connecting
-            }
-            Link::Open(_) if conn.dealer.is_ready() => DialStage::Ready,
-            Link::Open(_) => DialStage::Handshaking,
-            Link::Failed(_) => return None,
-        })
+        match &conn.link {
+            Link::Resolving { .. } | Link::Waiting { .. } => Some(DialStage::Connecting),
+            Link::Dialing => conn.dialer.stage(),
+            Link::Failed(_) => None,
+        }
     }
 
     /// Whether the connection to `peer` finished its handshake, and the challenge the peer's
     /// READY gave: `None` while there is no ready connection.
     pub(crate) fn ready_challenge(&self, peer: &PeerId) -> Option<Option<&[u8]>> {
         let conn = self.conns.get(self.by_peer.get(peer)?)?;
-        conn.dealer.is_ready().then(|| conn.dealer.peer_challenge())
+        conn.dialer
+            .is_ready()
+            .then(|| conn.dialer.connection().peer_challenge())
     }
 
     /// Whether the connection to `peer` is ready and its socket has not ended: a peek at it
     /// (a peer's end of stream waits unread until the next round reads it).
     pub(crate) fn ready_and_open(&self, peer: &PeerId) -> bool {
-        let Some(conn) = self.by_peer.get(peer).and_then(|id| self.conns.get(id)) else {
-            return false;
-        };
-        let Link::Open(stream) = &conn.link else {
-            return false;
-        };
-        if !conn.dealer.is_ready() {
-            return false;
-        }
-        // Non-blocking: bytes waiting or none yet means open; 0 is the peer's end of stream.
-        match stream.peek(&mut [0u8; 1]) {
-            Ok(n) => n > 0,
-            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
-        }
+        self.by_peer
+            .get(peer)
+            .and_then(|id| self.conns.get(id))
+            .is_some_and(|c| c.dialer.ready_and_open())
     }
 
     /// Connections, lingering ones included.
@@ -400,7 +338,7 @@ impl Outbound {
     }
 
     /// Opens a connection to `peer` (`host:port`) at `now`, unless one is open; its id.
-    pub(crate) fn dial(&mut self, peer: &PeerId, now: Instant) -> OutId {
+    pub(crate) fn dial(&mut self, poller: &Poller, peer: &PeerId, now: Instant) -> OutId {
         if let Some(id) = self.by_peer.get(peer) {
             return *id;
         }
@@ -408,40 +346,45 @@ impl Outbound {
             .host_port()
             .ok()
             .and_then(|(host, port)| Some(SocketAddr::new(ip_literal(host)?, port)));
+        let conn = Connection::new(
+            Role::control_dealer(&self.identity),
+            self.config.conn.clone(),
+        );
         let mut conn = Conn {
             peer: peer.clone(),
             addr,
-            dealer: Dealer::new(&self.identity, self.config.dealer.clone()),
+            dialer: Dialer::new(conn, None, READ_BUDGET),
             link: Link::Waiting { until: now },
             linger_until: None,
         };
-        conn.start(now, self.config.reconnect_interval);
-        debug!(%peer, "control connection opened");
         self.next += 1;
-        self.conns.insert(self.next, conn);
-        self.by_peer.insert(peer.clone(), self.next);
-        self.next
+        let id = self.next;
+        conn.start(poller, self.base + id, now, self.config.reconnect_interval);
+        debug!(%peer, "control connection opened");
+        self.conns.insert(id, conn);
+        self.by_peer.insert(peer.clone(), id);
+        // Its first step (a connect that finished at once, a failure) comes with the next
+        // progress.
+        self.active.insert(id);
+        self.settle(id);
+        id
     }
 
     /// Queues one message to `peer`, dialling first if needed, and writes it at once when the
     /// connection is idle.
     pub(crate) fn send(
         &mut self,
+        poller: &Poller,
         peer: &PeerId,
         payload: &[u8],
         now: Instant,
     ) -> Result<(), QueueFull> {
-        let id = self.dial(peer, now);
+        let id = self.dial(poller, peer, now);
         let Some(conn) = self.conns.get_mut(&id) else {
             // `dial` just gave this id: never the case.
             return Ok(());
         };
-        let idle = conn.dealer.transmit().is_empty();
-        conn.dealer.queue(payload)?;
-        if idle {
-            conn.flush();
-        }
-        Ok(())
+        conn.dialer.send(&[payload])
     }
 
     /// Closes the connection to `peer` at `now`; its queued messages linger (no report).
@@ -453,83 +396,104 @@ impl Outbound {
             return;
         };
         debug!(%peer, "control connection closed");
-        if conn.failed() || conn.dealer.is_drained() || self.config.linger.is_zero() {
-            self.conns.remove(&id);
+        if conn.failed() || conn.dialer.connection().is_drained() || self.config.linger.is_zero() {
+            self.drop_conn(id);
         } else {
             // A connection still connecting or in its handshake has written nothing yet: what
             // it holds (a refusal's `disconnect`, sent on a connection just dialed) gets the
             // time a handshake takes, not only the linger a written queue needs.
-            let linger = if conn.dealer.is_ready() {
+            let linger = if conn.dialer.is_ready() {
                 self.config.linger
             } else {
                 self.config.linger.max(UNREADY_LINGER)
             };
             conn.linger_until = Some(now + linger);
+            self.settle(id);
         }
     }
 
-    /// What to poll: each connection's descriptor and events, with its id.
-    pub(crate) fn poll_fds(&self) -> impl Iterator<Item = (OutId, BorrowedFd<'_>, PollFlags)> + '_ {
-        self.conns
-            .iter()
-            .filter_map(|(id, c)| c.poll_fd().map(|(fd, flags)| (*id, fd, flags)))
+    /// Closes every connection at `now` (their messages linger).
+    pub(crate) fn close_all(&mut self, now: Instant) {
+        let peers: Vec<PeerId> = self.by_peer.keys().cloned().collect();
+        for peer in &peers {
+            self.close(peer, now);
+        }
     }
 
-    /// When the next deadline falls due (heartbeats, handshakes, retries, lingers).
-    pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.conns.values().filter_map(Conn::deadline).min()
+    fn drop_conn(&mut self, id: OutId) {
+        if let Some(mut c) = self.conns.remove(&id) {
+            c.dialer.disconnect();
+        }
+        self.active.remove(&id);
+        self.failed.remove(&id);
+        self.timers.set(id, None);
     }
 
-    /// Whether a lost connection waits to be reported (the caller must not sleep).
-    pub(crate) fn has_losses(&self) -> bool {
-        self.conns.values().any(Conn::unreported_loss)
+    /// After connection `id` was driven: its deadline, whether its loss waits to be reported,
+    /// whether a lingering one is done.
+    fn settle(&mut self, id: OutId) {
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        if c.unreported_loss() {
+            self.failed.insert(id);
+        }
+        self.timers.set(id, c.deadline());
+    }
+
+    /// When the next deadline falls due (heartbeats, handshakes, retries, lingers); now while
+    /// a connection has news not yet handled or a loss waits to be reported.
+    pub(crate) fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
+        if !self.failed.is_empty() || !self.active.is_empty() {
+            return Some(now);
+        }
+        self.timers.next()
     }
 
     /// The peers whose lost connections wait to be reported.
     pub(crate) fn lost_peers(&self) -> Vec<PeerId> {
-        self.conns
-            .values()
-            .filter(|c| c.unreported_loss())
+        self.failed
+            .iter()
+            .filter_map(|id| self.conns.get(id))
             .map(|c| c.peer.clone())
             .collect()
     }
 
-    /// Handles the connections `ready` names (every one for `None`), then every deadline due
-    /// at `now`; lingering connections that are done are dropped.
-    pub(crate) fn progress(&mut self, now: Instant, ready: Option<&[OutId]>) {
+    /// Drives the connections the poll reported and those whose deadline is due at `now`;
+    /// lingering connections that are done are dropped.
+    pub(crate) fn progress(&mut self, poller: &Poller, now: Instant) {
         let retry = self.config.reconnect_interval;
-        match ready {
-            Some(ids) => {
-                for id in ids {
-                    if let Some(c) = self.conns.get_mut(id) {
-                        c.progress(now, retry);
-                    }
-                }
+        let mut visit = std::mem::take(&mut self.active);
+        let mut due = Vec::new();
+        self.timers.take_due(now, &mut due);
+        visit.extend(due);
+        for id in visit {
+            let token = self.base + id;
+            let Some(c) = self.conns.get_mut(&id) else {
+                continue;
+            };
+            c.progress(poller, token, now, retry);
+            let done = c.linger_until.is_some_and(|until| {
+                c.failed() || c.dialer.connection().is_drained() || now >= until
+            });
+            if done {
+                self.drop_conn(id);
+            } else {
+                self.settle(id);
             }
-            None => self.conns.values_mut().for_each(|c| c.progress(now, retry)),
         }
-        for c in self.conns.values_mut() {
-            c.timeouts(now, retry);
-        }
-        self.conns.retain(|_, c| match c.linger_until {
-            None => true,
-            Some(until) => !(c.failed() || c.dealer.is_drained() || now >= until),
-        });
     }
 
     /// The lost connections not yet reported, each once, dropped (peer, cause).
     pub(crate) fn take_losses(&mut self) -> Vec<(PeerId, LinkLoss)> {
-        let ids: Vec<OutId> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.unreported_loss())
-            .map(|(id, _)| *id)
-            .collect();
+        let ids = std::mem::take(&mut self.failed);
         let mut lost = Vec::with_capacity(ids.len());
         for id in ids {
             let Some(c) = self.conns.remove(&id) else {
                 continue;
             };
+            self.active.remove(&id);
+            self.timers.set(id, None);
             if self.by_peer.get(&c.peer) == Some(&id) {
                 self.by_peer.remove(&c.peer);
             }
@@ -538,46 +502,5 @@ impl Outbound {
             }
         }
         lost
-    }
-
-    /// Closes every connection and gives their queued messages up to `linger` to leave,
-    /// blocking (the channel is going away).
-    fn linger_all(&mut self) {
-        let start = Instant::now();
-        let peers: Vec<PeerId> = self.by_peer.keys().cloned().collect();
-        for peer in &peers {
-            self.close(peer, start);
-        }
-        let deadline = start + self.config.linger;
-        while !self.conns.is_empty() {
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            let wait = self
-                .next_deadline()
-                .unwrap_or(deadline)
-                .min(deadline)
-                .saturating_duration_since(now);
-            let mut fds: Vec<nix::poll::PollFd<'_>> = self
-                .poll_fds()
-                .map(|(_, fd, flags)| nix::poll::PollFd::new(fd, flags))
-                .collect();
-            let _ = crate::control::sleep_on(&mut fds, wait);
-            drop(fds);
-            self.progress(Instant::now(), None);
-        }
-        if !self.conns.is_empty() {
-            debug!(
-                connections = self.conns.len(),
-                "control messages still unsent when the channel closed"
-            );
-        }
-    }
-}
-
-impl Drop for Outbound {
-    fn drop(&mut self) {
-        self.linger_all();
     }
 }

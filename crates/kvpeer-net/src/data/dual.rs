@@ -173,6 +173,13 @@ impl DataPlane for DualPlane {
         }
     }
 
+    fn take_news(&mut self, out: &mut Vec<PeerId>) -> bool {
+        // Both sides are asked (a peer routed to one may have news left on the other).
+        let shm = self.shm.take_news(out);
+        let tcp = self.tcp.take_news(out);
+        shm && tcp
+    }
+
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
         let mut running = Vec::new();
         for route in [Route::Shm, Route::Tcp] {

@@ -460,6 +460,11 @@ impl DataPlane for ShmPlane {
         lock(&self.shared).ended.remove(peer).unwrap_or_default()
     }
 
+    fn take_news(&mut self, out: &mut Vec<PeerId>) -> bool {
+        out.extend(lock(&self.shared).ended.keys().cloned());
+        true
+    }
+
     fn connect_metadata(
         &mut self,
         peer: &PeerId,

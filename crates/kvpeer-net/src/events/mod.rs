@@ -18,11 +18,12 @@
 //! ROUTER is too) carry it over non-blocking TCP.
 //!
 //! **Threads.** Everything here is owned by one thread (the pool node's), which may drive any
-//! number of subscribers and publishers together without blocking: each is an [`EventIo`]
-//! (descriptors to poll, its next deadline, progress on readiness), and [`wait_all`] sleeps in
-//! one `ppoll(2)` over all of them and an extra descriptor of the caller's (a wake pipe), as
-//! [`ControlChannel::wait_with`](crate::control::ControlChannel::wait_with) does. After a wait
-//! the caller takes what happened (`EventSubscriber::poll_event`,
+//! number of subscribers and publishers together without blocking: each is an [`EventIo`] with
+//! its own epoll set (every socket it holds registered once, as the control channel's are),
+//! whose descriptor turns readable when one of them has news; [`wait_all`] sleeps in one
+//! `ppoll(2)` over those descriptors and an extra one of the caller's (a wake pipe), then lets
+//! each driver take its news and drive only the sockets that have some or are due. After a
+//! wait the caller takes what happened (`EventSubscriber::poll_event`,
 //! `EventPublisher::serve_replays`); `publish` and `request_replay` never block (they write at
 //! once when the socket takes it, else queue, bounded). Nothing reads a clock except at the
 //! entry points (`wait_all`, `publish`).
@@ -36,6 +37,7 @@ use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags};
+use nix::sys::time::TimeSpec;
 
 pub use publisher::{EventPublisher, PublisherConfig, PublisherStats};
 pub use subscriber::{EventSubscriber, SubEndpoint, SubEvent, SubscriberConfig, SubscriberStats};
@@ -59,21 +61,20 @@ pub enum EventsError {
     Wait(#[source] std::io::Error),
 }
 
-/// Something one thread drives with others in one poll: its descriptors, its next deadline,
-/// and what to do when the poll returns. [`wait_all`] calls the three in that order, with
-/// nothing in between, so `progress` sees `revents` in the order `poll_fds` appended them.
+/// Something one thread drives with others in one wait: the descriptor of its epoll set, its
+/// next deadline, and what to do after the wait. [`wait_all`] calls the three in that order.
 pub trait EventIo {
-    /// Appends the descriptors to poll and what for (empty flags: polled for errors only).
-    fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>);
-    /// When it must be driven without readiness (`now` or earlier: at once, e.g. while it
-    /// holds events not yet taken).
-    fn next_deadline(&self, now: Instant) -> Option<Instant>;
-    /// The poll returned: `revents[i]` is what it saw on the `i`-th descriptor `poll_fds`
-    /// appended (empty: nothing). Reads, writes and runs the deadlines due at `now`.
-    fn progress(&mut self, now: Instant, revents: &[PollFlags]);
+    /// Its epoll set: readable while one of its sockets has news.
+    fn poll_fd(&self) -> BorrowedFd<'_>;
+    /// When it must be driven without news (`now` or earlier: at once, e.g. while it holds
+    /// events not yet taken).
+    fn next_deadline(&mut self, now: Instant) -> Option<Instant>;
+    /// The wait returned (`polled`: its descriptor was readable): takes its sockets' news,
+    /// reads, writes and runs the deadlines due at `now`.
+    fn progress(&mut self, now: Instant, polled: bool);
 }
 
-/// Sleeps in one `ppoll(2)` over every driver's descriptors and `extra` (readable wakes it)
+/// Sleeps in one `ppoll(2)` over every driver's epoll set and `extra` (readable wakes it)
 /// until something is ready, the nearest deadline, or `timeout`; then drives each. Whether any
 /// descriptor was ready (a signal counts as a wake-up).
 pub fn wait_all(
@@ -82,36 +83,35 @@ pub fn wait_all(
     extra: Option<BorrowedFd<'_>>,
 ) -> Result<bool, EventsError> {
     let now = Instant::now();
-    let mut fds = Vec::new();
-    if let Some(fd) = extra {
-        fds.push(PollFd::new(fd, PollFlags::POLLIN));
-    }
-    let mut counts = Vec::with_capacity(drivers.len());
     let mut timeout = timeout;
-    for d in drivers.iter() {
-        let before = fds.len();
-        d.poll_fds(now, &mut fds);
-        counts.push(fds.len() - before);
+    for d in drivers.iter_mut() {
         if let Some(at) = d.next_deadline(now) {
             timeout = timeout.min(at.saturating_duration_since(now));
         }
     }
-    let woke = match crate::control::sleep_on(&mut fds, timeout) {
+    let mut fds = Vec::with_capacity(drivers.len() + 1);
+    if let Some(fd) = extra {
+        fds.push(PollFd::new(fd, PollFlags::POLLIN));
+    }
+    for d in drivers.iter() {
+        fds.push(PollFd::new(d.poll_fd(), PollFlags::POLLIN));
+    }
+    let spec = TimeSpec::from_duration(timeout.min(Duration::from_secs(86_400)));
+    let woke = match nix::poll::ppoll(&mut fds, Some(spec), None) {
         Ok(n) => n > 0,
         // A signal woke us: drive everything once, as after any wake-up.
         Err(nix::errno::Errno::EINTR) => true,
         Err(e) => return Err(EventsError::Wait(e.into())),
     };
-    let revents: Vec<PollFlags> = fds
+    let polled: Vec<bool> = fds
         .iter()
-        .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+        .skip(usize::from(extra.is_some()))
+        .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
         .collect();
     drop(fds);
     let now = Instant::now();
-    let mut at = usize::from(extra.is_some());
-    for (d, n) in drivers.iter_mut().zip(counts) {
-        d.progress(now, revents.get(at..at + n).unwrap_or_default());
-        at += n;
+    for (d, polled) in drivers.iter_mut().zip(polled) {
+        d.progress(now, polled);
     }
     Ok(woke)
 }

@@ -33,11 +33,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags};
-use tracing::warn;
+use std::os::fd::BorrowedFd;
+
+use kvpeer_core::LinkLoss;
+use tracing::{debug, warn};
 
 use super::client::LinkEvent;
 use super::{wire, EventIo, EventsError};
+use crate::io::poller::{Poller, Ready, Token};
 use crate::zmtp::connection::{ConnLimits, Incoming, Role};
 use crate::zmtp::listener::{ConnId as PeerId, Listener as Server, ListenerLimits as ServerLimits};
 
@@ -140,9 +143,16 @@ struct ReplayClient {
     answer: VecDeque<Vec<Vec<u8>>>,
 }
 
+/// Tokens of the publisher's poll: the PUB listener (its connections after it), the replay
+/// ROUTER's.
+const PUBS: Token = 1 << 32;
+const REPLAYS: Token = 2 << 32;
+const SPAN: u64 = (1 << 32) - 1;
+
 /// The pool's KV event stream: a PUB and an optional replay ROUTER.
 #[derive(Debug)]
 pub struct EventPublisher {
+    poller: Poller,
     config: PublisherConfig,
     pubs: Server,
     /// Each subscriber's prefixes, with how many SUBSCRIBEs each has.
@@ -163,10 +173,13 @@ impl EventPublisher {
                 config.stall_timeout,
             )
         };
+        let poller = Poller::new().map_err(EventsError::Wait)?;
         let pubs = Server::bind(
             config.bind,
             Role::publisher(),
             limits(&config.subscriber, config.max_subscribers),
+            &poller,
+            PUBS,
         )
         .map_err(|source| EventsError::Bind {
             what: "PUB",
@@ -180,6 +193,8 @@ impl EventPublisher {
                     addr,
                     Role::router(),
                     limits(&config.replay_client, config.max_replay_clients),
+                    &poller,
+                    REPLAYS,
                 )
                 .map_err(|source| EventsError::Bind {
                     what: "replay ROUTER",
@@ -189,6 +204,7 @@ impl EventPublisher {
             })
             .transpose()?;
         Ok(EventPublisher {
+            poller,
             config,
             pubs,
             subscriptions: BTreeMap::new(),
@@ -376,7 +392,7 @@ impl EventPublisher {
             (true, None) if subs.len() >= self.config.max_subscriptions => {
                 self.stats.too_many_subscriptions += 1;
                 let mut out = Vec::new();
-                let reason = format!("over {} subscriptions", self.config.max_subscriptions);
+                let reason = LinkLoss::TooManySubscriptions(self.config.max_subscriptions);
                 self.pubs.close(id, reason, &mut out);
                 self.on_pub_events(out);
             }
@@ -427,26 +443,40 @@ impl EventPublisher {
 }
 
 impl EventIo for EventPublisher {
-    fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>) {
-        self.pubs.poll_fds(now, true, fds);
-        if let Some(replay) = &self.replay {
-            replay.poll_fds(now, true, fds);
+    fn poll_fd(&self) -> BorrowedFd<'_> {
+        self.poller.fd()
+    }
+
+    fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
+        let replay = self.replay.as_mut().and_then(|r| r.deadline(now, true));
+        self.pubs
+            .deadline(now, true)
+            .into_iter()
+            .chain(replay)
+            .min()
+    }
+
+    fn progress(&mut self, now: Instant, polled: bool) {
+        if polled {
+            let mut ready: Vec<Ready> = Vec::new();
+            if let Err(e) = self.poller.wait(Duration::ZERO, &mut ready) {
+                debug!(error = %e, "cannot take the KV event sockets' news");
+            }
+            for r in ready {
+                if self.pubs.owns(r.token, SPAN) {
+                    self.pubs.on_ready(r);
+                } else if let Some(replay) = self.replay.as_mut().filter(|s| s.owns(r.token, SPAN))
+                {
+                    replay.on_ready(r);
+                }
+            }
         }
-    }
-
-    fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        let replay = self.replay.as_ref().and_then(|r| r.deadline(now));
-        self.pubs.deadline(now).into_iter().chain(replay).min()
-    }
-
-    fn progress(&mut self, now: Instant, revents: &[PollFlags]) {
-        let (pub_revents, rest) = revents.split_at(self.pubs.fd_count().min(revents.len()));
         let mut out = Vec::new();
-        self.pubs.progress(now, pub_revents, true, &mut out);
+        self.pubs.progress(&self.poller, now, true, &[], &mut out);
         self.on_pub_events(out);
         if let Some(replay) = &mut self.replay {
             let mut out = Vec::new();
-            replay.progress(now, rest, true, &mut out);
+            replay.progress(&self.poller, now, true, &[], &mut out);
             self.on_replay_events(out);
             let answering: Vec<PeerId> = self
                 .clients

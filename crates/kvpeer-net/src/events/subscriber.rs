@@ -29,12 +29,14 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags};
+use std::os::fd::BorrowedFd;
+
 use tracing::{debug, warn};
 
 use super::client::{Client, LinkEvent};
 use super::wire::{self, ReplayAnswer};
 use super::{EventIo, EventsError};
+use crate::io::poller::{Poller, Ready, Token};
 use crate::zmtp;
 use crate::zmtp::connection::{ConnLimits, Incoming, Role};
 use crate::zmtp::listener::{Listener as Server, ListenerLimits as ServerLimits};
@@ -126,7 +128,7 @@ pub enum SubEvent {
     /// A connected SUB connection ended.
     Lost {
         /// Why.
-        reason: String,
+        reason: kvpeer_core::LinkLoss,
     },
 }
 
@@ -160,8 +162,16 @@ enum SubSide {
     Bind(Server),
 }
 
+/// Tokens of the subscriber's poll: the connecting SUB, the replay DEALER, a bound SUB's
+/// listener (its connections after it).
+const SUB: Token = 1;
+const REPLAY: Token = 2;
+const BOUND: Token = 1 << 32;
+
 /// One engine's KV event stream, followed.
 pub struct EventSubscriber {
+    poller: Poller,
+    ready: Vec<Ready>,
     config: SubscriberConfig,
     sub: SubSide,
     replay: Option<Client>,
@@ -186,10 +196,12 @@ impl EventSubscriber {
     /// first wait.
     pub fn new(config: SubscriberConfig) -> Result<Self, EventsError> {
         let now = Instant::now();
+        let poller = Poller::new().map_err(EventsError::Wait)?;
         let backoff = (config.reconnect_interval, config.reconnect_max);
         let sub = match config.endpoint {
             SubEndpoint::Connect(addr) => SubSide::Connect(Client::new(
                 addr,
+                SUB,
                 Role::sub(),
                 config.conn.clone(),
                 backoff,
@@ -202,19 +214,30 @@ impl EventSubscriber {
                     config.max_publishers,
                     config.conn.heartbeat_timeout,
                 );
-                SubSide::Bind(Server::bind(addr, Role::sub(), limits).map_err(|source| {
-                    EventsError::Bind {
-                        what: "SUB",
-                        addr,
-                        source,
-                    }
-                })?)
+                SubSide::Bind(
+                    Server::bind(addr, Role::sub(), limits, &poller, BOUND).map_err(|source| {
+                        EventsError::Bind {
+                            what: "SUB",
+                            addr,
+                            source,
+                        }
+                    })?,
+                )
             }
         };
-        let replay = config
-            .replay
-            .map(|addr| Client::new(addr, Role::dealer(), config.conn.clone(), backoff, now));
+        let replay = config.replay.map(|addr| {
+            Client::new(
+                addr,
+                REPLAY,
+                Role::dealer(),
+                config.conn.clone(),
+                backoff,
+                now,
+            )
+        });
         Ok(EventSubscriber {
+            poller,
+            ready: Vec::new(),
             config,
             sub,
             replay,
@@ -400,48 +423,54 @@ fn send_request(replay: &mut Client, from: u64) {
 }
 
 impl EventIo for EventSubscriber {
-    fn poll_fds<'a>(&'a self, now: Instant, fds: &mut Vec<PollFd<'a>>) {
-        let read = self.reading();
-        match &self.sub {
-            SubSide::Connect(client) => client.poll_fds(read, fds),
-            SubSide::Bind(server) => server.poll_fds(now, read, fds),
-        }
-        if let Some(replay) = &self.replay {
-            replay.poll_fds(read, fds);
-        }
+    fn poll_fd(&self) -> BorrowedFd<'_> {
+        self.poller.fd()
     }
 
-    fn next_deadline(&self, now: Instant) -> Option<Instant> {
+    fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
         if !self.events.is_empty() {
             return Some(now);
         }
-        let sub = match &self.sub {
-            SubSide::Connect(client) => client.deadline(),
-            SubSide::Bind(server) => server.deadline(now),
+        let read = self.reading();
+        let sub = match &mut self.sub {
+            SubSide::Connect(client) => client.deadline(now, read),
+            SubSide::Bind(server) => server.deadline(now, read),
         };
-        let replay = self.replay.as_ref().and_then(Client::deadline);
+        let replay = self.replay.as_ref().and_then(|r| r.deadline(now, read));
         sub.into_iter().chain(replay).min()
     }
 
-    fn progress(&mut self, now: Instant, revents: &[PollFlags]) {
+    fn progress(&mut self, now: Instant, polled: bool) {
+        if polled {
+            self.ready.clear();
+            if let Err(e) = self.poller.wait(Duration::ZERO, &mut self.ready) {
+                debug!(error = %e, "cannot take the KV event sockets' news");
+            }
+            for r in std::mem::take(&mut self.ready) {
+                match (&mut self.sub, r.token) {
+                    (SubSide::Connect(client), SUB) => client.on_ready(r),
+                    (_, REPLAY) => {
+                        if let Some(replay) = &mut self.replay {
+                            replay.on_ready(r);
+                        }
+                    }
+                    (SubSide::Bind(server), t) if t >= BOUND => server.on_ready(r),
+                    _ => {}
+                }
+            }
+        }
         let read = self.reading();
-        let n = match &self.sub {
-            SubSide::Connect(client) => client.fd_count(),
-            SubSide::Bind(server) => server.fd_count(),
-        };
-        let (sub_revents, rest) = revents.split_at(n.min(revents.len()));
-        let first = |r: &[PollFlags]| r.first().copied().unwrap_or(PollFlags::empty());
         match &mut self.sub {
             SubSide::Connect(client) => {
                 let mut out = Vec::new();
-                client.progress(now, first(sub_revents), read, &mut out);
+                client.progress(&self.poller, now, read, &mut out);
                 for event in out {
                     self.on_sub(None, event, now);
                 }
             }
             SubSide::Bind(server) => {
                 let mut out = Vec::new();
-                server.progress(now, sub_revents, read, &mut out);
+                server.progress(&self.poller, now, read, &[], &mut out);
                 for (id, event) in out {
                     self.on_sub(Some(id), event, now);
                 }
@@ -449,7 +478,7 @@ impl EventIo for EventSubscriber {
         }
         if let Some(replay) = &mut self.replay {
             let mut out = Vec::new();
-            replay.progress(now, first(rest), read, &mut out);
+            replay.progress(&self.poller, now, read, &mut out);
             for event in out {
                 self.on_replay(event);
             }

@@ -13,7 +13,6 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::warn;
 
-use crate::control::dealer::Dealer;
 use crate::zmtp::connection::Connection;
 
 /// Something with bytes for the socket: a connection's [`transmit`](Connection::transmit) and
@@ -31,15 +30,6 @@ impl Outgoing for Connection {
     }
     fn advance(&mut self, n: usize) {
         Connection::advance(self, n);
-    }
-}
-
-impl Outgoing for Dealer {
-    fn transmit(&self) -> &[u8] {
-        Dealer::transmit(self)
-    }
-    fn advance(&mut self, n: usize) {
-        Dealer::advance(self, n);
     }
 }
 
@@ -88,65 +78,82 @@ pub(crate) fn connect_done(stream: &TcpStream, addr: SocketAddr) -> Result<bool,
     }
 }
 
-/// Reads what `stream` has, up to about `budget` bytes, handing each read to `on_bytes`; stops
-/// when the socket would block (or a short read shows it drained for now). End of stream or
-/// an error is the reason the connection ends.
-pub(crate) fn read_available(
-    stream: &mut TcpStream,
-    budget: usize,
-    mut on_bytes: impl FnMut(&[u8]) -> Result<(), LinkLoss>,
-) -> Result<(), LinkLoss> {
-    read_while(stream, budget, |bytes| on_bytes(bytes).map(|()| true))
+/// How a read of a socket ended, for an edge-triggered poll: whether the socket may still hold
+/// input (so its driver must come back to it without a new event) or was read until it had
+/// none (a short read, or one that would block: epoll(7)'s two signs of a drained stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadEnd {
+    /// Nothing more to read until the next event.
+    Drained,
+    /// Stopped early (the budget, or the reader holds enough): more may wait.
+    More,
 }
 
-/// As [`read_available`], also stopping after a read for which `on_bytes` says `false` (the
-/// reader holds all it should this round; what else came waits in the socket, and so does its
-/// end of stream).
+/// Reads what `stream` has, up to about `budget` bytes, handing each read to `on_bytes`; stops
+/// when the socket would block (or a short read shows it drained for now), or after a read for
+/// which `on_bytes` says `false` (the reader holds all it should this round; what else came
+/// waits in the socket, and so does its end of stream). End of stream or an error is the
+/// reason the connection ends.
 pub(crate) fn read_while(
     stream: &mut TcpStream,
     budget: usize,
     mut on_bytes: impl FnMut(&[u8]) -> Result<bool, LinkLoss>,
-) -> Result<(), LinkLoss> {
+) -> Result<ReadEnd, LinkLoss> {
     let mut chunk = [0u8; 16 * 1024];
     let mut budget = budget;
     loop {
         let n = match stream.read(&mut chunk) {
             Ok(0) => return Err(LinkLoss::ClosedByPeer),
             Ok(n) => n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(ReadEnd::Drained),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(LinkLoss::Socket(e.kind())),
         };
         if !on_bytes(&chunk[..n])? {
-            return Ok(());
+            return Ok(ReadEnd::More);
+        }
+        if n < chunk.len() {
+            // A short read drained the socket for now; anything that comes later is a new
+            // edge of the poll.
+            return Ok(ReadEnd::Drained);
         }
         budget = budget.saturating_sub(n);
-        if budget == 0 || n < chunk.len() {
-            // A short read drained the socket for now; the level-triggered poll reports
-            // anything that came since.
-            return Ok(());
+        if budget == 0 {
+            return Ok(ReadEnd::More);
         }
     }
 }
 
-/// Writes what `conn` has for `stream` until the socket would block; whether any byte went.
+/// What a write of a connection's bytes did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wrote {
+    /// Some bytes went.
+    pub(crate) any: bool,
+    /// The socket took no more (it would block): the next edge of the poll says when it does.
+    pub(crate) blocked: bool,
+}
+
+/// Writes what `conn` has for `stream` until the socket would block or nothing is left.
 pub(crate) fn write_available(
     stream: &mut TcpStream,
     conn: &mut impl Outgoing,
-) -> Result<bool, LinkLoss> {
-    let mut wrote = false;
+) -> Result<Wrote, LinkLoss> {
+    let mut any = false;
     loop {
         let bytes = conn.transmit();
         if bytes.is_empty() {
-            return Ok(wrote);
+            return Ok(Wrote {
+                any,
+                blocked: false,
+            });
         }
         match stream.write(bytes) {
             Ok(0) => return Err(LinkLoss::SendFailed("the socket took no bytes".into())),
             Ok(n) => {
                 conn.advance(n);
-                wrote = true;
+                any = true;
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(wrote),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Wrote { any, blocked: true }),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(LinkLoss::Socket(e.kind())),
         }

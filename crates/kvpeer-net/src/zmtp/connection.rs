@@ -1,6 +1,6 @@
 //! One ZMTP 3.1 connection of any socket type, as a state machine without I/O (quinn-proto
 //! style: bytes and time in, bytes and deadlines out). The control channel's DEALER
-//! ([`Dealer`](crate::control::dealer::Dealer)) and every socket of the KV event stream
+//! (`control/outbound.rs`) and every socket of the KV event stream
 //! ([`crate::events`]: SUB, PUB, the replay DEALER and ROUTER) are this machine in a [`Role`].
 //!
 //! What it speaks, as libzmq 4.3 does for that socket type:
@@ -163,7 +163,7 @@ pub enum ConnError {
     #[error(transparent)]
     Zmtp(#[from] ZmtpError),
     /// The peer's READY names a socket type this one does not talk to.
-    #[error("the peer is a {got:?} socket; a {ours} talks to {peers:?}")]
+    #[error("the peer is a {got:?} socket, not a {}", peers.join(" or "))]
     PeerType {
         /// The peer's `Socket-Type`.
         got: String,
@@ -611,7 +611,7 @@ mod tests {
         let e = wrong.handle_bytes(&hello("ROUTER"), t).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "the peer is a \"ROUTER\" socket; a SUB talks to [\"PUB\", \"XPUB\"]"
+            "the peer is a \"ROUTER\" socket, not a PUB or XPUB"
         );
     }
 
@@ -857,5 +857,263 @@ mod tests {
             sub.handle_timeout(t + s(12)),
             Err(ConnError::TtlExpired(s(10)))
         );
+    }
+
+    /// The control channel's DEALER (`Role::control_dealer`): what libzmq 4.3's DEALER with
+    /// vLLM's settings does, as `control/outbound.rs` drives it.
+    mod control_dealer {
+        #![allow(clippy::unwrap_used)]
+
+        use super::super::*;
+        use crate::zmtp::{Decoder, Input};
+
+        fn limits() -> ConnLimits {
+            ConnLimits {
+                max_message_bytes: 1 << 20,
+                heartbeat_interval: Duration::from_secs(2),
+                heartbeat_timeout: Duration::from_secs(10),
+                heartbeat_ttl: Duration::from_secs(10),
+                handshake_timeout: Duration::from_secs(30),
+                send_queue: 4,
+                send_queue_bytes: usize::MAX,
+                max_incoming: usize::MAX,
+            }
+        }
+
+        /// A ROUTER's side of the handshake, as libzmq 4.3 sends it (`minor` 0 or 1).
+        fn router_hello(minor: u8) -> Vec<u8> {
+            let mut g = zmtp::greeting().to_vec();
+            g[11] = minor;
+            g.extend(zmtp::ready("ROUTER"));
+            g
+        }
+
+        /// Everything `d` would write now, written.
+        fn drain(d: &mut Connection) -> Vec<u8> {
+            let bytes = d.transmit().to_vec();
+            d.advance(bytes.len());
+            bytes
+        }
+
+        /// What a ROUTER would decode of `bytes`.
+        fn as_router(bytes: &[u8]) -> Vec<Input> {
+            let mut dec = Decoder::new(1 << 20);
+            dec.push(bytes);
+            let mut out = Vec::new();
+            while let Some(i) = dec.next_input().unwrap() {
+                out.push(i);
+            }
+            out
+        }
+
+        #[test]
+        fn greeting_and_ready_leave_at_once_and_messages_wait_for_the_peers_ready() {
+            let t = Instant::now();
+            let mut d = Connection::new(Role::control_dealer(b"127.0.0.1:5600"), limits());
+            d.queue(&[b"early"]).unwrap();
+            d.connected(t);
+            let hello = drain(&mut d);
+            assert_eq!(&hello[..64], &zmtp::greeting());
+            assert_eq!(
+                as_router(&hello),
+                vec![
+                    Input::Greeting,
+                    Input::Ready {
+                        socket_type: b"DEALER".to_vec(),
+                        identity: b"127.0.0.1:5600".to_vec(),
+                        challenge: None,
+                    }
+                ]
+            );
+            assert!(d.transmit().is_empty(), "the message waits for the READY");
+            assert_eq!(d.queued(), 1);
+            // The peer's greeting alone does not open the gate; its READY does.
+            let peer = router_hello(1);
+            d.handle_bytes(&peer[..64], t).unwrap();
+            assert!(d.transmit().is_empty() && !d.is_ready());
+            d.handle_bytes(&peer[64..], t).unwrap();
+            assert!(d.is_ready());
+            let long = vec![9u8; 300];
+            d.queue(&[&long]).unwrap();
+            let mut stream = hello;
+            stream.extend(drain(&mut d));
+            assert!(d.is_drained());
+            let got = as_router(&stream);
+            assert_eq!(
+                got[2..],
+                [
+                    Input::Message(vec![b"early".to_vec()]),
+                    Input::Message(vec![long])
+                ]
+            );
+        }
+
+        #[test]
+        fn zmtp_3_0_and_later_minors_are_accepted_older_versions_refused_precisely() {
+            for minor in [0, 1, 2] {
+                let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+                d.handle_bytes(&router_hello(minor), Instant::now())
+                    .unwrap();
+                assert!(d.is_ready(), "3.{minor}");
+            }
+            // ZMTP 2.0 (revision 1): refused from its 11th byte, without waiting for 64.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            let v2 = [0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 1, 5];
+            let e = d.handle_bytes(&v2, Instant::now()).unwrap_err();
+            assert_eq!(e, ConnError::Zmtp(ZmtpError::Version(1)));
+            assert_eq!(
+                e.to_string(),
+                "the peer speaks an older ZMTP (version byte 1; ZMTP 2.0 sends 1): ZMTP 3.0 or later \
+                 is required"
+            );
+            // Not ZMTP at all.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            let e = d.handle_bytes(b"HTTP/1.1 200 OK\r\n", Instant::now());
+            assert!(
+                matches!(e, Err(ConnError::Zmtp(ZmtpError::Signature(_)))),
+                "{e:?}"
+            );
+        }
+
+        #[test]
+        fn a_peer_that_is_not_a_router_is_refused() {
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            let mut peer = zmtp::greeting().to_vec();
+            peer.extend(zmtp::ready("PUB"));
+            let e = d.handle_bytes(&peer, Instant::now()).unwrap_err();
+            assert_eq!(
+                e,
+                ConnError::PeerType {
+                    got: "PUB".into(),
+                    ours: "DEALER",
+                    peers: &["ROUTER"]
+                }
+            );
+            assert_eq!(e.to_string(), "the peer is a \"PUB\" socket, not a ROUTER");
+            assert!(!d.is_ready());
+        }
+
+        #[test]
+        fn the_send_queue_counts_messages_not_yet_written() {
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            for i in 0..4u8 {
+                d.queue(&[&[i]]).unwrap();
+            }
+            assert_eq!(d.queue(&[b"five"]), Err(QueueFull));
+            d.connected(Instant::now());
+            d.handle_bytes(&router_hello(1), Instant::now()).unwrap();
+            // Half of everything written: the greeting, READY and the first messages went.
+            let n = d.transmit().len();
+            let whole = n - 2 * 3; // the last two frames (3 bytes each) stay unwritten
+            d.advance(whole);
+            assert_eq!(d.queued(), 2);
+            d.queue(&[b"again"]).unwrap();
+            d.queue(&[b"more"]).unwrap();
+            assert_eq!(d.queue(&[b"over"]), Err(QueueFull));
+            d.advance(1); // part of a frame: still queued
+            assert_eq!(d.queued(), 4);
+            drain(&mut d);
+            assert!(d.is_drained());
+        }
+
+        #[test]
+        fn heartbeats_follow_libzmqs_rules() {
+            let t = Instant::now();
+            let s = Duration::from_secs;
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            assert_eq!(d.poll_timeout(), Some(t + s(30)), "the handshake deadline");
+            drain(&mut d);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            assert_eq!(d.poll_timeout(), Some(t + s(2)), "the first PING");
+            d.handle_timeout(t + s(2)).unwrap();
+            let ping = drain(&mut d);
+            assert_eq!(ping, zmtp::ping(100), "our PING carries our TTL (10 s)");
+            // Unanswered: the timeout runs from the PING, and PINGs go on meanwhile.
+            d.handle_timeout(t + s(4)).unwrap();
+            assert_eq!(drain(&mut d), zmtp::ping(100));
+            assert_eq!(
+                d.handle_timeout(t + s(12)),
+                Err(ConnError::HeartbeatTimeout(s(10)))
+            );
+            // Answered (any byte does): the timeout is off until the next PING.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            d.handle_timeout(t + s(2)).unwrap();
+            d.handle_bytes(&zmtp::pong(b""), t + s(3)).unwrap();
+            d.handle_timeout(t + s(12)).unwrap();
+            // The peer's PING: a PONG with its context, and its TTL watched.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            let mut ping = zmtp::ping(30).to_vec();
+            // PING with a context: the command's size byte grows by its length.
+            ping[1] += 3;
+            ping.extend_from_slice(b"ctx");
+            d.handle_bytes(&ping, t + s(1)).unwrap();
+            assert_eq!(drain(&mut d), zmtp::pong(b"ctx"));
+            assert_eq!(d.handle_timeout(t + s(4)), Err(ConnError::TtlExpired(s(3))));
+        }
+
+        #[test]
+        fn a_peer_that_pings_and_never_reads_gets_one_pong_pending_at_a_time() {
+            let t = Instant::now();
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            let pings = zmtp::ping(0).repeat(10_000);
+            d.handle_bytes(&pings, t).unwrap();
+            assert_eq!(d.transmit(), zmtp::pong(b""), "one PONG, not ten thousand");
+            drain(&mut d);
+            d.handle_bytes(&zmtp::ping(0), t).unwrap();
+            assert_eq!(
+                drain(&mut d),
+                zmtp::pong(b""),
+                "written: the next PING is answered"
+            );
+        }
+
+        #[test]
+        fn a_handshake_that_never_finishes_times_out_from_the_connection() {
+            let t = Instant::now();
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.handle_timeout(t + Duration::from_secs(3600)).unwrap();
+            assert_eq!(d.poll_timeout(), None, "no clock before TCP connects");
+            d.connected(t);
+            d.handle_bytes(&zmtp::greeting(), t).unwrap();
+            d.handle_timeout(t + Duration::from_secs(29)).unwrap();
+            assert_eq!(
+                d.handle_timeout(t + Duration::from_secs(30)),
+                Err(ConnError::HandshakeTimeout(Duration::from_secs(30)))
+            );
+        }
+
+        #[test]
+        fn messages_from_the_router_are_dropped_unbuffered_and_a_huge_frame_refused() {
+            let t = Instant::now();
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            let big = vec![1u8; 512 * 1024];
+            let frame = zmtp::message_frame(&big);
+            for chunk in frame.chunks(64 * 1024) {
+                d.handle_bytes(chunk, t).unwrap();
+                assert!(d.buffered() < 200 * 1024, "{}", d.buffered());
+            }
+            assert_eq!(d.dropped(), 1);
+            // A 1 TiB frame: refused from its header.
+            let mut header = vec![0x02];
+            header.extend_from_slice(&(1u64 << 40).to_be_bytes());
+            let e = d.handle_bytes(&header, t).unwrap_err();
+            assert_eq!(
+                e,
+                ConnError::Zmtp(ZmtpError::TooLarge {
+                    size: 1 << 40,
+                    limit: 1 << 20
+                })
+            );
+        }
     }
 }

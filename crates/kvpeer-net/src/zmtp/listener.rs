@@ -25,21 +25,30 @@
 //! * When `challenge` is set, each connection's READY carries 16 fresh random bytes
 //!   ([`crate::zmtp::CHALLENGE_PROPERTY`]), which a kvpeer peer's proofs are made for.
 //!
+//! **Cost per wake.** Every socket is registered once in its owner's [`Poller`] (edge-triggered,
+//! tokens `base + id`, the listening socket `base`); the owner hands each readiness to
+//! [`Listener::on_ready`], which marks the connection, and [`Listener::progress`] then visits
+//! only the connections marked, those whose deadline is due ([`Timers`]: heartbeats,
+//! handshakes, stalls, refilled shares, on the coarse grid so many share a wake) and those with
+//! input left from their last round. Nothing walks every connection: a wake costs what is ready,
+//! whatever the number open. Per-source counts and the buffered total are kept as connections
+//! change, so admission and the buffer cap look at every connection only when a cap is reached.
+//!
 //! Owned by the thread that drives it (the node's runtime thread, an event stream's thread);
-//! every socket is non-blocking and polled with the caller's others ([`Listener::poll_fds`]),
-//! so nothing here blocks.
+//! every socket is non-blocking, so nothing here blocks.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags};
 use tracing::{debug, warn};
 
 use kvpeer_core::LinkLoss;
 
-use crate::io::sockio::{self, Accepted};
+use crate::io::poller::{Poller, Ready, Token};
+use crate::io::sockio::{self, Accepted, ReadEnd};
+use crate::io::timers::{coarse, Timers};
 use crate::zmtp;
 use crate::zmtp::admission::{self, Caps, Holder};
 use crate::zmtp::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
@@ -47,7 +56,8 @@ use crate::zmtp::connection::{ConnLimits, Connection, Incoming, QueueFull, Role}
 /// How long the listener rests after `accept` fails before it is polled again.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// One accepted connection's number, unique for the listener's life.
+/// One accepted connection's number, unique for the listener's life (from 1; its token is the
+/// listener's base token plus this).
 pub type ConnId = u64;
 
 /// Bounds of one listener.
@@ -80,9 +90,9 @@ pub(crate) struct ListenerLimits {
     /// much per round. `None`: only `max_incoming` bounds a round.
     pub(crate) round_quantum: Option<Duration>,
     /// The caller's time one connection's messages may take per second (with
-    /// `round_quantum`): past it the connection is neither read nor polled until its share
-    /// refills, so no one peer keeps the caller's thread busy (and the core it shares with
-    /// other processes) however many rounds it would win. `None`: no rate.
+    /// `round_quantum`): past it the connection is not read until its share refills, so no
+    /// one peer keeps the caller's thread busy (and the core it shares with other processes)
+    /// however many rounds it would win. `None`: no rate.
     pub(crate) time_per_second: Option<Duration>,
 }
 
@@ -103,37 +113,22 @@ pub(crate) enum LinkEvent {
     /// The connection ended (it had reached [`LinkEvent::Ready`] when `was_ready`).
     Lost {
         /// Why.
-        reason: String,
+        reason: LinkLoss,
         /// Whether it had been ready.
         was_ready: bool,
     },
-}
-
-/// Which connections a round reads.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Readable<'a> {
-    /// The sockets to read: these (sorted; the poll said so), or every one for `None` (the
-    /// caller does not know which are ready). Each within its shares.
-    pub(crate) sockets: Option<&'a [ConnId]>,
-    /// Connections (sorted) read to the end this round, whatever their shares: the caller
-    /// must see everything they sent before it acts on their peer's loss.
-    pub(crate) drain: &'a [ConnId],
-}
-
-impl<'a> Readable<'a> {
-    /// The sockets the poll saw ready, nothing drained.
-    pub(crate) fn only(ready: &'a [ConnId]) -> Self {
-        Self {
-            sockets: Some(ready),
-            drain: &[],
-        }
-    }
 }
 
 struct Peer {
     stream: TcpStream,
     source: IpAddr,
     conn: Connection,
+    /// The poll said input (or the end of stream) arrived, and no read has drained it since.
+    readable: bool,
+    /// The socket takes bytes (no write has been refused since the poll said so).
+    writable: bool,
+    /// The poll said it hung up or failed.
+    closed: bool,
     /// When the socket last took bytes, or had none to take.
     last_written: Instant,
     /// When the peer last sent a message or subscription, or took bytes of ours (accepted, if
@@ -153,6 +148,8 @@ struct Peer {
     /// `rate_at`: it refills at that rate up to a tenth of a second's worth.
     rate_ns: i64,
     rate_at: Instant,
+    /// What it holds, as last counted into the listener's total.
+    buffered: usize,
 }
 
 impl Peer {
@@ -179,6 +176,11 @@ impl Peer {
         now + Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX))
             + Duration::from_micros(1)
     }
+
+    /// Whether it has input to be given a round for: in its socket or its decoder.
+    fn has_input(&self) -> bool {
+        self.readable || self.conn.holds_input()
+    }
 }
 
 /// Nanoseconds as an `i64`, saturating.
@@ -189,11 +191,24 @@ fn nanos(d: Duration) -> i64 {
 /// A listener and its connections.
 pub(crate) struct Listener {
     listener: TcpListener,
+    /// The listening socket's token; connection `id`'s is `base + id`.
+    base: Token,
     role: Role,
     limits: ListenerLimits,
     peers: BTreeMap<ConnId, Peer>,
     next: ConnId,
+    /// The poll said connections wait to be accepted, and no accept has found none since.
+    pending_accepts: bool,
     accept_paused_until: Option<Instant>,
+    /// Connections to give a round without a new event: input left over, a write the poll
+    /// said may go on, or readiness not yet handled.
+    active: BTreeSet<ConnId>,
+    /// Each connection's next deadline (heartbeat, handshake, stall, refilled share).
+    timers: Timers<ConnId>,
+    /// Connections per source address.
+    per_source: HashMap<IpAddr, usize>,
+    /// What all connections hold together (the sum of each's `buffered`).
+    buffered: usize,
     refused: u64,
     evicted: u64,
 }
@@ -241,14 +256,18 @@ impl ListenerLimits {
 }
 
 impl Listener {
-    /// Listens at `addr` (port 0 picks one).
+    /// Listens at `addr` (port 0 picks one), registered in `poller` as `base` (its
+    /// connections as `base + id`).
     pub(crate) fn bind(
         addr: SocketAddr,
         role: Role,
         limits: ListenerLimits,
+        poller: &Poller,
+        base: Token,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
+        poller.add_input(listener.as_fd(), base)?;
         // The one place the budgets are made usable: a zero share means none (a quantum or a
         // rate of zero would give a connection nothing, ever), a zero count one.
         let limits = ListenerLimits {
@@ -260,11 +279,18 @@ impl Listener {
         };
         Ok(Listener {
             listener,
+            base,
             role,
             limits,
             peers: BTreeMap::new(),
             next: 0,
+            // Connections may have queued before the registration.
+            pending_accepts: true,
             accept_paused_until: None,
+            active: BTreeSet::new(),
+            timers: Timers::default(),
+            per_source: HashMap::new(),
+            buffered: 0,
             refused: 0,
             evicted: 0,
         })
@@ -273,6 +299,12 @@ impl Listener {
     /// The address bound.
     pub(crate) fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
+    }
+
+    /// Whether `token` is this listener's (the listening socket or one of its connections),
+    /// given the owner's token space: `base ..= base + span`.
+    pub(crate) fn owns(&self, token: Token, span: u64) -> bool {
+        token >= self.base && token - self.base <= span
     }
 
     /// Connections open now.
@@ -290,7 +322,7 @@ impl Listener {
         self.evicted
     }
 
-    /// The connections' numbers, in [`Listener::poll_fds`] order (after the listener).
+    /// The connections' numbers, in order.
     pub(crate) fn ids(&self) -> impl Iterator<Item = ConnId> + '_ {
         self.peers.keys().copied()
     }
@@ -310,93 +342,69 @@ impl Listener {
 
     /// Connection `id`'s handling of one message cost the caller `cost` (with `round_quantum`).
     pub(crate) fn charge(&mut self, id: ConnId, cost: Duration) {
-        if let Some(p) = self.peers.get_mut(&id) {
-            let ns = nanos(cost);
-            p.credit_ns = p.credit_ns.saturating_sub(ns);
-            p.cost_ns = (p
-                .cost_ns
-                .saturating_mul(7)
-                .saturating_add(ns.unsigned_abs()))
-                / 8;
-            if let Some(per_second) = self.limits.time_per_second {
-                let now = Instant::now().max(p.rate_at);
-                // Debt is bounded to one second's share, so a connection waits at most a second
-                // (far inside its heartbeat timeout) however expensive one message was.
-                p.rate_ns = p
-                    .share_at(now, per_second)
-                    .saturating_sub(ns)
-                    .max(-nanos(per_second));
-                p.rate_at = now;
-            }
+        let Some(p) = self.peers.get_mut(&id) else {
+            return;
+        };
+        let ns = nanos(cost);
+        p.credit_ns = p.credit_ns.saturating_sub(ns);
+        p.cost_ns = (p
+            .cost_ns
+            .saturating_mul(7)
+            .saturating_add(ns.unsigned_abs()))
+            / 8;
+        if let Some(per_second) = self.limits.time_per_second {
+            let now = Instant::now().max(p.rate_at);
+            // Debt is bounded to one second's share, so a connection waits at most a second
+            // (far inside its heartbeat timeout) however expensive one message was.
+            p.rate_ns = p
+                .share_at(now, per_second)
+                .saturating_sub(ns)
+                .max(-nanos(per_second));
+            p.rate_at = now;
+            // A share spent: its input waits for the refill, which its deadline wakes.
+            self.rearm(id, now);
         }
     }
 
-    /// Whether the listener itself is polled at `now` (not while it rests after a failed
+    /// Readiness the owner's poll reported for `token` (this listener's).
+    pub(crate) fn on_ready(&mut self, ready: Ready) {
+        let id = ready.token - self.base;
+        if id == 0 {
+            self.pending_accepts |= ready.readable;
+            return;
+        }
+        if let Some(p) = self.peers.get_mut(&id) {
+            p.readable |= ready.readable;
+            p.writable |= ready.writable;
+            p.closed |= ready.closed;
+            self.active.insert(id);
+        }
+    }
+
+    /// Whether the listening socket is polled at `now` (not while it rests after a failed
     /// `accept`; [`Listener::deadline`] wakes the caller when that ends).
     fn listening(&self, now: Instant) -> bool {
         self.accept_paused_until.is_none_or(|until| now >= until)
     }
 
-    /// Descriptors to poll, appended to `fds`: the listener (asked for nothing while it rests),
-    /// then each connection (input only when `read`), [`Listener::fd_count`] in all.
-    pub(crate) fn poll_fds<'a>(&'a self, now: Instant, read: bool, fds: &mut Vec<PollFd<'a>>) {
-        let flags = if self.listening(now) {
-            PollFlags::POLLIN
-        } else {
-            PollFlags::empty()
-        };
-        fds.push(PollFd::new(self.listener.as_fd(), flags));
-        for p in self.peers.values() {
-            // A connection that spent its time per second is not read until it refills (its
-            // deadline wakes the caller then).
-            let read = read && !p.throttled(now, self.limits.time_per_second);
-            let mut flags = if read {
-                PollFlags::POLLIN
-            } else {
-                PollFlags::empty()
-            };
-            if !p.conn.transmit().is_empty() {
-                flags |= PollFlags::POLLOUT;
-            }
-            fds.push(PollFd::new(p.stream.as_fd(), flags));
-        }
-    }
-
-    /// How many descriptors [`Listener::poll_fds`] appends.
-    pub(crate) fn fd_count(&self) -> usize {
-        1 + self.peers.len()
-    }
-
-    /// Whether a connection holds input it was not given a round for yet: the next round
-    /// should come at once.
-    fn has_backlog(&self, now: Instant) -> bool {
-        self.peers
-            .values()
-            .any(|p| p.conn.holds_input() && !p.throttled(now, self.limits.time_per_second))
-    }
-
-    /// When [`Listener::progress`] has something to do without readiness (`now` when a
-    /// connection holds input left from its last round).
-    pub(crate) fn deadline(&self, now: Instant) -> Option<Instant> {
-        if self.has_backlog(now) {
+    /// When [`Listener::progress`] has something to do without a new event: now while
+    /// connections wait to be accepted or to be given a round (`reading`: their sockets may be
+    /// read; else only input held in their decoders counts), else the earliest deadline.
+    pub(crate) fn deadline(&mut self, now: Instant, reading: bool) -> Option<Instant> {
+        if self.pending_accepts && self.listening(now) {
             return Some(now);
         }
-        let stall = self.limits.stall_timeout;
-        let per_second = self.limits.time_per_second;
-        self.peers
-            .values()
-            .filter_map(|p| {
-                let stalled = (!p.conn.transmit().is_empty()).then_some(p.last_written + stall);
-                let refilled = per_second
-                    .filter(|_| p.throttled(now, per_second))
-                    .map(|r| p.refilled_at(now, r));
-                [p.conn.poll_timeout(), stalled, refilled]
-                    .into_iter()
-                    .flatten()
-                    .min()
-            })
-            .chain(self.accept_paused_until)
-            .min()
+        let work =
+            |p: &Peer| (reading && p.readable) || p.conn.holds_input() || p.closed || p.writable;
+        if self
+            .active
+            .iter()
+            .any(|id| self.peers.get(id).is_some_and(work))
+        {
+            return Some(now);
+        }
+        let paused = self.accept_paused_until.filter(|_| self.pending_accepts);
+        self.timers.next().into_iter().chain(paused).min()
     }
 
     /// Queues a message to connection `id` at `now` (not written yet: [`Listener::flush`]).
@@ -406,16 +414,17 @@ impl Listener {
         id: ConnId,
         parts: &[&[u8]],
     ) -> Result<(), QueueFull> {
-        match self.peers.get_mut(&id) {
-            Some(p) if p.conn.is_ready() => {
-                if p.conn.transmit().is_empty() {
-                    // The stall clock starts when bytes start waiting.
-                    p.last_written = now;
-                }
-                p.conn.queue(parts)
-            }
-            _ => Err(QueueFull),
+        let p = match self.peers.get_mut(&id) {
+            Some(p) if p.conn.is_ready() => p,
+            _ => return Err(QueueFull),
+        };
+        if p.conn.transmit().is_empty() {
+            // The stall clock starts when bytes start waiting.
+            p.last_written = now;
         }
+        p.conn.queue(parts)?;
+        self.account(id);
+        Ok(())
     }
 
     /// Writes what connection `id` has queued until its socket would block; a connection
@@ -424,27 +433,51 @@ impl Listener {
         let Some(p) = self.peers.get_mut(&id) else {
             return;
         };
+        if !p.writable || p.conn.transmit().is_empty() {
+            if p.conn.transmit().is_empty() {
+                p.last_written = now;
+            }
+            self.rearm(id, now);
+            return;
+        }
         match sockio::write_available(&mut p.stream, &mut p.conn) {
             Ok(wrote) => {
-                if wrote && self.limits.engage_on_request {
+                p.writable = !wrote.blocked;
+                if wrote.any && self.limits.engage_on_request {
                     // A subscriber taking our messages is at work; our own PINGs to a control
                     // connection say nothing of it.
                     p.last_active = now;
                 }
-                if wrote || p.conn.transmit().is_empty() {
+                if wrote.any || p.conn.transmit().is_empty() {
                     p.last_written = now;
                 }
+                self.account(id);
+                self.rearm(id, now);
             }
-            Err(reason) => self.close(id, reason.to_string(), out),
+            Err(reason) => self.close(id, reason, out),
         }
     }
 
     /// Closes connection `id`, reporting it in `out`.
-    pub(crate) fn close(&mut self, id: ConnId, reason: String, out: &mut Vec<(ConnId, LinkEvent)>) {
+    pub(crate) fn close(
+        &mut self,
+        id: ConnId,
+        reason: LinkLoss,
+        out: &mut Vec<(ConnId, LinkEvent)>,
+    ) {
         let Some(p) = self.peers.remove(&id) else {
             return;
         };
         let _ = p.stream.shutdown(std::net::Shutdown::Both);
+        self.buffered = self.buffered.saturating_sub(p.buffered);
+        if let Some(n) = self.per_source.get_mut(&p.source) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_source.remove(&p.source);
+            }
+        }
+        self.active.remove(&id);
+        self.timers.set(id, None);
         debug!(id, source = %p.source, role = self.role.socket_type, %reason,
             "connection ended");
         out.push((
@@ -456,68 +489,82 @@ impl Listener {
         ));
     }
 
-    /// As [`Listener::progress_ids`], with the connections to read given by the poll's
-    /// `revents` in [`Listener::poll_fds`] order (the listener's first; empty: none ready),
-    /// read only when `read`.
-    pub(crate) fn progress(
-        &mut self,
-        now: Instant,
-        revents: &[PollFlags],
-        read: bool,
-        out: &mut Vec<(ConnId, LinkEvent)>,
-    ) {
-        let listener_ready = revents.first().is_some_and(|r| !r.is_empty());
-        let ready: Vec<ConnId> = if read {
-            self.ids()
-                .zip(revents.iter().skip(1))
-                .filter(|(_, r)| !r.is_empty())
-                .map(|(id, _)| id)
-                .collect()
-        } else {
-            Vec::new()
-        };
-        self.progress_ids(now, listener_ready, Readable::only(&ready), out);
+    /// Counts connection `id`'s buffers into the total again.
+    fn account(&mut self, id: ConnId) {
+        if let Some(p) = self.peers.get_mut(&id) {
+            let now = p.conn.buffered();
+            self.buffered = self.buffered.saturating_sub(p.buffered).saturating_add(now);
+            p.buffered = now;
+        }
     }
 
-    /// Accepts what waits (when `listener_ready`), gives each connection its round (what its
-    /// decoder held from the last one, then its socket when `readable`), runs every deadline
-    /// due at `now` and writes what is queued. What happened goes to `out`.
-    pub(crate) fn progress_ids(
+    /// Sets connection `id`'s next deadline: its protocol's (heartbeats, handshake), the stall
+    /// of bytes waiting, and the refill of a spent share while it has input, on the coarse grid.
+    fn rearm(&mut self, id: ConnId, now: Instant) {
+        let Some(p) = self.peers.get(&id) else {
+            return;
+        };
+        let stalled =
+            (!p.conn.transmit().is_empty()).then_some(p.last_written + self.limits.stall_timeout);
+        let refilled = self
+            .limits
+            .time_per_second
+            .filter(|_| p.has_input() && p.throttled(now, self.limits.time_per_second))
+            .map(|r| p.refilled_at(now, r));
+        let at = [p.conn.poll_timeout(), stalled, refilled]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(coarse);
+        self.timers.set(id, at);
+    }
+
+    /// Accepts what waits, gives each connection that needs one its round (what its decoder
+    /// held from the last one, then its socket when `reading`), runs the deadlines due at `now`
+    /// and writes what is queued; the connections in `drain` (sorted) are read to the end this
+    /// round, whatever their shares: the caller must see everything they sent before it acts on
+    /// their peer's loss. New connections are registered in `poller`. What happened goes to
+    /// `out`.
+    pub(crate) fn progress(
         &mut self,
+        poller: &Poller,
         now: Instant,
-        listener_ready: bool,
-        readable: Readable<'_>,
+        reading: bool,
+        drain: &[ConnId],
         out: &mut Vec<(ConnId, LinkEvent)>,
     ) {
         if self.accept_paused_until.is_some_and(|until| now >= until) {
-            // Rested: the listener is polled again from the next wait (its deadline is gone).
             self.accept_paused_until = None;
         }
-        let ids: Vec<ConnId> = self.peers.keys().copied().collect();
-        if listener_ready {
+        if self.pending_accepts {
             // New connections send their greeting and READY at once.
-            for id in self.accept(now, out) {
+            for id in self.accept(poller, now, out) {
                 self.flush(now, id, out);
             }
         }
+        let mut due = Vec::new();
+        self.timers.take_due(now, &mut due);
+        let mut visit: BTreeSet<ConnId> = std::mem::take(&mut self.active);
+        visit.extend(due);
+        visit.extend(
+            drain
+                .iter()
+                .copied()
+                .filter(|id| self.peers.contains_key(id)),
+        );
         let per_second = self.limits.time_per_second;
-        // The poll's order is the map's: sorted.
-        let polled = |id: ConnId| {
-            readable
-                .sockets
-                .is_some_and(|ready| ready.binary_search(&id).is_ok())
-        };
-        let drained = |id: ConnId| readable.drain.binary_search(&id).is_ok();
-        let is_read = |id: ConnId| readable.sockets.is_none() || polled(id) || drained(id);
+        let drained = |id: ConnId| drain.binary_search(&id).is_ok();
+        let is_read = |p: &Peer, id: ConnId| (reading && p.readable) || drained(id);
         // Deficit round robin: every connection with input gets the same number of quanta this
         // round, as many as it takes for one of them to be out of debt (one, unless all are in
         // debt: then no round is wasted on giving nobody anything).
         let quanta = self.limits.round_quantum.map(|q| {
             let q = nanos(q);
-            self.peers
+            visit
                 .iter()
-                .filter(|(&id, p)| {
-                    (is_read(id) || p.conn.holds_input()) && !p.throttled(now, per_second)
+                .filter_map(|id| self.peers.get(id).map(|p| (*id, p)))
+                .filter(|(id, p)| {
+                    (is_read(p, *id) || p.conn.holds_input()) && !p.throttled(now, per_second)
                 })
                 .map(|(_, p)| {
                     (1 - p.credit_ns.min(0))
@@ -532,19 +579,18 @@ impl Listener {
                 .saturating_mul(q)
         });
         let mut read_any = false;
-        for id in ids {
+        for id in visit {
             let Some(p) = self.peers.get_mut(&id) else {
                 continue;
             };
-            let read = is_read(id);
+            let read = is_read(p, id);
             read_any |= read;
             // A drained connection's peer was lost: the caller must see all it sent first (its
             // last messages, its `disconnect`, come before the loss), whatever its shares.
             let drain = drained(id);
             let throttled = p.throttled(now, per_second) && !drain;
-            // A throttled connection is polled for nothing but our writes: reported ready
-            // with nothing to write, it was reset or hung up.
-            let hung_up = throttled && polled(id) && p.conn.transmit().is_empty();
+            // A throttled connection is not read: one the poll says hung up or failed ends.
+            let hung_up = throttled && p.closed;
             // What this round may take of it: with a quantum, as many messages as its credit
             // covers at what they cost lately (none while it is in debt or throttled), else
             // `max_incoming`.
@@ -566,34 +612,37 @@ impl Listener {
                 _ => usize::MAX,
             };
             let was_ready = p.conn.is_ready();
-            let mut step = || -> Result<(), String> {
+            let budget = self.limits.read_budget;
+            let stall = self.limits.stall_timeout;
+            let mut step = || -> Result<(), LinkLoss> {
                 if hung_up {
-                    return Err("reset or hung up while throttled".into());
+                    return Err(LinkLoss::ClosedByPeer);
                 }
                 if share > 0 {
                     if p.conn.holds_input() {
-                        p.conn.decode_held(now).map_err(|e| e.to_string())?;
+                        p.conn
+                            .decode_held(now)
+                            .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
                     }
                     if read && !p.conn.holds_input() {
                         // Reading stops once the connection holds this round's share, so what
                         // it sent beyond (its end of stream too) waits in the socket.
                         let conn = &mut p.conn;
-                        sockio::read_while(&mut p.stream, self.limits.read_budget, |bytes| {
+                        let end = sockio::read_while(&mut p.stream, budget, |bytes| {
                             conn.handle_bytes(bytes, now)
                                 .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
                             Ok(!conn.decoding_paused())
-                        })
-                        .map_err(|e| e.to_string())?;
+                        })?;
+                        p.readable = end == ReadEnd::More;
                     }
                 }
-                p.conn.handle_timeout(now).map_err(|e| e.to_string())?;
+                p.conn
+                    .handle_timeout(now)
+                    .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
                 if !p.conn.transmit().is_empty()
-                    && now.saturating_duration_since(p.last_written) >= self.limits.stall_timeout
+                    && now.saturating_duration_since(p.last_written) >= stall
                 {
-                    return Err(format!(
-                        "the peer took none of our bytes for {:?}",
-                        self.limits.stall_timeout
-                    ));
+                    return Err(LinkLoss::Stalled(stall));
                 }
                 Ok(())
             };
@@ -630,11 +679,20 @@ impl Listener {
                 out.push((id, LinkEvent::Incoming(incoming)));
             }
             match result {
-                Ok(()) => self.flush(now, id, out),
+                Ok(()) => {
+                    // Input left (its share was taken, or the socket was not drained) gets the
+                    // next round at once, unless its time share is spent: its refill wakes it.
+                    let more = (p.readable && reading) || p.conn.holds_input();
+                    if more && !p.throttled(now, per_second) || p.closed {
+                        self.active.insert(id);
+                    }
+                    self.flush(now, id, out);
+                    self.account(id);
+                }
                 Err(reason) => self.close(id, reason, out),
             }
         }
-        if read_any {
+        if read_any && self.buffered > self.limits.max_buffered_bytes {
             // Buffers grow only by reading.
             self.shed_buffers(out);
         }
@@ -644,24 +702,20 @@ impl Listener {
     /// `max_buffered_bytes`, so many connections holding large partial messages cannot exhaust
     /// memory.
     fn shed_buffers(&mut self, out: &mut Vec<(ConnId, LinkEvent)>) {
-        loop {
-            let total: usize = self.peers.values().map(|p| p.conn.buffered()).sum();
-            if total <= self.limits.max_buffered_bytes {
-                return;
-            }
-            let Some((&hog, _)) = self.peers.iter().max_by_key(|(_, p)| p.conn.buffered()) else {
+        while self.buffered > self.limits.max_buffered_bytes {
+            let Some((&hog, _)) = self.peers.iter().max_by_key(|(_, p)| p.buffered) else {
                 return;
             };
             if let Some(suppressed) = crate::admit_warning("listener buffers over the cap") {
                 warn!(
-                    total,
+                    total = self.buffered,
                     cap = self.limits.max_buffered_bytes,
                     suppressed,
                     role = self.role.socket_type,
                     "closing the connection holding the most buffered bytes"
                 );
             }
-            self.close(hog, "buffers over the node's cap".into(), out);
+            self.close(hog, LinkLoss::OverBuffers, out);
         }
     }
 
@@ -672,6 +726,13 @@ impl Listener {
             max_connections: self.limits.max_connections,
             max_per_source: self.limits.max_per_source,
         };
+        let from_source = |l: &Self| l.per_source.get(&source).copied().unwrap_or(0);
+        let fits =
+            |l: &Self| l.peers.len() < caps.max_connections && from_source(l) < caps.max_per_source;
+        if fits(self) {
+            return true;
+        }
+        // A cap is reached: only now is every holder looked at.
         let holders: Vec<Holder<ConnId>> = self
             .peers
             .iter()
@@ -688,18 +749,18 @@ impl Listener {
                 warn!(%source, open = self.peers.len(), suppressed, role = self.role.socket_type,
                     "connections full: closing the idlest of the heaviest source");
             }
-            self.close(
-                victim,
-                "evicted for a newcomer (connections full)".into(),
-                out,
-            );
+            self.close(victim, LinkLoss::Evicted, out);
         }
-        let from_source = self.peers.values().filter(|p| p.source == source).count();
-        self.peers.len() < caps.max_connections && from_source < caps.max_per_source
+        fits(self)
     }
 
     /// Accepts up to `accepts_per_round` waiting connections; their numbers.
-    fn accept(&mut self, now: Instant, out: &mut Vec<(ConnId, LinkEvent)>) -> Vec<ConnId> {
+    fn accept(
+        &mut self,
+        poller: &Poller,
+        now: Instant,
+        out: &mut Vec<(ConnId, LinkEvent)>,
+    ) -> Vec<ConnId> {
         let mut accepted = Vec::new();
         if !self.listening(now) {
             return accepted;
@@ -708,7 +769,10 @@ impl Listener {
         for _ in 0..self.limits.accepts_per_round {
             let (stream, source) = match sockio::accept(&self.listener) {
                 Accepted::Stream(stream, source) => (stream, source),
-                Accepted::None => break,
+                Accepted::None => {
+                    self.pending_accepts = false;
+                    break;
+                }
                 Accepted::Failed(e) => {
                     if let Some(suppressed) = crate::admit_warning("cannot accept") {
                         warn!(error = %e, suppressed, role = self.role.socket_type,
@@ -733,16 +797,29 @@ impl Listener {
                 }
                 role.challenge = Some(challenge);
             }
+            let id = self.next + 1;
+            if let Err(e) = poller.add(stream.as_fd(), self.base + id) {
+                if let Some(suppressed) = crate::admit_warning("cannot poll a connection") {
+                    warn!(error = %e, suppressed, role = self.role.socket_type,
+                        "cannot poll an accepted connection; closing it");
+                }
+                continue;
+            }
+            self.next = id;
             let mut conn = Connection::new(role, self.limits.conn.clone());
             conn.connected(now);
-            self.next += 1;
-            debug!(id = self.next, %source, role = self.role.socket_type, "connection accepted");
+            debug!(id, %source, role = self.role.socket_type, "connection accepted");
+            *self.per_source.entry(source).or_default() += 1;
             self.peers.insert(
-                self.next,
+                id,
                 Peer {
                     stream,
                     source,
                     conn,
+                    // Its READY may have come with the connection.
+                    readable: true,
+                    writable: true,
+                    closed: false,
                     last_written: now,
                     last_active: now,
                     engaged: false,
@@ -755,9 +832,12 @@ impl Listener {
                         .map_or(0, |q| nanos(q).unsigned_abs() / 16),
                     rate_ns: self.limits.time_per_second.map_or(0, |r| nanos(r) / 10),
                     rate_at: now,
+                    buffered: 0,
                 },
             );
-            accepted.push(self.next);
+            self.active.insert(id);
+            self.account(id);
+            accepted.push(id);
         }
         accepted
     }

@@ -8,6 +8,7 @@
 pub(crate) mod admission;
 pub mod codec;
 pub mod connection;
+pub(crate) mod dialer;
 pub(crate) mod listener;
 
 pub use codec::*;

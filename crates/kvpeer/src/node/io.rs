@@ -709,7 +709,7 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
 
     /// Sleeps until the channel may have input, the data plane completes something, the core's
     /// next deadline, or `max`.
-    pub fn wait(&self, now: Instant, max: Duration) {
+    pub fn wait(&mut self, now: Instant, max: Duration) {
         let until_deadline = self
             .core
             .poll_timeout()

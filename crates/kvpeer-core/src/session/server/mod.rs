@@ -455,6 +455,11 @@ impl ServerRole {
         }
     }
 
+    /// Whether lookups wait for blocks being written (the next `serve` asks them again).
+    pub(crate) fn has_serve_list(&self) -> bool {
+        !self.serve_list.is_empty()
+    }
+
     pub(crate) fn has_inflight(&self) -> bool {
         !self.inflight.is_empty()
     }

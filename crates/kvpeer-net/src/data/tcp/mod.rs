@@ -555,6 +555,13 @@ impl DataPlane for TcpPlane {
         poll
     }
 
+    fn take_news(&mut self, out: &mut Vec<PeerId>) -> bool {
+        let e = lock(&self.ends);
+        out.extend(e.ended.keys().cloned());
+        out.extend(e.faults.keys().cloned());
+        true
+    }
+
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
         let mut e = lock(&self.ends);
         let mut still = Vec::new();

@@ -1,0 +1,337 @@
+//! One connecting socket carrying one [`Connection`]: the control channel's DEALER to a peer
+//! (`control/outbound.rs`) and every connecting socket of the KV event stream (a SUB, the
+//! replay DEALER: `events/`) are this type; what each does when the connection fails (report
+//! the loss, or try again after a backoff) is its owner's.
+//!
+//! * [`Dialer::connect`] starts a non-blocking connect and registers the socket in the owner's
+//!   [`Poller`] under the owner's token; it never blocks. Messages may be queued before (the
+//!   [`Connection`] holds them until the peer's READY).
+//! * The owner hands each readiness to [`Dialer::on_ready`] and calls [`Dialer::progress`] when
+//!   the poll said so or its [`Dialer::deadline`] passed: the connect's result, reads (within a
+//!   budget; what is left is read next time, without a new event), the connection's deadlines
+//!   (heartbeats, the handshake), writes. The first failure is returned, with the cause the
+//!   user will read ([`LinkLoss`]); the dialer is then idle.
+//! * A connect may have a deadline of its own (the event stream's, which reconnects); the
+//!   control channel's has none beyond the system's, as libzmq's.
+//!
+//! Owned by the thread that owns the poller; nothing here blocks.
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use kvpeer_core::LinkLoss;
+use tracing::debug;
+
+use crate::io::poller::{Poller, Ready, Token};
+use crate::io::sockio::{self, ReadEnd};
+use crate::zmtp::connection::{ConnError, Connection, QueueFull};
+use crate::zmtp::ZmtpError;
+
+/// How far a connecting socket got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DialStage {
+    /// Resolving the name or waiting for TCP's connect.
+    Connecting,
+    /// TCP is up; the ZMTP greeting and READY are not done.
+    Handshaking,
+    /// ZMTP is up: messages flow.
+    Ready,
+}
+
+enum State {
+    /// No socket.
+    Idle,
+    /// TCP connect in progress since `since`.
+    Connecting {
+        stream: TcpStream,
+        addr: SocketAddr,
+        since: Instant,
+        /// The poll reported the socket (the connect finished, one way or the other).
+        reported: bool,
+    },
+    /// Connected: ZMTP flows.
+    Open {
+        stream: TcpStream,
+        /// Input may wait (the poll said so and no read drained it since).
+        readable: bool,
+        /// The socket takes bytes.
+        writable: bool,
+    },
+}
+
+/// A connecting socket and its connection.
+pub(crate) struct Dialer {
+    conn: Connection,
+    state: State,
+    /// What `connect` may take (`None`: the system's own connect timeout).
+    connect_timeout: Option<Duration>,
+    /// Bytes read per progress.
+    read_budget: usize,
+}
+
+impl std::fmt::Debug for Dialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialer")
+            .field("role", &self.conn.role().socket_type)
+            .field("stage", &self.stage())
+            .finish()
+    }
+}
+
+/// The cause a user reads for a connection's protocol failure.
+pub(crate) fn loss_of(e: ConnError) -> LinkLoss {
+    match e {
+        ConnError::HandshakeTimeout(d) => LinkLoss::HandshakeTimeout(d),
+        ConnError::HeartbeatTimeout(d) | ConnError::TtlExpired(d) => LinkLoss::Silent(d),
+        // What the greeting or READY says: not the kind of port we dialed.
+        e @ (ConnError::Zmtp(
+            ZmtpError::Signature(_) | ZmtpError::Version(_) | ZmtpError::Mechanism(_),
+        )
+        | ConnError::PeerType { .. }) => LinkLoss::NotZmtp(e.to_string().into()),
+        ConnError::Zmtp(e) => LinkLoss::Zmtp(e.to_string().into()),
+    }
+}
+
+impl Dialer {
+    /// An idle dialer whose connection speaks `conn`'s role (messages may be queued at once).
+    pub(crate) fn new(
+        conn: Connection,
+        connect_timeout: Option<Duration>,
+        read_budget: usize,
+    ) -> Self {
+        Dialer {
+            conn,
+            state: State::Idle,
+            connect_timeout,
+            read_budget,
+        }
+    }
+
+    /// The connection (its handshake, what it holds).
+    pub(crate) fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// A fresh connection for the next attempt (what the old one held is dropped).
+    pub(crate) fn replace_connection(&mut self, conn: Connection) {
+        self.conn = conn;
+    }
+
+    /// How far it got (`None`: no socket).
+    pub(crate) fn stage(&self) -> Option<DialStage> {
+        match &self.state {
+            State::Idle => None,
+            State::Connecting { .. } => Some(DialStage::Connecting),
+            State::Open { .. } if self.conn.is_ready() => Some(DialStage::Ready),
+            State::Open { .. } => Some(DialStage::Handshaking),
+        }
+    }
+
+    /// Whether the handshake is done.
+    pub(crate) fn is_ready(&self) -> bool {
+        matches!(self.state, State::Open { .. }) && self.conn.is_ready()
+    }
+
+    /// Whether a socket is open or opening.
+    pub(crate) fn is_active(&self) -> bool {
+        !matches!(self.state, State::Idle)
+    }
+
+    /// Whether the connection is ready and its socket has not seen the peer's end of stream
+    /// (a peek, checked now).
+    pub(crate) fn ready_and_open(&self) -> bool {
+        let State::Open { stream, .. } = &self.state else {
+            return false;
+        };
+        if !self.conn.is_ready() {
+            return false;
+        }
+        // Non-blocking: bytes waiting or none yet means open; 0 is the peer's end of stream.
+        match stream.peek(&mut [0u8; 1]) {
+            Ok(n) => n > 0,
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+
+    /// Starts a non-blocking connect to `addr` at `now`, registered in `poller` as `token`.
+    /// `Err(Some(cause))`: the connect failed at once; `Err(None)`: no socket could be made
+    /// (out of descriptors: the owner tries again later).
+    pub(crate) fn connect(
+        &mut self,
+        poller: &Poller,
+        token: Token,
+        addr: SocketAddr,
+        now: Instant,
+    ) -> Result<(), Option<LinkLoss>> {
+        let stream = sockio::start_connect(addr)?;
+        if let Err(e) = poller.add(stream.as_fd(), token) {
+            return Err(Some(LinkLoss::DialFailed(
+                format!("cannot poll the socket: {e}").into(),
+            )));
+        }
+        self.state = State::Connecting {
+            stream,
+            addr,
+            since: now,
+            reported: true,
+        };
+        Ok(())
+    }
+
+    /// Closes the socket (the connection's state stays, for an owner that reports it).
+    pub(crate) fn disconnect(&mut self) {
+        if let State::Open { stream, .. } | State::Connecting { stream, .. } = &self.state {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        self.state = State::Idle;
+    }
+
+    /// What the owner's poll said of this socket.
+    pub(crate) fn on_ready(&mut self, ready: Ready) {
+        match &mut self.state {
+            State::Connecting { reported, .. } => *reported = true,
+            State::Open {
+                readable, writable, ..
+            } => {
+                *readable |= ready.readable || ready.closed;
+                *writable |= ready.writable;
+            }
+            State::Idle => {}
+        }
+    }
+
+    /// Whether a progress would have work now (the poll's news not yet handled, or input left
+    /// from the last one).
+    pub(crate) fn has_work(&self, reading: bool) -> bool {
+        match &self.state {
+            State::Connecting { reported, .. } => *reported,
+            State::Open {
+                readable, writable, ..
+            } => {
+                (reading && *readable)
+                    || self.conn.holds_input()
+                    || (*writable && !self.conn.transmit().is_empty())
+            }
+            State::Idle => false,
+        }
+    }
+
+    /// When [`Dialer::progress`] has something to do without the poll's news: the connect's
+    /// deadline, the connection's heartbeats and handshake.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        match &self.state {
+            State::Idle => None,
+            State::Connecting { since, .. } => self.connect_timeout.map(|t| *since + t),
+            State::Open { .. } => self.conn.poll_timeout(),
+        }
+    }
+
+    /// Drives the socket at `now`: the connect's end, reads (when `reading`), deadlines,
+    /// writes; what the peer sent is taken with [`Dialer::poll_incoming`]. `Ok(true)` when the
+    /// handshake finished in this call. A failure closes the socket.
+    pub(crate) fn progress(&mut self, now: Instant, reading: bool) -> Result<bool, LinkLoss> {
+        let was_ready = self.is_ready();
+        let result = self.step(now, reading);
+        if result.is_err() {
+            self.disconnect();
+        }
+        result.map(|()| !was_ready && self.is_ready())
+    }
+
+    fn step(&mut self, now: Instant, reading: bool) -> Result<(), LinkLoss> {
+        if let State::Connecting {
+            stream,
+            addr,
+            since,
+            reported,
+        } = &mut self.state
+        {
+            if !*reported {
+                return match self.connect_timeout {
+                    Some(t) if now >= *since + t => Err(LinkLoss::ConnectTimeout(t)),
+                    _ => Ok(()),
+                };
+            }
+            *reported = false;
+            match sockio::connect_done(stream, *addr) {
+                Err(reason) => return Err(reason),
+                Ok(false) => {
+                    return match self.connect_timeout {
+                        Some(t) if now >= *since + t => Err(LinkLoss::ConnectTimeout(t)),
+                        _ => Ok(()),
+                    }
+                }
+                Ok(true) => {
+                    let State::Connecting { stream, .. } =
+                        std::mem::replace(&mut self.state, State::Idle)
+                    else {
+                        return Ok(());
+                    };
+                    self.conn.connected(now);
+                    debug!(role = self.conn.role().socket_type, "connected");
+                    self.state = State::Open {
+                        stream,
+                        readable: true,
+                        writable: true,
+                    };
+                }
+            }
+        }
+        let State::Open {
+            stream,
+            readable,
+            writable,
+        } = &mut self.state
+        else {
+            return Ok(());
+        };
+        if reading && *readable && !self.conn.holds_input() {
+            let conn = &mut self.conn;
+            let end = sockio::read_while(stream, self.read_budget, |bytes| {
+                conn.handle_bytes(bytes, now).map_err(loss_of)?;
+                Ok(!conn.decoding_paused())
+            })?;
+            *readable = end == ReadEnd::More;
+        } else if self.conn.holds_input() {
+            self.conn.decode_held(now).map_err(loss_of)?;
+        }
+        self.conn.handle_timeout(now).map_err(loss_of)?;
+        if *writable {
+            *writable = !sockio::write_available(stream, &mut self.conn)?.blocked;
+        }
+        Ok(())
+    }
+
+    /// The next thing the peer sent (a role that keeps messages), in order.
+    pub(crate) fn poll_incoming(&mut self) -> Option<crate::zmtp::connection::Incoming> {
+        self.conn.poll_incoming()
+    }
+
+    /// Queues one message and writes it at once when nothing waited before it. A socket
+    /// error is left for the next progress to report (the poll reports the socket again).
+    pub(crate) fn send(&mut self, parts: &[&[u8]]) -> Result<(), QueueFull> {
+        let idle = self.conn.transmit().is_empty();
+        self.conn.queue(parts)?;
+        if idle {
+            self.flush();
+        }
+        Ok(())
+    }
+
+    /// Writes what waits, if the socket takes it.
+    pub(crate) fn flush(&mut self) {
+        if let State::Open {
+            stream, writable, ..
+        } = &mut self.state
+        {
+            if *writable {
+                match sockio::write_available(stream, &mut self.conn) {
+                    Ok(wrote) => *writable = !wrote.blocked,
+                    // Reported by the next progress: a failed socket is readable at once.
+                    Err(_) => *writable = false,
+                }
+            }
+        }
+    }
+}
