@@ -193,3 +193,50 @@ pub trait DataPlane {
     /// without a channel).
     fn bind_challenge(&mut self, _peer: &PeerId, _challenge: Option<&[u8]>) {}
 }
+
+/// A boxed plane is a plane: what a node holds when its plane is chosen at run time.
+impl<T: DataPlane + ?Sized> DataPlane for Box<T> {
+    fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
+        (**self).add_remote_peer(peer, memory)
+    }
+    fn registration(&mut self, peer: &PeerId) -> Registration {
+        (**self).registration(peer)
+    }
+    fn remove_remote_peer(&mut self, peer: &PeerId) {
+        (**self).remove_remote_peer(peer)
+    }
+    fn write_blocks(
+        &mut self,
+        peer: &PeerId,
+        local: &[BlockIndex],
+        remote: &[BlockIndex],
+    ) -> Option<TransferId> {
+        (**self).write_blocks(peer, local, remote)
+    }
+    fn poll(&mut self, peer: &PeerId) -> PlanePoll {
+        (**self).poll(peer)
+    }
+    fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
+        (**self).cancel(ids, mode)
+    }
+    fn take_news(&mut self, out: &mut Vec<PeerId>) -> bool {
+        (**self).take_news(out)
+    }
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        (**self).expect_writes(peer, blocks)
+    }
+    fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        (**self).end_writes(peer, blocks)
+    }
+    fn connect_metadata(
+        &mut self,
+        peer: &PeerId,
+        challenge: Option<&[u8]>,
+        advertised: &[u8],
+    ) -> Vec<u8> {
+        (**self).connect_metadata(peer, challenge, advertised)
+    }
+    fn bind_challenge(&mut self, peer: &PeerId, challenge: Option<&[u8]>) {
+        (**self).bind_challenge(peer, challenge)
+    }
+}

@@ -11,7 +11,6 @@
 //! engine's memory is held as a Python buffer export for the node's whole life, so the
 //! exporter cannot free or resize it underneath the planes.
 
-mod engine;
 mod errors;
 mod memory;
 mod node;

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use kvpeer::node::build::BuildError;
 use kvpeer::{Node as RustNode, NodeError, OffloadKey, PeerId};
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -197,7 +198,9 @@ fn node_error(what: &str, e: NodeError) -> PyErr {
     match e {
         NodeError::Timeout(_) => PyTimeoutError::new_err(format!("{what}: {e}")),
         NodeError::Config(c) => ConfigError::new_err((c.to_string(), c.key.clone())),
-        e @ NodeError::PlaneNotBuilt { .. } => PlaneUnavailable::new_err(format!("{what}: {e}")),
+        e @ NodeError::Build(BuildError::PlaneNotBuilt { .. }) => {
+            PlaneUnavailable::new_err(format!("{what}: {e}"))
+        }
         e @ (NodeError::Refused { .. } | NodeError::ConnectTimeout { .. }) => {
             PeerUnavailable::new_err(format!("{what}: {e}"))
         }

@@ -13,15 +13,15 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvpeer::engine::{
-    Answer, BlockIndex, EngineEvent, EngineLink, EnginePin, JobId, KvRequestId, LookupResult,
-    QueryId, Request, RequestRoles,
+    Answer, BlockIndex, EngineEvent, EngineLink, EngineNode, EnginePin, JobId, KvRequestId,
+    LookupResult, QueryId, Request, RequestRoles,
 };
+use kvpeer::node::build::BuildError;
 use kvpeer::{OffloadKey, PeerId, PlaneKind};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::engine::{self, Engine, StartError};
 use crate::errors::{kvpeer_error, KvpeerError, PlaneUnavailable};
 use crate::memory::{engine_pool, Export};
 use crate::settings::node_config;
@@ -56,7 +56,7 @@ type Ended = (u64, bool);
 type PyQuery<'py> = (u64, String, String, Bound<'py, PyBytes>);
 
 struct Live {
-    engine: Box<dyn Engine>,
+    engine: EngineNode,
 }
 
 /// A kvpeer node over an engine's block memory (see the module documentation).
@@ -87,19 +87,19 @@ impl EngineTier {
         tag: &str,
     ) -> PyResult<Self> {
         let config = node_config(tag, "KvpeerTier settings", &settings)?;
-        let shm = matches!(config.plane, PlaneKind::Shm | PlaneKind::Both);
+        let shm = matches!(config.spec.plane, PlaneKind::Shm | PlaneKind::Both);
         let (pool, export) = engine_pool(memory, shm)?;
         let (num_blocks, block_len) = (pool.num_blocks(), pool.block_len());
-        let plane = config.plane;
-        let built = py.detach(|| engine::build(plane, &config.spec, pool));
+        let plane = config.spec.plane;
+        let built = py.detach(|| EngineNode::build(&config.spec, pool));
         let engine = match built {
             Ok(e) => e,
-            Err(e @ StartError::NotBuilt(_)) => {
+            Err(e @ BuildError::PlaneNotBuilt { .. }) => {
                 return Err(PlaneUnavailable::new_err(e.to_string()))
             }
             Err(e) => return Err(kvpeer_error("cannot start the kvpeer node", &e)),
         };
-        let id = engine.id();
+        let id = engine.id().to_string();
         let link = engine.link();
         Ok(EngineTier {
             live: Mutex::new(Some(Live { engine })),
@@ -156,7 +156,7 @@ impl EngineTier {
             }),
             decoder,
         };
-        let inner = py.detach(|| self.with(|live| Ok(live.engine.open(id, roles))))?;
+        let inner = py.detach(|| self.with(|live| Ok(live.engine.new_request_with(id, roles))))?;
         Ok(NativeRequest { inner })
     }
 
@@ -226,7 +226,7 @@ impl EngineTier {
         py.detach(|| {
             self.with(|live| {
                 if wait.is_zero() {
-                    live.engine.step();
+                    live.engine.step(std::time::Instant::now());
                 } else {
                     live.engine.drive(wait);
                 }

@@ -490,7 +490,7 @@ impl Driver {
             return self.on_data(token);
         }
         let i = (token / 4) as usize;
-        if token % 4 == 0 {
+        if token.is_multiple_of(4) {
             // The node dials back.
             // Edge-triggered: take every waiting connection (the newest is the node's link).
             let mut newest = None;

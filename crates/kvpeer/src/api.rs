@@ -43,7 +43,8 @@ pub use kvpeer_core::{CoreConfig, CoreStats, Counters, LookupResult};
 pub use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 pub use kvpeer_store::{StoreError, StoreStats};
 
-use crate::node::build::{build, BuildPlane, NodeSpec};
+use crate::node::build::{build, NodeSpec};
+pub use crate::node::plane::PlaneKind;
 use crate::node::runtime::{self, Command};
 
 mod request;
@@ -52,65 +53,11 @@ mod sources;
 pub use request::NodeRequest;
 pub use sources::{Pull, Pulled, Sources};
 
-/// Which data planes a node advertises and writes with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PlaneKind {
-    /// Same-host shared memory only.
-    Shm,
-    /// TCP only.
-    Tcp,
-    /// Both: shm to peers whose pool this host can open, tcp to the others.
-    #[default]
-    Both,
-    /// NIXL over UCX, as stock vLLM engines use (builds with the `nixl` feature).
-    Nixl,
-}
-
-impl PlaneKind {
-    /// Every plane, in the order of the documentation.
-    pub const ALL: [PlaneKind; 4] = [
-        PlaneKind::Shm,
-        PlaneKind::Tcp,
-        PlaneKind::Both,
-        PlaneKind::Nixl,
-    ];
-
-    /// Its name in flags and config files.
-    pub fn name(self) -> &'static str {
-        match self {
-            PlaneKind::Shm => "shm",
-            PlaneKind::Tcp => "tcp",
-            PlaneKind::Both => "both",
-            PlaneKind::Nixl => "nixl",
-        }
-    }
-}
-
-impl std::fmt::Display for PlaneKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for PlaneKind {
-    type Err = String;
-
-    /// A plane by its [`name`](PlaneKind::name).
-    fn from_str(s: &str) -> Result<Self, String> {
-        PlaneKind::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("{s:?} is not shm, tcp, both or nixl"))
-    }
-}
-
 /// How to start a node.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     /// The node itself: identity (`host:0` picks a port), pool, seeds, timeouts.
     pub spec: NodeSpec,
-    /// Its data planes.
-    pub plane: PlaneKind,
     /// The pool node's settings (`kvpeer serve --follow`; off by default): read by
     /// [`crate::pool::Pool::start`], not by [`Node::start`].
     pub pool: crate::pool::PoolConfig,
@@ -188,12 +135,6 @@ pub enum NodeError {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
-    /// This build of kvpeer lacks the data plane asked for.
-    #[error("this kvpeer was built without the {plane} plane: build with `--features {plane}`")]
-    PlaneNotBuilt {
-        /// The plane's name.
-        plane: &'static str,
-    },
     /// The runtime thread or its wake pipe could not be set up.
     #[error("cannot start the node's runtime thread: {0}")]
     Runtime(std::io::Error),
@@ -396,19 +337,8 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// Builds the node and starts its runtime thread.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
-        match config.plane {
-            PlaneKind::Shm => Self::start_with::<kvpeer_net::data::shm::ShmPlane>(config.spec),
-            PlaneKind::Tcp => Self::start_with::<kvpeer_net::data::tcp::TcpPlane>(config.spec),
-            PlaneKind::Both => Self::start_with::<kvpeer_net::data::dual::DualPlane>(config.spec),
-            #[cfg(feature = "nixl")]
-            PlaneKind::Nixl => Self::start_with::<kvpeer_net::data::nixl::NixlPlane>(config.spec),
-            #[cfg(not(feature = "nixl"))]
-            PlaneKind::Nixl => Err(NodeError::PlaneNotBuilt { plane: "nixl" }),
-        }
-    }
-
-    fn start_with<P: BuildPlane + Send + 'static>(spec: NodeSpec) -> Result<Node, NodeError> {
-        let io = build::<P>(&spec)?;
+        let spec = config.spec;
+        let io = build(&spec)?;
         let id = io.core().local().peer_id.clone();
         let advertised = Advertised::from_agent_metadata(&io.core().local().agent_metadata);
         let wake = match io.wake_writer() {

@@ -16,8 +16,8 @@ const WAIT: Duration = Duration::from_secs(10);
 fn pair(tag: &str, plane: PlaneKind) -> (Node, Node) {
     let mut p = NodeConfig::local(&format!("api-{tag}-p"));
     let mut c = NodeConfig::local(&format!("api-{tag}-c"));
-    p.plane = plane;
-    c.plane = plane;
+    p.spec.plane = plane;
+    c.spec.plane = plane;
     (Node::start(p).unwrap(), Node::start(c).unwrap())
 }
 
@@ -201,11 +201,11 @@ fn the_allowlist_refuses_peers_both_ways_and_never_dials_them() {
 #[test]
 fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     let mut p = NodeConfig::local("api-drain-p");
-    p.plane = PlaneKind::Tcp;
+    p.spec.plane = PlaneKind::Tcp;
     // 64 blocks of 64 KiB at 8 MB/s: the write takes about half a second.
     p.spec.tcp_max_write_rate = Some(8_000_000);
     let mut c = NodeConfig::local("api-drain-c");
-    c.plane = PlaneKind::Tcp;
+    c.spec.plane = PlaneKind::Tcp;
     let (producer, consumer) = (Node::start(p).unwrap(), Node::start(c).unwrap());
     let len = producer.config().block_len as usize;
     let keys: Vec<_> = (0..64).map(synthetic::key).collect();

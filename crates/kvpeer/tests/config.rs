@@ -22,7 +22,7 @@ fn defaults_apply_when_nothing_is_set() {
     let c = resolve(&Settings::default(), &env(&[]), &Settings::default(), "t").unwrap();
     assert_eq!(c.spec.id.as_str(), "127.0.0.1:0");
     assert_eq!((c.spec.num_blocks, c.spec.block_len), (1024, 65536));
-    assert_eq!(c.plane, PlaneKind::Both);
+    assert_eq!(c.spec.plane, PlaneKind::Both);
     assert_eq!(c.spec.core.handshake_timeout, Duration::from_secs(30));
     assert_eq!(c.spec.config_fingerprint, "");
     // vLLM's own default seed, so a stock engine with defaults is accepted.
@@ -77,7 +77,7 @@ fn a_flag_beats_the_environment_which_beats_the_file() {
     assert_eq!(c.spec.core.max_peers, 30, "flag over env over file");
     assert_eq!(c.spec.core.handshake_timeout, Duration::from_secs(7));
     assert_eq!(c.spec.num_blocks, 64);
-    assert_eq!(c.plane, PlaneKind::Tcp);
+    assert_eq!(c.spec.plane, PlaneKind::Tcp);
 }
 
 #[test]
@@ -285,7 +285,7 @@ fn the_builder_starts_from_the_declared_defaults_and_checks_bounds() {
     .unwrap();
     let built = NodeConfig::builder("b").build().unwrap();
     assert_eq!(format!("{:?}", built.spec), format!("{:?}", resolved.spec));
-    assert_eq!(built.plane, resolved.plane);
+    assert_eq!(built.spec.plane, resolved.spec.plane);
     let local = NodeConfig::local("b");
     assert_eq!(format!("{:?}", local.spec), format!("{:?}", resolved.spec));
     assert_eq!(
@@ -310,7 +310,10 @@ fn the_builder_starts_from_the_declared_defaults_and_checks_bounds() {
         .unwrap();
     assert_eq!(c.spec.id.as_str(), "127.0.0.2:7000");
     assert_eq!((c.spec.num_blocks, c.spec.block_len), (8, 4096));
-    assert_eq!((c.plane, c.spec.hash_seed.as_str()), (PlaneKind::Shm, "7"));
+    assert_eq!(
+        (c.spec.plane, c.spec.hash_seed.as_str()),
+        (PlaneKind::Shm, "7")
+    );
     assert_eq!(c.spec.tcp_max_write_rate, Some(1000));
     assert_eq!(c.spec.tcp_min_write_rate, 250_000);
     assert_eq!(c.spec.tcp_transfer_timeout, Duration::from_secs(4));

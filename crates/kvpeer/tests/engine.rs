@@ -15,9 +15,8 @@ use kvpeer::engine::{
     Answer, BlockBusy, BlockIndex, EngineEvent, EngineNode, EnginePin, JobId, KvRequestId, Pool,
     RequestRoles,
 };
+use kvpeer::node::build::NodeSpec;
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
-
-use kvpeer_net::data::tcp::TcpPlane;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -48,8 +47,11 @@ fn engine_memory(block_len: u64) -> Pool {
 
 /// An engine's node over its own memory, with the tcp plane (a shared-memory plane needs a
 /// named object; external memory is for tcp and nixl).
-fn engine_node(tag: &str) -> EngineNode<TcpPlane> {
-    let spec = NodeConfig::local(tag).spec;
+fn engine_node(tag: &str) -> EngineNode {
+    let spec = NodeSpec {
+        plane: PlaneKind::Tcp,
+        ..NodeConfig::local(tag).spec
+    };
     EngineNode::build(&spec, engine_memory(spec.block_len)).unwrap()
 }
 
@@ -71,7 +73,7 @@ struct EngineLog {
 /// drives the node, then (every 20 ms, like an engine's forward pass) answers what peers
 /// asked, and takes back released pins.
 fn run_engine(
-    mut node: EngineNode<TcpPlane>,
+    mut node: EngineNode,
     held: Vec<OffloadKey>,
     stop: Arc<AtomicBool>,
     released: Arc<AtomicUsize>,
@@ -204,10 +206,12 @@ fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks()
 
 #[test]
 fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
-    let producer = Node::start(NodeConfig {
-        plane: PlaneKind::Tcp,
-        ..NodeConfig::local("eng-src")
-    })
+    let producer = Node::start(
+        NodeConfig::builder("eng-src")
+            .plane(PlaneKind::Tcp)
+            .build()
+            .unwrap(),
+    )
     .unwrap();
     let block_len = producer.config().block_len as usize;
     let keys: Vec<OffloadKey> = (0..3).map(synthetic::key).collect();
@@ -276,10 +280,7 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
     producer.shutdown(Duration::from_secs(1));
 }
 
-fn drive_until(
-    engine: &mut EngineNode<TcpPlane>,
-    want: impl Fn(&EngineEvent) -> bool,
-) -> EngineEvent {
+fn drive_until(engine: &mut EngineNode, want: impl Fn(&EngineEvent) -> bool) -> EngineEvent {
     let deadline = Instant::now() + WAIT;
     while Instant::now() < deadline {
         engine.drive(Duration::from_millis(5));
@@ -378,7 +379,7 @@ fn blocks(indexes: &[u64]) -> Vec<BlockIndex> {
     indexes.iter().map(|&i| BlockIndex::new(i)).collect()
 }
 
-fn read(engine: &EngineNode<TcpPlane>, block: BlockIndex) -> Vec<u8> {
+fn read(engine: &EngineNode, block: BlockIndex) -> Vec<u8> {
     let mut out = vec![0u8; engine.block_len() as usize];
     engine.read_block(block, &mut out).unwrap();
     out

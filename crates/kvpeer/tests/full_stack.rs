@@ -8,13 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, BuildPlane, NodeSpec};
+use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
-use kvpeer::NodeConfig;
+use kvpeer::{NodeConfig, PlaneKind};
 use kvpeer_core::{JobId, LookupResult, RequestRoles};
-use kvpeer_net::data::dual::DualPlane;
-use kvpeer_net::data::shm::ShmPlane;
-use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;
@@ -52,20 +49,17 @@ fn content(n: u64) -> Vec<u8> {
 }
 
 /// Steps both nodes until `done` holds (bounded: 10 s).
-fn run_until<P: BuildPlane>(
-    a: &mut NodeIo<P>,
-    b: &mut NodeIo<P>,
-    done: impl FnMut(&mut NodeIo<P>, &mut NodeIo<P>) -> bool,
-) {
+fn run_until(a: &mut NodeIo, b: &mut NodeIo, done: impl FnMut(&mut NodeIo, &mut NodeIo) -> bool) {
     step_both_until(a, b, Duration::from_secs(10), done);
 }
 
-/// Shares blocks between two nodes on plane `P`, whose pools must be shared `/dev/shm` objects
+/// Shares blocks between two nodes on `plane`, whose pools must be shared `/dev/shm` objects
 /// (`shared_pool`: a peer maps them) or private anonymous memory in huge pages.
-fn share<P: BuildPlane>(tag: &str, shared_pool: bool) {
+fn share(plane: PlaneKind, tag: &str, shared_pool: bool) {
+    let spec = |tag: &str| NodeSpec { plane, ..spec(tag) };
     let (mut c, mut p) = (
-        build::<P>(&spec(&format!("{tag}c"))).unwrap(),
-        build::<P>(&spec(&format!("{tag}p"))).unwrap(),
+        build(&spec(&format!("{tag}c"))).unwrap(),
+        build(&spec(&format!("{tag}p"))).unwrap(),
     );
     assert_pool_memory(c.core().parent().pool(), shared_pool);
     assert_pool_memory(p.core().parent().pool(), shared_pool);
@@ -167,15 +161,15 @@ fn share<P: BuildPlane>(tag: &str, shared_pool: bool) {
 
 #[test]
 fn two_nodes_over_zeromq_and_shm() {
-    share::<ShmPlane>("shm", true);
+    share(PlaneKind::Shm, "shm", true);
 }
 
 #[test]
 fn two_nodes_over_zeromq_and_tcp() {
-    share::<TcpPlane>("tcp", false);
+    share(PlaneKind::Tcp, "tcp", false);
 }
 
 #[test]
 fn two_nodes_over_zeromq_with_both_planes_advertised() {
-    share::<DualPlane>("dual", true);
+    share(PlaneKind::Both, "dual", true);
 }

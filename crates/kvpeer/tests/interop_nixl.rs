@@ -65,7 +65,7 @@ fn a_nixl_nodes_pool_is_anonymous_memory_in_huge_pages() {
         .set("nixl_lib_dir", nixl_lib_dir())
         .build()
         .unwrap();
-    let io = build::<kvpeer_net::data::nixl::NixlPlane>(&config.spec).unwrap();
+    let io = build(&config.spec).unwrap();
     let pool = io.core().parent().pool();
     assert_pool_memory(pool, false);
     assert_eq!(

@@ -80,11 +80,11 @@ fn a_vllm_consumers_load_timeout_is_aborted_and_acked_with_its_round() {
 #[test]
 fn kvpeer_answers_a_key_still_landing_miss_at_the_5_s_deadline() {
     let mut slow = NodeConfig::local("interop-slow");
-    slow.plane = PlaneKind::Tcp;
+    slow.spec.plane = PlaneKind::Tcp;
     slow.spec.tcp_max_write_rate = Some(8 * 1024);
     let slow = Node::start(slow).unwrap();
     let mut middle = NodeConfig::local("interop-middle");
-    middle.plane = PlaneKind::Both;
+    middle.spec.plane = PlaneKind::Both;
     middle.spec.shm_allow_replayable_tokens = true;
     let middle = Arc::new(Node::start(middle).unwrap());
     let held = keys(0..4);

@@ -21,7 +21,6 @@ use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::{synthetic, Node, NodeConfig, PlaneKind};
 use kvpeer_core::{CoreConfig, JobId, LookupResult, Request, RequestRoles};
-use kvpeer_net::data::shm::ShmPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 const LEN: u64 = 4096;
@@ -41,7 +40,7 @@ fn rss_kib() -> u64 {
 /// Opens `n` requests (ids `tag-first..`), each looking up one held key; returns them once
 /// every lookup is answered (all must hit).
 fn lookups(
-    c: &mut NodeIo<ShmPlane>,
+    c: &mut NodeIo,
     producer: &PeerId,
     tag: &str,
     first: u64,
@@ -86,7 +85,7 @@ fn lookups(
 
 /// Keeps the consumer's channel serviced until the producer holds nothing open or `timeout`
 /// passes (the caller asserts which).
-fn settle(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration, pause: Duration) {
+fn settle(c: &mut NodeIo, producer: &Node, timeout: Duration, pause: Duration) {
     step_for(c, timeout, pause, |_| {
         producer_open(producer) == (0, 0, 0, 0)
     });
@@ -94,7 +93,7 @@ fn settle(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration, pause: D
 
 /// Waits (bounded by `timeout`) until the consumer holds no request, then until the producer
 /// holds nothing open (bounded: 10 s; the caller asserts it).
-fn drain(c: &mut NodeIo<ShmPlane>, producer: &Node, timeout: Duration) {
+fn drain(c: &mut NodeIo, producer: &Node, timeout: Duration) {
     step_until(c, timeout, |c| c.core().stats().client_requests == 0);
     settle(
         c,
@@ -124,6 +123,7 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     let base = NodeConfig::local("long-producer");
     let producer = Node::start(NodeConfig {
         spec: NodeSpec {
+            plane: PlaneKind::Shm,
             num_blocks: 256,
             block_len: LEN,
             core: CoreConfig {
@@ -132,7 +132,6 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
             },
             ..base.spec
         },
-        plane: PlaneKind::Shm,
         pool: base.pool,
     })
     .unwrap();
@@ -146,7 +145,8 @@ fn one_node_serves_100k_rounds_and_forgets_100k_unfetched_lookups() {
     producer.store(held).unwrap();
     let pid = producer.id().clone();
 
-    let mut c: NodeIo<ShmPlane> = build(&NodeSpec {
+    let mut c: NodeIo = build(&NodeSpec {
+        plane: PlaneKind::Shm,
         num_blocks: 4 * BATCH,
         block_len: LEN,
         ..NodeConfig::local("long-consumer").spec

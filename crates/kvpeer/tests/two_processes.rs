@@ -11,14 +11,11 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::{build, BuildPlane, NodeSpec};
+use kvpeer::node::build::{build, NodeSpec};
 use kvpeer::node::io::NodeIo;
 use kvpeer::synthetic;
-use kvpeer::NodeConfig;
+use kvpeer::{NodeConfig, PlaneKind};
 use kvpeer_core::{BlockIndex, CoreConfig, CoreStats, JobId, LookupResult, RequestRoles};
-use kvpeer_net::data::dual::DualPlane;
-use kvpeer_net::data::shm::ShmPlane;
-use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 mod common;
@@ -28,19 +25,21 @@ use common::{field, free_port, http_get, init_logs, metrics_addr, num, samples, 
 
 /// An in-process node on 127.0.0.1 with a port the system picks. Its logs go to the test's
 /// output at the level `KVPEER_LOG` names (default warn).
-fn node<P: BuildPlane>(tag: &str, blocks: u64, block_len: u64) -> NodeIo<P> {
-    node_with_rate(tag, blocks, block_len, None)
+fn node(plane: PlaneKind, tag: &str, blocks: u64, block_len: u64) -> NodeIo {
+    node_with_rate(plane, tag, blocks, block_len, None)
 }
 
 /// [`node`] with its tcp writes capped at `rate` bytes per second.
-fn node_with_rate<P: BuildPlane>(
+fn node_with_rate(
+    plane: PlaneKind,
     tag: &str,
     blocks: u64,
     block_len: u64,
     rate: Option<u64>,
-) -> NodeIo<P> {
+) -> NodeIo {
     init_logs();
-    build::<P>(&NodeSpec {
+    build(&NodeSpec {
+        plane,
         num_blocks: blocks,
         block_len,
         tcp_max_write_rate: rate,
@@ -55,14 +54,6 @@ fn node_with_rate<P: BuildPlane>(
 }
 
 const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
-
-fn plane_name<P: 'static>() -> &'static str {
-    match std::any::type_name::<P>() {
-        t if t.ends_with("ShmPlane") => "shm",
-        t if t.ends_with("TcpPlane") => "tcp",
-        _ => "both",
-    }
-}
 
 /// `kvpeer serve` with 16 blocks of 4 KiB, 8 of them filled.
 fn small_server() -> (Proc, PeerId) {
@@ -142,8 +133,8 @@ fn serve_and_fetch_processes_with_both_planes() {
 // An in-process consumer against a `kvpeer serve` process
 
 /// Handshake with `peer`, look up `keys`, return the request and the leading hits.
-fn lookup<P: BuildPlane>(
-    c: &mut NodeIo<P>,
+fn lookup(
+    c: &mut NodeIo,
     peer: &PeerId,
     rid: &str,
     roles: RequestRoles,
@@ -175,8 +166,8 @@ fn lookup<P: BuildPlane>(
 
 /// Loads `keys` (into fresh blocks) as job `job`; returns the blocks once the load ended and
 /// whether it succeeded, and how long it took.
-fn load<P: BuildPlane>(
-    c: &mut NodeIo<P>,
+fn load(
+    c: &mut NodeIo,
     req: &kvpeer_core::Request,
     job: u64,
     keys: &[OffloadKey],
@@ -200,7 +191,7 @@ fn load<P: BuildPlane>(
     (blocks, success, elapsed)
 }
 
-fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[BlockIndex], len: usize) {
+fn verify(c: &NodeIo, keys: &[OffloadKey], blocks: &[BlockIndex], len: usize) {
     for (k, b) in keys.iter().zip(blocks) {
         assert_eq!(
             c.core().parent().read(*b).unwrap(),
@@ -210,15 +201,15 @@ fn verify<P: BuildPlane>(c: &NodeIo<P>, keys: &[OffloadKey], blocks: &[BlockInde
     }
 }
 
-fn consumer_against_serve_process<P: BuildPlane + 'static>() {
+fn consumer_against_serve_process(kind: PlaneKind) {
     const LEN: u64 = 32 * 1024;
-    let plane = plane_name::<P>();
+    let plane = kind.name();
     let (_server, id) = Cli::serve()
         .plane(plane)
         .pool(32, LEN)
         .arg("--fill", 10)
         .start_serving();
-    let mut c = node::<P>(&format!("cons-{plane}"), 32, LEN);
+    let mut c = node(kind, &format!("cons-{plane}"), 32, LEN);
     let keys: Vec<OffloadKey> = (0..12).map(synthetic::key).collect();
     let (req, hits) = lookup(
         &mut c,
@@ -276,17 +267,17 @@ fn consumer_against_serve_process<P: BuildPlane + 'static>() {
 
 #[test]
 fn consumer_against_a_serve_process_over_tcp() {
-    consumer_against_serve_process::<TcpPlane>();
+    consumer_against_serve_process(PlaneKind::Tcp);
 }
 
 #[test]
 fn consumer_against_a_serve_process_over_shm() {
-    consumer_against_serve_process::<ShmPlane>();
+    consumer_against_serve_process(PlaneKind::Shm);
 }
 
 #[test]
 fn consumer_against_a_serve_process_with_both_planes() {
-    consumer_against_serve_process::<DualPlane>();
+    consumer_against_serve_process(PlaneKind::Both);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -302,15 +293,15 @@ const BIG_BLOCKS: u64 = 64;
 /// cannot be slowed from outside (it is a memcpy in the producer), so on shm the kill may come
 /// before, during or after the copy: the load must end either way within the timeouts, with
 /// every byte right if it succeeded and nothing readable if it failed.
-fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
-    let plane = plane_name::<P>();
+fn producer_killed_mid_transfer(kind: PlaneKind, must_fail: bool) {
+    let plane = kind.name();
     let serve = Cli::serve()
         .plane(plane)
         .pool(BIG_BLOCKS, BIG_LEN)
         .arg("--fill", BIG_BLOCKS)
         .arg("--tcp-max-rate", "64M");
     let (mut server, id) = serve.start_serving();
-    let mut c = node::<P>(&format!("victim-{plane}"), BIG_BLOCKS * 2, BIG_LEN);
+    let mut c = node(kind, &format!("victim-{plane}"), BIG_BLOCKS * 2, BIG_LEN);
     let keys: Vec<OffloadKey> = (0..BIG_BLOCKS).map(synthetic::key).collect();
     let (req, hits) = lookup(
         &mut c,
@@ -370,12 +361,12 @@ fn producer_killed_mid_transfer<P: BuildPlane + 'static>(must_fail: bool) {
 
 #[test]
 fn producer_killed_mid_transfer_over_tcp() {
-    producer_killed_mid_transfer::<TcpPlane>(true);
+    producer_killed_mid_transfer(PlaneKind::Tcp, true);
 }
 
 #[test]
 fn producer_killed_during_a_fetch_over_shm() {
-    producer_killed_mid_transfer::<ShmPlane>(false);
+    producer_killed_mid_transfer(PlaneKind::Shm, false);
 }
 
 /// The consumer (a `kvpeer fetch` process) dies while this node writes 64 MiB into it.
@@ -384,9 +375,10 @@ fn producer_killed_during_a_fetch_over_shm() {
 /// second and the kill lands in it. An shm copy takes milliseconds and cannot be slowed from
 /// outside, so on shm the consumer is killed as soon as it holds pins here (after its lookup:
 /// before, during or just after the copy).
-fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStats) -> bool) {
-    let plane = plane_name::<P>();
-    let mut p = node_with_rate::<P>(
+fn consumer_killed_mid_transfer(kind: PlaneKind, kill_when: fn(&CoreStats) -> bool) {
+    let plane = kind.name();
+    let mut p = node_with_rate(
+        kind,
         &format!("survivor-{plane}"),
         BIG_BLOCKS,
         BIG_LEN,
@@ -435,12 +427,12 @@ fn consumer_killed_mid_transfer<P: BuildPlane + 'static>(kill_when: fn(&CoreStat
 
 #[test]
 fn consumer_killed_mid_transfer_over_tcp() {
-    consumer_killed_mid_transfer::<TcpPlane>(|s| s.inflight > 0);
+    consumer_killed_mid_transfer(PlaneKind::Tcp, |s| s.inflight > 0);
 }
 
 #[test]
 fn consumer_killed_mid_transfer_over_shm() {
-    consumer_killed_mid_transfer::<ShmPlane>(|s| s.store_jobs > 0 || s.inflight > 0);
+    consumer_killed_mid_transfer(PlaneKind::Shm, |s| s.store_jobs > 0 || s.inflight > 0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -158,8 +158,8 @@ pub struct SubscriberStats {
 }
 
 enum SubSide {
-    Connect(Client),
-    Bind(Server),
+    Connect(Box<Client>),
+    Bind(Box<Server>),
 }
 
 /// Tokens of the subscriber's poll: the connecting SUB, the replay DEALER, a bound SUB's
@@ -199,14 +199,14 @@ impl EventSubscriber {
         let poller = Poller::new().map_err(EventsError::Wait)?;
         let backoff = (config.reconnect_interval, config.reconnect_max);
         let sub = match config.endpoint {
-            SubEndpoint::Connect(addr) => SubSide::Connect(Client::new(
+            SubEndpoint::Connect(addr) => SubSide::Connect(Box::new(Client::new(
                 addr,
                 SUB,
                 Role::sub(),
                 config.conn.clone(),
                 backoff,
                 now,
-            )),
+            ))),
             SubEndpoint::Bind(addr) => {
                 let limits = ServerLimits::event_stream(
                     config.conn.clone(),
@@ -214,15 +214,15 @@ impl EventSubscriber {
                     config.max_publishers,
                     config.conn.heartbeat_timeout,
                 );
-                SubSide::Bind(
+                let server =
                     Server::bind(addr, Role::sub(), limits, &poller, BOUND).map_err(|source| {
                         EventsError::Bind {
                             what: "SUB",
                             addr,
                             source,
                         }
-                    })?,
-                )
+                    })?;
+                SubSide::Bind(Box::new(server))
             }
         };
         let replay = config.replay.map(|addr| {

@@ -116,7 +116,7 @@ impl Poller {
         if !NO_PWAIT2.load(Ordering::Relaxed) {
             let spec = libc::timespec {
                 tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-                tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+                tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
             };
             // SAFETY: `events` points to `max` writable `epoll_event`s (EpollEvent is a
             // transparent wrapper of one), `spec` lives across the call, and a null signal mask

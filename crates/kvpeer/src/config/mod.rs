@@ -236,6 +236,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
     Ok(NodeConfig {
         spec: NodeSpec {
             id,
+            plane,
             num_blocks: s.number(&KEY.num_blocks, 1, u64::from(u32::MAX) - 1)?,
             block_len: s.number(&KEY.block_len, 1, 1 << 30)?,
             shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
@@ -254,7 +255,6 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             limits,
             nixl,
         },
-        plane,
         pool: pool(&s)?,
     })
 }
@@ -492,7 +492,7 @@ mod tests {
         assert_eq!(c.spec.limits, DecodeLimits::default());
         assert_eq!(c.spec.control, ControlConfig::default());
         assert_eq!(c.spec.nixl, NixlOptions::default());
-        assert_eq!(c.plane, PlaneKind::default());
+        assert_eq!(c.spec.plane, PlaneKind::default());
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
         let tcp = kvpeer_net::data::tcp::TcpLimits::default();

@@ -19,8 +19,9 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockBusy, Pool};
 
 use super::parent::{EngineLink, EngineParent, FIRST_PIN_JOB};
-use crate::node::build::{build_with, BuildError, BuildPlane, NodeSpec};
+use crate::node::build::{build_with, BuildError, NodeSpec};
 use crate::node::io::NodeIo;
+use crate::node::plane::Plane;
 
 /// What the engine learns from the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,8 +73,8 @@ struct WaitingLookup {
 }
 
 /// A node an engine drives from its own thread.
-pub struct EngineNode<D: BuildPlane> {
-    io: NodeIo<D, EngineParent>,
+pub struct EngineNode {
+    io: NodeIo<EngineParent>,
     link: EngineLink,
     pool: Pool,
     lookups: Vec<WaitingLookup>,
@@ -84,7 +85,7 @@ pub struct EngineNode<D: BuildPlane> {
     events: VecDeque<EngineEvent>,
 }
 
-impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
+impl std::fmt::Debug for EngineNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineNode")
             .field("id", self.id())
@@ -92,7 +93,7 @@ impl<D: BuildPlane> std::fmt::Debug for EngineNode<D> {
     }
 }
 
-impl<D: BuildPlane> EngineNode<D> {
+impl EngineNode {
     /// Builds the node over `pool`, the engine's block memory: its own registered region
     /// ([`Pool::external`], for the tcp and nixl planes), or a shared-memory object
     /// ([`Pool::shm`], or the engine's own adopted with [`Pool::adopt_shm`]: every plane). Binds the control channel and makes the data plane.
@@ -104,7 +105,7 @@ impl<D: BuildPlane> EngineNode<D> {
             shm_name: pool.shm_name().unwrap_or(&spec.shm_name).to_owned(),
             ..spec.clone()
         };
-        let (io, (link, pool)) = build_with::<D, EngineParent, _>(
+        let (io, (link, pool)) = build_with::<EngineParent, _>(
             &spec,
             |_| Ok(pool),
             |pool, wake| {
@@ -268,7 +269,7 @@ impl<D: BuildPlane> EngineNode<D> {
         keys: Vec<OffloadKey>,
         blocks: Vec<BlockIndex>,
         offered: bool,
-        submit: impl FnOnce(&mut Core<EngineParent, D>, Instant, Vec<OffloadKey>, Vec<BlockIndex>),
+        submit: impl FnOnce(&mut Core<EngineParent, Plane>, Instant, Vec<OffloadKey>, Vec<BlockIndex>),
     ) -> Result<(), EngineError> {
         check_job(job, keys.len(), blocks.len())?;
         if offered {
@@ -383,7 +384,7 @@ impl<D: BuildPlane> EngineNode<D> {
     }
 }
 
-impl<D: BuildPlane> Drop for EngineNode<D> {
+impl Drop for EngineNode {
     fn drop(&mut self) {
         if !self.shut_down {
             // Sessions end and every job completes, so the engine's pins come back through

@@ -5,18 +5,17 @@
 
 use std::time::Instant;
 
-use kvpeer_core::{Core, CoreConfig, DataPlane, LocalNode, Parent};
+use kvpeer_core::{Core, CoreConfig, LocalNode, Parent};
 use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
-use kvpeer_net::data::dual::DualPlane;
-use kvpeer_net::data::metadata::AgentMetadata;
-use kvpeer_net::data::shm::{ShmError, ShmPlane, Wake};
-use kvpeer_net::data::tcp::{TcpError, TcpLimits, TcpPlane};
+use kvpeer_net::data::shm::{ShmError, Wake};
+use kvpeer_net::data::tcp::TcpError;
 use kvpeer_proto::{DecodeLimits, PeerId};
 use kvpeer_store::{BlockStore, Pool, PoolError, StoreError};
 
 use super::allow::Allowlist;
 use super::auth::Auth;
 use super::io::NodeIo;
+pub use super::plane::PlaneKind;
 use super::wake::WakePipe;
 
 /// The authenticated handshake's shared secret: its `Debug` says only its length, so a logged
@@ -48,6 +47,8 @@ impl std::fmt::Debug for AuthSecret {
 pub struct NodeSpec {
     /// Identity and control address, `host:port`.
     pub id: PeerId,
+    /// Its data plane.
+    pub plane: PlaneKind,
     /// Blocks in the pool.
     pub num_blocks: u64,
     /// Bytes per block.
@@ -124,136 +125,23 @@ pub enum BuildError {
     /// The authentication secret.
     #[error("authentication: {0}")]
     Auth(#[from] super::auth::AuthError),
+    /// This build of kvpeer lacks the data plane asked for (a cargo feature).
+    #[error("this kvpeer was built without the {plane} plane: build with `--features {plane}`")]
+    PlaneNotBuilt {
+        /// Its name.
+        plane: &'static str,
+    },
 }
 
-/// A data plane a node can be built with.
-pub trait BuildPlane: DataPlane + Sized {
-    /// Whether the node's own pool must be a shared-memory object (with the trailer proving
-    /// whose it is), because a same-host peer maps it and writes into it: the shm plane, alone
-    /// or in `both`. Otherwise [`build`] gives the pool private anonymous memory in transparent
-    /// huge pages ([`Pool::anonymous`]), which a `/dev/shm` object does not get.
-    const SHARED_POOL: bool = false;
-
-    /// Makes the plane over the node's pool (the store's: the planes never map it themselves);
-    /// returns it and what it advertises.
-    fn build(spec: &NodeSpec, pool: &Pool, wake: Wake)
-        -> Result<(Self, AgentMetadata), BuildError>;
-
-    /// The `agent_metadata` bytes `connect` carries: kvpeer's plane map, unless the plane
-    /// speaks another format (NIXL's own blob).
-    fn agent_metadata(&self, advertised: &AgentMetadata) -> Vec<u8> {
-        advertised.encode()
-    }
-
-    /// The `base_addr` `connect` carries, when the plane registered the pool itself (NIXL:
-    /// the address it registered, the pool's); `None`: the pool's address.
-    fn base_addr(&self) -> Option<u64> {
-        None
-    }
-}
-
-#[cfg(feature = "nixl")]
-impl BuildPlane for kvpeer_net::data::nixl::NixlPlane {
-    fn build(
-        spec: &NodeSpec,
-        pool: &Pool,
-        wake: Wake,
-    ) -> Result<(Self, AgentMetadata), BuildError> {
-        let config = kvpeer_net::data::nixl::NixlConfig {
-            // Unique per node and process; NIXL refuses a peer agent with its own name.
-            agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
-            backend_params: spec.nixl.backend_params.clone(),
-            lib_dir: spec.nixl.lib_dir.clone(),
-        };
-        let plane = kvpeer_net::data::nixl::NixlPlane::new(&config, pool.view().clone(), wake)?;
-        let meta = AgentMetadata {
-            agent: config.agent_name,
-            shm: None,
-            tcp: None,
-            ..Default::default()
-        };
-        Ok((plane, meta))
-    }
-
-    fn agent_metadata(&self, _: &AgentMetadata) -> Vec<u8> {
-        self.metadata().to_vec()
-    }
-
-    fn base_addr(&self) -> Option<u64> {
-        Some(kvpeer_net::data::nixl::NixlPlane::base_addr(self))
-    }
-}
-
-impl BuildPlane for ShmPlane {
-    const SHARED_POOL: bool = true;
-
-    fn build(
-        spec: &NodeSpec,
-        pool: &Pool,
-        wake: Wake,
-    ) -> Result<(Self, AgentMetadata), BuildError> {
-        let mut plane = ShmPlane::new(spec.id.clone(), pool.view().clone(), wake)?;
-        plane.set_allow_replayable_tokens(spec.shm_allow_replayable_tokens);
-        let meta = AgentMetadata {
-            agent: spec.id.to_string(),
-            shm: Some(spec.shm_name.clone()),
-            tcp: None,
-            ..Default::default()
-        };
-        Ok((plane, meta))
-    }
-}
-
-impl BuildPlane for TcpPlane {
-    fn build(
-        spec: &NodeSpec,
-        pool: &Pool,
-        wake: Wake,
-    ) -> Result<(Self, AgentMetadata), BuildError> {
-        let plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
-            .with_max_write_rate(spec.tcp_max_write_rate)
-            .with_limits(TcpLimits {
-                min_write_rate: spec.tcp_min_write_rate,
-                transfer_timeout: spec.tcp_transfer_timeout,
-                ..TcpLimits::default()
-            });
-        let meta = AgentMetadata {
-            agent: spec.id.to_string(),
-            shm: None,
-            tcp: Some(plane.addr().to_string()),
-            ..Default::default()
-        };
-        Ok((plane, meta))
-    }
-}
-
-impl BuildPlane for DualPlane {
-    const SHARED_POOL: bool = true;
-
-    fn build(
-        spec: &NodeSpec,
-        pool: &Pool,
-        wake: Wake,
-    ) -> Result<(Self, AgentMetadata), BuildError> {
-        let (shm, _) = ShmPlane::build(spec, pool, wake.clone())?;
-        let (tcp, meta) = TcpPlane::build(spec, pool, wake)?;
-        let meta = AgentMetadata {
-            shm: Some(spec.shm_name.clone()),
-            ..meta
-        };
-        Ok((DualPlane::new(shm, tcp), meta))
-    }
-}
-
-/// Builds a node with data plane `P`; its I/O loop wakes when the plane completes something.
-/// An identity with port 0 (`host:0`) binds a port the system picks and takes it as identity.
-/// The pool is a shm object named `spec.shm_name` when `P` needs one
-/// ([`BuildPlane::SHARED_POOL`]), else private anonymous memory.
-pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
+/// Builds a node with the data plane its spec names; its I/O loop wakes when the plane
+/// completes something. An identity with port 0 (`host:0`) binds a port the system picks and
+/// takes it as identity. The pool is a shm object named `spec.shm_name` when the plane needs
+/// one ([`PlaneKind::shared_pool`]), else private anonymous memory.
+pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
     let (io, ()) = build_with(
         spec,
         |spec| {
-            Ok(if P::SHARED_POOL {
+            Ok(if spec.plane.shared_pool() {
                 Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?
             } else {
                 Pool::anonymous(spec.num_blocks, spec.block_len, false)?
@@ -264,15 +152,15 @@ pub fn build<P: BuildPlane>(spec: &NodeSpec) -> Result<NodeIo<P>, BuildError> {
     Ok(io)
 }
 
-/// Builds a node with data plane `D` over the pool `make_pool` returns, and the parent
+/// Builds a node with the spec's data plane over the pool `make_pool` returns, and the parent
 /// `make_parent` makes of that pool (with anything the caller keeps, `T`). Both run after the
 /// control channel is bound (the spec carries the real identity); the plane is built over the
 /// pool before it goes to the parent; `make_parent` gets the node's wake hook.
-pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
+pub(crate) fn build_with<Q: Parent, T>(
     spec: &NodeSpec,
     make_pool: impl FnOnce(&NodeSpec) -> Result<Pool, BuildError>,
     make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
-) -> Result<(NodeIo<D, Q>, T), BuildError> {
+) -> Result<(NodeIo<Q>, T), BuildError> {
     let channel = match spec.id.as_str().strip_suffix(":0") {
         Some(host) => ControlChannel::bind_any_port(host, spec.control.clone())?,
         None => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
@@ -283,19 +171,25 @@ pub(crate) fn build_with<D: BuildPlane, Q: Parent, T>(
     };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
     let pool = make_pool(&spec)?;
-    let (plane, meta) = D::build(&spec, &pool, pipe.hook())?;
+    let built = spec.plane.build(&spec, &pool, pipe.hook())?;
     let pool_base = pool.base_addr();
     let (parent, kept) = make_parent(pool, pipe.hook())?;
     let local = LocalNode {
         peer_id: spec.id.clone(),
-        agent_metadata: plane.agent_metadata(&meta),
-        base_addr: plane.base_addr().unwrap_or(pool_base),
+        agent_metadata: built.agent_metadata,
+        base_addr: built.base_addr.unwrap_or(pool_base),
         num_blocks: spec.num_blocks,
         block_len: spec.block_len,
         config_fingerprint: spec.config_fingerprint.clone(),
         hash_seed: spec.hash_seed.clone(),
     };
-    let mut core = Core::new(spec.core.clone(), local, parent, plane, Instant::now());
+    let mut core = Core::new(
+        spec.core.clone(),
+        local,
+        parent,
+        built.plane,
+        Instant::now(),
+    );
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
     io.set_origin(spec.bind_identity, spec.allowlist.clone());

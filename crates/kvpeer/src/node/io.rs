@@ -38,6 +38,7 @@ use tracing::{debug, warn};
 use super::allow::Allowlist;
 use super::auth::{Auth, AuthError};
 use super::origin::{LocalAddrs, OriginCheck, OriginError};
+use super::plane::Plane;
 use super::wake::WakePipe;
 
 /// Why a `connect` is refused before the protocol sees it.
@@ -58,10 +59,10 @@ enum ConnectRefused {
 /// public for tests and tools that drive a core over real sockets themselves (reach the core
 /// through [`NodeIo::core`]/[`NodeIo::core_mut`], take load results with
 /// [`NodeIo::take_load_result`]); an application wants one of those two instead.
-pub struct NodeIo<D: DataPlane, P: Parent = BlockStore> {
+pub struct NodeIo<P: Parent = BlockStore> {
     /// The protocol core (with the store as its parent and the data plane). The crate's own
     /// drivers reach it directly; others through [`NodeIo::core`]/[`NodeIo::core_mut`].
-    pub(crate) core: Core<P, D>,
+    pub(crate) core: Core<P, Plane>,
     /// The ZeroMQ control channel.
     pub(crate) channel: ControlChannel,
     /// Results of loads (job → every block landed) not yet taken by the caller. Each load's
@@ -119,7 +120,7 @@ const HELD_TIMEOUT: Duration = Duration::from_secs(30);
 /// handshake timeout, and its held messages with it).
 const MAX_HELD: usize = 1000;
 
-impl<D: DataPlane, P: Parent> NodeIo<D, P> {
+impl<P: Parent> NodeIo<P> {
     /// How many session-end reasons the node keeps (for [`NodeIo::close_reason`]).
     const CLOSED_KEPT: usize = 16;
 
@@ -137,13 +138,13 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// The protocol core (with its parent and data plane).
-    pub fn core(&self) -> &Core<P, D> {
+    pub fn core(&self) -> &Core<P, Plane> {
         &self.core
     }
 
     /// The protocol core, to drive it: the caller then calls [`NodeIo::flush`] (or `step`) to
     /// carry out what it asked for.
-    pub fn core_mut(&mut self) -> &mut Core<P, D> {
+    pub fn core_mut(&mut self) -> &mut Core<P, Plane> {
         &mut self.core
     }
 
@@ -163,7 +164,11 @@ impl<D: DataPlane, P: Parent> NodeIo<D, P> {
     }
 
     /// Wires a core to a channel bound at the core's own identity.
-    pub(crate) fn new(core: Core<P, D>, channel: ControlChannel, wake: Option<WakePipe>) -> Self {
+    pub(crate) fn new(
+        core: Core<P, Plane>,
+        channel: ControlChannel,
+        wake: Option<WakePipe>,
+    ) -> Self {
         NodeIo {
             core,
             channel,

@@ -12,6 +12,7 @@ pub(crate) mod auth;
 pub mod build;
 pub mod io;
 pub(crate) mod origin;
+pub mod plane;
 pub(crate) mod runtime;
 pub(crate) mod wake;
 

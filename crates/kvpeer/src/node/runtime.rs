@@ -16,7 +16,6 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::KeyChange;
 use tracing::{debug, info};
 
-use super::build::BuildPlane;
 use super::io::NodeIo;
 use crate::api::{NodeError, NodeStats};
 
@@ -117,8 +116,8 @@ struct PendingLoad {
 }
 
 /// The thread's state besides the node itself.
-struct Runtime<P: BuildPlane> {
-    io: NodeIo<P>,
+struct Runtime {
+    io: NodeIo,
     /// The requests open now, each with the token of the handle that holds it: one request
     /// per id at a time (the core keys its state by id), and only its own handle's calls
     /// reach it (a second handle for an open id gets `RequestOpen`).
@@ -134,7 +133,7 @@ struct Runtime<P: BuildPlane> {
 }
 
 /// Runs the node until a `Shutdown` call, or until every handle is gone.
-pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
+pub(crate) fn run(io: NodeIo, calls: Receiver<Command>) {
     let mut rt = Runtime {
         io,
         open: HashMap::new(),
@@ -172,7 +171,7 @@ pub(crate) fn run<P: BuildPlane>(io: NodeIo<P>, calls: Receiver<Command>) {
     }
 }
 
-impl<P: BuildPlane> Runtime<P> {
+impl Runtime {
     fn call(&mut self, call: Command) {
         let now = Instant::now();
         match call {

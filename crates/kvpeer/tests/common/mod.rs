@@ -86,7 +86,12 @@ impl Proc {
 
     /// The next stdout line (bounded: 60 s, debug builds fill large pools slowly).
     pub(crate) fn line(&self) -> String {
-        match self.stdout.recv_timeout(Duration::from_secs(60)) {
+        self.line_within(Duration::from_secs(60))
+    }
+
+    /// The next stdout line, waiting at most `bound`.
+    pub(crate) fn line_within(&self, bound: Duration) -> String {
+        match self.stdout.recv_timeout(bound) {
             Ok(line) => line,
             Err(e) => {
                 // Let the stderr reader catch up with a child that just exited.
@@ -219,7 +224,9 @@ impl Proc {
     /// The next stdout line that is a JSON object with `"event": event`.
     pub(crate) fn event(&self, event: &str) -> serde_json::Value {
         loop {
-            let line = self.line();
+            // An attacker's summary comes at its end: a long attack on a loaded machine (many
+            // sessions, each racing the end of the one before it) may take minutes.
+            let line = self.line_within(Duration::from_secs(180));
             if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
                 if v["event"] == event {
                     return v;

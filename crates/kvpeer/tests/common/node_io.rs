@@ -3,15 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::node::build::BuildPlane;
 use kvpeer::node::io::NodeIo;
 
 /// Steps `n` until `done` holds; panics after `timeout`, with the node's open state.
-pub(crate) fn step_until<P: BuildPlane>(
-    n: &mut NodeIo<P>,
-    timeout: Duration,
-    done: impl FnMut(&mut NodeIo<P>) -> bool,
-) {
+pub(crate) fn step_until(n: &mut NodeIo, timeout: Duration, done: impl FnMut(&mut NodeIo) -> bool) {
     if !step_for(n, timeout, Duration::from_millis(2), done) {
         panic!(
             "condition not reached within {timeout:?}: core {:?}, store {:?}",
@@ -23,11 +18,11 @@ pub(crate) fn step_until<P: BuildPlane>(
 
 /// Steps `n` (resting up to `pause` between steps) until `done` holds or `timeout` passes;
 /// whether it held.
-pub(crate) fn step_for<P: BuildPlane>(
-    n: &mut NodeIo<P>,
+pub(crate) fn step_for(
+    n: &mut NodeIo,
     timeout: Duration,
     pause: Duration,
-    mut done: impl FnMut(&mut NodeIo<P>) -> bool,
+    mut done: impl FnMut(&mut NodeIo) -> bool,
 ) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
@@ -42,11 +37,11 @@ pub(crate) fn step_for<P: BuildPlane>(
 }
 
 /// Steps two nodes together until `done` holds; panics after `timeout`.
-pub(crate) fn step_both_until<P: BuildPlane>(
-    a: &mut NodeIo<P>,
-    b: &mut NodeIo<P>,
+pub(crate) fn step_both_until(
+    a: &mut NodeIo,
+    b: &mut NodeIo,
     timeout: Duration,
-    mut done: impl FnMut(&mut NodeIo<P>, &mut NodeIo<P>) -> bool,
+    mut done: impl FnMut(&mut NodeIo, &mut NodeIo) -> bool,
 ) {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
@@ -62,7 +57,7 @@ pub(crate) fn step_both_until<P: BuildPlane>(
 }
 
 /// Nothing pinned, written, or held for any peer.
-pub(crate) fn assert_clean<P: BuildPlane>(n: &NodeIo<P>) {
+pub(crate) fn assert_clean(n: &NodeIo) {
     let s = n.core().parent().stats();
     assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
     let k = n.core().stats();

@@ -13,22 +13,14 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvpeer::engine::{BlockIndex, EngineEvent, EngineNode, JobId, KvRequestId, Pool, Request};
-use kvpeer::node::build::{BuildPlane, NodeSpec};
-use kvpeer::{synthetic, LookupResult, NodeConfig, OffloadKey, PeerId, PlaneKind};
+use kvpeer::node::build::NodeSpec;
+use kvpeer::{synthetic, LookupResult, NodeConfig, OffloadKey, PeerId};
 
 use crate::fetch_cmd::{micros, request_keys, FetchArgs, Progress, Tally};
 
 /// Runs the workload on an engine-driven node of `config`'s plane.
 pub(crate) fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
-    match config.plane {
-        PlaneKind::Shm => run::<kvpeer_net::data::shm::ShmPlane>(args, &config.spec),
-        PlaneKind::Tcp => run::<kvpeer_net::data::tcp::TcpPlane>(args, &config.spec),
-        PlaneKind::Both => run::<kvpeer_net::data::dual::DualPlane>(args, &config.spec),
-        #[cfg(feature = "nixl")]
-        PlaneKind::Nixl => run::<kvpeer_net::data::nixl::NixlPlane>(args, &config.spec),
-        #[cfg(not(feature = "nixl"))]
-        PlaneKind::Nixl => Err("the nixl plane is not in this build of kvpeer".into()),
-    }
+    run(args, &config.spec)
 }
 
 /// Where one request in flight is.
@@ -53,13 +45,13 @@ struct InFlight {
     phase: Phase,
 }
 
-fn run<D: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String> {
+fn run(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String> {
     crate::fetch_cmd::remove_pool_on_signal(&spec.shm_name)?;
     // The engine's memory: a named shared-memory pool, which every plane can serve from (the
     // shm plane needs one).
     let pool = Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)
         .map_err(|e| e.to_string())?;
-    let node = EngineNode::<D>::build(spec, pool).map_err(|e| e.to_string())?;
+    let node = EngineNode::build(spec, pool).map_err(|e| e.to_string())?;
     tracing::info!(id = %node.id(), peer = %args.peer, "consumer node up (driven)");
     let mut driver = Driver {
         node,
@@ -79,8 +71,8 @@ fn run<D: BuildPlane>(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String
 }
 
 /// The workload's state: the node and the requests in flight.
-struct Driver<'a, D: BuildPlane> {
-    node: EngineNode<D>,
+struct Driver<'a> {
+    node: EngineNode,
     args: &'a FetchArgs,
     peer: PeerId,
     block_len: usize,
@@ -92,7 +84,7 @@ struct Driver<'a, D: BuildPlane> {
     pid: u32,
 }
 
-impl<D: BuildPlane> Driver<'_, D> {
+impl Driver<'_> {
     fn workload(&mut self) -> Result<Tally, String> {
         let args = self.args;
         let mut tally = Tally::default();

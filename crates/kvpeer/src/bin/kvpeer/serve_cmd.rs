@@ -62,7 +62,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         }
     };
     let allow_all = config.spec.allowlist.allows_all();
-    let plane = config.plane.name();
+    let plane = config.spec.plane.name();
     let pool_config = config.pool.clone();
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
