@@ -972,11 +972,12 @@ def cmd_trickle(a) -> int:
     got = peer.wait_for({"lookup_resp"}, a.wait, note)
     if got:
         hits = got[1].get("hits")
-    data.settimeout(a.wait)
-    conn, _ = data.accept()
+    # The node's writer dials our data port at its first write (the fetch), not before.
     peer.send(a.node, {"type": "fetch", "kv_request_id": "trickle-1", "keys": keys,
                        "block_indexes": indexes, "round_seq": 0})
     start = time.monotonic()
+    data.settimeout(a.wait)
+    conn, _ = data.accept()
     # What the node's writer must send: its HELLO (checked by length and key), then WRITEs of
     # our keys' blocks.
     expected_blocks = b"".join(content(k, a.block_len) for k in keys)

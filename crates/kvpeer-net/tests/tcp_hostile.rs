@@ -398,10 +398,13 @@ fn a_writer_whose_reconnect_fails_faults_once() {
     };
     let mut rx = plane(RX, &rx_store, limits);
     let mut tx = registered_writer(&mut rx, &tx_store);
+    // The writer dials at its first write (not at registration), then idles out.
+    let (local, _) = fill(&mut tx_store, 1);
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(0)]);
+    transfer(&mut tx, local, 0).unwrap();
     wait_for("the idle close", || rx.counters().idle_closes == 1);
     drop(rx); // the port is gone
     std::thread::sleep(Duration::from_millis(100));
-    let (local, _) = fill(&mut tx_store, 1);
     let err = transfer(&mut tx, local, 1).unwrap_err();
     assert!(err.contains("reconnect"), "{err}");
     assert!(

@@ -35,12 +35,12 @@ pub(crate) fn coarse(at: Instant) -> Instant {
 
 /// One deadline per key.
 #[derive(Debug)]
-pub(crate) struct Timers<K: Copy + Eq + Hash + Ord> {
+pub(crate) struct Timers<K: Clone + Eq + Hash + Ord> {
     heap: BinaryHeap<Reverse<(Instant, K)>>,
     live: HashMap<K, Instant>,
 }
 
-impl<K: Copy + Eq + Hash + Ord> Default for Timers<K> {
+impl<K: Clone + Eq + Hash + Ord> Default for Timers<K> {
     fn default() -> Self {
         Timers {
             heap: BinaryHeap::new(),
@@ -49,12 +49,12 @@ impl<K: Copy + Eq + Hash + Ord> Default for Timers<K> {
     }
 }
 
-impl<K: Copy + Eq + Hash + Ord> Timers<K> {
+impl<K: Clone + Eq + Hash + Ord> Timers<K> {
     /// `key`'s deadline is now `at` (`None`: it has none), replacing any earlier one.
     pub(crate) fn set(&mut self, key: K, at: Option<Instant>) {
         match at {
             Some(at) => {
-                if self.live.insert(key, at) != Some(at) {
+                if self.live.insert(key.clone(), at) != Some(at) {
                     self.heap.push(Reverse((at, key)));
                     self.compact();
                 }
@@ -67,9 +67,9 @@ impl<K: Copy + Eq + Hash + Ord> Timers<K> {
 
     /// The earliest deadline of any key.
     pub(crate) fn next(&mut self) -> Option<Instant> {
-        while let Some(Reverse((at, key))) = self.heap.peek().copied() {
-            if self.live.get(&key) == Some(&at) {
-                return Some(at);
+        while let Some(Reverse((at, key))) = self.heap.peek() {
+            if self.live.get(key) == Some(at) {
+                return Some(*at);
             }
             self.heap.pop();
         }
@@ -96,7 +96,7 @@ impl<K: Copy + Eq + Hash + Ord> Timers<K> {
             self.heap = self
                 .live
                 .iter()
-                .map(|(key, at)| Reverse((*at, *key)))
+                .map(|(key, at)| Reverse((*at, key.clone())))
                 .collect();
         }
     }
@@ -136,11 +136,7 @@ mod tests {
         for i in 0..100_000u64 {
             timers.set(i % 10, Some(t0 + Duration::from_micros(i)));
         }
-        assert!(
-            timers.heap.len() <= 64.max(4 * 10) + 1,
-            "{}",
-            timers.heap.len()
-        );
+        assert!(timers.heap.len() <= 65, "{}", timers.heap.len());
         let mut due = Vec::new();
         timers.take_due(t0 + Duration::from_secs(1), &mut due);
         due.sort_unstable();
@@ -152,7 +148,7 @@ mod tests {
         let at = Instant::now() + Duration::from_millis(3);
         let c = coarse(at);
         assert!(c >= at && c < at + GRAIN, "{:?}", c - at);
-        assert_eq!(coarse(at + Duration::from_micros(10)), c);
+        assert_eq!(coarse(c - Duration::from_nanos(1)), c);
         assert_eq!(coarse(c), c);
     }
 }

@@ -46,13 +46,18 @@
 //! **Transfer deadlines** (send side): a WRITE must be acknowledged within
 //! `transfer_timeout + bytes / min_write_rate` of its first byte leaving (the rate never above
 //! this node's own `max_write_rate`; a WRITE pipelined behind others also gets their time).
-//! One watcher thread per plane fails a late transfer: the peer is faulted (its transfers fail,
-//! so their pins are released, and the session winds down) and its data connection is reset,
-//! so a consumer that reads a trickle, or never ACKs, holds neither pins nor writer for long.
+//! Past it the peer is faulted (its transfers fail, so their pins are released, and the
+//! session winds down) and its data connection is reset, so a consumer that reads a trickle,
+//! or never ACKs, holds neither pins nor writer for long.
 //!
-//! Threads: a listener and one reader per inbound connection (receive side); per peer one
-//! writer, and one acknowledgement reader per connection (send side). The core's thread only
-//! queues and polls; `wake` runs after each completion. One user-space copy per side: the
+//! **Connections**: a writer dials the peer's data port at its first WRITE (registration only
+//! checks the address and key) and closes the connection once idle for `idle_timeout / 2`, so
+//! an idle session holds no data connection on either side.
+//!
+//! Threads: two per plane, whatever the number of peers: the receiver (`receiver.rs`: the
+//! listener and every inbound connection over one epoll set) and the sender (`sender.rs`: every
+//! peer's link, its connection, WRITEs and ACKs, and the transfer deadlines, over another). The
+//! core's thread only queues and polls; `wake` runs after each completion. One user-space copy per side: the
 //! writer sends straight from the pool (a [`PoolView`]), the receiver reads straight into it,
 //! each block through a [`kvpeer_store::WriteClaim`] taken from the pool's permit table
 //! ([`PoolWriter`]). The plane never maps the pool itself, so it works the same on a shm pool
@@ -63,10 +68,9 @@ mod sender;
 mod wire;
 
 use std::collections::HashMap;
-use std::io::Read;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
@@ -74,18 +78,17 @@ use kvpeer_core::{
     TransferId,
 };
 use kvpeer_proto::PeerId;
-use kvpeer_store::{PoolView, PoolWriter};
+use kvpeer_store::PoolWriter;
 use tracing::{debug, warn};
 
 use crate::data::metadata::AgentMetadata;
 use crate::data::shm::Wake;
 use crate::lock;
-use receiver::Gate;
-use sender::PeerLink;
+use receiver::{Gate, ReceiverHandle};
+use sender::{Cmd, Job, SenderHandle, Writer};
 
 /// Bytes of a HELLO key.
 pub const KEY_LEN: usize = 32;
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest a writer's socket write may make no progress: a receiver that stops reading faults
 /// instead of stalling the writer (and the pins its transfers hold) for good.
 const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -218,8 +221,6 @@ struct Ends {
     ended: HashMap<PeerId, PlanePoll>,
     /// Transfers written but not acknowledged.
     sent: HashMap<TransferId, Sent>,
-    /// The deadline the watcher sleeps until (`None`: it waits for a transfer to be sent).
-    next_deadline: Option<Instant>,
     /// Transfers queued to a writer, not yet sent: tid → peer.
     queued: HashMap<TransferId, PeerId>,
     faults: HashMap<PeerId, String>,
@@ -240,40 +241,29 @@ struct Sent {
     bytes: u64,
 }
 
-/// Outbound links, and the dials still running (a dial whose peer was removed or registered
-/// again meanwhile drops its connection).
-#[derive(Default)]
-struct Links {
-    map: HashMap<PeerId, PeerLink>,
-    dialing: HashMap<PeerId, u64>,
-    next_dial: u64,
-}
-
 /// The tcp data plane of one node.
 pub struct TcpPlane {
     local_id: PeerId,
-    /// The pool, read by the writers.
-    local: PoolView,
     /// The pool's permit table, and the receive side's only way to write it.
     pool: PoolWriter,
     num_blocks: u64,
     block_len: u64,
     addr: SocketAddr,
     ends: Arc<Mutex<Ends>>,
-    /// Wakes the deadline watcher (with `ends`'s lock) when a transfer's deadline is earlier
-    /// than the one it sleeps until, and when the plane stops.
-    deadlines: Arc<Condvar>,
     registrations: Arc<Mutex<HashMap<PeerId, Registration>>>,
-    links: Arc<Mutex<Links>>,
+    /// The peers with a link, and their pools' blocks.
+    linked: Arc<Mutex<HashMap<PeerId, u64>>>,
     next_tid: TransferId,
     /// Cap on the bytes per second written to each peer (`None`: as fast as the link goes).
     max_write_rate: Option<u64>,
     limits: Arc<Mutex<TcpLimits>>,
     counters: Arc<Counters>,
     wake: Wake,
-    stop: Arc<AtomicBool>,
     /// Issued keys and open inbound connections.
     gate: Arc<Mutex<Gate>>,
+    sender: SenderHandle,
+    /// Stops the receiver thread when dropped (after the sender: the field order).
+    _receiver: ReceiverHandle,
 }
 
 impl std::fmt::Debug for TcpPlane {
@@ -296,63 +286,55 @@ impl TcpPlane {
     ) -> Result<Self, TcpError> {
         let local = pool.view();
         let (num_blocks, block_len) = (local.num_blocks(), local.block_len());
-        let listener = TcpListener::bind(listen).map_err(|source| TcpError::Listen {
+        let listen_err = |source| TcpError::Listen {
             addr: listen.into(),
             source,
-        })?;
-        let addr = listener.local_addr().map_err(|source| TcpError::Listen {
-            addr: listen.into(),
-            source,
-        })?;
-        let plane = TcpPlane {
-            local_id,
+        };
+        let listener = TcpListener::bind(listen).map_err(listen_err)?;
+        let addr = listener.local_addr().map_err(listen_err)?;
+        let ends: Arc<Mutex<Ends>> = Arc::default();
+        let limits: Arc<Mutex<TcpLimits>> = Arc::default();
+        let counters: Arc<Counters> = Arc::default();
+        let gate: Arc<Mutex<Gate>> = Arc::default();
+        let linked: Arc<Mutex<HashMap<PeerId, u64>>> = Arc::default();
+        let receiver = receiver::start(
+            listener,
+            receiver::Shared {
+                pool: pool.clone(),
+                gate: gate.clone(),
+                limits: limits.clone(),
+                counters: counters.clone(),
+            },
+        )
+        .map_err(listen_err)?;
+        let sender = sender::start(sender::Shared {
+            me: local_id.clone(),
             local,
+            block_len: block_len as usize,
+            ends: ends.clone(),
+            counters: counters.clone(),
+            wake: wake.clone(),
+            linked: linked.clone(),
+        })
+        .map_err(listen_err)?;
+        Ok(TcpPlane {
+            local_id,
             pool,
             num_blocks,
             block_len,
             addr,
-            ends: Arc::default(),
-            deadlines: Arc::default(),
+            ends,
             registrations: Arc::default(),
-            links: Arc::default(),
+            linked,
             next_tid: TransferId::new(0),
             max_write_rate: None,
-            limits: Arc::default(),
-            counters: Arc::default(),
+            limits,
+            counters,
             wake,
-            stop: Arc::default(),
-            gate: Arc::default(),
-        };
-        let accept = receiver::Accept {
-            pool: plane.pool.clone(),
-            gate: plane.gate.clone(),
-            limits: plane.limits.clone(),
-            counters: plane.counters.clone(),
-            stop: plane.stop.clone(),
-        };
-        std::thread::Builder::new()
-            .name("kvpeer-tcp-listen".into())
-            .spawn(move || accept.run(listener))
-            .map_err(|source| TcpError::Listen {
-                addr: listen.into(),
-                source,
-            })?;
-        let watch = sender::Watch {
-            ends: plane.ends.clone(),
-            deadlines: plane.deadlines.clone(),
-            links: plane.links.clone(),
-            counters: plane.counters.clone(),
-            wake: plane.wake.clone(),
-            stop: plane.stop.clone(),
-        };
-        std::thread::Builder::new()
-            .name("kvpeer-tcp-deadline".into())
-            .spawn(move || watch.run())
-            .map_err(|source| TcpError::Listen {
-                addr: listen.into(),
-                source,
-            })?;
-        Ok(plane)
+            gate,
+            sender,
+            _receiver: receiver,
+        })
     }
 
     /// Caps the bytes per second written to each peer, so block traffic cannot starve the
@@ -395,6 +377,97 @@ impl TcpPlane {
         lock(&self.gate).counts()
     }
 
+    /// Drops the outbound link to `peer` (its connection closes; WRITEs awaiting their ACK
+    /// fail).
+    fn drop_link(&mut self, peer: &PeerId) {
+        lock(&self.linked).remove(peer);
+        self.sender.send(Cmd::Unlink {
+            peer: peer.clone(),
+            abort: false,
+        });
+    }
+
+    /// Links `peer`'s data listener at `addr` (`host:port`) with `key`: done at once for an IP
+    /// address (the connection is made at the first write); a host name is resolved first on
+    /// a short-lived thread, and the registration waits for it.
+    fn start_link(&mut self, peer: PeerId, addr: String, key: [u8; KEY_LEN], num_blocks: u64) {
+        let limits = lock(&self.limits).clone();
+        let writer = Writer {
+            rate: self.max_write_rate,
+            // Reconnect before the receiver's idle timeout can race a new WRITE.
+            stale_after: limits.idle_timeout / 2,
+            // Never asks a peer to take our bytes faster than we send them.
+            min_rate: limits
+                .min_write_rate
+                .min(self.max_write_rate.unwrap_or(u64::MAX))
+                .max(1),
+            grace: limits.transfer_timeout,
+        };
+        let literal = addr.parse::<SocketAddr>().ok().or_else(|| {
+            let (host, port) = addr.rsplit_once(':')?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            Some(SocketAddr::new(
+                host.parse::<IpAddr>().ok()?,
+                port.parse().ok()?,
+            ))
+        });
+        if let Some(socket) = literal {
+            lock(&self.linked).insert(peer.clone(), num_blocks);
+            self.sender.send(Cmd::Link {
+                peer: peer.clone(),
+                addr: socket,
+                key,
+                writer,
+            });
+            lock(&self.registrations).insert(peer, Registration::Done);
+            return;
+        }
+        lock(&self.registrations).insert(peer.clone(), Registration::Pending);
+        let (registrations, linked, wake) = (
+            self.registrations.clone(),
+            self.linked.clone(),
+            self.wake.clone(),
+        );
+        let sender = self.sender.queue();
+        let who = peer.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvpeer-tcp-resolve".into())
+            .spawn(move || {
+                let found = addr.to_socket_addrs().ok().and_then(|mut a| a.next());
+                let mut regs = lock(&registrations);
+                // Removed or registered again meanwhile: this one is moot.
+                if regs.get(&peer) != Some(&Registration::Pending) {
+                    return;
+                }
+                let state = match found {
+                    Some(socket) => {
+                        lock(&linked).insert(peer.clone(), num_blocks);
+                        sender.send(Cmd::Link {
+                            peer: peer.clone(),
+                            addr: socket,
+                            key,
+                            writer,
+                        });
+                        Registration::Done
+                    }
+                    None => Registration::Failed(PlaneError::transport(format!(
+                        "cannot reach the data listener at {addr}: it does not resolve"
+                    ))),
+                };
+                regs.insert(peer, state);
+                drop(regs);
+                wake();
+            });
+        if let Err(e) = spawned {
+            lock(&self.registrations).insert(
+                who,
+                Registration::Failed(PlaneError::resources(format!(
+                    "cannot start a resolver thread: {e}"
+                ))),
+            );
+        }
+    }
+
     /// A fault of `peer`'s data connection: its unacknowledged and queued transfers fail, and
     /// the core winds the session down.
     fn fault(ends: &Mutex<Ends>, peer: &PeerId, reason: String, wake: &Wake) {
@@ -428,39 +501,6 @@ impl TcpPlane {
     }
 }
 
-/// `true` when `e` is a read timeout (`set_read_timeout` reports `WouldBlock` on Unix).
-fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-    )
-}
-
-/// Fills `buf` from `s`, all of it by `deadline`: partial reads carry on with the time left;
-/// a timeout is `TimedOut`, the writer closing before the end is `UnexpectedEof`.
-fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        s.set_read_timeout(Some(left))?;
-        match s.read(&mut buf[filled..]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if is_timeout(&e) => {} // the loop checks the deadline
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn protocol(msg: String) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
-}
-
 impl DataPlane for TcpPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         let meta = AgentMetadata::decode(&memory.agent_metadata)
@@ -478,6 +518,7 @@ impl DataPlane for TcpPlane {
         // into us).
         self.drop_link(peer);
         lock(&self.ends).faults.remove(peer);
+        let _ = &self.local_id;
         let key = match meta.tcp_key.map(<[u8; KEY_LEN]>::try_from) {
             Some(Ok(key)) => key,
             Some(Err(_)) => {
@@ -499,7 +540,6 @@ impl DataPlane for TcpPlane {
                 return Ok(());
             }
         };
-        lock(&self.registrations).insert(peer.clone(), Registration::Pending);
         self.start_link(peer.clone(), addr, key, memory.num_blocks);
         Ok(())
     }
@@ -528,20 +568,23 @@ impl DataPlane for TcpPlane {
         local: &[BlockIndex],
         remote: &[BlockIndex],
     ) -> Option<TransferId> {
-        let links = lock(&self.links);
-        let link = links.map.get(peer)?;
-        let ok = !local.is_empty()
-            && crate::write_in_range(local, remote, self.num_blocks, link.num_blocks);
+        let peer_blocks = *lock(&self.linked).get(peer)?;
+        let ok =
+            !local.is_empty() && crate::write_in_range(local, remote, self.num_blocks, peer_blocks);
         if !ok || lock(&self.ends).faults.contains_key(peer) {
             return None;
         }
         self.next_tid = TransferId::new(self.next_tid.get() + 1);
         let tid = self.next_tid;
         lock(&self.ends).queued.insert(tid, peer.clone());
-        if !link.queue(tid, local, remote) {
-            lock(&self.ends).queued.remove(&tid);
-            return None;
-        }
+        self.sender.send(Cmd::Job {
+            peer: peer.clone(),
+            job: Job {
+                tid,
+                local: local.to_vec(),
+                remote: remote.to_vec(),
+            },
+        });
         Some(tid)
     }
 
@@ -639,25 +682,7 @@ impl DataPlane for TcpPlane {
     }
 }
 
-impl Drop for TcpPlane {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        {
-            let _e = lock(&self.ends);
-            self.deadlines.notify_all();
-        }
-        // Wake the listener out of accept().
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-        lock(&self.gate).close_all();
-        let links: Vec<PeerLink> = lock(&self.links).map.drain().map(|(_, l)| l).collect();
-        for link in links {
-            link.close();
-        }
-        lock(&self.links).dialing.clear();
-    }
-}
-
-/// Shuts a socket both ways, so the thread reading it returns at once.
+/// Shuts a socket both ways, so whatever reads it sees the end at once.
 fn close(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
 }

@@ -1,10 +1,28 @@
-//! The receive side of the tcp plane: the data port's listener, its caps, issued keys, and one
-//! reader per inbound connection (HELLO, then WRITEs straight into the pool).
+//! The receive side of the tcp plane: the data port's listener, its caps, the keys this node
+//! issued, and every inbound connection, all on one thread over one epoll set, whatever the
+//! number of peers. Each connection is a state machine fed by non-blocking reads: its HELLO
+//! (refused at the first wrong byte), then WRITEs read straight into the pool through the
+//! claim of their blocks, each acknowledged; what a connection sent beyond what its state can
+//! take waits in its socket, and a slow or silent writer only keeps its own connection open
+//! until its deadline.
+//!
+//! Deadlines (one heap, each connection's next one): the HELLO within `hello_timeout` of the
+//! accept; between frames at most `idle_timeout`; once a frame started, its header within
+//! `frame_timeout` and each block within `frame_timeout` of the part before (a large WRITE
+//! under the writer's rate cap may take longer than that as a whole, but never stalls that
+//! long); an ACK that the writer does not take within `frame_timeout` closes the connection.
+//!
+//! Closing from the core's thread (a key replaced or withdrawn, a load that ended) goes
+//! through the [`Gate`], which knows each connection's descriptor: `shutdown(2)` on it under
+//! the gate's lock, which this thread also holds to forget a connection before it closes the
+//! descriptor, so the descriptor is never one reused for something else. The thread then sees
+//! the connection end at once.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Write;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,13 +33,21 @@ use subtle::ConstantTimeEq;
 use tracing::{debug, warn};
 
 use super::wire::{self, WireError, HELLO_START_LEN, WRITE_HEAD_LEN};
-use super::{close, protocol, read_by, Counters, TcpLimits, KEY_LEN};
+use super::{Counters, TcpLimits, KEY_LEN};
+use crate::io::poller::{Poller, Ready, Token};
+use crate::io::sockio::{self, Accepted};
+use crate::io::timers::Timers;
 use crate::lock;
 
-/// How long the listener sleeps after `accept` fails (EMFILE and the like) before trying again.
+/// How long the listener rests after `accept` fails (EMFILE and the like) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// At most one warning per this long about failing accepts (the rest are counted).
 const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// Tokens of the thread's poll: its wake pipe, the listener, connections from `CONNS` on.
+const WAKE: Token = 0;
+const LISTENER: Token = 1;
+const CONNS: Token = 2;
 
 /// A key issued to one writer id by our `connect` to it.
 struct Issued {
@@ -30,10 +56,11 @@ struct Issued {
     generation: u64,
 }
 
-/// An open inbound connection.
-struct Conn {
-    /// A handle to shut it down from another thread.
-    stream: TcpStream,
+/// An open inbound connection as the gate knows it.
+struct Entry {
+    /// Its descriptor, open as long as the entry (the receiver forgets the entry, under the
+    /// gate's lock, before it closes the descriptor).
+    fd: RawFd,
     /// Past its HELLO: the writer and the generation of the key it presented.
     writer: Option<(PeerId, u64)>,
     /// The blocks of the WRITE it is reading (claimed, not yet acknowledged).
@@ -46,17 +73,15 @@ struct Conn {
 pub(super) struct Gate {
     keys: HashMap<PeerId, Issued>,
     /// By connection number: the oldest first.
-    conns: BTreeMap<u64, Conn>,
-    next_conn: u64,
+    conns: BTreeMap<u64, Entry>,
     next_generation: u64,
 }
 
-/// What `Gate::admit` decided.
-enum Admit {
-    /// Admitted as connection `id`, after closing `evicted` connections still in their HELLO.
-    Yes { id: u64, evicted: usize },
-    /// The cap is full of connections past their HELLO.
-    Full,
+/// Ends connection `fd` both ways from any thread: its reader sees the end at once. Called
+/// only under the gate's lock, which guarantees `fd` is still the connection's (see the module
+/// documentation); `shutdown(2)` touches no memory of ours.
+fn shut(fd: RawFd) {
+    let _ = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Both);
 }
 
 impl Gate {
@@ -84,14 +109,14 @@ impl Gate {
         self.close_writer(writer)
     }
 
-    /// Closes every inbound connection (the plane is going).
-    pub(super) fn close_all(&mut self) {
+    /// Ends every inbound connection (the plane is going).
+    fn close_all(&mut self) {
         for (_, c) in std::mem::take(&mut self.conns) {
-            close(&c.stream);
+            shut(c.fd);
         }
     }
 
-    /// Closes the connections authenticated as `writer` with a key other than its current one.
+    /// Ends the connections authenticated as `writer` with a key other than its current one.
     fn close_writer(&mut self, writer: &PeerId) -> usize {
         let current = self.keys.get(writer).map(|k| k.generation);
         let stale: Vec<u64> = self
@@ -104,78 +129,15 @@ impl Gate {
             .collect();
         for id in &stale {
             if let Some(c) = self.conns.remove(id) {
-                close(&c.stream);
+                shut(c.fd);
             }
         }
         stale.len()
     }
 
-    /// Takes a new connection (`stream` is a handle to it) within `limits`: over either cap the
-    /// oldest connection still in its HELLO is closed to make room; if every open connection
-    /// is past its HELLO and the total cap is reached, the new one is refused.
-    fn admit(&mut self, stream: TcpStream, limits: &TcpLimits) -> Admit {
-        let mut evicted = 0;
-        loop {
-            let (authenticated, handshaking) = self.counts();
-            let total = authenticated + handshaking;
-            if total < limits.max_connections.max(1) && handshaking < limits.max_handshaking.max(1)
-            {
-                break;
-            }
-            let oldest = self
-                .conns
-                .iter()
-                .find(|(_, c)| c.writer.is_none())
-                .map(|(id, _)| *id);
-            match oldest.and_then(|id| self.conns.remove(&id)) {
-                Some(c) => {
-                    close(&c.stream);
-                    evicted += 1;
-                }
-                None => return Admit::Full,
-            }
-        }
-        self.next_conn += 1;
-        let id = self.next_conn;
-        self.conns.insert(
-            id,
-            Conn {
-                stream,
-                writer: None,
-                claimed: Vec::new(),
-            },
-        );
-        Admit::Yes { id, evicted }
-    }
-
-    /// Connection `id` presents `key` as `writer`: accepted only if that writer has an issued
-    /// key and it is this one. An accepted connection replaces the writer's older ones (a
-    /// writer keeps one connection; it opens another only once the last one is gone).
-    fn authenticate(&mut self, id: u64, writer: &PeerId, key: &[u8; KEY_LEN]) -> Option<usize> {
-        let issued = self.keys.get(writer)?;
-        if !bool::from(issued.key.ct_eq(key)) {
-            return None;
-        }
-        let generation = issued.generation;
-        let conn = self.conns.get_mut(&id)?; // closed meanwhile (evicted, plane going)
-        conn.writer = Some((writer.clone(), generation));
-        let older: Vec<u64> = self
-            .conns
-            .iter()
-            .filter(|(other, c)| **other != id && matches!(&c.writer, Some((w, _)) if w == writer))
-            .map(|(other, _)| *other)
-            .collect();
-        for other in &older {
-            if let Some(c) = self.conns.remove(other) {
-                close(&c.stream);
-            }
-        }
-        Some(older.len())
-    }
-
     /// The load that gave `writer` the permits for `blocks` ended: a connection of that writer
-    /// still reading a WRITE into any of them is closed (its reader stops at its next read,
-    /// the WRITE is never acknowledged). Returns how many were closed.
+    /// still reading a WRITE into any of them is ended (its WRITE is never acknowledged).
+    /// Returns how many were.
     pub(super) fn end_writes(&mut self, writer: &PeerId, blocks: &[BlockIndex]) -> usize {
         let ended: HashSet<BlockIndex> = blocks.iter().copied().collect();
         let cut: Vec<u64> = self
@@ -187,10 +149,35 @@ impl Gate {
             .collect();
         for id in &cut {
             if let Some(c) = self.conns.remove(id) {
-                close(&c.stream);
+                shut(c.fd);
             }
         }
         cut.len()
+    }
+
+    /// Connection `id` presents `key` as `writer`: accepted only if that writer has an issued
+    /// key and it is this one. An accepted connection replaces the writer's older ones (a
+    /// writer keeps one connection; it opens another only once the last one is gone).
+    fn authenticate(&mut self, id: u64, writer: &PeerId, key: &[u8; KEY_LEN]) -> Option<usize> {
+        let issued = self.keys.get(writer)?;
+        if !bool::from(issued.key.ct_eq(key)) {
+            return None;
+        }
+        let generation = issued.generation;
+        let conn = self.conns.get_mut(&id)?; // ended meanwhile (evicted, key withdrawn)
+        conn.writer = Some((writer.clone(), generation));
+        let older: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(other, c)| **other != id && matches!(&c.writer, Some((w, _)) if w == writer))
+            .map(|(other, _)| *other)
+            .collect();
+        for other in &older {
+            if let Some(c) = self.conns.remove(other) {
+                shut(c.fd);
+            }
+        }
+        Some(older.len())
     }
 
     /// Records the blocks connection `id` is writing (empty: none).
@@ -208,266 +195,564 @@ impl Gate {
             None => false,
         }
     }
-
-    fn forget(&mut self, id: u64) {
-        self.conns.remove(&id);
-    }
 }
 
-/// The listener's shared state.
-pub(super) struct Accept {
-    /// The pool's permit table: the only way to write the pool.
+/// Where one inbound connection is.
+enum Rx {
+    /// Reading its HELLO: magic and version, then the id's length, then id and key.
+    Hello { buf: Vec<u8>, need: usize },
+    /// Between frames (its deadline is the idle timeout).
+    Idle,
+    /// A WRITE's magic and header (`buf` fills up to 4 + [`WRITE_HEAD_LEN`]).
+    Head { buf: Vec<u8> },
+    /// A WRITE's block indexes.
+    Indexes {
+        tid: TransferId,
+        buf: Vec<u8>,
+        need: usize,
+    },
+    /// A WRITE's blocks, straight into the pool: block `nth`, `at` bytes of it in.
+    Blocks {
+        tid: TransferId,
+        claim: WriteClaim,
+        count: usize,
+        nth: usize,
+        at: usize,
+    },
+    /// Its ACK on its way out.
+    Ack {
+        bytes: [u8; wire::ACK_LEN],
+        at: usize,
+    },
+}
+
+/// An inbound connection.
+struct Conn {
+    stream: TcpStream,
+    state: Rx,
+    writer: Option<PeerId>,
+    /// The current part's deadline (HELLO, idle, frame part, ACK).
+    deadline: Instant,
+    readable: bool,
+    writable: bool,
+}
+
+/// What the receiver thread shares with the plane.
+pub(super) struct Shared {
     pub(super) pool: PoolWriter,
     pub(super) gate: Arc<Mutex<Gate>>,
     pub(super) limits: Arc<Mutex<TcpLimits>>,
     pub(super) counters: Arc<Counters>,
-    pub(super) stop: Arc<AtomicBool>,
 }
 
-impl Accept {
-    /// Accepts until the plane stops. A failing `accept` (out of descriptors: EMFILE, ENFILE)
-    /// backs off instead of spinning, and is logged at most once a second.
-    ///
-    /// The listener waits for a pending connection with `poll` and only then calls a
-    /// non-blocking `accept`: a blocking `accept` reserves its descriptor before it sleeps, so
-    /// it would hold one slot through a shortage and hide it (the connection it then takes is
-    /// the only one ever served, and nothing backs off).
-    pub(super) fn run(self, listener: TcpListener) {
-        if let Err(e) = listener.set_nonblocking(true) {
-            warn!(error = %e, "cannot make the tcp data listener non-blocking; not accepting");
+/// The core's thread's side of the receiver thread: its wake pipe (to stop it).
+pub(super) struct ReceiverHandle {
+    wake: File,
+    gate: Arc<Mutex<Gate>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for ReceiverHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        lock(&self.gate).close_all();
+        let _ = (&self.wake).write(&[1]);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the receiver thread on `listener`.
+pub(super) fn start(listener: TcpListener, shared: Shared) -> std::io::Result<ReceiverHandle> {
+    listener.set_nonblocking(true)?;
+    let (read, write) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC)?;
+    let read = File::from(read);
+    let poller = Poller::new()?;
+    poller.add_input(read.as_fd(), WAKE)?;
+    poller.add_input(listener.as_fd(), LISTENER)?;
+    let stop: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+    let gate = shared.gate.clone();
+    let mut receiver = Receiver {
+        poller,
+        wake: read,
+        listener,
+        shared,
+        stop: stop.clone(),
+        conns: HashMap::new(),
+        timers: Timers::default(),
+        next_conn: CONNS,
+        accept_pending: true,
+        accept_paused_until: None,
+        last_accept_log: None,
+        unlogged_accepts: 0,
+    };
+    let thread = std::thread::Builder::new()
+        .name("kvpeer-tcp-recv".into())
+        .spawn(move || receiver.run())?;
+    Ok(ReceiverHandle {
+        wake: File::from(write),
+        gate,
+        stop,
+        thread: Some(thread),
+    })
+}
+
+/// Why a connection ends.
+enum End {
+    /// In order (the writer closed it, idled out, or its key went): nothing to say.
+    Quiet(&'static str),
+    /// Refused or broken: said at debug level.
+    Broken(String),
+}
+
+struct Receiver {
+    poller: Poller,
+    wake: File,
+    listener: TcpListener,
+    shared: Shared,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    conns: HashMap<u64, Conn>,
+    timers: Timers<u64>,
+    next_conn: u64,
+    /// The poll said connections wait, and no accept found none since.
+    accept_pending: bool,
+    accept_paused_until: Option<Instant>,
+    last_accept_log: Option<Instant>,
+    unlogged_accepts: u64,
+}
+
+impl Receiver {
+    fn run(&mut self) {
+        let mut ready: Vec<Ready> = Vec::new();
+        loop {
+            if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let now = Instant::now();
+            let accept_at = if self.accept_pending {
+                Some(self.accept_paused_until.unwrap_or(now))
+            } else {
+                None
+            };
+            let timeout = [self.timers.next(), accept_at]
+                .into_iter()
+                .flatten()
+                .min()
+                .map_or(Duration::from_secs(3600), |at| {
+                    at.saturating_duration_since(now)
+                });
+            ready.clear();
+            if self.poller.wait(timeout, &mut ready).is_err() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let mut visit = Vec::new();
+            for r in &ready {
+                match r.token {
+                    WAKE => {
+                        let mut buf = [0u8; 64];
+                        while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+                    }
+                    LISTENER => self.accept_pending = true,
+                    id => {
+                        if let Some(c) = self.conns.get_mut(&id) {
+                            c.readable |= r.readable || r.closed;
+                            c.writable |= r.writable;
+                            visit.push(id);
+                        }
+                    }
+                }
+            }
+            if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let now = Instant::now();
+            self.accept(now, &mut visit);
+            self.timers.take_due(now, &mut visit);
+            visit.sort_unstable();
+            visit.dedup();
+            for id in visit {
+                self.drive(id, now);
+            }
+        }
+    }
+
+    /// Accepts what waits (unless resting after a failed accept), each new connection within
+    /// the caps; the new ones go to `visit`.
+    fn accept(&mut self, now: Instant, visit: &mut Vec<u64>) {
+        if !self.accept_pending || self.accept_paused_until.is_some_and(|t| now < t) {
             return;
         }
-        let mut last_log: Option<Instant> = None;
-        let mut unlogged = 0u64;
+        self.accept_paused_until = None;
         loop {
-            if self.stop.load(Ordering::SeqCst) {
-                return;
-            }
-            if let Err(e) = wait_readable(&listener) {
-                if e != nix::errno::Errno::EINTR {
-                    if let Some(suppressed) =
-                        crate::admit_warning("cannot wait on the tcp data listener; backing off")
+            let stream = match sockio::accept(&self.listener) {
+                Accepted::Stream(stream, _) => stream,
+                Accepted::None => {
+                    self.accept_pending = false;
+                    return;
+                }
+                Accepted::Failed(e) => {
+                    Counters::bump(&self.shared.counters.accept_errors);
+                    if self
+                        .last_accept_log
+                        .is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY)
                     {
-                        warn!(error = %e, suppressed, "cannot wait on the tcp data listener; backing off");
-                    }
-                    std::thread::sleep(ACCEPT_BACKOFF);
-                }
-                continue;
-            }
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    if self.stop.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    // Accepted sockets do not inherit O_NONBLOCK on Linux; made sure of here
-                    // because every read below relies on blocking reads with timeouts.
-                    if let Err(e) = stream.set_nonblocking(false) {
-                        debug!(error = %e, "cannot make a tcp data connection blocking");
-                        close(&stream);
-                        continue;
-                    }
-                    self.admit(stream);
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::Interrupted
-                            | std::io::ErrorKind::ConnectionAborted
-                            | std::io::ErrorKind::WouldBlock
-                    ) => {}
-                Err(e) => {
-                    Counters::bump(&self.counters.accept_errors);
-                    if last_log.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
-                        warn!(error = %e, unlogged, "cannot accept tcp data connections; backing off");
-                        last_log = Some(Instant::now());
-                        unlogged = 0;
+                        warn!(error = %e, unlogged = self.unlogged_accepts,
+                            "cannot accept tcp data connections; backing off");
+                        self.last_accept_log = Some(now);
+                        self.unlogged_accepts = 0;
                     } else {
-                        unlogged += 1;
+                        self.unlogged_accepts += 1;
                     }
-                    std::thread::sleep(ACCEPT_BACKOFF);
+                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
+                    return;
                 }
+            };
+            if let Some(id) = self.admit(stream, now) {
+                visit.push(id);
             }
         }
     }
 
-    fn admit(&self, stream: TcpStream) {
-        let accepted = Instant::now();
-        let limits = lock(&self.limits).clone();
-        let handle = match stream.try_clone() {
-            Ok(h) => h,
-            Err(e) => {
-                // Out of descriptors: this connection cannot be tracked, so it is not served.
-                Counters::bump(&self.counters.accept_errors);
-                debug!(error = %e, "cannot track a tcp data connection; closing it");
-                close(&stream);
-                return;
-            }
-        };
-        let admitted = lock(&self.gate).admit(handle, &limits);
-        let id = match admitted {
-            Admit::Yes { id, evicted } => {
-                for _ in 0..evicted {
-                    Counters::bump(&self.counters.evicted_handshaking);
+    /// Takes a new connection within the caps: over either cap the oldest connection still in
+    /// its HELLO is closed to make room; if every open connection is past its HELLO and the
+    /// total cap is reached, the new one is refused.
+    fn admit(&mut self, stream: TcpStream, now: Instant) -> Option<u64> {
+        let limits = lock(&self.shared.limits).clone();
+        let mut evicted = Vec::new();
+        let id = self.next_conn;
+        {
+            let mut gate = lock(&self.shared.gate);
+            loop {
+                let (authenticated, handshaking) = gate.counts();
+                let total = authenticated + handshaking;
+                if total < limits.max_connections.max(1)
+                    && handshaking < limits.max_handshaking.max(1)
+                {
+                    break;
                 }
-                id
-            }
-            Admit::Full => {
-                Counters::bump(&self.counters.refused_over_cap);
-                debug!("tcp data port full; closing a new connection");
-                close(&stream);
-                return;
-            }
-        };
-        let (pool, gate, counters) = (self.pool.clone(), self.gate.clone(), self.counters.clone());
-        let spawned = std::thread::Builder::new()
-            .name("kvpeer-tcp-recv".into())
-            .spawn(move || {
-                let mut stream = stream;
-                let mut conn = Connection {
-                    id,
-                    s: &mut stream,
-                    pool: &pool,
-                    gate: &gate,
-                    limits: &limits,
-                    counters: &counters,
-                };
-                if let Err(e) = conn.receive(accepted) {
-                    debug!(error = %e, "tcp data connection ended");
+                let oldest = gate
+                    .conns
+                    .iter()
+                    .find(|(_, c)| c.writer.is_none())
+                    .map(|(id, _)| *id);
+                match oldest.and_then(|o| gate.conns.remove(&o).map(|_| o)) {
+                    Some(o) => evicted.push(o),
+                    None => {
+                        drop(gate);
+                        Counters::bump(&self.shared.counters.refused_over_cap);
+                        debug!("tcp data port full; closing a new connection");
+                        return None;
+                    }
                 }
-                // Whatever ended it, the writer learns at once (and the socket is released).
-                close(&stream);
-                lock(&gate).forget(id);
-            });
-        if let Err(e) = spawned {
-            if let Some(suppressed) = crate::admit_warning("cannot start a tcp receive thread") {
-                warn!(error = %e, suppressed, "cannot start a tcp receive thread");
             }
-            if let Some(c) = lock(&self.gate).conns.remove(&id) {
-                close(&c.stream);
+            gate.conns.insert(
+                id,
+                Entry {
+                    fd: stream.as_raw_fd(),
+                    writer: None,
+                    claimed: Vec::new(),
+                },
+            );
+        }
+        for o in evicted {
+            Counters::bump(&self.shared.counters.evicted_handshaking);
+            self.forget(o);
+        }
+        if let Err(e) = self.poller.add(stream.as_fd(), id) {
+            debug!(error = %e, "cannot poll a tcp data connection; closing it");
+            lock(&self.shared.gate).conns.remove(&id);
+            return None;
+        }
+        self.next_conn += 1;
+        let deadline = now + limits.hello_timeout;
+        self.conns.insert(
+            id,
+            Conn {
+                stream,
+                state: Rx::Hello {
+                    buf: Vec::with_capacity(HELLO_START_LEN),
+                    need: HELLO_START_LEN,
+                },
+                writer: None,
+                deadline,
+                readable: true,
+                writable: true,
+            },
+        );
+        self.timers.set(id, Some(deadline));
+        Some(id)
+    }
+
+    /// Forgets connection `id` (first at the gate, then its descriptor closes).
+    fn forget(&mut self, id: u64) {
+        lock(&self.shared.gate).conns.remove(&id);
+        self.timers.set(id, None);
+        if let Some(c) = self.conns.remove(&id) {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Drives connection `id` at `now`: reads what its state takes, writes its ACK, and ends
+    /// it past its deadline or on any refusal.
+    fn drive(&mut self, id: u64, now: Instant) {
+        let Some(mut conn) = self.conns.remove(&id) else {
+            return;
+        };
+        let limits = lock(&self.shared.limits).clone();
+        let result = self.step(id, &mut conn, now, &limits);
+        let deadline = conn.deadline;
+        self.conns.insert(id, conn);
+        match result {
+            Ok(()) => self.timers.set(id, Some(deadline)),
+            Err(End::Quiet(why)) => {
+                debug!(id, why, "tcp data connection ended");
+                self.forget(id);
+            }
+            Err(End::Broken(why)) => {
+                debug!(id, %why, "tcp data connection ended");
+                self.forget(id);
             }
         }
     }
-}
 
-/// One inbound connection's reader.
-struct Connection<'a> {
-    id: u64,
-    s: &'a mut TcpStream,
-    pool: &'a PoolWriter,
-    gate: &'a Mutex<Gate>,
-    limits: &'a TcpLimits,
-    counters: &'a Counters,
-}
-
-impl Connection<'_> {
-    /// HELLO, then WRITEs until the writer closes, breaks a rule, stalls, or idles out.
-    fn receive(&mut self, accepted: Instant) -> std::io::Result<()> {
-        self.s.set_nodelay(true)?;
-        // An ACK must not block forever on a writer that never reads.
-        self.s.set_write_timeout(Some(self.limits.frame_timeout))?;
-        let writer = self.hello(accepted + self.limits.hello_timeout)?;
-        let mut idle_since = Instant::now();
+    fn step(&mut self, id: u64, c: &mut Conn, now: Instant, limits: &TcpLimits) -> Result<(), End> {
         loop {
-            let mut magic = [0u8; 4];
-            // Between frames the writer may idle up to `idle_timeout`; once a frame's first
-            // byte is in, the rest runs on the frame clock.
-            match read_by(
-                self.s,
-                &mut magic[..1],
-                idle_since + self.limits.idle_timeout,
-            ) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-                    Counters::bump(&self.counters.idle_closes);
-                    debug!(%writer, "closing an idle tcp data connection");
+            // An ACK waiting to leave comes first (the writer reads them in order).
+            if let Rx::Ack { bytes, at } = &mut c.state {
+                match (&c.stream).write(&bytes[*at..]) {
+                    Ok(n) => *at += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        c.writable = false;
+                        if now >= c.deadline {
+                            return Err(End::Broken("the writer does not take its ACK".into()));
+                        }
+                        return Ok(());
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(End::Broken(format!("cannot send an ACK: {e}"))),
+                }
+                if *at < wire::ACK_LEN {
+                    continue;
+                }
+                c.state = Rx::Idle;
+                c.deadline = now + limits.idle_timeout;
+            }
+            if now >= c.deadline {
+                return Err(self.timed_out(c, limits));
+            }
+            if !c.readable {
+                return Ok(());
+            }
+            // The buffer this state reads into next.
+            let read = match &mut c.state {
+                Rx::Hello { buf, need } | Rx::Indexes { buf, need, .. } => {
+                    let at = buf.len();
+                    buf.resize(*need, 0);
+                    let r = (&c.stream).read(&mut buf[at..]);
+                    let n = *r.as_ref().unwrap_or(&0);
+                    buf.truncate(at + n);
+                    r
+                }
+                Rx::Idle => {
+                    let mut first = [0u8; 1];
+                    let r = (&c.stream).read(&mut first);
+                    if matches!(r, Ok(1)) {
+                        let mut buf = Vec::with_capacity(4 + WRITE_HEAD_LEN);
+                        buf.push(first[0]);
+                        c.state = Rx::Head { buf };
+                        // Once a frame's first byte is in, the rest runs on the frame clock.
+                        c.deadline = now + limits.frame_timeout;
+                    }
+                    r
+                }
+                Rx::Head { buf } => {
+                    let at = buf.len();
+                    buf.resize(4 + WRITE_HEAD_LEN, 0);
+                    let r = (&c.stream).read(&mut buf[at..]);
+                    let n = *r.as_ref().unwrap_or(&0);
+                    buf.truncate(at + n);
+                    r
+                }
+                Rx::Blocks { claim, nth, at, .. } => match claim.block_mut(*nth) {
+                    Some(block) => (&c.stream).read(&mut block[*at..]),
+                    None => return Err(End::Broken(format!("no block {nth} in a claim"))),
+                },
+                Rx::Ack { .. } => continue,
+            };
+            let n = match read {
+                Ok(0) => return Err(self.ended(c)),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    c.readable = false;
                     return Ok(());
                 }
-                Err(e) => return Err(e),
-            }
-            let deadline = Instant::now() + self.limits.frame_timeout;
-            self.frame_part(&mut magic[1..], deadline)?;
-            wire::check_write_magic(&magic).map_err(|e| protocol(format!("{writer}: {e}")))?;
-            let mut head = [0u8; WRITE_HEAD_LEN];
-            self.frame_part(&mut head, deadline)?;
-            let (tid, count) = match wire::decode_write_head(&head, self.pool.num_blocks()) {
-                Ok(head) => head,
-                Err(WireError::BadCount { tid, count }) => {
-                    return Err(self.refuse(tid, &writer, format!("{count} blocks in one write")))
-                }
-                Err(e) => return Err(protocol(format!("{writer}: {e}"))),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(End::Broken(format!("read failed: {e}"))),
             };
-            let mut raw = vec![0u8; count * 8];
-            self.frame_part(&mut raw, deadline)?;
-            let indexes =
-                wire::decode_indexes(&raw).map_err(|e| protocol(format!("{writer}: {e}")))?;
-            let mut claim = self.claim(tid, &writer, &indexes)?;
-            for nth in 0..indexes.len() {
-                // The claim holds exactly `indexes`, in order, so every `nth` is there.
-                let Some(block) = claim.block_mut(nth) else {
-                    return Err(self.refuse(tid, &writer, format!("no block {nth} in a claim")));
+            self.advance(id, c, n, now, limits)?;
+        }
+    }
+
+    /// The connection's end of stream: in order between frames, broken inside one.
+    fn ended(&self, c: &Conn) -> End {
+        match c.state {
+            Rx::Idle => End::Quiet("closed by the writer"),
+            _ => End::Broken("closed in the middle of a frame".into()),
+        }
+    }
+
+    /// The current part's deadline passed: counted by what it was.
+    fn timed_out(&self, c: &Conn, limits: &TcpLimits) -> End {
+        let counters = &self.shared.counters;
+        match &c.state {
+            Rx::Hello { .. } => {
+                Counters::bump(&counters.hello_timeouts);
+                End::Broken(format!("no HELLO within {:?}", limits.hello_timeout))
+            }
+            Rx::Idle => {
+                Counters::bump(&counters.idle_closes);
+                debug!(writer = ?c.writer, "closing an idle tcp data connection");
+                End::Quiet("idle")
+            }
+            Rx::Ack { .. } => End::Broken("the writer does not take its ACK".into()),
+            _ => {
+                Counters::bump(&counters.frame_timeouts);
+                End::Broken(format!(
+                    "a frame part not in within {:?}",
+                    limits.frame_timeout
+                ))
+            }
+        }
+    }
+
+    /// `n` more bytes arrived in the current state's buffer: moves the state on.
+    fn advance(
+        &mut self,
+        id: u64,
+        c: &mut Conn,
+        n: usize,
+        now: Instant,
+        limits: &TcpLimits,
+    ) -> Result<(), End> {
+        match &mut c.state {
+            Rx::Hello { buf, need } => {
+                if buf.len() < *need {
+                    return Ok(());
+                }
+                if *need == HELLO_START_LEN {
+                    let start: [u8; HELLO_START_LEN] = buf[..].try_into().unwrap_or([0; 5]);
+                    wire::check_hello_start(&start)
+                        .map_err(|e| self.refuse_hello(&c.stream, e.to_string()))?;
+                    *need += 2;
+                } else if *need == HELLO_START_LEN + 2 {
+                    let len = [buf[HELLO_START_LEN], buf[HELLO_START_LEN + 1]];
+                    let id_len = wire::hello_id_len(len)
+                        .map_err(|e| self.refuse_hello(&c.stream, e.to_string()))?;
+                    *need += id_len + KEY_LEN;
+                } else {
+                    let hello = wire::decode_hello(buf)
+                        .map_err(|e| self.refuse_hello(&c.stream, e.to_string()))?;
+                    let (writer, key) = (PeerId::new(hello.writer), hello.key);
+                    let authenticated = lock(&self.shared.gate).authenticate(id, &writer, &key);
+                    match authenticated {
+                        Some(replaced) => {
+                            debug!(%writer, replaced, "tcp data connection authenticated");
+                            c.writer = Some(writer);
+                            c.state = Rx::Idle;
+                            c.deadline = now + limits.idle_timeout;
+                        }
+                        None => {
+                            return Err(self
+                                .refuse_hello(&c.stream, format!("{writer}: no such key issued")))
+                        }
+                    }
+                }
+            }
+            Rx::Idle => {}
+            Rx::Head { buf } => {
+                if buf.len() < 4 + WRITE_HEAD_LEN {
+                    return Ok(());
+                }
+                let writer = c.writer.clone().unwrap_or_default();
+                let magic: [u8; 4] = buf[..4].try_into().unwrap_or([0; 4]);
+                wire::check_write_magic(&magic)
+                    .map_err(|e| End::Broken(format!("{writer}: {e}")))?;
+                let head: [u8; WRITE_HEAD_LEN] = buf[4..].try_into().unwrap_or([0; WRITE_HEAD_LEN]);
+                match wire::decode_write_head(&head, self.shared.pool.num_blocks()) {
+                    Ok((tid, count)) => {
+                        c.state = Rx::Indexes {
+                            tid,
+                            buf: Vec::with_capacity(count.min(1 << 16) * 8),
+                            need: count * 8,
+                        };
+                    }
+                    Err(WireError::BadCount { tid, count }) => {
+                        return Err(self.refuse(c, tid, format!("{count} blocks in one write")))
+                    }
+                    Err(e) => return Err(End::Broken(format!("{writer}: {e}"))),
+                }
+            }
+            Rx::Indexes { tid, buf, need } => {
+                if buf.len() < *need {
+                    return Ok(());
+                }
+                let tid = *tid;
+                let writer = c.writer.clone().unwrap_or_default();
+                let indexes =
+                    wire::decode_indexes(buf).map_err(|e| End::Broken(format!("{writer}: {e}")))?;
+                let claim = self.claim(id, c, tid, &writer, &indexes)?;
+                c.state = Rx::Blocks {
+                    tid,
+                    claim,
+                    count: indexes.len(),
+                    nth: 0,
+                    at: 0,
                 };
-                // Each block on its own clock: a large WRITE under the writer's rate cap may
-                // take longer than `frame_timeout` as a whole, but never stalls that long.
-                self.frame_part(block, Instant::now() + self.limits.frame_timeout)?;
+                // Each block on its own clock.
+                c.deadline = now + limits.frame_timeout;
             }
-            // Every byte is in: the write is over before the writer hears of it (and before the
-            // load can end, which closes connections still writing its blocks).
-            drop(claim);
-            lock(self.gate).set_claimed(self.id, &[]);
-            self.s.write_all(&wire::encode_ack(tid, true))?;
-            idle_since = Instant::now();
+            Rx::Blocks {
+                tid,
+                claim,
+                count,
+                nth,
+                at,
+            } => {
+                *at += n;
+                let len = claim.block_mut(*nth).map_or(0, |b| b.len());
+                if *at < len {
+                    return Ok(());
+                }
+                *nth += 1;
+                *at = 0;
+                c.deadline = now + limits.frame_timeout;
+                if *nth < *count {
+                    return Ok(());
+                }
+                // Every byte is in: the write is over before the writer hears of it (and before
+                // the load can end, which ends connections still writing its blocks).
+                let tid = *tid;
+                c.state = Rx::Ack {
+                    bytes: wire::encode_ack(tid, true),
+                    at: 0,
+                };
+                lock(&self.shared.gate).set_claimed(id, &[]);
+                c.deadline = now + limits.frame_timeout;
+            }
+            Rx::Ack { .. } => {}
         }
+        Ok(())
     }
 
-    /// Reads and checks the HELLO (by `deadline`); anything but a current key for the named
-    /// writer closes the connection without reading further.
-    fn hello(&mut self, deadline: Instant) -> std::io::Result<PeerId> {
-        // Magic and version first, then the id's length, then id and key: junk is refused
-        // before the next part is waited for.
-        let mut start = [0u8; HELLO_START_LEN];
-        self.hello_part(&mut start, deadline)?;
-        wire::check_hello_start(&start).map_err(|e| self.refuse_hello(e.to_string()))?;
-        let mut id_len = [0u8; 2];
-        self.hello_part(&mut id_len, deadline)?;
-        let id_len = wire::hello_id_len(id_len).map_err(|e| self.refuse_hello(e.to_string()))?;
-        let mut rest = vec![0u8; id_len + KEY_LEN];
-        self.hello_part(&mut rest, deadline)?;
-        let hello =
-            wire::hello_body(id_len, &rest).map_err(|e| self.refuse_hello(e.to_string()))?;
-        let (writer, key) = (PeerId::new(hello.writer), hello.key);
-        let authenticated = lock(self.gate).authenticate(self.id, &writer, &key);
-        match authenticated {
-            Some(replaced) => {
-                debug!(%writer, replaced, "tcp data connection authenticated");
-                Ok(writer)
-            }
-            None => Err(self.refuse_hello(format!("{writer}: no such key issued"))),
-        }
-    }
-
-    fn refuse_hello(&self, why: String) -> std::io::Error {
-        Counters::bump(&self.counters.refused_hellos);
+    fn refuse_hello(&self, stream: &TcpStream, why: String) -> End {
+        Counters::bump(&self.shared.counters.refused_hellos);
         if let Some(suppressed) = crate::admit_warning("refusing a tcp data connection") {
-            warn!(%why, peer = ?self.s.peer_addr().ok(), suppressed, "refusing a tcp data connection");
+            warn!(%why, peer = ?stream.peer_addr().ok(), suppressed, "refusing a tcp data connection");
         }
-        protocol(why)
-    }
-
-    fn hello_part(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-        read_by(self.s, buf, deadline).inspect_err(|e| {
-            if e.kind() == std::io::ErrorKind::TimedOut {
-                Counters::bump(&self.counters.hello_timeouts);
-            }
-        })
-    }
-
-    fn frame_part(&mut self, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-        read_by(self.s, buf, deadline).inspect_err(|e| {
-            if e.kind() == std::io::ErrorKind::TimedOut {
-                Counters::bump(&self.counters.frame_timeouts);
-            }
-        })
+        End::Broken(why)
     }
 
     /// Claims every permit of the frame before reading a byte of it (all or nothing: each
@@ -476,40 +761,33 @@ impl Connection<'_> {
     /// blocks.
     fn claim(
         &mut self,
+        id: u64,
+        c: &Conn,
         tid: TransferId,
         writer: &PeerId,
         indexes: &[BlockIndex],
-    ) -> std::io::Result<WriteClaim> {
+    ) -> Result<WriteClaim, End> {
         let claimed = {
-            let mut gate = lock(self.gate);
-            if !gate.is_current(self.id) {
-                return Err(protocol(format!("{writer}: its key was withdrawn")));
+            let mut gate = lock(&self.shared.gate);
+            if !gate.is_current(id) {
+                return Err(End::Quiet("its key was withdrawn"));
             }
-            let claimed = self.pool.claim(writer, indexes);
+            let claimed = self.shared.pool.claim(writer, indexes);
             if claimed.is_ok() {
-                gate.set_claimed(self.id, indexes);
+                gate.set_claimed(id, indexes);
             }
             claimed
         };
-        claimed.map_err(|e| self.refuse(tid, writer, e.to_string()))
+        claimed.map_err(|e| self.refuse(c, tid, e.to_string()))
     }
 
-    /// Refuses transfer `tid` (ACK 1) and closes the connection; the error ends the reader.
-    fn refuse(&mut self, tid: TransferId, writer: &PeerId, why: String) -> std::io::Error {
+    /// Refuses transfer `tid` (ACK 1, best effort) and ends the connection.
+    fn refuse(&self, c: &Conn, tid: TransferId, why: String) -> End {
+        let writer = c.writer.clone().unwrap_or_default();
         if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
             warn!(%writer, tid = tid.get(), %why, suppressed, "refusing a tcp write");
         }
-        let _ = self.s.write_all(&wire::encode_ack(tid, false));
-        close(self.s);
-        protocol(why)
+        let _ = (&c.stream).write(&wire::encode_ack(tid, false));
+        End::Broken(why)
     }
-}
-
-/// Blocks until `listener` has a connection to accept (or an error), without reserving a
-/// descriptor the way a blocking `accept` does.
-fn wait_readable(listener: &TcpListener) -> nix::Result<()> {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
-    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-    poll(&mut fds, PollTimeout::NONE).map(|_| ())
 }

@@ -1,379 +1,282 @@
-//! The send side of the tcp plane: per peer, a dial at registration, then one writer thread
-//! (which reconnects when its idle connection was closed) and an ACK reader per connection;
-//! per plane, one watcher failing transfers not acknowledged by their deadline.
+//! The send side of the tcp plane: one thread for every peer this node writes to, whatever
+//! their number. Each registered peer is a [`Link`]: its jobs in order, at most one data
+//! connection (dialed at its first write, not at registration, and closed once idle, so an
+//! idle session holds none), the WRITE being sent and the ACKs coming back, all on one
+//! non-blocking socket registered in the thread's epoll set. A peer that reads slowly only
+//! leaves its own socket unwritable: every other link goes on.
+//!
+//! What the per-peer writer threads this replaces did, each kept:
+//!
+//! * **Jobs in order**, each decided under the bookkeeping lock: cancelled meanwhile (skipped),
+//!   the peer faulted (every job dropped), or sent on the current connection, which must be
+//!   open and not about to idle out at the receiver unless WRITEs await their ACK on it;
+//!   otherwise a fresh connection is dialed (same HELLO and key) and the job tried on it, at
+//!   most twice per job before the peer is faulted.
+//! * **A connection found closed before a byte of a frame left** takes the frame back and
+//!   reconnects; one lost in the middle of a frame faults the peer.
+//! * **ACKs**: a written transfer is done, a refused one faults the peer (the receiver refuses
+//!   only a write it holds no permit for). A connection that ends with WRITEs awaiting their
+//!   ACK faults the peer; one that ends idle is only forgotten (the next write reconnects).
+//! * **Deadlines** of transfers awaiting their ACK (`transfer_timeout` + bytes at
+//!   `min_write_rate`, a pipelined WRITE also getting the time of those ahead of it): past
+//!   one, the peer is faulted and its link reset and dropped. A socket that takes none of a
+//!   frame's bytes for [`WRITE_STALL_TIMEOUT`] faults the peer too.
+//! * **A byte rate per link** (`max_write_rate`): no more is written than the rate allows
+//!   since the link last idled (idle time is not banked beyond a second); the link waits on
+//!   its timer, not on a sleep.
+//!
+//! The core's thread talks to this one through a command queue and a wake pipe
+//! ([`SenderHandle`]); results go back through the shared [`Ends`] and the node's wake hook.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{BlockIndex, PlaneError, Registration, TransferId};
+use kvpeer_core::{BlockIndex, TransferId};
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
 use tracing::{debug, warn};
 
 use super::wire::{self, ACK_LEN};
-use super::{
-    abort, close, protocol, Counters, Ends, Links, Sent, TcpPlane, CONNECT_TIMEOUT, KEY_LEN,
-    WRITE_STALL_TIMEOUT,
-};
+use super::{abort, close, Counters, Ends, Sent, TcpPlane, KEY_LEN, WRITE_STALL_TIMEOUT};
 use crate::data::shm::Wake;
+use crate::io::poller::{Poller, Ready, Token};
+use crate::io::sockio;
+use crate::io::timers::Timers;
 use crate::lock;
 
-/// Numbers outbound connections, across peers and links, so that an ACK reader can tell its
-/// connection from the one that replaced it.
+/// Numbers data connections (their poll tokens), across peers and links, so that news of a
+/// connection that was replaced is told from news of its successor.
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
-fn next_conn() -> u64 {
-    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
-}
+/// The wake pipe's token in the thread's poll.
+const WAKE: Token = 0;
 
+/// How long a connect may take before the peer is faulted.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Under a byte rate, a link writes once this much (or the rest of its frame) is allowed, so a
+/// paced link wakes the thread about 16 times per MiB, not once per byte.
+const PACE_CHUNK: usize = 64 * 1024;
+
+/// One write to a peer: our blocks `local` into its blocks `remote`.
 pub(super) struct Job {
-    tid: TransferId,
-    local: Vec<BlockIndex>,
-    remote: Vec<BlockIndex>,
-}
-
-/// A registered peer's outbound link.
-pub(super) struct PeerLink {
-    jobs: Sender<Job>,
-    /// The writer's current connection (to shut it down).
-    current: Arc<Mutex<Option<TcpStream>>>,
-    stop: Arc<AtomicBool>,
-    pub(super) num_blocks: u64,
-}
-
-impl PeerLink {
-    /// Hands a write to the link's writer; `false` if it is gone.
-    pub(super) fn queue(
-        &self,
-        tid: TransferId,
-        local: &[BlockIndex],
-        remote: &[BlockIndex],
-    ) -> bool {
-        let job = Job {
-            tid,
-            local: local.to_vec(),
-            remote: remote.to_vec(),
-        };
-        self.jobs.send(job).is_ok()
-    }
-
-    /// Ends the link: its writer stops, its connection closes.
-    pub(super) fn close(self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(s) = lock(&self.current).as_ref() {
-            close(s);
-        }
-    }
-
-    /// Ends the link at once: as [`PeerLink::close`], and the connection is reset, so bytes a
-    /// peer has not read are dropped rather than kept for it.
-    fn abort(self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(s) = lock(&self.current).as_ref() {
-            abort(s);
-        }
-    }
-}
-
-/// Everything a link's threads need.
-#[derive(Clone)]
-struct LinkCx {
-    peer: PeerId,
-    addr: String,
-    me: PeerId,
-    key: [u8; KEY_LEN],
-    ends: Arc<Mutex<Ends>>,
-    deadlines: Arc<Condvar>,
-    wake: Wake,
-    counters: Arc<Counters>,
-}
-
-impl TcpPlane {
-    /// Drops the outbound link to `peer` (and any dial still running for it).
-    pub(super) fn drop_link(&mut self, peer: &PeerId) {
-        let link = {
-            let mut l = lock(&self.links);
-            l.dialing.remove(peer);
-            l.map.remove(peer)
-        };
-        if let Some(link) = link {
-            link.close();
-        }
-        lock(&self.ends).conns.remove(peer);
-    }
-
-    /// Dials `peer`'s data listener off the core's thread; the registration is done when the
-    /// HELLO is out, failed if the dial fails (reported once: there is no retry loop).
-    pub(super) fn start_link(
-        &mut self,
-        peer: PeerId,
-        addr: String,
-        key: [u8; KEY_LEN],
-        num_blocks: u64,
-    ) {
-        let dial_no = {
-            let mut l = lock(&self.links);
-            l.next_dial += 1;
-            let n = l.next_dial;
-            l.dialing.insert(peer.clone(), n);
-            n
-        };
-        let cx = LinkCx {
-            peer: peer.clone(),
-            addr,
-            me: self.local_id.clone(),
-            key,
-            ends: self.ends.clone(),
-            deadlines: self.deadlines.clone(),
-            wake: self.wake.clone(),
-            counters: self.counters.clone(),
-        };
-        let limits = lock(&self.limits).clone();
-        let writer = Writer {
-            local: self.local.clone(),
-            block_len: self.block_len as usize,
-            rate: self.max_write_rate,
-            // Reconnect before the receiver's idle timeout can race a new WRITE.
-            stale_after: limits.idle_timeout / 2,
-            // Never asks a peer to take our bytes faster than we send them.
-            min_rate: limits
-                .min_write_rate
-                .min(self.max_write_rate.unwrap_or(u64::MAX))
-                .max(1),
-            grace: limits.transfer_timeout,
-        };
-        let who = peer.clone();
-        let (links, registrations, wake) = (
-            self.links.clone(),
-            self.registrations.clone(),
-            self.wake.clone(),
-        );
-        let spawned = std::thread::Builder::new()
-            .name("kvpeer-tcp-dial".into())
-            .spawn(move || {
-                let dialed = dial(&cx.addr, &cx.me, &cx.key);
-                let mut l = lock(&links);
-                if l.dialing.get(&peer) != Some(&dial_no) {
-                    // Removed or registered again meanwhile: this dial is moot.
-                    if let Ok(s) = &dialed {
-                        close(s);
-                    }
-                    return;
-                }
-                l.dialing.remove(&peer);
-                let addr = cx.addr.clone();
-                let state = match dialed.and_then(|s| writer.start(cx, s, num_blocks)) {
-                    Ok(link) => {
-                        l.map.insert(peer.clone(), link);
-                        Registration::Done
-                    }
-                    Err(e) => Registration::Failed(PlaneError::transport(format!(
-                        "cannot reach the data listener at {addr}: {e}"
-                    ))),
-                };
-                lock(&registrations).insert(peer, state);
-                drop(l);
-                wake();
-            });
-        if let Err(e) = spawned {
-            if let Some(suppressed) = crate::admit_warning("cannot start a tcp dial thread") {
-                warn!(error = %e, suppressed, "cannot start a tcp dial thread");
-            }
-            lock(&self.links).dialing.remove(&who);
-            lock(&self.registrations).insert(
-                who,
-                Registration::Failed(PlaneError::resources(format!(
-                    "cannot start a tcp dial thread: {e}"
-                ))),
-            );
-        }
-    }
-}
-
-/// Opens a data connection and sends the HELLO.
-fn dial(addr: &str, me: &PeerId, key: &[u8; KEY_LEN]) -> std::io::Result<TcpStream> {
-    let target = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| protocol(format!("{addr} resolves to nothing")))?;
-    let mut s = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)?;
-    s.set_nodelay(true)?;
-    s.set_write_timeout(Some(WRITE_STALL_TIMEOUT))?;
-    let hello =
-        wire::encode_hello(me.as_str(), key).map_err(|_| protocol("peer id too long".into()))?;
-    s.write_all(&hello)?;
-    Ok(s)
+    pub(super) tid: TransferId,
+    pub(super) local: Vec<BlockIndex>,
+    pub(super) remote: Vec<BlockIndex>,
 }
 
 /// A link's writer settings.
-struct Writer {
-    /// The pool the blocks are sent from.
-    local: PoolView,
-    block_len: usize,
-    rate: Option<u64>,
-    stale_after: Duration,
+#[derive(Debug, Clone)]
+pub(super) struct Writer {
+    /// Cap on bytes per second to this peer.
+    pub(super) rate: Option<u64>,
+    /// Reconnect before the receiver's idle timeout can race a new WRITE; an idle connection
+    /// is closed after this long.
+    pub(super) stale_after: Duration,
     /// The slowest a peer may take our WRITEs (bytes per second, at least 1).
-    min_rate: u64,
+    pub(super) min_rate: u64,
     /// A WRITE's fixed allowance on top of its bytes at `min_rate`.
-    grace: Duration,
+    pub(super) grace: Duration,
 }
 
-/// What the writer does with its next job.
-enum Step {
-    /// Cancelled before it was sent.
-    Skip,
-    /// Moved to `sent` on the current connection: write it.
-    Send,
-    /// The connection is closed (or about to idle out) with nothing awaiting an ACK: open a
-    /// fresh one first.
-    Reconnect,
-    /// The peer is faulted: stop.
+/// What the core's thread asks of the sender thread.
+pub(super) enum Cmd {
+    /// Writes to `peer` go to its data listener at `addr`, presenting `key`.
+    Link {
+        peer: PeerId,
+        addr: SocketAddr,
+        key: [u8; KEY_LEN],
+        writer: Writer,
+    },
+    /// `peer` is gone: its link and connection end (`abort`: reset, not closed in order).
+    Unlink { peer: PeerId, abort: bool },
+    /// A write to `peer`, queued behind its others.
+    Job { peer: PeerId, job: Job },
+    /// The plane is going.
     Stop,
 }
 
-/// How a frame's send failed.
-enum SendError {
-    /// Before a byte of it left (the connection was found closed).
-    NothingSent(std::io::Error),
-    /// Part of it may have reached the receiver.
-    Partial(std::io::Error),
+/// A way to give the sender thread commands: its queue and the pipe that wakes it.
+#[derive(Clone)]
+pub(super) struct CmdQueue {
+    queue: Arc<Mutex<VecDeque<Cmd>>>,
+    wake: Arc<File>,
 }
 
-impl Writer {
-    /// Starts the writer and the ACK reader on the freshly dialed `stream`.
-    fn start(self, cx: LinkCx, stream: TcpStream, num_blocks: u64) -> std::io::Result<PeerLink> {
-        let (tx, rx) = channel::<Job>();
-        let conn = next_conn();
-        let current = Arc::new(Mutex::new(Some(stream.try_clone()?)));
-        let stop = Arc::new(AtomicBool::new(false));
-        lock(&cx.ends).conns.insert(cx.peer.clone(), (conn, true));
-        spawn_acks(&cx, conn, stream.try_clone()?)?;
-        let (cur, halt) = (current.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name("kvpeer-tcp-send".into())
-            .spawn(move || self.run(cx, rx, stream, conn, &cur, &halt))?;
-        Ok(PeerLink {
-            jobs: tx,
-            current,
-            stop,
-            num_blocks,
-        })
+impl CmdQueue {
+    /// Queues `cmd` and wakes the thread.
+    pub(super) fn send(&self, cmd: Cmd) {
+        lock(&self.queue).push_back(cmd);
+        // A full pipe already means "wake up".
+        let _ = (&*self.wake).write(&[1]);
+    }
+}
+
+/// The core's thread's side of the sender thread (stops it when dropped).
+pub(super) struct SenderHandle {
+    queue: CmdQueue,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SenderHandle {
+    /// Queues `cmd` and wakes the thread.
+    pub(super) fn send(&self, cmd: Cmd) {
+        self.queue.send(cmd);
     }
 
-    fn run(
-        self,
-        cx: LinkCx,
-        rx: Receiver<Job>,
-        mut out: TcpStream,
-        mut conn: u64,
-        current: &Mutex<Option<TcpStream>>,
-        stop: &AtomicBool,
-    ) {
-        let mut pacer = self.rate.map(Pacer::new);
-        let mut last_sent = Instant::now();
-        for job in rx {
-            let mut reconnects = 0;
-            loop {
-                if stop.load(Ordering::SeqCst) {
-                    return;
-                }
-                match self.step(&cx, &job, conn, last_sent) {
-                    Step::Stop => return,
-                    Step::Skip => break,
-                    Step::Reconnect => {
-                        reconnects += 1;
-                        if reconnects > 2 {
-                            let why = "the tcp data connection keeps closing before a write";
-                            TcpPlane::fault(&cx.ends, &cx.peer, why.into(), &cx.wake);
-                            return;
-                        }
-                        match reconnect(&cx, &out, current, stop) {
-                            Ok((s, n)) => {
-                                (out, conn) = (s, n);
-                                last_sent = Instant::now();
-                            }
-                            Err(_) if stop.load(Ordering::SeqCst) => return,
-                            Err(e) => {
-                                let why = format!(
-                                    "cannot reconnect to the data listener at {}: {e}",
-                                    cx.addr
-                                );
-                                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
-                                return;
-                            }
-                        }
-                    }
-                    Step::Send => {
-                        match send(&mut out, &job, &self.local, self.block_len, pacer.as_mut()) {
-                            Ok(()) => {
-                                last_sent = Instant::now();
-                                break;
-                            }
-                            Err(SendError::NothingSent(e)) if retract(&cx, &job, conn) => {
-                                debug!(peer = %cx.peer, error = %e, "tcp data connection found closed; reconnecting");
-                            }
-                            Err(_) if stop.load(Ordering::SeqCst) => return,
-                            Err(SendError::NothingSent(e) | SendError::Partial(e)) => {
-                                let why = format!("tcp send failed: {e}");
-                                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
-                                return;
-                            }
-                        }
-                    }
-                }
-            }
-        }
+    /// Another way in (for a helper thread that links a peer once its name resolved).
+    pub(super) fn queue(&self) -> CmdQueue {
+        self.queue.clone()
     }
+}
 
-    /// Decides, under the bookkeeping lock, what to do with `job` on connection `conn`.
-    fn step(&self, cx: &LinkCx, job: &Job, conn: u64, last_sent: Instant) -> Step {
-        let mut e = lock(&cx.ends);
-        if e.faults.contains_key(&cx.peer) {
-            return Step::Stop;
+impl Drop for SenderHandle {
+    fn drop(&mut self) {
+        self.send(Cmd::Stop);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
-        if !e.queued.contains_key(&job.tid) {
-            return Step::Skip;
-        }
-        let open = e.conns.get(&cx.peer) == Some(&(conn, true));
-        let pending = e.sent.values().any(|s| s.peer == cx.peer && s.conn == conn);
-        // With WRITEs awaiting their ACK the connection is in use: if it closes, they fault.
-        if pending || (open && last_sent.elapsed() < self.stale_after) {
-            e.queued.remove(&job.tid);
-            let now = Instant::now();
-            let bytes = (job.local.len() as u64).saturating_mul(self.block_len as u64);
-            let own = bytes_at(bytes, self.min_rate);
-            // Pipelined behind WRITEs still awaiting their ACK, it gets their time too.
-            let ahead = e
-                .sent
-                .values()
-                .filter(|s| s.peer == cx.peer)
-                .map(|s| s.deadline)
-                .max();
-            let mut deadline = later(now, self.grace.saturating_add(own));
-            if let Some(ahead) = ahead {
-                deadline = deadline.max(later(ahead, own));
-            }
-            e.sent.insert(
-                job.tid,
-                Sent {
-                    peer: cx.peer.clone(),
-                    conn,
-                    deadline,
-                    started: now,
-                    bytes,
-                },
-            );
-            if e.next_deadline.is_none_or(|next| deadline < next) {
-                cx.deadlines.notify_all();
-            }
-            return Step::Send;
-        }
-        Step::Reconnect
     }
+}
+
+/// What the sender thread shares with the plane.
+pub(super) struct Shared {
+    pub(super) me: PeerId,
+    pub(super) local: PoolView,
+    pub(super) block_len: usize,
+    pub(super) ends: Arc<Mutex<Ends>>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) wake: Wake,
+    /// The peers with a link and their pools' blocks (what `write_blocks` checks); a link this
+    /// thread drops (a transfer past its deadline) leaves it.
+    pub(super) linked: Arc<Mutex<HashMap<PeerId, u64>>>,
+}
+
+/// Starts the sender thread.
+pub(super) fn start(shared: Shared) -> std::io::Result<SenderHandle> {
+    let (read, write) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC)?;
+    let read = File::from(read);
+    let poller = Poller::new()?;
+    poller.add_input(read.as_fd(), WAKE)?;
+    let queue: Arc<Mutex<VecDeque<Cmd>>> = Arc::default();
+    let mut sender = Sender {
+        poller,
+        wake: read,
+        queue: queue.clone(),
+        shared,
+        links: HashMap::new(),
+        by_conn: HashMap::new(),
+        timers: Timers::default(),
+        deadlines: BinaryHeap::new(),
+    };
+    let thread = std::thread::Builder::new()
+        .name("kvpeer-tcp-send".into())
+        .spawn(move || sender.run())?;
+    Ok(SenderHandle {
+        queue: CmdQueue {
+            queue,
+            wake: Arc::new(File::from(write)),
+        },
+        thread: Some(thread),
+    })
+}
+
+/// A frame on its way out: the HELLO of a fresh connection, or a WRITE (header, then blocks).
+struct Frame {
+    /// The WRITE's transfer (`None`: a HELLO).
+    tid: Option<TransferId>,
+    head: Vec<u8>,
+    blocks: Vec<BlockIndex>,
+    /// Bytes of the frame written so far (the header's, then the blocks').
+    written: usize,
+}
+
+impl Frame {
+    fn len(&self, block_len: usize) -> usize {
+        self.head.len() + self.blocks.len() * block_len
+    }
+}
+
+/// A data connection to a peer's listener.
+struct Conn {
+    id: u64,
+    stream: TcpStream,
+    /// TCP's connect has not finished (since `since`).
+    connecting: Option<Instant>,
+    readable: bool,
+    writable: bool,
+    /// The HELLO, then WRITEs, one at a time.
+    out: VecDeque<Frame>,
+    /// An ACK's bytes read so far.
+    ack: [u8; ACK_LEN],
+    ack_len: usize,
+    /// When bytes last left (or a frame was queued onto an idle connection).
+    progressed: Instant,
+}
+
+/// One registered peer.
+struct Link {
+    peer: PeerId,
+    addr: SocketAddr,
+    key: [u8; KEY_LEN],
+    writer: Writer,
+    jobs: VecDeque<Job>,
+    conn: Option<Conn>,
+    /// Whether the current connection has seen its end (the next write reconnects).
+    conn_open: bool,
+    /// When the last WRITE was queued on the connection.
+    last_sent: Instant,
+    /// Reconnects for the job at the head of the queue.
+    reconnects: u32,
+    /// The byte rate's window: since when, and what left in it.
+    paced_since: Instant,
+    paced_bytes: u64,
+    /// The peer faulted: nothing more is written.
+    stopped: bool,
+    /// A connection of this link has been up before (the next one is a reconnect).
+    connected_before: bool,
+}
+
+/// The sender thread's state.
+struct Sender {
+    poller: Poller,
+    wake: File,
+    queue: Arc<Mutex<VecDeque<Cmd>>>,
+    shared: Shared,
+    links: HashMap<PeerId, Link>,
+    /// A connection's poll token (its number) → its peer.
+    by_conn: HashMap<u64, PeerId>,
+    /// Per link (by its connection's number, or 0 for none: keyed by peer below), when it
+    /// must be driven without news: pacing, write stalls, connect and idle deadlines.
+    timers: Timers<PeerKey>,
+    /// Transfers awaiting their ACK, by deadline (stale entries skipped).
+    deadlines: BinaryHeap<std::cmp::Reverse<(Instant, TransferId)>>,
+}
+
+/// A link's key in the timer heap (a peer id ordered by its text).
+type PeerKey = PeerId;
+
+/// What one step of a link's head job decided.
+enum Step {
+    Skip,
+    /// Sent, with the deadline of its ACK.
+    Send(Instant),
+    Reconnect,
+    Stop,
+}
+
+/// How `t + d` is written when it would overflow.
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(t)
 }
 
 /// How long `bytes` take at `rate` bytes per second (at least 1).
@@ -384,291 +287,753 @@ fn bytes_at(bytes: u64, rate: u64) -> Duration {
     Duration::new(secs, nanos as u32)
 }
 
-/// `t + d`, or as far as an `Instant` goes (a deadline that far off never comes).
-fn later(t: Instant, d: Duration) -> Instant {
-    t.checked_add(d)
-        .or_else(|| t.checked_add(Duration::from_secs(100 * 365 * 86_400)))
-        .unwrap_or(t)
-}
-
-/// Takes back a job whose frame never left (its connection was found closed) if nothing else
-/// awaits an ACK on that connection; `false` if it is too late (the ACK reader faulted it).
-fn retract(cx: &LinkCx, job: &Job, conn: u64) -> bool {
-    let mut e = lock(&cx.ends);
-    if !e
-        .sent
-        .get(&job.tid)
-        .is_some_and(|s| s.peer == cx.peer && s.conn == conn)
-    {
-        return false;
-    }
-    let others = e
-        .sent
-        .iter()
-        .any(|(t, s)| *t != job.tid && s.peer == cx.peer && s.conn == conn);
-    if others {
-        return false;
-    }
-    e.sent.remove(&job.tid);
-    e.queued.insert(job.tid, cx.peer.clone());
-    if let Some(c) = e.conns.get_mut(&cx.peer) {
-        if c.0 == conn {
-            c.1 = false;
+impl Sender {
+    fn run(&mut self) {
+        let mut ready: Vec<Ready> = Vec::new();
+        loop {
+            let now = Instant::now();
+            let timeout = [self.timers.next(), self.next_deadline()]
+                .into_iter()
+                .flatten()
+                .min()
+                .map_or(Duration::from_secs(3600), |at| {
+                    at.saturating_duration_since(now)
+                });
+            ready.clear();
+            if let Err(e) = self.poller.wait(timeout, &mut ready) {
+                if let Some(suppressed) = crate::admit_warning("tcp sender wait failed") {
+                    warn!(error = %e, suppressed, "the tcp sender cannot wait on its sockets");
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let mut touched: Vec<PeerId> = Vec::new();
+            for r in &ready {
+                if r.token == WAKE {
+                    continue;
+                }
+                let Some(peer) = self.by_conn.get(&r.token).cloned() else {
+                    continue;
+                };
+                if let Some(c) = self
+                    .links
+                    .get_mut(&peer)
+                    .and_then(|l| l.conn.as_mut())
+                    .filter(|c| c.id == r.token)
+                {
+                    c.readable |= r.readable || r.closed;
+                    c.writable |= r.writable;
+                    touched.push(peer);
+                }
+            }
+            if !self.commands(&mut touched) {
+                return;
+            }
+            let now = Instant::now();
+            let mut due = Vec::new();
+            self.timers.take_due(now, &mut due);
+            touched.extend(due);
+            touched.sort_unstable();
+            touched.dedup();
+            for peer in touched {
+                self.drive(&peer, now);
+            }
+            self.expire(now);
         }
     }
-    true
-}
 
-/// Replaces the writer's connection `old` (closed, or idle for long) with a fresh one: same
-/// HELLO and key, a new ACK reader.
-fn reconnect(
-    cx: &LinkCx,
-    old: &TcpStream,
-    current: &Mutex<Option<TcpStream>>,
-    stop: &AtomicBool,
-) -> std::io::Result<(TcpStream, u64)> {
-    close(old);
-    let s = dial(&cx.addr, &cx.me, &cx.key)?;
-    let conn = next_conn();
-    lock(&cx.ends).conns.insert(cx.peer.clone(), (conn, true));
-    spawn_acks(cx, conn, s.try_clone()?)?;
-    {
-        let mut cur = lock(current);
-        *cur = Some(s.try_clone()?);
-        if stop.load(Ordering::SeqCst) {
-            // The link was dropped while we dialed.
-            close(&s);
+    /// Takes the queued commands (draining the wake pipe first); `false` on `Stop`.
+    fn commands(&mut self, touched: &mut Vec<PeerId>) -> bool {
+        let mut buf = [0u8; 256];
+        while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+        let cmds: Vec<Cmd> = lock(&self.queue).drain(..).collect();
+        for cmd in cmds {
+            match cmd {
+                Cmd::Stop => {
+                    for (_, link) in self.links.drain() {
+                        if let Some(c) = &link.conn {
+                            close(&c.stream);
+                        }
+                    }
+                    return false;
+                }
+                Cmd::Link {
+                    peer,
+                    addr,
+                    key,
+                    writer,
+                } => {
+                    self.unlink(&peer, false);
+                    let now = Instant::now();
+                    self.links.insert(
+                        peer.clone(),
+                        Link {
+                            peer: peer.clone(),
+                            addr,
+                            key,
+                            writer,
+                            jobs: VecDeque::new(),
+                            conn: None,
+                            conn_open: false,
+                            last_sent: now,
+                            reconnects: 0,
+                            paced_since: now,
+                            paced_bytes: 0,
+                            stopped: false,
+                            connected_before: false,
+                        },
+                    );
+                }
+                Cmd::Unlink { peer, abort } => self.unlink(&peer, abort),
+                Cmd::Job { peer, job } => match self.links.get_mut(&peer).filter(|l| !l.stopped) {
+                    Some(link) => {
+                        link.jobs.push_back(job);
+                        touched.push(peer);
+                    }
+                    None => {
+                        // The link went (or faulted) meanwhile: the job never leaves.
+                        let mut e = lock(&self.shared.ends);
+                        if e.queued.remove(&job.tid).is_some() {
+                            e.ended.entry(peer).or_default().failed.push(job.tid);
+                        }
+                        drop(e);
+                        (self.shared.wake)();
+                    }
+                },
+            }
         }
+        true
     }
-    Counters::bump(&cx.counters.reconnects);
-    debug!(peer = %cx.peer, "tcp data connection reopened");
-    Ok((s, conn))
-}
 
-/// Starts the ACK reader of connection `conn`.
-fn spawn_acks(cx: &LinkCx, conn: u64, inp: TcpStream) -> std::io::Result<()> {
-    let cx = cx.clone();
-    std::thread::Builder::new()
-        .name("kvpeer-tcp-ack".into())
-        .spawn(move || read_acks(&cx, conn, inp))?;
-    Ok(())
-}
-
-/// Acknowledgements in, until the connection ends. Closing with WRITEs awaiting their ACK is a
-/// fault of the peer; closing idle only marks the connection closed, and the writer opens a
-/// fresh one before its next WRITE.
-fn read_acks(cx: &LinkCx, conn: u64, mut inp: TcpStream) {
-    loop {
-        let mut frame = [0u8; ACK_LEN];
-        let ack = inp
-            .read_exact(&mut frame)
-            .ok()
-            .and_then(|()| wire::decode_ack(&frame).ok());
-        let Some((tid, written)) = ack else {
-            let mut e = lock(&cx.ends);
+    /// Ends `peer`'s link: its connection closes (reset with `abort`), WRITEs awaiting their
+    /// ACK on it fail (a fault now would land on the peer's next session), its queued jobs are
+    /// never sent.
+    fn unlink(&mut self, peer: &PeerId, abort_conn: bool) {
+        let Some(link) = self.links.remove(peer) else {
+            return;
+        };
+        lock(&self.shared.linked).remove(peer);
+        self.timers.set(peer.clone(), None);
+        if let Some(c) = &link.conn {
+            self.by_conn.remove(&c.id);
+            if abort_conn {
+                abort(&c.stream);
+            } else {
+                close(&c.stream);
+            }
+            let mut e = lock(&self.shared.ends);
             let pending: Vec<TransferId> = e
                 .sent
                 .iter()
-                .filter(|(_, s)| s.peer == cx.peer && s.conn == conn)
+                .filter(|(_, s)| s.peer == *peer && s.conn == c.id)
                 .map(|(t, _)| *t)
                 .collect();
-            let current = e.conns.get(&cx.peer).is_some_and(|c| c.0 == conn);
-            if !pending.is_empty() && current {
-                drop(e);
-                let why = "tcp data connection lost".to_string();
-                TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
-            } else if !pending.is_empty() {
-                // The link was dropped (its session ended): its writes fail, but a fault now
-                // would land on the peer's next session.
+            if !pending.is_empty() {
                 for t in &pending {
                     e.sent.remove(t);
                 }
                 e.ended
-                    .entry(cx.peer.clone())
+                    .entry(peer.clone())
                     .or_default()
                     .failed
                     .extend(pending);
                 drop(e);
-                (cx.wake)();
-            } else {
-                if let Some(c) = e.conns.get_mut(&cx.peer) {
-                    if c.0 == conn {
-                        c.1 = false;
-                    }
-                }
-                debug!(peer = %cx.peer, "idle tcp data connection closed; the next write reconnects");
+                (self.shared.wake)();
             }
+        }
+        lock(&self.shared.ends).conns.remove(peer);
+    }
+
+    /// Faults `peer` (its transfers fail, the core winds the session down) and stops its link.
+    fn fault(&mut self, peer: &PeerId, why: String) {
+        debug!(%peer, %why, "tcp link faulted");
+        TcpPlane::fault(&self.shared.ends, peer, why, &self.shared.wake);
+        if let Some(link) = self.links.get_mut(peer) {
+            link.stopped = true;
+            link.jobs.clear();
+        }
+    }
+
+    /// Drives `peer`'s link at `now`: its connection's connect, ACKs and writes, then its jobs.
+    fn drive(&mut self, peer: &PeerId, now: Instant) {
+        let Some(mut link) = self.links.remove(peer) else {
             return;
         };
-        let mut e = lock(&cx.ends);
-        let mut refused = false;
-        if e.sent.remove(&tid).is_some() {
-            let report = e.ended.entry(cx.peer.clone()).or_default();
-            if written {
-                report.done.push(tid)
+        let result = self.drive_link(&mut link, now);
+        let stopped = link.stopped;
+        self.links.insert(peer.clone(), link);
+        if let Err(why) = result {
+            self.fault(peer, why);
+        } else if stopped {
+            // Faulted elsewhere: nothing more goes; the connection stays until the link is
+            // dropped with the session.
+        }
+        self.rearm(peer, now);
+    }
+
+    /// Sets `peer`'s next deadline: its connect, a write stall, its pace, its idle close.
+    fn rearm(&mut self, peer: &PeerId, now: Instant) {
+        let Some(link) = self.links.get(peer) else {
+            self.timers.set(peer.clone(), None);
+            return;
+        };
+        let mut at: Option<Instant> = None;
+        let mut consider = |t: Instant| at = Some(at.map_or(t, |a| a.min(t)));
+        if let Some(c) = &link.conn {
+            if let Some(since) = c.connecting {
+                consider(since + CONNECT_TIMEOUT);
+            } else if !c.out.is_empty() {
+                consider(c.progressed + WRITE_STALL_TIMEOUT);
+                if let Some(ready) = self.pace_ready_at(link, now) {
+                    consider(ready);
+                }
+            } else if link.jobs.is_empty() && !self.awaits_acks(link) {
+                // Idle: closed before the receiver's idle timeout would close it.
+                consider(link.last_sent + link.writer.stale_after);
+            }
+        }
+        if !link.jobs.is_empty() && link.conn.is_none() {
+            consider(now);
+        }
+        self.timers.set(peer.clone(), at);
+    }
+
+    /// Whether WRITEs on `link`'s current connection await their ACK.
+    fn awaits_acks(&self, link: &Link) -> bool {
+        let Some(c) = &link.conn else {
+            return false;
+        };
+        lock(&self.shared.ends)
+            .sent
+            .values()
+            .any(|s| s.peer == link.peer && s.conn == c.id)
+    }
+
+    /// When the pace lets `link` write its next chunk (`None`: now, or it has no pace).
+    fn pace_ready_at(&self, link: &Link, now: Instant) -> Option<Instant> {
+        let rate = link.writer.rate?;
+        if pace_allows(link, now) >= PACE_CHUNK {
+            return None;
+        }
+        let due = link.paced_since + bytes_at(link.paced_bytes, rate);
+        Some(due.max(now + Duration::from_micros(50)))
+    }
+
+    fn drive_link(&mut self, link: &mut Link, now: Instant) -> Result<(), String> {
+        if link.stopped {
+            return Ok(());
+        }
+        // The connection: its connect, ACKs, end, then what it has to write.
+        if let Some(c) = &mut link.conn {
+            if let Some(since) = c.connecting {
+                let verb = if link.connected_before {
+                    "reconnect to"
+                } else {
+                    "reach"
+                };
+                if c.writable || c.readable {
+                    match sockio::connect_done(&c.stream, link.addr) {
+                        Ok(true) => {
+                            c.connecting = None;
+                            c.progressed = now;
+                            if link.connected_before {
+                                Counters::bump(&self.shared.counters.reconnects);
+                                debug!(peer = %link.peer, "tcp data connection reopened");
+                            }
+                            link.connected_before = true;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            return Err(format!(
+                                "cannot {verb} the data listener at {}: {e}",
+                                link.addr
+                            ))
+                        }
+                    }
+                }
+                if c.connecting.is_some() && now >= since + CONNECT_TIMEOUT {
+                    return Err(format!(
+                        "cannot {verb} the data listener at {}: no connect within {CONNECT_TIMEOUT:?}",
+                        link.addr
+                    ));
+                }
+            }
+        }
+        if link
+            .conn
+            .as_ref()
+            .is_some_and(|c| c.connecting.is_none() && c.readable)
+        {
+            self.read_acks(link)?;
+        }
+        loop {
+            let progressed = self.write(link, now)?;
+            if link.stopped {
+                return Ok(());
+            }
+            let idle = link
+                .conn
+                .as_ref()
+                .is_none_or(|c| c.connecting.is_none() && c.out.is_empty());
+            if !idle {
+                break;
+            }
+            // Nothing on its way out: the next job, if any.
+            let Some(job) = link.jobs.front() else {
+                self.close_if_stale(link, now);
+                break;
+            };
+            match self.step(link, job.tid, now) {
+                Step::Stop => {
+                    link.stopped = true;
+                    link.jobs.clear();
+                    return Ok(());
+                }
+                Step::Skip => {
+                    link.jobs.pop_front();
+                    link.reconnects = 0;
+                }
+                Step::Send(deadline) => {
+                    let Some(job) = link.jobs.pop_front() else {
+                        break;
+                    };
+                    self.deadlines.push(std::cmp::Reverse((deadline, job.tid)));
+                    link.reconnects = 0;
+                    let head = wire::encode_write_header(job.tid, &job.remote)
+                        .map_err(|e| format!("cannot frame a tcp write: {e}"))?;
+                    if let Some(rate) = link.writer.rate {
+                        // Idle time is not banked beyond a second: a pause does not buy a
+                        // burst.
+                        let due = bytes_at(link.paced_bytes, rate);
+                        let idle = link.conn.as_ref().is_none_or(|c| c.out.is_empty());
+                        if idle
+                            && now.saturating_duration_since(link.paced_since)
+                                > Duration::from_secs(1) + due
+                        {
+                            link.paced_since = now;
+                            link.paced_bytes = 0;
+                        }
+                    }
+                    if let Some(c) = &mut link.conn {
+                        if c.out.is_empty() {
+                            c.progressed = now;
+                        }
+                        c.out.push_back(Frame {
+                            tid: Some(job.tid),
+                            head,
+                            blocks: job.local,
+                            written: 0,
+                        });
+                    }
+                    link.last_sent = now;
+                }
+                Step::Reconnect => {
+                    link.reconnects += 1;
+                    if link.reconnects > 2 {
+                        return Err(
+                            "the tcp data connection keeps closing before a write".to_string()
+                        );
+                    }
+                    self.reconnect(link, now)?;
+                }
+            }
+            let _ = progressed;
+        }
+        Ok(())
+    }
+
+    /// Closes `link`'s connection once it idled for `stale_after` with nothing awaiting an
+    /// ACK: an idle session holds no data connection.
+    fn close_if_stale(&mut self, link: &mut Link, now: Instant) {
+        let stale = now.saturating_duration_since(link.last_sent) >= link.writer.stale_after;
+        if stale && link.conn.is_some() && !self.awaits_acks(link) {
+            if let Some(c) = link.conn.take() {
+                self.by_conn.remove(&c.id);
+                close(&c.stream);
+                debug!(peer = %link.peer, "idle tcp data connection closed");
+            }
+            link.conn_open = false;
+            if let Some(c) = lock(&self.shared.ends).conns.get_mut(&link.peer) {
+                c.1 = false;
+            }
+        }
+    }
+
+    /// Decides, under the bookkeeping lock, what to do with job `tid` now.
+    fn step(&self, link: &Link, tid: TransferId, now: Instant) -> Step {
+        let mut e = lock(&self.shared.ends);
+        if e.faults.contains_key(&link.peer) {
+            return Step::Stop;
+        }
+        if !e.queued.contains_key(&tid) {
+            return Step::Skip;
+        }
+        let Some(conn) = link.conn.as_ref().filter(|c| c.connecting.is_none()) else {
+            return Step::Reconnect;
+        };
+        let open = link.conn_open && e.conns.get(&link.peer) == Some(&(conn.id, true));
+        let pending = e
+            .sent
+            .values()
+            .any(|s| s.peer == link.peer && s.conn == conn.id);
+        let fresh = now.saturating_duration_since(link.last_sent) < link.writer.stale_after;
+        // With WRITEs awaiting their ACK the connection is in use: if it closes, they fault.
+        if !(pending || (open && fresh)) {
+            return Step::Reconnect;
+        }
+        e.queued.remove(&tid);
+        let job = link.jobs.front();
+        let bytes = job.map_or(0, |j| j.local.len() as u64) * self.shared.block_len as u64;
+        let own = bytes_at(bytes, link.writer.min_rate);
+        // Pipelined behind WRITEs still awaiting their ACK, it gets their time too.
+        let ahead = e
+            .sent
+            .values()
+            .filter(|s| s.peer == link.peer)
+            .map(|s| s.deadline)
+            .max();
+        let mut deadline = later(now, link.writer.grace.saturating_add(own));
+        if let Some(ahead) = ahead {
+            deadline = deadline.max(later(ahead, own));
+        }
+        e.sent.insert(
+            tid,
+            Sent {
+                peer: link.peer.clone(),
+                conn: conn.id,
+                deadline,
+                started: now,
+                bytes,
+            },
+        );
+        drop(e);
+        Step::Send(deadline)
+    }
+
+    /// Replaces `link`'s connection with a fresh one (dialed now; the HELLO queued first).
+    fn reconnect(&mut self, link: &mut Link, now: Instant) -> Result<(), String> {
+        if let Some(old) = link.conn.take() {
+            self.by_conn.remove(&old.id);
+            close(&old.stream);
+        }
+        let verb = if link.connected_before {
+            "reconnect to"
+        } else {
+            "reach"
+        };
+        let stream = match sockio::start_connect(link.addr) {
+            Ok(s) => s,
+            Err(Some(e)) => {
+                return Err(format!(
+                    "cannot {verb} the data listener at {}: {e}",
+                    link.addr
+                ))
+            }
+            Err(None) => {
+                return Err(format!(
+                    "cannot {verb} the data listener at {}: no socket (out of descriptors)",
+                    link.addr
+                ))
+            }
+        };
+        let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+        self.poller
+            .add(stream.as_fd(), id)
+            .map_err(|e| format!("cannot poll a tcp data connection: {e}"))?;
+        let hello = wire::encode_hello(self.shared.me.as_str(), &link.key)
+            .map_err(|_| "our peer id is too long for a HELLO".to_string())?;
+        let mut out = VecDeque::new();
+        out.push_back(Frame {
+            tid: None,
+            head: hello,
+            blocks: Vec::new(),
+            written: 0,
+        });
+        link.conn = Some(Conn {
+            id,
+            stream,
+            connecting: Some(now),
+            readable: false,
+            writable: true,
+            out,
+            ack: [0; ACK_LEN],
+            ack_len: 0,
+            progressed: now,
+        });
+        link.conn_open = true;
+        link.last_sent = now;
+        self.by_conn.insert(id, link.peer.clone());
+        lock(&self.shared.ends)
+            .conns
+            .insert(link.peer.clone(), (id, true));
+        Ok(())
+    }
+
+    /// Writes what `link`'s connection has queued, as far as the socket and the pace allow;
+    /// whether any byte went.
+    fn write(&mut self, link: &mut Link, now: Instant) -> Result<bool, String> {
+        let block_len = self.shared.block_len;
+        let mut allowed = pace_allows(link, now);
+        let Some(c) = &mut link.conn else {
+            return Ok(false);
+        };
+        if c.connecting.is_some() {
+            return Ok(false);
+        }
+        let mut any = false;
+        while c.writable && allowed > 0 {
+            let Some(frame) = c.out.front_mut() else {
+                break;
+            };
+            let total = frame.len(block_len);
+            if link.writer.rate.is_some() && allowed < PACE_CHUNK.min(total - frame.written) {
+                // Under a pace: a chunk at a time (the link's timer says when).
+                break;
+            }
+            // The next slice of the frame: the header's rest, or the current block's.
+            let slice: &[u8] = if frame.written < frame.head.len() {
+                &frame.head[frame.written..]
             } else {
-                report.failed.push(tid);
-                refused = true;
+                let into = frame.written - frame.head.len();
+                let (nth, at) = (into / block_len.max(1), into % block_len.max(1));
+                let Some(&b) = frame.blocks.get(nth) else {
+                    c.out.pop_front();
+                    continue;
+                };
+                let Some(block) = self.shared.local.block(b) else {
+                    return Err(format!("local block {b} outside the pool"));
+                };
+                &block[at..]
+            };
+            let slice = &slice[..slice.len().min(allowed)];
+            match (&c.stream).write(slice) {
+                Ok(0) => return Err("the tcp data connection took no bytes".into()),
+                Ok(n) => {
+                    frame.written += n;
+                    any = true;
+                    c.progressed = now;
+                    if link.writer.rate.is_some() {
+                        link.paced_bytes += n as u64;
+                        allowed = allowed.saturating_sub(n);
+                    }
+                    if frame.written >= total {
+                        c.out.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => c.writable = false,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let untouched = frame.written == 0 && frame.tid.is_some();
+                    let tid = frame.tid;
+                    return match (untouched, tid) {
+                        (true, Some(tid)) => {
+                            // Found closed before a byte of this frame left: take it back
+                            // (if nothing else awaits an ACK there) and reconnect.
+                            if self.retract(link, tid) {
+                                debug!(peer = %link.peer, error = %e,
+                                    "tcp data connection found closed; reconnecting");
+                                Ok(any)
+                            } else {
+                                Err(format!("tcp send failed: {e}"))
+                            }
+                        }
+                        _ => Err(format!("tcp send failed: {e}")),
+                    };
+                }
+            }
+        }
+        if let Some(c) = &link.conn {
+            if !c.out.is_empty()
+                && now.saturating_duration_since(c.progressed) >= WRITE_STALL_TIMEOUT
+            {
+                return Err(format!(
+                    "tcp send failed: the receiver took no bytes for {WRITE_STALL_TIMEOUT:?}"
+                ));
+            }
+        }
+        Ok(any)
+    }
+
+    /// Takes back transfer `tid`, whose frame never left because `link`'s connection was found
+    /// closed, if nothing else awaits an ACK on it: the job goes back to the queue's front and
+    /// the connection is dropped. `false` if it is too late.
+    fn retract(&mut self, link: &mut Link, tid: TransferId) -> bool {
+        let Some(conn_id) = link.conn.as_ref().map(|c| c.id) else {
+            return false;
+        };
+        let mut e = lock(&self.shared.ends);
+        if !e
+            .sent
+            .get(&tid)
+            .is_some_and(|s| s.peer == link.peer && s.conn == conn_id)
+        {
+            return false;
+        }
+        let others = e
+            .sent
+            .iter()
+            .any(|(t, s)| *t != tid && s.peer == link.peer && s.conn == conn_id);
+        if others {
+            return false;
+        }
+        e.sent.remove(&tid);
+        e.queued.insert(tid, link.peer.clone());
+        if let Some(c) = e.conns.get_mut(&link.peer) {
+            if c.0 == conn_id {
+                c.1 = false;
             }
         }
         drop(e);
-        if refused {
-            // The receiver refuses only a write it holds no permit for, and closes: a fault.
-            let why = "the receiver refused a tcp write".to_string();
-            TcpPlane::fault(&cx.ends, &cx.peer, why, &cx.wake);
-            return;
+        if let Some(c) = link.conn.take() {
+            self.by_conn.remove(&c.id);
+            close(&c.stream);
+            if let Some(frame) = c.out.into_iter().find(|f| f.tid == Some(tid)) {
+                link.jobs.push_front(Job {
+                    tid,
+                    local: frame.blocks,
+                    remote: decode_remote(&frame.head),
+                });
+            }
         }
-        (cx.wake)();
-    }
-}
-
-fn send(
-    out: &mut TcpStream,
-    job: &Job,
-    local: &PoolView,
-    block_len: usize,
-    mut pacer: Option<&mut Pacer>,
-) -> Result<(), SendError> {
-    // More blocks than a u32 counts never reach here (both pools index under 2^32 blocks).
-    let header = wire::encode_write_header(job.tid, &job.remote)
-        .map_err(|e| SendError::Partial(protocol(e.to_string())))?;
-    // The first write tells a connection found closed (nothing of the frame left) from one
-    // lost in the middle of it.
-    let first = loop {
-        match out.write(&header) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Ok(0) => return Err(SendError::NothingSent(std::io::ErrorKind::WriteZero.into())),
-            Ok(n) => break n,
-            Err(e) => return Err(SendError::NothingSent(e)),
-        }
-    };
-    out.write_all(&header[first..])
-        .map_err(SendError::Partial)?;
-    for &l in &job.local {
-        let block = local.block(l).ok_or_else(|| {
-            SendError::Partial(protocol(format!("local block {l} outside the pool")))
-        })?;
-        out.write_all(block).map_err(SendError::Partial)?;
-        if let Some(p) = pacer.as_deref_mut() {
-            p.sent(block_len as u64);
-        }
-    }
-    Ok(())
-}
-
-/// Holds one writer to a byte rate: after each block it sleeps until the bytes sent so far
-/// are due. Idle time is not banked beyond one second, so a pause does not buy a burst.
-struct Pacer {
-    rate: u64,
-    since: Instant,
-    bytes: u64,
-}
-
-impl Pacer {
-    fn new(bytes_per_second: u64) -> Self {
-        Pacer {
-            rate: bytes_per_second,
-            since: Instant::now(),
-            bytes: 0,
-        }
+        link.conn_open = false;
+        true
     }
 
-    fn sent(&mut self, n: u64) {
-        let now = Instant::now();
-        if now.duration_since(self.since) > Duration::from_secs(1) + self.due(self.bytes) {
-            self.since = now;
-            self.bytes = 0;
-        }
-        self.bytes += n;
-        let due = self.since + self.due(self.bytes);
-        if due > now {
-            std::thread::sleep(due - now);
-        }
-    }
-
-    fn due(&self, bytes: u64) -> Duration {
-        Duration::from_secs_f64(bytes as f64 / self.rate as f64)
-    }
-}
-
-/// The plane's deadline watcher: sleeps until the earliest deadline of a transfer awaiting its
-/// ACK (or until one is sent, with nothing pending), and fails each transfer past it.
-pub(super) struct Watch {
-    pub(super) ends: Arc<Mutex<Ends>>,
-    pub(super) deadlines: Arc<Condvar>,
-    pub(super) links: Arc<Mutex<Links>>,
-    pub(super) counters: Arc<Counters>,
-    pub(super) wake: Wake,
-    pub(super) stop: Arc<AtomicBool>,
-}
-
-impl Watch {
-    pub(super) fn run(self) {
-        let mut e = lock(&self.ends);
+    /// ACKs in, until the socket has no more. The connection's end: with WRITEs awaiting their
+    /// ACK on it, a fault; idle, it is only forgotten (the next write reconnects).
+    fn read_acks(&mut self, link: &mut Link) -> Result<(), String> {
+        let Some(c) = &mut link.conn else {
+            return Ok(());
+        };
+        let mut acks = Vec::new();
+        let mut ended = false;
         loop {
-            if self.stop.load(Ordering::SeqCst) {
-                return;
-            }
-            let now = Instant::now();
-            let late: Vec<(TransferId, Sent)> = e
-                .sent
-                .iter()
-                .filter(|(_, s)| s.deadline <= now)
-                .map(|(t, s)| (*t, s.clone()))
-                .collect();
-            if !late.is_empty() {
-                e.next_deadline = None;
-                drop(e);
-                for (tid, sent) in late {
-                    self.expire(tid, &sent);
+            match (&c.stream).read(&mut c.ack[c.ack_len..]) {
+                Ok(0) => {
+                    ended = true;
+                    break;
                 }
-                e = lock(&self.ends);
-                continue;
+                Ok(n) => {
+                    c.ack_len += n;
+                    if c.ack_len == ACK_LEN {
+                        match wire::decode_ack(&c.ack) {
+                            Ok(ack) => acks.push(ack),
+                            Err(_) => {
+                                ended = true;
+                                break;
+                            }
+                        }
+                        c.ack_len = 0;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    c.readable = false;
+                    break;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    ended = true;
+                    break;
+                }
             }
-            let next = e.sent.values().map(|s| s.deadline).min();
-            e.next_deadline = next;
-            e = match next {
-                None => self.deadlines.wait(e).unwrap_or_else(|p| p.into_inner()),
-                Some(at) => {
-                    let left = at.saturating_duration_since(now);
-                    let waited = self.deadlines.wait_timeout(e, left);
-                    waited.unwrap_or_else(|p| p.into_inner()).0
+        }
+        let conn_id = c.id;
+        if !acks.is_empty() {
+            let mut refused = false;
+            let mut e = lock(&self.shared.ends);
+            for (tid, written) in acks {
+                if e.sent.remove(&tid).is_some() {
+                    let report = e.ended.entry(link.peer.clone()).or_default();
+                    if written {
+                        report.done.push(tid);
+                    } else {
+                        report.failed.push(tid);
+                        refused = true;
+                    }
+                }
+            }
+            drop(e);
+            (self.shared.wake)();
+            if refused {
+                // The receiver refuses only a write it holds no permit for, and closes.
+                return Err("the receiver refused a tcp write".into());
+            }
+        }
+        if ended {
+            let pending = lock(&self.shared.ends)
+                .sent
+                .values()
+                .any(|s| s.peer == link.peer && s.conn == conn_id);
+            if pending {
+                return Err("tcp data connection lost".into());
+            }
+            if let Some(c) = link.conn.take() {
+                self.by_conn.remove(&c.id);
+                close(&c.stream);
+            }
+            link.conn_open = false;
+            if let Some(c) = lock(&self.shared.ends).conns.get_mut(&link.peer) {
+                if c.0 == conn_id {
+                    c.1 = false;
+                }
+            }
+            debug!(peer = %link.peer, "idle tcp data connection closed; the next write reconnects");
+        }
+        Ok(())
+    }
+
+    /// The earliest deadline of a transfer awaiting its ACK.
+    fn next_deadline(&mut self) -> Option<Instant> {
+        self.deadlines.peek().map(|d| d.0 .0)
+    }
+
+    /// Fails the transfers unacknowledged past their deadline: each faults its peer, whose link
+    /// is reset and dropped, so its socket's buffers go at once.
+    fn expire(&mut self, now: Instant) {
+        while let Some(std::cmp::Reverse((at, tid))) = self.deadlines.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop();
+            let sent = {
+                let e = lock(&self.shared.ends);
+                match e.sent.get(&tid) {
+                    Some(s) if s.deadline <= now && !e.faults.contains_key(&s.peer) => s.clone(),
+                    _ => continue,
                 }
             };
-        }
-    }
-
-    /// Fails transfer `tid`, still unacknowledged past its deadline: its peer is faulted (its
-    /// transfers fail, the session winds down) and its link reset and dropped, so the writer
-    /// thread, the ACK reader and the socket's buffers go at once.
-    fn expire(&self, tid: TransferId, sent: &Sent) {
-        let mut links = lock(&self.links);
-        {
-            let e = lock(&self.ends);
-            // Acknowledged, failed or cancelled meanwhile, or already faulted.
-            let pending = e.sent.get(&tid).is_some_and(|s| s.conn == sent.conn);
-            if !pending || e.faults.contains_key(&sent.peer) {
-                return;
+            Counters::bump(&self.shared.counters.transfer_timeouts);
+            let took = sent.started.elapsed();
+            let allowed = sent.deadline.saturating_duration_since(sent.started);
+            let why = format!(
+                "tcp transfer {} ({} bytes) not acknowledged within {allowed:?} of its first byte",
+                tid.get(),
+                sent.bytes
+            );
+            if let Some(suppressed) = crate::admit_warning("tcp transfer past its deadline") {
+                warn!(peer = %sent.peer, tid = tid.get(), bytes = sent.bytes, ?took, ?allowed, suppressed,
+                    "tcp transfer not acknowledged by its deadline; faulting the peer and resetting its data connection");
             }
-        }
-        Counters::bump(&self.counters.transfer_timeouts);
-        let took = sent.started.elapsed();
-        let allowed = sent.deadline.saturating_duration_since(sent.started);
-        let why = format!(
-            "tcp transfer {} ({} bytes) not acknowledged within {allowed:?} of its first byte",
-            tid.get(),
-            sent.bytes
-        );
-        if let Some(suppressed) = crate::admit_warning("tcp transfer past its deadline") {
-            warn!(peer = %sent.peer, tid = tid.get(), bytes = sent.bytes, ?took, ?allowed, suppressed,
-                "tcp transfer not acknowledged by its deadline; faulting the peer and resetting its data connection");
-        }
-        TcpPlane::fault(&self.ends, &sent.peer, why, &self.wake);
-        let link = links.map.remove(&sent.peer);
-        drop(links);
-        lock(&self.ends).conns.remove(&sent.peer);
-        if let Some(link) = link {
-            link.abort();
+            TcpPlane::fault(&self.shared.ends, &sent.peer, why, &self.shared.wake);
+            self.unlink(&sent.peer, true);
         }
     }
+}
+
+/// Bytes the pace lets `link` write now (`usize::MAX` without a pace): what the rate allows
+/// since the window opened, plus one chunk, which goes at once (as a writer that sleeps after
+/// each write until its bytes are due).
+fn pace_allows(link: &Link, now: Instant) -> usize {
+    let Some(rate) = link.writer.rate else {
+        return usize::MAX;
+    };
+    let elapsed = now.saturating_duration_since(link.paced_since);
+    let allowed = (elapsed.as_secs_f64() * rate as f64) as u64 + PACE_CHUNK as u64;
+    usize::try_from(allowed.saturating_sub(link.paced_bytes)).unwrap_or(usize::MAX)
+}
+
+/// The block indexes a WRITE header names (to re-queue a frame that never left).
+fn decode_remote(head: &[u8]) -> Vec<BlockIndex> {
+    head.get(4 + wire::WRITE_HEAD_LEN..)
+        .and_then(|raw| wire::decode_indexes(raw).ok())
+        .unwrap_or_default()
 }

@@ -143,7 +143,6 @@ pub(super) fn hello_body(id_len: usize, body: &[u8]) -> Result<Hello, WireError>
 }
 
 /// A whole HELLO (`bytes` holds exactly one).
-#[cfg(test)]
 pub(super) fn decode_hello(bytes: &[u8]) -> Result<Hello, WireError> {
     let truncated = |need| WireError::Truncated {
         got: bytes.len(),
