@@ -23,6 +23,10 @@
 //!
 //! `cargo bench -p kvpeer --bench scale -- [--kvpeer BIN] [--sessions 1,10,100,1000,4000]
 //! [--json FILE]`; `--kvpeer` measures another build of the node (the script's `--before REV`).
+//! `--follow-engines E`: the node is a pool node following E engines' KV event streams (at rest)
+//! while it serves the N peers.
+//! `KVPEER_SCALE_WRAP="perf record -g -o FILE --"` starts the node under that command (to
+//! profile it; the figures then include the wrapper).
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
@@ -57,6 +61,9 @@ struct ProcSample {
     threads: u64,
     /// utime + stime, in clock ticks.
     cpu_ticks: u64,
+    /// Time on a CPU of the live threads, in nanoseconds (`schedstat`: exact, where ticks are
+    /// 10 ms; a thread that exited is missing, which the node's constant threads avoid).
+    cpu_ns: u64,
 }
 
 fn sample(pid: u32) -> ProcSample {
@@ -79,11 +86,31 @@ fn sample(pid: u32) -> ProcSample {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
     };
+    let cpu_ns = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+                .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
     ProcSample {
         rss_kib: field("VmRSS:"),
         fds: std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64),
         threads: field("Threads:"),
         cpu_ticks: tick(11) + tick(12),
+        cpu_ns,
+    }
+}
+
+/// The node's CPU between two samples, in seconds: from `schedstat` when the threads are the
+/// same ones (exact), else from the ticks (10 ms resolution, exited threads included).
+fn cpu_between(before: &ProcSample, after: &ProcSample) -> f64 {
+    let ticks = (after.cpu_ticks - before.cpu_ticks) as f64 / ticks_per_second();
+    if before.threads == after.threads && after.cpu_ns >= before.cpu_ns {
+        (after.cpu_ns - before.cpu_ns) as f64 / 1e9
+    } else {
+        ticks
     }
 }
 
@@ -112,7 +139,7 @@ impl Drop for TempDir {
 }
 
 impl NodeProcess {
-    fn start(bin: &str, peers: usize) -> NodeProcess {
+    fn start(bin: &str, peers: usize, follow: &[String]) -> NodeProcess {
         let dir = std::env::temp_dir().join(format!("kvpeer-scale-{}-{peers}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("node.toml");
@@ -128,7 +155,17 @@ impl NodeProcess {
             ),
         )
         .unwrap();
-        let mut child = Command::new(bin)
+        let wrap = std::env::var("KVPEER_SCALE_WRAP").ok();
+        let mut command = match &wrap {
+            Some(w) => {
+                let mut parts = w.split_whitespace();
+                let mut c = Command::new(parts.next().unwrap());
+                c.args(parts).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let mut child = command
             .args(["serve", "--config"])
             .arg(&config)
             .args([
@@ -145,6 +182,7 @@ impl NodeProcess {
                 "--hash-seed",
                 HASH_SEED,
             ])
+            .args(follow.iter().flat_map(|f| ["--follow", f.as_str()]))
             .env("KVPEER_LOG", "error")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -730,6 +768,8 @@ struct Row {
     fetch_lookup_p50: Duration,
     fetch_lookup_p99: Duration,
     fetch_cpu_per_req_us: f64,
+    /// The same less the idle CPU of that time (what the requests themselves cost).
+    fetch_cpu_net_us: f64,
     spread_p50: Duration,
     spread_p99: Duration,
     spread_cpu_per_lookup_us: f64,
@@ -749,8 +789,34 @@ fn consumer(tag: &str) -> Node {
     Node::start(config).unwrap()
 }
 
-fn measure(bin: &str, peers: usize) -> Row {
-    let node = NodeProcess::start(bin, peers);
+/// `n` engines' KV event streams (vLLM's PUB, publishing nothing: a followed engine at rest),
+/// driven by one thread of this process until `stop`; the `--follow` values naming them.
+fn engines(n: usize, stop: Arc<std::sync::atomic::AtomicBool>) -> Vec<String> {
+    use kvpeer_net::events::{wait_all, EventIo, EventPublisher, PublisherConfig};
+    let mut pubs: Vec<EventPublisher> = (0..n)
+        .map(|_| {
+            EventPublisher::bind(PublisherConfig::new("127.0.0.1:0".parse().unwrap())).unwrap()
+        })
+        .collect();
+    // Each engine's P2P identity: nothing is pulled from an engine that announces nothing.
+    let follow = pubs
+        .iter()
+        .map(|p| format!("tcp://{}=127.0.0.1:9", p.local_addr().unwrap()))
+        .collect();
+    std::thread::spawn(move || {
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut drivers: Vec<&mut dyn EventIo> =
+                pubs.iter_mut().map(|p| p as &mut dyn EventIo).collect();
+            let _ = wait_all(&mut drivers, Duration::from_millis(100), None);
+        }
+    });
+    follow
+}
+
+fn measure(bin: &str, peers: usize, follow_engines: usize) -> Row {
+    let stop_engines = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let follow = engines(follow_engines, stop_engines.clone());
+    let node = NodeProcess::start(bin, peers, &follow);
     let pid = node.pid();
     let addr: SocketAddr = node.id.as_str().parse().unwrap();
     let results = Arc::new(Mutex::new(Results::default()));
@@ -792,7 +858,6 @@ fn measure(bin: &str, peers: usize) -> Row {
 
     // Idle: every session up, heartbeats only.
     std::thread::sleep(Duration::from_secs(3));
-    let tps = ticks_per_second();
     let before = sample(pid);
     let idle_for = Duration::from_secs(10);
     std::thread::sleep(idle_for);
@@ -800,7 +865,7 @@ fn measure(bin: &str, peers: usize) -> Row {
     row.rss_kib = after.rss_kib;
     row.fds = after.fds;
     row.threads = after.threads;
-    let idle_rate = (after.cpu_ticks - before.cpu_ticks) as f64 / tps / idle_for.as_secs_f64();
+    let idle_rate = cpu_between(&before, &after) / idle_for.as_secs_f64();
     row.idle_cpu_pct = idle_rate * 100.0;
 
     // The N-th peer (a real node) connects: its handshake both ways, timed.
@@ -814,12 +879,13 @@ fn measure(bin: &str, peers: usize) -> Row {
             fetcher.shutdown(Duration::from_secs(1));
             let _ = tx.send(Cmd::Stop);
             let _ = thread.join();
+            stop_engines.store(true, std::sync::atomic::Ordering::Relaxed);
             return row;
         }
     }
 
-    // Fixed fetch workload: 300 requests at 100/s, 4 blocks each.
-    let requests = 300u64;
+    // Fixed fetch workload: 1,000 requests at 100/s, 4 blocks each.
+    let requests = 1000u64;
     let mut lookups = Vec::new();
     let before = sample(pid);
     let start = Instant::now();
@@ -849,8 +915,9 @@ fn measure(bin: &str, peers: usize) -> Row {
     }
     let took = start.elapsed();
     let after = sample(pid);
-    let cpu = (after.cpu_ticks - before.cpu_ticks) as f64 / tps;
+    let cpu = cpu_between(&before, &after);
     row.fetch_cpu_per_req_us = cpu / requests as f64 * 1e6;
+    row.fetch_cpu_net_us = (cpu - idle_rate * took.as_secs_f64()).max(0.0) / requests as f64 * 1e6;
     row.fetch_lookup_p50 = quantile(&mut lookups, 0.5);
     row.fetch_lookup_p99 = quantile(&mut lookups, 0.99);
     let _ = took;
@@ -865,7 +932,7 @@ fn measure(bin: &str, peers: usize) -> Row {
     .unwrap();
     std::thread::sleep(spread_for + Duration::from_millis(500));
     let after = sample(pid);
-    let cpu = (after.cpu_ticks - before.cpu_ticks) as f64 / tps;
+    let cpu = cpu_between(&before, &after);
     {
         let mut r = results.lock().unwrap();
         let done = r.lookups.len();
@@ -878,6 +945,7 @@ fn measure(bin: &str, peers: usize) -> Row {
     let _ = tx.send(Cmd::Stop);
     let _ = thread.join();
     drop(node);
+    stop_engines.store(true, std::sync::atomic::Ordering::Relaxed);
     row
 }
 
@@ -893,8 +961,15 @@ fn main() {
     let mut bin = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/release/kvpeer").to_owned();
     let mut sessions = vec![1usize, 10, 100, 1000, 4000];
     let mut json = None;
+    let mut follow_engines = 0;
     while let Some(a) = args.next() {
         match a.as_str() {
+            "--follow-engines" => {
+                follow_engines = args
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("--follow-engines N")
+            }
             "--kvpeer" => bin = args.next().expect("--kvpeer BIN"),
             "--sessions" => {
                 sessions = args
@@ -912,11 +987,11 @@ fn main() {
     raise_fd_limit();
     let mut rows = Vec::new();
     println!(
-        "| N peers | up | RSS | RSS/peer | fds | threads | idle CPU | handshake N-th (p50) | fetch lookup p50/p99 | node CPU/request | spread lookup p50/p99 | node CPU/lookup |"
+        "| N peers | up | RSS | RSS/peer | fds | threads | idle CPU | handshake N-th (p50) | fetch lookup p50/p99 | node CPU/request (less idle) | spread lookup p50/p99 | node CPU/lookup |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &n in &sessions {
-        let row = measure(&bin, n);
+        let row = measure(&bin, n, follow_engines);
         let base = rows.first().map_or(row.rss_kib, |r: &Row| r.rss_kib);
         let per_peer = if n > 1 && !rows.is_empty() {
             (row.rss_kib as f64 - base as f64)
@@ -925,7 +1000,7 @@ fn main() {
             0.0
         };
         println!(
-            "| {} | {}{} | {:.1} MiB | {:.1} KiB | {} | {} | {:.2}% | {:.2} ms ({:.2} ms) | {:.0} / {:.0} µs | {:.0} µs | {:.0} / {:.0} µs | {:.0} µs |",
+            "| {} | {}{} | {:.1} MiB | {:.1} KiB | {} | {} | {:.2}% | {:.2} ms ({:.2} ms) | {:.0} / {:.0} µs | {:.0} µs ({:.0} µs) | {:.0} / {:.0} µs | {:.0} µs |",
             row.peers,
             row.sessions_ready,
             if row.failed > 0 { format!(" ({} failed)", row.failed) } else { String::new() },
@@ -939,6 +1014,7 @@ fn main() {
             micros(row.fetch_lookup_p50),
             micros(row.fetch_lookup_p99),
             row.fetch_cpu_per_req_us,
+            row.fetch_cpu_net_us,
             micros(row.spread_p50),
             micros(row.spread_p99),
             row.spread_cpu_per_lookup_us,
@@ -952,10 +1028,10 @@ fn main() {
         let mut out = String::new();
         for r in &rows {
             out.push_str(&format!(
-                "{{\"peers\":{},\"up\":{},\"failed\":{},\"rss_kib\":{},\"fds\":{},\"threads\":{},\"idle_cpu_pct\":{:.3},\"handshake_last_ms\":{:.3},\"fetch_lookup_p50_us\":{:.1},\"fetch_lookup_p99_us\":{:.1},\"fetch_cpu_per_req_us\":{:.1},\"spread_p50_us\":{:.1},\"spread_p99_us\":{:.1},\"spread_cpu_per_lookup_us\":{:.1},\"spread_done\":{}}}\n",
+                "{{\"peers\":{},\"up\":{},\"failed\":{},\"rss_kib\":{},\"fds\":{},\"threads\":{},\"idle_cpu_pct\":{:.3},\"handshake_last_ms\":{:.3},\"fetch_lookup_p50_us\":{:.1},\"fetch_lookup_p99_us\":{:.1},\"fetch_cpu_per_req_us\":{:.1},\"fetch_cpu_net_us\":{:.1},\"spread_p50_us\":{:.1},\"spread_p99_us\":{:.1},\"spread_cpu_per_lookup_us\":{:.1},\"spread_done\":{}}}\n",
                 r.peers, r.sessions_ready, r.failed, r.rss_kib, r.fds, r.threads, r.idle_cpu_pct,
                 r.handshake_last.as_secs_f64() * 1e3, micros(r.fetch_lookup_p50), micros(r.fetch_lookup_p99),
-                r.fetch_cpu_per_req_us, micros(r.spread_p50), micros(r.spread_p99), r.spread_cpu_per_lookup_us, r.spread_done
+                r.fetch_cpu_per_req_us, r.fetch_cpu_net_us, micros(r.spread_p50), micros(r.spread_p99), r.spread_cpu_per_lookup_us, r.spread_done
             ));
         }
         std::fs::write(path, out).unwrap();

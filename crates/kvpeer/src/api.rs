@@ -338,6 +338,7 @@ impl Node {
     /// Builds the node and starts its runtime thread.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         let spec = config.spec;
+        crate::node::descriptors::check(&spec);
         let io = build(&spec)?;
         let id = io.core().local().peer_id.clone();
         let advertised = Advertised::from_agent_metadata(&io.core().local().agent_metadata);

@@ -209,6 +209,8 @@ pub struct ControlChannel {
     ready: Vec<Ready>,
     /// A wait took the poll's news since the last `recv` (else `recv` takes it itself).
     waited: bool,
+    /// The extra descriptor was reported readable since [`ControlChannel::take_extra_ready`].
+    extra_ready: bool,
 }
 
 impl std::fmt::Debug for ControlChannel {
@@ -306,6 +308,7 @@ impl ControlChannel {
             extra: None,
             ready: Vec::new(),
             waited: false,
+            extra_ready: true,
         }
     }
 
@@ -477,6 +480,7 @@ impl ControlChannel {
     /// Hands one readiness to the side whose token it is.
     fn dispatch(&mut self, ready: Ready) {
         if ready.token == EXTRA {
+            self.extra_ready = true;
             return;
         }
         if self.inbound.owns(ready.token, SPAN) {
@@ -484,6 +488,13 @@ impl ControlChannel {
         } else if self.outbound.owns(ready.token, SPAN) {
             self.outbound.on_ready(ready);
         }
+    }
+
+    /// Whether the extra descriptor was reported readable since the last call (the poll is
+    /// consulted by every `recv`): the caller reads it until empty only then, which saves a
+    /// system call on every other wake.
+    pub fn take_extra_ready(&mut self) -> bool {
+        std::mem::take(&mut self.extra_ready)
     }
 
     /// Everything that arrived, without blocking: payloads and closes of inbound connections,

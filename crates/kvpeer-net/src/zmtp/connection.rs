@@ -17,12 +17,17 @@
 //!   order. At most `send_queue` messages and `send_queue_bytes` bytes wait unwritten (one
 //!   message of any size when nothing waits); one more is [`QueueFull`], as libzmq's `SNDHWM`
 //!   refuses it (a DEALER's send fails, a PUB drops the message for that peer).
-//! * Heartbeats, libzmq's rules: once READY, a PING (carrying our `heartbeat_ttl`) every
-//!   `heartbeat_interval`; a PING unanswered by any byte within `heartbeat_timeout` ends the
-//!   connection, and so does silence past the TTL the peer's own PING announced. A PING of the
-//!   peer gets a PONG with its context, one PONG unwritten at a time (a peer that PINGs and
-//!   never reads cannot grow our buffer). The handshake must finish within
-//!   `handshake_timeout` of [`Connection::connected`].
+//! * Heartbeats, libzmq's rules, but only when the peer is silent: once READY, a PING
+//!   (carrying our `heartbeat_ttl`) after `heartbeat_interval` in which the peer sent nothing;
+//!   a PING unanswered by any byte within `heartbeat_timeout` ends the connection, and so does
+//!   silence past the TTL the peer's own PING announced. A peer that pings us (vLLM's libzmq
+//!   sockets do, every 2 s) or talks proves itself alive, so we send no PING of our own to it:
+//!   a connection costs one PING and one PONG per interval, not two of each (a thousand idle
+//!   sessions are four thousand fewer system calls every 2 s). libzmq needs nothing more: its
+//!   heartbeat timeout is met by any byte, our PONGs included. A PING of the peer gets a PONG
+//!   with its context, one PONG unwritten at a time (a peer that PINGs and never reads cannot
+//!   grow our buffer). The handshake must finish within `handshake_timeout` of
+//!   [`Connection::connected`].
 //! * What the peer sends is decoded under `max_message_bytes` (checked from each frame's
 //!   header, before anything is kept). A role that keeps messages ([`Role::keep`]) yields them
 //!   and the peer's SUBSCRIBE and CANCEL commands as [`Incoming`] from
@@ -223,6 +228,8 @@ pub struct Connection {
     peer_challenge: Option<Vec<u8>>,
     next_ping: Option<Instant>,
     ping_deadline: Option<Instant>,
+    /// When the peer last sent a byte.
+    heard: Option<Instant>,
     ttl_deadline: Option<(Instant, Duration)>,
     /// Where our last PONG ends in the stream: while it is unwritten, further PINGs get no
     /// PONG of their own (libzmq keeps one PONG pending too).
@@ -267,6 +274,7 @@ impl Connection {
             peer_challenge: None,
             next_ping: None,
             ping_deadline: None,
+            heard: None,
             ttl_deadline: None,
             pong_end: 0,
             dropped: 0,
@@ -409,6 +417,7 @@ impl Connection {
         // Any byte proves the peer alive (libzmq cancels both timers on every read).
         self.ping_deadline = None;
         self.ttl_deadline = None;
+        self.heard = Some(now);
         self.decoder.push(bytes);
         self.decode_held(now)
     }
@@ -493,6 +502,16 @@ impl Connection {
             }
         }
         if let Some(at) = self.next_ping.filter(|at| now >= *at) {
+            let interval = self.limits.heartbeat_interval;
+            if let Some(heard) = self
+                .heard
+                .filter(|h| now.saturating_duration_since(*h) < interval)
+            {
+                // The peer spoke within the interval: it is alive; no PING until it falls
+                // silent for a whole interval.
+                self.next_ping = Some(heard + interval);
+                return Ok(());
+            }
             let ttl =
                 u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
             self.out.extend(zmtp::ping(ttl));
@@ -1055,6 +1074,34 @@ mod tests {
             d.handle_bytes(&ping, t + s(1)).unwrap();
             assert_eq!(drain(&mut d), zmtp::pong(b"ctx"));
             assert_eq!(d.handle_timeout(t + s(4)), Err(ConnError::TtlExpired(s(3))));
+        }
+
+        #[test]
+        fn a_peer_that_pings_us_gets_no_ping_of_ours_until_it_falls_silent() {
+            let t = Instant::now();
+            let s = Duration::from_secs;
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            // The peer pings every second (as libzmq does every 2 s): each PING gets its PONG,
+            // and ours never goes.
+            for i in 1..=10u64 {
+                let at = t + Duration::from_millis(1000 * i);
+                d.handle_bytes(&zmtp::ping(100), at).unwrap();
+                d.handle_timeout(at).unwrap();
+                assert_eq!(drain(&mut d), zmtp::pong(b""), "second {i}");
+                assert!(d.poll_timeout().is_some_and(|p| p > at));
+            }
+            // Silent for an interval: our PING goes, then its timeout runs.
+            let quiet = t + s(10) + s(2);
+            d.handle_timeout(quiet).unwrap();
+            assert_eq!(drain(&mut d), zmtp::ping(100));
+            assert_eq!(
+                d.handle_timeout(quiet + s(10)),
+                Err(ConnError::HeartbeatTimeout(s(10))),
+                "a dead peer is still found"
+            );
         }
 
         #[test]

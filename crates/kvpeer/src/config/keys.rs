@@ -169,10 +169,12 @@ declare_keys! {
     max_keys_per_message = "131072";
     /// bytes queued unwritten to one peer before its control connection is closed
     send_queue_bytes = "16777216";
-    /// inbound control connections at once (a newcomer evicts the idlest when full)
-    max_inbound_connections = "1024";
-    /// inbound control connections at once from one source address (a newcomer evicts that source's idlest)
-    max_inbound_per_source = "64";
+    /// inbound control connections at once (a newcomer evicts the idlest when full; unset: 2 per session of max_peers and 64 more, at least 1024)
+    max_inbound_connections;
+    /// inbound control connections at once from one source address (a newcomer evicts that source's idlest; unset: 2 per session of max_peers_per_host, at least 64)
+    max_inbound_per_source;
+    /// tcp data connections into this node at once (unset: one per session of max_peers and 64 more, at least 256)
+    tcp_max_connections;
     /// bytes read from one inbound control connection per round of the node's loop
     inbound_read_budget = "262144";
     /// messages taken from one inbound control connection per round (the rest wait a round)

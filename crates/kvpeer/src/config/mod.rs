@@ -181,6 +181,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
         ..CoreConfig::default()
     };
+    let caps = Caps::for_sessions(core.max_peers, core.max_peers_per_host);
     let max_message = s.number(&KEY.max_message_bytes, 1024, 1 << 31)?;
     let limits = DecodeLimits {
         max_payload_bytes: max_message as usize,
@@ -190,8 +191,14 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
     let control = ControlConfig {
         max_message_bytes: max_message as i64,
         send_queue_bytes: s.number(&KEY.send_queue_bytes, 1024, 1 << 40)? as usize,
-        max_inbound: s.number(&KEY.max_inbound_connections, 1, 1 << 20)? as usize,
-        max_inbound_per_source: s.number(&KEY.max_inbound_per_source, 1, 1 << 20)? as usize,
+        max_inbound: match s.get(&KEY.max_inbound_connections) {
+            Some(_) => s.number(&KEY.max_inbound_connections, 1, 1 << 20)? as usize,
+            None => caps.inbound,
+        },
+        max_inbound_per_source: match s.get(&KEY.max_inbound_per_source) {
+            Some(_) => s.number(&KEY.max_inbound_per_source, 1, 1 << 20)? as usize,
+            None => caps.inbound_per_source,
+        },
         inbound_read_budget: s.number(&KEY.inbound_read_budget, 1024, 1 << 30)? as usize,
         inbound_messages_per_round: s.number(&KEY.inbound_messages_per_round, 1, 1 << 20)? as usize,
         inbound_accepts_per_round: s.number(&KEY.inbound_accepts_per_round, 1, 1 << 20)? as usize,
@@ -243,6 +250,10 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             tcp_listen: format!("{host}:0"),
             tcp_max_write_rate,
             tcp_min_write_rate: s.rate(&KEY.tcp_min_rate)?,
+            tcp_max_connections: match s.get(&KEY.tcp_max_connections) {
+                Some(_) => s.number(&KEY.tcp_max_connections, 1, 1 << 20)? as usize,
+                None => caps.tcp_connections,
+            },
             tcp_transfer_timeout: secs(&KEY.tcp_transfer_timeout_s, 1)?,
             hash_seed: s.text(&KEY.hash_seed),
             config_fingerprint: s.text(&KEY.config_fingerprint),
@@ -257,6 +268,31 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         },
         pool: pool(&s)?,
     })
+}
+
+/// The connection caps a number of sessions needs, when the configuration does not set them:
+/// the one place they follow `max_peers` (docs/scaling.md, "Many peers"), so that raising it
+/// is enough for the node to hold that many sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Caps {
+    /// Inbound control connections in all: each session's peer holds one, and a peer that
+    /// reconnects briefly holds two.
+    pub(crate) inbound: usize,
+    /// Inbound control connections from one source address.
+    pub(crate) inbound_per_source: usize,
+    /// tcp data connections into the node: at most one per writing peer.
+    pub(crate) tcp_connections: usize,
+}
+
+impl Caps {
+    /// The caps for `max_peers` sessions, `per_host` of them from one host.
+    pub(crate) fn for_sessions(max_peers: usize, per_host: usize) -> Self {
+        Caps {
+            inbound: (2 * max_peers + 64).max(1024),
+            inbound_per_source: (2 * per_host).max(64),
+            tcp_connections: (max_peers + 64).max(256),
+        }
+    }
 }
 
 fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
@@ -482,6 +518,28 @@ pub fn parse_rate(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_connection_caps_follow_max_peers_unless_set() {
+        let mut set = Settings::default();
+        set.set("max_peers", "4096", "t");
+        let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.spec.control.max_inbound, 2 * 4096 + 64);
+        assert_eq!(c.spec.control.max_inbound_per_source, 64);
+        assert_eq!(c.spec.tcp_max_connections, 4096 + 64);
+        set.set("max_peers_per_host", "4096", "t");
+        set.set("max_inbound_connections", "500", "t");
+        set.set("tcp_max_connections", "300", "t");
+        let c = resolve_one(&set, "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.spec.control.max_inbound, 500, "a value set wins");
+        assert_eq!(c.spec.control.max_inbound_per_source, 2 * 4096);
+        assert_eq!(c.spec.tcp_max_connections, 300);
+        // The defaults of a default node are what they always were.
+        let d = resolve_one(&Settings::default(), "t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(d.spec.control.max_inbound, 1024);
+        assert_eq!(d.spec.control.max_inbound_per_source, 64);
+        assert_eq!(d.spec.tcp_max_connections, 256);
+    }
 
     /// The declared defaults are the ones the core and the decoder were written with (vLLM's),
     /// so a node and a bare core agree; and they all resolve.

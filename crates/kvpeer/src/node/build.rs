@@ -64,6 +64,8 @@ pub struct NodeSpec {
     pub tcp_min_write_rate: u64,
     /// A tcp transfer's allowance on top of its bytes at `tcp_min_write_rate`.
     pub tcp_transfer_timeout: std::time::Duration,
+    /// tcp data connections into this node at once.
+    pub tcp_max_connections: usize,
     /// Prefix-cache hash seed.
     pub hash_seed: String,
     /// Model configuration fingerprint ("" matches anything).

@@ -450,10 +450,15 @@ impl<P: Parent> NodeIo<P> {
 
     /// One round of I/O at `now`.
     pub fn step(&mut self, now: Instant) {
+        let events = self.channel.recv();
         if let Some(w) = &self.wake {
-            w.drain();
+            // Emptied only when the poll said something was written (`recv` consulted it): a
+            // read that finds nothing would be a system call on every wake.
+            if self.channel.take_extra_ready() {
+                w.drain();
+            }
         }
-        for event in self.channel.recv() {
+        for event in events {
             match event {
                 ChannelEvent::Payload {
                     peer,

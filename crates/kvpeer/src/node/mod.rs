@@ -10,6 +10,7 @@
 pub mod allow;
 pub(crate) mod auth;
 pub mod build;
+pub mod descriptors;
 pub mod io;
 pub(crate) mod origin;
 pub mod plane;

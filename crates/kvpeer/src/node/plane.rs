@@ -156,6 +156,7 @@ fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetad
         .with_limits(TcpLimits {
             min_write_rate: spec.tcp_min_write_rate,
             transfer_timeout: spec.tcp_transfer_timeout,
+            max_connections: spec.tcp_max_connections,
             ..TcpLimits::default()
         });
     let meta = AgentMetadata {

@@ -2,7 +2,7 @@
 //! engine (lookup, fetch of the leading hits, finish), paced by two token buckets.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -67,11 +67,12 @@ impl Puller {
         let batch = usize::try_from(self.node.config().num_blocks / 4)
             .unwrap_or(PULL_BATCH)
             .clamp(1, PULL_BATCH);
+        // Blocks until a candidate comes (no wake-ups while the engine announces nothing: 64
+        // followed engines at rest cost nothing); the pool thread going away (its senders
+        // dropped) ends the wait.
         while !self.stop.load(Ordering::Relaxed) {
-            let first = match jobs.recv_timeout(super::TICK) {
-                Ok(j) => j,
-                Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => return,
+            let Ok(first) = jobs.recv() else {
+                return;
             };
             let mut keys = vec![first.key];
             while keys.len() < batch {

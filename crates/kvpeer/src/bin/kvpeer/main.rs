@@ -19,6 +19,8 @@ use clap::{Parser, Subcommand};
 
 /// mimalloc keeps the core's per-request cost flat as requests grow, where glibc's allocator
 /// slows with many live objects (`cargo bench -p kvpeer-core --bench core`, docs/benchmarks.md).
+/// Built without transparent huge pages (the workspace's `no_thp`): zeroing a fresh 2 MiB page
+/// on the node's thread put 10-80 ms into a lookup's round trip now and then.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -61,6 +61,9 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
             return 1;
         }
     };
+    // Many sessions need many descriptors: take what the hard limit allows (the node warns if
+    // its caps need more).
+    kvpeer::node::descriptors::raise_to_hard_limit();
     let allow_all = config.spec.allowlist.allows_all();
     let plane = config.spec.plane.name();
     let pool_config = config.pool.clone();
