@@ -42,9 +42,9 @@ pub enum CloseReason {
     /// The control connection is gone, and how (refused, closed, not ZMTP, silent, ...).
     #[error("control connection lost: {0}")]
     ConnectionLost(LinkLoss),
-    /// The node will not talk to the peer; its own words (e.g. "not in the allowlist").
+    /// This node will not talk to the peer (its own policy, e.g. the allowlist).
     #[error("{0}")]
-    Refused(Arc<str>),
+    Refused(LocalRefusal),
     /// The peer did not ack our `connect` within the handshake timeout.
     #[error("handshake timed out")]
     HandshakeTimeout,
@@ -96,6 +96,15 @@ impl CloseReason {
     pub fn is_orderly(&self) -> bool {
         matches!(self, CloseReason::Closed | CloseReason::PeerDisconnected)
     }
+}
+
+/// Why this node will not talk to a peer: its own policy, not anything the peer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LocalRefusal {
+    /// The peer's address is outside this node's allowlist.
+    #[error("not in the allowlist")]
+    NotAllowed,
 }
 
 /// How a control connection to a peer went away, as this side saw it: the cause that
@@ -371,41 +380,76 @@ pub enum PlaneErrorKind {
     Transport,
 }
 
-/// A data-plane failure: its kind and the plane's own description.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
+/// A data-plane failure: its kind and the plane's own typed error (its `source`), so the chain
+/// from a socket's error to what the user reads stays typed: `PlaneError` → the plane's error
+/// (`TcpFault`, `ShmRefusal`, ...) → the system's.
+#[derive(Debug, Clone)]
 pub struct PlaneError {
     kind: PlaneErrorKind,
-    message: Arc<str>,
+    cause: Arc<dyn std::error::Error + Send + Sync>,
 }
 
+impl fmt::Display for PlaneError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.cause, f)
+    }
+}
+
+impl std::error::Error for PlaneError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause.source()
+    }
+}
+
+/// Two failures are the same when of the same kind and saying the same.
+impl PartialEq for PlaneError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.cause.to_string() == other.cause.to_string()
+    }
+}
+
+impl Eq for PlaneError {}
+
+/// A plane that has no error type of its own for a failure (a test's fake) says it in words.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct PlaneWords(pub Arc<str>);
+
 impl PlaneError {
-    /// A failure of `kind` described by `message`.
-    pub fn new(kind: PlaneErrorKind, message: impl Into<Arc<str>>) -> Self {
+    /// A failure of `kind`, as the plane's error `cause` says it.
+    pub fn new(
+        kind: PlaneErrorKind,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
         PlaneError {
             kind,
-            message: message.into(),
+            cause: Arc::new(cause),
         }
     }
 
     /// What the peer advertised is unusable.
-    pub fn rejected(message: impl Into<Arc<str>>) -> Self {
-        Self::new(PlaneErrorKind::Rejected, message)
+    pub fn rejected(cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::new(PlaneErrorKind::Rejected, cause)
     }
 
     /// The peer is not registered.
     pub fn not_registered() -> Self {
-        Self::new(PlaneErrorKind::NotRegistered, "not registered")
+        Self::new(PlaneErrorKind::NotRegistered, NotRegistered)
     }
 
     /// A local resource ran out.
-    pub fn resources(message: impl Into<Arc<str>>) -> Self {
-        Self::new(PlaneErrorKind::Resources, message)
+    pub fn resources(cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::new(PlaneErrorKind::Resources, cause)
     }
 
     /// The path to the peer failed.
-    pub fn transport(message: impl Into<Arc<str>>) -> Self {
-        Self::new(PlaneErrorKind::Transport, message)
+    pub fn transport(cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::new(PlaneErrorKind::Transport, cause)
+    }
+
+    /// A failure of `kind` in words (a test's fake plane).
+    pub fn words(kind: PlaneErrorKind, words: &str) -> Self {
+        Self::new(kind, PlaneWords(words.into()))
     }
 
     /// Its kind.
@@ -413,8 +457,18 @@ impl PlaneError {
         self.kind
     }
 
-    /// The plane's description.
-    pub fn message(&self) -> &str {
-        &self.message
+    /// The plane's own error.
+    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.cause
+    }
+
+    /// The plane's own error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.cause.downcast_ref::<E>()
     }
 }
+
+/// The peer is not (or no longer) registered with the plane.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("not registered")]
+pub struct NotRegistered;

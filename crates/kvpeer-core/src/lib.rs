@@ -32,8 +32,8 @@ pub use crate::core::{
 };
 pub use crate::counters::Counters;
 pub use crate::error::{
-    CloseReason, ConnectRejection, FaultRecord, Initiator, InternalError, LinkLoss, PlaneError,
-    PlaneErrorKind, ProtocolViolation, Refusal, SessionEnd,
+    CloseReason, ConnectRejection, FaultRecord, Initiator, InternalError, LinkLoss, LocalRefusal,
+    NotRegistered, PlaneError, PlaneErrorKind, PlaneWords, ProtocolViolation, Refusal, SessionEnd,
 };
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{

@@ -109,7 +109,10 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     let peer = m.peer.clone();
     m.plane().finish_registration(
         &peer,
-        Registration::Failed(kvpeer_core::PlaneError::transport("no route")),
+        Registration::Failed(kvpeer_core::PlaneError::words(
+            kvpeer_core::PlaneErrorKind::Transport,
+            "no route",
+        )),
     );
     m.data_plane();
     let sent = m.take_sent();

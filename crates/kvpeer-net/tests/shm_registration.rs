@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::data::metadata::AgentMetadata;
-use kvpeer_net::data::shm::{ShmPlane, Wake};
+use kvpeer_net::data::shm::{ShmPlane, ShmRefusal, Wake};
 use kvpeer_proto::{OffloadKey, PeerId};
 use kvpeer_store::trailer::{self, TRAILER_LEN};
 use kvpeer_store::{BlockStore, StoreConfig};
@@ -106,7 +106,11 @@ fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
 fn assert_refused(p: &mut ShmPlane, peer: &PeerId, why: &str) {
     match settle(p, peer) {
         Registration::Failed(reason) => {
-            assert!(reason.message().contains(why), "{reason:?}, not {why:?}")
+            let refusal = reason.downcast_ref::<ShmRefusal>();
+            assert!(
+                refusal.is_some_and(|r| r.to_string().contains(why)),
+                "{reason:?}, not {why:?}"
+            )
         }
         other => panic!("registered: {other:?} (expected refusal: {why})"),
     }
@@ -179,7 +183,8 @@ fn a_registration_replaced_or_removed_never_comes_back() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     assert!(
-        matches!(p.registration(&peer), Registration::Failed(ref e) if e.message().contains("claims")),
+        matches!(p.registration(&peer), Registration::Failed(ref e)
+            if matches!(e.downcast_ref::<ShmRefusal>(), Some(ShmRefusal::WrongSize { .. }))),
         "{:?}",
         p.registration(&peer)
     );
@@ -229,7 +234,10 @@ fn a_peer_naming_this_nodes_own_pool_is_refused_whatever_its_token() {
             .unwrap();
         match settle(&mut p, &peer) {
             Registration::Failed(reason) => {
-                assert!(reason.message().contains("own pool"), "{what}: {reason:?}");
+                assert!(
+                    matches!(reason.downcast_ref(), Some(ShmRefusal::OwnPool(_))),
+                    "{what}: {reason:?}"
+                );
             }
             other => panic!("{what}: registered ({other:?})"),
         }

@@ -14,7 +14,7 @@ mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
 use kvpeer_net::data::metadata::AgentMetadata;
-use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::data::tcp::{TcpFault, TcpLimits, TcpPlane, TcpRefusal};
 use kvpeer_proto::PeerId;
 use kvpeer_store::BlockStore;
 use tcp_support::*;
@@ -59,8 +59,19 @@ fn registered_writer(rx: &mut TcpPlane, store: &BlockStore) -> TcpPlane {
     tx
 }
 
+/// How a transfer did not complete.
+#[derive(Debug)]
+enum NotDone {
+    /// `write_blocks` did not start it.
+    Refused,
+    /// It failed, and the fault its peer was marked with (if any).
+    Failed(Option<kvpeer_core::PlaneError>),
+    /// Nothing within 5 s.
+    NoCompletion,
+}
+
 /// Writes local block `local` of `tx` into `remote` of the receiver; the transfer's outcome.
-fn transfer(tx: &mut TcpPlane, local: u64, remote: u64) -> Result<(), String> {
+fn transfer(tx: &mut TcpPlane, local: u64, remote: u64) -> Result<(), NotDone> {
     let receiver = PeerId::new(RX);
     let tid = tx
         .write_blocks(
@@ -68,18 +79,26 @@ fn transfer(tx: &mut TcpPlane, local: u64, remote: u64) -> Result<(), String> {
             &[BlockIndex::new(local)],
             &[BlockIndex::new(remote)],
         )
-        .ok_or("write_blocks refused")?;
+        .ok_or(NotDone::Refused)?;
     for _ in 0..500 {
         let poll = tx.poll(&receiver);
         if poll.done.contains(&tid) {
             return Ok(());
         }
         if poll.failed.contains(&tid) || poll.peer_fault.is_some() {
-            return Err(format!("failed: {:?}", poll.peer_fault));
+            return Err(NotDone::Failed(poll.peer_fault));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    Err("no completion".into())
+    Err(NotDone::NoCompletion)
+}
+
+/// The tcp fault a transfer that must fail failed with.
+fn transfer_fault(tx: &mut TcpPlane, local: u64, remote: u64) -> Option<TcpFault> {
+    match transfer(tx, local, remote) {
+        Err(NotDone::Failed(Some(e))) => e.downcast_ref::<TcpFault>().cloned(),
+        other => panic!("the transfer did not fail with a fault: {other:?}"),
+    }
 }
 
 fn fill(store: &mut BlockStore, n: u8) -> (u64, Vec<u8>) {
@@ -405,8 +424,11 @@ fn a_writer_whose_reconnect_fails_faults_once() {
     wait_for("the idle close", || rx.counters().idle_closes == 1);
     drop(rx); // the port is gone
     std::thread::sleep(Duration::from_millis(100));
-    let err = transfer(&mut tx, local, 1).unwrap_err();
-    assert!(err.contains("reconnect"), "{err}");
+    let fault = transfer_fault(&mut tx, local, 1);
+    assert!(
+        matches!(fault, Some(TcpFault::Unreachable { again: true, .. })),
+        "{fault:?}"
+    );
     assert!(
         tx.write_blocks(
             &PeerId::new(RX),
@@ -438,12 +460,12 @@ fn a_peer_without_a_tcp_key_fails_registration_without_a_dial() {
     };
     let peer = PeerId::new(RX);
     tx.add_remote_peer(&peer, &memory).unwrap();
-    assert_eq!(
-        tx.registration(&peer),
-        Registration::Failed(kvpeer_core::PlaneError::rejected(
-            "peer advertises tcp without tcp_key"
-        ))
-    );
+    match tx.registration(&peer) {
+        Registration::Failed(e) => {
+            assert!(matches!(e.downcast_ref(), Some(TcpRefusal::NoKey)), "{e:?}")
+        }
+        other => panic!("registered without a key: {other:?}"),
+    }
     std::thread::sleep(Duration::from_millis(200));
     assert!(listener.accept().is_err(), "no connection was made");
 }

@@ -17,7 +17,7 @@ mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory, TransferId};
 use kvpeer_net::data::metadata::AgentMetadata;
-use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::data::tcp::{TcpFault, TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
 use kvpeer_store::{BlockStore, StoreConfig};
 use tcp_support::{closed_within, connect_hello, issue, write_header};
@@ -120,8 +120,14 @@ fn register_honest(tx: &mut TcpPlane, rx: &mut TcpPlane) {
     wait_registered(tx, RX);
 }
 
-/// Polls `tx` for `peer` until `tid` ends (or `within` passes): `Ok` done, `Err` failed.
-fn outcome(tx: &mut TcpPlane, peer: &str, tid: TransferId, within: Duration) -> Result<(), String> {
+/// Polls `tx` for `peer` until `tid` ends (or `within` passes): `Ok` done, `Err` failed (with
+/// the tcp fault its peer was marked with, if any).
+fn outcome(
+    tx: &mut TcpPlane,
+    peer: &str,
+    tid: TransferId,
+    within: Duration,
+) -> Result<(), Option<TcpFault>> {
     let peer = PeerId::new(peer);
     let until = Instant::now() + within;
     while Instant::now() < until {
@@ -130,7 +136,9 @@ fn outcome(tx: &mut TcpPlane, peer: &str, tid: TransferId, within: Duration) -> 
             return Ok(());
         }
         if poll.failed.contains(&tid) {
-            return Err(format!("failed: {:?}", poll.peer_fault));
+            return Err(poll
+                .peer_fault
+                .and_then(|e| e.downcast_ref::<TcpFault>().cloned()));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -274,7 +282,7 @@ fn a_trickle_reading_consumer_is_failed_within_its_deadline_while_others_are_ser
 
     let err = outcome(&mut tx, ATTACKER, slow, Duration::from_secs(15)).unwrap_err();
     let failed_at = start.elapsed();
-    assert!(err.contains("not acknowledged within"), "{err}");
+    assert!(matches!(err, Some(TcpFault::Late { .. })), "{err:?}");
     assert!(
         failed_at >= Duration::from_millis(2400) && failed_at < Duration::from_secs(5),
         "failed after {failed_at:?}; the bound is about 2.6 s"
@@ -327,7 +335,7 @@ fn a_consumer_that_reads_everything_but_never_acknowledges_is_failed_at_its_dead
         .unwrap();
     let err = outcome(&mut tx, ATTACKER, tid, Duration::from_secs(8)).unwrap_err();
     let took = start.elapsed();
-    assert!(err.contains("not acknowledged within"), "{err}");
+    assert!(matches!(err, Some(TcpFault::Late { .. })), "{err:?}");
     assert!(
         took >= Duration::from_millis(500) && took < Duration::from_secs(2),
         "{took:?}"

@@ -1,5 +1,5 @@
 //! How one node's cost grows with its number of peers (`scripts/bench-scale.sh`; results in
-//! docs/benchmarks.md, "A node at a thousand peers").
+//! docs/benchmarks.md, "One node, many peers").
 //!
 //! For each N, a fresh release `kvpeer serve` (tcp plane, 16 KiB blocks, caps sized for N,
 //! idle eviction off) and N real peer sessions against it, each with the full handshake both
@@ -10,7 +10,7 @@
 //! * **idle**: the node's RSS, descriptors and threads, and its CPU over 10 s with every
 //!   session idle (heartbeats only);
 //! * **handshake of the N-th peer**: one more real node's `connect` (both ways) timed;
-//! * **fixed fetch**: the consumer runs 300 requests at 100/s, each a lookup of 4 blocks, a
+//! * **fixed fetch**: the consumer runs 1,000 requests at 100/s, each a lookup of 4 blocks, a
 //!   fetch of them over tcp (byte-checked) and the end of the request: lookup p50/p99, and
 //!   the node's CPU per request;
 //! * **spread lookups**: 2,000 lookups a second for 5 s, spread over the N peers in turn (a

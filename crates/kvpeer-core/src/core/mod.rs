@@ -33,7 +33,7 @@ use kvpeer_proto::{
 use tracing::{debug, warn};
 
 use crate::config::{CoreConfig, LocalNode};
-use crate::error::{CloseReason, LinkLoss, ProtocolViolation, Refusal};
+use crate::error::{CloseReason, LinkLoss, LocalRefusal, ProtocolViolation, Refusal};
 use crate::output::{Event, Outbox, Transmit};
 use crate::session::client::Load;
 use crate::session::{Announce, Cx, Session};
@@ -394,8 +394,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// The node will not talk to `peer` (e.g. it is outside the allowlist): its session ends
     /// with `reason`, and its requests fall back at once.
-    pub fn handle_connection_refused(&mut self, now: Instant, peer: &PeerId, reason: &str) {
-        self.close_session(now, peer, CloseReason::Refused(reason.into()));
+    pub fn handle_connection_refused(&mut self, now: Instant, peer: &PeerId, reason: LocalRefusal) {
+        self.close_session(now, peer, CloseReason::Refused(reason));
     }
 
     /// Ends `peer`'s session (if any) for `reason`, without a message.

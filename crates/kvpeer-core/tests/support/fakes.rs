@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpeer_core::{
-    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlaneError, PlanePoll,
-    Registration, RemoteMemory, ServeCtx, StoreJob, TransferId,
+    BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlaneError, PlaneErrorKind,
+    PlanePoll, Registration, RemoteMemory, ServeCtx, StoreJob, TransferId,
 };
 use kvpeer_proto::{OffloadKey, PeerId};
 
@@ -248,17 +248,18 @@ impl DataPlane for FakePlane {
         let state = match &self.mode {
             RegistrationMode::Immediate => Registration::Done,
             RegistrationMode::Deferred => Registration::Pending,
-            RegistrationMode::Fail(e) => Registration::Failed(PlaneError::rejected(e.as_str())),
+            RegistrationMode::Fail(e) => {
+                Registration::Failed(PlaneError::words(PlaneErrorKind::Rejected, e))
+            }
         };
         self.registrations.insert(peer.clone(), state);
         Ok(())
     }
 
     fn registration(&mut self, peer: &PeerId) -> Registration {
-        self.registrations
-            .get(peer)
-            .cloned()
-            .unwrap_or_else(|| Registration::Failed(PlaneError::rejected("unknown peer")))
+        self.registrations.get(peer).cloned().unwrap_or_else(|| {
+            Registration::Failed(PlaneError::words(PlaneErrorKind::Rejected, "unknown peer"))
+        })
     }
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
@@ -307,7 +308,7 @@ impl DataPlane for FakePlane {
         poll.peer_fault = self
             .faults
             .get(peer)
-            .map(|f| PlaneError::transport(f.as_str()));
+            .map(|f| PlaneError::words(PlaneErrorKind::Transport, f));
         poll
     }
 

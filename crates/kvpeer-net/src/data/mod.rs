@@ -16,4 +16,5 @@ pub mod metadata;
 pub mod nixl;
 pub mod shm;
 mod shm_object;
+pub mod shm_refusal;
 pub mod tcp;

@@ -96,6 +96,53 @@ pub enum NixlError {
     Thread(std::io::Error),
 }
 
+/// Why a peer's NIXL registration was refused (nothing is written to it).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlRefusal {
+    /// Its blocks are of another size than ours.
+    #[error("block_len {theirs} is not ours ({ours})")]
+    BlockLen {
+        /// Its block length.
+        theirs: u64,
+        /// Ours.
+        ours: u64,
+    },
+    /// It offers no region (no blocks, or no NIXL metadata).
+    #[error("the peer offers no NIXL region")]
+    NoRegion,
+    /// It sent this node's own metadata (its WRITEs would land in our own pool).
+    #[error("the peer's NIXL metadata is this node's own")]
+    OwnMetadata,
+    /// Its metadata names this node's own agent.
+    #[error("the peer's NIXL agent {0:?} is this node's own")]
+    OwnAgent(String),
+    /// NIXL did not load its metadata.
+    #[error("NIXL refused the peer's metadata: {0}")]
+    Metadata(Arc<nixl_sys::NixlError>),
+    /// NIXL did not take the descriptors of its blocks.
+    #[error("NIXL refused the peer's descriptors: {0}")]
+    Descriptors(Arc<nixl_sys::NixlError>),
+    /// The registration thread could not start.
+    #[error("cannot start the registration thread: {0}")]
+    Spawn(Arc<std::io::Error>),
+    /// The registration thread ended without a result.
+    #[error("the registration thread ended without a result")]
+    NoResult,
+}
+
+/// Why a peer's WRITEs failed: its transfers fail, and its session winds down.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlFault {
+    /// NIXL reported a WRITE failed (its remote-disconnect class).
+    #[error("NIXL reported the WRITE failed")]
+    WriteFailed,
+    /// NIXL could not say what became of a WRITE.
+    #[error("NIXL state check failed: {0}")]
+    StateCheck(Arc<nixl_sys::NixlError>),
+}
+
 /// How the plane's NIXL agent is made.
 #[derive(Debug, Clone, Default)]
 pub struct NixlConfig {
@@ -191,7 +238,7 @@ struct Peer {
 /// A registration on its helper thread: the peer's block count, and where its result arrives.
 struct Pending {
     num_blocks: u64,
-    result: Receiver<Result<(String, Dlist), String>>,
+    result: Receiver<Result<(String, Dlist), NixlRefusal>>,
 }
 
 /// A WRITE in flight.
@@ -257,7 +304,7 @@ pub struct NixlPlane {
     metadata: Vec<u8>,
     /// This node's agent name: a peer presenting it is refused.
     agent_name: String,
-    failed: HashMap<PeerId, String>,
+    failed: HashMap<PeerId, NixlRefusal>,
     next_tid: TransferId,
     wake: Wake,
 }
@@ -468,7 +515,7 @@ fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
         Err(nixl_sys::NixlError::BackendError) => {
             let poll = reports.entry(entry.peer.clone()).or_default();
             poll.failed.push(id);
-            poll.peer_fault = Some(PlaneError::transport("NIXL reported the WRITE failed"));
+            poll.peer_fault = Some(PlaneError::transport(NixlFault::WriteFailed));
             if let Some(suppressed) = crate::admit_warning("nixl WRITE failed") {
                 warn!(peer = %entry.peer, transfer = id.get(), suppressed, "nixl WRITE failed");
             }
@@ -484,9 +531,7 @@ fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
                     warn!(peer = %entry.peer, transfer = id.get(), %error, suppressed, "nixl state check failed");
                 }
                 let poll = reports.entry(entry.peer.clone()).or_default();
-                poll.peer_fault = Some(PlaneError::transport(format!(
-                    "NIXL state check failed: {error}"
-                )));
+                poll.peer_fault = Some(PlaneError::transport(NixlFault::StateCheck(Arc::new(error))));
                 ended = true;
             }
             true
@@ -498,13 +543,13 @@ fn check_inflight(agent: &Agent, s: &mut Shared) -> bool {
 impl DataPlane for NixlPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         if memory.block_len != self.block_len {
-            return Err(PlaneError::rejected(format!(
-                "block_len {} is not ours ({})",
-                memory.block_len, self.block_len
-            )));
+            return Err(PlaneError::rejected(NixlRefusal::BlockLen {
+                theirs: memory.block_len,
+                ours: self.block_len,
+            }));
         }
         if memory.num_blocks == 0 || memory.agent_metadata.is_empty() {
-            return Err(PlaneError::rejected("the peer offers no NIXL region"));
+            return Err(PlaneError::rejected(NixlRefusal::NoRegion));
         }
         // A peer replaying our own metadata would have us WRITE into our own pool.
         if memory.agent_metadata == self.metadata {
@@ -513,9 +558,7 @@ impl DataPlane for NixlPlane {
             ) {
                 warn!(%peer, suppressed, "nixl registration refused: the peer sent this node's own metadata");
             }
-            return Err(PlaneError::rejected(
-                "the peer's NIXL metadata is this node's own",
-            ));
+            return Err(PlaneError::rejected(NixlRefusal::OwnMetadata));
         }
         self.remove_remote_peer(peer);
         let (tx, rx) = channel();
@@ -529,7 +572,7 @@ impl DataPlane for NixlPlane {
                 let started = Instant::now();
                 let result = agent
                     .load_remote_md(&memory.agent_metadata)
-                    .map_err(|e| format!("NIXL refused the peer's metadata: {e}"))
+                    .map_err(|e| NixlRefusal::Metadata(Arc::new(e)))
                     .and_then(|name| {
                         // NIXL itself refuses a blob with its own agent's name; checked here
                         // too, so the refusal does not depend on NIXL's version. Nothing is
@@ -538,9 +581,7 @@ impl DataPlane for NixlPlane {
                             if let Some(suppressed) = crate::admit_warning("nixl registration refused: the peer presents this node's own agent") {
                                 warn!(peer = %who, suppressed, "nixl registration refused: the peer presents this node's own agent");
                             }
-                            return Err(format!(
-                                "the peer's NIXL agent {name:?} is this node's own"
-                            ));
+                            return Err(NixlRefusal::OwnAgent(name));
                         }
                         prepare(
                             &agent,
@@ -550,7 +591,7 @@ impl DataPlane for NixlPlane {
                             memory.block_len,
                         )
                         .map(|d| (name, Dlist(d)))
-                        .map_err(|e| format!("NIXL refused the peer's descriptors: {e}"))
+                        .map_err(|e| NixlRefusal::Descriptors(Arc::new(e)))
                     });
                 if let Some(suppressed) = crate::admit_warning("nixl: peer registered") {
                     info!(
@@ -569,9 +610,7 @@ impl DataPlane for NixlPlane {
                 }
                 wake();
             })
-            .map_err(|e| {
-                PlaneError::resources(format!("cannot start the registration thread: {e}"))
-            })?;
+            .map_err(|e| PlaneError::resources(NixlRefusal::Spawn(Arc::new(e))))?;
         self.pending.insert(
             peer.clone(),
             Pending {
@@ -587,7 +626,7 @@ impl DataPlane for NixlPlane {
             return Registration::Done;
         }
         if let Some(reason) = self.failed.get(peer) {
-            return Registration::Failed(PlaneError::rejected(reason.as_str()));
+            return Registration::Failed(PlaneError::rejected(reason.clone()));
         }
         let Some(pending) = self.pending.get(peer) else {
             return Registration::Failed(PlaneError::not_registered());
@@ -596,7 +635,7 @@ impl DataPlane for NixlPlane {
             Err(TryRecvError::Empty) => Registration::Pending,
             Err(TryRecvError::Disconnected) => {
                 self.pending.remove(peer);
-                let reason = "the registration thread ended without a result".to_owned();
+                let reason = NixlRefusal::NoResult;
                 self.failed.insert(peer.clone(), reason.clone());
                 Registration::Failed(PlaneError::resources(reason))
             }

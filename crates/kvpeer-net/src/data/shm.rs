@@ -52,6 +52,7 @@ use kvpeer_store::{Pool, PoolView};
 use tracing::warn;
 
 use super::shm_object;
+pub use super::shm_refusal::ShmRefusal;
 use crate::data::metadata::AgentMetadata;
 use crate::lock;
 
@@ -270,27 +271,27 @@ impl ShmPlane {
 
     /// Opens and proves the pool a peer names; nothing is written unless every check passes.
     /// Runtime thread: `open`, `fstat`, a 40-byte `pread`, one HMAC.
-    fn open_peer(&self, peer: &PeerId, memory: &RemoteMemory) -> Result<PeerMap, String> {
-        let meta = AgentMetadata::decode(&memory.agent_metadata).map_err(|e| e.to_string())?;
-        let name = meta.shm.ok_or("the peer offers no shm plane")?;
+    fn open_peer(&self, peer: &PeerId, memory: &RemoteMemory) -> Result<PeerMap, ShmRefusal> {
+        let meta = AgentMetadata::decode(&memory.agent_metadata)?;
+        let name = meta.shm.ok_or(ShmRefusal::NoShm)?;
         if memory.block_len != self.block_len {
-            return Err(format!(
-                "block_len {} is not ours ({})",
-                memory.block_len, self.block_len
-            ));
+            return Err(ShmRefusal::BlockLen {
+                theirs: memory.block_len,
+                ours: self.block_len,
+            });
         }
         let token = meta
             .shm_token
-            .ok_or_else(|| format!("the peer sent no shm_token proving it owns {name:?}"))?;
+            .ok_or_else(|| ShmRefusal::NoToken(name.clone()))?;
         let challenge = self
             .challenge
             .as_ref()
             .filter(|(whose, _)| whose == peer)
             .map(|(_, c)| c.as_slice());
-        let file = shm_object::open(&name).map_err(|e| format!("cannot open {name:?}: {e}"))?;
+        let file = shm_object::open(&name).map_err(|e| ShmRefusal::Open(name.clone(), e))?;
         let len = self.prove(&name, &file, memory.num_blocks, &token, challenge)?;
         let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
-            .map_err(|e| format!("cannot map {name:?}: {e}"))?;
+            .map_err(|e| ShmRefusal::Map(name.clone(), Arc::new(e)))?;
         Ok(PeerMap {
             region: Arc::new(PeerObject {
                 map: Mutex::new(map),
@@ -312,48 +313,49 @@ impl ShmPlane {
         num_blocks: u64,
         token: &[u8],
         challenge: Option<&[u8]>,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, ShmRefusal> {
+        let named = || name.to_owned();
         let stat = file
             .metadata()
-            .map_err(|e| format!("cannot fstat {name:?}: {e}"))?;
+            .map_err(|e| ShmRefusal::Stat(named(), e.kind()))?;
         if !stat.file_type().is_file() {
-            return Err(format!("{name:?} is not a shared-memory object"));
+            return Err(ShmRefusal::NotShm(named()));
         }
         let uid = nix::unistd::geteuid().as_raw();
         if stat.uid() != uid {
-            return Err(format!(
-                "{name:?} belongs to uid {}, not to this node's uid {uid}",
-                stat.uid()
-            ));
+            return Err(ShmRefusal::OtherUser {
+                name: named(),
+                owner: stat.uid(),
+                ours: uid,
+            });
         }
         if (stat.dev(), stat.ino()) == self.local_object {
-            return Err(format!("{name:?} is this node's own pool"));
+            return Err(ShmRefusal::OwnPool(named()));
         }
         let blocks_len = num_blocks
             .checked_mul(self.block_len)
             .filter(|b| *b > 0)
-            .ok_or_else(|| format!("the peer claims an impossible pool of {num_blocks} blocks"))?;
+            .ok_or(ShmRefusal::ImpossiblePool(num_blocks))?;
         let expected = trailer::object_len(num_blocks, self.block_len)
-            .ok_or_else(|| format!("the peer claims an impossible pool of {num_blocks} blocks"))?;
+            .ok_or(ShmRefusal::ImpossiblePool(num_blocks))?;
         if stat.len() != expected {
-            return Err(format!(
-                "{name:?} holds {} bytes, the peer claims {num_blocks} blocks and a trailer \
-                 ({expected} bytes)",
-                stat.len()
-            ));
+            return Err(ShmRefusal::WrongSize {
+                name: named(),
+                holds: stat.len(),
+                blocks: num_blocks,
+                expected,
+            });
         }
         let mut head = [0u8; MAGIC.len() + SECRET_LEN];
         file.read_exact_at(&mut head, blocks_len)
-            .map_err(|e| format!("cannot read the trailer of {name:?}: {e}"))?;
-        let secret = trailer::parse_trailer(&head).map_err(|e| format!("{name:?}: {e}"))?;
+            .map_err(|e| ShmRefusal::Trailer(named(), e.kind()))?;
+        let secret =
+            trailer::parse_trailer(&head).map_err(|e| ShmRefusal::BadTrailer(named(), e))?;
         let us = self.local_id.as_str();
         let proven = trailer::verify(&secret, us, challenge, token)
             || (self.allow_replayable_tokens && trailer::verify(&secret, us, None, token));
         if !proven {
-            return Err(format!(
-                "the peer's shm_token does not prove it owns {name:?} (wrong, for another node, \
-                 or for an earlier connection)"
-            ));
+            return Err(ShmRefusal::Unproven(named()));
         }
         Ok(expected)
     }

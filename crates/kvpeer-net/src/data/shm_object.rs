@@ -9,8 +9,7 @@ use nix::sys::mman::shm_open;
 use nix::sys::stat::Mode;
 
 /// Opens the existing object `name` read-write.
-pub(crate) fn open(name: &str) -> Result<File, String> {
-    let fd = shm_open(format!("/{name}").as_str(), OFlag::O_RDWR, Mode::empty())
-        .map_err(|e| e.to_string())?;
+pub(crate) fn open(name: &str) -> Result<File, nix::Error> {
+    let fd = shm_open(format!("/{name}").as_str(), OFlag::O_RDWR, Mode::empty())?;
     Ok(File::from(fd))
 }

@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
-use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, Parent};
+use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent};
 
 use crate::api::PeerEnd;
 use kvpeer_net::control::ConnId;
@@ -511,7 +511,7 @@ impl<P: Parent> NodeIo<P> {
                 if !self.may_dial(now, &t.peer) {
                     // Never dialed, never sent to: its requests fall back at once.
                     self.core
-                        .handle_connection_refused(now, &t.peer, "not in the allowlist");
+                        .handle_connection_refused(now, &t.peer, LocalRefusal::NotAllowed);
                     continue;
                 }
                 if let Some(held) = self.held.get_mut(&t.peer) {
@@ -574,8 +574,11 @@ impl<P: Parent> NodeIo<P> {
                     Event::Dial(peer) => {
                         if !self.may_dial(now, &peer) {
                             // Never dialed: its requests fall back at once.
-                            self.core
-                                .handle_connection_refused(now, &peer, "not in the allowlist");
+                            self.core.handle_connection_refused(
+                                now,
+                                &peer,
+                                LocalRefusal::NotAllowed,
+                            );
                         } else if let Err(e) = self.channel.dial(&peer) {
                             warn_throttled!(self.throttle, now, "dial failed", %peer, error = %e);
                             self.core.handle_connection_lost(

@@ -63,9 +63,12 @@
 //! ([`PoolWriter`]). The plane never maps the pool itself, so it works the same on a shm pool
 //! and on an engine's own memory ([`kvpeer_store::Pool::external`]).
 
+mod error;
 mod receiver;
 mod sender;
 mod wire;
+
+pub use error::{TcpFault, TcpRefusal};
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -223,7 +226,7 @@ struct Ends {
     sent: HashMap<TransferId, Sent>,
     /// Transfers queued to a writer, not yet sent: tid → peer.
     queued: HashMap<TransferId, PeerId>,
-    faults: HashMap<PeerId, String>,
+    faults: HashMap<PeerId, TcpFault>,
     /// Per peer, its writer's current connection: (its number, still open).
     conns: HashMap<PeerId, (u64, bool)>,
 }
@@ -243,7 +246,6 @@ struct Sent {
 
 /// The tcp data plane of one node.
 pub struct TcpPlane {
-    local_id: PeerId,
     /// The pool's permit table, and the receive side's only way to write it.
     pool: PoolWriter,
     num_blocks: u64,
@@ -308,7 +310,7 @@ impl TcpPlane {
         )
         .map_err(listen_err)?;
         let sender = sender::start(sender::Shared {
-            me: local_id.clone(),
+            me: local_id,
             local,
             block_len: block_len as usize,
             ends: ends.clone(),
@@ -318,7 +320,6 @@ impl TcpPlane {
         })
         .map_err(listen_err)?;
         Ok(TcpPlane {
-            local_id,
             pool,
             num_blocks,
             block_len,
@@ -450,9 +451,9 @@ impl TcpPlane {
                         });
                         Registration::Done
                     }
-                    None => Registration::Failed(PlaneError::transport(format!(
-                        "cannot reach the data listener at {addr}: it does not resolve"
-                    ))),
+                    None => {
+                        Registration::Failed(PlaneError::transport(TcpRefusal::Unresolved(addr)))
+                    }
                 };
                 regs.insert(peer, state);
                 drop(regs);
@@ -461,16 +462,14 @@ impl TcpPlane {
         if let Err(e) = spawned {
             lock(&self.registrations).insert(
                 who,
-                Registration::Failed(PlaneError::resources(format!(
-                    "cannot start a resolver thread: {e}"
-                ))),
+                Registration::Failed(PlaneError::resources(TcpRefusal::NoResolver(e.kind()))),
             );
         }
     }
 
     /// A fault of `peer`'s data connection: its unacknowledged and queued transfers fail, and
     /// the core winds the session down.
-    fn fault(ends: &Mutex<Ends>, peer: &PeerId, reason: String, wake: &Wake) {
+    fn fault(ends: &Mutex<Ends>, peer: &PeerId, reason: TcpFault, wake: &Wake) {
         let mut e = lock(ends);
         e.faults.entry(peer.clone()).or_insert(reason);
         let mut lost: Vec<TransferId> = e
@@ -504,38 +503,33 @@ impl TcpPlane {
 impl DataPlane for TcpPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
         let meta = AgentMetadata::decode(&memory.agent_metadata)
-            .map_err(|e| PlaneError::rejected(e.to_string()))?;
+            .map_err(|e| PlaneError::rejected(TcpRefusal::Metadata(e)))?;
         let addr = meta
             .tcp
-            .ok_or_else(|| PlaneError::rejected("the peer offers no tcp plane"))?;
+            .ok_or_else(|| PlaneError::rejected(TcpRefusal::NoTcp))?;
         if memory.block_len != self.block_len {
-            return Err(PlaneError::rejected(format!(
-                "block_len {} is not ours ({})",
-                memory.block_len, self.block_len
-            )));
+            return Err(PlaneError::rejected(TcpRefusal::BlockLen {
+                theirs: memory.block_len,
+                ours: self.block_len,
+            }));
         }
         // A new registration replaces the old link (issued keys stay: they are about writes
         // into us).
         self.drop_link(peer);
         lock(&self.ends).faults.remove(peer);
-        let _ = &self.local_id;
         let key = match meta.tcp_key.map(<[u8; KEY_LEN]>::try_from) {
             Some(Ok(key)) => key,
             Some(Err(_)) => {
                 lock(&self.registrations).insert(
                     peer.clone(),
-                    Registration::Failed(PlaneError::rejected(format!(
-                        "the peer's tcp_key is not {KEY_LEN} bytes"
-                    ))),
+                    Registration::Failed(PlaneError::rejected(TcpRefusal::KeyLen)),
                 );
                 return Ok(());
             }
             None => {
                 lock(&self.registrations).insert(
                     peer.clone(),
-                    Registration::Failed(PlaneError::rejected(
-                        "peer advertises tcp without tcp_key",
-                    )),
+                    Registration::Failed(PlaneError::rejected(TcpRefusal::NoKey)),
                 );
                 return Ok(());
             }
@@ -591,10 +585,7 @@ impl DataPlane for TcpPlane {
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
         let mut e = lock(&self.ends);
         let mut poll = e.ended.remove(peer).unwrap_or_default();
-        poll.peer_fault = e
-            .faults
-            .get(peer)
-            .map(|f| PlaneError::transport(f.as_str()));
+        poll.peer_fault = e.faults.get(peer).map(|f| PlaneError::transport(f.clone()));
         poll
     }
 

@@ -42,6 +42,7 @@ use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
 use tracing::{debug, warn};
 
+use super::error::TcpFault;
 use super::wire::{self, ACK_LEN};
 use super::{abort, close, Counters, Ends, Sent, TcpPlane, KEY_LEN, WRITE_STALL_TIMEOUT};
 use crate::data::shm::Wake;
@@ -444,7 +445,7 @@ impl Sender {
     }
 
     /// Faults `peer` (its transfers fail, the core winds the session down) and stops its link.
-    fn fault(&mut self, peer: &PeerId, why: String) {
+    fn fault(&mut self, peer: &PeerId, why: TcpFault) {
         debug!(%peer, %why, "tcp link faulted");
         TcpPlane::fault(&self.shared.ends, peer, why, &self.shared.wake);
         if let Some(link) = self.links.get_mut(peer) {
@@ -518,18 +519,14 @@ impl Sender {
         Some(due.max(now + Duration::from_micros(50)))
     }
 
-    fn drive_link(&mut self, link: &mut Link, now: Instant) -> Result<(), String> {
+    fn drive_link(&mut self, link: &mut Link, now: Instant) -> Result<(), TcpFault> {
         if link.stopped {
             return Ok(());
         }
         // The connection: its connect, ACKs, end, then what it has to write.
         if let Some(c) = &mut link.conn {
             if let Some(since) = c.connecting {
-                let verb = if link.connected_before {
-                    "reconnect to"
-                } else {
-                    "reach"
-                };
+                let again = link.connected_before;
                 if c.writable || c.readable {
                     match sockio::connect_done(&c.stream, link.addr) {
                         Ok(true) => {
@@ -542,19 +539,21 @@ impl Sender {
                             link.connected_before = true;
                         }
                         Ok(false) => {}
-                        Err(e) => {
-                            return Err(format!(
-                                "cannot {verb} the data listener at {}: {e}",
-                                link.addr
-                            ))
+                        Err(cause) => {
+                            return Err(TcpFault::Unreachable {
+                                addr: link.addr,
+                                again,
+                                cause,
+                            })
                         }
                     }
                 }
                 if c.connecting.is_some() && now >= since + CONNECT_TIMEOUT {
-                    return Err(format!(
-                        "cannot {verb} the data listener at {}: no connect within {CONNECT_TIMEOUT:?}",
-                        link.addr
-                    ));
+                    return Err(TcpFault::ConnectTimeout {
+                        addr: link.addr,
+                        again,
+                        after: CONNECT_TIMEOUT,
+                    });
                 }
             }
         }
@@ -599,7 +598,7 @@ impl Sender {
                     self.deadlines.push(std::cmp::Reverse((deadline, job.tid)));
                     link.reconnects = 0;
                     let head = wire::encode_write_header(job.tid, &job.remote)
-                        .map_err(|e| format!("cannot frame a tcp write: {e}"))?;
+                        .map_err(|_| TcpFault::TooManyBlocks(job.remote.len()))?;
                     if let Some(rate) = link.writer.rate {
                         // Idle time is not banked beyond a second: a pause does not buy a
                         // burst.
@@ -629,9 +628,7 @@ impl Sender {
                 Step::Reconnect => {
                     link.reconnects += 1;
                     if link.reconnects > 2 {
-                        return Err(
-                            "the tcp data connection keeps closing before a write".to_string()
-                        );
+                        return Err(TcpFault::KeepsClosing);
                     }
                     self.reconnect(link, now)?;
                 }
@@ -710,37 +707,28 @@ impl Sender {
     }
 
     /// Replaces `link`'s connection with a fresh one (dialed now; the HELLO queued first).
-    fn reconnect(&mut self, link: &mut Link, now: Instant) -> Result<(), String> {
+    fn reconnect(&mut self, link: &mut Link, now: Instant) -> Result<(), TcpFault> {
         if let Some(old) = link.conn.take() {
             self.by_conn.remove(&old.id);
             close(&old.stream);
         }
-        let verb = if link.connected_before {
-            "reconnect to"
-        } else {
-            "reach"
-        };
         let stream = match sockio::start_connect(link.addr) {
             Ok(s) => s,
-            Err(Some(e)) => {
-                return Err(format!(
-                    "cannot {verb} the data listener at {}: {e}",
-                    link.addr
-                ))
+            Err(Some(cause)) => {
+                return Err(TcpFault::Unreachable {
+                    addr: link.addr,
+                    again: link.connected_before,
+                    cause,
+                })
             }
-            Err(None) => {
-                return Err(format!(
-                    "cannot {verb} the data listener at {}: no socket (out of descriptors)",
-                    link.addr
-                ))
-            }
+            Err(None) => return Err(TcpFault::NoSocket(link.addr)),
         };
         let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
         self.poller
             .add(stream.as_fd(), id)
-            .map_err(|e| format!("cannot poll a tcp data connection: {e}"))?;
+            .map_err(|e| TcpFault::Poll(e.kind()))?;
         let hello = wire::encode_hello(self.shared.me.as_str(), &link.key)
-            .map_err(|_| "our peer id is too long for a HELLO".to_string())?;
+            .map_err(|_| TcpFault::IdTooLong)?;
         let mut out = VecDeque::new();
         out.push_back(Frame {
             tid: None,
@@ -770,7 +758,7 @@ impl Sender {
 
     /// Writes what `link`'s connection has queued, as far as the socket and the pace allow;
     /// whether any byte went.
-    fn write(&mut self, link: &mut Link, now: Instant) -> Result<bool, String> {
+    fn write(&mut self, link: &mut Link, now: Instant) -> Result<bool, TcpFault> {
         let block_len = self.shared.block_len;
         let mut allowed = pace_allows(link, now);
         let Some(c) = &mut link.conn else {
@@ -800,13 +788,13 @@ impl Sender {
                     continue;
                 };
                 let Some(block) = self.shared.local.block(b) else {
-                    return Err(format!("local block {b} outside the pool"));
+                    return Err(TcpFault::BlockOutside(b.get()));
                 };
                 &block[at..]
             };
             let slice = &slice[..slice.len().min(allowed)];
             match (&c.stream).write(slice) {
-                Ok(0) => return Err("the tcp data connection took no bytes".into()),
+                Ok(0) => return Err(TcpFault::Send(ErrorKind::WriteZero)),
                 Ok(n) => {
                     frame.written += n;
                     any = true;
@@ -833,10 +821,10 @@ impl Sender {
                                     "tcp data connection found closed; reconnecting");
                                 Ok(any)
                             } else {
-                                Err(format!("tcp send failed: {e}"))
+                                Err(TcpFault::Send(e.kind()))
                             }
                         }
-                        _ => Err(format!("tcp send failed: {e}")),
+                        _ => Err(TcpFault::Send(e.kind())),
                     };
                 }
             }
@@ -845,9 +833,7 @@ impl Sender {
             if !c.out.is_empty()
                 && now.saturating_duration_since(c.progressed) >= WRITE_STALL_TIMEOUT
             {
-                return Err(format!(
-                    "tcp send failed: the receiver took no bytes for {WRITE_STALL_TIMEOUT:?}"
-                ));
+                return Err(TcpFault::Stalled(WRITE_STALL_TIMEOUT));
             }
         }
         Ok(any)
@@ -900,7 +886,7 @@ impl Sender {
 
     /// ACKs in, until the socket has no more. The connection's end: with WRITEs awaiting their
     /// ACK on it, a fault; idle, it is only forgotten (the next write reconnects).
-    fn read_acks(&mut self, link: &mut Link) -> Result<(), String> {
+    fn read_acks(&mut self, link: &mut Link) -> Result<(), TcpFault> {
         let Some(c) = &mut link.conn else {
             return Ok(());
         };
@@ -955,7 +941,7 @@ impl Sender {
             (self.shared.wake)();
             if refused {
                 // The receiver refuses only a write it holds no permit for, and closes.
-                return Err("the receiver refused a tcp write".into());
+                return Err(TcpFault::WriteRefused);
             }
         }
         if ended {
@@ -964,7 +950,7 @@ impl Sender {
                 .values()
                 .any(|s| s.peer == link.peer && s.conn == conn_id);
             if pending {
-                return Err("tcp data connection lost".into());
+                return Err(TcpFault::Lost);
             }
             if let Some(c) = link.conn.take() {
                 self.by_conn.remove(&c.id);
@@ -1004,11 +990,11 @@ impl Sender {
             Counters::bump(&self.shared.counters.transfer_timeouts);
             let took = sent.started.elapsed();
             let allowed = sent.deadline.saturating_duration_since(sent.started);
-            let why = format!(
-                "tcp transfer {} ({} bytes) not acknowledged within {allowed:?} of its first byte",
-                tid.get(),
-                sent.bytes
-            );
+            let why = TcpFault::Late {
+                tid: tid.get(),
+                bytes: sent.bytes,
+                allowed,
+            };
             if let Some(suppressed) = crate::admit_warning("tcp transfer past its deadline") {
                 warn!(peer = %sent.peer, tid = tid.get(), bytes = sent.bytes, ?took, ?allowed, suppressed,
                     "tcp transfer not acknowledged by its deadline; faulting the peer and resetting its data connection");
