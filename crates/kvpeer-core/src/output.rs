@@ -39,6 +39,14 @@ pub enum Event {
         /// Whether its blocks reached the peer.
         success: bool,
     },
+    /// The producer answered probes of this request: [`Core::lookup`](crate::Core::lookup)
+    /// gives new answers for some of its keys. With `LoadDone` (a failed load answers the
+    /// request's lookups MISS) and `Close` (the source's session ended: MISS), the only ways a
+    /// RETRY becomes an answer, so a caller waiting on lookups asks again only then.
+    LookupAnswered {
+        /// The request.
+        kv_request_id: KvRequestId,
+    },
     /// Open a control connection to this peer (a session toward it was created).
     Dial(PeerId),
     /// Close the control connection to this peer: its session ended.

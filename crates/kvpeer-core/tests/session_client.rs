@@ -810,3 +810,44 @@ fn a_peers_connect_that_passes_is_answered_with_connect_then_ack() {
     assert_eq!(m.plane().registrations.len(), 1);
     assert!(m.closed().is_none());
 }
+
+/// The number of `LookupAnswered` events for request `r` since the last call.
+fn answered_events(m: &mut Mock, r: &str) -> usize {
+    m.pump();
+    let n = m
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(e, kvpeer_core::Event::LookupAnswered { kv_request_id }
+                if kv_request_id.as_str() == r)
+        })
+        .count();
+    m.events.clear();
+    n
+}
+
+/// A driver waiting on lookups asks the core again only when it reports news: every reply
+/// that answers a probe (or changes an answer) is one `LookupAnswered`; a reply with nothing
+/// new is none, so a driver that waited for the event never misses an answer.
+#[test]
+fn each_reply_that_answers_something_is_one_event() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.lookup("r", &key(1));
+    m.lookup("r", &key(2));
+    m.flush();
+    assert_eq!(answered_events(&mut m, "r"), 0, "nothing answered yet");
+    m.recv(lookup_resp("r", vec![key(2)], vec![true]));
+    assert_eq!(answered_events(&mut m, "r"), 1);
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Retry);
+    m.recv(lookup_resp("r", vec![key(2), key(99)], vec![true, true]));
+    assert_eq!(
+        answered_events(&mut m, "r"),
+        0,
+        "a duplicate answers nothing"
+    );
+    m.recv(lookup_resp("r", vec![key(1)], vec![false]));
+    assert_eq!(answered_events(&mut m, "r"), 1);
+    assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss);
+    assert_eq!(m.lookup("r", &key(2)), LookupResult::Hit);
+}

@@ -211,16 +211,18 @@ impl ClientRole {
 
     /// Applies a `lookup_resp`. Pairs for unknown keys are ignored, so replies may be split
     /// or merged. Progress (a newly answered probe) re-arms the deadline; nothing else does.
+    /// Whether it answered anything (a probe's answer is new or changed).
     pub(crate) fn on_lookup_resp(
         &mut self,
         now: Instant,
         id: &KvRequestId,
         keys: &[OffloadKey],
         hits: &[bool],
-    ) {
+    ) -> bool {
         let Some(req) = self.requests.get_mut(id) else {
-            return;
+            return false;
         };
+        let mut changed = false;
         let mut progressed = false;
         for (key, hit) in keys.iter().zip(hits) {
             if let Some(answer) = req.probes.get_mut(key) {
@@ -228,6 +230,7 @@ impl ClientRole {
                     req.unanswered -= 1;
                     progressed = true;
                 }
+                changed |= *answer != Some(*hit);
                 *answer = Some(*hit);
             }
         }
@@ -236,6 +239,7 @@ impl ClientRole {
         } else if progressed {
             req.lookup_deadline = Some(self.lookup_lane.arm(now, id.clone()));
         }
+        changed
     }
 
     /// Sends the `fetch` that closes the current round, and starts its load.

@@ -14,7 +14,7 @@ use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
-use crate::output::{Link, Outbox};
+use crate::output::{Event, Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
 use client::{ClientClose, ClientRole, Load};
@@ -288,8 +288,14 @@ impl Session {
                 .on_lookup(&mut self.link, cx, &l.kv_request_id, l.keys, l.round_seq)
                 .map_err(Fault::Internal),
             Message::LookupResp(r) => {
-                self.client
-                    .on_lookup_resp(cx.now, &r.kv_request_id, &r.keys, &r.hits);
+                if self
+                    .client
+                    .on_lookup_resp(cx.now, &r.kv_request_id, &r.keys, &r.hits)
+                {
+                    cx.out.event(Event::LookupAnswered {
+                        kv_request_id: r.kv_request_id,
+                    });
+                }
                 Ok(())
             }
             Message::TransferDone(t) => {

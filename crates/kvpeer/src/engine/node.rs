@@ -21,6 +21,7 @@ use kvpeer_store::{BlockBusy, Pool};
 use super::parent::{EngineLink, EngineParent, FIRST_PIN_JOB};
 use crate::node::build::{build_with, BuildError, NodeSpec};
 use crate::node::io::NodeIo;
+use crate::node::lookup_waits::{Ended, LookupWaits, Waiting};
 use crate::node::plane::Plane;
 
 /// What the engine learns from the node.
@@ -67,17 +68,14 @@ pub enum EngineError {
     },
 }
 
-struct WaitingLookup {
-    request: Request,
-    keys: Vec<OffloadKey>,
-}
-
 /// A node an engine drives from its own thread.
 pub struct EngineNode {
     io: NodeIo<EngineParent>,
     link: EngineLink,
     pool: Pool,
-    lookups: Vec<WaitingLookup>,
+    /// The engine's lookups not answered yet, asked about again only when the core has news
+    /// for their request (no deadline here: the core's lookup timeout ends a silent one).
+    lookups: LookupWaits<()>,
     /// Blocks of the engine's own stores still running (a write to a peer may read them).
     storing: std::collections::HashMap<JobId, Vec<BlockIndex>>,
     /// `shutdown` ran (else `Drop` ends the sessions).
@@ -113,11 +111,13 @@ impl EngineNode {
                 Ok((parent, (link, pool)))
             },
         )?;
+        let mut io = io;
+        io.watch_outcomes();
         Ok(EngineNode {
             io,
             link,
             pool,
-            lookups: Vec::new(),
+            lookups: LookupWaits::default(),
             storing: Default::default(),
             shut_down: false,
             events: VecDeque::new(),
@@ -238,9 +238,16 @@ impl EngineNode {
             self.io.core.lookup(now, request, key);
         }
         self.io.core.flush_lookups(now);
-        self.lookups.push(WaitingLookup {
+        let waiting = Waiting {
+            started: now,
             request: request.clone(),
             keys,
+            deadline: None,
+            with: (),
+        };
+        let events = &mut self.events;
+        self.lookups.add(&mut self.io, now, waiting, |w, end| {
+            looked_up(events, w, end)
         });
         self.io.flush(now);
     }
@@ -257,7 +264,14 @@ impl EngineNode {
     ) -> Result<(), EngineError> {
         self.submit(job, keys, blocks, false, |core, now, keys, blocks| {
             core.submit_load(now, job, request, keys, blocks)
-        })
+        })?;
+        // The fetch closed the round: a lookup of this request still waiting asks again.
+        let events = &mut self.events;
+        self.lookups
+            .recheck(&mut self.io, Instant::now(), request.id(), |w, end| {
+                looked_up(events, w, end)
+            });
+        Ok(())
     }
 
     /// Checks an engine's job, hands it to the core with `submit`, and sends what it caused
@@ -278,6 +292,9 @@ impl EngineNode {
         }
         let now = Instant::now();
         submit(&mut self.io.core, now, keys, blocks);
+        // What the job caused at once (a store that ends at once, a load that fails at once)
+        // reaches the outcomes through the flush, and comes out as events before we return.
+        self.io.flush(now);
         self.collect(now);
         self.io.flush(now);
         Ok(())
@@ -288,17 +305,12 @@ impl EngineNode {
         let now = Instant::now();
         // Answered here, before the core forgets the request: asking the core about it after
         // `finish` would open it again and send a new lookup to the producer.
-        let events = &mut self.events;
-        self.lookups.retain(|l| {
-            if l.request.id() != request.id() {
-                return true;
-            }
-            events.push_back(EngineEvent::LookedUp {
+        for l in self.lookups.remove_request(request.id()) {
+            self.events.push_back(EngineEvent::LookedUp {
                 kv_request_id: l.request.id().clone(),
                 results: vec![LookupResult::Miss; l.keys.len()],
             });
-            false
-        });
+        }
         self.io.core.finish(now, request);
         self.collect(now);
         self.io.flush(now);
@@ -343,20 +355,14 @@ impl EngineNode {
         self.events.drain(..).collect()
     }
 
-    /// Turns what the core finished into events: answered lookups, ended loads.
+    /// Turns what the core reported into events: answered lookups, ended loads and stores.
     fn collect(&mut self, now: Instant) {
-        let io = &mut self.io;
+        let news = self.io.take_outcomes();
         let events = &mut self.events;
-        self.lookups.retain(|l| {
-            let Some(results) = io.lookup_answers(now, &l.request, &l.keys) else {
-                return true;
-            };
-            events.push_back(EngineEvent::LookedUp {
-                kv_request_id: l.request.id().clone(),
-                results,
+        self.lookups
+            .progress(&mut self.io, now, &news.answered, &news.ended, |w, end| {
+                looked_up(events, w, end)
             });
-            false
-        });
         if !self.lookups.is_empty() {
             // Keys asked while the session was still opening go out now.
             self.io.core.flush_lookups(now);
@@ -367,21 +373,26 @@ impl EngineNode {
                 .into_iter()
                 .map(|(job, success)| EngineEvent::Loaded { job, success }),
         );
-        self.events.extend(
-            self.io
-                .core
-                .parent_mut()
-                .take_stores_done()
-                .into_iter()
-                .map(|(job, success)| EngineEvent::Stored { job, success }),
-        );
-        let storing = &mut self.storing;
-        for e in &self.events {
-            if let EngineEvent::Stored { job, .. } = e {
-                storing.remove(job);
+        for (job, success) in news.stores {
+            // The engine's own stores only (the node's pins of its blocks for peers' lookups
+            // end as store jobs too, and go back through the link).
+            if self.storing.remove(&job).is_some() {
+                self.events.push_back(EngineEvent::Stored { job, success });
             }
         }
     }
+}
+
+/// The event of an engine's lookup that ended (it has no deadline of its own).
+fn looked_up(events: &mut VecDeque<EngineEvent>, waiting: Waiting<()>, end: Ended) {
+    let results = match end {
+        Ended::Answered(results) => results,
+        Ended::Expired => vec![LookupResult::Miss; waiting.keys.len()],
+    };
+    events.push_back(EngineEvent::LookedUp {
+        kv_request_id: waiting.request.id().clone(),
+        results,
+    });
 }
 
 impl Drop for EngineNode {

@@ -110,9 +110,6 @@ struct Shared {
     pinned: HashMap<BlockIndex, u32>,
     /// Pins given back, not yet taken by the engine.
     releases: Vec<Release>,
-    /// The engine's own store jobs (`EngineNode::store`) that ended: (job, blocks reached the
-    /// peer), for the engine to unpin.
-    stores_done: Vec<(JobId, bool)>,
     /// Answers arrived since the node last looked.
     answered: bool,
 }
@@ -198,12 +195,6 @@ impl EngineParent {
         lock(&self.shared).pinned.contains_key(&block)
     }
 
-    /// The engine's own store jobs that ended since the last call: (job, blocks reached the
-    /// peer).
-    pub fn take_stores_done(&mut self) -> Vec<(JobId, bool)> {
-        std::mem::take(&mut lock(&self.shared).stores_done)
-    }
-
     /// Questions the engine has not answered and pins it has not got back: both must be 0
     /// once every lookup has ended and every job completed.
     pub fn outstanding(&self) -> (usize, usize) {
@@ -278,10 +269,9 @@ impl Parent for EngineParent {
             for (pin, block) in pins {
                 s.release(pin, block, success);
             }
-        } else if job_id.get() < FIRST_PIN_JOB {
-            // One of the engine's own jobs: it unpins when it hears.
-            s.stores_done.push((job_id, success));
         }
+        // Else one of the engine's own jobs: the core's `StoreDone` tells the engine, which
+        // unpins when it hears (`EngineEvent::Stored`).
     }
 
     fn on_request_finished(&mut self, ctx: &ServeCtx) {

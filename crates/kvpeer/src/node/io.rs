@@ -28,6 +28,7 @@ use kvpeer_core::throttle::WarnThrottle;
 use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent};
 
 use crate::api::PeerEnd;
+use crate::node::outcomes::{self, Outcomes};
 use kvpeer_net::control::ConnId;
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_net::data::metadata::AgentMetadata;
@@ -69,6 +70,9 @@ pub struct NodeIo<P: Parent = BlockStore> {
     /// caller takes its result once (the runtime keeps a load until it does), so this holds
     /// only loads that ended since the caller last looked.
     loads_done: HashMap<JobId, bool>,
+    /// What the core reported for the drivers that answer callers (lookups with new answers,
+    /// ended sessions and stores), once one watches.
+    outcomes: Outcomes,
     /// Why the latest sessions ended or connections were refused, newest last, at most
     /// [`NodeIo::CLOSED_KEPT`]: lets a caller waiting on a peer say why it is gone.
     closed: std::collections::VecDeque<(PeerId, PeerEnd)>,
@@ -173,6 +177,7 @@ impl<P: Parent> NodeIo<P> {
             core,
             channel,
             loads_done: HashMap::new(),
+            outcomes: Outcomes::default(),
             closed: Default::default(),
             wake,
             origin: OriginCheck::default(),
@@ -443,6 +448,17 @@ impl<P: Parent> NodeIo<P> {
         (!results.contains(&kvpeer_core::LookupResult::Retry)).then_some(results)
     }
 
+    /// Starts recording the core's outcomes for [`NodeIo::take_outcomes`] (a driver that
+    /// answers callers calls it once, then takes them after every step).
+    pub(crate) fn watch_outcomes(&mut self) {
+        self.outcomes.watch();
+    }
+
+    /// The core's outcomes since the last call.
+    pub(crate) fn take_outcomes(&mut self) -> outcomes::Taken {
+        self.outcomes.take()
+    }
+
     /// Every load result not yet taken (job, every block landed), each once.
     pub fn take_load_results(&mut self) -> Vec<(JobId, bool)> {
         self.loads_done.drain().collect()
@@ -588,16 +604,32 @@ impl<P: Parent> NodeIo<P> {
                             );
                         }
                     }
-                    Event::Close { peer, end } => self.closed_with(peer, PeerEnd::Session(end)),
+                    Event::Close { peer, end } => {
+                        self.outcomes.session_ended(&peer);
+                        self.closed_with(peer, PeerEnd::Session(end))
+                    }
                     Event::Refused { peer, reason } => {
+                        self.outcomes.session_ended(&peer);
                         self.closed_with(peer, PeerEnd::Refused(reason))
                     }
-                    Event::LoadDone { job, success, .. } => {
+                    Event::LookupAnswered { kv_request_id } => {
+                        self.outcomes.lookup_answered(kv_request_id);
+                    }
+                    Event::LoadDone {
+                        job,
+                        kv_request_id,
+                        success,
+                    } => {
+                        if !success {
+                            // The request's lookups answer MISS from now on.
+                            self.outcomes.lookup_answered(kv_request_id);
+                        }
                         self.loads_done.insert(job, success);
                     }
                     Event::StoreDone { job, success } => {
-                        // Already completed at the store by the core; nobody waits on it.
+                        // Already completed at the parent by the core.
                         debug!(job = job.get(), success, "store job done");
+                        self.outcomes.store_done(job, success);
                     }
                 }
             }

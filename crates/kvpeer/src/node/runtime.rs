@@ -17,7 +17,8 @@ use kvpeer_store::KeyChange;
 use tracing::{debug, info};
 
 use super::io::NodeIo;
-use crate::api::{NodeError, NodeStats};
+use super::lookup_waits::{Ended, LookupWaits, Waiting};
+use crate::api::{Histogram, NodeError, NodeStats};
 
 /// Writes block `i` of a `store_with` call in place.
 pub(crate) type FillBlock = Box<dyn FnMut(usize, &mut [u8]) + Send>;
@@ -99,13 +100,8 @@ struct PendingConnect {
     reply: Sender<Result<(), NodeError>>,
 }
 
-struct PendingLookup {
-    started: Instant,
-    request: Request,
-    keys: Vec<OffloadKey>,
-    deadline: Instant,
-    reply: Sender<Result<Vec<LookupResult>, NodeError>>,
-}
+/// Where a waiting lookup's answer goes.
+type LookupReply = Sender<Result<Vec<LookupResult>, NodeError>>;
 
 struct PendingLoad {
     started: Instant,
@@ -123,7 +119,8 @@ struct Runtime {
     /// reach it (a second handle for an open id gets `RequestOpen`).
     open: HashMap<KvRequestId, (Request, u64)>,
     connects: Vec<PendingConnect>,
-    lookups: Vec<PendingLookup>,
+    /// Lookups waiting for answers, asked about again only when the core has news for them.
+    lookups: LookupWaits<LookupReply>,
     /// Loads by job, until the core reports them ended (a caller that gave up waiting has
     /// been answered already; its blocks stay reserved until then).
     loads: HashMap<JobId, PendingLoad>,
@@ -138,11 +135,12 @@ pub(crate) fn run(io: NodeIo, calls: Receiver<Command>) {
         io,
         open: HashMap::new(),
         connects: Vec::new(),
-        lookups: Vec::new(),
+        lookups: LookupWaits::default(),
         loads: HashMap::new(),
         next_job: JobId::new(1),
         calls: NodeStats::default(),
     };
+    rt.io.watch_outcomes();
     loop {
         let now = Instant::now();
         rt.io.step(now);
@@ -232,12 +230,16 @@ impl Runtime {
                     self.io.core.lookup(now, &req, k);
                 }
                 self.io.core.flush_lookups(now);
-                self.lookups.push(PendingLookup {
+                let waiting = Waiting {
                     started: now,
                     request: req,
                     keys,
-                    deadline,
-                    reply,
+                    deadline: Some(deadline),
+                    with: reply,
+                };
+                let latency = &mut self.calls.lookup_latency;
+                self.lookups.add(&mut self.io, now, waiting, |w, end| {
+                    answer(latency, now, w, end)
                 });
             }
             Command::Fetch {
@@ -263,6 +265,10 @@ impl Runtime {
                 self.io
                     .core
                     .submit_load(now, job, &req, keys, blocks.clone());
+                let latency = &mut self.calls.lookup_latency;
+                self.lookups.recheck(&mut self.io, now, &id, |w, end| {
+                    answer(latency, now, w, end)
+                });
                 self.loads.insert(
                     job,
                     PendingLoad {
@@ -311,7 +317,7 @@ impl Runtime {
                     if let Some((req, _)) = self.open.remove(&id) {
                         // Its lookups still waiting go too (their caller is gone): asking
                         // the core about a finished request would open it again.
-                        self.lookups.retain(|l| l.request.id() != &id);
+                        drop(self.lookups.remove_request(&id));
                         self.io.core.finish(now, &req);
                     }
                 }
@@ -396,20 +402,12 @@ impl Runtime {
                 }
                 Some(_) => true,
             });
-        let io = &mut self.io;
+        let news = self.io.take_outcomes();
         let latency = &mut self.calls.lookup_latency;
-        self.lookups.retain(|l| {
-            if let Some(results) = io.lookup_answers(now, &l.request, &l.keys) {
-                latency.record(now.saturating_duration_since(l.started));
-                let _ = l.reply.send(Ok(results));
-                false
-            } else if now >= l.deadline {
-                let _ = l.reply.send(Err(NodeError::Timeout("lookup")));
-                false
-            } else {
-                true
-            }
-        });
+        self.lookups
+            .progress(&mut self.io, now, &news.answered, &news.ended, |w, end| {
+                answer(latency, now, w, end)
+            });
         if !self.lookups.is_empty() {
             // Keys still at RETRY (no session yet, or asked while it was opening) go out now.
             self.io.core.flush_lookups(now);
@@ -446,8 +444,8 @@ impl Runtime {
 
     fn next_deadline(&self) -> Option<Instant> {
         self.lookups
-            .iter()
-            .map(|l| l.deadline)
+            .next_deadline()
+            .into_iter()
             .chain(self.connects.iter().map(|c| c.deadline))
             .chain(
                 self.loads
@@ -469,12 +467,24 @@ impl Runtime {
                 let _ = reply.send(Err(NodeError::ShutDown));
             }
         }
-        for l in self.lookups.drain(..) {
-            let _ = l.reply.send(Err(NodeError::ShutDown));
+        for l in self.lookups.drain() {
+            let _ = l.with.send(Err(NodeError::ShutDown));
         }
         for c in self.connects.drain(..) {
             let _ = c.reply.send(Err(NodeError::ShutDown));
         }
         debug!("runtime stopped");
     }
+}
+
+/// Answers a lookup that ended: its results, or the caller's timeout.
+fn answer(latency: &mut Histogram, now: Instant, waiting: Waiting<LookupReply>, end: Ended) {
+    let result = match end {
+        Ended::Answered(results) => {
+            latency.record(now.saturating_duration_since(waiting.started));
+            Ok(results)
+        }
+        Ended::Expired => Err(NodeError::Timeout("lookup")),
+    };
+    let _ = waiting.with.send(result);
 }
