@@ -55,7 +55,7 @@ impl Drop for Export {
 /// The `/dev/shm` object the engine's memory is a shared mapping of, from its start, if any
 /// (vLLM's primary tier is `/dev/shm/vllm_offload_<engine>.mmap`): what the shm plane serves.
 pub(crate) fn shm_object_of(address: usize, len: u64) -> Option<String> {
-    let mapping = kvpeer_store::maps::shared_file_at(address as u64, len)?;
+    let mapping = kvpeer_store::proc_maps::shared_file_at(address as u64, len)?;
     let path = mapping.path.to_str()?;
     let name = path.strip_prefix("/dev/shm/")?;
     // A deleted object (" (deleted)") cannot be opened by name; nor a nested path.

@@ -12,7 +12,7 @@
 
 pub mod guard;
 mod lru;
-pub mod maps;
+pub mod proc_maps;
 mod pool;
 mod store;
 pub mod trailer;

@@ -606,8 +606,8 @@ impl Pool {
                 source,
             })?;
         }
-        if let Some(usage) = crate::maps::usage_at(base.as_ptr() as u64) {
-            match usage.check_huge_pages(crate::maps::thp_mode().as_deref()) {
+        if let Some(usage) = crate::proc_maps::usage_at(base.as_ptr() as u64) {
+            match usage.check_huge_pages(crate::proc_maps::thp_mode().as_deref()) {
                 Ok(()) => debug!(huge_kb = usage.anon_huge_kb, "pool in huge pages"),
                 Err(why) => info!(%why, "the pool is not in huge pages; transfers run slower"),
             }
@@ -725,7 +725,7 @@ impl Pool {
                 stat.len()
             )));
         }
-        match crate::maps::shared_file_at(base.as_ptr() as u64, blocks_len) {
+        match crate::proc_maps::shared_file_at(base.as_ptr() as u64, blocks_len) {
             Some(m) if m.inode == stat.ino() && m.offset == 0 => {}
             _ => {
                 return Err(refuse(
@@ -933,7 +933,7 @@ impl Drop for Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::maps;
+    use crate::proc_maps as maps;
 
     fn blk(i: u64) -> BlockIndex {
         BlockIndex::new(i)

@@ -35,7 +35,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
+use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind, Sources};
 use kvpeer_net::events::{
     EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,
@@ -156,7 +156,7 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
             publish_replay: Some(replay),
             ..PoolConfig::default()
         };
-        publishers.push(Pool::start(e.clone(), &config).unwrap());
+        publishers.push(PoolNode::start(e.clone(), &config).unwrap());
         follow.push(FollowSpec {
             events: SubEndpoint::Connect(events),
             replay: Some(replay),
@@ -171,7 +171,7 @@ fn run(o: &Opts, reqs: &[(u64, usize)], with_pool: bool) -> RunResult {
             max_lookups: 1000,
             ..PoolConfig::default()
         };
-        let p = Pool::start(n.clone(), &config).unwrap();
+        let p = PoolNode::start(n.clone(), &config).unwrap();
         // Every stream connected, every engine's session open, before the clock starts.
         let deadline = Instant::now() + Duration::from_secs(20);
         while p.stats().connected < ENGINES as u64 {

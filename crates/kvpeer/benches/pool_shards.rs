@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvpeer::pool::{FollowSpec, Pool, PoolConfig};
+use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind, Sources};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::{Catalog, CatalogLimits, Publisher};
@@ -194,7 +194,7 @@ impl EngineStream {
                             .map(|f| vec![f.topic, f.seq.to_vec(), f.payload])
                     })
                     .unwrap();
-                let Ok((changes, _)) = kvpeer::pool::store_changes(&node, 1 << 16) else {
+                let Ok((changes, _)) = kvpeer::pool_node::store_changes(&node, 1 << 16) else {
                     return;
                 };
                 let ts = SystemTime::now()
@@ -283,7 +283,7 @@ fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
     let members: Vec<PeerId> = pool_nodes.iter().map(|n| n.id().clone()).collect();
     // What every engine's tier lists as its `sources`: the pools, as their --shard names them.
     let sources = Sources::new(members.clone());
-    let running: Vec<Pool> = pool_nodes
+    let running: Vec<PoolNode> = pool_nodes
         .iter()
         .map(|n| {
             let config = PoolConfig {
@@ -296,7 +296,7 @@ fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
                 },
                 ..PoolConfig::default()
             };
-            Pool::start(n.clone(), &config).unwrap()
+            PoolNode::start(n.clone(), &config).unwrap()
         })
         .collect();
     // Every stream connected and every engine's session open before the clock starts.

@@ -1,7 +1,7 @@
 //! The public Rust API: start a node, use it as a consumer and a producer, read its stats,
 //! shut it down.
 //!
-//! A [`Node`] is a handle to one runtime thread (`node::runtime`), which owns everything else.
+//! A [`Node`] is a handle to one runtime thread (`api::runtime`), which owns everything else.
 //! Every call is a message to that thread and a wait for its answer; the calls that wait on a
 //! peer (`lookup`, `fetch`) take a timeout. A consumer request is a [`NodeRequest`] handle
 //! (opened by [`Node::request`], finished by [`NodeRequest::finish`] or when dropped). Both
@@ -44,33 +44,17 @@ pub use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 pub use kvpeer_store::{StoreError, StoreStats};
 
 use crate::node::build::{build, NodeSpec};
+pub use crate::config::NodeConfig;
+pub use crate::node::peer_end::PeerEnd;
 pub use crate::node::plane::PlaneKind;
-use crate::node::runtime::{self, Command};
+use runtime::Command;
 
 mod request;
+pub(crate) mod runtime;
 mod sources;
 
 pub use request::NodeRequest;
 pub use sources::{Pull, Pulled, Sources};
-
-/// How to start a node.
-#[derive(Debug, Clone)]
-pub struct NodeConfig {
-    /// The node itself: identity (`host:0` picks a port), pool, seeds, timeouts.
-    pub spec: NodeSpec,
-    /// The pool node's settings (`kvpeer serve --follow`; off by default): read by
-    /// [`crate::pool::Pool::start`], not by [`Node::start`].
-    pub pool: crate::pool::PoolConfig,
-}
-
-impl NodeConfig {
-    /// A node on 127.0.0.1 with a port the system picks and every other setting at its
-    /// default (docs/configuration.md: 1024 blocks of 64 KiB, both planes); `tag` names its
-    /// pool's shm object (with the process id). [`NodeConfig::builder`] changes settings.
-    pub fn local(tag: &str) -> Self {
-        NodeConfig::defaults(tag)
-    }
-}
 
 /// Latency samples in fixed buckets (upper bounds in microseconds), Prometheus-style.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -198,63 +182,6 @@ fn connect_timeout_text(after: Duration, stage: Option<kvpeer_net::control::Dial
             "no answer to our connect within {after} (the peer is overloaded, or ignores \
              this node)"
         ),
-    }
-}
-
-/// Why a peer is out of reach: how its session ended, or why this node refused what it sent.
-/// Its `Display` says it for a user, with what to look at when the peer refused us.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum PeerEnd {
-    /// The session ended.
-    Session(kvpeer_core::SessionEnd),
-    /// This node refused what the peer sent before any session (not a `connect`, a bad proof).
-    Refused(kvpeer_core::Refusal),
-}
-
-impl PeerEnd {
-    /// The session ended before the peer acknowledged our `connect`, for a cause other than
-    /// this node closing it (the sessions the core backs off from dialing again).
-    pub fn before_handshake(&self) -> bool {
-        matches!(self, PeerEnd::Session(end) if end.dial_backoff.is_some())
-    }
-}
-
-impl std::fmt::Display for PeerEnd {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use kvpeer_core::{CloseReason, LinkLoss};
-        let end = match self {
-            PeerEnd::Refused(r) => return write!(f, "refused: {r}"),
-            PeerEnd::Session(end) => end,
-        };
-        write!(f, "{}", end.reason)?;
-        if !self.before_handshake() {
-            return Ok(());
-        }
-        // A peer that will not have us says nothing of why (a stranger learns nothing), so
-        // name what to look at: its log has the cause.
-        match &end.reason {
-            CloseReason::ConnectionLost(
-                LinkLoss::ClosedByPeer | LinkLoss::Socket(std::io::ErrorKind::ConnectionReset),
-            ) => write!(
-                f,
-                " before answering our connect: it refused this node (a kvpeer node's \
-                 allowlist, another --auth-secret-file or none, or its sessions full), or it \
-                 restarted; its log names which"
-            ),
-            CloseReason::PeerDisconnected => write!(
-                f,
-                " before accepting our connect: it refused it (another hash seed, block size, \
-                 model or config fingerprint, no data plane in common, a backoff after faults, \
-                 or it is full or stopping); its log names which"
-            ),
-            CloseReason::HandshakeTimeout => write!(
-                f,
-                ": it took the connection but never answered our connect (overloaded, or a \
-                 peer that ignores this node)"
-            ),
-            _ => Ok(()),
-        }
     }
 }
 
@@ -490,7 +417,7 @@ impl Node {
     /// What the store took in and let go since the last call, in order, and how many changes
     /// were dropped for room. The first call starts the store's change log (at most `max`
     /// changes kept between two calls); before it nothing is recorded. The pool node
-    /// publishes these as its KV events (`kvpeer::pool`).
+    /// publishes these as its KV events (`kvpeer::pool_node`).
     pub fn take_store_changes(
         &self,
         max: usize,

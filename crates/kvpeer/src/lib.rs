@@ -8,7 +8,7 @@ pub mod config;
 pub mod engine;
 pub mod metrics;
 pub mod node;
-pub mod pool;
+pub mod pool_node;
 
 pub use api::{
     Advertised, KvRequestId, LookupResult, Node, NodeConfig, NodeError, NodeRequest, OffloadKey,

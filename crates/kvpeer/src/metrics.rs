@@ -22,7 +22,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use tracing::debug;
 
 use crate::api::{Histogram, Node, NodeStats};
-use crate::pool::{Pool, PoolStats};
+use crate::pool_node::{PoolNode, PoolNodeStats};
 
 /// Renders `s` in the Prometheus text format.
 pub fn render(s: &NodeStats) -> String {
@@ -272,7 +272,7 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
 }
 
 /// Renders the pool node's counters (`kvpeer_pool_*`) in the Prometheus text format.
-pub fn render_pool(s: &PoolStats) -> String {
+pub fn render_pool(s: &PoolNodeStats) -> String {
     let mut out = String::new();
     let counters: [(&str, &str, u64); 22] = [
         (
@@ -547,7 +547,7 @@ fn head_end(buf: &[u8]) -> Option<usize> {
 struct Endpoint {
     listener: TcpListener,
     node: Arc<Node>,
-    pool: Option<Arc<Pool>>,
+    pool: Option<Arc<PoolNode>>,
     conns: Vec<Conn>,
     accept_paused_until: Option<Instant>,
     throttle: WarnThrottle,
@@ -817,7 +817,7 @@ pub fn serve(addr: &str, node: Arc<Node>) -> std::io::Result<SocketAddr> {
 pub fn serve_with_pool(
     addr: &str,
     node: Arc<Node>,
-    pool: Option<Arc<Pool>>,
+    pool: Option<Arc<PoolNode>>,
 ) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let bound = listener.local_addr()?;

@@ -1,6 +1,6 @@
 //! The pool node in process, on the tcp plane: an engine (a kvpeer node holding synthetic
 //! blocks) announces them on a KV event stream in vLLM's form (kvpeer's own native PUB and
-//! replay ROUTER, driven by a thread of the test), and a second node with a [`Pool`] follows
+//! replay ROUTER, driven by a thread of the test), and a second node with a [`PoolNode`] follows
 //! it. Publisher restarts, malformed batches, a pool smaller than what is announced, and the
 //! pool's own published stream. (Against stock vLLM over NIXL: `pool_nixl.rs`.)
 
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvpeer::pool::{FollowSpec, Pool, PoolConfig, PoolStats};
+use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig, PoolNodeStats};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::keys::{key_event, KeyEvent};
@@ -162,7 +162,7 @@ fn follow(stream: &Stream, engine: &Node) -> PoolConfig {
 }
 
 /// Waits (bounded) until `done(stats)`; the last stats.
-fn wait_for(pool: &Pool, what: &str, done: impl Fn(&PoolStats) -> bool) -> PoolStats {
+fn wait_for(pool: &PoolNode, what: &str, done: impl Fn(&PoolNodeStats) -> bool) -> PoolNodeStats {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = pool.stats();
@@ -199,7 +199,7 @@ fn a_pool_pulls_what_an_engine_announces_and_publishes_what_it_took_in() {
         topic: "kv@pool".into(),
         ..follow(&stream, &engine)
     };
-    let pool = Pool::start(pool_node.clone(), &config).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
     let s = wait_for(&pool, "8 pulled", |s| s.pulled_blocks == 8);
     assert_eq!((s.pull_failures, s.malformed, s.batches), (0, 0, 1));
     assert_eq!(s.pulled_bytes, 8 * LEN);
@@ -277,7 +277,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
             ownership: ownership.map(str::to_owned),
             ..follow(&stream, &engine)
         };
-        let pool = Pool::start(pool_node.clone(), &config).unwrap();
+        let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
         wait_for(&pool, "5 pulled", |s| s.pulled_blocks == 5);
         let s = wait_for(&pool, "5 published", |s| {
             s.published_described + s.published_undescribed[0] == 5
@@ -333,7 +333,7 @@ fn a_publisher_restart_forgets_the_engine_and_learns_it_again() {
     let engine = engine("pool-e2", 8);
     let stream = Stream::start();
     let pool_node = Arc::new(node("pool-p2", 64));
-    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
     stream.say(Say::Stored(keys(0..2)));
     stream.say(Say::Stored(keys(2..4)));
     let s = wait_for(&pool, "4 pulled", |s| s.pulled_blocks == 4);
@@ -355,7 +355,7 @@ fn a_gap_is_recovered_through_the_replay_socket() {
     let engine = engine("pool-e5", 6);
     let stream = Stream::start();
     let pool_node = Arc::new(node("pool-p5", 64));
-    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
     stream.say(Say::Stored(keys(0..2)));
     wait_for(&pool, "2 pulled", |s| s.pulled_blocks == 2);
     stream.say(Say::Missed(keys(2..4)));
@@ -373,7 +373,7 @@ fn a_malformed_batch_is_counted_and_the_stream_goes_on() {
     let engine = engine("pool-e3", 4);
     let stream = Stream::start();
     let pool_node = Arc::new(node("pool-p3", 64));
-    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
     stream.say(Say::Garbage);
     stream.say(Say::Stored(keys(0..4)));
     let s = wait_for(&pool, "4 pulled after the bad batch", |s| {
@@ -389,7 +389,7 @@ fn a_pool_smaller_than_what_is_announced_keeps_within_its_blocks() {
     let engine = engine("pool-e4", 32);
     let stream = Stream::start();
     let pool_node = Arc::new(node("pool-p4", 8));
-    let pool = Pool::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &follow(&stream, &engine)).unwrap();
     for i in 0..4 {
         stream.say(Say::Stored(keys(i * 8..i * 8 + 8)));
     }
@@ -414,7 +414,7 @@ fn with_two_holders_required_only_shared_chunks_are_pulled() {
     let mut config = follow(&stream_a, &engine_a);
     config.follow.extend(follow(&stream_b, &engine_b).follow);
     config.min_holders = 2;
-    let pool = Pool::start(pool_node.clone(), &config).unwrap();
+    let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
     // A announces 0..6, B announces 4..8: only 4 and 5 are held by both.
     stream_a.say(Say::Stored(keys(0..6)));
     stream_b.say(Say::Stored(keys(4..8)));
@@ -466,8 +466,8 @@ fn sharded_pools_split_the_prefixes_by_their_root_chunk() {
         shard: members.clone(),
         ..follow(&stream, &engine)
     };
-    let pool_a = Pool::start(a.clone(), &config).unwrap();
-    let pool_b = Pool::start(b.clone(), &config).unwrap();
+    let pool_a = PoolNode::start(a.clone(), &config).unwrap();
+    let pool_b = PoolNode::start(b.clone(), &config).unwrap();
     wait_for(&pool_a, "a connected", |s| s.connected == 1);
     wait_for(&pool_b, "b connected", |s| s.connected == 1);
     stream.say(Say::Events((0..prompts).map(prompt_gpu_event).collect()));
@@ -501,8 +501,8 @@ fn sharded_pools_split_the_prefixes_by_their_root_chunk() {
     // A node that is not among the members it is given refuses to start.
     let stranger = Arc::new(node("pool-p9c", 8));
     assert!(matches!(
-        Pool::start(stranger, &config),
-        Err(kvpeer::pool::PoolError::NotInShard { .. })
+        PoolNode::start(stranger, &config),
+        Err(kvpeer::pool_node::PoolNodeError::NotInShard { .. })
     ));
 }
 

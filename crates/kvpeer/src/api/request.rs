@@ -20,7 +20,7 @@ use kvpeer_core::LookupResult;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
 use super::{Calls, NodeError};
-use crate::node::runtime::Command;
+use super::runtime::Command;
 
 /// A consumer request open on a [`Node`](crate::Node): look keys up at its producer, fetch the
 /// hits, finish it. `Send + Sync`: a `fetch` may run on another thread while this one waits.

@@ -21,7 +21,8 @@
 //! ```
 
 use super::{resolve_one, ConfigError, Key, Settings, KEY};
-use crate::api::{NodeConfig, PlaneKind};
+use super::NodeConfig;
+use crate::node::plane::PlaneKind;
 
 /// Where a builder's values come from, in errors, unless [`NodeConfigBuilder::source`] names
 /// it.

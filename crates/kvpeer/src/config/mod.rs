@@ -18,20 +18,23 @@
 
 mod builder;
 mod fingerprint;
+mod node_config;
+pub(crate) mod pool_node;
 pub mod keys;
 
 use std::time::Duration;
 
-use crate::api::{NodeConfig, PlaneKind};
+use crate::node::plane::PlaneKind;
 use crate::node::allow::Allowlist;
 use crate::node::build::{NixlOptions, NodeSpec};
-use crate::pool::config::{endpoint, parse_follow};
-use crate::pool::PoolConfig;
+use pool_node::{endpoint, parse_follow};
 use kvpeer_core::CoreConfig;
 use kvpeer_net::control::ControlConfig;
 use kvpeer_proto::{DecodeLimits, PeerId};
 
 pub use builder::NodeConfigBuilder;
+pub use node_config::NodeConfig;
+pub use pool_node::{FollowSpec, PoolConfig};
 pub use fingerprint::fingerprint;
 pub use keys::{Key, Settings, KEY, KEYS, VLLM_DEFAULT_HASH_SEED};
 
@@ -559,7 +562,7 @@ mod tests {
         assert_eq!(c.spec.auth_secret, None);
         // The pool node's event sockets: the publisher's own defaults.
         let publisher = kvpeer_net::events::PublisherConfig::new(([127, 0, 0, 1], 0).into());
-        let pool = crate::pool::PoolConfig::default();
+        let pool = PoolConfig::default();
         for (resolved, declared, publishers) in [
             (
                 c.pool.max_event_subscribers,

@@ -2,7 +2,7 @@
 //! them ([`crate::node::outcomes`]) or when their deadline passes, never by asking the core
 //! about every waiting lookup on every wake.
 //!
-//! Used on the node's thread by [`crate::node::runtime`] (a `Node` caller's blocking lookup,
+//! Used on the node's thread by [`crate::api::runtime`] (a `Node` caller's blocking lookup,
 //! with a deadline) and by [`crate::engine::EngineNode`] (the engine's lookups, no deadline:
 //! the core's own lookup timeout ends them). Nothing here blocks.
 

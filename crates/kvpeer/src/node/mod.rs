@@ -14,9 +14,9 @@ pub mod descriptors;
 pub mod io;
 pub(crate) mod lookup_waits;
 pub(crate) mod origin;
+pub mod peer_end;
 pub(crate) mod outcomes;
 pub mod plane;
-pub(crate) mod runtime;
 pub(crate) mod wake;
 
 pub use auth::AuthError;

@@ -1,5 +1,5 @@
 //! What the core reported since its driver last looked, for the drivers that answer callers
-//! ([`crate::node::runtime`] for [`crate::Node`], [`crate::engine::EngineNode`]): which
+//! ([`crate::api::runtime`] for [`crate::Node`], [`crate::engine::EngineNode`]): which
 //! requests' lookups have new answers, which sources' sessions ended, which stores ended. They
 //! come from the core's events ([`kvpeer_core::Event`]), so a driver asks the core again only
 //! about what changed instead of re-polling every waiting call on every wake.

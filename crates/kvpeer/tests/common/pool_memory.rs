@@ -2,7 +2,7 @@
 //! `/dev/shm` object for the planes a same-host peer maps (shm, both), private anonymous
 //! memory in transparent huge pages for the others (tcp, nixl).
 
-use kvpeer_store::{maps, Pool, HUGE_PAGE};
+use kvpeer_store::{proc_maps as maps, Pool, HUGE_PAGE};
 
 /// `pool` is a shared `/dev/shm` object (`shared`), or private anonymous memory starting on a
 /// huge-page boundary, advised for huge pages (`hg`) and, when the kernel gives huge pages to

@@ -1,7 +1,7 @@
 //! `kvpeer serve`: runs a node with a block pool until SIGINT or SIGTERM, serving its blocks to
 //! every peer that asks. `--fill N` first stores synthetic blocks 0..N (docs/synthetic-workload.md);
 //! `--metrics HOST:PORT` serves Prometheus metrics. With `--follow` or `--publish-events` it is
-//! a pool node ([`kvpeer::pool`], docs/pool.md).
+//! a pool node ([`kvpeer::pool_node`], docs/pool.md).
 //!
 //! Once listening it prints one line to stdout, `kvpeer serve: ready id=HOST:PORT ...`, so scripts
 //! and tests know where to connect. The node runs on its own runtime thread ([`kvpeer::Node`]);
@@ -12,7 +12,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpeer::pool::Pool;
+use kvpeer::pool_node::PoolNode;
 use kvpeer::{synthetic, Node};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -75,7 +75,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         }
     };
     let pool = if pool_config.enabled() {
-        match Pool::start(node.clone(), &pool_config) {
+        match PoolNode::start(node.clone(), &pool_config) {
             Ok(p) => Some(Arc::new(p)),
             Err(e) => {
                 crate::report::fatal!("serve", "{e}");

@@ -2,7 +2,7 @@
 //! events they publish, pulls the blocks worth keeping over P2P (a stock P2P consumer of each
 //! engine), serves them to any engine (as every node does), and publishes its own KV events.
 //!
-//! **Threads and their contract.** [`Pool::start`] starts, beside the node's runtime thread:
+//! **Threads and their contract.** [`PoolNode::start`] starts, beside the node's runtime thread:
 //!
 //! * the **pool thread**, which owns one `EventSubscriber` + `Follower` per followed engine,
 //!   the `Holdings` index, and the `EventPublisher` if one is configured. It sleeps in one
@@ -25,7 +25,6 @@
 //! wait. Everything is bounded: the channels, the index (`Holdings`), the followers' held
 //! batches, the publisher's replay buffer, the store's change log between two ticks.
 
-pub mod config;
 mod puller;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,7 +45,7 @@ use kvpeer_proto::OffloadKey;
 use kvpeer_store::KeyChange;
 use tracing::{info, warn};
 
-pub use config::{FollowSpec, PoolConfig};
+pub use crate::config::{FollowSpec, PoolConfig};
 
 use crate::api::Node;
 
@@ -69,7 +68,7 @@ const REPLAY_BUFFER: usize = 10_000;
 /// Why the pool could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum PoolError {
+pub enum PoolNodeError {
     /// A KV event socket could not be set up.
     #[error(transparent)]
     Events(#[from] EventsError),
@@ -91,7 +90,7 @@ pub enum PoolError {
 
 /// What the pool did so far (counters since start, and a few gauges).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PoolStats {
+pub struct PoolNodeStats {
     /// Engines followed.
     pub engines: u64,
     /// Followed engines whose event stream is connected (gauge).
@@ -157,7 +156,7 @@ pub struct PoolStats {
 #[derive(Debug, Default)]
 struct Shared {
     /// The pool thread's part, replaced each tick.
-    followed: Mutex<PoolStats>,
+    followed: Mutex<PoolNodeStats>,
     candidates: AtomicU64,
     candidates_dropped: AtomicU64,
     already_held: AtomicU64,
@@ -167,9 +166,9 @@ struct Shared {
     pull_failures: AtomicU64,
 }
 
-/// A running pool: its threads, until [`Pool::shutdown`] (or drop).
+/// A running pool: its threads, until [`PoolNode::shutdown`] (or drop).
 #[derive(Debug)]
-pub struct Pool {
+pub struct PoolNode {
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
     /// Taken by the first shutdown: a pool shared with a metrics server (an `Arc`) is still
@@ -183,9 +182,9 @@ struct PullJob {
     key: OffloadKey,
 }
 
-impl Pool {
+impl PoolNode {
     /// Starts the pool thread and a puller per followed engine for `node`.
-    pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<Pool, PoolError> {
+    pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<PoolNode, PoolNodeError> {
         let shard = match config.shard.iter().position(|m| m == node.id()) {
             _ if config.shard.is_empty() => None,
             Some(me) => Some(Shard {
@@ -193,7 +192,7 @@ impl Pool {
                 me,
             }),
             None => {
-                return Err(PoolError::NotInShard {
+                return Err(PoolNodeError::NotInShard {
                     me: node.id().as_str().to_owned(),
                     members: config.shard.iter().map(|m| m.as_str().to_owned()).collect(),
                 })
@@ -206,7 +205,7 @@ impl Pool {
         let mut engines = Vec::new();
         let mut threads = Vec::new();
         for (i, spec) in config.follow.iter().enumerate() {
-            let slot = EngineSlot::new(i).ok_or(PoolError::TooManyEngines)?;
+            let slot = EngineSlot::new(i).ok_or(PoolNodeError::TooManyEngines)?;
             let mut sub_config = SubscriberConfig::new(spec.events);
             sub_config.replay = spec.replay;
             let subscriber = EventSubscriber::new(sub_config)?;
@@ -272,7 +271,7 @@ impl Pool {
             publish_dropped: 0,
         };
         threads.push(spawn("kvpeer-pool", move || thread.run())?);
-        Ok(Pool {
+        Ok(PoolNode {
             shared,
             stop,
             threads: Mutex::new(threads),
@@ -280,11 +279,11 @@ impl Pool {
     }
 
     /// What the pool did so far.
-    pub fn stats(&self) -> PoolStats {
+    pub fn stats(&self) -> PoolNodeStats {
         let s = &self.shared;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let followed = s.followed.lock().map(|f| *f).unwrap_or_default();
-        PoolStats {
+        PoolNodeStats {
             candidates: load(&s.candidates),
             candidates_dropped: load(&s.candidates_dropped),
             already_held: load(&s.already_held),
@@ -311,7 +310,7 @@ impl Pool {
     }
 }
 
-impl Drop for Pool {
+impl Drop for PoolNode {
     fn drop(&mut self) {
         self.shutdown();
     }
@@ -331,11 +330,11 @@ pub fn store_changes(node: &Node, max: usize) -> Result<(Vec<StoreChange>, u64),
     Ok((changes, dropped))
 }
 
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, PoolError> {
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, PoolNodeError> {
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(f)
-        .map_err(PoolError::Thread)
+        .map_err(PoolNodeError::Thread)
 }
 
 /// One followed engine.
@@ -525,12 +524,12 @@ impl PoolThread {
     }
 
     fn count(&self) {
-        let mut s = PoolStats {
+        let mut s = PoolNodeStats {
             engines: self.engines.len() as u64,
             indexed_keys: self.holdings.len() as u64,
             published_batches: self.published,
             publish_dropped: self.publish_dropped,
-            ..PoolStats::default()
+            ..PoolNodeStats::default()
         };
         if let Some((socket, publisher)) = &self.publishing {
             s.event_subscribers = socket.subscribed() as u64;

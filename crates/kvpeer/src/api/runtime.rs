@@ -16,8 +16,8 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::KeyChange;
 use tracing::{debug, info};
 
-use super::io::NodeIo;
-use super::lookup_waits::{Ended, LookupWaits, Waiting};
+use crate::node::io::NodeIo;
+use crate::node::lookup_waits::{Ended, LookupWaits, Waiting};
 use crate::api::{Histogram, NodeError, NodeStats};
 
 /// Writes block `i` of a `store_with` call in place.
