@@ -23,6 +23,73 @@ class NativeRequest:
     @property
     def kv_request_id(self) -> str: ...
 
+class Query:
+    """A peer's question: does the engine hold ``key``? Answered by an ``Answer`` naming ``id``."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def peer(self) -> str: ...
+    @property
+    def kv_request_id(self) -> str: ...
+    @property
+    def key(self) -> bytes: ...
+
+class Answer:
+    """The engine's answer to one ``Query``."""
+
+    @staticmethod
+    def hit(query: int, block: int, pin: int) -> Answer:
+        """Held in ``block``, pinned by the engine as ``pin`` until it comes back as a Release."""
+    @staticmethod
+    def miss(query: int) -> Answer:
+        """Not held."""
+    @staticmethod
+    def pending(query: int) -> Answer:
+        """Being written: the question comes back later."""
+
+class LookedUp:
+    """An answered lookup: per key asked, in order, whether the producer holds it."""
+
+    @property
+    def kv_request_id(self) -> str: ...
+    @property
+    def hits(self) -> list[bool]: ...
+
+class JobEnd:
+    """A load or store that ended."""
+
+    @property
+    def job(self) -> int: ...
+    @property
+    def success(self) -> bool: ...
+
+class Polled:
+    """What one ``poll`` (or ``shutdown``) returns."""
+
+    @property
+    def lookups(self) -> list[LookedUp]: ...
+    @property
+    def loads(self) -> list[JobEnd]: ...
+    @property
+    def stores(self) -> list[JobEnd]: ...
+
+class Release:
+    """A pin the node no longer needs; ``sent`` when the block reached the peer."""
+
+    @property
+    def pin(self) -> int: ...
+    @property
+    def sent(self) -> bool: ...
+
+class Outstanding:
+    """What of the engine's the node still holds for peers."""
+
+    @property
+    def questions(self) -> int: ...
+    @property
+    def pins(self) -> int: ...
+
 class EngineTier:
     """A kvpeer node over an engine's block memory, driven by the engine."""
 
@@ -38,6 +105,7 @@ class EngineTier:
     def open(
         self,
         kv_request_id: str,
+        *,
         source: str | None = None,
         probe: bool = True,
         decoder: bool = False,
@@ -51,15 +119,13 @@ class EngineTier:
         self, job: int, request: NativeRequest, keys: Sequence[bytes], blocks: Sequence[int]
     ) -> None: ...
     def finish(self, request: NativeRequest) -> None: ...
-    def poll(
-        self, wait_s: float = 0.0
-    ) -> tuple[list[tuple[str, list[bool]]], list[tuple[int, bool]], list[tuple[int, bool]]]: ...
-    def take_queries(self) -> list[tuple[int, str, str, bytes]]: ...
-    def answer(self, answers: Sequence[tuple[int, int, int, int]]) -> list[bool]: ...
-    def take_releases(self) -> list[tuple[int, bool]]: ...
-    def outstanding(self) -> tuple[int, int]: ...
+    def poll(self, wait_s: float = 0.0) -> Polled: ...
+    def take_queries(self) -> list[Query]: ...
+    def answer(self, answers: Sequence[Answer]) -> list[bool]: ...
+    def take_releases(self) -> list[Release]: ...
+    def outstanding(self) -> Outstanding: ...
     def stats(self) -> dict[str, int]: ...
-    def shutdown(self, drain_s: float = 3.0) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]: ...
+    def shutdown(self, drain_s: float = 3.0) -> Polled: ...
 
 class Node:
     """A standalone kvpeer node with its own pool and runtime thread."""
@@ -77,3 +143,10 @@ class Node:
     def read(self, key: bytes) -> bytes | None: ...
     def stats(self) -> dict[str, int]: ...
     def shutdown(self, drain_s: float = 3.0) -> None: ...
+
+def shm_object_of(memory: Buffer) -> str | None:
+    """The /dev/shm object ``memory`` is a shared mapping of, from its start, or None."""
+
+def shard_owner(members: Sequence[str], root: bytes) -> int | None:
+    """The index in ``members`` of the pool node that owns the prefix whose root chunk's key
+    is ``root`` (rendezvous hashing, as the pools admit by); None without members."""

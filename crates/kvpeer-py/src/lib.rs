@@ -1,5 +1,6 @@
 //! `kvpeer._native`: kvpeer's Rust node for Python, the extension module of the `kvpeer` pip
-//! package (python/kvpeer). Two classes:
+//! package (python/kvpeer). Two classes, and the records they exchange with Python
+//! ([`records`]: questions, answers, ended jobs, as named fields):
 //!
 //! * [`tier::EngineTier`]: a node inside an inference engine, over the engine's own block
 //!   memory, driven poll-style by the engine (what `kvpeer.vllm.KvpeerTier` calls);
@@ -14,6 +15,7 @@
 mod errors;
 mod memory;
 mod node;
+mod records;
 mod settings;
 mod tier;
 
@@ -27,6 +29,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tier::EngineTier>()?;
     m.add_class::<tier::NativeRequest>()?;
     m.add_class::<node::Node>()?;
+    m.add_class::<records::Query>()?;
+    m.add_class::<records::Answer>()?;
+    m.add_class::<records::LookedUp>()?;
+    m.add_class::<records::JobEnd>()?;
+    m.add_class::<records::Polled>()?;
+    m.add_class::<records::Release>()?;
+    m.add_class::<records::Outstanding>()?;
     m.add("KvpeerError", py.get_type::<errors::KvpeerError>())?;
     m.add("ConfigError", py.get_type::<errors::ConfigError>())?;
     m.add(

@@ -13,8 +13,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvpeer::engine::{
-    Answer, BlockIndex, EngineEvent, EngineLink, EngineNode, EnginePin, JobId, KvRequestId,
-    LookupResult, QueryId, Request, RequestRoles,
+    BlockIndex, EngineEvent, EngineLink, EngineNode, JobId, KvRequestId, LookupResult, Request,
+    RequestRoles,
 };
 use kvpeer::node::build::BuildError;
 use kvpeer::{OffloadKey, PeerId, PlaneKind};
@@ -24,6 +24,7 @@ use pyo3::types::PyBytes;
 
 use crate::errors::{kvpeer_error, KvpeerError, PlaneUnavailable};
 use crate::memory::{engine_pool, Export};
+use crate::records::{Answer, JobEnd, LookedUp, Outstanding, Polled, Query, Release};
 use crate::settings::node_config;
 
 /// A request as the engine holds it (made by `EngineTier.open`).
@@ -44,16 +45,6 @@ impl NativeRequest {
         format!("NativeRequest({:?})", self.inner.id().to_string())
     }
 }
-
-/// Results of one `poll`: answered lookups `(kv_request_id, [hit, ...])`, ended loads and
-/// ended stores `(job, success)`.
-type Polled = (Vec<(String, Vec<bool>)>, Vec<Ended>, Vec<Ended>);
-
-/// A load or store that ended: `(job, success)`.
-type Ended = (u64, bool);
-
-/// A peer's question as Python sees it: `(query, peer, kv_request_id, key)`.
-type PyQuery<'py> = (u64, String, String, Bound<'py, PyBytes>);
 
 struct Live {
     engine: EngineNode,
@@ -139,7 +130,7 @@ impl EngineTier {
     /// Opens a request. `source`: the producer's `host:port` for a consumer (`probe` true for
     /// `remote_kv_source`, false for a PD `remote_prefiller`); `decoder`: this engine produces
     /// the request's blocks for a peer that fetches them (`remote_decoder`).
-    #[pyo3(signature = (kv_request_id, source=None, probe=true, decoder=false))]
+    #[pyo3(signature = (kv_request_id, *, source=None, probe=true, decoder=false))]
     fn open(
         &self,
         py: Python<'_>,
@@ -218,65 +209,43 @@ impl EngineTier {
     }
 
     /// Handles what arrived (waiting up to `wait_s` seconds for it when > 0), then returns
-    /// `(lookups, loads, stores)`: answered lookups as `(kv_request_id, [hit, ...])` in the
-    /// order asked, ended loads and stores as `(job, success)`.
+    /// what ended: answered lookups in the order asked, ended loads and stores.
     #[pyo3(signature = (wait_s=0.0))]
     fn poll(&self, py: Python<'_>, wait_s: f64) -> PyResult<Polled> {
         let wait = duration(wait_s)?;
-        py.detach(|| {
+        let events = py.detach(|| {
             self.with(|live| {
                 if wait.is_zero() {
                     live.engine.step(std::time::Instant::now());
                 } else {
                     live.engine.drive(wait);
                 }
-                Ok(split_events(std::iter::from_fn(|| {
-                    live.engine.poll_event()
-                })))
+                Ok(std::iter::from_fn(|| live.engine.poll_event()).collect::<Vec<_>>())
             })
-        })
+        })?;
+        polled(py, events)
     }
 
-    /// Peers' questions the engine has not taken: `(query, peer, kv_request_id, key)`.
-    fn take_queries<'py>(&self, py: Python<'py>) -> PyResult<Vec<PyQuery<'py>>> {
+    /// Peers' questions the engine has not taken.
+    fn take_queries(&self, py: Python<'_>) -> PyResult<Vec<Query>> {
         let link = self.link()?;
         let queries = py.detach(|| link.take_queries());
         Ok(queries
             .into_iter()
-            .map(|q| {
-                (
-                    q.id.get(),
-                    q.peer.to_string(),
-                    q.kv_request_id.to_string(),
-                    PyBytes::new(py, q.key.as_bytes()),
-                )
+            .map(|q| Query {
+                id: q.id.get(),
+                peer: q.peer.to_string(),
+                kv_request_id: q.kv_request_id.to_string(),
+                key: PyBytes::new(py, q.key.as_bytes()).unbind(),
             })
             .collect())
     }
 
-    /// Answers questions: `(query, kind, block, pin)` with kind 0 miss, 1 hit (the key's bytes
-    /// are in `block`, pinned by the engine as `pin` until that pin comes back from
-    /// `take_releases`), 2 pending (ask again). Returns, per answer, whether it was taken (a
-    /// refused hit's pin stays the engine's).
-    fn answer(&self, py: Python<'_>, answers: Vec<(u64, u8, u64, u64)>) -> PyResult<Vec<bool>> {
+    /// Answers questions (each an `Answer.hit`, `Answer.miss` or `Answer.pending`). Returns,
+    /// per answer, whether it was taken (a refused hit's pin stays the engine's).
+    fn answer(&self, py: Python<'_>, answers: Vec<PyRef<'_, Answer>>) -> PyResult<Vec<bool>> {
         let link = self.link()?;
-        let mut parsed = Vec::with_capacity(answers.len());
-        for (query, kind, block, pin) in answers {
-            let answer = match kind {
-                0 => Answer::Miss,
-                1 => Answer::Hit {
-                    block: BlockIndex::new(block),
-                    pin: EnginePin(pin),
-                },
-                2 => Answer::Pending,
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "answer kind {other} is not 0 (miss), 1 (hit) or 2 (pending)"
-                    )))
-                }
-            };
-            parsed.push((QueryId::from_raw(query), answer));
-        }
+        let parsed: Vec<_> = answers.iter().map(|a| (a.query, a.answer)).collect();
         Ok(py.detach(|| {
             parsed
                 .into_iter()
@@ -285,21 +254,25 @@ impl EngineTier {
         }))
     }
 
-    /// Pins the node is done with: `(pin, sent)`, `sent` when the block reached the peer.
-    fn take_releases(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool)>> {
+    /// Pins the node is done with.
+    fn take_releases(&self, py: Python<'_>) -> PyResult<Vec<Release>> {
         let link = self.link()?;
         Ok(py.detach(|| {
             link.take_releases()
                 .into_iter()
-                .map(|r| (r.pin.0, r.sent))
+                .map(|r| Release {
+                    pin: r.pin.0,
+                    sent: r.sent,
+                })
                 .collect()
         }))
     }
 
-    /// `(questions not answered, pins not given back)`: both 0 once nothing of the engine's is
+    /// Questions not answered and pins not given back: both 0 once nothing of the engine's is
     /// held for a peer.
-    fn outstanding(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        py.detach(|| self.with(|live| Ok(live.engine.outstanding())))
+    fn outstanding(&self, py: Python<'_>) -> PyResult<Outstanding> {
+        let (questions, pins) = py.detach(|| self.with(|live| Ok(live.engine.outstanding())))?;
+        Ok(Outstanding { questions, pins })
     }
 
     /// The node's running totals and open state, by name.
@@ -335,23 +308,22 @@ impl EngineTier {
     }
 
     /// Drains running writes for at most `drain_s` seconds, says `disconnect` to every peer
-    /// and stops the node. Returns the loads and stores that ended with it, `(job, success)`;
-    /// the pins it held come back from `take_releases`. Later calls fail, but for the link's
-    /// (`take_queries`, `answer`, `take_releases`).
+    /// and stops the node. Returns the loads and stores that ended with it; the pins it held
+    /// come back from `take_releases`. Later calls fail, but for the link's (`take_queries`,
+    /// `answer`, `take_releases`).
     #[pyo3(signature = (drain_s=3.0))]
-    fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<(Vec<Ended>, Vec<Ended>)> {
+    fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<Polled> {
         let drain = duration(drain_s)?;
         let live = py.detach(|| self.lock().take());
         let Some(live) = live else {
-            return Ok((Vec::new(), Vec::new()));
+            return polled(py, Vec::new());
         };
         let events = py.detach(|| live.engine.shutdown(drain));
         // The node, its pool and its planes are gone: the buffer export goes too (with the
         // GIL held), or stays if something still shares the pool (see `Export`).
         let export = self.export.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(export);
-        let (_, loads, stores) = split_events(events.into_iter());
-        Ok((loads, stores))
+        polled(py, events)
     }
 
     fn __repr__(&self) -> String {
@@ -426,23 +398,43 @@ fn duration(seconds: f64) -> PyResult<Duration> {
         .map_err(|_| PyValueError::new_err(format!("{seconds} is not a duration in seconds")))
 }
 
-fn split_events(events: impl Iterator<Item = EngineEvent>) -> Polled {
+/// The engine's events as Python's records.
+fn polled(py: Python<'_>, events: Vec<EngineEvent>) -> PyResult<Polled> {
     let (mut lookups, mut loads, mut stores) = (Vec::new(), Vec::new(), Vec::new());
     for event in events {
         match event {
             EngineEvent::LookedUp {
                 kv_request_id,
                 results,
-            } => lookups.push((
-                kv_request_id.to_string(),
-                results
-                    .into_iter()
-                    .map(|r| r == LookupResult::Hit)
-                    .collect(),
-            )),
-            EngineEvent::Loaded { job, success } => loads.push((job.get(), success)),
-            EngineEvent::Stored { job, success } => stores.push((job.get(), success)),
+            } => lookups.push(Py::new(
+                py,
+                LookedUp {
+                    kv_request_id: kv_request_id.to_string(),
+                    hits: results
+                        .into_iter()
+                        .map(|r| r == LookupResult::Hit)
+                        .collect(),
+                },
+            )?),
+            EngineEvent::Loaded { job, success } => loads.push(Py::new(
+                py,
+                JobEnd {
+                    job: job.get(),
+                    success,
+                },
+            )?),
+            EngineEvent::Stored { job, success } => stores.push(Py::new(
+                py,
+                JobEnd {
+                    job: job.get(),
+                    success,
+                },
+            )?),
         }
     }
-    (lookups, loads, stores)
+    Ok(Polled {
+        lookups,
+        loads,
+        stores,
+    })
 }

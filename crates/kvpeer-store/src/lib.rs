@@ -12,8 +12,8 @@
 
 pub mod guard;
 mod lru;
-pub mod proc_maps;
 mod pool;
+pub mod proc_maps;
 mod store;
 pub mod trailer;
 

@@ -35,7 +35,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig};
+use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind, Sources};
 use kvpeer_net::events::{
     EventPublisher, EventSubscriber, PublisherConfig, SubEndpoint, SubEvent, SubscriberConfig,

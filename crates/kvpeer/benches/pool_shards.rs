@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig};
+use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind, Sources};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::{Catalog, CatalogLimits, Publisher};

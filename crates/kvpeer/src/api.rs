@@ -43,8 +43,8 @@ pub use kvpeer_core::{CoreConfig, CoreStats, Counters, LookupResult};
 pub use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 pub use kvpeer_store::{StoreError, StoreStats};
 
-use crate::node::build::{build, NodeSpec};
 pub use crate::config::NodeConfig;
+use crate::node::build::{build, NodeSpec};
 pub use crate::node::peer_end::PeerEnd;
 pub use crate::node::plane::PlaneKind;
 use runtime::Command;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvpeer::pool_node::{FollowSpec, PoolNode, PoolConfig, PoolNodeStats};
+use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode, PoolNodeStats};
 use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::keys::{key_event, KeyEvent};

@@ -133,7 +133,6 @@ _USER_KEY = {
     "unbound_store_timeout_s": "unbound_store_timeout_s",
 }
 
-_HIT, _MISS, _PENDING = 1, 0, 2
 # Native load ids of the second and later parts of a load split over several sources (vLLM's
 # own job ids, used for the first part, stay far below).
 _PART_IDS = 1 << 61
@@ -199,14 +198,37 @@ class _Consumer:
         self.roots: dict[int, bytes | None] = {}
         # key -> the leg that holds it, or None when no source does (answered keys only).
         self.holders: dict[bytes, _Leg | None] = {}
-        # key -> [stage being asked, its sources that have not answered]
-        self.pending: dict[bytes, list[int]] = {}
+        # key -> the stage asking it (keys not answered yet)
+        self.pending: dict[bytes, _Asking] = {}
         # A load or the session failed: lookups answer MISS (local prefill).
         self.failed = False
 
     def legs(self) -> list[_Leg]:
         legs = list(self.pools.values())
         return legs if self.hint is None else [self.hint, *legs]
+
+
+class _Asking:
+    """A key being asked: the stage of sources asking it, and how many of them have not
+    answered."""
+
+    __slots__ = ("stage", "unanswered")
+
+    def __init__(self, stage: int, unanswered: int) -> None:
+        self.stage = stage
+        self.unanswered = unanswered
+
+
+class _PinnedJob:
+    """A store job vLLM made for a peer's hits: its pins not given back yet, and whether every
+    block reached the peer so far."""
+
+    __slots__ = ("blocks", "unreleased", "all_sent")
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.unreleased = blocks
+        self.all_sent = True
 
 
 class _Load:
@@ -296,8 +318,8 @@ class KvpeerTier(SecondaryTierManager):
         self._loads: dict[int, _Load] = {}
         # PD stores running: job -> submit time.
         self._stores: dict[int, float] = {}
-        # Store jobs vLLM made for peers' hits: job -> [pins not back yet, all sent].
-        self._pins: dict[int, list] = {}
+        # Store jobs vLLM made for peers' hits, until every pin is back.
+        self._pins: dict[int, _PinnedJob] = {}
         self._finished: list[JobResult] = []
         self._counts = dict.fromkeys(_METRICS, 0)
         # Nanoseconds spent in _TIMED_CALLS, not yet reported as _BUSY_METRIC.
@@ -337,7 +359,7 @@ class KvpeerTier(SecondaryTierManager):
             kv_request_id = source.get("kv_request_id")
             if peer is not None and kv_request_id:
                 self._apply_engine_seed()
-                native = self._tier.open(str(kv_request_id), peer, probe, False)
+                native = self._tier.open(str(kv_request_id), source=peer, probe=probe)
                 consumer.hint = _Leg(native, peer, consumer)
         if consumer.hint is not None or (probe and self._sources):
             req_context.set_state(consumer)
@@ -345,7 +367,7 @@ class KvpeerTier(SecondaryTierManager):
         if dest is not None:
             kv_request_id = dest.get("kv_request_id") if isinstance(dest, dict) else None
             native = (
-                self._tier.open(str(kv_request_id), None, True, True)
+                self._tier.open(str(kv_request_id), decoder=True)
                 if kv_request_id
                 else None
             )
@@ -386,7 +408,7 @@ class KvpeerTier(SecondaryTierManager):
             consumer.pending.pop(key, None)
             consumer.holders[key] = None
             return
-        consumer.pending[key] = [stage, len(legs)]
+        consumer.pending[key] = _Asking(stage, len(legs))
         for leg in legs:
             if not leg.unsent:
                 self._to_flush.append(leg)
@@ -411,7 +433,7 @@ class KvpeerTier(SecondaryTierManager):
             if leg is None:
                 self._next_leg += 1
                 kv_request_id = f"kvpeer:{self._tier.id}:{self._next_leg}"
-                native = self._tier.open(kv_request_id, self._sources[index], True, False)
+                native = self._tier.open(kv_request_id, source=self._sources[index])
                 leg = consumer.pools[index] = _Leg(native, self._sources[index], consumer)
             legs.append(leg)
         return legs
@@ -547,8 +569,7 @@ class KvpeerTier(SecondaryTierManager):
         send, or a peer's question waiting for vLLM's answer."""
         if self._loads or self._stores or self._pins or self._waiting or self._to_flush:
             return True
-        unanswered, _ = self._tier.outstanding()
-        return unanswered > 0
+        return self._tier.outstanding().questions > 0
 
     def drain_jobs(self) -> None:
         """Waits until no load runs and no write to a peer reads the primary tier. Never
@@ -567,28 +588,31 @@ class KvpeerTier(SecondaryTierManager):
 
     def _collect(self, wait_s: float = 0.0) -> None:
         """Drives the node once and turns what ended into results."""
-        lookups, loads, stores = self._tier.poll(wait_s)
-        if lookups:
-            for kv_request_id, hits in lookups:
-                leg = self._waiting.get(kv_request_id)
-                if leg is None or not leg.batches:
-                    continue
-                keys = leg.batches.popleft()
-                if not leg.batches:
-                    del self._waiting[kv_request_id]
-                self._answered(leg, keys, hits)
-                self._counts["vllm:kv_offload_kvpeer_lookup_hits"] += sum(hits)
+        polled = self._tier.poll(wait_s)
+        for looked_up in polled.lookups:
+            kv_request_id, hits = looked_up.kv_request_id, looked_up.hits
+            leg = self._waiting.get(kv_request_id)
+            if leg is None or not leg.batches:
+                continue
+            keys = leg.batches.popleft()
+            if not leg.batches:
+                del self._waiting[kv_request_id]
+            self._answered(leg, keys, hits)
+            self._counts["vllm:kv_offload_kvpeer_lookup_hits"] += sum(hits)
+        self._ended(polled.loads, polled.stores)
+        if self._pins:
+            for release in self._tier.take_releases():
+                self._release(release.pin, release.sent)
+
+    def _ended(self, loads: list, stores: list) -> None:
+        """Loads and stores of the node that ended (`_native.JobEnd` each)."""
         if loads:
             now = time.monotonic()
-            for native_id, ok in loads:
-                self._part_ended(native_id, ok, now)
-        if stores:
-            for job_id, ok in stores:
-                if self._stores.pop(job_id, None) is not None:
-                    self._finished.append(JobResult(job_id=job_id, success=ok))
-        if self._pins:
-            for pin, sent in self._tier.take_releases():
-                self._release(pin, sent)
+            for load in loads:
+                self._part_ended(load.job, load.success, now)
+        for store in stores:
+            if self._stores.pop(store.job, None) is not None:
+                self._finished.append(JobResult(job_id=store.job, success=store.success))
 
     def _answered(self, leg: _Leg, keys: list[bytes], hits: list[bool]) -> None:
         """A source's answers: a hit makes it the key's holder (the first hit, when several
@@ -602,9 +626,9 @@ class KvpeerTier(SecondaryTierManager):
                 del consumer.pending[key]
                 consumer.holders[key] = leg
                 continue
-            pending[1] -= 1
-            if pending[1] == 0:
-                self._ask(consumer, key, pending[0] + 1)
+            pending.unanswered -= 1
+            if pending.unanswered == 0:
+                self._ask(consumer, key, pending.stage + 1)
 
     def _part_ended(self, native_id: int, ok: bool, now: float) -> None:
         load = self._loads.pop(native_id, None)
@@ -629,16 +653,16 @@ class KvpeerTier(SecondaryTierManager):
         )
 
     def _release(self, job_id: int, sent: bool) -> None:
-        entry = self._pins.get(job_id)
-        if entry is None:
+        job = self._pins.get(job_id)
+        if job is None:
             return
-        entry[0] -= 1
-        entry[1] = entry[1] and sent
-        if entry[0] == 0:
+        job.unreleased -= 1
+        job.all_sent = job.all_sent and sent
+        if job.unreleased == 0:
             del self._pins[job_id]
-            self._finished.append(JobResult(job_id=job_id, success=entry[1]))
-            if entry[1]:
-                self._counts["vllm:kv_offload_kvpeer_served_blocks"] += entry[2]
+            self._finished.append(JobResult(job_id=job_id, success=job.all_sent))
+            if job.all_sent:
+                self._counts["vllm:kv_offload_kvpeer_served_blocks"] += job.blocks
 
     # ------------------------------------------------------------------ producer side
 
@@ -648,37 +672,42 @@ class KvpeerTier(SecondaryTierManager):
             return
         # One vLLM request per peer request, as the stock tier makes per lookup: the
         # required order (on_new_request, lookups, create_store_job, on_request_finished).
-        groups: dict[tuple[str, str], list] = {}
+        groups: dict[tuple[str, str], list[_native.Query]] = {}
         for q in queries:
-            groups.setdefault((q[1], q[2]), []).append(q)
-        answers = []
+            groups.setdefault((q.peer, q.kv_request_id), []).append(q)
+        answers: list[_native.Answer] = []
+        # Per answer, the store job whose pin a hit hands over (None: not a hit).
+        pinned_by: list[int | None] = []
         hit = LookupResult.HIT
         miss = LookupResult.MISS
         for (peer, kv_request_id), group in groups.items():
-            ctx = ReqContext(req_id=f"kvpeer:{peer}:{kv_request_id}:q{group[0][0]}")
+            ctx = ReqContext(req_id=f"kvpeer:{peer}:{kv_request_id}:q{group[0].id}")
             parent.on_new_request(ctx)
             try:
                 hits = []
-                for query, _, _, key in group:
-                    result = parent.lookup(key, ctx)
+                for q in group:
+                    result = parent.lookup(q.key, ctx)
                     if result is hit:
-                        hits.append((query, key))
+                        hits.append(q)
                     elif result is miss:
-                        answers.append((query, _MISS, 0, 0))
+                        answers.append(_native.Answer.miss(q.id))
+                        pinned_by.append(None)
                     else:  # HIT_PENDING, RETRY: the question comes back
-                        answers.append((query, _PENDING, 0, 0))
+                        answers.append(_native.Answer.pending(q.id))
+                        pinned_by.append(None)
                 if hits:
-                    job = parent.create_store_job([k for _, k in hits], ctx)
+                    job = parent.create_store_job([q.key for q in hits], ctx)
                     blocks = job.chunk_ids.tolist()
-                    self._pins[job.job_id] = [len(hits), True, len(hits)]
-                    for (query, _), block in zip(hits, blocks):
-                        answers.append((query, _HIT, block, job.job_id))
+                    self._pins[job.job_id] = _PinnedJob(len(hits))
+                    for q, block in zip(hits, blocks):
+                        answers.append(_native.Answer.hit(q.id, block, job.job_id))
+                        pinned_by.append(job.job_id)
             finally:
                 parent.on_request_finished(ctx)
         self._counts["vllm:kv_offload_kvpeer_served_lookups"] += len(queries)
         taken = self._tier.answer(answers)
-        for (query, kind, _, job_id), ok in zip(answers, taken):
-            if kind == _HIT and not ok:
+        for job_id, ok in zip(pinned_by, taken):
+            if job_id is not None and not ok:
                 # Nobody asks any more: the pin goes back unused.
                 self._release(job_id, False)
         # The answers leave now, in this call, as the stock tier's do (not at the next poll).
@@ -690,15 +719,10 @@ class KvpeerTier(SecondaryTierManager):
         if self._closed:
             return
         self._closed = True
-        loads, stores = self._tier.shutdown(_SHUTDOWN_DRAIN_S)
-        now = time.monotonic()
-        for native_id, ok in loads:
-            self._part_ended(native_id, ok, now)
-        for job_id, ok in stores:
-            if self._stores.pop(job_id, None) is not None:
-                self._finished.append(JobResult(job_id=job_id, success=ok))
-        for pin, sent in self._tier.take_releases():
-            self._release(pin, sent)
+        ended = self._tier.shutdown(_SHUTDOWN_DRAIN_S)
+        self._ended(ended.loads, ended.stores)
+        for release in self._tier.take_releases():
+            self._release(release.pin, release.sent)
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use kvpeer_core::LookupResult;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 
-use super::{Calls, NodeError};
 use super::runtime::Command;
+use super::{Calls, NodeError};
 
 /// A consumer request open on a [`Node`](crate::Node): look keys up at its producer, fetch the
 /// hits, finish it. `Send + Sync`: a `fetch` may run on another thread while this one waits.

@@ -16,9 +16,9 @@ use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::KeyChange;
 use tracing::{debug, info};
 
+use crate::api::{Histogram, NodeError, NodeStats};
 use crate::node::io::NodeIo;
 use crate::node::lookup_waits::{Ended, LookupWaits, Waiting};
-use crate::api::{Histogram, NodeError, NodeStats};
 
 /// Writes block `i` of a `store_with` call in place.
 pub(crate) type FillBlock = Box<dyn FnMut(usize, &mut [u8]) + Send>;

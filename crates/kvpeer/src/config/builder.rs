@@ -20,8 +20,8 @@
 //! # }
 //! ```
 
-use super::{resolve_one, ConfigError, Key, Settings, KEY};
 use super::NodeConfig;
+use super::{resolve_one, ConfigError, Key, Settings, KEY};
 use crate::node::plane::PlaneKind;
 
 /// Where a builder's values come from, in errors, unless [`NodeConfigBuilder::source`] names

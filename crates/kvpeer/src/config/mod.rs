@@ -18,25 +18,25 @@
 
 mod builder;
 mod fingerprint;
+pub mod keys;
 mod node_config;
 pub(crate) mod pool_node;
-pub mod keys;
 
 use std::time::Duration;
 
-use crate::node::plane::PlaneKind;
 use crate::node::allow::Allowlist;
 use crate::node::build::{NixlOptions, NodeSpec};
-use pool_node::{endpoint, parse_follow};
+use crate::node::plane::PlaneKind;
 use kvpeer_core::CoreConfig;
 use kvpeer_net::control::ControlConfig;
 use kvpeer_proto::{DecodeLimits, PeerId};
+use pool_node::{endpoint, parse_follow};
 
 pub use builder::NodeConfigBuilder;
-pub use node_config::NodeConfig;
-pub use pool_node::{FollowSpec, PoolConfig};
 pub use fingerprint::fingerprint;
 pub use keys::{Key, Settings, KEY, KEYS, VLLM_DEFAULT_HASH_SEED};
+pub use node_config::NodeConfig;
+pub use pool_node::{FollowSpec, PoolConfig};
 
 /// A configuration error: which key, from where, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

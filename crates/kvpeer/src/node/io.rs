@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use kvpeer_core::throttle::WarnThrottle;
 use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent};
 
-use crate::node::peer_end::PeerEnd;
 use crate::node::outcomes::{self, Outcomes};
+use crate::node::peer_end::PeerEnd;
 use kvpeer_net::control::ConnId;
 use kvpeer_net::control::{ChannelEvent, ControlChannel};
 use kvpeer_net::data::metadata::AgentMetadata;

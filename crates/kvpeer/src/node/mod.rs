@@ -14,8 +14,8 @@ pub mod descriptors;
 pub mod io;
 pub(crate) mod lookup_waits;
 pub(crate) mod origin;
-pub mod peer_end;
 pub(crate) mod outcomes;
+pub mod peer_end;
 pub mod plane;
 pub(crate) mod wake;
 
