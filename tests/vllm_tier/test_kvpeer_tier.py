@@ -249,6 +249,20 @@ def test_mismatched_peer_is_a_miss(engines, b_kwargs):
     assert a.tier.node_stats()["lookups_served"] == 0
 
 
+def test_a_hash_seed_drawn_after_the_tiers_are_built_is_the_one_sessions_use(engines):
+    """vLLM draws its NONE_HASH seed after it builds the tiers: B is built while the seed is
+    still vLLM's default, then draws A's. Its first session must carry the drawn seed (read
+    through vLLM's public getter before a session opens), or A would refuse it as a mismatch."""
+    a = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="A", hash_seed="drawn-late")
+    b = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    assert b.hash_seed is None
+    b.spec.hash_seed = "drawn-late"
+    keys = [make_key(f"late-seed-{i}") for i in range(3)]
+    blocks = random_blocks(3, 11)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, "kv-late-seed")
+
+
 def test_allowlist_refuses_a_peer_and_serves_the_allowed_one(engines):
     """A allows 127.0.0.1 only (any port): the intruder on 127.0.0.2 (also loopback) is refused
     before its messages reach the protocol, and a peer on 127.0.0.1 is served byte-exact."""

@@ -298,7 +298,8 @@ class KvpeerTier(SecondaryTierManager):
         self.locality = config.pop("locality", None)
         settings, self._metrics = _settings(offloading_spec, primary_kv_view, config)
         self._fingerprint = settings.get("config_fingerprint", "")
-        self._seed_final = False
+        # The hash seed the node was last given.
+        self._seed = settings.get("hash_seed")
         self._tier = _start(primary_kv_view, settings, offloading_spec)
         self._apply_engine_seed()
         self._block_len = self._tier.block_len
@@ -433,6 +434,7 @@ class KvpeerTier(SecondaryTierManager):
             if leg is None:
                 self._next_leg += 1
                 kv_request_id = f"kvpeer:{self._tier.id}:{self._next_leg}"
+                self._apply_engine_seed()
                 native = self._tier.open(kv_request_id, source=self._sources[index])
                 leg = consumer.pools[index] = _Leg(native, self._sources[index], consumer)
             legs.append(leg)
@@ -764,13 +766,13 @@ class KvpeerTier(SecondaryTierManager):
     # ------------------------------------------------------------------ helpers
 
     def _apply_engine_seed(self) -> None:
-        """Takes vLLM's hash seed once vLLM has drawn it (after the tiers are built)."""
-        if self._seed_final:
-            return
-        seed, final = _engine_seed()
-        if seed is not None:
+        """Follows vLLM's hash seed: vLLM draws it after it builds the tiers, so it is read
+        again (vLLM's public getter, a function call) before each session may open, and the
+        node gets it when it changed."""
+        seed = _engine_seed()
+        if seed is not None and seed != self._seed:
             self._tier.set_hash_seed(seed)
-        self._seed_final = final
+            self._seed = seed
 
 
 def _timed(method: Any) -> Any:
@@ -864,14 +866,13 @@ def _root_positions(offloading_spec: Any) -> dict[int, int]:
     return {group: int(tokens) * per_chunk for group, tokens in enumerate(per_block)}
 
 
-def _engine_seed() -> tuple[str | None, bool]:
-    """vLLM's NONE_HASH seed and whether it is final (vLLM resolved it)."""
+def _engine_seed() -> str | None:
+    """vLLM's NONE_HASH seed (its default until vLLM draws it); None without vLLM."""
     try:
         from vllm.v1.core import kv_cache_utils
     except ImportError:
-        return None, True
-    final = getattr(kv_cache_utils, "_NONE_HASH_SEED", None) is not None
-    return kv_cache_utils.get_none_hash_seed(), final
+        return None
+    return kv_cache_utils.get_none_hash_seed()
 
 
 def _fingerprint(offloading_spec: Any) -> str:
@@ -973,7 +974,7 @@ def _settings(
     settings["plane"], lib_dir = _plane(config.get("plane", "auto"), primary_kv_view)
     if lib_dir is not None:
         settings["nixl_lib_dir"] = lib_dir
-    seed, _ = _engine_seed()
+    seed = _engine_seed()
     if seed is not None:
         settings["hash_seed"] = seed
     settings["config_fingerprint"] = _fingerprint(offloading_spec)
