@@ -14,7 +14,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpeer_proto::{DecodeError, KvRequestId, MessageType, PeerId, ProtocolError, RoundSeq};
+use kvpeer_proto::{
+    DecodeError, EncodeError, KvRequestId, MessageType, PeerId, PeerIdError, ProtocolError,
+    RoundSeq,
+};
 
 use crate::traits::ServeCtx;
 
@@ -153,10 +156,10 @@ pub enum LinkLoss {
     Silent(Duration),
     /// Our queue to the peer overflowed or a send failed: the connection was closed.
     #[error("cannot send to the peer: {0}")]
-    SendFailed(Arc<str>),
-    /// The node could not open a connection (no socket, a bad identity).
+    SendFailed(SendFailure),
+    /// The node could not open a connection (a bad identity, no poll for its socket).
     #[error("cannot dial the peer: {0}")]
-    DialFailed(Arc<str>),
+    DialFailed(DialFailure),
     /// The peer connected to us again: its new session replaces this one.
     #[error("the peer connected again (its new session replaces this one)")]
     Replaced,
@@ -188,6 +191,33 @@ pub enum LinkLoss {
     /// A driver that does not say (a test, an in-process transport).
     #[error("no cause given")]
     Unspecified,
+}
+
+/// Why this node could not open a control connection to a peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DialFailure {
+    /// The peer's identity is not `host:port`.
+    #[error(transparent)]
+    NotHostPort(#[from] PeerIdError),
+    /// The connection's socket could not be registered in the poll.
+    #[error("cannot poll the socket: {0}")]
+    Poll(io::ErrorKind),
+}
+
+/// Why a message to a peer could not be sent (its connection is closed for it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendFailure {
+    /// Our queue to the peer is full: it reads slower than we send.
+    #[error("its send queue is full (it reads slower than this node sends)")]
+    QueueFull,
+    /// A write took no bytes.
+    #[error("the socket took no bytes")]
+    NoBytesTaken,
+    /// The message could not be encoded.
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
 }
 
 impl LinkLoss {

@@ -13,7 +13,7 @@ use std::net::{TcpListener, TcpStream};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::LinkLoss;
+use kvpeer_core::{LinkLoss, SendFailure};
 use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig, SendError};
 use kvpeer_proto::PeerId;
 
@@ -461,7 +461,7 @@ fn a_full_send_queue_is_lost_and_the_connection_closes_after_its_linger() {
     };
     assert_eq!(
         (peer, cause),
-        (mute.clone(), LinkLoss::SendFailed("send queue full".into()))
+        (mute.clone(), LinkLoss::SendFailed(SendFailure::QueueFull))
     );
     assert!(!a.connected(&mute));
     assert_eq!(a.outbound_connections(), 1, "it lingers");
@@ -542,7 +542,7 @@ fn a_peer_that_never_reads_costs_at_most_the_queues_bytes() {
     let SendError::Lost { cause, .. } = failed else {
         unreachable!()
     };
-    assert_eq!(cause, LinkLoss::SendFailed("send queue full".into()));
+    assert_eq!(cause, LinkLoss::SendFailed(SendFailure::QueueFull));
     // What the kernel took plus our queue: a few MiB, nowhere near what was offered.
     let offered = sent * payload.len();
     assert!(

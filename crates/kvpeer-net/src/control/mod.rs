@@ -38,7 +38,7 @@ use std::net::IpAddr;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
-use kvpeer_core::LinkLoss;
+use kvpeer_core::{DialFailure, LinkLoss, SendFailure};
 use kvpeer_proto::PeerId;
 use tracing::{debug, warn};
 
@@ -46,7 +46,7 @@ use crate::control::inbound::{Inbound, InboundEvent, InboundLimits};
 pub use crate::control::outbound::DialStage;
 use crate::control::outbound::{Outbound, OutboundConfig};
 use crate::io::poller::{Poller, Ready, Token};
-use crate::zmtp::connection::ConnLimits;
+use crate::zmtp::connection::{ConnLimits, QueueFull};
 pub use inbound::ConnId;
 
 /// Settings of the control channel; `Default` is vLLM's.
@@ -189,6 +189,15 @@ pub enum SendError {
         /// What happened: the connection is closed.
         cause: LinkLoss,
     },
+}
+
+impl SendError {
+    /// How the connection was lost.
+    pub fn into_cause(self) -> LinkLoss {
+        match self {
+            SendError::Lost { cause, .. } => cause,
+        }
+    }
 }
 
 /// The channel's tokens: the caller's extra descriptor, then a span for each side.
@@ -379,12 +388,11 @@ impl ControlChannel {
 
     /// Opens an outbound connection to `peer` (no-op if open). Never blocks: messages queue
     /// until TCP connects and the handshake is done.
-    pub fn dial(&mut self, peer: &PeerId) -> Result<(), ControlError> {
+    pub fn dial(&mut self, peer: &PeerId) -> Result<(), DialFailure> {
         if self.outbound.connected(peer) {
             return Ok(());
         }
-        peer.host_port()
-            .map_err(|_| ControlError::BadIdentity(peer.to_string()))?;
+        peer.host_port()?;
         self.outbound.dial(&self.poller, peer, Instant::now());
         Ok(())
     }
@@ -401,23 +409,21 @@ impl ControlChannel {
             cause,
         };
         if !self.outbound.connected(peer) {
-            self.dial(peer)
-                .map_err(|e| lost(LinkLoss::DialFailed(e.to_string().into())))?;
+            self.dial(peer).map_err(|e| lost(LinkLoss::DialFailed(e)))?;
         }
         match self
             .outbound
             .send(&self.poller, peer, payload, Instant::now())
         {
             Ok(()) => Ok(()),
-            Err(full) => {
-                let reason = full.to_string();
+            Err(QueueFull) => {
                 if let Some(suppressed) =
                     crate::admit_warning("control send failed; connection lost")
                 {
-                    warn!(%peer, %reason, suppressed, "control send failed; connection lost");
+                    warn!(%peer, suppressed, "control send queue full; connection lost");
                 }
                 self.close(peer);
-                Err(lost(LinkLoss::SendFailed(reason.into())))
+                Err(lost(LinkLoss::SendFailed(SendFailure::QueueFull)))
             }
         }
     }

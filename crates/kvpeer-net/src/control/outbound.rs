@@ -170,7 +170,7 @@ impl Conn {
             let (host, port) = match self.peer.host_port() {
                 Ok(hp) => hp,
                 Err(e) => {
-                    self.link = Link::Failed(LinkLoss::DialFailed(e.to_string().into()));
+                    self.link = Link::Failed(LinkLoss::DialFailed(e.into()));
                     return;
                 }
             };

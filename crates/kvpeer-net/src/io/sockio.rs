@@ -8,7 +8,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 
-use kvpeer_core::LinkLoss;
+use kvpeer_core::{LinkLoss, SendFailure};
 use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::warn;
@@ -148,7 +148,7 @@ pub(crate) fn write_available(
             });
         }
         match stream.write(bytes) {
-            Ok(0) => return Err(LinkLoss::SendFailed("the socket took no bytes".into())),
+            Ok(0) => return Err(LinkLoss::SendFailed(SendFailure::NoBytesTaken)),
             Ok(n) => {
                 conn.advance(n);
                 any = true;

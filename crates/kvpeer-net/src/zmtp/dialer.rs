@@ -20,7 +20,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::LinkLoss;
+use kvpeer_core::{DialFailure, LinkLoss};
 use tracing::debug;
 
 use crate::io::poller::{Poller, Ready, Token};
@@ -166,9 +166,7 @@ impl Dialer {
     ) -> Result<(), Option<LinkLoss>> {
         let stream = sockio::start_connect(addr)?;
         if let Err(e) = poller.add(stream.as_fd(), token) {
-            return Err(Some(LinkLoss::DialFailed(
-                format!("cannot poll the socket: {e}").into(),
-            )));
+            return Err(Some(LinkLoss::DialFailed(DialFailure::Poll(e.kind()))));
         }
         self.state = State::Connecting {
             stream,

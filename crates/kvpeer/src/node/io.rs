@@ -25,12 +25,14 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
-use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent};
+use kvpeer_core::{
+    warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent, SendFailure,
+};
 
 use crate::node::outcomes::{self, Outcomes};
 use crate::node::peer_end::PeerEnd;
 use kvpeer_net::control::ConnId;
-use kvpeer_net::control::{ChannelEvent, ControlChannel};
+use kvpeer_net::control::{ChannelEvent, ControlChannel, SendError};
 use kvpeer_net::data::metadata::AgentMetadata;
 use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
 use kvpeer_store::BlockStore;
@@ -567,7 +569,7 @@ impl<P: Parent> NodeIo<P> {
                                 self.core.handle_connection_lost(
                                     now,
                                     &t.peer,
-                                    LinkLoss::DialFailed(e.to_string().into()),
+                                    LinkLoss::DialFailed(e),
                                 );
                                 continue;
                             }
@@ -597,11 +599,8 @@ impl<P: Parent> NodeIo<P> {
                             );
                         } else if let Err(e) = self.channel.dial(&peer) {
                             warn_throttled!(self.throttle, now, "dial failed", %peer, error = %e);
-                            self.core.handle_connection_lost(
-                                now,
-                                &peer,
-                                LinkLoss::DialFailed(e.to_string().into()),
-                            );
+                            self.core
+                                .handle_connection_lost(now, &peer, LinkLoss::DialFailed(e));
                         }
                     }
                     Event::Close { peer, end } => {
@@ -669,16 +668,18 @@ impl<P: Parent> NodeIo<P> {
     /// Encodes and sends one message; a failed send loses the peer's connection (`false`).
     fn send(&mut self, now: Instant, peer: &PeerId, message: &Message) -> bool {
         let sent = match message.encode() {
-            Ok(payload) => self.channel.send(peer, &payload).map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
+            Ok(payload) => self
+                .channel
+                .send(peer, &payload)
+                .map_err(SendError::into_cause),
+            Err(e) => Err(LinkLoss::SendFailed(SendFailure::Encode(e))),
         };
-        if let Err(e) = sent {
-            warn_throttled!(self.throttle, now, "send failed", %peer, error = %e);
+        if let Err(cause) = sent {
+            warn_throttled!(self.throttle, now, "send failed", %peer, error = %cause);
             self.held.remove(peer);
             self.close_after_held.remove(peer);
             self.channel.close(peer);
-            self.core
-                .handle_connection_lost(now, peer, LinkLoss::SendFailed(e.into()));
+            self.core.handle_connection_lost(now, peer, cause);
             return false;
         }
         true

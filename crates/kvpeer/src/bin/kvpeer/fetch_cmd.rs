@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, OffloadKey, PeerId};
 
+use crate::fetch_error::FetchError;
 use crate::node_args::NodeArgs;
 
 /// `kvpeer fetch` options.
@@ -197,7 +198,7 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
         Err(e) => {
             if args.json {
                 // A script reading the summary from stdout gets an object either way.
-                println!("{}", serde_json::json!({ "error": e }));
+                println!("{}", serde_json::json!({ "error": e.to_string() }));
             }
             crate::report::fatal!("fetch", "{e}");
             1
@@ -207,6 +208,11 @@ pub(crate) fn run(args: FetchArgs) -> u8 {
 
 /// Synthetic indexes from here on are never filled by `serve`: the "new text" of requests.
 const MISS_BASE: u64 = 1 << 48;
+
+/// A block length as the memory's index type.
+pub(crate) fn block_len(len: u64) -> Result<usize, FetchError> {
+    usize::try_from(len).map_err(|_| FetchError::BlockLen(len))
+}
 
 fn parse_share(text: &str) -> Result<f64, String> {
     text.parse::<f64>()
@@ -229,10 +235,10 @@ fn percentile(samples: &[u64], p: usize) -> u64 {
 /// signal's default action otherwise), so a watcher removes the pool's shared-memory object (on
 /// the planes that make one: shm, both) and exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
 /// behind (`kill -9` still does: nothing can run then).
-pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
+pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), FetchError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
-        .map_err(|e| format!("cannot watch signals: {e}"))?;
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(FetchError::Signals)?;
     let path = format!("/{shm_name}");
     std::thread::Builder::new()
         .name("kvpeer-fetch-signals".into())
@@ -253,12 +259,12 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), String> {
             }
         })
         .map(|_| ())
-        .map_err(|e| format!("cannot start the signal watcher: {e}"))
+        .map_err(FetchError::SignalWatcher)
 }
 
-fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
+fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, FetchError> {
     remove_pool_on_signal(&config.spec.shm_name)?;
-    let node = Node::start(config).map_err(|e| e.to_string())?;
+    let node = Node::start(config)?;
     tracing::info!(id = %node.id(), peer = %args.peer, "consumer node up");
     let result = workload(args, &node);
     // `disconnect` to the peer, so it closes the session in order instead of noticing a lost
@@ -267,20 +273,19 @@ fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
     result
 }
 
-fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
+fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
     let peer = PeerId::new(args.peer.clone());
     let run = Run {
         node,
         peer: &peer,
         args,
-        block_len: usize::try_from(node.config().block_len).map_err(|e| e.to_string())?,
+        block_len: block_len(node.config().block_len)?,
         timeout: Duration::from_secs(args.timeout_secs),
         pid: std::process::id(),
     };
     let mut tally = Tally::default();
     // The handshake is not part of any request's lookup time, nor of the workload's.
-    node.connect(&peer, run.timeout)
-        .map_err(|e| e.to_string())?;
+    node.connect(&peer, run.timeout)?;
     let (mut started, mut cpu_before) = (Instant::now(), process_cpu());
 
     let mut progress = Progress::new(args.warmup + args.requests, !args.json);
@@ -308,7 +313,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
         // `concurrency` callers at once, as an engine with requests in flight: caller `i` runs
         // requests i, i + C, ... (so with `--prefixes` a multiple of C no two share a block).
         let c = args.concurrency;
-        let parts: Vec<Result<Tally, String>> = std::thread::scope(|scope| {
+        let parts: Vec<Result<Tally, FetchError>> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..c)
                 .map(|i| {
                     let timed = timed.clone();
@@ -323,10 +328,7 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, String> {
                 .collect();
             workers
                 .into_iter()
-                .map(|w| {
-                    w.join()
-                        .unwrap_or_else(|_| Err("a caller thread panicked".into()))
-                })
+                .map(|w| w.join().unwrap_or(Err(FetchError::CallerPanicked)))
                 .collect()
         });
         for part in parts {
@@ -353,7 +355,7 @@ struct Run<'a> {
 
 impl Run<'_> {
     /// Request `r`: lookup, fetch of the leading hits, the byte check (`verify`), finish.
-    fn request(&self, r: u64, verify: bool, tally: &mut Tally) -> Result<(), String> {
+    fn request(&self, r: u64, verify: bool, tally: &mut Tally) -> Result<(), FetchError> {
         let Run {
             node,
             peer,
@@ -366,8 +368,8 @@ impl Run<'_> {
         let keys = request_keys(args, r);
         // Opening the request (and the session, the first time) counts as part of the lookup.
         let lookup_started = Instant::now();
-        let req = node.request(peer, &request).map_err(|e| e.to_string())?;
-        let found = req.lookup(&keys, timeout).map_err(|e| e.to_string())?;
+        let req = node.request(peer, &request)?;
+        let found = req.lookup(&keys, timeout)?;
         tally.lookup_us.push(micros(lookup_started.elapsed()));
         // A prefix cache uses the leading run of hits.
         let hits = found
@@ -398,7 +400,7 @@ impl Run<'_> {
                     }
                 }
                 Err(NodeError::LoadFailed) => tally.failed_loads += 1,
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(e.into()),
             }
         }
         req.finish();

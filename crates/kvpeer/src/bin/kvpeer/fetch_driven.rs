@@ -17,9 +17,10 @@ use kvpeer::node::build::NodeSpec;
 use kvpeer::{synthetic, LookupResult, NodeConfig, OffloadKey, PeerId};
 
 use crate::fetch_cmd::{micros, request_keys, FetchArgs, Progress, Tally};
+use crate::fetch_error::FetchError;
 
 /// Runs the workload on an engine-driven node of `config`'s plane.
-pub(crate) fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, String> {
+pub(crate) fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, FetchError> {
     run(args, &config.spec)
 }
 
@@ -45,19 +46,18 @@ struct InFlight {
     phase: Phase,
 }
 
-fn run(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, String> {
+fn run(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, FetchError> {
     crate::fetch_cmd::remove_pool_on_signal(&spec.shm_name)?;
     // The engine's memory: a named shared-memory pool, which every plane can serve from (the
     // shm plane needs one).
-    let pool = Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)
-        .map_err(|e| e.to_string())?;
-    let node = EngineNode::build(spec, pool).map_err(|e| e.to_string())?;
+    let pool = Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?;
+    let node = EngineNode::build(spec, pool)?;
     tracing::info!(id = %node.id(), peer = %args.peer, "consumer node up (driven)");
     let mut driver = Driver {
         node,
         args,
         peer: PeerId::new(args.peer.clone()),
-        block_len: usize::try_from(spec.block_len).map_err(|e| e.to_string())?,
+        block_len: crate::fetch_cmd::block_len(spec.block_len)?,
         timeout: Duration::from_secs(args.timeout_secs),
         in_flight: HashMap::new(),
         next_job: 0,
@@ -85,7 +85,7 @@ struct Driver<'a> {
 }
 
 impl Driver<'_> {
-    fn workload(&mut self) -> Result<Tally, String> {
+    fn workload(&mut self) -> Result<Tally, FetchError> {
         let args = self.args;
         let mut tally = Tally::default();
         let mut progress = Progress::new(args.warmup + args.requests, !args.json);
@@ -122,7 +122,7 @@ impl Driver<'_> {
         verify: bool,
         tally: &mut Tally,
         progress: &mut Progress,
-    ) -> Result<(), String> {
+    ) -> Result<(), FetchError> {
         let mut next = rs.start;
         let mut free_slots: Vec<u64> = (0..concurrency).rev().collect();
         while next < rs.end || !self.in_flight.is_empty() {
@@ -165,7 +165,11 @@ impl Driver<'_> {
     }
 
     /// Moves the request `event` is about; returns its slot when the request ended.
-    fn on_event(&mut self, event: EngineEvent, tally: &mut Tally) -> Result<Option<u64>, String> {
+    fn on_event(
+        &mut self,
+        event: EngineEvent,
+        tally: &mut Tally,
+    ) -> Result<Option<u64>, FetchError> {
         match event {
             EngineEvent::LookedUp {
                 kv_request_id,
@@ -175,7 +179,7 @@ impl Driver<'_> {
                     return Ok(None);
                 };
                 let Phase::LookingUp { since } = req.phase else {
-                    return Err(format!("request {}: a second lookup answer", req.r));
+                    return Err(FetchError::SecondAnswer(req.r));
                 };
                 tally.lookup_us.push(micros(since.elapsed()));
                 // A prefix cache uses the leading run of hits.
@@ -196,7 +200,7 @@ impl Driver<'_> {
                 let blocks = (first..first + hits as u64).map(BlockIndex::new).collect();
                 self.node
                     .load(job, &req.request, req.keys[..hits].to_vec(), blocks)
-                    .map_err(|e| format!("request {}: {e}", req.r))?;
+                    .map_err(|error| FetchError::Load { r: req.r, error })?;
                 req.phase = Phase::Loading {
                     since: Instant::now(),
                     job,
@@ -270,17 +274,18 @@ impl Driver<'_> {
     }
 
     /// A request whose phase took longer than `--timeout-secs` ends the run.
-    fn check_deadlines(&self) -> Result<(), String> {
+    fn check_deadlines(&self) -> Result<(), FetchError> {
         for f in self.in_flight.values() {
             if self.phase_since(f).elapsed() > self.timeout {
                 let what = match f.phase {
                     Phase::LookingUp { .. } => "lookup",
                     Phase::Loading { .. } => "fetch",
                 };
-                return Err(format!(
-                    "request {}: the {what} took longer than {} s",
-                    f.r, self.args.timeout_secs
-                ));
+                return Err(FetchError::Late {
+                    r: f.r,
+                    phase: what,
+                    secs: self.args.timeout_secs,
+                });
             }
         }
         Ok(())

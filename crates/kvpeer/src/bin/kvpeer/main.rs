@@ -7,6 +7,7 @@
 mod demo_cmd;
 mod fetch_cmd;
 mod fetch_driven;
+mod fetch_error;
 mod node_args;
 mod report;
 mod serve_cmd;

@@ -116,6 +116,25 @@ pub(crate) struct PoolArgs {
     pub(crate) publish_ownership: Option<String>,
 }
 
+/// Why a node command's configuration could not be made.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ArgsError {
+    /// `--config` names a file that cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// `--listen` is not `HOST:PORT`.
+    #[error("flag --listen: {0:?} is not HOST:PORT")]
+    Listen(String),
+    /// A key's value is bad, or the keys disagree (the message names the key and its source).
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+}
+
 impl NodeArgs {
     /// The node's configuration: flags over environment over file over defaults; `role` tags
     /// the pool's shm object name (which also carries the process id).
@@ -124,12 +143,14 @@ impl NodeArgs {
         &self,
         role: &str,
         pool: Option<&PoolArgs>,
-    ) -> Result<kvpeer::NodeConfig, String> {
+    ) -> Result<kvpeer::NodeConfig, ArgsError> {
         let file = match &self.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                config::from_toml(&text, &path.display().to_string()).map_err(|e| e.to_string())?
+                let text = std::fs::read_to_string(path).map_err(|source| ArgsError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                config::from_toml(&text, &path.display().to_string())?
             }
             None => config::Settings::default(),
         };
@@ -138,11 +159,11 @@ impl NodeArgs {
         if let Some(pool) = pool {
             pool.flags(&mut flags);
         }
-        config::resolve(&file, &env, &flags, role).map_err(|e| e.to_string())
+        Ok(config::resolve(&file, &env, &flags, role)?)
     }
 
     /// The keys the command line set, each named by its flag.
-    fn flags(&self) -> Result<config::Settings, String> {
+    fn flags(&self) -> Result<config::Settings, ArgsError> {
         let mut flags = config::Settings::default();
         let mut set = |key: &Key, value: Option<String>, flag: &str| {
             if let Some(v) = value {
@@ -152,7 +173,7 @@ impl NodeArgs {
         if let Some(listen) = &self.listen {
             let (host, port) = listen
                 .rsplit_once(':')
-                .ok_or_else(|| format!("flag --listen: {listen:?} is not HOST:PORT"))?;
+                .ok_or_else(|| ArgsError::Listen(listen.clone()))?;
             set(&KEY.listen_host, Some(host.to_owned()), "--listen");
             set(&KEY.listen_port, Some(port.to_owned()), "--listen");
         }
