@@ -144,10 +144,10 @@ pub enum LinkLoss {
     /// The peer's bytes are not ZMTP from a ROUTER socket: the port is not a kvpeer or vLLM
     /// control port.
     #[error("not a kvpeer or vLLM control port: {0}")]
-    NotZmtp(Arc<str>),
+    NotZmtp(Cause),
     /// The peer broke ZMTP after its greeting (a frame over the limit, a malformed command).
     #[error("ZMTP protocol error: {0}")]
-    Zmtp(Arc<str>),
+    Zmtp(Cause),
     /// The ZMTP handshake (greeting and READY) did not finish in time.
     #[error("no ZMTP handshake within {0:?}: the port accepts connections but does not answer as a kvpeer or vLLM control port")]
     HandshakeTimeout(Duration),
@@ -192,6 +192,44 @@ pub enum LinkLoss {
     #[error("no cause given")]
     Unspecified,
 }
+
+/// Another layer's error kept whole, for a cause the core cannot name (a ZMTP error is
+/// kvpeer-net's): its type for [`Cause::downcast_ref`], its words for the user. Two are equal
+/// when their words are.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync>);
+
+impl Cause {
+    /// Keeps `error`.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Cause(Arc::new(error))
+    }
+
+    /// The error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for Cause {}
 
 /// Why this node could not open a control connection to a peer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -32,9 +32,9 @@ pub use crate::core::{
 };
 pub use crate::counters::Counters;
 pub use crate::error::{
-    CloseReason, ConnectRejection, DialFailure, FaultRecord, Initiator, InternalError, LinkLoss,
-    LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords, ProtocolViolation,
-    Refusal, SendFailure, SessionEnd,
+    Cause, CloseReason, ConnectRejection, DialFailure, FaultRecord, Initiator, InternalError,
+    LinkLoss, LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords,
+    ProtocolViolation, Refusal, SendFailure, SessionEnd,
 };
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{LinkLoss, SendFailure};
 use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig, SendError};
+use kvpeer_net::zmtp::connection::ConnError;
 use kvpeer_proto::PeerId;
 
 mod fd_support;
@@ -277,8 +278,17 @@ fn older_zmtp_foreign_bytes_and_other_socket_types_are_refused_with_a_precise_re
         });
         let (closed, events) = drive_until(&mut a, peer);
         assert!(closed, "{what}: the connection is dropped");
-        let got = lost_reason(&events, &router).unwrap_or_else(|| panic!("{what}: {events:?}"));
+        let cause = lost_cause(&events, &router).unwrap_or_else(|| panic!("{what}: {events:?}"));
+        let got = cause.to_string();
         assert!(got.contains(reason), "{what}: {got}");
+        // The cause is typed down to the connection's own error, not only its words.
+        let LinkLoss::NotZmtp(inner) = &cause else {
+            panic!("{what}: {cause:?}")
+        };
+        assert!(
+            inner.downcast_ref::<ConnError>().is_some(),
+            "{what}: {inner:?}"
+        );
         assert!(!a.connected(&router));
     }
 }

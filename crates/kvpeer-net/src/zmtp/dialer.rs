@@ -20,7 +20,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::{DialFailure, LinkLoss};
+use kvpeer_core::{Cause, DialFailure, LinkLoss};
 use tracing::debug;
 
 use crate::io::poller::{Poller, Ready, Token};
@@ -88,8 +88,8 @@ pub(crate) fn loss_of(e: ConnError) -> LinkLoss {
         e @ (ConnError::Zmtp(
             ZmtpError::Signature(_) | ZmtpError::Version(_) | ZmtpError::Mechanism(_),
         )
-        | ConnError::PeerType { .. }) => LinkLoss::NotZmtp(e.to_string().into()),
-        ConnError::Zmtp(e) => LinkLoss::Zmtp(e.to_string().into()),
+        | ConnError::PeerType { .. }) => LinkLoss::NotZmtp(Cause::new(e)),
+        ConnError::Zmtp(e) => LinkLoss::Zmtp(Cause::new(e)),
     }
 }
 

@@ -52,6 +52,7 @@ use crate::io::timers::{coarse, Timers};
 use crate::zmtp;
 use crate::zmtp::admission::{self, Caps, Holder};
 use crate::zmtp::connection::{ConnLimits, Connection, Incoming, QueueFull, Role};
+use crate::zmtp::dialer::loss_of;
 
 /// How long the listener rests after `accept` fails before it is polled again.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -620,25 +621,20 @@ impl Listener {
                 }
                 if share > 0 {
                     if p.conn.holds_input() {
-                        p.conn
-                            .decode_held(now)
-                            .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
+                        p.conn.decode_held(now).map_err(loss_of)?;
                     }
                     if read && !p.conn.holds_input() {
                         // Reading stops once the connection holds this round's share, so what
                         // it sent beyond (its end of stream too) waits in the socket.
                         let conn = &mut p.conn;
                         let end = sockio::read_while(&mut p.stream, budget, |bytes| {
-                            conn.handle_bytes(bytes, now)
-                                .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
+                            conn.handle_bytes(bytes, now).map_err(loss_of)?;
                             Ok(!conn.decoding_paused())
                         })?;
                         p.readable = end == ReadEnd::More;
                     }
                 }
-                p.conn
-                    .handle_timeout(now)
-                    .map_err(|e| LinkLoss::Zmtp(e.to_string().into()))?;
+                p.conn.handle_timeout(now).map_err(loss_of)?;
                 if !p.conn.transmit().is_empty()
                     && now.saturating_duration_since(p.last_written) >= stall
                 {
