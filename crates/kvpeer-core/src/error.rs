@@ -19,7 +19,7 @@ use kvpeer_proto::{
     RoundSeq,
 };
 
-use crate::traits::ServeCtx;
+use crate::ids::ServeCtx;
 
 /// Who ended a session (as h2's `Initiator`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,4 +1,5 @@
-//! The core's ids as newtypes: a store job, a data-plane transfer, a local block. Each is a
+//! The core's ids as newtypes: a store job, a data-plane transfer, a local block; and
+//! [`ServeCtx`], the handle of one lookup a peer asked. Each is a
 //! `u64` underneath (`#[repr(transparent)]`, `Copy`), so a job id cannot be passed where a
 //! transfer id is meant, and none of them where a count or a round is.
 //!
@@ -6,6 +7,8 @@
 //! number, as the logs always have.
 
 use std::fmt;
+
+use kvpeer_proto::{KvRequestId, PeerId};
 
 macro_rules! id_newtype {
     ($(#[$doc:meta])* $name:ident) => {
@@ -60,3 +63,27 @@ id_newtype!(
     /// A block index (a slot of a block pool: ours, or a peer's as its `fetch` names it).
     BlockIndex
 );
+
+/// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
+/// `ReqContext`: opened with [`Parent::on_new_request`], closed with
+/// [`Parent::on_request_finished`] exactly once. Shown as vLLM names it,
+/// `p2p:<peer>:<kv_request_id>:lu<n>`; building one allocates nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ServeCtx {
+    /// The peer that asked.
+    pub peer: PeerId,
+    /// The request it asked about.
+    pub kv_request_id: KvRequestId,
+    /// Which lookup message of the session (unique per session).
+    pub lookup: u64,
+}
+
+impl fmt::Display for ServeCtx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "p2p:{}:{}:lu{}",
+            self.peer, self.kv_request_id, self.lookup
+        )
+    }
+}

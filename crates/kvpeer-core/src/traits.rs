@@ -5,37 +5,11 @@
 //! block: anything slow (registering a peer's memory, moving bytes) starts here and reports its
 //! completion later, when the core polls for it.
 
-use std::fmt;
-
-use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
+use kvpeer_proto::{OffloadKey, PeerId};
 
 use crate::error::PlaneError;
 
-pub use crate::ids::{BlockIndex, JobId, TransferId};
-
-/// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
-/// `ReqContext`: opened with [`Parent::on_new_request`], closed with
-/// [`Parent::on_request_finished`] exactly once. Shown as vLLM names it,
-/// `p2p:<peer>:<kv_request_id>:lu<n>`; building one allocates nothing.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ServeCtx {
-    /// The peer that asked.
-    pub peer: PeerId,
-    /// The request it asked about.
-    pub kv_request_id: KvRequestId,
-    /// Which lookup message of the session (unique per session).
-    pub lookup: u64,
-}
-
-impl fmt::Display for ServeCtx {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "p2p:{}:{}:lu{}",
-            self.peer, self.kv_request_id, self.lookup
-        )
-    }
-}
+pub use crate::ids::{BlockIndex, JobId, ServeCtx, TransferId};
 
 /// What the local store says about one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@
 
 use std::fmt;
 
-use crate::message::MessageType;
+use crate::message_type::MessageType;
 
 /// The three ways a payload can fail, plus success, as named in the wire vectors' `expect`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -48,6 +48,7 @@ pub mod events;
 pub mod json;
 mod limits;
 mod message;
+mod message_type;
 mod reader;
 mod types;
 mod value;

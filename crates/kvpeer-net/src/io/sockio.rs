@@ -13,24 +13,13 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use tracing::warn;
 
-use crate::zmtp::connection::Connection;
-
-/// Something with bytes for the socket: a connection's [`transmit`](Connection::transmit) and
-/// [`advance`](Connection::advance).
+/// Something with bytes for the socket (a ZMTP connection implements it, in
+/// `zmtp/connection.rs`: this module knows sockets, not protocols).
 pub(crate) trait Outgoing {
     /// Bytes to write now.
     fn transmit(&self) -> &[u8];
     /// `n` bytes of them were written.
     fn advance(&mut self, n: usize);
-}
-
-impl Outgoing for Connection {
-    fn transmit(&self) -> &[u8] {
-        Connection::transmit(self)
-    }
-    fn advance(&mut self, n: usize) {
-        Connection::advance(self, n);
-    }
 }
 
 /// Starts a non-blocking connect to `addr`: the socket (connecting, or connected already),

@@ -188,6 +188,15 @@ pub enum ConnError {
     TtlExpired(Duration),
 }
 
+impl crate::io::sockio::Outgoing for Connection {
+    fn transmit(&self) -> &[u8] {
+        Connection::transmit(self)
+    }
+    fn advance(&mut self, n: usize) {
+        Connection::advance(self, n);
+    }
+}
+
 /// The send queue is full: the message was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("send queue full")]

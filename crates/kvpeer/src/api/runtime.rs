@@ -226,10 +226,6 @@ impl Runtime {
                     let _ = reply.send(Err(NodeError::RequestOpen(id)));
                     return;
                 };
-                for k in &keys {
-                    self.io.core.lookup(now, &req, k);
-                }
-                self.io.core.flush_lookups(now);
                 let waiting = Waiting {
                     started: now,
                     request: req,

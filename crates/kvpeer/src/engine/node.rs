@@ -234,10 +234,6 @@ impl EngineNode {
     /// [`EngineEvent::LookedUp`] (keys it could not be asked about answer `Miss`).
     pub fn lookup(&mut self, request: &Request, keys: Vec<OffloadKey>) {
         let now = Instant::now();
-        for key in &keys {
-            self.io.core.lookup(now, request, key);
-        }
-        self.io.core.flush_lookups(now);
         let waiting = Waiting {
             started: now,
             request: request.clone(),

@@ -58,8 +58,9 @@ impl<T> LookupWaits<T> {
         self.next_deadline
     }
 
-    /// Adds a lookup whose keys the core has been asked about: ended at once (`done`) if the
-    /// core can answer every key already, else kept until it can.
+    /// Asks the core about the lookup's keys (the probes leave at once, one `lookup` per
+    /// request and peer), then ends it at once (`done`) if the core can answer every key
+    /// already, else keeps it until it can.
     pub(crate) fn add<P: Parent>(
         &mut self,
         io: &mut NodeIo<P>,
@@ -67,6 +68,10 @@ impl<T> LookupWaits<T> {
         waiting: Waiting<T>,
         done: impl FnOnce(Waiting<T>, Ended),
     ) {
+        for key in &waiting.keys {
+            io.core.lookup(now, &waiting.request, key);
+        }
+        io.core.flush_lookups(now);
         if let Some(results) = io.lookup_answers(now, &waiting.request, &waiting.keys) {
             done(waiting, Ended::Answered(results));
             return;

@@ -1,4 +1,4 @@
-//! `kvpeer fetch --driven`: the same workload as [`crate::fetch_cmd`], with the node driven on
+//! `kvpeer fetch --driven`: the same workload as [`crate::fetch_cmd`] (what both share: [`crate::fetch_workload`]), with the node driven on
 //! the command's own thread, as an inference engine embeds kvpeer ([`kvpeer::engine::EngineNode`]):
 //! no runtime thread, so a lookup or a fetch costs no hop to another thread and back.
 //!
@@ -16,8 +16,10 @@ use kvpeer::engine::{BlockIndex, EngineEvent, EngineNode, JobId, KvRequestId, Po
 use kvpeer::node::build::NodeSpec;
 use kvpeer::{synthetic, LookupResult, NodeConfig, OffloadKey, PeerId};
 
-use crate::fetch_cmd::{micros, request_keys, FetchArgs, Progress, Tally};
 use crate::fetch_error::FetchError;
+use crate::fetch_workload::{
+    block_len, micros, process_cpu, remove_pool_on_signal, request_keys, FetchArgs, Progress, Tally,
+};
 
 /// Runs the workload on an engine-driven node of `config`'s plane.
 pub(crate) fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, FetchError> {
@@ -47,7 +49,7 @@ struct InFlight {
 }
 
 fn run(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, FetchError> {
-    crate::fetch_cmd::remove_pool_on_signal(&spec.shm_name)?;
+    remove_pool_on_signal(&spec.shm_name)?;
     // The engine's memory: a named shared-memory pool, which every plane can serve from (the
     // shm plane needs one).
     let pool = Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?;
@@ -57,7 +59,7 @@ fn run(args: &FetchArgs, spec: &NodeSpec) -> Result<Tally, FetchError> {
         node,
         args,
         peer: PeerId::new(args.peer.clone()),
-        block_len: crate::fetch_cmd::block_len(spec.block_len)?,
+        block_len: block_len(spec.block_len)?,
         timeout: Duration::from_secs(args.timeout_secs),
         in_flight: HashMap::new(),
         next_job: 0,
@@ -99,7 +101,7 @@ impl Driver<'_> {
                 ..Tally::default()
             };
         }
-        let (started, cpu_before) = (Instant::now(), crate::fetch_cmd::process_cpu());
+        let (started, cpu_before) = (Instant::now(), process_cpu());
         let timed = args.warmup..args.warmup + args.requests;
         self.run_requests(
             timed,
@@ -110,7 +112,7 @@ impl Driver<'_> {
         )?;
         progress.done();
         tally.workload = started.elapsed();
-        tally.cpu = crate::fetch_cmd::process_cpu().saturating_sub(cpu_before);
+        tally.cpu = process_cpu().saturating_sub(cpu_before);
         Ok(tally)
     }
 

@@ -8,6 +8,7 @@ mod demo_cmd;
 mod fetch_cmd;
 mod fetch_driven;
 mod fetch_error;
+mod fetch_workload;
 mod node_args;
 mod report;
 mod serve_cmd;
@@ -67,7 +68,7 @@ Example:
     #[command(after_help = "\
 Example:
   kvpeer fetch --peer 127.0.0.1:5600 --requests 32 --keys 8")]
-    Fetch(fetch_cmd::FetchArgs),
+    Fetch(fetch_workload::FetchArgs),
 }
 
 fn main() -> ExitCode {
