@@ -47,13 +47,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def plane_args(kind: str, plane: str) -> list[str]:
-    """The flags that put a peer of `kind` on `plane` (shm, tcp, nixl)."""
+# kvpeer's Python shm transport in a stock vLLM session cannot read the challenge in a kvpeer
+# node's READY, so its shm_token is the version-1 kind (bound to the destination's address, not
+# to the connection): a kvpeer node facing it must accept those (docs/security.md, "Fresh
+# proofs"), as crates/kvpeer/tests/common/vllm.rs does for the interop tests.
+VLLM_SHM_TOKENS = ["--shm-allow-replayable-tokens", "true"]
+
+
+def plane_args(kind: str, plane: str, other: str = "") -> list[str]:
+    """The flags that put a peer of `kind` on `plane` (shm, tcp, nixl), facing a peer of kind
+    `other`."""
     if kind == "vllm":
         if plane == "nixl-numpy":
             return ["--transport", "nixl", "--pool", "numpy"]
         return ["--transport", "nixl" if plane == "nixl" else "shm"]
     args = ["--plane", plane]
+    if other == "vllm" and plane == "shm":
+        args += VLLM_SHM_TOKENS
     if plane == "nixl":
         args += ["--nixl-lib-dir", os.environ["KVPEER_NIXL_LIB_DIR"]]
     return args
@@ -61,11 +71,13 @@ def plane_args(kind: str, plane: str) -> list[str]:
 
 class Producer:
     def __init__(self, kind: str, kvpeer: str, block_len: int, prefixes: int,
-                 plane: str = "shm", env: dict | None = None, hits: int = HITS) -> None:
+                 plane: str = "shm", env: dict | None = None, hits: int = HITS,
+                 consumer: str = "") -> None:
         fill = hits * prefixes
         blocks = fill + 32
         common = ["--blocks", str(blocks), "--block-len", str(block_len), "--fill", str(fill)]
-        common += plane_args(kind, plane)
+        common += plane_args(kind, plane, consumer)
+        self.kind = kind
         if kind == "kvpeer":
             cmd = [kvpeer, "serve", *common]
         else:
@@ -115,7 +127,7 @@ def consume(kind: str, kvpeer: str, peer: Producer, block_len: int, requests: in
               "--blocks", str(KEYS * (concurrency + (concurrency > 1))),
               "--block-len", str(block_len),
               "--warmup", str(WARMUP), "--no-verify", "--concurrency", str(concurrency),
-              *plane_args(kind, plane)]
+              *plane_args(kind, plane, peer.kind)]
     if kind == "kvpeer":
         cmd = [kvpeer, "fetch", "--json", *KVPEER_FETCH_MODE, *common]
     else:
@@ -150,7 +162,7 @@ def run_pairing(consumer: str, producer: str, kvpeer: str, block_len: int, reque
     # transport can go deaf after closing a session (docs/behaviour.md #11). Requests in
     # flight together use distinct prefixes (a multiple of the concurrency).
     prefixes = -(-prefixes // concurrency) * concurrency
-    p = Producer(producer, kvpeer, block_len, prefixes)
+    p = Producer(producer, kvpeer, block_len, prefixes, consumer=consumer)
     try:
         cpu0 = cpu_seconds(p.proc.pid)
         r = consume(consumer, kvpeer, p, block_len, requests, prefixes,

@@ -29,7 +29,7 @@
 //! tokens `base + id`, the listening socket `base`); the owner hands each readiness to
 //! [`Listener::on_ready`], which marks the connection, and [`Listener::progress`] then visits
 //! only the connections marked, those whose deadline is due ([`Timers`]: heartbeats,
-//! handshakes, stalls, refilled shares, on the coarse grid so many share a wake) and those with
+//! handshakes and stalls on the coarse grid so many share a wake, refilled shares at their time) and those with
 //! input left from their last round. Nothing walks every connection: a wake costs what is ready,
 //! whatever the number open. Per-source counts and the buffered total are kept as connections
 //! change, so admission and the buffer cap look at every connection only when a cap is reached.
@@ -499,8 +499,11 @@ impl Listener {
         }
     }
 
-    /// Sets connection `id`'s next deadline: its protocol's (heartbeats, handshake), the stall
-    /// of bytes waiting, and the refill of a spent share while it has input, on the coarse grid.
+    /// Sets connection `id`'s next deadline: its protocol's (heartbeats, handshake) and the
+    /// stall of bytes waiting on the coarse grid (many connections share a wake), the refill
+    /// of a spent share while it has input at its time (a busy peer throttled for a few
+    /// hundred microseconds must not wait for the grid's next boundary: measured, a lone
+    /// consumer's lookup p99 went from under 1 ms to 7 ms that way).
     fn rearm(&mut self, id: ConnId, now: Instant) {
         let Some(p) = self.peers.get(&id) else {
             return;
@@ -512,11 +515,12 @@ impl Listener {
             .time_per_second
             .filter(|_| p.has_input() && p.throttled(now, self.limits.time_per_second))
             .map(|r| p.refilled_at(now, r));
-        let at = [p.conn.poll_timeout(), stalled, refilled]
+        let grid = [p.conn.poll_timeout(), stalled]
             .into_iter()
             .flatten()
             .min()
             .map(coarse);
+        let at = grid.into_iter().chain(refilled).min();
         self.timers.set(id, at);
     }
 
