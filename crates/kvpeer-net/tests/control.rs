@@ -667,3 +667,99 @@ fn a_throttled_peers_last_message_comes_before_its_loss_and_no_one_elses_share_i
         "served {f2_after:?} after owing a second"
     );
 }
+
+/// CPU time this thread has used (user + system, from `/proc/thread-self/stat`, in clock
+/// ticks of 10 ms).
+fn thread_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<u64> = rest
+        .split(' ')
+        .skip(11)
+        .take(2)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    Duration::from_millis(10 * (fields[0] + fields[1]))
+}
+
+/// A peer that sends only ZMTP commands (an empty, unknown one, three bytes, at full speed)
+/// hands the node no message to charge, yet reading and decoding them takes the node's
+/// thread: it is charged to the connection's time per second all the same, so the thread
+/// (this test, driving the channel as a node does) spends about that share on it and idles
+/// the rest, and an honest peer's message, sent meanwhile, is delivered byte-exact.
+#[test]
+fn a_connection_flooding_commands_gets_no_more_than_its_time_per_second() {
+    let config = ControlConfig {
+        inbound_time_per_second: Duration::from_millis(50),
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peers = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut flood = zmtp_peer(&id, "127.0.0.1:7141");
+            let mut honest = zmtp_peer(&id, "127.0.0.1:7142");
+            ready_tx.send(()).unwrap();
+            flood
+                .set_write_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            let bytes: Vec<u8> = (0..100_000).flat_map(|_| [0x04, 1, 0x00]).collect();
+            let started = Instant::now();
+            let until = started + Duration::from_secs(30);
+            let (mut sent, mut honest_sent) = (0usize, false);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
+                // Whole commands, however the socket splits the writes.
+                let at = sent % bytes.len();
+                match flood.write(&bytes[at..]) {
+                    Ok(n) => sent += n,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(e) => panic!("the flooder was closed: {e}"),
+                }
+                if !honest_sent && started.elapsed() > Duration::from_secs(1) {
+                    honest
+                        .write_all(&[0x00, 6, b'h', b'o', b'n', b'e', b's', b't'])
+                        .unwrap();
+                    honest_sent = true;
+                }
+            }
+            (flood, honest, sent)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready_rx.try_recv().is_err() {
+        assert!(Instant::now() < deadline, "handshakes");
+        node.wait(Duration::from_millis(5)).unwrap();
+        node.recv();
+    }
+    let (wall, cpu) = (Instant::now(), thread_cpu());
+    let mut honest_seen = false;
+    while wall.elapsed() < Duration::from_secs(3) {
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            if let ChannelEvent::Payload { payload, .. } = e {
+                assert_eq!(payload, b"honest", "only the honest peer sends a message");
+                honest_seen = true;
+            }
+        }
+    }
+    let (wall, cpu) = (wall.elapsed(), thread_cpu() - cpu);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (_flood, _honest, sent) = peers.join().unwrap();
+    assert!(honest_seen, "the honest message never came");
+    assert!(sent > 1 << 20, "the flood ran: {sent} bytes");
+    eprintln!("the node's thread spent {cpu:?} of {wall:?}; the flooder wrote {sent} bytes");
+    // Its share is 5% of the thread; what decoding one round's bytes costs beyond it, and the
+    // waking, stay far below half of it. Unbounded, the thread decodes without rest (~100%).
+    assert!(
+        cpu < wall / 3,
+        "the node's thread spent {cpu:?} of {wall:?} on a command flood"
+    );
+}

@@ -1,7 +1,8 @@
 //! The tcp data port against a hostile neighbour on loopback: HELLOs need the key this node
 //! issued to that writer id (not just the id), keys end with their session, and the port's
 //! caps and deadlines keep idle or stalled connections from exhausting it, without locking out
-//! or faulting an honest writer.
+//! or faulting an honest writer. And the writer against a lying receiver: its ACKs complete
+//! only its own transfers, and a stream of them cannot hold the thread that writes to everyone.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -496,4 +497,253 @@ fn the_listener_backs_off_when_out_of_descriptors() {
     assert!(closed(&mut client));
     let counters = rx.counters();
     assert!(counters.refused_hellos >= 1, "{counters:?}");
+}
+
+/// A receiver we write to that is only a listener: the test reads our frames and answers what
+/// it likes.
+struct FakeReceiver {
+    id: PeerId,
+    listener: std::net::TcpListener,
+}
+
+impl FakeReceiver {
+    /// A listener registered with `tx` as peer `id`.
+    fn registered(tx: &mut TcpPlane, id: &str) -> FakeReceiver {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let memory = RemoteMemory {
+            agent_metadata: AgentMetadata {
+                agent: id.into(),
+                tcp: Some(listener.local_addr().unwrap().to_string()),
+                tcp_key: Some(vec![7; 32]),
+                ..Default::default()
+            }
+            .encode(),
+            base_addr: 0,
+            num_blocks: BLOCKS,
+            block_len: LEN,
+        };
+        let id = PeerId::new(id);
+        tx.add_remote_peer(&id, &memory).unwrap();
+        wait_for("registration", || {
+            tx.registration(&id) != Registration::Pending
+        });
+        assert_eq!(tx.registration(&id), Registration::Done);
+        FakeReceiver { id, listener }
+    }
+
+    /// Accepts the writer's connection and reads its HELLO and one WRITE of one block: the
+    /// connection and the WRITE's transfer id.
+    fn take_write(&self, writer: &str) -> (TcpStream, u64) {
+        let (mut s, _) = self.listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut hello = vec![0u8; 4 + 1 + 2 + writer.len() + 32];
+        s.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello[..4], b"KVPH");
+        let mut head = [0u8; 4 + 8 + 4 + 8];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(&head[..4], b"KVPW");
+        let tid = u64::from_be_bytes(head[4..12].try_into().unwrap());
+        let mut body = vec![0u8; LEN as usize];
+        s.read_exact(&mut body).unwrap();
+        (s, tid)
+    }
+}
+
+fn ack(tid: u64) -> Vec<u8> {
+    let mut a = b"KVPA".to_vec();
+    a.extend_from_slice(&tid.to_be_bytes());
+    a.push(0);
+    a
+}
+
+/// What `tx` reported for `peer` so far, accumulated over polls.
+#[derive(Default)]
+struct Seen {
+    done: Vec<kvpeer_core::TransferId>,
+    fault: Option<TcpFault>,
+}
+
+impl Seen {
+    fn poll(&mut self, tx: &mut TcpPlane, peer: &PeerId) {
+        let poll = tx.poll(peer);
+        self.done.extend(poll.done);
+        if let Some(e) = poll.peer_fault {
+            self.fault = e.downcast_ref::<TcpFault>().cloned();
+        }
+    }
+}
+
+#[test]
+fn a_receiver_cannot_acknowledge_another_receivers_transfer() {
+    let mut tx_store = pool("fa-tx");
+    let mut tx = plane(TX, &tx_store, TcpLimits::default());
+    let honest = FakeReceiver::registered(&mut tx, "10.0.0.5:1");
+    let liar = FakeReceiver::registered(&mut tx, "10.0.0.6:1");
+    let (local, _) = fill(&mut tx_store, 4);
+
+    let tid_h = tx
+        .write_blocks(&honest.id, &[BlockIndex::new(local)], &[BlockIndex::new(1)])
+        .unwrap();
+    let (mut honest_conn, seen_tid) = honest.take_write(TX);
+    assert_eq!(seen_tid, tid_h.get());
+    let tid_l = tx
+        .write_blocks(&liar.id, &[BlockIndex::new(local)], &[BlockIndex::new(2)])
+        .unwrap();
+    let (mut liar_conn, _) = liar.take_write(TX);
+    // The liar acknowledges the honest receiver's transfer (its id is one less than its own).
+    assert_eq!(tid_l.get() - 1, tid_h.get());
+    liar_conn.write_all(&ack(tid_l.get() - 1)).unwrap();
+
+    let (mut at_liar, mut at_honest) = (Seen::default(), Seen::default());
+    wait_for("the liar's fault", || {
+        at_liar.poll(&mut tx, &liar.id);
+        at_liar.fault.is_some()
+    });
+    assert!(
+        matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == tid_h.get()),
+        "{:?}",
+        at_liar.fault
+    );
+    assert!(!at_liar.done.contains(&tid_l), "the liar completed nothing");
+    std::thread::sleep(Duration::from_millis(100));
+    at_honest.poll(&mut tx, &honest.id);
+    assert!(at_honest.done.is_empty() && at_honest.fault.is_none());
+
+    // The honest receiver's own ACK completes it.
+    honest_conn.write_all(&ack(tid_h.get())).unwrap();
+    wait_for("the honest ACK", || {
+        at_honest.poll(&mut tx, &honest.id);
+        at_honest.done.contains(&tid_h)
+    });
+    assert!(at_honest.fault.is_none());
+}
+
+#[test]
+fn a_receiver_streaming_acks_cannot_stall_the_writes_to_others() {
+    let (rx_store, mut tx_store) = (pool("sa-rx"), pool("sa-tx"));
+    let mut rx = plane(RX, &rx_store, TcpLimits::default());
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    let liar = FakeReceiver::registered(&mut tx, "10.0.0.6:1");
+    let (local, bytes) = fill(&mut tx_store, 6);
+
+    let tid_l = tx
+        .write_blocks(&liar.id, &[BlockIndex::new(local)], &[BlockIndex::new(0)])
+        .unwrap();
+    let (liar_conn, _) = liar.take_write(TX);
+    // Its own ACK, then ACKs of transfers never written, as fast as the socket takes them.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        let mut conn = liar_conn.try_clone().unwrap();
+        std::thread::spawn(move || {
+            conn.set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let _ = conn.write_all(&ack(tid_l.get()));
+            let burst: Vec<u8> = (0..5_000u64).flat_map(|i| ack(1 << 60 | i)).collect();
+            let until = Instant::now() + Duration::from_secs(20);
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
+                match conn.write(&burst) {
+                    Ok(n) => sent += n as u64,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                    Err(_) => break,
+                }
+            }
+            sent
+        })
+    };
+
+    // Every write to the honest receiver lands byte-exact meanwhile.
+    for i in 0..BLOCKS {
+        rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(i)]);
+        transfer(&mut tx, local, i).unwrap();
+        assert_eq!(block(&rx_store, i), bytes);
+    }
+    let mut at_liar = Seen::default();
+    wait_for("the liar's fault", || {
+        at_liar.poll(&mut tx, &liar.id);
+        at_liar.fault.is_some()
+    });
+    assert!(
+        matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t >> 60 == 1),
+        "{:?}",
+        at_liar.fault
+    );
+    assert_eq!(
+        at_liar.done,
+        vec![tid_l],
+        "its own ACK counted, nothing more"
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(flood.join().unwrap() > 0);
+}
+
+/// A connection to `to` from loopback address `from` (another host, as the port sees it).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    // The port is chosen at the connect (a bind to port 0 searches for one free for every
+    // destination, milliseconds each with thousands of closed connections about).
+    nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::IpBindAddressNoPort, &true)?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::from(std::net::SocketAddrV4::new(from, 0)),
+    )?;
+    let std::net::SocketAddr::V4(to) = to else {
+        panic!("not v4: {to}");
+    };
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(to))?;
+    Ok(TcpStream::from(fd))
+}
+
+#[test]
+fn junk_from_another_host_cannot_push_out_a_writer_still_in_its_hello() {
+    let store = pool("flood");
+    let limits = TcpLimits {
+        max_handshaking: 4,
+        ..TcpLimits::default()
+    };
+    let mut rx = plane(RX, &store, limits);
+    let key = issue(&mut rx, TX);
+    let junk_host = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    for round in 0..5u64 {
+        // The writer (127.0.0.1) connects; its HELLO is a round trip away (a writer across a
+        // network), and meanwhile ten connections that never send a byte arrive from
+        // 127.0.0.2, more than the port holds in their HELLO.
+        let mut writer = TcpStream::connect(rx.addr()).unwrap();
+        wait_for("the writer accepted", || rx.inbound_connections().1 >= 1);
+        let evicted = rx.counters().evicted_handshaking;
+        let mut junk: Vec<TcpStream> = (0..10)
+            .map(|_| connect_from(junk_host, rx.addr()).unwrap())
+            .collect();
+        wait_for("the junk taken in", || {
+            rx.counters().evicted_handshaking >= evicted + 7
+        });
+        // The junk made room among itself: its oldest connections are the ones reset.
+        assert!(
+            closed_within(&mut junk[0], Duration::from_secs(2)),
+            "round {round}"
+        );
+        assert!(
+            still_open(&mut junk[9], Duration::from_millis(20)),
+            "round {round}"
+        );
+        // The writer's HELLO is read and its WRITE lands.
+        let b = round % BLOCKS;
+        rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(b)]);
+        hello(&mut writer, TX, &key);
+        let fill = 0x40 + round as u8;
+        assert_eq!(
+            write(&mut writer, 100 + round, &[(b, fill)]),
+            Some(0),
+            "round {round}"
+        );
+        assert_eq!(block(&store, b), vec![fill; LEN as usize]);
+    }
 }

@@ -64,6 +64,11 @@ pub struct Role {
 }
 
 impl Role {
+    /// Whether this side publishes (its peers' subscriptions are what it serves).
+    pub fn publishes(&self) -> bool {
+        matches!(self.socket_type, "PUB" | "XPUB")
+    }
+
     /// The control channel's DEALER: introduces itself as `identity`, talks to a ROUTER, never
     /// reads what the ROUTER sends (libzmq's DEALERs in vLLM were never read either).
     pub fn control_dealer(identity: &[u8]) -> Self {
@@ -481,10 +486,12 @@ impl Connection {
                 }
                 Input::Discarded { .. } => self.dropped += 1,
                 Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
-                Input::Subscribe(prefix) if self.role.keep => {
+                // Subscriptions mean something only to a publisher; elsewhere (a ROUTER) they
+                // are skipped like unknown commands, and cannot pass for a peer at work.
+                Input::Subscribe(prefix) if self.role.keep && self.role.publishes() => {
                     self.incoming.push_back(Incoming::Subscribe(prefix))
                 }
-                Input::Cancel(prefix) if self.role.keep => {
+                Input::Cancel(prefix) if self.role.keep && self.role.publishes() => {
                     self.incoming.push_back(Incoming::Cancel(prefix))
                 }
                 Input::Subscribe(_) | Input::Cancel(_) => {}
@@ -670,6 +677,18 @@ mod tests {
         peer.extend(zmtp::message_frame(b"m"));
         d.handle_bytes(&peer, t).unwrap();
         assert_eq!((d.poll_incoming(), d.dropped()), (None, 1));
+        // A keeping ROUTER yields messages only: a subscription is nothing to it (it cannot
+        // make a connection look at work).
+        let mut r = Connection::new(Role::control_router(), limits());
+        let mut peer = hello("DEALER");
+        peer.extend(zmtp::subscription_command(b"x", true));
+        peer.extend(zmtp::subscription_command(b"x", false));
+        peer.extend(zmtp::message_frame(b"m"));
+        r.handle_bytes(&peer, t).unwrap();
+        assert_eq!(
+            incoming(&mut r),
+            vec![Incoming::Message(vec![b"m".to_vec()])]
+        );
     }
 
     #[test]

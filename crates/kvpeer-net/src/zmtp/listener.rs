@@ -178,6 +178,22 @@ impl Peer {
             + Duration::from_micros(1)
     }
 
+    /// Takes `cost` of this thread's time from its round credit and its time-per-second share
+    /// (debt bounded to one second's share, so it waits at most a second, far inside its
+    /// heartbeat timeout).
+    fn spend(&mut self, cost: Duration, per_second: Option<Duration>) {
+        let ns = nanos(cost);
+        self.credit_ns = self.credit_ns.saturating_sub(ns);
+        if let Some(per_second) = per_second {
+            let now = Instant::now().max(self.rate_at);
+            self.rate_ns = self
+                .share_at(now, per_second)
+                .saturating_sub(ns)
+                .max(-nanos(per_second));
+            self.rate_at = now;
+        }
+    }
+
     /// Whether it has input to be given a round for: in its socket or its decoder.
     fn has_input(&self) -> bool {
         self.readable || self.conn.holds_input()
@@ -347,22 +363,16 @@ impl Listener {
             return;
         };
         let ns = nanos(cost);
-        p.credit_ns = p.credit_ns.saturating_sub(ns);
         p.cost_ns = (p
             .cost_ns
             .saturating_mul(7)
             .saturating_add(ns.unsigned_abs()))
             / 8;
-        if let Some(per_second) = self.limits.time_per_second {
-            let now = Instant::now().max(p.rate_at);
-            // Debt is bounded to one second's share, so a connection waits at most a second
-            // (far inside its heartbeat timeout) however expensive one message was.
-            p.rate_ns = p
-                .share_at(now, per_second)
-                .saturating_sub(ns)
-                .max(-nanos(per_second));
-            p.rate_at = now;
+        let per_second = self.limits.time_per_second;
+        p.spend(cost, per_second);
+        if per_second.is_some() {
             // A share spent: its input waits for the refill, which its deadline wakes.
+            let now = p.rate_at;
             self.rearm(id, now);
         }
     }
@@ -646,7 +656,14 @@ impl Listener {
                 }
                 Ok(())
             };
+            let started = Instant::now();
             let result = step();
+            if read && share > 0 && !drain {
+                // Reading and decoding cost this thread too, whether or not a message came of
+                // it (a flood of PINGs or unknown commands hands the caller nothing to charge):
+                // the connection pays it from its shares like the caller's handling.
+                p.spend(started.elapsed(), per_second);
+            }
             if !was_ready && p.conn.is_ready() {
                 out.push((
                     id,

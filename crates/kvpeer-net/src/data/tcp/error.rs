@@ -80,6 +80,10 @@ pub enum TcpFault {
     /// The receiver refused a write (it refuses only a write it holds no permit for).
     #[error("the receiver refused a tcp write")]
     WriteRefused,
+    /// The receiver acknowledged a transfer not awaiting an ACK on its connection (another
+    /// connection's, or more ACKs than WRITEs).
+    #[error("the receiver acknowledged tcp transfer {0}, which awaits no ACK from it")]
+    ForeignAck(u64),
     /// The connection kept closing before a write could go.
     #[error("the tcp data connection keeps closing before a write")]
     KeepsClosing,

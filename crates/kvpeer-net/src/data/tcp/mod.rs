@@ -681,11 +681,16 @@ fn close(s: &TcpStream) {
 /// Shuts a socket both ways and makes its last close a reset: bytes still in its send buffer
 /// (a peer that stopped reading) are dropped instead of trickling out ahead of the FIN.
 fn abort(s: &TcpStream) {
+    reset_on_close(s);
+    close(s);
+}
+
+/// Makes the socket's last close a reset (no FIN, and no TIME_WAIT left on this side).
+fn reset_on_close(s: &TcpStream) {
     let off = nix::sys::socket::sockopt::Linger;
     let now = nix::libc::linger {
         l_onoff: 1,
         l_linger: 0,
     };
     let _ = nix::sys::socket::setsockopt(s, off, &now);
-    close(s);
 }

@@ -18,9 +18,11 @@
 //! descriptor, so the descriptor is never one reused for something else. The thread then sees
 //! the connection end at once.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
+use std::net::IpAddr;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
@@ -43,6 +45,9 @@ use crate::lock;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// At most one warning per this long about failing accepts (the rest are counted).
 const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
+/// Connections one round accepts at most before the connections it took are read: a writer's
+/// HELLO, already in its socket, is read before a flood behind it can push it out.
+const ACCEPT_BATCH: usize = 16;
 
 /// Tokens of the thread's poll: its wake pipe, the listener, connections from `CONNS` on.
 const WAKE: Token = 0;
@@ -282,6 +287,8 @@ pub(super) fn start(listener: TcpListener, shared: Shared) -> std::io::Result<Re
         shared,
         stop: stop.clone(),
         conns: HashMap::new(),
+        in_hello: BTreeMap::new(),
+        in_hello_from: HashMap::new(),
         timers: Timers::default(),
         next_conn: CONNS,
         accept_pending: true,
@@ -315,6 +322,10 @@ struct Receiver {
     shared: Shared,
     stop: Arc<std::sync::atomic::AtomicBool>,
     conns: HashMap<u64, Conn>,
+    /// The connections still in their HELLO (the oldest first), by source address, and how
+    /// many each source holds: who makes room when the port is full.
+    in_hello: BTreeMap<u64, IpAddr>,
+    in_hello_from: HashMap<IpAddr, usize>,
     timers: Timers<u64>,
     next_conn: u64,
     /// The poll said connections wait, and no accept found none since.
@@ -379,16 +390,17 @@ impl Receiver {
         }
     }
 
-    /// Accepts what waits (unless resting after a failed accept), each new connection within
-    /// the caps; the new ones go to `visit`.
+    /// Accepts what waits, [`ACCEPT_BATCH`] at most (unless resting after a failed accept),
+    /// each new connection within the caps; the new ones go to `visit`. With more waiting,
+    /// `accept_pending` stays set and the next round takes them, after these were read.
     fn accept(&mut self, now: Instant, visit: &mut Vec<u64>) {
         if !self.accept_pending || self.accept_paused_until.is_some_and(|t| now < t) {
             return;
         }
         self.accept_paused_until = None;
-        loop {
-            let stream = match sockio::accept(&self.listener) {
-                Accepted::Stream(stream, _) => stream,
+        for _ in 0..ACCEPT_BATCH {
+            let (stream, source) = match sockio::accept(&self.listener) {
+                Accepted::Stream(stream, source) => (stream, source),
                 Accepted::None => {
                     self.accept_pending = false;
                     return;
@@ -410,40 +422,42 @@ impl Receiver {
                     return;
                 }
             };
-            if let Some(id) = self.admit(stream, now) {
+            if let Some(id) = self.admit(stream, source, now) {
                 visit.push(id);
             }
         }
     }
 
-    /// Takes a new connection within the caps: over either cap the oldest connection still in
-    /// its HELLO is closed to make room; if every open connection is past its HELLO and the
-    /// total cap is reached, the new one is refused.
-    fn admit(&mut self, stream: TcpStream, now: Instant) -> Option<u64> {
+    /// Takes a new connection within the caps: over either cap a connection still in its
+    /// HELLO is closed to make room, the oldest of the source that holds the most of them
+    /// (the new one counted), so a flood from one address pushes out its own connections, not
+    /// a writer's from another; if every open connection is past its HELLO and the total cap
+    /// is reached, the new one is refused.
+    fn admit(&mut self, stream: TcpStream, source: IpAddr, now: Instant) -> Option<u64> {
         let limits = lock(&self.shared.limits).clone();
         let mut evicted = Vec::new();
         let id = self.next_conn;
         {
-            let mut gate = lock(&self.shared.gate);
+            let gate = self.shared.gate.clone();
+            let mut gate = lock(&gate);
             loop {
-                let (authenticated, handshaking) = gate.counts();
-                let total = authenticated + handshaking;
+                let total = gate.conns.len();
                 if total < limits.max_connections.max(1)
-                    && handshaking < limits.max_handshaking.max(1)
+                    && self.in_hello.len() < limits.max_handshaking.max(1)
                 {
                     break;
                 }
-                let oldest = gate
-                    .conns
-                    .iter()
-                    .find(|(_, c)| c.writer.is_none())
-                    .map(|(id, _)| *id);
-                match oldest.and_then(|o| gate.conns.remove(&o).map(|_| o)) {
-                    Some(o) => evicted.push(o),
+                match self.eviction_victim(source) {
+                    Some(o) => {
+                        gate.conns.remove(&o);
+                        self.left_hello(o);
+                        evicted.push(o);
+                    }
                     None => {
                         drop(gate);
                         Counters::bump(&self.shared.counters.refused_over_cap);
                         debug!("tcp data port full; closing a new connection");
+                        super::reset_on_close(&stream);
                         return None;
                     }
                 }
@@ -459,7 +473,12 @@ impl Receiver {
         }
         for o in evicted {
             Counters::bump(&self.shared.counters.evicted_handshaking);
-            self.forget(o);
+            // Reset, not shut: a flood of junk leaves no TIME_WAIT here (its gate entry went
+            // above, so the descriptor closes as the connection drops).
+            self.timers.set(o, None);
+            if let Some(c) = self.conns.remove(&o) {
+                super::reset_on_close(&c.stream);
+            }
         }
         if let Err(e) = self.poller.add(stream.as_fd(), id) {
             debug!(error = %e, "cannot poll a tcp data connection; closing it");
@@ -467,6 +486,8 @@ impl Receiver {
             return None;
         }
         self.next_conn += 1;
+        self.in_hello.insert(id, source);
+        *self.in_hello_from.entry(source).or_default() += 1;
         let deadline = now + limits.hello_timeout;
         self.conns.insert(
             id,
@@ -486,8 +507,34 @@ impl Receiver {
         Some(id)
     }
 
+    /// The connection in its HELLO that makes room for a new one from `source`: the oldest of
+    /// the source with the most connections in their HELLO, the new one counted.
+    fn eviction_victim(&self, source: IpAddr) -> Option<u64> {
+        let held = |ip: &IpAddr| {
+            self.in_hello_from.get(ip).copied().unwrap_or(0) + usize::from(*ip == source)
+        };
+        self.in_hello
+            .iter()
+            .max_by_key(|(id, ip)| (held(ip), Reverse(**id)))
+            .map(|(id, _)| *id)
+    }
+
+    /// Connection `id` is no longer in its HELLO (past it, or gone).
+    fn left_hello(&mut self, id: u64) {
+        let Some(source) = self.in_hello.remove(&id) else {
+            return;
+        };
+        if let Some(n) = self.in_hello_from.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                self.in_hello_from.remove(&source);
+            }
+        }
+    }
+
     /// Forgets connection `id` (first at the gate, then its descriptor closes).
     fn forget(&mut self, id: u64) {
+        self.left_hello(id);
         lock(&self.shared.gate).conns.remove(&id);
         self.timers.set(id, None);
         if let Some(c) = self.conns.remove(&id) {
@@ -660,6 +707,7 @@ impl Receiver {
                     match authenticated {
                         Some(replaced) => {
                             debug!(%writer, replaced, "tcp data connection authenticated");
+                            self.left_hello(id);
                             c.writer = Some(writer);
                             c.state = Rx::Idle;
                             c.deadline = now + limits.idle_timeout;

@@ -61,6 +61,11 @@ const WAKE: Token = 0;
 /// How long a connect may take before the peer is faulted.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Reads of ACK bytes one drive of a link makes at most (an ACK is 13 bytes; an honest
+/// receiver sends one per WRITE): a peer streaming ACKs cannot hold the thread that writes to
+/// every peer.
+const ACK_READS_PER_DRIVE: usize = 256;
+
 /// Under a byte rate, a link writes once this much (or the rest of its frame) is allowed, so a
 /// paced link wakes the thread about 16 times per MiB, not once per byte.
 const PACE_CHUNK: usize = 64 * 1024;
@@ -218,6 +223,9 @@ struct Conn {
     /// An ACK's bytes read so far.
     ack: [u8; ACK_LEN],
     ack_len: usize,
+    /// WRITEs queued on this connection and not yet acknowledged: an honest receiver sends
+    /// one ACK per WRITE, so an ACK beyond them is a lie.
+    unacked: usize,
     /// When bytes last left (or a frame was queued onto an idle connection).
     progressed: Instant,
 }
@@ -480,6 +488,10 @@ impl Sender {
         let mut at: Option<Instant> = None;
         let mut consider = |t: Instant| at = Some(at.map_or(t, |a| a.min(t)));
         if let Some(c) = &link.conn {
+            if !link.stopped && c.connecting.is_none() && c.readable {
+                // ACKs left unread by the last drive's budget.
+                consider(now);
+            }
             if let Some(since) = c.connecting {
                 consider(since + CONNECT_TIMEOUT);
             } else if !c.out.is_empty() {
@@ -616,6 +628,7 @@ impl Sender {
                         if c.out.is_empty() {
                             c.progressed = now;
                         }
+                        c.unacked += 1;
                         c.out.push_back(Frame {
                             tid: Some(job.tid),
                             head,
@@ -745,6 +758,7 @@ impl Sender {
             out,
             ack: [0; ACK_LEN],
             ack_len: 0,
+            unacked: 0,
             progressed: now,
         });
         link.conn_open = true;
@@ -884,15 +898,26 @@ impl Sender {
         true
     }
 
-    /// ACKs in, until the socket has no more. The connection's end: with WRITEs awaiting their
-    /// ACK on it, a fault; idle, it is only forgotten (the next write reconnects).
+    /// ACKs in, until the socket has no more (or this drive's budget is spent). An ACK counts
+    /// only for a WRITE awaiting it on this connection: one for another connection's
+    /// transfer, or more ACKs than WRITEs, faults this peer and completes nothing. The
+    /// connection's end: with WRITEs awaiting their ACK on it, a fault; idle, it is only
+    /// forgotten (the next write reconnects).
     fn read_acks(&mut self, link: &mut Link) -> Result<(), TcpFault> {
         let Some(c) = &mut link.conn else {
             return Ok(());
         };
         let mut acks = Vec::new();
         let mut ended = false;
+        let mut excess = None;
+        let mut reads = 0;
         loop {
+            if reads == ACK_READS_PER_DRIVE {
+                // `readable` stays set: `rearm` drives this link again at once, after the
+                // other links had their turn.
+                break;
+            }
+            reads += 1;
             match (&c.stream).read(&mut c.ack[c.ack_len..]) {
                 Ok(0) => {
                     ended = true;
@@ -902,7 +927,14 @@ impl Sender {
                     c.ack_len += n;
                     if c.ack_len == ACK_LEN {
                         match wire::decode_ack(&c.ack) {
-                            Ok(ack) => acks.push(ack),
+                            Ok((tid, _)) if c.unacked == 0 => {
+                                excess = Some(tid);
+                                break;
+                            }
+                            Ok(ack) => {
+                                c.unacked -= 1;
+                                acks.push(ack);
+                            }
                             Err(_) => {
                                 ended = true;
                                 break;
@@ -923,10 +955,24 @@ impl Sender {
             }
         }
         let conn_id = c.id;
-        if !acks.is_empty() {
+        if !acks.is_empty() || excess.is_some() {
             let mut refused = false;
+            let mut foreign = excess;
             let mut e = lock(&self.shared.ends);
             for (tid, written) in acks {
+                match e.sent.get(&tid) {
+                    // Awaiting its ACK on this very connection: the one ACK that counts.
+                    Some(s) if s.peer == link.peer && s.conn == conn_id => {}
+                    // Another connection's transfer (another peer's, most likely): a lie
+                    // that must not complete it; the liar is faulted, the transfer waits
+                    // for its own ACK.
+                    Some(_) => {
+                        foreign = Some(tid);
+                        break;
+                    }
+                    // Not awaited (cancelled at once, or never ours): nothing to do.
+                    None => continue,
+                }
                 if e.sent.remove(&tid).is_some() {
                     let report = e.ended.entry(link.peer.clone()).or_default();
                     if written {
@@ -939,6 +985,9 @@ impl Sender {
             }
             drop(e);
             (self.shared.wake)();
+            if let Some(tid) = foreign {
+                return Err(TcpFault::ForeignAck(tid.get()));
+            }
             if refused {
                 // The receiver refuses only a write it holds no permit for, and closes.
                 return Err(TcpFault::WriteRefused);
