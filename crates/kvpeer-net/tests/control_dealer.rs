@@ -618,6 +618,54 @@ fn a_router_announcing_a_1_tib_frame_is_dropped_and_other_peers_are_served_byte_
     assert_eq!(payloads, vec![&big, &b"after".to_vec()]);
 }
 
+/// A ROUTER sends our DEALER nothing but heartbeats (vLLM's DEALERs were never read): the
+/// peer we answer, flooding it with commands and messages at full speed, is cut off once past a
+/// burst of 1024 (it cannot make our thread decode what nobody reads); the cause names it, and
+/// other peers are served byte-exact.
+#[test]
+fn a_router_flooding_our_dealer_is_cut_off_and_other_peers_are_served_byte_exact() {
+    let mut a = channel();
+    let mut b = channel();
+    let (ida, idb) = (a.identity().clone(), b.identity().clone());
+    let (listener, hostile) = router_listener();
+    a.send(&hostile, b"hello").unwrap();
+    let peer = std::thread::spawn(move || {
+        let mut r = Router::accept(&listener);
+        r.handshake(3, 1);
+        assert_eq!(r.read_message(), b"hello");
+        // Unknown commands and one-frame messages, alternating, until the DEALER closes.
+        let burst: Vec<u8> = (0..10_000)
+            .flat_map(|_| [0x04u8, 1, 0x00, 0x00, 1, b'x'])
+            .collect();
+        r.s.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = r.s.write_all(&burst);
+        r.closed()
+    });
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !peer.is_finished() || lost_reason(&events, &hostile).is_none() {
+        assert!(Instant::now() < deadline, "{events:?}");
+        a.wait(Duration::from_millis(5)).unwrap();
+        events.extend(a.recv());
+        b.recv();
+    }
+    assert!(peer.join().unwrap(), "the flooding connection was closed");
+    let reason = lost_reason(&events, &hostile).expect("lost");
+    assert!(
+        reason.contains("more than 1024 messages or commands at once"),
+        "{reason}"
+    );
+    a.send(&idb, b"after").unwrap();
+    let got = drive(&mut [&mut b, &mut a], Duration::from_secs(10), |e| {
+        e.iter()
+            .any(|e| matches!(e, ChannelEvent::Payload { payload, .. } if payload == b"after"))
+    });
+    assert!(got.iter().any(
+        |e| matches!(e, ChannelEvent::Payload { peer, payload, .. } if *peer == ida && payload == b"after")
+    ));
+}
+
 /// `close` returns at once; what was queued still leaves within the linger, and nothing is
 /// reported. Dropping the channel does the same (blocking up to the linger, as
 /// `zmq_ctx_term` did).

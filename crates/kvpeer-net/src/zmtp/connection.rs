@@ -191,6 +191,17 @@ pub enum ConnError {
     /// The peer fell silent past the TTL its own PING announced.
     #[error("the peer fell silent past its heartbeat TTL of {0:?}")]
     TtlExpired(Duration),
+    /// The peer sent a socket that reads nothing more than heartbeats.
+    #[error(
+        "the peer sent more than {burst} messages or commands at once, or {per_second} a \
+         second, to a socket that reads none"
+    )]
+    Unread {
+        /// Its burst.
+        burst: u32,
+        /// Its rate.
+        per_second: u32,
+    },
 }
 
 impl crate::io::sockio::Outgoing for Connection {
@@ -217,6 +228,13 @@ pub enum Incoming {
     /// A CANCEL command for this prefix.
     Cancel(Vec<u8>),
 }
+
+/// What a skipping role (the control DEALER: a ROUTER sends it nothing but heartbeats) may be
+/// sent besides heartbeats: a burst of this many messages or commands, then
+/// [`SKIPPED_PER_SECOND`]; past it the connection ends, so the peer we answer cannot make this
+/// side decode a flood it never reads.
+const SKIPPED_BURST: u32 = 1024;
+const SKIPPED_PER_SECOND: u32 = 64;
 
 /// Buffer capacity kept once everything queued was written; a larger one is given back.
 const KEEP_CAPACITY: usize = 256 * 1024;
@@ -249,6 +267,10 @@ pub struct Connection {
     /// PONG of their own (libzmq keeps one PONG pending too).
     pong_end: u64,
     dropped: u64,
+    /// A skipping role's allowance of things it skips ([`SKIPPED_BURST`]): the time at which
+    /// everything skipped so far would have been allowed at [`SKIPPED_PER_SECOND`] (a
+    /// generic cell rate).
+    skipped_until: Option<Instant>,
     incoming: VecDeque<Incoming>,
     /// Decoding paused at `max_incoming`: the decoder may hold more.
     paused: bool,
@@ -292,6 +314,7 @@ impl Connection {
             ttl_deadline: None,
             pong_end: 0,
             dropped: 0,
+            skipped_until: None,
             incoming: VecDeque::new(),
             paused: false,
             peer_identity: None,
@@ -449,8 +472,9 @@ impl Connection {
                 return Ok(());
             };
             match input {
-                // Ours went out with our READY.
-                Input::Greeting | Input::Command => {}
+                Input::Greeting => {}
+                // Unknown to us (ours went out with our READY).
+                Input::Command => self.skipped(now)?,
                 Input::Ready {
                     socket_type,
                     identity,
@@ -484,7 +508,10 @@ impl Connection {
                         self.ttl_deadline = Some((now + ttl, ttl));
                     }
                 }
-                Input::Discarded { .. } => self.dropped += 1,
+                Input::Discarded { .. } => {
+                    self.dropped += 1;
+                    self.skipped(now)?;
+                }
                 Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
                 // Subscriptions mean something only to a publisher; elsewhere (a ROUTER) they
                 // are skipped like unknown commands, and cannot pass for a peer at work.
@@ -494,9 +521,27 @@ impl Connection {
                 Input::Cancel(prefix) if self.role.keep && self.role.publishes() => {
                     self.incoming.push_back(Incoming::Cancel(prefix))
                 }
-                Input::Subscribe(_) | Input::Cancel(_) => {}
+                Input::Subscribe(_) | Input::Cancel(_) => self.skipped(now)?,
             }
         }
+    }
+
+    /// One thing the peer sent was skipped at `now`: within a skipping role's allowance, or
+    /// the end of the connection. A keeping role skips only what its owner's time share pays.
+    fn skipped(&mut self, now: Instant) -> Result<(), ConnError> {
+        if self.role.keep {
+            return Ok(());
+        }
+        let each = Duration::from_secs(1) / SKIPPED_PER_SECOND;
+        let until = self.skipped_until.map_or(now, |t| t.max(now)) + each;
+        if until.saturating_duration_since(now) > each * SKIPPED_BURST {
+            return Err(ConnError::Unread {
+                burst: SKIPPED_BURST,
+                per_second: SKIPPED_PER_SECOND,
+            });
+        }
+        self.skipped_until = Some(until);
+        Ok(())
     }
 
     /// The next thing the peer sent (a keeping role), in order.
@@ -677,6 +722,33 @@ mod tests {
         peer.extend(zmtp::message_frame(b"m"));
         d.handle_bytes(&peer, t).unwrap();
         assert_eq!((d.poll_incoming(), d.dropped()), (None, 1));
+        // What it skips has an allowance: a burst, then a rate; past it, the end.
+        let unknown = [0x04u8, 1, 0x00];
+        for _ in 2..SKIPPED_BURST {
+            d.handle_bytes(&unknown, t).unwrap();
+        }
+        assert!(matches!(
+            d.handle_bytes(&unknown, t),
+            Err(ConnError::Unread { .. })
+        ));
+        let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+        d.handle_bytes(&hello("ROUTER"), t).unwrap();
+        for second in 0..20u64 {
+            // Over the rate by 40 a second: within the burst for 20 s.
+            for _ in 0..SKIPPED_BURST / 25 + SKIPPED_PER_SECOND {
+                d.handle_bytes(&zmtp::message_frame(b"m"), t + Duration::from_secs(second))
+                    .unwrap_or_else(|e| panic!("second {second}: {e}"));
+            }
+        }
+        // Heartbeats are never counted.
+        for i in 0..10 * SKIPPED_BURST {
+            d.handle_bytes(
+                &zmtp::ping(0),
+                t + Duration::from_secs(19) + Duration::from_micros(u64::from(i)),
+            )
+            .unwrap();
+            drain(&mut d);
+        }
         // A keeping ROUTER yields messages only: a subscription is nothing to it (it cannot
         // make a connection look at work).
         let mut r = Connection::new(Role::control_router(), limits());
