@@ -86,6 +86,10 @@ pub struct CoreConfig {
     /// Requests one peer may have open on this node's producer side at once; a lookup or
     /// fetch that would open another is answered MISS / failed at once.
     pub max_requests_per_peer: usize,
+    /// Blocks a peer's pool may have (its `connect`'s `num_blocks`): a larger one is refused
+    /// at the `connect`, before the data plane maps it or prepares a descriptor per block
+    /// (NIXL), so a number the peer chose cannot make this node allocate without bound.
+    pub max_peer_blocks: u64,
 }
 
 impl CoreConfig {
@@ -139,6 +143,7 @@ impl Default for CoreConfig {
             max_held_keys_per_peer: 1 << 21,
             max_held_bytes_per_peer: 256 << 20,
             max_requests_per_peer: 1 << 17,
+            max_peer_blocks: 1 << 22,
         }
     }
 }

@@ -419,6 +419,16 @@ pub enum ConnectRejection {
         /// Ours.
         local: String,
     },
+    /// The peer's pool has more blocks than this node takes (`max_peer_blocks`).
+    #[error(
+        "the peer's pool has {blocks} blocks, over the {most} this node takes (max_peer_blocks)"
+    )]
+    PoolTooLarge {
+        /// The peer's `num_blocks`.
+        blocks: u64,
+        /// Ours.
+        most: u64,
+    },
     /// The data plane would not start registering the peer.
     #[error("data plane refused the peer: {0}")]
     PlaneRefused(#[source] PlaneError),

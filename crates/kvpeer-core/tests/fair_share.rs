@@ -430,6 +430,42 @@ fn long_keys_count_against_the_peers_share_of_bytes() {
     assert!(p.alive(&attacker));
 }
 
+/// vLLM accepts request ids as long as a message can carry (its own vectors have 70,000
+/// bytes): the node keeps copies of a peer's id while its request is open, so the id's length
+/// is paid from the peer's share of bytes like its keys; an honest peer still hits.
+#[test]
+fn long_request_ids_count_against_the_peers_share_of_bytes() {
+    let config = CoreConfig {
+        max_held_bytes_per_peer: 1 << 20,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    p.parent().wakes_core = true;
+    for k in keys(0..10) {
+        p.parent().retry.insert(k);
+    }
+    let attacker = p.join(1);
+    let honest = p.join(2);
+    let id = |i: u64| format!("{i}{}", "r".repeat(100_000));
+    // Each lookup holds one key, and an id of 100 KB: about 400 KB of the peer's 1 MiB.
+    p.recv(&attacker, lookup_msg(&id(0), keys(0..1), 0));
+    p.recv(&attacker, lookup_msg(&id(1), keys(1..2), 0));
+    assert!(p.responses(&attacker).is_empty(), "held, pending");
+    let held = p.share(&attacker).held_bytes;
+    assert!((800_000..1 << 20).contains(&held), "{held} bytes estimated");
+    p.recv(&attacker, lookup_msg(&id(2), keys(2..3), 0));
+    let resp = p.responses(&attacker);
+    assert_eq!(resp.len(), 1, "past the share of bytes: answered at once");
+    assert_eq!(resp[0].2, vec![false]);
+    assert_eq!(p.share(&attacker).held_bytes, held);
+    p.parent().insert(&key(9_999));
+    p.recv(&honest, lookup_msg("h", vec![key(9_999)], 0));
+    assert_eq!(p.responses(&honest)[0].2, vec![true]);
+    p.advance(Duration::from_secs(6));
+    assert_eq!(p.share(&attacker).held_bytes, 0);
+    assert!(p.alive(&attacker));
+}
+
 #[test]
 fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
     let config = CoreConfig {

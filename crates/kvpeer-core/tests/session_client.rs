@@ -191,11 +191,22 @@ fn messages_wait_for_the_peers_ack_then_flush_in_order() {
 /// upstream: TestConnectHandshake.test_block_len_mismatch_marks_dead
 /// upstream: TestConnectHandshake.test_config_fingerprint_mismatch_marks_dead
 /// upstream: TestConnectHandshake.test_hash_seed_mismatch_marks_dead
+/// kvpeer: a peer's pool over `max_peer_blocks` is refused the same way.
 #[test]
 fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
     type Tweak = fn(&mut kvpeer_proto::Connect);
-    let cases: [(Tweak, &str); 3] = [
+    let cases: [(Tweak, &str); 5] = [
         (|c| c.block_len = 32_768, "block_len mismatch"),
+        // A pool larger than `max_peer_blocks` (the plane would map it, or prepare a NIXL
+        // descriptor per block) is refused before the plane sees it.
+        (
+            |c| c.num_blocks = (1 << 22) + 1,
+            "4194305 blocks, over the 4194304 this node takes",
+        ),
+        (
+            |c| c.num_blocks = u64::MAX,
+            "over the 4194304 this node takes",
+        ),
         (
             |c| c.config_fingerprint = Some("ffffffffffffffff".into()),
             "fingerprint mismatch",

@@ -152,3 +152,72 @@ fn a_region_whose_stride_is_not_its_block_length_is_refused() {
         "{refused:?}"
     );
 }
+
+/// A peer's region comes from its `connect`: one whose addresses overflow (a base near the top
+/// of the address space) is refused as `NixlRefusal::Region` before a descriptor is made, and
+/// the plane still registers an honest peer and writes to it byte-exact.
+#[test]
+fn a_peer_region_that_overflows_the_address_space_is_refused() {
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let (a_pool, _) = region(|i| i as u8 + 1);
+    let (b_pool, b_base) = region(|_| 0);
+    let mut a = plane("ovf-a", &a_pool);
+    let b = plane("ovf-b", &b_pool);
+    let liar = PeerId::new("127.0.0.1:7103");
+    let memory = RemoteMemory {
+        agent_metadata: b.metadata().to_vec(),
+        base_addr: u64::MAX - LEN,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    a.add_remote_peer(&liar, &memory).unwrap();
+    let state = wait(|| match a.registration(&liar) {
+        Registration::Pending => None,
+        other => Some(other),
+    });
+    match state {
+        Registration::Failed(e) => assert!(
+            matches!(
+                e.downcast_ref::<kvpeer_net::data::nixl::NixlRefusal>(),
+                Some(kvpeer_net::data::nixl::NixlRefusal::Region { base, .. }) if *base == u64::MAX - LEN
+            ),
+            "{e:?}"
+        ),
+        other => panic!("registered: {other:?}"),
+    }
+    a.remove_remote_peer(&liar);
+    // The same agent, honestly described, registers and is written byte-exact.
+    let honest = PeerId::new("127.0.0.1:7104");
+    let memory = RemoteMemory {
+        base_addr: b.base_addr(),
+        ..memory
+    };
+    a.add_remote_peer(&honest, &memory).unwrap();
+    let state = wait(|| match a.registration(&honest) {
+        Registration::Pending => None,
+        other => Some(other),
+    });
+    assert_eq!(state, Registration::Done);
+    let mut b = b;
+    let pa = PeerId::new("127.0.0.1:7101");
+    let (local, remote) = ([BlockIndex::new(3)], [BlockIndex::new(6)]);
+    b.expect_writes(&pa, &remote);
+    let tid = a.write_blocks(&honest, &local, &remote).unwrap();
+    let poll = wait(|| {
+        let poll = a.poll(&honest);
+        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
+            .then_some(poll)
+    });
+    assert_eq!((poll.done, poll.peer_fault.is_none()), (vec![tid], true));
+    let bytes = raw(&b_pool, b_base);
+    let at = (6 * LEN) as usize;
+    assert!(bytes[at..at + LEN as usize].iter().all(|x| *x == 4));
+    assert!(bytes[..at]
+        .iter()
+        .chain(&bytes[at + LEN as usize..])
+        .all(|x| *x == 0));
+    b.end_writes(&pa, &remote);
+    a.remove_remote_peer(&honest);
+}

@@ -110,6 +110,7 @@ _KVPEER_KEYS = (
     "max_held_keys_per_peer",
     "max_held_bytes_per_peer",
     "max_requests_per_peer",
+    "max_peer_blocks",
     "tcp_min_rate",
     "tcp_transfer_timeout_s",
 )

@@ -373,6 +373,11 @@ impl Session {
                 remote: c.fingerprint().to_owned(),
                 local: local.config_fingerprint.clone(),
             })
+        } else if c.num_blocks > cx.config.max_peer_blocks {
+            Some(ConnectRejection::PoolTooLarge {
+                blocks: c.num_blocks,
+                most: cx.config.max_peer_blocks,
+            })
         } else if c.hash_seed != local.hash_seed {
             Some(ConnectRejection::HashSeed {
                 remote: c.hash_seed.clone(),

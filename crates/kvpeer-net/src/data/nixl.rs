@@ -38,6 +38,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -129,6 +130,19 @@ pub enum NixlRefusal {
     /// The registration thread ended without a result.
     #[error("the registration thread ended without a result")]
     NoResult,
+    /// Its region's addresses overflow (base, blocks and block length as it gave them).
+    #[error("the peer's region ({blocks} blocks of {block_len} bytes at {base:#x}) overflows the address space")]
+    Region {
+        /// Its base address.
+        base: u64,
+        /// Its blocks.
+        blocks: u64,
+        /// Its block length.
+        block_len: u64,
+    },
+    /// The peer was removed (or registered again) while its descriptors were being prepared.
+    #[error("the registration was cancelled")]
+    Cancelled,
 }
 
 /// Why a peer's WRITEs failed: its transfers fail, and its session winds down.
@@ -239,6 +253,8 @@ struct Peer {
 struct Pending {
     num_blocks: u64,
     result: Receiver<Result<(String, Dlist), NixlRefusal>>,
+    /// Set when nobody waits for it any more: its thread stops preparing descriptors.
+    cancel: Arc<AtomicBool>,
 }
 
 /// A WRITE in flight.
@@ -372,7 +388,13 @@ impl NixlPlane {
             .register_memory(&region, None)
             .map_err(setup("register the pool"))?;
         let registered = started.elapsed();
-        let local = prepare(&agent, "", base as u64, num_blocks, block_len)
+        let mut descs =
+            XferDescList::new(MemType::Dram).map_err(setup("prepare the local descriptors"))?;
+        for i in 0..num_blocks {
+            descs.add_desc(base + (i * block_len) as usize, block_len as usize, 0);
+        }
+        let local = agent
+            .prepare_xfer_dlist("", &descs, None)
             .map_err(setup("prepare the local descriptors"))?;
         info!(
             bytes = region.len,
@@ -434,19 +456,41 @@ impl NixlPlane {
     }
 }
 
-/// One descriptor per block of the region at `base`, prepared for `agent_name` ("" = local).
+/// A peer's region as its `connect` gave it (its block count already bounded by the core's
+/// `max_peer_blocks`): refused if its addresses overflow.
+fn region_fits(base: u64, num_blocks: u64, block_len: u64) -> Result<(), NixlRefusal> {
+    let end = num_blocks
+        .checked_mul(block_len)
+        .and_then(|len| len.checked_add(base));
+    match end {
+        Some(end) if usize::try_from(end).is_ok() && usize::try_from(block_len).is_ok() => Ok(()),
+        _ => Err(NixlRefusal::Region {
+            base,
+            blocks: num_blocks,
+            block_len,
+        }),
+    }
+}
+
+/// One descriptor per block of a peer's region at `base` (which [`region_fits`]), prepared
+/// for its agent `agent_name`; `None` once `cancel` is set (the peer was removed or registered
+/// again), so a replaced registration does not go on allocating.
 fn prepare(
     agent: &Agent,
     agent_name: &str,
     base: u64,
     num_blocks: u64,
     block_len: u64,
-) -> Result<XferDlistHandle, nixl_sys::NixlError> {
+    cancel: &AtomicBool,
+) -> Result<Option<XferDlistHandle>, nixl_sys::NixlError> {
     let mut descs = XferDescList::new(MemType::Dram)?;
     for i in 0..num_blocks {
+        if i % 4096 == 0 && cancel.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         descs.add_desc((base + i * block_len) as usize, block_len as usize, 0);
     }
-    agent.prepare_xfer_dlist(agent_name, &descs, None)
+    agent.prepare_xfer_dlist(agent_name, &descs, None).map(Some)
 }
 
 /// The watcher: while WRITEs are in flight or expected, progresses UCX every
@@ -566,6 +610,8 @@ impl DataPlane for NixlPlane {
         let own_name = self.agent_name.clone();
         let who = peer.clone();
         let memory = memory.clone();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel_flag = cancel.clone();
         std::thread::Builder::new()
             .name("kvpeer-nixl-register".into())
             .spawn(move || {
@@ -583,15 +629,18 @@ impl DataPlane for NixlPlane {
                             }
                             return Err(NixlRefusal::OwnAgent(name));
                         }
+                        region_fits(memory.base_addr, memory.num_blocks, memory.block_len)?;
                         prepare(
                             &agent,
                             &name,
                             memory.base_addr,
                             memory.num_blocks,
                             memory.block_len,
+                            &cancel_flag,
                         )
+                        .map_err(|e| NixlRefusal::Descriptors(Arc::new(e)))?
                         .map(|d| (name, Dlist(d)))
-                        .map_err(|e| NixlRefusal::Descriptors(Arc::new(e)))
+                        .ok_or(NixlRefusal::Cancelled)
                     });
                 if let Some(suppressed) = crate::admit_warning("nixl: peer registered") {
                     info!(
@@ -616,6 +665,7 @@ impl DataPlane for NixlPlane {
             Pending {
                 num_blocks: memory.num_blocks,
                 result: rx,
+                cancel,
             },
         );
         Ok(())
@@ -667,7 +717,9 @@ impl DataPlane for NixlPlane {
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         // A registration still running is dropped with its receiver; its handles are released
         // when the thread's send fails and the result is dropped.
-        self.pending.remove(peer);
+        if let Some(pending) = self.pending.remove(peer) {
+            pending.cancel.store(true, Ordering::Relaxed);
+        }
         self.failed.remove(peer);
         lock(&self.shared.0).expected.remove(peer);
         if let Some(p) = self.peers.remove(peer) {

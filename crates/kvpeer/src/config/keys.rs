@@ -163,6 +163,8 @@ declare_keys! {
     max_held_bytes_per_peer = "268435456";
     /// requests one peer may have open on this node's producer side
     max_requests_per_peer = "131072";
+    /// blocks a peer's pool may have (its connect's num_blocks); a larger pool is refused at the connect
+    max_peer_blocks = "4194304";
     /// largest control message accepted, in bytes
     max_message_bytes = "16777216";
     /// most entries in one list of a message

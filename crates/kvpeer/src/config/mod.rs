@@ -182,6 +182,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         max_held_keys_per_peer: s.number(&KEY.max_held_keys_per_peer, 1, 1 << 32)? as usize,
         max_held_bytes_per_peer: s.number(&KEY.max_held_bytes_per_peer, 1024, 1 << 44)? as usize,
         max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
+        max_peer_blocks: s.number(&KEY.max_peer_blocks, 1, 1 << 40)?,
         ..CoreConfig::default()
     };
     let caps = Caps::for_sessions(core.max_peers, core.max_peers_per_host);

@@ -99,7 +99,7 @@ impl ServerRole {
         if parked {
             // Demand parked for a later store (PD): bounded by the store timeout, and by the
             // peer's share of held keys and bytes.
-            let held = Held::of(keys);
+            let held = Held::of(keys, id);
             if self.held.keys + held.keys > cx.config.max_held_keys_per_peer
                 || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
             {

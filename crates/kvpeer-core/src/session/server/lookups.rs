@@ -37,7 +37,7 @@ impl ServerRole {
         let n = self.next_lookup_id;
         let ctx = serve_ctx(&self.peer, id, n);
         cx.parent.on_new_request(&ctx);
-        let held = Held::of(&keys);
+        let held = Held::of(&keys, id);
         let end = keys.len().min(cx.config.max_lookup_keys);
         // Sized for the keys asked now (a slice), so the map does not rehash as they go in.
         let answers =

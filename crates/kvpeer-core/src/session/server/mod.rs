@@ -209,8 +209,14 @@ impl Held {
     const BYTES_PER_ENTRY: usize =
         256 + std::mem::size_of::<ActiveLookup>() + std::mem::size_of::<Round>();
 
-    /// What holding `keys` costs (an empty list still costs one key: its entry).
-    pub(crate) fn of(keys: &[OffloadKey]) -> Self {
+    /// Copies of a request's id the node keeps while it is open (its request's entry, the
+    /// serving context that embeds it, the timer lanes and maps keyed by it).
+    const COPIES_PER_ID: usize = 4;
+
+    /// What holding `keys` for request `id` costs (an empty list still costs one key: its
+    /// entry). The id counts too: vLLM accepts ids of any length a message carries (tens of
+    /// KiB are in its own vectors), so a peer's long ids are paid from its share, not ours.
+    pub(crate) fn of(keys: &[OffloadKey], id: &KvRequestId) -> Self {
         let heap: usize = keys
             .iter()
             .map(|k| k.as_bytes().len())
@@ -218,7 +224,10 @@ impl Held {
             .sum();
         Held {
             keys: keys.len().max(1),
-            bytes: Self::BYTES_PER_ENTRY + keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
+            bytes: Self::BYTES_PER_ENTRY
+                + keys.len().max(1) * Self::BYTES_PER_KEY
+                + 2 * heap
+                + Self::COPIES_PER_ID * id.as_str().len(),
         }
     }
 
