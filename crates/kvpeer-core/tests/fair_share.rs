@@ -579,3 +579,46 @@ fn all_peers_pins_are_capped_and_the_heaviest_holders_oldest_go_first() {
         "its newest pins serve it"
     );
 }
+
+/// A fetch binds its id to the fetching session (a PD store for it later goes there): a
+/// stream of terminal fetches (empty lists: "request finished") with fresh ids binds nothing,
+/// however long; and a peer fetching an id another session already serves cannot take its
+/// binding: the PD store for it is written to the session that fetched it first, byte for
+/// byte the blocks the store named.
+#[test]
+fn fetches_cannot_grow_the_bindings_or_take_another_sessions() {
+    let mut p = Peers::new(CoreConfig::default());
+    let attacker = p.join(1);
+    let honest = p.join(2);
+    for i in 0..10_000 {
+        p.recv(&attacker, fetch(&format!("t{i}"), vec![], vec![], 0));
+    }
+    assert_eq!(p.core.stats().bound_ids, 0, "terminal fetches bind nothing");
+
+    // The honest consumer fetches "x" ahead of its store (PD); then the attacker names it.
+    p.recv(&honest, fetch("x", keys(0..2), vec![5, 6], 0));
+    p.recv(&attacker, fetch("x", keys(0..2), vec![1, 2], 0));
+    assert_eq!(p.core.stats().bound_ids, 1);
+    // The engine stores "x": its blocks are written to the honest consumer's blocks 5 and 6.
+    let req = p.core.on_new_request(
+        p.now,
+        kvpeer_proto::KvRequestId::from("x"),
+        kvpeer_core::RequestRoles::decoder(),
+    );
+    let (job, blocks) = p.parent().pin_for_store(&keys(0..2));
+    p.core
+        .submit_store(p.now, job, &req, keys(0..2), blocks.clone());
+    p.pump();
+    let writes: Vec<_> = p.core.plane().transfers.values().cloned().collect();
+    assert_eq!(writes.len(), 1, "{writes:?}");
+    assert_eq!(writes[0].peer, honest);
+    assert_eq!(writes[0].local, blocks);
+    assert_eq!(
+        writes[0].remote,
+        vec![
+            kvpeer_core::BlockIndex::new(5),
+            kvpeer_core::BlockIndex::new(6)
+        ]
+    );
+    assert!(p.alive(&attacker) && p.alive(&honest));
+}

@@ -56,7 +56,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     }
 
     /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
-    /// for a reaped id fails in one round trip.
+    /// for a reaped id fails in one round trip. Only a fetch its session goes on serving
+    /// binds, and never over another session still serving the id.
     pub(super) fn bind_fetch(&mut self, peer: &PeerId, id: KvRequestId) {
         if self.reaped.contains_key(&id) {
             self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
@@ -64,6 +65,21 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 self.complete_store(batch.job, false);
             }
             return;
+        }
+        let serves = |core: &Self, p: &PeerId| core.sessions.get(p).is_some_and(|s| s.serves(&id));
+        // A fetch its session does not hold (terminal, refused past the peer's share) routes
+        // nothing: no binding, so a stream of them cannot grow the map.
+        if !serves(self, peer) {
+            return;
+        }
+        // Another live session's binding stays: a peer naming an id it saw cannot take the
+        // stores meant for the session that fetched it first.
+        if let Some(holder) = self.bound.get(&id) {
+            if holder != peer && serves(self, holder) {
+                crate::warn_throttled!(self.out.throttle, self.now, "fetch for an id another session holds; stores stay routed to it",
+                    %peer, %holder, kv_request_id = %id);
+                return;
+            }
         }
         if self.bound.insert(id.clone(), peer.clone()).is_none() {
             self.bound_lane.arm(self.now, id.clone());
