@@ -35,10 +35,10 @@ if [ -n "$before" ]; then
   fi
   echo "== before: $before"
   cargo bench -q -p kvpeer --bench scale -- --kvpeer "$PWD/$tree/target/release/kvpeer" \
-    --sessions "$sessions" --json target/bench/scale-before.json
+    --sessions "$sessions" --json "$PWD/target/bench/scale-before.json"
   echo
 fi
 echo "== after: $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes')"
 cargo bench -q -p kvpeer --bench scale -- --kvpeer "$after" --sessions "$sessions" \
-  --json target/bench/scale-after.json
+  --json "$PWD/target/bench/scale-after.json"
 echo "figures: target/bench/scale-*.json"

@@ -458,8 +458,13 @@ fn workload_runs(o: &Opts) {
         last(&with)
     );
     if let Some(path) = &o.svg {
-        std::fs::write(path, svg(&without, &with)).unwrap();
-        println!("plot: {path}");
+        match std::fs::write(path, svg(&without, &with)) {
+            Ok(()) => println!("plot: {path}"),
+            Err(e) => {
+                eprintln!("cannot write the plot to {path}: {e}");
+                std::process::exit(1);
+            }
+        }
     }
 }
 

@@ -490,7 +490,12 @@ fn main() {
         );
     }
     if let Some(path) = &o.svg {
-        std::fs::write(path, svg(&runs)).unwrap();
-        println!("plot: {path}");
+        match std::fs::write(path, svg(&runs)) {
+            Ok(()) => println!("plot: {path}"),
+            Err(e) => {
+                eprintln!("cannot write the plot to {path}: {e}");
+                std::process::exit(1);
+            }
+        }
     }
 }

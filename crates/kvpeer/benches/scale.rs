@@ -1034,6 +1034,9 @@ fn main() {
                 r.fetch_cpu_per_req_us, r.fetch_cpu_net_us, micros(r.spread_p50), micros(r.spread_p99), r.spread_cpu_per_lookup_us, r.spread_done
             ));
         }
-        std::fs::write(path, out).unwrap();
+        if let Err(e) = std::fs::write(&path, out) {
+            eprintln!("cannot write the figures to {path}: {e}");
+            std::process::exit(1);
+        }
     }
 }
