@@ -166,13 +166,26 @@ pub(crate) fn num(line: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key} in {line}"))
 }
 
-/// A port free on 127.0.0.1 right now.
+/// A port free on every interface right now, for a child process to bind. It is drawn below
+/// the kernel's ephemeral range (32768 up by default), where no outgoing connection of another
+/// test can take it between this check and the child's bind (vLLM's event publisher binds
+/// `*:port`, which any connection's local 127.0.0.1:port blocks); each call in this process
+/// draws another.
 pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static DRAWN: AtomicU32 = AtomicU32::new(0);
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..SPAN {
+        let n = DRAWN.fetch_add(1, Ordering::Relaxed);
+        let port = (FIRST + start.wrapping_add(n.wrapping_mul(4_099)) % SPAN) as u16;
+        let free = |host: &str| std::net::TcpListener::bind((host, port)).is_ok();
+        if free("0.0.0.0") && free("127.0.0.1") {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + SPAN);
 }
 
 pub(crate) fn http_get(addr: &str, path: &str) -> (String, String) {
