@@ -747,3 +747,49 @@ fn junk_from_another_host_cannot_push_out_a_writer_still_in_its_hello() {
         assert_eq!(block(&store, b), vec![fill; LEN as usize]);
     }
 }
+
+/// An honest receiver may owe many ACKs at once (WRITEs are pipelined): 300 of them, sent in
+/// one burst, take more than one turn of the writer's ACK budget (256 reads), and every
+/// transfer still completes: the rest is read at the next turn, with no new readiness from
+/// the socket.
+#[test]
+fn a_burst_of_acks_beyond_one_turns_budget_completes_every_transfer() {
+    const N: usize = 300;
+    let mut tx_store = pool("ab-tx");
+    let mut tx = plane(TX, &tx_store, TcpLimits::default());
+    let rx = FakeReceiver::registered(&mut tx, "10.0.0.7:1");
+    let (local, _) = fill(&mut tx_store, 8);
+    let tids: Vec<_> = (0..N as u64)
+        .map(|i| {
+            tx.write_blocks(
+                &rx.id,
+                &[BlockIndex::new(local)],
+                &[BlockIndex::new(i % BLOCKS)],
+            )
+            .unwrap()
+        })
+        .collect();
+    let (mut conn, first) = rx.take_write(TX);
+    let mut written = vec![first];
+    for _ in 1..N {
+        let mut head = [0u8; 4 + 8 + 4 + 8];
+        conn.read_exact(&mut head).unwrap();
+        assert_eq!(&head[..4], b"KVPW");
+        written.push(u64::from_be_bytes(head[4..12].try_into().unwrap()));
+        let mut body = vec![0u8; LEN as usize];
+        conn.read_exact(&mut body).unwrap();
+    }
+    let acks: Vec<u8> = written.iter().flat_map(|t| ack(*t)).collect();
+    conn.write_all(&acks).unwrap();
+    let mut seen = Seen::default();
+    wait_for("every ACK taken", || {
+        seen.poll(&mut tx, &rx.id);
+        seen.done.len() == N || seen.fault.is_some()
+    });
+    assert!(seen.fault.is_none(), "{:?}", seen.fault);
+    let mut done = seen.done.clone();
+    done.sort_unstable();
+    let mut want = tids.clone();
+    want.sort_unstable();
+    assert_eq!(done, want);
+}

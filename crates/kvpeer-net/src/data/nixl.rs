@@ -604,6 +604,10 @@ impl DataPlane for NixlPlane {
             }
             return Err(PlaneError::rejected(NixlRefusal::OwnMetadata));
         }
+        // Before NIXL loads anything of the peer's (a refusal after the load would leave its
+        // agent loaded).
+        region_fits(memory.base_addr, memory.num_blocks, memory.block_len)
+            .map_err(PlaneError::rejected)?;
         self.remove_remote_peer(peer);
         let (tx, rx) = channel();
         let (agent, wake) = (self.agent.clone(), self.wake.clone());
@@ -629,7 +633,6 @@ impl DataPlane for NixlPlane {
                             }
                             return Err(NixlRefusal::OwnAgent(name));
                         }
-                        region_fits(memory.base_addr, memory.num_blocks, memory.block_len)?;
                         prepare(
                             &agent,
                             &name,

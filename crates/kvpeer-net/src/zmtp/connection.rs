@@ -740,7 +740,8 @@ mod tests {
                     .unwrap_or_else(|e| panic!("second {second}: {e}"));
             }
         }
-        // Heartbeats are never counted.
+        // The peer's PINGs are never counted (its PONGs are: they answer only our own PINGs,
+        // one per silent interval).
         for i in 0..10 * SKIPPED_BURST {
             d.handle_bytes(
                 &zmtp::ping(0),
