@@ -27,6 +27,8 @@ pub(crate) struct Proc {
     pub(crate) stdout: mpsc::Receiver<String>,
     /// Everything the child wrote to stderr so far (its logs), for failure messages.
     pub(crate) stderr: Arc<Mutex<String>>,
+    /// Signalled (by disconnect) when the stderr reader reached the end of the child's stderr.
+    stderr_end: mpsc::Receiver<()>,
     /// The shm object of its pool, removed on drop (a killed child leaves it behind).
     pub(crate) shm: String,
     /// `serve`'s ready line.
@@ -59,12 +61,14 @@ impl Proc {
         let err = child.stderr.take().unwrap();
         let stderr = Arc::new(Mutex::new(String::new()));
         let log = stderr.clone();
+        let (stderr_ended, stderr_end) = mpsc::channel::<()>();
         std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 let mut log = log.lock().unwrap();
                 log.push_str(&line);
                 log.push('\n');
             }
+            drop(stderr_ended);
         });
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -79,6 +83,7 @@ impl Proc {
             child,
             stdout: rx,
             stderr,
+            stderr_end,
             shm,
             ready: None,
         }
@@ -126,6 +131,10 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
+                // The child has exited, but the reader may not have taken its last lines yet
+                // (a test that reads `stderr` next would miss the final error): wait for the
+                // end of the pipe, bounded in case a grandchild inherited it.
+                let _ = self.stderr_end.recv_timeout(Duration::from_secs(10));
                 return status.code().unwrap_or(-1);
             }
             tick();
