@@ -88,7 +88,8 @@ pub struct CoreConfig {
     pub max_requests_per_peer: usize,
     /// Blocks a peer's pool may have (its `connect`'s `num_blocks`): a larger one is refused
     /// at the `connect`, before the data plane maps it or prepares a descriptor per block
-    /// (NIXL), so a number the peer chose cannot make this node allocate without bound.
+    /// (NIXL), so a number the peer chose cannot make this node allocate without bound. A
+    /// pool no larger than this node's own is always taken.
     pub max_peer_blocks: u64,
 }
 

@@ -238,6 +238,37 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
     }
 }
 
+/// kvpeer: `max_peer_blocks` below this node's own pool never refuses a peer configured like
+/// this node (a pool as large as ours); one block more is refused.
+#[test]
+fn a_peer_pool_as_large_as_ours_is_taken_whatever_max_peer_blocks_says() {
+    let ours = local(0).num_blocks;
+    for (blocks, taken) in [(ours, true), (ours + 1, false)] {
+        let mut m = Mock::with_config(kvpeer_core::CoreConfig {
+            max_peer_blocks: ours / 10,
+            ..Default::default()
+        });
+        m.accept();
+        m.take_sent();
+        let mut c = m.peer_connect();
+        c.num_blocks = blocks;
+        m.recv(Message::Connect(c));
+        let sent = m.take_sent();
+        if taken {
+            assert!(matches!(sent[..], [Message::ConnectAck(_)]), "{sent:?}");
+            assert_eq!(m.plane().registrations.len(), 1);
+        } else {
+            assert_eq!(sent, vec![Message::Disconnect]);
+            let why = m.closed().unwrap();
+            assert!(
+                why.contains(&format!("{blocks} blocks, over the {ours} this node takes")),
+                "{why}"
+            );
+            assert!(m.plane().registrations.is_empty());
+        }
+    }
+}
+
 /// upstream: TestConnectHandshake.test_missing_fingerprint_allowed
 #[test]
 fn an_empty_or_absent_fingerprint_on_either_side_matches() {

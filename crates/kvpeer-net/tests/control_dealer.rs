@@ -653,7 +653,7 @@ fn a_router_flooding_our_dealer_is_cut_off_and_other_peers_are_served_byte_exact
     assert!(peer.join().unwrap(), "the flooding connection was closed");
     let reason = lost_reason(&events, &hostile).expect("lost");
     assert!(
-        reason.contains("more than 1024 messages or commands at once"),
+        reason.contains("more than 1024 messages or commands (one per started 64 KiB) at once"),
         "{reason}"
     );
     a.send(&idb, b"after").unwrap();

@@ -181,7 +181,11 @@ fn a_peer_region_that_overflows_the_address_space_is_refused() {
         ),
         "{e:?}"
     );
-    assert!(matches!(a.registration(&liar), Registration::Failed(_)));
+    let b_name = format!("kvpeer-ext-ovf-b-{}", std::process::id());
+    assert!(
+        !a.holds_remote_agent(&b_name),
+        "the liar's agent was loaded"
+    );
     // The same agent, honestly described, registers and is written byte-exact.
     let honest = PeerId::new("127.0.0.1:7104");
     let memory = RemoteMemory {
@@ -212,6 +216,66 @@ fn a_peer_region_that_overflows_the_address_space_is_refused() {
         .iter()
         .chain(&bytes[at + LEN as usize..])
         .all(|x| *x == 0));
+    b.end_writes(&pa, &remote);
+    a.remove_remote_peer(&honest);
+}
+
+/// A registration that is dropped while NIXL prepares the peer's descriptors (the session
+/// ended, or the peer connected again) leaves nothing of the peer loaded in NIXL, whether it
+/// was cancelled mid-way or had just finished; the agent still registers an honest peer
+/// afterwards and writes to it byte-exact.
+#[test]
+fn a_dropped_registration_unloads_the_peers_agent() {
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let (a_pool, _) = region(|i| i as u8 + 1);
+    let (b_pool, b_base) = region(|_| 0);
+    let mut a = plane("drop-a", &a_pool);
+    let mut b = plane("drop-b", &b_pool);
+    let b_name = format!("kvpeer-ext-drop-b-{}", std::process::id());
+    let gone = PeerId::new("127.0.0.1:7105");
+    // 4 Mi blocks: a descriptor each, long to prepare.
+    let memory = RemoteMemory {
+        agent_metadata: b.metadata().to_vec(),
+        base_addr: b.base_addr(),
+        num_blocks: 1 << 22,
+        block_len: LEN,
+    };
+    a.add_remote_peer(&gone, &memory).unwrap();
+    wait(|| a.holds_remote_agent(&b_name).then_some(()));
+    a.remove_remote_peer(&gone);
+    wait(|| {
+        // Each call lets the plane unload what the registration left behind.
+        let _ = a.registration(&gone);
+        (!a.holds_remote_agent(&b_name)).then_some(())
+    });
+
+    let honest = PeerId::new("127.0.0.1:7106");
+    let memory = RemoteMemory {
+        num_blocks: BLOCKS,
+        ..memory
+    };
+    a.add_remote_peer(&honest, &memory).unwrap();
+    let state = wait(|| match a.registration(&honest) {
+        Registration::Pending => None,
+        other => Some(other),
+    });
+    assert_eq!(state, Registration::Done);
+    assert!(a.holds_remote_agent(&b_name));
+    let pa = PeerId::new("127.0.0.1:7101");
+    let (local, remote) = ([BlockIndex::new(2)], [BlockIndex::new(5)]);
+    b.expect_writes(&pa, &remote);
+    let tid = a.write_blocks(&honest, &local, &remote).unwrap();
+    let poll = wait(|| {
+        let poll = a.poll(&honest);
+        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
+            .then_some(poll)
+    });
+    assert_eq!((poll.done, poll.peer_fault.is_none()), (vec![tid], true));
+    let bytes = raw(&b_pool, b_base);
+    let at = (5 * LEN) as usize;
+    assert!(bytes[at..at + LEN as usize].iter().all(|x| *x == 3));
     b.end_writes(&pa, &remote);
     a.remove_remote_peer(&honest);
 }

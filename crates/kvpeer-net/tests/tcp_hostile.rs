@@ -534,19 +534,57 @@ impl FakeReceiver {
     /// Accepts the writer's connection and reads its HELLO and one WRITE of one block: the
     /// connection and the WRITE's transfer id.
     fn take_write(&self, writer: &str) -> (TcpStream, u64) {
+        let (mut s, tid, blocks) = self.take_header(writer);
+        assert_eq!(blocks, 1);
+        let mut body = vec![0u8; LEN as usize];
+        s.read_exact(&mut body).unwrap();
+        (s, tid)
+    }
+
+    /// Accepts the writer's connection and reads its HELLO and the header of its first WRITE,
+    /// none of the blocks: the connection, the transfer id and the WRITE's block count.
+    fn take_header(&self, writer: &str) -> (TcpStream, u64, usize) {
         let (mut s, _) = self.listener.accept().unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut hello = vec![0u8; 4 + 1 + 2 + writer.len() + 32];
         s.read_exact(&mut hello).unwrap();
         assert_eq!(&hello[..4], b"KVPH");
-        let mut head = [0u8; 4 + 8 + 4 + 8];
-        s.read_exact(&mut head).unwrap();
-        assert_eq!(&head[..4], b"KVPW");
-        let tid = u64::from_be_bytes(head[4..12].try_into().unwrap());
-        let mut body = vec![0u8; LEN as usize];
-        s.read_exact(&mut body).unwrap();
-        (s, tid)
+        let (tid, blocks) = read_header(&mut s);
+        (s, tid, blocks)
     }
+}
+
+/// Reads a WRITE's header (and its block indexes) from `s`: its transfer id and block count.
+fn read_header(s: &mut TcpStream) -> (u64, usize) {
+    let mut head = [0u8; 4 + 8 + 4];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(&head[..4], b"KVPW");
+    let tid = u64::from_be_bytes(head[4..12].try_into().unwrap());
+    let blocks = u32::from_be_bytes(head[12..16].try_into().unwrap()) as usize;
+    let mut indexes = vec![0u8; 8 * blocks];
+    s.read_exact(&mut indexes).unwrap();
+    (tid, blocks)
+}
+
+/// Reads from `s` until it ends (or 10 s pass): the bytes it carried.
+fn drain(s: &mut TcpStream) -> usize {
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    let (mut total, mut buf) = (0, vec![0u8; 1 << 16]);
+    while Instant::now() < until {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => total += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    total
 }
 
 fn ack(tid: u64) -> Vec<u8> {
@@ -792,4 +830,93 @@ fn a_burst_of_acks_beyond_one_turns_budget_completes_every_transfer() {
     let mut want = tids.clone();
     want.sort_unstable();
     assert_eq!(done, want);
+}
+
+/// A receiver that acknowledges a WRITE as soon as its header arrives, while most of the frame
+/// is still to be sent: the ACK completes nothing (the core would unpin the blocks the writer
+/// is still reading, free to be reused for other data under the rest of the frame); the liar
+/// is faulted and its connection cut short of the frame; an honest receiver's write lands.
+#[test]
+fn an_ack_before_the_write_has_left_completes_nothing() {
+    // 8,192 blocks of 4 KiB: 32 MiB, more than loopback's socket buffers hold.
+    const BIG: usize = 8192;
+    let (rx_store, mut tx_store) = (pool("ea-rx"), pool("ea-tx"));
+    let mut rx = plane(RX, &rx_store, TcpLimits::default());
+    let mut tx = registered_writer(&mut rx, &tx_store);
+    let liar = FakeReceiver::registered(&mut tx, "10.0.0.8:1");
+    let (local, bytes) = fill(&mut tx_store, 9);
+
+    let remote: Vec<BlockIndex> = (0..BIG as u64)
+        .map(|i| BlockIndex::new(i % BLOCKS))
+        .collect();
+    let tid = tx
+        .write_blocks(&liar.id, &vec![BlockIndex::new(local); BIG], &remote)
+        .unwrap();
+    let (mut conn, seen, blocks) = liar.take_header(TX);
+    assert_eq!((seen, blocks), (tid.get(), BIG));
+    conn.write_all(&ack(tid.get())).unwrap();
+
+    let mut at_liar = Seen::default();
+    wait_for("the liar's fault", || {
+        at_liar.poll(&mut tx, &liar.id);
+        at_liar.fault.is_some()
+    });
+    assert!(
+        matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == tid.get()),
+        "{:?}",
+        at_liar.fault
+    );
+    assert!(
+        at_liar.done.is_empty(),
+        "the early ACK completed {:?}",
+        at_liar.done
+    );
+    // From the liar's side: the connection ends well short of the frame's blocks.
+    let carried = drain(&mut conn);
+    assert!(
+        carried < BIG * LEN as usize,
+        "the liar still received the whole frame ({carried} bytes)"
+    );
+
+    // The honest receiver is served, byte-exact.
+    rx.expect_writes(&PeerId::new(TX), &[BlockIndex::new(3)]);
+    transfer(&mut tx, local, 3).unwrap();
+    assert_eq!(block(&rx_store, 3), bytes);
+}
+
+/// ACKs out of order: two WRITEs both sent whole, the second acknowledged first. An honest
+/// receiver answers in the order the WRITEs came on the connection, so this is a lie: the
+/// peer is faulted and neither transfer completes.
+#[test]
+fn acks_out_of_order_complete_nothing() {
+    let mut tx_store = pool("oo-tx");
+    let mut tx = plane(TX, &tx_store, TcpLimits::default());
+    let liar = FakeReceiver::registered(&mut tx, "10.0.0.9:1");
+    let (local, _) = fill(&mut tx_store, 10);
+    let first = tx
+        .write_blocks(&liar.id, &[BlockIndex::new(local)], &[BlockIndex::new(1)])
+        .unwrap();
+    let second = tx
+        .write_blocks(&liar.id, &[BlockIndex::new(local)], &[BlockIndex::new(2)])
+        .unwrap();
+    let (mut conn, seen) = liar.take_write(TX);
+    assert_eq!(seen, first.get());
+    let (next, _) = read_header(&mut conn);
+    assert_eq!(next, second.get());
+    let mut body = vec![0u8; LEN as usize];
+    conn.read_exact(&mut body).unwrap();
+    conn.write_all(&ack(second.get())).unwrap();
+    conn.write_all(&ack(first.get())).unwrap();
+
+    let mut at_liar = Seen::default();
+    wait_for("the liar's fault", || {
+        at_liar.poll(&mut tx, &liar.id);
+        at_liar.fault.is_some()
+    });
+    assert!(
+        matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == second.get()),
+        "{:?}",
+        at_liar.fault
+    );
+    assert!(at_liar.done.is_empty(), "{:?}", at_liar.done);
 }

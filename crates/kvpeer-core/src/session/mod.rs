@@ -373,10 +373,12 @@ impl Session {
                 remote: c.fingerprint().to_owned(),
                 local: local.config_fingerprint.clone(),
             })
-        } else if c.num_blocks > cx.config.max_peer_blocks {
+        } else if c.num_blocks > cx.config.max_peer_blocks.max(local.num_blocks) {
+            // A pool as large as ours is always taken: a peer configured like this node is
+            // never refused by it.
             Some(ConnectRejection::PoolTooLarge {
                 blocks: c.num_blocks,
-                most: cx.config.max_peer_blocks,
+                most: cx.config.max_peer_blocks.max(local.num_blocks),
             })
         } else if c.hash_seed != local.hash_seed {
             Some(ConnectRejection::HashSeed {

@@ -321,6 +321,10 @@ pub struct NixlPlane {
     /// This node's agent name: a peer presenting it is refused.
     agent_name: String,
     failed: HashMap<PeerId, NixlRefusal>,
+    /// Remote agents a registration thread loaded and then did not keep (cancelled, failed
+    /// after the load, or nobody waited any more): unloaded by this plane's thread unless a
+    /// registered peer uses the same agent (an honest peer that connected again).
+    orphans: Arc<Mutex<Vec<String>>>,
     next_tid: TransferId,
     wake: Wake,
 }
@@ -426,6 +430,7 @@ impl NixlPlane {
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
+            orphans: Arc::default(),
             next_tid: TransferId::new(0),
             shared,
             watcher: Some(watcher),
@@ -436,6 +441,26 @@ impl NixlPlane {
     /// NIXL's metadata blob: what this node advertises as `agent_metadata`.
     pub fn metadata(&self) -> &[u8] {
         &self.metadata
+    }
+
+    /// Whether NIXL holds a loaded remote agent of this name (what a registration loads and
+    /// a removal or a failed registration unloads).
+    pub fn holds_remote_agent(&self, name: &str) -> bool {
+        self.agent.check_remote_metadata(name, None)
+    }
+
+    /// Unloads the remote agents registration threads loaded and did not keep, unless a
+    /// registered peer uses one of them.
+    fn release_orphans(&mut self) {
+        let orphans = std::mem::take(&mut *lock(&self.orphans));
+        for name in orphans {
+            if self.peers.values().any(|p| p.name == name) {
+                continue;
+            }
+            if let Err(e) = self.agent.invalidate_remote_md(&name) {
+                debug!(agent = %name, error = %e, "nixl: unloading a registration's leftover failed");
+            }
+        }
     }
 
     /// The registered region's address: what this node advertises as `base_addr`.
@@ -611,6 +636,7 @@ impl DataPlane for NixlPlane {
         self.remove_remote_peer(peer);
         let (tx, rx) = channel();
         let (agent, wake) = (self.agent.clone(), self.wake.clone());
+        let orphans = self.orphans.clone();
         let own_name = self.agent_name.clone();
         let who = peer.clone();
         let memory = memory.clone();
@@ -633,7 +659,7 @@ impl DataPlane for NixlPlane {
                             }
                             return Err(NixlRefusal::OwnAgent(name));
                         }
-                        prepare(
+                        let prepared = prepare(
                             &agent,
                             &name,
                             memory.base_addr,
@@ -641,9 +667,16 @@ impl DataPlane for NixlPlane {
                             memory.block_len,
                             &cancel_flag,
                         )
-                        .map_err(|e| NixlRefusal::Descriptors(Arc::new(e)))?
-                        .map(|d| (name, Dlist(d)))
-                        .ok_or(NixlRefusal::Cancelled)
+                        .map_err(|e| NixlRefusal::Descriptors(Arc::new(e)))
+                        .and_then(|d| d.ok_or(NixlRefusal::Cancelled));
+                        match prepared {
+                            Ok(d) => Ok((name, Dlist(d))),
+                            Err(e) => {
+                                // Loaded but not kept: the plane unloads it.
+                                lock(&orphans).push(name);
+                                Err(e)
+                            }
+                        }
                     });
                 if let Some(suppressed) = crate::admit_warning("nixl: peer registered") {
                     info!(
@@ -655,10 +688,10 @@ impl DataPlane for NixlPlane {
                     );
                 }
                 // Nobody waits any more (the peer was removed or registered again): release
-                // what was built.
+                // what was built; the plane unloads the agent.
                 if let Err(std::sync::mpsc::SendError(Ok((name, dlist)))) = tx.send(result) {
                     drop(dlist);
-                    let _ = agent.invalidate_remote_md(&name);
+                    lock(&orphans).push(name);
                 }
                 wake();
             })
@@ -675,6 +708,7 @@ impl DataPlane for NixlPlane {
     }
 
     fn registration(&mut self, peer: &PeerId) -> Registration {
+        self.release_orphans();
         if self.peers.contains_key(peer) {
             return Registration::Done;
         }
@@ -719,9 +753,14 @@ impl DataPlane for NixlPlane {
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         // A registration still running is dropped with its receiver; its handles are released
-        // when the thread's send fails and the result is dropped.
+        // when the thread's send fails and the result is dropped. One that finished but was
+        // not read yet is released here: its agent is unloaded like any leftover.
         if let Some(pending) = self.pending.remove(peer) {
             pending.cancel.store(true, Ordering::Relaxed);
+            if let Ok(Ok((name, dlist))) = pending.result.try_recv() {
+                drop(dlist);
+                lock(&self.orphans).push(name);
+            }
         }
         self.failed.remove(peer);
         lock(&self.shared.0).expected.remove(peer);
@@ -731,6 +770,7 @@ impl DataPlane for NixlPlane {
                 debug!(%peer, error = %e, "nixl: invalidating the peer's metadata failed");
             }
         }
+        self.release_orphans();
     }
 
     fn write_blocks(
@@ -843,5 +883,6 @@ impl Drop for NixlPlane {
             drop(p.dlist);
             let _ = self.agent.invalidate_remote_md(&p.name);
         }
+        self.release_orphans();
     }
 }

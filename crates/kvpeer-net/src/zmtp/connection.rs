@@ -193,8 +193,8 @@ pub enum ConnError {
     TtlExpired(Duration),
     /// The peer sent a socket that reads nothing more than heartbeats.
     #[error(
-        "the peer sent more than {burst} messages or commands at once, or {per_second} a \
-         second, to a socket that reads none"
+        "the peer sent more than {burst} messages or commands (one per started 64 KiB) at \
+         once, or {per_second} a second, to a socket that reads none"
     )]
     Unread {
         /// Its burst.
@@ -230,11 +230,15 @@ pub enum Incoming {
 }
 
 /// What a skipping role (the control DEALER: a ROUTER sends it nothing but heartbeats) may be
-/// sent besides heartbeats: a burst of this many messages or commands, then
-/// [`SKIPPED_PER_SECOND`]; past it the connection ends, so the peer we answer cannot make this
-/// side decode a flood it never reads.
+/// sent besides heartbeats, in cells: a message or command costs one cell per started
+/// [`SKIPPED_CELL_BYTES`] (so a few large messages cost what many small ones do): a burst of
+/// this many cells, then [`SKIPPED_PER_SECOND`]; past it the connection ends, so the peer we
+/// answer cannot make this side read and decode a flood it never uses (at most 64 MiB at once,
+/// then 4 MiB/s).
 const SKIPPED_BURST: u32 = 1024;
 const SKIPPED_PER_SECOND: u32 = 64;
+/// The bytes of skipped input one cell of the allowance pays for.
+const SKIPPED_CELL_BYTES: u64 = 64 * 1024;
 
 /// Buffer capacity kept once everything queued was written; a larger one is given back.
 const KEEP_CAPACITY: usize = 256 * 1024;
@@ -474,7 +478,8 @@ impl Connection {
             match input {
                 Input::Greeting => {}
                 // Unknown to us (ours went out with our READY).
-                Input::Command => self.skipped(now)?,
+                // At most 64 KiB (the codec's bound on a command): one cell.
+                Input::Command => self.skipped(now, 0)?,
                 Input::Ready {
                     socket_type,
                     identity,
@@ -508,9 +513,9 @@ impl Connection {
                         self.ttl_deadline = Some((now + ttl, ttl));
                     }
                 }
-                Input::Discarded { .. } => {
+                Input::Discarded { bytes, .. } => {
                     self.dropped += 1;
-                    self.skipped(now)?;
+                    self.skipped(now, bytes)?;
                 }
                 Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
                 // Subscriptions mean something only to a publisher; elsewhere (a ROUTER) they
@@ -521,19 +526,26 @@ impl Connection {
                 Input::Cancel(prefix) if self.role.keep && self.role.publishes() => {
                     self.incoming.push_back(Incoming::Cancel(prefix))
                 }
-                Input::Subscribe(_) | Input::Cancel(_) => self.skipped(now)?,
+                Input::Subscribe(prefix) | Input::Cancel(prefix) => {
+                    self.skipped(now, prefix.len() as u64)?
+                }
             }
         }
     }
 
-    /// One thing the peer sent was skipped at `now`: within a skipping role's allowance, or
-    /// the end of the connection. A keeping role skips only what its owner's time share pays.
-    fn skipped(&mut self, now: Instant) -> Result<(), ConnError> {
+    /// One thing the peer sent (of `bytes`) was skipped at `now`: within a skipping role's
+    /// allowance, or the end of the connection. A keeping role skips only what its owner's
+    /// time share pays.
+    fn skipped(&mut self, now: Instant, bytes: u64) -> Result<(), ConnError> {
         if self.role.keep {
             return Ok(());
         }
+        let cells = 1 + bytes / SKIPPED_CELL_BYTES;
         let each = Duration::from_secs(1) / SKIPPED_PER_SECOND;
-        let until = self.skipped_until.map_or(now, |t| t.max(now)) + each;
+        // Past the burst in any case: capped so the product cannot overflow.
+        let cost =
+            each * u32::try_from(cells.min(u64::from(SKIPPED_BURST) + 1)).unwrap_or(u32::MAX);
+        let until = self.skipped_until.map_or(now, |t| t.max(now)) + cost;
         if until.saturating_duration_since(now) > each * SKIPPED_BURST {
             return Err(ConnError::Unread {
                 burst: SKIPPED_BURST,
@@ -740,6 +752,21 @@ mod tests {
                     .unwrap_or_else(|e| panic!("second {second}: {e}"));
             }
         }
+        // Large messages pay by size: 64 of just under 1 MiB (16 cells each) fill the burst,
+        // the 65th is past it.
+        let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+        d.handle_bytes(&hello("ROUTER"), t).unwrap();
+        let large = zmtp::message_frame(&vec![0u8; (1 << 20) - 128]);
+        for n in 0..64 {
+            d.handle_bytes(&large, t)
+                .unwrap_or_else(|e| panic!("message {n}: {e}"));
+        }
+        assert!(matches!(
+            d.handle_bytes(&large, t),
+            Err(ConnError::Unread { .. })
+        ));
+        let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+        d.handle_bytes(&hello("ROUTER"), t).unwrap();
         // The peer's PINGs are never counted (its PONGs are: they answer only our own PINGs,
         // one per silent interval).
         for i in 0..10 * SKIPPED_BURST {

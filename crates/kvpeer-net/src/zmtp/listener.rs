@@ -627,6 +627,8 @@ impl Listener {
                 _ => usize::MAX,
             };
             let was_ready = p.conn.is_ready();
+            // Decoding input held from an earlier round costs as much as reading new input.
+            let works = read || p.conn.holds_input();
             let budget = self.limits.read_budget;
             let stall = self.limits.stall_timeout;
             let mut step = || -> Result<(), LinkLoss> {
@@ -658,7 +660,7 @@ impl Listener {
             };
             let started = Instant::now();
             let result = step();
-            if read && share > 0 && !drain {
+            if works && share > 0 && !drain {
                 // Reading and decoding cost this thread too, whether or not a message came of
                 // it (a flood of PINGs or unknown commands hands the caller nothing to charge):
                 // the connection pays it from its shares like the caller's handling.

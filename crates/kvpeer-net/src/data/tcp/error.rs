@@ -80,9 +80,12 @@ pub enum TcpFault {
     /// The receiver refused a write (it refuses only a write it holds no permit for).
     #[error("the receiver refused a tcp write")]
     WriteRefused,
-    /// The receiver acknowledged a transfer not awaiting an ACK on its connection (another
-    /// connection's, or more ACKs than WRITEs).
-    #[error("the receiver acknowledged tcp transfer {0}, which awaits no ACK from it")]
+    /// The receiver acknowledged a transfer not awaiting that ACK on its connection: another
+    /// connection's, one not yet fully sent, out of order, or more ACKs than WRITEs.
+    #[error(
+        "the receiver acknowledged tcp transfer {0} out of turn (not the oldest WRITE it has \
+         read whole on this connection)"
+    )]
     ForeignAck(u64),
     /// The connection kept closing before a write could go.
     #[error("the tcp data connection keeps closing before a write")]

@@ -15,8 +15,13 @@
 //! * **A connection found closed before a byte of a frame left** takes the frame back and
 //!   reconnects; one lost in the middle of a frame faults the peer.
 //! * **ACKs**: a written transfer is done, a refused one faults the peer (the receiver refuses
-//!   only a write it holds no permit for). A connection that ends with WRITEs awaiting their
-//!   ACK faults the peer; one that ends idle is only forgotten (the next write reconnects).
+//!   only a write it holds no permit for). An ACK counts only in turn: for the oldest WRITE
+//!   whose last byte left on that same connection (a refusal also for the one being sent).
+//!   Any other (early, out of order, another connection's, one too many) faults the peer and
+//!   completes nothing, so a receiver cannot have our blocks unpinned while we still read
+//!   them. At most [`ACK_READS_PER_DRIVE`] reads per drive, then the other links' turn. A
+//!   connection that ends with WRITEs awaiting their ACK faults the peer; one that ends idle
+//!   is only forgotten (the next write reconnects).
 //! * **Deadlines** of transfers awaiting their ACK (`transfer_timeout` + bytes at
 //!   `min_write_rate`, a pipelined WRITE also getting the time of those ahead of it): past
 //!   one, the peer is faulted and its link reset and dropped. A socket that takes none of a
@@ -223,9 +228,13 @@ struct Conn {
     /// An ACK's bytes read so far.
     ack: [u8; ACK_LEN],
     ack_len: usize,
-    /// WRITEs queued on this connection and not yet acknowledged: an honest receiver sends
-    /// one ACK per WRITE, so an ACK beyond them is a lie.
-    unacked: usize,
+    /// WRITEs whose last byte left on this connection and that await their ACK, oldest
+    /// first. An honest receiver ACKs a WRITE only once it read all of it, and in the order
+    /// they came: an ACK that is not for the front of this queue is a lie. Counting a WRITE
+    /// only once it has left matters: its blocks are still read while it is being sent, and
+    /// an early ACK would let the core unpin them (and reuse them for another request's
+    /// data) under the rest of the frame.
+    unacked: VecDeque<TransferId>,
     /// When bytes last left (or a frame was queued onto an idle connection).
     progressed: Instant,
 }
@@ -628,7 +637,6 @@ impl Sender {
                         if c.out.is_empty() {
                             c.progressed = now;
                         }
-                        c.unacked += 1;
                         c.out.push_back(Frame {
                             tid: Some(job.tid),
                             head,
@@ -758,7 +766,7 @@ impl Sender {
             out,
             ack: [0; ACK_LEN],
             ack_len: 0,
-            unacked: 0,
+            unacked: VecDeque::new(),
             progressed: now,
         });
         link.conn_open = true;
@@ -818,6 +826,9 @@ impl Sender {
                         allowed = allowed.saturating_sub(n);
                     }
                     if frame.written >= total {
+                        if let Some(tid) = frame.tid {
+                            c.unacked.push_back(tid);
+                        }
                         c.out.pop_front();
                     }
                 }
@@ -927,13 +938,25 @@ impl Sender {
                     c.ack_len += n;
                     if c.ack_len == ACK_LEN {
                         match wire::decode_ack(&c.ack) {
-                            Ok((tid, _)) if c.unacked == 0 => {
+                            Ok((tid, true)) if c.unacked.front() == Some(&tid) => {
+                                c.unacked.pop_front();
+                                acks.push((tid, true));
+                            }
+                            // A refusal comes as soon as the receiver read the WRITE's header:
+                            // for the oldest WRITE sent or the one being sent.
+                            Ok((tid, false))
+                                if c.unacked.front() == Some(&tid)
+                                    || (c.unacked.is_empty()
+                                        && c.out.front().is_some_and(|f| f.tid == Some(tid))) =>
+                            {
+                                c.unacked.pop_front();
+                                acks.push((tid, false));
+                            }
+                            // Not in turn: early (before its WRITE's last byte left), for
+                            // another connection's transfer, repeated, or one too many.
+                            Ok((tid, _)) => {
                                 excess = Some(tid);
                                 break;
-                            }
-                            Ok(ack) => {
-                                c.unacked -= 1;
-                                acks.push(ack);
                             }
                             Err(_) => {
                                 ended = true;
