@@ -466,6 +466,47 @@ fn long_request_ids_count_against_the_peers_share_of_bytes() {
     assert!(p.alive(&attacker));
 }
 
+/// A request stays open after its lookup is answered (its pins wait for the fetch, up to the
+/// store timeout) and the node keeps its id meanwhile: the id is paid for as long as the
+/// request lives, not only while its lookup is unanswered. Lookups with 100 KB ids hitting one
+/// shared block are answered HIT until the peer's share of bytes is spent, then MISS at once;
+/// the share comes back when the requests end; an honest peer hits throughout.
+#[test]
+fn a_long_id_is_paid_for_as_long_as_its_request_is_open() {
+    let config = CoreConfig {
+        max_held_bytes_per_peer: 1 << 20,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    p.parent().insert(&key(1));
+    p.parent().insert(&key(9_999));
+    let attacker = p.join(1);
+    let honest = p.join(2);
+    let id = |i: u64| format!("{i}{}", "r".repeat(100_000));
+    let mut hits = 0;
+    for i in 0..100 {
+        p.recv(&attacker, lookup_msg(&id(i), keys(1..2), 0));
+        let resp = p.responses(&attacker);
+        assert_eq!(resp.len(), 1, "lookup {i} answered at once");
+        if resp[0].2 == vec![true] {
+            hits += 1;
+        } else {
+            break;
+        }
+    }
+    // About 400 KB per open request: two fit in 1 MiB, a third does not.
+    assert_eq!(hits, 2, "requests answered HIT while their ids were held");
+    assert!(p.share(&attacker).held_bytes > 800_000);
+    p.recv(&honest, lookup_msg("h", vec![key(9_999)], 0));
+    assert_eq!(p.responses(&honest)[0].2, vec![true]);
+    // The requests end (their pins at the store timeout): the share is whole again.
+    p.advance(Duration::from_secs(31));
+    assert_eq!(p.share(&attacker).held_bytes, 0);
+    p.recv(&attacker, lookup_msg(&id(1_000), keys(1..2), 0));
+    assert_eq!(p.responses(&attacker)[0].2, vec![true]);
+    assert!(p.alive(&attacker));
+}
+
 #[test]
 fn the_pin_share_counts_distinct_blocks_and_bounds_repeated_pins() {
     let config = CoreConfig {

@@ -30,7 +30,7 @@ impl ServerRole {
             }
             self.aborts.insert(key.clone(), cx.now);
             self.abort_warn_lane.arm(cx.now, key);
-            self.requests.entry(id.clone()).or_default().aborts += 1;
+            self.request_entry(id).aborts += 1;
         }
         self.drain_abort(link, cx, id, round);
     }

@@ -33,10 +33,7 @@ impl ServerRole {
                 round,
             });
         }
-        if !keys.is_empty()
-            && !self.requests.contains_key(id)
-            && self.requests.len() >= cx.config.max_requests_per_peer
-        {
+        if !keys.is_empty() && self.no_room_for(id, cx.config) {
             // The peer holds its share of requests: fail the round without keeping anything.
             crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of requests; failing its fetch",
                 peer = %self.peer, kv_request_id = %id, requests = self.requests.len());
@@ -99,7 +96,7 @@ impl ServerRole {
         if parked {
             // Demand parked for a later store (PD): bounded by the store timeout, and by the
             // peer's share of held keys and bytes.
-            let held = Held::of(keys, id);
+            let held = Held::of(keys);
             if self.held.keys + held.keys > cx.config.max_held_keys_per_peer
                 || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
             {
@@ -165,11 +162,7 @@ impl ServerRole {
         if let Some(rnd) = self.round_mut(id, round, serial) {
             rnd.inflight += 1;
         }
-        self.requests
-            .entry(id.clone())
-            .or_default()
-            .inflight
-            .push(tid);
+        self.request_entry(id).inflight.push(tid);
         self.inflight.insert(
             tid,
             Inflight {

@@ -37,7 +37,7 @@ impl ServerRole {
         let n = self.next_lookup_id;
         let ctx = serve_ctx(&self.peer, id, n);
         cx.parent.on_new_request(&ctx);
-        let held = Held::of(&keys, id);
+        let held = Held::of(&keys);
         let end = keys.len().min(cx.config.max_lookup_keys);
         // Sized for the keys asked now (a slice), so the map does not rehash as they go in.
         let answers =
@@ -53,10 +53,14 @@ impl ServerRole {
             pending: Vec::new(),
             deadline: cx.now + self.lookup_lane.delay(),
         };
-        let new_request = !self.requests.contains_key(id);
+        let id_cost = if self.requests.contains_key(id) {
+            0
+        } else {
+            Held::id(id).bytes
+        };
         let over_budget = self.held.keys + held.keys > cx.config.max_held_keys_per_peer
-            || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
-            || (new_request && self.requests.len() >= cx.config.max_requests_per_peer);
+            || self.held.bytes + held.bytes + id_cost > cx.config.max_held_bytes_per_peer
+            || self.no_room_for(id, cx.config);
         if over_budget {
             crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of lookups; answering MISS",
                 peer = %self.peer, kv_request_id = %id, keys = lookup.keys.len(),
@@ -75,11 +79,7 @@ impl ServerRole {
         }
         self.held.add(held);
         self.lookup_lane.arm(cx.now, (id.clone(), n));
-        self.requests
-            .entry(id.clone())
-            .or_default()
-            .lookups
-            .insert(n, lookup);
+        self.request_entry(id).lookups.insert(n, lookup);
         self.backlog.push_back((id.clone(), n));
         if self.backlog.len() == 1 {
             self.serve_backlog(link, cx)
@@ -166,11 +166,7 @@ impl ServerRole {
     }
 
     fn reinsert(&mut self, id: &KvRequestId, n: u64, lookup: ActiveLookup) {
-        self.requests
-            .entry(id.clone())
-            .or_default()
-            .lookups
-            .insert(n, lookup);
+        self.request_entry(id).lookups.insert(n, lookup);
     }
 
     pub(super) fn arm_repoll(&mut self, cx: &Cx<'_>) {

@@ -192,8 +192,9 @@ impl Matched {
     }
 }
 
-/// Keys and estimated bytes held for a peer (its open lookups, its fetches waiting for a
-/// store), counted against `max_held_keys_per_peer` / `max_held_bytes_per_peer`.
+/// Keys and estimated bytes held for a peer (its open requests' ids, its open lookups, its
+/// fetches waiting for a store, its pins), counted against `max_held_keys_per_peer` /
+/// `max_held_bytes_per_peer`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Held {
     pub(crate) keys: usize,
@@ -213,10 +214,19 @@ impl Held {
     /// serving context that embeds it, the timer lanes and maps keyed by it).
     const COPIES_PER_ID: usize = 4;
 
-    /// What holding `keys` for request `id` costs (an empty list still costs one key: its
-    /// entry). The id counts too: vLLM accepts ids of any length a message carries (tens of
-    /// KiB are in its own vectors), so a peer's long ids are paid from its share, not ours.
-    pub(crate) fn of(keys: &[OffloadKey], id: &KvRequestId) -> Self {
+    /// What an open request's id costs, from its entry's creation to its removal (whatever it
+    /// holds meanwhile): vLLM accepts ids of any length a message carries (tens of KiB are in
+    /// its own vectors), so a peer's long ids are paid from its share, not ours.
+    pub(crate) fn id(id: &KvRequestId) -> Self {
+        Held {
+            keys: 0,
+            bytes: Self::COPIES_PER_ID * id.as_str().len(),
+        }
+    }
+
+    /// What holding `keys` costs (an empty list still costs one key: its entry); the request's
+    /// id is paid by the request ([`Held::id`]).
+    pub(crate) fn of(keys: &[OffloadKey]) -> Self {
         let heap: usize = keys
             .iter()
             .map(|k| k.as_bytes().len())
@@ -224,10 +234,7 @@ impl Held {
             .sum();
         Held {
             keys: keys.len().max(1),
-            bytes: Self::BYTES_PER_ENTRY
-                + keys.len().max(1) * Self::BYTES_PER_KEY
-                + 2 * heap
-                + Self::COPIES_PER_ID * id.as_str().len(),
+            bytes: Self::BYTES_PER_ENTRY + keys.len().max(1) * Self::BYTES_PER_KEY + 2 * heap,
         }
     }
 
@@ -486,7 +493,26 @@ impl ServerRole {
     fn prune(&mut self, id: &KvRequestId) {
         if self.requests.get(id).is_some_and(|r| r.is_idle()) {
             self.requests.remove(id);
+            self.held.sub(Held::id(id));
         }
+    }
+
+    /// Request `id`'s entry, made (and its id's cost charged) if it has none; with
+    /// `round_or_new` (the same, inline for the borrow checker) the only ways an entry is made,
+    /// as [`ServerRole::prune`] is the one way it goes (or `close`, all at once).
+    fn request_entry(&mut self, id: &KvRequestId) -> &mut Request {
+        if !self.requests.contains_key(id) {
+            self.held.add(Held::id(id));
+        }
+        self.requests.entry(id.clone()).or_default()
+    }
+
+    /// Whether opening request `id` would take the peer past its share of requests or of held
+    /// bytes (an id already open costs nothing more).
+    fn no_room_for(&self, id: &KvRequestId, config: &crate::CoreConfig) -> bool {
+        !self.requests.contains_key(id)
+            && (self.requests.len() >= config.max_requests_per_peer
+                || self.held.bytes + Held::id(id).bytes > config.max_held_bytes_per_peer)
     }
 
     fn round_mut(
@@ -502,6 +528,9 @@ impl ServerRole {
     }
 
     fn round_or_new(&mut self, id: &KvRequestId, round: RoundSeq) -> &mut Round {
+        if !self.requests.contains_key(id) {
+            self.held.add(Held::id(id));
+        }
         let req = self.requests.entry(id.clone()).or_default();
         let at = match req.rounds.iter().position(|(k, _)| *k == round) {
             Some(at) => at,
