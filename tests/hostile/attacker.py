@@ -377,14 +377,27 @@ def cmd_session(a) -> int:
     indexes = span(a.indexes) if a.indexes else list(range(len(keys)))
     hits = None
     transfer_done = []
+    # Request ids as long as asked (vLLM bounds none): what the node keeps and logs of them.
+    request_id = "hostile-1" + "r" * a.id_bytes
+    for i in range(a.unknown_aborts):
+        peer.send(a.node, {"type": "abort_fetch", "kv_request_id": f"{i}-{request_id}",
+                           "round_seq": 0}, source=a.source)
+
+    def abort_acks() -> int:
+        return sum(1 for m in peer.received if m["type"] == "abort_ack")
+
+    deadline = time.monotonic() + a.wait
+    while abort_acks() < a.unknown_aborts and time.monotonic() < deadline:
+        for who, msg in peer.poll(deadline - time.monotonic()):
+            note(who, msg)
     if keys:
         # Whatever the handshake said: a hostile peer tries anyway.
-        peer.send(a.node, {"type": "lookup", "kv_request_id": "hostile-1", "keys": keys,
+        peer.send(a.node, {"type": "lookup", "kv_request_id": request_id, "keys": keys,
                            "round_seq": 0}, source=a.source)
         got = peer.wait_for({"lookup_resp"}, a.wait if state["connect_ack"] else 1.0, note)
         if got:
             hits = got[1].get("hits")
-        peer.send(a.node, {"type": "fetch", "kv_request_id": "hostile-1", "keys": keys,
+        peer.send(a.node, {"type": "fetch", "kv_request_id": request_id, "keys": keys,
                            "block_indexes": indexes, "round_seq": 0}, source=a.source)
         deadline = time.monotonic() + (a.wait if state["connect_ack"] else 1.5)
         while time.monotonic() < deadline:
@@ -418,6 +431,7 @@ def cmd_session(a) -> int:
         "node_meta": node_meta,
         "hits": hits,
         "transfer_done": transfer_done,
+        "abort_acks": abort_acks(),
         "own_pool_bytes_ok": own_ok,
         "own_pool_allocated": allocated,
         "closed_by_node": any(d.closed for d in peer.dealers.values()),
@@ -1232,6 +1246,10 @@ def main() -> int:
     s.add_argument("--keys", default="", help="synthetic key indexes to look up and fetch")
     s.add_argument("--indexes", default="", help="block indexes our fetch names")
     s.add_argument("--linger", type=float, default=0.0)
+    s.add_argument("--id-bytes", type=int, default=0,
+                   help="pad the lookup's and fetch's request id with this many bytes")
+    s.add_argument("--unknown-aborts", type=int, default=0,
+                   help="abort_fetch this many unknown requests (ids as long) first")
     s.add_argument("--shrink-own-pool", action="store_true",
                    help="after the handshake, cut our own pool object to one page")
 

@@ -125,15 +125,44 @@ impl From<String> for KvRequestId {
     }
 }
 
-impl fmt::Debug for KvRequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KvRequestId({:?})", self.0)
+/// Longest id `Display` and `Debug` show whole (logs, error messages); a longer one is shown
+/// as its first [`SHOWN_ID_HEAD`] bytes and its length. vLLM bounds no id's length, and a
+/// peer's megabyte ids must not become megabyte log lines. [`KvRequestId::as_str`] is the
+/// whole id.
+pub(crate) const SHOWN_ID_BYTES: usize = 128;
+/// Bytes of a long id that `Display` and `Debug` show (at most: cut at a character boundary).
+pub(crate) const SHOWN_ID_HEAD: usize = 64;
+
+impl KvRequestId {
+    /// The id's head and the bytes left out, if it is too long to show whole.
+    fn shown(&self) -> (&str, Option<usize>) {
+        if self.0.len() <= SHOWN_ID_BYTES {
+            return (&self.0, None);
+        }
+        let mut cut = SHOWN_ID_HEAD;
+        while !self.0.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        (&self.0[..cut], Some(self.0.len() - cut))
     }
 }
 
+impl fmt::Debug for KvRequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.shown() {
+            (id, None) => write!(f, "KvRequestId({id:?})"),
+            (head, Some(more)) => write!(f, "KvRequestId({head:?}…+{more} bytes)"),
+        }
+    }
+}
+
+/// The id, or for one over [`SHOWN_ID_BYTES`] its head and length: `abc…(+1000000 bytes)`.
 impl fmt::Display for KvRequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        match self.shown() {
+            (id, None) => f.write_str(id),
+            (head, Some(more)) => write!(f, "{head}…(+{more} bytes)"),
+        }
     }
 }
 
@@ -247,6 +276,26 @@ impl fmt::Display for PeerId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer's megabyte id is shown as its head and length (logs stay short), cut at a
+    /// character boundary; a short one whole; `as_str` is always the whole id.
+    #[test]
+    fn long_request_ids_are_shown_short() {
+        let short = KvRequestId::new("r".repeat(SHOWN_ID_BYTES));
+        assert_eq!(short.to_string(), short.as_str());
+        assert_eq!(
+            format!("{short:?}"),
+            format!("KvRequestId({:?})", short.as_str())
+        );
+        let long = KvRequestId::new(format!("{}{}", "é".repeat(40), "x".repeat(1 << 20)));
+        let shown = long.to_string();
+        assert_eq!(
+            shown,
+            format!("{}…(+{} bytes)", "é".repeat(32), (1 << 20) + 16)
+        );
+        assert!(format!("{long:?}").len() < 2 * SHOWN_ID_BYTES);
+        assert_eq!(long.as_str().len(), 80 + (1 << 20));
+    }
 
     #[test]
     fn offload_key_splits_hash_and_group() {

@@ -38,10 +38,11 @@ impl NativeRequest {
     /// The request's `kv_request_id`.
     #[getter]
     fn kv_request_id(&self) -> String {
-        self.inner.id().to_string()
+        self.inner.id().as_str().to_owned()
     }
 
     fn __repr__(&self) -> String {
+        // Display: a long id is shown as its head and length.
         format!("NativeRequest({:?})", self.inner.id().to_string())
     }
 }
@@ -235,7 +236,7 @@ impl EngineTier {
             .map(|q| Query {
                 id: q.id.get(),
                 peer: q.peer.to_string(),
-                kv_request_id: q.kv_request_id.to_string(),
+                kv_request_id: q.kv_request_id.as_str().to_owned(),
                 key: PyBytes::new(py, q.key.as_bytes()).unbind(),
             })
             .collect())
@@ -409,7 +410,7 @@ fn polled(py: Python<'_>, events: Vec<EngineEvent>) -> PyResult<Polled> {
             } => lookups.push(Py::new(
                 py,
                 LookedUp {
-                    kv_request_id: kv_request_id.to_string(),
+                    kv_request_id: kv_request_id.as_str().to_owned(),
                     hits: results
                         .into_iter()
                         .map(|r| r == LookupResult::Hit)

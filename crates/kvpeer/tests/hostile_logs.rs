@@ -103,3 +103,65 @@ fn sessions_cycled_at_will_log_a_bounded_number_of_lines() {
     let run = honest_fetch(&id, "shm", 2, 8, &[]);
     assert_fetch_ok(&run, 16, "after the session cycling");
 }
+
+/// A peer whose request ids are a megabyte long (vLLM bounds none): 20 `abort_fetch`es of
+/// unknown requests (each one a warning naming its id), then a lookup and a fetch under such an
+/// id. Every message is answered as for a short id, and the node's log grows by lines of
+/// bounded length: an id is logged as its head and length, so a peer cannot write megabytes of
+/// log per message (before: the whole id, line after line, 20 MB here).
+#[test]
+fn megabyte_request_ids_are_served_and_logged_short() {
+    let (server, id) = serve_at(
+        &[
+            "--plane",
+            "shm",
+            "--blocks",
+            "64",
+            "--block-len",
+            "4096",
+            "--fill",
+            "16",
+        ],
+        "info",
+        None,
+    );
+    let before = server.log().len();
+    let s = attack(&[
+        "session",
+        "--node",
+        &id,
+        "--own-pool",
+        "--shm-token",
+        "from-object",
+        "--keys",
+        "0-7",
+        "--indexes",
+        "16-23",
+        "--id-bytes",
+        "1048576",
+        "--unknown-aborts",
+        "20",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let log = server.log();
+    let grown = &log[before.min(log.len())..];
+    let longest = grown.lines().map(str::len).max().unwrap_or(0);
+    println!(
+        "{s}\nlog grew {} bytes in {} lines, the longest {longest} bytes",
+        grown.len(),
+        grown.lines().count()
+    );
+    // From the attacker's side: every message was taken and answered.
+    assert_eq!(s["abort_acks"], 20, "{s}");
+    assert_eq!(s["hits"], serde_json::json!(vec![true; 8]), "{s}");
+    assert_eq!(s["transfer_done"], serde_json::json!([true]), "{s}");
+    assert_eq!(s["own_pool_bytes_ok"], true, "{s}");
+    assert!(longest < 1024, "a log line of {longest} bytes");
+    assert!(
+        grown.len() < 64 * 1024,
+        "the log grew {} bytes",
+        grown.len()
+    );
+    let run = honest_fetch(&id, "shm", 2, 8, &[]);
+    assert_fetch_ok(&run, 16, "after the megabyte ids");
+}
