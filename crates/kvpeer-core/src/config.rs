@@ -83,6 +83,12 @@ pub struct CoreConfig {
     pub max_held_keys_per_peer: usize,
     /// Estimated bytes of what [`CoreConfig::max_held_keys_per_peer`] counts, bounded the same way.
     pub max_held_bytes_per_peer: usize,
+    /// Estimated bytes all peers hold together (the sum of what `max_held_bytes_per_peer`
+    /// bounds per peer). Past it, a peer takes more only while it holds less than an equal
+    /// part of it (this cap over the peers holding anything), so many sessions each at their
+    /// own share cannot hold the node's memory, and a peer holding little is still served;
+    /// the total stays under twice this.
+    pub max_held_bytes: usize,
     /// Requests one peer may have open on this node's producer side at once; a lookup or
     /// fetch that would open another is answered MISS / failed at once.
     pub max_requests_per_peer: usize,
@@ -136,13 +142,14 @@ impl Default for CoreConfig {
             reaped_id_retention: Duration::from_secs(60),
             max_consecutive_dispatch_errors: 5,
             max_lookup_keys: 1 << 17,
-            lookup_slice_keys: 2048,
+            lookup_slice_keys: 256,
             lookup_keys_per_sec: 1 << 18,
             max_pins_per_peer: None,
             max_pinned_blocks: None,
             pin_eviction_min_age: Duration::from_secs(1),
             max_held_keys_per_peer: 1 << 21,
             max_held_bytes_per_peer: 256 << 20,
+            max_held_bytes: 1 << 30,
             max_requests_per_peer: 1 << 17,
             max_peer_blocks: 1 << 22,
         }

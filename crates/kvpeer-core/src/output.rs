@@ -76,6 +76,10 @@ pub(crate) struct Outbox {
     pub(crate) counters: crate::counters::Counters,
     /// Warnings a peer can cause, at most one per kind per second.
     pub(crate) throttle: crate::throttle::WarnThrottle,
+    /// What all peers hold together (every session's [`HeldAccount`] adds to it).
+    ///
+    /// [`HeldAccount`]: crate::session::server::HeldAccount
+    pub(crate) node_held: std::sync::Arc<crate::session::server::NodeHeld>,
 }
 
 impl Outbox {

@@ -285,8 +285,9 @@ fn the_keys_per_second_budget_defers_a_peer_without_ending_its_session() {
             lookup_msg(&format!("a{r}"), keys(r * 10_000..(r + 1) * 10_000), 0),
         );
     }
-    // One second's budget: the first lookup, in slices at the same instant.
-    for _ in 0..10 {
+    // One second's budget: the first lookup, in slices at the same instant (and steps to
+    // spare: the bucket, not the slices, stops the second).
+    for _ in 0..2 * 10_000 / CoreConfig::default().lookup_slice_keys {
         p.step();
     }
     assert_eq!(p.responses(&attacker).len(), 1);
@@ -505,6 +506,52 @@ fn a_long_id_is_paid_for_as_long_as_its_request_is_open() {
     p.recv(&attacker, lookup_msg(&id(1_000), keys(1..2), 0));
     assert_eq!(p.responses(&attacker)[0].2, vec![true]);
     assert!(p.alive(&attacker));
+}
+
+/// Many sessions, each within its own share of held bytes, cannot together hold more than the
+/// node's `max_held_bytes` (twice it at worst): once the total is past it a peer takes more
+/// only within an equal part of it, so the later attackers' long-id lookups answer MISS at
+/// once; an honest peer holding little still hits; everything comes back when the lookups end.
+#[test]
+fn the_peers_together_hold_at_most_the_nodes_share_of_bytes() {
+    let config = CoreConfig {
+        max_held_bytes_per_peer: 1 << 20,
+        max_held_bytes: 2 << 20,
+        ..CoreConfig::default()
+    };
+    let mut p = Peers::new(config);
+    p.parent().wakes_core = true;
+    for k in keys(0..100) {
+        p.parent().retry.insert(k);
+    }
+    p.parent().insert(&key(9_999));
+    let attackers: Vec<_> = (1..=8).map(|i| p.join(i)).collect();
+    let honest = p.join(20);
+    let id = |i: u64| format!("{i}{}", "r".repeat(100_000));
+    let mut refused = 0;
+    for (a, attacker) in attackers.iter().enumerate() {
+        for j in 0..3u64 {
+            let n = a as u64 * 3 + j;
+            // A pending key: the lookup (and its 100 KB id) stays held.
+            p.recv(attacker, lookup_msg(&id(n), keys(n..n + 1), 0));
+            if !p.responses(attacker).is_empty() {
+                refused += 1;
+            }
+        }
+    }
+    let held: usize = attackers.iter().map(|a| p.share(a).held_bytes).sum();
+    println!("attackers hold {held} bytes; {refused} lookups refused");
+    // Each alone could hold 2 lookups (~800 KB): 6.4 MB for the 8 without a node cap.
+    assert!(held <= 4 << 20, "{held} bytes held by the attackers");
+    assert!(held < 3_000_000, "{held} bytes held by the attackers");
+    assert!(refused >= 8 + 3, "{refused} refused");
+    p.recv(&honest, lookup_msg("h", vec![key(9_999)], 0));
+    assert_eq!(p.responses(&honest)[0].2, vec![true]);
+    p.advance(Duration::from_secs(6));
+    for a in &attackers {
+        assert_eq!(p.share(a).held_bytes, 0);
+        assert!(p.alive(a));
+    }
 }
 
 #[test]

@@ -109,6 +109,7 @@ _KVPEER_KEYS = (
     "pin_eviction_min_age_ms",
     "max_held_keys_per_peer",
     "max_held_bytes_per_peer",
+    "max_held_bytes",
     "max_requests_per_peer",
     "max_peer_blocks",
     "tcp_min_rate",

@@ -151,7 +151,7 @@ impl Session {
             local_id: local.peer_id.clone(),
             peer_fault_drain: config.peer_fault_drain,
             client: ClientRole::new(peer.clone(), config),
-            server: ServerRole::new(peer, config, local.num_blocks, now),
+            server: ServerRole::new(peer, config, local.num_blocks, now, out.node_held.clone()),
             state: State::AwaitingConnect,
             handshake_deadline: now + config.handshake_timeout,
             dispatch_errors: 0,

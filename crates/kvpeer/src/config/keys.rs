@@ -148,7 +148,7 @@ declare_keys! {
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";
     /// keys of one peer's lookups asked per step of the node's loop (the rest wait a step)
-    lookup_slice_keys = "2048";
+    lookup_slice_keys = "256";
     /// keys of one peer's lookups asked per second (past it they wait; MISS at their deadline)
     lookup_keys_per_s = "262144";
     /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
@@ -161,6 +161,8 @@ declare_keys! {
     max_held_keys_per_peer = "2097152";
     /// estimated bytes of those keys
     max_held_bytes_per_peer = "268435456";
+    /// estimated bytes all peers hold together; past it a peer takes more only within an equal part of it
+    max_held_bytes = "1073741824";
     /// requests one peer may have open on this node's producer side
     max_requests_per_peer = "131072";
     /// blocks a peer's pool may have (its connect's num_blocks); a larger pool is refused at the connect

@@ -181,6 +181,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         )?),
         max_held_keys_per_peer: s.number(&KEY.max_held_keys_per_peer, 1, 1 << 32)? as usize,
         max_held_bytes_per_peer: s.number(&KEY.max_held_bytes_per_peer, 1024, 1 << 44)? as usize,
+        max_held_bytes: s.number(&KEY.max_held_bytes, 1024, 1 << 46)? as usize,
         max_requests_per_peer: s.number(&KEY.max_requests_per_peer, 1, 1 << 24)? as usize,
         max_peer_blocks: s.number(&KEY.max_peer_blocks, 1, 1 << 40)?,
         ..CoreConfig::default()

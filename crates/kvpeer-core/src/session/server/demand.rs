@@ -97,9 +97,7 @@ impl ServerRole {
             // Demand parked for a later store (PD): bounded by the store timeout, and by the
             // peer's share of held keys and bytes.
             let held = Held::of(keys);
-            if self.held.keys + held.keys > cx.config.max_held_keys_per_peer
-                || self.held.bytes + held.bytes > cx.config.max_held_bytes_per_peer
-            {
+            if self.held.over(held, cx.config) {
                 crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of parked fetches; failing its fetch",
                     peer = %self.peer, kv_request_id = %id, keys = keys.len(), held_keys = self.held.keys, held_bytes = self.held.bytes);
                 cx.out.counters.fetches_over_budget += 1;

@@ -58,9 +58,11 @@ impl ServerRole {
         } else {
             Held::id(id).bytes
         };
-        let over_budget = self.held.keys + held.keys > cx.config.max_held_keys_per_peer
-            || self.held.bytes + held.bytes + id_cost > cx.config.max_held_bytes_per_peer
-            || self.no_room_for(id, cx.config);
+        let need = Held {
+            keys: held.keys,
+            bytes: held.bytes + id_cost,
+        };
+        let over_budget = self.held.over(need, cx.config) || self.no_room_for(id, cx.config);
         if over_budget {
             crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of lookups; answering MISS",
                 peer = %self.peer, kv_request_id = %id, keys = lookup.keys.len(),
@@ -210,10 +212,7 @@ impl ServerRole {
                 _ => {}
             }
             let more = Held::pins(hits.len() + 1);
-            if self.pinned.len() + hits.len() >= self.max_pins
-                || self.held.keys + more.keys > cx.config.max_held_keys_per_peer
-                || self.held.bytes + more.bytes > cx.config.max_held_bytes_per_peer
-            {
+            if self.pinned.len() + hits.len() >= self.max_pins || self.held.over(more, cx.config) {
                 // The peer holds its share of the pool pinned (or of held keys: pins of the
                 // same blocks over and over): MISS, not asked, not pinned.
                 lookup.answers.insert(key.clone(), Some(false));

@@ -30,6 +30,8 @@ mod timeouts;
 use std::collections::BTreeMap;
 
 use crate::maps::{Map, Set};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId, RoundSeq};
@@ -257,6 +259,90 @@ impl Held {
     }
 }
 
+/// What all sessions' peers hold together (bytes, and how many peers hold any): shared by
+/// every [`HeldAccount`] of one core. The core runs on one thread; atomics only make it `Send`.
+#[derive(Debug, Default)]
+pub(crate) struct NodeHeld {
+    bytes: AtomicUsize,
+    holders: AtomicUsize,
+}
+
+impl NodeHeld {
+    /// Bytes all peers hold.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// One peer's [`Held`], kept in step with the node's total ([`NodeHeld`]).
+#[derive(Debug)]
+pub(crate) struct HeldAccount {
+    mine: Held,
+    node: Arc<NodeHeld>,
+}
+
+impl std::ops::Deref for HeldAccount {
+    type Target = Held;
+    fn deref(&self) -> &Held {
+        &self.mine
+    }
+}
+
+impl HeldAccount {
+    fn new(node: Arc<NodeHeld>) -> Self {
+        HeldAccount {
+            mine: Held::default(),
+            node,
+        }
+    }
+
+    fn add(&mut self, other: Held) {
+        if self.mine.bytes == 0 && other.bytes > 0 {
+            self.node.holders.fetch_add(1, Ordering::Relaxed);
+        }
+        self.node.bytes.fetch_add(other.bytes, Ordering::Relaxed);
+        self.mine.add(other);
+    }
+
+    fn sub(&mut self, other: Held) {
+        let before = self.mine.bytes;
+        self.mine.sub(other);
+        self.node
+            .bytes
+            .fetch_sub(before - self.mine.bytes, Ordering::Relaxed);
+        if before > 0 && self.mine.bytes == 0 {
+            self.node.holders.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&mut self) {
+        let all = self.mine;
+        self.sub(all);
+    }
+
+    /// Whether holding `more` would take this peer past its share: its own caps, or, with
+    /// all peers together past `max_held_bytes`, more than an equal part of that cap.
+    fn over(&self, more: Held, config: &CoreConfig) -> bool {
+        let mine = self.mine.bytes + more.bytes;
+        if self.mine.keys + more.keys > config.max_held_keys_per_peer
+            || mine > config.max_held_bytes_per_peer
+        {
+            return true;
+        }
+        if self.node.bytes() + more.bytes <= config.max_held_bytes {
+            return false;
+        }
+        let holders = self.node.holders.load(Ordering::Relaxed) + usize::from(self.mine.bytes == 0);
+        mine > config.max_held_bytes / holders.max(1)
+    }
+}
+
+impl Drop for HeldAccount {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
 /// A per-peer token bucket of keys looked up per second (one second's worth at most).
 #[derive(Debug)]
 struct KeyBucket {
@@ -419,8 +505,9 @@ pub(crate) struct ServerRole {
     slice_at: Option<Instant>,
     /// Keys per second this peer's lookups may ask of the store.
     bucket: KeyBucket,
-    /// Keys and bytes held for this peer (open lookups, parked demand).
-    held: Held,
+    /// Keys and bytes held for this peer (open lookups, parked demand), and its part of the
+    /// node's total.
+    held: HeldAccount,
     /// Distinct blocks pinned by this peer's lookups (how many of its pins hold each), and
     /// the blocks of each open lookup pin (their references count as held keys).
     pinned: Map<BlockIndex, u32>,
@@ -440,7 +527,13 @@ fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
 }
 
 impl ServerRole {
-    pub(crate) fn new(peer: PeerId, config: &CoreConfig, num_blocks: u64, now: Instant) -> Self {
+    pub(crate) fn new(
+        peer: PeerId,
+        config: &CoreConfig,
+        num_blocks: u64,
+        now: Instant,
+        node_held: Arc<NodeHeld>,
+    ) -> Self {
         ServerRole {
             peer,
             requests: Map::default(),
@@ -463,7 +556,7 @@ impl ServerRole {
             backlog: std::collections::VecDeque::new(),
             slice_at: None,
             bucket: KeyBucket::new(config.lookup_keys_per_sec, now),
-            held: Held::default(),
+            held: HeldAccount::new(node_held),
             pinned: Map::default(),
             pin_blocks: Map::default(),
             max_pins: config.pins_per_peer(num_blocks),
@@ -512,7 +605,7 @@ impl ServerRole {
     fn no_room_for(&self, id: &KvRequestId, config: &crate::CoreConfig) -> bool {
         !self.requests.contains_key(id)
             && (self.requests.len() >= config.max_requests_per_peer
-                || self.held.bytes + Held::id(id).bytes > config.max_held_bytes_per_peer)
+                || self.held.over(Held::id(id), config))
     }
 
     fn round_mut(
@@ -611,7 +704,7 @@ impl ServerRole {
         self.repoll_at = None;
         self.backlog.clear();
         self.slice_at = None;
-        self.held = Held::default();
+        self.held.clear();
         self.pinned.clear();
         self.pin_blocks.clear();
         result
@@ -619,7 +712,7 @@ impl ServerRole {
 
     /// Keys and bytes held for the peer, blocks pinned for its lookups (for tests and stats).
     pub(crate) fn shares(&self) -> (Held, usize) {
-        (self.held, self.pinned.len())
+        (*self.held, self.pinned.len())
     }
 
     /// Transfer ids in flight (for shutdown drains).
