@@ -6,6 +6,13 @@
 //! take waits in its socket, and a slow or silent writer only keeps its own connection open
 //! until its deadline.
 //!
+//! Admission: at most [`ACCEPT_BATCH`] accepts per turn, the connections they bring read before
+//! more are taken; within the caps (`max_connections` in all, `max_handshaking` in their
+//! HELLO), and over either one a connection still in its HELLO makes room: the oldest of the
+//! source holding the most of them (the newcomer counted), reset rather than shut, so a flood
+//! from one address pushes out its own connections, not a writer's from another. With every
+//! open connection past its HELLO and the total cap reached, the newcomer is refused (reset).
+//!
 //! Deadlines (one heap, each connection's next one): the HELLO within `hello_timeout` of the
 //! accept; between frames at most `idle_timeout`; once a frame started, its header within
 //! `frame_timeout` and each block within `frame_timeout` of the part before (a large WRITE
