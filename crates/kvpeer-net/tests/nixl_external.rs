@@ -78,6 +78,23 @@ fn wait<T>(mut f: impl FnMut() -> Option<T>) -> T {
     panic!("timed out");
 }
 
+/// Waits (bounded) for `peer`'s registration at `plane` to settle.
+fn settled(plane: &mut NixlPlane, peer: &PeerId) -> Registration {
+    wait(|| match plane.registration(peer) {
+        Registration::Pending => None,
+        other => Some(other),
+    })
+}
+
+/// Waits (bounded) for `plane` to report something of `peer`'s transfers.
+fn outcome(plane: &mut NixlPlane, peer: &PeerId) -> kvpeer_core::PlanePoll {
+    wait(|| {
+        let poll = plane.poll(peer);
+        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
+            .then_some(poll)
+    })
+}
+
 #[test]
 fn a_nixl_write_between_external_regions_is_byte_exact() {
     if std::env::var_os("UCX_NET_DEVICES").is_none() {
@@ -99,10 +116,7 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
         block_len: LEN,
     };
     a.add_remote_peer(&pb, &memory).unwrap();
-    let state = wait(|| match a.registration(&pb) {
-        Registration::Pending => None,
-        other => Some(other),
-    });
+    let state = settled(&mut a, &pb);
     assert_eq!(state, Registration::Done);
 
     let (local, remote) = ([0u64, 2, 7], [5u64, 1, 7]);
@@ -111,11 +125,7 @@ fn a_nixl_write_between_external_regions_is_byte_exact() {
     let pa = PeerId::new("127.0.0.1:7101");
     b.expect_writes(&pa, &remote);
     let tid = a.write_blocks(&pb, &local, &remote).unwrap();
-    let poll = wait(|| {
-        let poll = a.poll(&pb);
-        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
-            .then_some(poll)
-    });
+    let poll = outcome(&mut a, &pb);
     assert_eq!(
         (poll.done, poll.failed, poll.peer_fault),
         (vec![tid], vec![], None)
@@ -193,21 +203,14 @@ fn a_peer_region_that_overflows_the_address_space_is_refused() {
         ..memory
     };
     a.add_remote_peer(&honest, &memory).unwrap();
-    let state = wait(|| match a.registration(&honest) {
-        Registration::Pending => None,
-        other => Some(other),
-    });
+    let state = settled(&mut a, &honest);
     assert_eq!(state, Registration::Done);
     let mut b = b;
     let pa = PeerId::new("127.0.0.1:7101");
     let (local, remote) = ([BlockIndex::new(3)], [BlockIndex::new(6)]);
     b.expect_writes(&pa, &remote);
     let tid = a.write_blocks(&honest, &local, &remote).unwrap();
-    let poll = wait(|| {
-        let poll = a.poll(&honest);
-        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
-            .then_some(poll)
-    });
+    let poll = outcome(&mut a, &honest);
     assert_eq!((poll.done, poll.peer_fault.is_none()), (vec![tid], true));
     let bytes = raw(&b_pool, b_base);
     let at = (6 * LEN) as usize;
@@ -257,21 +260,14 @@ fn a_dropped_registration_unloads_the_peers_agent() {
         ..memory
     };
     a.add_remote_peer(&honest, &memory).unwrap();
-    let state = wait(|| match a.registration(&honest) {
-        Registration::Pending => None,
-        other => Some(other),
-    });
+    let state = settled(&mut a, &honest);
     assert_eq!(state, Registration::Done);
     assert!(a.holds_remote_agent(&b_name));
     let pa = PeerId::new("127.0.0.1:7101");
     let (local, remote) = ([BlockIndex::new(2)], [BlockIndex::new(5)]);
     b.expect_writes(&pa, &remote);
     let tid = a.write_blocks(&honest, &local, &remote).unwrap();
-    let poll = wait(|| {
-        let poll = a.poll(&honest);
-        (!poll.done.is_empty() || !poll.failed.is_empty() || poll.peer_fault.is_some())
-            .then_some(poll)
-    });
+    let poll = outcome(&mut a, &honest);
     assert_eq!((poll.done, poll.peer_fault.is_none()), (vec![tid], true));
     let bytes = raw(&b_pool, b_base);
     let at = (5 * LEN) as usize;

@@ -602,6 +602,16 @@ struct Seen {
 }
 
 impl Seen {
+    /// What `tx` reported for `peer` until it reported `peer`'s fault (bounded).
+    fn until_faulted(tx: &mut TcpPlane, peer: &PeerId) -> Seen {
+        let mut seen = Seen::default();
+        wait_for("the liar's fault", || {
+            seen.poll(tx, peer);
+            seen.fault.is_some()
+        });
+        seen
+    }
+
     fn poll(&mut self, tx: &mut TcpPlane, peer: &PeerId) {
         let poll = tx.poll(peer);
         self.done.extend(poll.done);
@@ -632,11 +642,8 @@ fn a_receiver_cannot_acknowledge_another_receivers_transfer() {
     assert_eq!(tid_l.get() - 1, tid_h.get());
     liar_conn.write_all(&ack(tid_l.get() - 1)).unwrap();
 
-    let (mut at_liar, mut at_honest) = (Seen::default(), Seen::default());
-    wait_for("the liar's fault", || {
-        at_liar.poll(&mut tx, &liar.id);
-        at_liar.fault.is_some()
-    });
+    let at_liar = Seen::until_faulted(&mut tx, &liar.id);
+    let mut at_honest = Seen::default();
     assert!(
         matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == tid_h.get()),
         "{:?}",
@@ -698,11 +705,7 @@ fn a_receiver_streaming_acks_cannot_stall_the_writes_to_others() {
         transfer(&mut tx, local, i).unwrap();
         assert_eq!(block(&rx_store, i), bytes);
     }
-    let mut at_liar = Seen::default();
-    wait_for("the liar's fault", || {
-        at_liar.poll(&mut tx, &liar.id);
-        at_liar.fault.is_some()
-    });
+    let at_liar = Seen::until_faulted(&mut tx, &liar.id);
     assert!(
         matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t >> 60 == 1),
         "{:?}",
@@ -856,11 +859,7 @@ fn an_ack_before_the_write_has_left_completes_nothing() {
     assert_eq!((seen, blocks), (tid.get(), BIG));
     conn.write_all(&ack(tid.get())).unwrap();
 
-    let mut at_liar = Seen::default();
-    wait_for("the liar's fault", || {
-        at_liar.poll(&mut tx, &liar.id);
-        at_liar.fault.is_some()
-    });
+    let at_liar = Seen::until_faulted(&mut tx, &liar.id);
     assert!(
         matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == tid.get()),
         "{:?}",
@@ -908,11 +907,7 @@ fn acks_out_of_order_complete_nothing() {
     conn.write_all(&ack(second.get())).unwrap();
     conn.write_all(&ack(first.get())).unwrap();
 
-    let mut at_liar = Seen::default();
-    wait_for("the liar's fault", || {
-        at_liar.poll(&mut tx, &liar.id);
-        at_liar.fault.is_some()
-    });
+    let at_liar = Seen::until_faulted(&mut tx, &liar.id);
     assert!(
         matches!(at_liar.fault, Some(TcpFault::ForeignAck(t)) if t == second.get()),
         "{:?}",

@@ -19,6 +19,18 @@ use hostile::*;
 /// `kvpeer_core::throttle::BURST`: lines of one kind per second at most.
 const BURST: usize = 5;
 
+/// The node under attack: shm, 64 blocks of 4 KiB, 16 of them filled (an honest fetch's keys).
+const NODE: &[&str] = &[
+    "--plane",
+    "shm",
+    "--blocks",
+    "64",
+    "--block-len",
+    "4096",
+    "--fill",
+    "16",
+];
+
 /// The message of a log line (colours, time stamp and fields stripped; its level and target
 /// kept), as `hostile_peers.rs`'s flood test reads it.
 fn message(line: &str) -> String {
@@ -48,20 +60,7 @@ fn message(line: &str) -> String {
 /// acked most: a control that the attack is not refused wholesale).
 #[test]
 fn sessions_cycled_at_will_log_a_bounded_number_of_lines() {
-    let (server, id) = serve_at(
-        &[
-            "--plane",
-            "shm",
-            "--blocks",
-            "64",
-            "--block-len",
-            "4096",
-            "--fill",
-            "16",
-        ],
-        "info",
-        None,
-    );
+    let (server, id) = serve_at(NODE, "info", None);
     let lines0 = log_lines(&server);
     let started = Instant::now();
     let s = attack(&[
@@ -111,20 +110,7 @@ fn sessions_cycled_at_will_log_a_bounded_number_of_lines() {
 /// log per message (before: the whole id, line after line, 20 MB here).
 #[test]
 fn megabyte_request_ids_are_served_and_logged_short() {
-    let (server, id) = serve_at(
-        &[
-            "--plane",
-            "shm",
-            "--blocks",
-            "64",
-            "--block-len",
-            "4096",
-            "--fill",
-            "16",
-        ],
-        "info",
-        None,
-    );
+    let (server, id) = serve_at(NODE, "info", None);
     let before = server.log().len();
     let s = attack(&[
         "session",

@@ -53,16 +53,12 @@ impl ServerRole {
             pending: Vec::new(),
             deadline: cx.now + self.lookup_lane.delay(),
         };
-        let id_cost = if self.requests.contains_key(id) {
-            0
-        } else {
-            Held::id(id).bytes
-        };
-        let need = Held {
-            keys: held.keys,
-            bytes: held.bytes + id_cost,
-        };
-        let over_budget = self.held.over(need, cx.config) || self.no_room_for(id, cx.config);
+        // A new request also pays for its id (`no_room_for` checks the id alone).
+        let mut need = held;
+        if !self.requests.contains_key(id) {
+            need.add(Held::id(id));
+        }
+        let over_budget = self.no_room_for(id, cx.config) || self.held.over(need, cx.config);
         if over_budget {
             crate::warn_throttled!(cx.out.throttle, cx.now, "peer holds its share of lookups; answering MISS",
                 peer = %self.peer, kv_request_id = %id, keys = lookup.keys.len(),

@@ -590,9 +590,8 @@ impl ServerRole {
         }
     }
 
-    /// Request `id`'s entry, made (and its id's cost charged) if it has none; with
-    /// `round_or_new` (the same, inline for the borrow checker) the only ways an entry is made,
-    /// as [`ServerRole::prune`] is the one way it goes (or `close`, all at once).
+    /// Request `id`'s entry, made (and its id's cost charged) if it has none: the one way an
+    /// entry is made, as [`ServerRole::prune`] is the one way it goes (or `close`, all at once).
     fn request_entry(&mut self, id: &KvRequestId) -> &mut Request {
         if !self.requests.contains_key(id) {
             self.held.add(Held::id(id));
@@ -621,15 +620,19 @@ impl ServerRole {
     }
 
     fn round_or_new(&mut self, id: &KvRequestId, round: RoundSeq) -> &mut Round {
-        if !self.requests.contains_key(id) {
-            self.held.add(Held::id(id));
+        if self
+            .requests
+            .get(id)
+            .is_none_or(|r| r.round(round).is_none())
+        {
+            self.next_serial = Serial(self.next_serial.0 + 1);
         }
-        let req = self.requests.entry(id.clone()).or_default();
+        let serial = self.next_serial;
+        let req = self.request_entry(id);
         let at = match req.rounds.iter().position(|(k, _)| *k == round) {
             Some(at) => at,
             None => {
-                self.next_serial = Serial(self.next_serial.0 + 1);
-                req.rounds.push((round, Round::new(self.next_serial)));
+                req.rounds.push((round, Round::new(serial)));
                 req.rounds.len() - 1
             }
         };
