@@ -69,7 +69,8 @@ enum Say {
 
 /// An engine's KV event stream, driven by a thread: a PUB and a replay ROUTER on loopback.
 struct Stream {
-    tx: Option<Sender<Say>>,
+    /// What to say, and where the thread acknowledges it (kept, and published if live).
+    tx: Option<Sender<(Say, Sender<()>)>>,
     events: SocketAddr,
     replay: SocketAddr,
     thread: Option<JoinHandle<()>>,
@@ -82,7 +83,7 @@ impl Stream {
         let mut socket = EventPublisher::bind(config).unwrap();
         let events = socket.local_addr().unwrap();
         let replay = socket.replay_addr().unwrap();
-        let (tx, rx) = channel::<Say>();
+        let (tx, rx) = channel::<(Say, Sender<()>)>();
         let thread = std::thread::spawn(move || {
             let mut seq = 0u64;
             let mut kept: Vec<(u64, Vec<u8>)> = Vec::new();
@@ -97,7 +98,7 @@ impl Stream {
                     out
                 };
                 socket.serve(Duration::from_millis(10), replay).unwrap();
-                let said = match rx.try_recv() {
+                let (said, done) = match rx.try_recv() {
                     Ok(s) => s,
                     Err(std::sync::mpsc::TryRecvError::Empty) => continue,
                     Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
@@ -107,6 +108,7 @@ impl Stream {
                     Say::Restart => {
                         seq = 0;
                         kept.clear();
+                        let _ = done.send(());
                         continue;
                     }
                     Say::Garbage => b"\xc1 not msgpack".to_vec(),
@@ -126,6 +128,7 @@ impl Stream {
                 }
                 kept.push((seq, payload));
                 seq += 1;
+                let _ = done.send(());
             }
         });
         Stream {
@@ -136,8 +139,12 @@ impl Stream {
         }
     }
 
+    /// Says `s` and returns once the stream kept it (so a follower that starts next finds it
+    /// in the replay, not only in a live message it may not be subscribed for yet).
     fn say(&self, s: Say) {
-        self.tx.as_ref().unwrap().send(s).unwrap();
+        let (done, said) = channel();
+        self.tx.as_ref().unwrap().send((s, done)).unwrap();
+        said.recv_timeout(Duration::from_secs(10)).unwrap();
     }
 }
 
