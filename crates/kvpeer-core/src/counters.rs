@@ -40,6 +40,9 @@ pub struct Counters {
     pub loads_ok: u64,
     /// Consumer: loads that failed or were aborted.
     pub loads_failed: u64,
+    /// Consumer: failed loads whose blocks were held until the plane fenced the producer's
+    /// writes (it had not confirmed they ended).
+    pub loads_fencing: u64,
     /// Consumer: `abort_fetch` messages sent.
     pub aborts_sent: u64,
     /// Consumer: `abort_ack`s that settled an aborted load (same request, same round).

@@ -54,6 +54,11 @@ pub enum CloseReason {
     /// A lookup got no progress within the lookup timeout.
     #[error("lookup response timed out")]
     LookupTimeout,
+    /// An `abort_fetch` got no `abort_ack` within the abort-ack timeout: the peer may still be
+    /// writing the aborted load's blocks, so the session ends and its access is fenced before
+    /// the blocks are handed back (vLLM 0.34's escalation).
+    #[error("abort_ack timed out")]
+    AbortAckTimeout,
     /// Evicted to make room: no work and no traffic for the idle timeout.
     #[error("idle")]
     Idle,

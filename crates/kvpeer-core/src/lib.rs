@@ -28,7 +28,7 @@ mod traits;
 
 pub use crate::config::{CoreConfig, LocalNode};
 pub use crate::core::{
-    Core, CoreStats, OffloadPolicy, PeerShare, Request, RequestRoles, SessionState, Source,
+    Core, CoreStats, OffloadPolicy, FENCE_RECHECK, PeerShare, Request, RequestRoles, SessionState, Source,
 };
 pub use crate::counters::Counters;
 pub use crate::error::{

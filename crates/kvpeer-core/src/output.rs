@@ -8,7 +8,8 @@ use std::time::Instant;
 use kvpeer_proto::{KvRequestId, Message, PeerId};
 
 use crate::error::{Refusal, SessionEnd};
-use crate::traits::JobId;
+use crate::core::fencing::Fencing;
+use crate::traits::{DataPlane, JobId};
 
 /// One message for one peer's control connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +81,8 @@ pub(crate) struct Outbox {
     ///
     /// [`HeldAccount`]: crate::session::server::HeldAccount
     pub(crate) node_held: std::sync::Arc<crate::session::server::NodeHeld>,
+    /// Failed loads whose blocks a peer may still write (reported once fenced).
+    pub(crate) fences: crate::core::fencing::Fences,
 }
 
 impl Outbox {
@@ -93,6 +96,31 @@ impl Outbox {
 
     pub(crate) fn event(&mut self, event: Event) {
         self.events.push_back(event);
+    }
+
+    /// Ends a load that failed: reported now if no write of its producer can land in its
+    /// blocks any more, else held until the plane fences them ([`Outbox::settle_fences`]).
+    pub(crate) fn fail_load(&mut self, plane: &mut dyn DataPlane, now: Instant, f: Fencing) {
+        if plane.writes_fenced(&f.peer, &f.blocks, f.confirmed) {
+            self.load_done(f.job, f.kv_request_id, false, f.live);
+        } else {
+            self.counters.loads_fencing += 1;
+            tracing::warn!(peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
+                confirmed = f.confirmed,
+                "a failed load's blocks may still be written by the peer; held until fenced");
+            self.fences.hold(f, now);
+        }
+    }
+
+    /// Reports the held loads whose blocks are fenced now.
+    pub(crate) fn settle_fences(&mut self, plane: &mut dyn DataPlane, now: Instant) {
+        for f in self.fences.take_fenced(plane, now) {
+            tracing::info!(peer = %f.peer, kv_request_id = %f.kv_request_id,
+                blocks = f.blocks.len(),
+                waited_ms = now.saturating_duration_since(f.since).as_millis() as u64,
+                "a failed load's blocks are fenced; handing them back");
+            self.load_done(f.job, f.kv_request_id, false, f.live);
+        }
     }
 
     /// Reports a load's end (exactly once per load job). A failure of a request the engine

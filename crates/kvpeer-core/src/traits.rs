@@ -144,6 +144,18 @@ pub trait DataPlane {
     /// `peer` into them.
     fn end_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
 
+    /// Whether no write of `peer` can land in `blocks` any more, for a load that named them and
+    /// has ended ([`DataPlane::end_writes`] was called). `confirmed`: the peer said its writes
+    /// into them ended (its `transfer_done` or `abort_ack`); otherwise the load timed out or the
+    /// session ended, and a stalled peer may still be in the middle of a write. The core hands
+    /// a load's blocks back (its [`Event::LoadDone`](crate::Event::LoadDone)) only once this is
+    /// true, asking again every [`FENCE_RECHECK`](crate::FENCE_RECHECK) and after the peer was
+    /// removed, so a late write never lands in a block that serves another key. A plane whose
+    /// writes cannot outlive [`DataPlane::end_writes`] keeps the default, `true`.
+    fn writes_fenced(&mut self, _peer: &PeerId, _blocks: &[BlockIndex], _confirmed: bool) -> bool {
+        true
+    }
+
     /// The `agent_metadata` that this node's `connect` to `peer` carries, given what the node
     /// advertises to everyone and the challenge `peer` gave the connection the `connect` goes
     /// on (a kvpeer node gives one per connection; `None` from other peers). Planes that bind
@@ -201,6 +213,9 @@ impl<T: DataPlane + ?Sized> DataPlane for Box<T> {
     }
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
         (**self).end_writes(peer, blocks)
+    }
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], confirmed: bool) -> bool {
+        (**self).writes_fenced(peer, blocks, confirmed)
     }
     fn connect_metadata(
         &mut self,

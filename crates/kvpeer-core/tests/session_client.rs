@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{JobId, LinkLoss, LookupResult, Registration, RequestRoles};
+use kvpeer_core::{BlockIndex, JobId, LinkLoss, LookupResult, Registration, RequestRoles};
 use kvpeer_proto::{ConnectAck, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
@@ -429,24 +429,80 @@ fn a_load_times_out_into_an_abort_and_the_ack_fails_it() {
 }
 
 /// upstream: TestClientFlows.test_load_abort_ack_timeout_surfaces_failure
+/// (0.33 failed the load and kept the session; 0.34 ends the session, as here: only that fences
+/// the peer's writes)
 #[test]
-fn an_unanswered_abort_fails_the_load_and_clears_the_request() {
+fn an_unanswered_abort_ends_the_session_and_fails_the_load() {
     let mut m = Mock::new();
     m.ready_source("r");
     m.load(5, "r", vec![key(1)], vec![10]);
     m.advance(S(30));
+    assert!(m.load_results().is_empty(), "aborted, not acked yet");
     m.advance(S(10));
     assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
-    assert!(
-        !m.core.session_state(&m.peer).unwrap().pending_work,
-        "the load is gone"
-    );
+    assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
+    assert!(m.core.session_state(&m.peer).is_none(), "the session ended");
+    let peer = m.peer.clone();
+    assert!(m.plane().removed.contains(&peer), "and the peer's memory is forgotten");
     m.finish("r");
-    assert_eq!(
-        m.core.stats().client_requests,
-        0,
-        "and the request with finish"
-    );
+    assert_eq!(m.core.stats().client_requests, 0);
+    m.assert_clean();
+}
+
+/// A producer stalled in the middle of a write (SIGSTOP, a GC pause) past the load and abort
+/// timeouts: the load fails and its session ends, but its blocks are handed back (the failure
+/// reported) only once the plane says no write of that peer can land in them any more.
+#[test]
+fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
+    let mut m = Mock::new();
+    m.plane().fence_needs_write_end = true;
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1), key(2)], vec![10, 11]);
+    let peer = m.peer.clone();
+    m.plane()
+        .writing
+        .entry(peer.clone())
+        .or_default()
+        .insert(BlockIndex::new(11));
+    m.advance(S(40));
+    assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
+    assert!(m.load_results().is_empty(), "block 11 may still be written: held");
+    assert_eq!(m.core.stats().fencing_loads, 1);
+    assert_eq!(m.core.stats().fencing_blocks, 2);
+    assert!(m.core.poll_timeout().is_some(), "the fence is asked again");
+    m.advance(S(5));
+    assert!(m.load_results().is_empty(), "still writing: still held");
+    // The stalled producer resumes and its write ends: the block is fenced now.
+    m.plane().writing.clear();
+    m.advance(Duration::from_millis(25));
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
+    assert_eq!(m.core.stats().fencing_loads, 0);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// A peer confirming a failed load (`transfer_done` false) while the plane still sees its write
+/// in progress does not get the blocks handed back early either.
+#[test]
+fn a_confirmed_failure_still_waits_for_the_planes_fence() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    let peer = m.peer.clone();
+    m.plane()
+        .writing
+        .entry(peer)
+        .or_default()
+        .insert(BlockIndex::new(10));
+    m.recv(transfer_done("r", false, 0));
+    assert!(m.load_results().is_empty(), "held while the plane sees a write");
+    m.advance(Duration::from_millis(25));
+    assert!(m.load_results().is_empty());
+    m.plane().writing.clear();
+    m.advance(Duration::from_millis(25));
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
+    assert!(m.closed().is_none(), "a confirmed failure keeps the session");
+    m.finish("r");
     m.assert_clean();
 }
 

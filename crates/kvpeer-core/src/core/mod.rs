@@ -14,10 +14,12 @@
 //! engine's handle of a request.
 
 mod admission;
+pub(crate) mod fencing;
 mod index;
 mod parking;
 mod request;
 
+pub use fencing::FENCE_RECHECK;
 pub use request::{OffloadPolicy, Request, RequestRoles, Source};
 
 use admission::Backoff;
@@ -61,6 +63,10 @@ pub struct CoreStats {
     pub failed_ids: usize,
     /// Request ids bound to the session that fetched them (PD routing of later stores).
     pub bound_ids: usize,
+    /// Failed loads whose blocks wait for the plane to fence their producer's writes.
+    pub fencing_loads: usize,
+    /// Their blocks (reserved, neither readable nor reusable until fenced).
+    pub fencing_blocks: usize,
 }
 
 /// The protocol core of one node. See the [module documentation](self) for how to drive it.
@@ -240,6 +246,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.bound_lane.next_deadline(),
             self.reaped_lane.next_deadline(),
             self.idle_check_at.filter(|_| self.idle_eviction_active()),
+            self.out.fences.next_deadline(),
         ])
     }
 
@@ -255,6 +262,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             unbound_batches: self.unbound.values().map(Vec::len).sum(),
             bound_ids: self.bound.len(),
             failed_ids: self.failed.len(),
+            fencing_loads: self.out.fences.len(),
+            fencing_blocks: self.out.fences.held_blocks(),
             ..CoreStats::default()
         };
         for session in self.sessions.values() {
@@ -642,6 +651,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// After every entry point: failed loads mark their ids, dead sessions are reaped.
     fn settle(&mut self) {
+        if self.out.fences.due(self.now) {
+            self.out.settle_fences(&mut self.plane, self.now);
+        }
         self.drain_failed_loads();
         self.enforce_pin_cap();
         let dead: Vec<PeerId> = self.index.dead.iter().cloned().collect();
@@ -698,12 +710,24 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.out.counters.sessions_closed += 1;
         self.bound.retain(|_, p| p != peer);
         let closed = session.close(&mut self.split().1);
-        for (job, id, live) in closed.client.failed_jobs {
-            self.out.load_done(job, id, false, live);
+        // The peer's registration goes first: its removal is what fences its writes on planes
+        // that cannot revoke single blocks (nixl), so the loads below are asked after it.
+        self.plane.remove_remote_peer(peer);
+        for (job, id, live, blocks) in closed.client.failed_jobs {
+            self.plane.end_writes(peer, &blocks);
+            let fencing = fencing::Fencing {
+                job,
+                kv_request_id: id,
+                live,
+                peer: peer.clone(),
+                blocks,
+                confirmed: false,
+                since: self.now,
+            };
+            self.out.fail_load(&mut self.plane, self.now, fencing);
         }
         self.failed.extend(closed.client.failed_ids);
         self.drain_failed_loads();
-        self.plane.remove_remote_peer(peer);
         let end = self.account_end(peer, &session);
         // An orderly end (either side said `disconnect`, or we closed it) is routine; anything
         // else (timeouts, lost connections, faults, protocol errors) is worth a warning.

@@ -3,7 +3,9 @@
 //!
 //! Driven by [`Session`](super::Session) on the core's thread. Sends through the session's
 //! [`Link`] (gated until the peer's ack) and reports load results as events. Every wait has a
-//! deadline on a [`Lane`]: lookups 30 s without progress, loads 30 s, abort acks 10 s.
+//! deadline on a [`Lane`]: lookups 30 s without progress, loads 30 s, abort acks 10 s (then the
+//! session ends: a producer that does not confirm an abort may still be writing). A failed
+//! load's blocks are reported (handed back) only once fenced (`core/fencing.rs`).
 
 use crate::maps::Map;
 use std::time::Instant;
@@ -13,6 +15,7 @@ use tracing::{debug, warn};
 
 use super::{Cx, RoundKey};
 use crate::config::CoreConfig;
+use crate::core::fencing::Fencing;
 use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
 use crate::traits::{BlockIndex, JobId};
@@ -90,11 +93,21 @@ impl Request {
     }
 }
 
+/// A deadline of the consumer side that ends the session.
+#[derive(Debug)]
+pub(crate) enum Expired {
+    /// A request's lookups got no progress.
+    Lookup(KvRequestId),
+    /// An `abort_fetch` got no `abort_ack`.
+    AbortAck(KvRequestId),
+}
+
 /// What a closed session leaves for the tier to fail.
 #[derive(Debug, Default)]
 pub(crate) struct ClientClose {
-    /// Loads in flight: each fails.
-    pub(crate) failed_jobs: Vec<(JobId, KvRequestId, bool)>,
+    /// Loads in flight: each fails once its blocks are fenced (job, request, whether the
+    /// engine still runs it, the blocks).
+    pub(crate) failed_jobs: Vec<(JobId, KvRequestId, bool, Vec<BlockIndex>)>,
     /// Requests whose lookups can no longer be answered (loads or unanswered probes).
     pub(crate) failed_ids: Vec<KvRequestId>,
 }
@@ -336,7 +349,10 @@ impl ClientRole {
         self.prune(id);
     }
 
-    /// Ends a load (once): its blocks take no more writes from the peer, its result is out.
+    /// Ends a load (once) the peer confirmed ended (`transfer_done`, `abort_ack`): its blocks
+    /// take no more writes from the peer; its result is out, a failure once the plane says no
+    /// write of the peer can still land in them (a success whose blocks are not fenced is a
+    /// failure: their bytes could still change).
     fn complete(
         &mut self,
         cx: &mut Cx<'_>,
@@ -353,7 +369,20 @@ impl ClientRole {
         let live = !req.is_finished();
         self.active_loads -= 1;
         cx.plane.end_writes(&self.peer, &load.blocks);
-        cx.out.load_done(load.job, id.clone(), success, live);
+        if success && cx.plane.writes_fenced(&self.peer, &load.blocks, true) {
+            cx.out.load_done(load.job, id.clone(), true, live);
+        } else {
+            let fencing = Fencing {
+                job: load.job,
+                kv_request_id: id.clone(),
+                live,
+                peer: self.peer.clone(),
+                blocks: load.blocks,
+                confirmed: true,
+                since: cx.now,
+            };
+            cx.out.fail_load(cx.plane, cx.now, fencing);
+        }
         self.prune(id);
         true
     }
@@ -390,13 +419,11 @@ impl ClientRole {
         }
     }
 
-    /// Fires due deadlines: loads past their timeout are aborted, aborts past theirs fail.
-    /// Returns a request whose lookup phase expired, if any (the session then disconnects).
-    pub(crate) fn handle_timeout(
-        &mut self,
-        link: &mut Link,
-        cx: &mut Cx<'_>,
-    ) -> Option<KvRequestId> {
+    /// Fires due deadlines: loads past their timeout are aborted. Returns what expired, if
+    /// anything, that ends the session: a request whose lookup phase got no progress, or an
+    /// abort that got no `abort_ack` (the peer may still be writing its blocks: only the
+    /// session's end fences them, vLLM 0.34's escalation).
+    pub(crate) fn handle_timeout(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> Option<Expired> {
         let now = cx.now;
         while let Some((deadline, RoundKey { id, round })) = self.load_lane.pop_due(now) {
             let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
@@ -427,15 +454,14 @@ impl ClientRole {
                 .and_then(|r| r.load_mut(round))
                 .is_some_and(|l| l.aborted_at.map(|at| at + abort_delay) == Some(deadline));
             if fired {
-                crate::warn_throttled!(cx.out.throttle, now, "abort_ack timed out; failing the load", peer = %link.peer, kv_request_id = %id, round = %round);
-                self.complete(cx, &id, round, false);
+                return Some(Expired::AbortAck(id));
             }
         }
         let mut expired = None;
         while let Some((deadline, id)) = self.lookup_lane.pop_due(now) {
             let current = self.requests.get(&id).and_then(|r| r.lookup_deadline);
             if current == Some(deadline) && expired.is_none() {
-                expired = Some(id);
+                expired = Some(Expired::Lookup(id));
             }
         }
         expired
@@ -464,7 +490,9 @@ impl ClientRole {
                 result.failed_ids.push(id.clone());
             }
             for (_, load) in req.loads {
-                result.failed_jobs.push((load.job, id.clone(), live));
+                result
+                    .failed_jobs
+                    .push((load.job, id.clone(), live, load.blocks));
             }
         }
         self.flush_list.clear();

@@ -476,10 +476,18 @@ impl Session {
             self.mark_dead(CloseReason::HandshakeTimeout);
             return;
         }
-        if let Some(expired) = self.client.handle_timeout(&mut self.link, cx) {
-            crate::warn_throttled!(cx.out.throttle, cx.now, "lookup response timed out; disconnecting the peer", peer = %self.link.peer, kv_request_id = %expired);
-            self.disconnect(cx.out, cx.now, CloseReason::LookupTimeout);
-            return;
+        match self.client.handle_timeout(&mut self.link, cx) {
+            Some(client::Expired::Lookup(id)) => {
+                crate::warn_throttled!(cx.out.throttle, cx.now, "lookup response timed out; disconnecting the peer", peer = %self.link.peer, kv_request_id = %id);
+                self.disconnect(cx.out, cx.now, CloseReason::LookupTimeout);
+                return;
+            }
+            Some(client::Expired::AbortAck(id)) => {
+                crate::warn_throttled!(cx.out.throttle, cx.now, "abort_ack timed out; disconnecting the peer to fence its writes", peer = %self.link.peer, kv_request_id = %id);
+                self.disconnect(cx.out, cx.now, CloseReason::AbortAckTimeout);
+                return;
+            }
+            None => {}
         }
         if let Err(e) = self.server.handle_timeout(&mut self.link, cx) {
             self.internal_error(cx, e);

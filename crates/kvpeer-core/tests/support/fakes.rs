@@ -184,6 +184,12 @@ pub struct FakePlane {
     pub released: Vec<TransferId>,
     /// Blocks each peer may write into (granted by `expect_writes`).
     pub permits: HashMap<PeerId, HashSet<BlockIndex>>,
+    /// Blocks a peer is in the middle of writing (a stalled producer): not fenced, even once
+    /// the load ended, until the test takes them out (the write finished) or, unless
+    /// `fence_needs_write_end`, the peer was removed.
+    pub writing: HashMap<PeerId, HashSet<BlockIndex>>,
+    /// Removing the peer does not fence a write in progress (shm: only its end does).
+    pub fence_needs_write_end: bool,
 }
 
 impl Default for FakePlane {
@@ -198,6 +204,8 @@ impl Default for FakePlane {
             transfers: BTreeMap::new(),
             unreported: HashMap::new(),
             faults: HashMap::new(),
+            writing: HashMap::new(),
+            fence_needs_write_end: false,
             cancels: Vec::new(),
             released: Vec::new(),
             permits: HashMap::new(),
@@ -277,6 +285,16 @@ impl DataPlane for FakePlane {
             for b in blocks {
                 p.remove(b);
             }
+        }
+    }
+
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+        let removed = self.removed.contains(peer) && !self.registrations.contains_key(peer);
+        match self.writing.get(peer) {
+            Some(w) if blocks.iter().any(|b| w.contains(b)) => {
+                removed && !self.fence_needs_write_end
+            }
+            _ => true,
         }
     }
 

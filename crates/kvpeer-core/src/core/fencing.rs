@@ -1,0 +1,91 @@
+//! Loads that ended but whose blocks a peer may still write: held until the data plane says
+//! no write of theirs can land ([`DataPlane::writes_fenced`]), then reported.
+//!
+//! A producer that stalls past the consumer's load and abort-ack timeouts (a GC pause, swap,
+//! SIGSTOP, or a hostile peer doing it on purpose) and then finishes its write would land its
+//! bytes in blocks the consumer handed to another key meanwhile: wrong KV served silently. So a
+//! load whose end the peer did not confirm (`transfer_done`, `abort_ack`) is reported, and its
+//! blocks handed back, only once the plane fenced the peer's access to them: on shm when no
+//! write of that session is in progress in them (their fence words revoked), on tcp when no
+//! claim of the writer holds them, on nixl when the peer's session ended and its agent was
+//! removed. Until then the blocks stay reserved at the caller (the store, the engine), so
+//! nothing else can be written to or read from them.
+//!
+//! Owned by the [`Core`](crate::Core) on its thread; asked again after every event that can
+//! settle a fence (a session's end, plane progress) and every [`FENCE_RECHECK`] while any load
+//! waits. Bounded by the loads in flight: an entry is only ever a load that was in flight.
+
+use std::time::{Duration, Instant};
+
+use kvpeer_proto::{KvRequestId, PeerId};
+
+use crate::traits::{BlockIndex, DataPlane, JobId};
+
+/// How often loads waiting for their fence are asked about again.
+pub const FENCE_RECHECK: Duration = Duration::from_millis(20);
+
+/// One ended load whose blocks wait for their fence.
+#[derive(Debug)]
+pub(crate) struct Fencing {
+    pub(crate) job: JobId,
+    pub(crate) kv_request_id: KvRequestId,
+    /// Whether the engine still runs the request (its lookups then answer MISS).
+    pub(crate) live: bool,
+    /// The producer that was writing them.
+    pub(crate) peer: PeerId,
+    pub(crate) blocks: Vec<BlockIndex>,
+    /// The peer said its writes ended.
+    pub(crate) confirmed: bool,
+    /// When it started waiting (for the log once it settles).
+    pub(crate) since: Instant,
+}
+
+/// The loads waiting for their fence.
+#[derive(Debug, Default)]
+pub(crate) struct Fences {
+    waiting: Vec<Fencing>,
+    /// When they are asked about again.
+    recheck_at: Option<Instant>,
+}
+
+impl Fences {
+    /// Blocks held by loads still waiting.
+    pub(crate) fn held_blocks(&self) -> usize {
+        self.waiting.iter().map(|f| f.blocks.len()).sum()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.recheck_at
+    }
+
+    /// Holds a load whose blocks are not fenced yet.
+    pub(crate) fn hold(&mut self, f: Fencing, now: Instant) {
+        self.waiting.push(f);
+        self.recheck_at.get_or_insert(now + FENCE_RECHECK);
+    }
+
+    /// Takes every waiting load whose blocks are now fenced; arms the next recheck.
+    pub(crate) fn take_fenced(&mut self, plane: &mut dyn DataPlane, now: Instant) -> Vec<Fencing> {
+        let mut fenced = Vec::new();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let f = &self.waiting[i];
+            if plane.writes_fenced(&f.peer, &f.blocks, f.confirmed) {
+                fenced.push(self.waiting.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        self.recheck_at = (!self.waiting.is_empty()).then(|| now + FENCE_RECHECK);
+        fenced
+    }
+
+    /// Whether a recheck is due.
+    pub(crate) fn due(&self, now: Instant) -> bool {
+        self.recheck_at.is_some_and(|at| at <= now)
+    }
+}
