@@ -28,7 +28,8 @@ mod traits;
 
 pub use crate::config::{CoreConfig, LocalNode};
 pub use crate::core::{
-    Core, CoreStats, OffloadPolicy, FENCE_RECHECK, PeerShare, Request, RequestRoles, SessionState, Source,
+    Core, CoreStats, OffloadPolicy, PeerShare, Request, RequestRoles, SessionState, Source,
+    FENCE_RECHECK,
 };
 pub use crate::counters::Counters;
 pub use crate::error::{

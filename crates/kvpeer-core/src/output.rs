@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use kvpeer_proto::{KvRequestId, Message, PeerId};
 
-use crate::error::{Refusal, SessionEnd};
 use crate::core::fencing::Fencing;
+use crate::error::{Refusal, SessionEnd};
 use crate::traits::{DataPlane, JobId};
 
 /// One message for one peer's control connection.

@@ -443,7 +443,10 @@ fn an_unanswered_abort_ends_the_session_and_fails_the_load() {
     assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
     assert!(m.core.session_state(&m.peer).is_none(), "the session ended");
     let peer = m.peer.clone();
-    assert!(m.plane().removed.contains(&peer), "and the peer's memory is forgotten");
+    assert!(
+        m.plane().removed.contains(&peer),
+        "and the peer's memory is forgotten"
+    );
     m.finish("r");
     assert_eq!(m.core.stats().client_requests, 0);
     m.assert_clean();
@@ -466,7 +469,10 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
         .insert(BlockIndex::new(11));
     m.advance(S(40));
     assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
-    assert!(m.load_results().is_empty(), "block 11 may still be written: held");
+    assert!(
+        m.load_results().is_empty(),
+        "block 11 may still be written: held"
+    );
     assert_eq!(m.core.stats().fencing_loads, 1);
     assert_eq!(m.core.stats().fencing_blocks, 2);
     assert!(m.core.poll_timeout().is_some(), "the fence is asked again");
@@ -495,13 +501,19 @@ fn a_confirmed_failure_still_waits_for_the_planes_fence() {
         .or_default()
         .insert(BlockIndex::new(10));
     m.recv(transfer_done("r", false, 0));
-    assert!(m.load_results().is_empty(), "held while the plane sees a write");
+    assert!(
+        m.load_results().is_empty(),
+        "held while the plane sees a write"
+    );
     m.advance(Duration::from_millis(25));
     assert!(m.load_results().is_empty());
     m.plane().writing.clear();
     m.advance(Duration::from_millis(25));
     assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
-    assert!(m.closed().is_none(), "a confirmed failure keeps the session");
+    assert!(
+        m.closed().is_none(),
+        "a confirmed failure keeps the session"
+    );
     m.finish("r");
     m.assert_clean();
 }

@@ -46,6 +46,7 @@ use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
 use tracing::{debug, info};
 
+use crate::fence::OwnFence;
 use crate::guard::GuardedRegion;
 use crate::trailer::{self, SECRET_LEN};
 
@@ -92,6 +93,9 @@ pub enum PoolError {
     /// No randomness for the pool's secret.
     #[error("no randomness for the pool's secret: {0}")]
     Random(getrandom::Error),
+    /// The pool's fence words could not be made ([`crate::fence`]).
+    #[error("cannot make the pool's fence words: {0}")]
+    Fence(Box<crate::fence::FenceError>),
     /// A peer's mapping could not be put under the SIGBUS guard.
     #[error("cannot guard the mapping of a peer's pool: {0}")]
     Guard(crate::guard::GuardError),
@@ -149,13 +153,22 @@ pub enum BlockBusy {
 }
 
 /// The shared-memory object behind a [`Pool::shm`] pool: what the `shm` plane proves and
-/// compares against.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// compares against, and the pool's fence words ([`crate::fence`]).
+#[derive(Debug, Clone)]
 pub struct ShmObject {
     name: String,
     secret: [u8; SECRET_LEN],
     file_id: (u64, u64),
+    fence: std::sync::Arc<OwnFence>,
 }
+
+impl PartialEq for ShmObject {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.name, &self.secret, self.file_id) == (&other.name, &other.secret, other.file_id)
+    }
+}
+
+impl Eq for ShmObject {}
 
 impl ShmObject {
     /// The object's name, as for `shm_open` without the leading `/`.
@@ -171,6 +184,11 @@ impl ShmObject {
     /// `(st_dev, st_ino)` of the object: a peer naming this file names this node's own pool.
     pub fn file_id(&self) -> (u64, u64) {
         self.file_id
+    }
+
+    /// The pool's fence words: what the shm plane arms for a fetch and revokes at its end.
+    pub fn fence(&self) -> &OwnFence {
+        &self.fence
     }
 }
 
@@ -394,6 +412,14 @@ impl PoolWriter {
         }
     }
 
+    /// Whether no claim is writing any of `blocks` now: a revoked permit can no longer be
+    /// taken, so once this is true after [`PoolWriter::revoke`] no byte of a peer's write can
+    /// land in them (the fence a failed load waits for before its blocks are reused).
+    pub fn unclaimed(&self, blocks: &[BlockIndex]) -> bool {
+        let p = self.mem.permits();
+        !blocks.iter().any(|b| p.claimed.contains(b))
+    }
+
     /// Withdraws all of `holder`'s unused permits.
     pub fn revoke_all(&self, holder: &PeerId) {
         self.mem.permits().granted.remove(holder);
@@ -535,10 +561,13 @@ impl Pool {
             unsafe { mlock(base.cast(), len) }
                 .map_err(|source| cleanup(PoolError::Lock { bytes: len, source }))?;
         }
+        let fence = OwnFence::create(name, num_blocks)
+            .map_err(|e| cleanup(PoolError::Fence(Box::new(e))))?;
         let object = ShmObject {
             name: name.to_owned(),
             secret,
             file_id: (stat.dev(), stat.ino()),
+            fence: std::sync::Arc::new(fence),
         };
         let backing = Backing::Shm { _map: map, object };
         Ok(Pool::from_parts(
@@ -752,10 +781,14 @@ impl Pool {
         let head = trailer::encode(&secret);
         trailer_map[..head.len()].copy_from_slice(&head);
         trailer_map[head.len()..].fill(0);
+        // The words are ours (the engine's object is not): made fresh, gone with the pool.
+        let fence = OwnFence::create(name, num_blocks)
+            .map_err(|e| refuse(format!("cannot create its fence words: {e}")))?;
         let object = ShmObject {
             name: name.to_owned(),
             secret,
             file_id: (stat.dev(), stat.ino()),
+            fence: std::sync::Arc::new(fence),
         };
         Ok(Pool::from_parts(
             base,

@@ -105,7 +105,7 @@ impl DataPlane for DualPlane {
         // permits it holds as a writer into us) belongs to the session and ends with it, in
         // `remove_remote_peer`; its `add_remote_peer` replaces its own outbound link.
         self.routes.remove(peer);
-        self.shm.remove_remote_peer(peer);
+        self.shm.forget_mapping(peer);
         let offers_shm =
             AgentMetadata::decode(&memory.agent_metadata).is_ok_and(|m| m.shm.is_some());
         if offers_shm {
@@ -120,7 +120,7 @@ impl DataPlane for DualPlane {
             self.routes.insert(peer.clone(), Route::Shm);
             return Ok(());
         }
-        self.shm.remove_remote_peer(peer);
+        self.shm.forget_mapping(peer);
         debug!(%peer, "data plane: tcp (peer's shm object not reachable or not proven)");
         self.routes.insert(peer.clone(), Route::Tcp);
         self.tcp.add_remote_peer(peer, memory)
@@ -204,11 +204,20 @@ impl DataPlane for DualPlane {
     }
 
     fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        self.shm.expect_writes(peer, blocks);
         self.tcp.expect_writes(peer, blocks);
     }
 
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        self.shm.end_writes(peer, blocks);
         self.tcp.end_writes(peer, blocks);
+    }
+
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], confirmed: bool) -> bool {
+        // Both: whichever plane the peer chose, neither may still be writing.
+        let shm = self.shm.writes_fenced(peer, blocks, confirmed);
+        let tcp = self.tcp.writes_fenced(peer, blocks, confirmed);
+        shm && tcp
     }
 
     fn connect_metadata(

@@ -2,8 +2,13 @@
 //!
 //! ```text
 //! {"agent": "<node name>", "shm": "<POSIX shm object name>", "shm_token": <bin 32>,
-//!  "tcp": "<host>:<port>", "tcp_key": <bin 32>}
+//!  "shm_epoch": <uint32>, "tcp": "<host>:<port>", "tcp_key": <bin 32>}
 //! ```
+//!
+//! `shm_epoch` (a consumer's, fresh per `connect`) says its pool has fence words in the object
+//! `<shm>.fence` and that a writer must take each block's word for this epoch before copying
+//! into it (kvpeer_store::fence); a peer that sends none (kvpeer's Python test transport) gets
+//! plain copies.
 //!
 //! `shm` and `tcp` are each optional; unknown keys are ignored so later planes can be added.
 //! A writer uses `shm` when it can open the peer's object (same host), else `tcp`.
@@ -26,6 +31,8 @@ pub struct AgentMetadata {
     pub shm_token: Option<Vec<u8>>,
     /// The key a writer presents in its tcp HELLO, issued for one destination (see `tcp.rs`).
     pub tcp_key: Option<Vec<u8>>,
+    /// The epoch of the sender's fence words for this session (see the module doc).
+    pub shm_epoch: Option<u32>,
 }
 
 /// `agent_metadata` that is not kvpeer's map.
@@ -47,6 +54,9 @@ impl AgentMetadata {
         }
         if let Some(token) = &self.shm_token {
             entries.push((Value::Str("shm_token".into()), Value::Bin(token.clone())));
+        }
+        if let Some(epoch) = self.shm_epoch {
+            entries.push((Value::Str("shm_epoch".into()), Value::Uint(epoch.into())));
         }
         if let Some(tcp) = &self.tcp {
             entries.push((Value::Str("tcp".into()), Value::Str(tcp.clone())));
@@ -82,7 +92,16 @@ impl AgentMetadata {
                 Some(_) => Err(MetadataError(format!("{name:?} is not bin"))),
             }
         };
+        let shm_epoch = match value.get("shm_epoch") {
+            None => None,
+            Some(Value::Uint(e)) => Some(
+                u32::try_from(*e)
+                    .map_err(|_| MetadataError("\"shm_epoch\" is not a uint32".into()))?,
+            ),
+            Some(_) => return Err(MetadataError("\"shm_epoch\" is not a uint32".into())),
+        };
         Ok(AgentMetadata {
+            shm_epoch,
             agent: text("agent")?.unwrap_or_default(),
             shm: text("shm")?,
             tcp: text("tcp")?,
@@ -104,6 +123,7 @@ mod tests {
             tcp: Some("127.0.0.1:5711".into()),
             shm_token: Some(vec![7; 32]),
             tcp_key: Some(vec![9; 32]),
+            shm_epoch: Some(u32::MAX),
         };
         assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m));
         let bare = AgentMetadata {
@@ -114,5 +134,11 @@ mod tests {
         assert!(AgentMetadata::decode(b"\x93\x01\x02\x03").is_err());
         assert!(AgentMetadata::decode(b"nixl-opaque-blob").is_err());
         assert!(AgentMetadata::decode(b"\x81\xa3shm\x05").is_err());
+        // An epoch past 32 bits, or of another type, is refused.
+        assert!(
+            AgentMetadata::decode(b"\x81\xa9shm_epoch\xcf\x00\x00\x00\x01\x00\x00\x00\x00")
+                .is_err()
+        );
+        assert!(AgentMetadata::decode(b"\x81\xa9shm_epoch\xa1x").is_err());
     }
 }

@@ -847,6 +847,16 @@ impl DataPlane for NixlPlane {
         }
     }
 
+    /// NIXL writes are one-sided: this node sees nothing of them, and the primary region stays
+    /// registered for every peer. The peer's word that its writes ended (`transfer_done`,
+    /// `abort_ack`) is the fence, as in vLLM 0.34; without it, the session's end is: the
+    /// peer's metadata is invalidated and its connection with it, so a stalled peer that
+    /// resumes finds no session and no endpoint (docs/security.md, "Wrong KV after a failed
+    /// load": same-host UCX transports that map our memory are the open case).
+    fn writes_fenced(&mut self, peer: &PeerId, _blocks: &[BlockIndex], confirmed: bool) -> bool {
+        confirmed || (!self.peers.contains_key(peer) && !self.pending.contains_key(peer))
+    }
+
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {
         let mut s = lock(&self.shared.0);
         match mode {

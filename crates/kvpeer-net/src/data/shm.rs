@@ -47,8 +47,9 @@ use kvpeer_core::{
     TransferId,
 };
 use kvpeer_proto::PeerId;
+use kvpeer_store::fence::{self, PeerFence};
 use kvpeer_store::trailer::{self, MAGIC, SECRET_LEN};
-use kvpeer_store::{Pool, PoolView};
+use kvpeer_store::{Pool, PoolView, ShmObject};
 use tracing::warn;
 
 use super::shm_object;
@@ -70,6 +71,9 @@ struct PeerObject {
     file: File,
     /// The object's length when it was proven (blocks and trailer).
     len: u64,
+    /// Its fence words and this session's epoch, when the peer announced them: each block's
+    /// word is taken before the copy into it ([`kvpeer_store::fence`]).
+    fence: Option<(PeerFence, u32)>,
 }
 
 /// Why a write into a peer's pool failed (the transfer fails; the node goes on).
@@ -84,6 +88,9 @@ enum PeerWriteError {
     /// A store into the mapping faulted: the peer shrank (or punched) its object mid-copy.
     #[error("the peer's pool object shrank under the copy (guarded fault)")]
     Faulted,
+    /// The peer revoked blocks before they were copied (its load ended: timed out, aborted).
+    #[error("{0} blocks were revoked by the peer before the copy (its load ended)")]
+    Revoked(usize),
 }
 
 /// Copies blocks `local[i]` of `src` into blocks `remote[i]` of the peer's pool `dst`
@@ -108,13 +115,29 @@ fn copy_blocks(
     if map.peer_faulted() {
         return Err(PeerWriteError::Faulted);
     }
+    let mut revoked = 0;
     for (&l, &r) in local.iter().zip(remote) {
+        // Take the block's fence word first: a block the peer revoked (its load ended while
+        // this node stalled) is not written, and one being written cannot be handed to another
+        // key until the word is given back below.
+        if let Some((fence, epoch)) = &dst.fence {
+            if !fence.begin(r.get(), *epoch) {
+                revoked += 1;
+                continue;
+            }
+        }
         if let (Some(from), Ok(to)) = (src.block(l), map.block_mut(r)) {
             to.copy_from_slice(from);
+        }
+        if let Some((fence, epoch)) = &dst.fence {
+            fence.end(r.get(), *epoch);
         }
     }
     if map.peer_faulted() {
         return Err(PeerWriteError::Faulted);
+    }
+    if revoked > 0 {
+        return Err(PeerWriteError::Revoked(revoked));
     }
     Ok(())
 }
@@ -174,6 +197,12 @@ pub struct ShmPlane {
     secret: [u8; SECRET_LEN],
     /// `(st_dev, st_ino)` of the local pool: a peer naming it is refused.
     local_object: (u64, u64),
+    /// The local pool's object, whose fence words this plane arms for the fetches it sends.
+    own: ShmObject,
+    /// The epoch of the fence words each peer's session was given in our `connect`.
+    epochs: HashMap<PeerId, u32>,
+    /// The next epoch handed out (starts random: a restarted node's epochs are not its last).
+    next_epoch: u32,
     local: PoolView,
     wake: Wake,
     local_blocks: u64,
@@ -211,8 +240,12 @@ impl ShmPlane {
     /// a shared-memory object with its trailer ([`kvpeer_store::Pool::shm`]): its name is what
     /// peers map, its secret what this node's tokens are made from.
     pub fn new(local_id: PeerId, local: PoolView, wake: Wake) -> Result<Self, ShmError> {
-        let object = local.shm().ok_or(ShmError::NotShm)?;
+        let object = local.shm().ok_or(ShmError::NotShm)?.clone();
         let (secret, local_object) = (*object.secret(), object.file_id());
+        let mut seed = [0u8; 4];
+        // Any start will do (epochs only need to differ between a node's sessions); random
+        // keeps a restarted node from reusing its last run's first epochs.
+        let _ = getrandom::fill(&mut seed);
         let (num_blocks, block_len) = (local.num_blocks(), local.block_len());
         let shared = Arc::new(Mutex::new(Shared::default()));
         let (tx, rx) = channel::<Job>();
@@ -254,6 +287,9 @@ impl ShmPlane {
             local_id,
             secret,
             local_object,
+            own: object,
+            epochs: HashMap::new(),
+            next_epoch: u32::from_ne_bytes(seed),
             local,
             wake,
             local_blocks: num_blocks,
@@ -290,6 +326,10 @@ impl ShmPlane {
             .map(|(_, c)| c.as_slice());
         let file = shm_object::open(&name).map_err(|e| ShmRefusal::Open(name.clone(), e))?;
         let len = self.prove(&name, &file, memory.num_blocks, &token, challenge)?;
+        let fence = match meta.shm_epoch {
+            Some(epoch) => Some((self.open_fence(&name, memory.num_blocks)?, epoch)),
+            None => None,
+        };
         let map = Pool::map_peer(&file, memory.num_blocks, self.block_len)
             .map_err(|e| ShmRefusal::Map(name.clone(), Arc::new(e)))?;
         Ok(PeerMap {
@@ -297,6 +337,7 @@ impl ShmPlane {
                 map: Mutex::new(map),
                 file,
                 len,
+                fence,
             }),
             num_blocks: memory.num_blocks,
         })
@@ -360,12 +401,46 @@ impl ShmPlane {
         Ok(expected)
     }
 
+    /// Opens and maps the fence words of the proven pool `name` of `num_blocks` blocks: a
+    /// regular file of this user, not our own words, exactly one word per block.
+    fn open_fence(&self, name: &str, num_blocks: u64) -> Result<PeerFence, ShmRefusal> {
+        let fence_name = fence::object_name(name);
+        let refuse = |why: String| ShmRefusal::Fence {
+            name: fence_name.clone(),
+            why,
+        };
+        let file = shm_object::open(&fence_name).map_err(|e| refuse(e.to_string()))?;
+        let stat = file.metadata().map_err(|e| refuse(e.to_string()))?;
+        let uid = nix::unistd::geteuid().as_raw();
+        if !stat.file_type().is_file() || stat.uid() != uid {
+            return Err(refuse("not a shared-memory object of this user".into()));
+        }
+        if (stat.dev(), stat.ino()) == self.own.fence().file_id() {
+            return Err(refuse("this node's own fence words".into()));
+        }
+        if Some(stat.len()) != fence::object_len(num_blocks) {
+            return Err(refuse(format!(
+                "{} bytes for {num_blocks} blocks",
+                stat.len()
+            )));
+        }
+        PeerFence::map(&file, num_blocks).map_err(|e| refuse(e.to_string()))
+    }
+
     /// Accepts version-1 tokens too (bound to this node's address, not to a connection): for
     /// peers whose control channel cannot read the challenge (kvpeer's Python shm transport
     /// inside a stock vLLM session). Such a token can be replayed by whoever held it, at any
     /// later instance of this node at the same address.
     pub fn set_allow_replayable_tokens(&mut self, allow: bool) {
         self.allow_replayable_tokens = allow;
+    }
+
+    /// Forgets the peer's pool mapping and registration (its `connect` is being replaced), but
+    /// not the epoch our own `connect` gave its session: the fetches we send it still arm
+    /// blocks for that epoch.
+    pub fn forget_mapping(&mut self, peer: &PeerId) {
+        self.peers.remove(peer);
+        self.registrations.remove(peer);
     }
 
     /// Transfers queued or running (for tests and stats).
@@ -377,7 +452,7 @@ impl ShmPlane {
 
 impl DataPlane for ShmPlane {
     fn add_remote_peer(&mut self, peer: &PeerId, memory: &RemoteMemory) -> Result<(), PlaneError> {
-        self.remove_remote_peer(peer);
+        self.forget_mapping(peer);
         match self.open_peer(peer, memory) {
             Ok(map) => {
                 self.peers.insert(peer.clone(), map);
@@ -408,6 +483,32 @@ impl DataPlane for ShmPlane {
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         self.peers.remove(peer);
         self.registrations.remove(peer);
+        self.epochs.remove(peer);
+    }
+
+    fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
+        // A peer we gave no epoch (no `connect` of ours reached it) gets 0, which no writer
+        // holds unless it was told: its writes fail rather than land unfenced.
+        let epoch = self.epochs.get(peer).copied().unwrap_or(0);
+        let words = self.own.fence();
+        for b in blocks {
+            words.arm(b.get(), epoch);
+        }
+    }
+
+    fn end_writes(&mut self, _peer: &PeerId, blocks: &[BlockIndex]) {
+        let words = self.own.fence();
+        for b in blocks {
+            words.revoke(b.get());
+        }
+    }
+
+    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+        // Even a peer's word is not taken for it: a copy in progress holds its block's word.
+        let words = self.own.fence();
+        blocks
+            .iter()
+            .fold(true, |all, b| words.revoke(b.get()) && all)
     }
 
     fn write_blocks(
@@ -477,6 +578,10 @@ impl DataPlane for ShmPlane {
             Ok(mut meta) if meta.shm.is_some() => {
                 meta.shm_token =
                     Some(trailer::token(&self.secret, peer.as_str(), challenge).to_vec());
+                // A fresh epoch per `connect`: arms of this session are not an earlier one's.
+                self.next_epoch = self.next_epoch.wrapping_add(1).max(1);
+                self.epochs.insert(peer.clone(), self.next_epoch);
+                meta.shm_epoch = Some(self.next_epoch);
                 meta.encode()
             }
             _ => advertised.to_vec(),

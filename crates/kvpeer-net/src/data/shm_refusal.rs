@@ -82,4 +82,13 @@ pub enum ShmRefusal {
     /// The proven object could not be mapped.
     #[error("cannot map {0:?}: {1}")]
     Map(String, Arc<PoolError>),
+    /// The fence words the peer's `shm_epoch` announces are not a proper object: missing, of
+    /// another user, this node's own, or not one word per block.
+    #[error("the fence words {name:?} of the peer's pool are unusable: {why}")]
+    Fence {
+        /// The fence object's name.
+        name: String,
+        /// What is wrong with it.
+        why: String,
+    },
 }

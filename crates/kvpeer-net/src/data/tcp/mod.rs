@@ -637,6 +637,12 @@ impl DataPlane for TcpPlane {
         }
     }
 
+    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+        // `end_writes` revoked the permits and cut the connections reading into the blocks; a
+        // claim taken before that lives until the receiver drops it (its read ended).
+        self.pool.unclaimed(blocks)
+    }
+
     fn connect_metadata(
         &mut self,
         peer: &PeerId,
