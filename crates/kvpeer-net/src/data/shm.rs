@@ -505,10 +505,14 @@ impl DataPlane for ShmPlane {
 
     fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
         // Even a peer's word is not taken for it: a copy in progress holds its block's word.
+        // Every block is revoked now (no short cut at the first still being written), so none
+        // of them can take a write that has not started yet.
         let words = self.own.fence();
-        blocks
-            .iter()
-            .fold(true, |all, b| words.revoke(b.get()) && all)
+        let mut fenced = true;
+        for b in blocks {
+            fenced &= words.revoke(b.get());
+        }
+        fenced
     }
 
     fn write_blocks(
