@@ -12,6 +12,15 @@
 //! for good, counted, and the stream goes on from what there is. A replay that does not end
 //! within `replay_timeout` (no replay socket, a dead publisher) is given up the same way.
 //!
+//! **At most one replay per `min_replay_interval`.** A replay costs the publisher its whole
+//! buffer (up to 10,000 batches), and every sequence number the stream carries is the sender's
+//! word: a publisher that lies (or whoever reaches a SUB that binds) can make every batch look
+//! like a restart or a gap. So a replay wanted sooner than `min_replay_interval` after the last
+//! one asked is not asked at once: it is due at the end of the interval (one for all the
+//! reasons that came meanwhile, from the earliest batch any of them needed), and live batches
+//! are held until its answer, as during any replay. An honest stream loses nothing by it: the
+//! batches it needs stay in the publisher's buffer.
+//!
 //! Malformed batches and events are counted and logged once per kind; they never stop the
 //! stream. Memory: the held batches (`max_held_batches` of at most the decoder's payload
 //! limit each, and `max_held_bytes` together) and the [`Holdings`].
@@ -35,6 +44,9 @@ pub struct FollowerLimits {
     pub max_held_bytes: usize,
     /// How long a replay may take before it is given up.
     pub replay_timeout: Duration,
+    /// The shortest time between two replays asked of the publisher: a replay wanted sooner
+    /// waits until then.
+    pub min_replay_interval: Duration,
     /// The decoder's limits.
     pub events: EventLimits,
 }
@@ -45,6 +57,7 @@ impl Default for FollowerLimits {
             max_held_batches: 4096,
             max_held_bytes: 64 << 20,
             replay_timeout: Duration::from_secs(5),
+            min_replay_interval: Duration::from_secs(1),
             events: EventLimits::default(),
         }
     }
@@ -87,6 +100,9 @@ pub struct FollowerStats {
     pub restarts: u64,
     /// Replays asked for.
     pub replays: u64,
+    /// Replays wanted sooner than `min_replay_interval` after the last one, and so put off to
+    /// the end of the interval (several such are one replay).
+    pub replays_deferred: u64,
     /// Batches no replay could bring back (before the publisher's buffer, or given up).
     pub lost_batches: u64,
     /// Replays that did not end in time.
@@ -100,7 +116,15 @@ pub struct FollowerStats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Replay {
     Idle,
-    Waiting { since: Instant },
+    /// Asked at `since`; its answer not ended yet.
+    Waiting {
+        since: Instant,
+    },
+    /// Wanted from `from`, to be asked at `at` (the end of the interval since the last one).
+    Due {
+        from: u64,
+        at: Instant,
+    },
 }
 
 /// One followed engine's stream.
@@ -113,6 +137,8 @@ pub struct Follower {
     /// The next sequence number to apply; `None` before the first.
     next: Option<u64>,
     replay: Replay,
+    /// When the last replay was asked.
+    last_replay: Option<Instant>,
     held: VecDeque<(u64, Vec<u8>)>,
     /// Bytes of `held`.
     held_bytes: usize,
@@ -139,6 +165,7 @@ impl Follower {
             can_replay,
             next: None,
             replay: Replay::Idle,
+            last_replay: None,
             held: VecDeque::new(),
             held_bytes: 0,
             stats: FollowerStats::default(),
@@ -161,9 +188,9 @@ impl Follower {
         self.next.unwrap_or(0)
     }
 
-    /// Whether a replay is running.
+    /// Whether a replay is running or due (live batches are held meanwhile).
     pub fn replaying(&self) -> bool {
-        matches!(self.replay, Replay::Waiting { .. })
+        !matches!(self.replay, Replay::Idle)
     }
 
     /// The subscription is (re)connected: whatever was published meanwhile is only in the
@@ -232,7 +259,7 @@ impl Follower {
         holdings: &mut Holdings,
     ) -> Vec<FollowAction> {
         let mut out = Vec::new();
-        if !self.replaying() {
+        if !matches!(self.replay, Replay::Waiting { .. }) {
             return out;
         }
         match self.next {
@@ -250,17 +277,23 @@ impl Follower {
     /// The replay's end marker arrived: the held live batches are applied, in order.
     pub fn replay_end(&mut self, holdings: &mut Holdings) -> Vec<FollowAction> {
         let mut out = Vec::new();
-        if self.replaying() {
+        if matches!(self.replay, Replay::Waiting { .. }) {
             self.replay = Replay::Idle;
             self.drain_held(holdings, &mut out);
         }
         out
     }
 
-    /// Time passed: a replay past its deadline is given up (what it would have brought is
-    /// lost; the held batches are applied).
+    /// Time passed: a replay that is due is asked; one past its deadline is given up (what it
+    /// would have brought is lost; the held batches are applied).
     pub fn tick(&mut self, now: Instant, holdings: &mut Holdings) -> Vec<FollowAction> {
         let mut out = Vec::new();
+        if let Replay::Due { from, at } = self.replay {
+            if now >= at {
+                self.start_replay(now, from, &mut out);
+            }
+            return out;
+        }
         if let Replay::Waiting { since } = self.replay {
             if now.saturating_duration_since(since) >= self.limits.replay_timeout {
                 self.stats.replays_timed_out += 1;
@@ -279,18 +312,41 @@ impl Follower {
     pub fn next_deadline(&self) -> Option<Instant> {
         match self.replay {
             Replay::Waiting { since } => Some(since + self.limits.replay_timeout),
+            Replay::Due { at, .. } => Some(at),
             Replay::Idle => None,
         }
     }
 
+    /// Wants a replay from `from`: asked now, or at the end of the interval since the last one
+    /// (then one replay serves every reason that came before it, from the earliest batch).
     fn ask_replay(&mut self, now: Instant, from: u64, out: &mut Vec<FollowAction>) {
         if !self.can_replay {
             return;
         }
-        self.stats.replays += 1;
-        self.replay = Replay::Waiting { since: now };
         // From here on, batch `from` is the one needed: anything later that comes first (a
         // live batch held, a replay that starts later) means the ones before it are lost.
+        self.next = Some(from);
+        let earliest = self
+            .last_replay
+            .map(|last| last + self.limits.min_replay_interval);
+        match earliest {
+            Some(at) if now < at => {
+                self.stats.replays_deferred += 1;
+                let from = match self.replay {
+                    Replay::Due { from: due, .. } => due.min(from),
+                    _ => from,
+                };
+                self.next = Some(from);
+                self.replay = Replay::Due { from, at };
+            }
+            _ => self.start_replay(now, from, out),
+        }
+    }
+
+    fn start_replay(&mut self, now: Instant, from: u64, out: &mut Vec<FollowAction>) {
+        self.stats.replays += 1;
+        self.last_replay = Some(now);
+        self.replay = Replay::Waiting { since: now };
         self.next = Some(from);
         out.push(FollowAction::Replay { from });
     }

@@ -2,7 +2,10 @@
 //!
 //! One entry per key some followed engine holds (on its CPU tier), with the set of engines
 //! holding it (a bit each: at most [`EngineSlot::MAX`] engines per pool node). Bounded: past
-//! `max_keys` the oldest entry is forgotten (the pool then merely misses a chance to pull it).
+//! `max_keys` an entry is forgotten (the pool then merely misses a chance to pull it), fairly
+//! among the engines: the oldest of the engine that brought the most entries in (each entry
+//! counts for the engine whose announcement made it), so one engine announcing junk keys by
+//! the million forgets its own, never another engine's keys while it holds more than they do.
 //! An engine that restarted or went away is forgotten whole ([`Holdings::forget_engine`]).
 //!
 //! Admission: a key becomes a [`PullCandidate`] the moment `min_holders` engines hold it (1:
@@ -69,8 +72,10 @@ pub struct PullCandidate {
 struct Entry {
     holders: u64,
     last_holder: EngineSlot,
-    /// Its place in `order` (an older generation there is stale).
+    /// Its place in its maker's `order` (an older generation there is stale).
     generation: u64,
+    /// The engine whose announcement made the entry (it counts in that engine's share).
+    maker: EngineSlot,
     /// Offered as a candidate (and not failed since).
     offered: bool,
 }
@@ -81,8 +86,13 @@ type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 #[derive(Debug)]
 pub struct Holdings {
     entries: FastMap<OffloadKey, Entry>,
-    /// Keys by age, with their generation; entries re-made since are stale and skipped.
-    order: VecDeque<(u64, OffloadKey)>,
+    /// Per engine, the keys whose entries it made, by age, with their generation; entries
+    /// re-made since are stale and skipped.
+    order: Vec<VecDeque<(u64, OffloadKey)>>,
+    /// Live entries each engine made (what eviction evens out).
+    made: [usize; EngineSlot::MAX],
+    /// Items in all of `order` (live and stale).
+    queued: usize,
     next_generation: u64,
     max_keys: usize,
     admission: Admission,
@@ -102,7 +112,9 @@ impl Holdings {
     pub fn new(max_keys: usize, admission: Admission) -> Self {
         Holdings {
             entries: FastMap::default(),
-            order: VecDeque::new(),
+            order: (0..EngineSlot::MAX).map(|_| VecDeque::new()).collect(),
+            made: [0; EngineSlot::MAX],
+            queued: 0,
             next_generation: 0,
             max_keys: max_keys.max(1),
             admission: Admission {
@@ -153,11 +165,14 @@ impl Holdings {
                 self.make_room();
                 let generation = self.next_generation;
                 self.next_generation += 1;
-                self.order.push_back((generation, key.clone()));
+                self.order[engine.index()].push_back((generation, key.clone()));
+                self.queued += 1;
+                self.made[engine.index()] += 1;
                 self.entries.entry(key.clone()).or_insert(Entry {
                     holders: 0,
                     last_holder: engine,
                     generation,
+                    maker: engine,
                     offered: false,
                 })
             }
@@ -184,7 +199,9 @@ impl Holdings {
             self.per_engine[engine.index()] -= 1;
         }
         if entry.holders == 0 {
+            let maker = entry.maker;
             self.entries.remove(key);
+            self.made[maker.index()] -= 1;
         } else if entry.last_holder == engine {
             entry.last_holder = lowest_holder(entry.holders);
         }
@@ -195,10 +212,14 @@ impl Holdings {
         if self.per_engine[engine.index()] == 0 {
             return;
         }
+        let made = &mut self.made;
         self.entries.retain(|_, e| {
             e.holders &= !engine.bit();
             if e.last_holder == engine && e.holders != 0 {
                 e.last_holder = lowest_holder(e.holders);
+            }
+            if e.holders == 0 {
+                made[e.maker.index()] -= 1;
             }
             e.holders != 0
         });
@@ -244,12 +265,21 @@ impl Holdings {
         self.forgotten
     }
 
-    /// Forgets the oldest entries until one more fits.
+    /// Forgets entries until one more fits: each time the oldest of the engine that made the
+    /// most live entries.
     fn make_room(&mut self) {
         while self.entries.len() >= self.max_keys {
-            let Some((generation, key)) = self.order.pop_front() else {
+            let Some(heaviest) = (0..EngineSlot::MAX)
+                .filter(|&i| self.made[i] > 0)
+                .max_by_key(|&i| (self.made[i], std::cmp::Reverse(i)))
+            else {
                 return;
             };
+            let Some((generation, key)) = self.order[heaviest].pop_front() else {
+                // Its count says it made live entries: never the case.
+                return;
+            };
+            self.queued -= 1;
             let live = self
                 .entries
                 .get(&key)
@@ -261,15 +291,20 @@ impl Holdings {
                             self.per_engine[i] -= 1;
                         }
                     }
+                    self.made[e.maker.index()] -= 1;
                 }
                 self.forgotten += 1;
             }
         }
         // Stale generations pile up when keys come and go; drop them once they dominate.
-        if self.order.len() > 2 * self.max_keys + 1024 {
+        if self.queued > 2 * self.max_keys + 1024 {
             let entries = &self.entries;
-            self.order
-                .retain(|(g, k)| entries.get(k).is_some_and(|e| e.generation == *g));
+            let live =
+                |(g, k): &(u64, OffloadKey)| entries.get(k).is_some_and(|e| e.generation == *g);
+            for order in &mut self.order {
+                order.retain(live);
+            }
+            self.queued = self.order.iter().map(VecDeque::len).sum();
         }
     }
 }
@@ -362,7 +397,39 @@ mod tests {
             h.stored(slot(0), k.clone());
             h.removed(slot(0), &k);
         }
-        assert!(h.order.len() <= 2 * 3 + 1024 + 1);
+        assert!(h.queued <= 2 * 3 + 1024 + 1);
+        assert_eq!(h.queued, h.order.iter().map(VecDeque::len).sum::<usize>());
+    }
+
+    /// One engine announcing junk keys by the thousand forgets its own oldest, never the keys
+    /// another engine brought in while it holds fewer: those are still offered and held.
+    #[test]
+    fn a_flooding_engine_forgets_its_own_keys_not_another_engines() {
+        let mut h = Holdings::new(100, Admission::default());
+        let real: Vec<OffloadKey> = (0..40u8).map(key).collect();
+        for k in &real {
+            assert!(h.stored(slot(1), k.clone()).is_some());
+        }
+        for i in 0..100_000u32 {
+            let junk = OffloadKey::from_parts(&i.to_be_bytes(), 7);
+            h.stored(slot(0), junk);
+            assert!(h.len() <= 100);
+        }
+        assert!(
+            real.iter().all(|k| h.holds(slot(1), k)),
+            "real keys forgotten"
+        );
+        assert_eq!((h.count(slot(0)), h.count(slot(1))), (60, 40));
+        // A key both hold counts for the one that made it: the flooder's share, not the other's.
+        h.stored(slot(0), real[0].clone());
+        assert_eq!(h.holders(&real[0]), 2);
+        assert_eq!(h.made[0] + h.made[1], h.len());
+        // Past an equal share the other engine's oldest go too (the bound holds for all).
+        for i in 0..1000u32 {
+            h.stored(slot(1), OffloadKey::from_parts(&i.to_be_bytes(), 9));
+        }
+        assert_eq!(h.len(), 100);
+        assert!(h.made[0].abs_diff(h.made[1]) <= 2, "{:?}", &h.made[..2]);
     }
 
     #[test]

@@ -320,3 +320,68 @@ fn batches_held_during_a_replay_are_bounded_in_bytes() {
     assert_eq!(s.held_dropped, 3);
     assert!(rig.held(3) && rig.held(4) && !rig.held(2));
 }
+
+/// Sequence numbers are the sender's word: a stream whose every batch looks like a restart or
+/// a gap (forged numbers, alternating low and high) makes the follower ask at most one replay
+/// per `min_replay_interval`, and what an honest stream needs is still recovered: the replay
+/// that was put off is asked at the end of the interval, from the earliest batch wanted.
+#[test]
+fn forged_sequence_numbers_make_at_most_one_replay_per_interval() {
+    let limits = FollowerLimits {
+        min_replay_interval: Duration::from_secs(1),
+        ..FollowerLimits::default()
+    };
+    let mut rig = Rig::new(true, limits);
+    let replays = |actions: &[FollowAction]| {
+        actions
+            .iter()
+            .filter(|a| matches!(a, FollowAction::Replay { .. }))
+            .count()
+    };
+    let mut asked = replays(&rig.follower.connected(rig.now));
+    asked += replays(&rig.follower.replay_end(&mut rig.holdings));
+    let start = rig.now;
+    // Ten seconds of forged batches, one every millisecond: 10,000 restarts and gaps.
+    for i in 0..10_000u64 {
+        rig.now = start + Duration::from_millis(i);
+        let seq = if i % 2 == 0 { 1_000_000 + i } else { 1 };
+        asked += replays(&rig.live(seq, stores(seq)));
+        asked += replays(&rig.follower.tick(rig.now, &mut rig.holdings));
+        if i % 7 == 0 {
+            // The publisher answers what was asked (an empty buffer) now and then.
+            asked += replays(&rig.follower.replay_end(&mut rig.holdings));
+        }
+    }
+    assert!(asked <= 1 + 10 + 1, "{asked} replays in 10 s");
+    assert!(rig.follower.stats().replays_deferred > 0);
+
+    // An honest gap right after a replay: put off, then asked from the first batch missed,
+    // and everything comes back in order.
+    let mut rig = Rig::new(true, limits);
+    rig.follower.connected(rig.now);
+    rig.replayed(0, stores(0));
+    rig.follower.replay_end(&mut rig.holdings);
+    assert!(rig.live(3, stores(3)).is_empty(), "too soon: put off");
+    assert!(rig.live(4, stores(4)).is_empty());
+    assert_eq!(
+        rig.follower.next_deadline(),
+        Some(rig.now + Duration::from_secs(1))
+    );
+    assert!(rig
+        .follower
+        .tick(rig.now + Duration::from_millis(999), &mut rig.holdings)
+        .is_empty());
+    assert_eq!(
+        rig.follower
+            .tick(rig.now + Duration::from_secs(1), &mut rig.holdings),
+        vec![FollowAction::Replay { from: 1 }]
+    );
+    for seq in 1..5 {
+        rig.replayed(seq, stores(seq));
+    }
+    rig.follower.replay_end(&mut rig.holdings);
+    assert!((0..5).all(|i| rig.held(i)));
+    let s = rig.follower.stats();
+    assert_eq!((s.replays, s.lost_batches, s.gaps), (2, 0, 1));
+    assert_eq!(rig.follower.next_seq(), 5);
+}

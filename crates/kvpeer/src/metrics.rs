@@ -274,7 +274,7 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
 /// Renders the pool node's counters (`kvpeer_pool_*`) in the Prometheus text format.
 pub fn render_pool(s: &PoolNodeStats) -> String {
     let mut out = String::new();
-    let counters: [(&str, &str, u64); 22] = [
+    let counters: [(&str, &str, u64); 24] = [
         (
             "kvpeer_follow_event_batches_total",
             "KV event batches applied",
@@ -305,6 +305,16 @@ pub fn render_pool(s: &PoolNodeStats) -> String {
             "kvpeer_follow_replays_total",
             "KV event replays asked for",
             s.replays,
+        ),
+        (
+            "kvpeer_follow_replays_deferred_total",
+            "KV event replays put off to the end of the interval since the last one",
+            s.replays_deferred,
+        ),
+        (
+            "kvpeer_follow_refused_publishers_total",
+            "PUB connections a bound SUB closed at their accept: not from the followed engine's host",
+            s.refused_publishers,
         ),
         (
             "kvpeer_follow_int_hash_events_total",

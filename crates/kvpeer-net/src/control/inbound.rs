@@ -142,6 +142,9 @@ impl Inbound {
                 engage_on_request: false,
                 round_quantum: Some(limits.round_quantum),
                 time_per_second: Some(limits.time_per_second),
+                // Sources are checked per message, against the identity each claims (the
+                // node's `origin`), not at the accept.
+                allowed_sources: None,
             },
             poller,
             base,

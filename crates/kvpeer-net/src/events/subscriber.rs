@@ -10,7 +10,9 @@
 //!   published meanwhile is only in the engine's buffer), every end of a connected one
 //!   [`SubEvent::Lost`]. A connecting SUB reconnects with backoff; a bound one accepts up to
 //!   `max_publishers` PUB connections at once (an engine restarting while its old connection
-//!   is still open), all feeding the same stream.
+//!   is still open), all feeding the same stream, and with `allowed_publishers` only from those
+//!   addresses (the engine's host): a connection from any other is closed at its accept, sent
+//!   nothing, so no one else can feed the stream batches or sequence numbers.
 //! * [`EventSubscriber::request_replay`] sends `["", from]` on the DEALER (at once when it is
 //!   connected, else when it is); the ROUTER's answers come as [`SubEvent::Replayed`] then
 //!   [`SubEvent::ReplayEnd`]. A request whose answer was cut by a lost connection is sent
@@ -26,7 +28,7 @@
 //! [`EventSubscriber::poll_event`] takes what came; nothing blocks.
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use std::os::fd::BorrowedFd;
@@ -69,6 +71,8 @@ pub struct SubscriberConfig {
     pub max_pending_events: usize,
     /// PUB connections a bound SUB accepts at once (and from one source address).
     pub max_publishers: usize,
+    /// The only source addresses a bound SUB accepts PUB connections from (`None`: any).
+    pub allowed_publishers: Option<Vec<IpAddr>>,
     /// Replay requests waiting for their answer; one more is dropped and counted.
     pub max_replay_requests: usize,
 }
@@ -98,6 +102,7 @@ impl SubscriberConfig {
             reconnect_max: Duration::from_secs(5),
             max_pending_events: 4096,
             max_publishers: 8,
+            allowed_publishers: None,
             max_replay_requests: 16,
         }
     }
@@ -155,6 +160,8 @@ pub struct SubscriberStats {
     pub replay_requests: u64,
     /// Replay requests dropped (too many waiting, or no replay socket).
     pub replay_requests_dropped: u64,
+    /// PUB connections a bound SUB closed at their accept: their source is not allowed.
+    pub refused_publishers: u64,
 }
 
 enum SubSide {
@@ -208,12 +215,15 @@ impl EventSubscriber {
                 now,
             ))),
             SubEndpoint::Bind(addr) => {
-                let limits = ServerLimits::event_stream(
-                    config.conn.clone(),
-                    config.max_publishers,
-                    config.max_publishers,
-                    config.conn.heartbeat_timeout,
-                );
+                let limits = ServerLimits {
+                    allowed_sources: config.allowed_publishers.clone(),
+                    ..ServerLimits::event_stream(
+                        config.conn.clone(),
+                        config.max_publishers,
+                        config.max_publishers,
+                        config.conn.heartbeat_timeout,
+                    )
+                };
                 let server =
                     Server::bind(addr, Role::sub(), limits, &poller, BOUND).map_err(|source| {
                         EventsError::Bind {
@@ -272,7 +282,14 @@ impl EventSubscriber {
 
     /// What happened so far.
     pub fn stats(&self) -> SubscriberStats {
-        self.stats
+        let refused_publishers = match &self.sub {
+            SubSide::Bind(server) => server.refused_sources(),
+            SubSide::Connect(_) => 0,
+        };
+        SubscriberStats {
+            refused_publishers,
+            ..self.stats
+        }
     }
 
     /// Asks the engine's replay socket for every batch from `from` on. Never blocks: sent at

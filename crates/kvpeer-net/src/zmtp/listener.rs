@@ -5,6 +5,9 @@
 //!
 //! Bounds, per listener ([`ListenerLimits`]):
 //!
+//! * **Sources**: with `allowed_sources`, a connection from any other address is closed at its
+//!   accept, before it takes a slot or is sent a byte (a bound SUB takes only its engine's
+//!   host: docs/security.md), so it can neither speak nor evict an allowed one.
 //! * **Connections**, in all and per source address. One over evicts the holder that is worth
 //!   least (`admission.rs`: of its own source, or of the heaviest source when the listener is
 //!   full; one that is not engaged (no session, never subscribed or asked) before one that is,
@@ -95,6 +98,9 @@ pub(crate) struct ListenerLimits {
     /// one peer keeps the caller's thread busy (and the core it shares with other processes)
     /// however many rounds it would win. `None`: no rate.
     pub(crate) time_per_second: Option<Duration>,
+    /// The only source addresses accepted (compared in canonical form: an IPv4 address and
+    /// its IPv4-mapped IPv6 form are one); `None`: any.
+    pub(crate) allowed_sources: Option<Vec<IpAddr>>,
 }
 
 /// What happened on one connection.
@@ -227,6 +233,7 @@ pub(crate) struct Listener {
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
     refused: u64,
+    refused_sources: u64,
     evicted: u64,
 }
 
@@ -268,6 +275,7 @@ impl ListenerLimits {
             engage_on_request: true,
             round_quantum: None,
             time_per_second: None,
+            allowed_sources: None,
         }
     }
 }
@@ -292,6 +300,9 @@ impl Listener {
             accepts_per_round: limits.accepts_per_round.max(1),
             round_quantum: limits.round_quantum.filter(|q| !q.is_zero()),
             time_per_second: limits.time_per_second.filter(|r| !r.is_zero()),
+            allowed_sources: limits
+                .allowed_sources
+                .map(|a| a.iter().map(IpAddr::to_canonical).collect()),
             ..limits
         };
         Ok(Listener {
@@ -309,6 +320,7 @@ impl Listener {
             per_source: HashMap::new(),
             buffered: 0,
             refused: 0,
+            refused_sources: 0,
             evicted: 0,
         })
     }
@@ -332,6 +344,11 @@ impl Listener {
     /// Connections refused over the caps (only when no slot can be had: caps of zero).
     pub(crate) fn refused(&self) -> u64 {
         self.refused
+    }
+
+    /// Connections from a source `allowed_sources` does not name, closed at their accept.
+    pub(crate) fn refused_sources(&self) -> u64 {
+        self.refused_sources
     }
 
     /// Connections closed to make room for a newcomer.
@@ -801,6 +818,18 @@ impl Listener {
                     break;
                 }
             };
+            if let Some(allowed) = &self.limits.allowed_sources {
+                if !allowed.contains(&source.to_canonical()) {
+                    // Closed before anything is read from it or sent to it, and before it
+                    // could take a slot (or make room by evicting an allowed one).
+                    self.refused_sources += 1;
+                    if let Some(suppressed) = crate::admit_warning("connection source refused") {
+                        warn!(%source, ?allowed, suppressed, role = self.role.socket_type,
+                            "a connection from an address not allowed here: closed");
+                    }
+                    continue;
+                }
+            }
             if !self.make_room(source, out) {
                 self.refused += 1;
                 continue; // no slot can be had (caps of zero): dropped, closed

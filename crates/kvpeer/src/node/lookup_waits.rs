@@ -96,6 +96,11 @@ impl<T> LookupWaits<T> {
         mut done: impl FnMut(Waiting<T>, Ended),
     ) {
         if self.by_request.is_empty() {
+            // Nothing waits: no deadline either. A deadline kept past the last answered or
+            // removed lookup would stay in the past once reached and make every wait of the
+            // driver's loop return at once (a core spun at 50,000 wakes a second from the
+            // lookup timeout on, issue 36).
+            self.next_deadline = None;
             return;
         }
         let mut touched: Vec<KvRequestId> = answered
@@ -178,7 +183,11 @@ impl<T> LookupWaits<T> {
 
     /// Takes the lookups of request `id` (its caller is gone, or the request ended).
     pub(crate) fn remove_request(&mut self, id: &KvRequestId) -> Vec<Waiting<T>> {
-        self.by_request.remove(id).unwrap_or_default()
+        let removed = self.by_request.remove(id).unwrap_or_default();
+        if self.by_request.is_empty() {
+            self.next_deadline = None;
+        }
+        removed
     }
 
     /// Takes every waiting lookup.

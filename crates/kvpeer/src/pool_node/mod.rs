@@ -21,12 +21,22 @@
 //!   (`Holdings::pull_failed`) over a bounded channel. Each wait is the Node API's (its lookup
 //!   and load timeouts), so a dead engine costs only its own puller's time.
 //!
+//! **Who is heard.** Every batch and sequence number of a followed stream is its sender's word,
+//! so a SUB that binds (`bind:` in `--follow`) accepts PUB connections only from the followed
+//! engine's host (the host of its P2P identity, resolved once at start if it is a name): a PUB
+//! from anywhere else is closed at its accept and sent nothing. What the engine's stream says
+//! can still make the follower want replays: it asks at most one per engine per
+//! `FollowerLimits::min_replay_interval`. Each engine's candidates go to its own puller's
+//! queue, and the index forgets the oldest keys of the engine that brought the most in, so one
+//! engine's junk cannot push another's candidates out.
+//!
 //! Nothing here blocks the node's runtime thread: every call to it is a message with a bounded
 //! wait. Everything is bounded: the channels, the index (`Holdings`), the followers' held
 //! batches, the publisher's replay buffer, the store's change log between two ticks.
 
 mod puller;
 
+use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -41,7 +51,7 @@ use kvpeer_pool::{
     Admission, CatalogStats, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings,
     Publisher, PublisherStats, StoreChange,
 };
-use kvpeer_proto::OffloadKey;
+use kvpeer_proto::{OffloadKey, PeerId};
 use kvpeer_store::KeyChange;
 use tracing::{info, warn};
 
@@ -78,6 +88,15 @@ pub enum PoolNodeError {
     /// A thread could not be started.
     #[error("cannot start the pool's threads: {0}")]
     Thread(#[source] std::io::Error),
+    /// A followed engine's host could not be made addresses (a SUB that binds accepts only
+    /// those).
+    #[error("cannot tell which addresses engine {peer} publishes from: {detail}")]
+    EngineHost {
+        /// The engine's P2P identity.
+        peer: String,
+        /// Why.
+        detail: String,
+    },
     /// `shard` lists the pool nodes splitting the key space, and this node is not among them.
     #[error("pool_shard lists {members:?} but not this node ({me}): every member lists all, itself included")]
     NotInShard {
@@ -109,6 +128,10 @@ pub struct PoolNodeStats {
     pub lost_batches: u64,
     /// Replays asked for.
     pub replays: u64,
+    /// Replays wanted sooner than the interval allows, put off to its end.
+    pub replays_deferred: u64,
+    /// PUB connections a bound SUB closed at their accept (not from the engine's host).
+    pub refused_publishers: u64,
     /// Events with int hashes (no key can be formed).
     pub int_hashes: u64,
     /// Keys the index holds (gauge).
@@ -208,6 +231,11 @@ impl PoolNode {
             let slot = EngineSlot::new(i).ok_or(PoolNodeError::TooManyEngines)?;
             let mut sub_config = SubscriberConfig::new(spec.events);
             sub_config.replay = spec.replay;
+            if let SubEndpoint::Bind(_) = spec.events {
+                let from = engine_addrs(&spec.peer)?;
+                info!(engine = i, publishers = ?from, "the bound SUB accepts PUB connections only from the engine's host");
+                sub_config.allowed_publishers = Some(from);
+            }
             let subscriber = EventSubscriber::new(sub_config)?;
             let follower = Follower::new(slot, FollowerLimits::default(), spec.replay.is_some());
             let (tx, rx) = sync_channel::<PullJob>(PULL_QUEUE);
@@ -328,6 +356,37 @@ pub fn store_changes(node: &Node, max: usize) -> Result<(Vec<StoreChange>, u64),
         })
         .collect();
     Ok((changes, dropped))
+}
+
+/// The addresses of `peer`'s host (an engine's P2P identity), which a SUB that binds for its
+/// PUB accepts connections from: the IP itself, or what the name resolves to now (once, at
+/// start: the pool thread never resolves).
+fn engine_addrs(peer: &PeerId) -> Result<Vec<IpAddr>, PoolNodeError> {
+    let fail = |detail: String| PoolNodeError::EngineHost {
+        peer: peer.as_str().to_owned(),
+        detail,
+    };
+    let (host, port) = peer.host_port().map_err(|e| fail(e.to_string()))?;
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addrs: Vec<IpAddr> = match bare.parse::<IpAddr>() {
+        Ok(ip) => vec![ip],
+        Err(_) => (bare, port)
+            .to_socket_addrs()
+            .map_err(|e| fail(format!("{bare} does not resolve: {e}")))?
+            .map(|a| a.ip())
+            .collect(),
+    };
+    let addrs: Vec<IpAddr> = addrs
+        .into_iter()
+        .map(|ip| ip.to_canonical())
+        .filter(|ip| !ip.is_unspecified())
+        .collect();
+    if addrs.is_empty() {
+        return Err(fail(format!(
+            "{host} names no host a PUB could connect from"
+        )));
+    }
+    Ok(addrs)
 }
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, PoolNodeError> {
@@ -558,6 +617,8 @@ impl PoolThread {
             s.restarts += f.restarts;
             s.lost_batches += f.lost_batches;
             s.replays += f.replays;
+            s.replays_deferred += f.replays_deferred;
+            s.refused_publishers += e.subscriber.stats().refused_publishers;
             s.int_hashes += f.int_hashes;
         }
         if let Ok(mut followed) = self.shared.followed.lock() {
