@@ -21,8 +21,12 @@ use kvpeer_proto::{KvRequestId, PeerId};
 
 use crate::traits::{BlockIndex, DataPlane, JobId};
 
-/// How often loads waiting for their fence are asked about again.
+/// How soon loads waiting for their fence are asked about again; the wait doubles while none
+/// settles, up to [`FENCE_RECHECK_MAX`] (a block a killed writer left mid-copy never settles,
+/// and must not keep an idle node waking 50 times a second).
 pub const FENCE_RECHECK: Duration = Duration::from_millis(20);
+/// The longest wait between two asks.
+pub const FENCE_RECHECK_MAX: Duration = Duration::from_secs(1);
 
 /// One ended load whose blocks wait for their fence.
 #[derive(Debug)]
@@ -46,6 +50,8 @@ pub(crate) struct Fences {
     waiting: Vec<Fencing>,
     /// When they are asked about again.
     recheck_at: Option<Instant>,
+    /// The current wait between asks.
+    interval: Duration,
 }
 
 impl Fences {
@@ -65,7 +71,8 @@ impl Fences {
     /// Holds a load whose blocks are not fenced yet.
     pub(crate) fn hold(&mut self, f: Fencing, now: Instant) {
         self.waiting.push(f);
-        self.recheck_at.get_or_insert(now + FENCE_RECHECK);
+        self.interval = FENCE_RECHECK;
+        self.recheck_at = Some(now + FENCE_RECHECK);
     }
 
     /// Takes every waiting load whose blocks are now fenced; arms the next recheck.
@@ -80,7 +87,12 @@ impl Fences {
                 i += 1;
             }
         }
-        self.recheck_at = (!self.waiting.is_empty()).then(|| now + FENCE_RECHECK);
+        self.interval = if fenced.is_empty() {
+            (self.interval * 2).clamp(FENCE_RECHECK, FENCE_RECHECK_MAX)
+        } else {
+            FENCE_RECHECK
+        };
+        self.recheck_at = (!self.waiting.is_empty()).then(|| now + self.interval);
         fenced
     }
 
