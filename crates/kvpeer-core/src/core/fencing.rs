@@ -26,7 +26,7 @@ use crate::traits::{BlockIndex, DataPlane, JobId};
 /// and must not keep an idle node waking 50 times a second).
 pub const FENCE_RECHECK: Duration = Duration::from_millis(20);
 /// The longest wait between two asks.
-pub const FENCE_RECHECK_MAX: Duration = Duration::from_secs(1);
+pub(crate) const FENCE_RECHECK_MAX: Duration = Duration::from_secs(1);
 
 /// One ended load whose blocks wait for their fence.
 #[derive(Debug)]
