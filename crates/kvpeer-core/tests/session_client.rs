@@ -517,7 +517,7 @@ fn a_confirmed_failure_still_waits_for_the_planes_fence() {
     m.advance(Duration::from_millis(25));
     assert!(m.load_results().is_empty());
     m.plane().writing.clear();
-    m.advance(Duration::from_millis(25));
+    m.advance(Duration::from_millis(100));
     assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
     assert!(
         m.closed().is_none(),
