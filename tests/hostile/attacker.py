@@ -923,6 +923,13 @@ def cmd_impostor(a) -> int:
         return 1
     expected = content(key(a.key), block_len)
     before = victim_block()
+    if "kvpeer_auth" not in c and "shm_epoch" in meta:
+        # The victim's fence words would refuse a block it never armed for us: an attacker
+        # drops the epoch, so the node copies without them (they bind honest writers; what
+        # stops this replay is the token, docs/security.md G5' and G2').
+        meta.pop("shm_epoch")
+        c["agent_metadata"] = msgpack.packb(meta, use_bin_type=True)
+        captured = pack(c)
     node.send(captured)
     for msg, pause in (
         ({"type": "connect_ack", "peer_id": victim_id}, 0.5),

@@ -14,6 +14,7 @@ Every wait is a bounded `drive` loop; ports are picked free.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -331,6 +332,75 @@ def test_peer_killed_mid_load_fails_the_job_and_frees_the_slots(engines):
     assert not b.tier._busy()
     assert b.lookup(keys, req) == 0  # the request falls back to local prefill
     b.finish(req)
+
+
+@pytest.mark.parametrize("plane", ["tcp", "shm"])
+def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines, plane):
+    """The producer (another process) is stopped with SIGSTOP as B's load from it starts and
+    stays stopped past B's load and abort-ack timeouts: B's job fails and its slots go to a load
+    from an honest producer A; then the stopped producer resumes (SIGCONT) with B's fetch still
+    in its socket. Every block of A's keys in B's primary tier (vLLM's memory) stays byte-exact,
+    nothing of the stalled load is readable, and B fetches from A again afterwards. Before the
+    fences (6d26cca), on shm the resumed producer copied its blocks over A's."""
+    block_len, n = 65536, 12
+    port = free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [sys.executable, os.path.join(here, "peer_process.py"), str(port), str(block_len),
+         str(n), "9", "262144", plane],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stopped = False
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        shm = plane != "tcp"
+        # Exactly one load's slots: the honest load takes the stalled one's.
+        b = engines(kvpeer_tier(plane, load_timeout_s=1, abort_ack_timeout_s=1), n, block_len,
+                    engine_id=f"B-stall-{plane}", shm_region=shm)
+        a = engines(kvpeer_tier(plane), NUM_CHUNKS, block_len, engine_id=f"A-stall-{plane}",
+                    shm_region=shm)
+        stalled = [make_key(f"gone-{i}") for i in range(n)]
+        req = b.new_request("b-stall", {"remote_kv_source": {
+            "kv_request_id": "kv-stall", "remote_host": "127.0.0.1", "remote_port": port}})
+        drive([b], lambda: b.lookup(stalled, req) is not None, timeout_s=TIMEOUT_S)
+        child.send_signal(signal.SIGSTOP)
+        stopped = True
+        drive([b], lambda: b.jobs_in_flight() > 0 or b.tier.node_stats()["loads_failed"] > 0,
+              timeout_s=TIMEOUT_S)
+        drive([b], lambda: b.jobs_in_flight() == 0, timeout_s=30)
+        assert b.tier.node_stats()["loads_failed"] >= 1, b.tier.node_stats()
+        assert [b.read(k) for k in stalled] == [None] * n
+        b.finish(req)
+
+        honest = [make_key(f"honest-{i}") for i in range(n)]
+        blocks = random_blocks(n, seed=77, block_len=block_len)
+        produce(a, honest, blocks, req_id="a-honest")
+        req = b.new_request("b-honest", source(a, "kv-honest"))
+        assert wait_lookup([a, b], b, honest, req)[0] == n
+        settle(a, b)
+        assert [b.read(k) for k in honest] == blocks
+        b.finish(req)
+
+        child.send_signal(signal.SIGCONT)
+        stopped = False
+        # The resumed producer reads B's fetch and tries to write while A and B step on.
+        end = time.monotonic() + 3
+        drive([a, b], lambda: time.monotonic() > end, timeout_s=10)
+        assert [b.read(k) for k in honest] == blocks, "a block of A's keys changed"
+        assert [b.read(k) for k in stalled] == [None] * n
+    finally:
+        if stopped:
+            child.send_signal(signal.SIGCONT)
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+        # A killed child leaves its region (and its fence words) in /dev/shm.
+        for leftover in (f"vllm_offload_child-{port}.mmap", f"vllm_offload_child-{port}.mmap.fence"):
+            try:
+                os.unlink(os.path.join("/dev/shm", leftover))
+            except FileNotFoundError:
+                pass
 
 
 @pytest.mark.parametrize("poll_s", [0, 0.001], ids=["unpolled", "tier-poll-thread"])

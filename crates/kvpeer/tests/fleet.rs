@@ -259,3 +259,151 @@ fn a_link_cut_mid_transfer_fails_the_load_in_time_and_never_lands_late() {
     }
     consumer.shutdown(Duration::from_secs(2));
 }
+
+/// An engine's KV event stream on its host: a PUB and a replay ROUTER bound to the host's
+/// address, announcing `keys` once (kept for the replay a follower asks on connect).
+struct EngineStream {
+    events: std::net::SocketAddr,
+    replay: std::net::SocketAddr,
+    stop: std::sync::mpsc::Sender<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EngineStream {
+    fn start(host: &Host, keys: Vec<OffloadKey>) -> EngineStream {
+        use kvpeer_net::events::{EventPublisher, PublisherConfig};
+        use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
+        let ip: std::net::IpAddr = host.addr.parse().unwrap();
+        on_host(host, move || {
+            let mut config = PublisherConfig::new(std::net::SocketAddr::new(ip, 0));
+            config.replay_bind = Some(std::net::SocketAddr::new(ip, 0));
+            let mut socket = EventPublisher::bind(config).unwrap();
+            let (events, replay) = (socket.local_addr().unwrap(), socket.replay_addr().unwrap());
+            let changes: Vec<StoreChange> = keys.into_iter().map(StoreChange::Stored).collect();
+            let payload = Publisher::new("", 1)
+                .publish(1.0, &changes, &mut Catalog::new(CatalogLimits::default()))
+                .unwrap()
+                .unwrap()
+                .payload;
+            let (stop, stopped) = std::sync::mpsc::channel::<()>();
+            let thread = std::thread::spawn(move || {
+                socket.publish(&[b"", &0u64.to_be_bytes(), &payload]);
+                while stopped.try_recv() == Err(std::sync::mpsc::TryRecvError::Empty) {
+                    let replay = |start: u64| {
+                        let mut out = Vec::new();
+                        if start == 0 {
+                            out.push(vec![
+                                Vec::new(),
+                                0u64.to_be_bytes().to_vec(),
+                                payload.clone(),
+                            ]);
+                        }
+                        out.push(vec![Vec::new(), (-1i64).to_be_bytes().to_vec(), Vec::new()]);
+                        out
+                    };
+                    socket.serve(Duration::from_millis(10), replay).unwrap();
+                }
+            });
+            EngineStream {
+                events,
+                replay,
+                stop,
+                thread: Some(thread),
+            }
+        })
+    }
+}
+
+impl Drop for EngineStream {
+    fn drop(&mut self) {
+        let _ = self.stop.send(());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A node on `host` holding synthetic blocks for `keys` (an engine's P2P side).
+fn engine_on(host: &Host, tag: &str, keys: &[OffloadKey], len: u64) -> Node {
+    let (addr, tag, keys) = (host.addr.clone(), tag.to_owned(), keys.to_vec());
+    on_host(host, move || {
+        let config = NodeConfig::builder(&tag)
+            .listen(&addr, 0)
+            .num_blocks(keys.len() as u64)
+            .block_len(len)
+            .plane(PlaneKind::Tcp)
+            .build()
+            .unwrap();
+        let node = Node::start(config).unwrap();
+        let blocks = keys
+            .iter()
+            .map(|k| (k.clone(), synthetic::content(k, len as usize)))
+            .collect();
+        node.store(blocks).unwrap();
+        node
+    })
+}
+
+/// A pool node on host 1 follows two engines on hosts 2 and 3 (their event streams and P2P
+/// ports on their own addresses), pulls everything each announces, and serves it byte-exact
+/// to a consumer on a fourth host.
+#[test]
+fn a_pool_follows_engines_on_two_other_hosts() {
+    common::init_logs();
+    use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode};
+    use kvpeer_net::events::SubEndpoint;
+    const LEN: u64 = 16 * 1024;
+    let fleet = Fleet::new(4);
+    let (k2, k3) = (keys(0..24), keys(100..124));
+    let (e2, e3) = (
+        engine_on(fleet.host(2), "fleet-engine-2", &k2, LEN),
+        engine_on(fleet.host(3), "fleet-engine-3", &k3, LEN),
+    );
+    let (s2, s3) = (
+        EngineStream::start(fleet.host(2), k2.clone()),
+        EngineStream::start(fleet.host(3), k3.clone()),
+    );
+    let config = PoolConfig {
+        follow: [(&s2, &e2), (&s3, &e3)]
+            .into_iter()
+            .map(|(s, e)| FollowSpec {
+                events: SubEndpoint::Connect(s.events),
+                replay: Some(s.replay),
+                peer: e.id().clone(),
+            })
+            .collect(),
+        ..PoolConfig::default()
+    };
+    let pool_addr = fleet.host(1).addr.clone();
+    let (pool_node, pool) = on_host(fleet.host(1), move || {
+        let node = std::sync::Arc::new(
+            Node::start(
+                NodeConfig::builder("fleet-pool")
+                    .listen(&pool_addr, 0)
+                    .num_blocks(64)
+                    .block_len(LEN)
+                    .plane(PlaneKind::Tcp)
+                    .build()
+                    .unwrap(),
+            )
+            .unwrap(),
+        );
+        let pool = PoolNode::start(node.clone(), &config).unwrap();
+        (node, pool)
+    });
+    let deadline = Instant::now() + WAIT;
+    while pool.stats().pulled_blocks < 48 {
+        assert!(Instant::now() < deadline, "{:?}", pool.stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.connected, 2, "{stats:?}");
+    assert_eq!(stats.pull_failures, 0, "{stats:?}");
+    let consumer = consumer_on(fleet.host(4), "fleet-pool-consumer", 64, LEN);
+    let pool_id = pool_node.id().clone();
+    let all: Vec<OffloadKey> = k2.iter().chain(&k3).cloned().collect();
+    pull(&consumer, &pool_id, "from-the-pool", &all, LEN);
+    consumer.shutdown(Duration::from_secs(2));
+    drop(pool);
+    drop((s2, s3));
+}

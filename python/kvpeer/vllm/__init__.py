@@ -79,19 +79,9 @@ _DRAIN_WAIT_S = 0.001
 # Keys of the tier's config entry: the stock tier's, then kvpeer's. The value is the
 # kvpeer setting it becomes (None: handled here).
 _STOCK_KEYS = ("host", "port", "backends", "num_threads", "unbound_store_timeout_s")
-_KVPEER_KEYS = (
-    "plane",
-    "allow",
-    "auth_secret_file",
-    "max_peers",
-    "tcp_max_rate",
-    "metrics",
-    "lookup_timeout_s",
-    "load_timeout_s",
-    "handshake_timeout_s",
-    "idle_timeout_s",
-) + (
-    # Fair shares of what peers consume (docs/security.md, G7 and G10), as in a config file.
+# Fair shares of what peers consume (docs/security.md, G7 and G10), as in a config file.
+_FAIR_SHARE_KEYS = (
+
     "max_peers_per_host",
     "send_queue_bytes",
     "max_inbound_connections",
@@ -115,7 +105,19 @@ _KVPEER_KEYS = (
     "tcp_min_rate",
     "tcp_transfer_timeout_s",
 )
-_FAIR_SHARE_KEYS = _KVPEER_KEYS[10:]
+_KVPEER_KEYS = (
+    "plane",
+    "allow",
+    "auth_secret_file",
+    "max_peers",
+    "tcp_max_rate",
+    "metrics",
+    "lookup_timeout_s",
+    "load_timeout_s",
+    "abort_ack_timeout_s",
+    "handshake_timeout_s",
+    "idle_timeout_s",
+) + _FAIR_SHARE_KEYS
 # The fleet: pool nodes (and peers) asked when no router names a producer, or after it
 # (handled here, not by the node).
 _FLEET_KEYS = ("sources",)
@@ -276,8 +278,9 @@ class KvpeerTier(SecondaryTierManager):
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
       ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
       ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``metrics`` (bool), and the
-      timeouts ``lookup_timeout_s``, ``load_timeout_s``, ``handshake_timeout_s``,
-      ``idle_timeout_s``.
+      timeouts ``lookup_timeout_s``, ``load_timeout_s``, ``abort_ack_timeout_s`` (then the
+      session ends: a failed load's slots go back to vLLM only once the peer's writes are
+      fenced), ``handshake_timeout_s``, ``idle_timeout_s``.
     """
 
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
@@ -955,6 +958,7 @@ def _settings(
         "tcp_max_rate",
         "lookup_timeout_s",
         "load_timeout_s",
+        "abort_ack_timeout_s",
         "handshake_timeout_s",
         "idle_timeout_s",
     ) + _FAIR_SHARE_KEYS:

@@ -117,7 +117,9 @@ impl Puller {
         let spec = self.node.config();
         let (lookup_timeout, load_timeout) = (spec.core.lookup_timeout, spec.core.load_timeout);
         let block_len = spec.block_len;
-        let id = format!("kvpeer-pool-{}-{n}", std::process::id());
+        // Unique across this node's pullers (one per engine, each counting from 1): the node
+        // keeps one open request per id, so two pullers' "…-1" refused one another.
+        let id = format!("kvpeer-pool-{}-{}-{n}", std::process::id(), self.peer);
         self.shared.pull_requests.fetch_add(1, Ordering::Relaxed);
         let pulled = match self.node.request(&self.peer, &id) {
             Ok(req) => match req.lookup(&keys, lookup_timeout) {
