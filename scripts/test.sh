@@ -95,7 +95,8 @@ vllm_tier_pythonpath="$(KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setu
 echo "== real routers index a pool node as an engine (tests/routers)"
 cargo build --quiet -p kvpeer --bin kvpeer
 routers="$(bash tests/routers/setup.sh)"
-(cd tests/routers && KVPEER_BIN="$PWD/../../target/debug/kvpeer" \
+kvpeer_bin="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/kvpeer"
+(cd tests/routers && KVPEER_BIN="$kvpeer_bin" \
   KVPEER_VLLM_ROUTER="$(sed -n 1p <<<"$routers")" KVPEER_DYNAMO_PYTHON="$(sed -n 2p <<<"$routers")" \
   PYTHONPATH="$KVPEER_INTEROP_PYTHONPATH" "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider .)
 

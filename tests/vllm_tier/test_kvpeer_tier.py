@@ -363,11 +363,32 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
         stalled = [make_key(f"gone-{i}") for i in range(n)]
         req = b.new_request("b-stall", {"remote_kv_source": {
             "kv_request_id": "kv-stall", "remote_host": "127.0.0.1", "remote_port": port}})
-        drive([b], lambda: b.lookup(stalled, req) is not None, timeout_s=TIMEOUT_S)
-        child.send_signal(signal.SIGSTOP)
-        stopped = True
-        drive([b], lambda: b.jobs_in_flight() > 0 or b.tier.node_stats()["loads_failed"] > 0,
-              timeout_s=TIMEOUT_S)
+
+        def stop_once_answered() -> bool:
+            # The producer's answer reached B's node in the last step; vLLM has not seen it (it
+            # asks in the next lookup call, which submits the promotion, whose fetch leaves on
+            # the step after): the producer stops before B's fetch reaches it.
+            nonlocal stopped
+            if b.tier.node_stats()["lookup_hits_received"] >= n:
+                child.send_signal(signal.SIGSTOP)
+                stopped = True
+                return True
+            b.lookup(stalled, req)
+            return False
+
+        drive([b], stop_once_answered, timeout_s=TIMEOUT_S)
+        # Past the load (1 s) and abort-ack (1 s) timeouts: the session with the producer ends.
+        end = time.monotonic() + 4
+        drive([b], lambda: time.monotonic() > end, timeout_s=10)
+        if b.jobs_in_flight():
+            # The producer stopped in the middle of its copy (its fetch raced the stop): the
+            # blocks it holds stay out of use, and the job with them, until the copy ends.
+            held_for = time.monotonic() + 3
+            drive([b], lambda: time.monotonic() > held_for, timeout_s=10)
+            assert b.jobs_in_flight() > 0, "a copy in progress keeps its slots"
+            assert [b.read(k) for k in stalled] == [None] * n
+            child.send_signal(signal.SIGCONT)
+            stopped = False
         drive([b], lambda: b.jobs_in_flight() == 0, timeout_s=30)
         assert b.tier.node_stats()["loads_failed"] >= 1, b.tier.node_stats()
         assert [b.read(k) for k in stalled] == [None] * n
@@ -382,8 +403,9 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
         assert [b.read(k) for k in honest] == blocks
         b.finish(req)
 
-        child.send_signal(signal.SIGCONT)
-        stopped = False
+        if stopped:
+            child.send_signal(signal.SIGCONT)
+            stopped = False
         # The resumed producer reads B's fetch and tries to write while A and B step on.
         end = time.monotonic() + 3
         drive([a, b], lambda: time.monotonic() > end, timeout_s=10)

@@ -9,17 +9,21 @@
 //! process's mapping, so each block carries a word both sides change atomically:
 //!
 //! ```text
-//! word = epoch << 32 | state      state: 0 idle, 1 armed, 2 writing
+//! word = epoch << 32 | pid << 2 | state      state: 0 idle, 1 armed, 2 writing
 //! consumer  fetch sent:  store ARMED(e)           (e: the epoch its `connect` gave that peer)
-//! producer  per block:   CAS ARMED(e) -> WRITING(e), copy, CAS WRITING(e) -> ARMED(e)
+//! producer  per block:   CAS ARMED(e) -> WRITING(e, pid), copy, CAS WRITING(e, pid) -> ARMED(e)
 //!                        (a failed first CAS: the block was revoked; nothing is copied)
 //! consumer  load ended:  CAS ARMED(e) -> IDLE: fenced; WRITING: a copy is running, the block
-//!                        stays reserved and is asked again until the copy ended
+//!                        stays reserved and is asked again until the copy ended, or until the
+//!                        writer `pid` no longer exists (killed in the middle of the copy)
 //! ```
 //!
 //! A producer that resumes after the revoke fails its CAS and copies nothing; one stopped in the
-//! middle of a copy keeps its block out of use until the copy ends. The epoch (fresh per
-//! `connect`) keeps an arming for one session from being taken by a writer of an earlier one.
+//! middle of a copy keeps its block out of use until the copy ends (or the process is gone: a
+//! dead process writes nothing). The epoch (fresh per `connect`) keeps an arming for one session
+//! from being taken by a writer of an earlier one. The pid is the writer's in its own PID
+//! namespace: same-host peers normally share it; a writer in another PID namespace sharing this
+//! `/dev/shm` could be taken for dead while it is only stopped (docs/security.md, G2').
 //! This protects against honest producers that stall: a same-user process could ignore the
 //! words and write the pool directly (docs/security.md: out of scope, it can write our memory).
 //!
@@ -43,14 +47,36 @@ use crate::guard::{GuardError, GuardedRegion};
 const IDLE: u64 = 0;
 const ARMED: u64 = 1;
 const WRITING: u64 = 2;
-const STATE_MASK: u64 = 0xffff_ffff;
+const STATE_MASK: u64 = 0b11;
+/// Linux's largest pid is 2^22 (`pid_max`); 30 bits hold it.
+const PID_MASK: u32 = (1 << 30) - 1;
 
 fn armed(epoch: u32) -> u64 {
     u64::from(epoch) << 32 | ARMED
 }
 
-fn writing(epoch: u32) -> u64 {
-    u64::from(epoch) << 32 | WRITING
+fn writing(epoch: u32, pid: u32) -> u64 {
+    u64::from(epoch) << 32 | u64::from(pid & PID_MASK) << 2 | WRITING
+}
+
+/// The writer's pid in a WRITING word.
+fn writer_of(word: u64) -> u32 {
+    ((word >> 2) as u32) & PID_MASK
+}
+
+/// Whether process `pid` is certainly gone (no such process). A pid that exists, or that we
+/// cannot tell about, counts as alive: the block then stays out of use.
+fn is_gone(pid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    if raw <= 0 {
+        return false;
+    }
+    matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None),
+        Err(nix::errno::Errno::ESRCH)
+    )
 }
 
 /// The name of the fence object of the pool object `pool_name`.
@@ -203,7 +229,7 @@ impl OwnFence {
 
     /// The load that armed `block` ended: no write may start in it from now on. `true` when no
     /// write is in progress in it either (fenced); `false` while a peer's copy into it runs
-    /// (ask again later: the copy ends, or the block stays out of use).
+    /// (ask again later: the copy ends, or its process goes away).
     pub fn revoke(&self, block: u64) -> bool {
         let Some(w) = self.words.word(block) else {
             return true;
@@ -211,8 +237,9 @@ impl OwnFence {
         let mut current = w.load(Ordering::SeqCst);
         loop {
             match current & STATE_MASK {
-                WRITING => return false,
                 IDLE => return true,
+                // A copy runs, unless its process is gone (it can write nothing more).
+                WRITING if !is_gone(writer_of(current)) => return false,
                 _ => match w.compare_exchange(current, IDLE, Ordering::SeqCst, Ordering::SeqCst) {
                     Ok(_) => return true,
                     Err(now) => current = now,
@@ -233,6 +260,8 @@ impl Drop for OwnFence {
 pub struct PeerFence {
     guard: GuardedRegion,
     words: Words,
+    /// This process, as the writer its WRITING words name.
+    pid: u32,
 }
 
 impl std::fmt::Debug for PeerFence {
@@ -249,7 +278,11 @@ impl PeerFence {
         let words = Words::map(file, num_blocks)?;
         let len = (num_blocks * 8) as usize;
         let guard = GuardedRegion::register(words.base.as_ptr().cast::<u8>(), len)?;
-        Ok(PeerFence { guard, words })
+        Ok(PeerFence {
+            guard,
+            words,
+            pid: std::process::id(),
+        })
     }
 
     /// Takes the right to copy into `block` for the session `epoch`: `false` when the consumer
@@ -261,7 +294,7 @@ impl PeerFence {
         let ok = w
             .compare_exchange(
                 armed(epoch),
-                writing(epoch),
+                writing(epoch, self.pid),
                 Ordering::SeqCst,
                 Ordering::SeqCst,
             )
@@ -273,7 +306,7 @@ impl PeerFence {
     pub fn end(&self, block: u64, epoch: u32) {
         if let Some(w) = self.words.word(block) {
             let _ = w.compare_exchange(
-                writing(epoch),
+                writing(epoch, self.pid),
                 armed(epoch),
                 Ordering::SeqCst,
                 Ordering::SeqCst,
@@ -315,6 +348,26 @@ mod tests {
         assert!(!peer.begin(0, 7), "and no later write starts");
         assert!(!peer.begin(9, 7), "outside the pool");
         assert!(own.revoke(9));
+    }
+
+    #[test]
+    fn a_copy_whose_writer_is_gone_holds_its_block_no_longer() {
+        let own = OwnFence::create(&unique("c"), 2).unwrap();
+        own.arm(0, 3);
+        own.arm(1, 3);
+        let w0 = own.words.word(0).unwrap();
+        let w1 = own.words.word(1).unwrap();
+        // A writer killed in the middle of its copy: a process that has exited (and was reaped).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        w0.store(writing(3, dead), Ordering::SeqCst);
+        assert!(own.revoke(0), "a dead writer writes nothing more");
+        assert_eq!(w0.load(Ordering::SeqCst), IDLE);
+        // A live writer (this process) holds its block.
+        w1.store(writing(3, std::process::id()), Ordering::SeqCst);
+        assert!(!own.revoke(1));
+        assert_eq!(writer_of(w1.load(Ordering::SeqCst)), std::process::id());
     }
 
     #[test]
