@@ -124,6 +124,16 @@ pub enum LinkLoss {
         /// The resolver's words.
         detail: Arc<str>,
     },
+    /// The node will not dial the peer's address: it is one no peer can have (`0.0.0.0`, `::`,
+    /// multicast: `connect(2)` reads the first two as this host), or its host name resolved
+    /// only to such addresses or to addresses this node's policy refuses.
+    #[error("will not dial {peer}: {why}")]
+    NotDialable {
+        /// The peer as named.
+        peer: Arc<str>,
+        /// Why (what it reads or resolves as).
+        why: Arc<str>,
+    },
     /// Nothing listens at the address: the connect was refused.
     #[error("nothing listens at {0} (connection refused)")]
     NothingListens(SocketAddr),

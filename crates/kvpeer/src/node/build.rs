@@ -194,7 +194,11 @@ pub(crate) fn build_with<Q: Parent, T>(
     );
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
-    io.set_origin(spec.bind_identity, spec.allowlist.clone());
+    // A rule naming a host judges the addresses the name has now, resolved here, once (the
+    // node's loop never resolves): a kvpeer peer's identity is its address.
+    let mut allow = spec.allowlist.clone();
+    allow.resolve_names(super::resolve::resolve_host);
+    io.set_origin(spec.bind_identity, allow);
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(

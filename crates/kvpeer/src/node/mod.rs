@@ -17,6 +17,7 @@ pub(crate) mod origin;
 pub(crate) mod outcomes;
 pub mod peer_end;
 pub mod plane;
+pub mod resolve;
 pub(crate) mod wake;
 
 pub use auth::AuthError;
