@@ -843,7 +843,11 @@ def cmd_sessions(a) -> int:
     how many were alive at the end and how many the node ended."""
     own_pool = f"kvpeer-hostile-{os.getpid()}"
     secret = create_pool(own_pool, a.num_blocks, a.block_len)
-    peers = [Peer(a.bind) for _ in range(a.count)]
+    # Each identity's host spelled in turn as `--spellings` lists (one host written many ways),
+    # else our ROUTER's address.
+    spellings = [x for x in (a.spellings or "").split(",") if x]
+    peers = [Peer(a.bind, f"{spellings[i % len(spellings)]}:{{port}}" if spellings else None)
+             for i in range(a.count)]
     alive: dict[str, bool] = {}
     ended = opened = 0
 
@@ -1317,6 +1321,7 @@ def main() -> int:
     s.add_argument("--node", required=True)
     s.add_argument("--count", type=int, default=40)
     s.add_argument("--duration", type=float, default=10.0)
+    s.add_argument("--spellings", help="comma-separated spellings of our host, one per identity")
 
     s = sub.add_parser("impostor")
     common(s)

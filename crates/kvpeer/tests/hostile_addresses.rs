@@ -137,3 +137,119 @@ fn a_data_address_spelled_as_this_host_gets_no_tcp_writer() {
     );
     drop(server);
 }
+
+/// A TOML file in the system's temporary directory, removed on drop.
+struct TempConfig(std::path::PathBuf);
+
+impl TempConfig {
+    fn new(text: &str) -> Self {
+        let path = std::env::temp_dir().join(format!(
+            "kvpeer-hostile-addresses-{}-{:?}.toml",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::write(&path, text).unwrap();
+        TempConfig(path)
+    }
+}
+
+impl Drop for TempConfig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// 127.0.0.1 written as IPv4-mapped IPv6, 16 ways (zeros and case): one host.
+fn loopback_spellings() -> String {
+    let mut out = Vec::new();
+    for prefix in ["::", "0::", "0:0::", "0:0:0:0:0:"] {
+        for ffff in ["ffff", "FFFF"] {
+            for low in ["1", "0001"] {
+                out.push(format!("[{prefix}{ffff}:7f00:{low}]"));
+            }
+        }
+    }
+    out.join(",")
+}
+
+/// One host (127.0.0.1) opening sessions under 16 spellings of its address, each re-opened
+/// at once when the node ends it, against a node of 8 slots and 3 per host, while an honest
+/// host (127.0.0.2) runs two fetches at a time. The node counts the attacker as the one host it
+/// is: the attacker never holds more than its host's 3 (judged from its side: the sessions
+/// the node acked and has not ended), its newcomers evict its own, and every honest fetch is
+/// served byte-exact. Before, each spelling was a host of one session: the attacker held 6 of
+/// the 8 slots (the core's `tier.rs` shows an idle honest host, then the heaviest, giving its
+/// sessions up to each newcomer).
+#[test]
+fn one_host_spelled_many_ways_holds_one_share() {
+    let config = TempConfig::new("max_peers_per_host = 3\n");
+    let config_path = config.0.to_string_lossy().into_owned();
+    let (server, id) = serve_at(
+        &[
+            "--plane",
+            "shm",
+            "--blocks",
+            "64",
+            "--block-len",
+            "4096",
+            "--fill",
+            "32",
+            "--max-peers",
+            "8",
+            "--config",
+            &config_path,
+        ],
+        "warn",
+        None,
+    );
+    let honest = ["--listen", "127.0.0.2:0"];
+    assert_fetch_ok(&honest_fetch(&id, "shm", 4, 8, &honest), 32, "alone");
+
+    let spellings = loopback_spellings();
+    let flood = attacker(&[
+        "sessions",
+        "--node",
+        &id,
+        "--count",
+        "16",
+        "--duration",
+        "10",
+        "--spellings",
+        &spellings,
+    ]);
+    flood.event("ready");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    for round in 0..3 {
+        let runs: Vec<FetchRun> = std::thread::scope(|s| {
+            let both: Vec<_> = (0..2)
+                .map(|_| s.spawn(|| honest_fetch(&id, "shm", 300, 4, &honest)))
+                .collect();
+            both.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, run) in runs.iter().enumerate() {
+            // Each request's keys are a window of the 32 filled ones and beyond: what matters is
+            // that every load landed, byte-exact, with the session never lost.
+            let what = format!("during the flood, round {round}, fetch {i}");
+            assert_eq!(run.status, 0, "{what}: {} {}", run.summary, run.stderr);
+            assert!(
+                run.summary["hits"].as_u64().unwrap_or(0) > 0,
+                "{what}: {}",
+                run.summary
+            );
+            assert_eq!(run.summary["corrupt_blocks"], 0, "{what}: {}", run.summary);
+            assert_eq!(run.summary["failed_loads"], 0, "{what}: {}", run.summary);
+        }
+    }
+    let s = flood.event("summary");
+    println!("flood: {s}");
+    let alive = s["alive"].as_u64().unwrap();
+    assert!(
+        alive <= 3,
+        "the attacker's one host held {alive} sessions: {s}"
+    );
+    assert!(
+        s["ended_by_node"].as_u64().unwrap() > 0,
+        "the node made room by ending the attacker's own sessions: {s}"
+    );
+    drop(server);
+}
