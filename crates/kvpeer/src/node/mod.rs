@@ -18,6 +18,7 @@ pub(crate) mod outcomes;
 pub mod peer_end;
 pub mod plane;
 pub mod resolve;
+pub mod routable;
 pub(crate) mod wake;
 
 pub use auth::AuthError;
