@@ -13,7 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, PeerId};
+use kvpeer::node::resolve::resolve_peer;
+use kvpeer::node::routable;
+use kvpeer::{synthetic, Host, LookupResult, Node, NodeConfig, NodeError, PeerAddr, PeerId};
 
 use crate::fetch_error::FetchError;
 use crate::fetch_workload::{
@@ -22,18 +24,43 @@ use crate::fetch_workload::{
 };
 
 /// Runs the command; returns the exit status.
-pub(crate) fn run(args: FetchArgs) -> u8 {
-    if PeerId::new(args.peer.clone()).host_port().is_err() {
-        crate::report::fatal!("fetch", "--peer must be HOST:PORT, got {:?}", args.peer);
-        return 2;
-    }
-    let config = match args.node.resolve("fetch", None) {
+pub(crate) fn run(mut args: FetchArgs) -> u8 {
+    // The peer as the address it is, resolved here once: `localhost:5600` is the node that
+    // calls itself `127.0.0.1:5600`.
+    let peer = match resolve_peer(&args.peer) {
+        Ok(p) => p,
+        Err(e) => {
+            crate::report::fatal!("fetch", "--peer must be HOST:PORT: {e}");
+            return 2;
+        }
+    };
+    args.peer = peer.to_string();
+    let mut config = match args.node.resolve("fetch", None) {
         Ok(c) => c,
         Err(e) => {
             crate::report::fatal!("fetch", "{e}");
             return 2;
         }
     };
+    match args.node.listen_given() {
+        // No listen address: this node calls itself by its address on the route to the peer
+        // (127.0.0.1 toward a peer on this host, its LAN address toward another host), which
+        // the peer's identity check (docs/security.md, G3) accepts from where it connects.
+        Ok(false) => {
+            if let Some(here) = peer.ip().and_then(routable::route_to) {
+                let port =
+                    PeerAddr::parse_any_port(config.spec.id.as_str()).map_or(0, |a| a.port());
+                config.spec.id = PeerAddr::new(Host::Ip(here), port).to_peer_id();
+                config.spec.listen = None;
+                config.spec.tcp_listen = std::net::SocketAddr::new(here, 0).to_string();
+            }
+        }
+        Ok(true) => {}
+        Err(e) => {
+            crate::report::fatal!("fetch", "{e}");
+            return 2;
+        }
+    }
     if config.pool.enabled() {
         // A config file shared with `kvpeer serve` may set them; a consumer follows nothing.
         tracing::warn!("the pool node's keys (follow, publish_events, ...) are ignored by fetch");
