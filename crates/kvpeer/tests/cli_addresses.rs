@@ -1,0 +1,106 @@
+//! Addresses as a user writes them (issue 36, class 2), checked from the outside against the
+//! `kvpeer` binary: a peer named by a name or in another spelling of its address is the node
+//! that listens there; a wildcard listen is advertised as an address of this host (or what
+//! `--advertise` says), never as `0.0.0.0`, which no peer can dial. Everything here talks over
+//! loopback only (a wildcard listen's own address is read, never dialed).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use common::cli::Cli;
+use common::field;
+
+use kvpeer_proto::PeerAddr;
+
+/// This host's interface addresses.
+fn local_addresses() -> Vec<std::net::IpAddr> {
+    nix::ifaddrs::getifaddrs()
+        .map(|ifs| {
+            ifs.filter_map(|i| i.address)
+                .filter_map(|a| {
+                    a.as_sockaddr_in()
+                        .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                        .or_else(|| a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `kvpeer fetch --peer PEER --json` of 4 requests of 8 keys, all of them hits, every byte
+/// checked by the child.
+fn fetch_ok(peer: &str, plane: &str) {
+    let (summary, _p) = Cli::fetch_shared(peer)
+        .plane(plane)
+        .pool(64, 4096)
+        .workload(4, 8)
+        .flag("--json")
+        .run_json();
+    assert_eq!(summary["hits"], 32, "{peer}: {summary}");
+    assert_eq!(summary["corrupt_blocks"], 0, "{peer}: {summary}");
+    assert_eq!(summary["failed_loads"], 0, "{peer}: {summary}");
+}
+
+/// `--peer localhost:P` (and `2130706433:P`, 127.0.0.1 as one number) reaches the node that
+/// listens at `127.0.0.1:P` and calls itself so. Before, the consumer's session was with the
+/// text `localhost:P` while the node answered as `127.0.0.1:P`: it never got a session, and its
+/// error blamed the allowlist, the secret or full sessions.
+#[test]
+fn a_peer_named_by_name_or_number_is_the_node_at_that_address() {
+    let (_server, id) = Cli::serve()
+        .arg("--listen", "127.0.0.1:0")
+        .pool(64, 4096)
+        .arg("--fill", 32)
+        .start_serving();
+    let port = PeerAddr::of(&id).unwrap().port();
+    for peer in [format!("localhost:{port}"), format!("2130706433:{port}")] {
+        fetch_ok(&peer, "both");
+    }
+}
+
+/// `serve --listen 0.0.0.0:0` is advertised (identity and tcp data address) as an address of
+/// this host's interfaces, never as `0.0.0.0` (which a peer's `connect` reads as its own host).
+#[test]
+fn a_wildcard_listen_is_advertised_as_an_address_of_this_host() {
+    for wildcard in ["0.0.0.0:0", "[::]:0"] {
+        let (server, id) = Cli::serve()
+            .arg("--listen", wildcard)
+            .plane("tcp")
+            .pool(16, 4096)
+            .start_serving();
+        let ready = server.ready.clone().unwrap();
+        let id = PeerAddr::of(&id).unwrap();
+        let tcp: PeerAddr = field(&ready, "tcp").unwrap().parse().unwrap();
+        let ip = id.ip().unwrap();
+        assert!(!ip.is_unspecified(), "{wildcard}: {ready}");
+        assert!(
+            local_addresses().contains(&ip),
+            "{wildcard}: {ip} is not an address of this host: {ready}"
+        );
+        assert_eq!(
+            tcp.host(),
+            id.host(),
+            "{wildcard}: the data address: {ready}"
+        );
+    }
+}
+
+/// `--advertise` names the identity a wildcard listen goes by: peers dial it, and its tcp data
+/// address is on the same host; a fetch through it is served byte-exact.
+#[test]
+fn advertise_names_a_wildcard_listens_identity() {
+    let (server, id) = Cli::serve()
+        .arg("--listen", "0.0.0.0:0")
+        .arg("--advertise", "127.0.0.1")
+        .plane("tcp")
+        .pool(64, 4096)
+        .arg("--fill", 32)
+        .start_serving();
+    let ready = server.ready.clone().unwrap();
+    assert!(id.as_str().starts_with("127.0.0.1:"), "{ready}");
+    assert!(
+        field(&ready, "tcp").unwrap().starts_with("127.0.0.1:"),
+        "{ready}"
+    );
+    fetch_ok(id.as_str(), "tcp");
+}
