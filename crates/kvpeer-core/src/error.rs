@@ -134,6 +134,11 @@ pub enum LinkLoss {
         /// Why (what it reads or resolves as).
         why: Arc<str>,
     },
+    /// The peer refused the connection and said why (a ZMTP ERROR: a kvpeer node whose
+    /// identity check refused the identity this node claims names it and the address it came
+    /// from).
+    #[error("refused by the peer: {0}")]
+    RefusedByPeer(Arc<str>),
     /// Nothing listens at the address: the connect was refused.
     #[error("nothing listens at {0} (connection refused)")]
     NothingListens(SocketAddr),

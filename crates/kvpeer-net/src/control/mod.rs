@@ -355,6 +355,12 @@ impl ControlChannel {
         self.inbound.close(conn);
     }
 
+    /// Closes inbound connection `conn` after telling the peer why (a ZMTP ERROR carrying
+    /// `reason`, which a kvpeer dialer reports as [`LinkLoss::RefusedByPeer`]).
+    pub fn refuse_inbound(&mut self, conn: ConnId, reason: &str) {
+        self.inbound.refuse(conn, reason);
+    }
+
     /// How long unsent bytes may linger after a connection is closed (`ControlConfig::linger`).
     pub fn linger(&self) -> Duration {
         self.outbound.linger()

@@ -104,6 +104,10 @@ pub enum Input {
         /// The context to echo.
         context: Vec<u8>,
     },
+    /// An ERROR command: the peer refuses this connection, saying why (ZMTP 3.1; kvpeer's
+    /// ROUTER sends one before it closes a connection whose claimed identity its source
+    /// cannot back).
+    Error(String),
     /// A SUB's SUBSCRIBE command (ZMTP 3.1): messages whose first frame starts with this
     /// prefix are wanted. (A ZMTP 3.0 SUB sends the message `0x01 · prefix` instead.)
     Subscribe(Vec<u8>),
@@ -430,6 +434,13 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                 context: context[..context.len().min(16)].to_vec(),
             })
         }
+        b"ERROR" => {
+            let reason = data
+                .split_first()
+                .and_then(|(&n, rest)| rest.get(..usize::from(n)))
+                .unwrap_or_default();
+            Ok(Input::Error(String::from_utf8_lossy(reason).into_owned()))
+        }
         b"SUBSCRIBE" => Ok(Input::Subscribe(data.to_vec())),
         b"CANCEL" => Ok(Input::Cancel(data.to_vec())),
         _ => Ok(Input::Command),
@@ -480,6 +491,19 @@ pub fn ready_with(properties: &[(&str, &[u8])]) -> Vec<u8> {
         data.extend_from_slice(value);
     }
     command_frame(b"READY", &data)
+}
+
+/// ERROR with `reason` (at most 255 bytes, cut at a character boundary): ZMTP 3.1's way of
+/// telling a peer why its connection is refused.
+pub fn error(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(255);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut data = Vec::with_capacity(end + 1);
+    data.push(end as u8);
+    data.extend_from_slice(&reason.as_bytes()[..end]);
+    command_frame(b"ERROR", &data)
 }
 
 /// PING with a TTL (deciseconds) and no context.
@@ -606,6 +630,25 @@ mod tests {
             ]
         );
         assert!(d.is_ready());
+    }
+
+    #[test]
+    fn an_error_command_carries_its_reason_cut_at_255_bytes() {
+        let mut d = Decoder::new(1 << 20);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        d.push(&error(
+            "identity 10.0.0.5:1 claimed from another address (10.0.0.6)",
+        ));
+        let long = "é".repeat(200);
+        d.push(&error(&long));
+        let got = all(&mut d).unwrap();
+        assert_eq!(
+            got[2],
+            Input::Error("identity 10.0.0.5:1 claimed from another address (10.0.0.6)".into())
+        );
+        // 400 bytes of two-byte characters: 127 of them (254 bytes), never half of one.
+        assert_eq!(got[3], Input::Error("é".repeat(127)));
     }
 
     #[test]

@@ -191,6 +191,9 @@ pub enum ConnError {
     /// The peer fell silent past the TTL its own PING announced.
     #[error("the peer fell silent past its heartbeat TTL of {0:?}")]
     TtlExpired(Duration),
+    /// The peer refused the connection with a ZMTP ERROR, saying why.
+    #[error("the peer refused this connection: {0}")]
+    Refused(String),
     /// The peer sent a socket that reads nothing more than heartbeats.
     #[error(
         "the peer sent more than {burst} messages or commands (one per started 64 KiB) at \
@@ -423,6 +426,12 @@ impl Connection {
         &self.out[self.at.min(end)..end]
     }
 
+    /// Queues a ZMTP ERROR saying `reason`, after what is queued: the last thing a connection
+    /// refused by its owner sends ([`zmtp::error`]).
+    pub fn queue_error(&mut self, reason: &str) {
+        self.out.extend(zmtp::error(reason));
+    }
+
     /// `n` bytes of [`Connection::transmit`] were written.
     pub fn advance(&mut self, n: usize) {
         let n = n.min(self.transmit().len());
@@ -518,6 +527,7 @@ impl Connection {
                     self.skipped(now, bytes)?;
                 }
                 Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
+                Input::Error(reason) => return Err(ConnError::Refused(reason)),
                 // Subscriptions mean something only to a publisher; elsewhere (a ROUTER) they
                 // are skipped like unknown commands, and cannot pass for a peer at work.
                 Input::Subscribe(prefix) if self.role.keep && self.role.publishes() => {

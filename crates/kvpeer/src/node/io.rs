@@ -374,15 +374,12 @@ impl<P: Parent> NodeIo<P> {
         warn_throttled!(self.throttle, now, "peer refused", %peer, %reason, what);
     }
 
-    /// `true` if a payload claiming `peer` from `source` may reach the protocol.
-    fn heard(&mut self, now: Instant, peer: &PeerId, source: IpAddr) -> bool {
-        match self.origin.check(peer, source) {
-            Ok(()) => true,
-            Err(reason) => {
-                self.refuse(now, peer, &reason, "inbound message");
-                false
-            }
-        }
+    /// `Ok` if a payload claiming `peer` from `source` may reach the protocol, else why not
+    /// (counted and logged).
+    fn heard(&mut self, now: Instant, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
+        self.origin.check(peer, source).inspect_err(|reason| {
+            self.refuse(now, peer, reason, "inbound message");
+        })
     }
 
     /// `true` if this node may open a connection to `peer` (or send it anything).
@@ -496,11 +493,15 @@ impl<P: Parent> NodeIo<P> {
                     // What handling it costs this thread is charged to its connection: the
                     // channel gives each connection about the same time per round.
                     let started = Instant::now();
-                    if self.heard(now, &peer, source) {
-                        self.inbound(now, &peer, conn, source, &payload)
-                    } else {
+                    match self.heard(now, &peer, source) {
+                        Ok(()) => self.inbound(now, &peer, conn, source, &payload),
                         // A claim its source cannot back: this connection is never heard.
-                        self.channel.close_inbound(conn);
+                        // The peer is told why when that is its own mistake (an identity it
+                        // cannot have from where it is), not what the allowlist holds.
+                        Err(reason) if reason.tells_peer() => {
+                            self.channel.refuse_inbound(conn, &reason.to_string())
+                        }
+                        Err(_) => self.channel.close_inbound(conn),
                     }
                     self.channel.charge_inbound(conn, started.elapsed());
                 }

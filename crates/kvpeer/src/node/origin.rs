@@ -51,7 +51,10 @@ pub(crate) enum OriginError {
         why: AddrError,
     },
     /// An identity no peer can have (unspecified, multicast, broadcast).
-    #[error("identity {peer} is {addr}, which is no peer's address")]
+    #[error(
+        "identity {peer}{} is no peer's address (0.0.0.0 and :: mean this host)",
+        read_as(peer, addr)
+    )]
     NotAPeerAddress {
         /// The identity claimed.
         peer: PeerId,
@@ -59,7 +62,7 @@ pub(crate) enum OriginError {
         addr: PeerAddr,
     },
     /// An IP identity claimed from another address.
-    #[error("identity {peer} (address {addr}) claimed from another address ({from})")]
+    #[error("identity {peer}{} claimed from another address ({from}): a node must call itself by an address of its own host (kvpeer: --listen, or --advertise)", read_as(peer, addr))]
     ClaimedElsewhere {
         /// The identity claimed.
         peer: PeerId,
@@ -103,6 +106,33 @@ pub(crate) enum OriginError {
         /// Where the `connect` came from.
         from: IpAddr,
     },
+}
+
+impl OriginError {
+    /// Whether the peer is told why (a ZMTP ERROR before the connection closes): an identity
+    /// its source cannot back is a mistake of the peer's configuration (a consumer that calls
+    /// itself `127.0.0.1` across hosts), and saying so tells it nothing it does not know (its
+    /// own claim, the address it came from). Allowlist refusals say nothing (a stranger learns
+    /// nothing of the list).
+    pub(crate) fn tells_peer(&self) -> bool {
+        matches!(
+            self,
+            OriginError::NotHostPort { .. }
+                | OriginError::NotAPeerAddress { .. }
+                | OriginError::ClaimedElsewhere { .. }
+                | OriginError::UnboundHostName { .. }
+        )
+    }
+}
+
+/// ` (address A)` when the identity as written is not its canonical form, else nothing.
+fn read_as(peer: &PeerId, addr: &PeerAddr) -> String {
+    let canonical = addr.to_string();
+    if canonical == peer.as_str() {
+        String::new()
+    } else {
+        format!(" (address {canonical})")
+    }
 }
 
 /// This host's interface addresses, read once.
