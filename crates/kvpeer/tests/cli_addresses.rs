@@ -104,3 +104,28 @@ fn advertise_names_a_wildcard_listens_identity() {
     );
     fetch_ok(id.as_str(), "tcp");
 }
+
+/// A consumer that calls itself by an address it does not have where the node sees it (here
+/// `--advertise 198.51.100.7`, from loopback; across hosts, a fetch that called itself
+/// `127.0.0.1`) is refused by the node's identity check, and told why: its last line names the
+/// identity it claimed and the address it came from. Before, the node closed the connection
+/// saying nothing, and the consumer's error blamed the allowlist, the secret or full sessions.
+#[test]
+fn a_consumer_whose_identity_its_address_cannot_back_is_told_both_addresses() {
+    let (_server, id) = Cli::serve().pool(16, 4096).arg("--fill", 4).start_serving();
+    let out = Cli::fetch(id.as_str())
+        .pool(16, 4096)
+        .workload(1, 1)
+        .arg("--advertise", "198.51.100.7")
+        .arg("--timeout-secs", 5)
+        .output();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or("");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        last.contains("refused by the peer")
+            && last.contains("198.51.100.7:")
+            && last.contains("claimed from another address (127.0.0.1)"),
+        "the refusal names both addresses: {last}"
+    );
+}

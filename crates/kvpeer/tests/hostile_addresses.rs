@@ -76,7 +76,8 @@ fn received(s: &Value) -> Vec<String> {
 /// An identity whose host is `0` in a spelling the literal check did not know: the node
 /// dialed it back (`connect(2)` to 0.0.0.0 is this host), so the attacker's own ROUTER got
 /// the node's `connect` (its shm name, token and tcp key) and ack. Now refused before any
-/// dial: the attacker's ROUTER hears nothing.
+/// dial: the attacker's ROUTER hears nothing, and its connection is told why (a ZMTP ERROR:
+/// its identity is no peer's address).
 #[test]
 fn an_identity_spelled_as_this_host_gets_no_dial_back() {
     let (server, id) = serve("both");
@@ -98,6 +99,11 @@ fn an_identity_spelled_as_this_host_gets_no_dial_back() {
         assert_eq!(
             s["tcp_accepted"], 0,
             "{identity}: the writer connected: {s}"
+        );
+        let why = s["refused_with"].as_str().unwrap_or_default();
+        assert!(
+            why.contains("no peer's address"),
+            "{identity}: the refusal names its cause: {s}"
         );
     }
     assert_fetch_ok(
