@@ -139,6 +139,15 @@ pub enum LinkLoss {
     /// from).
     #[error("refused by the peer: {0}")]
     RefusedByPeer(Arc<str>),
+    /// The node we dialed answers as another identity (its READY said so): no session can
+    /// follow, since a node answers only as its own identity. Name it as it calls itself.
+    #[error("the node at {dialed} calls itself {calls_itself}: name it {calls_itself} (a node answers only as its own identity)")]
+    IdentityMismatch {
+        /// The peer as this node named it.
+        dialed: Arc<str>,
+        /// The identity its READY told.
+        calls_itself: Arc<str>,
+    },
     /// Nothing listens at the address: the connect was refused.
     #[error("nothing listens at {0} (connection refused)")]
     NothingListens(SocketAddr),

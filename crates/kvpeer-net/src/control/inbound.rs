@@ -186,6 +186,12 @@ impl Inbound {
             .close(conn, LinkLoss::ClosedHere, &mut ignored);
     }
 
+    /// Tells `identity` (the node's) in the READY of every connection accepted from now on, so
+    /// a kvpeer dialer that named this node otherwise learns why no session follows.
+    pub(crate) fn announce(&mut self, identity: &PeerId) {
+        self.listener.announce(identity.as_str().as_bytes());
+    }
+
     /// Closes connection `conn` after telling the peer `reason` (a ZMTP ERROR; no event).
     pub fn refuse(&mut self, conn: ConnId, reason: &str) {
         self.identities.remove(&conn);

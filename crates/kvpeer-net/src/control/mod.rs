@@ -332,7 +332,8 @@ impl ControlChannel {
         Ok(Self::new(poller, inbound, identity, config))
     }
 
-    fn new(poller: Poller, inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+    fn new(poller: Poller, mut inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+        inbound.announce(&identity);
         ControlChannel {
             poller,
             inbound,

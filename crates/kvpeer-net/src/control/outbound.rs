@@ -291,6 +291,18 @@ impl Conn {
                 Ok(ready) => {
                     if ready {
                         debug!(peer = %self.peer, "control connection ready");
+                        // A kvpeer node tells its identity: answering as another than the one
+                        // we named, it can give us no session (its messages come as that one).
+                        let announced = self.dialer.connection().peer_announced();
+                        if let Some(theirs) =
+                            announced.filter(|a| *a != self.peer.as_str().as_bytes())
+                        {
+                            let calls_itself = String::from_utf8_lossy(theirs);
+                            self.fail(LinkLoss::IdentityMismatch {
+                                dialed: self.peer.as_str().into(),
+                                calls_itself: calls_itself.as_ref().into(),
+                            });
+                        }
                     }
                 }
                 Err(reason) => self.fail(reason),

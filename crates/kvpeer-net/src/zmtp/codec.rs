@@ -33,6 +33,11 @@ pub const GREETING_LEN: usize = 64;
 /// metadata and otherwise ignore them.
 pub const CHALLENGE_PROPERTY: &str = "X-Kvpeer-Challenge";
 
+/// The READY property in which kvpeer's control ROUTER tells its identity (the `host:port` it
+/// answers as), so a dialer that named it otherwise (`localhost:5600` for `127.0.0.1:5600`)
+/// learns why no session can follow. Other ROUTERs send none; other DEALERs ignore it.
+pub const IDENTITY_PROPERTY: &str = "X-Kvpeer-Identity";
+
 /// Bytes of a challenge.
 pub const CHALLENGE_LEN: usize = 16;
 
@@ -87,6 +92,8 @@ pub enum Input {
         identity: Vec<u8>,
         /// Its [`CHALLENGE_PROPERTY`] (a kvpeer ROUTER's per-connection challenge), if any.
         challenge: Option<Vec<u8>>,
+        /// Its [`IDENTITY_PROPERTY`] (a kvpeer ROUTER's own identity), if any.
+        announced: Option<Vec<u8>>,
     },
     /// A whole message: its frames in order.
     Message(Vec<Vec<u8>>),
@@ -395,6 +402,7 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
             let mut socket_type = Vec::new();
             let mut identity = Vec::new();
             let mut challenge = None;
+            let mut announced = None;
             let mut p = data;
             while let Some((&n, after)) = p.split_first() {
                 let key = after
@@ -414,6 +422,8 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                     identity = value.to_vec();
                 } else if key.eq_ignore_ascii_case(CHALLENGE_PROPERTY.as_bytes()) {
                     challenge = Some(value.to_vec());
+                } else if key.eq_ignore_ascii_case(IDENTITY_PROPERTY.as_bytes()) {
+                    announced = Some(value.to_vec());
                 }
                 p = &after[4 + vlen..];
             }
@@ -421,6 +431,7 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                 socket_type,
                 identity,
                 challenge,
+                announced,
             })
         }
         b"PING" => {
@@ -620,6 +631,7 @@ mod tests {
                     socket_type: b"DEALER".to_vec(),
                     identity: b"127.0.0.1:5600".to_vec(),
                     challenge: None,
+                    announced: None,
                 },
                 Input::Ping {
                     ttl_deciseconds: 100,

@@ -469,6 +469,12 @@ impl Listener {
         }
     }
 
+    /// Tells `identity` in the READY of every connection accepted from now on
+    /// ([`crate::zmtp::IDENTITY_PROPERTY`]).
+    pub(crate) fn announce(&mut self, identity: &[u8]) {
+        self.role.announce = Some(identity.to_vec());
+    }
+
     /// Closes connection `id` after telling the peer why (a ZMTP ERROR written now, best
     /// effort: a few bytes a fresh socket buffer always takes), reporting it in `out`.
     pub(crate) fn refuse(&mut self, id: ConnId, reason: &str, out: &mut Vec<(ConnId, LinkEvent)>) {
