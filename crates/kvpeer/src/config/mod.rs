@@ -345,7 +345,11 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
                             format!("{m:?} is not HOST:PORT"),
                         ));
                     }
-                    if members.contains(&id) {
+                    let same = |o: &PeerId| {
+                        kvpeer_pool::shard::canonical(o.as_str())
+                            == kvpeer_pool::shard::canonical(id.as_str())
+                    };
+                    if members.iter().any(same) {
                         return Err(bad(
                             src,
                             KEY.pool_shard.name,
