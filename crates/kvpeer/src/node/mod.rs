@@ -11,6 +11,7 @@ pub mod allow;
 pub(crate) mod auth;
 pub mod build;
 pub mod descriptors;
+pub mod identity_probe;
 pub mod io;
 pub(crate) mod lookup_waits;
 pub(crate) mod origin;

@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvpeer::node::identity_probe;
 use kvpeer::node::resolve::resolve_peer;
 use kvpeer::node::routable;
 use kvpeer::{synthetic, Host, LookupResult, Node, NodeConfig, NodeError, PeerAddr, PeerId};
@@ -25,8 +26,11 @@ use crate::fetch_workload::{
 
 /// Runs the command; returns the exit status.
 pub(crate) fn run(mut args: FetchArgs) -> u8 {
-    // The peer as the address it is, resolved here once: `localhost:5600` is the node that
-    // calls itself `127.0.0.1:5600`.
+    // The peer's address, resolved here once (a name, `localhost`, any spelling), to find the
+    // route to it. The session is with the identity the node there answers as: a kvpeer node
+    // tells it in its READY (`localhost:5600` is the node that calls itself `127.0.0.1:5600`);
+    // a stock vLLM engine tells none, and is named as written (its identity may well be the
+    // text `localhost:5710`).
     let peer = match resolve_peer(&args.peer) {
         Ok(p) => p,
         Err(e) => {
@@ -34,7 +38,13 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
             return 2;
         }
     };
-    args.peer = peer.to_string();
+    if let Some(at) = peer.socket_addr() {
+        let told = identity_probe::identity_at(at, Duration::from_secs(2));
+        if let Some(identity) = told.filter(|id| id.as_str() != args.peer) {
+            tracing::info!(peer = %args.peer, %identity, "the node there calls itself so");
+            args.peer = identity.as_str().to_owned();
+        }
+    }
     let mut config = match args.node.resolve("fetch", None) {
         Ok(c) => c,
         Err(e) => {
