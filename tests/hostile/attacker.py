@@ -291,16 +291,20 @@ def describe_meta(raw) -> dict:
 
 
 class DummyTcp:
-    """A tcp data listener we advertise (the node's writer dials it); it accepts and reads."""
+    """A tcp data listener we advertise (the node's writer dials it); it accepts and reads,
+    counting what reached it. `host` is how the advertised address spells its host (the
+    listener itself is on 127.0.0.1: `0` reaches it too, as `connect(2)` reads 0.0.0.0 as this
+    host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.sock.setblocking(False)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.addr = "%s:%d" % (host, self.sock.getsockname()[1])
         self.key = os.urandom(32)
         self.conns: list[socket.socket] = []
+        self.bytes = 0
 
     def pump(self) -> None:
         try:
@@ -310,6 +314,15 @@ class DummyTcp:
                 self.conns.append(c)
         except BlockingIOError:
             pass
+        for c in self.conns:
+            try:
+                while True:
+                    b = c.recv(1 << 16)
+                    if not b:
+                        break
+                    self.bytes += len(b)
+            except (BlockingIOError, OSError):
+                pass
 
 
 # --- session ------------------------------------------------------------------------------------
@@ -333,7 +346,7 @@ def cmd_session(a) -> int:
                           peer.challenge(a.node, a.source))
     else:
         token = bytes.fromhex(a.shm_token)
-    tcp = DummyTcp() if a.tcp_dummy else None
+    tcp = DummyTcp(a.tcp_host) if (a.tcp_dummy or a.tcp_host) else None
     meta = metadata(
         peer.identity, shm, token, tcp.addr if tcp else None, tcp.key if tcp else None
     )
@@ -414,6 +427,8 @@ def cmd_session(a) -> int:
         )
     if a.linger:
         peer.wait_for(set(), a.linger, note)
+    if tcp:
+        tcp.pump()
     heard_extra = []
     if extra:
         extra.poll(0.2)
@@ -435,6 +450,9 @@ def cmd_session(a) -> int:
         "own_pool_bytes_ok": own_ok,
         "own_pool_allocated": allocated,
         "closed_by_node": any(d.closed for d in peer.dealers.values()),
+        "refused_with": next((d.error for d in peer.dealers.values() if d.error), None),
+        "tcp_accepted": len(tcp.conns) if tcp else None,
+        "tcp_bytes": tcp.bytes if tcp else None,
         "extra_received": [m["type"] for m in heard_extra],
     })
     peer.close()
@@ -825,7 +843,11 @@ def cmd_sessions(a) -> int:
     how many were alive at the end and how many the node ended."""
     own_pool = f"kvpeer-hostile-{os.getpid()}"
     secret = create_pool(own_pool, a.num_blocks, a.block_len)
-    peers = [Peer(a.bind) for _ in range(a.count)]
+    # Each identity's host spelled in turn as `--spellings` lists (one host written many ways),
+    # else our ROUTER's address.
+    spellings = [x for x in (a.spellings or "").split(",") if x]
+    peers = [Peer(a.bind, f"{spellings[i % len(spellings)]}:{{port}}" if spellings else None)
+             for i in range(a.count)]
     alive: dict[str, bool] = {}
     ended = opened = 0
 
@@ -1250,6 +1272,7 @@ def main() -> int:
                    help="none | random | from-object (read the named object's trailer) | hex")
     s.add_argument("--secret-blocks", type=int, help="blocks before the trailer to read")
     s.add_argument("--tcp-dummy", action="store_true", help="also advertise a tcp listener")
+    s.add_argument("--tcp-host", help="advertise the tcp listener with its host spelled so")
     s.add_argument("--keys", default="", help="synthetic key indexes to look up and fetch")
     s.add_argument("--indexes", default="", help="block indexes our fetch names")
     s.add_argument("--linger", type=float, default=0.0)
@@ -1305,6 +1328,7 @@ def main() -> int:
     s.add_argument("--node", required=True)
     s.add_argument("--count", type=int, default=40)
     s.add_argument("--duration", type=float, default=10.0)
+    s.add_argument("--spellings", help="comma-separated spellings of our host, one per identity")
 
     s = sub.add_parser("impostor")
     common(s)

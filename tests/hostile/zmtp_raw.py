@@ -64,6 +64,7 @@ class Stream:
         self.messages: list[bytes] = []
         self.parts: list[bytes] = []
         self.closed = False
+        self.error: str | None = None  # the reason of a ZMTP ERROR the peer sent
 
     def _pump_once(self, timeout: float) -> None:
         if self.closed:
@@ -108,6 +109,8 @@ class Stream:
                 name, data = body[1:1 + n], body[1 + n:]
                 if name == b"READY":
                     self.props = parse_props(data)
+                elif name == b"ERROR" and data:
+                    self.error = data[1:1 + data[0]].decode(errors="replace")
                 elif name == b"PING":
                     self.send_raw(command(b"PONG", data[2:]))
                 continue

@@ -129,6 +129,30 @@ pub enum LinkLoss {
         /// The resolver's words.
         detail: Arc<str>,
     },
+    /// The node will not dial the peer's address: it is one no peer can have (`0.0.0.0`, `::`,
+    /// multicast: `connect(2)` reads the first two as this host), or its host name resolved
+    /// only to such addresses or to addresses this node's policy refuses.
+    #[error("will not dial {peer}: {why}")]
+    NotDialable {
+        /// The peer as named.
+        peer: Arc<str>,
+        /// Why (what it reads or resolves as).
+        why: Arc<str>,
+    },
+    /// The peer refused the connection and said why (a ZMTP ERROR: a kvpeer node whose
+    /// identity check refused the identity this node claims names it and the address it came
+    /// from).
+    #[error("refused by the peer: {0}")]
+    RefusedByPeer(Arc<str>),
+    /// The node we dialed answers as another identity (its READY said so): no session can
+    /// follow, since a node answers only as its own identity. Name it as it calls itself.
+    #[error("the node at {dialed} calls itself {calls_itself}: name it {calls_itself} (a node answers only as its own identity)")]
+    IdentityMismatch {
+        /// The peer as this node named it.
+        dialed: Arc<str>,
+        /// The identity its READY told.
+        calls_itself: Arc<str>,
+    },
     /// Nothing listens at the address: the connect was refused.
     #[error("nothing listens at {0} (connection refused)")]
     NothingListens(SocketAddr),

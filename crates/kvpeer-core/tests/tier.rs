@@ -335,6 +335,60 @@ fn a_host_flooding_sessions_evicts_its_own_and_others_still_get_in() {
     }
 }
 
+/// A host's share counts its address, not its spelling: one attacker host writing its address
+/// a hundred ways (IPv4-mapped IPv6 with every choice of zeros and case, its decimal form)
+/// holds its one share, and cannot evict the sessions of an honest host that holds more than
+/// any single spelling (before, each spelling was a host of one session, so the honest host was
+/// the heaviest and gave its sessions up to every newcomer).
+#[test]
+fn one_host_spelled_many_ways_is_one_host() {
+    let config = CoreConfig {
+        max_peers: 8,
+        max_peers_per_host: 4,
+        ..Default::default()
+    };
+    let mut m = Mock::with_config(config);
+    let honest = |port: u16| PeerId::new(format!("10.1.0.1:{port}"));
+    // 10.9.0.1, spelled: 6 prefixes × 4 cases × 2 × 4 zero paddings, and as one number.
+    let mut spellings = vec!["168361985".to_owned()];
+    for prefix in ["::", "0::", "0:0::", "0:0:0::", "0:0:0:0::", "0:0:0:0:0:"] {
+        for ffff in ["ffff", "FFFF", "Ffff", "fFfF"] {
+            for high in ["a09", "0a09"] {
+                for low in ["1", "01", "001", "0001"] {
+                    spellings.push(format!("[{prefix}{ffff}:{high}:{low}]"));
+                }
+            }
+        }
+    }
+    let attacker = |i: usize| PeerId::new(format!("{}:{}", spellings[i], 6000 + i));
+    for port in 1..=3u16 {
+        m.now += S(1);
+        assert!(m.core.handle_inbound(m.now, honest(port)));
+    }
+    m.pump();
+    for i in 0..100 {
+        m.now += S(1);
+        assert!(
+            m.core.handle_inbound(m.now, attacker(i)),
+            "a newcomer gets in"
+        );
+        m.pump();
+    }
+    for port in 1..=3u16 {
+        assert!(
+            m.core.session_state(&honest(port)).is_some(),
+            "the honest host kept session {port}"
+        );
+    }
+    let held = (0..100)
+        .filter(|i| m.core.session_state(&attacker(*i)).is_some())
+        .count();
+    assert_eq!(
+        held, 4,
+        "the attacker's host holds its share, however spelled"
+    );
+}
+
 /// upstream: TestAcceptNewPeers.test_duplicate_connection_is_closed_and_existing_session_untouched
 #[test]
 fn a_duplicate_inbound_connection_is_refused_and_the_session_kept() {

@@ -431,6 +431,7 @@ fn a_bound_sub_survives_hostile_publishers_and_hears_an_honest_one() {
                 socket_type: b"SUB".to_vec(),
                 identity: Vec::new(),
                 challenge: None,
+                announced: None,
             },
             Input::Message(vec![b"\x01kv@".to_vec()]),
         ]

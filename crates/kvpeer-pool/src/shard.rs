@@ -10,8 +10,14 @@
 //! `SHA-256(m as UTF-8 · 0x00 · k)`; the highest weight owns `k` (ties, which need equal
 //! digests, go to the member listed first). A tier or router choosing a pool computes the same
 //! thing (the unit tests hold vectors computed with Python's `hashlib`). Pure: no I/O.
+//!
+//! A member is hashed in its canonical form ([`PeerAddr`]: `localhost:5600`, `2130706433:5600`
+//! and `[::ffff:127.0.0.1]:5600` are all `127.0.0.1:5600`; a host name in lower case), so a
+//! consumer's `sources` and the pools' `--shard` agree on owners however each spells a pool;
+//! a member that is not `host:port` is hashed as written. A router hashing by itself should
+//! write members canonically (an IPv4 address as a.b.c.d).
 
-use kvpeer_proto::OffloadKey;
+use kvpeer_proto::{OffloadKey, PeerAddr};
 use sha2::{Digest, Sha256};
 
 /// The weight of `member` for the prefix whose root chunk is `root`.
@@ -26,12 +32,17 @@ pub fn weight(member: &str, root: &OffloadKey) -> u64 {
     u64::from_be_bytes(first)
 }
 
+/// `member` as it is hashed: its canonical `host:port`, or as written when it is not one.
+pub fn canonical(member: &str) -> String {
+    PeerAddr::parse(member).map_or_else(|_| member.to_owned(), |a| a.to_string())
+}
+
 /// The index in `members` of the one that owns the prefix rooted at `root` (`None` if there
 /// are no members).
 pub fn owner<S: AsRef<str>>(members: &[S], root: &OffloadKey) -> Option<usize> {
     let mut best: Option<(u64, usize)> = None;
     for (i, m) in members.iter().enumerate() {
-        let w = weight(m.as_ref(), root);
+        let w = weight(&canonical(m.as_ref()), root);
         if best.is_none_or(|(bw, _)| w > bw) {
             best = Some((w, i));
         }
@@ -64,6 +75,19 @@ mod tests {
             assert_eq!(weight(m, &k), w, "{m}");
         }
         assert_eq!(owner(&members, &k), Some(1));
+    }
+
+    #[test]
+    fn a_member_spelled_otherwise_owns_the_same_prefixes() {
+        let canonical = ["10.0.0.5:5710", "127.0.0.1:5710", "node-c:5710"];
+        let spelled = ["167772165:5710", "localhost:5710", "NODE-C:5710"];
+        for i in 0..200 {
+            assert_eq!(
+                owner(&canonical, &root(i)),
+                owner(&spelled, &root(i)),
+                "{i}"
+            );
+        }
     }
 
     #[test]

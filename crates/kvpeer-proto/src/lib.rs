@@ -42,6 +42,7 @@
 
 #![forbid(unsafe_code)]
 
+mod addr;
 mod decode;
 mod error;
 pub mod events;
@@ -54,6 +55,7 @@ mod types;
 mod value;
 mod writer;
 
+pub use addr::{is_peer_ip, AddrError, Host, PeerAddr};
 pub use decode::{decode, decode_with_limits};
 pub use error::{
     DecodeError, EncodeError, FieldError, FieldPath, IgnoredReason, MsgpackError, MsgpackErrorKind,

@@ -16,6 +16,10 @@ pub use api::{
 };
 pub mod synthetic;
 
+/// A peer's address, one canonical value whatever its spelling (identities, `--peer`,
+/// `sources`, the allowlist: docs/security.md).
+pub use kvpeer_proto::{AddrError, Host, PeerAddr};
+
 /// Whether a warning of `kind` is logged now, through one process-wide
 /// [`WarnThrottle`](kvpeer_core::throttle::WarnThrottle), for the threads that own none (the
 /// pool's, its pullers, the node's wait): `Some(suppressed)`, or `None` (counted, not logged).

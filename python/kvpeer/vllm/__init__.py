@@ -814,8 +814,9 @@ def _group_of(key: bytes) -> int:
 
 
 def _sources(value: Any) -> list[str]:
-    """The ``sources`` entry: pool nodes' ``host:port``, spelled as in the pools' ``--shard``
-    list (the owner of a prefix is a rendezvous hash over these strings)."""
+    """The ``sources`` entry: pool nodes' ``host:port``, as in the pools' ``--shard`` list (the
+    owner of a prefix is a rendezvous hash over their canonical forms: an address in any
+    spelling is one pool)."""
     if value is None:
         return []
     if isinstance(value, str):

@@ -87,7 +87,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// give way (a limit of zero).
     pub(super) fn make_room_for(&mut self, peer: &PeerId) -> Option<Refusal> {
         let host = host_of(peer);
-        let own = self.index.on_host(host);
+        let own = self.index.on_host(&host);
         // Whose sessions may give way: the newcomer's own host's when it holds its share, else
         // those of the hosts holding the most.
         let own_host_full = own >= self.config.max_peers_per_host;
@@ -107,7 +107,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let victim = self
             .sessions
             .values()
-            .filter(|s| gives_way(host_of(s.peer())))
+            .filter(|s| gives_way(&host_of(s.peer())))
             .min_by_key(|s| (s.has_pending_work(), s.link.last_activity))
             .map(|s| s.peer().clone());
         let Some(victim) = victim else {

@@ -12,7 +12,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::Instant;
 
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{PeerAddr, PeerId};
 
 use crate::maps::{Map, Set};
 use crate::session::Session;
@@ -46,9 +46,18 @@ pub(super) struct SessionIndex {
     hosts: Map<String, usize>,
 }
 
-/// The host part of a peer's identity (the whole id when it is not `host:port`).
-pub(super) fn host_of(peer: &PeerId) -> &str {
-    peer.host_port().map_or(peer.as_str(), |(host, _)| host)
+/// The host a peer's identity names, canonical ([`PeerAddr`]): one host however it is
+/// spelled (`[::ffff:10.0.0.5]:1`, `167772165:2` and `10.0.0.5:3` are the host `10.0.0.5`), so
+/// a peer cannot multiply its host's share by respelling it. An identity that is no address
+/// keys by its host part as written (the whole id when it is not `host:port`).
+pub(super) fn host_of(peer: &PeerId) -> String {
+    match PeerAddr::of(peer) {
+        Ok(addr) => addr.host().to_string(),
+        Err(_) => peer
+            .host_port()
+            .map_or(peer.as_str(), |(host, _)| host)
+            .to_owned(),
+    }
 }
 
 fn set_member(set: &mut Set<PeerId>, peer: &PeerId, member: bool) {
@@ -64,7 +73,7 @@ fn set_member(set: &mut Set<PeerId>, peer: &PeerId, member: bool) {
 impl SessionIndex {
     /// A session was opened for `peer`.
     pub(super) fn opened(&mut self, peer: &PeerId, session: &Session) {
-        *self.hosts.entry(host_of(peer).to_owned()).or_default() += 1;
+        *self.hosts.entry(host_of(peer)).or_default() += 1;
         self.refresh(peer, session);
     }
 
@@ -97,10 +106,10 @@ impl SessionIndex {
         if let Some(t) = self.tracked.remove(peer) {
             self.pins = self.pins.saturating_sub(t.pins);
             let host = host_of(peer);
-            if let Some(n) = self.hosts.get_mut(host) {
+            if let Some(n) = self.hosts.get_mut(&host) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
-                    self.hosts.remove(host);
+                    self.hosts.remove(&host);
                 }
             }
         }

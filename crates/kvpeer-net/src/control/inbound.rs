@@ -189,6 +189,19 @@ impl Inbound {
             .close(conn, LinkLoss::ClosedHere, &mut ignored);
     }
 
+    /// Tells `identity` (the node's) in the READY of every connection accepted from now on, so
+    /// a kvpeer dialer that named this node otherwise learns why no session follows.
+    pub(crate) fn announce(&mut self, identity: &PeerId) {
+        self.listener.announce(identity.as_str().as_bytes());
+    }
+
+    /// Closes connection `conn` after telling the peer `reason` (a ZMTP ERROR; no event).
+    pub fn refuse(&mut self, conn: ConnId, reason: &str) {
+        self.identities.remove(&conn);
+        let mut ignored = Vec::new();
+        self.listener.refuse(conn, reason, &mut ignored);
+    }
+
     /// Handling one message of connection `conn` cost the node `cost`: each connection is given
     /// about `round_quantum` of the node's time per round, so a peer whose messages are
     /// expensive or many delays the others by about that much per round.

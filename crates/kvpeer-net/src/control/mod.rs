@@ -308,7 +308,32 @@ impl ControlChannel {
         Ok(Self::new(poller, inbound, identity, config))
     }
 
-    fn new(poller: Poller, inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+    /// Listens at `at` (a wildcard address, or another than the identity's) as `identity`,
+    /// the address peers dial; an identity with port 0 (`host:0`) takes the port bound.
+    pub fn bind_at(
+        at: std::net::SocketAddr,
+        identity: &PeerId,
+        config: ControlConfig,
+    ) -> Result<Self, ControlError> {
+        let (poller, inbound) = listen(&at.to_string(), &config)?;
+        let identity = match identity.as_str().strip_suffix(":0") {
+            Some(host) => {
+                let port = inbound.port().map_err(|source| ControlError::Bind {
+                    addr: at.to_string(),
+                    source,
+                })?;
+                PeerId::from_host_port(host, port)
+            }
+            None => identity.clone(),
+        };
+        identity
+            .host_port()
+            .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
+        Ok(Self::new(poller, inbound, identity, config))
+    }
+
+    fn new(poller: Poller, mut inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+        inbound.announce(&identity);
         ControlChannel {
             poller,
             inbound,
@@ -329,6 +354,12 @@ impl ControlChannel {
     /// Closes inbound connection `conn` (a connection the node will not hear).
     pub fn close_inbound(&mut self, conn: ConnId) {
         self.inbound.close(conn);
+    }
+
+    /// Closes inbound connection `conn` after telling the peer why (a ZMTP ERROR carrying
+    /// `reason`, which a kvpeer dialer reports as [`LinkLoss::RefusedByPeer`]).
+    pub fn refuse_inbound(&mut self, conn: ConnId, reason: &str) {
+        self.inbound.refuse(conn, reason);
     }
 
     /// How long unsent bytes may linger after a connection is closed (`ControlConfig::linger`).

@@ -5,9 +5,12 @@
 //! speaks the control DEALER's role. The observable behaviour is libzmq's DEALER with the socket monitor the channel used to
 //! keep, because the core and every test rely on it:
 //!
-//! * [`Outbound::dial`] never blocks: an IP address is connected to at once (non-blocking
-//!   `connect`), a host name is resolved on a short-lived helper thread whose pipe wakes the
-//!   poll. Messages queue from the start and leave once the handshake is done.
+//! * [`Outbound::dial`] never blocks: an address (in any spelling: the identity is read as a
+//!   [`PeerAddr`]) is connected to at once (non-blocking `connect`), a host name is resolved
+//!   on a short-lived helper thread whose pipe wakes the poll, and what it resolves to is
+//!   judged as an address (never one no peer can have).
+//!   `0.0.0.0` and `::` (which `connect(2)` reads as this host) are never dialed. Messages
+//!   queue from the start and leave once the handshake is done.
 //! * A connect that fails (refused, unreachable, reset) is a lost connection: libzmq's monitor
 //!   reported it as `CLOSED`, which the channel took as lost, and the core answers its
 //!   lookups MISS at once instead of waiting for a deadline. When no socket can be made at all
@@ -36,7 +39,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::LinkLoss;
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{is_peer_ip, Host, PeerAddr, PeerId};
 use tracing::{debug, warn};
 
 use crate::io::poller::{Poller, Ready, Token};
@@ -74,7 +77,7 @@ enum Link {
     /// A host name resolving on a helper thread; `done` (a pipe's read end, registered in the
     /// poll) turns readable when the thread ends.
     Resolving {
-        result: mpsc::Receiver<Result<SocketAddr, LinkLoss>>,
+        result: mpsc::Receiver<Result<Vec<SocketAddr>, LinkLoss>>,
         done: File,
     },
     /// No socket could be made: try again at `until`.
@@ -119,39 +122,21 @@ impl std::fmt::Debug for Outbound {
     }
 }
 
-/// `host` as an IP address, IPv6 brackets removed; `None` for a host name.
-fn ip_literal(host: &str) -> Option<IpAddr> {
-    host.strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host)
-        .parse()
-        .ok()
-}
-
 /// Resolves `host` on a helper thread (libzmq's resolution blocked the caller of
-/// `zmq_connect`); the first IPv4 address is taken, else the first, as libzmq does.
+/// `zmq_connect`); every address comes back, and [`pick`] chooses among them.
 fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
     let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     let (tx, result) = mpsc::channel();
     let host = host.to_owned();
-    let unresolved = |host: &str, detail: String| LinkLoss::Unresolved {
-        host: host.into(),
-        detail: detail.into(),
-    };
     std::thread::Builder::new()
         .name("kvpeer-resolve".into())
         .spawn(move || {
             let found = (host.as_str(), port)
                 .to_socket_addrs()
-                .map_err(|e| unresolved(&host, e.to_string()))
-                .and_then(|addrs| {
-                    let addrs: Vec<SocketAddr> = addrs.collect();
-                    addrs
-                        .iter()
-                        .find(|a| a.is_ipv4())
-                        .or(addrs.first())
-                        .copied()
-                        .ok_or_else(|| unresolved(&host, "no address".into()))
+                .map(Iterator::collect)
+                .map_err(|e| LinkLoss::Unresolved {
+                    host: host.as_str().into(),
+                    detail: e.to_string().into(),
                 });
             let _ = tx.send(found);
             // The read end turns readable (end of file) and wakes the poll.
@@ -163,18 +148,69 @@ fn resolve(host: &str, port: u16) -> std::io::Result<Link> {
     })
 }
 
+/// The address a resolved name is dialed at: the first IPv4 one, else the first (as libzmq
+/// did), among those a peer can have ([`is_peer_ip`]: never `0.0.0.0`, which `connect(2)`
+/// reads as this host); else why none. (Which names may be dialed at all is the node's
+/// allowlist's, judged before the dial.)
+fn pick(peer: &PeerId, found: &[SocketAddr]) -> Result<SocketAddr, LinkLoss> {
+    if found.is_empty() {
+        return Err(LinkLoss::Unresolved {
+            host: peer.as_str().into(),
+            detail: "no address".into(),
+        });
+    }
+    let mut refused = Vec::new();
+    let ok: Vec<SocketAddr> = found
+        .iter()
+        .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()))
+        .filter(|a| {
+            let ok = is_peer_ip(a.ip());
+            if !ok {
+                refused.push(format!("{} (no peer's address)", a.ip()));
+            }
+            ok
+        })
+        .collect();
+    ok.iter()
+        .find(|a| a.is_ipv4())
+        .or(ok.first())
+        .copied()
+        .ok_or_else(|| LinkLoss::NotDialable {
+            peer: peer.as_str().into(),
+            why: format!("it resolves to {}", refused.join(", ")).into(),
+        })
+}
+
+/// Why `ip`, the address `peer` names, is not dialed.
+fn not_dialable(peer: &PeerId, ip: IpAddr) -> LinkLoss {
+    LinkLoss::NotDialable {
+        peer: peer.as_str().into(),
+        why: format!("{ip} is no peer's address").into(),
+    }
+}
+
 impl Conn {
     /// Starts (or restarts) reaching the peer at `now`.
     fn start(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
         let Some(addr) = self.addr else {
-            let (host, port) = match self.peer.host_port() {
-                Ok(hp) => hp,
+            // `dial` set `addr` for an address; what is left is a host name (or no address).
+            let (host, port) = match PeerAddr::of(&self.peer) {
+                Ok(addr) => match addr.host() {
+                    Host::Name(name) => (name.to_string(), addr.port()),
+                    Host::Ip(ip) => {
+                        self.link = Link::Failed(not_dialable(&self.peer, *ip));
+                        return;
+                    }
+                },
                 Err(e) => {
-                    self.link = Link::Failed(LinkLoss::DialFailed(e.into()));
+                    self.link = Link::Failed(LinkLoss::NotDialable {
+                        peer: self.peer.as_str().into(),
+                        why: e.to_string().into(),
+                    });
                     return;
                 }
             };
-            self.link = match resolve(host, port) {
+            self.link = match resolve(&host, port) {
                 Ok(link @ Link::Resolving { .. }) => {
                     if let Link::Resolving { done, .. } = &link {
                         if let Err(e) = poller.add_input(done.as_fd(), token + RESOLVER) {
@@ -230,10 +266,14 @@ impl Conn {
     fn progress(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
         match &mut self.link {
             Link::Resolving { result, .. } => match result.try_recv() {
-                Ok(Ok(addr)) => {
-                    self.addr = Some(addr);
-                    self.start(poller, token, now, retry);
-                }
+                Ok(Ok(found)) => match pick(&self.peer, &found) {
+                    Ok(addr) => {
+                        debug!(peer = %self.peer, %addr, "host name resolved");
+                        self.addr = Some(addr);
+                        self.start(poller, token, now, retry);
+                    }
+                    Err(reason) => return self.fail(reason),
+                },
                 Ok(Err(reason)) => return self.fail(reason),
                 Err(mpsc::TryRecvError::Empty) => return,
                 Err(mpsc::TryRecvError::Disconnected) => {
@@ -251,6 +291,18 @@ impl Conn {
                 Ok(ready) => {
                     if ready {
                         debug!(peer = %self.peer, "control connection ready");
+                        // A kvpeer node tells its identity: answering as another than the one
+                        // we named, it can give us no session (its messages come as that one).
+                        let announced = self.dialer.connection().peer_announced();
+                        if let Some(theirs) =
+                            announced.filter(|a| *a != self.peer.as_str().as_bytes())
+                        {
+                            let calls_itself = String::from_utf8_lossy(theirs);
+                            self.fail(LinkLoss::IdentityMismatch {
+                                dialed: self.peer.as_str().into(),
+                                calls_itself: calls_itself.as_ref().into(),
+                            });
+                        }
                     }
                 }
                 Err(reason) => self.fail(reason),
@@ -342,10 +394,12 @@ impl Outbound {
         if let Some(id) = self.by_peer.get(peer) {
             return *id;
         }
-        let addr = peer
-            .host_port()
+        // Read once as an address, whatever its spelling: `0:P` or `2130706433:P` is
+        // connected to as the address it is (or refused), never handed to a resolver.
+        let addr = PeerAddr::of(peer)
             .ok()
-            .and_then(|(host, port)| Some(SocketAddr::new(ip_literal(host)?, port)));
+            .and_then(|a| a.socket_addr())
+            .filter(|a| is_peer_ip(a.ip()));
         let conn = Connection::new(
             Role::control_dealer(&self.identity),
             self.config.conn.clone(),

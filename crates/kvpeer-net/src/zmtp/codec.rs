@@ -33,6 +33,11 @@ pub const GREETING_LEN: usize = 64;
 /// metadata and otherwise ignore them.
 pub const CHALLENGE_PROPERTY: &str = "X-Kvpeer-Challenge";
 
+/// The READY property in which kvpeer's control ROUTER tells its identity (the `host:port` it
+/// answers as), so a dialer that named it otherwise (`localhost:5600` for `127.0.0.1:5600`)
+/// learns why no session can follow. Other ROUTERs send none; other DEALERs ignore it.
+pub const IDENTITY_PROPERTY: &str = "X-Kvpeer-Identity";
+
 /// Bytes of a challenge.
 pub const CHALLENGE_LEN: usize = 16;
 
@@ -87,6 +92,8 @@ pub enum Input {
         identity: Vec<u8>,
         /// Its [`CHALLENGE_PROPERTY`] (a kvpeer ROUTER's per-connection challenge), if any.
         challenge: Option<Vec<u8>>,
+        /// Its [`IDENTITY_PROPERTY`] (a kvpeer ROUTER's own identity), if any.
+        announced: Option<Vec<u8>>,
     },
     /// A whole message: its frames in order.
     Message(Vec<Vec<u8>>),
@@ -104,6 +111,10 @@ pub enum Input {
         /// The context to echo.
         context: Vec<u8>,
     },
+    /// An ERROR command: the peer refuses this connection, saying why (ZMTP 3.1; kvpeer's
+    /// ROUTER sends one before it closes a connection whose claimed identity its source
+    /// cannot back).
+    Error(String),
     /// A SUB's SUBSCRIBE command (ZMTP 3.1): messages whose first frame starts with this
     /// prefix are wanted. (A ZMTP 3.0 SUB sends the message `0x01 · prefix` instead.)
     Subscribe(Vec<u8>),
@@ -391,6 +402,7 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
             let mut socket_type = Vec::new();
             let mut identity = Vec::new();
             let mut challenge = None;
+            let mut announced = None;
             let mut p = data;
             while let Some((&n, after)) = p.split_first() {
                 let key = after
@@ -410,6 +422,8 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                     identity = value.to_vec();
                 } else if key.eq_ignore_ascii_case(CHALLENGE_PROPERTY.as_bytes()) {
                     challenge = Some(value.to_vec());
+                } else if key.eq_ignore_ascii_case(IDENTITY_PROPERTY.as_bytes()) {
+                    announced = Some(value.to_vec());
                 }
                 p = &after[4 + vlen..];
             }
@@ -417,6 +431,7 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                 socket_type,
                 identity,
                 challenge,
+                announced,
             })
         }
         b"PING" => {
@@ -429,6 +444,13 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
                 ttl_deciseconds: ttl,
                 context: context[..context.len().min(16)].to_vec(),
             })
+        }
+        b"ERROR" => {
+            let reason = data
+                .split_first()
+                .and_then(|(&n, rest)| rest.get(..usize::from(n)))
+                .unwrap_or_default();
+            Ok(Input::Error(String::from_utf8_lossy(reason).into_owned()))
         }
         b"SUBSCRIBE" => Ok(Input::Subscribe(data.to_vec())),
         b"CANCEL" => Ok(Input::Cancel(data.to_vec())),
@@ -480,6 +502,19 @@ pub fn ready_with(properties: &[(&str, &[u8])]) -> Vec<u8> {
         data.extend_from_slice(value);
     }
     command_frame(b"READY", &data)
+}
+
+/// ERROR with `reason` (at most 255 bytes, cut at a character boundary): ZMTP 3.1's way of
+/// telling a peer why its connection is refused.
+pub fn error(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(255);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut data = Vec::with_capacity(end + 1);
+    data.push(end as u8);
+    data.extend_from_slice(&reason.as_bytes()[..end]);
+    command_frame(b"ERROR", &data)
 }
 
 /// PING with a TTL (deciseconds) and no context.
@@ -596,6 +631,7 @@ mod tests {
                     socket_type: b"DEALER".to_vec(),
                     identity: b"127.0.0.1:5600".to_vec(),
                     challenge: None,
+                    announced: None,
                 },
                 Input::Ping {
                     ttl_deciseconds: 100,
@@ -606,6 +642,25 @@ mod tests {
             ]
         );
         assert!(d.is_ready());
+    }
+
+    #[test]
+    fn an_error_command_carries_its_reason_cut_at_255_bytes() {
+        let mut d = Decoder::new(1 << 20);
+        d.push(&greeting());
+        d.push(&ready_with_identity(b"x:1"));
+        d.push(&error(
+            "identity 10.0.0.5:1 claimed from another address (10.0.0.6)",
+        ));
+        let long = "é".repeat(200);
+        d.push(&error(&long));
+        let got = all(&mut d).unwrap();
+        assert_eq!(
+            got[2],
+            Input::Error("identity 10.0.0.5:1 claimed from another address (10.0.0.6)".into())
+        );
+        // 400 bytes of two-byte characters: 127 of them (254 bytes), never half of one.
+        assert_eq!(got[3], Input::Error("é".repeat(127)));
     }
 
     #[test]

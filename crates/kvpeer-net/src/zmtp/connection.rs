@@ -61,6 +61,9 @@ pub struct Role {
     /// ROUTER's, fresh per connection (the listener draws it), so a kvpeer peer's proofs are
     /// made for this connection.
     pub challenge: Option<[u8; zmtp::CHALLENGE_LEN]>,
+    /// The identity our READY tells ([`zmtp::IDENTITY_PROPERTY`]): the control ROUTER's own
+    /// `host:port`, so a dialer that named it otherwise learns why.
+    pub announce: Option<Vec<u8>>,
 }
 
 impl Role {
@@ -78,6 +81,7 @@ impl Role {
             peers: &["ROUTER"],
             keep: false,
             challenge: None,
+            announce: None,
         }
     }
 
@@ -90,6 +94,7 @@ impl Role {
             peers: &["ROUTER"],
             keep: true,
             challenge: None,
+            announce: None,
         }
     }
 
@@ -101,6 +106,7 @@ impl Role {
             peers: &["PUB", "XPUB"],
             keep: true,
             challenge: None,
+            announce: None,
         }
     }
 
@@ -112,6 +118,7 @@ impl Role {
             peers: &["SUB", "XSUB"],
             keep: true,
             challenge: None,
+            announce: None,
         }
     }
 
@@ -125,6 +132,7 @@ impl Role {
             peers: &["DEALER", "REQ", "ROUTER"],
             keep: true,
             challenge: None,
+            announce: None,
         }
     }
 
@@ -137,6 +145,7 @@ impl Role {
             peers: &["DEALER", "REQ", "ROUTER"],
             keep: true,
             challenge: None,
+            announce: None,
         }
     }
 }
@@ -191,6 +200,9 @@ pub enum ConnError {
     /// The peer fell silent past the TTL its own PING announced.
     #[error("the peer fell silent past its heartbeat TTL of {0:?}")]
     TtlExpired(Duration),
+    /// The peer refused the connection with a ZMTP ERROR, saying why.
+    #[error("the peer refused this connection: {0}")]
+    Refused(String),
     /// The peer sent a socket that reads nothing more than heartbeats.
     #[error(
         "the peer sent more than {burst} messages or commands (one per started 64 KiB) at \
@@ -280,6 +292,8 @@ pub struct Connection {
     paused: bool,
     /// The `Identity` the peer's READY gave.
     peer_identity: Option<Vec<u8>>,
+    /// The identity a kvpeer ROUTER's READY told ([`zmtp::IDENTITY_PROPERTY`]).
+    peer_announced: Option<Vec<u8>>,
 }
 
 impl Connection {
@@ -293,6 +307,9 @@ impl Connection {
         }
         if let Some(challenge) = &role.challenge {
             properties.push((zmtp::CHALLENGE_PROPERTY, challenge));
+        }
+        if let Some(identity) = &role.announce {
+            properties.push((zmtp::IDENTITY_PROPERTY, identity));
         }
         out.extend(zmtp::ready_with(&properties));
         let decoder = if role.keep {
@@ -312,6 +329,7 @@ impl Connection {
             handshake_deadline: None,
             ready: false,
             peer_challenge: None,
+            peer_announced: None,
             next_ping: None,
             ping_deadline: None,
             heard: None,
@@ -339,6 +357,11 @@ impl Connection {
     /// Whether the peer's READY arrived and was accepted.
     pub fn is_ready(&self) -> bool {
         self.ready
+    }
+
+    /// The identity a kvpeer ROUTER's READY told (`None` before it, or from another ROUTER).
+    pub fn peer_announced(&self) -> Option<&[u8]> {
+        self.peer_announced.as_deref()
     }
 
     /// The challenge the peer gave in its READY (`None` before it, or when it gave none).
@@ -423,6 +446,12 @@ impl Connection {
         &self.out[self.at.min(end)..end]
     }
 
+    /// Queues a ZMTP ERROR saying `reason`, after what is queued: the last thing a connection
+    /// refused by its owner sends ([`zmtp::error`]).
+    pub fn queue_error(&mut self, reason: &str) {
+        self.out.extend(zmtp::error(reason));
+    }
+
     /// `n` bytes of [`Connection::transmit`] were written.
     pub fn advance(&mut self, n: usize) {
         let n = n.min(self.transmit().len());
@@ -484,6 +513,7 @@ impl Connection {
                     socket_type,
                     identity,
                     challenge,
+                    announced,
                 } => {
                     if !self.role.peers.iter().any(|p| p.as_bytes() == socket_type) {
                         return Err(ConnError::PeerType {
@@ -494,6 +524,7 @@ impl Connection {
                     }
                     self.ready = true;
                     self.peer_challenge = challenge;
+                    self.peer_announced = announced;
                     self.peer_identity = Some(identity);
                     self.gate = None;
                     if !self.limits.heartbeat_interval.is_zero() {
@@ -518,6 +549,7 @@ impl Connection {
                     self.skipped(now, bytes)?;
                 }
                 Input::Message(frames) => self.incoming.push_back(Incoming::Message(frames)),
+                Input::Error(reason) => return Err(ConnError::Refused(reason)),
                 // Subscriptions mean something only to a publisher; elsewhere (a ROUTER) they
                 // are skipped like unknown commands, and cannot pass for a peer at work.
                 Input::Subscribe(prefix) if self.role.keep && self.role.publishes() => {
@@ -686,6 +718,7 @@ mod tests {
                     socket_type: b"SUB".to_vec(),
                     identity: Vec::new(),
                     challenge: None,
+                    announced: None,
                 }
             ],
             "the subscription waits for the PUB's READY"
@@ -807,6 +840,7 @@ mod tests {
                 socket_type: b"DEALER".to_vec(),
                 identity: Vec::new(),
                 challenge: None,
+                announced: None,
             }
         );
         assert_eq!(
@@ -1069,6 +1103,7 @@ mod tests {
                         socket_type: b"DEALER".to_vec(),
                         identity: b"127.0.0.1:5600".to_vec(),
                         challenge: None,
+                        announced: None,
                     }
                 ]
             );

@@ -91,6 +91,7 @@ pub(crate) fn loss_of(e: ConnError) -> LinkLoss {
         | ConnError::PeerType { .. }) => LinkLoss::NotZmtp(Cause::new(e)),
         ConnError::Zmtp(e) => LinkLoss::Zmtp(Cause::new(e)),
         e @ ConnError::Unread { .. } => LinkLoss::Zmtp(Cause::new(e)),
+        ConnError::Refused(reason) => LinkLoss::RefusedByPeer(reason.into()),
     }
 }
 

@@ -486,6 +486,22 @@ impl Listener {
         }
     }
 
+    /// Tells `identity` in the READY of every connection accepted from now on
+    /// ([`crate::zmtp::IDENTITY_PROPERTY`]).
+    pub(crate) fn announce(&mut self, identity: &[u8]) {
+        self.role.announce = Some(identity.to_vec());
+    }
+
+    /// Closes connection `id` after telling the peer why (a ZMTP ERROR written now, best
+    /// effort: a few bytes a fresh socket buffer always takes), reporting it in `out`.
+    pub(crate) fn refuse(&mut self, id: ConnId, reason: &str, out: &mut Vec<(ConnId, LinkEvent)>) {
+        if let Some(p) = self.peers.get_mut(&id) {
+            p.conn.queue_error(reason);
+            let _ = sockio::write_available(&mut p.stream, &mut p.conn);
+        }
+        self.close(id, LinkLoss::ClosedHere, out);
+    }
+
     /// Closes connection `id`, reporting it in `out`.
     pub(crate) fn close(
         &mut self,

@@ -3,7 +3,8 @@
 //!
 //! Contract. A fleet's pool nodes split the prefixes among themselves by rendezvous hashing of
 //! each prefix's root chunk (`kvpeer_pool::shard`, the pools' `--shard` list). A consumer that
-//! lists the same pool nodes, in any order and spelled as in that list, finds the pool that
+//! lists the same pool nodes, in any order and in any spelling of their addresses (each is hashed
+//! in its canonical form, `kvpeer_pool::shard::canonical`), finds the pool that
 //! owns a prefix with no coordinator and no extra round trip. A request asks in stages
 //! ([`Sources::stages`]): the router's hint first, if there is one; then, for the keys the hint
 //! does not hold, the pool that owns the prefix, or every pool at once when the request's root
@@ -26,8 +27,8 @@ use kvpeer_proto::{OffloadKey, PeerId};
 
 use super::{Node, NodeError};
 
-/// The pool nodes (and peers) a consumer asks: the same list, the same spelling, as the pools'
-/// `--shard`.
+/// The pool nodes (and peers) a consumer asks: the same list as the pools' `--shard` (an
+/// address in any spelling is the same member).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Sources {
     pools: Vec<PeerId>,
@@ -65,7 +66,12 @@ impl Sources {
             Some(owner) => vec![owner.clone()],
             None => self.pools.clone(),
         };
-        let pools: Vec<PeerId> = pools.into_iter().filter(|p| Some(p) != hint).collect();
+        // The hint is not asked twice, however either spells the pool's address.
+        let hinted = hint.map(|h| kvpeer_pool::shard::canonical(h.as_str()));
+        let pools: Vec<PeerId> = pools
+            .into_iter()
+            .filter(|p| Some(kvpeer_pool::shard::canonical(p.as_str())) != hinted)
+            .collect();
         if !pools.is_empty() {
             stages.push(pools);
         }

@@ -103,6 +103,8 @@ declare_keys! {
     listen_host = "127.0.0.1", env "VLLM_P2P_SIDE_CHANNEL_HOST";
     /// control-channel port; 0 picks a free one
     listen_port = "0", env "VLLM_P2P_SIDE_CHANNEL_PORT";
+    /// HOST or HOST:PORT peers reach this node at (its identity) when that is not the listen address: behind NAT, or to choose among a wildcard listen's addresses (unset: listen_host; for 0.0.0.0 or :: the host's address on its default route, else its first up non-loopback interface)
+    advertise;
     /// blocks in the pool
     num_blocks = "1024";
     /// bytes per block; peers must agree

@@ -18,6 +18,7 @@
 
 mod builder;
 mod fingerprint;
+mod identity;
 pub mod keys;
 mod node_config;
 pub(crate) mod pool_node;
@@ -146,7 +147,6 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         return Err(bad(source, key, "unknown key".into()));
     }
     let s = Values(set);
-    let host = s.text(&KEY.listen_host);
     let port: u64 = s.number(&KEY.listen_port, 0, u64::from(u16::MAX))?;
     let secs = |key: &Key, min: u64| -> Result<Duration, ConfigError> {
         s.number(key, min, 86_400 * 365).map(Duration::from_secs)
@@ -240,19 +240,20 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         None => None,
         Some(_) => Some(s.rate(&KEY.tcp_max_rate)?),
     };
-    let id = PeerId::new(format!("{host}:{port}"));
-    if port != 0 && id.host_port().is_err() {
-        let src = s.get(&KEY.listen_host).map_or("default", |(_, src)| src);
-        return Err(bad(src, "listen_host", format!("{host:?} is not a host")));
-    }
+    let identity::Identity {
+        id,
+        listen,
+        tcp_listen,
+    } = identity::identity(&s, port as u16)?;
     Ok(NodeConfig {
         spec: NodeSpec {
             id,
+            listen,
             plane,
             num_blocks: s.number(&KEY.num_blocks, 1, u64::from(u32::MAX) - 1)?,
             block_len: s.number(&KEY.block_len, 1, 1 << 30)?,
             shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
-            tcp_listen: format!("{host}:0"),
+            tcp_listen,
             tcp_max_write_rate,
             tcp_min_write_rate: s.rate(&KEY.tcp_min_rate)?,
             tcp_max_connections: match s.get(&KEY.tcp_max_connections) {
@@ -344,7 +345,11 @@ fn pool(s: &Values<'_>) -> Result<PoolConfig, ConfigError> {
                             format!("{m:?} is not HOST:PORT"),
                         ));
                     }
-                    if members.contains(&id) {
+                    let same = |o: &PeerId| {
+                        kvpeer_pool::shard::canonical(o.as_str())
+                            == kvpeer_pool::shard::canonical(id.as_str())
+                    };
+                    if members.iter().any(same) {
                         return Err(bad(
                             src,
                             KEY.pool_shard.name,

@@ -1,9 +1,14 @@
 //! The peer allowlist: which peers a node talks to at all.
 //!
-//! A peer is its identity `host:port`. Rules: an IP network in CIDR form (`10.0.0.0/8`,
+//! A peer is its identity `host:port`, read as a [`PeerAddr`] (so `167772165:5600`,
+//! `[::ffff:10.0.0.5]:5600` and `10.0.0.5:5600` are one peer, and a rule written in any of
+//! those spellings matches all of them). Rules: an IP network in CIDR form (`10.0.0.0/8`,
 //! `fd00::/8`), an address or host name (any port: `10.0.0.5`, `node-a`), or an exact
-//! `host:port` (`10.0.0.5:5600`, `[fd00::1]:5600`). Host names are compared as text, never
-//! resolved. An empty list allows every peer (vLLM's behaviour).
+//! `host:port` (`10.0.0.5:5600`, `[fd00::1]:5600`). A rule naming a host by name matches that
+//! name; [`Allowlist::resolve_names`] (called once, where a node is built, never on its event
+//! loop) adds the addresses the name resolves to then, so the rule also judges addresses: a
+//! kvpeer peer's identity and every source address. An empty list allows every peer (vLLM's
+//! behaviour).
 //!
 //! Checked by the node's I/O loop before it dials a peer (a request naming a peer, or a reply
 //! to an inbound `connect`) and before it hands an inbound payload to the core: a refused peer is
@@ -13,7 +18,7 @@
 
 use std::net::IpAddr;
 
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{Host, PeerAddr, PeerId};
 
 /// A rule that does not parse: which one, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,6 +49,9 @@ pub enum RuleProblem {
     /// `:port` with no host.
     #[error("empty host")]
     EmptyHost,
+    /// A host that is neither an address nor a host name (`256.1.1.1`, `a b`).
+    #[error("not an IP address or a host name")]
+    BadHost,
 }
 
 /// Why a peer is not allowed.
@@ -62,8 +70,8 @@ pub enum NotAllowed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Rule {
     Network { addr: IpAddr, prefix: u8 },
-    Host(String),
-    HostPort(String, u16),
+    Host(Host),
+    HostPort(Host, u16),
 }
 
 /// The rules; empty allows everyone.
@@ -87,20 +95,52 @@ impl Allowlist {
         self.rules.is_empty()
     }
 
+    /// Adds, for every rule naming a host by name, the addresses `resolve` gives for that name
+    /// (the rule keeps matching the name too). Called once where the node is built: the event
+    /// loop never resolves. A name that resolves to nothing keeps only its name rule.
+    pub fn resolve_names(&mut self, mut resolve: impl FnMut(&str) -> Vec<IpAddr>) {
+        let mut added = Vec::new();
+        for rule in &self.rules {
+            let (name, port) = match rule {
+                Rule::Host(Host::Name(n)) => (n, None),
+                Rule::HostPort(Host::Name(n), p) => (n, Some(*p)),
+                _ => continue,
+            };
+            for ip in resolve(name) {
+                let host = Host::from(ip);
+                added.push(match port {
+                    None => Rule::Host(host),
+                    Some(p) => Rule::HostPort(host, p),
+                });
+            }
+        }
+        for rule in added {
+            if !self.rules.contains(&rule) {
+                self.rules.push(rule);
+            }
+        }
+    }
+
     /// `Ok` if `peer` may be talked to, else why not.
     pub fn check(&self, peer: &PeerId) -> Result<(), NotAllowed> {
         if self.rules.is_empty() {
             return Ok(());
         }
-        let (host, port) = peer
-            .host_port()
-            .map_err(|e| NotAllowed::NotHostPort(e.to_string()))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        let ip: Option<IpAddr> = host.parse().ok();
+        let addr = PeerAddr::of(peer).map_err(|e| NotAllowed::NotHostPort(e.to_string()))?;
+        self.check_addr(&addr)
+    }
+
+    /// `Ok` if the address `addr` may be talked to (a peer's, or a data address).
+    pub fn check_addr(&self, addr: &PeerAddr) -> Result<(), NotAllowed> {
+        if self.rules.is_empty() {
+            return Ok(());
+        }
         let allowed = self.rules.iter().any(|rule| match rule {
-            Rule::Network { addr, prefix } => ip.is_some_and(|ip| in_network(ip, *addr, *prefix)),
-            Rule::Host(h) => same_host(h, host, ip),
-            Rule::HostPort(h, p) => *p == port && same_host(h, host, ip),
+            Rule::Network { addr: net, prefix } => {
+                addr.ip().is_some_and(|ip| in_network(ip, *net, *prefix))
+            }
+            Rule::Host(h) => h == addr.host(),
+            Rule::HostPort(h, p) => *p == addr.port() && h == addr.host(),
         });
         if allowed {
             Ok(())
@@ -108,19 +148,15 @@ impl Allowlist {
             Err(NotAllowed::NotListed)
         }
     }
-}
 
-impl Allowlist {
     /// Whether a control connection from `source` may be heard: always with no list or a list
     /// of host names only (a name cannot judge an address); else `source` must match an
     /// address or network rule (a `host:port` rule with an IP host counts, any port).
     pub fn allows_source(&self, source: IpAddr) -> bool {
+        let source = source.to_canonical();
         let mut ip_rules = self.rules.iter().filter_map(|rule| match rule {
             Rule::Network { addr, prefix } => Some(in_network(source, *addr, *prefix)),
-            Rule::Host(h) | Rule::HostPort(h, _) => h
-                .parse::<IpAddr>()
-                .ok()
-                .map(|ip| ip.to_canonical() == source.to_canonical()),
+            Rule::Host(h) | Rule::HostPort(h, _) => h.ip().map(|ip| ip == source),
         });
         let Some(first) = ip_rules.next() else {
             return true;
@@ -131,10 +167,10 @@ impl Allowlist {
     /// Whether a rule names the host `host` by name (not by address).
     pub fn names_host(&self, host: &str) -> bool {
         self.rules.iter().any(|rule| match rule {
-            Rule::Host(h) | Rule::HostPort(h, _) => {
-                h.parse::<IpAddr>().is_err() && h.eq_ignore_ascii_case(host)
+            Rule::Host(Host::Name(h)) | Rule::HostPort(Host::Name(h), _) => {
+                h.eq_ignore_ascii_case(host)
             }
-            Rule::Network { .. } => false,
+            _ => false,
         })
     }
 }
@@ -148,7 +184,10 @@ fn parse_rule(rule: &str) -> Result<Rule, BadRule> {
         return Err(bad(RuleProblem::Empty));
     }
     if let Some((addr, prefix)) = rule.split_once('/') {
-        let addr: IpAddr = addr.parse().map_err(|_| bad(RuleProblem::NotANetwork))?;
+        let addr = match Host::parse(addr) {
+            Ok(Host::Ip(ip)) => ip,
+            _ => return Err(bad(RuleProblem::NotANetwork)),
+        };
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix: u8 = prefix
             .parse()
@@ -157,24 +196,24 @@ fn parse_rule(rule: &str) -> Result<Rule, BadRule> {
             .ok_or_else(|| bad(RuleProblem::BadPrefix))?;
         return Ok(Rule::Network { addr, prefix });
     }
-    if rule.parse::<IpAddr>().is_ok() {
-        return Ok(Rule::Host(rule.to_owned()));
+    // A host alone (an IPv6 address has colons but no port), else `host:port`.
+    if let Ok(host) = Host::parse(rule) {
+        return Ok(Rule::Host(host));
     }
-    if let Some((host, port)) = rule.rsplit_once(':') {
-        let port: u16 = port.parse().map_err(|_| bad(RuleProblem::BadPort))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(bad(RuleProblem::EmptyHost));
+    match rule.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') || host.starts_with('[') => {
+            if host.is_empty() {
+                return Err(bad(RuleProblem::EmptyHost));
+            }
+            let port: u16 = port
+                .parse()
+                .ok()
+                .filter(|p| *p != 0 && port.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| bad(RuleProblem::BadPort))?;
+            let host = Host::parse(host).map_err(|_| bad(RuleProblem::BadHost))?;
+            Ok(Rule::HostPort(host, port))
         }
-        return Ok(Rule::HostPort(host.to_owned(), port));
-    }
-    Ok(Rule::Host(rule.to_owned()))
-}
-
-fn same_host(rule: &str, host: &str, ip: Option<IpAddr>) -> bool {
-    match (rule.parse::<IpAddr>(), ip) {
-        (Ok(a), Some(b)) => a == b,
-        _ => rule.eq_ignore_ascii_case(host),
+        _ => Err(bad(RuleProblem::BadHost)),
     }
 }
 
@@ -227,6 +266,47 @@ mod tests {
     }
 
     #[test]
+    fn rules_and_peers_match_whatever_the_spelling() {
+        // One address written four ways, in the rule or in the peer.
+        for rule in ["10.0.0.5", "167772165", "0xa.0.0.5", "::ffff:10.0.0.5"] {
+            for peer in ["10.0.0.5:1", "167772165:1", "[::ffff:a00:5]:1", "10.5:1"] {
+                assert!(allows(&[rule], peer), "{rule} / {peer}");
+            }
+            assert!(!allows(&[rule], "10.0.0.6:1"), "{rule}");
+        }
+        assert!(allows(&["10.0.0.0/8"], "[::ffff:10.1.2.3]:1"));
+        assert!(allows(&["10.0.0.0/8"], "167772165:1"));
+        assert!(allows(&["localhost"], "127.0.0.1:9"));
+        assert!(allows(&["127.0.0.1:9"], "LocalHost:9"));
+        // A number that is no address names nothing (nor reaches DNS as a name).
+        assert!(!allows(&["0.0.0.0/0"], "256.1.1.1:1"));
+        let list = Allowlist::parse(&["10.0.0.5"]).unwrap_or_default();
+        assert!(list.allows_source("::ffff:10.0.0.5".parse().unwrap_or(IpAddr::from([0; 4]))));
+    }
+
+    #[test]
+    fn a_name_rule_judges_the_addresses_it_resolved_to_at_start() {
+        let mut list = Allowlist::parse(&["node-b", "node-c:5600"]).unwrap_or_default();
+        let ten = |last: u8| IpAddr::from([10, 0, 0, last]);
+        assert!(list.allows_source(ten(6)), "names only: sources unjudged");
+        assert!(list.check(&PeerId::new("10.0.0.6:5600")).is_err());
+        list.resolve_names(|name| match name {
+            "node-b" => vec![ten(6)],
+            "node-c" => vec![ten(7)],
+            _ => vec![],
+        });
+        assert!(list.check(&PeerId::new("10.0.0.6:1")).is_ok());
+        assert!(
+            list.check(&PeerId::new("node-b:1")).is_ok(),
+            "the name still matches"
+        );
+        assert!(list.check(&PeerId::new("10.0.0.7:5600")).is_ok());
+        assert!(list.check(&PeerId::new("10.0.0.7:5601")).is_err());
+        assert!(list.allows_source(ten(6)) && list.allows_source(ten(7)));
+        assert!(!list.allows_source(ten(8)));
+    }
+
+    #[test]
     fn bad_rules_are_named() {
         for (bad, problem) in [
             ("", RuleProblem::Empty),
@@ -235,6 +315,8 @@ mod tests {
             ("nope/8", RuleProblem::NotANetwork),
             ("host:port", RuleProblem::BadPort),
             (":5600", RuleProblem::EmptyHost),
+            ("256.1.1.1", RuleProblem::BadHost),
+            ("256.1.1.1:5600", RuleProblem::BadHost),
         ] {
             let e = Allowlist::parse(&["10.0.0.1", bad]).unwrap_err();
             assert_eq!(

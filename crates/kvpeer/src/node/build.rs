@@ -45,8 +45,12 @@ impl std::fmt::Debug for AuthSecret {
 /// What a node is.
 #[derive(Debug, Clone)]
 pub struct NodeSpec {
-    /// Identity and control address, `host:port`.
+    /// Identity, `host:port`: the address peers dial (`host:0` takes the port bound).
     pub id: PeerId,
+    /// Where the control and tcp listeners bind when it is not the identity's address (a
+    /// wildcard listen such as `0.0.0.0:5600`, advertised as `id`; port 0 picks one); `None`:
+    /// at `id`.
+    pub listen: Option<std::net::SocketAddr>,
     /// Its data plane.
     pub plane: PlaneKind,
     /// Blocks in the pool.
@@ -163,9 +167,10 @@ pub(crate) fn build_with<Q: Parent, T>(
     make_pool: impl FnOnce(&NodeSpec) -> Result<Pool, BuildError>,
     make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
 ) -> Result<(NodeIo<Q>, T), BuildError> {
-    let channel = match spec.id.as_str().strip_suffix(":0") {
-        Some(host) => ControlChannel::bind_any_port(host, spec.control.clone())?,
-        None => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
+    let channel = match (spec.listen, spec.id.as_str().strip_suffix(":0")) {
+        (Some(at), _) => ControlChannel::bind_at(at, &spec.id, spec.control.clone())?,
+        (None, Some(host)) => ControlChannel::bind_any_port(host, spec.control.clone())?,
+        (None, None) => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
     };
     let spec = NodeSpec {
         id: channel.identity().clone(),
@@ -194,7 +199,11 @@ pub(crate) fn build_with<Q: Parent, T>(
     );
     core.set_decode_limits(spec.limits);
     let mut io = NodeIo::new(core, channel, Some(pipe));
-    io.set_origin(spec.bind_identity, spec.allowlist.clone());
+    // A rule naming a host judges the addresses the name has now, resolved here, once (the
+    // node's loop never resolves): a kvpeer peer's identity is its address.
+    let mut allow = spec.allowlist.clone();
+    allow.resolve_names(super::resolve::resolve_host);
+    io.set_origin(spec.bind_identity, allow);
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(

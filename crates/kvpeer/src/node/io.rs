@@ -22,6 +22,7 @@
 //! a later instance of the peer at the same address.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
@@ -210,7 +211,14 @@ impl<P: Parent> NodeIo<P> {
     /// authentication on, prove the secret for this node; then it binds the peer's session to
     /// its connection. Anything else is heard only from the bound connection. What does not
     /// decode goes to the core as it came (it classifies and answers bad payloads).
-    fn inbound(&mut self, now: Instant, peer: &PeerId, conn: ConnId, payload: &[u8]) {
+    fn inbound(
+        &mut self,
+        now: Instant,
+        peer: &PeerId,
+        conn: ConnId,
+        source: IpAddr,
+        payload: &[u8],
+    ) {
         let message = match decode_with_limits(payload, &self.limits) {
             Ok(message) => message,
             Err(_) => {
@@ -230,7 +238,7 @@ impl<P: Parent> NodeIo<P> {
             return;
         };
         let challenge = self.channel.inbound_challenge(conn).map(<[u8]>::to_vec);
-        if let Err(reason) = self.check_connect(peer, challenge.as_deref(), c) {
+        if let Err(reason) = self.check_connect(peer, source, challenge.as_deref(), c) {
             self.refuse(now, peer, &reason, "connect");
             self.channel.close_inbound(conn);
             return;
@@ -320,6 +328,7 @@ impl<P: Parent> NodeIo<P> {
     fn check_connect(
         &mut self,
         peer: &PeerId,
+        source: IpAddr,
         challenge: Option<&[u8]>,
         c: &kvpeer_proto::Connect,
     ) -> Result<(), ConnectRefused> {
@@ -328,7 +337,7 @@ impl<P: Parent> NodeIo<P> {
             tcp: Some(addr), ..
         }) = AgentMetadata::decode(&c.agent_metadata)
         {
-            self.origin.check_data_addr(peer, &addr)?;
+            self.origin.check_data_addr(peer, source, &addr)?;
         }
         if let Some(auth) = self.auth.as_mut() {
             let us = self.channel.identity().clone();
@@ -365,15 +374,12 @@ impl<P: Parent> NodeIo<P> {
         warn_throttled!(self.throttle, now, "peer refused", %peer, %reason, what);
     }
 
-    /// `true` if a payload claiming `peer` from `source` may reach the protocol.
-    fn heard(&mut self, now: Instant, peer: &PeerId, source: std::net::IpAddr) -> bool {
-        match self.origin.check(peer, source) {
-            Ok(()) => true,
-            Err(reason) => {
-                self.refuse(now, peer, &reason, "inbound message");
-                false
-            }
-        }
+    /// `Ok` if a payload claiming `peer` from `source` may reach the protocol, else why not
+    /// (counted and logged).
+    fn heard(&mut self, now: Instant, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
+        self.origin.check(peer, source).inspect_err(|reason| {
+            self.refuse(now, peer, reason, "inbound message");
+        })
     }
 
     /// `true` if this node may open a connection to `peer` (or send it anything).
@@ -487,11 +493,15 @@ impl<P: Parent> NodeIo<P> {
                     // What handling it costs this thread is charged to its connection: the
                     // channel gives each connection about the same time per round.
                     let started = Instant::now();
-                    if self.heard(now, &peer, source) {
-                        self.inbound(now, &peer, conn, &payload)
-                    } else {
+                    match self.heard(now, &peer, source) {
+                        Ok(()) => self.inbound(now, &peer, conn, source, &payload),
                         // A claim its source cannot back: this connection is never heard.
-                        self.channel.close_inbound(conn);
+                        // The peer is told why when that is its own mistake (an identity it
+                        // cannot have from where it is), not what the allowlist holds.
+                        Err(reason) if reason.tells_peer() => {
+                            self.channel.refuse_inbound(conn, &reason.to_string())
+                        }
+                        Err(_) => self.channel.close_inbound(conn),
                     }
                     self.channel.charge_inbound(conn, started.elapsed());
                 }

@@ -11,12 +11,15 @@ pub mod allow;
 pub(crate) mod auth;
 pub mod build;
 pub mod descriptors;
+pub mod identity_probe;
 pub mod io;
 pub(crate) mod lookup_waits;
 pub(crate) mod origin;
 pub(crate) mod outcomes;
 pub mod peer_end;
 pub mod plane;
+pub mod resolve;
+pub mod routable;
 pub(crate) mod wake;
 
 pub use auth::AuthError;

@@ -7,6 +7,7 @@ use kvpeer_net::data::dual::DualPlane;
 use kvpeer_net::data::metadata::AgentMetadata;
 use kvpeer_net::data::shm::{ShmPlane, Wake};
 use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
+use kvpeer_proto::PeerAddr;
 use kvpeer_store::Pool;
 
 use super::build::{BuildError, NodeSpec};
@@ -159,10 +160,16 @@ fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetad
             max_connections: spec.tcp_max_connections,
             ..TcpLimits::default()
         });
+    // Peers reach the data listener at the identity's host (a wildcard-bound listener's own
+    // address, 0.0.0.0, is this host to whoever dials it, never this node).
+    let data = PeerAddr::of(&spec.id).map_or_else(
+        |_| plane.addr().to_string(),
+        |id| id.with_port(plane.addr().port()).to_string(),
+    );
     let meta = AgentMetadata {
         agent: spec.id.to_string(),
         shm: None,
-        tcp: Some(plane.addr().to_string()),
+        tcp: Some(data),
         ..Default::default()
     };
     Ok((plane, meta))

@@ -208,7 +208,13 @@ struct PullJob {
 impl PoolNode {
     /// Starts the pool thread and a puller per followed engine for `node`.
     pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<PoolNode, PoolNodeError> {
-        let shard = match config.shard.iter().position(|m| m == node.id()) {
+        // This node among the members, however the list spells its address.
+        let me = kvpeer_pool::shard::canonical(node.id().as_str());
+        let shard = match config
+            .shard
+            .iter()
+            .position(|m| kvpeer_pool::shard::canonical(m.as_str()) == me)
+        {
             _ if config.shard.is_empty() => None,
             Some(me) => Some(Shard {
                 members: config.shard.iter().map(|m| m.as_str().to_owned()).collect(),

@@ -30,6 +30,10 @@ pub enum TcpRefusal {
     /// Its key is not [`super::KEY_LEN`] bytes.
     #[error("the peer's tcp_key is not {} bytes", super::KEY_LEN)]
     KeyLen,
+    /// Its data address is one no peer can have (`0:P`, `0.0.0.0:P`, `[::]:P`: this host to
+    /// `connect(2)`), or not `host:port`.
+    #[error("the data address {0} is no peer's address")]
+    NotAPeerAddress(String),
     /// Its data address is a host name that does not resolve.
     #[error("cannot reach the data listener at {0}: it does not resolve")]
     Unresolved(String),

@@ -71,7 +71,7 @@ mod wire;
 pub use error::{TcpFault, TcpRefusal};
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -80,7 +80,7 @@ use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
     TransferId,
 };
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{is_peer_ip, PeerAddr, PeerId};
 use kvpeer_store::PoolWriter;
 use tracing::{debug, warn};
 
@@ -404,14 +404,20 @@ impl TcpPlane {
                 .max(1),
             grace: limits.transfer_timeout,
         };
-        let literal = addr.parse::<SocketAddr>().ok().or_else(|| {
-            let (host, port) = addr.rsplit_once(':')?;
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            Some(SocketAddr::new(
-                host.parse::<IpAddr>().ok()?,
-                port.parse().ok()?,
-            ))
-        });
+        // Read once as an address, whatever its spelling (the node checked this very value:
+        // `0:P` or `2130706433:P` is the address it is, never a name for a resolver), and
+        // never one no peer can have (`0.0.0.0` is this host to `connect(2)`).
+        let parsed = PeerAddr::parse(&addr);
+        if let Ok(a) = &parsed {
+            if !a.is_peer_address() {
+                lock(&self.registrations).insert(
+                    peer,
+                    Registration::Failed(PlaneError::transport(TcpRefusal::NotAPeerAddress(addr))),
+                );
+                return;
+            }
+        }
+        let literal = parsed.ok().and_then(|a| a.socket_addr());
         if let Some(socket) = literal {
             lock(&self.linked).insert(peer.clone(), num_blocks);
             self.sender.send(Cmd::Link {
@@ -434,7 +440,10 @@ impl TcpPlane {
         let spawned = std::thread::Builder::new()
             .name("kvpeer-tcp-resolve".into())
             .spawn(move || {
-                let found = addr.to_socket_addrs().ok().and_then(|mut a| a.next());
+                let found = addr
+                    .to_socket_addrs()
+                    .ok()
+                    .and_then(|mut a| a.find(|a| is_peer_ip(a.ip())));
                 let mut regs = lock(&registrations);
                 // Removed or registered again meanwhile: this one is moot.
                 if regs.get(&peer) != Some(&Registration::Pending) {

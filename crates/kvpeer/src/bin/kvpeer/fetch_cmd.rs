@@ -13,7 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvpeer::{synthetic, LookupResult, Node, NodeConfig, NodeError, PeerId};
+use kvpeer::node::identity_probe;
+use kvpeer::node::resolve::resolve_peer;
+use kvpeer::node::routable;
+use kvpeer::{synthetic, Host, LookupResult, Node, NodeConfig, NodeError, PeerAddr, PeerId};
 
 use crate::fetch_error::FetchError;
 use crate::fetch_workload::{
@@ -22,18 +25,52 @@ use crate::fetch_workload::{
 };
 
 /// Runs the command; returns the exit status.
-pub(crate) fn run(args: FetchArgs) -> u8 {
-    if PeerId::new(args.peer.clone()).host_port().is_err() {
-        crate::report::fatal!("fetch", "--peer must be HOST:PORT, got {:?}", args.peer);
-        return 2;
+pub(crate) fn run(mut args: FetchArgs) -> u8 {
+    // The peer's address, resolved here once (a name, `localhost`, any spelling), to find the
+    // route to it. The session is with the identity the node there answers as: a kvpeer node
+    // tells it in its READY (`localhost:5600` is the node that calls itself `127.0.0.1:5600`);
+    // a stock vLLM engine tells none, and is named as written (its identity may well be the
+    // text `localhost:5710`).
+    let peer = match resolve_peer(&args.peer) {
+        Ok(p) => p,
+        Err(e) => {
+            crate::report::fatal!("fetch", "--peer must be HOST:PORT: {e}");
+            return 2;
+        }
+    };
+    if let Some(at) = peer.socket_addr() {
+        let told = identity_probe::identity_at(at, Duration::from_secs(2));
+        if let Some(identity) = told.filter(|id| id.as_str() != args.peer) {
+            tracing::info!(peer = %args.peer, %identity, "the node there calls itself so");
+            args.peer = identity.as_str().to_owned();
+        }
     }
-    let config = match args.node.resolve("fetch", None) {
+    let mut config = match args.node.resolve("fetch", None) {
         Ok(c) => c,
         Err(e) => {
             crate::report::fatal!("fetch", "{e}");
             return 2;
         }
     };
+    match args.node.listen_given() {
+        // No listen address: this node calls itself by its address on the route to the peer
+        // (127.0.0.1 toward a peer on this host, its LAN address toward another host), which
+        // the peer's identity check (docs/security.md, G3) accepts from where it connects.
+        Ok(false) => {
+            if let Some(here) = peer.ip().and_then(routable::route_to) {
+                let port =
+                    PeerAddr::parse_any_port(config.spec.id.as_str()).map_or(0, |a| a.port());
+                config.spec.id = PeerAddr::new(Host::Ip(here), port).to_peer_id();
+                config.spec.listen = None;
+                config.spec.tcp_listen = std::net::SocketAddr::new(here, 0).to_string();
+            }
+        }
+        Ok(true) => {}
+        Err(e) => {
+            crate::report::fatal!("fetch", "{e}");
+            return 2;
+        }
+    }
     if config.pool.enabled() {
         // A config file shared with `kvpeer serve` may set them; a consumer follows nothing.
         tracing::warn!("the pool node's keys (follow, publish_events, ...) are ignored by fetch");

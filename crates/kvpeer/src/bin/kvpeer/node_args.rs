@@ -48,6 +48,8 @@ pub(crate) struct NodeArgs {
         &[&KEY.listen_host, &KEY.listen_port],
     ))]
     pub(crate) listen: Option<String>,
+    #[arg(long, value_name = "HOST[:PORT]", help = help(&KEY.advertise))]
+    pub(crate) advertise: Option<String>,
     #[arg(long, help = help(&KEY.num_blocks))]
     pub(crate) blocks: Option<u64>,
     #[arg(long, help = help(&KEY.block_len))]
@@ -144,6 +146,24 @@ impl NodeArgs {
         role: &str,
         pool: Option<&PoolArgs>,
     ) -> Result<kvpeer::NodeConfig, ArgsError> {
+        let (file, env, mut flags) = self.sources()?;
+        if let Some(pool) = pool {
+            pool.flags(&mut flags);
+        }
+        Ok(config::resolve(&file, &env, &flags, role)?)
+    }
+
+    /// Whether any source (flag, environment, file) says where this node listens or what it
+    /// advertises: without, a consumer calls itself by its address on the route to its peer.
+    pub(crate) fn listen_given(&self) -> Result<bool, ArgsError> {
+        let (file, env, flags) = self.sources()?;
+        Ok([&file, &env, &flags]
+            .iter()
+            .any(|s| s.get(KEY.listen_host.name).is_some() || s.get(KEY.advertise.name).is_some()))
+    }
+
+    /// The settings of the file, the environment and the flags.
+    fn sources(&self) -> Result<(config::Settings, config::Settings, config::Settings), ArgsError> {
         let file = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| ArgsError::Read {
@@ -155,11 +175,7 @@ impl NodeArgs {
             None => config::Settings::default(),
         };
         let env = config::from_env(|var| std::env::var(var).ok());
-        let mut flags = self.flags()?;
-        if let Some(pool) = pool {
-            pool.flags(&mut flags);
-        }
-        Ok(config::resolve(&file, &env, &flags, role)?)
+        Ok((file, env, self.flags()?))
     }
 
     /// The keys the command line set, each named by its flag.
@@ -177,6 +193,7 @@ impl NodeArgs {
             set(&KEY.listen_host, Some(host.to_owned()), "--listen");
             set(&KEY.listen_port, Some(port.to_owned()), "--listen");
         }
+        set(&KEY.advertise, self.advertise.clone(), "--advertise");
         let text = |v: Option<u64>| v.map(|n| n.to_string());
         let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
         set(&KEY.num_blocks, text(self.blocks), "--blocks");
