@@ -65,7 +65,7 @@ cargo test --workspace --features kvpeer/python-peers,kvpeer-net/python-peers
 # Real hosts: network namespaces joined by veth links (feature fleet; needs root and `ip netns`,
 # which CI has: the suite fails, never skips, when they cannot be made).
 echo "== the fleet: nodes on several hosts made of network namespaces (cargo feature fleet)"
-cargo test -p kvpeer --features fleet --test fleet
+cargo test -p kvpeer --features fleet,python-peers --test fleet
 
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"

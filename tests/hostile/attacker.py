@@ -296,9 +296,11 @@ class DummyTcp:
     listener itself is on 127.0.0.1: `0` reaches it too, as `connect(2)` reads 0.0.0.0 as this
     host)."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", bind: str = "127.0.0.1:0") -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bind_host, bind_port = bind.rsplit(":", 1)
+        self.sock.bind((bind_host, int(bind_port)))
         self.sock.listen(64)
         self.sock.setblocking(False)
         self.addr = "%s:%d" % (host, self.sock.getsockname()[1])
@@ -346,7 +348,8 @@ def cmd_session(a) -> int:
                           peer.challenge(a.node, a.source))
     else:
         token = bytes.fromhex(a.shm_token)
-    tcp = DummyTcp(a.tcp_host) if (a.tcp_dummy or a.tcp_host) else None
+    tcp = (DummyTcp(a.tcp_host or "127.0.0.1", a.tcp_bind)
+           if (a.tcp_dummy or a.tcp_host) else None)
     meta = metadata(
         peer.identity, shm, token, tcp.addr if tcp else None, tcp.key if tcp else None
     )
@@ -1273,6 +1276,8 @@ def main() -> int:
     s.add_argument("--secret-blocks", type=int, help="blocks before the trailer to read")
     s.add_argument("--tcp-dummy", action="store_true", help="also advertise a tcp listener")
     s.add_argument("--tcp-host", help="advertise the tcp listener with its host spelled so")
+    s.add_argument("--tcp-bind", default="127.0.0.1:0",
+                   help="where the advertised tcp listener listens (HOST:PORT)")
     s.add_argument("--keys", default="", help="synthetic key indexes to look up and fetch")
     s.add_argument("--indexes", default="", help="block indexes our fetch names")
     s.add_argument("--linger", type=float, default=0.0)

@@ -2,7 +2,8 @@
 session code can exchange blocks with kvpeer nodes on one host.
 
 The local pool is a POSIX shared-memory object of `num_blocks * block_len` bytes followed by a
-4096-byte trailer (magic `KVPSHM01`, a 32-byte random secret, zeros); peers open it by the name
+4096-byte trailer (magic `KVPSHM01`: a pool without fence words; a 32-byte random secret,
+zeros); peers open it by the name
 advertised in `agent_metadata` ({"agent", "shm", "shm_token"}, msgpack). `shm_token` is made for
 one destination: HMAC-SHA256(secret, u32be(19) "kvpeer-shm-token-v1" u32be(len(dest)) dest), so
 the metadata differs per peer: `connect_metadata(peer_id)` makes it (vllm_peer.py puts it into
@@ -11,8 +12,12 @@ transport proves it is that peer's pool: not our own object, exactly blocks plus
 the trailer's magic, and the peer's token made for our own id; nothing is mapped until then.
 A write copies local blocks into the peer's object at `remote_idx * block_len`. Copies are plain
 memory copies done in `write_blocks` (a few milliseconds at most for the interop workloads), so
-every transfer is done by the next `poll`. Written for kvpeer's interop tests; vLLM's
-`DataTransport` base class is used unchanged.
+every transfer is done by the next `poll`. Into a peer that sends `shm_epoch` (a kvpeer node: its
+pool's magic is `KVPSHM02`), each block's fence word in `/<name>.fence` is taken before the copy
+and given back after (kvpeer_store::fence; here with plain loads and stores, not atomics: this is
+a test peer, and the consumer side's arming and revoking are what the tests exercise); a block
+the consumer revoked is not written and fails the transfer. Written for kvpeer's interop tests;
+vLLM's `DataTransport` base class is used unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport, PollResult
 
 TRAILER_LEN = 4096
 MAGIC = b"KVPSHM01"
+# A kvpeer pool: version 2, with fence words beside it.
+MAGIC_V2 = b"KVPSHM02"
 SECRET_LEN = 32
 TOKEN_LABEL = b"kvpeer-shm-token-v1"
 
@@ -53,8 +60,8 @@ def parse_trailer(head: bytes) -> bytes:
     """The secret of a trailer (`head`: its first bytes, at least magic and secret)."""
     if len(head) < len(MAGIC) + SECRET_LEN:
         raise ValueError(f"trailer of {len(head)} bytes is too short")
-    if head[: len(MAGIC)] != MAGIC:
-        raise ValueError('trailer magic is not "KVPSHM01"')
+    if head[: len(MAGIC)] not in (MAGIC, MAGIC_V2):
+        raise ValueError('trailer magic is neither "KVPSHM01" nor "KVPSHM02"')
     return bytes(head[len(MAGIC) : len(MAGIC) + SECRET_LEN])
 
 
@@ -89,6 +96,25 @@ class ShmPool:
             pass  # DataTransport keeps a ctypes pointer into it; the mapping goes at exit
 
 
+def _armed(epoch: int) -> int:
+    return epoch << 32 | 1
+
+
+def _writing(epoch: int) -> int:
+    return epoch << 32 | (os.getpid() & ((1 << 30) - 1)) << 2 | 2
+
+
+def open_fence(name: str, num_blocks: int) -> mmap.mmap:
+    """Maps `/<name>.fence`, the fence words of the pool `name` (one u64 per block)."""
+    fd = _posixshmem.shm_open("/" + name + ".fence", os.O_RDWR, 0o600)
+    try:
+        if os.fstat(fd).st_size != 8 * num_blocks:
+            raise ValueError(f"/{name}.fence is not one word per block")
+        return mmap.mmap(fd, 8 * num_blocks, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
 def open_peer_pool(name: str, num_blocks: int, block_len: int, shm_token: bytes,
                    local_id: str, own: tuple[int, int]) -> mmap.mmap:
     """Opens `/name`, proves it is the pool of the peer that sent `shm_token` to `local_id`,
@@ -120,6 +146,8 @@ class ShmTransport(DataTransport):
         self._pool = pool
         self._agent = agent
         self._peers: dict[str, tuple[mmap.mmap, int]] = {}
+        # A peer's fence words and its session's epoch, when its `connect` announced them.
+        self._fences: dict[str, tuple[mmap.mmap, int]] = {}
         self._next_id = 0
         self._ended: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -147,13 +175,20 @@ class ShmTransport(DataTransport):
             raise ValueError(f"{peer_id}: bad num_blocks {num_blocks!r}")
         region = open_peer_pool(name, num_blocks, block_len, shm_token, self._agent,
                                 self._pool.identity)
+        epoch = meta.get("shm_epoch")
+        fence = open_fence(name, num_blocks) if isinstance(epoch, int) else None
         self.remove_remote_peer(peer_id)
         self._peers[peer_id] = (region, num_blocks)
+        if fence is not None:
+            self._fences[peer_id] = (fence, epoch)
 
     def remove_remote_peer(self, peer_id: str) -> None:
         entry = self._peers.pop(peer_id, None)
         if entry is not None:
             entry[0].close()
+        fence = self._fences.pop(peer_id, None)
+        if fence is not None:
+            fence[0].close()
 
     def write_blocks(self, peer_id, local_idxs, remote_idxs) -> int | None:
         entry = self._peers.get(peer_id)
@@ -165,10 +200,21 @@ class ShmTransport(DataTransport):
             not 0 <= r < remote_blocks for r in remote_idxs
         ):
             return None
+        fence, epoch = self._fences.get(peer_id, (None, 0))
+        revoked = 0
         for l, r in zip(local_idxs, remote_idxs):
+            if fence is not None:
+                if struct.unpack_from("<Q", fence, 8 * r)[0] != _armed(epoch):
+                    revoked += 1  # the consumer's load ended: nothing of it is written
+                    continue
+                struct.pack_into("<Q", fence, 8 * r, _writing(epoch))
             region[r * n : (r + 1) * n] = self._pool.block(l)
+            if fence is not None and struct.unpack_from("<Q", fence, 8 * r)[0] == _writing(epoch):
+                struct.pack_into("<Q", fence, 8 * r, _armed(epoch))
         self._next_id += 1
         self._ended.setdefault(peer_id, ([], []))[0].append(self._next_id)
+        if revoked:
+            self._ended[peer_id][1].append(self._ended[peer_id][0].pop())
         return self._next_id
 
     def poll(self, peer_id: str | None = None) -> PollResult:

@@ -970,3 +970,68 @@ fn each_reply_that_answers_something_is_one_event() {
     assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss);
     assert_eq!(m.lookup("r", &key(2)), LookupResult::Hit);
 }
+
+/// A request id that comes back while its finished predecessor's load still waits for its
+/// `abort_ack` (a router retrying a request id): the old load is kept and reported once acked,
+/// and the new request's rounds start after the old ones, so the old round's `abort_ack` can
+/// never complete (and hand back the blocks of) the new round's load.
+#[test]
+fn a_reused_id_keeps_its_aborting_load_and_starts_after_its_rounds() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.take_sent();
+    m.finish("r");
+    assert_eq!(m.take_sent(), vec![abort_fetch("r", 0)]);
+    m.load(6, "r", vec![key(2)], vec![11]);
+    let sent = m.take_sent();
+    let rounds: Vec<u64> = sent
+        .iter()
+        .filter_map(|msg| match msg {
+            Message::Fetch(f) => Some(f.round_seq.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rounds.len(), 1, "{sent:?}");
+    let new_round = rounds[0];
+    assert!(new_round > 0, "the new load is not round 0: {sent:?}");
+    // The old round's ack ends the old load only; the new one still runs.
+    m.recv(abort_ack("r", 0));
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
+    assert_eq!(
+        m.lookup("r", &key(2)),
+        LookupResult::Retry,
+        "the old load's end fails none of the new request's lookups"
+    );
+    m.recv(transfer_done("r", true, new_round));
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(5), false), (JobId::new(6), true)]
+    );
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// The engine finishes a request while its failed load waits for the fence: once fenced, the
+/// load's end does not put the finished id back among the failed ones for ever.
+#[test]
+fn finishing_a_request_while_its_load_waits_for_the_fence_leaves_no_failed_id() {
+    let mut m = Mock::new();
+    m.plane().fence_needs_write_end = true;
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1)], vec![10]);
+    let peer = m.peer.clone();
+    m.plane()
+        .writing
+        .entry(peer)
+        .or_default()
+        .insert(BlockIndex::new(10));
+    m.advance(S(41));
+    assert_eq!(m.core.stats().fencing_loads, 1);
+    m.finish("r");
+    m.plane().writing.clear();
+    m.advance(S(2));
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
+    assert_eq!(m.core.stats().failed_ids, 0);
+    m.assert_clean();
+}

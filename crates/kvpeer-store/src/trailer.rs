@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! offset (from the trailer's start)  bytes
-//!  0 ..  8                           magic "KVPSHM01"
+//!  0 ..  8                           magic "KVPSHM02" ("KVPSHM01": a pool without fence words)
 //!  8 .. 40                           secret: 32 random bytes, drawn when the pool is created
 //! 40 .. 4096                         zero
 //! ```
@@ -29,8 +29,13 @@ use sha2::Sha256;
 
 /// Bytes of the trailer (one page), after the blocks.
 pub const TRAILER_LEN: u64 = 4096;
-/// The trailer's first bytes.
-pub const MAGIC: [u8; 8] = *b"KVPSHM01";
+/// The trailer's first bytes in a pool kvpeer makes: version 2, a pool with fence words beside
+/// it ([`crate::fence`]). A writer from before the fences (it knows only version 1) refuses such
+/// a pool instead of writing into it unfenced.
+pub const MAGIC: [u8; 8] = *b"KVPSHM02";
+/// The magic of a version-1 pool (no fence words: kvpeer before them, or the Python interop
+/// transport); a writer still accepts it.
+pub const MAGIC_V1: [u8; 8] = *b"KVPSHM01";
 /// Bytes of the secret, right after the magic.
 pub const SECRET_LEN: usize = 32;
 /// Bytes of a token (an HMAC-SHA256).
@@ -47,8 +52,8 @@ pub enum TrailerError {
     /// Fewer bytes than magic and secret.
     #[error("trailer of {0} bytes is too short")]
     Short(usize),
-    /// The first 8 bytes are not [`MAGIC`].
-    #[error("trailer magic is not \"KVPSHM01\"")]
+    /// The first 8 bytes are neither [`MAGIC`] nor [`MAGIC_V1`].
+    #[error("trailer magic is neither \"KVPSHM02\" nor \"KVPSHM01\"")]
     BadMagic,
 }
 
@@ -72,7 +77,7 @@ pub fn parse_trailer(bytes: &[u8]) -> Result<[u8; SECRET_LEN], TrailerError> {
         .get(..MAGIC.len() + SECRET_LEN)
         .ok_or(TrailerError::Short(bytes.len()))?;
     let (magic, secret) = head.split_at(MAGIC.len());
-    if magic != MAGIC {
+    if magic != MAGIC && magic != MAGIC_V1 {
         return Err(TrailerError::BadMagic);
     }
     let mut out = [0u8; SECRET_LEN];
@@ -142,7 +147,7 @@ mod tests {
         let secret = [0x5a; SECRET_LEN];
         let mut page = vec![0u8; TRAILER_LEN as usize];
         page[..40].copy_from_slice(&encode(&secret));
-        assert_eq!(&page[..8], b"KVPSHM01");
+        assert_eq!(&page[..8], b"KVPSHM02");
         assert_eq!(parse_trailer(&page), Ok(secret));
         assert_eq!(parse_trailer(&page[..39]), Err(TrailerError::Short(39)));
         page[0] ^= 1;

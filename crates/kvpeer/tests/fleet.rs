@@ -407,3 +407,181 @@ fn a_pool_follows_engines_on_two_other_hosts() {
     drop(pool);
     drop((s2, s3));
 }
+
+/// A peer on host 3 advertises its tcp data address with the host written as a number that
+/// the system resolver reads as host 2 (198.18.0.2 in decimal): at 6d26cca the literal check let
+/// it through and the node's tcp writer connected to the third machine, sending it the node's
+/// blocks. Checked from host 2's side (a listener at that port accepts nothing) and from the
+/// attacker's (no `connect_ack`, no transfer); the honest spelling is the control, and an
+/// honest consumer on host 2 is served byte-exact afterwards.
+#[cfg(feature = "python-peers")]
+#[test]
+fn a_data_address_spelled_as_a_third_host_gets_no_tcp_writer() {
+    use std::net::TcpListener;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let fleet = Fleet::new(3);
+    let (_server, id) = fleet.serve(
+        1,
+        &[
+            "--listen",
+            "198.18.0.1:5600",
+            "--plane",
+            "tcp",
+            "--blocks",
+            "16",
+            "--block-len",
+            "4096",
+            "--fill",
+            "8",
+        ],
+    );
+    // The third machine: host 2 listens where the attacker points the node's writer.
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let listener = on_host(fleet.host(2), || {
+        let l = TcpListener::bind("198.18.0.2:7700").unwrap();
+        l.set_nonblocking(true).unwrap();
+        l
+    });
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (accepted, stop) = (accepted.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if listener.accept().is_ok() {
+                    accepted.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let python = common::vllm::python().to_str().unwrap().to_owned();
+    let script = common::vllm::repo().join("tests/hostile/attacker.py");
+    let script = script.to_str().unwrap().to_owned();
+    let attack = |tcp_host: &str, tcp_bind: &str| {
+        let mut p = fleet.spawn_program(
+            3,
+            &python,
+            &[
+                &script,
+                "session",
+                "--node",
+                &id,
+                "--bind",
+                "198.18.0.3:0",
+                "--identity",
+                "198.18.0.3:{port}",
+                "--tcp-host",
+                tcp_host,
+                "--tcp-bind",
+                tcp_bind,
+                "--keys",
+                "0-3",
+                "--indexes",
+                "0-3",
+                "--wait",
+                "3",
+                "--linger",
+                "0.5",
+            ],
+        );
+        let summary = p.event("summary");
+        assert_eq!(p.wait_while(WAIT, || {}), 0, "{}", p.log());
+        summary
+    };
+    // Control: the attacker's own address, honestly written, gets the writer (on host 3).
+    let honest = attack("198.18.0.3", "198.18.0.3:7701");
+    assert_eq!(honest["connect_ack"], true, "control: {honest}");
+    assert!(
+        honest["tcp_bytes"].as_u64().unwrap_or(0) > 0,
+        "control: the writer reached the honest data address: {honest}"
+    );
+    // 198.18.0.2 as one decimal number, and as IPv4-mapped IPv6.
+    for spelled in ["3323068418", "[::ffff:198.18.0.2]"] {
+        let s = attack(spelled, "198.18.0.3:7700");
+        assert_eq!(s["connect_ack"], false, "{spelled}: {s}");
+        assert_eq!(s["tcp_accepted"], 0, "{spelled}: {s}");
+        assert_eq!(
+            accepted.load(Ordering::Relaxed),
+            0,
+            "{spelled}: the node's writer connected to host 2: {s}"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let mut fetch = fleet.spawn(
+        2,
+        &[
+            "fetch",
+            "--peer",
+            &id,
+            "--plane",
+            "tcp",
+            "--blocks",
+            "16",
+            "--block-len",
+            "4096",
+            "--requests",
+            "2",
+            "--keys",
+            "4",
+        ],
+        "fetch",
+    );
+    let summary = fetch.line();
+    assert_eq!(fetch.wait_while(WAIT, || {}), 0, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+}
+
+/// The README's two-host commands as written (with this fleet's addresses): a wildcard listen
+/// is advertised as the host's routable address, a consumer with no `--listen` calls itself
+/// by its address on the route, and a name and `localhost` reach the node.
+#[test]
+fn the_readmes_two_host_commands_work_as_written() {
+    let fleet = Fleet::new(3);
+    let (_a, id) = fleet.serve(
+        1,
+        &[
+            "--listen",
+            "0.0.0.0:5600",
+            "--fill",
+            "256",
+            "--allow",
+            "198.18.0.0/24",
+        ],
+    );
+    assert_eq!(
+        id, "198.18.0.1:5600",
+        "a wildcard listen is never advertised"
+    );
+    let run = |host: usize, peer: &str, requests: &str| {
+        let mut fetch = fleet.spawn(
+            host,
+            &[
+                "fetch",
+                "--peer",
+                peer,
+                "--requests",
+                requests,
+                "--keys",
+                "8",
+            ],
+            "fetch",
+        );
+        let summary = fetch.line();
+        let status = fetch.wait_while(WAIT, || {});
+        (status, summary, fetch.log())
+    };
+    let (status, summary, log) = run(2, "198.18.0.1:5600", "32");
+    assert_eq!(status, 0, "{summary}\n{log}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    assert!(num(&summary, "hits") > 0, "{summary}");
+    let (status, summary, log) = run(3, "host1:5600", "4");
+    assert_eq!(status, 0, "by name: {summary}\n{log}");
+    // `localhost` on the node's own host: a node of its own, not behind the /24 allowlist.
+    let (_b, id_b) = fleet.serve(1, &["--listen", "0.0.0.0:5601", "--fill", "64"]);
+    assert_eq!(id_b, "198.18.0.1:5601");
+    let (status, summary, log) = run(1, "localhost:5601", "4");
+    assert_eq!(status, 0, "localhost: {summary}\n{log}");
+}

@@ -102,10 +102,28 @@ fn stalled_producer_never_writes_a_reused_block(plane: &str, kind: PlaneKind) {
         );
     }
 
-    // The stalled producer resumes: its queued fetch is read and its write attempted.
+    // The stalled producer resumes: its queued fetch is read and its write attempted. Wait
+    // until its log shows it got that far (shm: its copy found the blocks revoked; tcp: the
+    // session it resumed into is gone), so the check below is not made before the write.
     signal(&stalling, "-CONT");
     resume.1 = true;
-    std::thread::sleep(Duration::from_millis(1500));
+    let markers: &[&str] = match kind {
+        PlaneKind::Shm => &["revoked by the peer"],
+        _ => &["session closed", "peer down"],
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !markers
+        .iter()
+        .any(|m| stalling.stderr.lock().unwrap().contains(m))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{plane}: the resumed producer never tried its write; its log:\n{}",
+            stalling.stderr.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
 
     // Every honest block still holds its own key's bytes, and an honest fetch still works.
     for k in &honest_keys {

@@ -75,6 +75,14 @@ impl Fences {
         self.recheck_at = Some(now + FENCE_RECHECK);
     }
 
+    /// The engine finished request `id`: its held loads, once fenced, answer none of its
+    /// lookups (the id leaves the failed set with `finish` and must not come back with them).
+    pub(crate) fn request_finished(&mut self, id: &KvRequestId) {
+        for f in self.waiting.iter_mut().filter(|f| &f.kv_request_id == id) {
+            f.live = false;
+        }
+    }
+
     /// Takes every waiting load whose blocks are now fenced; arms the next recheck.
     pub(crate) fn take_fenced(&mut self, plane: &mut dyn DataPlane, now: Instant) -> Vec<Fencing> {
         let mut fenced = Vec::new();

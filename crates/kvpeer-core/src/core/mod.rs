@@ -581,6 +581,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         let id = &req.id;
         self.failed.remove(id);
+        self.out.fences.request_finished(id);
         let peer = match &req.roles.source {
             Some(source) => Some(source.peer.clone()),
             None => self.bound.remove(id),

@@ -36,6 +36,9 @@ struct InFlight {
     blocks: Vec<BlockIndex>,
     submitted_at: Instant,
     aborted_at: Option<Instant>,
+    /// The engine finished its request: its end answers none of the request's lookups (an
+    /// id that comes back meanwhile is another request).
+    of_finished: bool,
 }
 
 /// Per-request consumer state. Dropped as soon as it holds nothing live.
@@ -165,9 +168,18 @@ impl ClientRole {
     /// The request's state, created at the round where it left off.
     fn request(&mut self, id: &KvRequestId) -> &mut Request {
         let req = self.requests.entry(id.clone()).or_default();
-        // A finished id that comes back is a new request.
+        // A finished id that comes back is a new request. Loads of the old one still waiting
+        // for their `abort_ack` stay (their blocks are not fenced yet), and the new rounds start
+        // after the old ones: an `abort_ack` or `transfer_done` names only the id and the round,
+        // so an old round's must never match a new round's load.
         if req.is_finished() {
+            let aborting = std::mem::take(&mut req.loads);
+            let after = req.round.next();
             **req = Request::default();
+            if !aborting.is_empty() {
+                req.loads = aborting;
+                req.round = after;
+            }
         }
         req
     }
@@ -278,6 +290,7 @@ impl ClientRole {
                 blocks,
                 submitted_at: now,
                 aborted_at: None,
+                of_finished: false,
             },
         ));
         req.phase = Phase::Quiet;
@@ -315,6 +328,7 @@ impl ClientRole {
             return;
         };
         for (round, load) in &mut req.loads {
+            load.of_finished = true;
             if load.aborted_at.is_some() {
                 continue;
             }
@@ -366,7 +380,7 @@ impl ClientRole {
         let Some(load) = req.take_load(round) else {
             return false;
         };
-        let live = !req.is_finished();
+        let live = !req.is_finished() && !load.of_finished;
         self.active_loads -= 1;
         cx.plane.end_writes(&self.peer, &load.blocks);
         if success && cx.plane.writes_fenced(&self.peer, &load.blocks, true) {
@@ -490,6 +504,7 @@ impl ClientRole {
                 result.failed_ids.push(id.clone());
             }
             for (_, load) in req.loads {
+                let live = live && !load.of_finished;
                 result
                     .failed_jobs
                     .push((load.job, id.clone(), live, load.blocks));

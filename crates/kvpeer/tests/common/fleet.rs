@@ -185,6 +185,17 @@ impl Fleet {
         Proc::start(command, move |pid| format!("kvpeer-{role}-{pid}"))
     }
 
+    /// Starts `program ARGS` on host `i` (its network only: the program sees this machine's
+    /// files, `/dev/shm` included).
+    pub(crate) fn spawn_program(&self, i: usize, program: &str, args: &[&str]) -> Proc {
+        let mut command = Command::new("ip");
+        command
+            .args(["netns", "exec", &self.host(i).ns, program])
+            .args(args)
+            .env("PYTHONUNBUFFERED", "1");
+        Proc::start(command, |pid| format!("kvpeer-fleet-program-{pid}"))
+    }
+
     /// `kvpeer serve ARGS` on host `i`; returns it and the identity its ready line gives.
     pub(crate) fn serve(&self, i: usize, args: &[&str]) -> (Proc, String) {
         let mut full = vec!["serve"];

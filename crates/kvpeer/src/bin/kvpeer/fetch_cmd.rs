@@ -31,20 +31,13 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
     // tells it in its READY (`localhost:5600` is the node that calls itself `127.0.0.1:5600`);
     // a stock vLLM engine tells none, and is named as written (its identity may well be the
     // text `localhost:5710`).
-    let peer = match resolve_peer(&args.peer) {
+    let mut peer = match resolve_peer(&args.peer) {
         Ok(p) => p,
         Err(e) => {
             crate::report::fatal!("fetch", "--peer must be HOST:PORT: {e}");
             return 2;
         }
     };
-    if let Some(at) = peer.socket_addr() {
-        let told = identity_probe::identity_at(at, Duration::from_secs(2));
-        if let Some(identity) = told.filter(|id| id.as_str() != args.peer) {
-            tracing::info!(peer = %args.peer, %identity, "the node there calls itself so");
-            args.peer = identity.as_str().to_owned();
-        }
-    }
     let mut config = match args.node.resolve("fetch", None) {
         Ok(c) => c,
         Err(e) => {
@@ -52,6 +45,25 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
             return 2;
         }
     };
+    // Asked only when `--peer` is not already the canonical address a node would call itself
+    // by (a name, `localhost`, another spelling), and only of a peer the allowlist admits:
+    // nothing is ever sent to a peer outside it, and a plain `IP:PORT` costs no extra
+    // connection.
+    let spelled_otherwise = peer.to_peer_id().as_str() != args.peer;
+    if spelled_otherwise && config.spec.allowlist.check_addr(&peer).is_ok() {
+        if let Some(at) = peer.socket_addr() {
+            let told = identity_probe::identity_at(at, Duration::from_secs(2));
+            if let Some(identity) = told.filter(|id| id.as_str() != args.peer) {
+                tracing::info!(peer = %args.peer, %identity, "the node there calls itself so");
+                args.peer = identity.as_str().to_owned();
+                // The session dials the identity: our own address is the one on the route to
+                // it (`localhost` named the node's host, whose address it calls itself by).
+                if let Ok(told) = resolve_peer(&args.peer) {
+                    peer = told;
+                }
+            }
+        }
+    }
     match args.node.listen_given() {
         // No listen address: this node calls itself by its address on the route to the peer
         // (127.0.0.1 toward a peer on this host, its LAN address toward another host), which
