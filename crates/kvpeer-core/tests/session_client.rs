@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{BlockIndex, JobId, LinkLoss, LookupResult, Registration, RequestRoles};
+use kvpeer_core::{JobId, LinkLoss, LookupResult, Registration, RequestRoles};
 use kvpeer_proto::{ConnectAck, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
@@ -461,12 +461,7 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
     m.plane().fence_needs_write_end = true;
     m.ready_source("r");
     m.load(5, "r", vec![key(1), key(2)], vec![10, 11]);
-    let peer = m.peer.clone();
-    m.plane()
-        .writing
-        .entry(peer.clone())
-        .or_default()
-        .insert(BlockIndex::new(11));
+    m.stall_write(11);
     m.advance(S(40));
     assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
     assert!(
@@ -503,12 +498,7 @@ fn a_confirmed_failure_still_waits_for_the_planes_fence() {
     let mut m = Mock::new();
     m.ready_source("r");
     m.load(5, "r", vec![key(1)], vec![10]);
-    let peer = m.peer.clone();
-    m.plane()
-        .writing
-        .entry(peer)
-        .or_default()
-        .insert(BlockIndex::new(10));
+    m.stall_write(10);
     m.recv(transfer_done("r", false, 0));
     assert!(
         m.load_results().is_empty(),
@@ -1020,12 +1010,7 @@ fn finishing_a_request_while_its_load_waits_for_the_fence_leaves_no_failed_id() 
     m.plane().fence_needs_write_end = true;
     m.ready_source("r");
     m.load(5, "r", vec![key(1)], vec![10]);
-    let peer = m.peer.clone();
-    m.plane()
-        .writing
-        .entry(peer)
-        .or_default()
-        .insert(BlockIndex::new(10));
+    m.stall_write(10);
     m.advance(S(41));
     assert_eq!(m.core.stats().fencing_loads, 1);
     m.finish("r");

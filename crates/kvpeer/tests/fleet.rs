@@ -81,10 +81,9 @@ fn serve_and_fetch_across_two_hosts() {
     let fleet = Fleet::new(2);
     let (_server, id) = fleet.serve(1, &["--listen", "198.18.0.1:5600", "--fill", "256"]);
     assert_eq!(id, "198.18.0.1:5600");
-    let mut fetch = fleet.spawn(
+    let (status, summary, log) = fleet.fetch(
         2,
         &[
-            "fetch",
             "--peer",
             "198.18.0.1:5600",
             "--listen",
@@ -94,10 +93,8 @@ fn serve_and_fetch_across_two_hosts() {
             "--keys",
             "8",
         ],
-        "fetch",
     );
-    let summary = fetch.line();
-    assert_eq!(fetch.wait_while(WAIT, || {}), 0, "{summary}");
+    assert_eq!(status, 0, "{summary}\n{log}");
     assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
     assert_eq!(num(&summary, "failed_loads"), 0, "{summary}");
     assert!(num(&summary, "hits") > 0, "{summary}");
@@ -119,24 +116,16 @@ fn a_cidr_allowlist_serves_the_hosts_it_names_only() {
     );
     let fetch_from = |i: usize| {
         let listen = format!("198.18.0.{i}:0");
-        let mut fetch = fleet.spawn(
-            i,
-            &[
-                "fetch",
-                "--peer",
-                "198.18.0.1:5600",
-                "--listen",
-                &listen,
-                "--requests",
-                "4",
-                "--timeout-secs",
-                "5",
-            ],
-            "fetch",
-        );
-        let status = fetch.wait_while(WAIT, || {});
-        let stderr = fetch.stderr.lock().unwrap().clone();
-        (status, stderr)
+        let args = [
+            "--peer",
+            "198.18.0.1:5600",
+            "--listen",
+            &listen,
+            "--requests",
+            "4",
+        ];
+        let (status, _, log) = fleet.fetch(i, &[&args[..], &["--timeout-secs", "5"]].concat());
+        (status, log)
     };
     let (refused, why) = fetch_from(3);
     assert_eq!(refused, 1, "host3 is not listed: {why}");
@@ -510,10 +499,9 @@ fn a_data_address_spelled_as_a_third_host_gets_no_tcp_writer() {
     }
     stop.store(true, Ordering::Relaxed);
     watcher.join().unwrap();
-    let mut fetch = fleet.spawn(
+    let (status, summary, log) = fleet.fetch(
         2,
         &[
-            "fetch",
             "--peer",
             &id,
             "--plane",
@@ -527,10 +515,8 @@ fn a_data_address_spelled_as_a_third_host_gets_no_tcp_writer() {
             "--keys",
             "4",
         ],
-        "fetch",
     );
-    let summary = fetch.line();
-    assert_eq!(fetch.wait_while(WAIT, || {}), 0, "{summary}");
+    assert_eq!(status, 0, "{summary}\n{log}");
     assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
 }
 
@@ -556,22 +542,10 @@ fn the_readmes_two_host_commands_work_as_written() {
         "a wildcard listen is never advertised"
     );
     let run = |host: usize, peer: &str, requests: &str| {
-        let mut fetch = fleet.spawn(
+        fleet.fetch(
             host,
-            &[
-                "fetch",
-                "--peer",
-                peer,
-                "--requests",
-                requests,
-                "--keys",
-                "8",
-            ],
-            "fetch",
-        );
-        let summary = fetch.line();
-        let status = fetch.wait_while(WAIT, || {});
-        (status, summary, fetch.log())
+            &["--peer", peer, "--requests", requests, "--keys", "8"],
+        )
     };
     let (status, summary, log) = run(2, "198.18.0.1:5600", "32");
     assert_eq!(status, 0, "{summary}\n{log}");

@@ -229,6 +229,17 @@ impl Mock {
         self.pump();
     }
 
+    /// The scripted peer is in the middle of writing local block `block` (a stalled producer):
+    /// the plane does not fence it until the test clears `plane().writing`.
+    pub fn stall_write(&mut self, block: u64) {
+        let peer = self.peer.clone();
+        self.plane()
+            .writing
+            .entry(peer)
+            .or_default()
+            .insert(BlockIndex::new(block));
+    }
+
     pub fn load_results(&self) -> Vec<(JobId, bool)> {
         self.events
             .iter()

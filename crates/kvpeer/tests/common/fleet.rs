@@ -207,6 +207,17 @@ impl Fleet {
         (p, id)
     }
 
+    /// Runs `kvpeer fetch ARGS` on host `i` to its end: its exit status, its summary line (empty
+    /// when it printed none) and its log.
+    pub(crate) fn fetch(&self, i: usize, args: &[&str]) -> (i32, String, String) {
+        let mut full = vec!["fetch"];
+        full.extend_from_slice(args);
+        let mut p = self.spawn(i, &full, "fetch");
+        let status = p.wait_while(std::time::Duration::from_secs(60), || {});
+        let summary = p.stdout.try_iter().last().unwrap_or_default();
+        (status, summary, p.log())
+    }
+
     /// Takes host `i`'s link down (`up = false`) or up: every connection across it stalls.
     pub(crate) fn set_link(&self, i: usize, up: bool) {
         let port = &self.host(i).link;

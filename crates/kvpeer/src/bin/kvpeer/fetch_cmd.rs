@@ -177,19 +177,54 @@ fn fetch(args: &FetchArgs, config: NodeConfig) -> Result<Tally, FetchError> {
     result
 }
 
+/// Opens the session with `peer`; a node there that calls itself by another of its addresses
+/// (its READY told it: `127.0.0.2:P` reaching a node that is `127.0.0.1:P`) is asked again by
+/// that identity, once. Returns the identity the session is with.
+fn connect(node: &Node, peer: PeerId, timeout: Duration) -> Result<PeerId, FetchError> {
+    match node.connect(&peer, timeout) {
+        Ok(()) => Ok(peer),
+        Err(e) => match told_identity(&e) {
+            Some(told) => {
+                tracing::info!(%peer, identity = %told, "the node there calls itself so");
+                node.connect(&told, timeout)?;
+                Ok(told)
+            }
+            None => Err(e.into()),
+        },
+    }
+}
+
+/// The identity a node told in its READY when it is not the one we dialed it by.
+fn told_identity(e: &NodeError) -> Option<PeerId> {
+    use kvpeer::node::peer_end::PeerEnd;
+    use kvpeer_core::{CloseReason, LinkLoss};
+    let NodeError::Refused { end: Some(end), .. } = e else {
+        return None;
+    };
+    let PeerEnd::Session(session) = &**end else {
+        return None;
+    };
+    match &session.reason {
+        CloseReason::ConnectionLost(LinkLoss::IdentityMismatch { calls_itself, .. }) => {
+            Some(PeerId::new(calls_itself.to_string()))
+        }
+        _ => None,
+    }
+}
+
 fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
-    let peer = PeerId::new(args.peer.clone());
+    let timeout = Duration::from_secs(args.timeout_secs);
+    // The handshake is not part of any request's lookup time, nor of the workload's.
+    let peer = connect(node, PeerId::new(args.peer.clone()), timeout)?;
     let run = Run {
         node,
         peer: &peer,
         args,
         block_len: block_len(node.config().block_len)?,
-        timeout: Duration::from_secs(args.timeout_secs),
+        timeout,
         pid: std::process::id(),
     };
     let mut tally = Tally::default();
-    // The handshake is not part of any request's lookup time, nor of the workload's.
-    node.connect(&peer, run.timeout)?;
     let (mut started, mut cpu_before) = (Instant::now(), process_cpu());
 
     let mut progress = Progress::new(args.warmup + args.requests, !args.json);
