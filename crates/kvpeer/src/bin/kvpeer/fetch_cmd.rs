@@ -206,7 +206,7 @@ fn told_identity(e: &NodeError) -> Option<PeerId> {
     };
     match &session.reason {
         CloseReason::ConnectionLost(LinkLoss::IdentityMismatch { calls_itself, .. }) => {
-            Some(PeerId::new(calls_itself.to_string()))
+            Some(PeerId::new(calls_itself))
         }
         _ => None,
     }
