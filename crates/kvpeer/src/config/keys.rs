@@ -139,7 +139,7 @@ declare_keys! {
     load_timeout_s = "30";
     /// seconds a pin may be held for a peer
     store_timeout_s = "30";
-    /// seconds an abort may wait for its ack
+    /// seconds an abort may wait for its ack (then the session ends: only that fences the peer)
     abort_ack_timeout_s = "10";
     /// seconds a pending key of an inbound lookup waits before MISS
     lookup_pending_timeout_s = "5";
