@@ -87,6 +87,28 @@ def kvpeer_tier(port: int, plane: str, **extra: Any) -> dict[str, Any]:
 
 
 @dataclass
+
+def _shm_objects_of_group(pgid: int) -> set[str]:
+    """The vLLM multiprocessing objects in /dev/shm that processes of group `pgid` map."""
+    found: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            with open(f"/proc/{entry}/maps") as maps:
+                for line in maps:
+                    path = line.split(maxsplit=5)[-1].strip()
+                    name = os.path.basename(path)
+                    if path.startswith("/dev/shm/") and (
+                        name.startswith("psm_") or name.startswith("sem.mp-")
+                    ):
+                        found.add(path.removesuffix(" (deleted)"))
+        except (OSError, ProcessLookupError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
 class Engine:
     """One engine process; `tier_label` is how vLLM labels its secondary tier's counters."""
 
@@ -229,11 +251,16 @@ class Engine:
             pass
 
     def kill(self) -> None:
-        """SIGKILL to the engine's whole process group (its engine core and worker too)."""
+        """SIGKILL to the engine's whole process group (its engine core and worker too), then
+        removes the shared-memory objects the group had mapped: vLLM's multiprocessing buffers
+        (`psm_*`) and semaphores (`sem.mp-*`) are unlinked only by a clean shutdown."""
         if self.process is not None and self.process.poll() is None:
+            left = _shm_objects_of_group(self.process.pid)
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
             # Its engine core and worker are its children: reaped by init, gone with the group.
+            for path in left:
+                Path(path).unlink(missing_ok=True)
 
     def stop(self) -> None:
         if self.process is None:

@@ -163,7 +163,8 @@ impl LocalAddrs {
         LocalAddrs(addrs)
     }
 
-    fn contains(&self, ip: IpAddr) -> bool {
+    /// Whether `ip` is this host's (any loopback address is).
+    pub(crate) fn contains(&self, ip: IpAddr) -> bool {
         let ip = ip.to_canonical();
         ip.is_loopback() || self.0.contains(&ip)
     }

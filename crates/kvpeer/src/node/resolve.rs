@@ -40,6 +40,20 @@ pub fn resolve_host(name: &str) -> Vec<IpAddr> {
         .unwrap_or_default()
 }
 
+/// Whether an identity a node told (`told`, in its READY) is on the host we reached it at
+/// (`dialed`): the same address, or, reached on loopback, an address of this host (the rule a
+/// node's identity check applies to a claimed identity, docs/security.md G3). A node may call
+/// itself by another of its own addresses; it may not send our next dial, and our `connect`,
+/// to another machine.
+pub fn on_dialed_host(dialed: &PeerAddr, told: &PeerAddr) -> bool {
+    match (dialed.ip(), told.ip()) {
+        (Some(d), Some(t)) => {
+            t == d || (d.is_loopback() && crate::node::origin::LocalAddrs::read().contains(t))
+        }
+        _ => false,
+    }
+}
+
 /// `text` (`host:port`) as a peer's address: an address as written (any spelling), or a host
 /// name resolved now to its first IPv4 address, else its first.
 pub fn resolve_peer(text: &str) -> Result<PeerAddr, ResolveError> {
@@ -77,6 +91,17 @@ pub fn resolve_peer(text: &str) -> Result<PeerAddr, ResolveError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_told_identity_is_followed_only_on_the_host_dialed() {
+        let a = |t: &str| PeerAddr::parse(t).unwrap();
+        assert!(on_dialed_host(&a("10.0.0.5:5600"), &a("10.0.0.5:5601")));
+        assert!(on_dialed_host(&a("127.0.0.2:5600"), &a("127.0.0.1:5600")));
+        // A node reached at one machine cannot send our next dial to another.
+        assert!(!on_dialed_host(&a("10.0.0.5:5600"), &a("10.0.0.6:5600")));
+        assert!(!on_dialed_host(&a("10.0.0.5:5600"), &a("127.0.0.1:5600")));
+        assert!(!on_dialed_host(&a("127.0.0.1:5600"), &a("192.0.2.1:5600")));
+    }
 
     #[test]
     fn addresses_are_read_as_written_and_localhost_is_loopback() {

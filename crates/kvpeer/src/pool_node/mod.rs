@@ -36,7 +36,7 @@
 
 mod puller;
 
-use std::net::{IpAddr, ToSocketAddrs};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -51,7 +51,7 @@ use kvpeer_pool::{
     Admission, CatalogStats, EngineSlot, FollowAction, Follower, FollowerLimits, Holdings,
     Publisher, PublisherStats, StoreChange,
 };
-use kvpeer_proto::{OffloadKey, PeerId};
+use kvpeer_proto::{is_peer_ip, Host, OffloadKey, PeerAddr, PeerId};
 use kvpeer_store::KeyChange;
 use tracing::{info, warn};
 
@@ -365,31 +365,24 @@ pub fn store_changes(node: &Node, max: usize) -> Result<(Vec<StoreChange>, u64),
 }
 
 /// The addresses of `peer`'s host (an engine's P2P identity), which a SUB that binds for its
-/// PUB accepts connections from: the IP itself, or what the name resolves to now (once, at
-/// start: the pool thread never resolves).
+/// PUB accepts connections from: read as every other peer address is ([`PeerAddr`]: any
+/// spelling of an IP is that IP), a name resolved now (once, at start: the pool thread never
+/// resolves).
 fn engine_addrs(peer: &PeerId) -> Result<Vec<IpAddr>, PoolNodeError> {
     let fail = |detail: String| PoolNodeError::EngineHost {
         peer: peer.as_str().to_owned(),
         detail,
     };
-    let (host, port) = peer.host_port().map_err(|e| fail(e.to_string()))?;
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let addrs: Vec<IpAddr> = match bare.parse::<IpAddr>() {
-        Ok(ip) => vec![ip],
-        Err(_) => (bare, port)
-            .to_socket_addrs()
-            .map_err(|e| fail(format!("{bare} does not resolve: {e}")))?
-            .map(|a| a.ip())
-            .collect(),
+    let addr = PeerAddr::of(peer).map_err(|e| fail(e.to_string()))?;
+    let addrs: Vec<IpAddr> = match addr.host() {
+        Host::Ip(ip) => vec![*ip],
+        Host::Name(name) => crate::node::resolve::resolve_host(name),
     };
-    let addrs: Vec<IpAddr> = addrs
-        .into_iter()
-        .map(|ip| ip.to_canonical())
-        .filter(|ip| !ip.is_unspecified())
-        .collect();
+    let addrs: Vec<IpAddr> = addrs.into_iter().filter(|ip| is_peer_ip(*ip)).collect();
     if addrs.is_empty() {
         return Err(fail(format!(
-            "{host} names no host a PUB could connect from"
+            "{} names no host a PUB could connect from",
+            addr.host()
         )));
     }
     Ok(addrs)

@@ -149,6 +149,8 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm));
+        // And its fence words (kvpeer_store::fence), left beside it by a kill too.
+        let _ = std::fs::remove_file(format!("/dev/shm/{}.fence", self.shm));
     }
 }
 

@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use kvpeer::node::identity_probe;
-use kvpeer::node::resolve::resolve_peer;
+use kvpeer::node::resolve::{on_dialed_host, resolve_peer};
 use kvpeer::node::routable;
 use kvpeer::{synthetic, Host, LookupResult, Node, NodeConfig, NodeError, PeerAddr, PeerId};
 
@@ -48,20 +48,14 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
     // Asked only when `--peer` is not already the canonical address a node would call itself
     // by (a name, `localhost`, another spelling), and only of a peer the allowlist admits:
     // nothing is ever sent to a peer outside it, and a plain `IP:PORT` costs no extra
-    // connection.
+    // connection. The session then dials the identity told, so our own address is the one on
+    // the route to it (`localhost` named the node's host, whose address it calls itself by).
     let spelled_otherwise = peer.to_peer_id().as_str() != args.peer;
     if spelled_otherwise && config.spec.allowlist.check_addr(&peer).is_ok() {
-        if let Some(at) = peer.socket_addr() {
-            let told = identity_probe::identity_at(at, Duration::from_secs(2));
-            if let Some(identity) = told.filter(|id| id.as_str() != args.peer) {
-                tracing::info!(peer = %args.peer, %identity, "the node there calls itself so");
-                args.peer = identity.as_str().to_owned();
-                // The session dials the identity: our own address is the one on the route to
-                // it (`localhost` named the node's host, whose address it calls itself by).
-                if let Ok(told) = resolve_peer(&args.peer) {
-                    peer = told;
-                }
-            }
+        if let Some(told) = told_at(&peer) {
+            tracing::info!(peer = %args.peer, identity = %told, "the node there calls itself so");
+            args.peer = told.to_string();
+            peer = told;
         }
     }
     match args.node.listen_given() {
@@ -194,7 +188,17 @@ fn connect(node: &Node, peer: PeerId, timeout: Duration) -> Result<PeerId, Fetch
     }
 }
 
-/// The identity a node told in its READY when it is not the one we dialed it by.
+/// The identity the node at `peer` tells in its READY, when it is another address of the
+/// host we reached (never a redirect to another machine: a node there could otherwise aim our
+/// `connect`, with its proofs, wherever it liked).
+fn told_at(peer: &PeerAddr) -> Option<PeerAddr> {
+    let told = identity_probe::identity_at(peer.socket_addr()?, Duration::from_secs(2))?;
+    let told = PeerAddr::of(&told).ok()?;
+    on_dialed_host(peer, &told).then_some(told)
+}
+
+/// The identity a node told in its READY when it is not the one we dialed it by, and is on
+/// the host we dialed ([`on_dialed_host`]); else `None` (the refusal stands, naming both).
 fn told_identity(e: &NodeError) -> Option<PeerId> {
     use kvpeer::node::peer_end::PeerEnd;
     use kvpeer_core::{CloseReason, LinkLoss};
@@ -204,12 +208,18 @@ fn told_identity(e: &NodeError) -> Option<PeerId> {
     let PeerEnd::Session(session) = &**end else {
         return None;
     };
-    match &session.reason {
-        CloseReason::ConnectionLost(LinkLoss::IdentityMismatch { calls_itself, .. }) => {
-            Some(PeerId::new(calls_itself))
-        }
-        _ => None,
-    }
+    let CloseReason::ConnectionLost(LinkLoss::IdentityMismatch {
+        dialed,
+        calls_itself,
+    }) = &session.reason
+    else {
+        return None;
+    };
+    let (dialed, told) = (
+        PeerAddr::parse(dialed).ok()?,
+        PeerAddr::parse(calls_itself).ok()?,
+    );
+    on_dialed_host(&dialed, &told).then(|| told.to_peer_id())
 }
 
 fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {

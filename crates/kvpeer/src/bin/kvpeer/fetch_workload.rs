@@ -141,6 +141,10 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), FetchError> {
             if let Some(signal) = signals.forever().next() {
                 // The object may not exist yet (or any more), or at all (a tcp or nixl pool is
                 // anonymous memory): nothing to remove then.
+                // Its fence words too (kvpeer_store::fence), whatever became of the pool.
+                let _ = nix::sys::mman::shm_unlink(
+                    kvpeer_store::fence::object_name(path.as_str()).as_str(),
+                );
                 match nix::sys::mman::shm_unlink(path.as_str()) {
                     Ok(()) => {
                         crate::report::fatal!(
