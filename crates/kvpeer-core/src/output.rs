@@ -105,9 +105,11 @@ impl Outbox {
             self.load_done(f.job, f.kv_request_id, false, f.live);
         } else {
             self.counters.loads_fencing += 1;
-            tracing::warn!(peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
-                confirmed = f.confirmed,
-                "a failed load's blocks may still be written by the peer; held until fenced");
+            // A peer can cause it at will (a write it keeps in progress): throttled (G8).
+            crate::warn_throttled!(self.throttle, now,
+                "a failed load's blocks may still be written by the peer; held until fenced",
+                peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
+                confirmed = f.confirmed);
             self.fences.hold(f, now);
         }
     }
@@ -115,10 +117,10 @@ impl Outbox {
     /// Reports the held loads whose blocks are fenced now.
     pub(crate) fn settle_fences(&mut self, plane: &mut dyn DataPlane, now: Instant) {
         for f in self.fences.take_fenced(plane, now) {
-            tracing::info!(peer = %f.peer, kv_request_id = %f.kv_request_id,
-                blocks = f.blocks.len(),
-                waited_ms = now.saturating_duration_since(f.since).as_millis() as u64,
-                "a failed load's blocks are fenced; handing them back");
+            crate::info_throttled!(self.throttle, now,
+                "a failed load's blocks are fenced; handing them back",
+                peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
+                waited_ms = now.saturating_duration_since(f.since).as_millis() as u64);
             self.load_done(f.job, f.kv_request_id, false, f.live);
         }
     }
