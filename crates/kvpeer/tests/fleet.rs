@@ -17,6 +17,7 @@ use kvpeer_core::LookupResult;
 use kvpeer_proto::{OffloadKey, PeerId};
 
 mod common;
+use common::engines::keys;
 use common::fleet::{Fleet, Host};
 use common::num;
 
@@ -51,10 +52,6 @@ fn consumer_on(host: &Host, tag: &str, blocks: u64, block_len: u64) -> Node {
             .unwrap();
         Node::start(config).unwrap()
     })
-}
-
-fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
-    range.map(synthetic::key).collect()
 }
 
 /// Looks up and fetches `keys` from `peer` as request `id`; every byte checked.

@@ -13,45 +13,16 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode, PoolNodeStats};
-use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PlaneKind};
+use kvpeer::{synthetic, Node, OffloadKey};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::keys::{key_event, KeyEvent};
 use kvpeer_pool::{Catalog, CatalogLimits, HashForm, Publisher, StoreChange};
 use kvpeer_proto::events::{encode_batch, BlockHash, BlockStored, KvEvent};
 
 mod common;
+use common::engines::{engine, keys, node, LEN};
 use common::events::replayed_until;
 use common::free_port;
-
-const LEN: u64 = 4096;
-
-fn node(tag: &str, blocks: u64) -> Node {
-    let config = NodeConfig::builder(tag)
-        .plane(PlaneKind::Tcp)
-        .num_blocks(blocks)
-        .block_len(LEN)
-        .build()
-        .unwrap();
-    Node::start(config).unwrap()
-}
-
-fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
-    range.map(synthetic::key).collect()
-}
-
-/// An engine node holding synthetic blocks `0..n`.
-fn engine(tag: &str, n: u64) -> Node {
-    let e = node(tag, n.max(1));
-    let blocks = keys(0..n)
-        .into_iter()
-        .map(|k| {
-            let v = synthetic::content(&k, LEN as usize);
-            (k, v)
-        })
-        .collect();
-    e.store(blocks).unwrap();
-    e
-}
 
 enum Say {
     /// A batch announcing these keys stored.

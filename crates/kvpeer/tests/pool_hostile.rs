@@ -24,43 +24,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvpeer::{synthetic, Node, NodeConfig, OffloadKey, PeerId, PlaneKind};
+use kvpeer::{synthetic, OffloadKey, PeerId};
 use kvpeer_net::events::{EventPublisher, PublisherConfig};
 use kvpeer_net::zmtp::{self, Decoder, Input};
 use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
 
 mod common;
+use common::engines::{engine, keys, node, LEN};
 use common::{free_port, http_get, metrics_addr, samples, Proc};
-
-const LEN: u64 = 4096;
-
-fn node(tag: &str, blocks: u64) -> Node {
-    let config = NodeConfig::builder(tag)
-        .plane(PlaneKind::Tcp)
-        .num_blocks(blocks)
-        .block_len(LEN)
-        .build()
-        .unwrap();
-    Node::start(config).unwrap()
-}
-
-fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
-    range.map(synthetic::key).collect()
-}
-
-/// An engine's P2P side: a node holding synthetic blocks `0..n`.
-fn engine(tag: &str, n: u64) -> Node {
-    let e = node(tag, n);
-    let blocks = keys(0..n)
-        .into_iter()
-        .map(|k| {
-            let v = synthetic::content(&k, LEN as usize);
-            (k, v)
-        })
-        .collect();
-    e.store(blocks).unwrap();
-    e
-}
 
 /// A `KVEventBatch` announcing `keys` stored on the CPU tier, as vLLM's would.
 fn batch(keys: &[OffloadKey]) -> Vec<u8> {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvpeer_proto::PeerId;
 
 pub(crate) mod cli;
+pub(crate) mod engines;
 pub(crate) mod events;
 pub(crate) mod fleet;
 pub(crate) mod node;
