@@ -86,8 +86,6 @@ def kvpeer_tier(port: int, plane: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-@dataclass
-
 def _shm_objects_of_group(pgid: int) -> set[str]:
     """The vLLM multiprocessing objects in /dev/shm that processes of group `pgid` map."""
     found: set[str] = set()
@@ -109,6 +107,8 @@ def _shm_objects_of_group(pgid: int) -> set[str]:
             continue  # gone meanwhile, or not ours to read
     return found
 
+
+@dataclass
 class Engine:
     """One engine process; `tier_label` is how vLLM labels its secondary tier's counters."""
 
