@@ -40,5 +40,5 @@ pub use crate::error::{
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{
     BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlanePoll, Registration,
-    RemoteMemory, ServeCtx, StoreJob, TransferId,
+    RemoteMemory, ServeCtx, StoreJob, TransferId, WriteEnd,
 };

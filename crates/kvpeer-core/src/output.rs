@@ -33,6 +33,17 @@ pub enum Event {
         /// Whether every block landed.
         success: bool,
     },
+    /// A load failed, but its producer may still write its blocks (it did not confirm its
+    /// writes ended, and the plane cannot fence them yet): the failure is known now, and the
+    /// request's lookups answer MISS; the blocks stay reserved until the load's
+    /// [`Event::LoadDone`] (a failure) hands them back, once no write can land in them
+    /// (vLLM 0.34's deferred release).
+    LoadHeld {
+        /// The job given to [`Core::submit_load`](crate::Core::submit_load).
+        job: JobId,
+        /// Its request.
+        kv_request_id: KvRequestId,
+    },
     /// A store job ended; the core has already completed it at the [`Parent`](crate::Parent).
     StoreDone {
         /// The job.
@@ -101,7 +112,7 @@ impl Outbox {
     /// Ends a load that failed: reported now if no write of its producer can land in its
     /// blocks any more, else held until the plane fences them ([`Outbox::settle_fences`]).
     pub(crate) fn fail_load(&mut self, plane: &mut dyn DataPlane, now: Instant, f: Fencing) {
-        if plane.writes_fenced(&f.peer, &f.blocks, f.confirmed) {
+        if plane.writes_fenced(&f.peer, &f.blocks, f.end()) {
             self.load_done(f.job, f.kv_request_id, false, f.live);
         } else {
             self.counters.loads_fencing += 1;
@@ -110,6 +121,15 @@ impl Outbox {
                 "a failed load's blocks may still be written by the peer; held until fenced",
                 peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
                 confirmed = f.confirmed);
+            // The failure is reported now; only the blocks wait. Its lookups answer MISS from
+            // now on, so the settled `LoadDone` must not fail the id again.
+            if f.live {
+                self.failed_loads.push(f.kv_request_id.clone());
+            }
+            self.events.push_back(Event::LoadHeld {
+                job: f.job,
+                kv_request_id: f.kv_request_id.clone(),
+            });
             self.fences.hold(f, now);
         }
     }
@@ -121,7 +141,7 @@ impl Outbox {
                 "a failed load's blocks are fenced; handing them back",
                 peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
                 waited_ms = now.saturating_duration_since(f.since).as_millis() as u64);
-            self.load_done(f.job, f.kv_request_id, false, f.live);
+            self.load_done(f.job, f.kv_request_id, false, false);
         }
     }
 

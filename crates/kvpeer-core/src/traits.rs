@@ -5,6 +5,8 @@
 //! block: anything slow (registering a peer's memory, moving bytes) starts here and reports its
 //! completion later, when the core polls for it.
 
+use std::time::Instant;
+
 use kvpeer_proto::{OffloadKey, PeerId};
 
 use crate::error::PlaneError;
@@ -22,6 +24,17 @@ pub enum LookupResult {
     HitPending,
     /// Cannot answer now: ask again soon.
     Retry,
+}
+
+/// How a load's writes ended, for [`DataPlane::writes_fenced`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteEnd {
+    /// The peer said its writes into the blocks ended (its `transfer_done` or `abort_ack`);
+    /// otherwise the load timed out or the session ended, and a stalled peer may still be in
+    /// the middle of a write.
+    pub confirmed: bool,
+    /// When the load ended (its blocks' writes were ended with [`DataPlane::end_writes`]).
+    pub at: Instant,
 }
 
 /// Keys pinned by [`Parent::create_store_job`], and where they lie.
@@ -145,14 +158,12 @@ pub trait DataPlane {
     fn end_writes(&mut self, _peer: &PeerId, _blocks: &[BlockIndex]) {}
 
     /// Whether no write of `peer` can land in `blocks` any more, for a load that named them and
-    /// has ended ([`DataPlane::end_writes`] was called). `confirmed`: the peer said its writes
-    /// into them ended (its `transfer_done` or `abort_ack`); otherwise the load timed out or the
-    /// session ended, and a stalled peer may still be in the middle of a write. The core hands
+    /// has ended ([`DataPlane::end_writes`] was called), `end` saying how and when. The core hands
     /// a load's blocks back (its [`Event::LoadDone`](crate::Event::LoadDone)) only once this is
     /// true, asking again every [`FENCE_RECHECK`](crate::FENCE_RECHECK) and after the peer was
     /// removed, so a late write never lands in a block that serves another key. A plane whose
     /// writes cannot outlive [`DataPlane::end_writes`] keeps the default, `true`.
-    fn writes_fenced(&mut self, _peer: &PeerId, _blocks: &[BlockIndex], _confirmed: bool) -> bool {
+    fn writes_fenced(&mut self, _peer: &PeerId, _blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         true
     }
 
@@ -214,8 +225,8 @@ impl<T: DataPlane + ?Sized> DataPlane for Box<T> {
     fn end_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {
         (**self).end_writes(peer, blocks)
     }
-    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], confirmed: bool) -> bool {
-        (**self).writes_fenced(peer, blocks, confirmed)
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], end: WriteEnd) -> bool {
+        (**self).writes_fenced(peer, blocks, end)
     }
     fn connect_metadata(
         &mut self,

@@ -7,7 +7,9 @@ mod support;
 
 use std::time::Duration;
 
-use kvpeer_core::{JobId, LinkLoss, LookupResult, Registration, RequestRoles};
+use kvpeer_core::{
+    BlockIndex, CoreConfig, JobId, LinkLoss, LookupResult, Registration, RequestRoles,
+};
 use kvpeer_proto::{ConnectAck, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
@@ -468,6 +470,16 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
         m.load_results().is_empty(),
         "block 11 may still be written: held"
     );
+    assert_eq!(
+        m.held_loads(),
+        vec![JobId::new(5)],
+        "the failure itself is reported at once (vLLM 0.34's deferred release)"
+    );
+    assert_eq!(
+        m.lookup("r", &key(3)),
+        LookupResult::Miss,
+        "and the request's lookups answer MISS from then on"
+    );
     assert_eq!(m.core.stats().fencing_loads, 1);
     assert_eq!(m.core.stats().fencing_blocks, 2);
     assert!(m.core.poll_timeout().is_some(), "the fence is asked again");
@@ -489,6 +501,82 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
     assert_eq!(m.core.stats().fencing_loads, 0);
     m.finish("r");
     m.assert_clean();
+}
+
+/// A host whose producers left their share of blocks that they may still write (stalled past
+/// every timeout) gets no more loads until those are fenced: each is failed at once, no fetch
+/// sent, no block reserved for it; a stalling host costs its own share of the pool, not the
+/// pool. Once the blocks are fenced, its loads go out again.
+#[test]
+fn a_host_holding_its_share_of_unfenced_blocks_gets_no_more_loads() {
+    let mut m = Mock::with_config(CoreConfig {
+        max_pins_per_peer: Some(3),
+        ..CoreConfig::default()
+    });
+    m.plane().fence_needs_write_end = true;
+    m.ready_source("r");
+    m.load(5, "r", vec![key(1), key(2)], vec![10, 11]);
+    m.stall_write(11);
+    m.advance(S(41));
+    assert_eq!(m.held_loads(), vec![JobId::new(5)]);
+    assert_eq!(m.core.stats().fencing_blocks, 2);
+    m.finish("r");
+
+    // The same peer again (a new session): 2 held + 2 asked is over its host's share of 3.
+    m.ready_source("r2");
+    m.take_sent();
+    m.load(6, "r2", vec![key(3), key(4)], vec![12, 13]);
+    assert!(
+        m.load_results().contains(&(JobId::new(6), false)),
+        "refused at once: {:?}",
+        m.load_results()
+    );
+    assert!(
+        !m.take_sent()
+            .iter()
+            .any(|msg| is_type(msg, kvpeer_proto::MessageType::Fetch)),
+        "no fetch went out for it"
+    );
+    let peer = m.peer.clone();
+    assert!(
+        !m.plane()
+            .permits
+            .get(&peer)
+            .is_some_and(|p| p.contains(&BlockIndex::new(12))),
+        "and the peer may write none of its blocks"
+    );
+    // One block still fits the share.
+    m.load(7, "r2", vec![key(3)], vec![12]);
+    let round = fetch_round(&m.take_sent()).expect("a load within the share goes out");
+    m.recv(transfer_done("r2", true, round));
+    assert!(m.load_results().contains(&(JobId::new(7), true)));
+
+    // The stalled write ends: its blocks are fenced, and the host's loads go out again.
+    m.plane().writing.clear();
+    m.advance(S(2));
+    assert!(m.load_results().contains(&(JobId::new(5), false)));
+    assert_eq!(m.core.stats().fencing_blocks, 0);
+    m.load(8, "r2", vec![key(4), key(5), key(6)], vec![13, 14, 15]);
+    let round = fetch_round(&m.take_sent()).expect("the host's loads go out again");
+    m.recv(transfer_done("r2", true, round));
+    assert!(m.load_results().contains(&(JobId::new(8), true)));
+    m.finish("r2");
+    m.assert_clean();
+}
+
+/// The round of the one fetch among `sent`.
+fn fetch_round(sent: &[Message]) -> Option<u64> {
+    let rounds: Vec<u64> = sent
+        .iter()
+        .filter_map(|msg| match msg {
+            Message::Fetch(f) => Some(f.round_seq.0),
+            _ => None,
+        })
+        .collect();
+    match rounds[..] {
+        [round] => Some(round),
+        _ => None,
+    }
 }
 
 /// A peer confirming a failed load (`transfer_done` false) while the plane still sees its write

@@ -197,7 +197,7 @@ pub fn render(s: &NodeStats) -> String {
         "counter",
         c.fetch_blocks_served * s.store.block_len,
     );
-    let gauges: [(&str, &str, u64); 10] = [
+    let gauges: [(&str, &str, u64); 11] = [
         ("kvpeer_sessions", "live sessions", s.core.sessions as u64),
         (
             "kvpeer_client_requests",
@@ -232,6 +232,11 @@ pub fn render(s: &NodeStats) -> String {
             s.store.pinned,
         ),
         ("kvpeer_pool_free_blocks", "unused blocks", s.store.free),
+        (
+            "kvpeer_fencing_blocks",
+            "blocks of failed loads held until no write of their producer can land",
+            s.core.fencing_blocks as u64,
+        ),
     ];
     for (name, help, value) in gauges {
         metric(&mut out, name, help, "gauge", value);

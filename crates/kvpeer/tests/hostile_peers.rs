@@ -1073,3 +1073,90 @@ fn a_peer_that_dials_again_after_its_connection_closed_gets_a_new_session() {
         "after the peer dialed again",
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Idle means idle: a node whose peers died
+
+/// A node whose peers died or stopped answering stays idle: three consumers fetching from a
+/// tcp `kvpeer serve` are SIGKILLed (two) and SIGSTOPped (one, its connections still open)
+/// in the middle of their runs. Past every timeout of theirs (1 s here), with its writer's
+/// connections to them broken and its dial-backs failing with backoff, the node's threads
+/// together spend under 2% of a core over 3 s (6 ticks of 1/100 s), and an honest fetch right
+/// after is served byte-exact.
+#[test]
+fn a_node_whose_peers_died_stays_idle() {
+    let config = std::env::temp_dir().join(format!("kvpeer-idle-{}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        "lookup_timeout_s = 1\nload_timeout_s = 1\nhandshake_timeout_s = 1\nstore_timeout_s = 1\n",
+    )
+    .unwrap();
+    let config_arg = config.to_str().unwrap().to_owned();
+    let (node, id) = serve("tcp", 64, &["--config", &config_arg]);
+    let fetch_args = |plane: &'static str| {
+        vec![
+            "fetch",
+            "--miss-share",
+            "0",
+            "--peer",
+            &id,
+            "--plane",
+            plane,
+            "--blocks",
+            "64",
+            "--block-len",
+            "4096",
+            "--requests",
+            "100000000",
+            "--keys",
+            "8",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+    };
+    let mut consumers: Vec<Proc> = ["tcp", "tcp", "tcp"]
+        .into_iter()
+        .map(|plane| {
+            let args = fetch_args(plane);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            Proc::spawn(&args, "fetch")
+        })
+        .collect();
+    // All three are being served (lookups, hits fetched, misses asked again and again).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&node, "kvpeer_sessions") < 3.0
+        || metric(&node, "kvpeer_fetch_blocks_served_total") < 100.0
+        || metric(&node, "kvpeer_lookups_served_total") < 300.0
+    {
+        assert!(Instant::now() < deadline, "{}", node.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stopped = consumers.pop().unwrap();
+    let ok = std::process::Command::new("kill")
+        .args(["-STOP", &stopped.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    for c in &mut consumers {
+        c.kill9();
+    }
+
+    // Past every timeout, then measured.
+    std::thread::sleep(Duration::from_secs(3));
+    let pid = node.child.id();
+    let spent = common::ticks_over(pid, Duration::from_secs(3));
+    let total: u64 = spent.iter().map(|(_, t)| t).sum();
+    eprintln!("node with dead peers, CPU ticks (1/100 s) per thread over 3 s: {spent:?}");
+    assert!(
+        total < 6,
+        "the node with dead peers spent {total} ticks in 3 s: {spent:?}\n{}",
+        node.log()
+    );
+
+    // Still serving.
+    let honest = honest_fetch(&id, "tcp", 20, 4, &[]);
+    assert_eq!(honest.status, 0, "{}", honest.stderr);
+    drop(stopped);
+    let _ = std::fs::remove_file(&config);
+}

@@ -31,7 +31,7 @@ use kvpeer_pool::{Catalog, CatalogLimits, Publisher, StoreChange};
 
 mod common;
 use common::engines::{engine, keys, node, LEN};
-use common::{free_port, http_get, metrics_addr, samples, Proc};
+use common::{free_port, http_get, metrics_addr, samples, ticks_over, Proc};
 
 /// A `KVEventBatch` announcing `keys` stored on the CPU tier, as vLLM's would.
 fn batch(keys: &[OffloadKey]) -> Vec<u8> {
@@ -233,46 +233,6 @@ fn assert_pool_serves(pool: &PeerId, want: &[OffloadKey], tag: &str) {
     }
     req.finish();
     consumer.shutdown(Duration::from_secs(3));
-}
-
-/// CPU ticks (user + system, 1/100 s) of each thread of process `pid`, by thread name.
-fn thread_ticks(pid: u32) -> Vec<(String, u64)> {
-    let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let name = stat[open + 1..close].to_owned();
-        // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name's ')'.
-        let f: Vec<u64> = stat[close + 1..]
-            .split_whitespace()
-            .map(|x| x.parse().unwrap_or(0))
-            .collect();
-        out.push((
-            name,
-            f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0),
-        ));
-    }
-    out
-}
-
-/// What each thread of `pid` spent during `window`, in ticks (threads that came or went in
-/// it count what they spent while seen).
-fn ticks_over(pid: u32, window: Duration) -> Vec<(String, u64)> {
-    let before = thread_ticks(pid);
-    std::thread::sleep(window);
-    let after = thread_ticks(pid);
-    after
-        .into_iter()
-        .map(|(name, t)| {
-            let was = before
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map_or(0, |(_, t)| *t);
-            (name, t.saturating_sub(was))
-        })
-        .collect()
 }
 
 /// A pool node whose engine stopped (first its P2P side, so pulls fail, then its event

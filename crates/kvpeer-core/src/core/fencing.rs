@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_proto::{KvRequestId, PeerId};
 
-use crate::traits::{BlockIndex, DataPlane, JobId};
+use crate::traits::{BlockIndex, DataPlane, JobId, WriteEnd};
 
 /// How soon loads waiting for their fence are asked about again; the wait doubles while none
 /// settles, up to [`FENCE_RECHECK_MAX`] (a block a killed writer left mid-copy never settles,
@@ -33,7 +33,8 @@ pub(crate) const FENCE_RECHECK_MAX: Duration = Duration::from_secs(1);
 pub(crate) struct Fencing {
     pub(crate) job: JobId,
     pub(crate) kv_request_id: KvRequestId,
-    /// Whether the engine still runs the request (its lookups then answer MISS).
+    /// Whether the engine still runs the request (its failure then makes its lookups answer
+    /// MISS: done when the load is held, not again when it settles).
     pub(crate) live: bool,
     /// The producer that was writing them.
     pub(crate) peer: PeerId,
@@ -42,6 +43,16 @@ pub(crate) struct Fencing {
     pub(crate) confirmed: bool,
     /// When it started waiting (for the log once it settles).
     pub(crate) since: Instant,
+}
+
+impl Fencing {
+    /// How its writes ended, for the plane.
+    pub(crate) fn end(&self) -> WriteEnd {
+        WriteEnd {
+            confirmed: self.confirmed,
+            at: self.since,
+        }
+    }
 }
 
 /// The loads waiting for their fence.
@@ -75,12 +86,13 @@ impl Fences {
         self.recheck_at = Some(now + FENCE_RECHECK);
     }
 
-    /// The engine finished request `id`: its held loads, once fenced, answer none of its
-    /// lookups (the id leaves the failed set with `finish` and must not come back with them).
-    pub(crate) fn request_finished(&mut self, id: &KvRequestId) {
-        for f in self.waiting.iter_mut().filter(|f| &f.kv_request_id == id) {
-            f.live = false;
-        }
+    /// Blocks held by loads from peers of `host` ([`host_of`](super::index::host_of)).
+    pub(crate) fn held_blocks_of_host(&self, host: &str) -> usize {
+        self.waiting
+            .iter()
+            .filter(|f| super::index::host_of(&f.peer) == host)
+            .map(|f| f.blocks.len())
+            .sum()
     }
 
     /// Takes every waiting load whose blocks are now fenced; arms the next recheck.
@@ -89,7 +101,7 @@ impl Fences {
         let mut i = 0;
         while i < self.waiting.len() {
             let f = &self.waiting[i];
-            if plane.writes_fenced(&f.peer, &f.blocks, f.confirmed) {
+            if plane.writes_fenced(&f.peer, &f.blocks, f.end()) {
                 fenced.push(self.waiting.swap_remove(i));
             } else {
                 i += 1;

@@ -541,6 +541,19 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             return;
         }
         let now = self.now;
+        let host = index::host_of(&source.peer);
+        let held = self.out.fences.held_blocks_of_host(&host);
+        let share = self.config.pins_per_peer(self.local.num_blocks);
+        if held > 0 && held.saturating_add(blocks.len()) > share {
+            // Its producers left that many blocks that they may still write: a host that
+            // stalls costs its own share of the pool, not everyone's (docs/security.md, G2').
+            crate::warn_throttled!(self.out.throttle, now,
+                "load refused: the producer's host holds its share of blocks it may still write",
+                kv_request_id = %id, peer = %source.peer, held, share);
+            self.out.load_done(job, id.clone(), false, true);
+            self.settle();
+            return;
+        }
         match self.sessions.get_mut(&source.peer) {
             Some(session) if !session.is_dead() => {
                 // From now on the producer may write into these blocks (and only these).
@@ -581,7 +594,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         let id = &req.id;
         self.failed.remove(id);
-        self.out.fences.request_finished(id);
         let peer = match &req.roles.source {
             Some(source) => Some(source.peer.clone()),
             None => self.bound.remove(id),

@@ -18,7 +18,7 @@ use crate::config::CoreConfig;
 use crate::core::fencing::Fencing;
 use crate::output::{Link, Outbox};
 use crate::timer::{earliest, Lane};
-use crate::traits::{BlockIndex, JobId};
+use crate::traits::{BlockIndex, JobId, WriteEnd};
 
 /// One load the engine submitted: fetch `keys` into local `blocks`.
 #[derive(Debug)]
@@ -383,7 +383,11 @@ impl ClientRole {
         let live = !req.is_finished() && !load.of_finished;
         self.active_loads -= 1;
         cx.plane.end_writes(&self.peer, &load.blocks);
-        if success && cx.plane.writes_fenced(&self.peer, &load.blocks, true) {
+        let end = WriteEnd {
+            confirmed: true,
+            at: cx.now,
+        };
+        if success && cx.plane.writes_fenced(&self.peer, &load.blocks, end) {
             cx.out.load_done(load.job, id.clone(), true, live);
         } else {
             let fencing = Fencing {

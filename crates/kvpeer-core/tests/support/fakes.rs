@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, JobId, LookupResult, Parent, PlaneError, PlaneErrorKind,
-    PlanePoll, Registration, RemoteMemory, ServeCtx, StoreJob, TransferId,
+    PlanePoll, Registration, RemoteMemory, ServeCtx, StoreJob, TransferId, WriteEnd,
 };
 use kvpeer_proto::{OffloadKey, PeerId};
 
@@ -288,7 +288,7 @@ impl DataPlane for FakePlane {
         }
     }
 
-    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         let removed = self.removed.contains(peer) && !self.registrations.contains_key(peer);
         match self.writing.get(peer) {
             Some(w) if blocks.iter().any(|b| w.contains(b)) => {

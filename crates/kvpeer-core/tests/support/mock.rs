@@ -250,6 +250,17 @@ impl Mock {
             .collect()
     }
 
+    /// Loads reported failed while their blocks stay held (`LoadHeld`).
+    pub fn held_loads(&self) -> Vec<JobId> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::LoadHeld { job, .. } => Some(*job),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub fn store_results(&self) -> Vec<(JobId, bool)> {
         self.events
             .iter()

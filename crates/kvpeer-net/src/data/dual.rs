@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
-    TransferId,
+    TransferId, WriteEnd,
 };
 use kvpeer_proto::PeerId;
 use tracing::debug;
@@ -213,10 +213,10 @@ impl DataPlane for DualPlane {
         self.tcp.end_writes(peer, blocks);
     }
 
-    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], confirmed: bool) -> bool {
+    fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], end: WriteEnd) -> bool {
         // Both: whichever plane the peer chose, neither may still be writing.
-        let shm = self.shm.writes_fenced(peer, blocks, confirmed);
-        let tcp = self.tcp.writes_fenced(peer, blocks, confirmed);
+        let shm = self.shm.writes_fenced(peer, blocks, end);
+        let tcp = self.tcp.writes_fenced(peer, blocks, end);
         shm && tcp
     }
 

@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
-    TransferId,
+    TransferId, WriteEnd,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
@@ -249,6 +249,19 @@ struct Peer {
     num_blocks: u64,
 }
 
+/// The NIXL agent a peer identity last registered with.
+struct AgentSeen {
+    name: String,
+    /// When an agent of another name took this identity over: the one before is gone (a
+    /// process holds its identity's port while it lives, stalled or not), so no write of a
+    /// load it was given before then can still land.
+    replaced_at: Option<Instant>,
+}
+
+/// Identities whose agents are remembered; past it only those of registered peers are kept
+/// (a forgotten one only keeps its held loads held longer).
+const MAX_AGENTS_SEEN: usize = 4096;
+
 /// A registration on its helper thread: the peer's block count, and where its result arrives.
 struct Pending {
     num_blocks: u64,
@@ -321,6 +334,8 @@ pub struct NixlPlane {
     /// This node's agent name: a peer presenting it is refused.
     agent_name: String,
     failed: HashMap<PeerId, NixlRefusal>,
+    /// The agent each identity last registered with ([`DataPlane::writes_fenced`]).
+    agents: HashMap<PeerId, AgentSeen>,
     /// Remote agents a registration thread loaded and then did not keep (cancelled, failed
     /// after the load, or nobody waited any more): unloaded by this plane's thread unless a
     /// registered peer uses the same agent (an honest peer that connected again).
@@ -430,12 +445,38 @@ impl NixlPlane {
             peers: HashMap::new(),
             pending: HashMap::new(),
             failed: HashMap::new(),
+            agents: HashMap::new(),
             orphans: Arc::default(),
             next_tid: TransferId::new(0),
             shared,
             watcher: Some(watcher),
             wake,
         })
+    }
+
+    /// Remembers that `peer` registered with agent `name` (see [`AgentSeen`]).
+    fn saw_agent(&mut self, peer: &PeerId, name: &str) {
+        if self.agents.len() >= MAX_AGENTS_SEEN && !self.agents.contains_key(peer) {
+            let peers = &self.peers;
+            self.agents.retain(|p, _| peers.contains_key(p));
+        }
+        match self.agents.get_mut(peer) {
+            Some(seen) if seen.name == name => {}
+            Some(seen) => {
+                debug!(%peer, old = %seen.name, new = %name, "nixl: the peer's agent was replaced");
+                seen.name = name.to_owned();
+                seen.replaced_at = Some(Instant::now());
+            }
+            None => {
+                self.agents.insert(
+                    peer.clone(),
+                    AgentSeen {
+                        name: name.to_owned(),
+                        replaced_at: None,
+                    },
+                );
+            }
+        }
     }
 
     /// NIXL's metadata blob: what this node advertises as `agent_metadata`.
@@ -732,6 +773,7 @@ impl DataPlane for NixlPlane {
                 debug!(%peer, "nixl registration landed");
                 match result {
                     Ok((name, dlist)) => {
+                        self.saw_agent(peer, &name);
                         self.peers.insert(
                             peer.clone(),
                             Peer {
@@ -848,13 +890,20 @@ impl DataPlane for NixlPlane {
     }
 
     /// NIXL writes are one-sided: this node sees nothing of them, and the primary region stays
-    /// registered for every peer. The peer's word that its writes ended (`transfer_done`,
-    /// `abort_ack`) is the fence, as in vLLM 0.34; without it, the session's end is: the
-    /// peer's metadata is invalidated and its connection with it, so a stalled peer that
-    /// resumes finds no session and no endpoint (docs/security.md, "Wrong KV after a failed
-    /// load": same-host UCX transports that map our memory are the open case).
-    fn writes_fenced(&mut self, peer: &PeerId, _blocks: &[BlockIndex], confirmed: bool) -> bool {
-        confirmed || (!self.peers.contains_key(peer) && !self.pending.contains_key(peer))
+    /// registered for every peer. Nor does the session's end stop them: a producer that
+    /// resumes after it keeps the metadata it loaded and its endpoint, and UCX's loopback
+    /// transports (tcp, cma) check no key on our side (measured: a SIGSTOPped `kvpeer serve`
+    /// resumed after the session ended wrote its blocks; vLLM 0.34 releases at that point).
+    /// So the fence is the peer's word that its writes ended (`transfer_done`, `abort_ack`),
+    /// or proof that its agent is gone: another agent registered for its identity after the
+    /// load ended. Until then the blocks stay held (at most a share per host: the core).
+    fn writes_fenced(&mut self, peer: &PeerId, _blocks: &[BlockIndex], end: WriteEnd) -> bool {
+        end.confirmed
+            || self
+                .agents
+                .get(peer)
+                .and_then(|a| a.replaced_at)
+                .is_some_and(|replaced| replaced > end.at)
     }
 
     fn cancel(&mut self, ids: &[TransferId], mode: CancelMode) -> Vec<TransferId> {

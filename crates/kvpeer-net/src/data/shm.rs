@@ -44,7 +44,7 @@ use std::thread::JoinHandle;
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
-    TransferId,
+    TransferId, WriteEnd,
 };
 use kvpeer_proto::PeerId;
 use kvpeer_store::fence::{self, PeerFence};
@@ -503,7 +503,7 @@ impl DataPlane for ShmPlane {
         }
     }
 
-    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         // Even a peer's word is not taken for it: a copy in progress holds its block's word.
         // Every block is revoked now (no short cut at the first still being written), so none
         // of them can take a write that has not started yet.

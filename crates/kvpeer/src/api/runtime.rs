@@ -408,6 +408,12 @@ impl Runtime {
             // Keys still at RETRY (no session yet, or asked while it was opening) go out now.
             self.io.core.flush_lookups(now);
         }
+        for job in self.io.take_held_loads() {
+            // Failed now; its blocks stay reserved here until its result below.
+            if let Some(reply) = self.loads.get_mut(&job).and_then(|l| l.reply.take()) {
+                let _ = reply.send(Err(NodeError::LoadFailed));
+            }
+        }
         for (job, success) in self.io.take_load_results() {
             let Some(l) = self.loads.remove(&job) else {
                 continue;

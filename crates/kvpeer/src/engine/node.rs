@@ -363,6 +363,10 @@ impl EngineNode {
             // Keys asked while the session was still opening go out now.
             self.io.core.flush_lookups(now);
         }
+        // A held load (failed, its producer may still write its blocks) is reported to the
+        // engine only with its result, once fenced: an engine on vLLM 0.32/0.33 frees a failed
+        // load's blocks when told, and has no deferred release.
+        let _ = self.io.take_held_loads();
         self.events.extend(
             self.io
                 .take_load_results()

@@ -73,6 +73,9 @@ pub struct NodeIo<P: Parent = BlockStore> {
     /// caller takes its result once (the runtime keeps a load until it does), so this holds
     /// only loads that ended since the caller last looked.
     loads_done: HashMap<JobId, bool>,
+    /// Loads that failed while their blocks stay reserved (the core's `LoadHeld`: their
+    /// producer may still write them); each also ends in `loads_done` once fenced.
+    loads_held: Vec<JobId>,
     /// What the core reported for the drivers that answer callers (lookups with new answers,
     /// ended sessions and stores), once one watches.
     outcomes: Outcomes,
@@ -180,6 +183,7 @@ impl<P: Parent> NodeIo<P> {
             core,
             channel,
             loads_done: HashMap::new(),
+            loads_held: Vec::new(),
             outcomes: Outcomes::default(),
             closed: Default::default(),
             wake,
@@ -467,6 +471,12 @@ impl<P: Parent> NodeIo<P> {
         self.outcomes.take()
     }
 
+    /// Loads known failed since the last call whose blocks stay reserved until their result
+    /// (a failure) comes through [`NodeIo::take_load_results`], each once.
+    pub fn take_held_loads(&mut self) -> Vec<JobId> {
+        std::mem::take(&mut self.loads_held)
+    }
+
     /// Every load result not yet taken (job, every block landed), each once.
     pub fn take_load_results(&mut self) -> Vec<(JobId, bool)> {
         self.loads_done.drain().collect()
@@ -634,6 +644,11 @@ impl<P: Parent> NodeIo<P> {
                             self.outcomes.lookup_answered(kv_request_id);
                         }
                         self.loads_done.insert(job, success);
+                    }
+                    Event::LoadHeld { job, kv_request_id } => {
+                        // The request's lookups answer MISS from now on.
+                        self.outcomes.lookup_answered(kv_request_id);
+                        self.loads_held.push(job);
                     }
                     Event::StoreDone { job, success } => {
                         // Already completed at the parent by the core.

@@ -78,7 +78,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, CancelMode, DataPlane, PlaneError, PlanePoll, Registration, RemoteMemory,
-    TransferId,
+    TransferId, WriteEnd,
 };
 use kvpeer_proto::{is_peer_ip, PeerAddr, PeerId};
 use kvpeer_store::PoolWriter;
@@ -646,7 +646,7 @@ impl DataPlane for TcpPlane {
         }
     }
 
-    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _confirmed: bool) -> bool {
+    fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         // `end_writes` revoked the permits and cut the connections reading into the blocks; a
         // claim taken before that lives until the receiver drops it (its read ended).
         self.pool.unclaimed(blocks)
