@@ -104,6 +104,21 @@ impl CloseReason {
     pub fn is_orderly(&self) -> bool {
         matches!(self, CloseReason::Closed | CloseReason::PeerDisconnected)
     }
+
+    /// The peer's side ended it: it said `disconnect`, or its host closed or reset its
+    /// connection (its process exited, or closed the socket). A stalled process (SIGSTOP, a GC
+    /// pause, a paused VM) does neither; its session ends by our timeouts instead.
+    pub fn ended_by_peer(&self) -> bool {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+        matches!(
+            self,
+            CloseReason::PeerDisconnected
+                | CloseReason::ConnectionLost(
+                    LinkLoss::ClosedByPeer
+                        | LinkLoss::Socket(ConnectionReset | ConnectionAborted | BrokenPipe)
+                )
+        )
+    }
 }
 
 /// Why this node will not talk to a peer: its own policy, not anything the peer did.

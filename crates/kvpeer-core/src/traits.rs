@@ -33,6 +33,10 @@ pub struct WriteEnd {
     /// otherwise the load timed out or the session ended, and a stalled peer may still be in
     /// the middle of a write.
     pub confirmed: bool,
+    /// The load ended with its session, and the peer's side ended that session
+    /// ([`CloseReason::ended_by_peer`](crate::CloseReason::ended_by_peer)): its process
+    /// exited or closed its connection, which a stalled one does not.
+    pub peer_ended: bool,
     /// When the load ended (its blocks' writes were ended with [`DataPlane::end_writes`]).
     pub at: Instant,
 }

@@ -272,3 +272,65 @@ fn a_stalled_tcp_producer_never_writes_a_block_given_to_another_key() {
 fn a_stalled_nixl_producer_never_writes_a_block_given_to_another_key() {
     stalled_producer_never_writes_a_reused_block("nixl", PlaneKind::Nixl);
 }
+
+/// A nixl producer that dies in the middle of a load (SIGKILL: its host resets the
+/// connection) is no stalled one: its blocks come back at once, before the load timeout, and
+/// an honest load takes them (the consumer holds exactly one load's worth).
+#[cfg(feature = "nixl")]
+#[test]
+fn a_killed_nixl_producers_blocks_come_back_at_once() {
+    common::vllm::ucx_env();
+    let (dying, dying_id) = serve("nixl", 16).start_serving();
+    let (honest, honest_id) = serve("nixl", 32).start_serving();
+    let config = NodeConfig::builder("killed-consumer")
+        .num_blocks(CONSUMER_BLOCKS)
+        .block_len(BLOCK)
+        .plane(PlaneKind::Nixl)
+        .set("nixl_lib_dir", common::vllm::nixl_lib_dir())
+        .set("max_pins_per_peer", CONSUMER_BLOCKS)
+        .set("load_timeout_s", 30)
+        .build()
+        .unwrap();
+    let consumer = Node::start(config).unwrap();
+    let wait = Duration::from_secs(20);
+    let doomed = keys(0..8);
+    let req = consumer.request(&dying_id, "doomed").unwrap();
+    req.lookup(&doomed, wait).unwrap();
+    // Stopped so its write cannot finish first, then killed while the fetch waits.
+    signal(&dying, "-STOP");
+    let pid = dying.child.id().to_string();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        Command::new("kill").args(["-KILL", &pid]).status().unwrap()
+    });
+    let started = Instant::now();
+    assert!(req.fetch(&doomed, wait).is_err());
+    let failed_after = started.elapsed();
+    assert!(killer.join().unwrap().success());
+    req.finish();
+    assert!(
+        failed_after < Duration::from_secs(10),
+        "failed after {failed_after:?}: the producer's death, not the 30 s load timeout"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while consumer.stats().unwrap().core.fencing_blocks > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the dead producer's blocks stay held"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let honest_keys = keys(16..24);
+    let req = consumer.request(&honest_id, "after-the-death").unwrap();
+    req.lookup(&honest_keys, wait).unwrap();
+    req.fetch(&honest_keys, wait).unwrap();
+    req.finish();
+    for k in &honest_keys {
+        assert_eq!(
+            consumer.read(k).as_deref(),
+            Some(&synthetic::content(k, BLOCK as usize)[..])
+        );
+    }
+    consumer.shutdown(Duration::from_secs(2));
+    drop((dying, honest));
+}

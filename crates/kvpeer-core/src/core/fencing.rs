@@ -41,6 +41,8 @@ pub(crate) struct Fencing {
     pub(crate) blocks: Vec<BlockIndex>,
     /// The peer said its writes ended.
     pub(crate) confirmed: bool,
+    /// Its session ended from the peer's side (see [`WriteEnd::peer_ended`]).
+    pub(crate) peer_ended: bool,
     /// When it started waiting (for the log once it settles).
     pub(crate) since: Instant,
 }
@@ -50,6 +52,7 @@ impl Fencing {
     pub(crate) fn end(&self) -> WriteEnd {
         WriteEnd {
             confirmed: self.confirmed,
+            peer_ended: self.peer_ended,
             at: self.since,
         }
     }

@@ -722,6 +722,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.index.remove(peer);
         self.out.counters.sessions_closed += 1;
         self.bound.retain(|_, p| p != peer);
+        let peer_ended = session.death().is_some_and(CloseReason::ended_by_peer);
         let closed = session.close(&mut self.split().1);
         // The peer's registration goes first: its removal is what fences its writes on planes
         // that cannot revoke single blocks (nixl), so the loads below are asked after it.
@@ -735,6 +736,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                 peer: peer.clone(),
                 blocks,
                 confirmed: false,
+                peer_ended,
                 since: self.now,
             };
             self.out.fail_load(&mut self.plane, self.now, fencing);

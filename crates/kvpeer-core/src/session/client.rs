@@ -385,6 +385,7 @@ impl ClientRole {
         cx.plane.end_writes(&self.peer, &load.blocks);
         let end = WriteEnd {
             confirmed: true,
+            peer_ended: false,
             at: cx.now,
         };
         if success && cx.plane.writes_fenced(&self.peer, &load.blocks, end) {
@@ -397,6 +398,7 @@ impl ClientRole {
                 peer: self.peer.clone(),
                 blocks: load.blocks,
                 confirmed: true,
+                peer_ended: false,
                 since: cx.now,
             };
             cx.out.fail_load(cx.plane, cx.now, fencing);

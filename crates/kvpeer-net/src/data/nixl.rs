@@ -895,10 +895,13 @@ impl DataPlane for NixlPlane {
     /// transports (tcp, cma) check no key on our side (measured: a SIGSTOPped `kvpeer serve`
     /// resumed after the session ended wrote its blocks; vLLM 0.34 releases at that point).
     /// So the fence is the peer's word that its writes ended (`transfer_done`, `abort_ack`),
-    /// or proof that its agent is gone: another agent registered for its identity after the
-    /// load ended. Until then the blocks stay held (at most a share per host: the core).
+    /// or a sign that its process is gone: its side ended the session (`disconnect`, or its
+    /// host closed or reset the connection: it exited), or another agent registered for its
+    /// identity after the load ended. A stalled process gives none of these; its blocks stay
+    /// held (at most a share per host: the core).
     fn writes_fenced(&mut self, peer: &PeerId, _blocks: &[BlockIndex], end: WriteEnd) -> bool {
         end.confirmed
+            || end.peer_ended
             || self
                 .agents
                 .get(peer)
