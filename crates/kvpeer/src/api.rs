@@ -101,6 +101,9 @@ pub struct NodeStats {
     pub counters: Counters,
     /// Peers refused by the allowlist so far.
     pub refused_peers: u64,
+    /// Rounds an inbound connection's reading was held back for its host's time share while
+    /// another host under its share waited (`inbound_ms_per_s`).
+    pub inbound_held_back: u64,
     /// Bytes of blocks fetched into this node by successful `fetch` calls.
     pub bytes_fetched: u64,
     /// Latency of `lookup` calls (until every key was answered).

@@ -28,7 +28,7 @@ use crate::pool_node::{PoolNode, PoolNodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 30] = [
+    let counters: [(&str, &str, u64); 31] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -178,6 +178,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_refused_peers_total",
             "peers refused by the allowlist",
             s.refused_peers,
+        ),
+        (
+            "kvpeer_inbound_held_back_total",
+            "rounds an inbound connection was held back for its host's time share while another host waited",
+            s.inbound_held_back,
         ),
     ];
     for (name, help, value) in counters {

@@ -245,3 +245,26 @@ fn a_huge_lookup_does_not_stop_an_honest_peer_being_served() {
     );
     drop(attacker);
 }
+
+/// The shares are work-conserving: a lone consumer is not capped while no other host
+/// competes. With the node's time share per host cut to 1 ms a second (`inbound_ms_per_s = 1`),
+/// a lone `kvpeer fetch` of 2,000 requests (lookups of 8 keys, and fetches) is never held back
+/// (`kvpeer_inbound_held_back_total` stays 0) and is served byte-exact; held to 1 ms of the
+/// node's thread a second, as the share was applied before whether or not anyone competed,
+/// the same run takes minutes (a debug node spends some 100 µs of its thread per request).
+#[test]
+fn a_lone_consumer_is_not_capped_by_the_shares() {
+    let (server, id, _file) = serve("inbound_ms_per_s = 1\n");
+    let run = honest_fetch(&id, "tcp", 2000, 8, &[]);
+    // 16,000 keys asked, the node's 4,096 held ones hit (each fetched once, then held by the
+    // consumer), the rest miss.
+    assert_fetch_ok(&run, BLOCKS, "a lone consumer under a 1 ms/s share");
+    assert_eq!(run.summary["requests"], 2000, "{}", run.summary);
+    assert_eq!(
+        metric(&server, "kvpeer_inbound_held_back_total"),
+        0.0,
+        "a lone consumer was held back for its share"
+    );
+    assert!(metric(&server, "kvpeer_fetch_blocks_served_total") >= BLOCKS as f64);
+    assert!(metric(&server, "kvpeer_lookups_served_total") >= 2000.0);
+}

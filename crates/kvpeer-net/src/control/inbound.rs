@@ -165,6 +165,12 @@ impl Inbound {
         self.listener.connections()
     }
 
+    /// Rounds a connection was held back for its host's time share while another host under
+    /// its share waited.
+    pub fn held_back(&self) -> u64 {
+        self.listener.held_back()
+    }
+
     /// Whether `token` is the listener's or one of its connections' (`span`: the channel's
     /// token space per side).
     pub(crate) fn owns(&self, token: Token, span: u64) -> bool {

@@ -372,6 +372,13 @@ impl ControlChannel {
         self.inbound.connections()
     }
 
+    /// Rounds an inbound connection was held back for its host's time share
+    /// (`inbound_time_per_second`) while another host under its share waited: zero while no
+    /// host competes, however busy one is.
+    pub fn inbound_held_back(&self) -> u64 {
+        self.inbound.held_back()
+    }
+
     /// Outbound connections held now, lingering ones included.
     pub fn outbound_connections(&self) -> usize {
         self.outbound.connections()

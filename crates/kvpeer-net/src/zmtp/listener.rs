@@ -93,10 +93,11 @@ pub(crate) struct ListenerLimits {
     /// peer whose messages are expensive (or many) delays each other connection by about this
     /// much per round. `None`: only `max_incoming` bounds a round.
     pub(crate) round_quantum: Option<Duration>,
-    /// The caller's time one connection's messages may take per second (with
-    /// `round_quantum`): past it the connection is not read until its share refills, so no
-    /// one peer keeps the caller's thread busy (and the core it shares with other processes)
-    /// however many rounds it would win. `None`: no rate.
+    /// The caller's time one source host's messages (all its connections together) may take
+    /// per second while another host waits: past it the host's connections are not read until
+    /// its share refills or no host under its share has input left, so no host keeps the
+    /// caller's thread from the others however many connections or rounds it has, and a host
+    /// alone gets all of it (work-conserving). `None`: no rate.
     pub(crate) time_per_second: Option<Duration>,
     /// The only source addresses accepted (compared in canonical form: an IPv4 address and
     /// its IPv4-mapped IPv6 form are one); `None`: any.
@@ -151,15 +152,29 @@ struct Peer {
     /// What one of its messages cost the caller lately (a moving average), to take as many as
     /// its credit covers.
     cost_ns: u64,
-    /// Its share of the caller's time per second (`time_per_second`), in nanoseconds, as of
-    /// `rate_at`: it refills at that rate up to a tenth of a second's worth.
-    rate_ns: i64,
-    rate_at: Instant,
     /// What it holds, as last counted into the listener's total.
     buffered: usize,
 }
 
-impl Peer {
+/// One source host (canonical address): its connections, and its share of the caller's time
+/// per second (`time_per_second`), which all of them draw on.
+struct HostShare {
+    conns: usize,
+    /// In nanoseconds, as of `rate_at`: it refills at that rate up to a tenth of a second's
+    /// worth.
+    rate_ns: i64,
+    rate_at: Instant,
+}
+
+impl HostShare {
+    fn new(now: Instant, per_second: Option<Duration>) -> Self {
+        HostShare {
+            conns: 0,
+            rate_ns: per_second.map_or(0, |r| nanos(r) / 10),
+            rate_at: now,
+        }
+    }
+
     /// Its time-per-second share at `now` (refilled since `rate_at`, not stored).
     fn share_at(&self, now: Instant, per_second: Duration) -> i64 {
         let per_second = per_second.as_nanos();
@@ -171,8 +186,9 @@ impl Peer {
             .min(cap)
     }
 
-    /// Whether it spent its time-per-second share and waits for it to refill.
-    fn throttled(&self, now: Instant, per_second: Option<Duration>) -> bool {
+    /// Whether it spent its time-per-second share (it then waits for the refill while a host
+    /// under its share has input).
+    fn over(&self, now: Instant, per_second: Option<Duration>) -> bool {
         per_second.is_some_and(|r| self.share_at(now, r) <= 0)
     }
 
@@ -184,12 +200,9 @@ impl Peer {
             + Duration::from_micros(1)
     }
 
-    /// Takes `cost` of this thread's time from its round credit and its time-per-second share
-    /// (debt bounded to one second's share, so it waits at most a second, far inside its
-    /// heartbeat timeout).
-    fn spend(&mut self, cost: Duration, per_second: Option<Duration>) {
-        let ns = nanos(cost);
-        self.credit_ns = self.credit_ns.saturating_sub(ns);
+    /// Takes `ns` of this thread's time from its time-per-second share (debt bounded to one
+    /// second's share, so it waits at most a second, far inside its heartbeat timeout).
+    fn spend(&mut self, ns: i64, per_second: Option<Duration>) {
         if let Some(per_second) = per_second {
             let now = Instant::now().max(self.rate_at);
             self.rate_ns = self
@@ -199,7 +212,9 @@ impl Peer {
             self.rate_at = now;
         }
     }
+}
 
+impl Peer {
     /// Whether it has input to be given a round for: in its socket or its decoder.
     fn has_input(&self) -> bool {
         self.readable || self.conn.holds_input()
@@ -228,8 +243,14 @@ pub(crate) struct Listener {
     active: BTreeSet<ConnId>,
     /// Each connection's next deadline (heartbeat, handshake, stall, refilled share).
     timers: Timers<ConnId>,
-    /// Connections per source address.
-    per_source: HashMap<IpAddr, usize>,
+    /// Each source address's connections and time share (hosts first, then connections).
+    hosts: HashMap<IpAddr, HostShare>,
+    /// Connections with input held back this round because their host was over its share
+    /// while another host under its share had input: given a round again at their host's
+    /// refill, or as soon as no host under its share has input left (work-conserving).
+    held: BTreeSet<ConnId>,
+    /// Rounds a connection was held back that way (a metric: zero while nobody competes).
+    held_back: u64,
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
     refused: u64,
@@ -317,7 +338,9 @@ impl Listener {
             accept_paused_until: None,
             active: BTreeSet::new(),
             timers: Timers::default(),
-            per_source: HashMap::new(),
+            hosts: HashMap::new(),
+            held: BTreeSet::new(),
+            held_back: 0,
             buffered: 0,
             refused: 0,
             refused_sources: 0,
@@ -385,13 +408,21 @@ impl Listener {
             .saturating_mul(7)
             .saturating_add(ns.unsigned_abs()))
             / 8;
+        p.credit_ns = p.credit_ns.saturating_sub(ns);
         let per_second = self.limits.time_per_second;
-        p.spend(cost, per_second);
-        if per_second.is_some() {
-            // A share spent: its input waits for the refill, which its deadline wakes.
-            let now = p.rate_at;
-            self.rearm(id, now);
+        if let Some(host) = self.hosts.get_mut(&p.source) {
+            host.spend(ns, per_second);
+            if per_second.is_some() {
+                // A share spent: held-back input waits for the refill, which its deadline wakes.
+                let now = host.rate_at;
+                self.rearm(id, now);
+            }
         }
+    }
+
+    /// Rounds connections were held back for their host's share while another host waited.
+    pub(crate) fn held_back(&self) -> u64 {
+        self.held_back
     }
 
     /// Readiness the owner's poll reported for `token` (this listener's).
@@ -514,13 +545,17 @@ impl Listener {
         };
         let _ = p.stream.shutdown(std::net::Shutdown::Both);
         self.buffered = self.buffered.saturating_sub(p.buffered);
-        if let Some(n) = self.per_source.get_mut(&p.source) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.per_source.remove(&p.source);
+        if let Some(h) = self.hosts.get_mut(&p.source) {
+            h.conns = h.conns.saturating_sub(1);
+            if h.conns == 0 {
+                // Its share goes with it: a host that reconnects starts with a tenth of a
+                // second's worth, as any newcomer (it cannot buy a fresh share faster than a
+                // connection's handshake costs it, which is charged).
+                self.hosts.remove(&p.source);
             }
         }
         self.active.remove(&id);
+        self.held.remove(&id);
         self.timers.set(id, None);
         debug!(id, source = %p.source, role = self.role.socket_type, %reason,
             "connection ended");
@@ -544,8 +579,8 @@ impl Listener {
 
     /// Sets connection `id`'s next deadline: its protocol's (heartbeats, handshake) and the
     /// stall of bytes waiting on the coarse grid (many connections share a wake), the refill
-    /// of a spent share while it has input at its time (a busy peer throttled for a few
-    /// hundred microseconds must not wait for the grid's next boundary: measured, a lone
+    /// of its host's spent share while it has input at its time (a busy peer held back for a
+    /// few hundred microseconds must not wait for the grid's next boundary: measured, a
     /// consumer's lookup p99 went from under 1 ms to 7 ms that way).
     fn rearm(&mut self, id: ConnId, now: Instant) {
         let Some(p) = self.peers.get(&id) else {
@@ -553,11 +588,12 @@ impl Listener {
         };
         let stalled =
             (!p.conn.transmit().is_empty()).then_some(p.last_written + self.limits.stall_timeout);
-        let refilled = self
-            .limits
-            .time_per_second
-            .filter(|_| p.has_input() && p.throttled(now, self.limits.time_per_second))
-            .map(|r| p.refilled_at(now, r));
+        let per_second = self.limits.time_per_second;
+        let refilled = self.hosts.get(&p.source).and_then(|h| {
+            per_second
+                .filter(|_| p.has_input() && h.over(now, per_second))
+                .map(|r| h.refilled_at(now, r))
+        });
         let grid = [p.conn.poll_timeout(), stalled]
             .into_iter()
             .flatten()
@@ -603,18 +639,43 @@ impl Listener {
         let per_second = self.limits.time_per_second;
         let drained = |id: ConnId| drain.binary_search(&id).is_ok();
         let is_read = |p: &Peer, id: ConnId| (reading && p.readable) || drained(id);
-        // Deficit round robin: every connection with input gets the same number of quanta this
-        // round, as many as it takes for one of them to be out of debt (one, unless all are in
-        // debt: then no round is wasted on giving nobody anything).
+        // Hosts first: the connections of each host with input this round, and whether any
+        // host under its time share has input. Only then is a host over its share held back
+        // (work-conserving: a host alone, or hosts all over their shares, get the whole
+        // thread, split by the round robin below).
+        let mut inputs: HashMap<IpAddr, usize> = HashMap::new();
+        for p in visit.iter().filter_map(|id| {
+            self.peers
+                .get(id)
+                .filter(|p| is_read(p, *id) || p.conn.holds_input())
+        }) {
+            *inputs.entry(p.source).or_default() += 1;
+        }
+        let over = |hosts: &HashMap<IpAddr, HostShare>, source: &IpAddr| {
+            hosts.get(source).is_some_and(|h| h.over(now, per_second))
+        };
+        let contended = per_second.is_some()
+            && inputs.len() > 1
+            && inputs.keys().any(|source| !over(&self.hosts, source));
+        let held_back = |hosts: &HashMap<IpAddr, HostShare>, p: &Peer, id: ConnId| {
+            contended && !drained(id) && over(hosts, &p.source)
+        };
+        // Deficit round robin over hosts, then over a host's connections: every host with input
+        // gets the same number of quanta this round, as many as it takes for one of its
+        // connections to be out of debt (one, unless all are in debt: then no round is wasted
+        // on giving nobody anything), split among its connections with input, so many
+        // connections buy a host nothing.
         let quanta = self.limits.round_quantum.map(|q| {
             let q = nanos(q);
             visit
                 .iter()
                 .filter_map(|id| self.peers.get(id).map(|p| (*id, p)))
                 .filter(|(id, p)| {
-                    (is_read(p, *id) || p.conn.holds_input()) && !p.throttled(now, per_second)
+                    (is_read(p, *id) || p.conn.holds_input()) && !held_back(&self.hosts, p, *id)
                 })
                 .map(|(_, p)| {
+                    let split = inputs.get(&p.source).copied().unwrap_or(1).max(1);
+                    let q = (q / i64::try_from(split).unwrap_or(i64::MAX)).max(1);
                     (1 - p.credit_ns.min(0))
                         .unsigned_abs()
                         .div_ceil(q.unsigned_abs())
@@ -628,6 +689,10 @@ impl Listener {
         });
         let mut read_any = false;
         for id in visit {
+            let held = match self.peers.get(&id) {
+                Some(p) => held_back(&self.hosts, p, id),
+                None => continue,
+            };
             let Some(p) = self.peers.get_mut(&id) else {
                 continue;
             };
@@ -636,17 +701,20 @@ impl Listener {
             // A drained connection's peer was lost: the caller must see all it sent first (its
             // last messages, its `disconnect`, come before the loss), whatever its shares.
             let drain = drained(id);
-            let throttled = p.throttled(now, per_second) && !drain;
-            // A throttled connection is not read: one the poll says hung up or failed ends.
-            let hung_up = throttled && p.closed;
+            // A held-back connection is not read: one the poll says hung up or failed ends.
+            let hung_up = held && p.closed;
+            // Its host's part of this round, split among the host's connections with input.
+            let split = i64::try_from(inputs.get(&p.source).copied().unwrap_or(1).max(1))
+                .unwrap_or(i64::MAX);
             // What this round may take of it: with a quantum, as many messages as its credit
-            // covers at what they cost lately (none while it is in debt or throttled), else
+            // covers at what they cost lately (none while it is in debt or held back), else
             // `max_incoming`.
             let share = match (self.limits.round_quantum, quanta) {
                 _ if drain => usize::MAX,
-                (Some(_), _) if throttled => 0,
+                (Some(_), _) if held => 0,
                 (Some(quantum), Some(quanta)) => {
-                    let quantum = nanos(quantum);
+                    let quantum = (nanos(quantum) / split).max(1);
+                    let quanta = (quanta / split).max(1);
                     if read || p.conn.holds_input() {
                         p.credit_ns = p.credit_ns.saturating_add(quanta).min(quantum);
                     }
@@ -697,7 +765,11 @@ impl Listener {
                 // Reading and decoding cost this thread too, whether or not a message came of
                 // it (a flood of PINGs or unknown commands hands the caller nothing to charge):
                 // the connection pays it from its shares like the caller's handling.
-                p.spend(started.elapsed(), per_second);
+                let ns = nanos(started.elapsed());
+                p.credit_ns = p.credit_ns.saturating_sub(ns);
+                if let Some(host) = self.hosts.get_mut(&p.source) {
+                    host.spend(ns, per_second);
+                }
             }
             if !was_ready && p.conn.is_ready() {
                 out.push((
@@ -735,7 +807,10 @@ impl Listener {
                     // Input left (its share was taken, or the socket was not drained) gets the
                     // next round at once, unless its time share is spent: its refill wakes it.
                     let more = (p.readable && reading) || p.conn.holds_input();
-                    if more && !p.throttled(now, per_second) || p.closed {
+                    if held && more {
+                        self.held_back += 1;
+                        self.held.insert(id);
+                    } else if more || p.closed {
                         self.active.insert(id);
                     }
                     self.flush(now, id, out);
@@ -747,6 +822,28 @@ impl Listener {
         if read_any && self.buffered > self.limits.max_buffered_bytes {
             // Buffers grow only by reading.
             self.shed_buffers(out);
+        }
+        self.release_held(now);
+    }
+
+    /// Gives the held-back connections a round again once no host under its share has input
+    /// left to go first (work-conserving: the thread never idles while input waits).
+    fn release_held(&mut self, now: Instant) {
+        if self.held.is_empty() {
+            return;
+        }
+        let per_second = self.limits.time_per_second;
+        let waits_under_share = self.active.iter().any(|id| {
+            self.peers.get(id).is_some_and(|p| {
+                p.has_input()
+                    && self
+                        .hosts
+                        .get(&p.source)
+                        .is_some_and(|h| !h.over(now, per_second))
+            })
+        });
+        if !waits_under_share {
+            self.active.append(&mut self.held);
         }
     }
 
@@ -778,7 +875,7 @@ impl Listener {
             max_connections: self.limits.max_connections,
             max_per_source: self.limits.max_per_source,
         };
-        let from_source = |l: &Self| l.per_source.get(&source).copied().unwrap_or(0);
+        let from_source = |l: &Self| l.hosts.get(&source).map_or(0, |h| h.conns);
         let fits =
             |l: &Self| l.peers.len() < caps.max_connections && from_source(l) < caps.max_per_source;
         if fits(self) {
@@ -873,7 +970,11 @@ impl Listener {
             let mut conn = Connection::new(role, self.limits.conn.clone());
             conn.connected(now);
             debug!(id, %source, role = self.role.socket_type, "connection accepted");
-            *self.per_source.entry(source).or_default() += 1;
+            let per_second = self.limits.time_per_second;
+            self.hosts
+                .entry(source)
+                .or_insert_with(|| HostShare::new(now, per_second))
+                .conns += 1;
             self.peers.insert(
                 id,
                 Peer {
@@ -894,8 +995,6 @@ impl Listener {
                         .limits
                         .round_quantum
                         .map_or(0, |q| nanos(q).unsigned_abs() / 16),
-                    rate_ns: self.limits.time_per_second.map_or(0, |r| nanos(r) / 10),
-                    rate_at: now,
                     buffered: 0,
                 },
             );

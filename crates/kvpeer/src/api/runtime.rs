@@ -324,6 +324,7 @@ impl Runtime {
                     store: self.io.core.parent().stats(),
                     counters: *self.io.core.counters(),
                     refused_peers: self.io.refused_peers() as u64,
+                    inbound_held_back: self.io.channel().inbound_held_back(),
                     ..self.calls.clone()
                 });
             }
