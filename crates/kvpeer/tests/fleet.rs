@@ -203,6 +203,16 @@ fn a_link_cut_mid_transfer_fails_the_load_in_time_and_never_lands_late() {
         "the load fails within its timeouts (load 2 s, abort 1 s), not the link's: {failed_after:?}"
     );
 
+    // The failure is reported at once; the blocks come back once no write of host 1 can land
+    // in them (its data connection's claim released, at its frame deadline at the latest).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while consumer.stats().unwrap().core.fencing_blocks > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the cut load's blocks were never handed back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Another producer's keys take the same blocks while the link is still down.
     let honest_keys = keys(32..48);
     pull(&consumer, &honest_id, "honest-1", &honest_keys, LEN);
