@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engines import Engine, free_port, kvpeer_tier, make_model, start_in_turn  # noqa: E402
-from engines import stock_tier  # noqa: E402
+from engines import multiprocessing_objects, remove_unmapped_since, stock_tier  # noqa: E402
 
 NAMES = ("S1", "S2", "K1", "K2", "K3", "K4", "K5", "K6", "K7")
 
@@ -62,6 +62,7 @@ def model(tmp_path_factory) -> str:
 def running(model, tmp_path):
     """`running(*names)`: those engines, started for this test (logs in its tmp_path)."""
     started: list[Engine] = []
+    before = multiprocessing_objects()
 
     def start(*names: str) -> dict[str, Engine]:
         spec = fleet_spec({name: free_port() for name in NAMES})
@@ -76,6 +77,7 @@ def running(model, tmp_path):
     yield start
     for engine in started:
         engine.stop()
+    remove_unmapped_since(before)
 
 
 @pytest.fixture

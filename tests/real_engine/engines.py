@@ -108,6 +108,40 @@ def _shm_objects_of_group(pgid: int) -> set[str]:
     return found
 
 
+def multiprocessing_objects() -> set[str]:
+    """The multiprocessing objects (``psm_*``, ``sem.mp-*``) in /dev/shm now."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return set()
+    return {
+        f"/dev/shm/{name}" for name in names if name.startswith(("psm_", "sem.mp-"))
+    }
+
+
+def remove_unmapped_since(before: set[str]) -> None:
+    """Removes the multiprocessing objects that appeared since ``before`` and that no live
+    process maps: what engines' processes left behind (a semaphore whose creator's resource
+    tracker was killed with its group before it unlinked it)."""
+    new = multiprocessing_objects() - before
+    if not new:
+        return
+    mapped: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as maps:
+                for line in maps:
+                    path = line.split(maxsplit=5)[-1].strip()
+                    if path in new:
+                        mapped.add(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    for path in new - mapped:
+        Path(path).unlink(missing_ok=True)
+
+
 @dataclass
 class Engine:
     """One engine process; `tier_label` is how vLLM labels its secondary tier's counters."""
