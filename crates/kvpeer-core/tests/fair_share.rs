@@ -55,13 +55,17 @@ impl Peers {
 
     /// Peer `i` connects and completes the handshake.
     fn join(&mut self, i: usize) -> PeerId {
-        let peer = peer_id(i);
+        self.join_as(peer_id(i), i)
+    }
+
+    /// A peer named `peer` (its pool that of `local(i)`) connects and completes the handshake.
+    fn join_as(&mut self, peer: PeerId, i: usize) -> PeerId {
         assert!(self.core.handle_inbound(self.now, peer.clone()));
         let l = local(i);
         self.recv(
             &peer,
             Message::Connect(Connect {
-                peer_id: l.peer_id,
+                peer_id: peer.clone(),
                 agent_metadata: l.agent_metadata,
                 base_addr: l.base_addr,
                 num_blocks: l.num_blocks,
@@ -267,6 +271,57 @@ fn a_max_size_lookup_is_served_in_slices_with_another_peers_lookup_answered_betw
          message), {steps} more slices {rest:?} ({:.2} us per key asked)",
         rest.as_secs_f64() * 1e6 / (cap - slice) as f64
     );
+}
+
+/// Many sessions of one host buy it no more of a step than one: four sessions of host
+/// 10.0.0.9, each sending a 4,096-key lookup, are asked `lookup_slice_keys` keys together per
+/// step (a quarter each), not four slices; another host's lookup is answered whole at once,
+/// and the four are answered in full, in steps.
+#[test]
+fn a_hosts_sessions_split_its_slice_of_each_step() {
+    let config = CoreConfig::default();
+    let slice = config.lookup_slice_keys;
+    let mut p = Peers::new(config);
+    let many: Vec<PeerId> = (0..4)
+        .map(|i| p.join_as(PeerId::new(format!("10.0.0.9:{}", 6000 + i)), 10 + i))
+        .collect();
+    let honest = p.join(2);
+    for (i, peer) in many.iter().enumerate() {
+        let base = 10_000 * i as u64;
+        p.recv(peer, lookup_msg("big", keys(base..base + 4096), 0));
+    }
+    assert_eq!(
+        p.parent().lookups,
+        slice,
+        "the host's four first slices together are one slice"
+    );
+    let asked = p.parent().lookups;
+    p.recv(
+        &honest,
+        lookup_msg("h", keys(500_000..500_000 + slice as u64), 0),
+    );
+    assert_eq!(
+        p.responses(&honest).len(),
+        1,
+        "another host's lookup of a whole slice is answered at once"
+    );
+    assert_eq!(p.parent().lookups - asked, slice);
+    let asked = p.parent().lookups;
+    p.step();
+    assert_eq!(
+        p.parent().lookups - asked,
+        slice,
+        "a step asks one slice of the host's four sessions together"
+    );
+    let mut answered = 0;
+    for _ in 0..(4 * 4096 / slice) + 4 {
+        p.step();
+        answered += many
+            .iter()
+            .map(|peer| p.responses(peer).len())
+            .sum::<usize>();
+    }
+    assert_eq!(answered, 4, "each big lookup answered in full");
 }
 
 #[test]

@@ -50,7 +50,7 @@ pub(super) struct SessionIndex {
 /// spelled (`[::ffff:10.0.0.5]:1`, `167772165:2` and `10.0.0.5:3` are the host `10.0.0.5`), so
 /// a peer cannot multiply its host's share by respelling it. An identity that is no address
 /// keys by its host part as written (the whole id when it is not `host:port`).
-pub(super) fn host_of(peer: &PeerId) -> String {
+pub(crate) fn host_of(peer: &PeerId) -> String {
     match PeerAddr::of(peer) {
         Ok(addr) => addr.host().to_string(),
         Err(_) => peer
@@ -118,6 +118,11 @@ impl SessionIndex {
         self.flushing.remove(peer);
         self.dead.remove(peer);
         self.drop_stale();
+    }
+
+    /// Sessions open per host.
+    pub(super) fn hosts(&self) -> &Map<String, usize> {
+        &self.hosts
     }
 
     /// Sessions open from `host`.

@@ -15,7 +15,7 @@
 
 mod admission;
 pub(crate) mod fencing;
-mod index;
+pub(crate) mod index;
 mod parking;
 mod request;
 
@@ -219,6 +219,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let cx = Cx {
             now: self.now,
             config: &self.config,
+            host_sessions: self.index.hosts(),
             parent: &mut self.parent,
             plane: &mut self.plane,
             out: &mut self.out,

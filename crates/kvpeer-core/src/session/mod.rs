@@ -14,6 +14,7 @@ use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
+use crate::maps::Map;
 use crate::output::{Event, Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
@@ -40,6 +41,9 @@ impl RoundKey {
 pub(crate) struct Cx<'a> {
     pub(crate) now: Instant,
     pub(crate) config: &'a CoreConfig,
+    /// Sessions open per host ([`host_of`](crate::core::index::host_of)): a host's sessions
+    /// split its share of each step.
+    pub(crate) host_sessions: &'a Map<String, usize>,
     pub(crate) parent: &'a mut dyn Parent,
     pub(crate) plane: &'a mut dyn DataPlane,
     pub(crate) out: &'a mut Outbox,

@@ -22,6 +22,10 @@ use crate::output::Link;
 use crate::session::Cx;
 use crate::traits::LookupResult;
 
+/// The fewest keys a session's slice asks per step, however many sessions its host has (a
+/// step's fixed cost is not worth paying for fewer).
+const MIN_SLICE_KEYS: usize = 16;
+
 impl ServerRole {
     /// An inbound `lookup`: queued behind the peer's earlier lookups still being asked, and
     /// served at once (its first slice) if there are none.
@@ -96,11 +100,8 @@ impl ServerRole {
         cx: &mut Cx<'_>,
     ) -> Result<(), InternalError> {
         self.slice_at = None;
-        let mut budget = cx
-            .config
-            .lookup_slice_keys
-            .max(1)
-            .min(self.bucket.available(cx.now));
+        let slice = self.slice_keys(cx);
+        let mut budget = slice.min(self.bucket.available(cx.now));
         let mut result = Ok(());
         while let Some((id, n)) = self.backlog.front().cloned() {
             let Some(mut lookup) = self
@@ -153,7 +154,7 @@ impl ServerRole {
                 .get(id)
                 .and_then(|r| r.lookups.get(n))
                 .map_or(1, |l| l.end.saturating_sub(l.next).max(1));
-            let want = left.min(cx.config.lookup_slice_keys.max(1));
+            let want = left.min(slice);
             self.slice_at = Some(if self.bucket.available(cx.now) >= want {
                 cx.now
             } else {
@@ -161,6 +162,21 @@ impl ServerRole {
             });
         }
         result
+    }
+
+    /// Keys this peer's lookups may ask per step: its host's `lookup_slice_keys`, split among
+    /// the host's sessions (at least [`MIN_SLICE_KEYS`]), so many sessions of one host buy it
+    /// no more of a step than one. Work-conserving all the same: with nothing else to do, the
+    /// node's loop takes the next step at once.
+    fn slice_keys(&self, cx: &Cx<'_>) -> usize {
+        let slice = cx.config.lookup_slice_keys.max(1);
+        let sessions = cx
+            .host_sessions
+            .get(&self.host)
+            .copied()
+            .unwrap_or(1)
+            .max(1);
+        (slice / sessions).max(MIN_SLICE_KEYS.min(slice))
     }
 
     fn reinsert(&mut self, id: &KvRequestId, n: u64, lookup: ActiveLookup) {

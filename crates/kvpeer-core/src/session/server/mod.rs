@@ -516,6 +516,9 @@ pub(crate) struct ServerRole {
     max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
     pub(crate) peer_fault: Option<PlaneError>,
+    /// Its host ([`host_of`](crate::core::index::host_of)): the host's sessions split its
+    /// lookup slice of each step.
+    host: String,
 }
 
 fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
@@ -534,6 +537,7 @@ impl ServerRole {
         now: Instant,
         node_held: Arc<NodeHeld>,
     ) -> Self {
+        let host = crate::core::index::host_of(&peer);
         ServerRole {
             peer,
             requests: Map::default(),
@@ -561,6 +565,7 @@ impl ServerRole {
             pin_blocks: Map::default(),
             max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
+            host,
         }
     }
 
