@@ -588,10 +588,13 @@ impl Listener {
         };
         let stalled =
             (!p.conn.transmit().is_empty()).then_some(p.last_written + self.limits.stall_timeout);
+        // Only a connection held back waits for its host's refill (one that is not, because
+        // no other host competes, is read on: no wake is needed for it).
         let per_second = self.limits.time_per_second;
+        let held = self.held.contains(&id);
         let refilled = self.hosts.get(&p.source).and_then(|h| {
             per_second
-                .filter(|_| p.has_input() && h.over(now, per_second))
+                .filter(|_| held && p.has_input() && h.over(now, per_second))
                 .map(|r| h.refilled_at(now, r))
         });
         let grid = [p.conn.poll_timeout(), stalled]
