@@ -4,16 +4,18 @@
 //! A producer that stalls past the consumer's load and abort-ack timeouts (a GC pause, swap,
 //! SIGSTOP, or a hostile peer doing it on purpose) and then finishes its write would land its
 //! bytes in blocks the consumer handed to another key meanwhile: wrong KV served silently. So a
-//! load whose end the peer did not confirm (`transfer_done`, `abort_ack`) is reported, and its
-//! blocks handed back, only once the plane fenced the peer's access to them: on shm when no
-//! write of that session is in progress in them (their fence words revoked), on tcp when no
-//! claim of the writer holds them, on nixl when the peer's session ended and its agent was
-//! removed. Until then the blocks stay reserved at the caller (the store, the engine), so
-//! nothing else can be written to or read from them.
+//! load whose end the peer did not confirm (`transfer_done`, `abort_ack`) is reported failed at
+//! once (`Event::LoadHeld`), and its blocks handed back (`LoadDone`) only once the plane fenced
+//! the peer's access to them: on shm when no write of that session is in progress in them
+//! (their fence words revoked), on tcp when no claim of the writer holds them, on nixl when the
+//! peer's side ended the session or another process took its identity. Until then the blocks
+//! stay reserved at the caller (the store, the engine), so nothing else can be written to or
+//! read from them.
 //!
 //! Owned by the [`Core`](crate::Core) on its thread; asked again after every event that can
 //! settle a fence (a session's end, plane progress) and every [`FENCE_RECHECK`] while any load
-//! waits. Bounded by the loads in flight: an entry is only ever a load that was in flight.
+//! waits. Each entry is a load that was in flight; on nixl one may wait as long as its producer
+//! stays stalled, so what a host may leave here is bounded by its share (`submit_load`).
 
 use std::time::{Duration, Instant};
 

@@ -545,9 +545,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let host = index::host_of(&source.peer);
         let held = self.out.fences.held_blocks_of_host(&host);
         let share = self.config.pins_per_peer(self.local.num_blocks);
-        if held > 0 && held.saturating_add(blocks.len()) > share {
-            // Its producers left that many blocks that they may still write: a host that
-            // stalls costs its own share of the pool, not everyone's (docs/security.md, G2').
+        if held >= share {
+            // Its producers left its share of blocks that they may still write: a host that
+            // stalls costs about its own share of the pool (plus the one load that took it
+            // past), not everyone's (docs/security.md, G2').
             crate::warn_throttled!(self.out.throttle, now,
                 "load refused: the producer's host holds its share of blocks it may still write",
                 kv_request_id = %id, peer = %source.peer, held, share);

@@ -334,7 +334,8 @@ pub struct NixlPlane {
     /// This node's agent name: a peer presenting it is refused.
     agent_name: String,
     failed: HashMap<PeerId, NixlRefusal>,
-    /// The agent each identity last registered with ([`DataPlane::writes_fenced`]).
+    /// The agent of the last session each identity was asked to write in
+    /// ([`DataPlane::writes_fenced`]).
     agents: HashMap<PeerId, AgentSeen>,
     /// Remote agents a registration thread loaded and then did not keep (cancelled, failed
     /// after the load, or nobody waited any more): unloaded by this plane's thread unless a
@@ -773,7 +774,6 @@ impl DataPlane for NixlPlane {
                 debug!(%peer, "nixl registration landed");
                 match result {
                     Ok((name, dlist)) => {
-                        self.saw_agent(peer, &name);
                         self.peers.insert(
                             peer.clone(),
                             Peer {
@@ -872,6 +872,12 @@ impl DataPlane for NixlPlane {
         if blocks.is_empty() {
             return;
         }
+        // The agent of the session we fetch from: its session is established, through our
+        // dial to the identity's port, so the process behind it holds that port. An agent
+        // that merely registered (an inbound `connect` claiming the identity) proves nothing.
+        if let Some(name) = self.peers.get(peer).map(|p| p.name.clone()) {
+            self.saw_agent(peer, &name);
+        }
         let (state, ready) = &*self.shared;
         let mut s = lock(state);
         let left = s.expected.entry(peer.clone()).or_default();
@@ -896,9 +902,10 @@ impl DataPlane for NixlPlane {
     /// resumed after the session ended wrote its blocks; vLLM 0.34 releases at that point).
     /// So the fence is the peer's word that its writes ended (`transfer_done`, `abort_ack`),
     /// or a sign that its process is gone: its side ended the session (`disconnect`, or its
-    /// host closed or reset the connection: it exited), or another agent registered for its
-    /// identity after the load ended. A stalled process gives none of these; its blocks stay
-    /// held (at most a share per host: the core).
+    /// host closed or reset the connection: it exited), or another agent took its identity
+    /// after the load ended (seen when we fetch from it, through a session we dialed). A
+    /// stalled process gives none of these; its blocks stay held (at most a share per host:
+    /// the core).
     fn writes_fenced(&mut self, peer: &PeerId, _blocks: &[BlockIndex], end: WriteEnd) -> bool {
         end.confirmed
             || end.peer_ended

@@ -549,8 +549,8 @@ impl Listener {
             h.conns = h.conns.saturating_sub(1);
             if h.conns == 0 {
                 // Its share goes with it: a host that reconnects starts with a tenth of a
-                // second's worth, as any newcomer (it cannot buy a fresh share faster than a
-                // connection's handshake costs it, which is charged).
+                // second's worth, as any newcomer, whatever debt it left (up to a second's
+                // worth; its reconnect's accept and handshake are charged to the new share).
                 self.hosts.remove(&p.source);
             }
         }
@@ -696,6 +696,8 @@ impl Listener {
                 Some(p) => held_back(&self.hosts, p, id),
                 None => continue,
             };
+            // Held again below if it still is (a refill's wake, or new readiness, visits it).
+            self.held.remove(&id);
             let Some(p) = self.peers.get_mut(&id) else {
                 continue;
             };

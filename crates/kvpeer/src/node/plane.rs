@@ -120,8 +120,15 @@ impl PlaneKind {
             #[cfg(feature = "nixl")]
             PlaneKind::Nixl => {
                 let config = kvpeer_net::data::nixl::NixlConfig {
-                    // Unique per node and process; NIXL refuses a peer agent with its own name.
-                    agent_name: format!("kvpeer-{}-{}", spec.id, std::process::id()),
+                    // Unique per node and start (a restart in a container often gets the same
+                    // pid, and a consumer tells a new process by its agent's name: G2');
+                    // NIXL refuses a peer agent with its own name.
+                    agent_name: format!(
+                        "kvpeer-{}-{}-{:016x}",
+                        spec.id,
+                        std::process::id(),
+                        start_nonce()
+                    ),
                     backend_params: spec.nixl.backend_params.clone(),
                     lib_dir: spec.nixl.lib_dir.clone(),
                 };
@@ -173,4 +180,17 @@ fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetad
         ..Default::default()
     };
     Ok((plane, meta))
+}
+
+/// A value that differs per start of a node (random; the clock when no randomness is at
+/// hand: a name need not be secret, only new).
+#[cfg(feature = "nixl")]
+fn start_nonce() -> u64 {
+    let mut bytes = [0u8; 8];
+    match getrandom::fill(&mut bytes) {
+        Ok(()) => u64::from_le_bytes(bytes),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    }
 }
