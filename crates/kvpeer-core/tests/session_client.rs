@@ -1061,15 +1061,7 @@ fn a_reused_id_keeps_its_aborting_load_and_starts_after_its_rounds() {
     assert_eq!(m.take_sent(), vec![abort_fetch("r", 0)]);
     m.load(6, "r", vec![key(2)], vec![11]);
     let sent = m.take_sent();
-    let rounds: Vec<u64> = sent
-        .iter()
-        .filter_map(|msg| match msg {
-            Message::Fetch(f) => Some(f.round_seq.0),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(rounds.len(), 1, "{sent:?}");
-    let new_round = rounds[0];
+    let new_round = fetch_round(&sent).unwrap_or_else(|| panic!("one fetch: {sent:?}"));
     assert!(new_round > 0, "the new load is not round 0: {sent:?}");
     // The old round's ack ends the old load only; the new one still runs.
     m.recv(abort_ack("r", 0));
