@@ -86,26 +86,31 @@ def kvpeer_tier(port: int, plane: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _shm_objects_of_group(pgid: int) -> set[str]:
-    """The vLLM multiprocessing objects in /dev/shm that processes of group `pgid` map."""
+def _mapped_multiprocessing_objects(wanted) -> set[str]:
+    """The multiprocessing objects (``psm_*``, ``sem.mp-*``) in /dev/shm that the processes
+    whose pid passes ``wanted`` map."""
     found: set[str] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            if os.getpgid(int(entry)) != pgid:
+            if not wanted(int(entry)):
                 continue
             with open(f"/proc/{entry}/maps") as maps:
                 for line in maps:
-                    path = line.split(maxsplit=5)[-1].strip()
-                    name = os.path.basename(path)
-                    if path.startswith("/dev/shm/") and (
-                        name.startswith("psm_") or name.startswith("sem.mp-")
+                    path = line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)")
+                    if path.startswith("/dev/shm/") and os.path.basename(path).startswith(
+                        ("psm_", "sem.mp-")
                     ):
-                        found.add(path.removesuffix(" (deleted)"))
+                        found.add(path)
         except (OSError, ProcessLookupError):
             continue  # gone meanwhile, or not ours to read
     return found
+
+
+def _shm_objects_of_group(pgid: int) -> set[str]:
+    """The vLLM multiprocessing objects in /dev/shm that processes of group `pgid` map."""
+    return _mapped_multiprocessing_objects(lambda pid: os.getpgid(pid) == pgid)
 
 
 def multiprocessing_objects() -> set[str]:
@@ -126,19 +131,7 @@ def remove_unmapped_since(before: set[str]) -> None:
     new = multiprocessing_objects() - before
     if not new:
         return
-    mapped: set[str] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as maps:
-                for line in maps:
-                    path = line.split(maxsplit=5)[-1].strip()
-                    if path in new:
-                        mapped.add(path)
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-    for path in new - mapped:
+    for path in new - _mapped_multiprocessing_objects(lambda pid: True):
         Path(path).unlink(missing_ok=True)
 
 

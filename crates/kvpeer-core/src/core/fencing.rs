@@ -63,7 +63,8 @@ impl Fencing {
 /// The loads waiting for their fence.
 #[derive(Debug, Default)]
 pub(crate) struct Fences {
-    waiting: Vec<Fencing>,
+    /// Each with its producer's host ([`host_of`](super::index::host_of)), read once.
+    waiting: Vec<(String, Fencing)>,
     /// When they are asked about again.
     recheck_at: Option<Instant>,
     /// The current wait between asks.
@@ -73,7 +74,7 @@ pub(crate) struct Fences {
 impl Fences {
     /// Blocks held by loads still waiting.
     pub(crate) fn held_blocks(&self) -> usize {
-        self.waiting.iter().map(|f| f.blocks.len()).sum()
+        self.waiting.iter().map(|(_, f)| f.blocks.len()).sum()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -86,7 +87,7 @@ impl Fences {
 
     /// Holds a load whose blocks are not fenced yet.
     pub(crate) fn hold(&mut self, f: Fencing, now: Instant) {
-        self.waiting.push(f);
+        self.waiting.push((super::index::host_of(&f.peer), f));
         self.interval = FENCE_RECHECK;
         self.recheck_at = Some(now + FENCE_RECHECK);
     }
@@ -95,8 +96,8 @@ impl Fences {
     pub(crate) fn held_blocks_of_host(&self, host: &str) -> usize {
         self.waiting
             .iter()
-            .filter(|f| super::index::host_of(&f.peer) == host)
-            .map(|f| f.blocks.len())
+            .filter(|(of, _)| of == host)
+            .map(|(_, f)| f.blocks.len())
             .sum()
     }
 
@@ -105,9 +106,9 @@ impl Fences {
         let mut fenced = Vec::new();
         let mut i = 0;
         while i < self.waiting.len() {
-            let f = &self.waiting[i];
+            let (_, f) = &self.waiting[i];
             if plane.writes_fenced(&f.peer, &f.blocks, f.end()) {
-                fenced.push(self.waiting.swap_remove(i));
+                fenced.push(self.waiting.swap_remove(i).1);
             } else {
                 i += 1;
             }

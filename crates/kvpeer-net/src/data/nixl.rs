@@ -455,13 +455,17 @@ impl NixlPlane {
         })
     }
 
-    /// Remembers that `peer` registered with agent `name` (see [`AgentSeen`]).
-    fn saw_agent(&mut self, peer: &PeerId, name: &str) {
-        if self.agents.len() >= MAX_AGENTS_SEEN && !self.agents.contains_key(peer) {
-            let peers = &self.peers;
-            self.agents.retain(|p, _| peers.contains_key(p));
+    /// Remembers that `peer`'s session we fetch from is its agent `name` (see [`AgentSeen`]).
+    fn saw_agent(
+        agents: &mut HashMap<PeerId, AgentSeen>,
+        peers: &HashMap<PeerId, Peer>,
+        peer: &PeerId,
+        name: &str,
+    ) {
+        if agents.len() >= MAX_AGENTS_SEEN && !agents.contains_key(peer) {
+            agents.retain(|p, _| peers.contains_key(p));
         }
-        match self.agents.get_mut(peer) {
+        match agents.get_mut(peer) {
             Some(seen) if seen.name == name => {}
             Some(seen) => {
                 debug!(%peer, old = %seen.name, new = %name, "nixl: the peer's agent was replaced");
@@ -469,7 +473,7 @@ impl NixlPlane {
                 seen.replaced_at = Some(Instant::now());
             }
             None => {
-                self.agents.insert(
+                agents.insert(
                     peer.clone(),
                     AgentSeen {
                         name: name.to_owned(),
@@ -875,8 +879,8 @@ impl DataPlane for NixlPlane {
         // The agent of the session we fetch from: its session is established, through our
         // dial to the identity's port, so the process behind it holds that port. An agent
         // that merely registered (an inbound `connect` claiming the identity) proves nothing.
-        if let Some(name) = self.peers.get(peer).map(|p| p.name.clone()) {
-            self.saw_agent(peer, &name);
+        if let Some(p) = self.peers.get(peer) {
+            Self::saw_agent(&mut self.agents, &self.peers, peer, &p.name);
         }
         let (state, ready) = &*self.shared;
         let mut s = lock(state);

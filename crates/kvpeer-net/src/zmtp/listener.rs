@@ -221,6 +221,20 @@ impl Peer {
     }
 }
 
+/// Takes `ns` of the caller's time from connection `p`'s round credit and its host's share;
+/// when its host has a share, when that share was charged (the refill's reference).
+fn spend(
+    hosts: &mut HashMap<IpAddr, HostShare>,
+    p: &mut Peer,
+    ns: i64,
+    per_second: Option<Duration>,
+) -> Option<Instant> {
+    p.credit_ns = p.credit_ns.saturating_sub(ns);
+    let host = hosts.get_mut(&p.source)?;
+    host.spend(ns, per_second);
+    per_second.map(|_| host.rate_at)
+}
+
 /// Nanoseconds as an `i64`, saturating.
 fn nanos(d: Duration) -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
@@ -408,15 +422,10 @@ impl Listener {
             .saturating_mul(7)
             .saturating_add(ns.unsigned_abs()))
             / 8;
-        p.credit_ns = p.credit_ns.saturating_sub(ns);
         let per_second = self.limits.time_per_second;
-        if let Some(host) = self.hosts.get_mut(&p.source) {
-            host.spend(ns, per_second);
-            if per_second.is_some() {
-                // A share spent: held-back input waits for the refill, which its deadline wakes.
-                let now = host.rate_at;
-                self.rearm(id, now);
-            }
+        if let Some(now) = spend(&mut self.hosts, p, ns, per_second) {
+            // A share spent: held-back input waits for the refill, which its deadline wakes.
+            self.rearm(id, now);
         }
     }
 
@@ -647,7 +656,8 @@ impl Listener {
         // (work-conserving: a host alone, or hosts all over their shares, get the whole
         // thread, split by the round robin below).
         let mut inputs: HashMap<IpAddr, usize> = HashMap::new();
-        for p in visit.iter().filter_map(|id| {
+        let shared = per_second.is_some() || self.limits.round_quantum.is_some();
+        for p in visit.iter().filter(|_| shared).filter_map(|id| {
             self.peers
                 .get(id)
                 .filter(|p| is_read(p, *id) || p.conn.holds_input())
@@ -770,11 +780,7 @@ impl Listener {
                 // Reading and decoding cost this thread too, whether or not a message came of
                 // it (a flood of PINGs or unknown commands hands the caller nothing to charge):
                 // the connection pays it from its shares like the caller's handling.
-                let ns = nanos(started.elapsed());
-                p.credit_ns = p.credit_ns.saturating_sub(ns);
-                if let Some(host) = self.hosts.get_mut(&p.source) {
-                    host.spend(ns, per_second);
-                }
+                spend(&mut self.hosts, p, nanos(started.elapsed()), per_second);
             }
             if !was_ready && p.conn.is_ready() {
                 out.push((
