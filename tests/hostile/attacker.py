@@ -33,6 +33,12 @@ Subcommands (each prints JSON lines on stdout; the last one is {"event": "summar
             connection a trickle at a time (or at full speed, ACKing: the control run)
   hoard     a correct session that looks up keys and never fetches them (pins held until the
             store timeout), then optionally one huge lookup; reports what each lookup_resp said
+  spread    a flood spread out: `--hosts` source addresses (127.0.1.1, 127.0.1.2, ...), each
+            with `--sessions` sessions (one identity and ROUTER each) over `--conns` DEALER
+            connections per session (more than one: each new connection takes the identity
+            over, as a reconnecting DEALER does), every session sending `--keys`-key lookups of keys the
+            node lacks back to back (`--window` outstanding), for `--duration` seconds; says
+            when every session is flooding, then how many lookups were answered once a second
 
 Needs pyzmq and msgpack (tests/requirements.txt).
 """
@@ -1250,6 +1256,109 @@ def cmd_redial(a) -> int:
     return 0
 
 
+# --- a flood spread over many hosts and sessions ------------------------------------------------
+
+
+def cmd_spread(a) -> int:
+    """Sessions opened properly from many source addresses (pyzmq: libzmq's I/O thread does the
+    socket work, so one process drives hundreds of sessions), each sending large lookups of
+    keys the node lacks back to back: each answer is followed at once by the next lookup.
+    `--window 0`: sessions only, idle (heartbeats answered by libzmq)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        # Two sockets per session, and libzmq's own.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 65536)
+    sessions = []  # (router, [dealers], identity)
+    for h in range(a.hosts):
+        host = f"127.0.{1 + h // 250}.{1 + h % 250}"
+        for _ in range(a.sessions):
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(f"tcp://{host}:*")
+            ident = router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit("/", 1)[1]
+            dealers = []
+            for c in range(a.conns):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.ROUTING_ID, ident.encode())
+                d.setsockopt(zmq.SNDHWM, 100000)
+                d.connect(f"tcp://{host}:0;{a.node}")
+                dealers.append(d)
+            sessions.append((router, dealers, ident))
+    tcp = DummyTcp()
+    poller = zmq.Poller()
+    by_router = {}
+    for i, (router, dealers, ident) in enumerate(sessions):
+        meta = metadata(ident, None, None, tcp.addr, tcp.key)
+        dealers[0].send(pack(connect_msg(ident, meta, a.num_blocks, a.block_len, a.hash_seed)))
+        poller.register(router, zmq.POLLIN)
+        by_router[router] = i
+    keys = [(MISS_BASE + i).to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(a.keys)]
+    acked = [False] * len(sessions)
+    outstanding = [0] * len(sessions)
+    turn = [0] * len(sessions)
+    sent = answered = 0
+    started = time.monotonic()
+    end = started + a.duration
+    flooding = False
+    next_progress = started
+
+    def lookup(i: int) -> None:
+        nonlocal sent
+        router, dealers, ident = sessions[i]
+        turn[i] += 1
+        msg = pack({"type": "lookup", "kv_request_id": f"spread-{i}-{turn[i]}", "keys": keys,
+                    "round_seq": 0})
+        dealers[turn[i] % len(dealers)].send(msg)
+        # The request is ended at once: nothing of it is held after its answer.
+        outstanding[i] += 1
+        sent += 1
+
+    while time.monotonic() < end:
+        tcp.pump()
+        if not flooding and all(acked):
+            flooding = True
+            emit({"event": "flooding", "at": time.time(), "answered": answered})
+        if flooding and time.monotonic() >= next_progress:
+            # Where the flood stands, once a second: how many of its lookups were answered.
+            next_progress = time.monotonic() + 1.0
+            emit({"event": "progress", "at": time.time(), "answered": answered})
+        for sock, _ in poller.poll(100):
+            i = by_router[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = unpack(frames[-1])
+                t = msg.get("type") if isinstance(msg, dict) else None
+                if t == "connect_ack" and not acked[i]:
+                    acked[i] = True
+                    sessions[i][1][0].send(pack({"type": "connect_ack",
+                                                 "peer_id": sessions[i][2]}))
+                    for _ in range(a.window):
+                        lookup(i)
+                elif t == "lookup_resp":
+                    answered += 1
+                    outstanding[i] -= 1
+                    sessions[i][1][0].send(pack({"type": "abort_fetch",
+                                                 "kv_request_id": msg.get("kv_request_id"),
+                                                 "round_seq": 0}))
+                    lookup(i)
+    emit({"event": "summary", "sessions": len(sessions), "acked": sum(acked), "sent": sent,
+          "answered": answered, "seconds": time.monotonic() - started})
+    for router, dealers, _ in sessions:
+        for d in dealers:
+            d.close(linger=0)
+        router.close(linger=0)
+    ctx.term()
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1361,6 +1470,16 @@ def main() -> int:
                    help="key i of the huge lookup is synthetic key i modulo this")
     s.add_argument("--hold", type=float, default=0.0, help="seconds to stay connected after")
 
+    s = sub.add_parser("spread")
+    common(s)
+    s.add_argument("--node", required=True)
+    s.add_argument("--hosts", type=int, default=120, help="source addresses, 127.0.1.1 on")
+    s.add_argument("--sessions", type=int, default=1, help="sessions per host")
+    s.add_argument("--conns", type=int, default=1, help="connections per session")
+    s.add_argument("--keys", type=int, default=8192, help="keys per lookup")
+    s.add_argument("--window", type=int, default=1, help="lookups outstanding per session")
+    s.add_argument("--duration", type=float, default=30.0)
+
     s = sub.add_parser("redial")
     common(s)
     s.add_argument("--node", required=True)
@@ -1373,7 +1492,7 @@ def main() -> int:
     return {"session": cmd_session, "auth": cmd_auth, "producer": cmd_producer,
             "flood": cmd_flood, "connects": cmd_connects, "squat": cmd_squat,
             "impostor": cmd_impostor, "sessions": cmd_sessions, "cycles": cmd_cycles,
-            "trickle": cmd_trickle, "hoard": cmd_hoard,
+            "trickle": cmd_trickle, "hoard": cmd_hoard, "spread": cmd_spread,
             "redial": cmd_redial}[a.cmd](a)
 
 

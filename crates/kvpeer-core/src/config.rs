@@ -57,8 +57,10 @@ pub struct CoreConfig {
     /// Keys of one inbound `lookup` asked of the store; the keys past it answer MISS unasked
     /// (the `lookup_resp` still lists every key). vLLM sends one key per block of a request.
     pub max_lookup_keys: usize,
-    /// Keys of one peer's lookups asked of the store per core step; the rest of a larger
-    /// lookup waits for the next step, so other peers' messages are handled in between.
+    /// Keys of one slice of a peer's lookups (the first asked as the lookup arrives), and keys
+    /// of all peers' queued lookups asked per core step, hosts in turn (`core/slices.rs`); the
+    /// rest of a larger lookup waits for later steps, so other peers' messages are handled in
+    /// between.
     pub lookup_slice_keys: usize,
     /// Keys of one peer's lookups asked of the store per second (a token bucket holding one
     /// second's worth); past it the peer's lookups wait (keys still unasked at the lookup's

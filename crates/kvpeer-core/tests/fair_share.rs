@@ -273,55 +273,63 @@ fn a_max_size_lookup_is_served_in_slices_with_another_peers_lookup_answered_betw
     );
 }
 
-/// Many sessions of one host buy it no more of a step than one: four sessions of host
-/// 10.0.0.9, each sending a 4,096-key lookup, are asked `lookup_slice_keys` keys together per
-/// step (a quarter each), not four slices; another host's lookup is answered whole at once,
-/// and the four are answered in full, in steps.
+/// A step asks `lookup_slice_keys` keys in all, hosts in turn, and many sessions of one host
+/// share its turn: four sessions of host 10.0.0.9 and one session on each of three other hosts,
+/// each with a 4,096-key lookup queued, are served one slice per step; the three lone hosts'
+/// lookups are answered after 4 x 15 steps while the four sessions of 10.0.0.9 together have
+/// had a quarter of them (none answered yet), and all are answered in full in the end. A lookup
+/// of another host that arrives meanwhile is answered at once.
 #[test]
-fn a_hosts_sessions_split_its_slice_of_each_step() {
+fn a_step_serves_hosts_in_turn_and_a_hosts_sessions_share_its_turn() {
     let config = CoreConfig::default();
     let slice = config.lookup_slice_keys;
+    let per_lookup = 4096 / slice;
     let mut p = Peers::new(config);
     let many: Vec<PeerId> = (0..4)
         .map(|i| p.join_as(PeerId::new(format!("10.0.0.9:{}", 6000 + i)), 10 + i))
         .collect();
+    let lone: Vec<PeerId> = (0..3)
+        .map(|i| p.join_as(PeerId::new(format!("10.0.1.{}:7000", i + 1)), 20 + i))
+        .collect();
     let honest = p.join(2);
-    for (i, peer) in many.iter().enumerate() {
+    for (i, peer) in many.iter().chain(&lone).enumerate() {
         let base = 10_000 * i as u64;
         p.recv(peer, lookup_msg("big", keys(base..base + 4096), 0));
     }
-    assert_eq!(
-        p.parent().lookups,
-        slice,
-        "the host's four first slices together are one slice"
-    );
-    let asked = p.parent().lookups;
-    p.recv(
-        &honest,
-        lookup_msg("h", keys(500_000..500_000 + slice as u64), 0),
-    );
-    assert_eq!(
-        p.responses(&honest).len(),
-        1,
-        "another host's lookup of a whole slice is answered at once"
-    );
-    assert_eq!(p.parent().lookups - asked, slice);
-    let asked = p.parent().lookups;
-    p.step();
-    assert_eq!(
-        p.parent().lookups - asked,
-        slice,
-        "a step asks one slice of the host's four sessions together"
-    );
-    let mut answered = 0;
-    for _ in 0..(4 * 4096 / slice) + 4 {
+    // Each lookup's first slice is asked as it arrives (charged to its connection).
+    assert_eq!(p.parent().lookups, 7 * slice);
+    for step in 0..4 * (per_lookup - 1) {
+        let asked = p.parent().lookups;
         p.step();
-        answered += many
-            .iter()
-            .map(|peer| p.responses(peer).len())
-            .sum::<usize>();
+        assert_eq!(
+            p.parent().lookups - asked,
+            slice,
+            "step {step} asks one slice in all"
+        );
+        if step == 10 {
+            let asked = p.parent().lookups;
+            p.recv(&honest, lookup_msg("h", keys(500_000..500_008), 0));
+            assert_eq!(p.responses(&honest).len(), 1, "answered at once");
+            assert_eq!(p.parent().lookups - asked, 8);
+        }
     }
-    assert_eq!(answered, 4, "each big lookup answered in full");
+    for peer in &lone {
+        assert_eq!(p.responses(peer).len(), 1, "a lone host's lookup is done");
+    }
+    let answered = |p: &mut Peers| {
+        many.iter()
+            .map(|peer| p.responses(peer).len())
+            .sum::<usize>()
+    };
+    assert_eq!(
+        answered(&mut p),
+        0,
+        "the four sessions of one host had one host's turns, not four"
+    );
+    for _ in 0..4 * per_lookup {
+        p.step();
+    }
+    assert_eq!(answered(&mut p), 4, "each big lookup answered in full");
 }
 
 #[test]

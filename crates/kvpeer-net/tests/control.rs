@@ -821,3 +821,99 @@ fn a_host_flooding_commands_is_charged_and_held_back_for_an_honest_host() {
         "the command flood was never charged enough to be held back"
     );
 }
+
+/// A round reads the least-served host first and ends after about one quantum of work (issue
+/// 37): twenty hosts (127.0.1.1 on) each have 20,000 messages waiting, which the node charges
+/// 1 ms each (the quantum), the time per second out of the way (1 s a second). Once their cost
+/// is known, no round hands the node more than two flood messages (one quantum's worth, and
+/// the one that crossed it; each round took one of every host before, twenty), and an honest
+/// host's message, written while they flood, comes first in its round, byte-exact.
+#[test]
+fn a_round_reads_the_least_served_host_first_and_ends_after_a_quantum() {
+    const HOSTS: u8 = 20;
+    const FLOOD: usize = 20_000;
+    const COST: Duration = Duration::from_millis(1);
+    let config = ControlConfig {
+        inbound_round_quantum: COST,
+        inbound_time_per_second: Duration::from_secs(1),
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (send_tx, send_rx) = std::sync::mpsc::channel::<&'static [u8]>();
+    let peers = std::thread::spawn(move || {
+        let mut floods: Vec<TcpStream> = (1..=HOSTS)
+            .map(|h| {
+                let host = std::net::Ipv4Addr::new(127, 0, 1, h);
+                zmtp_peer_from(&id, &format!("{host}:7200"), host)
+            })
+            .collect();
+        let honest_host = std::net::Ipv4Addr::new(127, 0, 0, 2);
+        let mut honest = zmtp_peer_from(&id, "127.0.0.2:7112", honest_host);
+        ready_tx.send(()).unwrap();
+        // 60 KB each: the socket buffers take all of it at once.
+        let bytes: Vec<u8> = (0..FLOOD).flat_map(|_| [0x00, 1, b'x']).collect();
+        for f in &mut floods {
+            f.write_all(&bytes).unwrap();
+        }
+        let message = send_rx.recv().unwrap();
+        honest.write_all(&[0x00, message.len() as u8]).unwrap();
+        honest.write_all(message).unwrap();
+        (floods, honest)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready_rx.try_recv().is_err() {
+        assert!(Instant::now() < deadline, "handshakes");
+        node.wait(Duration::from_millis(5)).unwrap();
+        node.recv();
+    }
+    // One round: the flood messages it handed over, charged, and the honest one's place.
+    let round = |node: &mut ControlChannel| -> (usize, Option<usize>) {
+        node.wait(Duration::from_millis(5)).unwrap();
+        let (mut flood, mut honest_at) = (0, None);
+        for e in node.recv() {
+            if let ChannelEvent::Payload { payload, conn, .. } = e {
+                if payload == b"x" {
+                    flood += 1;
+                    node.charge_inbound(conn, COST);
+                } else {
+                    assert_eq!(&payload[..], b"honest", "byte-exact");
+                    honest_at = Some(flood);
+                }
+            }
+        }
+        (flood, honest_at)
+    };
+    // Until every host's messages flow and their cost is known.
+    let mut seen = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen < 20 * usize::from(HOSTS) {
+        assert!(Instant::now() < deadline, "the flood never started: {seen}");
+        seen += round(&mut node).0;
+    }
+    let mut most = 0;
+    for _ in 0..100 {
+        most = most.max(round(&mut node).0);
+    }
+    assert!(
+        most <= 2,
+        "a round handed over {most} flood messages of 1 ms each (quantum 1 ms)"
+    );
+    send_tx.send(b"honest").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ahead = loop {
+        assert!(Instant::now() < deadline, "the honest message never came");
+        let (flood, honest_at) = round(&mut node);
+        most = most.max(flood);
+        if let Some(at) = honest_at {
+            break at;
+        }
+    };
+    assert_eq!(
+        ahead, 0,
+        "flood messages came before the honest one in its round"
+    );
+    assert!(most <= 2, "a round handed over {most} flood messages");
+    drop(peers.join().unwrap());
+}

@@ -268,3 +268,64 @@ fn a_lone_consumer_is_not_capped_by_the_shares() {
     assert!(metric(&server, "kvpeer_fetch_blocks_served_total") >= BLOCKS as f64);
     assert!(metric(&server, "kvpeer_lookups_served_total") >= 2000.0);
 }
+
+/// A flood spread over many hosts leaves an honest consumer its turns (issue 37). Sixty
+/// sessions from sixty source addresses (127.0.1.1 on: no per-host or per-source share ever
+/// fills) send 8,192-key lookups back to back while an honest `kvpeer fetch` of 300 requests
+/// runs: its every block is byte-exact, and it completes more requests per second than the
+/// whole flood gets lookups answered, both measured in the same window on the same node (so
+/// the bound holds on any machine and build). Before hosts took turns in the node's steps and
+/// rounds, every step asked a slice of each of the sixty sessions' lookups before the honest
+/// one's came up: the honest consumer got about one request answered per ten flood lookups.
+#[test]
+fn a_flood_spread_over_many_hosts_leaves_an_honest_consumer_its_turns() {
+    let (_server, id, _file) = serve("max_peers = 128\n");
+    let flood = attacker(&[
+        "spread",
+        "--node",
+        &id,
+        "--hosts",
+        "60",
+        "--keys",
+        "8192",
+        "--duration",
+        "300",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "64",
+    ]);
+    flood.event("flooding");
+    // The flood's count as the honest run starts and as it ends (its reports come once a
+    // second: the first at or after each moment).
+    let progress_at = |moment: f64| loop {
+        let p = flood.event("progress");
+        if p["at"].as_f64().unwrap() >= moment {
+            return p;
+        }
+    };
+    let before = progress_at(epoch());
+    let run = honest_fetch(&id, "tcp", 300, 8, &[]);
+    let after = progress_at(epoch());
+    assert_fetch_ok(&run, 2400, "during a flood of 60 hosts");
+    let honest_rate = 300.0 / run.summary["seconds"].as_f64().unwrap();
+    let flood_lookups = n(&after["answered"]) - n(&before["answered"]);
+    let window = after["at"].as_f64().unwrap() - before["at"].as_f64().unwrap();
+    let flood_rate = flood_lookups as f64 / window;
+    println!(
+        "honest: {honest_rate:.0} requests/s, lookup p50 {} us, p99 {} us; flood: {flood_rate:.0} \
+         lookups/s of 8,192 keys ({flood_lookups} in {window:.1} s)",
+        run.summary["lookup_p50_us"], run.summary["lookup_p99_us"]
+    );
+    assert!(
+        flood_lookups > 0,
+        "the flood was not served at all: {after}"
+    );
+    assert!(
+        honest_rate >= flood_rate,
+        "the honest consumer waited behind the flood: {honest_rate:.0} requests/s against \
+         {flood_rate:.0} flood lookups/s ({})",
+        run.summary
+    );
+    drop(flood);
+}

@@ -165,7 +165,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             announce,
         );
         self.out.counters.sessions_opened += 1;
-        self.index.opened(&peer, &session);
+        self.index.opened(&peer, &session, self.now);
         self.sessions.insert(peer, session);
     }
 

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use kvpeer_proto::{PeerAddr, PeerId};
 
+use super::slices::Slices;
 use crate::maps::{Map, Set};
 use crate::session::Session;
 
@@ -44,6 +45,8 @@ pub(super) struct SessionIndex {
     pub(super) pins: usize,
     /// Sessions per host.
     hosts: Map<String, usize>,
+    /// Sessions with queued lookups, in their hosts' turns.
+    pub(super) slices: Slices,
 }
 
 /// The host a peer's identity names, canonical ([`PeerAddr`]): one host however it is
@@ -72,13 +75,13 @@ fn set_member(set: &mut Set<PeerId>, peer: &PeerId, member: bool) {
 
 impl SessionIndex {
     /// A session was opened for `peer`.
-    pub(super) fn opened(&mut self, peer: &PeerId, session: &Session) {
+    pub(super) fn opened(&mut self, peer: &PeerId, session: &Session, now: Instant) {
         *self.hosts.entry(host_of(peer)).or_default() += 1;
-        self.refresh(peer, session);
+        self.refresh(peer, session, now);
     }
 
-    /// Reads what changed off `peer`'s session after something touched it.
-    pub(super) fn refresh(&mut self, peer: &PeerId, session: &Session) {
+    /// Reads what changed off `peer`'s session after something touched it at `now`.
+    pub(super) fn refresh(&mut self, peer: &PeerId, session: &Session, now: Instant) {
         let tracked = match self.tracked.get_mut(peer) {
             Some(t) => t,
             None => self.tracked.entry(peer.clone()).or_default(),
@@ -97,6 +100,7 @@ impl SessionIndex {
         set_member(&mut self.serving, peer, session.wants_serve());
         set_member(&mut self.flushing, peer, session.wants_flush());
         set_member(&mut self.dead, peer, session.is_dead());
+        self.slices.set(peer, session.slice_at(), now);
         self.compact();
         self.drop_stale();
     }
@@ -117,12 +121,8 @@ impl SessionIndex {
         self.serving.remove(peer);
         self.flushing.remove(peer);
         self.dead.remove(peer);
+        self.slices.remove(peer);
         self.drop_stale();
-    }
-
-    /// Sessions open per host.
-    pub(super) fn hosts(&self) -> &Map<String, usize> {
-        &self.hosts
     }
 
     /// Sessions open from `host`.
@@ -171,6 +171,7 @@ impl SessionIndex {
 
     /// Rebuilds the heap from the live deadlines once stale entries are most of it.
     fn compact(&mut self) {
+        self.slices.compact();
         if self.deadlines.len() > 64 && self.deadlines.len() > 4 * self.tracked.len() {
             self.deadlines = self
                 .tracked

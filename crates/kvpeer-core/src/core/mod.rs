@@ -18,6 +18,7 @@ pub(crate) mod fencing;
 pub(crate) mod index;
 mod parking;
 mod request;
+mod slices;
 
 pub use fencing::FENCE_RECHECK;
 pub use request::{OffloadPolicy, Request, RequestRoles, Source};
@@ -210,7 +211,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Reads what changed off `peer`'s session (after a direct touch).
     fn refresh(&mut self, peer: &PeerId) {
         if let Some(session) = self.sessions.get(peer) {
-            self.index.refresh(peer, session);
+            self.index.refresh(peer, session, self.now);
         }
     }
 
@@ -219,7 +220,6 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let cx = Cx {
             now: self.now,
             config: &self.config,
-            host_sessions: self.index.hosts(),
             parent: &mut self.parent,
             plane: &mut self.plane,
             out: &mut self.out,
@@ -234,6 +234,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.out.transmits.pop_front()
     }
 
+    /// Whether messages wait to be sent ([`Core::poll_transmit`]).
+    pub fn has_transmits(&self) -> bool {
+        !self.out.transmits.is_empty()
+    }
+
     /// The next event to act on, if any.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.out.events.pop_front()
@@ -243,6 +248,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     pub fn poll_timeout(&self) -> Option<Instant> {
         earliest([
             self.index.next_deadline(),
+            self.index.slices.next_deadline(self.now),
             self.unbound_lane.next_deadline(),
             self.bound_lane.next_deadline(),
             self.reaped_lane.next_deadline(),
@@ -444,11 +450,36 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         let due = self.index.due(self.now);
         self.with_sessions(due, |s, cx| s.handle_timeout(cx));
+        self.serve_slices();
         self.reap_unbound();
         self.release_idle_bindings();
         self.expire_reaped();
         self.evict_idle();
         self.settle();
+    }
+
+    /// One step of queued lookups (`core/slices.rs`): slices of the sessions due, hosts in
+    /// turn, until `lookup_slice_keys` keys were asked (the last slice may go past that by less
+    /// than one slice). A session is served at most once per step (it goes back in its host's
+    /// turn only at the step's end), so a step always ends.
+    fn serve_slices(&mut self) {
+        let budget = self.config.lookup_slice_keys.max(1);
+        let mut asked = 0;
+        let mut served = Vec::new();
+        while asked < budget {
+            let Some(peer) = self.index.slices.next(self.now) else {
+                break;
+            };
+            let keys = {
+                let (sessions, mut cx, _) = self.split();
+                sessions.get_mut(&peer).map(|s| s.serve_slice(&mut cx))
+            };
+            asked += keys.unwrap_or(0);
+            served.push(peer);
+        }
+        for peer in served {
+            self.refresh(&peer);
+        }
     }
 
     // ---------------------------------------------------------------- engine

@@ -14,7 +14,6 @@ use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId
 
 use crate::config::{CoreConfig, LocalNode};
 use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
-use crate::maps::Map;
 use crate::output::{Event, Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
@@ -41,9 +40,6 @@ impl RoundKey {
 pub(crate) struct Cx<'a> {
     pub(crate) now: Instant,
     pub(crate) config: &'a CoreConfig,
-    /// Sessions open per host ([`host_of`](crate::core::index::host_of)): a host's sessions
-    /// split its share of each step.
-    pub(crate) host_sessions: &'a Map<String, usize>,
     pub(crate) parent: &'a mut dyn Parent,
     pub(crate) plane: &'a mut dyn DataPlane,
     pub(crate) out: &'a mut Outbox,
@@ -554,6 +550,27 @@ impl Session {
         };
         self.server
             .add_stored_blocks(&mut self.link, cx, id, supply);
+    }
+
+    /// When its queued lookups want their next slice (`None`: none, or the session is dead):
+    /// the core's step serves it in its host's turn (`core/slices.rs`).
+    pub(crate) fn slice_at(&self) -> Option<Instant> {
+        if self.is_dead() {
+            return None;
+        }
+        self.server.slice_at()
+    }
+
+    /// Asks the store about the next slice of its queued lookups; how many keys that was.
+    pub(crate) fn serve_slice(&mut self, cx: &mut Cx<'_>) -> usize {
+        if self.is_dead() {
+            return 0;
+        }
+        let (asked, result) = self.server.serve_backlog(&mut self.link, cx);
+        if let Err(e) = result {
+            self.internal_error(cx, e);
+        }
+        asked
     }
 
     pub(crate) fn serve(&mut self, cx: &mut Cx<'_>) {

@@ -28,8 +28,16 @@
 //! Every socket (and a resolver's pipe) is registered in the channel's [`Poller`]; readiness
 //! comes through [`Outbound::on_ready`], deadlines (heartbeats, handshakes, retries, lingers)
 //! are kept in one [`Timers`], and [`Outbound::progress`] visits only the connections the poll
-//! or a deadline named, so a wake costs what is ready, not what is open. Losses waiting to be
-//! reported are kept in a set, so asking for them costs nothing when there are none.
+//! or a deadline named, and those with bytes left from their last turn, so a wake costs what
+//! is ready, not what is open. Losses waiting to be reported are kept in a set, so asking for
+//! them costs nothing when there are none.
+//!
+//! **Writes in turns.** A message of up to [`WRITE_PER_TURN`] is written as it is sent when
+//! nothing waits before it (an answer to an honest lookup leaves at once); a larger one (the
+//! answer to a lookup of thousands of keys) is written in turns of at most that much, and all
+//! connections together write at most [`WRITE_PER_ROUND`] per call of [`Outbound::progress`],
+//! taking turns from a rotating cursor: the answers a flood makes cost each step of the
+//! node's loop a bounded part of its thread.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
@@ -72,6 +80,17 @@ const READ_BUDGET: usize = 1 << 20;
 /// A resolver pipe's token is its connection's plus this (sockets stay below it).
 const RESOLVER: Token = 1 << 46;
 
+/// Bytes one connection writes per turn: a message larger than this (a lookup's answer of
+/// some 1,800 keys and more) is written in turns, and one small enough is written at once when
+/// nothing waits before it.
+const WRITE_PER_TURN: usize = 64 << 10;
+
+/// Bytes all connections write together per turn of the node's loop beyond what is written at
+/// once: the answers a flood of large lookups makes cost each step at most this much of the
+/// node's thread (on loopback the kernel's receive path runs in the writer's call too), so an
+/// honest peer's answer, written at once, never waits behind them.
+const WRITE_PER_ROUND: usize = 256 << 10;
+
 /// Where a connection's transport is.
 enum Link {
     /// A host name resolving on a helper thread; `done` (a pipe's read end, registered in the
@@ -111,6 +130,9 @@ pub(crate) struct Outbound {
     timers: Timers<OutId>,
     /// Failed connections whose loss is not reported yet (not lingering ones).
     failed: BTreeSet<OutId>,
+    /// Where the last turn's writes stopped: the next turn starts after it, so connections
+    /// with large messages queued take turns.
+    write_cursor: OutId,
 }
 
 impl std::fmt::Debug for Outbound {
@@ -325,6 +347,7 @@ impl Outbound {
             active: BTreeSet::new(),
             timers: Timers::default(),
             failed: BTreeSet::new(),
+            write_cursor: 0,
         }
     }
 
@@ -407,7 +430,11 @@ impl Outbound {
         let mut conn = Conn {
             peer: peer.clone(),
             addr,
-            dialer: Dialer::new(conn, None, READ_BUDGET),
+            dialer: {
+                let mut dialer = Dialer::new(conn, None, READ_BUDGET);
+                dialer.set_write_limit(WRITE_PER_TURN);
+                dialer
+            },
             link: Link::Waiting { until: now },
             linger_until: None,
         };
@@ -438,7 +465,12 @@ impl Outbound {
             // `dial` just gave this id: never the case.
             return Ok(());
         };
-        conn.dialer.send(&[payload])
+        conn.dialer.send(&[payload])?;
+        if conn.dialer.wants_write() {
+            // Too large to write at once, or behind what waits: written in turns.
+            self.active.insert(id);
+        }
+        Ok(())
     }
 
     /// Closes the connection to `peer` at `now`; its queued messages linger (no report).
@@ -521,12 +553,34 @@ impl Outbound {
         let mut due = Vec::new();
         self.timers.take_due(now, &mut due);
         visit.extend(due);
-        for id in visit {
+        // Connections after the last turn's cursor first, so the round's write budget goes
+        // to each connection with bytes waiting in turn.
+        let cursor = self.write_cursor;
+        let order: Vec<OutId> = visit
+            .range(cursor + 1..)
+            .chain(visit.range(..=cursor))
+            .copied()
+            .collect();
+        let mut budget = WRITE_PER_ROUND;
+        for id in order {
             let token = self.base + id;
             let Some(c) = self.conns.get_mut(&id) else {
                 continue;
             };
+            // What `send` wrote at once is not this turn's.
+            c.dialer.take_written();
+            c.dialer.set_write_limit(WRITE_PER_TURN.min(budget));
             c.progress(poller, token, now, retry);
+            let wrote = c.dialer.take_written();
+            c.dialer.set_write_limit(WRITE_PER_TURN);
+            if wrote > 0 {
+                budget = budget.saturating_sub(wrote);
+                self.write_cursor = id;
+            }
+            if c.dialer.wants_write() {
+                // Bytes left for its next turn, which comes at once.
+                self.active.insert(id);
+            }
             let done = c.linger_until.is_some_and(|until| {
                 c.failed() || c.dialer.connection().is_drained() || now >= until
             });

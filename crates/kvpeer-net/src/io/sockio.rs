@@ -120,6 +120,8 @@ pub(crate) struct Wrote {
     pub(crate) any: bool,
     /// The socket took no more (it would block): the next edge of the poll says when it does.
     pub(crate) blocked: bool,
+    /// How many bytes went.
+    pub(crate) bytes: usize,
 }
 
 /// Writes what `conn` has for `stream` until the socket would block or nothing is left.
@@ -127,22 +129,40 @@ pub(crate) fn write_available(
     stream: &mut TcpStream,
     conn: &mut impl Outgoing,
 ) -> Result<Wrote, LinkLoss> {
-    let mut any = false;
+    write_up_to(stream, conn, usize::MAX)
+}
+
+/// Writes what `conn` has for `stream` until the socket would block, nothing is left, or
+/// `limit` bytes went (the rest waits for the caller's next turn).
+pub(crate) fn write_up_to(
+    stream: &mut TcpStream,
+    conn: &mut impl Outgoing,
+    limit: usize,
+) -> Result<Wrote, LinkLoss> {
+    let mut written = 0usize;
     loop {
         let bytes = conn.transmit();
-        if bytes.is_empty() {
+        let room = limit - written;
+        if bytes.is_empty() || room == 0 {
             return Ok(Wrote {
-                any,
+                any: written > 0,
                 blocked: false,
+                bytes: written,
             });
         }
-        match stream.write(bytes) {
+        match stream.write(&bytes[..bytes.len().min(room)]) {
             Ok(0) => return Err(LinkLoss::SendFailed(SendFailure::NoBytesTaken)),
             Ok(n) => {
                 conn.advance(n);
-                any = true;
+                written += n;
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Wrote { any, blocked: true }),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                return Ok(Wrote {
+                    any: written > 0,
+                    blocked: true,
+                    bytes: written,
+                })
+            }
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(LinkLoss::Socket(e.kind())),
         }

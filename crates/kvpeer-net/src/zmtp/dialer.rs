@@ -68,6 +68,11 @@ pub(crate) struct Dialer {
     connect_timeout: Option<Duration>,
     /// Bytes read per progress.
     read_budget: usize,
+    /// Bytes written per progress or flush (the owner's turn; `usize::MAX`: all the socket
+    /// takes).
+    write_limit: usize,
+    /// Bytes written by progress and flush since [`Dialer::take_written`] last asked.
+    last_written: usize,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -107,7 +112,25 @@ impl Dialer {
             state: State::Idle,
             connect_timeout,
             read_budget,
+            write_limit: usize::MAX,
+            last_written: 0,
         }
+    }
+
+    /// Bytes the next progress or flush may write (the owner's share of its turn).
+    pub(crate) fn set_write_limit(&mut self, limit: usize) {
+        self.write_limit = limit;
+    }
+
+    /// Bytes written since this was last asked (by progress or flush), and zero from now.
+    pub(crate) fn take_written(&mut self) -> usize {
+        std::mem::take(&mut self.last_written)
+    }
+
+    /// Whether bytes wait that the socket would take now (a turn with a write limit left
+    /// them).
+    pub(crate) fn wants_write(&self) -> bool {
+        matches!(self.state, State::Open { writable: true, .. }) && !self.conn.transmit().is_empty()
     }
 
     /// The connection (its handshake, what it holds).
@@ -298,7 +321,9 @@ impl Dialer {
         }
         self.conn.handle_timeout(now).map_err(loss_of)?;
         if *writable {
-            *writable = !sockio::write_available(stream, &mut self.conn)?.blocked;
+            let wrote = sockio::write_up_to(stream, &mut self.conn, self.write_limit)?;
+            *writable = !wrote.blocked;
+            self.last_written = self.last_written.saturating_add(wrote.bytes);
         }
         Ok(())
     }
@@ -308,12 +333,15 @@ impl Dialer {
         self.conn.poll_incoming()
     }
 
-    /// Queues one message and writes it at once when nothing waited before it. A socket
-    /// error is left for the next progress to report (the poll reports the socket again).
+    /// Queues one message and writes it at once when nothing waited before it and it is
+    /// within the write limit (a larger one is written in the owner's turns: see
+    /// [`Dialer::wants_write`]). A socket error is left for the next progress to report (the
+    /// poll reports the socket again).
     pub(crate) fn send(&mut self, parts: &[&[u8]]) -> Result<(), QueueFull> {
         let idle = self.conn.transmit().is_empty();
         self.conn.queue(parts)?;
-        if idle {
+        let size: usize = parts.iter().map(|p| p.len()).sum();
+        if idle && size <= self.write_limit {
             self.flush();
         }
         Ok(())
@@ -326,8 +354,11 @@ impl Dialer {
         } = &mut self.state
         {
             if *writable {
-                match sockio::write_available(stream, &mut self.conn) {
-                    Ok(wrote) => *writable = !wrote.blocked,
+                match sockio::write_up_to(stream, &mut self.conn, self.write_limit) {
+                    Ok(wrote) => {
+                        *writable = !wrote.blocked;
+                        self.last_written = self.last_written.saturating_add(wrote.bytes);
+                    }
                     // Reported by the next progress: a failed socket is readable at once.
                     Err(_) => *writable = false,
                 }

@@ -18,7 +18,10 @@
 //! * **Work per connection per round**: at most `read_budget` bytes read and
 //!   [`ConnLimits::max_incoming`] things decoded; what the peer sent beyond waits in its socket
 //!   or its decoder until the next round, which comes at once ([`Listener::deadline`] is then
-//!   now). A peer flooding at full speed delays each other one by that much work per round.
+//!   now). With a `round_quantum`, hosts with input are read least-served first (the caller's
+//!   time each used since it came, never less than just below the least-served busy host's)
+//!   and a round ends after about one quantum of work in all, so a peer of a host that uses
+//!   little waits for at most one round's work however many hosts flood.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -160,6 +163,9 @@ struct Peer {
 /// per second (`time_per_second`), which all of them draw on.
 struct HostShare {
     conns: usize,
+    /// The caller's time its connections took, in nanoseconds since it came (its virtual
+    /// time): a round reads hosts with input least-served first.
+    used_ns: i64,
     /// In nanoseconds, as of `rate_at`: it refills at that rate up to a tenth of a second's
     /// worth.
     rate_ns: i64,
@@ -167,9 +173,12 @@ struct HostShare {
 }
 
 impl HostShare {
-    fn new(now: Instant, per_second: Option<Duration>) -> Self {
+    /// A host that came at `now`, its time used starting at the listener's floor (a newcomer
+    /// starts level with the least-served busy host, never ahead of one that was served long).
+    fn new(now: Instant, per_second: Option<Duration>, used_floor: i64) -> Self {
         HostShare {
             conns: 0,
+            used_ns: used_floor,
             rate_ns: per_second.map_or(0, |r| nanos(r) / 10),
             rate_at: now,
         }
@@ -203,6 +212,7 @@ impl HostShare {
     /// Takes `ns` of this thread's time from its time-per-second share (debt bounded to one
     /// second's share, so it waits at most a second, far inside its heartbeat timeout).
     fn spend(&mut self, ns: i64, per_second: Option<Duration>) {
+        self.used_ns = self.used_ns.saturating_add(ns.max(0));
         if let Some(per_second) = per_second {
             let now = Instant::now().max(self.rate_at);
             self.rate_ns = self
@@ -265,6 +275,10 @@ pub(crate) struct Listener {
     held: BTreeSet<ConnId>,
     /// Rounds a connection was held back that way (a metric: zero while nobody competes).
     held_back: u64,
+    /// The least `used_ns` of the hosts that had input left after the last round (never
+    /// decreasing): a host that was idle is ordered from just below it, so it goes first but
+    /// cannot bank the time it did not use.
+    used_floor: i64,
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
     refused: u64,
@@ -355,6 +369,7 @@ impl Listener {
             hosts: HashMap::new(),
             held: BTreeSet::new(),
             held_back: 0,
+            used_floor: 0,
             buffered: 0,
             refused: 0,
             refused_sources: 0,
@@ -700,8 +715,52 @@ impl Listener {
                 .unwrap_or(i64::MAX)
                 .saturating_mul(q)
         });
+        // Least-served hosts first, and with a quantum about one quantum of work per round in
+        // all (one connection's messages at least): the round ends there and the rest have
+        // theirs next, at once. So a message of a host that uses little (an honest consumer)
+        // waits for at most one round's work, not for a message of every host that floods,
+        // however many they are. Connections without input to compete with (timers, writes,
+        // drains) come first: they cost next to nothing, or must not wait.
+        let round_budget = self.limits.round_quantum.map(nanos);
+        let floor = self.used_floor.saturating_sub(round_budget.unwrap_or(0));
+        if round_budget.is_some() {
+            // A host with input is never further back than just below the least-served busy
+            // host: what it did not use while idle is not banked (stored, not only ordered by,
+            // so it cannot go first for long after it returns).
+            for source in inputs.keys() {
+                if let Some(h) = self.hosts.get_mut(source) {
+                    h.used_ns = h.used_ns.max(floor);
+                }
+            }
+        }
+        // Within a host, connections at work first (a session bound: an honest consumer beside
+        // a flood of its own host's connections that have none), then the one with the most
+        // round credit (whose messages cost least lately).
+        let mut ordered: Vec<(i64, bool, i64, ConnId)> = visit
+            .into_iter()
+            .map(|id| match self.peers.get(&id) {
+                Some(p)
+                    if round_budget.is_some()
+                        && (is_read(p, id) || p.conn.holds_input())
+                        && !drained(id)
+                        && !held_back(&self.hosts, p, id) =>
+                {
+                    let host = self.hosts.get(&p.source).map_or(floor, |h| h.used_ns);
+                    (host, !p.engaged, p.credit_ns.saturating_neg(), id)
+                }
+                _ => (i64::MIN, false, 0, id),
+            })
+            .collect();
+        ordered.sort_unstable();
+        let mut spent: i64 = 0;
         let mut read_any = false;
-        for id in visit {
+        for (key, _, _, id) in ordered {
+            let competes = key != i64::MIN;
+            if competes && round_budget.is_some_and(|budget| spent >= budget) {
+                // Its turn is the next round's, which comes at once.
+                self.active.insert(id);
+                continue;
+            }
             let held = match self.peers.get(&id) {
                 Some(p) => held_back(&self.hosts, p, id),
                 None => continue,
@@ -813,6 +872,15 @@ impl Listener {
                 }
                 out.push((id, LinkEvent::Incoming(incoming)));
             }
+            if competes {
+                // What this round took of the caller: reading and decoding now, handling the
+                // messages taken as they cost lately (charged when handled).
+                let handling =
+                    i64::try_from(p.cost_ns.saturating_mul(taken as u64)).unwrap_or(i64::MAX);
+                spent = spent
+                    .saturating_add(nanos(started.elapsed()))
+                    .saturating_add(handling);
+            }
             match result {
                 Ok(()) => {
                     // Input left (its share was taken, or the socket was not drained) gets the
@@ -835,6 +903,24 @@ impl Listener {
             self.shed_buffers(out);
         }
         self.release_held(now);
+        if round_budget.is_some() {
+            self.raise_floor();
+        }
+    }
+
+    /// Raises `used_floor` to the least-served host that still has input (it never falls:
+    /// a host that had none meanwhile starts from it, not from what it left unused).
+    fn raise_floor(&mut self) {
+        let least = self
+            .active
+            .iter()
+            .filter_map(|id| self.peers.get(id))
+            .filter(|p| p.has_input())
+            .filter_map(|p| self.hosts.get(&p.source).map(|h| h.used_ns))
+            .min();
+        if let Some(least) = least {
+            self.used_floor = self.used_floor.max(least);
+        }
     }
 
     /// Gives the held-back connections a round again once no host under its share has input
@@ -982,9 +1068,10 @@ impl Listener {
             conn.connected(now);
             debug!(id, %source, role = self.role.socket_type, "connection accepted");
             let per_second = self.limits.time_per_second;
+            let floor = self.used_floor;
             self.hosts
                 .entry(source)
-                .or_insert_with(|| HostShare::new(now, per_second))
+                .or_insert_with(|| HostShare::new(now, per_second, floor))
                 .conns += 1;
             self.peers.insert(
                 id,

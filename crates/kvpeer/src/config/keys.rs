@@ -149,7 +149,7 @@ declare_keys! {
     peer_fault_drain_s = "10";
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";
-    /// keys of one peer's lookups asked per step of the node's loop (the rest wait a step)
+    /// keys of all peers' queued lookups asked per step of the node's loop, hosts in turn (the rest wait a step)
     lookup_slice_keys = "256";
     /// keys of one peer's lookups asked per second (past it they wait; MISS at their deadline)
     lookup_keys_per_s = "262144";

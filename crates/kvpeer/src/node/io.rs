@@ -45,6 +45,10 @@ use super::origin::{LocalAddrs, OriginCheck, OriginError};
 use super::plane::Plane;
 use super::wake::WakePipe;
 
+/// An inbound message this large (a lookup of about 1,800 keys and more) costs its decoding
+/// hundreds of microseconds: answers already made are sent before it is handled.
+const EXPENSIVE_PAYLOAD: usize = 64 << 10;
+
 /// Why a `connect` is refused before the protocol sees it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 enum ConnectRefused {
@@ -482,7 +486,10 @@ impl<P: Parent> NodeIo<P> {
         self.loads_done.drain().collect()
     }
 
-    /// One round of I/O at `now`.
+    /// One round of I/O at `now`: the channel's round of input, each message handled, then the
+    /// core's deadlines and step of queued work, then its outputs carried out. Answers already
+    /// made leave before a large message is handled and before the core's step, so an honest
+    /// peer's answer never waits behind a flood's work of the same round.
     pub fn step(&mut self, now: Instant) {
         let events = self.channel.recv();
         if let Some(w) = &self.wake {
@@ -500,6 +507,12 @@ impl<P: Parent> NodeIo<P> {
                     source,
                     payload,
                 } => {
+                    if payload.len() >= EXPENSIVE_PAYLOAD && self.core.has_transmits() {
+                        // Answers to the cheap messages handled before this one (the round
+                        // reads the least-served hosts first: an honest consumer's lookup)
+                        // leave before its decoding, not after.
+                        self.flush(now);
+                    }
                     // What handling it costs this thread is charged to its connection: the
                     // channel gives each connection about the same time per round.
                     let started = Instant::now();
@@ -535,6 +548,11 @@ impl<P: Parent> NodeIo<P> {
         self.release_held(now);
         self.core.handle_data_plane(now);
         if self.core.poll_timeout().is_some_and(|t| t <= now) {
+            if self.core.has_transmits() {
+                // What this round's messages are answered with leaves before the core's step
+                // of queued work (slices of large lookups).
+                self.flush(now);
+            }
             self.core.handle_timeout(now);
         }
         self.flush(now);

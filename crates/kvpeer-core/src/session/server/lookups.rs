@@ -13,18 +13,16 @@
 //! answer MISS unasked; a lookup that would hold more keys, bytes or requests for the peer than
 //! its share answers MISS at once.
 
+use std::time::Instant;
+
 use kvpeer_proto::{KvRequestId, LookupResp, Message, OffloadKey, RoundSeq};
 
-use super::{serve_ctx, ActiveLookup, Held, Origin, ServerRole, Supply};
+use super::{serve_ctx, ActiveLookup, Answer, Held, Origin, ServerRole, Supply};
 use crate::error::InternalError;
 use crate::maps::Map;
 use crate::output::Link;
 use crate::session::Cx;
 use crate::traits::LookupResult;
-
-/// The fewest keys a session's slice asks per step, however many sessions its host has (a
-/// step's fixed cost is not worth paying for fewer).
-const MIN_SLICE_KEYS: usize = 16;
 
 impl ServerRole {
     /// An inbound `lookup`: queued behind the peer's earlier lookups still being asked, and
@@ -43,9 +41,8 @@ impl ServerRole {
         cx.parent.on_new_request(&ctx);
         let held = Held::of(&keys);
         let end = keys.len().min(cx.config.max_lookup_keys);
-        // Sized for the keys asked now (a slice), so the map does not rehash as they go in.
-        let answers =
-            Map::with_capacity_and_hasher(end.min(cx.config.lookup_slice_keys), Default::default());
+        // Empty until a key hits or is pending (no allocation for a lookup that misses).
+        let answers = Map::default();
         let mut lookup = ActiveLookup {
             ctx,
             round,
@@ -84,7 +81,7 @@ impl ServerRole {
         self.request_entry(id).lookups.insert(n, lookup);
         self.backlog.push_back((id.clone(), n));
         if self.backlog.len() == 1 {
-            self.serve_backlog(link, cx)
+            self.serve_backlog(link, cx).1
         } else {
             // Behind the peer's earlier lookups: the next slice (already timed) reaches it.
             Ok(())
@@ -93,15 +90,18 @@ impl ServerRole {
 
     /// Asks the store about the next slice of the peer's queued lookups: at most
     /// `lookup_slice_keys` keys, and no more than the peer's keys-per-second budget holds. A
-    /// lookup whose keys were all asked is answered (or parked on its pending keys).
-    pub(super) fn serve_backlog(
+    /// lookup whose keys were all asked is answered (or parked on its pending keys). Returns
+    /// how many keys were asked; what is left is due at `slice_at`, which the core's step
+    /// serves in its host's turn (`core/slices.rs`).
+    pub(crate) fn serve_backlog(
         &mut self,
         link: &mut Link,
         cx: &mut Cx<'_>,
-    ) -> Result<(), InternalError> {
+    ) -> (usize, Result<(), InternalError>) {
         self.slice_at = None;
-        let slice = self.slice_keys(cx);
+        let slice = cx.config.lookup_slice_keys.max(1);
         let mut budget = slice.min(self.bucket.available(cx.now));
+        let mut asked = 0;
         let mut result = Ok(());
         while let Some((id, n)) = self.backlog.front().cloned() {
             let Some(mut lookup) = self
@@ -132,6 +132,7 @@ impl ServerRole {
             lookup.keys = keys;
             lookup.next += take;
             budget -= take;
+            asked += take;
             self.bucket.take(take);
             if lookup.next < lookup.end {
                 self.reinsert(&id, n, lookup);
@@ -161,22 +162,12 @@ impl ServerRole {
                 self.bucket.when(cx.now, want)
             });
         }
-        result
+        (asked, result)
     }
 
-    /// Keys this peer's lookups may ask per step: its host's `lookup_slice_keys`, split among
-    /// the host's sessions (at least [`MIN_SLICE_KEYS`]), so many sessions of one host buy it
-    /// no more of a step than one. Work-conserving all the same: with nothing else to do, the
-    /// node's loop takes the next step at once.
-    fn slice_keys(&self, cx: &Cx<'_>) -> usize {
-        let slice = cx.config.lookup_slice_keys.max(1);
-        let sessions = cx
-            .host_sessions
-            .get(&self.host)
-            .copied()
-            .unwrap_or(1)
-            .max(1);
-        (slice / sessions).max(MIN_SLICE_KEYS.min(slice))
+    /// When this peer's queued lookups want their next slice (`None`: none queued).
+    pub(crate) fn slice_at(&self) -> Option<Instant> {
+        self.slice_at
     }
 
     fn reinsert(&mut self, id: &KvRequestId, n: u64, lookup: ActiveLookup) {
@@ -218,29 +209,36 @@ impl ServerRole {
         let mut over_share = 0u64;
         for key in keys {
             match lookup.answers.get(key) {
-                Some(Some(_)) => continue,
-                // First pass: a repeat of a key already polled in this message.
-                Some(None) if first_pass => continue,
+                Some(Answer::Hit | Answer::Miss) => continue,
+                // First pass: a repeat of a key already pending in this message.
+                Some(Answer::Pending) if first_pass => continue,
                 _ => {}
             }
             let more = Held::pins(hits.len() + 1);
             if self.pinned.len() + hits.len() >= self.max_pins || self.held.over(more, cx.config) {
                 // The peer holds its share of the pool pinned (or of held keys: pins of the
                 // same blocks over and over): MISS, not asked, not pinned.
-                lookup.answers.insert(key.clone(), Some(false));
+                if !first_pass {
+                    lookup.answers.insert(key.clone(), Answer::Miss);
+                }
                 over_share += 1;
                 continue;
             }
             match cx.parent.lookup(key, &lookup.ctx) {
                 LookupResult::Hit => {
-                    lookup.answers.insert(key.clone(), Some(true));
+                    lookup.answers.insert(key.clone(), Answer::Hit);
                     hits.push(key.clone());
                 }
                 LookupResult::Miss => {
-                    lookup.answers.insert(key.clone(), Some(false));
+                    if !first_pass {
+                        // A pending key that settled as MISS.
+                        lookup.answers.insert(key.clone(), Answer::Miss);
+                    }
                 }
                 LookupResult::HitPending | LookupResult::Retry => {
-                    lookup.answers.insert(key.clone(), None);
+                    if first_pass {
+                        lookup.answers.insert(key.clone(), Answer::Pending);
+                    }
                     lookup.pending.push(key.clone());
                 }
             }
@@ -270,7 +268,7 @@ impl ServerRole {
                     cx.parent.complete_store_job(job.job_id, false);
                 }
                 for key in hits {
-                    lookup.answers.insert(key, Some(false));
+                    lookup.answers.insert(key, Answer::Miss);
                 }
                 Err(InternalError::PinRefused(lookup.ctx.clone()))
             }
@@ -292,14 +290,17 @@ impl ServerRole {
         if !lookup.keys.is_empty() {
             // Keys past the last one asked were never answered: MISS without a map probe.
             let asked = lookup.next.min(lookup.end);
-            let hits = lookup
-                .keys
-                .iter()
-                .enumerate()
-                .map(|(i, k)| {
-                    i < asked && lookup.answers.get(k).copied().flatten().unwrap_or(false)
-                })
-                .collect();
+            let hits = if lookup.answers.is_empty() {
+                // Nothing hit: no probe per key.
+                vec![false; lookup.keys.len()]
+            } else {
+                lookup
+                    .keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| i < asked && lookup.answers.get(k) == Some(&Answer::Hit))
+                    .collect()
+            };
             link.send(
                 cx.out,
                 cx.now,
@@ -339,7 +340,7 @@ impl ServerRole {
                 if !lookup.pending.is_empty() && cx.now >= lookup.deadline {
                     cx.out.counters.pending_expired += lookup.pending.len() as u64;
                     for key in std::mem::take(&mut lookup.pending) {
-                        lookup.answers.insert(key, Some(false));
+                        lookup.answers.insert(key, Answer::Miss);
                     }
                 }
                 if lookup.pending.is_empty() {

@@ -393,12 +393,25 @@ struct ActiveLookup {
     end: usize,
     /// What the lookup counts toward the peer's held budget.
     held: Held,
-    /// Every key seen: `Some(hit)` once answered, `None` while pending (this also removes
-    /// duplicates of the lookup's keys in O(1)).
-    answers: Map<OffloadKey, Option<bool>>,
+    /// The keys that hit (pinned), are pending, or were settled MISS after either (a pending
+    /// key that missed or expired, a hit the store would not pin); a key absent is MISS too.
+    /// Keys that simply miss are not kept: a lookup of keys the node lacks (most of a flood)
+    /// costs no entry per key, and a repeat of a key kept here is not asked (or pinned) again.
+    answers: Map<OffloadKey, Answer>,
     /// Unique keys still HIT_PENDING/RETRY.
     pending: Vec<OffloadKey>,
     deadline: Instant,
+}
+
+/// What one key of a lookup was answered, when kept ([`ActiveLookup::answers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// HIT, pinned for the lookup's round.
+    Hit,
+    /// HIT_PENDING or RETRY: asked again until the lookup's deadline.
+    Pending,
+    /// MISS after being pending or refused its pin: not asked again in this lookup.
+    Miss,
 }
 
 #[derive(Debug, Default)]
@@ -499,7 +512,8 @@ pub(crate) struct ServerRole {
     retry_lane: Lane<(RoundKey, Serial)>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
-    /// Lookups whose keys are not all asked yet, in arrival order: served a slice per step.
+    /// Lookups whose keys are not all asked yet, in arrival order: a slice at a time, in this
+    /// peer's host's turns of the core's steps (`core/slices.rs`).
     backlog: std::collections::VecDeque<(KvRequestId, u64)>,
     /// When the backlog is next served.
     slice_at: Option<Instant>,
@@ -516,9 +530,6 @@ pub(crate) struct ServerRole {
     max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
     pub(crate) peer_fault: Option<PlaneError>,
-    /// Its host ([`host_of`](crate::core::index::host_of)): the host's sessions split its
-    /// lookup slice of each step.
-    host: String,
 }
 
 fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
@@ -537,7 +548,6 @@ impl ServerRole {
         now: Instant,
         node_held: Arc<NodeHeld>,
     ) -> Self {
-        let host = crate::core::index::host_of(&peer);
         ServerRole {
             peer,
             requests: Map::default(),
@@ -565,7 +575,6 @@ impl ServerRole {
             pin_blocks: Map::default(),
             max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
-            host,
         }
     }
 
@@ -666,7 +675,6 @@ impl ServerRole {
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         earliest([
             self.repoll_at,
-            self.slice_at,
             self.lookup_lane.next_deadline(),
             self.store_lane.next_deadline(),
             self.demand_lane.next_deadline(),

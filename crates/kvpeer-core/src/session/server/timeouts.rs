@@ -25,11 +25,6 @@ impl ServerRole {
         if self.repoll_at.is_some_and(|at| at <= now) {
             result = self.serve(link, cx);
         }
-        if self.slice_at.is_some_and(|at| at <= now) {
-            if let Err(e) = self.serve_backlog(link, cx) {
-                result = Err(e);
-            }
-        }
         while let Some((_, (id, n))) = self.lookup_lane.pop_due(now) {
             if self
                 .requests

@@ -1,0 +1,205 @@
+//! Which session's queued lookups the core asks the store about next: hosts in round robin,
+//! then each host's sessions in round robin, at most `lookup_slice_keys` keys per step in all
+//! (docs/security.md, G7).
+//!
+//! A lookup that arrives while its session has none queued is asked at once (its first slice,
+//! charged to its connection by the control channel's shares); what is left of a large lookup
+//! waits here for a step. One step serves slices, taking the next host in turn each time,
+//! until `lookup_slice_keys` keys were asked (its last slice may take it past that by less
+//! than one slice), so an honest message that arrives during a flood waits for at most one
+//! step of others' slices, however many hosts flood and however many sessions each opens (a
+//! host's sessions share its turns); each later slice of an honest lookup larger than a slice
+//! waits for one turn of the hosts with slices queued. A step with slices left is due at
+//! once: the node's loop reads its sockets before the next one (work-conserving: a lone
+//! lookup's slices run back to back).
+//!
+//! Fed by [`crate::core::index::SessionIndex::refresh`] with each session's `slice_at` after
+//! every touch; entries are checked against it when taken, so a stale one (the session was
+//! served otherwise, ended, or was throttled to later) is dropped then. Sans-IO, on the core's
+//! thread.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Instant;
+
+use kvpeer_proto::PeerId;
+
+use super::index::host_of;
+use crate::maps::{Map, Set};
+
+/// Sessions wanting a slice of their queued lookups.
+#[derive(Debug, Default)]
+pub(super) struct Slices {
+    /// When each session wants its next slice, as last read off it.
+    at: Map<PeerId, Instant>,
+    /// Sessions whose slice is due later (its keys-per-second bucket is empty); stale entries
+    /// are dropped when they come up.
+    timed: BinaryHeap<Reverse<(Instant, PeerId)>>,
+    /// Hosts with a session whose slice is due, in turn order; a host is here exactly when it
+    /// has an entry in `by_host`.
+    hosts: VecDeque<String>,
+    /// Each such host's sessions, in turn order.
+    by_host: Map<String, VecDeque<PeerId>>,
+    /// The sessions in `by_host` (none twice).
+    queued: Set<PeerId>,
+}
+
+impl Slices {
+    /// `peer` wants its next slice at `at` (`None`: it has none queued), as read at `now`.
+    pub(super) fn set(&mut self, peer: &PeerId, at: Option<Instant>, now: Instant) {
+        let Some(at) = at else {
+            self.at.remove(peer);
+            return;
+        };
+        if self.at.get(peer) == Some(&at) && (at > now || self.queued.contains(peer)) {
+            return;
+        }
+        self.at.insert(peer.clone(), at);
+        if at <= now {
+            self.enqueue(peer);
+        } else {
+            self.timed.push(Reverse((at, peer.clone())));
+        }
+    }
+
+    /// `peer`'s session is gone.
+    pub(super) fn remove(&mut self, peer: &PeerId) {
+        self.at.remove(peer);
+    }
+
+    fn enqueue(&mut self, peer: &PeerId) {
+        if self.queued.contains(peer) {
+            return;
+        }
+        self.queued.insert(peer.clone());
+        let host = host_of(peer);
+        match self.by_host.get_mut(&host) {
+            Some(sessions) => sessions.push_back(peer.clone()),
+            None => {
+                self.by_host
+                    .insert(host.clone(), VecDeque::from([peer.clone()]));
+                self.hosts.push_back(host);
+            }
+        }
+    }
+
+    /// Moves the sessions whose time came into their hosts' turns.
+    fn promote(&mut self, now: Instant) {
+        while let Some(Reverse((at, _))) = self.timed.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((at, peer))) = self.timed.pop() else {
+                break;
+            };
+            if self.at.get(&peer) == Some(&at) {
+                self.enqueue(&peer);
+            }
+        }
+    }
+
+    /// The next session to serve a slice of at `now`: the next host's next session. It leaves
+    /// the turns; [`Slices::set`] puts it back at the end of its host's (and its host at the
+    /// end of the hosts') if it still has slices due after it was served.
+    pub(super) fn next(&mut self, now: Instant) -> Option<PeerId> {
+        self.promote(now);
+        while let Some(host) = self.hosts.pop_front() {
+            let Some(sessions) = self.by_host.get_mut(&host) else {
+                continue;
+            };
+            let peer = sessions.pop_front();
+            if sessions.is_empty() {
+                self.by_host.remove(&host);
+            } else {
+                self.hosts.push_back(host);
+            }
+            let Some(peer) = peer else {
+                continue;
+            };
+            self.queued.remove(&peer);
+            if self.at.get(&peer).is_some_and(|at| *at <= now) {
+                return Some(peer);
+            }
+        }
+        None
+    }
+
+    /// When a step has slices to serve: `now` while a session's slice is due, else the
+    /// earliest time one will be (possibly stale: a wake that finds nothing serves nothing).
+    pub(super) fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        if !self.queued.is_empty() {
+            return Some(now);
+        }
+        self.timed.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Drops stale timed entries once they are most of the heap (a session throttled over and
+    /// over pushes one per throttle).
+    pub(super) fn compact(&mut self) {
+        if self.timed.len() > 64 && self.timed.len() > 4 * self.at.len() {
+            let at = &self.at;
+            self.timed
+                .retain(|Reverse((when, peer))| at.get(peer) == Some(when));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn peer(s: &str) -> PeerId {
+        PeerId::new(s)
+    }
+
+    #[test]
+    fn hosts_take_turns_and_a_hosts_sessions_share_its_turn() {
+        let now = Instant::now();
+        let mut s = Slices::default();
+        for p in ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3", "10.0.0.2:1"] {
+            s.set(&peer(p), Some(now), now);
+        }
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let p = s.next(now).unwrap();
+            // Each served session still has slices: it goes back in its host's turn.
+            s.set(&p, Some(now), now);
+            order.push(p.as_str().to_owned());
+        }
+        assert_eq!(
+            order,
+            [
+                "10.0.0.1:1",
+                "10.0.0.2:1",
+                "10.0.0.1:2",
+                "10.0.0.2:1",
+                "10.0.0.1:3",
+                "10.0.0.2:1"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_throttled_session_waits_for_its_time_and_a_stale_entry_is_skipped() {
+        let now = Instant::now();
+        let later = now + Duration::from_millis(5);
+        let mut s = Slices::default();
+        s.set(&peer("10.0.0.1:1"), Some(later), now);
+        s.set(&peer("10.0.0.2:1"), Some(now), now);
+        assert_eq!(s.next_deadline(now), Some(now));
+        assert_eq!(s.next(now).unwrap().as_str(), "10.0.0.2:1");
+        assert_eq!(s.next(now), None);
+        assert_eq!(s.next_deadline(now), Some(later));
+        assert_eq!(s.next(later).unwrap().as_str(), "10.0.0.1:1");
+        // Served elsewhere (its slice_at cleared) before its turn came: skipped.
+        s.set(&peer("10.0.0.3:1"), Some(now), now);
+        s.set(&peer("10.0.0.3:1"), None, now);
+        assert_eq!(s.next(now), None);
+        // Ended while queued: skipped too.
+        s.set(&peer("10.0.0.4:1"), Some(now), now);
+        s.remove(&peer("10.0.0.4:1"));
+        assert_eq!(s.next(now), None);
+        assert_eq!(s.next_deadline(now), None);
+    }
+}
