@@ -885,12 +885,18 @@ fn a_round_reads_the_least_served_host_first_and_ends_after_a_quantum() {
         }
         (flood, honest_at)
     };
-    // Until every host's messages flow and their cost is known.
+    // Until every host's messages flow and their cost is known (a connection's first round
+    // takes up to 16 messages at a sixteenth of a quantum each, until one is charged).
     let mut seen = 0;
     let deadline = Instant::now() + Duration::from_secs(20);
     while seen < 20 * usize::from(HOSTS) {
         assert!(Instant::now() < deadline, "the flood never started: {seen}");
         seen += round(&mut node).0;
+    }
+    // Every connection has been given a round by now (least-served first); one more round
+    // each, to be sure every cost was charged.
+    for _ in 0..HOSTS {
+        round(&mut node);
     }
     let mut most = 0;
     for _ in 0..100 {

@@ -152,8 +152,8 @@ struct Peer {
     /// each round with input adds one quantum (up to one), each message handled takes what it
     /// cost; at zero or less, it is given nothing this round.
     credit_ns: i64,
-    /// What one of its messages cost the caller lately (a moving average), to take as many as
-    /// its credit covers.
+    /// What one of its messages cost the caller lately (a moving average that rises at once), to
+    /// take as many as its credit covers.
     cost_ns: u64,
     /// What it holds, as last counted into the listener's total.
     buffered: usize,
@@ -432,11 +432,14 @@ impl Listener {
             return;
         };
         let ns = nanos(cost);
-        p.cost_ns = (p
+        // Up at once, down slowly: a connection whose messages turned expensive is not given
+        // a round's worth of them at what they used to cost.
+        let average = (p
             .cost_ns
             .saturating_mul(7)
             .saturating_add(ns.unsigned_abs()))
             / 8;
+        p.cost_ns = average.max(ns.unsigned_abs());
         let per_second = self.limits.time_per_second;
         if let Some(now) = spend(&mut self.hosts, p, ns, per_second) {
             // A share spent: held-back input waits for the refill, which its deadline wakes.
