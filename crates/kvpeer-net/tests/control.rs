@@ -121,6 +121,35 @@ fn zmtp_peer_from(target: &PeerId, identity: &str, from: std::net::Ipv4Addr) -> 
     s
 }
 
+/// Drives `node` until the peers' thread says every handshake is done (10 s at most).
+fn drive_until_ready(node: &mut ControlChannel, ready_rx: &std::sync::mpsc::Receiver<()>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready_rx.try_recv().is_err() {
+        assert!(Instant::now() < deadline, "handshakes");
+        node.wait(Duration::from_millis(5)).unwrap();
+        node.recv();
+    }
+}
+
+/// `hosts` flooding peers from 127.0.1.1 on (identities `127.0.1.h:flood_port`) and an honest
+/// one from 127.0.0.2 (`127.0.0.2:honest_port`), each through its handshake with `target`.
+fn flooders_and_honest(
+    target: &PeerId,
+    hosts: u8,
+    flood_port: u16,
+    honest_port: u16,
+) -> (Vec<TcpStream>, TcpStream) {
+    let floods = (1..=hosts)
+        .map(|h| {
+            let host = std::net::Ipv4Addr::new(127, 0, 1, h);
+            zmtp_peer_from(target, &format!("{host}:{flood_port}"), host)
+        })
+        .collect();
+    let honest_host = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    let honest = zmtp_peer_from(target, &format!("127.0.0.2:{honest_port}"), honest_host);
+    (floods, honest)
+}
+
 /// The DEALER's greeting and READY on `s`.
 fn zmtp_dealer_on(mut s: TcpStream, identity: &str) -> TcpStream {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -423,12 +452,7 @@ fn a_flooding_connection_cannot_push_another_peers_message_behind_its_flood() {
         (flood, honest)
     });
     // Both handshakes done, then nothing read until both peers have written everything.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ready_rx.try_recv().is_err() {
-        assert!(Instant::now() < deadline, "handshakes");
-        node.wait(Duration::from_millis(5)).unwrap();
-        node.recv();
-    }
+    drive_until_ready(&mut node, &ready_rx);
     go_tx.send(()).unwrap();
     let (_flood, _honest) = peers.join().unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -500,12 +524,7 @@ fn an_expensive_host_gets_the_idle_thread_and_yields_to_an_honest_host_at_once()
             (writer, honest)
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ready_rx.try_recv().is_err() {
-        assert!(Instant::now() < deadline, "handshakes");
-        node.wait(Duration::from_millis(5)).unwrap();
-        node.recv();
-    }
+    drive_until_ready(&mut node, &ready_rx);
     go_tx.send(()).unwrap();
     /// Drives `node` until `until` or an honest message (`want`), counting flood messages.
     fn drive(
@@ -790,12 +809,7 @@ fn a_host_flooding_commands_is_charged_and_held_back_for_an_honest_host() {
             (flood, honest, sent)
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ready_rx.try_recv().is_err() {
-        assert!(Instant::now() < deadline, "handshakes");
-        node.wait(Duration::from_millis(5)).unwrap();
-        node.recv();
-    }
+    drive_until_ready(&mut node, &ready_rx);
     let mut honest_seen = Vec::new();
     let until = Instant::now() + Duration::from_secs(20);
     while honest_seen.len() < HONEST && Instant::now() < until {
@@ -843,14 +857,7 @@ fn a_round_reads_the_least_served_host_first_and_ends_after_a_quantum() {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (send_tx, send_rx) = std::sync::mpsc::channel::<&'static [u8]>();
     let peers = std::thread::spawn(move || {
-        let mut floods: Vec<TcpStream> = (1..=HOSTS)
-            .map(|h| {
-                let host = std::net::Ipv4Addr::new(127, 0, 1, h);
-                zmtp_peer_from(&id, &format!("{host}:7200"), host)
-            })
-            .collect();
-        let honest_host = std::net::Ipv4Addr::new(127, 0, 0, 2);
-        let mut honest = zmtp_peer_from(&id, "127.0.0.2:7112", honest_host);
+        let (mut floods, mut honest) = flooders_and_honest(&id, HOSTS, 7200, 7112);
         ready_tx.send(()).unwrap();
         // 60 KB each: the socket buffers take all of it at once.
         let bytes: Vec<u8> = (0..FLOOD).flat_map(|_| [0x00, 1, b'x']).collect();
@@ -862,12 +869,7 @@ fn a_round_reads_the_least_served_host_first_and_ends_after_a_quantum() {
         honest.write_all(message).unwrap();
         (floods, honest)
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ready_rx.try_recv().is_err() {
-        assert!(Instant::now() < deadline, "handshakes");
-        node.wait(Duration::from_millis(5)).unwrap();
-        node.recv();
-    }
+    drive_until_ready(&mut node, &ready_rx);
     // One round: the flood messages it handed over, charged, and the honest one's place.
     let round = |node: &mut ControlChannel| -> (usize, Option<usize>) {
         node.wait(Duration::from_millis(5)).unwrap();
@@ -921,5 +923,113 @@ fn a_round_reads_the_least_served_host_first_and_ends_after_a_quantum() {
         "flood messages came before the honest one in its round"
     );
     assert!(most <= 2, "a round handed over {most} flood messages");
+    drop(peers.join().unwrap());
+}
+
+/// A host that used the thread while nobody else wanted it is not behind the hosts that send
+/// now and then for it (issue 37, the spread flood): an honest host (127.0.0.2) sends 200
+/// cheap messages one at a time, alone, which the node charges 200 µs each (40 ms in all);
+/// ten other hosts (127.0.1.1 on) had sent one 2 ms message each before. Then each of the ten
+/// sends another 2 ms message and the honest host one cheap message, all waiting at once: the
+/// honest one comes first in the first round (the system's virtual time moved on while it was
+/// alone, and its message costs less), byte-exact. Ordered by the time each host used since
+/// it came, the honest host (40 ms) went after all ten (2 ms each), one round each.
+#[test]
+fn a_host_that_used_the_idle_thread_is_not_behind_hosts_that_send_now_and_then() {
+    const HOSTS: u8 = 10;
+    const CHEAP: Duration = Duration::from_micros(200);
+    const COSTLY: Duration = Duration::from_millis(2);
+    enum Write {
+        Floods,
+        Honest(&'static [u8]),
+        AllAtOnce,
+    }
+    let config = ControlConfig {
+        inbound_round_quantum: Duration::from_millis(1),
+        inbound_time_per_second: Duration::from_secs(1),
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (write_tx, write_rx) = std::sync::mpsc::channel::<Write>();
+    let (written_tx, written_rx) = std::sync::mpsc::channel::<()>();
+    let peers = std::thread::spawn(move || {
+        let (mut floods, mut honest) = flooders_and_honest(&id, HOSTS, 7300, 7113);
+        ready_tx.send(()).unwrap();
+        let send = |s: &mut TcpStream, m: &[u8]| {
+            s.write_all(&[0x00, m.len() as u8]).unwrap();
+            s.write_all(m).unwrap();
+        };
+        for w in write_rx {
+            match w {
+                Write::Floods => floods.iter_mut().for_each(|f| send(f, b"flood")),
+                Write::Honest(m) => send(&mut honest, m),
+                Write::AllAtOnce => {
+                    floods.iter_mut().for_each(|f| send(f, b"flood"));
+                    send(&mut honest, b"honest");
+                }
+            }
+            written_tx.send(()).unwrap();
+        }
+        (floods, honest)
+    });
+    drive_until_ready(&mut node, &ready_rx);
+    // Rounds until `want` payloads came; each charged as it costs. The payloads, in order, a
+    // list per round.
+    let rounds = |node: &mut ControlChannel, want: usize| -> Vec<Vec<Vec<u8>>> {
+        let (mut got, mut rounds) = (0, Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got < want {
+            assert!(Instant::now() < deadline, "{got} of {want} payloads came");
+            node.wait(Duration::from_millis(5)).unwrap();
+            let mut round = Vec::new();
+            for e in node.recv() {
+                if let ChannelEvent::Payload { payload, conn, .. } = e {
+                    let cost = if &payload[..] == b"flood" {
+                        COSTLY
+                    } else {
+                        CHEAP
+                    };
+                    node.charge_inbound(conn, cost);
+                    round.push(payload.to_vec());
+                }
+            }
+            got += round.len();
+            if !round.is_empty() {
+                rounds.push(round);
+            }
+        }
+        rounds
+    };
+    write_tx.send(Write::Floods).unwrap();
+    written_rx.recv().unwrap();
+    rounds(&mut node, usize::from(HOSTS));
+    for _ in 0..200 {
+        write_tx.send(Write::Honest(b"alone")).unwrap();
+        written_rx.recv().unwrap();
+        let got = rounds(&mut node, 1);
+        assert_eq!(got, vec![vec![b"alone".to_vec()]], "byte-exact");
+    }
+    write_tx.send(Write::AllAtOnce).unwrap();
+    written_rx.recv().unwrap();
+    let got = rounds(&mut node, usize::from(HOSTS) + 1);
+    let honest_at = got
+        .iter()
+        .flatten()
+        .position(|m| &m[..] == b"honest")
+        .unwrap();
+    assert_eq!(
+        honest_at,
+        0,
+        "flood messages came before the honest one: {:?}",
+        got.iter()
+            .map(|r| r
+                .iter()
+                .map(|m| String::from_utf8_lossy(m))
+                .collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    );
+    drop(write_tx);
     drop(peers.join().unwrap());
 }

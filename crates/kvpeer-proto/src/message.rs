@@ -250,7 +250,7 @@ impl Message {
     }
 
     /// A close upper estimate of the encoded size, to size buffers in one allocation.
-    fn encoded_len_hint(&self) -> usize {
+    pub fn encoded_len_hint(&self) -> usize {
         const KEY: usize = 40;
         const HEADER: usize = 64;
         match self {

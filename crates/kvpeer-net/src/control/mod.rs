@@ -39,14 +39,14 @@ use std::os::fd::{BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{DialFailure, LinkLoss, SendFailure};
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{Message, PeerId};
 use tracing::{debug, warn};
 
 use crate::control::inbound::{Inbound, InboundEvent, InboundLimits};
 pub use crate::control::outbound::DialStage;
 use crate::control::outbound::{Outbound, OutboundConfig};
 use crate::io::poller::{Poller, Ready, Token};
-use crate::zmtp::connection::{ConnLimits, QueueFull};
+use crate::zmtp::connection::{ConnLimits, QueueFull, QueueWithError};
 pub use inbound::ConnId;
 
 /// Settings of the control channel; `Default` is vLLM's.
@@ -455,6 +455,39 @@ impl ControlChannel {
         {
             Ok(()) => Ok(()),
             Err(QueueFull) => {
+                if let Some(suppressed) =
+                    crate::admit_warning("control send failed; connection lost")
+                {
+                    warn!(%peer, suppressed, "control send queue full; connection lost");
+                }
+                self.close(peer);
+                Err(lost(LinkLoss::SendFailed(SendFailure::QueueFull)))
+            }
+        }
+    }
+
+    /// Encodes `message` straight into `peer`'s queue and sends it as [`ControlChannel::send`]
+    /// does: a large answer is not encoded into a buffer of its own and copied from there.
+    /// A message that does not encode fails the send (nothing of it is queued).
+    pub fn send_message(&mut self, peer: &PeerId, message: &Message) -> Result<(), SendError> {
+        let lost = |cause: LinkLoss| SendError::Lost {
+            peer: peer.clone(),
+            cause,
+        };
+        if !self.outbound.connected(peer) {
+            self.dial(peer).map_err(|e| lost(LinkLoss::DialFailed(e)))?;
+        }
+        let sent = self.outbound.send_with(
+            &self.poller,
+            peer,
+            message.encoded_len_hint(),
+            |out| message.encode_into(out),
+            Instant::now(),
+        );
+        match sent {
+            Ok(()) => Ok(()),
+            Err(QueueWithError::Body(e)) => Err(lost(LinkLoss::SendFailed(SendFailure::Encode(e)))),
+            Err(QueueWithError::Full) => {
                 if let Some(suppressed) =
                     crate::admit_warning("control send failed; connection lost")
                 {

@@ -52,7 +52,7 @@ use tracing::{debug, warn};
 
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::timers::{coarse, Timers};
-use crate::zmtp::connection::{ConnLimits, Connection, QueueFull, Role};
+use crate::zmtp::connection::{ConnLimits, Connection, QueueFull, QueueWithError, Role};
 pub use crate::zmtp::dialer::DialStage;
 use crate::zmtp::dialer::Dialer;
 
@@ -466,6 +466,29 @@ impl Outbound {
             return Ok(());
         };
         conn.dialer.send(&[payload])?;
+        if conn.dialer.wants_write() {
+            // Too large to write at once, or behind what waits: written in turns.
+            self.active.insert(id);
+        }
+        Ok(())
+    }
+
+    /// As [`Outbound::send`], for one frame whose body `write_body` appends straight into the
+    /// connection's queue.
+    pub(crate) fn send_with<E>(
+        &mut self,
+        poller: &Poller,
+        peer: &PeerId,
+        body_hint: usize,
+        write_body: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+        now: Instant,
+    ) -> Result<(), QueueWithError<E>> {
+        let id = self.dial(poller, peer, now);
+        let Some(conn) = self.conns.get_mut(&id) else {
+            // `dial` just gave this id: never the case.
+            return Ok(());
+        };
+        conn.dialer.send_with(body_hint, write_body)?;
         if conn.dialer.wants_write() {
             // Too large to write at once, or behind what waits: written in turns.
             self.active.insert(id);

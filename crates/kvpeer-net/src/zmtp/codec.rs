@@ -554,6 +554,34 @@ pub fn write_frame(out: &mut Vec<u8>, body: &[u8], more: bool) {
     out.extend_from_slice(body);
 }
 
+/// Room [`begin_frame`] leaves for a frame's header: the long form's flags and 8-byte size.
+const LONG_HEADER: usize = 9;
+
+/// Starts a single-frame message whose body the caller appends to `out` itself (encoding
+/// straight into a connection's queue, so a large body is not copied there from a buffer of
+/// its own): leaves room for the header and returns where it starts, for [`end_frame`].
+pub fn begin_frame(out: &mut Vec<u8>, body_hint: usize) -> usize {
+    let start = out.len();
+    out.reserve(LONG_HEADER.saturating_add(body_hint));
+    out.extend_from_slice(&[0; LONG_HEADER]);
+    start
+}
+
+/// Writes the header of the frame [`begin_frame`] started at `start`, its body being
+/// everything appended after the room for the header: the bytes are those [`write_frame`]
+/// writes (a body of up to 255 bytes gets the short header, the body moved up to it).
+pub fn end_frame(out: &mut Vec<u8>, start: usize) {
+    let body = out.len() - start - LONG_HEADER;
+    if body > 255 {
+        out[start] = FLAG_LONG;
+        out[start + 1..start + LONG_HEADER].copy_from_slice(&(body as u64).to_be_bytes());
+    } else {
+        out[start + LONG_HEADER - 2] = 0;
+        out[start + LONG_HEADER - 1] = body as u8;
+        out.drain(start..start + LONG_HEADER - 2);
+    }
+}
+
 /// Appends a multipart message (MORE on every frame but the last) to `out`; no frames is one
 /// empty frame (a message has at least one).
 pub fn write_message(out: &mut Vec<u8>, parts: &[&[u8]]) {

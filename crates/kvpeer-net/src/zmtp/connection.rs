@@ -230,6 +230,15 @@ impl crate::io::sockio::Outgoing for Connection {
 #[error("send queue full")]
 pub struct QueueFull;
 
+/// Why [`Connection::queue_with`] queued nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QueueWithError<E> {
+    /// The send queue is full ([`QueueFull`]).
+    Full,
+    /// The body's writer failed (what it wrote was taken back).
+    Body(E),
+}
+
 /// What a role that keeps messages got from the peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Incoming {
@@ -438,6 +447,32 @@ impl Connection {
         zmtp::write_message(&mut self.out, parts);
         self.ends.push_back(self.stream_end());
         Ok(())
+    }
+
+    /// Queues one single-frame message whose body `write_body` appends straight into the
+    /// queue (about `body_hint` bytes, reserved at once): a large answer is encoded where it is
+    /// written from, not copied there. The same limits as [`Connection::queue`].
+    pub fn queue_with<E>(
+        &mut self,
+        body_hint: usize,
+        write_body: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<usize, QueueWithError<E>> {
+        if self.ends.len() >= self.limits.send_queue {
+            return Err(QueueWithError::Full);
+        }
+        let start = zmtp::begin_frame(&mut self.out, body_hint);
+        if let Err(e) = write_body(&mut self.out) {
+            self.out.truncate(start);
+            return Err(QueueWithError::Body(e));
+        }
+        zmtp::end_frame(&mut self.out, start);
+        let size = self.out.len() - start;
+        if !self.ends.is_empty() && self.out.len() - self.at > self.limits.send_queue_bytes {
+            self.out.truncate(start);
+            return Err(QueueWithError::Full);
+        }
+        self.ends.push_back(self.stream_end());
+        Ok(size)
     }
 
     /// Bytes to write now.
@@ -955,6 +990,79 @@ mod tests {
         assert_eq!(c.queue(&[&big]), Err(QueueFull));
         let written = drain(&mut c);
         assert_eq!(decode(&[hello("PUB"), written].concat()).len(), 5);
+    }
+
+    /// A message encoded straight into the queue is the bytes `queue` writes for the same
+    /// body, short and long frames alike, under the same limits; a writer that fails leaves
+    /// nothing queued.
+    #[test]
+    fn a_body_written_into_the_queue_is_framed_as_a_queued_one_under_the_same_limits() {
+        let t = Instant::now();
+        let ready = |c: &mut Connection| {
+            c.handle_bytes(&hello("SUB"), t).unwrap();
+            drain(c);
+        };
+        let roomy = ConnLimits {
+            send_queue: 16,
+            send_queue_bytes: 1 << 20,
+            ..limits()
+        };
+        let (mut by_copy, mut in_place) = (
+            Connection::new(Role::publisher(), roomy.clone()),
+            Connection::new(Role::publisher(), roomy),
+        );
+        ready(&mut by_copy);
+        ready(&mut in_place);
+        for size in [0usize, 1, 255, 256, 70_000] {
+            let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            by_copy.queue(&[&body]).unwrap();
+            // A hint too small or too large changes nothing.
+            for hint in [0, size * 2] {
+                let size = in_place
+                    .queue_with(hint, |out| {
+                        out.extend_from_slice(&body);
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap();
+                assert_eq!(size, zmtp::message_len(&[&body]));
+            }
+            by_copy.queue(&[&body]).unwrap();
+        }
+        assert_eq!(drain(&mut in_place), drain(&mut by_copy));
+        // A failed writer: nothing of it queued, what was queued before intact.
+        let mut c = Connection::new(Role::publisher(), limits());
+        ready(&mut c);
+        c.queue(&[b"first"]).unwrap();
+        let failed = c.queue_with(10, |out| {
+            out.extend_from_slice(b"half of it");
+            Err("no")
+        });
+        assert_eq!(failed, Err(QueueWithError::Body("no")));
+        assert_eq!(c.queued(), 1);
+        assert_eq!(drain(&mut c), [0x00, 5, b'f', b'i', b'r', b's', b't']);
+        // The limits: four messages, or 1000 bytes behind what waits (one larger message
+        // goes when nothing waits).
+        let write = |n: usize| {
+            move |out: &mut Vec<u8>| -> Result<(), ()> {
+                out.resize(out.len() + n, 7);
+                Ok(())
+            }
+        };
+        c.queue_with(0, write(2000)).unwrap();
+        assert_eq!(c.queue_with(0, write(1)), Err(QueueWithError::Full));
+        drain(&mut c);
+        for _ in 0..3 {
+            c.queue_with(0, write(300)).unwrap();
+        }
+        assert_eq!(c.queue_with(0, write(300)), Err(QueueWithError::Full));
+        c.queue_with(0, write(60)).unwrap();
+        assert_eq!(
+            c.queue_with(0, write(1)),
+            Err(QueueWithError::Full),
+            "four wait"
+        );
+        let written = drain(&mut c);
+        assert_eq!(decode(&[hello("PUB"), written].concat()).len(), 2 + 4);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use tracing::debug;
 
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::sockio::{self, ReadEnd};
-use crate::zmtp::connection::{ConnError, Connection, QueueFull};
+use crate::zmtp::connection::{ConnError, Connection, QueueFull, QueueWithError};
 use crate::zmtp::ZmtpError;
 
 /// How far a connecting socket got.
@@ -341,6 +341,21 @@ impl Dialer {
         let idle = self.conn.transmit().is_empty();
         self.conn.queue(parts)?;
         let size: usize = parts.iter().map(|p| p.len()).sum();
+        if idle && size <= self.write_limit {
+            self.flush();
+        }
+        Ok(())
+    }
+
+    /// As [`Dialer::send`], for one frame whose body `write_body` appends straight into the
+    /// queue ([`Connection::queue_with`]).
+    pub(crate) fn send_with<E>(
+        &mut self,
+        body_hint: usize,
+        write_body: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<(), QueueWithError<E>> {
+        let idle = self.conn.transmit().is_empty();
+        let size = self.conn.queue_with(body_hint, write_body)?;
         if idle && size <= self.write_limit {
             self.flush();
         }

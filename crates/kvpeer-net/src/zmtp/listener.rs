@@ -18,10 +18,14 @@
 //! * **Work per connection per round**: at most `read_budget` bytes read and
 //!   [`ConnLimits::max_incoming`] things decoded; what the peer sent beyond waits in its socket
 //!   or its decoder until the next round, which comes at once ([`Listener::deadline`] is then
-//!   now). With a `round_quantum`, hosts with input are read least-served first (the caller's
-//!   time each used since it came, never less than just below the least-served busy host's)
-//!   and a round ends after about one quantum of work in all, so a peer of a host that uses
-//!   little waits for at most one round's work however many hosts flood.
+//!   now). With a `round_quantum`, connections with input are read in the order of their
+//!   finish tags, as weighted fair queueing orders packets: their host's virtual time (the
+//!   caller's time it used since it came, never less than just below the system's virtual
+//!   time) plus what the connection's messages cost lately. The system's virtual time moves on
+//!   by each round's work split among the hosts that had input in it, and never trails the
+//!   least-served busy host. A round ends after about one quantum of work in all. So a cheap
+//!   message (an honest consumer's lookup) waits for at most one round's work however many
+//!   hosts flood, even when its host used the thread more than they did while they idled.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -275,9 +279,10 @@ pub(crate) struct Listener {
     held: BTreeSet<ConnId>,
     /// Rounds a connection was held back that way (a metric: zero while nobody competes).
     held_back: u64,
-    /// The least `used_ns` of the hosts that had input left after the last round (never
-    /// decreasing): a host that was idle is ordered from just below it, so it goes first but
-    /// cannot bank the time it did not use.
+    /// The system's virtual time (never decreasing): moved on by each round's work split
+    /// among the hosts with input in it, and up to the least `used_ns` of the hosts that had
+    /// input left after the round. A host that was idle is ordered from just below it, so it
+    /// goes first but cannot bank the time it did not use.
     used_floor: i64,
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
@@ -736,20 +741,37 @@ impl Listener {
                 }
             }
         }
+        let competes_now = |p: &Peer, id: ConnId| {
+            round_budget.is_some()
+                && (is_read(p, id) || p.conn.holds_input())
+                && !drained(id)
+                && !held_back(&self.hosts, p, id)
+        };
+        // Each host's finish tag: where its time would stand after the cheapest of its
+        // connections' next messages, at what their messages cost lately. A host whose message
+        // is cheap (an honest consumer's lookup) goes before one level with it whose message is
+        // costly (8,192 keys to decode), as weighted fair queueing orders packets.
+        let mut cheapest: HashMap<IpAddr, u64> = HashMap::new();
+        for (id, p) in visit
+            .iter()
+            .filter_map(|id| self.peers.get(id).map(|p| (*id, p)))
+        {
+            if competes_now(p, id) {
+                let cost = cheapest.entry(p.source).or_insert(u64::MAX);
+                *cost = (*cost).min(p.cost_ns);
+            }
+        }
         // Within a host, connections at work first (a session bound: an honest consumer beside
         // a flood of its own host's connections that have none), then the one with the most
         // round credit (whose messages cost least lately).
         let mut ordered: Vec<(i64, bool, i64, ConnId)> = visit
             .into_iter()
             .map(|id| match self.peers.get(&id) {
-                Some(p)
-                    if round_budget.is_some()
-                        && (is_read(p, id) || p.conn.holds_input())
-                        && !drained(id)
-                        && !held_back(&self.hosts, p, id) =>
-                {
+                Some(p) if competes_now(p, id) => {
                     let host = self.hosts.get(&p.source).map_or(floor, |h| h.used_ns);
-                    (host, !p.engaged, p.credit_ns.saturating_neg(), id)
+                    let cost = cheapest.get(&p.source).copied().unwrap_or(p.cost_ns);
+                    let finish = host.saturating_add(i64::try_from(cost).unwrap_or(i64::MAX));
+                    (finish, !p.engaged, p.credit_ns.saturating_neg(), id)
                 }
                 _ => (i64::MIN, false, 0, id),
             })
@@ -907,8 +929,20 @@ impl Listener {
         }
         self.release_held(now);
         if round_budget.is_some() {
-            self.raise_floor();
+            self.advance_floor(spent, inputs.len());
         }
+    }
+
+    /// Moves `used_floor` (the system's virtual time) on after a round that took `spent` of
+    /// the caller's time for `hosts` hosts with input: by `spent / hosts`, what each of them
+    /// would have had of it in an equal split, then up to the least-served host that still has
+    /// input (it never falls). So a host that used the thread while nobody else wanted it
+    /// (an honest consumer alone beside hosts that send now and then) is not behind them for
+    /// it afterwards, and a host that idled starts from it, not from what it left unused.
+    fn advance_floor(&mut self, spent: i64, hosts: usize) {
+        let hosts = i64::try_from(hosts.max(1)).unwrap_or(i64::MAX);
+        self.used_floor = self.used_floor.saturating_add(spent.max(0) / hosts);
+        self.raise_floor();
     }
 
     /// Raises `used_floor` to the least-served host that still has input (it never falls:

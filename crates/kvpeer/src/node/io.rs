@@ -26,9 +26,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::throttle::WarnThrottle;
-use kvpeer_core::{
-    warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent, SendFailure,
-};
+use kvpeer_core::{warn_throttled, Core, DataPlane, Event, JobId, LinkLoss, LocalRefusal, Parent};
 
 use crate::node::outcomes::{self, Outcomes};
 use crate::node::peer_end::PeerEnd;
@@ -509,8 +507,8 @@ impl<P: Parent> NodeIo<P> {
                 } => {
                     if payload.len() >= EXPENSIVE_PAYLOAD && self.core.has_transmits() {
                         // Answers to the cheap messages handled before this one (the round
-                        // reads the least-served hosts first: an honest consumer's lookup)
-                        // leave before its decoding, not after.
+                        // reads them first: an honest consumer's lookup) leave before its
+                        // decoding, not after.
                         self.flush(now);
                     }
                     // What handling it costs this thread is charged to its connection: the
@@ -710,13 +708,14 @@ impl<P: Parent> NodeIo<P> {
 
     /// Encodes and sends one message; a failed send loses the peer's connection (`false`).
     fn send(&mut self, now: Instant, peer: &PeerId, message: &Message) -> bool {
-        let sent = match message.encode() {
-            Ok(payload) => self
-                .channel
-                .send(peer, &payload)
-                .map_err(SendError::into_cause),
-            Err(e) => Err(LinkLoss::SendFailed(SendFailure::Encode(e))),
-        };
+        // Encoded straight into the connection's queue: an answer of 8,192 keys (300 KiB) is
+        // not copied there from a buffer of its own. What it cost is not charged to the peer's
+        // host: the honest consumer beside a spread flood is the heaviest host there, and
+        // charged for its answers it waited behind the flood's (docs/benchmarks.md).
+        let sent = self
+            .channel
+            .send_message(peer, message)
+            .map_err(SendError::into_cause);
         if let Err(cause) = sent {
             warn_throttled!(self.throttle, now, "send failed", %peer, error = %cause);
             self.held.remove(peer);
