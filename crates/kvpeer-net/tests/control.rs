@@ -1033,3 +1033,70 @@ fn a_host_that_used_the_idle_thread_is_not_behind_hosts_that_send_now_and_then()
     drop(write_tx);
     drop(peers.join().unwrap());
 }
+
+/// A host whose messages are costly keeps its share beside hosts whose messages are cheap
+/// (issue 37, weighted fair queueing's start tags): ten hosts (127.0.1.1 on) each with 3,000
+/// messages waiting, charged 10 µs each, and one host (127.0.0.2) with 300 waiting, charged
+/// 500 µs each, all at once. Over 200 ms of charged work the costly host gets at least 0.8
+/// of its equal part (1/11; 0.99 here); it got 0.49 when every host with input was raised to
+/// the system's virtual time each round, losing what it was owed while cheap messages went
+/// first (938e39a).
+#[test]
+fn a_host_with_costly_messages_keeps_its_share_beside_hosts_with_cheap_ones() {
+    const HOSTS: u8 = 10;
+    const CHEAP: Duration = Duration::from_micros(10);
+    const COSTLY: Duration = Duration::from_micros(500);
+    let config = ControlConfig {
+        inbound_round_quantum: Duration::from_micros(100),
+        inbound_time_per_second: Duration::from_secs(1),
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let peers = std::thread::spawn(move || {
+        let (mut cheap, mut costly) = flooders_and_honest(&id, HOSTS, 7500, 7114);
+        ready_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        let many: Vec<u8> = (0..3_000).flat_map(|_| [0x00, 1, b'c']).collect();
+        for c in &mut cheap {
+            c.write_all(&many).unwrap();
+        }
+        let few: Vec<u8> = (0..300).flat_map(|_| [0x00, 1, b'X']).collect();
+        costly.write_all(&few).unwrap();
+        (cheap, costly)
+    });
+    drive_until_ready(&mut node, &ready_rx);
+    go_tx.send(()).unwrap();
+    let (mut cheap_ns, mut costly_ns) = (0u128, 0u128);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cheap_ns + costly_ns < 200_000_000 {
+        assert!(
+            Instant::now() < deadline,
+            "only {} ms charged",
+            (cheap_ns + costly_ns) / 1_000_000
+        );
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            if let ChannelEvent::Payload { payload, conn, .. } = e {
+                let (cost, sum) = match &payload[..] {
+                    b"X" => (COSTLY, &mut costly_ns),
+                    b"c" => (CHEAP, &mut cheap_ns),
+                    other => panic!("byte-exact: {other:?}"),
+                };
+                node.charge_inbound(conn, cost);
+                *sum += cost.as_nanos();
+            }
+        }
+    }
+    let part = costly_ns as f64 / (cheap_ns + costly_ns) as f64 * f64::from(HOSTS + 1);
+    eprintln!("the costly host got {part:.2} of its equal part");
+    assert!(
+        part >= 0.8,
+        "the costly host got {part:.2} of its equal part ({} of {} ms)",
+        costly_ns / 1_000_000,
+        (cheap_ns + costly_ns) / 1_000_000
+    );
+    drop(peers.join().unwrap());
+}

@@ -560,7 +560,7 @@ const LONG_HEADER: usize = 9;
 /// Starts a single-frame message whose body the caller appends to `out` itself (encoding
 /// straight into a connection's queue, so a large body is not copied there from a buffer of
 /// its own): leaves room for the header and returns where it starts, for [`end_frame`].
-pub fn begin_frame(out: &mut Vec<u8>, body_hint: usize) -> usize {
+pub(crate) fn begin_frame(out: &mut Vec<u8>, body_hint: usize) -> usize {
     let start = out.len();
     out.reserve(LONG_HEADER.saturating_add(body_hint));
     out.extend_from_slice(&[0; LONG_HEADER]);
@@ -569,9 +569,13 @@ pub fn begin_frame(out: &mut Vec<u8>, body_hint: usize) -> usize {
 
 /// Writes the header of the frame [`begin_frame`] started at `start`, its body being
 /// everything appended after the room for the header: the bytes are those [`write_frame`]
-/// writes (a body of up to 255 bytes gets the short header, the body moved up to it).
-pub fn end_frame(out: &mut Vec<u8>, start: usize) {
-    let body = out.len() - start - LONG_HEADER;
+/// writes (a body of up to 255 bytes gets the short header, the body moved up to it). The
+/// writer in between only appends; were the room gone, nothing is written.
+pub(crate) fn end_frame(out: &mut Vec<u8>, start: usize) {
+    let Some(body) = out.len().checked_sub(start.saturating_add(LONG_HEADER)) else {
+        debug_assert!(false, "a frame's body writer took bytes away");
+        return;
+    };
     if body > 255 {
         out[start] = FLAG_LONG;
         out[start + 1..start + LONG_HEADER].copy_from_slice(&(body as u64).to_be_bytes());

@@ -232,7 +232,7 @@ pub struct QueueFull;
 
 /// Why [`Connection::queue_with`] queued nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum QueueWithError<E> {
+pub(crate) enum QueueWithError<E> {
     /// The send queue is full ([`QueueFull`]).
     Full,
     /// The body's writer failed (what it wrote was taken back).
@@ -451,13 +451,17 @@ impl Connection {
 
     /// Queues one single-frame message whose body `write_body` appends straight into the
     /// queue (about `body_hint` bytes, reserved at once): a large answer is encoded where it is
-    /// written from, not copied there. The same limits as [`Connection::queue`].
-    pub fn queue_with<E>(
+    /// written from, not copied there. `write_body` only appends (what it appended is taken
+    /// back if it fails). The same limits as [`Connection::queue`]; the bytes already queued
+    /// are checked before the body is written, the whole message after.
+    pub(crate) fn queue_with<E>(
         &mut self,
         body_hint: usize,
         write_body: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
     ) -> Result<usize, QueueWithError<E>> {
-        if self.ends.len() >= self.limits.send_queue {
+        if self.ends.len() >= self.limits.send_queue
+            || (!self.ends.is_empty() && self.out.len() - self.at >= self.limits.send_queue_bytes)
+        {
             return Err(QueueWithError::Full);
         }
         let start = zmtp::begin_frame(&mut self.out, body_hint);

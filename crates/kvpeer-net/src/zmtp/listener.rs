@@ -18,14 +18,16 @@
 //! * **Work per connection per round**: at most `read_budget` bytes read and
 //!   [`ConnLimits::max_incoming`] things decoded; what the peer sent beyond waits in its socket
 //!   or its decoder until the next round, which comes at once ([`Listener::deadline`] is then
-//!   now). With a `round_quantum`, connections with input are read in the order of their
-//!   finish tags, as weighted fair queueing orders packets: their host's virtual time (the
-//!   caller's time it used since it came, never less than just below the system's virtual
-//!   time) plus what the connection's messages cost lately. The system's virtual time moves on
-//!   by each round's work split among the hosts that had input in it, and never trails the
+//!   now). With a `round_quantum`, hosts with input are read in the order of their finish
+//!   tags, as weighted fair queueing orders packets: a host's virtual time (the caller's time
+//!   it used since it came; a host whose input is new starts no further back than just below
+//!   the system's virtual time) plus what the next message of the connection it serves first
+//!   costs lately. The system's virtual time moves on by the thread's time between rounds
+//!   split among the hosts with input (generalized processor sharing), and never trails the
 //!   least-served busy host. A round ends after about one quantum of work in all. So a cheap
 //!   message (an honest consumer's lookup) waits for at most one round's work however many
-//!   hosts flood, even when its host used the thread more than they did while they idled.
+//!   hosts flood, even when its host used the thread more than they did while they idled;
+//!   and a host that keeps input keeps the service it is owed while cheaper messages go first.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -47,7 +49,7 @@
 //! Owned by the thread that drives it (the node's runtime thread, an event stream's thread);
 //! every socket is non-blocking, so nothing here blocks.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
@@ -168,7 +170,8 @@ struct Peer {
 struct HostShare {
     conns: usize,
     /// The caller's time its connections took, in nanoseconds since it came (its virtual
-    /// time): a round reads hosts with input least-served first.
+    /// time): a round reads hosts with input in the order of it plus their next message's cost
+    /// (their finish tags).
     used_ns: i64,
     /// In nanoseconds, as of `rate_at`: it refills at that rate up to a tenth of a second's
     /// worth.
@@ -177,8 +180,8 @@ struct HostShare {
 }
 
 impl HostShare {
-    /// A host that came at `now`, its time used starting at the listener's floor (a newcomer
-    /// starts level with the least-served busy host, never ahead of one that was served long).
+    /// A host that came at `now`, its time used starting at the system's virtual time (the
+    /// listener's floor: a newcomer is never ahead of one that was served long).
     fn new(now: Instant, per_second: Option<Duration>, used_floor: i64) -> Self {
         HostShare {
             conns: 0,
@@ -279,11 +282,22 @@ pub(crate) struct Listener {
     held: BTreeSet<ConnId>,
     /// Rounds a connection was held back that way (a metric: zero while nobody competes).
     held_back: u64,
-    /// The system's virtual time (never decreasing): moved on by each round's work split
-    /// among the hosts with input in it, and up to the least `used_ns` of the hosts that had
-    /// input left after the round. A host that was idle is ordered from just below it, so it
-    /// goes first but cannot bank the time it did not use.
+    /// The system's virtual time (never decreasing): moved on by the thread's time between
+    /// rounds split among the hosts with input, and up to the
+    /// least `used_ns` of the hosts that had input left after the round. A host whose input is
+    /// new is ordered from just below it, so it goes first but cannot bank the time it did not
+    /// use.
     used_floor: i64,
+    /// The hosts that had input in the last round: only a host not among them (its input is
+    /// new) is raised to the system's virtual time.
+    had_input: HashSet<IpAddr>,
+    /// When the system's virtual time was last moved on (by the time since, split among the
+    /// hosts with input: each one's part of the thread, as in generalized processor sharing).
+    virtual_at: Option<Instant>,
+    /// Handling charged since the last round, in nanoseconds (the thread's time between
+    /// rounds is at least that: a caller's measure of its own time may run ahead of this
+    /// thread's clock reads).
+    charged_since_round: i64,
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
     refused: u64,
@@ -375,6 +389,9 @@ impl Listener {
             held: BTreeSet::new(),
             held_back: 0,
             used_floor: 0,
+            had_input: HashSet::new(),
+            virtual_at: None,
+            charged_since_round: 0,
             buffered: 0,
             refused: 0,
             refused_sources: 0,
@@ -446,6 +463,7 @@ impl Listener {
             / 8;
         p.cost_ns = average.max(ns.unsigned_abs());
         let per_second = self.limits.time_per_second;
+        self.charged_since_round = self.charged_since_round.saturating_add(ns.max(0));
         if let Some(now) = spend(&mut self.hosts, p, ns, per_second) {
             // A share spent: held-back input waits for the refill, which its deadline wakes.
             self.rearm(id, now);
@@ -723,23 +741,31 @@ impl Listener {
                 .unwrap_or(i64::MAX)
                 .saturating_mul(q)
         });
-        // Least-served hosts first, and with a quantum about one quantum of work per round in
-        // all (one connection's messages at least): the round ends there and the rest have
-        // theirs next, at once. So a message of a host that uses little (an honest consumer)
-        // waits for at most one round's work, not for a message of every host that floods,
-        // however many they are. Connections without input to compete with (timers, writes,
-        // drains) come first: they cost next to nothing, or must not wait.
+        // Hosts in the order of their finish tags, and with a quantum about one quantum of
+        // work per round in all (one connection's messages at least): the round ends there and
+        // the rest have theirs next, at once. So a cheap message of a host level with the
+        // others (an honest consumer's lookup) waits for at most one round's work, not for a
+        // message of every host that floods, however many they are. Connections without
+        // input to compete with (timers, writes, drains) come first: they cost next to
+        // nothing, or must not wait.
         let round_budget = self.limits.round_quantum.map(nanos);
         let floor = self.used_floor.saturating_sub(round_budget.unwrap_or(0));
         if round_budget.is_some() {
-            // A host with input is never further back than just below the least-served busy
-            // host: what it did not use while idle is not banked (stored, not only ordered by,
-            // so it cannot go first for long after it returns).
+            // A host whose input is new (it had none in the last round) starts no further back
+            // than just below the system's virtual time: what it did not use while idle is not
+            // banked (stored, not only ordered by, so it cannot go first for long after it
+            // returns). A host that kept input keeps its place: the service it is owed while
+            // cheaper messages go first is not taken from it (weighted fair queueing's start
+            // tag).
             for source in inputs.keys() {
+                if self.had_input.contains(source) {
+                    continue;
+                }
                 if let Some(h) = self.hosts.get_mut(source) {
                     h.used_ns = h.used_ns.max(floor);
                 }
             }
+            self.had_input = inputs.keys().copied().collect();
         }
         let competes_now = |p: &Peer, id: ConnId| {
             round_budget.is_some()
@@ -747,18 +773,23 @@ impl Listener {
                 && !drained(id)
                 && !held_back(&self.hosts, p, id)
         };
-        // Each host's finish tag: where its time would stand after the cheapest of its
-        // connections' next messages, at what their messages cost lately. A host whose message
-        // is cheap (an honest consumer's lookup) goes before one level with it whose message is
-        // costly (8,192 keys to decode), as weighted fair queueing orders packets.
-        let mut cheapest: HashMap<IpAddr, u64> = HashMap::new();
+        // Each host's finish tag: where its time would stand after the next message of the
+        // connection it serves first (one with a session, then the one with the most round
+        // credit), at what that connection's messages cost lately. A host whose next message
+        // is cheap (an honest consumer's lookup) goes before one level with it whose next
+        // message is costly (8,192 keys to decode), as weighted fair queueing orders packets;
+        // a cheap connection beside a costly one that goes first buys its host nothing.
+        let mut first: HashMap<IpAddr, ((bool, i64, ConnId), u64)> = HashMap::new();
         for (id, p) in visit
             .iter()
             .filter_map(|id| self.peers.get(id).map(|p| (*id, p)))
         {
             if competes_now(p, id) {
-                let cost = cheapest.entry(p.source).or_insert(u64::MAX);
-                *cost = (*cost).min(p.cost_ns);
+                let order = (!p.engaged, p.credit_ns.saturating_neg(), id);
+                let entry = first.entry(p.source).or_insert((order, p.cost_ns));
+                if order < entry.0 {
+                    *entry = (order, p.cost_ns);
+                }
             }
         }
         // Within a host, connections at work first (a session bound: an honest consumer beside
@@ -769,7 +800,7 @@ impl Listener {
             .map(|id| match self.peers.get(&id) {
                 Some(p) if competes_now(p, id) => {
                     let host = self.hosts.get(&p.source).map_or(floor, |h| h.used_ns);
-                    let cost = cheapest.get(&p.source).copied().unwrap_or(p.cost_ns);
+                    let cost = first.get(&p.source).map_or(p.cost_ns, |(_, cost)| *cost);
                     let finish = host.saturating_add(i64::try_from(cost).unwrap_or(i64::MAX));
                     (finish, !p.engaged, p.credit_ns.saturating_neg(), id)
                 }
@@ -929,12 +960,22 @@ impl Listener {
         }
         self.release_held(now);
         if round_budget.is_some() {
-            self.advance_floor(spent, inputs.len());
+            // The thread's time since the last round, each host with input's equal part of it
+            // (what generalized processor sharing gives each): the caller's own work between
+            // rounds (a step's slices, its writes) is the thread's time too, so an honest
+            // consumer's time is measured against the thread's, not only against the flood's
+            // messages.
+            let elapsed = self
+                .virtual_at
+                .map_or(0, |at| nanos(now.saturating_duration_since(at)));
+            self.virtual_at = Some(now);
+            let charged = std::mem::take(&mut self.charged_since_round);
+            self.advance_floor(elapsed.max(charged), inputs.len());
         }
     }
 
-    /// Moves `used_floor` (the system's virtual time) on after a round that took `spent` of
-    /// the caller's time for `hosts` hosts with input: by `spent / hosts`, what each of them
+    /// Moves `used_floor` (the system's virtual time) on by `spent` of the thread's time for
+    /// `hosts` hosts with input: by `spent / hosts`, what each of them
     /// would have had of it in an equal split, then up to the least-served host that still has
     /// input (it never falls). So a host that used the thread while nobody else wanted it
     /// (an honest consumer alone beside hosts that send now and then) is not behind them for
