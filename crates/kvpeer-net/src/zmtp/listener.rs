@@ -22,12 +22,15 @@
 //!   tags, as weighted fair queueing orders packets: a host's virtual time (the caller's time
 //!   it used since it came; a host whose input is new starts no further back than just below
 //!   the system's virtual time) plus what the next message of the connection it serves first
-//!   costs lately. The system's virtual time moves on by the thread's time between rounds
-//!   split among the hosts with input (generalized processor sharing), and never trails the
+//!   costs lately. The system's virtual time moves on by each round's work (reading measured,
+//!   handling as charged) split among the hosts that had input in it, and never trails the
 //!   least-served busy host. A round ends after about one quantum of work in all. So a cheap
-//!   message (an honest consumer's lookup) waits for at most one round's work however many
-//!   hosts flood, even when its host used the thread more than they did while they idled;
-//!   and a host that keeps input keeps the service it is owed while cheaper messages go first.
+//!   message of a host level with the others (an honest consumer's lookup) waits for about one
+//!   round's work however many hosts flood, and a host that keeps input keeps the service it
+//!   is owed while cheaper messages go first. The system's time counts only work charged to
+//!   hosts: moved by the thread's whole time (the core's steps, the writes too), hosts that
+//!   keep input would fall ever further behind it and a host whose input is new would wait
+//!   for all of them to catch up.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -282,8 +285,8 @@ pub(crate) struct Listener {
     held: BTreeSet<ConnId>,
     /// Rounds a connection was held back that way (a metric: zero while nobody competes).
     held_back: u64,
-    /// The system's virtual time (never decreasing): moved on by the thread's time between
-    /// rounds split among the hosts with input, and up to the
+    /// The system's virtual time (never decreasing): moved on by each round's work (reading
+    /// measured, handling as charged) split among the hosts with input in it, and up to the
     /// least `used_ns` of the hosts that had input left after the round. A host whose input is
     /// new is ordered from just below it, so it goes first but cannot bank the time it did not
     /// use.
@@ -291,12 +294,8 @@ pub(crate) struct Listener {
     /// The hosts that had input in the last round: only a host not among them (its input is
     /// new) is raised to the system's virtual time.
     had_input: HashSet<IpAddr>,
-    /// When the system's virtual time was last moved on (by the time since, split among the
-    /// hosts with input: each one's part of the thread, as in generalized processor sharing).
-    virtual_at: Option<Instant>,
-    /// Handling charged since the last round, in nanoseconds (the thread's time between
-    /// rounds is at least that: a caller's measure of its own time may run ahead of this
-    /// thread's clock reads).
+    /// Handling charged since the last round, in nanoseconds: it moves the system's virtual
+    /// time on with the next round's reading.
     charged_since_round: i64,
     /// What all connections hold together (the sum of each's `buffered`).
     buffered: usize,
@@ -390,7 +389,6 @@ impl Listener {
             held_back: 0,
             used_floor: 0,
             had_input: HashSet::new(),
-            virtual_at: None,
             charged_since_round: 0,
             buffered: 0,
             refused: 0,
@@ -809,6 +807,7 @@ impl Listener {
             .collect();
         ordered.sort_unstable();
         let mut spent: i64 = 0;
+        let mut read_spent: i64 = 0;
         let mut read_any = false;
         for (key, _, _, id) in ordered {
             let competes = key != i64::MIN;
@@ -933,9 +932,9 @@ impl Listener {
                 // messages taken as they cost lately (charged when handled).
                 let handling =
                     i64::try_from(p.cost_ns.saturating_mul(taken as u64)).unwrap_or(i64::MAX);
-                spent = spent
-                    .saturating_add(nanos(started.elapsed()))
-                    .saturating_add(handling);
+                let read = nanos(started.elapsed());
+                read_spent = read_spent.saturating_add(read);
+                spent = spent.saturating_add(read).saturating_add(handling);
             }
             match result {
                 Ok(()) => {
@@ -960,22 +959,16 @@ impl Listener {
         }
         self.release_held(now);
         if round_budget.is_some() {
-            // The thread's time since the last round, each host with input's equal part of it
-            // (what generalized processor sharing gives each): the caller's own work between
-            // rounds (a step's slices, its writes) is the thread's time too, so an honest
-            // consumer's time is measured against the thread's, not only against the flood's
-            // messages.
-            let elapsed = self
-                .virtual_at
-                .map_or(0, |at| nanos(now.saturating_duration_since(at)));
-            self.virtual_at = Some(now);
-            let charged = std::mem::take(&mut self.charged_since_round);
-            self.advance_floor(elapsed.max(charged), inputs.len());
+            // The work actually done: this round's reading, and the handling charged since
+            // the last round (estimates of it, which fall slowly, would run the system's time
+            // ahead of every host's).
+            let handled = std::mem::take(&mut self.charged_since_round);
+            self.advance_floor(read_spent.saturating_add(handled), inputs.len());
         }
     }
 
-    /// Moves `used_floor` (the system's virtual time) on by `spent` of the thread's time for
-    /// `hosts` hosts with input: by `spent / hosts`, what each of them
+    /// Moves `used_floor` (the system's virtual time) on after a round in which the caller
+    /// did `spent` of work for `hosts` hosts with input: by `spent / hosts`, what each of them
     /// would have had of it in an equal split, then up to the least-served host that still has
     /// input (it never falls). So a host that used the thread while nobody else wanted it
     /// (an honest consumer alone beside hosts that send now and then) is not behind them for
