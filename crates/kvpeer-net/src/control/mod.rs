@@ -442,27 +442,13 @@ impl ControlChannel {
 
     /// Sends one payload to `peer`, opening a connection to it first if needed. Never blocks.
     pub fn send(&mut self, peer: &PeerId, payload: &[u8]) -> Result<(), SendError> {
-        let lost = |cause: LinkLoss| SendError::Lost {
-            peer: peer.clone(),
-            cause,
-        };
-        if !self.outbound.connected(peer) {
-            self.dial(peer).map_err(|e| lost(LinkLoss::DialFailed(e)))?;
-        }
+        self.dial_if_unconnected(peer)?;
         match self
             .outbound
             .send(&self.poller, peer, payload, Instant::now())
         {
             Ok(()) => Ok(()),
-            Err(QueueFull) => {
-                if let Some(suppressed) =
-                    crate::admit_warning("control send failed; connection lost")
-                {
-                    warn!(%peer, suppressed, "control send queue full; connection lost");
-                }
-                self.close(peer);
-                Err(lost(LinkLoss::SendFailed(SendFailure::QueueFull)))
-            }
+            Err(QueueFull) => Err(self.lost_to_a_full_queue(peer)),
         }
     }
 
@@ -470,13 +456,7 @@ impl ControlChannel {
     /// does: a large answer is not encoded into a buffer of its own and copied from there.
     /// A message that does not encode fails the send (nothing of it is queued).
     pub fn send_message(&mut self, peer: &PeerId, message: &Message) -> Result<(), SendError> {
-        let lost = |cause: LinkLoss| SendError::Lost {
-            peer: peer.clone(),
-            cause,
-        };
-        if !self.outbound.connected(peer) {
-            self.dial(peer).map_err(|e| lost(LinkLoss::DialFailed(e)))?;
-        }
+        self.dial_if_unconnected(peer)?;
         let sent = self.outbound.send_with(
             &self.poller,
             peer,
@@ -486,16 +466,34 @@ impl ControlChannel {
         );
         match sent {
             Ok(()) => Ok(()),
-            Err(QueueWithError::Body(e)) => Err(lost(LinkLoss::SendFailed(SendFailure::Encode(e)))),
-            Err(QueueWithError::Full) => {
-                if let Some(suppressed) =
-                    crate::admit_warning("control send failed; connection lost")
-                {
-                    warn!(%peer, suppressed, "control send queue full; connection lost");
-                }
-                self.close(peer);
-                Err(lost(LinkLoss::SendFailed(SendFailure::QueueFull)))
-            }
+            Err(QueueWithError::Body(e)) => Err(SendError::Lost {
+                peer: peer.clone(),
+                cause: LinkLoss::SendFailed(SendFailure::Encode(e)),
+            }),
+            Err(QueueWithError::Full) => Err(self.lost_to_a_full_queue(peer)),
+        }
+    }
+
+    /// Dials `peer` unless a connection to it is open (a send's first step).
+    fn dial_if_unconnected(&mut self, peer: &PeerId) -> Result<(), SendError> {
+        if self.outbound.connected(peer) {
+            return Ok(());
+        }
+        self.dial(peer).map_err(|e| SendError::Lost {
+            peer: peer.clone(),
+            cause: LinkLoss::DialFailed(e),
+        })
+    }
+
+    /// A send found `peer`'s queue full: the connection is closed, and why is told once.
+    fn lost_to_a_full_queue(&mut self, peer: &PeerId) -> SendError {
+        if let Some(suppressed) = crate::admit_warning("control send failed; connection lost") {
+            warn!(%peer, suppressed, "control send queue full; connection lost");
+        }
+        self.close(peer);
+        SendError::Lost {
+            peer: peer.clone(),
+            cause: LinkLoss::SendFailed(SendFailure::QueueFull),
         }
     }
 

@@ -436,12 +436,7 @@ impl Connection {
 
     /// Queues one message of `parts` (no parts: one empty frame).
     pub fn queue(&mut self, parts: &[&[u8]]) -> Result<(), QueueFull> {
-        let unwritten = self.out.len() - self.at;
-        if self.ends.len() >= self.limits.send_queue
-            || (!self.ends.is_empty()
-                && unwritten.saturating_add(zmtp::message_len(parts))
-                    > self.limits.send_queue_bytes)
-        {
+        if self.refuses(self.out.len() - self.at, zmtp::message_len(parts)) {
             return Err(QueueFull);
         }
         zmtp::write_message(&mut self.out, parts);
@@ -459,9 +454,9 @@ impl Connection {
         body_hint: usize,
         write_body: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
     ) -> Result<usize, QueueWithError<E>> {
-        if self.ends.len() >= self.limits.send_queue
-            || (!self.ends.is_empty() && self.out.len() - self.at >= self.limits.send_queue_bytes)
-        {
+        // Before the body is written, the bytes already queued (a full queue is not written
+        // past); after, the whole message.
+        if self.refuses(self.out.len() - self.at, 1) {
             return Err(QueueWithError::Full);
         }
         let start = zmtp::begin_frame(&mut self.out, body_hint);
@@ -471,12 +466,21 @@ impl Connection {
         }
         zmtp::end_frame(&mut self.out, start);
         let size = self.out.len() - start;
-        if !self.ends.is_empty() && self.out.len() - self.at > self.limits.send_queue_bytes {
+        if self.refuses(start - self.at, size) {
             self.out.truncate(start);
             return Err(QueueWithError::Full);
         }
         self.ends.push_back(self.stream_end());
         Ok(size)
+    }
+
+    /// Whether a message of `len` bytes is refused behind `unwritten` bytes queued: the
+    /// queue holds its most messages, or its most bytes behind at least one message (one
+    /// message of any size goes when nothing waits).
+    fn refuses(&self, unwritten: usize, len: usize) -> bool {
+        self.ends.len() >= self.limits.send_queue
+            || (!self.ends.is_empty()
+                && unwritten.saturating_add(len) > self.limits.send_queue_bytes)
     }
 
     /// Bytes to write now.

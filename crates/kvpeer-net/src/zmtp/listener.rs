@@ -763,7 +763,8 @@ impl Listener {
                     h.used_ns = h.used_ns.max(floor);
                 }
             }
-            self.had_input = inputs.keys().copied().collect();
+            self.had_input.clear();
+            self.had_input.extend(inputs.keys().copied());
         }
         let competes_now = |p: &Peer, id: ConnId| {
             round_budget.is_some()
