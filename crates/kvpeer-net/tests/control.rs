@@ -612,6 +612,50 @@ fn an_expensive_host_gets_the_idle_thread_and_yields_to_an_honest_host_at_once()
     let _ = writer.join();
 }
 
+/// `count` one-frame messages `{prefix}0`, `{prefix}1`, ... as a DEALER writes them.
+fn messages(prefix: &str, count: usize) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for i in 0..count {
+        let m = format!("{prefix}{i}");
+        bytes.extend_from_slice(&[0x00, m.len() as u8]);
+        bytes.extend_from_slice(m.as_bytes());
+    }
+    bytes
+}
+
+/// Drives `node` (pausing `pause` before each wait) until the inbound connection of `peer`
+/// closes; the messages it delivered before, none after (10 s at most).
+fn messages_until_closed(node: &mut ControlChannel, peer: &str, pause: Duration) -> Vec<String> {
+    let (mut got, mut closed) = (Vec::new(), false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !closed {
+        assert!(
+            Instant::now() < deadline,
+            "{} messages, no close",
+            got.len()
+        );
+        std::thread::sleep(pause);
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            match e {
+                ChannelEvent::Payload {
+                    payload, peer: p, ..
+                } => {
+                    assert!(!closed, "a message after the close");
+                    assert_eq!(p.as_str(), peer);
+                    got.push(String::from_utf8(payload).unwrap());
+                }
+                ChannelEvent::InboundClosed { peer: p, .. } => {
+                    assert_eq!(p.as_ref().map(PeerId::as_str), Some(peer));
+                    closed = true;
+                }
+                ChannelEvent::Lost { .. } => {}
+            }
+        }
+    }
+    got
+}
+
 /// A short-lived DEALER whose greeting, READY, messages and end of stream all arrive together
 /// (written in one go, then closed) has every message delivered, in order and byte-exact,
 /// before its close; and so has one that sends more messages than one round takes before it
@@ -635,41 +679,129 @@ fn messages_that_arrive_with_the_close_are_delivered_before_it() {
         }
         bytes.extend_from_slice(&[0x04, ready.len() as u8]);
         bytes.extend_from_slice(&ready);
-        for i in 0..count {
-            let m = format!("m{i}");
-            bytes.extend_from_slice(&[0x00, m.len() as u8]);
-            bytes.extend_from_slice(m.as_bytes());
-        }
+        bytes.extend_from_slice(&messages("m", count));
         s.write_all(&bytes).unwrap();
         drop(s);
         std::thread::sleep(Duration::from_millis(50));
-        let (mut got, mut closed) = (Vec::new(), false);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !closed {
-            assert!(
-                Instant::now() < deadline,
-                "{} of {count} messages, no close",
-                got.len()
-            );
-            node.wait(Duration::from_millis(5)).unwrap();
-            for e in node.recv() {
-                match e {
-                    ChannelEvent::Payload { payload, peer, .. } => {
-                        assert!(!closed, "a message after the close");
-                        assert_eq!(peer.as_str(), "127.0.0.1:7121");
-                        got.push(String::from_utf8(payload).unwrap());
-                    }
-                    ChannelEvent::InboundClosed { peer, .. } => {
-                        assert_eq!(peer.as_ref().map(PeerId::as_str), Some("127.0.0.1:7121"));
-                        closed = true;
-                    }
-                    ChannelEvent::Lost { .. } => {}
-                }
-            }
-        }
+        let got = messages_until_closed(&mut node, "127.0.0.1:7121", Duration::ZERO);
         let want: Vec<String> = (0..count).map(|i| format!("m{i}")).collect();
         assert_eq!(got, want);
     }
+}
+
+/// A DEALER that sent many messages and closed, while the node still had most of them unread
+/// (four taken per round) and a heartbeat PING to write: the first PING reaches a closed
+/// socket and resets the connection, so the next write fails. Every message still comes
+/// before the close, in order: a failed write ends the connection only once its input is read
+/// to the end. (A stalled producer that resumed lost the consumer's `disconnect` this way and
+/// kept a session its peer had ended.)
+#[test]
+fn a_peers_messages_come_before_its_loss_when_a_write_to_it_fails_first() {
+    let config = ControlConfig {
+        heartbeat_interval: Duration::from_millis(2),
+        heartbeat_timeout: Duration::from_secs(10),
+        inbound_messages_per_round: 4,
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let dialer = {
+        let id = id.clone();
+        std::thread::spawn(move || {
+            let s = zmtp_peer(&id, "127.0.0.1:7141");
+            ready_tx.send(()).unwrap();
+            s
+        })
+    };
+    drive_until_ready(&mut node, &ready_rx);
+    let mut s = dialer.join().unwrap();
+    let count = 100;
+    s.write_all(&messages("m", count)).unwrap();
+    drop(s);
+    // Rounds a few heartbeat intervals apart: each has a PING to write.
+    let got = messages_until_closed(&mut node, "127.0.0.1:7141", Duration::from_millis(5));
+    let want: Vec<String> = (0..count).map(|i| format!("m{i}")).collect();
+    assert_eq!(got, want);
+}
+
+/// A peer of a host over its time share, held back while another host has input, that sends
+/// its last message and closes; the node's heartbeat PING then resets the connection, and the
+/// poll says it hung up. That does not end it unread: its message waits for its turn (here,
+/// until the other host's input is done) and comes before its close.
+#[test]
+fn a_held_back_peer_that_hangs_up_still_has_its_last_message_delivered() {
+    let config = ControlConfig {
+        heartbeat_interval: Duration::from_millis(2),
+        heartbeat_timeout: Duration::from_secs(10),
+        inbound_messages_per_round: 4,
+        ..ControlConfig::default()
+    };
+    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let id = node.identity().clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let dialers = {
+        let id = id.clone();
+        std::thread::spawn(move || {
+            let leaving = zmtp_peer(&id, "127.0.0.1:7151");
+            let flood =
+                zmtp_peer_from(&id, "127.0.0.2:7152", std::net::Ipv4Addr::new(127, 0, 0, 2));
+            ready_tx.send(()).unwrap();
+            (leaving, flood)
+        })
+    };
+    drive_until_ready(&mut node, &ready_rx);
+    let (mut leaving, mut flood) = dialers.join().unwrap();
+    leaving.write_all(&[0x00, 5]).unwrap();
+    leaving.write_all(b"hello").unwrap();
+    let hello = expect(
+        &mut node,
+        &mut [],
+        |e| matches!(e, ChannelEvent::Payload { payload, .. } if payload == b"hello"),
+    );
+    let ChannelEvent::Payload {
+        conn: leaving_conn, ..
+    } = hello
+    else {
+        unreachable!()
+    };
+    // Its host owes the node a second of its share; the other host has 400 messages waiting,
+    // four taken per round, so it has input in every round for a while.
+    node.charge_inbound(leaving_conn, Duration::from_secs(5));
+    flood.write_all(&messages("f", 400)).unwrap();
+    leaving.write_all(&[0x00, 3]).unwrap();
+    leaving.write_all(b"bye").unwrap();
+    drop(leaving);
+    std::thread::sleep(Duration::from_millis(50));
+    let (mut bye, mut closed, mut floods) = (false, false, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !closed {
+        assert!(
+            Instant::now() < deadline,
+            "bye {bye}, {floods} of the other host's 400 messages, no close"
+        );
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            match e {
+                ChannelEvent::Payload { payload, .. } if payload == b"bye" => {
+                    assert!(!closed, "its last message after its close");
+                    bye = true;
+                }
+                ChannelEvent::Payload { .. } => floods += 1,
+                ChannelEvent::InboundClosed { conn, .. } if conn == leaving_conn => closed = true,
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        bye,
+        "the held-back peer's last message was lost with its close"
+    );
+    assert!(
+        node.inbound_held_back() > 0,
+        "the peer was held back (else this test proves nothing)"
+    );
+    drop(flood);
 }
 
 /// A peer whose host is over its time share (one message cost the node more than its share per

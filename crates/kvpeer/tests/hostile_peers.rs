@@ -1133,11 +1133,7 @@ fn a_node_whose_peers_died_stays_idle() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let stopped = consumers.pop().unwrap();
-    let ok = std::process::Command::new("kill")
-        .args(["-STOP", &stopped.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    common::stop_process(stopped.child.id());
     for c in &mut consumers {
         c.kill9();
     }

@@ -97,7 +97,7 @@ fn stalled_producer_never_writes_a_reused_block(plane: &str, kind: PlaneKind) {
     let req = consumer.request(&stalling_id, "stall-1").unwrap();
     let found = req.lookup(&stalled_keys, wait).unwrap();
     assert!(found.iter().all(|r| *r == LookupResult::Hit), "{found:?}");
-    signal(&stalling, "-STOP");
+    common::stop_process(stalling.child.id());
     let mut resume = Resume(&stalling, false);
 
     // Its load fails (load timeout, then the unanswered abort ends the session).
@@ -297,7 +297,7 @@ fn a_killed_nixl_producers_blocks_come_back_at_once() {
     let req = consumer.request(&dying_id, "doomed").unwrap();
     req.lookup(&doomed, wait).unwrap();
     // Stopped so its write cannot finish first, then killed while the fetch waits.
-    signal(&dying, "-STOP");
+    common::stop_process(dying.child.id());
     let pid = dying.child.id().to_string();
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(500));

@@ -261,7 +261,6 @@ impl EventPublisher {
             .filter(|(_, subs)| subs.iter().any(|(p, _)| topic.starts_with(p)))
             .map(|(id, _)| *id)
             .collect();
-        let mut out = Vec::new();
         for id in matching {
             match self.pubs.queue(now, id, parts) {
                 Ok(()) => {
@@ -269,7 +268,7 @@ impl EventPublisher {
                     // Written at once when the socket takes it; else POLLOUT wakes the wait.
                     let idle = self.pubs.connection(id).is_some_and(|c| c.queued() == 1);
                     if idle {
-                        self.pubs.flush(now, id, &mut out);
+                        self.pubs.flush(now, id);
                     }
                 }
                 Err(_) => {
@@ -283,7 +282,6 @@ impl EventPublisher {
                 }
             }
         }
-        self.on_pub_events(out);
     }
 
     /// Answers the replay requests waiting, each with the messages `replay(start_seq)` gives
@@ -351,9 +349,7 @@ impl EventPublisher {
             }
             client.answer.pop_front();
         }
-        let mut out = Vec::new();
-        server.flush(now, id, &mut out);
-        self.on_replay_events(out);
+        server.flush(now, id);
     }
 
     fn on_pub_events(&mut self, events: Vec<(PeerId, LinkEvent)>) {

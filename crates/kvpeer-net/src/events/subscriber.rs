@@ -345,11 +345,7 @@ impl EventSubscriber {
                     }
                     (SubSide::Bind(server), Some(id)) => {
                         let _ = server.queue(now, id, &[&subscription]);
-                        let mut lost = Vec::new();
-                        server.flush(now, id, &mut lost);
-                        for (_, event) in lost {
-                            self.on_sub(Some(id), event, now);
-                        }
+                        server.flush(now, id);
                     }
                     (SubSide::Bind(_), None) => {}
                 }

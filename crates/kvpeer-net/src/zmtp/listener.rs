@@ -37,6 +37,10 @@
 //!   closed.
 //! * **Time**: a connection that does not finish its handshake, answers no heartbeat, or takes
 //!   none of our bytes for `stall_timeout` while some wait is closed.
+//! * **Ends**: a connection ends once its input is read to its end, so a peer's last messages
+//!   (its `disconnect`) come before its loss: a write that fails (the peer closed and our PING
+//!   reset the connection) stops our writes, not its reads, and a hang-up seen while its host
+//!   is held back waits for the host's turn like its input.
 //! * When `challenge` is set, each connection's READY carries 16 fresh random bytes
 //!   ([`crate::zmtp::CHALLENGE_PROPERTY`]), which a kvpeer peer's proofs are made for.
 //!
@@ -149,6 +153,10 @@ struct Peer {
     writable: bool,
     /// The poll said it hung up or failed.
     closed: bool,
+    /// A write failed (the peer reset or left): nothing more is written to it, but what it sent
+    /// before is still read, at its shares, to its end (its last messages, its `disconnect`,
+    /// were sent before it went and come before its loss); then it closes for this reason.
+    ending: Option<LinkLoss>,
     /// When the socket last took bytes, or had none to take.
     last_written: Instant,
     /// When the peer last sent a message or subscription, or took bytes of ours (accepted, if
@@ -522,7 +530,8 @@ impl Listener {
         parts: &[&[u8]],
     ) -> Result<(), QueueFull> {
         let p = match self.peers.get_mut(&id) {
-            Some(p) if p.conn.is_ready() => p,
+            // One whose write failed takes nothing more (it only has its input read).
+            Some(p) if p.conn.is_ready() && p.ending.is_none() => p,
             _ => return Err(QueueFull),
         };
         if p.conn.transmit().is_empty() {
@@ -534,12 +543,21 @@ impl Listener {
         Ok(())
     }
 
-    /// Writes what connection `id` has queued until its socket would block; a connection
-    /// that fails is closed and reported in `out`.
-    pub(crate) fn flush(&mut self, now: Instant, id: ConnId, out: &mut Vec<(ConnId, LinkEvent)>) {
+    /// Writes what connection `id` has queued until its socket would block. A connection whose
+    /// write fails writes nothing more, and ends once its input is read to the end (reported by
+    /// [`Listener::progress`]).
+    pub(crate) fn flush(&mut self, now: Instant, id: ConnId) {
         let Some(p) = self.peers.get_mut(&id) else {
             return;
         };
+        if p.ending.is_some() {
+            // Its heartbeats and answers go nowhere: dropped, so nothing waits to be written.
+            let queued = p.conn.transmit().len();
+            p.conn.advance(queued);
+            p.last_written = now;
+            self.account(id);
+            return;
+        }
         if !p.writable || p.conn.transmit().is_empty() {
             if p.conn.transmit().is_empty() {
                 p.last_written = now;
@@ -561,7 +579,18 @@ impl Listener {
                 self.account(id);
                 self.rearm(id, now);
             }
-            Err(reason) => self.close(id, reason, out),
+            Err(reason) => {
+                // Not closed yet: the peer's input still in its socket or decoder is read first
+                // (a peer that sent its `disconnect` and closed resets the connection when our
+                // next PING reaches it; closing here would lose that message). The read ends
+                // at the end of its stream or the socket's error, which a failed socket has.
+                p.ending = Some(reason);
+                p.readable = true;
+                let queued = p.conn.transmit().len();
+                p.conn.advance(queued);
+                self.account(id);
+                self.active.insert(id);
+            }
         }
     }
 
@@ -674,7 +703,7 @@ impl Listener {
         if self.pending_accepts {
             // New connections send their greeting and READY at once.
             for id in self.accept(poller, now, out) {
-                self.flush(now, id, out);
+                self.flush(now, id);
             }
         }
         let mut due = Vec::new();
@@ -831,8 +860,6 @@ impl Listener {
             // A drained connection's peer was lost: the caller must see all it sent first (its
             // last messages, its `disconnect`, come before the loss), whatever its shares.
             let drain = drained(id);
-            // A held-back connection is not read: one the poll says hung up or failed ends.
-            let hung_up = held && p.closed;
             // Its host's part of this round, split among the host's connections with input.
             let split = i64::try_from(inputs.get(&p.source).copied().unwrap_or(1).max(1))
                 .unwrap_or(i64::MAX);
@@ -863,9 +890,6 @@ impl Listener {
             let budget = self.limits.read_budget;
             let stall = self.limits.stall_timeout;
             let mut step = || -> Result<(), LinkLoss> {
-                if hung_up {
-                    return Err(LinkLoss::ClosedByPeer);
-                }
                 if share > 0 {
                     if p.conn.holds_input() {
                         p.conn.decode_held(now).map_err(loss_of)?;
@@ -942,16 +966,23 @@ impl Listener {
                     // Input left (its share was taken, or the socket was not drained) gets the
                     // next round at once, unless its time share is spent: its refill wakes it.
                     let more = (p.readable && reading) || p.conn.holds_input();
-                    if held && more {
+                    if held && (more || p.closed) {
+                        // Not read while held, even when the poll says it hung up: what it
+                        // sent before waits for its share like the rest (its end of stream
+                        // comes after it).
                         self.held_back += 1;
                         self.held.insert(id);
                     } else if more || p.closed {
                         self.active.insert(id);
                     }
-                    self.flush(now, id, out);
+                    self.flush(now, id);
                     self.account(id);
                 }
-                Err(reason) => self.close(id, reason, out),
+                Err(reason) => {
+                    // A connection whose write failed first ends for that reason.
+                    let first = self.peers.get_mut(&id).and_then(|p| p.ending.take());
+                    self.close(id, first.unwrap_or(reason), out)
+                }
             }
         }
         if read_any && self.buffered > self.limits.max_buffered_bytes {
@@ -1155,6 +1186,7 @@ impl Listener {
                     readable: true,
                     writable: true,
                     closed: false,
+                    ending: None,
                     last_written: now,
                     last_active: now,
                     engaged: false,

@@ -155,6 +155,40 @@ impl Drop for Proc {
     }
 }
 
+/// Stops process `pid` (SIGSTOP) and returns once every thread of it is stopped. The signal
+/// is asynchronous: `kill` returns once it is queued, one thread is woken to start the group's
+/// stop, and under load that thread may run milliseconds later while the others, woken by
+/// their sockets, go on working (a "stopped" producer served a fetch sent after the `kill`).
+pub(crate) fn stop_process(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill -STOP {pid}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !all_threads_stopped(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "{pid} not stopped 10 s after SIGSTOP"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T` in `/proc/PID/task/TID/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.filter_map(Result::ok).all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // "TID (COMMAND) STATE ...": the command may hold spaces and parentheses.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T'))
+        })
+    })
+}
+
 /// Sends this process's logs (nodes it runs in-process) to the test's output at the level
 /// `KVPEER_LOG` names (default warn); once per test binary, later calls do nothing.
 pub(crate) fn init_logs() {
