@@ -21,11 +21,19 @@ pub struct CoreConfig {
     pub idle_timeout: Duration,
     /// Idle eviction runs only when at least `max_peers - idle_headroom` sessions exist.
     pub idle_headroom: usize,
-    /// A consumer's lookup without progress for this long disconnects the peer.
+    /// A consumer's lookup without progress for this long disconnects the peer (vLLM 0.34:
+    /// 8 s; 0.33: 30 s).
     pub lookup_timeout: Duration,
-    /// A load (fetch round) not done within this is aborted.
+    /// A load (fetch round) of a request that ran its lookups not done within this is aborted:
+    /// the peer confirmed every block, so a fetch still not done is stuck (vLLM 0.34's
+    /// symmetric-P2P load timeout, 10 s; 0.33 had one timeout for all loads, 30 s).
     pub load_timeout: Duration,
-    /// An aborted load whose `abort_ack` does not come within this is failed.
+    /// A load of a request that never looked up (a PD fetch: the producer may still be
+    /// computing its blocks) not done within this is aborted (vLLM 0.34: 30 s).
+    pub pd_load_timeout: Duration,
+    /// An aborted load whose `abort_ack` does not come within this ends the session, the only
+    /// fence of the peer's writes (vLLM 0.34: 5 s; 0.33 failed the load after 10 s and kept
+    /// the session).
     pub abort_ack_timeout: Duration,
     /// A store job (a pin held for a peer) older than this is failed.
     pub store_timeout: Duration,
@@ -39,6 +47,11 @@ pub struct CoreConfig {
     pub cancel_retry_interval: Duration,
     /// A data-plane fault disconnects the peer once inflight writes drain, or after this.
     pub peer_fault_drain: Duration,
+    /// A write to a peer still in flight this long after it was posted faults the peer (its
+    /// session ends once its writes drain, or after `peer_fault_drain`): on any plane, as
+    /// vLLM 0.34's `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S` on NIXL, where a WRITE that never
+    /// completes would otherwise go unnoticed; zero disables it.
+    pub transfer_stall_timeout: Duration,
     /// First reconnect backoff after a repeated data-plane fault (the first fault waits 0).
     pub reconnect_min_backoff: Duration,
     /// Longest reconnect backoff; also how long a fault is remembered after its wait ends.
@@ -127,15 +140,17 @@ impl Default for CoreConfig {
             handshake_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(300),
             idle_headroom: 8,
-            lookup_timeout: Duration::from_secs(30),
-            load_timeout: Duration::from_secs(30),
-            abort_ack_timeout: Duration::from_secs(10),
+            lookup_timeout: Duration::from_secs(8),
+            load_timeout: Duration::from_secs(10),
+            pd_load_timeout: Duration::from_secs(30),
+            abort_ack_timeout: Duration::from_secs(5),
             store_timeout: Duration::from_secs(30),
             lookup_pending_timeout: Duration::from_secs(5),
             lookup_repoll_interval: Duration::from_millis(1),
             cancel_drain_warning: Duration::from_secs(10),
             cancel_retry_interval: Duration::from_millis(100),
             peer_fault_drain: Duration::from_secs(10),
+            transfer_stall_timeout: Duration::from_secs(20),
             reconnect_min_backoff: Duration::from_secs(1),
             reconnect_max_backoff: Duration::from_secs(60),
             dial_min_backoff: Duration::from_millis(250),

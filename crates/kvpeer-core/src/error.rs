@@ -590,6 +590,14 @@ impl PlaneError {
     }
 }
 
+/// A write to the peer still in flight past `transfer_stall_timeout`: the path to it is wedged
+/// (vLLM 0.34's `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S`); the peer is faulted.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error(
+    "a write to the peer was still in flight {0:?} after it was posted (transfer_stall_timeout_s)"
+)]
+pub struct TransferStalled(pub std::time::Duration);
+
 /// The peer is not (or no longer) registered with the plane.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("not registered")]

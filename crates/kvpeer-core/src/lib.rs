@@ -35,7 +35,7 @@ pub use crate::counters::Counters;
 pub use crate::error::{
     Cause, CloseReason, ConnectRejection, DialFailure, FaultRecord, Initiator, InternalError,
     LinkLoss, LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords,
-    ProtocolViolation, Refusal, SendFailure, SessionEnd,
+    ProtocolViolation, Refusal, SendFailure, SessionEnd, TransferStalled,
 };
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{

@@ -378,7 +378,7 @@ fn finish_without_an_ack_fails_the_load_at_the_ack_timeout() {
     m.ready_source("r");
     m.load(5, "r", vec![key(1)], vec![10]);
     m.finish("r");
-    m.advance(S(9));
+    m.advance(S(4));
     assert!(m.load_results().is_empty());
     m.advance(S(2));
     assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
@@ -427,6 +427,54 @@ fn a_load_times_out_into_an_abort_and_the_ack_fails_it() {
         vec![(JobId::new(6), false), (JobId::new(5), false)]
     );
     m.finish("r");
+    m.assert_clean();
+}
+
+/// vLLM 0.34: a load of a request that ran its lookups (the peer confirmed every block) is
+/// aborted after the P2P load timeout (10 s), one of a request that never looked up (a PD
+/// fetch: the producer may still be computing) only after the PD one (30 s); a finished id
+/// that comes back without lookups is a PD request again.
+#[test]
+fn a_probed_load_times_out_sooner_than_a_pd_load() {
+    let mut m = Mock::new();
+    m.ready_source("p");
+    m.dial("d", RequestRoles::kv_source(m.peer.clone()));
+    m.lookup("p", &key(1));
+    m.flush();
+    m.recv(lookup_resp("p", vec![key(1)], vec![true]));
+    m.load(5, "p", vec![key(1)], vec![10]);
+    m.load(6, "d", vec![key(2)], vec![11]);
+    m.take_sent();
+    m.advance(S(9));
+    assert!(m.take_sent().is_empty());
+    m.advance(S(2));
+    assert_eq!(
+        m.take_sent(),
+        vec![abort_fetch("p", 0)],
+        "the probed load only"
+    );
+    m.recv(abort_ack("p", 0));
+    m.advance(S(18));
+    assert!(m.take_sent().is_empty(), "29 s: the PD load still waits");
+    m.advance(S(2));
+    assert_eq!(m.take_sent(), vec![abort_fetch("d", 0)]);
+    m.recv(abort_ack("d", 0));
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(5), false), (JobId::new(6), false)]
+    );
+    m.finish("p");
+    m.finish("d");
+    // "p" comes back as a new request that does not look up: a PD load, 30 s.
+    m.load(7, "p", vec![key(3)], vec![12]);
+    m.take_sent();
+    m.advance(S(11));
+    assert!(m.take_sent().is_empty(), "a PD load of a reused id");
+    m.advance(S(20));
+    assert_eq!(m.take_sent(), vec![abort_fetch("p", 0)]);
+    m.recv(abort_ack("p", 0));
+    assert_eq!(m.load_results().last(), Some(&(JobId::new(7), false)));
+    m.finish("p");
     m.assert_clean();
 }
 
@@ -621,10 +669,10 @@ fn the_lookup_deadline_starts_when_the_lookup_is_sent() {
             .count(),
         1
     );
-    m.advance(S(29));
+    m.advance(S(7));
     assert!(
         m.closed().is_none(),
-        "49 s after registering, 29 s after sending: alive"
+        "27 s after registering, 7 s after sending: alive"
     );
     m.advance(S(2));
     assert_eq!(m.closed().as_deref(), Some("lookup response timed out"));
@@ -641,15 +689,15 @@ fn progress_rearms_the_lookup_deadline() {
     m.lookup("r", &key(1));
     m.lookup("r", &key(2));
     m.flush();
-    m.advance(S(10));
+    m.advance(S(3));
     m.lookup("r", &key(3));
     m.flush();
-    m.advance(S(15));
+    m.advance(S(4));
     m.recv(lookup_resp("r", vec![key(1)], vec![true]));
-    m.advance(S(25));
+    m.advance(S(7));
     assert!(
         m.closed().is_none(),
-        "50 s after the first lookup, 25 s after progress"
+        "14 s after the first lookup, 7 s after progress"
     );
     m.recv(lookup_resp("r", vec![key(2), key(3)], vec![false, true]));
     m.advance(S(60));
@@ -734,7 +782,7 @@ fn a_fetch_closes_the_round_and_the_next_round_probes_afresh() {
     );
     m.flush();
     assert_eq!(m.take_sent(), vec![lookup_msg("r", vec![key(1)], 1)]);
-    m.advance(S(29));
+    m.advance(S(7));
     assert!(m.closed().is_none(), "the new round has a fresh deadline");
     m.recv(lookup_resp("r", vec![key(1)], vec![false]));
     m.advance(S(60));

@@ -432,6 +432,16 @@ fn an_abort_with_nothing_in_flight_is_acked_at_once_echoing_the_round() {
     m.assert_clean();
 }
 
+/// A mock whose stall timer is off: the store-timeout and abort scenarios below keep a write
+/// stuck past 20 s, which vLLM 0.34's stall timer (`transfer_stall_timeout`) would fault first
+/// (`a_write_in_flight_past_the_stall_timeout_faults_the_peer`).
+fn without_stall_timer() -> Mock {
+    Mock::with_config(kvpeer_core::CoreConfig {
+        transfer_stall_timeout: S(0),
+        ..Default::default()
+    })
+}
+
 /// upstream: TestServerFlows.test_abort_fetch_defers_ack_when_cancel_pending
 /// upstream: TestServerFlows.test_abort_fetch_acks_after_drain
 /// upstream: TestServerFlows.test_abort_fetch_never_force_cancels_after_timeout
@@ -439,7 +449,7 @@ fn an_abort_with_nothing_in_flight_is_acked_at_once_echoing_the_round() {
 /// upstream: TestServerFlows.test_abort_acks_after_late_terminal_without_transfer_done
 #[test]
 fn an_abort_is_acked_only_once_no_write_can_land() {
-    let mut m = Mock::new();
+    let mut m = without_stall_timer();
     m.ready_inbound();
     m.plane().writes_stuck = true;
     let job = pd_store(&mut m, "r", &[key(1)]);
@@ -551,7 +561,7 @@ fn a_bound_store_never_fetched_times_out_at_30s() {
 /// upstream: TestServerFlows.test_store_timeout_cancel_retry_is_paced
 #[test]
 fn a_store_timeout_with_a_write_in_flight_keeps_the_pin_until_it_stops() {
-    let mut m = Mock::new();
+    let mut m = without_stall_timer();
     m.ready_inbound();
     m.plane().writes_stuck = true;
     let job = pd_store(&mut m, "r", &[key(1)]);
@@ -612,7 +622,7 @@ fn a_failed_write_keeps_its_siblings_pins_until_they_end() {
 /// upstream: TestServerFlows.test_abort_during_store_timeout_keeps_unconfirmed_pins
 #[test]
 fn an_abort_during_a_store_timeout_drain_keeps_the_pins() {
-    let mut m = Mock::new();
+    let mut m = without_stall_timer();
     m.ready_inbound();
     m.plane().writes_stuck = true;
     let job = pd_store(&mut m, "r", &[key(1)]);
@@ -937,6 +947,45 @@ fn a_data_plane_fault_disconnects_after_10s_even_with_stuck_writes() {
     );
     m.finish("r");
     m.assert_clean();
+}
+
+/// vLLM 0.34 (`VLLM_P2P_TRANSFER_STALL_TIMEOUT_S`): a write still in flight 20 s after it was
+/// posted faults the peer (nothing else notices a wedged NIXL WRITE), and the session ends once
+/// the write drains or `peer_fault_drain` later; with the timer off (zero), nothing happens.
+#[test]
+fn a_write_in_flight_past_the_stall_timeout_faults_the_peer() {
+    for stall in [S(20), S(0)] {
+        let config = kvpeer_core::CoreConfig {
+            transfer_stall_timeout: stall,
+            store_timeout: S(600),
+            ..Default::default()
+        };
+        let mut m = Mock::with_config(config);
+        m.ready_inbound();
+        m.plane().writes_stuck = true;
+        pd_store(&mut m, "r", &[key(1)]);
+        m.recv(fetch("r", vec![key(1)], vec![5], 0));
+        m.advance(S(19));
+        assert!(m.closed().is_none());
+        m.advance(S(2));
+        assert!(
+            m.closed().is_none(),
+            "faulted or not, the write may still drain"
+        );
+        m.advance(S(10));
+        if stall.is_zero() {
+            assert!(m.closed().is_none(), "no stall timer");
+            continue;
+        }
+        let closed = m.closed().expect("the stalled peer's session ended");
+        assert!(
+            closed.starts_with("data plane: a write to the peer was still in flight 20s"),
+            "{closed}"
+        );
+        assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+        m.finish("r");
+        m.assert_clean();
+    }
 }
 
 // ---------------------------------------------------------------- hostile peers: bounded state

@@ -114,7 +114,9 @@ _KVPEER_KEYS = (
     "metrics",
     "lookup_timeout_s",
     "load_timeout_s",
+    "pd_load_timeout_s",
     "abort_ack_timeout_s",
+    "transfer_stall_timeout_s",
     "handshake_timeout_s",
     "idle_timeout_s",
 ) + _FAIR_SHARE_KEYS
@@ -128,6 +130,7 @@ _ENV_SETTINGS = {
     "VLLM_P2P_MAX_PEERS": "max_peers",
     "VLLM_P2P_HANDSHAKE_TIMEOUT_S": "handshake_timeout_s",
     "VLLM_P2P_IDLE_TIMEOUT_S": "idle_timeout_s",
+    "VLLM_P2P_TRANSFER_STALL_TIMEOUT_S": "transfer_stall_timeout_s",
 }
 # A kvpeer setting, back to the key the user wrote (for error messages).
 _USER_KEY = {
@@ -268,7 +271,8 @@ class KvpeerTier(SecondaryTierManager):
       data-parallel rank), ``backends`` (NIXL backends; kvpeer's nixl plane runs UCX only),
       ``num_threads`` (accepted; kvpeer's nixl plane makes progress on the engine's calls),
       ``unbound_store_timeout_s``; and ``VLLM_P2P_MAX_PEERS``,
-      ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``;
+      ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``,
+      ``VLLM_P2P_TRANSFER_STALL_TIMEOUT_S``;
     * the fleet's: ``sources``, pool nodes' ``host:port`` as the pools' ``--shard`` list
       names them (docs/scaling.md): a request without a router's ``remote_kv_source`` asks
       the pool that owns its prefix (rendezvous hashing of its root chunk; every source when
@@ -278,9 +282,12 @@ class KvpeerTier(SecondaryTierManager):
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
       ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
       ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``metrics`` (bool), and the
-      timeouts ``lookup_timeout_s``, ``load_timeout_s``, ``abort_ack_timeout_s`` (then the
-      session ends: a failed load's slots go back to vLLM only once the peer's writes are
-      fenced), ``handshake_timeout_s``, ``idle_timeout_s``.
+      timeouts, as strict as vLLM 0.34's by default: ``lookup_timeout_s`` (8 s without
+      progress), ``load_timeout_s`` (10 s, a load of a request that looked up),
+      ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
+      ends: a failed load's slots go back to vLLM only once the peer's writes are fenced),
+      ``transfer_stall_timeout_s`` (20 s: a write to a peer still in flight then faults the
+      peer), ``handshake_timeout_s``, ``idle_timeout_s``.
     """
 
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
@@ -959,7 +966,9 @@ def _settings(
         "tcp_max_rate",
         "lookup_timeout_s",
         "load_timeout_s",
+        "pd_load_timeout_s",
         "abort_ack_timeout_s",
+        "transfer_stall_timeout_s",
         "handshake_timeout_s",
         "idle_timeout_s",
     ) + _FAIR_SHARE_KEYS:

@@ -3,7 +3,9 @@
 //!
 //! Driven by [`Session`](super::Session) on the core's thread. Sends through the session's
 //! [`Link`] (gated until the peer's ack) and reports load results as events. Every wait has a
-//! deadline on a [`Lane`]: lookups 30 s without progress, loads 30 s, abort acks 10 s (then the
+//! deadline on a [`Lane`], as strict as vLLM 0.34's by default: lookups 8 s without progress,
+//! loads 10 s for a request that ran its lookups (the peer confirmed every block) and 30 s for
+//! one that did not (a PD fetch: the producer may still be computing), abort acks 5 s (then the
 //! session ends: a producer that does not confirm an abort may still be writing). A failed
 //! load's blocks are reported (handed back) only once fenced (`core/fencing.rs`).
 
@@ -35,6 +37,9 @@ struct InFlight {
     /// The local blocks the fetch named (writes into them are expected until it ends).
     blocks: Vec<BlockIndex>,
     submitted_at: Instant,
+    /// Its request ran the lookup phase: its deadline is the P2P load timeout, else the PD
+    /// one.
+    probed: bool,
     aborted_at: Option<Instant>,
     /// The engine finished its request: its end answers none of the request's lookups (an
     /// id that comes back meanwhile is another request).
@@ -60,6 +65,9 @@ struct Request {
     loads: Vec<(RoundSeq, InFlight)>,
     /// When the lookup phase gives up without progress.
     lookup_deadline: Option<Instant>,
+    /// It ran the lookup phase (a probe was registered): its loads are symmetric-P2P ones,
+    /// of blocks the peer confirmed, and time out sooner than a PD load (vLLM 0.34).
+    probed: bool,
 }
 
 /// Where a consumer request stands with the peer.
@@ -124,7 +132,10 @@ pub(crate) struct ClientRole {
     flush_list: Vec<KvRequestId>,
     /// Loads in flight across all requests.
     active_loads: usize,
+    /// Loads of requests that ran their lookups (`load_timeout`).
     load_lane: Lane<RoundKey>,
+    /// Loads of requests that did not (`pd_load_timeout`).
+    pd_load_lane: Lane<RoundKey>,
     abort_lane: Lane<RoundKey>,
     lookup_lane: Lane<KvRequestId>,
 }
@@ -137,6 +148,7 @@ impl ClientRole {
             flush_list: Vec::new(),
             active_loads: 0,
             load_lane: Lane::new(config.load_timeout),
+            pd_load_lane: Lane::new(config.pd_load_timeout),
             abort_lane: Lane::new(config.abort_ack_timeout),
             lookup_lane: Lane::new(config.lookup_timeout),
         }
@@ -188,6 +200,7 @@ impl ClientRole {
     /// Answers stay until a fetch closes the round or the request finishes.
     pub(crate) fn register_lookup(&mut self, id: &KvRequestId, key: &OffloadKey) -> Option<bool> {
         let req = self.request(id);
+        req.probed = true;
         if let Some(answer) = req.probes.get(key) {
             return *answer;
         }
@@ -282,6 +295,7 @@ impl ClientRole {
         let block_indexes = blocks.iter().map(|b| b.get()).collect();
         let req = self.request(id);
         let round = req.round;
+        let probed = req.probed;
         req.round = round.next();
         req.loads.push((
             round,
@@ -289,6 +303,7 @@ impl ClientRole {
                 job,
                 blocks,
                 submitted_at: now,
+                probed,
                 aborted_at: None,
                 of_finished: false,
             },
@@ -301,7 +316,12 @@ impl ClientRole {
         req.unanswered = 0;
         req.lookup_deadline = None;
         self.active_loads += 1;
-        self.load_lane.arm(now, RoundKey::new(id, round));
+        let lane = if probed {
+            &mut self.load_lane
+        } else {
+            &mut self.pd_load_lane
+        };
+        lane.arm(now, RoundKey::new(id, round));
         debug!(peer = %link.peer, kv_request_id = %id, round = %round, blocks = keys.len(), "send fetch");
         link.send(
             out,
@@ -445,13 +465,25 @@ impl ClientRole {
     /// session's end fences them, vLLM 0.34's escalation).
     pub(crate) fn handle_timeout(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> Option<Expired> {
         let now = cx.now;
-        while let Some((deadline, RoundKey { id, round })) = self.load_lane.pop_due(now) {
+        let mut due = Vec::new();
+        for (lane, probed) in [(&mut self.load_lane, true), (&mut self.pd_load_lane, false)] {
+            while let Some((deadline, key)) = lane.pop_due(now) {
+                due.push((deadline, lane.delay(), probed, key));
+            }
+        }
+        // Aborts go out in the order their loads timed out, whichever lane.
+        due.sort_by_key(|(deadline, ..)| *deadline);
+        for (deadline, delay, probed, RoundKey { id, round }) in due {
             let Some(load) = self.requests.get_mut(&id).and_then(|r| r.load_mut(round)) else {
                 continue;
             };
             // A request id can come back after it finished, with round numbers from 0 again:
-            // only the load started exactly one delay before this deadline is the one armed.
-            if load.aborted_at.is_some() || load.submitted_at + self.load_lane.delay() != deadline {
+            // only the load started exactly one delay before this deadline, on its lane, is the
+            // one armed.
+            if load.aborted_at.is_some()
+                || load.probed != probed
+                || load.submitted_at + delay != deadline
+            {
                 continue;
             }
             crate::warn_throttled!(cx.out.throttle, now, "load timed out; sending abort_fetch", peer = %link.peer, kv_request_id = %id, round = %round);
@@ -495,6 +527,7 @@ impl ClientRole {
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         earliest([
             self.load_lane.next_deadline(),
+            self.pd_load_lane.next_deadline(),
             self.abort_lane.next_deadline(),
             self.lookup_lane.next_deadline(),
         ])
@@ -519,6 +552,7 @@ impl ClientRole {
         self.flush_list.clear();
         self.active_loads = 0;
         self.load_lane.clear();
+        self.pd_load_lane.clear();
         self.abort_lane.clear();
         self.lookup_lane.clear();
         result

@@ -133,20 +133,24 @@ declare_keys! {
     handshake_timeout_s = "30", env "VLLM_P2P_HANDSHAKE_TIMEOUT_S";
     /// idle-session eviction age in seconds, 0 = never
     idle_timeout_s = "300", env "VLLM_P2P_IDLE_TIMEOUT_S";
-    /// seconds a lookup may go without progress
-    lookup_timeout_s = "30";
-    /// seconds a fetch may take before it is aborted
-    load_timeout_s = "30";
+    /// seconds a lookup may go without progress (vLLM 0.34's)
+    lookup_timeout_s = "8";
+    /// seconds a fetch of a request that ran its lookups may take before it is aborted (vLLM 0.34's symmetric-P2P load timeout: the peer confirmed every block)
+    load_timeout_s = "10";
+    /// seconds a fetch of a request that never looked up (a PD load: the producer may still be computing) may take before it is aborted (vLLM 0.34's)
+    pd_load_timeout_s = "30";
     /// seconds a pin may be held for a peer
     store_timeout_s = "30";
     /// seconds an abort may wait for its ack (then the session ends: only that fences the peer)
-    abort_ack_timeout_s = "10";
+    abort_ack_timeout_s = "5";
     /// seconds a pending key of an inbound lookup waits before MISS
     lookup_pending_timeout_s = "5";
     /// seconds a PD producer's stored blocks wait for the fetch
     unbound_store_timeout_s = "60";
     /// seconds a faulted peer's writes may drain before it is dropped
     peer_fault_drain_s = "10";
+    /// seconds a write to a peer may stay in flight before the peer is faulted (its session ends once its writes drain), on every plane; 0 = never (vLLM 0.34's)
+    transfer_stall_timeout_s = "20", env "VLLM_P2P_TRANSFER_STALL_TIMEOUT_S";
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";
     /// keys of all peers' queued lookups asked per step of the node's loop, hosts in turn (the rest wait a step)

@@ -169,7 +169,11 @@ impl ServerRole {
                 serial,
                 blocks: matched.local.len(),
                 jobs: matched.jobs,
+                posted_at: cx.now,
             },
         );
+        if !self.stall_lane.delay().is_zero() {
+            self.stall_lane.arm(cx.now, tid);
+        }
     }
 }

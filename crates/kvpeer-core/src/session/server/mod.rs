@@ -461,6 +461,8 @@ struct Inflight {
     serial: Serial,
     blocks: usize,
     jobs: SmallVec<[JobId; 2]>,
+    /// When it was posted (its stall deadline is `transfer_stall_timeout` later).
+    posted_at: Instant,
 }
 
 /// Blocks pinned for a peer by one store job, offered as supply to one round.
@@ -510,6 +512,9 @@ pub(crate) struct ServerRole {
     abort_warn_lane: Lane<RoundKey>,
     /// Rounds whose cancellation waits for the data plane: retried at the retry interval.
     retry_lane: Lane<(RoundKey, Serial)>,
+    /// Writes in flight, by when they were posted: one still in flight at its deadline faults
+    /// the peer (`transfer_stall_timeout`; none armed when zero).
+    stall_lane: Lane<TransferId>,
     /// When pending lookup keys are next asked again.
     repoll_at: Option<Instant>,
     /// Lookups whose keys are not all asked yet, in arrival order: a slice at a time, in this
@@ -566,6 +571,7 @@ impl ServerRole {
             slow_aborts: Set::default(),
             abort_warn_lane: Lane::new(config.cancel_drain_warning),
             retry_lane: Lane::new(config.cancel_retry_interval),
+            stall_lane: Lane::new(config.transfer_stall_timeout),
             repoll_at: None,
             backlog: std::collections::VecDeque::new(),
             slice_at: None,
@@ -680,6 +686,7 @@ impl ServerRole {
             self.demand_lane.next_deadline(),
             self.expired_lane.next_deadline(),
             self.retry_lane.next_deadline(),
+            self.stall_lane.next_deadline(),
             self.abort_warn_lane.next_deadline(),
         ])
     }
@@ -715,6 +722,7 @@ impl ServerRole {
         self.expired.clear();
         self.expired_lane.clear();
         self.lookup_lane.clear();
+        self.stall_lane.clear();
         self.retry_lane.clear();
         self.abort_warn_lane.clear();
         self.repoll_at = None;

@@ -10,7 +10,7 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Pin, ServerRole};
-use crate::error::InternalError;
+use crate::error::{InternalError, PlaneError, TransferStalled};
 use crate::output::Link;
 use crate::session::{Cx, RoundKey};
 
@@ -106,6 +106,20 @@ impl ServerRole {
         while let Some((_, (RoundKey { id, round }, serial))) = self.retry_lane.pop_due(now) {
             if !self.round_transfers(&id, round, serial).is_empty() {
                 self.cancel_round(link, cx, &id, round, serial);
+            }
+        }
+        let stall_delay = self.stall_lane.delay();
+        while let Some((deadline, tid)) = self.stall_lane.pop_due(now) {
+            let stalled = self
+                .inflight
+                .get(&tid)
+                .is_some_and(|t| t.posted_at + stall_delay == deadline);
+            if stalled && self.peer_fault.is_none() {
+                // Nothing is released here: the write and its pins stay until the plane says
+                // it ended; the session ends once it drains, or after `peer_fault_drain`.
+                crate::warn_throttled!(cx.out.throttle, now, "a write to the peer made no progress; faulting the peer",
+                    peer = %self.peer, stalled_s = stall_delay.as_secs_f64());
+                self.peer_fault = Some(PlaneError::transport(TransferStalled(stall_delay)));
             }
         }
         while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {
