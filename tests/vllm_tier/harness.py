@@ -41,6 +41,8 @@ it is inside an `Engine` call, and the engine's tier-poll thread).
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -655,6 +657,53 @@ def make_engine(
         engine._poll_thread = thread
         kv_cache_utils._thread_seeds[thread.ident] = hash_seed
     return engine
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP to `pid`, returning once every thread of it is stopped. The signal is asynchronous:
+    one thread is woken to start the group's stop and, under load, may run milliseconds later
+    while the others go on (a "stopped" producer served a fetch sent after the signal)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    # "TID (COMMAND) STATE ...": the command may hold spaces and parentheses.
+                    states.append(f.read().rsplit(") ", 1)[1][:1])
+            except (FileNotFoundError, IndexError):
+                pass
+        if states and all(s == "T" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{pid} not stopped {timeout_s} s after SIGSTOP: {states}")
+        time.sleep(0.001)
+
+
+def open_stock_session(engines: Sequence[Engine], b: Engine, port: int) -> None:
+    """Opens B's stock p2p session to the peer on `port` before B's first lookup there, where
+    B's first tier is the stock one. vLLM 0.34's stock tier answers MISS, for good, to a lookup
+    while its session to the peer is not up (the request recomputes; 0.33 answered RETRY until
+    it was): a request naming the peer opens the session, the engines step until it is ready
+    (or refused), and the request finishes. Told by contract (the tier keeps `_sessions` whose sessions have
+    `ready`), not by version; nothing for kvpeer's tier, whose lookups wait for its session."""
+    sessions = getattr(b.tier, "_sessions", None)
+    if not isinstance(sessions, dict):
+        return
+
+    def session():
+        return next((s for p, s in sessions.items() if p.endswith(f":{port}")), None)
+
+    if session() is not None and session().ready:
+        return
+    params = {"remote_kv_source": {"kv_request_id": f"open-{port}", "remote_host": "127.0.0.1",
+                                   "remote_port": port}}
+    req = b.new_request(f"open-{port}-{len(sessions)}", params)
+    # Until it is up, or refused (a mismatched peer: the session ends, never ready).
+    drive(engines, lambda: session() is None or session().ready or not session().alive,
+          timeout_s=30)
+    b.finish(req)
 
 
 def drive(

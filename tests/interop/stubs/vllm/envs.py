@@ -1,4 +1,4 @@
-"""The vLLM environment variables the P2P modules read, with vLLM 0.33's defaults.
+"""The vLLM environment variables the P2P modules read, with vLLM 0.33's and 0.34's defaults.
 
 Written for kvpeer's interop tests (not vLLM's file): each name is read from the environment
 when accessed, as vLLM's envs module does.
@@ -12,6 +12,8 @@ _DEFAULTS = {
     "VLLM_P2P_MAX_PEERS": ("128", int),
     "VLLM_P2P_HANDSHAKE_TIMEOUT_S": ("30", int),
     "VLLM_P2P_IDLE_TIMEOUT_S": ("300", int),
+    # 0.34 (0.33 does not read it).
+    "VLLM_P2P_TRANSFER_STALL_TIMEOUT_S": ("20", float),
 }
 
 

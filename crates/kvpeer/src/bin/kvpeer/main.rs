@@ -27,7 +27,7 @@ use clap::{Parser, Subcommand};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// kvpeer: peer-to-peer KV-cache sharing for LLM inference, wire-compatible with vLLM's P2P
-/// tier (vLLM 0.27-0.33).
+/// tier (the releases README.md names: 0.27 to 0.34).
 #[derive(Debug, Parser)]
 #[command(name = "kvpeer", version, propagate_version = true)]
 #[command(after_help = "\
