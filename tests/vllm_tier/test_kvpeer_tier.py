@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import kvpeer
+import kvpeer.vllm as kvpeer_vllm
 from harness import Engine, drive, free_port, make_key, open_stock_session, stop_process
 
 NUM_CHUNKS = 16
@@ -384,17 +385,32 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
         # Past the load (1 s) and abort-ack (1 s) timeouts: the session with the producer ends.
         end = time.monotonic() + 4
         drive([b], lambda: time.monotonic() > end, timeout_s=10)
-        if b.jobs_in_flight():
-            # The producer stopped in the middle of its copy (its fetch raced the stop): the
-            # blocks it holds stay out of use, and the job with them, until the copy ends.
+        if plane == "nixl":
+            # Nothing on our side revokes a NIXL writer: its blocks stay held until it confirms.
+            # vLLM 0.34 hears of the failure at once and frees the chunks when told (its
+            # JobResult's deferred_release); 0.32/0.33 hear of it only then.
+            if kvpeer_vllm._DEFERRED_RELEASE:
+                assert (b.jobs_in_flight(), b.tier.pending_releases()) == (0, 1)
+            else:
+                assert (b.jobs_in_flight(), b.tier.pending_releases()) == (1, 0)
+        if b.tier.pending_releases():
+            # vLLM 0.34 (deferred release): the failed load was reported at once; only its
+            # chunks wait for the fence.
+            assert b.jobs_in_flight() == 0, "0.34: the failed load is reported, not held"
+        if b.jobs_in_flight() or b.tier.pending_releases():
+            # The producer's writes are not fenced yet (nixl: nothing on our side revokes
+            # them until it confirms): its blocks stay out of use (0.33: the job with them;
+            # 0.34: the job's deferred release) until then.
             held_for = time.monotonic() + 3
             drive([b], lambda: time.monotonic() > held_for, timeout_s=10)
-            assert b.jobs_in_flight() > 0, "a copy in progress keeps its slots"
+            assert b.jobs_in_flight() > 0 or b.tier.pending_releases() > 0, (
+                "an unfenced load keeps its slots")
             assert [b.read(k) for k in stalled] == [None] * n
             child.send_signal(signal.SIGCONT)
             stopped = False
-        drive([b], lambda: b.jobs_in_flight() == 0, timeout_s=30)
-        assert b.tier.node_stats()["loads_failed"] >= 1, b.tier.node_stats()
+        drive([b], lambda: b.jobs_in_flight() == 0 and b.tier.pending_releases() == 0,
+              timeout_s=30)
+        assert b.tier.node_stats()["loads_failed"] >= 1, str(b.tier.node_stats())
         assert [b.read(k) for k in stalled] == [None] * n
         b.finish(req)
 

@@ -92,6 +92,9 @@ pub(crate) struct JobEnd {
     pub(crate) job: u64,
     /// Whether every block landed (a load) or reached the peer (a store).
     pub(crate) success: bool,
+    /// A load that failed while its producer may still write its blocks: they stay untouched
+    /// until a later `JobEnd` of the same job without `held` (only with `report_held_loads`).
+    pub(crate) held: bool,
 }
 
 /// What one `poll` (or `shutdown`) returns.

@@ -209,6 +209,17 @@ impl EngineTier {
         })
     }
 
+    /// Reports a failed load whose producer may still write its blocks at once, as a
+    /// `JobEnd` with `held` set, before its settled `JobEnd` (vLLM 0.34's deferred release).
+    fn report_held_loads(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        py.detach(|| {
+            self.with(|live| {
+                live.engine.report_held_loads(on);
+                Ok(())
+            })
+        })
+    }
+
     /// Handles what arrived (waiting up to `wait_s` seconds for it when > 0), then returns
     /// what ended: answered lookups in the order asked, ended loads and stores.
     #[pyo3(signature = (wait_s=0.0))]
@@ -422,6 +433,15 @@ fn polled(py: Python<'_>, events: Vec<EngineEvent>) -> PyResult<Polled> {
                 JobEnd {
                     job: job.get(),
                     success,
+                    held: false,
+                },
+            )?),
+            EngineEvent::LoadHeld { job } => loads.push(Py::new(
+                py,
+                JobEnd {
+                    job: job.get(),
+                    success: false,
+                    held: true,
                 },
             )?),
             EngineEvent::Stored { job, success } => stores.push(Py::new(
@@ -429,6 +449,7 @@ fn polled(py: Python<'_>, events: Vec<EngineEvent>) -> PyResult<Polled> {
                 JobEnd {
                     job: job.get(),
                     success,
+                    held: false,
                 },
             )?),
         }

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -62,6 +63,10 @@ except ImportError as e:  # no vLLM, or one without the tier contract (before 0.
     ) from e
 
 from kvpeer import _native
+
+# vLLM 0.34's JobResult carries `deferred_release`: a failed load may be reported at once, its
+# chunks freed only when the tier sets the event. Told by the contract, not by the version.
+_DEFERRED_RELEASE = "deferred_release" in getattr(JobResult, "__dataclass_fields__", {})
 
 logger = logging.getLogger("kvpeer.vllm")
 
@@ -241,7 +246,7 @@ class _PinnedJob:
 class _Load:
     """A vLLM load job, split into one native load per source that holds its keys."""
 
-    __slots__ = ("job_id", "consumer", "parts", "ok", "nbytes", "submitted")
+    __slots__ = ("job_id", "consumer", "parts", "ok", "nbytes", "submitted", "unfenced", "release")
 
     def __init__(self, job_id: int, consumer: _Consumer, parts: int, nbytes: int, t: float):
         self.job_id = job_id
@@ -250,6 +255,10 @@ class _Load:
         self.ok = True
         self.nbytes = nbytes
         self.submitted = t
+        # Parts that failed while their producer may still write their blocks (vLLM 0.34):
+        # the job's `deferred_release` is set once none is left.
+        self.unfenced = 0
+        self.release: threading.Event | None = None
 
 
 class _Producer:
@@ -313,6 +322,9 @@ class KvpeerTier(SecondaryTierManager):
         # The hash seed the node was last given.
         self._seed = settings.get("hash_seed")
         self._tier = _start(primary_kv_view, settings, offloading_spec)
+        if _DEFERRED_RELEASE:
+            # A failed load is reported at once; its chunks wait for its fence (the event).
+            self._tier.report_held_loads(True)
         self._apply_engine_seed()
         self._block_len = self._tier.block_len
         # Whether vLLM services this tier off the engine's thread (0.33's tier-poll thread).
@@ -329,6 +341,9 @@ class KvpeerTier(SecondaryTierManager):
         self._to_flush: list[_Leg] = []
         # Native load id -> the vLLM load it is a part of, for loads running.
         self._loads: dict[int, _Load] = {}
+        # Native load id -> the vLLM load, for parts that failed while their producer may still
+        # write their blocks (vLLM 0.34's deferred release): until their fence.
+        self._fencing: dict[int, _Load] = {}
         # PD stores running: job -> submit time.
         self._stores: dict[int, float] = {}
         # Store jobs vLLM made for peers' hits, until every pin is back.
@@ -586,12 +601,15 @@ class KvpeerTier(SecondaryTierManager):
         return self._tier.outstanding().questions > 0
 
     def drain_jobs(self) -> None:
-        """Waits until no load runs and no write to a peer reads the primary tier. Never
-        aborts a transfer. PD stores still parked for a peer that has not fetched them are left
-        parked (as the stock tier leaves them): they touch no memory until that fetch."""
+        """Waits until no load runs, no write to a peer reads the primary tier, and every
+        failed load's blocks are fenced (vLLM 0.34: every `deferred_release` set, as its contract
+        asks; not bounded: a stalled NIXL producer's writes stay unfenced until it confirms or its
+        agent is replaced, and chunks given back before could take its bytes). Never aborts a
+        transfer. PD stores still parked for a peer that has not fetched them are left parked
+        (as the stock tier leaves them): they touch no memory until that fetch."""
         start = time.monotonic()
         warned = False
-        while self._loads or self._tier.stats()["inflight_transfers"]:
+        while self._loads or self._fencing or self._tier.stats()["inflight_transfers"]:
             self._collect(wait_s=_DRAIN_WAIT_S)
             if not warned and time.monotonic() - start > _DRAIN_WARN_S:
                 logger.warning(
@@ -599,6 +617,11 @@ class KvpeerTier(SecondaryTierManager):
                     len(self._loads),
                 )
                 warned = True
+
+    def pending_releases(self) -> int:
+        """Failed loads reported to vLLM whose chunks still wait for their fence (vLLM 0.34's
+        `deferred_release` not set yet: their producer may still write them)."""
+        return len({id(load) for load in self._fencing.values() if load.release is not None})
 
     def _collect(self, wait_s: float = 0.0) -> None:
         """Drives the node once and turns what ended into results."""
@@ -623,7 +646,12 @@ class KvpeerTier(SecondaryTierManager):
         if loads:
             now = time.monotonic()
             for load in loads:
-                self._part_ended(load.job, load.success, now)
+                if load.held:
+                    self._part_held(load.job, now)
+                elif load.job in self._fencing:
+                    self._part_fenced(load.job)
+                else:
+                    self._part_ended(load.job, load.success, now)
         for store in stores:
             if self._stores.pop(store.job, None) is not None:
                 self._finished.append(JobResult(job_id=store.job, success=store.success))
@@ -644,6 +672,24 @@ class KvpeerTier(SecondaryTierManager):
             if pending.unanswered == 0:
                 self._ask(consumer, key, pending.stage + 1)
 
+    def _part_held(self, native_id: int, now: float) -> None:
+        """A part failed while its producer may still write its blocks: it ends (failed) now,
+        and its job's chunks wait for its fence (`_part_fenced`)."""
+        load = self._loads.get(native_id)
+        if load is None:
+            return
+        load.unfenced += 1
+        self._fencing[native_id] = load
+        self._part_ended(native_id, False, now)
+
+    def _part_fenced(self, native_id: int) -> None:
+        """A held part's blocks take no more writes: its job's chunks may go back to vLLM once
+        every held part of it is fenced."""
+        load = self._fencing.pop(native_id)
+        load.unfenced -= 1
+        if load.unfenced == 0 and load.release is not None:
+            load.release.set()
+
     def _part_ended(self, native_id: int, ok: bool, now: float) -> None:
         load = self._loads.pop(native_id, None)
         if load is None:
@@ -657,12 +703,18 @@ class KvpeerTier(SecondaryTierManager):
         else:
             load.consumer.failed = True
             self._counts["vllm:kv_offload_kvpeer_failed_loads"] += 1
+        deferred = {}
+        if load.unfenced:
+            # Reported failed now; vLLM frees its chunks once the event is set.
+            load.release = threading.Event()
+            deferred["deferred_release"] = load.release
         self._finished.append(
             JobResult(
                 job_id=load.job_id,
                 success=load.ok,
                 transfer_time=now - load.submitted,
                 transfer_bytes=load.nbytes if load.ok else 0,
+                **deferred,
             )
         )
 
@@ -735,6 +787,10 @@ class KvpeerTier(SecondaryTierManager):
         self._closed = True
         ended = self._tier.shutdown(_SHUTDOWN_DRAIN_S)
         self._ended(ended.loads, ended.stores)
+        # The node is gone, and its memory registration, connections and fence words with it:
+        # no write of a peer can land any more.
+        for native_id in list(self._fencing):
+            self._part_fenced(native_id)
         for release in self._tier.take_releases():
             self._release(release.pin, release.sent)
 

@@ -42,6 +42,15 @@ pub enum EngineEvent {
         /// Whether every block landed.
         success: bool,
     },
+    /// A [`EngineNode::load`] failed while its producer may still write its blocks (its
+    /// session ended on a timeout before the writes were fenced). Only with
+    /// [`EngineNode::report_held_loads`] on: the engine may give the load up now (vLLM 0.34's
+    /// `JobResult.deferred_release`), but its blocks stay untouched until the
+    /// `Loaded { success: false }` of the same job, which follows once no write can land.
+    LoadHeld {
+        /// The engine's job.
+        job: JobId,
+    },
     /// A [`EngineNode::store`] ended: the engine may unpin its blocks.
     Stored {
         /// The engine's job.
@@ -80,6 +89,8 @@ pub struct EngineNode {
     storing: std::collections::HashMap<JobId, Vec<BlockIndex>>,
     /// `shutdown` ran (else `Drop` ends the sessions).
     shut_down: bool,
+    /// Failed loads whose blocks are still held are announced ([`EngineEvent::LoadHeld`]).
+    report_held: bool,
     events: VecDeque<EngineEvent>,
 }
 
@@ -120,8 +131,16 @@ impl EngineNode {
             lookups: LookupWaits::default(),
             storing: Default::default(),
             shut_down: false,
+            report_held: false,
             events: VecDeque::new(),
         })
+    }
+
+    /// Announces a failed load whose blocks its producer may still write at once
+    /// ([`EngineEvent::LoadHeld`]), before its `Loaded { success: false }` (off by default: an
+    /// engine that frees a failed load's blocks when told must only hear of it once fenced).
+    pub fn report_held_loads(&mut self, on: bool) {
+        self.report_held = on;
     }
 
     /// The node's identity (its control address).
@@ -363,10 +382,14 @@ impl EngineNode {
             // Keys asked while the session was still opening go out now.
             self.io.core.flush_lookups(now);
         }
-        // A held load (failed, its producer may still write its blocks) is reported to the
-        // engine only with its result, once fenced: an engine on vLLM 0.32/0.33 frees a failed
-        // load's blocks when told, and has no deferred release.
-        let _ = self.io.take_held_loads();
+        // A held load (failed, its producer may still write its blocks) is reported to an
+        // engine that can defer freeing its blocks (vLLM 0.34) at once; every engine gets its
+        // result once it is fenced (vLLM 0.32/0.33 free a failed load's blocks when told).
+        let held = self.io.take_held_loads();
+        if self.report_held {
+            self.events
+                .extend(held.into_iter().map(|job| EngineEvent::LoadHeld { job }));
+        }
         self.events.extend(
             self.io
                 .take_load_results()

@@ -231,7 +231,7 @@ impl Driver<'_> {
                 self.node.finish(&req.request);
                 Ok(Some(req.slot))
             }
-            EngineEvent::Stored { .. } => Ok(None),
+            EngineEvent::Stored { .. } | EngineEvent::LoadHeld { .. } => Ok(None),
         }
     }
 
