@@ -659,6 +659,19 @@ def make_engine(
     return engine
 
 
+def _stock_lookup_misses_until_ready() -> bool:
+    """Whether this vLLM's stock p2p tier answers MISS to a lookup while its session is not up
+    (0.34), which came with its consumer's two load timeouts (`_P2P_LOAD_TIMEOUT_S`)."""
+    try:
+        from vllm.v1.kv_offload.tiering.p2p.session import client
+    except ImportError:
+        return False
+    return hasattr(client, "_P2P_LOAD_TIMEOUT_S")
+
+
+_STOCK_LOOKUP_MISSES_UNTIL_READY = _stock_lookup_misses_until_ready()
+
+
 def stop_process(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP to `pid`, returning once every thread of it is stopped. The signal is asynchronous:
     one thread is woken to start the group's stop and, under load, may run milliseconds later
@@ -687,7 +700,12 @@ def open_stock_session(engines: Sequence[Engine], b: Engine, port: int) -> None:
     while its session to the peer is not up (the request recomputes; 0.33 answered RETRY until
     it was): a request naming the peer opens the session, the engines step until it is ready
     (or refused), and the request finishes. Told by contract (the tier keeps `_sessions` whose sessions have
-    `ready`), not by version; nothing for kvpeer's tier, whose lookups wait for its session."""
+    `ready`) of the release whose stock lookup misses until then (0.34: it came with the two
+    load timeouts, `_P2P_LOAD_TIMEOUT_S`), not by the version string; nothing on 0.33 (whose
+    RETRY-until-ready path the tests keep exercising) or for kvpeer's tier, whose lookups wait
+    for its session."""
+    if not _STOCK_LOOKUP_MISSES_UNTIL_READY:
+        return
     sessions = getattr(b.tier, "_sessions", None)
     if not isinstance(sessions, dict):
         return

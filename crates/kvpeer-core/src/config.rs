@@ -47,10 +47,11 @@ pub struct CoreConfig {
     pub cancel_retry_interval: Duration,
     /// A data-plane fault disconnects the peer once inflight writes drain, or after this.
     pub peer_fault_drain: Duration,
-    /// A write to a peer still in flight this long after it was posted faults the peer (its
-    /// session ends once its writes drain, or after `peer_fault_drain`): on any plane, as
-    /// vLLM 0.34's `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S` on NIXL, where a WRITE that never
-    /// completes would otherwise go unnoticed; zero disables it.
+    /// A write to a peer still in flight this long after it was posted faults the peer and ends
+    /// its session at once, on planes that do not bound their writes themselves
+    /// ([`DataPlane::bounds_write_time`](crate::DataPlane::bounds_write_time)): vLLM 0.34's
+    /// `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S` on NIXL, where a WRITE that never completes would
+    /// otherwise go unnoticed; zero disables it.
     pub transfer_stall_timeout: Duration,
     /// First reconnect backoff after a repeated data-plane fault (the first fault waits 0).
     pub reconnect_min_backoff: Duration,

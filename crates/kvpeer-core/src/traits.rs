@@ -171,6 +171,16 @@ pub trait DataPlane {
         true
     }
 
+    /// Whether this plane bounds how long a write to `peer` may take on its own (the tcp
+    /// plane: its transfer timeout plus the write's bytes at its slowest allowed rate; the shm
+    /// plane: a copy in this process). The core's stall timer (`transfer_stall_timeout`, vLLM
+    /// 0.34's NIXL stall timeout) covers the writes of the others, where one that never
+    /// completes would go unnoticed: a time-only bound would fault a large or rate-limited
+    /// tcp write that is still moving. Default: `false`.
+    fn bounds_write_time(&self, _peer: &PeerId) -> bool {
+        false
+    }
+
     /// The `agent_metadata` that this node's `connect` to `peer` carries, given what the node
     /// advertises to everyone and the challenge `peer` gave the connection the `connect` goes
     /// on (a kvpeer node gives one per connection; `None` from other peers). Planes that bind
@@ -231,6 +241,9 @@ impl<T: DataPlane + ?Sized> DataPlane for Box<T> {
     }
     fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], end: WriteEnd) -> bool {
         (**self).writes_fenced(peer, blocks, end)
+    }
+    fn bounds_write_time(&self, peer: &PeerId) -> bool {
+        (**self).bounds_write_time(peer)
     }
     fn connect_metadata(
         &mut self,

@@ -950,8 +950,8 @@ fn a_data_plane_fault_disconnects_after_10s_even_with_stuck_writes() {
 }
 
 /// vLLM 0.34 (`VLLM_P2P_TRANSFER_STALL_TIMEOUT_S`): a write still in flight 20 s after it was
-/// posted faults the peer (nothing else notices a wedged NIXL WRITE), and the session ends once
-/// the write drains or `peer_fault_drain` later; with the timer off (zero), nothing happens.
+/// posted faults the peer (nothing else notices a wedged NIXL WRITE) and ends its session at
+/// once (a stalled write will not drain); with the timer off (zero), nothing happens.
 #[test]
 fn a_write_in_flight_past_the_stall_timeout_faults_the_peer() {
     for stall in [S(20), S(0)] {
@@ -968,12 +968,8 @@ fn a_write_in_flight_past_the_stall_timeout_faults_the_peer() {
         m.advance(S(19));
         assert!(m.closed().is_none());
         m.advance(S(2));
-        assert!(
-            m.closed().is_none(),
-            "faulted or not, the write may still drain"
-        );
-        m.advance(S(10));
         if stall.is_zero() {
+            m.advance(S(10));
             assert!(m.closed().is_none(), "no stall timer");
             continue;
         }

@@ -53,6 +53,46 @@ fn the_hash_seed_follows_pythonhashseed_like_vllm() {
     assert_eq!(flagged.spec.hash_seed, "7");
 }
 
+/// vLLM 0.34 reads `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S` as a float, zero or less turning the stall
+/// timer off: every value a stock engine takes starts kvpeer too, and the defaults are 0.34's
+/// consumer timeouts.
+#[test]
+fn the_stall_timeout_reads_as_vllm_reads_it_and_the_timeouts_are_0_34s() {
+    let stall = |v: &str| {
+        let vars = env(&[("VLLM_P2P_TRANSFER_STALL_TIMEOUT_S", v)]);
+        resolve(&Settings::default(), &vars, &Settings::default(), "t")
+            .map(|c| c.spec.core.transfer_stall_timeout)
+    };
+    assert_eq!(stall("20").unwrap(), Duration::from_secs(20));
+    assert_eq!(stall("20.0").unwrap(), Duration::from_secs(20));
+    assert_eq!(stall("0.5").unwrap(), Duration::from_millis(500));
+    assert_eq!(stall("0").unwrap(), Duration::ZERO);
+    assert_eq!(stall("-1").unwrap(), Duration::ZERO);
+    let e = stall("soon").unwrap_err();
+    assert_eq!(e.key, "transfer_stall_timeout_s");
+    assert_eq!(e.source_name, "env VLLM_P2P_TRANSFER_STALL_TIMEOUT_S");
+    let core = resolve(&Settings::default(), &env(&[]), &Settings::default(), "t")
+        .unwrap()
+        .spec
+        .core;
+    assert_eq!(
+        (
+            core.lookup_timeout,
+            core.load_timeout,
+            core.pd_load_timeout,
+            core.abort_ack_timeout,
+            core.transfer_stall_timeout
+        ),
+        (
+            Duration::from_secs(8),
+            Duration::from_secs(10),
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+            Duration::from_secs(20)
+        )
+    );
+}
+
 #[test]
 fn a_flag_beats_the_environment_which_beats_the_file() {
     let file = from_toml(

@@ -295,7 +295,7 @@ class KvpeerTier(SecondaryTierManager):
       progress), ``load_timeout_s`` (10 s, a load of a request that looked up),
       ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
       ends: a failed load's slots go back to vLLM only once the peer's writes are fenced),
-      ``transfer_stall_timeout_s`` (20 s: a write to a peer still in flight then faults the
+      ``transfer_stall_timeout_s`` (20 s: a NIXL write to a peer still in flight then faults the
       peer), ``handshake_timeout_s``, ``idle_timeout_s``.
     """
 

@@ -461,7 +461,11 @@ impl Session {
                 *self.peer_fault_at.insert(cx.now)
             }
         };
-        if self.server.has_inflight() && cx.now < since + cx.config.peer_fault_drain {
+        // A stalled write will not drain: the session ends at once (vLLM 0.34).
+        if self.server.has_inflight()
+            && !self.server.transfer_stalled
+            && cx.now < since + cx.config.peer_fault_drain
+        {
             return;
         }
         self.disconnect(cx.out, cx.now, CloseReason::DataPlaneFault(fault));

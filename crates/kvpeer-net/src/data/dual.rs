@@ -213,6 +213,11 @@ impl DataPlane for DualPlane {
         self.tcp.end_writes(peer, blocks);
     }
 
+    fn bounds_write_time(&self, _peer: &PeerId) -> bool {
+        // Either plane: a copy in this process, or a tcp write under its own deadline.
+        true
+    }
+
     fn writes_fenced(&mut self, peer: &PeerId, blocks: &[BlockIndex], end: WriteEnd) -> bool {
         // Both: whichever plane the peer chose, neither may still be writing.
         let shm = self.shm.writes_fenced(peer, blocks, end);

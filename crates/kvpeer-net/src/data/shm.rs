@@ -503,6 +503,11 @@ impl DataPlane for ShmPlane {
         }
     }
 
+    fn bounds_write_time(&self, _peer: &PeerId) -> bool {
+        // A copy in this process: it ends when the memcpy does.
+        true
+    }
+
     fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         // Even a peer's word is not taken for it: a copy in progress holds its block's word.
         // Every block is revoked now (no short cut at the first still being written), so none

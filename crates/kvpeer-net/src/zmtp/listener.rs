@@ -556,6 +556,7 @@ impl Listener {
             p.conn.advance(queued);
             p.last_written = now;
             self.account(id);
+            self.rearm(id, now);
             return;
         }
         if !p.writable || p.conn.transmit().is_empty() {
@@ -589,6 +590,7 @@ impl Listener {
                 let queued = p.conn.transmit().len();
                 p.conn.advance(queued);
                 self.account(id);
+                self.rearm(id, now);
                 self.active.insert(id);
             }
         }
@@ -902,7 +904,11 @@ impl Listener {
                             conn.handle_bytes(bytes, now).map_err(loss_of)?;
                             Ok(!conn.decoding_paused())
                         })?;
-                        p.readable = end == ReadEnd::More;
+                        // A socket that hung up or failed always has its end of stream or its
+                        // error left to read after its last bytes (a short read stops before
+                        // it): read again next round, so it ends then rather than spinning
+                        // unread (the poll reports a hang-up once).
+                        p.readable = end == ReadEnd::More || p.closed || p.ending.is_some();
                     }
                 }
                 p.conn.handle_timeout(now).map_err(loss_of)?;

@@ -149,7 +149,7 @@ declare_keys! {
     unbound_store_timeout_s = "60";
     /// seconds a faulted peer's writes may drain before it is dropped
     peer_fault_drain_s = "10";
-    /// seconds a write to a peer may stay in flight before the peer is faulted (its session ends once its writes drain), on every plane; 0 = never (vLLM 0.34's)
+    /// seconds a write to a peer may stay in flight before the peer is faulted and its session ends, on planes that do not bound their writes themselves (nixl; tcp bounds each write by its bytes); a float as vLLM reads it, 0 or less = never (vLLM 0.34's)
     transfer_stall_timeout_s = "20", env "VLLM_P2P_TRANSFER_STALL_TIMEOUT_S";
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";

@@ -164,7 +164,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         lookup_pending_timeout: secs(&KEY.lookup_pending_timeout_s, 1)?,
         unbound_store_timeout: secs(&KEY.unbound_store_timeout_s, 1)?,
         peer_fault_drain: secs(&KEY.peer_fault_drain_s, 1)?,
-        transfer_stall_timeout: secs(&KEY.transfer_stall_timeout_s, 0)?,
+        transfer_stall_timeout: s.seconds_or_off(&KEY.transfer_stall_timeout_s)?,
         max_lookup_keys: s.number(&KEY.max_lookup_keys, 1, 1 << 24)? as usize,
         lookup_slice_keys: s.number(&KEY.lookup_slice_keys, 1, 1 << 24)? as usize,
         lookup_keys_per_sec: s.number(&KEY.lookup_keys_per_s, 1, 1 << 40)?,
@@ -432,6 +432,26 @@ impl Values<'_> {
             return Err(bad(src, key.name, format!("{n} is outside {min}..={max}")));
         }
         Ok(n)
+    }
+
+    /// Seconds as vLLM reads its float variables (`VLLM_P2P_TRANSFER_STALL_TIMEOUT_S`:
+    /// `20`, `20.0`, `0.5`), zero or less meaning off (a zero duration), at most a year.
+    fn seconds_or_off(&self, key: &Key) -> Result<Duration, ConfigError> {
+        let Some((v, src)) = self.value(key) else {
+            return Err(bad("default", key.name, "no value".into()));
+        };
+        let secs: f64 = v
+            .trim()
+            .parse()
+            .map_err(|_| bad(src, key.name, format!("{v:?} is not a number of seconds")))?;
+        if secs.is_nan() || secs > 86_400.0 * 365.0 {
+            return Err(bad(
+                src,
+                key.name,
+                format!("{v:?} is not 0..=31536000 seconds"),
+            ));
+        }
+        Ok(Duration::from_secs_f64(secs.max(0.0)))
     }
 
     /// A rate in bytes per second: a whole number, or one with a suffix K, M or G (powers of

@@ -172,7 +172,8 @@ impl ServerRole {
                 posted_at: cx.now,
             },
         );
-        if !self.stall_lane.delay().is_zero() {
+        // Writes of a plane that bounds them itself (tcp: by their bytes) are not timed here.
+        if !self.stall_lane.delay().is_zero() && !cx.plane.bounds_write_time(&self.peer) {
             self.stall_lane.arm(cx.now, tid);
         }
     }

@@ -535,6 +535,9 @@ pub(crate) struct ServerRole {
     max_pins: usize,
     /// The data plane reported this peer unusable; no new writes.
     pub(crate) peer_fault: Option<PlaneError>,
+    /// The fault is a write that stayed in flight past `transfer_stall_timeout`: waiting for
+    /// the writes to drain is pointless, the session ends at once (as vLLM 0.34).
+    pub(crate) transfer_stalled: bool,
 }
 
 fn serve_ctx(peer: &PeerId, id: &KvRequestId, n: u64) -> ServeCtx {
@@ -581,6 +584,7 @@ impl ServerRole {
             pin_blocks: Map::default(),
             max_pins: config.pins_per_peer(num_blocks),
             peer_fault: None,
+            transfer_stalled: false,
         }
     }
 

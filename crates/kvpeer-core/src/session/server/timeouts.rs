@@ -120,6 +120,7 @@ impl ServerRole {
                 crate::warn_throttled!(cx.out.throttle, now, "a write to the peer made no progress; faulting the peer",
                     peer = %self.peer, stalled_s = stall_delay.as_secs_f64());
                 self.peer_fault = Some(PlaneError::transport(TransferStalled(stall_delay)));
+                self.transfer_stalled = true;
             }
         }
         while let Some((_, key)) = self.abort_warn_lane.pop_due(now) {

@@ -646,6 +646,11 @@ impl DataPlane for TcpPlane {
         }
     }
 
+    fn bounds_write_time(&self, _peer: &PeerId) -> bool {
+        // Each write must be acknowledged within `tcp_transfer_timeout` plus its bytes at `tcp_min_rate`, or its peer is faulted.
+        true
+    }
+
     fn writes_fenced(&mut self, _peer: &PeerId, blocks: &[BlockIndex], _end: WriteEnd) -> bool {
         // `end_writes` revoked the permits and cut the connections reading into the blocks; a
         // claim taken before that lives until the receiver drops it (its read ended).
