@@ -689,6 +689,17 @@ fn messages_that_arrive_with_the_close_are_delivered_before_it() {
     }
 }
 
+/// A node that PINGs every 2 ms (a write to each connection in most rounds) and takes four
+/// messages per connection per round (so some stay unread across rounds).
+fn pinging_config() -> ControlConfig {
+    ControlConfig {
+        heartbeat_interval: Duration::from_millis(2),
+        heartbeat_timeout: Duration::from_secs(10),
+        inbound_messages_per_round: 4,
+        ..ControlConfig::default()
+    }
+}
+
 /// A DEALER that sent many messages and closed, while the node still had most of them unread
 /// (four taken per round) and a heartbeat PING to write: the first PING reaches a closed
 /// socket and resets the connection, so the next write fails. Every message still comes
@@ -697,13 +708,7 @@ fn messages_that_arrive_with_the_close_are_delivered_before_it() {
 /// kept a session its peer had ended.)
 #[test]
 fn a_peers_messages_come_before_its_loss_when_a_write_to_it_fails_first() {
-    let config = ControlConfig {
-        heartbeat_interval: Duration::from_millis(2),
-        heartbeat_timeout: Duration::from_secs(10),
-        inbound_messages_per_round: 4,
-        ..ControlConfig::default()
-    };
-    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let mut node = ControlChannel::bind(free_id(), pinging_config()).unwrap();
     let id = node.identity().clone();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dialer = {
@@ -731,13 +736,7 @@ fn a_peers_messages_come_before_its_loss_when_a_write_to_it_fails_first() {
 /// until the other host's input is done) and comes before its close.
 #[test]
 fn a_held_back_peer_that_hangs_up_still_has_its_last_message_delivered() {
-    let config = ControlConfig {
-        heartbeat_interval: Duration::from_millis(2),
-        heartbeat_timeout: Duration::from_secs(10),
-        inbound_messages_per_round: 4,
-        ..ControlConfig::default()
-    };
-    let mut node = ControlChannel::bind(free_id(), config).unwrap();
+    let mut node = ControlChannel::bind(free_id(), pinging_config()).unwrap();
     let id = node.identity().clone();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let dialers = {

@@ -621,7 +621,7 @@ class KvpeerTier(SecondaryTierManager):
     def pending_releases(self) -> int:
         """Failed loads reported to vLLM whose chunks still wait for their fence (vLLM 0.34's
         `deferred_release` not set yet: their producer may still write them)."""
-        return len({id(load) for load in self._fencing.values() if load.release is not None})
+        return len({load.job_id for load in self._fencing.values() if load.release is not None})
 
     def _collect(self, wait_s: float = 0.0) -> None:
         """Drives the node once and turns what ended into results."""

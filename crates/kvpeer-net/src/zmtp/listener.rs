@@ -243,6 +243,12 @@ impl HostShare {
 }
 
 impl Peer {
+    /// Drops what waits to be written (a connection whose write failed writes no more).
+    fn drop_output(&mut self) {
+        let queued = self.conn.transmit().len();
+        self.conn.advance(queued);
+    }
+
     /// Whether it has input to be given a round for: in its socket or its decoder.
     fn has_input(&self) -> bool {
         self.readable || self.conn.holds_input()
@@ -552,8 +558,7 @@ impl Listener {
         };
         if p.ending.is_some() {
             // Its heartbeats and answers go nowhere: dropped, so nothing waits to be written.
-            let queued = p.conn.transmit().len();
-            p.conn.advance(queued);
+            p.drop_output();
             p.last_written = now;
             self.account(id);
             self.rearm(id, now);
@@ -587,8 +592,7 @@ impl Listener {
                 // at the end of its stream or the socket's error, which a failed socket has.
                 p.ending = Some(reason);
                 p.readable = true;
-                let queued = p.conn.transmit().len();
-                p.conn.advance(queued);
+                p.drop_output();
                 self.account(id);
                 self.rearm(id, now);
                 self.active.insert(id);
