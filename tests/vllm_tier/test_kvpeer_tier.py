@@ -25,7 +25,15 @@ import pytest
 
 import kvpeer
 import kvpeer.vllm as kvpeer_vllm
-from harness import Engine, drive, free_port, make_key, open_stock_session, stop_process
+from harness import (
+    Engine,
+    LookupResult,
+    drive,
+    free_port,
+    make_key,
+    open_stock_session,
+    stop_process,
+)
 
 NUM_CHUNKS = 16
 BLOCK_LEN = 4096
@@ -370,16 +378,21 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
             "kv_request_id": "kv-stall", "remote_host": "127.0.0.1", "remote_port": port}})
 
         def stop_once_answered() -> bool:
-            # The producer's answer reached B's node in the last step; vLLM has not seen it (it
-            # asks in the next lookup call, which submits the promotion, whose fetch leaves on
-            # the step after): the producer stops before B's fetch reaches it.
+            # The producer stops once its answer reached B's node and before B's fetch leaves:
+            # the fetch leaves only at the step after the lookup call that saw the hits (the
+            # promotion is submitted at that step). The answer can arrive between the count read
+            # here and the lookup call, so the lookup's own answers decide too: the producer is
+            # stopped before `drive` steps again (CI on 1cd49fc: the fetch had left and been
+            # served when the count was read one round later).
             nonlocal stopped
-            if b.tier.node_stats()["lookup_hits_received"] >= n:
+            answered = b.tier.node_stats()["lookup_hits_received"] >= n
+            if not answered:
+                b.lookup(stalled, req)
+                answered = any(r is not LookupResult.RETRY for r in b.last_lookup)
+            if answered:
                 stop_process(child.pid)
                 stopped = True
-                return True
-            b.lookup(stalled, req)
-            return False
+            return answered
 
         drive([b], stop_once_answered, timeout_s=TIMEOUT_S)
         # Past the load (1 s) and abort-ack (1 s) timeouts: the session with the producer ends.
