@@ -1146,3 +1146,187 @@ fn finishing_a_request_while_its_load_waits_for_the_fence_leaves_no_failed_id() 
     assert_eq!(m.core.stats().failed_ids, 0);
     m.assert_clean();
 }
+
+/// vLLM 0.34 still settles loads with the `transfer_done` and `abort_ack` a peer sent before
+/// its `disconnect` (`P2PSession._accept_buffered_terminals`). kvpeer handles a peer's messages
+/// in the order they were sent, and its channel delivers everything that arrived before a
+/// connection's loss ahead of the loss (kvpeer-net `control.rs`), so terminals just ahead of
+/// the peer's `disconnect`, or of its connection's end, settle their loads: a success counts,
+/// and an acked abort hands its blocks back without waiting for a fence.
+#[test]
+fn a_peers_terminals_sent_just_before_it_leaves_settle_its_loads() {
+    for leaves_by_disconnect in [true, false] {
+        let mut m = Mock::new();
+        m.ready_source("r");
+        let peer = m.peer.clone();
+        m.dial("s", RequestRoles::kv_source(peer.clone()));
+        m.load(5, "r", vec![key(1)], vec![10]);
+        m.load(6, "s", vec![key(2)], vec![11]);
+        m.finish("s");
+        assert!(m.take_sent().contains(&abort_fetch("s", 0)));
+        m.recv(transfer_done("r", true, 0));
+        m.recv(abort_ack("s", 0));
+        if leaves_by_disconnect {
+            m.recv(Message::Disconnect);
+        } else {
+            m.core
+                .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
+            m.pump();
+        }
+        assert_eq!(
+            m.load_results(),
+            vec![(JobId::new(5), true), (JobId::new(6), false)],
+            "disconnect: {leaves_by_disconnect}"
+        );
+        assert!(m.held_loads().is_empty(), "both were settled by the peer");
+        assert!(m.closed().is_some(), "the session ended");
+        m.finish("r");
+        m.assert_clean();
+    }
+}
+
+/// What one request's peer has been told, read off the wire: rounds whose lookups it holds,
+/// fetches it is serving, aborted fetches it has not acked.
+#[derive(Default)]
+struct PeerView {
+    lookup_rounds: Vec<u64>,
+    fetching: Vec<u64>,
+    aborting: Vec<u64>,
+    unanswered: Vec<kvpeer_proto::OffloadKey>,
+}
+
+impl PeerView {
+    /// Applies what the core sent; panics on a terminal `fetch` that would close a newer live
+    /// round (0.34's `can_send_terminal_fetch`).
+    fn read(&mut self, sent: Vec<Message>, history: &[&str]) {
+        for message in sent {
+            match message {
+                Message::Lookup(l) => {
+                    self.lookup_rounds.push(l.round_seq.0);
+                    self.unanswered.extend(l.keys);
+                }
+                Message::Fetch(f) if f.block_indexes.is_empty() => {
+                    let round = f.round_seq.0;
+                    assert!(
+                        self.fetching.is_empty() && self.lookup_rounds.iter().all(|r| *r == round),
+                        "terminal fetch of round {round} while the peer holds lookups of rounds \
+                         {:?} and serves fetches of rounds {:?}; after {history:?}",
+                        self.lookup_rounds,
+                        self.fetching
+                    );
+                    self.lookup_rounds.clear();
+                    self.unanswered.clear();
+                }
+                Message::Fetch(f) => {
+                    self.lookup_rounds.retain(|r| *r > f.round_seq.0);
+                    self.unanswered.clear();
+                    self.fetching.push(f.round_seq.0);
+                }
+                Message::AbortFetch(a) => {
+                    self.fetching.retain(|r| *r != a.round_seq.0);
+                    self.aborting.push(a.round_seq.0);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// vLLM 0.34 holds back a terminal `fetch` (the "request finished" signal) when the request
+/// has a newer live round, since the peer would close that round's state with it
+/// (`can_send_terminal_fetch`, for a terminal queued before the peer's ack). kvpeer sends the
+/// terminal only from `finish`, after aborting the loads and dropping the probes, and never
+/// sends lookups before the ack, so none can. Checked over every sequence of up to
+/// [`TERMINAL_STEPS`] engine and peer steps on one request id (reused after each finish), the
+/// handshake among them; a sequence with a step that does nothing is the shorter one.
+#[test]
+fn a_terminal_fetch_never_closes_a_newer_live_round() {
+    let (mut sequences, mut terminals) = (0, 0);
+    let mut prefix = Vec::new();
+    explore_terminal_sequences(&mut prefix, &mut sequences, &mut terminals);
+    assert!(
+        terminals > 1000,
+        "{sequences} sequences, {terminals} of them ending in a terminal fetch"
+    );
+}
+
+const TERMINAL_STEPS: usize = 7;
+const STEPS: [&str; 8] = [
+    "ack",
+    "lookup",
+    "flush",
+    "answer",
+    "load",
+    "done",
+    "abort_ack",
+    "finish",
+];
+
+/// Extends `prefix` by every step that does something, runs each sequence, and goes deeper.
+fn explore_terminal_sequences(
+    prefix: &mut Vec<&'static str>,
+    sequences: &mut u32,
+    terminals: &mut u32,
+) {
+    for step in STEPS {
+        prefix.push(step);
+        if let Some(ends_in_terminal) = run_terminal_sequence(prefix) {
+            *sequences += 1;
+            *terminals += u32::from(ends_in_terminal);
+            if prefix.len() < TERMINAL_STEPS {
+                explore_terminal_sequences(prefix, sequences, terminals);
+            }
+        }
+        prefix.pop();
+    }
+}
+
+/// Runs `steps` on a fresh session, checking every message on the wire against the peer's
+/// view; `None` if a step did nothing, else whether the last one sent a terminal fetch.
+fn run_terminal_sequence(steps: &[&'static str]) -> Option<bool> {
+    let mut m = Mock::new();
+    let peer = m.peer.clone();
+    m.dial("r", RequestRoles::kv_source(peer));
+    let mut view = PeerView::default();
+    view.read(m.take_sent(), &[]);
+    let (mut acked, mut ends_in_terminal) = (false, false);
+    for (at, step) in steps.iter().enumerate() {
+        let next = at as u64 + 1;
+        match *step {
+            "ack" if !acked => {
+                acked = true;
+                m.handshake();
+            }
+            "lookup" => {
+                m.lookup("r", &key(next));
+            }
+            "flush" => m.flush(),
+            "answer" if acked && !view.unanswered.is_empty() => {
+                let keys = std::mem::take(&mut view.unanswered);
+                let hits = vec![true; keys.len()];
+                m.recv(Message::LookupResp(kvpeer_proto::LookupResp {
+                    kv_request_id: rid("r"),
+                    keys,
+                    hits,
+                }));
+            }
+            "load" => m.load(next, "r", vec![key(100 + next)], vec![next]),
+            "done" if acked && !view.fetching.is_empty() => {
+                let round = view.fetching.remove(0);
+                m.recv(transfer_done("r", true, round));
+            }
+            "abort_ack" if acked && !view.aborting.is_empty() => {
+                let round = view.aborting.remove(0);
+                m.recv(abort_ack("r", round));
+            }
+            "finish" => m.finish("r"),
+            _ => return None,
+        }
+        let sent = m.take_sent();
+        ends_in_terminal = sent
+            .iter()
+            .any(|s| matches!(s, Message::Fetch(f) if f.block_indexes.is_empty()));
+        view.read(sent, &steps[..=at]);
+    }
+    Some(ends_in_terminal)
+}
