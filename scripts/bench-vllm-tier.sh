@@ -21,7 +21,7 @@ cargo build -q --release -p kvpeer-py --features nixl
 pkg="target/bench-vllm-tier/py"
 rm -rf "$pkg"
 mkdir -p "$pkg/kvpeer"
-cp python/kvpeer/*.py "$pkg/kvpeer/"
+cp -r python/kvpeer/. "$pkg/kvpeer/"
 cp target/release/lib_native.so "$pkg/kvpeer/_native.abi3.so"
 pysrc="$(KVPEER_PYTHON="$py" bash tests/vllm_tier/setup.sh)"
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} UCX_MODULES=${UCX_MODULES:-'^ib*'}

@@ -93,9 +93,14 @@ class Outstanding:
     def pins(self) -> int: ...
 
 class EngineTier:
-    """A kvpeer node over an engine's block memory, driven by the engine."""
+    """A kvpeer node over an engine's block memory; its I/O on a thread of its own
+    (`io_thread`), else driven by the engine's `poll`."""
 
-    def __init__(self, memory: Buffer, settings: Mapping[str, str], tag: str) -> None: ...
+    def __init__(
+        self, memory: Buffer, settings: Mapping[str, str], tag: str, *, io_thread: bool = True
+    ) -> None: ...
+    @property
+    def io_thread(self) -> bool: ...
     @property
     def id(self) -> str: ...
     @property

@@ -20,6 +20,15 @@ on kvpeer's own threads, and vLLM reports an idle engine's tier stats only with 
 request).
 
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` in the engine's process.
+
+Two more rows per pairing, at ``--extra-length`` tokens (4096 by default; 0 leaves them out):
+
+* **first pull**: B's first request to A, an engine it never talked to (both engines warmed by
+  a local request first, so only the session to A is new), against the warm pulls of the same
+  length (goal: at most 2x);
+* **busy producer**: B loads a prompt from A while A prefills a fresh prompt of the same
+  length (A's engine is in a long step: its tier answers peers' lookups only between steps,
+  vLLM's rule for touching its block manager), against the pull from an idle A.
 """
 
 from __future__ import annotations
@@ -64,7 +73,9 @@ PAIRINGS = {
 }
 
 
-def engine_pair(label: str, model: str, root: Path, longest: int) -> tuple[Engine, Engine]:
+def engine_pair(
+    label: str, model: str, root: Path, longest: int, offload_prompts: int = 1
+) -> tuple[Engine, Engine]:
     tokens = longest + 64
     kv_bytes = KV_BYTES_PER_TOKEN * (tokens + 4 * BLOCK_SIZE)
     options = {
@@ -89,7 +100,9 @@ def engine_pair(label: str, model: str, root: Path, longest: int) -> tuple[Engin
             root,
             env=env,
             options=options,
-            offload_bytes=kv_bytes,
+            # Room for `offload_prompts` longest prompts in each tier: the busy-producer row's A
+            # stores the prompt it prefills while B loads the one it computed before.
+            offload_bytes=kv_bytes * offload_prompts,
         )
         for side in ("A", "B")
     )
@@ -151,17 +164,85 @@ def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
     }
 
 
-def run_pairing(label: str, model: str, root: Path, lengths: list[int], reps: int) -> list[dict]:
-    a, b = engine_pair(label, model, root, max(lengths))
+def pulled(b: Engine, before: dict, after: dict, answer: dict, length: int) -> bool:
+    """Whether B's request (`answer`, between the `before` and `after` metrics) took its
+    prompt's blocks from its tier."""
+    return (
+        answer["num_cached_tokens"] >= length - BLOCK_SIZE
+        and delta(b, before, after, TIER_HITS) > 0
+    )
+
+
+def first_pull(a: Engine, b: Engine, length: int, label: str) -> dict:
+    """B's first request to A (both engines already warm from a local request each)."""
+    rng = random.Random(f"{label}-first-{length}")
+    for engine in (a, b):
+        engine.generate([rng.randrange(1, 500) for _ in range(length)], max_tokens=1)
+    prompt = [rng.randrange(1, 500) for _ in range(length)]
+    produced = a.generate(prompt, max_tokens=1)
+    time.sleep(0.5)
+    b_before = b.metrics()
+    peer = b.generate(prompt, source=a, max_tokens=1)
+    b_after = b.metrics()
+    return {
+        "pairing": label,
+        "kind": "first pull",
+        "tokens": length,
+        "peer_s": peer["seconds"],
+        "loaded": pulled(b, b_before, b_after, peer, length),
+        "same_tokens": peer["tokens"] == produced["tokens"],
+    }
+
+
+def busy_pull(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
+    """B loads a prompt from A while A prefills another prompt of the same length."""
+    rng = random.Random(f"{label}-busy-{length}-{rep}")
+    prompt = [rng.randrange(1, 500) for _ in range(length)]
+    other = [rng.randrange(1, 500) for _ in range(length)]
+    produced = a.generate(prompt, max_tokens=1)
+    time.sleep(0.5)
+    a.send(a.generate_command(other, max_tokens=1))
+    # A is inside its prefill (seconds at 4k tokens here) when B asks.
+    time.sleep(0.2)
+    b_before = b.metrics()
+    peer = b.generate(prompt, source=a, max_tokens=1)
+    b_after = b.metrics()
+    busy = a.receive()
+    return {
+        "pairing": label,
+        "kind": "busy producer",
+        "tokens": length,
+        "rep": rep,
+        "peer_s": peer["seconds"],
+        "producer_busy_s": busy["seconds"],
+        "loaded": pulled(b, b_before, b_after, peer, length),
+        "same_tokens": peer["tokens"] == produced["tokens"],
+    }
+
+
+def run_pairing(
+    label: str, model: str, root: Path, lengths: list[int], reps: int, extra_length: int
+) -> list[dict]:
+    a, b = engine_pair(label, model, root, max(lengths), 2 if extra_length else 1)
     rows = []
     try:
         # One at a time: an idle engine would slow the other's start.
         start_in_turn([a, b])
-        # Warm-up: the first request of an engine pays its one-time costs.
-        measure(a, b, min(lengths), -1, label)
+        if extra_length:
+            row = first_pull(a, b, extra_length, label)
+            print(json.dumps(row), file=sys.stderr)
+            rows.append(row)
+        else:
+            # Warm-up: the first request of an engine pays its one-time costs.
+            measure(a, b, min(lengths), -1, label)
         for length in lengths:
             for rep in range(reps):
                 row = measure(a, b, length, rep, label)
+                print(json.dumps(row), file=sys.stderr)
+                rows.append(row)
+        if extra_length:
+            for rep in range(reps):
+                row = busy_pull(a, b, extra_length, rep, label)
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
     except Exception:
@@ -178,6 +259,30 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def extra_table(rows: list[dict], length: int) -> str:
+    """The first-pull and busy-producer rows, each against the warm pulls from an idle A."""
+    out = [
+        f"| pairing | warm pull ({length} tokens) | first pull | first / warm (goal <= 2x) "
+        "| pull from a busy producer | busy / idle | loaded, same tokens |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for label in PAIRINGS:
+        warm = [r for r in rows if r["pairing"] == label and "kind" not in r
+                and r["tokens"] == length]
+        first = [r for r in rows if r["pairing"] == label and r.get("kind") == "first pull"]
+        busy = [r for r in rows if r["pairing"] == label and r.get("kind") == "busy producer"]
+        if not (warm and first and busy):
+            continue
+        warm_s, first_s, busy_s = (median(x, "peer_s") for x in (warm, first, busy))
+        ok = all(r["loaded"] for r in first + busy), all(r["same_tokens"] for r in first + busy)
+        out.append(
+            f"| {label} | {warm_s:.3f} s | {first_s:.3f} s | {first_s / warm_s:.2f}x "
+            f"| {busy_s:.3f} s (A's own prefill {median(busy, 'producer_busy_s'):.3f} s) "
+            f"| {busy_s / warm_s:.2f}x | {ok[0]}, {ok[1]} |"
+        )
+    return "\n".join(out)
+
+
 def table(rows: list[dict], lengths: list[int]) -> str:
     out = [
         "| prompt | pairing | TTFT local | TTFT from peer | floor | over floor | copy limit "
@@ -185,10 +290,18 @@ def table(rows: list[dict], lengths: list[int]) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for length in lengths:
-        stock = [r for r in rows if r["tokens"] == length and r["pairing"].startswith("stock")]
+        stock = [
+            r
+            for r in rows
+            if r["tokens"] == length and r["pairing"].startswith("stock") and "kind" not in r
+        ]
         stock_peer = median(stock, "peer_s") if stock else None
         for label in PAIRINGS:
-            mine = [r for r in rows if r["tokens"] == length and r["pairing"] == label]
+            mine = [
+                r
+                for r in rows
+                if r["tokens"] == length and r["pairing"] == label and "kind" not in r
+            ]
             if not mine:
                 continue
             local, peer, floor = (median(mine, k) for k in ("local_s", "peer_s", "floor_s"))
@@ -215,8 +328,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pairings", default=",".join(PAIRINGS))
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument(
+        "--extra-length",
+        type=int,
+        default=4096,
+        help="prompt length of the first-pull and busy-producer rows (0: none)",
+    )
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.extra_length and args.extra_length not in lengths:
+        # The extra rows are read against warm pulls of their own length.
+        lengths.append(args.extra_length)
     labels = [x.strip() for x in args.pairings.split(",")]
     unknown = [x for x in labels if x not in PAIRINGS]
     if unknown:
@@ -226,10 +348,13 @@ def main() -> None:
         model = make_model(root / "model", **MODEL_SHAPE)
         rows = []
         for label in labels:
-            rows += run_pairing(label, model, root, lengths, args.reps)
+            rows += run_pairing(label, model, root, lengths, args.reps, args.extra_length)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(table(rows, lengths))
+    if args.extra_length:
+        print()
+        print(extra_table(rows, args.extra_length))
 
 
 if __name__ == "__main__":

@@ -219,9 +219,17 @@ class Engine:
         return float(self._read(START_TIMEOUT_S)["seconds"])
 
     def ask(self, command: dict[str, Any], timeout: float = ANSWER_TIMEOUT_S) -> dict[str, Any]:
+        self.send(command)
+        return self.receive(timeout)
+
+    def send(self, command: dict[str, Any]) -> None:
+        """Sends a command without waiting for its answer (`receive` reads it)."""
         assert self.process is not None and self.process.stdin is not None
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
+
+    def receive(self, timeout: float = ANSWER_TIMEOUT_S) -> dict[str, Any]:
+        """The answer to the oldest command not answered yet."""
         answer = self._read(timeout)
         if "error" in answer:
             raise RuntimeError(f"{self.name}: {answer['error']}\n{answer.get('traceback', '')}")
@@ -231,6 +239,11 @@ class Engine:
         self, prompt: list[int], source: Engine | None = None, max_tokens: int = 8
     ) -> dict[str, Any]:
         """Greedy tokens for `prompt`, loading what it can from `source` (a peer engine)."""
+        return self.ask(self.generate_command(prompt, source, max_tokens))
+
+    def generate_command(
+        self, prompt: list[int], source: Engine | None = None, max_tokens: int = 8
+    ) -> dict[str, Any]:
         command: dict[str, Any] = {"cmd": "generate", "prompt": prompt, "max_tokens": max_tokens}
         if source is not None:
             command["kv_transfer_params"] = {
@@ -240,7 +253,7 @@ class Engine:
                     "remote_port": source.port,
                 }
             }
-        return self.ask(command)
+        return command
 
     def metrics(self) -> dict[str, float]:
         return self.ask({"cmd": "metrics"})["metrics"]

@@ -60,7 +60,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import kvpeer  # noqa: E402
-from harness import Engine, LookupResult, free_port, make_engine, make_key  # noqa: E402
+from harness import (  # noqa: E402
+    Engine,
+    LookupResult,
+    free_port,
+    make_engine,
+    make_key,
+    open_stock_session,
+)
 
 # Every method of SecondaryTierManager the manager may call on the scheduler thread.
 TIER_METHODS = (
@@ -95,6 +102,8 @@ MANAGER_METHODS = (
 # What a serving tier calls back on vLLM's manager (ParentManager), inside serve_external_requests.
 PARENT_METHODS = ("on_new_request", "lookup", "create_store_job", "on_request_finished")
 CASES = ("kvpeer-nixl", "kvpeer-tcp", "kvpeer-shm", "stock")
+# Cases run on request only (--cases): the tier with its node's I/O on vLLM's thread.
+EXTRA_CASES = ("kvpeer-nixl-inline", "kvpeer-tcp-inline", "kvpeer-shm-inline")
 KIB = 1024
 ROUND_LIMIT = 20_000  # rounds per wait: a bound, never reached in a healthy run
 WAIT_LIMIT_S = 10.0  # seconds per wait, likewise
@@ -210,13 +219,16 @@ def timer_floor_ns() -> float:
 def tier_config(case: str) -> dict:
     if case == "stock":
         return {"type": "p2p", "host": "127.0.0.1", "port": free_port()}
-    plane = case.split("-", 1)[1]
+    # kvpeer-<plane>, or kvpeer-<plane>-inline: the node's I/O on vLLM's thread (`io_thread`
+    # false), the tier as it was before its I/O thread, for comparison in the same run.
+    plane, _, inline = case.split("-", 1)[1].partition("-")
     return {
         "type": "KvpeerTier",
         "module_path": "kvpeer.vllm",
         "host": "127.0.0.1",
         "port": free_port(),
         "plane": plane,
+        "io_thread": inline != "inline",
     }
 
 
@@ -226,7 +238,7 @@ def new_engine(case: str, num_chunks: int, block_len: int, engine_id: str) -> En
         try:
             # kvpeer's shm plane serves vLLM's /dev/shm file: give the engine one, as vLLM maps
             # its primary tier (a name unique to this process).
-            shm = case == "kvpeer-shm"
+            shm = case.startswith("kvpeer-shm")
             return make_engine(
                 tier_config(case),
                 num_chunks,
@@ -311,6 +323,9 @@ def run_case(
     consumer = None
     try:
         consumer = new_engine(case, 2 * k, block_len, f"C-{tag}")
+        # vLLM 0.34's stock consumer answers MISS until its session is up: open it first (the
+        # warm-up requests open kvpeer's; nothing on 0.33).
+        open_stock_session([consumer, producer], consumer, producer.port)
         meters = {
             "consumer_tier": Meter(),
             "producer_tier": Meter(),
@@ -573,8 +588,8 @@ def main() -> int:
 
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
-        if c not in CASES:
-            ap.error(f"unknown case {c!r} (known: {', '.join(CASES)})")
+        if c not in CASES + EXTRA_CASES:
+            ap.error(f"unknown case {c!r} (known: {', '.join(CASES + EXTRA_CASES)})")
     if any(c == "kvpeer-nixl" for c in cases) and not kvpeer.NIXL_BUILT:
         ap.error("kvpeer was built without nixl (cargo build --features nixl)")
     block_sizes = [int(b) for b in args.blocks.split(",") if b]
@@ -690,6 +705,8 @@ def report(results, args, floor) -> int:
             else f"{r['block_len'] // (1024 * KIB)} MiB"
         )
         name = "stock p2p (NIXL)" if r["case"] == "stock" else f"KvpeerTier {r['plane']}"
+        if r["case"].endswith("-inline"):
+            name += " (I/O inline)"
         cells = [
             size,
             name,

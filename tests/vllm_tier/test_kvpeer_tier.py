@@ -133,30 +133,38 @@ def pull(a: Engine, b: Engine, keys, blocks, kv_request_id="kv-1") -> list[tuple
 
 
 @pytest.mark.parametrize(
-    ("plane", "poll_s"),
+    ("plane", "poll_s", "io_thread"),
     [
-        ("tcp", 0),
-        ("tcp", 0.001),
-        ("shm", 0),
-        ("both", 0),
-        ("nixl", 0),
+        ("tcp", 0, True),
+        ("tcp", 0.001, True),
+        ("shm", 0, True),
+        ("both", 0, True),
+        ("nixl", 0, True),
+        ("tcp", 0, False),
+        ("shm", 0, False),
+        ("nixl", 0, False),
     ],
-    ids=["tcp-stepped", "tcp-tier-poll-thread", "shm-stepped", "both-stepped", "nixl-stepped"],
+    ids=[
+        "tcp-stepped", "tcp-tier-poll-thread", "shm-stepped", "both-stepped", "nixl-stepped",
+        "tcp-io-inline", "shm-io-inline", "nixl-io-inline",
+    ],
 )
-def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
+def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s, io_thread):
     """With poll_s > 0 vLLM's tier-poll thread also calls the tier between steps
     (tolerates_off_thread_polling), under the manager's lock. On shm (and both, which picks
-    shm on one host) the primary memory is a /dev/shm file, as vLLM maps it."""
+    shm on one host) the primary memory is a /dev/shm file, as vLLM maps it. `io_thread`
+    false: the node's I/O runs in the engine's own calls, not on its thread."""
     shm = plane in ("shm", "both")
     a = engines(
-        kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"A-{plane}-{os.getpid()}",
-        tier_poll_interval_s=poll_s, shm_region=shm,
+        kvpeer_tier(plane, io_thread=io_thread), NUM_CHUNKS, BLOCK_LEN,
+        engine_id=f"A-{plane}-{os.getpid()}", tier_poll_interval_s=poll_s, shm_region=shm,
     )
     b = engines(
-        kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"B-{plane}-{os.getpid()}",
-        tier_poll_interval_s=poll_s, shm_region=shm,
+        kvpeer_tier(plane, io_thread=io_thread), NUM_CHUNKS, BLOCK_LEN,
+        engine_id=f"B-{plane}-{os.getpid()}", tier_poll_interval_s=poll_s, shm_region=shm,
     )
     assert type(a.tier).__name__ == "KvpeerTier" and a.tier.plane == plane
+    assert (a.tier._tier.io_thread, b.tier._tier.io_thread) == (io_thread, io_thread)
     if shm:
         # vLLM's file, grown by kvpeer's trailer page (the shm plane's ownership proof).
         assert os.path.getsize(a.region.path) == NUM_CHUNKS * BLOCK_LEN + 4096
@@ -184,6 +192,49 @@ def test_two_kvpeer_tiers_exchange_blocks_both_ways(engines, plane, poll_s):
     req = b.new_request("b-again", source(a, "kv-again"))
     assert b.lookup(keys_a, req) == len(keys_a)
     b.finish(req)
+
+
+@pytest.mark.parametrize("io_thread", [True, False], ids=["io-thread", "io-inline"])
+@pytest.mark.parametrize("plane", ["tcp", "shm"])
+def test_a_producer_engine_between_steps_serves_the_fetch_only_with_its_io_thread(
+    engines, plane, io_thread
+):
+    """A busy producer engine steps rarely (a long forward pass). Its answers to a consumer's
+    lookups need vLLM (its step), but the consumer's fetch of the blocks it pinned does not:
+    the node's I/O thread serves it while the engine does not step at all, and the consumer
+    loads byte-exact. With the I/O on the engine's thread (`io_thread` false) nothing reads the
+    fetch until the producer's next step."""
+    shm = plane == "shm"
+    a = engines(kvpeer_tier(plane, io_thread=io_thread), NUM_CHUNKS, BLOCK_LEN,
+                engine_id=f"A-busy-{plane}-{io_thread}-{os.getpid()}", shm_region=shm)
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN,
+                engine_id=f"B-busy-{plane}-{io_thread}-{os.getpid()}", shm_region=shm)
+    keys = [make_key(f"busy-{i}") for i in range(6)]
+    blocks = random_blocks(6, 11)
+    produce(a, keys, blocks)
+    req = b.new_request("b-busy", source(a, "kv-busy"))
+
+    def answered() -> bool:
+        # A answers (and pins) at its steps; B's lookup call then starts the promotion.
+        b.lookup(keys, req)
+        return all(r is not LookupResult.RETRY for r in b.last_lookup)
+
+    drive([a, b], answered, timeout_s=TIMEOUT_S)
+    assert b.last_lookup == [LookupResult.HIT_PENDING] * len(keys), b.last_lookup
+    # From here on A's engine does not step: B's fetch leaves at B's next step.
+    loaded = lambda: b.lookup(keys, req) == len(keys)  # noqa: E731
+    if io_thread:
+        drive([b], loaded, timeout_s=TIMEOUT_S)
+        assert [b.read(k) for k in keys] == blocks
+    else:
+        with pytest.raises(TimeoutError):
+            drive([b], loaded, timeout_s=1.0)
+        assert a.tier._tier.stats()["fetches_served"] == 0
+        drive([a, b], loaded, timeout_s=TIMEOUT_S)
+        assert [b.read(k) for k in keys] == blocks
+    b.finish(req)
+    settle(a, b)
+    assert [a.pins(k) for k in keys] == [0] * len(keys)
 
 
 @pytest.mark.parametrize("plane", planes() + ["shm"])
@@ -378,21 +429,19 @@ def test_a_stalled_producer_never_writes_slots_given_to_another_request(engines,
             "kv_request_id": "kv-stall", "remote_host": "127.0.0.1", "remote_port": port}})
 
         def stop_once_answered() -> bool:
-            # The producer stops once its answer reached B's node and before B's fetch leaves:
-            # the fetch leaves only at the step after the lookup call that saw the hits (the
-            # promotion is submitted at that step). The answer can arrive between the count read
-            # here and the lookup call, so the lookup's own answers decide too: the producer is
-            # stopped before `drive` steps again (CI on 1cd49fc: the fetch had left and been
-            # served when the count was read one round later).
+            # The producer stops once B's lookup call saw its answer (the call starts the
+            # promotion: HIT_PENDING) and before B's fetch leaves, which is only at the step
+            # after that call (the promotion is submitted then). Not on B's node's count of
+            # answers: the node's I/O thread takes the answer in at once, and vLLM sees it only
+            # at its next lookup call. (CI on 1cd49fc: the count was read a round after that
+            # call, when the fetch had left and been served.)
             nonlocal stopped
-            answered = b.tier.node_stats()["lookup_hits_received"] >= n
-            if not answered:
-                b.lookup(stalled, req)
-                answered = any(r is not LookupResult.RETRY for r in b.last_lookup)
-            if answered:
-                stop_process(child.pid)
-                stopped = True
-            return answered
+            b.lookup(stalled, req)
+            if all(r is LookupResult.RETRY for r in b.last_lookup):
+                return False
+            stop_process(child.pid)
+            stopped = True
+            return True
 
         drive([b], stop_once_answered, timeout_s=TIMEOUT_S)
         # Past the load (1 s) and abort-ack (1 s) timeouts: the session with the producer ends.
@@ -556,6 +605,7 @@ def test_shutdown_with_peers_connected(engines):
         ({"backends": ["LIBFABRIC"]}, "backends"),
         ({"unbound_store_timeout_s": -1}, "unbound_store_timeout_s"),
         ({"metrics": "yes"}, "metrics"),
+        ({"io_thread": "yes"}, "io_thread"),
         ({"max_peers_per_host": 0}, "max_peers_per_host"),
         ({"max_pins_per_peer": "lots"}, "max_pins_per_peer"),
         ({"sources": ["nohost"]}, "sources"),

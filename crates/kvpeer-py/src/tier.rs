@@ -2,19 +2,22 @@
 //! (vLLM's primary tier), driven by the engine from whichever thread holds its lock.
 //!
 //! Python (`kvpeer.vllm.KvpeerTier`) gives work (`open`, `lookup`, `load`, `store`,
-//! `finish`), drives the node (`poll`: handle what arrived, waiting at most what it says),
-//! and takes results (`poll`'s events), peers' questions (`take_queries`), and pins the node
-//! is done with (`take_releases`). Every method releases the GIL while Rust works; none waits
-//! on the network beyond the bound the caller gives `poll`. The node's own state sits behind
-//! one mutex, so the object may be used from any Python thread, one call at a time or not.
+//! `finish`), takes results (`poll`'s events), peers' questions (`take_queries`), and pins the
+//! node is done with (`take_releases`). By default the node's I/O runs on a thread of its own
+//! (`io_thread`, [`SharedEngine`]): the engine's calls hand work over and take events, with
+//! no system call but a wake of that thread; with `io_thread=False`, `poll` drives the node
+//! (handles what arrived, waiting at most what it says). Every method releases the GIL while
+//! Rust works; none waits on the network beyond the bound the caller gives `poll`. The node's
+//! own state sits behind one mutex, so the object may be used from any Python thread, one call
+//! at a time or not.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use kvpeer::engine::{
     BlockIndex, EngineEvent, EngineLink, EngineNode, JobId, KvRequestId, LookupResult, Request,
-    RequestRoles,
+    RequestRoles, SharedEngine,
 };
 use kvpeer::node::build::BuildError;
 use kvpeer::{OffloadKey, PeerId, PlaneKind};
@@ -47,17 +50,13 @@ impl NativeRequest {
     }
 }
 
-struct Live {
-    engine: EngineNode,
-}
-
 /// A kvpeer node over an engine's block memory (see the module documentation).
 #[pyclass(module = "kvpeer._native", frozen)]
 pub(crate) struct EngineTier {
-    live: Mutex<Option<Live>>,
+    engine: SharedEngine,
     /// The engine's end of the producer side; usable after shutdown (the last releases).
     link: EngineLink,
-    /// Dropped after `live` (declared after it): the memory outlives the node. Let go at
+    /// Dropped after `engine` (declared after it): the memory outlives the node. Let go at
     /// `shutdown`, once the node is gone, so the engine can unmap its memory after it.
     export: Mutex<Option<Export>>,
     id: String,
@@ -70,13 +69,16 @@ pub(crate) struct EngineTier {
 impl EngineTier {
     /// Builds the node over `memory` (a writable 2-D buffer: one row per block) with
     /// `settings`, kvpeer's configuration keys as text (docs/configuration.md); `tag` names
-    /// the node's objects. Binds the control channel and makes the data plane.
+    /// the node's objects. Binds the control channel and makes the data plane. `io_thread`:
+    /// the node's I/O runs on a thread of its own (else on the callers' threads, in `poll`).
     #[new]
+    #[pyo3(signature = (memory, settings, tag, *, io_thread=true))]
     fn new(
         py: Python<'_>,
         memory: &Bound<'_, PyAny>,
         settings: BTreeMap<String, String>,
         tag: &str,
+        io_thread: bool,
     ) -> PyResult<Self> {
         let config = node_config(tag, "KvpeerTier settings", &settings)?;
         let shm = matches!(config.spec.plane, PlaneKind::Shm | PlaneKind::Both);
@@ -93,8 +95,10 @@ impl EngineTier {
         };
         let id = engine.id().to_string();
         let link = engine.link();
+        let engine = SharedEngine::new(engine, io_thread)
+            .map_err(|e| kvpeer_error("cannot start the kvpeer node's I/O thread", &e))?;
         Ok(EngineTier {
-            live: Mutex::new(Some(Live { engine })),
+            engine,
             link,
             export: Mutex::new(Some(export)),
             id,
@@ -148,7 +152,7 @@ impl EngineTier {
             }),
             decoder,
         };
-        let inner = py.detach(|| self.with(|live| Ok(live.engine.new_request_with(id, roles))))?;
+        let inner = py.detach(|| self.with(|engine| Ok(engine.new_request_with(id, roles))))?;
         Ok(NativeRequest { inner })
     }
 
@@ -156,8 +160,8 @@ impl EngineTier {
     /// after building its tiers).
     fn set_hash_seed(&self, py: Python<'_>, seed: &str) -> PyResult<()> {
         py.detach(|| {
-            self.with(|live| {
-                live.engine.set_hash_seed(seed);
+            self.with(|engine| {
+                engine.set_hash_seed(seed);
                 Ok(())
             })
         })
@@ -167,8 +171,8 @@ impl EngineTier {
     fn lookup(&self, py: Python<'_>, request: &NativeRequest, keys: Vec<Vec<u8>>) -> PyResult<()> {
         let keys = offload_keys(keys);
         py.detach(|| {
-            self.with(|live| {
-                live.engine.lookup(&request.inner, keys);
+            self.with(|engine| {
+                engine.lookup(&request.inner, keys);
                 Ok(())
             })
         })
@@ -202,8 +206,8 @@ impl EngineTier {
     /// Ends a request: its waiting lookups answer miss, its loads still running fail.
     fn finish(&self, py: Python<'_>, request: &NativeRequest) -> PyResult<()> {
         py.detach(|| {
-            self.with(|live| {
-                live.engine.finish(&request.inner);
+            self.with(|engine| {
+                engine.finish(&request.inner);
                 Ok(())
             })
         })
@@ -213,29 +217,27 @@ impl EngineTier {
     /// `JobEnd` with `held` set, before its settled `JobEnd` (vLLM 0.34's deferred release).
     fn report_held_loads(&self, py: Python<'_>, on: bool) -> PyResult<()> {
         py.detach(|| {
-            self.with(|live| {
-                live.engine.report_held_loads(on);
+            self.with(|engine| {
+                engine.report_held_loads(on);
                 Ok(())
             })
         })
     }
 
-    /// Handles what arrived (waiting up to `wait_s` seconds for it when > 0), then returns
-    /// what ended: answered lookups in the order asked, ended loads and stores.
+    /// Returns what ended: answered lookups in the order asked, ended loads and stores. When
+    /// none has, waits up to `wait_s` seconds for something to (with `io_thread=False`: handles
+    /// what arrived first, waiting up to `wait_s` for it).
     #[pyo3(signature = (wait_s=0.0))]
     fn poll(&self, py: Python<'_>, wait_s: f64) -> PyResult<Polled> {
         let wait = duration(wait_s)?;
-        let events = py.detach(|| {
-            self.with(|live| {
-                if wait.is_zero() {
-                    live.engine.step(std::time::Instant::now());
-                } else {
-                    live.engine.drive(wait);
-                }
-                Ok(std::iter::from_fn(|| live.engine.poll_event()).collect::<Vec<_>>())
-            })
-        })?;
+        let events = py.detach(|| self.engine.poll(wait)).ok_or_else(shut_down)?;
         polled(py, events)
+    }
+
+    /// Whether the node's I/O runs on a thread of its own.
+    #[getter]
+    fn io_thread(&self) -> bool {
+        self.engine.has_io_thread()
     }
 
     /// Peers' questions the engine has not taken.
@@ -258,12 +260,8 @@ impl EngineTier {
     fn answer(&self, py: Python<'_>, answers: Vec<PyRef<'_, Answer>>) -> PyResult<Vec<bool>> {
         let link = self.link()?;
         let parsed: Vec<_> = answers.iter().map(|a| (a.query, a.answer)).collect();
-        Ok(py.detach(|| {
-            parsed
-                .into_iter()
-                .map(|(id, answer)| link.answer(id, answer))
-                .collect()
-        }))
+        // One wake of the node for all of them.
+        Ok(py.detach(|| link.answer_all(parsed)))
     }
 
     /// Pins the node is done with.
@@ -283,16 +281,16 @@ impl EngineTier {
     /// Questions not answered and pins not given back: both 0 once nothing of the engine's is
     /// held for a peer.
     fn outstanding(&self, py: Python<'_>) -> PyResult<Outstanding> {
-        let (questions, pins) = py.detach(|| self.with(|live| Ok(live.engine.outstanding())))?;
+        let (questions, pins) = py.detach(|| self.with(|engine| Ok(engine.outstanding())))?;
         Ok(Outstanding { questions, pins })
     }
 
     /// The node's running totals and open state, by name.
     fn stats(&self, py: Python<'_>) -> PyResult<BTreeMap<&'static str, u64>> {
         py.detach(|| {
-            self.with(|live| {
-                let c = live.engine.counters();
-                let s = live.engine.core_stats();
+            self.with(|engine| {
+                let c = engine.counters();
+                let s = engine.core_stats();
                 Ok(BTreeMap::from([
                     ("lookups_sent", c.lookups_sent),
                     ("lookup_keys_sent", c.lookup_keys_sent),
@@ -326,11 +324,11 @@ impl EngineTier {
     #[pyo3(signature = (drain_s=3.0))]
     fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<Polled> {
         let drain = duration(drain_s)?;
-        let live = py.detach(|| self.lock().take());
-        let Some(live) = live else {
+        let engine = py.detach(|| self.engine.stop());
+        let Some(engine) = engine else {
             return polled(py, Vec::new());
         };
-        let events = py.detach(|| live.engine.shutdown(drain));
+        let events = py.detach(|| engine.shutdown(drain));
         // The node, its pool and its planes are gone: the buffer export goes too (with the
         // GIL held), or stays if something still shares the pool (see `Export`).
         let export = self.export.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -369,8 +367,7 @@ impl EngineTier {
     ) -> PyResult<()> {
         let (job, keys, blocks) = (JobId::new(job), offload_keys(keys), block_indices(blocks));
         py.detach(|| {
-            self.with(|live| {
-                let engine = &mut live.engine;
+            self.with(|engine| {
                 match kind {
                     Job::Load => engine.load(job, &request.inner, keys, blocks),
                     Job::Store => engine.store(job, &request.inner, keys, blocks),
@@ -380,21 +377,17 @@ impl EngineTier {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
-        // A panic inside a call leaves the node as it was between calls: keep serving.
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&mut Live) -> PyResult<T>) -> PyResult<T> {
-        match self.lock().as_mut() {
-            Some(live) => f(live),
-            None => Err(KvpeerError::new_err("the kvpeer node was shut down")),
-        }
+    fn with<T>(&self, f: impl FnOnce(&mut EngineNode) -> PyResult<T>) -> PyResult<T> {
+        self.engine.with(f).unwrap_or_else(|| Err(shut_down()))
     }
 
     fn link(&self) -> PyResult<EngineLink> {
         Ok(self.link.clone())
     }
+}
+
+fn shut_down() -> PyErr {
+    KvpeerError::new_err("the kvpeer node was shut down")
 }
 
 fn offload_keys(keys: Vec<Vec<u8>>) -> Vec<OffloadKey> {

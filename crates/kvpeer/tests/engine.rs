@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer::engine::{
     Answer, BlockBusy, BlockIndex, EngineEvent, EngineNode, EnginePin, JobId, KvRequestId, Pool,
-    RequestRoles,
+    RequestRoles, SharedEngine,
 };
 use kvpeer::node::build::NodeSpec;
 use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
@@ -204,17 +204,17 @@ fn an_engine_answers_lookups_from_its_own_thread_and_a_peer_fetches_its_blocks()
     consumer.shutdown(Duration::from_secs(1));
 }
 
-#[test]
-fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
+/// A runtime-thread node on the tcp plane holding `keys` (their synthetic contents), and its
+/// block length.
+fn producer_holding(tag: &str, keys: &[OffloadKey]) -> (Node, usize) {
     let producer = Node::start(
-        NodeConfig::builder("eng-src")
+        NodeConfig::builder(tag)
             .plane(PlaneKind::Tcp)
             .build()
             .unwrap(),
     )
     .unwrap();
     let block_len = producer.config().block_len as usize;
-    let keys: Vec<OffloadKey> = (0..3).map(synthetic::key).collect();
     producer
         .store(
             keys.iter()
@@ -222,6 +222,13 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
                 .collect(),
         )
         .unwrap();
+    (producer, block_len)
+}
+
+#[test]
+fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
+    let keys: Vec<OffloadKey> = (0..3).map(synthetic::key).collect();
+    let (producer, block_len) = producer_holding("eng-src", &keys);
 
     let mut engine = engine_node("eng-consumer2");
     let req = engine.new_request(KvRequestId::from("req-e"), producer.id().clone());
@@ -277,6 +284,96 @@ fn an_engine_driven_without_a_runtime_thread_loads_into_blocks_it_chose() {
     );
     assert_eq!(engine.outstanding(), (0, 0));
     engine.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}
+
+/// Threads of this process named as the engine's I/O thread (`kvpeer-engine-io`, cut to the
+/// kernel's 15 characters), once there are `want` of them (a new thread names itself after it
+/// started), or what there are after a while.
+fn io_threads(want: usize) -> usize {
+    let count = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim_end() == "kvpeer-engine-i")
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count() != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    count()
+}
+
+/// Waits for an event of the shared engine (its I/O thread steps it; nothing here does).
+fn wait_shared(engine: &SharedEngine, want: impl Fn(&EngineEvent) -> bool) -> EngineEvent {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        for e in engine.poll(Duration::from_millis(20)).unwrap() {
+            if want(&e) {
+                return e;
+            }
+        }
+    }
+    panic!("no such event within {WAIT:?}");
+}
+
+/// With its I/O thread ([`SharedEngine`]), an engine that never steps its node looks up and
+/// loads from a peer byte-exact: the lookup, the fetch and the load's end move on the node's
+/// own thread, the engine only hands work over and takes events. `stop` ends that thread
+/// before handing the node back, and so does dropping the shared engine.
+#[test]
+fn a_shared_engine_loads_without_being_stepped_and_its_io_thread_ends_with_it() {
+    let keys: Vec<OffloadKey> = (0..4).map(|i| synthetic::key(100 + i)).collect();
+    let (producer, block_len) = producer_holding("eng-shared-src", &keys);
+    let before = io_threads(0);
+    let shared = SharedEngine::new(engine_node("eng-shared"), true).unwrap();
+    assert!(shared.has_io_thread());
+    assert_eq!(io_threads(before + 1), before + 1);
+    let req = shared
+        .with(|node| {
+            let req = node.new_request(KvRequestId::from("req-shared"), producer.id().clone());
+            node.lookup(&req, keys.clone());
+            req
+        })
+        .unwrap();
+    let found = wait_shared(&shared, |e| matches!(e, EngineEvent::LookedUp { .. }));
+    assert_eq!(
+        found,
+        EngineEvent::LookedUp {
+            kv_request_id: KvRequestId::from("req-shared"),
+            results: vec![LookupResult::Hit; keys.len()],
+        }
+    );
+    let blocks = blocks(&[9, 2, 30, 17]);
+    shared
+        .with(|node| node.load(JobId::new(7), &req, keys.clone(), blocks.clone()))
+        .unwrap()
+        .unwrap();
+    let loaded = wait_shared(&shared, |e| matches!(e, EngineEvent::Loaded { .. }));
+    assert_eq!(
+        loaded,
+        EngineEvent::Loaded {
+            job: JobId::new(7),
+            success: true
+        }
+    );
+    let node = shared.stop().expect("the node comes back once");
+    assert!(shared.stop().is_none() && shared.poll(Duration::ZERO).is_none());
+    assert_eq!(io_threads(before), before, "stop ended the I/O thread");
+    for (key, block) in keys.iter().zip(&blocks) {
+        assert_eq!(read(&node, *block), synthetic::content(key, block_len));
+    }
+    node.shutdown(Duration::from_secs(1));
+
+    let dropped = SharedEngine::new(engine_node("eng-shared-drop"), true).unwrap();
+    assert_eq!(io_threads(before + 1), before + 1);
+    drop(dropped);
+    assert_eq!(
+        io_threads(before),
+        before,
+        "dropping it ended the I/O thread"
+    );
     producer.shutdown(Duration::from_secs(1));
 }
 

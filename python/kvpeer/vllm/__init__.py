@@ -117,6 +117,7 @@ _KVPEER_KEYS = (
     "max_peers",
     "tcp_max_rate",
     "metrics",
+    "io_thread",
     "lookup_timeout_s",
     "load_timeout_s",
     "pd_load_timeout_s",
@@ -318,10 +319,16 @@ class KvpeerTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.locality = config.pop("locality", None)
         settings, self._metrics = _settings(offloading_spec, primary_kv_view, config)
+        # The node's I/O on a thread of its own (default): vLLM's scheduler thread then only
+        # hands work over and takes results, with no system call but a wake of that thread.
+        io_thread = config.get("io_thread", True)
+        if not isinstance(io_thread, bool):
+            raise ValueError(f"KvpeerTier: 'io_thread' must be true or false, not {io_thread!r}")
         self._fingerprint = settings.get("config_fingerprint", "")
         # The hash seed the node was last given.
         self._seed = settings.get("hash_seed")
-        self._tier = _start(primary_kv_view, settings, offloading_spec)
+        self._tier = _start(primary_kv_view, settings, offloading_spec, io_thread)
+        self._io_thread = io_thread
         if _DEFERRED_RELEASE:
             # A failed load is reported at once; its chunks wait for its fence (the event).
             self._tier.report_held_loads(True)
@@ -776,8 +783,10 @@ class KvpeerTier(SecondaryTierManager):
             if job_id is not None and not ok:
                 # Nobody asks any more: the pin goes back unused.
                 self._release(job_id, False)
-        # The answers leave now, in this call, as the stock tier's do (not at the next poll).
-        self._collect()
+        if not self._io_thread:
+            # The answers leave now, in this call, as the stock tier's do (not at the next
+            # poll); the node's I/O thread sends them as soon as the answers wake it.
+            self._collect()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1137,13 +1146,17 @@ def _polled_off_thread(offloading_spec: Any) -> bool:
         return False
 
 
-def _start(memory: memoryview, settings: dict[str, str], offloading_spec: Any) -> Any:
+def _start(
+    memory: memoryview, settings: dict[str, str], offloading_spec: Any, io_thread: bool = True
+) -> Any:
     # vLLM's OffloadingConfig carries the engine's id (distinct per data-parallel rank); it only
     # names the node's thread and log lines.
     config = getattr(offloading_spec, "config", None)
     engine_id = str(getattr(config, "engine_id", None) or "engine")
     try:
-        return _native.EngineTier(memory, settings, f"vllm-{engine_id}"[:40])
+        return _native.EngineTier(
+            memory, settings, f"vllm-{engine_id}"[:40], io_thread=io_thread
+        )
     except _native.ConfigError as e:
         message, key = e.args[0], e.args[1] if len(e.args) > 1 else "?"
         user_key = _USER_KEY.get(key, key)

@@ -239,6 +239,12 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         !self.out.transmits.is_empty()
     }
 
+    /// Whether a transmit or an event waits to be taken ([`Core::poll_transmit`],
+    /// [`Core::poll_event`]).
+    pub fn has_output(&self) -> bool {
+        !self.out.transmits.is_empty() || !self.out.events.is_empty()
+    }
+
     /// The next event to act on, if any.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.out.events.pop_front()

@@ -35,7 +35,7 @@ pub mod inbound;
 mod outbound;
 
 use std::net::IpAddr;
-use std::os::fd::{BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{DialFailure, LinkLoss, SendFailure};
@@ -535,6 +535,23 @@ impl ControlChannel {
         let (woke, result) = self.take_news(timeout);
         result.map_err(ControlError::Wait)?;
         Ok(woke || timeout.is_zero())
+    }
+
+    /// What a thread that waits for this channel outside its owner's lock needs (an engine's
+    /// I/O thread, `kvpeer-py`'s `EngineTier`): the epoll set's descriptor, readable while a
+    /// registered socket (or the extra descriptor) has news, and when the channel's own
+    /// deadlines (heartbeats, handshakes, retries, lingers, news left from the last round) next
+    /// want a call to [`ControlChannel::recv`]. The descriptor stays valid while the channel
+    /// lives.
+    pub fn wait_plan(&mut self, now: Instant) -> (RawFd, Option<Instant>) {
+        let deadline = [
+            self.inbound.next_deadline(now),
+            self.outbound.next_deadline(now),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        (self.poller.fd().as_raw_fd(), deadline)
     }
 
     /// Waits up to `timeout` for the poll's news and hands it to the sides; whether there was

@@ -8,13 +8,20 @@
 //!
 //! The engine owns the blocks: which key is in which block, which blocks are free, and the
 //! pins. The node only moves bytes between its pool and peers' pools.
+//!
+//! An engine that must not make system calls on its own thread (vLLM's scheduler thread, under
+//! its lock) can leave the I/O to a thread of its own ([`EngineNode::defer_io`]): that thread
+//! sleeps on [`EngineNode::wait_plan`] without holding the node and calls
+//! [`EngineNode::step`]; the engine's calls then only hand work to the core and wake it.
 
 use std::collections::VecDeque;
+use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use kvpeer_core::{
     BlockIndex, Core, CoreStats, Counters, JobId, LookupResult, Request, RequestRoles,
 };
+use kvpeer_net::data::shm::Wake;
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
 use kvpeer_store::{BlockBusy, Pool};
 
@@ -92,6 +99,15 @@ pub struct EngineNode {
     /// Failed loads whose blocks are still held are announced ([`EngineEvent::LoadHeld`]).
     report_held: bool,
     events: VecDeque<EngineEvent>,
+    /// The engine's calls leave sending to the thread that steps the node
+    /// ([`EngineNode::defer_io`]).
+    deferred_io: bool,
+    /// That thread was woken and has not stepped since: the next call need not wake it.
+    step_requested: bool,
+    /// When that thread steps next unless woken (its last [`EngineNode::wait_plan`]).
+    planned_step: Option<Instant>,
+    /// Wakes [`EngineNode::wait_plan`]'s descriptor (the node's wake pipe).
+    wake: Wake,
 }
 
 impl std::fmt::Debug for EngineNode {
@@ -114,12 +130,12 @@ impl EngineNode {
             shm_name: pool.shm_name().unwrap_or(&spec.shm_name).to_owned(),
             ..spec.clone()
         };
-        let (io, (link, pool)) = build_with::<EngineParent, _>(
+        let (io, (link, pool, wake)) = build_with::<EngineParent, _>(
             &spec,
             |_| Ok(pool),
             |pool, wake| {
-                let (parent, link) = EngineParent::new(Some(wake));
-                Ok((parent, (link, pool)))
+                let (parent, link) = EngineParent::new(Some(wake.clone()));
+                Ok((parent, (link, pool, wake)))
             },
         )?;
         let mut io = io;
@@ -133,7 +149,67 @@ impl EngineNode {
             shut_down: false,
             report_held: false,
             events: VecDeque::new(),
+            deferred_io: false,
+            step_requested: false,
+            planned_step: None,
+            wake,
         })
+    }
+
+    /// Leaves sending to a thread of the engine's own that sleeps on
+    /// [`EngineNode::wait_plan`] (without holding the node) and calls [`EngineNode::step`]
+    /// when woken. The engine's calls (`lookup`, `load`, `store`, `finish`) then hand their
+    /// work to the core and wake that thread (one byte into the wake pipe, none while a wake
+    /// is pending) instead of sending on the caller's thread; what they cause comes out at
+    /// that thread's next step. Off by default: the caller's thread sends.
+    pub fn defer_io(&mut self, on: bool) {
+        self.deferred_io = on;
+    }
+
+    /// What a thread that steps the node needs to sleep without holding it: a descriptor that
+    /// becomes readable when the network, a data plane or an engine call has work for a step
+    /// (the control channel's epoll set, which holds the wake pipe once the node has stepped
+    /// once), and how long it may sleep (until the node's next deadline, at most `max`). The
+    /// descriptor stays valid while the node lives. With [`EngineNode::defer_io`], an engine
+    /// call wakes that thread only when it left something to send or a deadline before then.
+    pub fn wait_plan(&mut self, now: Instant, max: Duration) -> (RawFd, Duration) {
+        let (fd, deadline) = self.io.wait_plan(now);
+        let wait = deadline.map_or(max, |at| at.saturating_duration_since(now).min(max));
+        self.planned_step = Some(now + wait);
+        (fd, wait)
+    }
+
+    /// Wakes the thread sleeping on [`EngineNode::wait_plan`] (one byte into the wake pipe).
+    pub fn wake_io(&self) {
+        (self.wake)();
+    }
+
+    /// Whether [`EngineNode::poll_event`] has something.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
+    /// After an engine call: sends what it caused now, or wakes the thread that will, if the
+    /// call left something to send or to report, or a deadline before that thread's next step.
+    /// A wake costs the caller a system call (and on a VM 10-20 µs: the other thread's wake-up
+    /// is charged to the writer), so a call that changed nothing the thread must act on soon
+    /// (a lookup answered from the probes, a finish with nothing to abort) wakes nobody.
+    fn send_or_wake(&mut self, now: Instant) {
+        if !self.deferred_io {
+            self.io.flush(now);
+            return;
+        }
+        if self.step_requested {
+            return;
+        }
+        let core = &self.io.core;
+        let sooner = core
+            .poll_timeout()
+            .is_some_and(|at| self.planned_step.is_none_or(|planned| at < planned));
+        if core.has_output() || sooner {
+            self.step_requested = true;
+            (self.wake)();
+        }
     }
 
     /// Announces a failed load whose blocks its producer may still write at once
@@ -197,6 +273,7 @@ impl EngineNode {
     /// Handles what is there (messages, completions, deadlines, the engine's answers) and
     /// sends what is due. Never waits.
     pub fn step(&mut self, now: Instant) {
+        self.step_requested = false;
         // One poll of every socket with no timeout says which have input, so the step reads
         // only those (without it, every connection and the listener is tried: a system call
         // each, on the engine's thread, for an idle node too).
@@ -229,9 +306,13 @@ impl EngineNode {
     /// Opens a request with any roles: a PD producer ([`RequestRoles::decoder`]) stores for a
     /// peer that fetches; a PD consumer ([`RequestRoles::prefiller`]) loads without a lookup.
     pub fn new_request_with(&mut self, kv_request_id: KvRequestId, roles: RequestRoles) -> Request {
-        self.io
-            .core
-            .on_new_request(Instant::now(), kv_request_id, roles)
+        let now = Instant::now();
+        let request = self.io.core.on_new_request(now, kv_request_id, roles);
+        if self.deferred_io {
+            // A new source is dialed now (its handshake, not the engine's next call).
+            self.send_or_wake(now);
+        }
+        request
     }
 
     /// Offers `keys` in the engine's `blocks` (pinned by the engine) to the peer that will fetch
@@ -246,7 +327,11 @@ impl EngineNode {
     ) -> Result<(), EngineError> {
         self.submit(job, keys, blocks, true, |core, now, keys, blocks| {
             core.submit_store(now, job, request, keys, blocks)
-        })
+        })?;
+        if self.deferred_io {
+            self.send_or_wake(Instant::now());
+        }
+        Ok(())
     }
 
     /// Asks the request's producer about `keys`; the answer comes as
@@ -264,7 +349,7 @@ impl EngineNode {
         self.lookups.add(&mut self.io, now, waiting, |w, end| {
             looked_up(events, w, end)
         });
-        self.io.flush(now);
+        self.send_or_wake(now);
     }
 
     /// Fetches `keys` (looked up before) into the engine's `blocks`; the result comes as
@@ -281,11 +366,17 @@ impl EngineNode {
             core.submit_load(now, job, request, keys, blocks)
         })?;
         // The fetch closed the round: a lookup of this request still waiting asks again.
+        let now = Instant::now();
         let events = &mut self.events;
         self.lookups
-            .recheck(&mut self.io, Instant::now(), request.id(), |w, end| {
+            .recheck(&mut self.io, now, request.id(), |w, end| {
                 looked_up(events, w, end)
             });
+        if self.deferred_io {
+            // Its new probes go out with the fetch (queued now, sent by the I/O thread).
+            self.io.core.flush_lookups(now);
+            self.send_or_wake(now);
+        }
         Ok(())
     }
 
@@ -307,6 +398,10 @@ impl EngineNode {
         }
         let now = Instant::now();
         submit(&mut self.io.core, now, keys, blocks);
+        if self.deferred_io {
+            // What it caused comes out at the I/O thread's step (`load` and `store` wake it).
+            return Ok(());
+        }
         // What the job caused at once (a store that ends at once, a load that fails at once)
         // reaches the outcomes through the flush, and comes out as events before we return.
         self.io.flush(now);
@@ -327,6 +422,10 @@ impl EngineNode {
             });
         }
         self.io.core.finish(now, request);
+        if self.deferred_io {
+            self.send_or_wake(now);
+            return;
+        }
         self.collect(now);
         self.io.flush(now);
     }

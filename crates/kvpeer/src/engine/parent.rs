@@ -310,24 +310,42 @@ impl EngineLink {
     /// Answers question `id`. `false` if nobody asks any more (the lookup ended): a hit's pin
     /// then stays the engine's to drop. A `true` hit's pin comes back once as a [`Release`].
     pub fn answer(&self, id: QueryId, answer: Answer) -> bool {
-        {
+        self.answer_all([(id, answer)])
+            .first()
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Answers several questions at once (as [`EngineLink::answer`] each, in order), waking
+    /// the node once: whether each was taken.
+    pub fn answer_all(&self, answers: impl IntoIterator<Item = (QueryId, Answer)>) -> Vec<bool> {
+        let taken: Vec<bool> = {
             let mut s = lock(&self.shared);
-            let Some((ctx, key)) = s.questions.remove(&id) else {
-                return false;
-            };
-            let Some(slot) = s.lookups.get_mut(&ctx).and_then(|keys| keys.get_mut(&key)) else {
-                return false;
-            };
-            *slot = Slot::Answered(answer);
-            if let Answer::Hit { block, .. } = answer {
-                *s.pinned.entry(block).or_default() += 1;
+            answers
+                .into_iter()
+                .map(|(id, answer)| {
+                    let Some((ctx, key)) = s.questions.remove(&id) else {
+                        return false;
+                    };
+                    let Some(slot) = s.lookups.get_mut(&ctx).and_then(|keys| keys.get_mut(&key))
+                    else {
+                        return false;
+                    };
+                    *slot = Slot::Answered(answer);
+                    if let Answer::Hit { block, .. } = answer {
+                        *s.pinned.entry(block).or_default() += 1;
+                    }
+                    s.answered = true;
+                    true
+                })
+                .collect()
+        };
+        if taken.contains(&true) {
+            if let Some(wake) = &self.wake {
+                wake();
             }
-            s.answered = true;
         }
-        if let Some(wake) = &self.wake {
-            wake();
-        }
-        true
+        taken
     }
 
     /// Pins the node is done with since the last call.

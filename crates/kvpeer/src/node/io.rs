@@ -795,6 +795,19 @@ impl<P: Parent> NodeIo<P> {
         self.closed.push_back((peer, end));
     }
 
+    /// What [`NodeIo::wait`] sleeps on, for a thread that sleeps outside the node's owner (an
+    /// engine's I/O thread): the control channel's epoll set (readable when a socket, the data
+    /// plane or a caller has news; the wake pipe is in it from the first `wait`) and the
+    /// nearest of the channel's and the core's deadlines.
+    pub fn wait_plan(&mut self, now: Instant) -> (std::os::fd::RawFd, Option<Instant>) {
+        let (fd, channel) = self.channel.wait_plan(now);
+        let deadline = [channel, self.core.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min();
+        (fd, deadline)
+    }
+
     /// Sleeps until the channel may have input, the data plane completes something, the core's
     /// next deadline, or `max`.
     pub fn wait(&mut self, now: Instant, max: Duration) {
