@@ -25,9 +25,17 @@ of the lookup that reads K HITs, i.e. the promotion finished) and its rounds; th
 process's threads by name; and, after the requests, the cost of an idle step per engine.
 Per-request times are the median over the repeats; latencies and rounds are pooled.
 
+A busy producer (`--producer-step-ms 200`): the producer engine steps only every 200 ms (a long
+forward pass, outside vLLM's lock), not every round; with `--tier-poll-ms 1`, vLLM's tier-poll
+thread (0.33 on) serves the tiers meanwhile. The lookup -> answer latency (first lookup call to
+the first that reads no RETRY: the peer's answer is in) then says how long a busy engine's
+peers wait for its answers. `-inline` cases (`kvpeer-tcp-inline`, ...) run the tier with its
+node's I/O on vLLM's thread (`io_thread` false), for comparison.
+
     python bench_tier.py [--requests 200] [--requests-large 30] [--keys 16] [--repeat 3]
                          [--cases kvpeer-nixl,kvpeer-tcp,kvpeer-shm,stock] [--blocks 16384,2097152]
                          [--pause-ms 0.5] [--clock wall|cpu] [--json PATH]
+                         [--producer-step-ms 0] [--tier-poll-ms 0]
                          [--native]    # kvpeer's Rust calls timed apart (a proxy adds a little)
                          [--profile]   # cProfile of the tier methods (figures then inflated)
 
@@ -232,7 +240,9 @@ def tier_config(case: str) -> dict:
     }
 
 
-def new_engine(case: str, num_chunks: int, block_len: int, engine_id: str) -> Engine:
+def new_engine(
+    case: str, num_chunks: int, block_len: int, engine_id: str, tier_poll_s: float = 0
+) -> Engine:
     """An engine of `case` on a free port (another pick if it was taken in the meantime)."""
     for attempt in range(3):
         try:
@@ -245,6 +255,7 @@ def new_engine(case: str, num_chunks: int, block_len: int, engine_id: str) -> En
                 block_len,
                 engine_id=f"{engine_id}-{os.getpid()}" if shm else engine_id,
                 shm_region=shm,
+                tier_poll_interval_s=tier_poll_s,
             )
         except Exception as exc:  # noqa: BLE001 - a port taken since free_port(): try another
             if "in use" not in str(exc).lower() or attempt == 2:
@@ -315,14 +326,16 @@ def run_case(
     pause_s: float,
     profile: bool,
     native: bool,
+    producer_step_s: float = 0,
+    tier_poll_s: float = 0,
 ) -> tuple[dict, dict]:
     """One producer/consumer pair of `case`, `warmup` + `n` requests. Returns the raw figures of
     the timed requests (meter totals, latencies, rounds) and the cProfile profiles, if any."""
     tag = f"{case}-{block_len // KIB}k"
-    producer = new_engine(case, 2 * k, block_len, f"P-{tag}")
+    producer = new_engine(case, 2 * k, block_len, f"P-{tag}", tier_poll_s)
     consumer = None
     try:
-        consumer = new_engine(case, 2 * k, block_len, f"C-{tag}")
+        consumer = new_engine(case, 2 * k, block_len, f"C-{tag}", tier_poll_s)
         # vLLM 0.34's stock consumer answers MISS until its session is up: open it first (the
         # warm-up requests open kvpeer's; nothing on 0.33).
         open_stock_session([consumer, producer], consumer, producer.port)
@@ -392,6 +405,9 @@ def run_case(
             rounds = 0
             answered_at, answered_round = None, None
             t0 = time.perf_counter_ns()
+            # A busy producer (--producer-step-ms) is inside a forward pass between its steps:
+            # it steps only every producer_step_s, not every round.
+            producer_stepped = time.perf_counter()
             while True:
                 hits = consumer.lookup(keys, req)
                 if answered_at is None and LookupResult.RETRY not in consumer.last_lookup:
@@ -406,7 +422,9 @@ def run_case(
                         f"{tag} request {i}: lookup unresolved after {rounds} rounds"
                     )
                 consumer.step()
-                producer.step()
+                if time.perf_counter() - producer_stepped >= producer_step_s:
+                    producer.step()
+                    producer_stepped = time.perf_counter()
                 if pause_s:
                     time.sleep(pause_s)
             t1 = time.perf_counter_ns()
@@ -524,6 +542,7 @@ def aggregate(runs: list[dict], k: int, warmup: int, pause_s: float) -> dict:
             "max": max(lat),
         },
         "lookup_to_answer_us_p50": statistics.median(look),
+        "lookup_to_answer_us_p99": percentile(look, 99),
         "rounds": {
             "p50": statistics.median(rounds),
             "p99": percentile(rounds, 99),
@@ -567,6 +586,18 @@ def main() -> int:
     ap.add_argument(
         "--pause-ms", type=float, default=0.5, help="pause between rounds (forward pass)"
     )
+    ap.add_argument(
+        "--producer-step-ms",
+        type=float,
+        default=0,
+        help="a busy producer: it steps only this often (its forward pass), not every round",
+    )
+    ap.add_argument(
+        "--tier-poll-ms",
+        type=float,
+        default=0,
+        help="vLLM's tier-poll thread (tier_poll_interval_s; 0: off, the issue's setting)",
+    )
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--blocks", default="16384,2097152", help="block sizes in bytes")
     ap.add_argument("--repeat", type=int, default=3, help="runs of every case, interleaved")
@@ -600,6 +631,8 @@ def main() -> int:
         f"kvpeer {kvpeer.__version__} from {os.path.dirname(kvpeer.__file__)}; "
         f"Python {platform.python_version()}; {os.cpu_count()} CPUs; "
         f"{args.keys} blocks per request, pause {args.pause_ms} ms per round; "
+        f"producer steps every {args.producer_step_ms or 'round'} ms, tier-poll thread "
+        f"{args.tier_poll_ms or 'off'} ms; "
         f"{args.clock} clock, timer floor {floor:.0f} ns per wrapped call",
         flush=True,
     )
@@ -621,6 +654,8 @@ def main() -> int:
                     args.pause_ms / 1e3,
                     args.profile,
                     args.native,
+                    args.producer_step_ms / 1e3,
+                    args.tier_poll_ms / 1e3,
                 )
                 raw[(block_len, case)].append(run)
                 consumer_us = sum(run["ns"]["consumer_tier"].values()) / n / 1e3
@@ -692,11 +727,11 @@ def report(results, args, floor) -> int:
     print(
         "| blocks | tier | tier µs / consumer request "
         "| tier µs / served request (of which vLLM's parent calls) "
-        "| lookup→HIT p50 / p99 µs | rounds p50 (answered, HIT) "
+        "| lookup→answer p50 / p99 µs | lookup→HIT p50 / p99 µs | rounds p50 (answered, HIT) "
         "| manager µs / request (consumer, producer) | idle step: tier µs (consumer, producer) "
         "| req/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         u, lat, idle = r["us_per_request"], r["lookup_to_hit_us"], r["idle_step_us"]
         size = (
@@ -712,6 +747,7 @@ def report(results, args, floor) -> int:
             name,
             fmt(u["consumer_tier"]),
             f"{fmt(u['producer_tier'])} ({fmt(u['producer_parent'])})",
+            f"{fmt(r['lookup_to_answer_us_p50'])} / {fmt(r['lookup_to_answer_us_p99'])}",
             f"{fmt(lat['p50'])} / {fmt(lat['p99'])}",
             f"{r['lookup_rounds_p50']:g}, {r['rounds']['p50']:g}",
             f"{fmt(u['consumer_manager'])}, {fmt(u['producer_manager'])}",
