@@ -312,8 +312,11 @@ class Engine:
             except Exception:
                 pass
         self.kill()
-        # An engine killed without its shutdown leaves its offload region behind.
-        Path(f"/dev/shm/vllm_offload_{self.engine_id}.mmap").unlink(missing_ok=True)
+        # An engine killed without its shutdown leaves its offload region behind, and with
+        # kvpeer's shm plane the region's fence words beside it (`<region>.fence`).
+        region = f"/dev/shm/vllm_offload_{self.engine_id}.mmap"
+        for path in (region, f"{region}.fence"):
+            Path(path).unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
