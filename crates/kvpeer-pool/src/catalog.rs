@@ -8,6 +8,10 @@
 //! * **a self-describing CPU store** (`medium: "CPU"`, the chunk's block hashes, its parent,
 //!   `block_size` tokens per block, all its tokens): the description itself, kept as said. It
 //!   also says how many blocks a chunk of that KV cache group has.
+//! * **a recurrent group's state checkpoint** (vLLM 0.34: `medium: "CPU"`,
+//!   `kv_cache_spec_kind: "mamba"`, one hash, the chunk's last and its key, chained to the hash
+//!   before it, no tokens): one state, valid at that hash only, kept as said. It says nothing
+//!   of the group's blocks per chunk, and is never walked or counted as a bad store.
 //! * **the GPU pool's stores** (any medium but CPU, tokens and parent per event): each block
 //!   is kept (its parent and its tokens). A CPU placeholder store (one hash, no tokens) is
 //!   then described by walking back from its hash through those blocks to the block before
@@ -36,7 +40,7 @@ use std::sync::Arc;
 use kvpeer_proto::events::{BlockHash, BlockStored};
 use kvpeer_proto::OffloadKey;
 
-use crate::keys::CPU_MEDIUM;
+use crate::keys::{CPU_MEDIUM, RECURRENT_KIND};
 
 /// Most chunks [`Catalog::root`] walks through (a 1M-token prompt in 256-token chunks).
 pub const MAX_ANCESTORS: usize = 4096;
@@ -116,6 +120,8 @@ pub struct CatalogStats {
     pub chunks: u64,
     /// Chunks described by a self-describing event.
     pub said: u64,
+    /// Recurrent groups' state checkpoints described as said (one hash, no tokens).
+    pub states: u64,
     /// Chunks described by a walk through the GPU blocks.
     pub walked: u64,
     /// Blocks announced with extra keys or lookahead tokens (not describable again).
@@ -254,6 +260,11 @@ impl Catalog {
                 return;
             }
         };
+        let cpu = event.medium.as_deref() == Some(CPU_MEDIUM);
+        if cpu && event.kv_cache_spec_kind.as_deref() == Some(RECURRENT_KIND) {
+            self.learn_state(event, &hashes, parent, group);
+            return;
+        }
         let with_tokens = !event.token_ids.is_empty() || event.block_size != 0;
         let tokens_fit = usize::try_from(event.block_size)
             .ok()
@@ -265,7 +276,6 @@ impl Catalog {
         }
         let clean = !event.has_extra_keys && !event.bad_tokens;
         let describable = with_tokens && tokens_fit && clean;
-        let cpu = event.medium.as_deref() == Some(CPU_MEDIUM);
         if with_tokens && tokens_fit && event.has_extra_keys {
             self.stats.extra_keys += hashes.len() as u64;
             if !cpu {
@@ -332,6 +342,46 @@ impl Catalog {
                 }
             }
         }
+    }
+
+    /// A recurrent group's state checkpoint (vLLM 0.34's `_as_state_checkpoint`): described as
+    /// said when it is one, a boundary otherwise (vLLM's placeholder of a key of that group,
+    /// extra keys); it never teaches the group's chunk size nor starts a walk (a state has no
+    /// blocks to walk through).
+    fn learn_state(
+        &mut self,
+        event: &BlockStored,
+        hashes: &[&[u8]],
+        parent: Option<&[u8]>,
+        group: u32,
+    ) {
+        let Some(&last) = hashes.last() else {
+            return;
+        };
+        let key = OffloadKey::from_parts(last, group);
+        // vLLM's placeholder for a key it has no metadata of carries the group's kind too,
+        // with `block_size` 0; a checkpoint keeps the group's block size.
+        let checkpoint = hashes.len() == 1
+            && event.block_size != 0
+            && event.token_ids.is_empty()
+            && !event.has_extra_keys
+            && !event.bad_tokens;
+        if !checkpoint {
+            if !self.chunks.contains_key(&key) {
+                self.put_chunk(key, None, false);
+            }
+            return;
+        }
+        let description = ChunkDescription {
+            block_hashes: vec![Box::from(last)],
+            parent: parent.map(Box::from),
+            token_ids: Vec::new(),
+            block_size: event.block_size,
+            lora_id: event.lora_id,
+            lora_name: event.lora_name.clone(),
+        };
+        self.stats.states += 1;
+        self.put_chunk(key, Some(Arc::new(description)), false);
     }
 
     /// The description of chunk `key` (made now from the blocks, if it was not before).
@@ -732,6 +782,44 @@ mod tests {
         c.learn(&stored(&[1, 2], None, "GPU"));
         c.learn(&placeholder(2));
         assert_eq!(c.describe(&key(2)), Err(Undescribed::Inconsistent));
+    }
+
+    /// vLLM 0.34's recurrent state checkpoint (`kv_cache_spec_kind: "mamba"`): one hash, the
+    /// chunk's last, chained to the hash before it, no tokens, the group's block size. Kept as
+    /// said (before: counted as a store whose tokens do not fit, and left undescribed), and it
+    /// teaches its group no chunk size; vLLM's placeholder of such a group's key stays
+    /// undescribed.
+    #[test]
+    fn a_recurrent_state_checkpoint_is_kept_as_said_and_teaches_no_chunk_size() {
+        let mut c = Catalog::new(CatalogLimits::default());
+        let state = |hash: u8, parent: Option<u8>, block_size: u64| BlockStored {
+            block_hashes: vec![h(hash)],
+            parent_block_hash: parent.map(h),
+            block_size,
+            medium: Some("CPU".into()),
+            group_idx: Some(1),
+            kv_cache_spec_kind: Some("mamba".into()),
+            ..BlockStored::default()
+        };
+        c.learn(&state(9, Some(8), 16));
+        let d = c.describe(&OffloadKey::from_parts(&[9; 32], 1)).unwrap();
+        assert_eq!(hashes(&d), vec![9]);
+        assert_eq!(d.parent.as_deref(), Some(&[8u8; 32][..]));
+        assert!(d.token_ids.is_empty());
+        assert_eq!(d.block_size, 16);
+        let stats = c.stats();
+        assert_eq!((stats.states, stats.said, stats.bad_tokens), (1, 0, 0));
+        assert!(
+            !c.chunk_sizes.contains_key(&1),
+            "a state is no chunk of blocks"
+        );
+        // vLLM's placeholder of a key of that group (`block_size` 0): nothing describes it.
+        c.learn(&state(20, None, 0));
+        assert_eq!(
+            c.describe(&OffloadKey::from_parts(&[20; 32], 1)),
+            Err(Undescribed::Unknown)
+        );
+        assert_eq!(c.stats().states, 1);
     }
 
     #[test]

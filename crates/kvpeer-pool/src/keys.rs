@@ -16,6 +16,9 @@ use kvpeer_proto::OffloadKey;
 
 /// The medium of vLLM's CPU tier: the one P2P serves from.
 pub const CPU_MEDIUM: &str = "CPU";
+/// The `kv_cache_spec_kind` of a recurrent (Mamba, linear-attention) group: its stores are
+/// state checkpoints, one hash each (vLLM 0.34).
+pub const RECURRENT_KIND: &str = "mamba";
 
 /// What an event means for the keys a pool tracks.
 #[derive(Debug, Clone, PartialEq, Eq)]
