@@ -132,6 +132,15 @@ def busy_ms(engine: Engine, before: dict, after: dict) -> float | None:
     return (engine.counter(after, BUSY) - engine.counter(before, BUSY)) / 1000
 
 
+def pulled(b: Engine, before: dict, after: dict, answer: dict, length: int) -> bool:
+    """Whether B's request (`answer`, between the `before` and `after` metrics) took its
+    prompt's blocks from its tier."""
+    return (
+        answer["num_cached_tokens"] >= length - BLOCK_SIZE
+        and delta(b, before, after, TIER_HITS) > 0
+    )
+
+
 def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
     rng = random.Random(f"{label}-{length}-{rep}")
     prompt = [rng.randrange(1, 500) for _ in range(length)]
@@ -145,8 +154,6 @@ def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
     floor = b.generate(prompt, max_tokens=1)
     local = b.generate(fresh, max_tokens=1)
     read = delta(b, b_before, b_after, READ_BYTES)
-    hits = delta(b, b_before, b_after, TIER_HITS)
-    loaded = peer["num_cached_tokens"] >= length - BLOCK_SIZE and hits > 0
     return {
         "pairing": label,
         "tokens": length,
@@ -155,22 +162,13 @@ def measure(a: Engine, b: Engine, length: int, rep: int, label: str) -> dict:
         "producer_local_s": produced["seconds"],
         "peer_s": peer["seconds"],
         "floor_s": floor["seconds"],
-        "loaded": loaded,
+        "loaded": pulled(b, b_before, b_after, peer, length),
         "same_tokens": peer["tokens"] == produced["tokens"],
         "cached_tokens": peer["num_cached_tokens"],
         "read_bytes": read,
         "copy_s": copy_seconds(int(read)),
         "consumer_tier_ms": busy_ms(b, b_before, b_after),
     }
-
-
-def pulled(b: Engine, before: dict, after: dict, answer: dict, length: int) -> bool:
-    """Whether B's request (`answer`, between the `before` and `after` metrics) took its
-    prompt's blocks from its tier."""
-    return (
-        answer["num_cached_tokens"] >= length - BLOCK_SIZE
-        and delta(b, before, after, TIER_HITS) > 0
-    )
 
 
 def first_pull(a: Engine, b: Engine, length: int, label: str) -> dict:

@@ -522,16 +522,9 @@ impl ControlChannel {
             self.extra = Some(fd);
         }
         let now = Instant::now();
-        // Heartbeats, handshakes, retries and lingers wake us too, and news not yet handled
-        // (a connection with input left from its last round, a loss to report) at once.
-        let timeout = [
-            self.inbound.next_deadline(now),
-            self.outbound.next_deadline(now),
-        ]
-        .into_iter()
-        .flatten()
-        .map(|at| at.saturating_duration_since(now))
-        .fold(timeout, Duration::min);
+        let timeout = self
+            .next_deadline(now)
+            .map_or(timeout, |at| at.saturating_duration_since(now).min(timeout));
         let (woke, result) = self.take_news(timeout);
         result.map_err(ControlError::Wait)?;
         Ok(woke || timeout.is_zero())
@@ -544,14 +537,20 @@ impl ControlChannel {
     /// want a call to [`ControlChannel::recv`]. The descriptor stays valid while the channel
     /// lives.
     pub fn wait_plan(&mut self, now: Instant) -> (RawFd, Option<Instant>) {
-        let deadline = [
+        (self.poller.fd().as_raw_fd(), self.next_deadline(now))
+    }
+
+    /// When the channel next wants a call to [`ControlChannel::recv`]: heartbeats, handshakes,
+    /// retries and lingers, and `now` for news not yet handled (a connection with input left
+    /// from its last round, a loss to report).
+    fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
+        [
             self.inbound.next_deadline(now),
             self.outbound.next_deadline(now),
         ]
         .into_iter()
         .flatten()
-        .min();
-        (self.poller.fd().as_raw_fd(), deadline)
+        .min()
     }
 
     /// Waits up to `timeout` for the poll's news and hands it to the sides; whether there was

@@ -195,11 +195,17 @@ impl EngineNode {
     /// is charged to the writer), so a call that changed nothing the thread must act on soon
     /// (a lookup answered from the probes, a finish with nothing to abort) wakes nobody.
     fn send_or_wake(&mut self, now: Instant) {
-        if !self.deferred_io {
+        if self.deferred_io {
+            self.wake_if_needed();
+        } else {
             self.io.flush(now);
-            return;
         }
-        if self.step_requested {
+    }
+
+    /// With [`EngineNode::defer_io`]: wakes the I/O thread if the engine's call left it
+    /// something to do soon (see [`EngineNode::send_or_wake`]); nothing otherwise.
+    fn wake_if_needed(&mut self) {
+        if !self.deferred_io || self.step_requested {
             return;
         }
         let core = &self.io.core;
@@ -308,10 +314,8 @@ impl EngineNode {
     pub fn new_request_with(&mut self, kv_request_id: KvRequestId, roles: RequestRoles) -> Request {
         let now = Instant::now();
         let request = self.io.core.on_new_request(now, kv_request_id, roles);
-        if self.deferred_io {
-            // A new source is dialed now (its handshake, not the engine's next call).
-            self.send_or_wake(now);
-        }
+        // A new source is dialed now (its handshake, not the engine's next call).
+        self.wake_if_needed();
         request
     }
 
@@ -328,9 +332,7 @@ impl EngineNode {
         self.submit(job, keys, blocks, true, |core, now, keys, blocks| {
             core.submit_store(now, job, request, keys, blocks)
         })?;
-        if self.deferred_io {
-            self.send_or_wake(Instant::now());
-        }
+        self.wake_if_needed();
         Ok(())
     }
 
@@ -375,7 +377,7 @@ impl EngineNode {
         if self.deferred_io {
             // Its new probes go out with the fetch (queued now, sent by the I/O thread).
             self.io.core.flush_lookups(now);
-            self.send_or_wake(now);
+            self.wake_if_needed();
         }
         Ok(())
     }
@@ -423,7 +425,7 @@ impl EngineNode {
         }
         self.io.core.finish(now, request);
         if self.deferred_io {
-            self.send_or_wake(now);
+            self.wake_if_needed();
             return;
         }
         self.collect(now);
