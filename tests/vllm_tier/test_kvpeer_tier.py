@@ -606,6 +606,7 @@ def test_shutdown_with_peers_connected(engines):
         ({"unbound_store_timeout_s": -1}, "unbound_store_timeout_s"),
         ({"metrics": "yes"}, "metrics"),
         ({"io_thread": "yes"}, "io_thread"),
+        ({"host_probe_timeout_ms": "soon"}, "host_probe_timeout_ms"),
         ({"max_peers_per_host": 0}, "max_peers_per_host"),
         ({"max_pins_per_peer": "lots"}, "max_pins_per_peer"),
         ({"sources": ["nohost"]}, "sources"),
@@ -634,3 +635,36 @@ def test_shutdown_lets_the_engine_unmap_its_memory(engines):
     tier.shutdown(0.1)
     view.release()
     region.close()  # no export left
+
+
+def test_the_ranks_of_a_data_parallel_engine_form_one_liveness_group():
+    """vLLM's data-parallel ranks on one host each run a tier with its own node: they share
+    the entry's host:port as their liveness group (each rank its index of the size), so the
+    first rank to lose a host tells the others (docs/behaviour.md, "A host that dies")."""
+    from harness import HarnessOffloadingSpec, make_offloading_config
+
+    memory = memoryview(bytearray(4 * BLOCK_LEN)).cast("B", (4, BLOCK_LEN))
+
+    def settings(index, entry):
+        spec = HarnessOffloadingSpec(
+            make_offloading_config(BLOCK_LEN, engine_id=f"dp{index}", data_parallel_index=index),
+            hash_seed="seed",
+        )
+        found, _ = kvpeer_vllm._settings(spec, memory, {"plane": "tcp", **entry})
+        return found
+
+    rank = settings(2, {"host": "10.0.0.5", "port": 5710})  # the harness: size = index + 1
+    assert rank["listen_port"] == "5712"
+    assert rank["liveness_group"] == "10.0.0.5:5710"
+    assert rank["liveness_rank"] == "2/3"
+    # One rank alone, or a port the system picks (no shared base): no group.
+    assert "liveness_group" not in settings(0, {"host": "10.0.0.5", "port": 5710})
+    assert "liveness_group" not in settings(1, {"host": "10.0.0.5", "port": 0})
+    # A host name too long for a group name: the same hashed name in every rank.
+    long_host = "engine-" + "x" * 70 + ".example"
+    a = settings(1, {"host": long_host, "port": 5710})["liveness_group"]
+    b = settings(3, {"host": long_host, "port": 5710})["liveness_group"]
+    assert a == b and len(a) == 40
+    # The host liveness keys pass through, checked by the node like the others.
+    found = settings(0, {"host_probe_timeout_ms": 250, "host_down_hold_ms": 0})
+    assert found["host_probe_timeout_ms"] == "250" and found["host_down_hold_ms"] == "0"

@@ -198,6 +198,19 @@ pub enum LinkLoss {
     /// Our heartbeat got no answer, or the peer fell silent past the TTL it announced.
     #[error("the peer fell silent: no heartbeat answer within {0:?}")]
     Silent(Duration),
+    /// Another connection to the peer's host was lost, and this one answered no liveness
+    /// probe in time: the host is taken for down.
+    #[error("its host lost another connection, and it answered no liveness probe within {0:?}")]
+    ProbeUnanswered(Duration),
+    /// The peer's host was taken for down a moment ago (a connection to it was lost and no
+    /// connection to it answered since): not dialed again until the hold ends.
+    #[error("its host {host} is taken for down (a connection to it was lost and none answered since); not dialed for {hold:?}")]
+    HostDown {
+        /// The host.
+        host: std::net::IpAddr,
+        /// How long after the loss dials to it are refused.
+        hold: Duration,
+    },
     /// Our queue to the peer overflowed or a send failed: the connection was closed.
     #[error("cannot send to the peer: {0}")]
     SendFailed(SendFailure),
@@ -302,7 +315,47 @@ pub enum SendFailure {
     Encode(#[from] EncodeError),
 }
 
+/// What a lost connection says about the peer's host, as the control channel's host
+/// liveness reads it (`kvpeer-net`'s `control/hosts.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostSign {
+    /// Nothing on its host answered: the heartbeat or a probe went unanswered, the connect
+    /// timed out or found no route, the peer took no bytes. The host may be gone: every other
+    /// connection to it is probed, and with none left that answers it is taken for down.
+    Unanswered,
+    /// The peer's end closed or reset the connection: its host's kernel answered, so the host
+    /// was up then, but a host going down (a pod torn down) may close one process's
+    /// connections before the others fall silent: the others are probed, nothing more.
+    ProcessGone,
+    /// Nothing about the host (a refusal, a protocol error, our own close, a name that does
+    /// not resolve, a connect refused by the host itself).
+    None,
+}
+
 impl LinkLoss {
+    /// What this loss says about the peer's host ([`HostSign`]).
+    pub fn host_sign(&self) -> HostSign {
+        use io::ErrorKind::{
+            BrokenPipe, ConnectionAborted, ConnectionReset, HostUnreachable, NetworkDown,
+            NetworkUnreachable, TimedOut,
+        };
+        match self {
+            LinkLoss::Silent(_)
+            | LinkLoss::ProbeUnanswered(_)
+            | LinkLoss::ConnectTimeout(_)
+            | LinkLoss::Stalled(_)
+            | LinkLoss::Unreachable { .. }
+            | LinkLoss::Socket(TimedOut | HostUnreachable | NetworkUnreachable | NetworkDown) => {
+                HostSign::Unanswered
+            }
+            LinkLoss::ClosedByPeer
+            | LinkLoss::Socket(ConnectionReset | ConnectionAborted | BrokenPipe) => {
+                HostSign::ProcessGone
+            }
+            _ => HostSign::None,
+        }
+    }
+
     /// The cause of a failed connect to `addr`.
     pub fn of_connect(addr: SocketAddr, error: &io::Error) -> LinkLoss {
         match error.kind() {

@@ -33,8 +33,8 @@ pub use crate::core::{
 };
 pub use crate::counters::Counters;
 pub use crate::error::{
-    Cause, CloseReason, ConnectRejection, DialFailure, FaultRecord, Initiator, InternalError,
-    LinkLoss, LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords,
+    Cause, CloseReason, ConnectRejection, DialFailure, FaultRecord, HostSign, Initiator,
+    InternalError, LinkLoss, LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords,
     ProtocolViolation, Refusal, SendFailure, SessionEnd, TransferStalled,
 };
 pub use crate::output::{Event, Transmit};

@@ -104,6 +104,10 @@ pub struct NodeStats {
     /// Rounds an inbound connection's reading was held back for its host's time share while
     /// another host under its share waited (`inbound_ms_per_s`).
     pub inbound_held_back: u64,
+    /// Host liveness (`host_probe_timeout_ms`): connections ended by an unanswered probe, dials
+    /// refused to a host taken for down, hosts taken for down now, datagrams of the liveness
+    /// group dropped.
+    pub host_liveness: kvpeer_net::control::HostLiveness,
     /// Bytes of blocks fetched into this node by successful `fetch` calls.
     pub bytes_fetched: u64,
     /// Latency of `lookup` calls (until every key was answered).

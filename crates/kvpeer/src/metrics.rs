@@ -28,7 +28,7 @@ use crate::pool_node::{PoolNode, PoolNodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 31] = [
+    let counters: [(&str, &str, u64); 34] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -184,6 +184,21 @@ pub fn render(s: &NodeStats) -> String {
             "rounds an inbound connection was held back for its host's time share while another host waited",
             s.inbound_held_back,
         ),
+        (
+            "kvpeer_host_probe_losses_total",
+            "control connections ended because they answered no liveness probe after another connection to their host was lost",
+            s.host_liveness.probe_losses,
+        ),
+        (
+            "kvpeer_host_dials_refused_total",
+            "connections refused at once because their host was taken for down",
+            s.host_liveness.refused_dials,
+        ),
+        (
+            "kvpeer_liveness_datagrams_refused_total",
+            "datagrams on the liveness group's socket dropped (malformed, or from another user)",
+            s.host_liveness.sibling_datagrams_refused,
+        ),
     ];
     for (name, help, value) in counters {
         metric(&mut out, name, help, "counter", value);
@@ -202,7 +217,7 @@ pub fn render(s: &NodeStats) -> String {
         "counter",
         c.fetch_blocks_served * s.store.block_len,
     );
-    let gauges: [(&str, &str, u64); 11] = [
+    let gauges: [(&str, &str, u64); 12] = [
         ("kvpeer_sessions", "live sessions", s.core.sessions as u64),
         (
             "kvpeer_client_requests",
@@ -241,6 +256,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_fencing_blocks",
             "blocks of failed loads held until no write of their producer can land",
             s.core.fencing_blocks as u64,
+        ),
+        (
+            "kvpeer_hosts_down",
+            "hosts taken for down: a connection to each went unanswered and none answers since",
+            s.host_liveness.hosts_down as u64,
         ),
     ];
     for (name, help, value) in gauges {

@@ -125,6 +125,8 @@ _KVPEER_KEYS = (
     "transfer_stall_timeout_s",
     "handshake_timeout_s",
     "idle_timeout_s",
+    "host_probe_timeout_ms",
+    "host_down_hold_ms",
 ) + _FAIR_SHARE_KEYS
 # The fleet: pool nodes (and peers) asked when no router names a producer, or after it
 # (handled here, not by the node).
@@ -297,7 +299,11 @@ class KvpeerTier(SecondaryTierManager):
       ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
       ends: a failed load's slots go back to vLLM only once the peer's writes are fenced),
       ``transfer_stall_timeout_s`` (20 s: a NIXL write to a peer still in flight then faults the
-      peer), ``handshake_timeout_s``, ``idle_timeout_s``.
+      peer), ``handshake_timeout_s``, ``idle_timeout_s``; host liveness:
+      ``host_probe_timeout_ms`` (1000: when a connection to a host is lost, the others to it
+      must answer a PING within it or end too, failing their loads at once; 0 = off) and
+      ``host_down_hold_ms`` (5000: a host nothing answers on is not dialed meanwhile). With
+      data parallelism the engine's ranks on this host tell each other of a lost host.
     """
 
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
@@ -1008,6 +1014,15 @@ def _settings(
     dp_index = _dp_index(offloading_spec)
     settings["listen_host"] = _text("host", host)
     settings["listen_port"] = str(port + dp_index if port else 0)
+    dp_size = _dp_size(offloading_spec)
+    if port and dp_size > 1:
+        # The engine's ranks on this host tell each other of lost hosts, so a dead host fails
+        # every rank's loads at once, not one rank's timeout after another (docs/behaviour.md).
+        group = f"{host}:{port}"
+        if len(group) > 64 or not all(c.isprintable() and c not in " /" for c in group):
+            group = hashlib.sha256(group.encode()).hexdigest()[:40]
+        settings["liveness_group"] = group
+        settings["liveness_rank"] = f"{dp_index}/{dp_size}"
     backends = config.get("backends")
     if backends is not None and (
         not isinstance(backends, (list, tuple)) or [str(b).upper() for b in backends] != ["UCX"]
@@ -1036,6 +1051,8 @@ def _settings(
         "transfer_stall_timeout_s",
         "handshake_timeout_s",
         "idle_timeout_s",
+        "host_probe_timeout_ms",
+        "host_down_hold_ms",
     ) + _FAIR_SHARE_KEYS:
         if key in config:
             settings[key] = _text(key, config[key])
@@ -1067,6 +1084,13 @@ def _dp_index(offloading_spec: Any) -> int:
         return int(offloading_spec.config.parallel.data_parallel_index)
     except AttributeError:
         return 0
+
+
+def _dp_size(offloading_spec: Any) -> int:
+    try:
+        return int(offloading_spec.config.parallel.data_parallel_size)
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 def _nixl_lib_dir() -> str | None:

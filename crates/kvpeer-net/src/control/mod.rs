@@ -31,8 +31,10 @@
 //! blocks, except dropping the channel, which gives queued messages up to `linger` to leave,
 //! as libzmq's `zmq_ctx_term` did.
 
+mod hosts;
 pub mod inbound;
 mod outbound;
+mod siblings;
 
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
@@ -48,6 +50,7 @@ use crate::control::outbound::{Outbound, OutboundConfig};
 use crate::io::poller::{Poller, Ready, Token};
 use crate::zmtp::connection::{ConnLimits, QueueFull, QueueWithError};
 pub use inbound::ConnId;
+pub use siblings::{SiblingGroup, MAX_MEMBERS as MAX_SIBLINGS};
 
 /// Settings of the control channel; `Default` is vLLM's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +103,16 @@ pub struct ControlConfig {
     /// connection is not read until its share refills, so one peer cannot keep the node's thread
     /// (and the core it shares with the engine and other peers' processes) busy.
     pub inbound_time_per_second: Duration,
+    /// Host liveness (`control/hosts.rs`): how long the other connections to a host that lost
+    /// one may take to answer a probe before they are lost too (zero: off, each connection
+    /// lives and dies by its own heartbeat).
+    pub host_probe_timeout: Duration,
+    /// How long a host that lost a connection, with nothing on it answering since, is not
+    /// dialed (new connections to it fail at once).
+    pub host_down_hold: Duration,
+    /// The engine's other ranks on this host, told of and telling about lost hosts
+    /// (`control/siblings.rs`; `None`: this node alone).
+    pub siblings: Option<SiblingGroup>,
 }
 
 impl Default for ControlConfig {
@@ -121,6 +134,9 @@ impl Default for ControlConfig {
             inbound_accepts_per_round: 16,
             inbound_round_quantum: Duration::from_micros(100),
             inbound_time_per_second: Duration::from_millis(150),
+            host_probe_timeout: Duration::from_secs(1),
+            host_down_hold: Duration::from_secs(5),
+            siblings: None,
         }
     }
 }
@@ -143,6 +159,17 @@ pub enum ControlError {
     /// Waiting on the sockets failed.
     #[error("cannot wait on the control sockets: {0}")]
     Wait(#[source] std::io::Error),
+    /// This rank's socket among the engine's ranks (`liveness_group`) could not be bound:
+    /// another process holds the same group and index, or the socket failed.
+    #[error("cannot join the liveness group {group:?} as rank {index}: {source} (another process on this host holds that group and rank?)")]
+    Siblings {
+        /// The group.
+        group: String,
+        /// This rank.
+        index: u32,
+        /// The system's error.
+        source: std::io::Error,
+    },
 }
 
 /// Something that happened on the channel.
@@ -177,6 +204,19 @@ pub enum ChannelEvent {
     },
 }
 
+/// Host liveness's counts ([`ControlChannel::host_liveness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HostLiveness {
+    /// Connections ended because they answered no probe after another to their host was lost.
+    pub probe_losses: u64,
+    /// Dials refused at once because their host was taken for down.
+    pub refused_dials: u64,
+    /// Hosts taken for down now.
+    pub hosts_down: usize,
+    /// Datagrams from the liveness group dropped (malformed, or from another user).
+    pub sibling_datagrams_refused: u64,
+}
+
 /// Why a send failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -200,8 +240,10 @@ impl SendError {
     }
 }
 
-/// The channel's tokens: the caller's extra descriptor, then a span for each side.
+/// The channel's tokens: the caller's extra descriptor, the siblings' socket, then a span for
+/// each side.
 const EXTRA: Token = 0;
+const SIBLINGS: Token = 1;
 const INBOUND: Token = 1 << 48;
 const OUTBOUND: Token = 2 << 48;
 const SPAN: u64 = (1 << 48) - 1;
@@ -220,6 +262,10 @@ pub struct ControlChannel {
     waited: bool,
     /// The extra descriptor was reported readable since [`ControlChannel::take_extra_ready`].
     extra_ready: bool,
+    /// The engine's other ranks on this host, if configured.
+    siblings: Option<siblings::Siblings>,
+    /// Their socket was reported readable.
+    siblings_ready: bool,
 }
 
 impl std::fmt::Debug for ControlChannel {
@@ -271,6 +317,8 @@ fn outbound_config(config: &ControlConfig) -> OutboundConfig {
         },
         linger: config.linger,
         reconnect_interval: config.reconnect_interval,
+        host_probe_timeout: config.host_probe_timeout,
+        host_down_hold: config.host_down_hold,
     }
 }
 
@@ -291,7 +339,7 @@ impl ControlChannel {
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
         let (poller, inbound) = listen(identity.as_str(), &config)?;
-        Ok(Self::new(poller, inbound, identity, config))
+        Self::new(poller, inbound, identity, config)
     }
 
     /// Listens at `host` on a port the system picks; the identity is `host:port`.
@@ -305,7 +353,7 @@ impl ControlChannel {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        Ok(Self::new(poller, inbound, identity, config))
+        Self::new(poller, inbound, identity, config)
     }
 
     /// Listens at `at` (a wildcard address, or another than the identity's) as `identity`,
@@ -329,12 +377,30 @@ impl ControlChannel {
         identity
             .host_port()
             .map_err(|_| ControlError::BadIdentity(identity.to_string()))?;
-        Ok(Self::new(poller, inbound, identity, config))
+        Self::new(poller, inbound, identity, config)
     }
 
-    fn new(poller: Poller, mut inbound: Inbound, identity: PeerId, config: ControlConfig) -> Self {
+    fn new(
+        poller: Poller,
+        mut inbound: Inbound,
+        identity: PeerId,
+        config: ControlConfig,
+    ) -> Result<Self, ControlError> {
         inbound.announce(&identity);
-        ControlChannel {
+        let siblings = match &config.siblings {
+            None => None,
+            Some(group) => {
+                let failed = |source| ControlError::Siblings {
+                    group: group.name.clone(),
+                    index: group.index,
+                    source,
+                };
+                let joined = siblings::Siblings::bind(group.clone()).map_err(failed)?;
+                poller.add_input(joined.fd(), SIBLINGS).map_err(failed)?;
+                Some(joined)
+            }
+        };
+        Ok(ControlChannel {
             poller,
             inbound,
             outbound: Outbound::new(&identity, outbound_config(&config), OUTBOUND),
@@ -343,6 +409,22 @@ impl ControlChannel {
             ready: Vec::new(),
             waited: false,
             extra_ready: true,
+            siblings,
+            // Anything sent before the socket was polled is read at the first `recv`.
+            siblings_ready: true,
+        })
+    }
+
+    /// Host liveness so far: connections ended by an unanswered probe, dials refused to a
+    /// host taken for down, hosts taken for down now, and datagrams from the engine's other
+    /// ranks dropped (malformed, or from another user).
+    pub fn host_liveness(&self) -> HostLiveness {
+        let (probe_losses, refused_dials) = self.outbound.host_liveness_counts();
+        HostLiveness {
+            probe_losses,
+            refused_dials,
+            hosts_down: self.outbound.hosts_down(Instant::now()),
+            sibling_datagrams_refused: self.siblings.as_ref().map_or(0, |s| s.refused()),
         }
     }
 
@@ -574,6 +656,10 @@ impl ControlChannel {
             self.extra_ready = true;
             return;
         }
+        if ready.token == SIBLINGS {
+            self.siblings_ready = true;
+            return;
+        }
         if self.inbound.owns(ready.token, SPAN) {
             self.inbound.on_ready(ready);
         } else if self.outbound.owns(ready.token, SPAN) {
@@ -629,11 +715,35 @@ impl ControlChannel {
             .collect();
         events.extend(
             self.outbound
-                .take_losses()
+                .take_losses(now)
                 .into_iter()
                 .map(|(peer, cause)| ChannelEvent::Lost { peer, cause }),
         );
+        self.exchange_with_siblings(now);
         events
+    }
+
+    /// Tells the engine's other ranks of this round's lost hosts, and takes what they told
+    /// (their probes' losses come with a later round).
+    fn exchange_with_siblings(&mut self, now: Instant) {
+        let told = self.outbound.take_announcements();
+        let Some(siblings) = &mut self.siblings else {
+            return;
+        };
+        for (host, sign) in told {
+            siblings.announce(host, sign);
+        }
+        if std::mem::take(&mut self.siblings_ready) {
+            let mut heard = Vec::new();
+            siblings.take(&mut heard);
+            if heard.len() == siblings::MAX_PER_TAKE {
+                // More may wait: the poll is edge-triggered, so look again next round.
+                self.siblings_ready = true;
+            }
+            for (host, sign) in heard {
+                self.outbound.on_announcement(host, sign, now);
+            }
+        }
     }
 }
 

@@ -46,9 +46,11 @@ use std::os::fd::AsFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvpeer_core::LinkLoss;
+use kvpeer_core::{HostSign, LinkLoss};
 use kvpeer_proto::{is_peer_ip, Host, PeerAddr, PeerId};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
+
+use crate::control::hosts::HostWatch;
 
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::timers::{coarse, Timers};
@@ -68,6 +70,11 @@ pub(crate) struct OutboundConfig {
     pub(crate) linger: Duration,
     /// How soon a connect that could not even start is tried again.
     pub(crate) reconnect_interval: Duration,
+    /// How long the other connections to a host that lost one may take to answer a probe
+    /// (zero: host liveness off; `control/hosts.rs`).
+    pub(crate) host_probe_timeout: Duration,
+    /// How long a host taken for down is not dialed.
+    pub(crate) host_down_hold: Duration,
 }
 
 /// How long a connection closed before its handshake finished may go on trying to deliver
@@ -133,6 +140,14 @@ pub(crate) struct Outbound {
     /// Where the last turn's writes stopped: the next turn starts after it, so connections
     /// with large messages queued take turns.
     write_cursor: OutId,
+    /// Host liveness: probe rounds and hosts taken for down.
+    hosts: HostWatch,
+    /// Losses the engine's other ranks are to be told of (`control/siblings.rs`).
+    announcements: Vec<(IpAddr, HostSign)>,
+    /// Connections ended because their probe went unanswered, and dials refused to a host
+    /// taken for down, so far.
+    probe_losses: u64,
+    refused_dials: u64,
 }
 
 impl std::fmt::Debug for Outbound {
@@ -284,8 +299,9 @@ impl Conn {
         self.link = Link::Failed(reason);
     }
 
-    /// Drives it at `now`: a resolver's answer, a retry due, the dialer's socket.
-    fn progress(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
+    /// Drives it at `now`: a resolver's answer, a retry due, the dialer's socket; whether its
+    /// handshake finished (with the peer we named) in this call.
+    fn progress(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) -> bool {
         match &mut self.link {
             Link::Resolving { result, .. } => match result.try_recv() {
                 Ok(Ok(found)) => match pick(&self.peer, &found) {
@@ -294,15 +310,22 @@ impl Conn {
                         self.addr = Some(addr);
                         self.start(poller, token, now, retry);
                     }
-                    Err(reason) => return self.fail(reason),
+                    Err(reason) => {
+                        self.fail(reason);
+                        return false;
+                    }
                 },
-                Ok(Err(reason)) => return self.fail(reason),
-                Err(mpsc::TryRecvError::Empty) => return,
+                Ok(Err(reason)) => {
+                    self.fail(reason);
+                    return false;
+                }
+                Err(mpsc::TryRecvError::Empty) => return false,
                 Err(mpsc::TryRecvError::Disconnected) => {
-                    return self.fail(LinkLoss::Unresolved {
+                    self.fail(LinkLoss::Unresolved {
                         host: self.peer.as_str().into(),
                         detail: "the resolver thread ended without an answer".into(),
-                    })
+                    });
+                    return false;
                 }
             },
             Link::Waiting { until } if now >= *until => self.start(poller, token, now, retry),
@@ -324,12 +347,25 @@ impl Conn {
                                 dialed: self.peer.as_str().into(),
                                 calls_itself: calls_itself.as_ref().into(),
                             });
+                            return false;
                         }
+                        return true;
                     }
                 }
                 Err(reason) => self.fail(reason),
             }
         }
+        false
+    }
+
+    /// The host it dials, as one value whatever the spelling (IPv4-mapped IPv6 as IPv4).
+    fn host(&self) -> Option<IpAddr> {
+        self.addr.map(|a| a.ip().to_canonical())
+    }
+
+    /// Ready, not closing, not failed: a connection that speaks for its host.
+    fn ready(&self) -> bool {
+        self.linger_until.is_none() && !self.failed() && self.dialer.is_ready()
     }
 }
 
@@ -339,7 +375,6 @@ impl Outbound {
     pub(crate) fn new(identity: &PeerId, config: OutboundConfig, base: Token) -> Self {
         Outbound {
             identity: identity.as_str().as_bytes().to_vec(),
-            config,
             base,
             conns: BTreeMap::new(),
             by_peer: HashMap::new(),
@@ -348,6 +383,11 @@ impl Outbound {
             timers: Timers::default(),
             failed: BTreeSet::new(),
             write_cursor: 0,
+            hosts: HostWatch::new(config.host_probe_timeout, config.host_down_hold),
+            announcements: Vec::new(),
+            probe_losses: 0,
+            refused_dials: 0,
+            config,
         }
     }
 
@@ -440,7 +480,19 @@ impl Outbound {
         };
         self.next += 1;
         let id = self.next;
-        conn.start(poller, self.base + id, now, self.config.reconnect_interval);
+        match conn.host().filter(|h| self.hosts.is_down(*h, now)) {
+            // Its host lost a connection a moment ago and nothing on it answered since: a
+            // connect would wait out its timeout. Reported lost with the next progress, so the
+            // session's requests fall back at once.
+            Some(host) => {
+                self.refused_dials += 1;
+                conn.link = Link::Failed(LinkLoss::HostDown {
+                    host,
+                    hold: self.hosts.hold(),
+                });
+            }
+            None => conn.start(poller, self.base + id, now, self.config.reconnect_interval),
+        }
         debug!(%peer, "control connection opened");
         self.conns.insert(id, conn);
         self.by_peer.insert(peer.clone(), id);
@@ -593,7 +645,12 @@ impl Outbound {
             // What `send` wrote at once is not this turn's.
             c.dialer.take_written();
             c.dialer.set_write_limit(WRITE_PER_TURN.min(budget));
-            c.progress(poller, token, now, retry);
+            if c.progress(poller, token, now, retry) {
+                if let Some(host) = c.host() {
+                    // A handshake just finished: the host is up.
+                    self.hosts.on_ready(host);
+                }
+            }
             let wrote = c.dialer.take_written();
             c.dialer.set_write_limit(WRITE_PER_TURN);
             if wrote > 0 {
@@ -615,8 +672,10 @@ impl Outbound {
         }
     }
 
-    /// The lost connections not yet reported, each once, dropped (peer, cause).
-    pub(crate) fn take_losses(&mut self) -> Vec<(PeerId, LinkLoss)> {
+    /// The lost connections not yet reported, each once, dropped (peer, cause); each loss
+    /// that says something of its host probes the host's other connections at `now`
+    /// (`control/hosts.rs`).
+    pub(crate) fn take_losses(&mut self, now: Instant) -> Vec<(PeerId, LinkLoss)> {
         let ids = std::mem::take(&mut self.failed);
         let mut lost = Vec::with_capacity(ids.len());
         for id in ids {
@@ -628,10 +687,76 @@ impl Outbound {
             if self.by_peer.get(&c.peer) == Some(&id) {
                 self.by_peer.remove(&c.peer);
             }
+            let host = c.host();
             if let Link::Failed(reason) = c.link {
+                if let Some(host) = host {
+                    if matches!(reason, LinkLoss::ProbeUnanswered(_)) {
+                        self.probe_losses += 1;
+                    }
+                    let sign = reason.host_sign();
+                    self.doubt_host(host, sign, now, true, &c.peer);
+                }
                 lost.push((c.peer, reason));
             }
         }
         lost
+    }
+
+    /// Another rank of this engine lost a connection to `host` with `sign`, at `now`.
+    pub(crate) fn on_announcement(&mut self, host: IpAddr, sign: HostSign, now: Instant) {
+        let peer = PeerId::from_host_port(&host.to_string(), 0);
+        self.doubt_host(host, sign, now, false, &peer);
+    }
+
+    /// The losses to tell the engine's other ranks of, since the last call.
+    pub(crate) fn take_announcements(&mut self) -> Vec<(IpAddr, HostSign)> {
+        std::mem::take(&mut self.announcements)
+    }
+
+    /// Connections ended by an unanswered probe, and dials refused to a host taken for down.
+    pub(crate) fn host_liveness_counts(&self) -> (u64, u64) {
+        (self.probe_losses, self.refused_dials)
+    }
+
+    /// Hosts taken for down at `now`.
+    pub(crate) fn hosts_down(&self, now: Instant) -> usize {
+        self.hosts.hosts_down(now)
+    }
+
+    /// Applies the host rules to a loss of `host` (`ours`: seen here, else announced).
+    fn doubt_host(&mut self, host: IpAddr, sign: HostSign, now: Instant, ours: bool, by: &PeerId) {
+        let ready: Vec<OutId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.host() == Some(host) && c.ready())
+            .map(|(id, _)| *id)
+            .collect();
+        let doubt = if ours {
+            self.hosts.on_loss(host, sign, now, ready.len())
+        } else {
+            self.hosts.on_announcement(host, sign, now, ready.len())
+        };
+        if doubt.probe {
+            let timeout = self.hosts.probe_timeout();
+            for id in &ready {
+                if let Some(c) = self.conns.get_mut(id) {
+                    c.dialer.probe(now, timeout);
+                    if c.dialer.wants_write() {
+                        self.active.insert(*id);
+                    }
+                }
+                self.settle(*id);
+            }
+            info!(%host, lost = %by, probed = ready.len(), timeout_ms = timeout.as_millis() as u64,
+                announced = !ours, "a connection to this host was lost; probing its others");
+        }
+        if doubt.down {
+            warn!(%host, lost = %by, hold_ms = self.hosts.hold().as_millis() as u64,
+                announced = !ours,
+                "host taken for down: nothing on it answered; new connections to it fail at once until the hold ends");
+        }
+        if doubt.announce {
+            self.announcements.push((host, sign));
+        }
     }
 }

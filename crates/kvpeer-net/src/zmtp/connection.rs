@@ -200,6 +200,10 @@ pub enum ConnError {
     /// The peer fell silent past the TTL its own PING announced.
     #[error("the peer fell silent past its heartbeat TTL of {0:?}")]
     TtlExpired(Duration),
+    /// A liveness probe ([`Connection::probe`]: another connection to the peer's host was
+    /// lost) got no answer in time.
+    #[error("no answer to a liveness probe within {0:?}")]
+    ProbeUnanswered(Duration),
     /// The peer refused the connection with a ZMTP ERROR, saying why.
     #[error("the peer refused this connection: {0}")]
     Refused(String),
@@ -285,6 +289,8 @@ pub struct Connection {
     peer_challenge: Option<Vec<u8>>,
     next_ping: Option<Instant>,
     ping_deadline: Option<Instant>,
+    /// Set while `ping_deadline` is a probe's ([`Connection::probe`]): its timeout.
+    probing: Option<Duration>,
     /// When the peer last sent a byte.
     heard: Option<Instant>,
     ttl_deadline: Option<(Instant, Duration)>,
@@ -341,6 +347,7 @@ impl Connection {
             peer_announced: None,
             next_ping: None,
             ping_deadline: None,
+            probing: None,
             heard: None,
             ttl_deadline: None,
             pong_end: 0,
@@ -529,6 +536,7 @@ impl Connection {
         }
         // Any byte proves the peer alive (libzmq cancels both timers on every read).
         self.ping_deadline = None;
+        self.probing = None;
         self.ttl_deadline = None;
         self.heard = Some(now);
         self.decoder.push(bytes);
@@ -642,7 +650,10 @@ impl Connection {
             return Err(ConnError::HandshakeTimeout(self.limits.handshake_timeout));
         }
         if self.ping_deadline.is_some_and(|d| now >= d) {
-            return Err(ConnError::HeartbeatTimeout(self.heartbeat_timeout()));
+            return Err(match self.probing {
+                Some(timeout) => ConnError::ProbeUnanswered(timeout),
+                None => ConnError::HeartbeatTimeout(self.heartbeat_timeout()),
+            });
         }
         if let Some((at, ttl)) = self.ttl_deadline {
             if now >= at {
@@ -669,6 +680,29 @@ impl Connection {
                 .get_or_insert(now + self.heartbeat_timeout());
         }
         Ok(())
+    }
+
+    /// Asks the peer at `now` to prove itself alive within `timeout`: a PING now (unless one
+    /// is unanswered already) and a deadline no later than `now + timeout`, met by any byte
+    /// the peer sends (a PONG: libzmq and kvpeer answer every PING), else the connection ends
+    /// with [`ConnError::ProbeUnanswered`]. Called when another connection to the peer's host
+    /// was lost (`control/hosts.rs`). `false` before the handshake is done (nothing to probe:
+    /// the handshake's own deadline runs).
+    pub fn probe(&mut self, now: Instant, timeout: Duration) -> bool {
+        if !self.ready {
+            return false;
+        }
+        let deadline = now + timeout;
+        if self.ping_deadline.is_none() {
+            let ttl =
+                u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
+            self.out.extend(zmtp::ping(ttl));
+        }
+        if self.ping_deadline.is_none_or(|d| d > deadline) {
+            self.ping_deadline = Some(deadline);
+            self.probing = Some(timeout);
+        }
+        true
     }
 
     /// When [`Connection::handle_timeout`] has something to do next.
@@ -1380,6 +1414,65 @@ mod tests {
                 d.handle_timeout(quiet + s(10)),
                 Err(ConnError::HeartbeatTimeout(s(10))),
                 "a dead peer is still found"
+            );
+        }
+
+        #[test]
+        fn a_probe_pings_at_once_and_ends_an_unanswering_connection_at_its_own_deadline() {
+            let t = Instant::now();
+            let s = Duration::from_secs;
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            assert!(!d.probe(t, s(1)), "nothing to probe before the handshake");
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            // The peer spoke just now: the probe pings anyway (a dead host's last bytes may be
+            // recent), and its deadline is the probe's, not the heartbeat's 10 s.
+            d.handle_bytes(&zmtp::pong(b""), t + s(1)).unwrap();
+            assert!(d.probe(t + s(1), s(1)));
+            assert_eq!(drain(&mut d), zmtp::ping(100));
+            assert_eq!(d.poll_timeout(), Some(t + s(2)));
+            d.handle_timeout(t + Duration::from_millis(1999)).unwrap();
+            assert_eq!(
+                d.handle_timeout(t + s(2)),
+                Err(ConnError::ProbeUnanswered(s(1)))
+            );
+            assert_eq!(
+                ConnError::ProbeUnanswered(s(1)).to_string(),
+                "no answer to a liveness probe within 1s"
+            );
+
+            // Any byte answers it: the connection goes on, its heartbeat as before.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            assert!(d.probe(t, s(1)));
+            drain(&mut d);
+            d.handle_bytes(&zmtp::pong(b""), t + Duration::from_millis(300))
+                .unwrap();
+            d.handle_timeout(t + s(5)).unwrap();
+            assert_eq!(drain(&mut d), zmtp::ping(100), "the next heartbeat");
+            assert_eq!(
+                d.handle_timeout(t + s(15)),
+                Err(ConnError::HeartbeatTimeout(s(10))),
+                "an ordinary heartbeat timeout again"
+            );
+
+            // A heartbeat PING already unanswered: no second PING, its deadline brought
+            // forward; a later probe never pushes an earlier deadline back.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            d.handle_timeout(t + s(2)).unwrap();
+            drain(&mut d);
+            assert!(d.probe(t + s(3), s(1)));
+            assert!(d.transmit().is_empty(), "one PING in flight is enough");
+            assert!(d.probe(t + s(3) + Duration::from_millis(500), s(5)));
+            assert_eq!(d.poll_timeout(), Some(t + s(4)));
+            assert_eq!(
+                d.handle_timeout(t + s(4)),
+                Err(ConnError::ProbeUnanswered(s(1)))
             );
         }
 

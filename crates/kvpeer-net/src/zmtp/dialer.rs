@@ -89,6 +89,7 @@ pub(crate) fn loss_of(e: ConnError) -> LinkLoss {
     match e {
         ConnError::HandshakeTimeout(d) => LinkLoss::HandshakeTimeout(d),
         ConnError::HeartbeatTimeout(d) | ConnError::TtlExpired(d) => LinkLoss::Silent(d),
+        ConnError::ProbeUnanswered(d) => LinkLoss::ProbeUnanswered(d),
         // What the greeting or READY says: not the kind of port we dialed.
         e @ (ConnError::Zmtp(
             ZmtpError::Signature(_) | ZmtpError::Version(_) | ZmtpError::Mechanism(_),
@@ -360,6 +361,21 @@ impl Dialer {
             self.flush();
         }
         Ok(())
+    }
+
+    /// Asks a ready connection's peer to prove itself alive within `timeout`
+    /// ([`Connection::probe`]), its PING written at once when nothing waits before it;
+    /// `false` when the connection is not ready (nothing was asked).
+    pub(crate) fn probe(&mut self, now: Instant, timeout: Duration) -> bool {
+        if !self.is_ready() {
+            return false;
+        }
+        let idle = self.conn.transmit().is_empty();
+        let probed = self.conn.probe(now, timeout);
+        if idle {
+            self.flush();
+        }
+        probed
     }
 
     /// Writes what waits, if the socket takes it.

@@ -325,6 +325,7 @@ impl Runtime {
                     counters: *self.io.core.counters(),
                     refused_peers: self.io.refused_peers() as u64,
                     inbound_held_back: self.io.channel().inbound_held_back(),
+                    host_liveness: self.io.channel().host_liveness(),
                     ..self.calls.clone()
                 });
             }

@@ -195,6 +195,14 @@ declare_keys! {
     inbound_round_quantum_us = "100";
     /// milliseconds of the node's thread one inbound control connection's messages may take per second
     inbound_ms_per_s = "150";
+    /// milliseconds the other control connections to a host that lost one (silent, unreachable, or closed) may take to answer a probe before their sessions end too; 0 = off (each connection waits out its own heartbeat)
+    host_probe_timeout_ms = "1000";
+    /// milliseconds a host is not dialed after a connection to it went unanswered with none left that answers (new sessions to it fail at once); 0 = never held
+    host_down_hold_ms = "5000";
+    /// name of the group of one engine's ranks on this host (vLLM data parallelism) that tell each other of lost hosts; with liveness_rank (unset: this node alone)
+    liveness_group;
+    /// this rank in liveness_group, INDEX/MEMBERS (e.g. 0/8)
+    liveness_rank;
     /// peers to talk to: CIDR, host or host:port rules (unset: all)
     allowlist;
     /// a peer's IP identity must come from that address: true or false

@@ -29,7 +29,7 @@ use crate::node::allow::Allowlist;
 use crate::node::build::{NixlOptions, NodeSpec};
 use crate::node::plane::PlaneKind;
 use kvpeer_core::CoreConfig;
-use kvpeer_net::control::ControlConfig;
+use kvpeer_net::control::{ControlConfig, SiblingGroup};
 use kvpeer_proto::{DecodeLimits, PeerId};
 use pool_node::{endpoint, parse_follow};
 
@@ -141,6 +141,39 @@ pub fn resolve(
     resolve_one(&merged, tag)
 }
 
+/// The engine's ranks on this host this node tells of lost hosts: `liveness_group` (its
+/// name) with `liveness_rank` (`INDEX/MEMBERS`), both or neither.
+fn liveness_group(s: &Values<'_>) -> Result<Option<SiblingGroup>, ConfigError> {
+    let (name, rank) = match (s.get(&KEY.liveness_group), s.get(&KEY.liveness_rank)) {
+        (None, None) => return Ok(None),
+        (Some((name, _)), Some(rank)) => (name, rank),
+        (Some((_, src)), None) => {
+            return Err(bad(
+                src,
+                "liveness_group",
+                "needs liveness_rank (INDEX/MEMBERS) too".into(),
+            ))
+        }
+        (None, Some((_, src))) => {
+            return Err(bad(src, "liveness_rank", "needs liveness_group too".into()))
+        }
+    };
+    let (rank, src) = rank;
+    let parsed = rank
+        .split_once('/')
+        .and_then(|(i, n)| Some((i.trim().parse::<u32>().ok()?, n.trim().parse::<u32>().ok()?)));
+    let Some((index, members)) = parsed else {
+        return Err(bad(
+            src,
+            "liveness_rank",
+            format!("{rank:?} is not INDEX/MEMBERS (e.g. 0/8)"),
+        ));
+    };
+    SiblingGroup::new(name, index, members)
+        .map(Some)
+        .map_err(|why| bad(src, "liveness_rank", why))
+}
+
 /// [`resolve`] over one set of settings (the sources already merged).
 pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, ConfigError> {
     if let Some((key, source)) = set.unknown() {
@@ -215,6 +248,13 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             1_000_000,
         )?),
         inbound_time_per_second: Duration::from_millis(s.number(&KEY.inbound_ms_per_s, 1, 1000)?),
+        host_probe_timeout: Duration::from_millis(s.number(
+            &KEY.host_probe_timeout_ms,
+            0,
+            3_600_000,
+        )?),
+        host_down_hold: Duration::from_millis(s.number(&KEY.host_down_hold_ms, 0, 3_600_000)?),
+        siblings: liveness_group(&s)?,
         ..ControlConfig::default()
     };
     let plane: PlaneKind = s.parsed(&KEY.plane)?;
