@@ -15,6 +15,7 @@ pub mod guard;
 mod lru;
 mod pool;
 pub mod proc_maps;
+pub mod room;
 mod store;
 pub mod trailer;
 

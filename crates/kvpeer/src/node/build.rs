@@ -10,7 +10,9 @@ use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
 use kvpeer_net::data::shm::{ShmError, Wake};
 use kvpeer_net::data::tcp::TcpError;
 use kvpeer_proto::{DecodeLimits, PeerId};
+use kvpeer_store::room::{self, Backing, NoRoom, Room};
 use kvpeer_store::{BlockStore, Pool, PoolError, StoreError};
+use tracing::info;
 
 use super::allow::Allowlist;
 use super::auth::Auth;
@@ -112,6 +114,9 @@ pub enum BuildError {
     /// The pool's memory.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// The pool does not fit this host's memory (or `/dev/shm`): refused before allocating.
+    #[error(transparent)]
+    NoRoom(#[from] NoRoom),
     /// The shm plane.
     #[error(transparent)]
     Shm(#[from] ShmError),
@@ -143,15 +148,36 @@ pub enum BuildError {
 /// completes something. An identity with port 0 (`host:0`) binds a port the system picks and
 /// takes it as identity. The pool is a shm object named `spec.shm_name` when the plane needs
 /// one ([`PlaneKind::shared_pool`]), else private anonymous memory.
+///
+/// The pool is checked against this host's free memory (and `/dev/shm` for a shm pool) before
+/// anything is allocated ([`room`]), and allocated before the control port opens, so no peer
+/// connects to a node that cannot answer yet.
 pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
     let (io, ()) = build_with(
         spec,
         |spec| {
-            Ok(if spec.plane.shared_pool() {
+            let shared = spec.plane.shared_pool();
+            let bytes = spec.num_blocks.saturating_mul(spec.block_len);
+            let backing = if shared {
+                Backing::SharedMemory
+            } else {
+                Backing::Private
+            };
+            Room::of_this_host().check(bytes, spec.num_blocks, spec.block_len, backing)?;
+            let started = Instant::now();
+            let pool = if shared {
+                info!(blocks = spec.num_blocks, block_len = spec.block_len,
+                    size = %room::human(bytes), object = %format!("/dev/shm/{}", spec.shm_name),
+                    "allocating the pool (shared memory, pre-faulted)");
                 Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?
             } else {
+                info!(blocks = spec.num_blocks, block_len = spec.block_len,
+                    size = %room::human(bytes),
+                    "allocating the pool (private memory, pre-faulted)");
                 Pool::anonymous(spec.num_blocks, spec.block_len, false)?
-            })
+            };
+            info!(ms = started.elapsed().as_millis() as u64, "pool allocated");
+            Ok(pool)
         },
         |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
     )?;
@@ -161,12 +187,16 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
 /// Builds a node with the spec's data plane over the pool `make_pool` returns, and the parent
 /// `make_parent` makes of that pool (with anything the caller keeps, `T`). Both run after the
 /// control channel is bound (the spec carries the real identity); the plane is built over the
-/// pool before it goes to the parent; `make_parent` gets the node's wake hook.
+/// pool before it goes to the parent; `make_parent` gets the node's wake hook. The pool is
+/// made before the control port opens (a peer that connects is then answered at once, never
+/// by a node still allocating): `make_pool` sees the spec's identity as configured (port 0
+/// before the system picks one).
 pub(crate) fn build_with<Q: Parent, T>(
     spec: &NodeSpec,
     make_pool: impl FnOnce(&NodeSpec) -> Result<Pool, BuildError>,
     make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
 ) -> Result<(NodeIo<Q>, T), BuildError> {
+    let pool = make_pool(spec)?;
     let channel = match (spec.listen, spec.id.as_str().strip_suffix(":0")) {
         (Some(at), _) => ControlChannel::bind_at(at, &spec.id, spec.control.clone())?,
         (None, Some(host)) => ControlChannel::bind_any_port(host, spec.control.clone())?,
@@ -177,7 +207,6 @@ pub(crate) fn build_with<Q: Parent, T>(
         ..spec.clone()
     };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
-    let pool = make_pool(&spec)?;
     let built = spec.plane.build(&spec, &pool, pipe.hook())?;
     let pool_base = pool.base_addr();
     let (parent, kept) = make_parent(pool, pipe.hook())?;
@@ -215,8 +244,41 @@ pub(crate) fn build_with<Q: Parent, T>(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::AuthSecret;
     use crate::NodeConfig;
+
+    #[test]
+    fn the_pool_is_made_before_the_control_port_opens() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut config = NodeConfig::local("pool-first");
+        config.spec.id = kvpeer_proto::PeerId::from_host_port("127.0.0.1", port);
+        config.spec.plane = crate::PlaneKind::Tcp;
+        config.spec.num_blocks = 4;
+        config.spec.block_len = 4096;
+        let mut connected_while_allocating = None;
+        let built = super::build_with(
+            &config.spec,
+            |spec| {
+                connected_while_allocating =
+                    Some(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+                Ok(kvpeer_store::Pool::anonymous(
+                    spec.num_blocks,
+                    spec.block_len,
+                    false,
+                )?)
+            },
+            |pool, _| Ok((kvpeer_store::BlockStore::with_pool(pool)?, ())),
+        );
+        assert!(built.is_ok(), "{:?}", built.err());
+        assert_eq!(connected_while_allocating, Some(false));
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    }
 
     #[test]
     fn a_printed_spec_never_shows_the_auth_secret() {

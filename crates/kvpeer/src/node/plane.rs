@@ -82,7 +82,7 @@ impl PlaneKind {
     /// whose it is), because a same-host peer maps it and writes into it: the shm plane, alone
     /// or in `both`. Otherwise the pool is private anonymous memory in transparent huge pages
     /// ([`Pool::anonymous`]), which a `/dev/shm` object does not get.
-    pub(crate) fn shared_pool(self) -> bool {
+    pub fn shared_pool(self) -> bool {
         matches!(self, PlaneKind::Shm | PlaneKind::Both)
     }
 

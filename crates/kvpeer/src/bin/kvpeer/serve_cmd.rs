@@ -20,6 +20,9 @@ use tracing::{info, warn};
 
 use crate::node_args::{NodeArgs, PoolArgs};
 
+/// A pool this large is announced before it is allocated (at 1–4 s per GiB here).
+const LARGE_POOL: u64 = 1 << 30;
+
 /// `kvpeer serve` options.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
@@ -67,6 +70,22 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let allow_all = config.spec.allowlist.allows_all();
     let plane = config.spec.plane.name();
     let pool_config = config.pool.clone();
+    let pool_bytes = config.spec.num_blocks.saturating_mul(config.spec.block_len);
+    if pool_bytes >= LARGE_POOL {
+        // Said at any log level: a large pool takes seconds per GiB to allocate and touch,
+        // and nothing else is printed until `ready`.
+        eprintln!(
+            "kvpeer serve: allocating a pool of {} ({} blocks of {} bytes, {}); ready follows",
+            kvpeer_store::room::human(pool_bytes),
+            config.spec.num_blocks,
+            config.spec.block_len,
+            if config.spec.plane.shared_pool() {
+                "shared memory in /dev/shm"
+            } else {
+                "private memory"
+            }
+        );
+    }
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {
