@@ -412,3 +412,46 @@ fn a_large_pool_is_announced_before_it_is_allocated() {
         "{log}"
     );
 }
+
+#[test]
+fn fetch_fails_when_its_session_is_lost_mid_run_or_its_hit_rate_is_too_low() {
+    let (mut node, id) = Proc::serve(&["--blocks", "64", "--block-len", "4096", "--fill", "64"]);
+    let id = id.to_string();
+    // Every key hits: the rate is met. Keys past the filled ones all miss: it is not, and the
+    // run says so, though every load that ran succeeded.
+    let (code, _, last) = fetch(&id, &with(&["--min-hit-rate", "1"]));
+    assert_eq!(code, 0, "{last}");
+    let (code, stdout, last) = fetch(&id, &with(&["--first", "1000", "--min-hit-rate", "0.5"]));
+    assert_eq!(code, 1, "{stdout} {last}");
+    assert!(last.contains("hit rate 0.000 below --min-hit-rate 0.5"), "{last}");
+    let (code, _, last) = fetch(&id, &with(&["--first", "1000"]));
+    assert_eq!(code, 0, "no rate asked, none enforced: {last}");
+
+    // The peer dies while the run goes on: the requests after it miss, and the run fails.
+    let mut args: Vec<String> = ["fetch", "--peer", &id, "--requests", "20000", "--keys", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(with(&["--json"]).iter().map(|s| s.to_string()));
+    let child = std::process::Command::new(BIN)
+        .args(&args)
+        .env("KVPEER_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    node.child.kill().unwrap();
+    node.child.wait().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout} {stderr}");
+    assert!(
+        stderr.contains(&format!("the session with {id} ended during the run")),
+        "{stderr}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(summary["sessions_lost"].as_u64() >= Some(1), "{summary}");
+    assert!(summary["hits"].as_u64() > Some(0), "it ran before the peer died: {summary}");
+}

@@ -6,8 +6,9 @@
 //!
 //! Prints one summary line (requests, hits, misses, bytes, lookup and fetch latency p50/p99,
 //! the workload's seconds, and GB/s over the loads' own time: fetch sent to blocks landed).
-//! Exit status 0 when every load succeeded and every byte matched, 1 otherwise, 2 for bad
-//! arguments. Every wait is bounded by `--timeout-secs`. Runs on the public API
+//! Exit status 0 when every load succeeded, every byte matched, the session with the peer
+//! lasted the whole run and the hit rate reached `--min-hit-rate`; 1 otherwise (the last line
+//! on stderr says which); 2 for bad arguments. Every wait is bounded by `--timeout-secs`. Runs on the public API
 //! ([`kvpeer::Node`]), as an engine would; with `--driven`, on an engine-driven node instead
 //! ([`crate::fetch_driven`]); what both share is in [`crate::fetch_workload`].
 
@@ -133,6 +134,7 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
                 "bytes": t.bytes,
                 "failed_loads": t.failed_loads,
                 "corrupt_blocks": t.corrupt_blocks,
+                "sessions_lost": t.sessions_lost,
                 "lookup_p50_us": percentile(&t.lookup_us, 50),
                 "lookup_p99_us": percentile(&t.lookup_us, 99),
                 "fetch_p50_us": percentile(&t.fetch_us, 50),
@@ -147,7 +149,30 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
                 let line: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 println!("kvpeer fetch: {}", line.join(" "));
             }
-            u8::from(t.failed_loads > 0 || t.corrupt_blocks > 0)
+            let mut failures = Vec::new();
+            if t.failed_loads > 0 {
+                failures.push(format!("{} loads failed", t.failed_loads));
+            }
+            if t.corrupt_blocks > 0 {
+                failures.push(format!("{} blocks did not match", t.corrupt_blocks));
+            }
+            if t.sessions_lost > 0 {
+                failures.push(format!(
+                    "the session with {} ended during the run ({} times): later requests missed",
+                    args.peer, t.sessions_lost
+                ));
+            }
+            if hit_rate < args.min_hit_rate {
+                failures.push(format!(
+                    "hit rate {hit_rate:.3} below --min-hit-rate {}",
+                    args.min_hit_rate
+                ));
+            }
+            if failures.is_empty() {
+                return 0;
+            }
+            crate::report::fatal!("fetch", "{}", failures.join("; "));
+            1
         }
         Err(e) => {
             if args.json {
@@ -226,6 +251,9 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
     let timeout = Duration::from_secs(args.timeout_secs);
     // The handshake is not part of any request's lookup time, nor of the workload's.
     let peer = connect(node, PeerId::new(args.peer.clone()), timeout)?;
+    // A first session refused for naming the node by another of its addresses ended before
+    // the workload: only what ends from here on is lost.
+    let closed_before = node.stats()?.counters.sessions_closed;
     let run = Run {
         node,
         peer: &peer,
@@ -287,6 +315,12 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
     progress.done();
     tally.workload = started.elapsed();
     tally.cpu = process_cpu().saturating_sub(cpu_before);
+    // Our own shutdown comes after this: any session that ended so far ended under us.
+    tally.sessions_lost = node
+        .stats()?
+        .counters
+        .sessions_closed
+        .saturating_sub(closed_before);
     Ok(tally)
 }
 

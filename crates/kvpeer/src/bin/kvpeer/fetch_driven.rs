@@ -113,6 +113,8 @@ impl Driver<'_> {
         progress.done();
         tally.workload = started.elapsed();
         tally.cpu = process_cpu().saturating_sub(cpu_before);
+        // Our own shutdown comes after this: any session that ended so far ended under us.
+        tally.sessions_lost = self.node.counters().sessions_closed;
         Ok(tally)
     }
 

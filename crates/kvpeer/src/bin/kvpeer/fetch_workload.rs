@@ -53,6 +53,10 @@ pub(crate) struct FetchArgs {
     /// Bound on every wait (handshake, one lookup, one fetch), in seconds.
     #[arg(long, default_value_t = 30)]
     pub(crate) timeout_secs: u64,
+    /// Exit 1 when fewer than this share of the keys looked up hit (0 to 1; a smoke test of a
+    /// fleet: `--min-hit-rate 0.5`)
+    #[arg(long, default_value_t = 0.0, value_parser = parse_share)]
+    pub(crate) min_hit_rate: f64,
     /// Drive the node on this command's thread, as an engine embedding kvpeer does (no
     /// runtime thread, no hop per call; `--concurrency` requests in flight on the one thread).
     #[arg(long)]
@@ -67,6 +71,9 @@ pub(crate) struct Tally {
     pub(crate) bytes: u64,
     pub(crate) failed_loads: u64,
     pub(crate) corrupt_blocks: u64,
+    /// Sessions with the peer that ended during the run (its process died, its host went
+    /// away, it refused us): every request after that is a miss, which is no success.
+    pub(crate) sessions_lost: u64,
     pub(crate) lookup_us: Vec<u64>,
     pub(crate) fetch_us: Vec<u64>,
     /// From the first request to the last finish (the node's start-up and handshake excluded).
@@ -84,6 +91,7 @@ impl Tally {
         self.bytes += other.bytes;
         self.failed_loads += other.failed_loads;
         self.corrupt_blocks += other.corrupt_blocks;
+        self.sessions_lost += other.sessions_lost;
         self.lookup_us.extend(other.lookup_us);
         self.fetch_us.extend(other.fetch_us);
     }
