@@ -16,6 +16,7 @@ mod lru;
 mod pool;
 pub mod proc_maps;
 pub mod room;
+pub mod stale;
 mod store;
 pub mod trailer;
 

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvpeer_core::BlockIndex;
 use kvpeer_proto::PeerId;
 use memmap2::MmapMut;
-use nix::fcntl::OFlag;
+use nix::fcntl::{Flock, FlockArg, OFlag};
 use nix::sys::mman::{mlock, shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 use nix::unistd::ftruncate;
@@ -81,6 +81,12 @@ pub enum PoolError {
         name: String,
         /// The system's error.
         source: nix::Error,
+    },
+    /// Another live node's pool has the object's name (it holds the object's lock).
+    #[error("cannot create shared-memory object /{name}: a live node holds it (its pool has that name); give this node another name (shm_name, --shm-name)")]
+    InUse {
+        /// Its name.
+        name: String,
     },
     /// The object could not be mapped (or examined).
     #[error("cannot map shared-memory object /{name}: {source}")]
@@ -199,6 +205,9 @@ enum Backing {
         /// Never read through: `Memory::base` points into it. Kept to unmap on drop.
         _map: MmapMut,
         object: ShmObject,
+        /// The object's exclusive lock, held while the pool lives: a later node tells a dead
+        /// node's object (nobody holds its lock) from a live one's (`stale.rs`).
+        _lock: Flock<File>,
     },
     /// Private anonymous memory ([`Pool::anonymous`]): the blocks start at the first 2 MiB
     /// boundary inside the mapping.
@@ -522,24 +531,43 @@ impl Pool {
             name: name.to_owned(),
             source,
         };
-        let fd = shm_open(
-            path.as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .map_err(create)?;
+        let open = || {
+            shm_open(
+                path.as_str(),
+                OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+                Mode::S_IRUSR | Mode::S_IWUSR,
+            )
+        };
+        let fd = match open() {
+            Ok(fd) => fd,
+            // A dead node's object under this name (a restart after SIGKILL, PID 1 again in a
+            // container): removed, and the name taken.
+            Err(nix::errno::Errno::EEXIST) if crate::stale::remove_if_stale(name) => {
+                debug!(name, "removed a dead node's object of the same name");
+                open().map_err(create)?
+            }
+            Err(nix::errno::Errno::EEXIST) => {
+                return Err(PoolError::InUse {
+                    name: name.to_owned(),
+                })
+            }
+            Err(e) => return Err(create(e)),
+        };
         // From here on the object exists: unlink it on any failure.
         let cleanup = |e: PoolError| {
             let _ = shm_unlink(path.as_str());
             e
         };
-        ftruncate(&fd, size).map_err(|e| cleanup(create(e)))?;
-        let file = File::from(fd);
+        // Taken at once, before the object has a size: a node scanning for dead nodes'
+        // objects never sees this one unlocked while its process lives.
+        let file = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| cleanup(create(e)))?;
+        ftruncate(&*file, size).map_err(|e| cleanup(create(e)))?;
         let stat = file.metadata().map_err(|e| cleanup(map_err(e)))?;
         // SAFETY: the object was just created exclusively (O_EXCL) with mode 0600 and sized to
         // `len`; only this process and peers the data planes deliberately let write blocks map
         // it. The map is only ever accessed through this file's rules (see `Memory`).
-        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| cleanup(map_err(e)))?;
+        let mut map = unsafe { MmapMut::map_mut(&*file) }.map_err(|e| cleanup(map_err(e)))?;
         let head = trailer::encode(&secret);
         match map.get_mut(span..span + head.len()) {
             Some(dst) => dst.copy_from_slice(&head),
@@ -569,7 +597,11 @@ impl Pool {
             file_id: (stat.dev(), stat.ino()),
             fence: std::sync::Arc::new(fence),
         };
-        let backing = Backing::Shm { _map: map, object };
+        let backing = Backing::Shm {
+            _map: map,
+            object,
+            _lock: file,
+        };
         Ok(Pool::from_parts(
             base,
             num_blocks,
@@ -1116,7 +1148,7 @@ mod tests {
         let _r = Pool::shm(&name, 1, 4096, false).unwrap();
         assert!(matches!(
             Pool::shm(&name, 1, 4096, false),
-            Err(PoolError::Create { .. })
+            Err(PoolError::InUse { .. })
         ));
         assert!(matches!(
             Pool::shm(&unique("zero"), 0, 4096, false),

@@ -423,7 +423,10 @@ fn fetch_fails_when_its_session_is_lost_mid_run_or_its_hit_rate_is_too_low() {
     assert_eq!(code, 0, "{last}");
     let (code, stdout, last) = fetch(&id, &with(&["--first", "1000", "--min-hit-rate", "0.5"]));
     assert_eq!(code, 1, "{stdout} {last}");
-    assert!(last.contains("hit rate 0.000 below --min-hit-rate 0.5"), "{last}");
+    assert!(
+        last.contains("hit rate 0.000 below --min-hit-rate 0.5"),
+        "{last}"
+    );
     let (code, _, last) = fetch(&id, &with(&["--first", "1000"]));
     assert_eq!(code, 0, "no rate asked, none enforced: {last}");
 
@@ -453,5 +456,76 @@ fn fetch_fails_when_its_session_is_lost_mid_run_or_its_hit_rate_is_too_low() {
     );
     let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert!(summary["sessions_lost"].as_u64() >= Some(1), "{summary}");
-    assert!(summary["hits"].as_u64() > Some(0), "it ran before the peer died: {summary}");
+    assert!(
+        summary["hits"].as_u64() > Some(0),
+        "it ran before the peer died: {summary}"
+    );
+}
+
+#[test]
+fn a_named_pool_comes_back_after_a_kill_and_a_live_ones_name_is_refused() {
+    let name = format!("kvpeer-named-test-{}-x", std::process::id());
+    let object = format!("/dev/shm/{name}");
+    let serve = |more: &[&str]| {
+        let mut args = vec!["--blocks", "16", "--block-len", "4096", "--plane", "shm"];
+        args.extend_from_slice(&["--shm-name", &name]);
+        args.extend_from_slice(more);
+        args.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let args = serve(&["--fill", "4"]);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (mut first, id) = Proc::serve(&argv);
+    assert!(first
+        .ready
+        .as_deref()
+        .unwrap()
+        .contains(&format!("shm={name}")));
+    // A second node under the same name while the first lives: refused, saying why.
+    let out = std::process::Command::new(BIN)
+        .arg("serve")
+        .args(serve(&[]))
+        .env("KVPEER_LOG", "error")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        stderr.contains("a live node holds it") && stderr.contains("--shm-name"),
+        "{stderr}"
+    );
+    // Killed: its object stays behind; a node started under its name takes it over and serves.
+    first.kill9();
+    assert!(std::path::Path::new(&object).exists());
+    let (mut second, id2) = Proc::serve(&argv);
+    let (code, _, last) = fetch(&id2.to_string(), &with(&[]));
+    assert_eq!(code, 0, "{last}");
+    assert_ne!(id, id2);
+    assert_eq!(second.terminate(Duration::from_secs(20)), 0);
+    assert!(
+        !std::path::Path::new(&object).exists(),
+        "removed at its orderly end"
+    );
+}
+
+#[test]
+fn a_dead_nodes_default_named_pool_is_removed_by_the_next_node_and_a_live_ones_never() {
+    // A process that is gone: its pid names the object a node killed with SIGKILL left.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    // A live node's default-named pool (holding its lock).
+    let (mut live, _) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--plane", "shm"]);
+    let live_object = format!("/dev/shm/{}", live.shm);
+    assert!(std::path::Path::new(&live_object).exists());
+    let stale = format!("/dev/shm/kvpeer-serve-{pid}");
+    std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+    std::fs::write(format!("{stale}.fence"), vec![0u8; 8]).unwrap();
+    // The next node with a shm pool removes the dead one's object (or a node of a test running
+    // beside this one did, at its start) and leaves the live one's.
+    let (mut next, _) = Proc::serve(&["--blocks", "16", "--block-len", "4096", "--plane", "shm"]);
+    assert!(!std::path::Path::new(&stale).exists(), "{}", next.log());
+    assert!(!std::path::Path::new(&format!("{stale}.fence")).exists());
+    assert!(std::path::Path::new(&live_object).exists());
+    assert_eq!(next.terminate(Duration::from_secs(20)), 0);
+    assert_eq!(live.terminate(Duration::from_secs(20)), 0);
 }

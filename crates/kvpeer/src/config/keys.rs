@@ -115,6 +115,8 @@ declare_keys! {
     config_fingerprint = "";
     /// data planes: shm, tcp, both or nixl
     plane = "both";
+    /// name of the pool's shared-memory object in /dev/shm, for the shm and both planes (unset: kvpeer-TAG-PID); a dead node's object of that name is removed, a live one's refused
+    shm_name;
     /// directory of NIXL's libnixl_capi.so, for the nixl plane (unset: the loader's path)
     nixl_lib_dir;
     /// UCX backend parameters for the nixl plane, key=value,...

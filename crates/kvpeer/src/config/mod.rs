@@ -141,6 +141,27 @@ pub fn resolve(
     resolve_one(&merged, tag)
 }
 
+/// A shared-memory object's name as `shm_open` takes it without its `/`: 1 to 200 bytes of
+/// letters, digits, `-`, `_` and `.`, not starting with `.` and not ending in `.fence` (the
+/// pool's fence words take that name).
+fn shm_object_name(name: &str) -> Result<&str, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && !name.ends_with(".fence")
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(name)
+    } else {
+        Err(format!(
+            "{name:?} is no shared-memory object name: 1 to 200 letters, digits, '-', '_' or '.', \
+             not starting with '.' nor ending in .fence"
+        ))
+    }
+}
+
 /// The engine's ranks on this host this node tells of lost hosts: `liveness_group` (its
 /// name) with `liveness_rank` (`INDEX/MEMBERS`), both or neither.
 fn liveness_group(s: &Values<'_>) -> Result<Option<SiblingGroup>, ConfigError> {
@@ -294,7 +315,12 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             plane,
             num_blocks: s.number(&KEY.num_blocks, 1, u64::from(u32::MAX) - 1)?,
             block_len: s.number(&KEY.block_len, 1, 1 << 30)?,
-            shm_name: format!("kvpeer-{tag}-{}", std::process::id()),
+            shm_name: match s.get(&KEY.shm_name) {
+                None => format!("kvpeer-{tag}-{}", std::process::id()),
+                Some((name, src)) => shm_object_name(name)
+                    .map_err(|why| bad(src, "shm_name", why))?
+                    .to_owned(),
+            },
             tcp_listen,
             tcp_max_write_rate,
             tcp_min_write_rate: s.rate(&KEY.tcp_min_rate)?,

@@ -163,6 +163,14 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
             } else {
                 Backing::Private
             };
+            if shared {
+                // Dead nodes' objects (a SIGKILL leaves gigabytes in /dev/shm) go first: they
+                // take the room the check below counts, and perhaps this node's name.
+                let removed = kvpeer_store::stale::remove_stale_objects();
+                if !removed.is_empty() {
+                    tracing::info!(objects = ?removed, "removed the shared-memory pools of kvpeer nodes that are gone");
+                }
+            }
             Room::of_this_host().check(bytes, spec.num_blocks, spec.block_len, backing)?;
             let started = Instant::now();
             let pool = if shared {

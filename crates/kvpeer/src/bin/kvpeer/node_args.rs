@@ -58,6 +58,8 @@ pub(crate) struct NodeArgs {
     pub(crate) plane: Option<PlaneKind>,
     #[arg(long, help = help(&KEY.hash_seed))]
     pub(crate) hash_seed: Option<String>,
+    #[arg(long, value_name = "NAME", help = help(&KEY.shm_name))]
+    pub(crate) shm_name: Option<String>,
     #[arg(long, value_parser = config::parse_rate, value_name = "BYTES_PER_SECOND", help = help_of(
         &format!("{} (suffixes K, M, G: powers of 1000)", KEY.tcp_max_rate.help),
         &[&KEY.tcp_max_rate],
@@ -201,6 +203,7 @@ impl NodeArgs {
         set(&KEY.tcp_max_rate, text(self.tcp_max_rate), "--tcp-max-rate");
         set(&KEY.max_peers, text(self.max_peers), "--max-peers");
         set(&KEY.hash_seed, self.hash_seed.clone(), "--hash-seed");
+        set(&KEY.shm_name, self.shm_name.clone(), "--shm-name");
         set(
             &KEY.plane,
             self.plane.map(|p| p.name().to_owned()),
