@@ -2,14 +2,19 @@
 
 * :class:`Node`: a standalone kvpeer node (its own pool and thread) that stores blocks for
   peers, and looks up and fetches blocks from peers (kvpeer nodes or vLLM engines).
-* :mod:`kvpeer.vllm`: ``KvpeerTier``, a vLLM 0.33 secondary tier (loaded by vLLM through
+* :mod:`kvpeer.vllm`: ``KvpeerTier``, a vLLM secondary tier (loaded by vLLM through
   ``"module_path": "kvpeer.vllm"``) that replaces the stock ``p2p`` tier.
+
+Supported: peers of vLLM ``VLLM_PEERS`` (0.27 to 0.34), the tier in vLLM ``VLLM_TIER``
+(0.32, 0.33 and 0.34).
 
 The node itself is Rust (``kvpeer._native``); every call releases the GIL while it works.
 """
 
 from kvpeer._native import (
     NIXL_BUILT,
+    VLLM_PEERS,
+    VLLM_TIER,
     ConfigError,
     KvpeerError,
     Node,
@@ -25,5 +30,7 @@ __all__ = [
     "Node",
     "PeerUnavailable",
     "PlaneUnavailable",
+    "VLLM_PEERS",
+    "VLLM_TIER",
     "__version__",
 ]

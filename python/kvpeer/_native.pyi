@@ -4,6 +4,8 @@ from collections.abc import Buffer, Mapping, Sequence
 
 __version__: str
 NIXL_BUILT: bool
+VLLM_PEERS: str
+VLLM_TIER: str
 
 class KvpeerError(RuntimeError):
     """kvpeer could not do what was asked."""

@@ -130,3 +130,13 @@ def test_the_vllm_tier_without_vllm_is_an_import_error_that_says_what_it_needs()
     # kvpeer itself imports, and its Node is there.
     ok = subprocess.run([sys.executable, "-c", "import kvpeer; kvpeer.Node"], env=env, timeout=60)
     assert ok.returncode == 0
+
+
+def test_the_package_states_the_supported_vllm_releases_as_the_readme_does():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    statement = " ".join(readme.split("**Supported vLLM releases**")[1].split("\n\n")[0].split())
+    assert f"vLLM {kvpeer.VLLM_PEERS}," in statement
+    assert f"vLLM {kvpeer.VLLM_TIER}," in statement
+    assert kvpeer.VLLM_PEERS in kvpeer.__doc__ and kvpeer.VLLM_TIER in kvpeer.__doc__

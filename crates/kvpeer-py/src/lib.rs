@@ -45,6 +45,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerUnavailable", py.get_type::<errors::PeerUnavailable>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NIXL_BUILT", cfg!(feature = "nixl"))?;
+    m.add("VLLM_PEERS", kvpeer::VLLM_PEERS)?;
+    m.add("VLLM_TIER", kvpeer::VLLM_TIER)?;
     m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;
     m.add_function(pyo3::wrap_pyfunction!(shard_owner, m)?)?;
     Ok(())

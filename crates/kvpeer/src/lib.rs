@@ -4,6 +4,18 @@
 //! `kvpeer-net`.
 
 pub mod api;
+
+/// The vLLM releases whose P2P peers kvpeer speaks with, byte for byte (stated once: the
+/// README, `kvpeer --help`, the Python package and the metrics say this; a test holds them to
+/// it).
+pub const VLLM_PEERS: &str = "0.27 to 0.34";
+
+/// The vLLM releases `kvpeer.vllm.KvpeerTier` runs inside (told apart by their tier contract,
+/// not their version string).
+pub const VLLM_TIER: &str = "0.32, 0.33 and 0.34";
+
+/// Both, as one line.
+pub const SUPPORTED_VLLM: &str = "peers of vLLM 0.27 to 0.34; the tier in vLLM 0.32, 0.33 and 0.34";
 pub mod config;
 pub mod engine;
 pub mod metrics;

@@ -797,9 +797,12 @@ impl Endpoint {
         })
     }
 
-    /// The response to a request head.
+    /// The response to a request head: `/metrics`, `/healthz` (the node's runtime thread
+    /// answers), `/readyz` (it answers and every followed engine's event stream is
+    /// connected: the pool is allocated before the node starts). A query string is ignored.
     fn respond(&self, head: &str) -> Vec<u8> {
-        let path = head.split_whitespace().nth(1).unwrap_or("");
+        let target = head.split_whitespace().nth(1).unwrap_or("");
+        let path = target.split_once('?').map_or(target, |(p, _)| p);
         match (head.starts_with("GET "), path) {
             (true, "/metrics") => match self.node.stats() {
                 Ok(s) => {
@@ -808,11 +811,29 @@ impl Endpoint {
                         body.push_str(&render_pool(&pool.stats()));
                     }
                     body.push_str(&self.stats.render());
+                    body.push_str(&render_process());
                     response("200 OK", &body)
                 }
                 Err(e) => response("503 Service Unavailable", &format!("{e}\n")),
             },
-            (true, _) => response("404 Not Found", "try /metrics\n"),
+            (true, "/healthz") => match self.node.stats() {
+                Ok(_) => response("200 OK", "ok\n"),
+                Err(e) => response("503 Service Unavailable", &format!("{e}\n")),
+            },
+            (true, "/readyz") => match self.node.stats() {
+                Err(e) => response("503 Service Unavailable", &format!("{e}\n")),
+                Ok(_) => match self.pool.as_ref().map(|p| p.stats()) {
+                    Some(p) if p.connected < p.engines => response(
+                        "503 Service Unavailable",
+                        &format!(
+                            "not ready: {} of {} followed engines' event streams connected\n",
+                            p.connected, p.engines
+                        ),
+                    ),
+                    _ => response("200 OK", "ready\n"),
+                },
+            },
+            (true, _) => response("404 Not Found", "try /metrics, /healthz or /readyz\n"),
             _ => response("405 Method Not Allowed", "GET only\n"),
         }
     }
@@ -837,6 +858,74 @@ struct Ready {
 /// Whether `c` has written all of its response (then it is closed).
 fn finished(c: &Conn) -> bool {
     matches!(&c.state, State::Writing(bytes, sent) if *sent >= bytes.len())
+}
+
+/// The build and the process: `kvpeer_build_info` (1, labelled with the version and the vLLM
+/// releases it speaks with) and the usual `process_*` series, read from `/proc/self`.
+pub fn render_process() -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP kvpeer_build_info the kvpeer build (always 1)\n# TYPE kvpeer_build_info gauge\n\
+         kvpeer_build_info{{version=\"{}\",vllm=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION"),
+        crate::SUPPORTED_VLLM
+    );
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command's closing parenthesis (the command may hold spaces): utime and
+    // stime are the 12th and 13th, starttime the 20th, rss the 22nd (in pages).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|t| *t > 0)
+        .unwrap_or(100) as f64;
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .filter(|p| *p > 0)
+        .unwrap_or(4096) as u64;
+    if let (Some(user), Some(system)) = (field(11), field(12)) {
+        let _ = writeln!(
+            out,
+            "# HELP process_cpu_seconds_total CPU time of the process, user and system\n\
+             # TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total {}",
+            (user + system) as f64 / ticks
+        );
+    }
+    if let Some(rss) = field(21) {
+        let _ = writeln!(
+            out,
+            "# HELP process_resident_memory_bytes resident memory of the process\n\
+             # TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes {}",
+            rss * page
+        );
+    }
+    let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    });
+    if let (Some(boot), Some(start)) = (boot, field(19)) {
+        let _ = writeln!(
+            out,
+            "# HELP process_start_time_seconds when the process started, seconds since the epoch\n\
+             # TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}",
+            boot as f64 + start as f64 / ticks
+        );
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        let _ = writeln!(
+            out,
+            "# HELP process_open_fds open file descriptors\n# TYPE process_open_fds gauge\n\
+             process_open_fds {}",
+            fds.count()
+        );
+    }
+    out
 }
 
 fn response(status: &str, body: &str) -> Vec<u8> {

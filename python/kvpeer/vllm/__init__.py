@@ -53,10 +53,12 @@ try:
         TransferJob,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError as e:  # no vLLM, or one without the tier contract (before 0.33's)
+except ImportError as e:  # no vLLM, or one without the tier contract (before 0.32's)
+    from kvpeer._native import VLLM_TIER
+
     raise ImportError(
         "kvpeer.vllm is a vLLM secondary tier: it needs vLLM with the out-of-tree tier contract "
-        "(vllm/v1/kv_offload/tiering: vLLM 0.32 to 0.34) in this Python "
+        f"(vllm/v1/kv_offload/tiering: vLLM {VLLM_TIER}) in this Python "
         f"({sys.executable}); {e}. kvpeer.Node works without vLLM.",
         name=e.name,
         path=e.path,

@@ -27,9 +27,14 @@ use clap::{Parser, Subcommand};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// kvpeer: peer-to-peer KV-cache sharing for LLM inference, wire-compatible with vLLM's P2P
-/// tier (the releases README.md names: 0.27 to 0.34).
+/// tier (the releases: `kvpeer::SUPPORTED_VLLM`).
 #[derive(Debug, Parser)]
 #[command(name = "kvpeer", version, propagate_version = true)]
+#[command(about = format!(
+    "kvpeer: peer-to-peer KV-cache sharing for LLM inference, wire-compatible with vLLM's P2P \
+     tier ({})",
+    kvpeer::SUPPORTED_VLLM
+))]
 #[command(after_help = "\
 Examples:
   kvpeer demo
