@@ -320,15 +320,17 @@ pub enum SendFailure {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostSign {
     /// Nothing on its host answered: the heartbeat or a probe went unanswered, the connect
-    /// timed out or found no route, the peer took no bytes. The host may be gone: every other
-    /// connection to it is probed, and with none left that answers it is taken for down.
+    /// timed out or found no route to the host. The host may be gone: every other connection
+    /// to it is probed, and with none left that answers it is taken for down. (The control
+    /// channel makes a silent heartbeat [`HostSign::ProcessGone`] when the host's kernel still
+    /// acknowledged our bytes: its process is silent, the host is up.)
     Unanswered,
     /// The peer's end closed or reset the connection: its host's kernel answered, so the host
     /// was up then, but a host going down (a pod torn down) may close one process's
     /// connections before the others fall silent: the others are probed, nothing more.
     ProcessGone,
-    /// Nothing about the host (a refusal, a protocol error, our own close, a name that does
-    /// not resolve, a connect refused by the host itself).
+    /// Nothing about the host (a ZMTP refusal, a protocol error, our own close, a name that
+    /// does not resolve, a connect refused by the host itself, a local error).
     None,
 }
 
@@ -336,16 +338,19 @@ impl LinkLoss {
     /// What this loss says about the peer's host ([`HostSign`]).
     pub fn host_sign(&self) -> HostSign {
         use io::ErrorKind::{
-            BrokenPipe, ConnectionAborted, ConnectionReset, HostUnreachable, NetworkDown,
-            NetworkUnreachable, TimedOut,
+            BrokenPipe, ConnectionAborted, ConnectionReset, HostUnreachable, NetworkUnreachable,
+            TimedOut,
         };
         match self {
             LinkLoss::Silent(_)
             | LinkLoss::ProbeUnanswered(_)
             | LinkLoss::ConnectTimeout(_)
             | LinkLoss::Stalled(_)
-            | LinkLoss::Unreachable { .. }
-            | LinkLoss::Socket(TimedOut | HostUnreachable | NetworkUnreachable | NetworkDown) => {
+            | LinkLoss::Unreachable {
+                kind: TimedOut | HostUnreachable | NetworkUnreachable,
+                ..
+            }
+            | LinkLoss::Socket(TimedOut | HostUnreachable | NetworkUnreachable) => {
                 HostSign::Unanswered
             }
             LinkLoss::ClosedByPeer

@@ -768,3 +768,75 @@ fn a_host_name_is_resolved_off_the_node_thread_and_reached() {
     assert!(events.is_empty(), "{events:?}");
     assert!(a.connected(&named));
 }
+
+/// Host liveness (`control/hosts.rs`) on loopback, where every host is up: a connection to
+/// 127.0.0.1 closed by its peer starts a probe round, the other connection to 127.0.0.1 gets
+/// its PING at once (long before its heartbeat's), and though its process never answers, the
+/// host's kernel acknowledges the PING: the connection stays, its heartbeat judges the
+/// process later. Without the acknowledgement rule it would be lost at the probe's 1 s.
+#[test]
+fn a_probe_round_spares_a_silent_process_whose_host_acknowledges() {
+    // The default probe timeout (1 s): above the 200 ms a host's kernel may delay its ACK.
+    let config = ControlConfig::default();
+    let mut a = channel_with(config);
+    let (closing_listener, closing) = router_listener();
+    let (silent_listener, silent) = router_listener();
+    a.send(&closing, b"one").unwrap();
+    a.send(&silent, b"two").unwrap();
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    let closer = std::thread::spawn(move || {
+        let mut r = Router::accept(&closing_listener);
+        r.handshake(3, 1);
+        assert_eq!(r.read_message(), b"one");
+        // Give the silent one time to finish its handshake, then close: the process is gone.
+        std::thread::sleep(Duration::from_millis(300));
+        closed_tx.send(Instant::now()).unwrap();
+    });
+    let (ping_tx, ping_rx) = std::sync::mpsc::channel();
+    let quiet = std::thread::spawn(move || {
+        let mut r = Router::accept(&silent_listener);
+        r.handshake(3, 1);
+        assert_eq!(r.read_message(), b"two");
+        // Reads (so its kernel acknowledges) and never answers.
+        loop {
+            let mut flags = [0u8; 1];
+            if r.s.read_exact(&mut flags).is_err() {
+                return;
+            }
+            let mut n = [0u8; 1];
+            r.s.read_exact(&mut n).unwrap();
+            let mut body = vec![0u8; n[0] as usize];
+            r.s.read_exact(&mut body).unwrap();
+            if flags[0] == COMMAND && body.starts_with(b"\x04PING") {
+                let _ = ping_tx.send(Instant::now());
+            }
+        }
+    });
+    let events = drive(&mut [&mut a], Duration::from_secs(5), |e| {
+        lost_reason(e, &closing).is_some()
+    });
+    assert!(
+        matches!(lost_cause(&events, &closing), Some(LinkLoss::ClosedByPeer)),
+        "{events:?}"
+    );
+    closer.join().unwrap();
+    let closed_at = closed_rx.recv().unwrap();
+    let pinged_at = ping_rx
+        .recv_timeout(Duration::from_secs(1))
+        .expect("the other connection to the host was probed");
+    assert!(
+        pinged_at - closed_at < Duration::from_millis(900),
+        "probed {:?} after the close, not by its 2 s heartbeat",
+        pinged_at - closed_at
+    );
+    // Past the probe's deadline, twice over: still there.
+    let events = drive(&mut [&mut a], Duration::from_millis(2000), |_| false);
+    assert!(lost_cause(&events, &silent).is_none(), "{events:?}");
+    assert!(a.connected(&silent));
+    let counts = a.host_liveness();
+    assert_eq!(counts.probe_rounds, 1, "{counts:?}");
+    assert_eq!(counts.probe_losses, 0, "{counts:?}");
+    assert_eq!(counts.hosts_down, 0, "{counts:?}");
+    drop(a);
+    quiet.join().unwrap();
+}

@@ -28,7 +28,7 @@ use crate::pool_node::{PoolNode, PoolNodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 34] = [
+    let counters: [(&str, &str, u64); 35] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -183,6 +183,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_inbound_held_back_total",
             "rounds an inbound connection was held back for its host's time share while another host waited",
             s.inbound_held_back,
+        ),
+        (
+            "kvpeer_host_probe_rounds_total",
+            "probe rounds started: a connection to a host lost, or another rank of the engine said so",
+            s.host_liveness.probe_rounds,
         ),
         (
             "kvpeer_host_probe_losses_total",

@@ -447,3 +447,55 @@ fn the_configuration_page_matches_the_declared_keys() {
     assert_eq!(vars, KEYS.iter().filter(|k| k.env.is_some()).count());
     assert_eq!(KEY.hash_seed.env, Some("PYTHONHASHSEED"));
 }
+
+#[test]
+fn host_liveness_keys_are_checked() {
+    use kvpeer::NodeConfig;
+    let err = NodeConfig::builder("probe")
+        .set("host_probe_timeout_ms", 100)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("host_probe_timeout_ms") && err.contains("at least 250"),
+        "{err}"
+    );
+    assert!(NodeConfig::builder("probe")
+        .set("host_probe_timeout_ms", 0)
+        .build()
+        .is_ok());
+    let err = NodeConfig::builder("group")
+        .set("liveness_group", "10.0.0.5:5710")
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs liveness_rank"), "{err}");
+    let err = NodeConfig::builder("group")
+        .set("liveness_group", "10.0.0.5:5710")
+        .set("liveness_rank", "8/8")
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("below the group's 8 members"), "{err}");
+    let config = NodeConfig::builder("group")
+        .set("liveness_group", "10.0.0.5:5710")
+        .set("liveness_rank", "3/8")
+        .set("heartbeat_interval_ms", 500)
+        .set("heartbeat_timeout_ms", 1500)
+        .build()
+        .unwrap();
+    let control = &config.spec.control;
+    assert_eq!(
+        control.heartbeat_interval,
+        std::time::Duration::from_millis(500)
+    );
+    assert_eq!(
+        control.heartbeat_timeout,
+        std::time::Duration::from_millis(1500)
+    );
+    let siblings = control.siblings.as_ref().unwrap();
+    assert_eq!(
+        (siblings.name.as_str(), siblings.index, siblings.members),
+        ("10.0.0.5:5710", 3, 8)
+    );
+}

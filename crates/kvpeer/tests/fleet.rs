@@ -566,3 +566,136 @@ fn the_readmes_two_host_commands_work_as_written() {
     let (status, summary, log) = run(1, "localhost:5601", "4");
     assert_eq!(status, 0, "localhost: {summary}\n{log}");
 }
+
+/// A consumer rank on `host` in the liveness group `group` (rank `rank`), with heartbeats of
+/// `heartbeat_ms` (interval, timeout) and the default 1 s probe; load and lookup timeouts far
+/// out, so only host liveness or the heartbeat can end a load.
+fn rank_on(host: &Host, tag: &str, group: &str, rank: &str, heartbeat_ms: (u64, u64)) -> Node {
+    let (addr, tag, group, rank) = (
+        host.addr.clone(),
+        tag.to_owned(),
+        group.to_owned(),
+        rank.to_owned(),
+    );
+    on_host(host, move || {
+        let config = NodeConfig::builder(&tag)
+            .listen(&addr, 0)
+            .num_blocks(16)
+            .block_len(1 << 20)
+            .plane(PlaneKind::Tcp)
+            .set("load_timeout_s", 60)
+            .set("lookup_timeout_s", 60)
+            .set("heartbeat_interval_ms", heartbeat_ms.0)
+            .set("heartbeat_timeout_ms", heartbeat_ms.1)
+            .set("liveness_group", group)
+            .set("liveness_rank", rank)
+            .build()
+            .unwrap();
+        Node::start(config).unwrap()
+    })
+}
+
+/// A host that dies (its link cut: nothing on it answers, not even its kernel) while two ranks
+/// of one engine on another host hold sessions to two of its processes: rank 0, whose
+/// heartbeat is short (300 ms + 700 ms), finds it first and tells rank 1, whose load from the
+/// host's other process is in flight; rank 1 probes, nothing acknowledges, and its load fails
+/// a second later, not at its own heartbeat's 12 s. The host is then held off on rank 1: a
+/// session to its third process fails at once instead of waiting on a connect. (vLLM's issue
+/// 56828: each rank's sessions waited for their own timeout, 36–43 s.)
+#[test]
+fn a_dead_host_fails_every_ranks_load_at_once_and_is_held_off() {
+    const LEN: u64 = 1 << 20;
+    let fleet = Fleet::new(2);
+    // Host 1's transfers take a while (16 MiB at 64 Mbit/s: about 2 s): the cut lands in one.
+    fleet.limit(1, "64mbit");
+    let producer = |port: &str| {
+        let listen = format!("198.18.0.1:{port}");
+        let (p, id) = fleet.serve(
+            1,
+            &[
+                "--listen",
+                &listen,
+                "--plane",
+                "tcp",
+                "--blocks",
+                "32",
+                "--block-len",
+                "1048576",
+                "--fill",
+                "32",
+            ],
+        );
+        (p, PeerId::new(id))
+    };
+    let (_p1, first) = producer("5600");
+    let (_p2, second) = producer("5601");
+    let (_p3, third) = producer("5602");
+    let group = format!("fleet-{}", std::process::id());
+    let rank0 = rank_on(fleet.host(2), "rank0", &group, "0/2", (300, 700));
+    let rank1 = rank_on(fleet.host(2), "rank1", &group, "1/2", (2000, 10000));
+    // Another engine's rank beside them, in no group: what rank 1 would do alone.
+    let outside = rank_on(
+        fleet.host(2),
+        "outside",
+        &format!("{group}-b"),
+        "0/1",
+        (2000, 10000),
+    );
+    pull(&rank0, &first, "warm-0", &keys(0..2), LEN);
+    let outside_keys = keys(0..16);
+    let req = outside.request(&second, "outside").unwrap();
+    let found = req.lookup(&outside_keys, WAIT).unwrap();
+    assert!(found.iter().all(|r| *r == LookupResult::Hit), "{found:?}");
+    let outside_fetching = std::thread::spawn(move || {
+        let r = req.fetch(&outside_keys, Duration::from_secs(90));
+        req.finish();
+        (r, Instant::now())
+    });
+
+    let in_flight = keys(16..32);
+    let req = rank1.request(&second, "in-flight").unwrap();
+    let found = req.lookup(&in_flight, WAIT).unwrap();
+    assert!(found.iter().all(|r| *r == LookupResult::Hit), "{found:?}");
+    let fetching = std::thread::spawn(move || {
+        let r = req.fetch(&in_flight, Duration::from_secs(90));
+        req.finish();
+        (r, Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    let died = Instant::now();
+    fleet.set_link(1, false);
+    let (result, at) = fetching.join().unwrap();
+    assert!(result.is_err(), "a load from a dead host cannot succeed");
+    let after = at - died;
+    eprintln!("rank 1's load failed {after:?} after its host died");
+    assert!(
+        after < Duration::from_secs(6),
+        "rank 1's load failed {after:?} after its host died (its own heartbeat: 12 s)"
+    );
+    let liveness = rank1.stats().unwrap().host_liveness;
+    assert_eq!(liveness.probe_losses, 1, "ended by its probe: {liveness:?}");
+    assert_eq!(liveness.hosts_down, 1, "{liveness:?}");
+    assert_eq!(rank0.stats().unwrap().host_liveness.hosts_down, 1);
+
+    // Held off: a session to the host's third process fails at once, saying why.
+    let asked = Instant::now();
+    let refused = rank1
+        .connect(&third, Duration::from_secs(30))
+        .expect_err("no session with a dead host");
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "{:?}: {refused}",
+        asked.elapsed()
+    );
+    assert!(refused.to_string().contains("taken for down"), "{refused}");
+    // The rank no one told waits for its own heartbeat.
+    let (result, at) = outside_fetching.join().unwrap();
+    assert!(result.is_err());
+    let alone = at - died;
+    eprintln!("the rank outside the group failed its load {alone:?} after the host died");
+    assert!(alone >= Duration::from_secs(8), "{alone:?}");
+    assert_eq!(outside.stats().unwrap().host_liveness.probe_losses, 0);
+    rank0.shutdown(Duration::from_secs(1));
+    rank1.shutdown(Duration::from_secs(1));
+    outside.shutdown(Duration::from_secs(1));
+}

@@ -1,14 +1,12 @@
-//! Host liveness (docs/behaviour.md, "A host that dies"): when one connection to a host is
-//! lost, every session to that host, in this node and in the engine's other ranks on this
-//! host, fails its loads at once instead of each waiting out its own heartbeat (vLLM's issue
-//! 56828: a sibling rank's load ran its whole timeout, 36–43 s).
+//! Host liveness on one host (docs/behaviour.md, "A host that dies"): when a connection to a
+//! host is lost, every other connection to it, in this node and in the engine's other ranks
+//! here, is probed at once; the host's answer (its process's bytes, or its kernel's ACK of
+//! ours) keeps the session. On loopback every host is up, so what these tests show is the
+//! probing and what it spares: a live neighbour, a stopped process (its host's kernel still
+//! acknowledges: its own heartbeat judges it), a rank told by another. A host that really dies
+//! (nothing acknowledges) is `fleet.rs`'s `a_dead_host_fails_every_ranks_load_at_once...`.
 //!
-//! The producers are real `kvpeer serve` processes on this host. A host that dies is played
-//! by two of them: one killed (its kernel closes its connections, as when a host's processes
-//! go first), the other stopped with SIGSTOP (it answers nothing, as a host that vanished from
-//! the network: its kernel still takes TCP, so only the heartbeat, or a probe, finds it out).
-//! The consumers are `Node`s in this process; their heartbeat finds a silent peer after 12 s
-//! (PING after 2 s of silence, 10 s to answer), their loads time out after 60 s here.
+//! The producers are real `kvpeer serve` processes; the consumers `Node`s in this process.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -25,10 +23,6 @@ use common::cli::Cli;
 use common::Proc;
 
 const BLOCK: u64 = 16 * 1024;
-
-/// Well below the 12 s a heartbeat takes and the 60 s load timeout: the probe (1 s) and the
-/// scheduling of a loaded 2-core machine.
-const AT_ONCE: Duration = Duration::from_secs(6);
 
 fn keys(range: std::ops::Range<u64>) -> Vec<OffloadKey> {
     range.map(synthetic::key).collect()
@@ -105,77 +99,43 @@ fn kill(p: &mut Proc) {
 }
 
 #[test]
-fn a_host_that_dies_fails_the_load_to_its_other_process_at_once_and_is_not_dialed_meanwhile() {
+fn a_stopped_process_beside_one_that_died_is_probed_but_judged_by_its_own_heartbeat() {
     let mut first = producer();
     let second = producer();
-    let node = consumer("liveness-one", 1000, None);
-    warm(&node, &first.1, &keys(0..4), "warm-first");
-    let pending = load_in_flight_to_a_stopped_peer(&node, &second, keys(8..16), "in-flight");
-
-    // The host dies: its first process's connections close.
-    let died = Instant::now();
-    kill(&mut first.0);
-    let (result, at) = pending
-        .recv_timeout(Duration::from_secs(40))
-        .expect("the load to the silent process never ended");
-    let after = at - died;
-    let error = result.expect_err("a stopped producer cannot complete a load");
-    assert!(
-        after < AT_ONCE,
-        "the load to the host's other process failed {after:?} after the host died (its own \
-         heartbeat takes 12 s): {error}"
-    );
-    let stats = node.stats().unwrap();
-    assert_eq!(
-        stats.host_liveness.probe_losses, 1,
-        "the load failed because its connection answered no probe: {:?}",
-        stats.host_liveness
-    );
-
-    // Nothing on the host answered and nothing is left that does: a new session to it fails
-    // at once, saying why, instead of waiting for a handshake the stopped process never gives.
-    let asked = Instant::now();
-    let refused = node
-        .connect(&second.1, Duration::from_secs(30))
-        .expect_err("no session with a host taken for down");
-    let took = asked.elapsed();
-    assert!(
-        took < Duration::from_secs(3),
-        "refused after {took:?}: {refused}"
-    );
-    assert!(refused.to_string().contains("taken for down"), "{refused}");
-    let stats = node.stats().unwrap();
-    assert_eq!(
-        stats.host_liveness.refused_dials, 1,
-        "{:?}",
-        stats.host_liveness
-    );
-    assert_eq!(
-        stats.host_liveness.hosts_down, 1,
-        "{:?}",
-        stats.host_liveness
-    );
-}
-
-#[test]
-fn without_host_liveness_the_load_waits_for_its_own_heartbeat() {
-    let mut first = producer();
-    let second = producer();
-    let node = consumer("liveness-off", 0, None);
+    let node = consumer("liveness-stopped", 1000, None);
     warm(&node, &first.1, &keys(0..4), "warm-first");
     let pending = load_in_flight_to_a_stopped_peer(&node, &second, keys(8..16), "in-flight");
     let died = Instant::now();
     kill(&mut first.0);
+    // The round comes at once; the stopped process's host (this one) acknowledges the PING,
+    // so its session stays past the probe's second.
     assert!(
-        pending.recv_timeout(AT_ONCE).is_err(),
-        "with host_probe_timeout_ms 0 the load must wait for its own connection's heartbeat"
+        pending.recv_timeout(Duration::from_secs(3)).is_err(),
+        "a session whose host answers is not ended by a probe"
     );
+    let stats = node.stats().unwrap();
+    assert_eq!(
+        stats.host_liveness.probe_rounds, 1,
+        "{:?}",
+        stats.host_liveness
+    );
+    assert_eq!(
+        stats.host_liveness.probe_losses, 0,
+        "{:?}",
+        stats.host_liveness
+    );
+    // Its own heartbeat ends it (PING after 2 s of silence, 10 s to answer), and the host,
+    // whose kernel kept acknowledging, is not taken for down.
     let (result, at) = pending.recv_timeout(Duration::from_secs(40)).unwrap();
     result.expect_err("a stopped producer cannot complete a load");
-    assert!(at - died >= AT_ONCE);
+    assert!(at - died >= Duration::from_secs(5), "{:?}", at - died);
     let stats = node.stats().unwrap();
-    assert_eq!(stats.host_liveness.probe_losses, 0);
-    assert_eq!(stats.host_liveness.hosts_down, 0);
+    assert_eq!(
+        stats.host_liveness.hosts_down, 0,
+        "{:?}",
+        stats.host_liveness
+    );
+    assert_eq!(stats.host_liveness.refused_dials, 0);
 }
 
 #[test]
@@ -190,6 +150,10 @@ fn a_process_that_dies_leaves_its_live_neighbours_serving_byte_exact() {
     std::thread::sleep(Duration::from_millis(1500));
     warm(&node, &second.1, &keys(8..16), "after");
     let stats = node.stats().unwrap();
+    assert_eq!(
+        stats.host_liveness.probe_rounds, 1,
+        "the neighbour was probed"
+    );
     assert_eq!(stats.host_liveness.probe_losses, 0);
     assert_eq!(stats.host_liveness.refused_dials, 0);
     assert_eq!(
@@ -199,7 +163,7 @@ fn a_process_that_dies_leaves_its_live_neighbours_serving_byte_exact() {
 }
 
 #[test]
-fn a_rank_that_loses_a_host_tells_the_engines_other_ranks_which_fail_their_loads_at_once() {
+fn a_rank_that_loses_a_host_connection_has_the_engines_other_ranks_probe_theirs() {
     let group = format!("test-{}", std::process::id());
     let mut first = producer();
     let second = producer();
@@ -207,22 +171,24 @@ fn a_rank_that_loses_a_host_tells_the_engines_other_ranks_which_fail_their_loads
     // nothing of its own that would notice the first one's end.
     let rank0 = consumer("liveness-rank0", 1000, Some((&group, "0/2")));
     let rank1 = consumer("liveness-rank1", 1000, Some((&group, "1/2")));
+    let alone = consumer("liveness-alone", 1000, None);
     warm(&rank0, &first.1, &keys(0..4), "warm-first");
-    let pending = load_in_flight_to_a_stopped_peer(&rank1, &second, keys(8..16), "in-flight");
-    let died = Instant::now();
+    warm(&rank1, &second.1, &keys(4..8), "warm-second");
+    warm(&alone, &second.1, &keys(4..8), "warm-alone");
     kill(&mut first.0);
-    let (result, at) = pending
-        .recv_timeout(Duration::from_secs(40))
-        .expect("rank 1's load never ended");
-    let after = at - died;
-    let error = result.expect_err("a stopped producer cannot complete a load");
-    assert!(
-        after < AT_ONCE,
-        "rank 1's load failed {after:?} after rank 0 lost the host: {error}"
-    );
-    assert_eq!(
-        rank1.stats().unwrap().host_liveness.probe_losses,
-        1,
-        "rank 1's connection ended for its unanswered probe"
-    );
+    // Rank 0 tells rank 1, which probes its connection to the host at once; the node outside
+    // the group hears nothing.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rank1.stats().unwrap().host_liveness.probe_rounds == 0 {
+        assert!(Instant::now() < deadline, "rank 1 was never told");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(rank0.stats().unwrap().host_liveness.probe_rounds, 1);
+    assert_eq!(alone.stats().unwrap().host_liveness.probe_rounds, 0);
+    // The host answered rank 1's probe: its session serves on, byte-exact.
+    std::thread::sleep(Duration::from_millis(1500));
+    warm(&rank1, &second.1, &keys(8..16), "after");
+    let stats = rank1.stats().unwrap();
+    assert_eq!(stats.host_liveness.probe_losses, 0);
+    assert_eq!(stats.counters.sessions_closed, 0);
 }

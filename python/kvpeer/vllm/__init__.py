@@ -1021,7 +1021,8 @@ def _settings(
         # The engine's ranks on this host tell each other of lost hosts, so a dead host fails
         # every rank's loads at once, not one rank's timeout after another (docs/behaviour.md).
         group = f"{host}:{port}"
-        if len(group) > 64 or not all(c.isprintable() and c not in " /" for c in group):
+        plain = all(c.isascii() and c.isprintable() and c not in " /" for c in group)
+        if len(group) > 64 or not plain:
             group = hashlib.sha256(group.encode()).hexdigest()[:40]
         settings["liveness_group"] = group
         settings["liveness_rank"] = f"{dp_index}/{dp_size}"

@@ -159,17 +159,6 @@ pub enum ControlError {
     /// Waiting on the sockets failed.
     #[error("cannot wait on the control sockets: {0}")]
     Wait(#[source] std::io::Error),
-    /// This rank's socket among the engine's ranks (`liveness_group`) could not be bound:
-    /// another process holds the same group and index, or the socket failed.
-    #[error("cannot join the liveness group {group:?} as rank {index}: {source} (another process on this host holds that group and rank?)")]
-    Siblings {
-        /// The group.
-        group: String,
-        /// This rank.
-        index: u32,
-        /// The system's error.
-        source: std::io::Error,
-    },
 }
 
 /// Something that happened on the channel.
@@ -207,6 +196,8 @@ pub enum ChannelEvent {
 /// Host liveness's counts ([`ControlChannel::host_liveness`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HostLiveness {
+    /// Probe rounds started (a connection to a host lost, or another rank said so).
+    pub probe_rounds: u64,
     /// Connections ended because they answered no probe after another to their host was lost.
     pub probe_losses: u64,
     /// Dials refused at once because their host was taken for down.
@@ -387,19 +378,21 @@ impl ControlChannel {
         config: ControlConfig,
     ) -> Result<Self, ControlError> {
         inbound.announce(&identity);
-        let siblings = match &config.siblings {
-            None => None,
-            Some(group) => {
-                let failed = |source| ControlError::Siblings {
-                    group: group.name.clone(),
-                    index: group.index,
-                    source,
-                };
-                let joined = siblings::Siblings::bind(group.clone()).map_err(failed)?;
-                poller.add_input(joined.fd(), SIBLINGS).map_err(failed)?;
-                Some(joined)
+        // The group is a help, never a condition of running: a rank that cannot join it
+        // (another process holds its name: a rank of the engine's previous run not gone yet,
+        // or anyone who took the name first) runs alone, saying so.
+        let siblings = config.siblings.as_ref().and_then(|group| {
+            let joined = siblings::Siblings::bind(group.clone())
+                .and_then(|joined| poller.add_input(joined.fd(), SIBLINGS).map(|()| joined));
+            match joined {
+                Ok(joined) => Some(joined),
+                Err(e) => {
+                    warn!(group = %group.name, rank = group.index, error = %e,
+                        "cannot join the engine's liveness group; this rank hears of lost hosts only from its own connections");
+                    None
+                }
             }
-        };
+        });
         Ok(ControlChannel {
             poller,
             inbound,
@@ -409,9 +402,9 @@ impl ControlChannel {
             ready: Vec::new(),
             waited: false,
             extra_ready: true,
-            siblings,
             // Anything sent before the socket was polled is read at the first `recv`.
-            siblings_ready: true,
+            siblings_ready: siblings.is_some(),
+            siblings,
         })
     }
 
@@ -419,8 +412,9 @@ impl ControlChannel {
     /// host taken for down, hosts taken for down now, and datagrams from the engine's other
     /// ranks dropped (malformed, or from another user).
     pub fn host_liveness(&self) -> HostLiveness {
-        let (probe_losses, refused_dials) = self.outbound.host_liveness_counts();
+        let (probe_rounds, probe_losses, refused_dials) = self.outbound.host_liveness_counts();
         HostLiveness {
+            probe_rounds,
             probe_losses,
             refused_dials,
             hosts_down: self.outbound.hosts_down(Instant::now()),
@@ -626,6 +620,10 @@ impl ControlChannel {
     /// retries and lingers, and `now` for news not yet handled (a connection with input left
     /// from its last round, a loss to report).
     fn next_deadline(&mut self, now: Instant) -> Option<Instant> {
+        if self.siblings_ready && self.siblings.is_some() {
+            // Announcements left unread by the last round (the poll reports only new ones).
+            return Some(now);
+        }
         [
             self.inbound.next_deadline(now),
             self.outbound.next_deadline(now),
@@ -735,11 +733,8 @@ impl ControlChannel {
         }
         if std::mem::take(&mut self.siblings_ready) {
             let mut heard = Vec::new();
-            siblings.take(&mut heard);
-            if heard.len() == siblings::MAX_PER_TAKE {
-                // More may wait: the poll is edge-triggered, so look again next round.
-                self.siblings_ready = true;
-            }
+            // More may wait (the poll is edge-triggered): look again next round, at once.
+            self.siblings_ready = siblings.take(&mut heard);
             for (host, sign) in heard {
                 self.outbound.on_announcement(host, sign, now);
             }

@@ -227,8 +227,16 @@ fn not_dialable(peer: &PeerId, ip: IpAddr) -> LinkLoss {
 }
 
 impl Conn {
-    /// Starts (or restarts) reaching the peer at `now`.
-    fn start(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) {
+    /// Starts (or restarts) reaching the peer at `now`, unless its host is taken for down
+    /// (`hosts`): then it fails at once.
+    fn start(
+        &mut self,
+        poller: &Poller,
+        token: Token,
+        now: Instant,
+        retry: Duration,
+        hosts: &HostWatch,
+    ) {
         let Some(addr) = self.addr else {
             // `dial` set `addr` for an address; what is left is a host name (or no address).
             let (host, port) = match PeerAddr::of(&self.peer) {
@@ -268,6 +276,17 @@ impl Conn {
             };
             return;
         };
+        let host = addr.ip().to_canonical();
+        if hosts.is_down(host, now) {
+            // Its host lost a connection a moment ago and nothing on it answered since: a
+            // connect would wait out its timeout. Reported lost with the next progress, so the
+            // session's requests fall back at once.
+            self.link = Link::Failed(LinkLoss::HostDown {
+                host,
+                hold: hosts.hold(),
+            });
+            return;
+        }
         self.link = match self.dialer.connect(poller, token, addr, now) {
             Ok(()) => Link::Dialing,
             Err(Some(reason)) => Link::Failed(reason),
@@ -301,14 +320,21 @@ impl Conn {
 
     /// Drives it at `now`: a resolver's answer, a retry due, the dialer's socket; whether its
     /// handshake finished (with the peer we named) in this call.
-    fn progress(&mut self, poller: &Poller, token: Token, now: Instant, retry: Duration) -> bool {
+    fn progress(
+        &mut self,
+        poller: &Poller,
+        token: Token,
+        now: Instant,
+        retry: Duration,
+        hosts: &HostWatch,
+    ) -> bool {
         match &mut self.link {
             Link::Resolving { result, .. } => match result.try_recv() {
                 Ok(Ok(found)) => match pick(&self.peer, &found) {
                     Ok(addr) => {
                         debug!(peer = %self.peer, %addr, "host name resolved");
                         self.addr = Some(addr);
-                        self.start(poller, token, now, retry);
+                        self.start(poller, token, now, retry, hosts);
                     }
                     Err(reason) => {
                         self.fail(reason);
@@ -328,7 +354,9 @@ impl Conn {
                     return false;
                 }
             },
-            Link::Waiting { until } if now >= *until => self.start(poller, token, now, retry),
+            Link::Waiting { until } if now >= *until => {
+                self.start(poller, token, now, retry, hosts)
+            }
             Link::Waiting { .. } | Link::Failed(_) | Link::Dialing => {}
         }
         if matches!(self.link, Link::Dialing) {
@@ -480,19 +508,13 @@ impl Outbound {
         };
         self.next += 1;
         let id = self.next;
-        match conn.host().filter(|h| self.hosts.is_down(*h, now)) {
-            // Its host lost a connection a moment ago and nothing on it answered since: a
-            // connect would wait out its timeout. Reported lost with the next progress, so the
-            // session's requests fall back at once.
-            Some(host) => {
-                self.refused_dials += 1;
-                conn.link = Link::Failed(LinkLoss::HostDown {
-                    host,
-                    hold: self.hosts.hold(),
-                });
-            }
-            None => conn.start(poller, self.base + id, now, self.config.reconnect_interval),
-        }
+        conn.start(
+            poller,
+            self.base + id,
+            now,
+            self.config.reconnect_interval,
+            &self.hosts,
+        );
         debug!(%peer, "control connection opened");
         self.conns.insert(id, conn);
         self.by_peer.insert(peer.clone(), id);
@@ -645,7 +667,7 @@ impl Outbound {
             // What `send` wrote at once is not this turn's.
             c.dialer.take_written();
             c.dialer.set_write_limit(WRITE_PER_TURN.min(budget));
-            if c.progress(poller, token, now, retry) {
+            if c.progress(poller, token, now, retry, &self.hosts) {
                 if let Some(host) = c.host() {
                     // A handshake just finished: the host is up.
                     self.hosts.on_ready(host);
@@ -687,14 +709,32 @@ impl Outbound {
             if self.by_peer.get(&c.peer) == Some(&id) {
                 self.by_peer.remove(&c.peer);
             }
-            let host = c.host();
+            let host = c.host().filter(|_| self.hosts.enabled());
+            let host_silent_for = c.dialer.host_silent_for();
             if let Link::Failed(reason) = c.link {
+                if matches!(reason, LinkLoss::HostDown { .. }) {
+                    self.refused_dials += 1;
+                }
                 if let Some(host) = host {
-                    if matches!(reason, LinkLoss::ProbeUnanswered(_)) {
+                    let probed = matches!(reason, LinkLoss::ProbeUnanswered(_));
+                    if probed {
                         self.probe_losses += 1;
                     }
-                    let sign = reason.host_sign();
-                    self.doubt_host(host, sign, now, true, &c.peer);
+                    let mut sign = reason.host_sign();
+                    // A heartbeat unanswered while the host's kernel still acknowledged our
+                    // bytes (after the heartbeat's PING left): the process is silent, the host
+                    // is up.
+                    let heartbeat = self
+                        .config
+                        .conn
+                        .heartbeat_timeout
+                        .max(self.config.conn.heartbeat_interval);
+                    if matches!(reason, LinkLoss::Silent(_))
+                        && host_silent_for.is_some_and(|silent| silent < heartbeat)
+                    {
+                        sign = HostSign::ProcessGone;
+                    }
+                    self.doubt_host(host, sign, now, Some(probed), &c.peer);
                 }
                 lost.push((c.peer, reason));
             }
@@ -704,8 +744,10 @@ impl Outbound {
 
     /// Another rank of this engine lost a connection to `host` with `sign`, at `now`.
     pub(crate) fn on_announcement(&mut self, host: IpAddr, sign: HostSign, now: Instant) {
-        let peer = PeerId::from_host_port(&host.to_string(), 0);
-        self.doubt_host(host, sign, now, false, &peer);
+        if self.hosts.enabled() {
+            let by = PeerId::from_host_port(&host.to_string(), 0);
+            self.doubt_host(host, sign, now, None, &by);
+        }
     }
 
     /// The losses to tell the engine's other ranks of, since the last call.
@@ -713,9 +755,14 @@ impl Outbound {
         std::mem::take(&mut self.announcements)
     }
 
-    /// Connections ended by an unanswered probe, and dials refused to a host taken for down.
-    pub(crate) fn host_liveness_counts(&self) -> (u64, u64) {
-        (self.probe_losses, self.refused_dials)
+    /// Probe rounds started, connections ended by an unanswered probe, and dials refused to a
+    /// host taken for down.
+    pub(crate) fn host_liveness_counts(&self) -> (u64, u64, u64) {
+        (
+            self.hosts.rounds_started(),
+            self.probe_losses,
+            self.refused_dials,
+        )
     }
 
     /// Hosts taken for down at `now`.
@@ -723,18 +770,26 @@ impl Outbound {
         self.hosts.hosts_down(now)
     }
 
-    /// Applies the host rules to a loss of `host` (`ours`: seen here, else announced).
-    fn doubt_host(&mut self, host: IpAddr, sign: HostSign, now: Instant, ours: bool, by: &PeerId) {
+    /// Applies the host rules to a loss of `host`: seen here (`Some(probed)`: lost to a
+    /// round's probe, or not), or announced by another rank (`None`).
+    fn doubt_host(
+        &mut self,
+        host: IpAddr,
+        sign: HostSign,
+        now: Instant,
+        here: Option<bool>,
+        by: &PeerId,
+    ) {
         let ready: Vec<OutId> = self
             .conns
             .iter()
             .filter(|(_, c)| c.host() == Some(host) && c.ready())
             .map(|(id, _)| *id)
             .collect();
-        let doubt = if ours {
-            self.hosts.on_loss(host, sign, now, ready.len())
-        } else {
-            self.hosts.on_announcement(host, sign, now, ready.len())
+        let ours = here.is_some();
+        let doubt = match here {
+            Some(probed) => self.hosts.on_loss(host, sign, now, ready.len(), probed),
+            None => self.hosts.on_announcement(host, sign, now, ready.len()),
         };
         if doubt.probe {
             let timeout = self.hosts.probe_timeout();
@@ -747,13 +802,19 @@ impl Outbound {
                 }
                 self.settle(*id);
             }
-            info!(%host, lost = %by, probed = ready.len(), timeout_ms = timeout.as_millis() as u64,
-                announced = !ours, "a connection to this host was lost; probing its others");
+            // A peer's process can end its connections at will: throttled as any line a peer
+            // can cause (docs/security.md, G8).
+            if let Some(suppressed) = crate::admit_warning("host probe round") {
+                info!(%host, lost = %by, probed = ready.len(), timeout_ms = timeout.as_millis() as u64,
+                    announced = !ours, suppressed, "a connection to this host was lost; probing its others");
+            }
         }
         if doubt.down {
-            warn!(%host, lost = %by, hold_ms = self.hosts.hold().as_millis() as u64,
-                announced = !ours,
-                "host taken for down: nothing on it answered; new connections to it fail at once until the hold ends");
+            if let Some(suppressed) = crate::admit_warning("host taken for down") {
+                warn!(%host, lost = %by, hold_ms = self.hosts.hold().as_millis() as u64,
+                    announced = !ours, suppressed,
+                    "host taken for down: nothing on it answered; new connections to it fail at once until the hold ends");
+            }
         }
         if doubt.announce {
             self.announcements.push((host, sign));

@@ -81,9 +81,11 @@ impl SiblingGroup {
         })
     }
 
-    /// Rank `index`'s abstract socket name.
+    /// Rank `index`'s abstract socket name, under this user's id (another user's engine with
+    /// the same group name is another group).
     fn address(&self, index: u32) -> String {
-        format!("kvpeer-liveness/{}/{index}", self.name)
+        let uid = nix::unistd::getuid().as_raw();
+        format!("kvpeer-liveness/{uid}/{}/{index}", self.name)
     }
 }
 
@@ -144,7 +146,7 @@ impl Siblings {
             group,
             socket,
             others,
-            uid: nix::unistd::geteuid().as_raw(),
+            uid: nix::unistd::getuid().as_raw(),
             refused: 0,
         })
     }
@@ -169,8 +171,9 @@ impl Siblings {
         debug!(group = %self.group.name, %host, told, "told the engine's other ranks of a lost host connection");
     }
 
-    /// The announcements waiting (at most [`MAX_PER_TAKE`]), appended to `out`.
-    pub(crate) fn take(&mut self, out: &mut Vec<(IpAddr, HostSign)>) {
+    /// The announcements waiting (at most [`MAX_PER_TAKE`] datagrams read), appended to
+    /// `out`; whether more may wait (it stopped before the socket said it was empty).
+    pub(crate) fn take(&mut self, out: &mut Vec<(IpAddr, HostSign)>) -> bool {
         for _ in 0..MAX_PER_TAKE {
             let mut buf = [0u8; MAX_DATAGRAM];
             let mut space = nix::cmsg_space!(UnixCredentials);
@@ -190,10 +193,13 @@ impl Siblings {
                     });
                     (msg.bytes, uid)
                 }
-                // Nothing left (EAGAIN), or an error the next wake retries.
-                Err(_) => return,
+                Err(nix::errno::Errno::EAGAIN) => return false,
+                Err(nix::errno::Errno::EINTR) => continue,
+                // Not read this round; the next one tries again.
+                Err(_) => return true,
             };
             match (len <= MAX_DATAGRAM, uid == Some(self.uid)) {
+                // The sender's real uid (what the kernel attaches) against ours.
                 (true, true) => match decode(&buf[..len]) {
                     Some(found) => out.push(found),
                     None => self.refused += 1,
@@ -201,6 +207,7 @@ impl Siblings {
                 _ => self.refused += 1,
             }
         }
+        true
     }
 
     /// Datagrams dropped so far.
@@ -282,7 +289,7 @@ mod tests {
         assert!(Siblings::bind(group(&name, 1, 3)).is_err());
         // Junk sent to b's name: dropped and counted.
         let stranger = UnixDatagram::unbound().unwrap();
-        let b_addr = SocketAddr::from_abstract_name(format!("kvpeer-liveness/{name}/1")).unwrap();
+        let b_addr = SocketAddr::from_abstract_name(group(&name, 1, 3).address(1)).unwrap();
         stranger
             .send_to_addr(b"kvpeer-host v1 gone nowhere", &b_addr)
             .unwrap();

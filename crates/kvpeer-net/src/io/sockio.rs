@@ -196,3 +196,53 @@ pub(crate) fn accept(listener: &TcpListener) -> Accepted {
         };
     }
 }
+
+/// The kernel's `TCP_INFO` of `stream`, with how many of its bytes the kernel wrote (an older
+/// kernel writes fewer fields; the rest stay zero).
+fn tcp_info(stream: &TcpStream) -> Option<(nix::libc::tcp_info, usize)> {
+    let mut info = std::mem::MaybeUninit::<nix::libc::tcp_info>::zeroed();
+    let mut len = std::mem::size_of::<nix::libc::tcp_info>() as nix::libc::socklen_t;
+    // SAFETY: `info` is a zeroed `tcp_info` we own and `len` its size; the kernel writes at most
+    // `len` bytes into it and sets `len` to what it wrote. Every field is a plain integer, so
+    // any bytes (and the zeroes past what an older kernel writes) are a valid value.
+    let rc = unsafe {
+        nix::libc::getsockopt(
+            stream.as_raw_fd(),
+            nix::libc::IPPROTO_TCP,
+            nix::libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: zero-initialised and partly written by the kernel: a valid `tcp_info`.
+    let info = unsafe { info.assume_init() };
+    Some((info, usize::try_from(len).unwrap_or(0)))
+}
+
+/// Whether the kernel wrote field `end` (the offset just past it) of a `tcp_info`.
+fn wrote_up_to(wrote: usize, end: usize) -> bool {
+    wrote >= end
+}
+
+/// How long ago the peer's host last acknowledged anything on `stream` (`TCP_INFO`'s
+/// `tcpi_last_ack_recv`, kept in jiffies: a few milliseconds coarse), `None` when the kernel
+/// does not say. Tells a silent process on a live host (its kernel acknowledged our
+/// heartbeat's PING) from a dead host.
+pub(crate) fn last_ack_age(stream: &TcpStream) -> Option<std::time::Duration> {
+    let (info, wrote) = tcp_info(stream)?;
+    let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_last_ack_recv) + 4;
+    wrote_up_to(wrote, end)
+        .then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
+}
+
+/// Segments the peer's host has sent us on `stream` so far (`TCP_INFO`'s `tcpi_segs_in`,
+/// Linux 4.2 on): every segment counts, a bare ACK too, so a count that moved means the host's
+/// kernel is up. `None` when the kernel does not say.
+pub(crate) fn segments_in(stream: &TcpStream) -> Option<u32> {
+    let (info, wrote) = tcp_info(stream)?;
+    let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_segs_in) + 4;
+    wrote_up_to(wrote, end).then_some(info.tcpi_segs_in)
+}

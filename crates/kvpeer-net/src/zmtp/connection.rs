@@ -289,8 +289,8 @@ pub struct Connection {
     peer_challenge: Option<Vec<u8>>,
     next_ping: Option<Instant>,
     ping_deadline: Option<Instant>,
-    /// Set while `ping_deadline` is a probe's ([`Connection::probe`]): its timeout.
-    probing: Option<Duration>,
+    /// Set while `ping_deadline` is a probe's ([`Connection::probe`]).
+    probing: Option<Probing>,
     /// When the peer last sent a byte.
     heard: Option<Instant>,
     ttl_deadline: Option<(Instant, Duration)>,
@@ -309,6 +309,18 @@ pub struct Connection {
     peer_identity: Option<Vec<u8>>,
     /// The identity a kvpeer ROUTER's READY told ([`zmtp::IDENTITY_PROPERTY`]).
     peer_announced: Option<Vec<u8>>,
+}
+
+/// A liveness probe under way ([`Connection::probe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Probing {
+    /// When it was asked.
+    pub started: Instant,
+    /// How long it may go unanswered.
+    pub timeout: Duration,
+    /// The heartbeat's own deadline it brought forward, if a PING of the heartbeat was
+    /// unanswered then.
+    heartbeat_deadline: Option<Instant>,
 }
 
 impl Connection {
@@ -651,7 +663,7 @@ impl Connection {
         }
         if self.ping_deadline.is_some_and(|d| now >= d) {
             return Err(match self.probing {
-                Some(timeout) => ConnError::ProbeUnanswered(timeout),
+                Some(probe) => ConnError::ProbeUnanswered(probe.timeout),
                 None => ConnError::HeartbeatTimeout(self.heartbeat_timeout()),
             });
         }
@@ -693,6 +705,10 @@ impl Connection {
             return false;
         }
         let deadline = now + timeout;
+        let heartbeat_deadline = match self.probing {
+            Some(p) => p.heartbeat_deadline,
+            None => self.ping_deadline,
+        };
         if self.ping_deadline.is_none() {
             let ttl =
                 u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
@@ -700,9 +716,30 @@ impl Connection {
         }
         if self.ping_deadline.is_none_or(|d| d > deadline) {
             self.ping_deadline = Some(deadline);
-            self.probing = Some(timeout);
+            self.probing = Some(Probing {
+                started: now,
+                timeout,
+                heartbeat_deadline,
+            });
         }
         true
+    }
+
+    /// The probe under way, if any.
+    pub fn probing(&self) -> Option<Probing> {
+        self.probing
+    }
+
+    /// The peer's host answered the probe under way though the peer sent nothing (its kernel
+    /// acknowledged our bytes: the host is up, whatever its process does): the probe ends, and
+    /// the heartbeat's own deadline (its PING's, or the probe's PING's) stands again.
+    pub fn probe_answered_by_host(&mut self) {
+        if let Some(p) = self.probing.take() {
+            self.ping_deadline = Some(
+                p.heartbeat_deadline
+                    .unwrap_or(p.started + self.heartbeat_timeout()),
+            );
+        }
     }
 
     /// When [`Connection::handle_timeout`] has something to do next.
@@ -1473,6 +1510,41 @@ mod tests {
             assert_eq!(
                 d.handle_timeout(t + s(4)),
                 Err(ConnError::ProbeUnanswered(s(1)))
+            );
+        }
+
+        #[test]
+        fn a_probe_the_host_answered_gives_the_deadline_back_to_the_heartbeat() {
+            let t = Instant::now();
+            let s = Duration::from_secs;
+            // The probe's own PING: the heartbeat's deadline runs from it.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            drain(&mut d);
+            assert!(d.probe(t + s(1), s(1)));
+            assert_eq!(d.probing().map(|p| p.started), Some(t + s(1)));
+            d.probe_answered_by_host();
+            assert_eq!(d.probing(), None);
+            d.handle_timeout(t + s(2)).unwrap();
+            assert_eq!(
+                d.handle_timeout(t + s(11)),
+                Err(ConnError::HeartbeatTimeout(s(10))),
+                "the process still answers nothing: its heartbeat ends it"
+            );
+            // A heartbeat PING unanswered before the probe: its own deadline comes back.
+            let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
+            d.connected(t);
+            d.handle_bytes(&router_hello(1), t).unwrap();
+            d.handle_timeout(t + s(2)).unwrap();
+            drain(&mut d);
+            assert!(d.probe(t + s(5), s(1)));
+            d.probe_answered_by_host();
+            assert_eq!(d.poll_timeout(), Some(t + s(4)), "the next PING");
+            d.handle_timeout(t + s(11)).unwrap();
+            assert_eq!(
+                d.handle_timeout(t + s(12)),
+                Err(ConnError::HeartbeatTimeout(s(10)))
             );
         }
 

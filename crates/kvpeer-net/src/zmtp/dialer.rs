@@ -73,6 +73,10 @@ pub(crate) struct Dialer {
     write_limit: usize,
     /// Bytes written by progress and flush since [`Dialer::take_written`] last asked.
     last_written: usize,
+    /// How long the peer's host had been silent when the connection last failed.
+    host_silent_for: Option<Duration>,
+    /// Segments the peer's host had sent when the probe under way began (`None`: unknown).
+    probe_segments_in: Option<u32>,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -115,6 +119,8 @@ impl Dialer {
             read_budget,
             write_limit: usize::MAX,
             last_written: 0,
+            host_silent_for: None,
+            probe_segments_in: None,
         }
     }
 
@@ -258,9 +264,21 @@ impl Dialer {
         let was_ready = self.is_ready();
         let result = self.step(now, reading);
         if result.is_err() {
+            // How long the peer's host had been silent when the connection failed: a host
+            // whose kernel still acknowledged our bytes is up, whatever its process did.
+            self.host_silent_for = match &self.state {
+                State::Open { stream, .. } => sockio::last_ack_age(stream),
+                _ => None,
+            };
             self.disconnect();
         }
         result.map(|()| !was_ready && self.is_ready())
+    }
+
+    /// How long the peer's host had been silent (no ACK from its kernel) when the connection
+    /// last failed; `None` if it failed before it was open, or the kernel did not say.
+    pub(crate) fn host_silent_for(&self) -> Option<Duration> {
+        self.host_silent_for
     }
 
     fn step(&mut self, now: Instant, reading: bool) -> Result<(), LinkLoss> {
@@ -320,7 +338,23 @@ impl Dialer {
         } else if self.conn.holds_input() {
             self.conn.decode_held(now).map_err(loss_of)?;
         }
-        self.conn.handle_timeout(now).map_err(loss_of)?;
+        match self.conn.handle_timeout(now) {
+            Err(ConnError::ProbeUnanswered(timeout)) => {
+                // The process sent nothing in time; the host may still be up: its kernel
+                // acknowledged our bytes (the probe's PING, or what was in flight) since the
+                // probe began. Then the host is alive and the heartbeat judges the process.
+                let before = self.probe_segments_in.take();
+                let host_acked = before
+                    .zip(sockio::segments_in(stream))
+                    .is_some_and(|(before, now_in)| now_in != before);
+                if !host_acked {
+                    return Err(LinkLoss::ProbeUnanswered(timeout));
+                }
+                self.conn.probe_answered_by_host();
+                self.conn.handle_timeout(now).map_err(loss_of)?;
+            }
+            other => other.map_err(loss_of)?,
+        }
         if *writable {
             let wrote = sockio::write_up_to(stream, &mut self.conn, self.write_limit)?;
             *writable = !wrote.blocked;
@@ -372,6 +406,13 @@ impl Dialer {
         }
         let idle = self.conn.transmit().is_empty();
         let probed = self.conn.probe(now, timeout);
+        if self.conn.probing().is_some_and(|p| p.started == now) {
+            // A new probe: what the host sends from here on answers it.
+            self.probe_segments_in = match &self.state {
+                State::Open { stream, .. } => sockio::segments_in(stream),
+                _ => None,
+            };
+        }
         if idle {
             self.flush();
         }

@@ -197,6 +197,10 @@ declare_keys! {
     inbound_round_quantum_us = "100";
     /// milliseconds of the node's thread one inbound control connection's messages may take per second
     inbound_ms_per_s = "150";
+    /// milliseconds of silence on a control connection before this node sends a heartbeat PING (libzmq's ZMQ_HEARTBEAT_IVL, as vLLM sets it)
+    heartbeat_interval_ms = "2000";
+    /// milliseconds a heartbeat PING may go unanswered before the connection is lost (ZMQ_HEARTBEAT_TIMEOUT; also the TTL told to the peer)
+    heartbeat_timeout_ms = "10000";
     /// milliseconds the other control connections to a host that lost one (silent, unreachable, or closed) may take to answer a probe before their sessions end too; 0 = off (each connection waits out its own heartbeat)
     host_probe_timeout_ms = "1000";
     /// milliseconds a host is not dialed after a connection to it went unanswered with none left that answers (new sessions to it fail at once); 0 = never held

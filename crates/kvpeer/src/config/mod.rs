@@ -141,6 +141,27 @@ pub fn resolve(
     resolve_one(&merged, tag)
 }
 
+/// `host_probe_timeout_ms`: 0 (off), or long enough for a live host's kernel to acknowledge a
+/// PING (Linux delays an ACK up to 200 ms).
+fn probe_timeout(s: &Values<'_>) -> Result<Duration, ConfigError> {
+    let ms = s.number(&KEY.host_probe_timeout_ms, 0, 3_600_000)?;
+    if ms != 0 && ms < MIN_PROBE_MS {
+        let src = s.get(&KEY.host_probe_timeout_ms).map_or("", |(_, src)| src);
+        return Err(bad(
+            src,
+            "host_probe_timeout_ms",
+            format!(
+                "{ms} ms is shorter than a live host may take to acknowledge a probe (its \
+                 kernel delays an ACK up to 200 ms): at least {MIN_PROBE_MS}, or 0 for off"
+            ),
+        ));
+    }
+    Ok(Duration::from_millis(ms))
+}
+
+/// The shortest probe timeout: above Linux's longest delayed ACK (200 ms).
+const MIN_PROBE_MS: u64 = 250;
+
 /// A shared-memory object's name as `shm_open` takes it without its `/`: 1 to 200 bytes of
 /// letters, digits, `-`, `_` and `.`, not starting with `.` and not ending in `.fence` (the
 /// pool's fence words take that name).
@@ -269,11 +290,19 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             1_000_000,
         )?),
         inbound_time_per_second: Duration::from_millis(s.number(&KEY.inbound_ms_per_s, 1, 1000)?),
-        host_probe_timeout: Duration::from_millis(s.number(
-            &KEY.host_probe_timeout_ms,
-            0,
+        heartbeat_interval: Duration::from_millis(s.number(
+            &KEY.heartbeat_interval_ms,
+            10,
             3_600_000,
         )?),
+        heartbeat_timeout: Duration::from_millis(s.number(
+            &KEY.heartbeat_timeout_ms,
+            10,
+            3_600_000,
+        )?),
+        // The TTL our PINGs tell the peer: how long it may wait for us, as long as we wait.
+        heartbeat_ttl: Duration::from_millis(s.number(&KEY.heartbeat_timeout_ms, 10, 3_600_000)?),
+        host_probe_timeout: probe_timeout(&s)?,
         host_down_hold: Duration::from_millis(s.number(&KEY.host_down_hold_ms, 0, 3_600_000)?),
         siblings: liveness_group(&s)?,
         ..ControlConfig::default()
