@@ -140,3 +140,14 @@ def test_the_package_states_the_supported_vllm_releases_as_the_readme_does():
     assert f"vLLM {kvpeer.VLLM_PEERS}," in statement
     assert f"vLLM {kvpeer.VLLM_TIER}," in statement
     assert kvpeer.VLLM_PEERS in kvpeer.__doc__ and kvpeer.VLLM_TIER in kvpeer.__doc__
+
+
+def test_the_readmes_python_example_runs_as_written(capsys):
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("From Python without vLLM", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["[True, True, False]", "131072"]

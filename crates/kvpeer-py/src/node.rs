@@ -146,6 +146,25 @@ impl Node {
     fn __repr__(&self) -> String {
         format!("Node(id={:?})", self.inner.id().to_string())
     }
+
+    /// `with kvpeer.Node(...) as node:` — the node itself.
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Leaving the `with` block stops the node (running writes drained for up to 3 s); an
+    /// exception in the block goes on.
+    #[pyo3(signature = (_kind=None, _value=None, _traceback=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _kind: Option<Bound<'_, PyAny>>,
+        _value: Option<Bound<'_, PyAny>>,
+        _traceback: Option<Bound<'_, PyAny>>,
+    ) -> bool {
+        py.detach(|| self.inner.shutdown(Duration::from_secs(3)));
+        false
+    }
 }
 
 impl Node {

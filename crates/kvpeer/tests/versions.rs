@@ -44,7 +44,11 @@ fn the_readme_help_and_metrics_state_the_supported_releases_as_declared() {
         .arg("--help")
         .output()
         .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout);
+    // As read, whatever width clap wrapped it to.
+    let help = String::from_utf8_lossy(&help.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(help.contains(kvpeer::SUPPORTED_VLLM), "{help}");
 
     let metrics = kvpeer::metrics::render_process();
