@@ -840,3 +840,59 @@ fn a_probe_round_spares_a_silent_process_whose_host_acknowledges() {
     drop(a);
     quiet.join().unwrap();
 }
+
+/// The same with the window shut: a peer that stopped reading once its receive buffer filled
+/// leaves our PING no room to leave, and its host answers only our kernel's window probes,
+/// seconds apart by then; the probe round must not take that for a dead host (the host's last
+/// segment is younger than the heartbeat timeout).
+#[test]
+fn a_probe_round_spares_a_peer_whose_window_is_shut() {
+    let mut a = channel_with(ControlConfig::default());
+    let (closing_listener, closing) = router_listener();
+    let (stuck_listener, stuck) = router_listener();
+    a.send(&closing, b"one").unwrap();
+    a.send(&stuck, b"two").unwrap();
+    let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+    let closer = std::thread::spawn(move || {
+        let mut r = Router::accept(&closing_listener);
+        r.handshake(3, 1);
+        assert_eq!(r.read_message(), b"one");
+        close_rx.recv().unwrap();
+    });
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let mut r = Router::accept(&stuck_listener);
+        r.handshake(3, 1);
+        assert_eq!(r.read_message(), b"two");
+        // Reads nothing more until told: its receive window fills and shuts.
+        done_rx.recv().unwrap();
+        drop(r);
+    });
+    // Fill the stuck peer's window and our send buffer: 12 MiB in 1 MiB messages (within
+    // `send_queue_bytes`).
+    drive(&mut [&mut a], Duration::from_millis(300), |_| false);
+    let big = vec![7u8; 1 << 20];
+    for _ in 0..12 {
+        a.send(&stuck, &big).unwrap();
+        drive(&mut [&mut a], Duration::from_millis(50), |_| false);
+    }
+    // Long enough for our kernel's window probes to back off past the probe's second (200 ms
+    // doubling: 3.2 s apart by now), so the host sends nothing inside it unless asked.
+    drive(&mut [&mut a], Duration::from_secs(5), |_| false);
+    close_tx.send(()).unwrap();
+    closer.join().unwrap();
+    let events = drive(&mut [&mut a], Duration::from_secs(5), |e| {
+        lost_reason(e, &closing).is_some()
+    });
+    assert!(lost_reason(&events, &closing).is_some(), "{events:?}");
+    // Past the probe's deadline, twice over: still there.
+    let events = drive(&mut [&mut a], Duration::from_millis(2500), |_| false);
+    assert!(lost_cause(&events, &stuck).is_none(), "{events:?}");
+    assert!(a.connected(&stuck));
+    let counts = a.host_liveness();
+    assert_eq!(counts.probe_rounds, 1, "{counts:?}");
+    assert_eq!(counts.probe_losses, 0, "{counts:?}");
+    done_tx.send(()).unwrap();
+    drop(a);
+    holder.join().unwrap();
+}

@@ -597,7 +597,7 @@ fn rank_on(host: &Host, tag: &str, group: &str, rank: &str, heartbeat_ms: (u64, 
 
 /// A host that dies (its link cut: nothing on it answers, not even its kernel) while two ranks
 /// of one engine on another host hold sessions to two of its processes: rank 0, whose
-/// heartbeat is short (300 ms + 700 ms), finds it first and tells rank 1, whose load from the
+/// heartbeat is short (500 ms + 1.5 s), finds it first and tells rank 1, whose load from the
 /// host's other process is in flight; rank 1 probes, nothing acknowledges, and its load fails
 /// a second later, not at its own heartbeat's 12 s. The host is then held off on rank 1: a
 /// session to its third process fails at once instead of waiting on a connect. (vLLM's issue
@@ -631,7 +631,7 @@ fn a_dead_host_fails_every_ranks_load_at_once_and_is_held_off() {
     let (_p2, second) = producer("5601");
     let (_p3, third) = producer("5602");
     let group = format!("fleet-{}", std::process::id());
-    let rank0 = rank_on(fleet.host(2), "rank0", &group, "0/2", (300, 700));
+    let rank0 = rank_on(fleet.host(2), "rank0", &group, "0/2", (500, 1500));
     let rank1 = rank_on(fleet.host(2), "rank1", &group, "1/2", (2000, 10000));
     // Another engine's rank beside them, in no group: what rank 1 would do alone.
     let outside = rank_on(
@@ -672,10 +672,10 @@ fn a_dead_host_fails_every_ranks_load_at_once_and_is_held_off() {
         after < Duration::from_secs(6),
         "rank 1's load failed {after:?} after its host died (its own heartbeat: 12 s)"
     );
+    assert_eq!(rank0.stats().unwrap().host_liveness.hosts_down, 1);
     let liveness = rank1.stats().unwrap().host_liveness;
     assert_eq!(liveness.probe_losses, 1, "ended by its probe: {liveness:?}");
     assert_eq!(liveness.hosts_down, 1, "{liveness:?}");
-    assert_eq!(rank0.stats().unwrap().host_liveness.hosts_down, 1);
 
     // Held off: a session to the host's third process fails at once, saying why.
     let asked = Instant::now();

@@ -150,7 +150,13 @@ impl HostWatch {
             Self::remember(&mut self.down, host, now + self.hold, now);
         }
         let in_round = self.rounds.get(&host).is_some_and(|until| now < *until);
-        if in_round || origin == (Origin::Here { probed: true }) {
+        if origin == (Origin::Here { probed: true }) {
+            // The round's last answering connection gone: the other ranks learn that nothing
+            // on the host answers (they may hold it); no new round.
+            doubt.announce = doubt.down;
+            return doubt;
+        }
+        if in_round {
             return doubt;
         }
         // Longer than the probes (whose deadlines the timers only ever round up): their
@@ -223,11 +229,21 @@ mod tests {
             "three others answer for the host until their probes say otherwise"
         );
         // The round's own casualties (unanswered probes, at their deadline or later: timers
-        // round up) start no second round, at any time.
+        // round up) start no second round, at any time; the last of them takes the host down
+        // and tells the other ranks so.
         for at in [ms(1000), ms(1015), ms(1999), ms(2500)] {
             let cascade = w.on_loss(H, HostSign::Unanswered, t + at, 2, true);
             assert_eq!(cascade, Doubt::default(), "{at:?}");
         }
+        let last = w.on_loss(H, HostSign::Unanswered, t + ms(1020), 0, true);
+        assert_eq!(
+            last,
+            Doubt {
+                probe: false,
+                announce: true,
+                down: true
+            }
+        );
         // Another host is its own matter.
         assert!(w.on_loss(OTHER, HostSign::Unanswered, t, 1, false).probe);
         // Nor does any loss before the round's end (twice the probe timeout)...

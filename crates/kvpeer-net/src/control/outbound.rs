@@ -710,7 +710,7 @@ impl Outbound {
                 self.by_peer.remove(&c.peer);
             }
             let host = c.host().filter(|_| self.hosts.enabled());
-            let host_silent_for = c.dialer.host_silent_for();
+            let host_answered = c.dialer.host_answered_at_failure();
             if let Link::Failed(reason) = c.link {
                 if matches!(reason, LinkLoss::HostDown { .. }) {
                     self.refused_dials += 1;
@@ -721,17 +721,9 @@ impl Outbound {
                         self.probe_losses += 1;
                     }
                     let mut sign = reason.host_sign();
-                    // A heartbeat unanswered while the host's kernel still acknowledged our
-                    // bytes (after the heartbeat's PING left): the process is silent, the host
-                    // is up.
-                    let heartbeat = self
-                        .config
-                        .conn
-                        .heartbeat_timeout
-                        .max(self.config.conn.heartbeat_interval);
-                    if matches!(reason, LinkLoss::Silent(_))
-                        && host_silent_for.is_some_and(|silent| silent < heartbeat)
-                    {
+                    // A heartbeat unanswered while the host's kernel still sent us segments
+                    // after its PING left: the process is silent, the host is up.
+                    if matches!(reason, LinkLoss::Silent(_)) && host_answered {
                         sign = HostSign::ProcessGone;
                     }
                     self.doubt_host(host, sign, now, Some(probed), &c.peer);

@@ -195,8 +195,14 @@ impl Siblings {
                 }
                 Err(nix::errno::Errno::EAGAIN) => return false,
                 Err(nix::errno::Errno::EINTR) => continue,
-                // Not read this round; the next one tries again.
-                Err(_) => return true,
+                // Treated as drained (the poll reports the next datagram): a socket that keeps
+                // failing must not keep the node's loop awake.
+                Err(e) => {
+                    if let Some(suppressed) = crate::admit_warning("liveness group read") {
+                        tracing::warn!(error = %e, suppressed, "cannot read the liveness group's socket");
+                    }
+                    return false;
+                }
             };
             match (len <= MAX_DATAGRAM, uid == Some(self.uid)) {
                 // The sender's real uid (what the kernel attaches) against ours.

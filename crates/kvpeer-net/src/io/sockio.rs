@@ -227,15 +227,14 @@ fn wrote_up_to(wrote: usize, end: usize) -> bool {
     wrote >= end
 }
 
-/// How long ago the peer's host last acknowledged anything on `stream` (`TCP_INFO`'s
-/// `tcpi_last_ack_recv`, kept in jiffies: a few milliseconds coarse), `None` when the kernel
-/// does not say. Tells a silent process on a live host (its kernel acknowledged our
-/// heartbeat's PING) from a dead host.
-pub(crate) fn last_ack_age(stream: &TcpStream) -> Option<std::time::Duration> {
+/// While the peer's host holds its receive window shut (our bytes wait to leave, our kernel
+/// probes the window at spaced-out times), how long ago its last segment came; `None` when the
+/// window is open (or the kernel does not say). A host answering window probes is up.
+pub(crate) fn window_shut_since(stream: &TcpStream) -> Option<std::time::Duration> {
     let (info, wrote) = tcp_info(stream)?;
-    let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_last_ack_recv) + 4;
-    wrote_up_to(wrote, end)
-        .then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
+    let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_snd_wnd) + 4;
+    let shut = (wrote_up_to(wrote, end) && info.tcpi_snd_wnd == 0) || info.tcpi_probes > 0;
+    shut.then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
 }
 
 /// Segments the peer's host has sent us on `stream` so far (`TCP_INFO`'s `tcpi_segs_in`,

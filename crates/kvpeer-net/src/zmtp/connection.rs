@@ -705,23 +705,24 @@ impl Connection {
             return false;
         }
         let deadline = now + timeout;
+        if self.ping_deadline.is_some_and(|d| d <= deadline) {
+            // A deadline as near runs already (an earlier probe's, or the heartbeat's).
+            return true;
+        }
         let heartbeat_deadline = match self.probing {
             Some(p) => p.heartbeat_deadline,
             None => self.ping_deadline,
         };
-        if self.ping_deadline.is_none() {
-            let ttl =
-                u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
-            self.out.extend(zmtp::ping(ttl));
-        }
-        if self.ping_deadline.is_none_or(|d| d > deadline) {
-            self.ping_deadline = Some(deadline);
-            self.probing = Some(Probing {
-                started: now,
-                timeout,
-                heartbeat_deadline,
-            });
-        }
+        // A PING of its own even when the heartbeat's is unanswered: the host acknowledged that
+        // one already, and this probe asks for something new from it.
+        let ttl = u16::try_from(self.limits.heartbeat_ttl.as_millis() / 100).unwrap_or(u16::MAX);
+        self.out.extend(zmtp::ping(ttl));
+        self.ping_deadline = Some(deadline);
+        self.probing = Some(Probing {
+            started: now,
+            timeout,
+            heartbeat_deadline,
+        });
         true
     }
 
@@ -731,15 +732,18 @@ impl Connection {
     }
 
     /// The peer's host answered the probe under way though the peer sent nothing (its kernel
-    /// acknowledged our bytes: the host is up, whatever its process does): the probe ends, and
-    /// the heartbeat's own deadline (its PING's, or the probe's PING's) stands again.
+    /// sent us a segment: the host is up, whatever its process does): the probe ends, and the
+    /// heartbeat's own deadline stands again if its PING was unanswered, else none (the
+    /// heartbeat PINGs again when the peer has been silent for its interval).
     pub fn probe_answered_by_host(&mut self) {
         if let Some(p) = self.probing.take() {
-            self.ping_deadline = Some(
-                p.heartbeat_deadline
-                    .unwrap_or(p.started + self.heartbeat_timeout()),
-            );
+            self.ping_deadline = p.heartbeat_deadline;
         }
+    }
+
+    /// Whether a PING of ours (the heartbeat's or a probe's) waits for an answer.
+    pub fn ping_unanswered(&self) -> bool {
+        self.ping_deadline.is_some()
     }
 
     /// When [`Connection::handle_timeout`] has something to do next.
@@ -754,6 +758,11 @@ impl Connection {
         .into_iter()
         .flatten()
         .min()
+    }
+
+    /// How long a heartbeat PING may go unanswered.
+    pub fn heartbeat_timeout_limit(&self) -> Duration {
+        self.heartbeat_timeout()
     }
 
     fn heartbeat_timeout(&self) -> Duration {
@@ -1496,16 +1505,18 @@ mod tests {
                 "an ordinary heartbeat timeout again"
             );
 
-            // A heartbeat PING already unanswered: no second PING, its deadline brought
-            // forward; a later probe never pushes an earlier deadline back.
+            // A heartbeat PING already unanswered: a PING of the probe's own (the host
+            // acknowledged the first one already), the deadline brought forward; a later probe
+            // never pushes an earlier deadline back, nor sends another PING.
             let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
             d.connected(t);
             d.handle_bytes(&router_hello(1), t).unwrap();
             d.handle_timeout(t + s(2)).unwrap();
             drain(&mut d);
             assert!(d.probe(t + s(3), s(1)));
-            assert!(d.transmit().is_empty(), "one PING in flight is enough");
+            assert_eq!(drain(&mut d), zmtp::ping(100), "the probe's own PING");
             assert!(d.probe(t + s(3) + Duration::from_millis(500), s(5)));
+            assert!(d.transmit().is_empty());
             assert_eq!(d.poll_timeout(), Some(t + s(4)));
             assert_eq!(
                 d.handle_timeout(t + s(4)),
@@ -1517,18 +1528,22 @@ mod tests {
         fn a_probe_the_host_answered_gives_the_deadline_back_to_the_heartbeat() {
             let t = Instant::now();
             let s = Duration::from_secs;
-            // The probe's own PING: the heartbeat's deadline runs from it.
+            // No heartbeat PING was unanswered: no deadline until the heartbeat's next PING.
             let mut d = Connection::new(Role::control_dealer(b"a:1"), limits());
             d.connected(t);
             d.handle_bytes(&router_hello(1), t).unwrap();
             drain(&mut d);
             assert!(d.probe(t + s(1), s(1)));
+            assert_eq!(drain(&mut d), zmtp::ping(100), "the probe's PING");
             assert_eq!(d.probing().map(|p| p.started), Some(t + s(1)));
             d.probe_answered_by_host();
             assert_eq!(d.probing(), None);
+            assert!(!d.ping_unanswered());
             d.handle_timeout(t + s(2)).unwrap();
+            assert_eq!(drain(&mut d), zmtp::ping(100), "the heartbeat's PING");
+            d.handle_timeout(t + s(11)).unwrap();
             assert_eq!(
-                d.handle_timeout(t + s(11)),
+                d.handle_timeout(t + s(12)),
                 Err(ConnError::HeartbeatTimeout(s(10))),
                 "the process still answers nothing: its heartbeat ends it"
             );

@@ -73,10 +73,12 @@ pub(crate) struct Dialer {
     write_limit: usize,
     /// Bytes written by progress and flush since [`Dialer::take_written`] last asked.
     last_written: usize,
-    /// How long the peer's host had been silent when the connection last failed.
-    host_silent_for: Option<Duration>,
-    /// Segments the peer's host had sent when the probe under way began (`None`: unknown).
-    probe_segments_in: Option<u32>,
+    /// Whether the peer's host answered (any segment) after our last PING when the
+    /// connection last failed: a heartbeat then unanswered is its process's silence.
+    host_answered_at_failure: bool,
+    /// Segments the peer's host had sent when our unanswered PING (the heartbeat's or a
+    /// probe's) left (`None`: no PING waits, or the kernel does not say).
+    ping_segments_in: Option<u32>,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -105,6 +107,29 @@ pub(crate) fn loss_of(e: ConnError) -> LinkLoss {
     }
 }
 
+/// Whether the peer's host sent us anything since our unanswered PING left (`baseline`: its
+/// segment count then), or, while it holds its receive window shut (our bytes cannot leave, so
+/// it has nothing to acknowledge but our kernel's spaced-out window probes), within the
+/// heartbeat timeout.
+fn host_answered(conn: &Connection, baseline: Option<u32>, stream: &TcpStream) -> bool {
+    let moved = baseline
+        .zip(sockio::segments_in(stream))
+        .is_some_and(|(then, now)| now != then);
+    moved
+        || sockio::window_shut_since(stream)
+            .is_some_and(|silent| silent < conn.heartbeat_timeout_limit())
+}
+
+/// After the connection's deadlines ran: a PING that left just now (none waited before)
+/// starts the count of what the host sends after it; none waiting, no count.
+fn note_ping(conn: &Connection, baseline: &mut Option<u32>, stream: &TcpStream, waited: bool) {
+    if !waited && conn.ping_unanswered() {
+        *baseline = sockio::segments_in(stream);
+    } else if !conn.ping_unanswered() {
+        *baseline = None;
+    }
+}
+
 impl Dialer {
     /// An idle dialer whose connection speaks `conn`'s role (messages may be queued at once).
     pub(crate) fn new(
@@ -119,8 +144,8 @@ impl Dialer {
             read_budget,
             write_limit: usize::MAX,
             last_written: 0,
-            host_silent_for: None,
-            probe_segments_in: None,
+            host_answered_at_failure: false,
+            ping_segments_in: None,
         }
     }
 
@@ -264,21 +289,23 @@ impl Dialer {
         let was_ready = self.is_ready();
         let result = self.step(now, reading);
         if result.is_err() {
-            // How long the peer's host had been silent when the connection failed: a host
-            // whose kernel still acknowledged our bytes is up, whatever its process did.
-            self.host_silent_for = match &self.state {
-                State::Open { stream, .. } => sockio::last_ack_age(stream),
-                _ => None,
+            // Whether the peer's host answered our last PING: a host whose kernel still sent us
+            // segments is up, whatever its process did.
+            self.host_answered_at_failure = match &self.state {
+                State::Open { stream, .. } => {
+                    host_answered(&self.conn, self.ping_segments_in, stream)
+                }
+                _ => false,
             };
             self.disconnect();
         }
         result.map(|()| !was_ready && self.is_ready())
     }
 
-    /// How long the peer's host had been silent (no ACK from its kernel) when the connection
-    /// last failed; `None` if it failed before it was open, or the kernel did not say.
-    pub(crate) fn host_silent_for(&self) -> Option<Duration> {
-        self.host_silent_for
+    /// Whether the peer's host answered (any segment from its kernel) after our last PING,
+    /// when the connection last failed.
+    pub(crate) fn host_answered_at_failure(&self) -> bool {
+        self.host_answered_at_failure
     }
 
     fn step(&mut self, now: Instant, reading: bool) -> Result<(), LinkLoss> {
@@ -338,22 +365,24 @@ impl Dialer {
         } else if self.conn.holds_input() {
             self.conn.decode_held(now).map_err(loss_of)?;
         }
+        let waited = self.conn.ping_unanswered();
         match self.conn.handle_timeout(now) {
             Err(ConnError::ProbeUnanswered(timeout)) => {
-                // The process sent nothing in time; the host may still be up: its kernel
-                // acknowledged our bytes (the probe's PING, or what was in flight) since the
+                // The process sent nothing in time; the host may still be up: its kernel sent
+                // us a segment (an ACK of the probe's PING, or of what was in flight) since the
                 // probe began. Then the host is alive and the heartbeat judges the process.
-                let before = self.probe_segments_in.take();
-                let host_acked = before
-                    .zip(sockio::segments_in(stream))
-                    .is_some_and(|(before, now_in)| now_in != before);
-                if !host_acked {
+                if !host_answered(&self.conn, self.ping_segments_in, stream) {
                     return Err(LinkLoss::ProbeUnanswered(timeout));
                 }
                 self.conn.probe_answered_by_host();
+                let waited = self.conn.ping_unanswered();
                 self.conn.handle_timeout(now).map_err(loss_of)?;
+                note_ping(&self.conn, &mut self.ping_segments_in, stream, waited);
             }
-            other => other.map_err(loss_of)?,
+            other => {
+                other.map_err(loss_of)?;
+                note_ping(&self.conn, &mut self.ping_segments_in, stream, waited);
+            }
         }
         if *writable {
             let wrote = sockio::write_up_to(stream, &mut self.conn, self.write_limit)?;
@@ -407,8 +436,8 @@ impl Dialer {
         let idle = self.conn.transmit().is_empty();
         let probed = self.conn.probe(now, timeout);
         if self.conn.probing().is_some_and(|p| p.started == now) {
-            // A new probe: what the host sends from here on answers it.
-            self.probe_segments_in = match &self.state {
+            // A new probe (with a PING of its own): what the host sends from here answers it.
+            self.ping_segments_in = match &self.state {
                 State::Open { stream, .. } => sockio::segments_in(stream),
                 _ => None,
             };
