@@ -100,6 +100,17 @@ mod tests {
 
     use super::*;
 
+    /// An object `/name` as a node killed with SIGKILL leaves it: there, and nobody's lock.
+    fn leave_unlocked(name: &str) {
+        let fd = shm_open(
+            format!("/{name}").as_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .unwrap();
+        drop(fd);
+    }
+
     #[test]
     fn default_names_give_their_pid_and_nothing_else_does() {
         assert_eq!(default_name_pid("kvpeer-serve-1234"), Some(1234));
@@ -124,13 +135,7 @@ mod tests {
         // Left behind as a killed node leaves it: the name stays, the lock goes with the
         // pool (here: forget the pool's unlink by making the object again, unlocked).
         drop(pool);
-        let fd = shm_open(
-            format!("/{name}").as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .unwrap();
-        drop(fd);
+        leave_unlocked(&name);
         assert!(remove_if_stale(&name));
         assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
         assert!(!remove_if_stale(&name), "nothing left to remove");
@@ -139,13 +144,7 @@ mod tests {
     #[test]
     fn a_new_pool_takes_the_name_of_a_dead_nodes_object() {
         let name = format!("kvpeer-reuse-test-{}", std::process::id());
-        let fd = shm_open(
-            format!("/{name}").as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .unwrap();
-        drop(fd);
+        leave_unlocked(&name);
         let pool = crate::Pool::shm(&name, 2, 4096, false).unwrap();
         // A second live pool under the name is refused, saying so.
         let e = crate::Pool::shm(&name, 2, 4096, false).unwrap_err();

@@ -726,7 +726,7 @@ impl Outbound {
                     if matches!(reason, LinkLoss::Silent(_)) && host_answered {
                         sign = HostSign::ProcessGone;
                     }
-                    self.doubt_host(host, sign, now, Some(probed), &c.peer);
+                    self.doubt_host(host, sign, now, Some((probed, &c.peer)));
                 }
                 lost.push((c.peer, reason));
             }
@@ -737,8 +737,7 @@ impl Outbound {
     /// Another rank of this engine lost a connection to `host` with `sign`, at `now`.
     pub(crate) fn on_announcement(&mut self, host: IpAddr, sign: HostSign, now: Instant) {
         if self.hosts.enabled() {
-            let by = PeerId::from_host_port(&host.to_string(), 0);
-            self.doubt_host(host, sign, now, None, &by);
+            self.doubt_host(host, sign, now, None);
         }
     }
 
@@ -762,15 +761,15 @@ impl Outbound {
         self.hosts.hosts_down(now)
     }
 
-    /// Applies the host rules to a loss of `host`: seen here (`Some(probed)`: lost to a
-    /// round's probe, or not), or announced by another rank (`None`).
+    /// Applies the host rules to a loss of `host`: seen here (`Some((probed, peer))`: the
+    /// connection to `peer` lost to a round's probe, or not), or announced by another rank
+    /// (`None`).
     fn doubt_host(
         &mut self,
         host: IpAddr,
         sign: HostSign,
         now: Instant,
-        here: Option<bool>,
-        by: &PeerId,
+        here: Option<(bool, &PeerId)>,
     ) {
         let ready: Vec<OutId> = self
             .conns
@@ -779,8 +778,9 @@ impl Outbound {
             .map(|(id, _)| *id)
             .collect();
         let ours = here.is_some();
+        let lost = here.map(|(_, peer)| peer);
         let doubt = match here {
-            Some(probed) => self.hosts.on_loss(host, sign, now, ready.len(), probed),
+            Some((probed, _)) => self.hosts.on_loss(host, sign, now, ready.len(), probed),
             None => self.hosts.on_announcement(host, sign, now, ready.len()),
         };
         if doubt.probe {
@@ -797,13 +797,13 @@ impl Outbound {
             // A peer's process can end its connections at will: throttled as any line a peer
             // can cause (docs/security.md, G8).
             if let Some(suppressed) = crate::admit_warning("host probe round") {
-                info!(%host, lost = %by, probed = ready.len(), timeout_ms = timeout.as_millis() as u64,
+                info!(%host, lost = ?lost, probed = ready.len(), timeout_ms = timeout.as_millis() as u64,
                     announced = !ours, suppressed, "a connection to this host was lost; probing its others");
             }
         }
         if doubt.down {
             if let Some(suppressed) = crate::admit_warning("host taken for down") {
-                warn!(%host, lost = %by, hold_ms = self.hosts.hold().as_millis() as u64,
+                warn!(%host, lost = ?lost, hold_ms = self.hosts.hold().as_millis() as u64,
                     announced = !ours, suppressed,
                     "host taken for down: nothing on it answered; new connections to it fail at once until the hold ends");
             }

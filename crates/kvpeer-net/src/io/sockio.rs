@@ -222,18 +222,13 @@ fn tcp_info(stream: &TcpStream) -> Option<(nix::libc::tcp_info, usize)> {
     Some((info, usize::try_from(len).unwrap_or(0)))
 }
 
-/// Whether the kernel wrote field `end` (the offset just past it) of a `tcp_info`.
-fn wrote_up_to(wrote: usize, end: usize) -> bool {
-    wrote >= end
-}
-
 /// While the peer's host holds its receive window shut (our bytes wait to leave, our kernel
 /// probes the window at spaced-out times), how long ago its last segment came; `None` when the
 /// window is open (or the kernel does not say). A host answering window probes is up.
 pub(crate) fn window_shut_since(stream: &TcpStream) -> Option<std::time::Duration> {
     let (info, wrote) = tcp_info(stream)?;
     let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_snd_wnd) + 4;
-    let shut = (wrote_up_to(wrote, end) && info.tcpi_snd_wnd == 0) || info.tcpi_probes > 0;
+    let shut = (wrote >= end && info.tcpi_snd_wnd == 0) || info.tcpi_probes > 0;
     shut.then(|| std::time::Duration::from_millis(u64::from(info.tcpi_last_ack_recv)))
 }
 
@@ -243,5 +238,5 @@ pub(crate) fn window_shut_since(stream: &TcpStream) -> Option<std::time::Duratio
 pub(crate) fn segments_in(stream: &TcpStream) -> Option<u32> {
     let (info, wrote) = tcp_info(stream)?;
     let end = std::mem::offset_of!(nix::libc::tcp_info, tcpi_segs_in) + 4;
-    wrote_up_to(wrote, end).then_some(info.tcpi_segs_in)
+    (wrote >= end).then_some(info.tcpi_segs_in)
 }

@@ -761,11 +761,7 @@ impl Connection {
     }
 
     /// How long a heartbeat PING may go unanswered.
-    pub fn heartbeat_timeout_limit(&self) -> Duration {
-        self.heartbeat_timeout()
-    }
-
-    fn heartbeat_timeout(&self) -> Duration {
+    pub(crate) fn heartbeat_timeout(&self) -> Duration {
         if self.limits.heartbeat_timeout.is_zero() {
             self.limits.heartbeat_interval
         } else {

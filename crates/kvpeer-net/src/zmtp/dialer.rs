@@ -116,8 +116,7 @@ fn host_answered(conn: &Connection, baseline: Option<u32>, stream: &TcpStream) -
         .zip(sockio::segments_in(stream))
         .is_some_and(|(then, now)| now != then);
     moved
-        || sockio::window_shut_since(stream)
-            .is_some_and(|silent| silent < conn.heartbeat_timeout_limit())
+        || sockio::window_shut_since(stream).is_some_and(|silent| silent < conn.heartbeat_timeout())
 }
 
 /// After the connection's deadlines ran: a PING that left just now (none waited before)

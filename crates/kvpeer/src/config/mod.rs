@@ -270,6 +270,8 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         max_list_len: s.number(&KEY.max_keys_per_message, 1, 1 << 24)? as usize,
         ..DecodeLimits::default()
     };
+    let heartbeat_timeout =
+        Duration::from_millis(s.number(&KEY.heartbeat_timeout_ms, 10, 3_600_000)?);
     let control = ControlConfig {
         max_message_bytes: max_message as i64,
         send_queue_bytes: s.number(&KEY.send_queue_bytes, 1024, 1 << 40)? as usize,
@@ -295,13 +297,9 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             10,
             3_600_000,
         )?),
-        heartbeat_timeout: Duration::from_millis(s.number(
-            &KEY.heartbeat_timeout_ms,
-            10,
-            3_600_000,
-        )?),
+        heartbeat_timeout,
         // The TTL our PINGs tell the peer: how long it may wait for us, as long as we wait.
-        heartbeat_ttl: Duration::from_millis(s.number(&KEY.heartbeat_timeout_ms, 10, 3_600_000)?),
+        heartbeat_ttl: heartbeat_timeout,
         host_probe_timeout: probe_timeout(&s)?,
         host_down_hold: Duration::from_millis(s.number(&KEY.host_down_hold_ms, 0, 3_600_000)?),
         siblings: liveness_group(&s)?,

@@ -168,20 +168,21 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
                 // take the room the check below counts, and perhaps this node's name.
                 let removed = kvpeer_store::stale::remove_stale_objects();
                 if !removed.is_empty() {
-                    tracing::info!(objects = ?removed, "removed the shared-memory pools of kvpeer nodes that are gone");
+                    info!(objects = ?removed, "removed the shared-memory pools of kvpeer nodes that are gone");
                 }
             }
             Room::of_this_host().check(bytes, spec.num_blocks, spec.block_len, backing)?;
+            let memory = if shared {
+                format!("shared memory, /dev/shm/{}", spec.shm_name)
+            } else {
+                "private memory".to_owned()
+            };
+            info!(blocks = spec.num_blocks, block_len = spec.block_len,
+                size = %room::human(bytes), %memory, "allocating the pool (pre-faulted)");
             let started = Instant::now();
             let pool = if shared {
-                info!(blocks = spec.num_blocks, block_len = spec.block_len,
-                    size = %room::human(bytes), object = %format!("/dev/shm/{}", spec.shm_name),
-                    "allocating the pool (shared memory, pre-faulted)");
                 Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?
             } else {
-                info!(blocks = spec.num_blocks, block_len = spec.block_len,
-                    size = %room::human(bytes),
-                    "allocating the pool (private memory, pre-faulted)");
                 Pool::anonymous(spec.num_blocks, spec.block_len, false)?
             };
             info!(ms = started.elapsed().as_millis() as u64, "pool allocated");
@@ -193,12 +194,12 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
 }
 
 /// Builds a node with the spec's data plane over the pool `make_pool` returns, and the parent
-/// `make_parent` makes of that pool (with anything the caller keeps, `T`). Both run after the
-/// control channel is bound (the spec carries the real identity); the plane is built over the
-/// pool before it goes to the parent; `make_parent` gets the node's wake hook. The pool is
-/// made before the control port opens (a peer that connects is then answered at once, never
-/// by a node still allocating): `make_pool` sees the spec's identity as configured (port 0
-/// before the system picks one).
+/// `make_parent` makes of that pool (with anything the caller keeps, `T`). The pool is made
+/// before the control port opens (a peer that connects is then answered at once, never by a
+/// node still allocating), so `make_pool` sees the spec's identity as configured (port 0
+/// before the system picks one); `make_parent` runs after the channel is bound (the spec then
+/// carries the real identity), once the plane is built over the pool, and gets the node's
+/// wake hook.
 pub(crate) fn build_with<Q: Parent, T>(
     spec: &NodeSpec,
     make_pool: impl FnOnce(&NodeSpec) -> Result<Pool, BuildError>,
