@@ -42,6 +42,10 @@ pub enum CloseReason {
     /// The peer said `disconnect`.
     #[error("peer disconnected")]
     PeerDisconnected,
+    /// The peer refused our `connect` and said why (a kvpeer peer's `kvpeer_reason`, with
+    /// both sides' values; cleaned and bounded, see [`PeerSaid`]).
+    #[error("the peer refused our connect: {0}")]
+    RefusedByPeer(PeerSaid),
     /// The control connection is gone, and how (refused, closed, not ZMTP, silent, ...).
     #[error("control connection lost: {0}")]
     ConnectionLost(LinkLoss),
@@ -95,14 +99,19 @@ impl CloseReason {
     pub fn initiator(&self) -> Initiator {
         match self {
             CloseReason::Closed | CloseReason::Refused(_) => Initiator::User,
-            CloseReason::PeerDisconnected | CloseReason::ConnectionLost(_) => Initiator::Remote,
+            CloseReason::PeerDisconnected
+            | CloseReason::RefusedByPeer(_)
+            | CloseReason::ConnectionLost(_) => Initiator::Remote,
             _ => Initiator::Library,
         }
     }
 
     /// An end that is routine: either side said `disconnect`, or this side closed it.
     pub fn is_orderly(&self) -> bool {
-        matches!(self, CloseReason::Closed | CloseReason::PeerDisconnected)
+        matches!(
+            self,
+            CloseReason::Closed | CloseReason::PeerDisconnected | CloseReason::RefusedByPeer(_)
+        )
     }
 
     /// The peer's side ended it: it said `disconnect`, or its host closed or reset its
@@ -113,11 +122,47 @@ impl CloseReason {
         matches!(
             self,
             CloseReason::PeerDisconnected
+                | CloseReason::RefusedByPeer(_)
                 | CloseReason::ConnectionLost(
                     LinkLoss::ClosedByPeer
                         | LinkLoss::Socket(ConnectionReset | ConnectionAborted | BrokenPipe)
                 )
         )
+    }
+}
+
+/// What a peer said when it refused us: its text, cut to [`PeerSaid::MAX_BYTES`] at a character
+/// boundary, every control character (newlines, escapes) shown as `?`, and quoted when shown,
+/// so a peer cannot forge log lines or fill them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSaid(String);
+
+impl PeerSaid {
+    /// Most bytes kept of what a peer said.
+    pub const MAX_BYTES: usize = 512;
+
+    /// Cleans and bounds `text`, as received.
+    pub fn new(text: &str) -> Self {
+        let mut kept = String::with_capacity(text.len().min(Self::MAX_BYTES));
+        for c in text.chars() {
+            let c = if c.is_control() { '?' } else { c };
+            if kept.len() + c.len_utf8() > Self::MAX_BYTES {
+                break;
+            }
+            kept.push(c);
+        }
+        PeerSaid(kept)
+    }
+
+    /// The cleaned text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for PeerSaid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "\"{}\"", self.0)
     }
 }
 
@@ -534,6 +579,47 @@ pub enum ConnectRejection {
     /// The data plane would not start registering the peer.
     #[error("data plane refused the peer: {0}")]
     PlaneRefused(#[source] PlaneError),
+}
+
+impl ConnectRejection {
+    /// The refusal as the refused peer reads it (sent as `disconnect`'s `kvpeer_reason`): the
+    /// cause with its value and ours. Only peers past the allowlist and the secret get this far
+    /// (the node refuses others before the core sees their `connect`). The hash seed decides
+    /// every key, so it is never sent: each side's is named by the first 12 hex digits of its
+    /// SHA-256, which the refused peer can compare with its own (`printf %s "$SEED" | sha256sum`).
+    pub fn told_to_peer(&self) -> String {
+        match self {
+            ConnectRejection::PeerIdMismatch { named, from } => format!(
+                "your connect names peer {named}, but it came from {from}: a node must call itself \
+                 by the address it connects from"
+            ),
+            ConnectRejection::BlockLen { remote, local } => {
+                format!("block_len differs: yours {remote}, mine {local}")
+            }
+            ConnectRejection::Fingerprint { remote, local } => {
+                format!("config fingerprint differs: yours {remote:?}, mine {local:?}")
+            }
+            ConnectRejection::HashSeed { remote, local } => format!(
+                "hash seed differs: yours has SHA-256 {}..., mine {}... (PYTHONHASHSEED must \
+                 match on all peers)",
+                seed_digest(remote),
+                seed_digest(local)
+            ),
+            ConnectRejection::PoolTooLarge { blocks, most } => {
+                format!("your pool has {blocks} blocks, over the {most} I take (max_peer_blocks)")
+            }
+            ConnectRejection::PlaneRefused(e) => {
+                format!("my data plane will not take your memory: {e}")
+            }
+        }
+    }
+}
+
+/// The first 12 hex digits of the SHA-256 of a hash seed (see [`ConnectRejection::told_to_peer`]).
+pub fn seed_digest(seed: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(seed.as_bytes());
+    digest.iter().take(6).map(|b| format!("{b:02x}")).collect()
 }
 
 /// Something that went wrong on our side while handling a peer's message: counted, and

@@ -32,10 +32,11 @@ pub use crate::core::{
     FENCE_RECHECK,
 };
 pub use crate::counters::Counters;
+pub use crate::error::seed_digest;
 pub use crate::error::{
     Cause, CloseReason, ConnectRejection, DialFailure, FaultRecord, HostSign, Initiator,
-    InternalError, LinkLoss, LocalRefusal, NotRegistered, PlaneError, PlaneErrorKind, PlaneWords,
-    ProtocolViolation, Refusal, SendFailure, SessionEnd, TransferStalled,
+    InternalError, LinkLoss, LocalRefusal, NotRegistered, PeerSaid, PlaneError, PlaneErrorKind,
+    PlaneWords, ProtocolViolation, Refusal, SendFailure, SessionEnd, TransferStalled,
 };
 pub use crate::output::{Event, Transmit};
 pub use crate::traits::{

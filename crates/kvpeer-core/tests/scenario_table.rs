@@ -159,7 +159,7 @@ fn every_upstream_scenario_has_a_test_or_a_reason() {
 
     let mut table = String::from(
         "# Upstream scenarios and the tests that cover them\n\n\
-         Every test scenario of vLLM 0.33's `test_sessions.py` (Appendix A of the reference spec) and\n\
+         Every test scenario of vLLM 0.33's `test_sessions.py` (Appendix A below) and\n\
          `test_manager.py` (Appendix B), mapped to the kvpeer test that covers it, or to the reason it\n\
          does not apply. Generated from the `/// upstream:` lines on the tests and from\n\
          `crates/kvpeer-core/tests/upstream_not_applicable.txt`; the test\n\

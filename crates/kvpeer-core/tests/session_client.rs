@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvpeer_core::{
     BlockIndex, CoreConfig, JobId, LinkLoss, LookupResult, Registration, RequestRoles,
 };
-use kvpeer_proto::{ConnectAck, Message, MessageType};
+use kvpeer_proto::{ConnectAck, Disconnect, Message, MessageType};
 use support::cluster::{key, local};
 use support::fakes::RegistrationMode;
 use support::mock::*;
@@ -118,7 +118,7 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     );
     m.data_plane();
     let sent = m.take_sent();
-    assert_eq!(sent.last(), Some(&Message::Disconnect));
+    assert_eq!(sent.last(), Some(&Message::DISCONNECT));
     assert!(!sent.iter().any(|x| is_type(x, MessageType::ConnectAck)));
     assert!(m.closed().unwrap().contains("registration failed"));
     assert!(m.core.session_state(&peer).is_none());
@@ -160,7 +160,7 @@ fn a_second_connect_is_a_protocol_error() {
         let c = m.peer_connect();
         m.recv(Message::Connect(c.clone()));
         m.recv(Message::Connect(c));
-        assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+        assert_eq!(m.take_sent().last(), Some(&Message::DISCONNECT));
         assert!(m.closed().unwrap().contains("duplicate connect"));
     }
 }
@@ -197,29 +197,50 @@ fn messages_wait_for_the_peers_ack_then_flush_in_order() {
 #[test]
 fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
     type Tweak = fn(&mut kvpeer_proto::Connect);
-    let cases: [(Tweak, &str); 5] = [
-        (|c| c.block_len = 32_768, "block_len mismatch"),
+    let ours = local(0);
+    // What this node logs, and what the refused peer is told: the cause with both values
+    // (the hash seeds by digest only: the seed decides every key).
+    let cases: [(Tweak, &str, String); 5] = [
+        (
+            |c| c.block_len = 32_768,
+            "block_len mismatch",
+            format!("block_len differs: yours 32768, mine {}", ours.block_len),
+        ),
         // A pool larger than `max_peer_blocks` (the plane would map it, or prepare a NIXL
         // descriptor per block) is refused before the plane sees it.
         (
             |c| c.num_blocks = (1 << 22) + 1,
             "4194305 blocks, over the 4194304 this node takes",
+            "your pool has 4194305 blocks, over the 4194304 I take (max_peer_blocks)".into(),
         ),
         (
             |c| c.num_blocks = u64::MAX,
             "over the 4194304 this node takes",
+            format!("your pool has {} blocks, over the 4194304 I take", u64::MAX),
         ),
         (
             |c| c.config_fingerprint = Some("ffffffffffffffff".into()),
             "fingerprint mismatch",
+            format!(
+                "config fingerprint differs: yours \"ffffffffffffffff\", mine {:?}",
+                ours.config_fingerprint
+            ),
         ),
-        (|c| c.hash_seed = "0".into(), "hash seed mismatch"),
+        (
+            |c| c.hash_seed = "0".into(),
+            "hash seed mismatch",
+            format!(
+                "hash seed differs: yours has SHA-256 {}..., mine {}...",
+                kvpeer_core::seed_digest("0"),
+                kvpeer_core::seed_digest(&ours.hash_seed)
+            ),
+        ),
     ];
     // A session this node opened (its `connect` sent first), then one the peer's `connect`
     // opens: there the refused peer gets `disconnect` and nothing else, not this node's
     // `connect` (its memory's metadata).
     for opened_here in [true, false] {
-        for (tweak, why) in &cases {
+        for (tweak, why, told) in &cases {
             let mut m = Mock::new();
             if opened_here {
                 m.accept();
@@ -228,8 +249,20 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
             let mut c = m.peer_connect();
             tweak(&mut c);
             m.recv(Message::Connect(c));
-            // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect at once.
-            assert_eq!(m.take_sent(), vec![Message::Disconnect], "{why}");
+            // vLLM stays silent and the peer waits 30 s; kvpeer answers disconnect at once,
+            // saying why.
+            let sent = m.take_sent();
+            let [Message::Disconnect(Disconnect {
+                kvpeer_reason: Some(said),
+            })] = &sent[..]
+            else {
+                panic!("{why}: {sent:?}");
+            };
+            assert!(said.starts_with(told.as_str()), "{why}: {said}");
+            assert!(
+                !said.contains("\"42\""),
+                "the seed itself is never sent: {said}"
+            );
             assert!(m.closed().unwrap().contains(why));
             assert!(
                 m.plane().registrations.is_empty(),
@@ -238,6 +271,41 @@ fn an_incompatible_peer_is_refused_with_disconnect_at_once() {
             m.assert_clean();
         }
     }
+}
+
+/// kvpeer: a refused peer reads why in our `disconnect`: its session ends as refused, with
+/// what the peer said, cleaned (no control characters) and bounded; a plain `disconnect` is
+/// vLLM's, an orderly end.
+#[test]
+fn a_refusal_said_by_the_peer_ends_the_session_with_its_words() {
+    let mut m = Mock::new();
+    m.accept();
+    m.take_sent();
+    let long = format!(
+        "block_len differs: yours 16384, mine 8192\n\x1b[31mforged{}",
+        "x".repeat(4000)
+    );
+    m.recv(Message::Disconnect(Disconnect {
+        kvpeer_reason: Some(long),
+    }));
+    let why = m.closed().unwrap();
+    assert!(
+        why.starts_with(
+            "the peer refused our connect: \"block_len differs: yours 16384, mine 8192??[31mforged"
+        ),
+        "{why}"
+    );
+    assert!(
+        why.len() < 600 && !why.contains('\n') && !why.contains('\x1b'),
+        "{why}"
+    );
+
+    let mut m = Mock::new();
+    m.accept();
+    m.take_sent();
+    m.recv(Message::DISCONNECT);
+    let why = m.closed().unwrap();
+    assert!(why.starts_with("peer disconnected"), "{why}");
 }
 
 /// kvpeer: `max_peer_blocks` below this node's own pool never refuses a peer configured like
@@ -260,7 +328,16 @@ fn a_peer_pool_as_large_as_ours_is_taken_whatever_max_peer_blocks_says() {
             assert!(matches!(sent[..], [Message::ConnectAck(_)]), "{sent:?}");
             assert_eq!(m.plane().registrations.len(), 1);
         } else {
-            assert_eq!(sent, vec![Message::Disconnect]);
+            let [Message::Disconnect(Disconnect {
+                kvpeer_reason: Some(said),
+            })] = &sent[..]
+            else {
+                panic!("{sent:?}");
+            };
+            assert!(
+                said.contains(&format!("{blocks} blocks, over the {ours} I take")),
+                "{said}"
+            );
             let why = m.closed().unwrap();
             assert!(
                 why.contains(&format!("{blocks} blocks, over the {ours} this node takes")),
@@ -676,7 +753,7 @@ fn the_lookup_deadline_starts_when_the_lookup_is_sent() {
     );
     m.advance(S(2));
     assert_eq!(m.closed().as_deref(), Some("lookup response timed out"));
-    assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+    assert_eq!(m.take_sent().last(), Some(&Message::DISCONNECT));
     assert_eq!(m.lookup("r", &key(1)), LookupResult::Miss);
 }
 
@@ -1167,7 +1244,7 @@ fn a_peers_terminals_sent_just_before_it_leaves_settle_its_loads() {
         m.recv(transfer_done("r", true, 0));
         m.recv(abort_ack("s", 0));
         if leaves_by_disconnect {
-            m.recv(Message::Disconnect);
+            m.recv(Message::DISCONNECT);
         } else {
             m.core
                 .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);

@@ -224,7 +224,7 @@ fn closing_a_session_closes_its_parked_lookup_contexts() {
     m.parent().pending.insert(key(1));
     m.recv(lookup_msg("r", vec![key(1)], 0));
     assert_eq!(m.parent().open_ctxs.len(), 1);
-    m.recv(Message::Disconnect);
+    m.recv(Message::DISCONNECT);
     assert!(m.parent().open_ctxs.is_empty());
     m.assert_clean();
 }
@@ -680,7 +680,7 @@ fn a_peer_disconnect_fails_everything_open_with_it() {
     m.parent().insert(&key(1));
     m.recv(lookup_msg("theirs", vec![key(1)], 0));
     m.recv(fetch("theirs", vec![key(1)], vec![9], 0));
-    m.recv(Message::Disconnect);
+    m.recv(Message::DISCONNECT);
     m.recv(transfer_done("mine", true, 0));
     assert_eq!(
         m.load_results(),
@@ -693,7 +693,7 @@ fn a_peer_disconnect_fails_everything_open_with_it() {
     assert!(m.core.session_state(&peer).is_none());
     assert_eq!(m.plane().removed, vec![peer]);
     assert!(
-        !m.take_sent().contains(&Message::Disconnect),
+        !m.take_sent().contains(&Message::DISCONNECT),
         "no reply to a goodbye"
     );
     m.finish("mine");
@@ -744,7 +744,7 @@ fn a_malformed_known_message_disconnects_at_once() {
         m.load(1, "r", vec![key(1)], vec![5]);
         m.take_sent();
         m.recv_raw(payload);
-        assert_eq!(m.take_sent(), vec![Message::Disconnect]);
+        assert_eq!(m.take_sent(), vec![Message::DISCONNECT]);
         assert!(m.closed().unwrap().starts_with("protocol error"));
         assert_eq!(m.load_results(), vec![(JobId::new(1), false)]);
     }
@@ -756,7 +756,7 @@ fn a_fetch_index_outside_the_peers_region_is_a_protocol_error() {
     let mut m = Mock::new();
     m.ready_inbound();
     m.recv(fetch("r", vec![key(1)], vec![100_000], 0));
-    assert_eq!(m.take_sent(), vec![Message::Disconnect]);
+    assert_eq!(m.take_sent(), vec![Message::DISCONNECT]);
     assert!(m
         .closed()
         .unwrap()
@@ -785,7 +785,7 @@ fn a_second_fetch_for_a_round_is_a_protocol_error() {
     m.open("r", RequestRoles::decoder());
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
     m.recv(fetch("r", vec![key(1)], vec![5], 0));
-    assert_eq!(m.take_sent(), vec![Message::Disconnect]);
+    assert_eq!(m.take_sent(), vec![Message::DISCONNECT]);
     assert!(m.closed().unwrap().contains("duplicate fetch"));
 }
 
@@ -903,7 +903,7 @@ fn a_data_plane_fault_with_nothing_in_flight_disconnects_now() {
     let peer = m.peer.clone();
     m.plane().fault(&peer, "remote gone");
     m.data_plane();
-    assert_eq!(m.take_sent(), vec![Message::Disconnect]);
+    assert_eq!(m.take_sent(), vec![Message::DISCONNECT]);
     assert!(m.closed().unwrap().starts_with("data plane: remote gone"));
 }
 
@@ -940,7 +940,7 @@ fn a_data_plane_fault_disconnects_after_10s_even_with_stuck_writes() {
     m.advance(S(9));
     assert!(m.closed().is_none());
     m.advance(S(2));
-    m.recv(Message::Disconnect);
+    m.recv(Message::DISCONNECT);
     assert!(
         m.closed().unwrap().starts_with("data plane: remote gone"),
         "the first reason wins"
@@ -978,7 +978,7 @@ fn a_write_in_flight_past_the_stall_timeout_faults_the_peer() {
             closed.starts_with("data plane: a write to the peer was still in flight 20s"),
             "{closed}"
         );
-        assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+        assert_eq!(m.take_sent().last(), Some(&Message::DISCONNECT));
         m.finish("r");
         m.assert_clean();
     }

@@ -469,7 +469,7 @@ fn data_plane_faults_back_off_reconnects_doubling_to_60s() {
             assert!(!m.accept(), "inbound during backoff is refused");
             assert_eq!(
                 m.take_sent(),
-                vec![Message::Disconnect],
+                vec![Message::DISCONNECT],
                 "and told so at once"
             );
             m.dial(&format!("x{round}"), RequestRoles::kv_source(peer.clone()));
@@ -549,7 +549,7 @@ fn shutdown_drains_writes_then_closes_everything() {
     m.core.shutdown(m.now + S(3));
     m.pump();
     assert_eq!(m.plane().cancels.last().unwrap().1, CancelMode::Immediate);
-    assert_eq!(m.take_sent().last(), Some(&Message::Disconnect));
+    assert_eq!(m.take_sent().last(), Some(&Message::DISCONNECT));
     assert_eq!(m.store_results(), vec![(job, false)]);
     m.finish("r");
     m.assert_clean();
@@ -732,7 +732,7 @@ fn only_a_connect_opens_an_inbound_session() {
     m.recv(Message::ConnectAck(kvpeer_proto::ConnectAck {
         peer_id: m.peer.clone(),
     }));
-    m.recv(Message::Disconnect);
+    m.recv(Message::DISCONNECT);
     m.recv(transfer_done("r", true, 0));
     m.recv_raw(&[0xc1]);
     m.recv_raw(&[0x93, 1, 2, 3]);

@@ -19,7 +19,7 @@ use crate::error::{
 };
 use crate::limits::DecodeLimits;
 use crate::message::{
-    field, Abort, Connect, ConnectAck, Fetch, Lookup, LookupResp, Message, MessageType,
+    field, Abort, Connect, ConnectAck, Disconnect, Fetch, Lookup, LookupResp, Message, MessageType,
     TransferDone,
 };
 use crate::reader::{Reader, Token};
@@ -43,7 +43,7 @@ pub fn decode_with_limits(payload: &[u8], limits: &DecodeLimits) -> Result<Messa
 }
 
 /// Every field name any message uses; a top-level entry with another name is skipped.
-const KNOWN_FIELDS: [&str; 15] = [
+const KNOWN_FIELDS: [&str; 16] = [
     field::TYPE,
     field::PEER_ID,
     field::AGENT_METADATA,
@@ -59,6 +59,7 @@ const KNOWN_FIELDS: [&str; 15] = [
     field::ROUND_SEQ,
     field::SUCCESS,
     field::KVPEER_AUTH,
+    field::KVPEER_REASON,
 ];
 
 fn field_slot(name: &str) -> Option<usize> {
@@ -152,7 +153,9 @@ impl<'a> TopLevel<'a> {
             MessageType::ConnectAck => Message::ConnectAck(ConnectAck {
                 peer_id: PeerId::new(f.str(field::PEER_ID)?),
             }),
-            MessageType::Disconnect => Message::Disconnect,
+            MessageType::Disconnect => Message::Disconnect(Disconnect {
+                kvpeer_reason: f.optional_str(field::KVPEER_REASON)?,
+            }),
             MessageType::Fetch => Message::Fetch(Fetch {
                 kv_request_id: f.request_id()?,
                 round_seq: f.round_seq()?,

@@ -63,7 +63,8 @@ pub use error::{
 };
 pub use limits::DecodeLimits;
 pub use message::{
-    Abort, Connect, ConnectAck, Fetch, Lookup, LookupResp, Message, MessageType, TransferDone,
+    Abort, Connect, ConnectAck, Disconnect, Fetch, Lookup, LookupResp, Message, MessageType,
+    TransferDone,
 };
 pub use types::{KvRequestId, OffloadKey, PeerId, PeerIdError, RoundSeq, GROUP_INDEX_LEN};
 pub use value::Value;

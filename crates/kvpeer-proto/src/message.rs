@@ -112,6 +112,15 @@ pub struct Abort {
     pub round_seq: RoundSeq,
 }
 
+/// `disconnect`: the session ends. vLLM's has no fields (`Disconnect::default()` is its bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Disconnect {
+    /// kvpeer's extension, `kvpeer_reason` (str), sent only when a node refuses a peer's
+    /// `connect`: why, with both sides' values, written for the refused peer (vLLM, like every
+    /// reader of unknown fields, skips it). Untrusted text: whoever shows it bounds and cleans it.
+    pub kvpeer_reason: Option<String>,
+}
+
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
@@ -120,7 +129,7 @@ pub enum Message {
     /// `connect_ack`
     ConnectAck(ConnectAck),
     /// `disconnect`
-    Disconnect,
+    Disconnect(Disconnect),
     /// `lookup`
     Lookup(Lookup),
     /// `lookup_resp`
@@ -146,6 +155,7 @@ pub(crate) mod field {
     pub(crate) const CONFIG_FINGERPRINT: &str = "config_fingerprint";
     pub(crate) const HASH_SEED: &str = "hash_seed";
     pub(crate) const KVPEER_AUTH: &str = "kvpeer_auth";
+    pub(crate) const KVPEER_REASON: &str = "kvpeer_reason";
     pub(crate) const KV_REQUEST_ID: &str = "kv_request_id";
     pub(crate) const KEYS: &str = "keys";
     pub(crate) const HITS: &str = "hits";
@@ -155,12 +165,17 @@ pub(crate) mod field {
 }
 
 impl Message {
+    /// vLLM's `disconnect`: no fields.
+    pub const DISCONNECT: Message = Message::Disconnect(Disconnect {
+        kvpeer_reason: None,
+    });
+
     /// The message's `type`.
     pub fn message_type(&self) -> MessageType {
         match self {
             Message::Connect(_) => MessageType::Connect,
             Message::ConnectAck(_) => MessageType::ConnectAck,
-            Message::Disconnect => MessageType::Disconnect,
+            Message::Disconnect(_) => MessageType::Disconnect,
             Message::Lookup(_) => MessageType::Lookup,
             Message::LookupResp(_) => MessageType::LookupResp,
             Message::Fetch(_) => MessageType::Fetch,
@@ -178,7 +193,7 @@ impl Message {
             Message::Fetch(m) => Some(&m.kv_request_id),
             Message::TransferDone(m) => Some(&m.kv_request_id),
             Message::AbortFetch(m) | Message::AbortAck(m) => Some(&m.kv_request_id),
-            Message::Connect(_) | Message::ConnectAck(_) | Message::Disconnect => None,
+            Message::Connect(_) | Message::ConnectAck(_) | Message::Disconnect(_) => None,
         }
     }
 
@@ -270,7 +285,7 @@ impl Message {
                 HEADER + m.kv_request_id.as_str().len()
             }
             Message::ConnectAck(m) => HEADER + m.peer_id.as_str().len(),
-            Message::Disconnect => HEADER,
+            Message::Disconnect(m) => HEADER + m.kvpeer_reason.as_ref().map_or(0, String::len),
         }
     }
 
@@ -300,7 +315,12 @@ impl Message {
                 w.begin(2, ty)?;
                 w.str(field::PEER_ID, m.peer_id.as_str())?;
             }
-            Message::Disconnect => w.begin(1, ty)?,
+            Message::Disconnect(m) => {
+                w.begin(1 + usize::from(m.kvpeer_reason.is_some()), ty)?;
+                if let Some(reason) = &m.kvpeer_reason {
+                    w.str(field::KVPEER_REASON, reason)?;
+                }
+            }
             Message::Lookup(m) => {
                 w.begin(4, ty)?;
                 w.str(field::KV_REQUEST_ID, m.kv_request_id.as_str())?;

@@ -5,9 +5,9 @@
 
 use kvpeer_proto::json::payload_from_json;
 use kvpeer_proto::{
-    decode, decode_with_limits, DecodeError, DecodeLimits, EncodeError, Fetch, FieldError,
-    FieldPath, IgnoredReason, KvRequestId, Message, MessageType, MsgpackErrorKind, OffloadKey,
-    Outcome, ProtocolError, RoundSeq,
+    decode, decode_with_limits, DecodeError, DecodeLimits, Disconnect, EncodeError, Fetch,
+    FieldError, FieldPath, IgnoredReason, KvRequestId, Message, MessageType, MsgpackErrorKind,
+    OffloadKey, Outcome, ProtocolError, RoundSeq,
 };
 use serde_json::json;
 
@@ -53,7 +53,30 @@ fn unknown_fields_of_any_shape_are_ignored() {
     doc["auth"] = json!({"$ext": [5, "0102"]});
     assert!(matches!(decode(&bytes(doc)).unwrap(), Message::Fetch(_)));
     let extra = bytes(json!({"type": "disconnect", "reason": "bye", "n": 7}));
-    assert_eq!(decode(&extra).unwrap(), Message::Disconnect);
+    assert_eq!(decode(&extra).unwrap(), Message::DISCONNECT);
+}
+
+/// kvpeer's `kvpeer_reason` on a refusal's `disconnect`: read back exactly, written after
+/// `type`; without it the bytes are vLLM's (`{"type": "disconnect"}`), and a reason that is not
+/// a str is a protocol error like any known field of the wrong type.
+#[test]
+fn a_disconnect_carries_kvpeers_reason_and_is_vllms_without_it() {
+    let said = "block_len differs: yours 8192, mine 4096";
+    let with = Message::Disconnect(Disconnect {
+        kvpeer_reason: Some(said.to_owned()),
+    });
+    let encoded = with.encode().unwrap();
+    assert_eq!(
+        encoded,
+        bytes(json!({"type": "disconnect", "kvpeer_reason": said}))
+    );
+    assert_eq!(decode(&encoded).unwrap(), with);
+    assert_eq!(
+        Message::DISCONNECT.encode().unwrap(),
+        bytes(json!({"type": "disconnect"}))
+    );
+    let wrong = bytes(json!({"type": "disconnect", "kvpeer_reason": 7}));
+    assert!(decode(&wrong).is_err());
 }
 
 #[test]

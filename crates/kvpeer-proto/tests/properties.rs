@@ -9,8 +9,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvpeer_proto::{
-    decode, decode_with_limits, Abort, Connect, ConnectAck, DecodeLimits, Fetch, KvRequestId,
-    Lookup, LookupResp, Message, OffloadKey, Outcome, PeerId, RoundSeq, TransferDone, Value,
+    decode, decode_with_limits, Abort, Connect, ConnectAck, DecodeLimits, Disconnect, Fetch,
+    KvRequestId, Lookup, LookupResp, Message, OffloadKey, Outcome, PeerId, RoundSeq, TransferDone,
+    Value,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -67,7 +68,8 @@ fn message() -> impl Strategy<Value = Message> {
         any::<String>().prop_map(|p| Message::ConnectAck(ConnectAck {
             peer_id: PeerId::new(p)
         })),
-        Just(Message::Disconnect),
+        proptest::option::of(any::<String>())
+            .prop_map(|kvpeer_reason| Message::Disconnect(Disconnect { kvpeer_reason })),
         (id(), vec(key(), 0..40), round()).prop_map(|(id, keys, r)| Message::Lookup(Lookup {
             kv_request_id: id,
             keys,

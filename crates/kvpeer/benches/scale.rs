@@ -632,7 +632,7 @@ impl Driver {
                     }
                 }
             }
-            Message::Disconnect => {
+            Message::Disconnect(_) => {
                 peer.failed = true;
                 self.results.lock().unwrap().failed += 1;
             }

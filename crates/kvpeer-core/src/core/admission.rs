@@ -71,7 +71,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             // again, so it gets none.
             Some(Refusal::DialBackoff { left: dial_wait })
         } else if wait > Duration::ZERO {
-            self.out.transmit(peer, Message::Disconnect);
+            self.out.transmit(peer, Message::DISCONNECT);
             Some(Refusal::ReconnectBackoff { left: wait })
         } else {
             self.make_room_for(peer)

@@ -10,10 +10,14 @@ pub(crate) mod server;
 
 use std::time::Instant;
 
-use kvpeer_proto::{Connect, ConnectAck, KvRequestId, Message, OffloadKey, PeerId, RoundSeq};
+use kvpeer_proto::{
+    Connect, ConnectAck, Disconnect, KvRequestId, Message, OffloadKey, PeerId, RoundSeq,
+};
 
 use crate::config::{CoreConfig, LocalNode};
-use crate::error::{CloseReason, ConnectRejection, InternalError, PlaneError, ProtocolViolation};
+use crate::error::{
+    CloseReason, ConnectRejection, InternalError, PeerSaid, PlaneError, ProtocolViolation,
+};
 use crate::output::{Event, Link, Outbox};
 use crate::timer::earliest;
 use crate::traits::{BlockIndex, DataPlane, JobId, Parent, Registration, RemoteMemory, TransferId};
@@ -215,9 +219,21 @@ impl Session {
     /// Ends the session with a `disconnect`, so the peer learns at once.
     pub(crate) fn disconnect(&mut self, out: &mut Outbox, now: Instant, reason: CloseReason) {
         if !self.is_dead() {
-            self.link.send_now(out, now, Message::Disconnect);
+            self.link.send_now(out, now, Message::DISCONNECT);
         }
         self.mark_dead(reason);
+    }
+
+    /// Refuses the peer's `connect` with a `disconnect` that tells it why (kvpeer's
+    /// `kvpeer_reason`: a vLLM peer skips it and sees the plain `disconnect`).
+    fn refuse_connect(&mut self, out: &mut Outbox, now: Instant, refusal: ConnectRejection) {
+        if !self.is_dead() {
+            let told = Disconnect {
+                kvpeer_reason: Some(refusal.told_to_peer()),
+            };
+            self.link.send_now(out, now, Message::Disconnect(told));
+        }
+        self.mark_dead(CloseReason::ConnectRejected(refusal));
     }
 
     fn protocol_error(&mut self, cx: &mut Cx<'_>, reason: CloseReason) {
@@ -272,9 +288,19 @@ impl Session {
                 self.link.set_ready(cx.out, cx.now);
                 Ok(())
             }
-            Message::Disconnect => {
+            Message::Disconnect(Disconnect {
+                kvpeer_reason: None,
+            }) => {
                 crate::info_throttled!(cx.out.throttle, cx.now, "peer disconnected", peer = %self.link.peer);
                 self.mark_dead(CloseReason::PeerDisconnected);
+                Ok(())
+            }
+            Message::Disconnect(Disconnect {
+                kvpeer_reason: Some(said),
+            }) => {
+                let said = PeerSaid::new(&said);
+                crate::warn_throttled!(cx.out.throttle, cx.now, "the peer refused our connect", peer = %self.link.peer, %said);
+                self.mark_dead(CloseReason::RefusedByPeer(said));
                 Ok(())
             }
             Message::Fetch(f) => self.on_fetch(cx, f).map(|id| fetched = Some(id)),
@@ -400,7 +426,7 @@ impl Session {
         if let Some(reason) = refusal {
             // vLLM drops the peer silently and it waits 30 s for an ack; kvpeer tells it.
             crate::warn_throttled!(cx.out.throttle, cx.now, "rejecting peer connect", peer = %self.link.peer, %reason);
-            self.disconnect(cx.out, cx.now, CloseReason::ConnectRejected(reason));
+            self.refuse_connect(cx.out, cx.now, reason);
             return;
         }
         if let Some(connect) = self.unsent_connect.take() {

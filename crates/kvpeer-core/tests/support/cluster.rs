@@ -201,7 +201,7 @@ impl Cluster {
                     }
                     _ => {}
                 }
-                if t.message == Message::Disconnect {
+                if t.message == Message::DISCONNECT {
                     self.closed_links.insert((i, to));
                 }
                 self.sent.push((i, to, t.message.clone()));

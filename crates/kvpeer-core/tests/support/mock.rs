@@ -309,7 +309,7 @@ impl Mock {
             (0, 0, 0, 0, 0),
             "state left: {s:?}"
         );
-        if let Some(at) = self.sent.iter().position(|m| *m == Message::Disconnect) {
+        if let Some(at) = self.sent.iter().position(|m| *m == Message::DISCONNECT) {
             let after: Vec<_> = self.sent[at + 1..]
                 .iter()
                 .take_while(|m| !matches!(m, Message::Connect(_)))
