@@ -1,10 +1,11 @@
 //! What a user meets first with the `kvpeer` binary, checked from the outside (exit status,
 //! the last line on stderr, stdout): `kvpeer fetch` says why it has no session for each cause
 //! (nothing listens, not a control port, a port that never answers, an allowlist, a secret, a
-//! configuration that differs), in JSON too; `fetch --help` carries no pool flag; a bad
-//! `KVPEER_LOG` stops the command; a pool node announces its `--fill` blocks, warns of a
-//! `--follow` at nothing, and stops without a warning. An honest fetch is served byte-exact
-//! by the same refusing nodes.
+//! configuration that differs, told in the refusing node's words with both values), in JSON
+//! too; `fetch --help` carries no pool flag; a bad `KVPEER_LOG` stops the command; a pool node
+//! announces its `--fill` blocks, warns of a `--follow` at nothing, and stops without a
+//! warning; docs/pool.md's three commands work as written. An honest fetch is served
+//! byte-exact by the same refusing nodes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,7 +20,7 @@ use kvpeer_proto::events::KvEvent;
 mod common;
 use common::cli::Cli;
 use common::events::replayed_until;
-use common::{free_port, Proc, BIN};
+use common::{free_port, num, Proc, BIN};
 
 /// Runs `kvpeer fetch --peer PEER` with `extra` flags to its end: (exit status, stdout,
 /// stderr's last line).
@@ -94,6 +95,13 @@ fn fetch_says_why_it_has_no_session_for_each_cause() {
         .arg("--auth-secret-file", &secret_s)
         .start_serving();
     let (_seed, seed_id) = base(Cli::serve()).arg("--hash-seed", "7").start_serving();
+    let (_wide, wide_id) = Cli::serve().pool(16, 8192).arg("--fill", 4).start_serving();
+    // A kvpeer peer that refuses us says why, with both values (the seeds by digest only).
+    let seeds_told = format!(
+        "the peer refused our connect: \"hash seed differs: yours has SHA-256 {}..., mine {}...",
+        kvpeer_core::seed_digest("5"),
+        kvpeer_core::seed_digest("7")
+    );
 
     let cases: Vec<(&str, String, Vec<&str>, &str)> = vec![
         (
@@ -123,8 +131,14 @@ fn fetch_says_why_it_has_no_session_for_each_cause() {
         (
             "another hash seed",
             seed_id.to_string(),
+            with(&["--hash-seed", "5"]),
+            &seeds_told,
+        ),
+        (
+            "another block size",
+            wide_id.to_string(),
             with(&[]),
-            "peer disconnected before accepting our connect: it refused it (another hash seed",
+            "the peer refused our connect: \"block_len differs: yours 4096, mine 8192\"",
         ),
     ];
     for (what, peer, extra, want) in &cases {
@@ -289,11 +303,14 @@ fn a_pool_node_announces_its_fill_and_stops_without_a_warning() {
     assert_eq!(node.terminate(Duration::from_secs(20)), 0);
     std::thread::sleep(Duration::from_millis(200));
     let log = node.log();
-    let warnings: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains(" WARN ") && !l.contains("placeholder form"))
-        .collect();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains(" WARN ")).collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
+    // Its synthetic blocks carry no tokens, which is said once, plainly, at info.
+    let said: Vec<&str> = log.lines().filter(|l| l.contains("placeholder")).collect();
+    assert!(
+        said.len() == 1 && said[0].contains(" INFO ") && said[0].contains("follows no engine"),
+        "{said:#?}"
+    );
 }
 
 #[test]
@@ -528,4 +545,68 @@ fn a_dead_nodes_default_named_pool_is_removed_by_the_next_node_and_a_live_ones_n
     assert!(std::path::Path::new(&live_object).exists());
     assert_eq!(next.terminate(Duration::from_secs(20)), 0);
     assert_eq!(live.terminate(Duration::from_secs(20)), 0);
+}
+
+/// docs/pool.md's local pool quick start, its three commands as written (with free ports): the
+/// "engine" and the pool node start, and the fetch from the pool gets the summary the page
+/// shows once the pool has pulled, with exit status 0.
+#[test]
+fn the_pool_pages_three_commands_work_as_written() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/pool.md"))
+        .unwrap();
+    let section = page
+        .split("## A local pool in three commands")
+        .nth(1)
+        .unwrap();
+    let block = section
+        .split("```sh\n")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    let ports: Vec<(String, String)> = ["5601", "5602", "5557", "5558"]
+        .iter()
+        .map(|p| (format!(":{p}"), format!(":{}", free_port())))
+        .collect();
+    let commands: Vec<Vec<String>> = block
+        .replace("\\\n", " ")
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let mut l = l.to_owned();
+            for (from, to) in &ports {
+                l = l.replace(from.as_str(), to);
+            }
+            let rest = l
+                .strip_prefix("cargo run -q --release -p kvpeer -- ")
+                .unwrap_or_else(|| panic!("not a kvpeer command: {l}"));
+            rest.split_whitespace().map(str::to_owned).collect()
+        })
+        .collect();
+    assert_eq!(commands.len(), 3, "{commands:?}");
+    let args = |i: usize| commands[i].iter().map(String::as_str).collect::<Vec<_>>();
+    let (_engine, _) = Proc::serve(&args(0)[1..]);
+    let (_pool, _) = Proc::serve(&args(1)[1..]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = std::process::Command::new(BIN)
+            .args(args(2))
+            .env("KVPEER_LOG", "error")
+            .output()
+            .unwrap();
+        let summary = String::from_utf8_lossy(&out.stdout).into_owned();
+        if num(&summary, "hits") == 48 {
+            assert_eq!(out.status.code(), Some(0), "{summary}");
+            assert_eq!(num(&summary, "misses"), 16, "{summary}");
+            assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+            assert!(summary.contains("hit_rate=0.75"), "{summary}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool never held the blocks: {summary}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }

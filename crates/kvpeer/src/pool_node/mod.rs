@@ -561,7 +561,13 @@ impl PoolThread {
                 publisher.set_group_kinds(self.holdings.group_kinds());
                 let before = publisher.stats();
                 let result = publisher.publish(ts, &changes, self.holdings.catalog_mut());
-                log_undescribed(before, publisher.stats(), self.holdings.catalog().stats());
+                let follows_engines = !self.engines.is_empty();
+                log_undescribed(
+                    before,
+                    publisher.stats(),
+                    self.holdings.catalog().stats(),
+                    follows_engines,
+                );
                 match result {
                     Ok(Some(frames)) => {
                         socket.publish(&[&frames.topic, &frames.seq, &frames.payload]);
@@ -627,8 +633,15 @@ impl PoolThread {
 }
 
 /// Says once per reason that the node published a chunk without its description, and what
-/// it would need (the first time a count grows; the counts are metrics).
-fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: CatalogStats) {
+/// it would need (the first time a count grows; the counts are metrics). A node that follows
+/// no engine has no tokens to describe its blocks with (`--fill` blocks, stores): that is
+/// expected, so it is said once at info, in a line.
+fn log_undescribed(
+    before: PublisherStats,
+    after: PublisherStats,
+    catalog: CatalogStats,
+    follows_engines: bool,
+) {
     static LOGGED: [AtomicBool; 4] = [
         AtomicBool::new(false),
         AtomicBool::new(false),
@@ -654,6 +667,14 @@ fn log_undescribed(before: PublisherStats, after: PublisherStats, catalog: Catal
     ];
     for i in 0..4 {
         if grew[i] && !LOGGED[i].swap(true, Ordering::Relaxed) {
+            if i == 0 && !follows_engines {
+                info!(
+                    "publishing this node's blocks as vLLM's placeholder events (no tokens: it \
+                     follows no engine that could describe them); routers that hash tokens do \
+                     not index them"
+                );
+                continue;
+            }
             warn!(
                 extra_key_blocks = catalog.extra_keys,
                 int_hash_stores = catalog.int_hashes,
