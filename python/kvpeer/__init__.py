@@ -9,6 +9,8 @@ Supported: peers of vLLM ``VLLM_PEERS`` (0.27 to 0.34), the tier in vLLM ``VLLM_
 (0.32, 0.33 and 0.34).
 
 The node itself is Rust (``kvpeer._native``); every call releases the GIL while it works.
+Its log records go to Python's ``logging`` as the logger ``kvpeer`` and its children, WARNING
+and above unless that logger is set lower (:mod:`kvpeer._logs`).
 """
 
 from kvpeer._native import (
@@ -22,6 +24,9 @@ from kvpeer._native import (
     PlaneUnavailable,
     __version__,
 )
+from kvpeer import _logs
+
+_logs.start()
 
 __all__ = [
     "NIXL_BUILT",

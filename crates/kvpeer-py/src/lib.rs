@@ -13,6 +13,7 @@
 //! exporter cannot free or resize it underneath the planes.
 
 mod errors;
+mod logs;
 mod memory;
 mod node;
 mod records;
@@ -25,7 +26,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    init_logs();
+    logs::init();
     m.add_class::<tier::EngineTier>()?;
     m.add_class::<tier::NativeRequest>()?;
     m.add_class::<node::Node>()?;
@@ -48,24 +49,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VLLM_PEERS", kvpeer::VLLM_PEERS)?;
     m.add("VLLM_TIER", kvpeer::VLLM_TIER)?;
     m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;
+    m.add_function(pyo3::wrap_pyfunction!(logs::take_logs, m)?)?;
     m.add_function(pyo3::wrap_pyfunction!(shard_owner, m)?)?;
     Ok(())
-}
-
-/// With `KVPEER_LOG` set (`info`, `debug`, `kvpeer_net=debug`, ...), the node's logs go to
-/// stderr, as the `kvpeer` binary's do; without it the module logs nothing.
-fn init_logs() {
-    let Ok(filter) = std::env::var("KVPEER_LOG") else {
-        return;
-    };
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Another subscriber already installed (an embedder's) keeps its place.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
 }
 
 /// The `/dev/shm` object `memory` (a buffer) is a shared mapping of, from its start, or None:
