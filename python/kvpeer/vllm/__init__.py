@@ -118,6 +118,7 @@ _KVPEER_KEYS = (
     "auth_secret_file",
     "max_peers",
     "tcp_max_rate",
+    "tcp_port",
     "metrics",
     "io_thread",
     "lookup_timeout_s",
@@ -295,7 +296,8 @@ class KvpeerTier(SecondaryTierManager):
     * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
       ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
-      ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``metrics`` (bool), and the
+      ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``tcp_port`` (the tcp plane's data
+      port, each DP rank at its offset; 0 or unset: a free one), ``metrics`` (bool), and the
       timeouts, as strict as vLLM 0.34's by default: ``lookup_timeout_s`` (8 s without
       progress), ``load_timeout_s`` (10 s, a load of a request that looked up),
       ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
@@ -1061,6 +1063,15 @@ def _settings(
             settings[key] = _text(key, config[key])
     if "auth_secret_file" in config:
         settings["auth_secret_file"] = _text("auth_secret_file", config["auth_secret_file"])
+    if "tcp_port" in config:
+        # One data port per rank, as the control port: the rank's offset from the one given.
+        try:
+            tcp_port = int(config["tcp_port"])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"KvpeerTier: 'tcp_port' must be a port number, not {config['tcp_port']!r}"
+            ) from None
+        settings["tcp_port"] = str(tcp_port + dp_index if tcp_port else 0)
     allow = config.get("allow")
     if allow is not None:
         if isinstance(allow, str):

@@ -44,7 +44,7 @@ fn address(text: &str) -> Result<IpAddr, String> {
 }
 
 /// The identity and listen address the settings ask for.
-pub(super) fn identity(s: &Values<'_>, port: u16) -> Result<Identity, ConfigError> {
+pub(super) fn identity(s: &Values<'_>, port: u16, tcp_port: u16) -> Result<Identity, ConfigError> {
     let host = s.text(&KEY.listen_host);
     let src = |key: &super::Key| s.get(key).map_or("default", |(_, src)| src).to_owned();
     let bind = address(&host).map_err(|e| bad(&src(&KEY.listen_host), "listen_host", e))?;
@@ -89,6 +89,6 @@ pub(super) fn identity(s: &Values<'_>, port: u16) -> Result<Identity, ConfigErro
     Ok(Identity {
         id: PeerAddr::new(Host::Ip(id_host), id_port).to_peer_id(),
         listen,
-        tcp_listen: SocketAddr::new(bind, 0).to_string(),
+        tcp_listen: SocketAddr::new(bind, tcp_port).to_string(),
     })
 }

@@ -121,6 +121,8 @@ declare_keys! {
     nixl_lib_dir;
     /// UCX backend parameters for the nixl plane, key=value,...
     nixl_backend_params;
+    /// port of the tcp data plane's listener, on the control channel's host; 0 picks a free one (fix it to open one port between hosts)
+    tcp_port = "0";
     /// cap on tcp bytes per second to each peer (unset: uncapped)
     tcp_max_rate;
     /// slowest a peer may take this node's tcp writes, bytes per second: each transfer must be acknowledged within tcp_transfer_timeout_s plus its bytes at this rate (never above tcp_max_rate)

@@ -334,7 +334,11 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         id,
         listen,
         tcp_listen,
-    } = identity::identity(&s, port as u16)?;
+    } = identity::identity(
+        &s,
+        port as u16,
+        s.number(&KEY.tcp_port, 0, u64::from(u16::MAX))? as u16,
+    )?;
     Ok(NodeConfig {
         spec: NodeSpec {
             id,

@@ -65,6 +65,8 @@ pub(crate) struct NodeArgs {
         &[&KEY.tcp_max_rate],
     ))]
     pub(crate) tcp_max_rate: Option<u64>,
+    #[arg(long, value_name = "PORT", help = help(&KEY.tcp_port))]
+    pub(crate) tcp_port: Option<u16>,
     #[arg(long, help = help(&KEY.max_peers))]
     pub(crate) max_peers: Option<u64>,
     #[arg(long = "allow", value_name = "RULE", help = help_of(
@@ -201,6 +203,11 @@ impl NodeArgs {
         set(&KEY.num_blocks, text(self.blocks), "--blocks");
         set(&KEY.block_len, text(self.block_len), "--block-len");
         set(&KEY.tcp_max_rate, text(self.tcp_max_rate), "--tcp-max-rate");
+        set(
+            &KEY.tcp_port,
+            self.tcp_port.map(|p| p.to_string()),
+            "--tcp-port",
+        );
         set(&KEY.max_peers, text(self.max_peers), "--max-peers");
         set(&KEY.hash_seed, self.hash_seed.clone(), "--hash-seed");
         set(&KEY.shm_name, self.shm_name.clone(), "--shm-name");
