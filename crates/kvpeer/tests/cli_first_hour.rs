@@ -85,6 +85,10 @@ fn fetch_says_why_it_has_no_session_for_each_cause() {
     let other = secret.with_extension("other");
     std::fs::write(&secret, "one secret of this fleet, 32 b.").unwrap();
     std::fs::write(&other, "another fleet's secret, 32 bytes").unwrap();
+    for file in [&secret, &other] {
+        std::fs::set_permissions(file, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+    }
     let secret_s = secret.display().to_string();
     let other_s = other.display().to_string();
     let base = |s: Cli| s.pool(16, 4096).arg("--fill", 4);
@@ -608,5 +612,110 @@ fn the_pool_pages_three_commands_work_as_written() {
             "the pool never held the blocks: {summary}"
         );
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// `--metrics 9100` (a bare port) is refused before anything starts, with the HOST:PORT forms.
+#[test]
+fn a_bare_metrics_port_is_refused_with_the_forms_it_needs() {
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--metrics", "9100"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("127.0.0.1:9100") && said.contains("0.0.0.0:9100"),
+        "{said}"
+    );
+}
+
+/// The "no allowlist" warning is for a node others can reach: none on IPv6's loopback, as on
+/// IPv4's; a wildcard listen gets it.
+#[test]
+fn loopback_nodes_are_not_warned_of_an_open_allowlist() {
+    let warned = |listen: &str| {
+        let (mut node, _) = Proc::serve(&["--listen", listen, "--blocks", "8"]);
+        assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+        std::thread::sleep(Duration::from_millis(100));
+        node.log().contains("no allowlist")
+    };
+    assert!(!warned("[::1]:0"));
+    assert!(!warned("127.0.0.1:0"));
+    assert!(warned("0.0.0.0:0"));
+}
+
+/// Pull flags on a node that follows no engine would do nothing: it says which.
+#[test]
+fn pull_flags_without_follow_are_named_as_doing_nothing() {
+    let (mut node, _) = Proc::serve(&[
+        "--blocks",
+        "8",
+        "--pull-max-rate",
+        "5M",
+        "--shard",
+        "127.0.0.1:1",
+    ]);
+    assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let log = node.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("do nothing without --follow"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        line.contains(" WARN ") && line.contains("--pull-max-rate --shard"),
+        "{line}"
+    );
+}
+
+/// A failed `fetch` says its cause once, in its last line: no node warning repeats it (unless
+/// KVPEER_LOG asks for them).
+#[test]
+fn a_failed_fetch_says_its_cause_once() {
+    let peer = format!("127.0.0.1:{}", free_port());
+    let out = std::process::Command::new(BIN)
+        .args(["fetch", "--peer", &peer, "--requests", "1", "--keys", "1"])
+        .env_remove("KVPEER_LOG")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.len(), 1, "{said}");
+    assert!(
+        lines[0].starts_with(&format!("kvpeer fetch: no session with {peer}: ")),
+        "{said}"
+    );
+}
+
+/// `--help` lists the planes this build has; `--plane nixl` in a build without it is refused
+/// with how to build it, before the demo says anything.
+#[test]
+fn the_planes_offered_are_the_planes_built() {
+    let help = std::process::Command::new(BIN)
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let listed = help.contains("[possible values: shm, tcp, both, nixl]");
+    assert_eq!(listed, cfg!(feature = "nixl"), "{help}");
+    assert!(help.contains("[possible values: shm, tcp, both"), "{help}");
+    if !cfg!(feature = "nixl") {
+        let out = std::process::Command::new(BIN)
+            .args(["demo", "--plane", "nixl"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{said}");
+        assert!(
+            out.stdout.is_empty(),
+            "nothing before the refusal: {:?}",
+            out.stdout
+        );
+        assert!(
+            said.contains("built without the nixl plane: build with `--features nixl`"),
+            "{said}"
+        );
     }
 }

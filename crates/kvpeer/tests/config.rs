@@ -125,12 +125,22 @@ fn errors_name_the_key_and_where_it_came_from() {
     let e = from_toml("num_blokcs = 3\n", "a.toml").unwrap_err();
     assert_eq!(
         (e.key.as_str(), e.problem.as_str()),
-        ("num_blokcs", "unknown key")
+        ("num_blokcs", "unknown key; did you mean num_blocks?")
     );
     assert_eq!(e.source_name, "file a.toml");
+    // Nothing close: where the keys are listed.
+    let e = from_toml("colour = 3\n", "a.toml").unwrap_err();
+    assert_eq!(
+        e.problem,
+        "unknown key (docs/configuration.md lists every key)"
+    );
 
-    let e = from_toml("num_blocks = [1]\n", "a.toml").unwrap_err();
-    assert!(e.to_string().contains("num_blocks"), "{e}");
+    // A list for a key of one value is refused as a list, whatever its items.
+    for list in ["[1]", "[1, 2]", "[\"1\"]"] {
+        let e = from_toml(&format!("num_blocks = {list}\n"), "a.toml").unwrap_err();
+        assert_eq!(e.key, "num_blocks", "{e}");
+        assert!(e.problem.contains("got an array"), "{list}: {e}");
+    }
 
     let e = from_toml("num_blocks = \n", "a.toml").unwrap_err();
     assert_eq!(e.source_name, "file a.toml");
@@ -229,8 +239,10 @@ fn the_allowlist_comes_from_the_file_or_the_flags_and_bad_rules_are_named() {
         ("allowlist", "file b.toml")
     );
     assert!(e.problem.contains("10.0.0.0/40"), "{e}");
+    // A list key's items are text: a number is no rule (it is not read as an address).
     let e = from_toml("allowlist = [1]\n", "c.toml").unwrap_err();
     assert_eq!(e.key, "allowlist");
+    assert!(e.problem.contains("items are strings"), "{e}");
 }
 
 #[test]
@@ -310,7 +322,10 @@ fn a_setting_that_is_no_key_is_refused_by_name() {
     let mut flags = Settings::default();
     flags.set("num_blokcs", "3", "flag --x");
     let e = resolve(&Settings::default(), &env(&[]), &flags, "t").unwrap_err();
-    assert_eq!(e.to_string(), "flag --x: num_blokcs: unknown key");
+    assert_eq!(
+        e.to_string(),
+        "flag --x: num_blokcs: unknown key; did you mean num_blocks?"
+    );
 }
 
 /// The builder starts from the same defaults as a file and is held to the same bounds.
@@ -498,4 +513,31 @@ fn host_liveness_keys_are_checked() {
         (siblings.name.as_str(), siblings.index, siblings.members),
         ("10.0.0.5:5710", 3, 8)
     );
+}
+
+/// A secret every user may read is refused, naming the mode and the fix; one only its owner
+/// (or its group) may read is taken.
+#[test]
+fn an_auth_secret_every_user_can_read_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::temp_dir().join(format!("kvpeer-secret-mode-{}", std::process::id()));
+    std::fs::write(&path, "a shared secret of 32 bytes, ok.").unwrap();
+    let settings = |mode: u32| {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        let file = from_toml(
+            &format!("auth_secret_file = {:?}\n", path.display().to_string()),
+            "s.toml",
+        )
+        .unwrap();
+        resolve(&file, &env(&[]), &Settings::default(), "t")
+    };
+    let e = settings(0o644).unwrap_err();
+    assert_eq!(e.key, "auth_secret_file");
+    assert!(
+        e.problem.contains("every user (mode 0644)") && e.problem.contains("chmod 600"),
+        "{e}"
+    );
+    assert!(settings(0o640).unwrap().spec.auth_secret.is_some());
+    assert!(settings(0o600).unwrap().spec.auth_secret.is_some());
+    std::fs::remove_file(&path).unwrap();
 }

@@ -210,6 +210,8 @@ fn a_signed_connect_collected_before_the_node_ran_is_refused_by_it() {
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("secret");
     std::fs::write(&secret, "a shared secret of more than 16 bytes\n").unwrap();
+    // Only its owner may read a secret (the node refuses one every user can).
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let secret = secret.to_str().unwrap().to_owned();
     let auth = ["--auth-secret-file", secret.as_str()];
     for challenge in ["none", "random"] {

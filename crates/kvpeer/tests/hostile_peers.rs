@@ -326,6 +326,8 @@ fn auth_connect_signed_for_one_node_is_refused_by_another_and_on_replay() {
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("secret");
     std::fs::write(&secret, "a shared secret of 32 bytes, ok.\n").unwrap();
+    // Only its owner may read a secret (the node refuses one every user can).
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let secret = secret.display().to_string();
     let auth = ["--auth-secret-file", secret.as_str()];
     let (_a, a_id) = serve("shm", 8, &auth);

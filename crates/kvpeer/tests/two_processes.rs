@@ -507,7 +507,10 @@ fn a_bad_config_is_refused_before_anything_starts_naming_the_key() {
     assert_eq!(p.wait_while(Duration::from_secs(20), || {}), 2);
     std::thread::sleep(Duration::from_millis(100));
     let err = p.stderr.lock().unwrap().clone();
-    assert!(err.contains("num_blokcs: unknown key"), "{err}");
+    assert!(
+        err.contains("num_blokcs: unknown key; did you mean num_blocks?"),
+        "{err}"
+    );
     assert!(err.contains(&path), "{err}");
 
     std::fs::write(&file, "listen_port = 1\nnum_blocks = \n").unwrap();

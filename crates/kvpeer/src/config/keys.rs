@@ -254,8 +254,10 @@ declare_keys! {
 pub(crate) struct Setting {
     pub(crate) value: String,
     pub(crate) source: String,
-    /// Written as a TOML array (only the allowlist may be).
+    /// Written as a TOML array (only the list keys may be).
     pub(crate) list: bool,
+    /// Written as text: a string, or an array of strings only.
+    pub(crate) text: bool,
 }
 
 impl<'de> Deserialize<'de> for Setting {
@@ -273,19 +275,19 @@ impl<'de> Deserialize<'de> for Setting {
             }
 
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Setting, E> {
-                Ok(Setting::text(v.to_string()))
+                Ok(Setting::scalar(v.to_string()))
             }
 
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Setting, E> {
-                Ok(Setting::text(v.to_string()))
+                Ok(Setting::scalar(v.to_string()))
             }
 
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Setting, E> {
-                Ok(Setting::text(v.to_string()))
+                Ok(Setting::scalar(v.to_string()))
             }
 
             fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Setting, E> {
-                Ok(Setting::text(v.to_string()))
+                Ok(Setting::scalar(v.to_string()))
             }
 
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
@@ -295,12 +297,22 @@ impl<'de> Deserialize<'de> for Setting {
                 // The list travels as text, one item a line: every list key splits on newlines
                 // as well as on its own separator (`,` for rules and shard members, `;` for
                 // follow specs, whose items hold commas), as a flag or a variable gives them.
+                // Items of any type are read (a list given to a key of one value is refused
+                // for being a list, not for its items); a list key's items must be text.
                 let mut items = Vec::new();
-                while let Some(item) = a.next_element::<String>()? {
-                    items.push(item);
+                let mut all_text = true;
+                while let Some(item) = a.next_element::<Setting>()? {
+                    if item.list {
+                        return Err(serde::de::Error::custom(
+                            "a list inside a list: a list's items are strings",
+                        ));
+                    }
+                    all_text &= item.text;
+                    items.push(item.value);
                 }
                 Ok(Setting {
                     list: true,
+                    text: all_text,
                     ..Setting::text(items.join("\n"))
                 })
             }
@@ -315,6 +327,15 @@ impl Setting {
             value,
             source: String::new(),
             list: false,
+            text: true,
+        }
+    }
+
+    /// A number or a bool, kept as its text.
+    fn scalar(value: String) -> Setting {
+        Setting {
+            text: false,
+            ..Setting::text(value)
         }
     }
 }
@@ -327,6 +348,7 @@ impl Settings {
             value: value.into(),
             source: source.to_owned(),
             list: false,
+            text: true,
         };
         match self.slot_mut(key) {
             Some(slot) => *slot = Some(setting),
@@ -369,11 +391,13 @@ impl Settings {
         }
     }
 
-    /// The keys this source set as TOML arrays.
-    pub(crate) fn lists(&self) -> impl Iterator<Item = &'static str> + '_ {
-        KEYS.iter()
-            .filter(|k| self.setting(k.name).is_some_and(|s| s.list))
-            .map(|k| k.name)
+    /// The keys this source set as TOML arrays, and whether every item was text.
+    pub(crate) fn lists(&self) -> impl Iterator<Item = (&'static str, bool)> + '_ {
+        KEYS.iter().filter_map(|k| {
+            self.setting(k.name)
+                .filter(|s| s.list)
+                .map(|s| (k.name, s.text))
+        })
     }
 
     pub(crate) fn take_fingerprint_fields(&mut self) -> Option<toml::Table> {

@@ -58,12 +58,21 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
     out.set_source(&source);
     // The keys that hold several items take an array of them as well as their text form.
     let list_keys = [KEY.allowlist.name, KEY.follow.name, KEY.pool_shard.name];
-    if let Some(key) = out.lists().find(|k| !list_keys.contains(k)) {
-        return Err(bad(
-            &source,
-            key,
-            "expected a string or a number, got an array".into(),
-        ));
+    for (key, all_text) in out.lists() {
+        if !list_keys.contains(&key) {
+            return Err(bad(
+                &source,
+                key,
+                "expected a string or a number, got an array".into(),
+            ));
+        }
+        if !all_text {
+            return Err(bad(
+                &source,
+                key,
+                "a list's items are strings (\"10.0.0.0/8\"), not numbers or booleans".into(),
+            ));
+        }
     }
     if let Some(fields) = out.take_fingerprint_fields() {
         out.set(
@@ -75,6 +84,21 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
     Ok(out)
 }
 
+/// "unknown key", with the declared key it most likely meant (a typo: at most two edits, or a
+/// third of its length).
+fn unknown_key(key: &str) -> String {
+    let best = KEYS
+        .iter()
+        .map(|k| (strsim::damerau_levenshtein(key, k.name), k.name))
+        .min();
+    match best {
+        Some((edits, name)) if edits <= 2.max(key.len() / 3) => {
+            format!("unknown key; did you mean {name}?")
+        }
+        _ => "unknown key (docs/configuration.md lists every key)".to_owned(),
+    }
+}
+
 /// A TOML or serde error as a [`ConfigError`]: the key it is about (an unknown key, or the key
 /// on the line of a value of the wrong type), else its line and column.
 fn toml_error(text: &str, source: &str, e: &toml::de::Error) -> ConfigError {
@@ -84,7 +108,7 @@ fn toml_error(text: &str, source: &str, e: &toml::de::Error) -> ConfigError {
     // serde's wording for a key `deny_unknown_fields` refuses.
     if let Some(rest) = message.strip_prefix("unknown field `") {
         if let Some((key, _)) = rest.split_once('`') {
-            return bad(source, key, "unknown key".into());
+            return bad(source, key, unknown_key(key));
         }
     }
     let Some(span) = e.span() else {
@@ -219,7 +243,7 @@ fn liveness_group(s: &Values<'_>) -> Result<Option<SiblingGroup>, ConfigError> {
 /// [`resolve`] over one set of settings (the sources already merged).
 pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, ConfigError> {
     if let Some((key, source)) = set.unknown() {
-        return Err(bad(source, key, "unknown key".into()));
+        return Err(bad(source, key, unknown_key(key)));
     }
     let s = Values(set);
     let port: u64 = s.number(&KEY.listen_port, 0, u64::from(u16::MAX))?;
@@ -605,6 +629,29 @@ fn auth_secret(s: &Values<'_>) -> Result<Option<Vec<u8>>, ConfigError> {
             format!("cannot read {path:?}: {e}"),
         )
     })?;
+    // As ssh does for its keys: a secret others may read is no secret; a group that may read it
+    // may be deliberate (the engines' service group), so that is said, not refused.
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o004 != 0 {
+            return Err(bad(
+                src,
+                "auth_secret_file",
+                format!(
+                    "{path:?} can be read by every user (mode {mode:04o}): `chmod 600` it \
+                     (or 640 for a service group)"
+                ),
+            ));
+        }
+        if mode & 0o040 != 0 {
+            tracing::warn!(
+                path = %path,
+                mode = %format_args!("{mode:04o}"),
+                "the auth secret can be read by the file's group; every member can join the fleet"
+            );
+        }
+    }
     let secret = bytes.trim_ascii().to_vec();
     if secret.len() < 16 {
         return Err(bad(

@@ -81,6 +81,10 @@ fn mib(bytes: u64) -> String {
 fn demo(args: &DemoArgs) -> Result<bool, NodeError> {
     let held = args.prefixes * args.prefix_blocks;
     let len = args.block_len as usize;
+    let producer = Node::start(config("demo-producer", args, held)?)?;
+    let consumer_blocks = (args.requests * args.prefix_blocks).clamp(held, held * 4);
+    let consumer = Node::start(config("demo-consumer", args, consumer_blocks)?)?;
+    // The introduction once both nodes run: a node that cannot start is the only thing said.
     println!("kvpeer demo: two nodes on this machine share attention KV-cache blocks.\n");
     println!(
         "An inference engine turns every prompt into a KV cache before it can answer. Prompts often\n\
@@ -88,9 +92,6 @@ fn demo(args: &DemoArgs) -> Result<bool, NodeError> {
          a prefix can hand its blocks to another node instead of that node computing them again.\n"
     );
 
-    let producer = Node::start(config("demo-producer", args, held)?)?;
-    let consumer_blocks = (args.requests * args.prefix_blocks).clamp(held, held * 4);
-    let consumer = Node::start(config("demo-consumer", args, consumer_blocks)?)?;
     let blocks: Vec<(OffloadKey, Vec<u8>)> = (0..args.prefixes)
         .flat_map(|p| (0..args.prefix_blocks).map(move |j| (p, j)))
         .map(|(p, j)| {

@@ -79,8 +79,14 @@ Example:
 fn main() -> ExitCode {
     let cli = Cli::parse();
     report::set_json(cli.log_format == LogFormat::Json);
-    // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level.
-    let filter = match log_filter(std::env::var("KVPEER_LOG").ok().as_deref()) {
+    // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level. `fetch`
+    // reports every failure in its summary and last line, so by default it logs only errors
+    // (a node's per-session warnings would say each cause a second time).
+    let default = match cli.command {
+        Command::Fetch(_) => "error",
+        _ => "warn",
+    };
+    let filter = match log_filter(std::env::var("KVPEER_LOG").ok().as_deref(), default) {
         Ok(f) => f,
         Err(e) => {
             report::fatal_line("", &e);
@@ -106,16 +112,16 @@ fn main() -> ExitCode {
     ExitCode::from(status)
 }
 
-/// The level filter `KVPEER_LOG` names (`warn` when unset or empty). Each of its
+/// The level filter `KVPEER_LOG` names (`default` when unset or empty). Each of its
 /// comma-separated directives must be a level (`off`, `error`, `warn`, `info`, `debug`,
 /// `trace`) or `TARGET=LEVEL`: tracing would take a lone word such as `bogus` for a target
 /// to show at every level, which silences every other log line without a word.
-fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
+fn log_filter(value: Option<&str>, default: &str) -> Result<tracing_subscriber::EnvFilter, String> {
     const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     let text = value
         .map(str::trim)
         .filter(|v| !v.is_empty())
-        .unwrap_or("warn");
+        .unwrap_or(default);
     for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let level = directive
             .rsplit_once('=')
@@ -147,10 +153,10 @@ mod tests {
             Some("warn,kvpeer_net=debug"),
             Some("OFF"),
         ] {
-            assert!(log_filter(good).is_ok(), "{good:?}");
+            assert!(log_filter(good, "warn").is_ok(), "{good:?}");
         }
         for bad in ["bogus", "info,verbose", "kvpeer=loud"] {
-            let e = log_filter(Some(bad)).unwrap_err();
+            let e = log_filter(Some(bad), "warn").unwrap_err();
             assert!(
                 e.starts_with("KVPEER_LOG: ") && e.contains("TARGET=LEVEL"),
                 "{e}"

@@ -31,8 +31,14 @@ fn help_of(what: &str, keys: &[&Key]) -> String {
 }
 
 /// `--plane`'s values: the library's names for its planes.
+/// `--plane`: the planes this build has are listed; `nixl` in a build without it is still
+/// taken (hidden), so the node refuses it with how to build it.
 pub(crate) fn plane_parser() -> impl TypedValueParser<Value = PlaneKind> {
-    PossibleValuesParser::new(PlaneKind::ALL.map(PlaneKind::name)).try_map(|s| s.parse())
+    PossibleValuesParser::new(PlaneKind::ALL.map(|kind| {
+        clap::builder::PossibleValue::new(kind.name())
+            .hide(kind == PlaneKind::Nixl && !cfg!(feature = "nixl"))
+    }))
+    .try_map(|s| s.parse())
 }
 
 /// The options that make a node. Each one left out falls back to the environment, then the

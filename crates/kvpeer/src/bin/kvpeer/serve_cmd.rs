@@ -34,8 +34,20 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     fill: u64,
     /// Serve Prometheus metrics at `HOST:PORT` (`/metrics`; port 0 picks one).
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = metrics_address)]
     metrics: Option<String>,
+}
+
+/// `--metrics`: a `HOST:PORT`, checked before anything is allocated; a bare port gets a hint.
+fn metrics_address(text: &str) -> Result<String, String> {
+    match text.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(text.into()),
+        _ if text.parse::<u16>().is_ok() => Err(format!(
+            "expected HOST:PORT, as 127.0.0.1:{text} (this host only) or 0.0.0.0:{text} (every \
+             interface)"
+        )),
+        _ => Err("expected HOST:PORT, as 127.0.0.1:9100".into()),
+    }
 }
 
 /// Runs the command; returns the exit status.
@@ -70,6 +82,23 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let allow_all = config.spec.allowlist.allows_all();
     let plane = config.spec.plane.name();
     let pool_config = config.pool.clone();
+    if pool_config.follow.is_empty() {
+        let unused: Vec<&str> = [
+            (args.pool.pull_min_holders.is_some(), "--pull-min-holders"),
+            (args.pool.pull_max_rate.is_some(), "--pull-max-rate"),
+            (args.pool.pull_max_lookups.is_some(), "--pull-max-lookups"),
+            (args.pool.shard.is_some(), "--shard"),
+        ]
+        .into_iter()
+        .filter_map(|(set, flag)| set.then_some(flag))
+        .collect();
+        if !unused.is_empty() {
+            warn!(
+                flags = %unused.join(" "),
+                "pool flags that do nothing without --follow (this node pulls from no engine)"
+            );
+        }
+    }
     let pool_bytes = config.spec.num_blocks.saturating_mul(config.spec.block_len);
     if pool_bytes >= LARGE_POOL {
         // Said at any log level: a large pool takes seconds per GiB to allocate and touch,
@@ -143,6 +172,8 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let _ = std::io::stdout().flush();
     info!(id = %node.id(), "serving");
     let loopback = node.id().host_port().is_ok_and(|(h, _)| {
+        // An IPv6 identity's host is bracketed (`[::1]`).
+        let h = h.trim_start_matches('[').trim_end_matches(']');
         h == "localhost"
             || h.parse::<std::net::IpAddr>()
                 .is_ok_and(|ip| ip.is_loopback())
