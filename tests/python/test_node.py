@@ -151,3 +151,12 @@ def test_the_readmes_python_example_runs_as_written(capsys):
     exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["[True, True, False]", "131072"]
+
+
+def test_help_says_the_types_keys_are_bytes_and_blocks_block_len():
+    doc = kvpeer.Node.__doc__
+    assert "Keys are `bytes`" in doc and "exactly `block_len` bytes" in doc, doc
+    assert "dict[bytes, bytes]" in kvpeer.Node.store.__doc__
+    assert "-> list[bool]" in kvpeer.Node.lookup.__doc__
+    assert "-> list[bytes]" in kvpeer.Node.fetch.__doc__
+    assert "-> bytes | None" in kvpeer.Node.read.__doc__

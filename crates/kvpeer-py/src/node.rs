@@ -18,7 +18,15 @@ use crate::settings::{node_config, settings_text};
 /// Nodes made by this process so far.
 static NODES: AtomicU64 = AtomicU64::new(0);
 
-/// A kvpeer node with its own pool (see the module documentation).
+/// A kvpeer node with its own pool and thread.
+///
+/// Node(settings: dict[str, str | int | float | bool | list[str]] = {}, tag: str = "python")
+///
+/// `settings` are kvpeer's configuration keys (docs/configuration.md) with the values a config
+/// file takes; unset keys take their defaults. A bad one raises `ConfigError` (its args: the
+/// message and the key). Keys are `bytes` (vLLM's: a 32-byte hash and a 4-byte group index);
+/// every block is exactly `block_len` bytes. `with kvpeer.Node(...) as node:` stops it at the
+/// block's end. Its logs go to Python's `logging` (logger `kvpeer`).
 #[pyclass(module = "kvpeer._native", frozen)]
 pub(crate) struct Node {
     inner: RustNode,
@@ -50,13 +58,15 @@ impl Node {
         Ok(Node { inner })
     }
 
-    /// The node's identity, `host:port`.
+    /// The node's identity, `host:port` (str): what peers pass as `peer`.
     #[getter]
     fn id(&self) -> String {
         self.inner.id().to_string()
     }
 
-    /// Stores `blocks` (`{key: bytes}`, each a block's length) for peers to fetch.
+    /// store(blocks: dict[bytes, bytes]) -> None
+    ///
+    /// Stores `blocks` for peers to fetch: each value exactly `block_len` bytes.
     fn store(&self, py: Python<'_>, blocks: BTreeMap<Vec<u8>, Vec<u8>>) -> PyResult<()> {
         let blocks = blocks
             .into_iter()
@@ -66,6 +76,9 @@ impl Node {
             .map_err(|e| node_error("store", e))
     }
 
+    /// lookup(peer: str, keys: list[bytes], kv_request_id: str = "python-lookup",
+    ///        timeout_s: float = 10.0) -> list[bool]
+    ///
     /// Asks `peer` (`host:port`) which of `keys` it holds, for the request `kv_request_id`;
     /// returns one bool per key. Waits at most `timeout_s`. A peer with no session (nothing
     /// listens, it refused this node, it never answered) raises `PeerUnavailable` saying why.
@@ -85,6 +98,9 @@ impl Node {
             .map(|(hits, _)| hits)
     }
 
+    /// fetch(peer: str, keys: list[bytes], kv_request_id: str = "python-fetch",
+    ///       timeout_s: float = 10.0) -> list[bytes]
+    ///
     /// Looks up `keys` at `peer` and fetches those it holds into this node's pool; returns
     /// the keys fetched (read them with `read`). Waits at most `timeout_s` for each step.
     #[pyo3(signature = (peer, keys, kv_request_id="python-fetch", timeout_s=10.0))]
@@ -107,13 +123,17 @@ impl Node {
             .collect())
     }
 
-    /// The bytes this node holds for `key`, or None.
+    /// read(key: bytes) -> bytes | None
+    ///
+    /// The `block_len` bytes this node holds for `key`, or None.
     fn read<'py>(&self, py: Python<'py>, key: Vec<u8>) -> Option<Bound<'py, PyBytes>> {
         let key = OffloadKey::from_bytes(&key);
         py.detach(|| self.inner.read(&key))
             .map(|bytes| PyBytes::new(py, &bytes))
     }
 
+    /// stats() -> dict[str, int]
+    ///
     /// The node's running totals and open state, by name.
     fn stats(&self, py: Python<'_>) -> PyResult<BTreeMap<&'static str, u64>> {
         let s = py
@@ -135,6 +155,8 @@ impl Node {
         ]))
     }
 
+    /// shutdown(drain_s: float = 3.0) -> None
+    ///
     /// Drains running writes for at most `drain_s` seconds, then stops the node.
     #[pyo3(signature = (drain_s=3.0))]
     fn shutdown(&self, py: Python<'_>, drain_s: f64) -> PyResult<()> {

@@ -109,3 +109,52 @@ fn a_pool_node_is_ready_only_once_its_engines_event_streams_are_connected() {
     serving.join().unwrap();
     assert_eq!(node.terminate(Duration::from_secs(20)), 0);
 }
+
+/// Every series `/metrics` exports is named in docs/configuration.md, or for a pool node's
+/// own in docs/pool.md (written out, or in a brace list such as
+/// `kvpeer_pool_{blocks,free_blocks}`), for a node and a pool node.
+#[test]
+fn every_exported_series_is_documented() {
+    let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/");
+    let page = ["configuration.md", "pool.md"]
+        .map(|p| std::fs::read_to_string(format!("{docs}{p}")).unwrap())
+        .join("\n");
+    // The page's names, braces expanded: `a_{b,c}_d` is `a_b_d` and `a_c_d`.
+    let mut names: Vec<String> = Vec::new();
+    for word in page.split('`') {
+        // A brace list holds a comma; `name{label}` is a series with its label.
+        let Some(open) = word.find('{').filter(|_| word.contains(',')) else {
+            names.push(word.split('{').next().unwrap_or(word).to_owned());
+            continue;
+        };
+        let Some(close) = word[open..].find('}').map(|c| open + c) else {
+            continue;
+        };
+        for part in word[open + 1..close].split(',') {
+            names.push(format!("{}{}{}", &word[..open], part, &word[close + 1..]));
+        }
+    }
+    let documented = |series: &str| {
+        let base = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|s| series.strip_suffix(s))
+            .unwrap_or(series);
+        names.iter().any(|n| n == series || n == base)
+    };
+    let events = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let follow = format!("tcp://{events}=127.0.0.1:{}", free_port());
+    for extra in [&[][..], &["--follow", follow.as_str()][..]] {
+        let mut args = vec!["--metrics", "127.0.0.1:0", "--fill", "2"];
+        args.extend_from_slice(extra);
+        let (mut node, _) = Proc::serve(&args);
+        let (_, body) = http_get(&metrics_addr(&node), "/metrics");
+        let undocumented: Vec<String> = samples(&body)
+            .keys()
+            .map(|k| k.split('{').next().unwrap_or(k).to_owned())
+            .filter(|s| !s.starts_with("process_") && s != "kvpeer_build_info")
+            .filter(|s| !documented(s))
+            .collect();
+        assert!(undocumented.is_empty(), "{extra:?}: {undocumented:?}");
+        assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+    }
+}
