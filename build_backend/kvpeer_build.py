@@ -44,6 +44,14 @@ def get_requires_for_build_wheel(config_settings=None):
     return _maturin().get_requires_for_build_wheel(config_settings)
 
 
+def get_requires_for_build_editable(config_settings=None):
+    _require_rust()
+    # maturin's own (an alias of its wheel hook); older maturin has only the wheel hook.
+    maturin = _maturin()
+    hook = getattr(maturin, "get_requires_for_build_editable", maturin.get_requires_for_build_wheel)
+    return hook(config_settings)
+
+
 def get_requires_for_build_sdist(config_settings=None):
     _require_rust()
     return _maturin().get_requires_for_build_sdist(config_settings)

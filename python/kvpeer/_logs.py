@@ -15,6 +15,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 
 from kvpeer import _native
 
@@ -30,16 +31,27 @@ def _emit(records) -> None:
 
 def _pump() -> None:
     while True:
-        _emit(_native.take_logs(_ROOT.getEffectiveLevel(), 1.0))
+        try:
+            _emit(_native.take_logs(_ROOT.getEffectiveLevel(), 1.0))
+        except Exception:  # a handler or filter of the application's failed: keep going
+            time.sleep(1.0)
 
 
 def _flush_at_exit() -> None:
-    _emit(_native.take_logs(_ROOT.getEffectiveLevel(), 0.0))
+    if not _native.logs_to_python():
+        return
+    while True:
+        records = _native.take_logs(_ROOT.getEffectiveLevel(), 0.0)
+        if not records:
+            return
+        _emit(records)
 
 
 def start() -> None:
     """Starts the thread once per process (and again in a forked child, where it is gone)."""
     global _started
+    if not _native.logs_to_python():
+        return  # KVPEER_LOG: the node writes to stderr itself
     with _lock:
         if _started:
             return

@@ -78,6 +78,16 @@ def test_kvpeer_log_sends_the_logs_to_stderr_as_the_binary_does():
     # tracing's own format: the level and the module path on the line.
     assert any(" WARN " in line and "kvpeer_core" in line and "rejecting peer connect" in line
                for line in run.stderr.splitlines()), run.stderr
+    # And no thread of kvpeer's waits for records that never come (nor spins for them).
+    idle = subprocess.run(
+        [sys.executable, "-c",
+         "import threading, time, kvpeer; time.sleep(0.5); "
+         "print(sorted(t.name for t in threading.enumerate()))"],
+        capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KVPEER_LOG": "warn"},
+    )
+    assert idle.returncode == 0, idle.stderr
+    assert "kvpeer-logs" not in idle.stdout, idle.stdout
 
 
 def test_records_arrive_as_kvpeer_loggers_in_this_process():

@@ -47,13 +47,34 @@ def test_pip_without_rust_stops_at_once_and_says_what_to_do(tmp_path):
     assert not out.exists() or not any(out.iterdir())
 
 
-@pytest.mark.parametrize("hook", ["get_requires_for_build_wheel", "get_requires_for_build_sdist"])
+HOOKS = {
+    "get_requires_for_build_wheel": (),
+    "get_requires_for_build_editable": (),
+    "get_requires_for_build_sdist": (),
+    "prepare_metadata_for_build_wheel": ("metadata",),
+    "build_wheel": ("wheels",),
+    "build_editable": ("wheels",),
+    "build_sdist": ("sdist",),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
 def test_every_hook_checks_before_maturin_runs(monkeypatch, tmp_path, hook):
     monkeypatch.setenv("PATH", path_without_cargo(tmp_path))
     monkeypatch.delenv("KVPEER_INSTALL_RUST", raising=False)
+    # maturin itself is never reached: a stand-in that fails loudly if it is.
+    monkeypatch.setitem(sys.modules, "maturin", None)
+    args = [str(tmp_path / a) for a in HOOKS[hook]]
     with pytest.raises(SystemExit) as stopped:
-        getattr(backend(), hook)()
+        getattr(backend(), hook)(*args)
     assert "no Rust toolchain" in str(stopped.value.code)
+
+
+def test_the_backend_offers_every_hook_maturin_does():
+    # PEP 517/660's hooks that pip calls: each is the backend's, so none falls back to a
+    # default that skips the check.
+    module = backend()
+    assert all(callable(getattr(module, hook, None)) for hook in HOOKS)
 
 
 def test_with_cargo_or_consent_the_hooks_are_maturins(monkeypatch, tmp_path):

@@ -653,14 +653,20 @@ def test_the_ranks_of_a_data_parallel_engine_form_one_liveness_group():
         found, _ = kvpeer_vllm._settings(spec, memory, {"plane": "tcp", **entry})
         return found
 
-    rank = settings(2, {"host": "10.0.0.5", "port": 5710, "tcp_port": 5711})  # size = index + 1
+    rank = settings(2, {"host": "10.0.0.5", "port": 5710, "tcp_port": 5810})  # size = index + 1
     assert rank["listen_port"] == "5712"
     # The tcp data port likewise: one per rank, from the one given; 0 stays "a free one".
-    assert rank["tcp_port"] == "5713"
+    assert rank["tcp_port"] == "5812"
     assert settings(2, {"tcp_port": 0})["tcp_port"] == "0"
     assert "tcp_port" not in settings(2, {})
-    with pytest.raises(ValueError, match="'tcp_port' must be a port number"):
-        settings(0, {"tcp_port": "five"})
+    for bad in ("five", True, 5.5):
+        with pytest.raises(ValueError, match="'tcp_port' must be a port number"):
+            settings(0, {"tcp_port": bad})
+    # Data ports that would take a rank's control port are refused: 3 ranks at 5710..5712.
+    with pytest.raises(ValueError, match="overlaps the control ports 5710..5712"):
+        settings(2, {"host": "10.0.0.5", "port": 5710, "tcp_port": 5711})
+    with pytest.raises(ValueError, match="overlaps"):
+        settings(0, {"host": "10.0.0.5", "port": 5710, "tcp_port": 5710})
     assert rank["liveness_group"] == "10.0.0.5:5710"
     assert rank["liveness_rank"] == "2/3"
     # One rank alone, or a port the system picks (no shared base): no group.

@@ -132,8 +132,9 @@ impl CloseReason {
 }
 
 /// What a peer said when it refused us: its text, cut to [`PeerSaid::MAX_BYTES`] at a character
-/// boundary, every control character (newlines, escapes) shown as `?`, and quoted when shown,
-/// so a peer cannot forge log lines or fill them.
+/// boundary, every control character (newlines, escapes) shown as `?`, and shown quoted with
+/// Rust's escapes (`"` and `\` escaped, format and bidi characters as `\u{..}`), so a peer can
+/// neither forge log lines or fields nor fill them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerSaid(String);
 
@@ -162,7 +163,7 @@ impl PeerSaid {
 
 impl std::fmt::Display for PeerSaid {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "\"{}\"", self.0)
+        write!(f, "{:?}", self.0)
     }
 }
 
@@ -585,8 +586,10 @@ impl ConnectRejection {
     /// The refusal as the refused peer reads it (sent as `disconnect`'s `kvpeer_reason`): the
     /// cause with its value and ours. Only peers past the allowlist and the secret get this far
     /// (the node refuses others before the core sees their `connect`). The hash seed decides
-    /// every key, so it is never sent: each side's is named by the first 12 hex digits of its
-    /// SHA-256, which the refused peer can compare with its own (`printf %s "$SEED" | sha256sum`).
+    /// every key, and a digest of ours could be searched back to it (a `PYTHONHASHSEED` is a
+    /// 32-bit number), so ours is never told in any form: the peer is told the first 12 hex
+    /// digits of the SHA-256 of the seed it sent (so it can tell which seed arrived) and that
+    /// ours differs.
     pub fn told_to_peer(&self) -> String {
         match self {
             ConnectRejection::PeerIdMismatch { named, from } => format!(
@@ -599,11 +602,10 @@ impl ConnectRejection {
             ConnectRejection::Fingerprint { remote, local } => {
                 format!("config fingerprint differs: yours {remote:?}, mine {local:?}")
             }
-            ConnectRejection::HashSeed { remote, local } => format!(
-                "hash seed differs: yours has SHA-256 {}..., mine {}... (PYTHONHASHSEED must \
-                 match on all peers)",
-                seed_digest(remote),
-                seed_digest(local)
+            ConnectRejection::HashSeed { remote, .. } => format!(
+                "hash seed differs: yours (SHA-256 {}...) is not mine, which is not told \
+                 (PYTHONHASHSEED must match on all peers)",
+                seed_digest(remote)
             ),
             ConnectRejection::PoolTooLarge { blocks, most } => {
                 format!("your pool has {blocks} blocks, over the {most} I take (max_peer_blocks)")

@@ -50,6 +50,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VLLM_TIER", kvpeer::VLLM_TIER)?;
     m.add_function(pyo3::wrap_pyfunction!(shm_object_of, m)?)?;
     m.add_function(pyo3::wrap_pyfunction!(logs::take_logs, m)?)?;
+    m.add_function(pyo3::wrap_pyfunction!(logs::logs_to_python, m)?)?;
     m.add_function(pyo3::wrap_pyfunction!(shard_owner, m)?)?;
     Ok(())
 }

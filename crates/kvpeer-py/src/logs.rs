@@ -233,6 +233,13 @@ impl Visit for TextVisitor {
     }
 }
 
+/// Whether the node's records go to Python's `logging` (`KVPEER_LOG` unset): the Python side
+/// starts its thread only then.
+#[pyfunction]
+pub(crate) fn logs_to_python() -> bool {
+    TO_PYTHON.get() == Some(&true)
+}
+
 /// Takes the records waiting for Python, waiting up to `timeout_s` for the first: a list of
 /// `(level, logger, message)`, Python's level numbers and logger names. `level` is the
 /// effective level of Python's `kvpeer` logger: records below it are not made from now on.
@@ -243,7 +250,11 @@ pub(crate) fn take_logs(
     level: i64,
     timeout_s: f64,
 ) -> PyResult<Vec<(u32, String, String)>> {
-    if TO_PYTHON.get() != Some(&true) {
+    if !logs_to_python() {
+        // Nothing ever comes: wait out the timeout (without the GIL) rather than return at
+        // once, so a caller's loop cannot spin.
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::ZERO);
+        py.detach(|| std::thread::sleep(timeout));
         return Ok(Vec::new());
     }
     let wanted = level_rank(filter_for_python_level(level));

@@ -102,9 +102,8 @@ fn fetch_says_why_it_has_no_session_for_each_cause() {
     let (_wide, wide_id) = Cli::serve().pool(16, 8192).arg("--fill", 4).start_serving();
     // A kvpeer peer that refuses us says why, with both values (the seeds by digest only).
     let seeds_told = format!(
-        "the peer refused our connect: \"hash seed differs: yours has SHA-256 {}..., mine {}...",
-        kvpeer_core::seed_digest("5"),
-        kvpeer_core::seed_digest("7")
+        "the peer refused our connect: \"hash seed differs: yours (SHA-256 {}...) is not mine",
+        kvpeer_core::seed_digest("5")
     );
 
     let cases: Vec<(&str, String, Vec<&str>, &str)> = vec![
@@ -640,7 +639,12 @@ fn loopback_nodes_are_not_warned_of_an_open_allowlist() {
         std::thread::sleep(Duration::from_millis(100));
         node.log().contains("no allowlist")
     };
-    assert!(!warned("[::1]:0"));
+    // IPv6's loopback where the host has one (a host with IPv6 off has no [::1] to listen on).
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        assert!(!warned("[::1]:0"));
+    } else {
+        eprintln!("no IPv6 loopback here: only IPv4's is checked");
+    }
     assert!(!warned("127.0.0.1:0"));
     assert!(warned("0.0.0.0:0"));
 }

@@ -541,3 +541,23 @@ fn an_auth_secret_every_user_can_read_is_refused() {
     assert!(settings(0o600).unwrap().spec.auth_secret.is_some());
     std::fs::remove_file(&path).unwrap();
 }
+
+/// The data port is never the control port, and a list key's single value must be text.
+#[test]
+fn a_data_port_on_the_control_port_and_a_numeric_allowlist_are_refused() {
+    let file = from_toml("listen_port = 5700\ntcp_port = 5700\n", "p.toml").unwrap();
+    let e = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap_err();
+    assert_eq!(e.key, "tcp_port");
+    assert!(e.problem.contains("is the control port"), "{e}");
+    let file = from_toml("listen_port = 5700\ntcp_port = 5800\n", "p.toml").unwrap();
+    let c = resolve(&file, &env(&[]), &Settings::default(), "t").unwrap();
+    assert!(
+        c.spec.tcp_listen.ends_with(":5800"),
+        "{}",
+        c.spec.tcp_listen
+    );
+
+    let e = from_toml("allowlist = 1\n", "a.toml").unwrap_err();
+    assert_eq!(e.key, "allowlist");
+    assert!(e.problem.contains("a list of strings"), "{e}");
+}

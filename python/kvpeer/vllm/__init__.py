@@ -1065,12 +1065,22 @@ def _settings(
         settings["auth_secret_file"] = _text("auth_secret_file", config["auth_secret_file"])
     if "tcp_port" in config:
         # One data port per rank, as the control port: the rank's offset from the one given.
+        tcp_port = config["tcp_port"]
+        if isinstance(tcp_port, bool) or not isinstance(tcp_port, (int, str)):
+            raise ValueError(f"KvpeerTier: 'tcp_port' must be a port number, not {tcp_port!r}")
         try:
-            tcp_port = int(config["tcp_port"])
-        except (TypeError, ValueError):
+            tcp_port = int(tcp_port)
+        except ValueError:
             raise ValueError(
                 f"KvpeerTier: 'tcp_port' must be a port number, not {config['tcp_port']!r}"
             ) from None
+        # The ranks' control ports are port..port+dp_size, their data ports tcp_port..: apart.
+        if tcp_port and port and tcp_port < port + dp_size and port < tcp_port + dp_size:
+            raise ValueError(
+                f"KvpeerTier: 'tcp_port' {tcp_port} overlaps the control ports {port}.."
+                f"{port + dp_size - 1} of this engine's {dp_size} data-parallel ranks: put the "
+                f"data ports apart (e.g. {port + 100})"
+            )
         settings["tcp_port"] = str(tcp_port + dp_index if tcp_port else 0)
     allow = config.get("allow")
     if allow is not None:

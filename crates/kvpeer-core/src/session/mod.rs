@@ -295,6 +295,15 @@ impl Session {
                 self.mark_dead(CloseReason::PeerDisconnected);
                 Ok(())
             }
+            // A reason is a refusal of our `connect`: once the peer acked it, a `disconnect` is
+            // an end like any other, whatever text it carries.
+            Message::Disconnect(Disconnect {
+                kvpeer_reason: Some(_),
+            }) if self.was_acked() => {
+                crate::info_throttled!(cx.out.throttle, cx.now, "peer disconnected", peer = %self.link.peer);
+                self.mark_dead(CloseReason::PeerDisconnected);
+                Ok(())
+            }
             Message::Disconnect(Disconnect {
                 kvpeer_reason: Some(said),
             }) => {

@@ -58,6 +58,16 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
     out.set_source(&source);
     // The keys that hold several items take an array of them as well as their text form.
     let list_keys = [KEY.allowlist.name, KEY.follow.name, KEY.pool_shard.name];
+    // A list key given one value that is not text (`allowlist = 1`) is no rule either.
+    for key in list_keys {
+        if out.setting(key).is_some_and(|s| !s.list && !s.text) {
+            return Err(bad(
+                &source,
+                key,
+                "expected a string or a list of strings (\"10.0.0.0/8\")".into(),
+            ));
+        }
+    }
     for (key, all_text) in out.lists() {
         if !list_keys.contains(&key) {
             return Err(bad(
@@ -82,6 +92,21 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
         );
     }
     Ok(out)
+}
+
+/// `tcp_port`: a port, never the control port itself (the node would fail to bind it, and a
+/// service manager would restart it forever: a configuration error exits 2 instead).
+fn tcp_port(s: &Values<'_>, control_port: u64) -> Result<u16, ConfigError> {
+    let port = s.number(&KEY.tcp_port, 0, u64::from(u16::MAX))?;
+    if port != 0 && port == control_port {
+        let src = s.get(&KEY.tcp_port).map_or("default", |(_, src)| src);
+        return Err(bad(
+            src,
+            KEY.tcp_port.name,
+            format!("{port} is the control port (listen_port): give the data plane another"),
+        ));
+    }
+    Ok(port as u16)
 }
 
 /// "unknown key", with the declared key it most likely meant (a typo: at most two edits, or a
@@ -358,11 +383,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         id,
         listen,
         tcp_listen,
-    } = identity::identity(
-        &s,
-        port as u16,
-        s.number(&KEY.tcp_port, 0, u64::from(u16::MAX))? as u16,
-    )?;
+    } = identity::identity(&s, port as u16, tcp_port(&s, port)?)?;
     Ok(NodeConfig {
         spec: NodeSpec {
             id,

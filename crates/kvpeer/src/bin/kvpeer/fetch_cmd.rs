@@ -69,7 +69,13 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
                     PeerAddr::parse_any_port(config.spec.id.as_str()).map_or(0, |a| a.port());
                 config.spec.id = PeerAddr::new(Host::Ip(here), port).to_peer_id();
                 config.spec.listen = None;
-                config.spec.tcp_listen = std::net::SocketAddr::new(here, 0).to_string();
+                // On that address, at the tcp_port given (0: a free one), as a firewall expects.
+                let tcp_port = config
+                    .spec
+                    .tcp_listen
+                    .parse::<std::net::SocketAddr>()
+                    .map_or(0, |a| a.port());
+                config.spec.tcp_listen = std::net::SocketAddr::new(here, tcp_port).to_string();
             }
         }
         Ok(true) => {}
