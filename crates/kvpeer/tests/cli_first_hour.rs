@@ -723,3 +723,35 @@ fn the_planes_offered_are_the_planes_built() {
         );
     }
 }
+
+/// A control port that is taken says where it came from when no flag gave it.
+#[test]
+fn a_taken_port_from_the_environment_says_so() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let run = |args: &[&str], env: Option<&str>| {
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.arg("serve").args(args).env("KVPEER_LOG", "error");
+        match env {
+            Some(port) => cmd.env("VLLM_P2P_SIDE_CHANNEL_PORT", port),
+            None => cmd.env_remove("VLLM_P2P_SIDE_CHANNEL_PORT"),
+        };
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = run(&[], Some(&port));
+    assert!(
+        said.contains(&format!("cannot listen at 127.0.0.1:{port}"))
+            && said.contains("(the address is from env VLLM_P2P_SIDE_CHANNEL_PORT)"),
+        "{said}"
+    );
+    let listen = format!("127.0.0.1:{port}");
+    let said = run(&["--listen", &listen], Some("1"));
+    assert!(
+        said.contains(&format!("cannot listen at {listen}")),
+        "{said}"
+    );
+    assert!(!said.contains("the address is from"), "{said}");
+    drop(taken);
+}

@@ -172,6 +172,21 @@ impl NodeArgs {
             .any(|s| s.get(KEY.listen_host.name).is_some() || s.get(KEY.advertise.name).is_some()))
     }
 
+    /// Where the control address came from when not from a flag (`env
+    /// VLLM_P2P_SIDE_CHANNEL_PORT`, `file kvpeer.toml`): the last source setting its host or port
+    /// (flags beat the environment, which beats the file).
+    pub(crate) fn listen_source(&self) -> Option<String> {
+        let (file, env, flags) = self.sources().ok()?;
+        let keys = [KEY.listen_port.name, KEY.listen_host.name];
+        if keys.iter().any(|k| flags.get(k).is_some()) {
+            return None;
+        }
+        [&env, &file].iter().find_map(|s| {
+            keys.iter()
+                .find_map(|k| s.get(k).map(|(_, src)| src.to_owned()))
+        })
+    }
+
     /// The settings of the file, the environment and the flags.
     fn sources(&self) -> Result<(config::Settings, config::Settings, config::Settings), ArgsError> {
         let file = match &self.config {

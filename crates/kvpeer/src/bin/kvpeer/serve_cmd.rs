@@ -115,10 +115,25 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
             }
         );
     }
+    let control = config
+        .spec
+        .listen
+        .map_or_else(|| config.spec.id.to_string(), |l| l.to_string());
     let node = match Node::start(config) {
         Ok(n) => Arc::new(n),
         Err(e) => {
-            crate::report::fatal!("serve", "{e}");
+            // A control address that cannot be taken says where it came from when no flag gave
+            // it (a VLLM_P2P_SIDE_CHANNEL_PORT left in the environment surprises).
+            let from = args
+                .node
+                .listen_source()
+                .filter(|_| {
+                    e.to_string()
+                        .contains(&format!("cannot listen at {control}"))
+                })
+                .map(|src| format!(" (the address is from {src})"))
+                .unwrap_or_default();
+            crate::report::fatal!("serve", "{e}{from}");
             return 1;
         }
     };
