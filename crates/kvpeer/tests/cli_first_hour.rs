@@ -755,3 +755,54 @@ fn a_taken_port_from_the_environment_says_so() {
     assert!(!said.contains("the address is from"), "{said}");
     drop(taken);
 }
+
+/// Ctrl-C of a `fetch --json` prints the summary of the requests that ran (marked interrupted)
+/// and exits 130; its pool's shared-memory object is gone.
+#[test]
+fn an_interrupted_fetch_prints_what_ran() {
+    let (_node, id) = Proc::serve(&["--fill", "64"]);
+    let mut fetch = std::process::Command::new(BIN)
+        .args([
+            "fetch",
+            "--peer",
+            id.as_str(),
+            "--requests",
+            "10000000",
+            "--keys",
+            "4",
+            "--json",
+        ])
+        .env("KVPEER_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = fetch.id();
+    std::thread::sleep(Duration::from_millis(1500));
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while fetch.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "fetch still running after SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = fetch.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stdout}\n{stderr}");
+    let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(summary["interrupted"], true, "{summary}");
+    assert!(summary["hits"].as_u64() > Some(0), "{summary}");
+    assert_eq!(summary["corrupt_blocks"], 0, "{summary}");
+    assert!(stderr.contains("stopped by signal 2"), "{stderr}");
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/kvpeer-fetch-{pid}")).exists(),
+        "the fetch's pool was left behind"
+    );
+}

@@ -21,8 +21,8 @@ use kvpeer::{synthetic, Host, LookupResult, Node, NodeConfig, NodeError, PeerAdd
 
 use crate::fetch_error::FetchError;
 use crate::fetch_workload::{
-    block_len, micros, percentile, process_cpu, remove_pool_on_signal, request_keys, FetchArgs,
-    Progress, Tally,
+    block_len, interrupted, micros, percentile, process_cpu, remove_pool_on_signal, request_keys,
+    FetchArgs, Progress, Tally,
 };
 
 /// Runs the command; returns the exit status.
@@ -148,12 +148,21 @@ pub(crate) fn run(mut args: FetchArgs) -> u8 {
                 "seconds": (secs * 1e3).round() / 1e3,
                 "cpu_seconds": (t.cpu.as_secs_f64() * 1e4).round() / 1e4,
                 "fetch_gb_per_s": (gbps * 1e3).round() / 1e3,
+                "interrupted": interrupted().is_some(),
             });
             if args.json {
                 println!("{summary}");
             } else if let Some(fields) = summary.as_object() {
                 let line: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 println!("kvpeer fetch: {}", line.join(" "));
+            }
+            if let Some(signal) = interrupted() {
+                // The summary of what ran is out; the exit says it was cut short.
+                crate::report::fatal!(
+                    "fetch",
+                    "stopped by signal {signal}: the summary is of the requests that ran"
+                );
+                return u8::try_from(128 + signal).unwrap_or(u8::MAX);
             }
             let mut failures = Vec::new();
             if t.failed_loads > 0 {
@@ -273,6 +282,9 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
 
     let mut progress = Progress::new(args.warmup + args.requests, !args.json);
     for r in 0..args.warmup {
+        if interrupted().is_some() {
+            break;
+        }
         progress.show(r, &tally);
         run.request(r, true, &mut tally)?;
     }
@@ -289,6 +301,9 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
     let verify = !args.no_verify;
     if args.concurrency <= 1 {
         for r in timed {
+            if interrupted().is_some() {
+                break;
+            }
             progress.show(r, &tally);
             run.request(r, verify, &mut tally)?;
         }
@@ -303,6 +318,9 @@ fn workload(args: &FetchArgs, node: &Node) -> Result<Tally, FetchError> {
                     scope.spawn(move || {
                         let mut t = Tally::default();
                         for r in timed.skip(i as usize).step_by(c as usize) {
+                            if interrupted().is_some() {
+                                break;
+                            }
                             run.request(r, verify, &mut t)?;
                         }
                         Ok(t)

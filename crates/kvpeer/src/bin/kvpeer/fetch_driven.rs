@@ -129,8 +129,10 @@ impl Driver<'_> {
     ) -> Result<(), FetchError> {
         let mut next = rs.start;
         let mut free_slots: Vec<u64> = (0..concurrency).rev().collect();
-        while next < rs.end || !self.in_flight.is_empty() {
-            while next < rs.end {
+        while (next < rs.end && crate::fetch_workload::interrupted().is_none())
+            || !self.in_flight.is_empty()
+        {
+            while next < rs.end && crate::fetch_workload::interrupted().is_none() {
                 let Some(slot) = free_slots.pop() else { break };
                 progress.show(next, tally);
                 self.start(next, slot, verify);

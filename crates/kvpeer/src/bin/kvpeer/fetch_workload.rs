@@ -2,6 +2,7 @@
 //! the engine-driven one in [`crate::fetch_driven`]): the command's options, the keys of
 //! request `r`, the tally and its progress bar, and the pool's removal on a signal.
 
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpeer::{synthetic, OffloadKey};
@@ -134,10 +135,28 @@ pub(crate) fn percentile(samples: &[u64], p: usize) -> u64 {
     }
 }
 
-/// On SIGINT or SIGTERM the node never gets to drop its pool (the process ends with the
-/// signal's default action otherwise), so a watcher removes the pool's shared-memory object (on
-/// the planes that make one: shm, both) and exits with 128 + the signal. Set up before the node starts, so no moment leaves the object
-/// behind (`kill -9` still does: nothing can run then).
+/// The signal that asked the run to stop (0: none).
+static STOPPED_BY: AtomicI32 = AtomicI32::new(0);
+
+/// How long a stopped run may take to end its requests in flight and print its summary.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The signal (SIGINT, SIGTERM) that asked the run to stop, if one did: it starts no more
+/// requests, and its summary says so.
+pub(crate) fn interrupted() -> Option<i32> {
+    match STOPPED_BY.load(Ordering::Relaxed) {
+        0 => None,
+        signal => Some(signal),
+    }
+}
+
+/// On SIGINT or SIGTERM the run is asked to stop ([`interrupted`]): it starts no more
+/// requests, lets those in flight end (each bounded by its timeouts), prints the summary of
+/// what ran and exits with 128 + the signal, the node dropping its pool on the way. If it has
+/// not exited within [`STOP_GRACE`], or at a second signal, this watcher removes the pool's
+/// shared-memory object (on the planes that make one: shm, both) and exits itself. Set up
+/// before the node starts, so no moment leaves the object behind (`kill -9` still does:
+/// nothing can run then).
 pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), FetchError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals =
@@ -146,24 +165,30 @@ pub(crate) fn remove_pool_on_signal(shm_name: &str) -> Result<(), FetchError> {
     std::thread::Builder::new()
         .name("kvpeer-fetch-signals".into())
         .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                // The object may not exist yet (or any more), or at all (a tcp or nixl pool is
-                // anonymous memory): nothing to remove then.
-                // Its fence words too (kvpeer_store::fence), whatever became of the pool.
-                let _ = nix::sys::mman::shm_unlink(
-                    kvpeer_store::fence::object_name(path.as_str()).as_str(),
-                );
-                match nix::sys::mman::shm_unlink(path.as_str()) {
-                    Ok(()) => {
-                        crate::report::fatal!(
-                            "fetch",
-                            "stopped by signal {signal}; pool {path} removed"
-                        )
-                    }
-                    Err(_) => crate::report::fatal!("fetch", "stopped by signal {signal}"),
-                }
-                std::process::exit(128 + signal);
+            let Some(signal) = signals.forever().next() else {
+                return;
+            };
+            STOPPED_BY.store(signal, Ordering::Relaxed);
+            let deadline = Instant::now() + STOP_GRACE;
+            while Instant::now() < deadline && signals.pending().next().is_none() {
+                std::thread::sleep(Duration::from_millis(20));
             }
+            // The object may not exist yet (or any more), or at all (a tcp or nixl pool is
+            // anonymous memory): nothing to remove then.
+            // Its fence words too (kvpeer_store::fence), whatever became of the pool.
+            let _ = nix::sys::mman::shm_unlink(
+                kvpeer_store::fence::object_name(path.as_str()).as_str(),
+            );
+            match nix::sys::mman::shm_unlink(path.as_str()) {
+                Ok(()) => {
+                    crate::report::fatal!(
+                        "fetch",
+                        "stopped by signal {signal}; pool {path} removed"
+                    )
+                }
+                Err(_) => crate::report::fatal!("fetch", "stopped by signal {signal}"),
+            }
+            std::process::exit(128 + signal);
         })
         .map(|_| ())
         .map_err(FetchError::SignalWatcher)
