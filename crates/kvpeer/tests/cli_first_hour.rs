@@ -627,6 +627,20 @@ fn a_bare_metrics_port_is_refused_with_the_forms_it_needs() {
         said.contains("127.0.0.1:9100") && said.contains("0.0.0.0:9100"),
         "{said}"
     );
+    // The same from the configuration file's metrics_listen, naming the file and the key.
+    let file = std::env::temp_dir().join(format!("kvpeer-metrics-{}.toml", std::process::id()));
+    std::fs::write(&file, "metrics_listen = \"9100\"\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--config", &file.display().to_string()])
+        .output()
+        .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("metrics_listen: expected HOST:PORT, as 127.0.0.1:9100"),
+        "{said}"
+    );
 }
 
 /// The "no allowlist" warning is for a node others can reach: none on IPv6's loopback, as on

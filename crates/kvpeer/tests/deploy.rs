@@ -52,8 +52,6 @@ fn the_systemd_units_command_and_example_config_start_a_node_that_stops_cleanly(
     assert_eq!(exec[..2], ["/usr/local/bin/kvpeer", "serve"], "{exec:?}");
     let config_at = exec.iter().position(|w| *w == "--config").unwrap() + 1;
     assert_eq!(exec[config_at], "/etc/kvpeer/kvpeer.toml");
-    let metrics_at = exec.iter().position(|w| *w == "--metrics").unwrap() + 1;
-    assert!(exec[metrics_at].starts_with("0.0.0.0:"), "{exec:?}");
     assert_eq!(unit_setting(&unit, "KillSignal"), "SIGTERM");
     let stop_within: u64 = unit_setting(&unit, "TimeoutStopSec").parse().unwrap();
 
@@ -67,6 +65,7 @@ fn the_systemd_units_command_and_example_config_start_a_node_that_stops_cleanly(
     let toml = set_key(&toml, "tcp_port", &tcp_port.to_string());
     let toml = set_key(&toml, "num_blocks", "32");
     let toml = set_key(&toml, "allowlist", "[\"127.0.0.0/8\"]");
+    let toml = set_key(&toml, "metrics_listen", "\"127.0.0.1:0\"");
     let dir = std::env::temp_dir().join(format!("kvpeer-deploy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvpeer.toml");
@@ -74,7 +73,6 @@ fn the_systemd_units_command_and_example_config_start_a_node_that_stops_cleanly(
 
     let mut args: Vec<String> = exec[1..].iter().map(|w| w.to_string()).collect();
     args[config_at - 1] = config.display().to_string();
-    args[metrics_at - 1] = "127.0.0.1:0".into();
     let mut command = Command::new(BIN);
     command.args(&args);
     for setting in unit.lines().filter_map(|l| l.strip_prefix("Environment=")) {

@@ -125,6 +125,8 @@ declare_keys! {
     tcp_port = "0";
     /// cap on tcp bytes per second to each peer (unset: uncapped)
     tcp_max_rate;
+    /// HOST:PORT at which kvpeer serve answers /metrics, /healthz and /readyz (unset: none; the flag --metrics beats it)
+    metrics_listen;
     /// slowest a peer may take this node's tcp writes, bytes per second: each transfer must be acknowledged within tcp_transfer_timeout_s plus its bytes at this rate (never above tcp_max_rate)
     tcp_min_rate = "1000000";
     /// seconds a tcp transfer may take beyond its bytes at tcp_min_rate before its peer is faulted and its data connection reset

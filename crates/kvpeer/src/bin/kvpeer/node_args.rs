@@ -187,6 +187,16 @@ impl NodeArgs {
         })
     }
 
+    /// A key's value from the environment or the file (the environment wins), with where it
+    /// came from: for the settings `serve` reads itself (`metrics_listen`).
+    pub(crate) fn setting(&self, key: &Key) -> Result<Option<(String, String)>, ArgsError> {
+        let (file, env, _) = self.sources()?;
+        Ok([&env, &file].iter().find_map(|s| {
+            s.get(key.name)
+                .map(|(v, src)| (v.to_owned(), src.to_owned()))
+        }))
+    }
+
     /// The settings of the file, the environment and the flags.
     fn sources(&self) -> Result<(config::Settings, config::Settings, config::Settings), ArgsError> {
         let file = match &self.config {

@@ -12,6 +12,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvpeer::config::KEY;
 use kvpeer::pool_node::PoolNode;
 use kvpeer::{synthetic, Node};
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -55,6 +56,23 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let config = match args.node.resolve("serve", Some(&args.pool)) {
         Ok(c) => c,
         Err(e) => {
+            crate::report::fatal!("serve", "{e}");
+            return 2;
+        }
+    };
+    // The metrics address: the flag, else the configuration's `metrics_listen`, checked as
+    // the flag is (before anything is allocated).
+    let metrics_at = match (&args.metrics, args.node.setting(&KEY.metrics_listen)) {
+        (Some(flag), _) => Some(flag.clone()),
+        (None, Ok(None)) => None,
+        (None, Ok(Some((text, source)))) => match metrics_address(&text) {
+            Ok(addr) => Some(addr),
+            Err(why) => {
+                crate::report::fatal!("serve", "{source}: metrics_listen: {why}");
+                return 2;
+            }
+        },
+        (None, Err(e)) => {
             crate::report::fatal!("serve", "{e}");
             return 2;
         }
@@ -159,7 +177,7 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         node.shutdown(Duration::from_secs(1));
         return 1;
     }
-    let metrics = match &args.metrics {
+    let metrics = match &metrics_at {
         Some(addr) => match kvpeer::metrics::serve_with_pool(addr, node.clone(), pool.clone()) {
             Ok(bound) => bound.to_string(),
             Err(e) => {
