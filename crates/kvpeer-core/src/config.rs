@@ -76,9 +76,10 @@ pub struct CoreConfig {
     /// rest of a larger lookup waits for later steps, so other peers' messages are handled in
     /// between.
     pub lookup_slice_keys: usize,
-    /// Keys of one peer's lookups asked of the store per second (a token bucket holding one
-    /// second's worth); past it the peer's lookups wait (keys still unasked at the lookup's
-    /// pending deadline answer MISS).
+    /// Keys of one peer's lookups asked of the store per second while other sessions' lookups
+    /// wait (a token bucket holding one second's worth); past it the peer's lookups take only
+    /// the core's steps no session within its budget wants (keys still unasked at the lookup's
+    /// pending deadline answer MISS). Work-conserving: alone, a peer is never held to it.
     pub lookup_keys_per_sec: u64,
     /// Distinct blocks pinned for one peer's lookups at once (each pin reference also counts
     /// toward `max_held_keys_per_peer`); keys past it answer MISS (not pinned).

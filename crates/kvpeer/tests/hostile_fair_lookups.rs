@@ -269,6 +269,30 @@ fn a_lone_consumer_is_not_capped_by_the_shares() {
     assert!(metric(&server, "kvpeer_lookups_served_total") >= 2000.0);
 }
 
+/// The keys-per-second budget is work-conserving too: with `lookup_keys_per_s = 500` and no
+/// other peer wanting the node, a lookup of all 4,096 keys is asked in full and every key hits
+/// (the attacker's socket shows it). Held to the rate whether or not anyone competed, as
+/// before, about 500 + 5 × 500 keys are asked by the lookup's 5 s pending deadline and the
+/// rest answer MISS.
+#[test]
+fn a_lone_peer_is_not_held_to_the_keys_per_second_budget() {
+    let (_server, id, _file) = serve("lookup_keys_per_s = 500\nmax_pins_per_peer = 4096\n");
+    let last = (BLOCKS - 1).to_string();
+    let keys = format!("0-{last}");
+    let summary = attack(&["hoard", "--node", &id, "--keys", &keys, "--wait", "20"]);
+    let lookup = &summary["lookups"][0];
+    assert_eq!(
+        n(&lookup["answered"]),
+        BLOCKS,
+        "one answer per key: {summary}"
+    );
+    assert_eq!(
+        n(&lookup["hits"]),
+        BLOCKS,
+        "every held key hits, none left unasked at the deadline: {summary}"
+    );
+}
+
 /// A flood spread over many hosts leaves an honest consumer its turns (issue 37). Sixty
 /// sessions from sixty source addresses (127.0.1.1 on: no per-host or per-source share ever
 /// fills) send 8,192-key lookups back to back while an honest `kvpeer fetch` of 300 requests

@@ -466,19 +466,26 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// One step of queued lookups (`core/slices.rs`): slices of the sessions due, hosts in
     /// turn, until `lookup_slice_keys` keys were asked (the last slice may go past that by less
-    /// than one slice). A session is served at most once per step (it goes back in its host's
-    /// turn only at the step's end), so a step always ends.
+    /// than one slice); what the due sessions leave of the step goes to sessions past their
+    /// keys-per-second budget (work-conserving). A session is served at most once per step (it
+    /// goes back in its host's turn only at the step's end), so a step always ends.
     fn serve_slices(&mut self) {
         let budget = self.config.lookup_slice_keys.max(1);
         let mut asked = 0;
         let mut served = Vec::new();
         while asked < budget {
-            let Some(peer) = self.index.slices.next(self.now) else {
-                break;
+            let (peer, spare) = match self.index.slices.next(self.now) {
+                Some(peer) => (peer, false),
+                None => match self.index.slices.next_spare(self.now) {
+                    Some(peer) => (peer, true),
+                    None => break,
+                },
             };
             let keys = {
                 let (sessions, mut cx, _) = self.split();
-                sessions.get_mut(&peer).map(|s| s.serve_slice(&mut cx))
+                sessions
+                    .get_mut(&peer)
+                    .map(|s| s.serve_slice(&mut cx, spare))
             };
             asked += keys.unwrap_or(0);
             served.push(peer);

@@ -13,6 +13,11 @@
 //! once: the node's loop reads its sockets before the next one (work-conserving: a lone
 //! lookup's slices run back to back).
 //!
+//! A session past its keys-per-second budget waits for its time, but only while others want
+//! the steps: a step that no due session fills serves those sessions too, the one whose time
+//! comes first first ([`Slices::next_spare`]), so the budget bites only under contention and
+//! a lone peer's lookups are never held to it.
+//!
 //! Fed by [`crate::core::index::SessionIndex::refresh`] with each session's `slice_at` after
 //! every touch; entries are checked against it when taken, so a stale one (the session was
 //! served otherwise, ended, or was throttled to later) is dropped then. Sans-IO, on the core's
@@ -124,13 +129,35 @@ impl Slices {
         None
     }
 
-    /// When a step has slices to serve: `now` while a session's slice is due, else the
-    /// earliest time one will be (possibly stale: a wake that finds nothing serves nothing).
+    /// A session past its budget to serve on a step the due sessions left room in (called
+    /// when [`Slices::next`] has none): the one whose time comes first. Like `next`, it leaves
+    /// the turns until [`Slices::set`] puts it back; stale entries on the way are dropped.
+    pub(super) fn next_spare(&mut self, now: Instant) -> Option<PeerId> {
+        while let Some(Reverse((at, peer))) = self.timed.pop() {
+            if self.at.get(&peer) != Some(&at) || self.queued.contains(&peer) {
+                continue;
+            }
+            if at <= now {
+                // Due after all (`next` promotes before it is called, so only at a clock
+                // that moved between them): served as due.
+                self.enqueue(&peer);
+                return self.next(now);
+            }
+            // Out of the map too, so that `set` takes its next time even if unchanged.
+            self.at.remove(&peer);
+            return Some(peer);
+        }
+        None
+    }
+
+    /// When a step has slices to serve: `now` while a session's slice is due or a session past
+    /// its budget waits (a step serves it when no due session wants the room), else never.
+    /// Possibly stale: a wake that finds nothing serves nothing and drops what it found stale.
     pub(super) fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        if !self.queued.is_empty() {
+        if !self.queued.is_empty() || !self.timed.is_empty() {
             return Some(now);
         }
-        self.timed.peek().map(|Reverse((at, _))| *at)
+        None
     }
 
     /// Drops stale timed entries once they are most of the heap (a session throttled over and
@@ -190,7 +217,6 @@ mod tests {
         assert_eq!(s.next_deadline(now), Some(now));
         assert_eq!(s.next(now).unwrap().as_str(), "10.0.0.2:1");
         assert_eq!(s.next(now), None);
-        assert_eq!(s.next_deadline(now), Some(later));
         assert_eq!(s.next(later).unwrap().as_str(), "10.0.0.1:1");
         // Served elsewhere (its slice_at cleared) before its turn came: skipped.
         s.set(&peer("10.0.0.3:1"), Some(now), now);
@@ -201,5 +227,31 @@ mod tests {
         s.remove(&peer("10.0.0.4:1"));
         assert_eq!(s.next(now), None);
         assert_eq!(s.next_deadline(now), None);
+    }
+
+    #[test]
+    fn sessions_past_their_budget_take_the_steps_nobody_due_wants() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let mut s = Slices::default();
+        s.set(&peer("10.0.0.1:1"), Some(now + ms(9)), now);
+        s.set(&peer("10.0.0.2:1"), Some(now + ms(3)), now);
+        s.set(&peer("10.0.0.3:1"), Some(now), now);
+        // Someone waits: the step is due now, not when the first budget refills.
+        assert_eq!(s.next_deadline(now), Some(now));
+        // The due session comes first; only then the throttled ones, the earliest time first.
+        assert_eq!(s.next(now).unwrap().as_str(), "10.0.0.3:1");
+        assert_eq!(s.next(now), None);
+        assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.2:1");
+        assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.1:1");
+        assert_eq!(s.next_spare(now), None, "each once per step");
+        // Served on spare time and still over budget at the same time: taken again next step.
+        s.set(&peer("10.0.0.2:1"), Some(now + ms(3)), now);
+        assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.2:1");
+        // A stale entry (the session was served on its own, or ended) is dropped, not served.
+        s.set(&peer("10.0.0.4:1"), Some(now + ms(1)), now);
+        s.set(&peer("10.0.0.4:1"), None, now);
+        assert_eq!(s.next_spare(now), None);
+        assert_eq!(s.next_deadline(now), None, "nothing left: no wake");
     }
 }

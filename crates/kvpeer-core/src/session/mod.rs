@@ -601,11 +601,13 @@ impl Session {
     }
 
     /// Asks the store about the next slice of its queued lookups; how many keys that was.
-    pub(crate) fn serve_slice(&mut self, cx: &mut Cx<'_>) -> usize {
+    /// `spare`: the step had no session within its keys-per-second budget to serve, so this
+    /// one is served past its own.
+    pub(crate) fn serve_slice(&mut self, cx: &mut Cx<'_>, spare: bool) -> usize {
         if self.is_dead() {
             return 0;
         }
-        let (asked, result) = self.server.serve_backlog(&mut self.link, cx);
+        let (asked, result) = self.server.serve_backlog(&mut self.link, cx, spare);
         if let Err(e) = result {
             self.internal_error(cx, e);
         }

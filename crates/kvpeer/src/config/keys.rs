@@ -161,7 +161,7 @@ declare_keys! {
     max_lookup_keys = "131072";
     /// keys of all peers' queued lookups asked per step of the node's loop, hosts in turn (the rest wait a step)
     lookup_slice_keys = "256";
-    /// keys of one peer's lookups asked per second (past it they wait; MISS at their deadline)
+    /// keys of one peer's lookups asked per second while others' lookups wait (past it they take only the steps others leave; MISS at their deadline)
     lookup_keys_per_s = "262144";
     /// blocks pinned for one peer's lookups at once; past it MISS (unset: 1/8 of num_blocks, at least 256 or the pool)
     max_pins_per_peer;

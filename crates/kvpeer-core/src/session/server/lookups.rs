@@ -7,8 +7,10 @@
 //! keys it answered HIT is an internal error and those keys answer MISS.
 //!
 //! Fair shares (docs/security.md, G7): a peer's lookups are asked of the store in arrival
-//! order, at most `lookup_slice_keys` keys per core step and `lookup_keys_per_sec` per second,
-//! so one huge lookup cannot hold the core's thread while other peers wait; keys past
+//! order, at most `lookup_slice_keys` keys per core step, so one huge lookup cannot hold the
+//! core's thread while other peers wait; past `lookup_keys_per_sec` keys a second the peer's
+//! slices yield to every session within its budget, and take only steps nobody else wants
+//! (work-conserving: a lone peer is never held to the rate); keys past
 //! `max_lookup_keys` of one lookup, and keys that would pin more than the peer's pin share,
 //! answer MISS unasked; a lookup that would hold more keys, bytes or requests for the peer than
 //! its share answers MISS at once.
@@ -81,7 +83,7 @@ impl ServerRole {
         self.request_entry(id).lookups.insert(n, lookup);
         self.backlog.push_back((id.clone(), n));
         if self.backlog.len() == 1 {
-            self.serve_backlog(link, cx).1
+            self.serve_backlog(link, cx, false).1
         } else {
             // Behind the peer's earlier lookups: the next slice (already timed) reaches it.
             Ok(())
@@ -89,18 +91,24 @@ impl ServerRole {
     }
 
     /// Asks the store about the next slice of the peer's queued lookups: at most
-    /// `lookup_slice_keys` keys, and no more than the peer's keys-per-second budget holds. A
-    /// lookup whose keys were all asked is answered (or parked on its pending keys). Returns
-    /// how many keys were asked; what is left is due at `slice_at`, which the core's step
-    /// serves in its host's turn (`core/slices.rs`).
+    /// `lookup_slice_keys` keys, and no more than the peer's keys-per-second budget holds
+    /// unless `spare` (a step no session within its budget wanted: the slice is whole, and the
+    /// bucket is emptied, not put in debt). A lookup whose keys were all asked is answered (or
+    /// parked on its pending keys). Returns how many keys were asked; what is left is due at
+    /// `slice_at`, which the core's step serves in its host's turn (`core/slices.rs`).
     pub(crate) fn serve_backlog(
         &mut self,
         link: &mut Link,
         cx: &mut Cx<'_>,
+        spare: bool,
     ) -> (usize, Result<(), InternalError>) {
         self.slice_at = None;
         let slice = cx.config.lookup_slice_keys.max(1);
-        let mut budget = slice.min(self.bucket.available(cx.now));
+        let mut budget = if spare {
+            slice
+        } else {
+            slice.min(self.bucket.available(cx.now))
+        };
         let mut asked = 0;
         let mut result = Ok(());
         while let Some((id, n)) = self.backlog.front().cloned() {
@@ -133,7 +141,11 @@ impl ServerRole {
             lookup.next += take;
             budget -= take;
             asked += take;
-            self.bucket.take(take);
+            if spare {
+                self.bucket.take_spare(take);
+            } else {
+                self.bucket.take(take);
+            }
             if lookup.next < lookup.end {
                 self.reinsert(&id, n, lookup);
                 continue;

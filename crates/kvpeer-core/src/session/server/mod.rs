@@ -373,6 +373,13 @@ impl KeyBucket {
         self.tokens -= n as f64;
     }
 
+    /// Keys asked on the node's spare time (no other session wanted the step): they leave the
+    /// bucket empty, never in debt, so a peer that used idle time is not held back for it once
+    /// others compete.
+    fn take_spare(&mut self, n: usize) {
+        self.tokens = (self.tokens - n as f64).max(0.0);
+    }
+
     /// When `n` keys will be available (at least 1 ms from `now`).
     fn when(&self, now: Instant, n: usize) -> Instant {
         let want = (n as f64).min(self.rate) - self.tokens;
@@ -522,7 +529,9 @@ pub(crate) struct ServerRole {
     backlog: std::collections::VecDeque<(KvRequestId, u64)>,
     /// When the backlog is next served.
     slice_at: Option<Instant>,
-    /// Keys per second this peer's lookups may ask of the store.
+    /// Keys per second this peer's lookups may ask of the store while other sessions' lookups
+    /// wait for the core's steps (work-conserving: past it, the peer is served only on steps
+    /// no session within its budget wants).
     bucket: KeyBucket,
     /// Keys and bytes held for this peer (open lookups, parked demand), and its part of the
     /// node's total.
