@@ -801,6 +801,10 @@ impl<P: Parent> NodeIo<P> {
     /// nearest of the channel's and the core's deadlines.
     pub fn wait_plan(&mut self, now: Instant) -> (std::os::fd::RawFd, Option<Instant>) {
         let (fd, channel) = self.channel.wait_plan(now);
+        if self.wake.as_ref().is_some_and(WakePipe::prepare_sleep) {
+            // A plane or the parent had news while this thread was awake: step at once.
+            return (fd, Some(now));
+        }
         let deadline = [channel, self.core.poll_timeout()]
             .into_iter()
             .flatten()
@@ -816,10 +820,17 @@ impl<P: Parent> NodeIo<P> {
             .poll_timeout()
             .map_or(max, |t| t.saturating_duration_since(now).min(max));
         let fd = self.wake.as_ref().map(WakePipe::fd);
-        if let Err(e) = self.channel.wait_with(until_deadline, fd) {
+        // News while this thread was awake (an inline copy's completion): only a look at the
+        // sockets, no sleep.
+        let news = self.wake.as_ref().is_some_and(WakePipe::prepare_sleep);
+        let timeout = if news { Duration::ZERO } else { until_deadline };
+        if let Err(e) = self.channel.wait_with(timeout, fd) {
             if let Some(suppressed) = crate::admit_warning("control channel wait failed") {
                 warn!(error = %e, suppressed, "control channel wait failed");
             }
+        }
+        if let Some(w) = &self.wake {
+            w.awake();
         }
     }
 }
