@@ -30,7 +30,9 @@
 //!   is owed while cheaper messages go first. The system's time counts only work charged to
 //!   hosts: moved by the thread's whole time (the core's steps, the writes too), hosts that
 //!   keep input would fall ever further behind it and a host whose input is new would wait
-//!   for all of them to catch up.
+//!   for all of them to catch up. Accepting a connection and closing it are charged to its
+//!   host too, and a host whose last connection closed keeps its share and virtual time for
+//!   [`HOST_MEMORY`]: closing and reopening connections buys a host no fresh share.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -75,6 +77,12 @@ use crate::zmtp::dialer::loss_of;
 
 /// How long the listener rests after `accept` fails before it is polled again.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How long a host whose last connection closed keeps its share and virtual time: one that
+/// reconnects within it comes back with the debt it left (at most a second's share, refilled
+/// within a second), so closing and reopening connections buys a host no fresh share. Past
+/// it, it starts as a newcomer.
+const HOST_MEMORY: Duration = Duration::from_secs(1);
 
 /// One accepted connection's number, unique for the listener's life (from 1; its token is the
 /// listener's base token plus this).
@@ -293,6 +301,10 @@ pub(crate) struct Listener {
     timers: Timers<ConnId>,
     /// Each source address's connections and time share (hosts first, then connections).
     hosts: HashMap<IpAddr, HostShare>,
+    /// Hosts whose last connection closed less than [`HOST_MEMORY`] ago, with their shares,
+    /// in the order they left (at most `max_connections` of them).
+    departed: HashMap<IpAddr, (Instant, HostShare)>,
+    departed_order: std::collections::VecDeque<(Instant, IpAddr)>,
     /// Connections with input held back this round because their host was over its share
     /// while another host under its share had input: given a round again at their host's
     /// refill, or as soon as no host under its share has input left (work-conserving).
@@ -399,6 +411,8 @@ impl Listener {
             active: BTreeSet::new(),
             timers: Timers::default(),
             hosts: HashMap::new(),
+            departed: HashMap::new(),
+            departed_order: std::collections::VecDeque::new(),
             held: BTreeSet::new(),
             held_back: 0,
             used_floor: 0,
@@ -623,18 +637,24 @@ impl Listener {
         reason: LinkLoss,
         out: &mut Vec<(ConnId, LinkEvent)>,
     ) {
+        let started = Instant::now();
         let Some(p) = self.peers.remove(&id) else {
             return;
         };
         let _ = p.stream.shutdown(std::net::Shutdown::Both);
         self.buffered = self.buffered.saturating_sub(p.buffered);
-        if let Some(h) = self.hosts.get_mut(&p.source) {
+        let source = p.source;
+        // The socket's close is part of what the connection cost.
+        drop(p.stream);
+        if let Some(h) = self.hosts.get_mut(&source) {
+            h.spend(nanos(started.elapsed()), self.limits.time_per_second);
             h.conns = h.conns.saturating_sub(1);
             if h.conns == 0 {
-                // Its share goes with it: a host that reconnects starts with a tenth of a
-                // second's worth, as any newcomer, whatever debt it left (up to a second's
-                // worth; its reconnect's accept and handshake are charged to the new share).
-                self.hosts.remove(&p.source);
+                // Its share is kept a while (`HOST_MEMORY`): a host that reconnects comes back
+                // with the debt it left, not as a newcomer.
+                if let Some(share) = self.hosts.remove(&source) {
+                    self.remember_departed(source, share, started);
+                }
             }
         }
         self.active.remove(&id);
@@ -649,6 +669,60 @@ impl Listener {
                 was_ready: p.conn.is_ready(),
             },
         ));
+    }
+
+    /// Keeps the share of `host`, whose last connection closed at `now`, for [`HOST_MEMORY`].
+    fn remember_departed(&mut self, host: IpAddr, share: HostShare, now: Instant) {
+        self.forget_departed(now);
+        if self.departed.len() >= self.limits.max_connections.max(1) {
+            // Full (a churn of more hosts than connections in a second): the oldest go first.
+            while let Some((at, old)) = self.departed_order.pop_front() {
+                if self.departed.get(&old).is_some_and(|(left, _)| *left == at) {
+                    self.departed.remove(&old);
+                    break;
+                }
+            }
+        }
+        self.departed.insert(host, (now, share));
+        self.departed_order.push_back((now, host));
+    }
+
+    /// Drops the departed hosts' shares older than [`HOST_MEMORY`].
+    fn forget_departed(&mut self, now: Instant) {
+        while let Some(&(at, host)) = self.departed_order.front() {
+            if now.saturating_duration_since(at) < HOST_MEMORY
+                && self.departed_order.len() <= 2 * self.limits.max_connections.max(1)
+            {
+                break;
+            }
+            self.departed_order.pop_front();
+            if self
+                .departed
+                .get(&host)
+                .is_some_and(|(left, _)| *left == at)
+            {
+                self.departed.remove(&host);
+            }
+        }
+    }
+
+    /// The share of `host`, which has a new connection at `now`: its own while it has others,
+    /// the one it left if it left less than [`HOST_MEMORY`] ago, else a newcomer's.
+    fn host_share(&mut self, host: IpAddr, now: Instant) -> &mut HostShare {
+        if !self.hosts.contains_key(&host) {
+            self.forget_departed(now);
+        }
+        let (departed, per_second, floor) = (
+            &mut self.departed,
+            self.limits.time_per_second,
+            self.used_floor,
+        );
+        self.hosts
+            .entry(host)
+            .or_insert_with(|| match departed.remove(&host) {
+                Some((_, share)) => share,
+                None => HostShare::new(now, per_second, floor),
+            })
     }
 
     /// Counts connection `id`'s buffers into the total again.
@@ -1126,6 +1200,9 @@ impl Listener {
         }
         self.accept_paused_until = None;
         for _ in 0..self.limits.accepts_per_round {
+            // What accepting costs this thread (the call, the checks, the setup) is charged to
+            // the host that connected.
+            let started = Instant::now();
             let (stream, source) = match sockio::accept(&self.listener) {
                 Accepted::Stream(stream, source) => (stream, source),
                 Accepted::None => {
@@ -1180,12 +1257,7 @@ impl Listener {
             let mut conn = Connection::new(role, self.limits.conn.clone());
             conn.connected(now);
             debug!(id, %source, role = self.role.socket_type, "connection accepted");
-            let per_second = self.limits.time_per_second;
-            let floor = self.used_floor;
-            self.hosts
-                .entry(source)
-                .or_insert_with(|| HostShare::new(now, per_second, floor))
-                .conns += 1;
+            self.host_share(source, now).conns += 1;
             self.peers.insert(
                 id,
                 Peer {
@@ -1212,6 +1284,14 @@ impl Listener {
             );
             self.active.insert(id);
             self.account(id);
+            if let Some(p) = self.peers.get_mut(&id) {
+                spend(
+                    &mut self.hosts,
+                    p,
+                    nanos(started.elapsed()),
+                    self.limits.time_per_second,
+                );
+            }
             accepted.push(id);
         }
         accepted
