@@ -65,8 +65,8 @@ id_newtype!(
 );
 
 /// The bookkeeping handle of one inbound lookup on the producer, like vLLM's synthetic
-/// `ReqContext`: opened with [`Parent::on_new_request`], closed with
-/// [`Parent::on_request_finished`] exactly once. Shown as vLLM names it,
+/// `ReqContext`: opened with [`Parent::on_new_request`](crate::Parent::on_new_request), closed with
+/// [`Parent::on_request_finished`](crate::Parent::on_request_finished) exactly once. Shown as vLLM names it,
 /// `p2p:<peer>:<kv_request_id>:lu<n>`; building one allocates nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ServeCtx {

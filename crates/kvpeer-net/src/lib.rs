@@ -4,7 +4,7 @@
 //! `tiering/p2p` is (control, data), with what they share below:
 //!
 //! * [`control`]: the P2P control channel, wire-compatible with vLLM's `ZmqTransport`: the
-//!   listening ROUTER ([`control::inbound`]) and one DEALER per peer ([`control::dealer`]).
+//!   listening ROUTER ([`control::inbound`]) and one DEALER per peer (`control/outbound.rs`).
 //! * [`events`]: vLLM's KV event stream, natively: following an engine's PUB and replay ROUTER
 //!   ([`events::EventSubscriber`]) and serving the pool's own ([`events::EventPublisher`]).
 //! * [`data`]: the data planes (`shm`, `tcp`, both, `nixl`) and the metadata that advertises

@@ -139,7 +139,7 @@ impl Holdings {
 
     /// An engine said KV cache group `group` is of kind `kind` (its GPU events say it, and
     /// vLLM's self-describing CPU events): kept, so the pool's own events can say it too.
-    /// Returns whether that changed what is known. Past [`MAX_GROUP_KINDS`] groups, new ones
+    /// Returns whether that changed what is known. Past `MAX_GROUP_KINDS` groups, new ones
     /// are not kept.
     pub fn learn_group_kind(&mut self, group: u32, kind: &str) -> bool {
         match self.group_kinds.get(&group) {

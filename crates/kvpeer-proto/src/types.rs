@@ -156,7 +156,7 @@ impl fmt::Debug for KvRequestId {
     }
 }
 
-/// The id, or for one over [`SHOWN_ID_BYTES`] its head and length: `abc…(+1000000 bytes)`.
+/// The id, or for one over `SHOWN_ID_BYTES` its head and length: `abc…(+1000000 bytes)`.
 impl fmt::Display for KvRequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.shown() {

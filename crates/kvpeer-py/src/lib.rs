@@ -1,10 +1,10 @@
 //! `kvpeer._native`: kvpeer's Rust node for Python, the extension module of the `kvpeer` pip
 //! package (python/kvpeer). Two classes, and the records they exchange with Python
-//! ([`records`]: questions, answers, ended jobs, as named fields):
+//! (`records.rs`: questions, answers, ended jobs, as named fields):
 //!
-//! * [`tier::EngineTier`]: a node inside an inference engine, over the engine's own block
+//! * `tier::EngineTier`: a node inside an inference engine, over the engine's own block
 //!   memory, driven poll-style by the engine (what `kvpeer.vllm.KvpeerTier` calls);
-//! * [`node::Node`]: a standalone node with its own pool and runtime thread (`kvpeer.Node`).
+//! * `node::Node`: a standalone node with its own pool and runtime thread (`kvpeer.Node`).
 //!
 //! Contract with Python: every method releases the GIL while Rust works (nothing here waits
 //! for the network: the longest wait is a `poll` the caller bounds), and no Rust thread ever

@@ -24,7 +24,7 @@ use kvpeer_proto::{KvRequestId, PeerId};
 use crate::traits::{BlockIndex, DataPlane, JobId, WriteEnd};
 
 /// How soon loads waiting for their fence are asked about again; the wait doubles while none
-/// settles, up to [`FENCE_RECHECK_MAX`] (a block a killed writer left mid-copy never settles,
+/// settles, up to `FENCE_RECHECK_MAX` (a block a killed writer left mid-copy never settles,
 /// and must not keep an idle node waking 50 times a second).
 pub const FENCE_RECHECK: Duration = Duration::from_millis(20);
 /// The longest wait between two asks.

@@ -70,7 +70,7 @@ pub struct CoreStats {
     pub fencing_blocks: usize,
 }
 
-/// The protocol core of one node. See the [module documentation](self) for how to drive it.
+/// The protocol core of one node. How to drive it: the documentation at the top of its source file, `core/mod.rs`.
 #[derive(Debug)]
 pub struct Core<P: Parent, D: DataPlane> {
     config: CoreConfig,

@@ -53,7 +53,7 @@ impl RequestRoles {
 }
 
 /// A request as the engine holds it, like vLLM's `ReqContext`: its id and roles. Made by
-/// [`Core::on_new_request`] and passed back to every later call about the request, so the core
+/// [`Core::on_new_request`](crate::Core::on_new_request) and passed back to every later call about the request, so the core
 /// keeps no table of requests (one fewer lookup per operation) and cannot be asked about a
 /// request it never saw.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! The control channel's listening side: a [`Listener`] of ZMTP connections in the control
+//! The control channel's listening side: a `Listener` (`zmtp/listener.rs`) of ZMTP connections in the control
 //! ROUTER's [`Role`], on the node's thread.
 //!
 //! libzmq's ROUTER routes by the identity a peer claims and hides everything else: a silent

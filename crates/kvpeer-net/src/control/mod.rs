@@ -7,7 +7,7 @@
 //!   the node can close one connection. Several connections may claim one identity; none locks
 //!   another out (libzmq's ROUTER ignores all but the first: docs/security.md). Messages of any
 //!   shape but one frame are dropped.
-//! * One DEALER connection per peer (`outbound.rs`: a [`Dialer`](crate::zmtp::dialer) whose connection speaks the control DEALER's role),
+//! * One DEALER connection per peer (`outbound.rs`: a `Dialer` (`zmtp/dialer.rs`) whose connection speaks the control DEALER's role),
 //!   connected to the peer's ROUTER with `Identity` = our identity; each message is one frame
 //!   (a msgpack payload). Sends never block and are written at once when the connection is
 //!   idle; a full queue (`send_queue`, 1000 messages, libzmq's `SNDHWM`) marks the connection

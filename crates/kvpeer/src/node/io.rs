@@ -9,7 +9,7 @@
 //!
 //! Before the protocol sees anything, an inbound payload must pass the origin check (its
 //! claimed identity against the connection's source address, and the allowlist: see
-//! [`OriginCheck`]); a `connect` must also name data addresses the node may connect to and,
+//! `node/origin.rs`); a `connect` must also name data addresses the node may connect to and,
 //! with a secret, prove it. Nothing leaves for a peer outside the allowlist: not a dial, not
 //! a queued message. Warnings a peer can cause are rate-limited.
 //!

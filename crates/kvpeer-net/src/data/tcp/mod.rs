@@ -3,7 +3,7 @@
 //! done when the acknowledgement arrives.
 //!
 //! Byte format (all integers big-endian; docs/data-planes.md has the full description; encoded
-//! and decoded in [`wire`]):
+//! and decoded in `wire.rs`):
 //!
 //! ```text
 //! HELLO  writer → receiver, once per connection:
@@ -58,7 +58,7 @@
 //! listener and every inbound connection over one epoll set) and the sender (`sender.rs`: every
 //! peer's link, its connection, WRITEs and ACKs, and the transfer deadlines, over another). The
 //! core's thread only queues and polls; `wake` runs after each completion. One user-space copy per side: the
-//! writer sends straight from the pool (a [`PoolView`]), the receiver reads straight into it,
+//! writer sends straight from the pool (a [`PoolView`](kvpeer_store::PoolView)), the receiver reads straight into it,
 //! each block through a [`kvpeer_store::WriteClaim`] taken from the pool's permit table
 //! ([`PoolWriter`]). The plane never maps the pool itself, so it works the same on a shm pool
 //! and on an engine's own memory ([`kvpeer_store::Pool::external`]).
