@@ -687,6 +687,59 @@ fn pull_flags_without_follow_are_named_as_doing_nothing() {
     );
 }
 
+/// `fetch` logs only errors by default, but still the warnings about what the user configured:
+/// a secret its group can read, and the pool node's keys it ignores, from a config file shared
+/// with `serve` (before, both were silent without KVPEER_LOG).
+#[test]
+fn fetch_still_warns_of_its_configuration() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("kvpeer-fetch-warns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a shared secret of 32 bytes, ok.").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let config = dir.join("kvpeer.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "auth_secret_file = {:?}\npublish_events = \"tcp://127.0.0.1:0\"\n",
+            secret.display().to_string()
+        ),
+    )
+    .unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let out = std::process::Command::new(BIN)
+        .args([
+            "fetch",
+            "--config",
+            config.to_str().unwrap(),
+            "--peer",
+            &peer,
+        ])
+        .args(["--requests", "1", "--keys", "1", "--timeout-secs", "2"])
+        .env_remove("KVPEER_LOG")
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("the auth secret can be read by the file's group"),
+        "{said}"
+    );
+    assert!(
+        said.contains("the pool node's keys (follow, publish_events, ...) are ignored by fetch"),
+        "{said}"
+    );
+    // The failure itself still once, last.
+    assert!(
+        said.lines()
+            .last()
+            .is_some_and(|l| l.starts_with(&format!("kvpeer fetch: no session with {peer}: "))),
+        "{said}"
+    );
+}
+
 /// A failed `fetch` says its cause once, in its last line: no node warning repeats it (unless
 /// KVPEER_LOG asks for them).
 #[test]

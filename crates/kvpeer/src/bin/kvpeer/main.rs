@@ -81,9 +81,11 @@ fn main() -> ExitCode {
     report::set_json(cli.log_format == LogFormat::Json);
     // Logs go to stderr (stdout carries results); KVPEER_LOG overrides the level. `fetch`
     // reports every failure in its summary and last line, so by default it logs only errors
-    // (a node's per-session warnings would say each cause a second time).
+    // (a node's per-session warnings would say each cause a second time), and the warnings
+    // about what the user configured: the configuration's (a secret its group can read), the
+    // command's own (keys it ignores) and the descriptors the caps need.
     let default = match cli.command {
-        Command::Fetch(_) => "error",
+        Command::Fetch(_) => FETCH_LOG_DEFAULT,
         _ => "warn",
     };
     let filter = match log_filter(std::env::var("KVPEER_LOG").ok().as_deref(), default) {
@@ -111,6 +113,11 @@ fn main() -> ExitCode {
     };
     ExitCode::from(status)
 }
+
+/// `fetch`'s log filter unless `KVPEER_LOG` says otherwise: errors, and warnings about the
+/// configuration.
+const FETCH_LOG_DEFAULT: &str =
+    "error,kvpeer::config=warn,kvpeer::fetch_cmd=warn,kvpeer::node::descriptors=warn";
 
 /// The level filter `KVPEER_LOG` names (`default` when unset or empty). Each of its
 /// comma-separated directives must be a level (`off`, `error`, `warn`, `info`, `debug`,
