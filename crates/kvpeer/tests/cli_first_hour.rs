@@ -663,7 +663,8 @@ fn loopback_nodes_are_not_warned_of_an_open_allowlist() {
     assert!(warned("0.0.0.0:0"));
 }
 
-/// Pull flags on a node that follows no engine would do nothing: it says which.
+/// Pull flags (or keys of its config file) on a node that follows no engine would do
+/// nothing: it says which, as the user gave them.
 #[test]
 fn pull_flags_without_follow_are_named_as_doing_nothing() {
     let (mut node, _) = Proc::serve(&[
@@ -683,6 +684,26 @@ fn pull_flags_without_follow_are_named_as_doing_nothing() {
         .unwrap_or_else(|| panic!("{log}"));
     assert!(
         line.contains(" WARN ") && line.contains("--pull-max-rate --shard"),
+        "{line}"
+    );
+    // The same settings from a config file are named by their keys (before: not at all).
+    let config = std::env::temp_dir().join(format!("kvpeer-pull-keys-{}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        "pull_max_rate = \"5M\"\npull_min_holders = 2\npool_shard = [\"127.0.0.1:1\"]\n",
+    )
+    .unwrap();
+    let (mut node, _) = Proc::serve(&["--blocks", "8", "--config", config.to_str().unwrap()]);
+    assert_eq!(node.terminate(Duration::from_secs(20)), 0);
+    std::fs::remove_file(&config).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let log = node.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("do nothing without --follow"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        line.contains("pull_min_holders pull_max_rate pool_shard"),
         "{line}"
     );
 }

@@ -101,19 +101,48 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     let plane = config.spec.plane.name();
     let pool_config = config.pool.clone();
     if pool_config.follow.is_empty() {
+        // Named as the user gave them: the flag, else the key (a config file's, or its
+        // environment variable's).
+        let default = kvpeer::config::PoolConfig::default();
         let unused: Vec<&str> = [
-            (args.pool.pull_min_holders.is_some(), "--pull-min-holders"),
-            (args.pool.pull_max_rate.is_some(), "--pull-max-rate"),
-            (args.pool.pull_max_lookups.is_some(), "--pull-max-lookups"),
-            (args.pool.shard.is_some(), "--shard"),
+            (
+                args.pool.pull_min_holders.is_some(),
+                pool_config.min_holders != default.min_holders,
+                "--pull-min-holders",
+                "pull_min_holders",
+            ),
+            (
+                args.pool.pull_max_rate.is_some(),
+                pool_config.max_rate != default.max_rate,
+                "--pull-max-rate",
+                "pull_max_rate",
+            ),
+            (
+                args.pool.pull_max_lookups.is_some(),
+                pool_config.max_lookups != default.max_lookups,
+                "--pull-max-lookups",
+                "pull_max_lookups",
+            ),
+            (
+                args.pool.shard.is_some(),
+                !pool_config.shard.is_empty(),
+                "--shard",
+                "pool_shard",
+            ),
         ]
         .into_iter()
-        .filter_map(|(set, flag)| set.then_some(flag))
+        .filter_map(|(flag, set, as_flag, as_key)| {
+            if flag {
+                Some(as_flag)
+            } else {
+                set.then_some(as_key)
+            }
+        })
         .collect();
         if !unused.is_empty() {
             warn!(
-                flags = %unused.join(" "),
-                "pool flags that do nothing without --follow (this node pulls from no engine)"
+                settings = %unused.join(" "),
+                "pool settings that do nothing without --follow (this node pulls from no engine)"
             );
         }
     }
