@@ -16,7 +16,9 @@
 //! A session past its keys-per-second budget waits for its time, but only while others want
 //! the steps: a step that no due session fills serves those sessions too, the one whose time
 //! comes first first ([`Slices::next_spare`]), so the budget bites only under contention and
-//! a lone peer's lookups are never held to it.
+//! a lone peer's lookups are never held to it. That idle time is shared per session, not per
+//! host: a host with many sessions past their budgets gets more of it than a host with one
+//! (the steps sessions within their budgets want still go hosts in turn, first).
 //!
 //! Fed by [`crate::core::index::SessionIndex::refresh`] with each session's `slice_at` after
 //! every touch; entries are checked against it when taken, so a stale one (the session was
@@ -138,10 +140,10 @@ impl Slices {
                 continue;
             }
             if at <= now {
-                // Due after all (`next` promotes before it is called, so only at a clock
-                // that moved between them): served as due.
+                // Due after all (not reached while `next` runs first at the same `now`): into
+                // its host's turn, where `next` serves it as due.
                 self.enqueue(&peer);
-                return self.next(now);
+                continue;
             }
             // Out of the map too, so that `set` takes its next time even if unchanged.
             self.at.remove(&peer);

@@ -31,8 +31,9 @@
 //!   hosts: moved by the thread's whole time (the core's steps, the writes too), hosts that
 //!   keep input would fall ever further behind it and a host whose input is new would wait
 //!   for all of them to catch up. Accepting a connection and closing it are charged to its
-//!   host too, and a host whose last connection closed keeps its share and virtual time for
-//!   [`HOST_MEMORY`]: closing and reopening connections buys a host no fresh share.
+//!   host too (its share and virtual time, not the system's time), and a host whose last
+//!   connection closed keeps both for [`HOST_MEMORY`]: closing and reopening connections buys
+//!   a host no fresh share.
 //! * **Memory**: each connection decodes under its `max_message_bytes` (a 1 TiB frame header
 //!   ends it before a byte is kept) and its output queue is bounded by its [`ConnLimits`]; all
 //!   connections together hold at most `max_buffered_bytes`, over which the largest holder is
@@ -689,10 +690,15 @@ impl Listener {
 
     /// Drops the departed hosts' shares older than [`HOST_MEMORY`].
     fn forget_departed(&mut self, now: Instant) {
+        let cap = self.limits.max_connections.max(1).saturating_mul(2);
+        if self.departed_order.len() > cap {
+            // Entries of hosts that came back (or left again) since: only the live ones count.
+            let departed = &self.departed;
+            self.departed_order
+                .retain(|(at, host)| departed.get(host).is_some_and(|(left, _)| left == at));
+        }
         while let Some(&(at, host)) = self.departed_order.front() {
-            if now.saturating_duration_since(at) < HOST_MEMORY
-                && self.departed_order.len() <= 2 * self.limits.max_connections.max(1)
-            {
+            if now.saturating_duration_since(at) < HOST_MEMORY && self.departed_order.len() <= cap {
                 break;
             }
             self.departed_order.pop_front();
@@ -1230,7 +1236,12 @@ impl Listener {
                     continue;
                 }
             }
-            if !self.make_room(source, out) {
+            // An eviction's close is charged to the evicted connection's host (`close`), not
+            // again to this one's.
+            let room_started = Instant::now();
+            let room = self.make_room(source, out);
+            let making_room = room_started.elapsed();
+            if !room {
                 self.refused += 1;
                 continue; // no slot can be had (caps of zero): dropped, closed
             }
@@ -1288,7 +1299,7 @@ impl Listener {
                 spend(
                     &mut self.hosts,
                     p,
-                    nanos(started.elapsed()),
+                    nanos(started.elapsed().saturating_sub(making_room)),
                     self.limits.time_per_second,
                 );
             }

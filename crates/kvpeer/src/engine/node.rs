@@ -159,9 +159,12 @@ impl EngineNode {
     /// Leaves sending to a thread of the engine's own that sleeps on
     /// [`EngineNode::wait_plan`] (without holding the node) and calls [`EngineNode::step`]
     /// when woken. The engine's calls (`lookup`, `load`, `store`, `finish`) then hand their
-    /// work to the core and wake that thread (one byte into the wake pipe, none while a wake
-    /// is pending) instead of sending on the caller's thread; what they cause comes out at
-    /// that thread's next step. Off by default: the caller's thread sends.
+    /// work to the core and wake that thread (one byte into the wake pipe while it may sleep,
+    /// none while a wake is pending) instead of sending on the caller's thread; what they
+    /// cause comes out at that thread's next step. Only that thread may then step or drive the
+    /// node: a step marks the stepping thread awake, so a step on another thread while it
+    /// sleeps would leave the next wakes unwritten until its planned time. Off by default: the
+    /// caller's thread sends.
     pub fn defer_io(&mut self, on: bool) {
         self.deferred_io = on;
     }
@@ -172,6 +175,9 @@ impl EngineNode {
     /// once), and how long it may sleep (until the node's next deadline, at most `max`). The
     /// descriptor stays valid while the node lives. With [`EngineNode::defer_io`], an engine
     /// call wakes that thread only when it left something to send or a deadline before then.
+    /// Call it right before each sleep (it arms the wake pipe: wakes write from then on), and
+    /// step after it returns whatever the wait: a zero wait means news came while the thread
+    /// was awake, which only a step picks up.
     pub fn wait_plan(&mut self, now: Instant, max: Duration) -> (RawFd, Duration) {
         let (fd, deadline) = self.io.wait_plan(now);
         let wait = deadline.map_or(max, |at| at.saturating_duration_since(now).min(max));
@@ -179,7 +185,8 @@ impl EngineNode {
         (fd, wait)
     }
 
-    /// Wakes the thread sleeping on [`EngineNode::wait_plan`] (one byte into the wake pipe).
+    /// Wakes the thread sleeping on [`EngineNode::wait_plan`] (one byte into the wake pipe, or
+    /// only a flag its next plan reads while it is awake).
     pub fn wake_io(&self) {
         (self.wake)();
     }

@@ -798,7 +798,9 @@ impl<P: Parent> NodeIo<P> {
     /// What [`NodeIo::wait`] sleeps on, for a thread that sleeps outside the node's owner (an
     /// engine's I/O thread): the control channel's epoll set (readable when a socket, the data
     /// plane or a caller has news; the wake pipe is in it from the first `wait`) and the
-    /// nearest of the channel's and the core's deadlines.
+    /// nearest of the channel's and the core's deadlines. It arms the wake pipe (hooks write
+    /// from then on), so call it right before each sleep; `now` as the deadline means a hook
+    /// ran while the thread was awake: step before sleeping.
     pub fn wait_plan(&mut self, now: Instant) -> (std::os::fd::RawFd, Option<Instant>) {
         let (fd, channel) = self.channel.wait_plan(now);
         if self.wake.as_ref().is_some_and(WakePipe::prepare_sleep) {

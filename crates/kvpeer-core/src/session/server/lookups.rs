@@ -104,11 +104,9 @@ impl ServerRole {
     ) -> (usize, Result<(), InternalError>) {
         self.slice_at = None;
         let slice = cx.config.lookup_slice_keys.max(1);
-        let mut budget = if spare {
-            slice
-        } else {
-            slice.min(self.bucket.available(cx.now))
-        };
+        // Refilled to `now` first either way: spare time then empties what the bucket holds now.
+        let available = self.bucket.available(cx.now);
+        let mut budget = if spare { slice } else { slice.min(available) };
         let mut asked = 0;
         let mut result = Ok(());
         while let Some((id, n)) = self.backlog.front().cloned() {
