@@ -14,11 +14,10 @@
 //! lookup's slices run back to back).
 //!
 //! A session past its keys-per-second budget waits for its time, but only while others want
-//! the steps: a step that no due session fills serves those sessions too, the one whose time
-//! comes first first ([`Slices::next_spare`]), so the budget bites only under contention and
-//! a lone peer's lookups are never held to it. That idle time is shared per session, not per
-//! host: a host with many sessions past their budgets gets more of it than a host with one
-//! (the steps sessions within their budgets want still go hosts in turn, first).
+//! the steps: a step that no due session fills serves those sessions too
+//! ([`Slices::next_spare`]), hosts in turn and a host's sessions in turn as for due slices, so
+//! the budget bites only under contention, a lone peer's lookups are never held to it, and
+//! many sessions past their budgets buy a host no more of the idle steps than one.
 //!
 //! Fed by [`crate::core::index::SessionIndex::refresh`] with each session's `slice_at` after
 //! every touch; entries are checked against it when taken, so a stale one (the session was
@@ -49,6 +48,14 @@ pub(super) struct Slices {
     by_host: Map<String, VecDeque<PeerId>>,
     /// The sessions in `by_host` (none twice).
     queued: Set<PeerId>,
+    /// Hosts with a session past its budget (its time later), in turn order for the steps
+    /// nobody due wants; a host is here exactly when it has an entry in `spare_by_host`.
+    spare_hosts: VecDeque<String>,
+    /// Each such host's sessions past their budgets, in turn order (stale ones, whose time
+    /// changed or came, dropped when they come up).
+    spare_by_host: Map<String, VecDeque<PeerId>>,
+    /// The sessions in `spare_by_host` (none twice).
+    spare_queued: Set<PeerId>,
 }
 
 impl Slices {
@@ -66,6 +73,23 @@ impl Slices {
             self.enqueue(peer);
         } else {
             self.timed.push(Reverse((at, peer.clone())));
+            self.enqueue_spare(peer);
+        }
+    }
+
+    fn enqueue_spare(&mut self, peer: &PeerId) {
+        if self.spare_queued.contains(peer) {
+            return;
+        }
+        self.spare_queued.insert(peer.clone());
+        let host = host_of(peer);
+        match self.spare_by_host.get_mut(&host) {
+            Some(sessions) => sessions.push_back(peer.clone()),
+            None => {
+                self.spare_by_host
+                    .insert(host.clone(), VecDeque::from([peer.clone()]));
+                self.spare_hosts.push_back(host);
+            }
         }
     }
 
@@ -132,17 +156,25 @@ impl Slices {
     }
 
     /// A session past its budget to serve on a step the due sessions left room in (called
-    /// when [`Slices::next`] has none): the one whose time comes first. Like `next`, it leaves
-    /// the turns until [`Slices::set`] puts it back; stale entries on the way are dropped.
+    /// when [`Slices::next`] has none): the next host's next such session. Like `next`, it
+    /// leaves the turns until [`Slices::set`] puts it back; stale entries on the way (a
+    /// session that ended, was served otherwise, or is due: `next`'s) are dropped.
     pub(super) fn next_spare(&mut self, now: Instant) -> Option<PeerId> {
-        while let Some(Reverse((at, peer))) = self.timed.pop() {
-            if self.at.get(&peer) != Some(&at) || self.queued.contains(&peer) {
+        while let Some(host) = self.spare_hosts.pop_front() {
+            let Some(sessions) = self.spare_by_host.get_mut(&host) else {
                 continue;
+            };
+            let peer = sessions.pop_front();
+            if sessions.is_empty() {
+                self.spare_by_host.remove(&host);
+            } else {
+                self.spare_hosts.push_back(host);
             }
-            if at <= now {
-                // Due after all (not reached while `next` runs first at the same `now`): into
-                // its host's turn, where `next` serves it as due.
-                self.enqueue(&peer);
+            let Some(peer) = peer else {
+                continue;
+            };
+            self.spare_queued.remove(&peer);
+            if self.queued.contains(&peer) || self.at.get(&peer).is_none_or(|at| *at <= now) {
                 continue;
             }
             // Out of the map too, so that `set` takes its next time even if unchanged.
@@ -153,13 +185,14 @@ impl Slices {
     }
 
     /// When a step has slices to serve: `now` while a session's slice is due or a session past
-    /// its budget waits (a step serves it when no due session wants the room), else never.
-    /// Possibly stale: a wake that finds nothing serves nothing and drops what it found stale.
+    /// its budget waits (a step serves it when no due session wants the room), else when the
+    /// first such time comes. Possibly stale: a wake that finds nothing serves nothing and
+    /// drops what it found stale.
     pub(super) fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        if !self.queued.is_empty() || !self.timed.is_empty() {
+        if !self.queued.is_empty() || !self.spare_queued.is_empty() {
             return Some(now);
         }
-        None
+        self.timed.peek().map(|Reverse((at, _))| *at)
     }
 
     /// Drops stale timed entries once they are most of the heap (a session throttled over and
@@ -228,7 +261,10 @@ mod tests {
         s.set(&peer("10.0.0.4:1"), Some(now), now);
         s.remove(&peer("10.0.0.4:1"));
         assert_eq!(s.next(now), None);
-        assert_eq!(s.next_deadline(now), None);
+        // 10.0.0.1:1 waited for idle steps too before its time came: that entry is stale now,
+        // dropped by the next look (one step that serves nothing), not served.
+        assert_eq!(s.next_spare(later), None);
+        assert_eq!(s.next_deadline(later), None);
     }
 
     #[test]
@@ -241,11 +277,11 @@ mod tests {
         s.set(&peer("10.0.0.3:1"), Some(now), now);
         // Someone waits: the step is due now, not when the first budget refills.
         assert_eq!(s.next_deadline(now), Some(now));
-        // The due session comes first; only then the throttled ones, the earliest time first.
+        // The due session comes first; only then the throttled ones, hosts in turn.
         assert_eq!(s.next(now).unwrap().as_str(), "10.0.0.3:1");
         assert_eq!(s.next(now), None);
-        assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.2:1");
         assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.1:1");
+        assert_eq!(s.next_spare(now).unwrap().as_str(), "10.0.0.2:1");
         assert_eq!(s.next_spare(now), None, "each once per step");
         // Served on spare time and still over budget at the same time: taken again next step.
         s.set(&peer("10.0.0.2:1"), Some(now + ms(3)), now);
@@ -254,6 +290,35 @@ mod tests {
         s.set(&peer("10.0.0.4:1"), Some(now + ms(1)), now);
         s.set(&peer("10.0.0.4:1"), None, now);
         assert_eq!(s.next_spare(now), None);
-        assert_eq!(s.next_deadline(now), None, "nothing left: no wake");
+        // Nobody waits for idle steps now; the heap's (stale) times are all that is left.
+        assert!(s.next_deadline(now).is_none_or(|t| t > now), "no wake now");
+    }
+
+    #[test]
+    fn many_sessions_past_their_budget_buy_a_host_no_more_idle_steps_than_one() {
+        let now = Instant::now();
+        let later = now + Duration::from_millis(5);
+        let mut s = Slices::default();
+        for p in ["10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3", "10.0.0.2:1"] {
+            s.set(&peer(p), Some(later), now);
+        }
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let p = s.next_spare(now).unwrap();
+            // Still over its budget after its slice: back in its host's turn.
+            s.set(&p, Some(later), now);
+            order.push(p.as_str().to_owned());
+        }
+        assert_eq!(
+            order,
+            [
+                "10.0.0.1:1",
+                "10.0.0.2:1",
+                "10.0.0.1:2",
+                "10.0.0.2:1",
+                "10.0.0.1:3",
+                "10.0.0.2:1"
+            ]
+        );
     }
 }
