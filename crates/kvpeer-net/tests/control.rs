@@ -150,17 +150,18 @@ fn flooders_and_honest(
     (floods, honest)
 }
 
-/// The DEALER's greeting and READY on `s`.
-fn zmtp_dealer_on(mut s: TcpStream, identity: &str) -> TcpStream {
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+/// A DEALER's ZMTP 3.1 greeting (NULL mechanism, not as-server).
+fn dealer_greeting() -> Vec<u8> {
     let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
     greeting.extend_from_slice(b"NULL");
     greeting.resize(32, 0);
     greeting.push(0); // as-server
     greeting.resize(64, 0);
-    s.write_all(&greeting).unwrap();
-    let mut theirs = [0u8; 64];
-    s.read_exact(&mut theirs).unwrap();
+    greeting
+}
+
+/// A DEALER's READY command claiming `identity`, framed.
+fn dealer_ready(identity: &str) -> Vec<u8> {
     let mut ready = vec![5u8];
     ready.extend_from_slice(b"READY");
     for (name, value) in [("Socket-Type", "DEALER"), ("Identity", identity)] {
@@ -169,8 +170,18 @@ fn zmtp_dealer_on(mut s: TcpStream, identity: &str) -> TcpStream {
         ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
         ready.extend_from_slice(value.as_bytes());
     }
-    s.write_all(&[0x04, ready.len() as u8]).unwrap();
-    s.write_all(&ready).unwrap();
+    let mut framed = vec![0x04, ready.len() as u8];
+    framed.extend_from_slice(&ready);
+    framed
+}
+
+/// The DEALER's greeting and READY on `s`.
+fn zmtp_dealer_on(mut s: TcpStream, identity: &str) -> TcpStream {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&dealer_greeting()).unwrap();
+    let mut theirs = [0u8; 64];
+    s.read_exact(&mut theirs).unwrap();
+    s.write_all(&dealer_ready(identity)).unwrap();
     s
 }
 
@@ -666,19 +677,8 @@ fn messages_that_arrive_with_the_close_are_delivered_before_it() {
     let id = node.identity().clone();
     for count in [3usize, 1000] {
         let mut s = TcpStream::connect(id.as_str()).unwrap();
-        let mut bytes = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
-        bytes.extend_from_slice(b"NULL");
-        bytes.resize(64, 0);
-        let mut ready = vec![5u8];
-        ready.extend_from_slice(b"READY");
-        for (name, value) in [("Socket-Type", "DEALER"), ("Identity", "127.0.0.1:7121")] {
-            ready.push(name.len() as u8);
-            ready.extend_from_slice(name.as_bytes());
-            ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            ready.extend_from_slice(value.as_bytes());
-        }
-        bytes.extend_from_slice(&[0x04, ready.len() as u8]);
-        bytes.extend_from_slice(&ready);
+        let mut bytes = dealer_greeting();
+        bytes.extend_from_slice(&dealer_ready("127.0.0.1:7121"));
         bytes.extend_from_slice(&messages("m", count));
         s.write_all(&bytes).unwrap();
         drop(s);
@@ -1301,20 +1301,9 @@ fn a_host_that_reconnects_keeps_the_debt_it_left() {
     let churner = {
         let (id, stop) = (id.clone(), stop.clone());
         std::thread::spawn(move || {
-            let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
-            greeting.extend_from_slice(b"NULL");
-            greeting.resize(64, 0);
-            let mut ready = vec![5u8];
-            ready.extend_from_slice(b"READY");
-            for (name, value) in [("Socket-Type", "DEALER"), ("Identity", "127.0.0.3:7302")] {
-                ready.push(name.len() as u8);
-                ready.extend_from_slice(name.as_bytes());
-                ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
-                ready.extend_from_slice(value.as_bytes());
-            }
-            let mut bytes = greeting;
-            bytes.extend_from_slice(&[0x04, ready.len() as u8]);
-            bytes.extend_from_slice(&ready);
+            // Greeting, READY and the message at once: nothing of the node's is awaited.
+            let mut bytes = dealer_greeting();
+            bytes.extend_from_slice(&dealer_ready("127.0.0.3:7302"));
             bytes.extend_from_slice(&[0x00, 5]);
             bytes.extend_from_slice(b"churn");
             let mut cycles = 0u32;

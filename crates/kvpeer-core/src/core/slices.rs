@@ -33,76 +33,26 @@ use kvpeer_proto::PeerId;
 use super::index::host_of;
 use crate::maps::{Map, Set};
 
-/// Sessions wanting a slice of their queued lookups.
+/// Sessions in turns: hosts in round robin, then each host's sessions in round robin. Each
+/// session is in at most once; one taken leaves until it is pushed again.
 #[derive(Debug, Default)]
-pub(super) struct Slices {
-    /// When each session wants its next slice, as last read off it.
-    at: Map<PeerId, Instant>,
-    /// Sessions whose slice is due later (its keys-per-second bucket is empty); stale entries
-    /// are dropped when they come up.
-    timed: BinaryHeap<Reverse<(Instant, PeerId)>>,
-    /// Hosts with a session whose slice is due, in turn order; a host is here exactly when it
-    /// has an entry in `by_host`.
+struct HostTurns {
+    /// Hosts with a session here, in turn order; a host is here exactly when it has an entry
+    /// in `by_host`.
     hosts: VecDeque<String>,
     /// Each such host's sessions, in turn order.
     by_host: Map<String, VecDeque<PeerId>>,
     /// The sessions in `by_host` (none twice).
     queued: Set<PeerId>,
-    /// Hosts with a session past its budget (its time later), in turn order for the steps
-    /// nobody due wants; a host is here exactly when it has an entry in `spare_by_host`.
-    spare_hosts: VecDeque<String>,
-    /// Each such host's sessions past their budgets, in turn order (stale ones, whose time
-    /// changed or came, dropped when they come up).
-    spare_by_host: Map<String, VecDeque<PeerId>>,
-    /// The sessions in `spare_by_host` (none twice).
-    spare_queued: Set<PeerId>,
 }
 
-impl Slices {
-    /// `peer` wants its next slice at `at` (`None`: it has none queued), as read at `now`.
-    pub(super) fn set(&mut self, peer: &PeerId, at: Option<Instant>, now: Instant) {
-        let Some(at) = at else {
-            self.at.remove(peer);
-            return;
-        };
-        if self.at.get(peer) == Some(&at) && (at > now || self.queued.contains(peer)) {
+impl HostTurns {
+    /// `peer` at the end of its host's turn (its host at the end of the hosts' if new); a
+    /// session already in is left where it is.
+    fn push(&mut self, peer: &PeerId) {
+        if !self.queued.insert(peer.clone()) {
             return;
         }
-        self.at.insert(peer.clone(), at);
-        if at <= now {
-            self.enqueue(peer);
-        } else {
-            self.timed.push(Reverse((at, peer.clone())));
-            self.enqueue_spare(peer);
-        }
-    }
-
-    fn enqueue_spare(&mut self, peer: &PeerId) {
-        if self.spare_queued.contains(peer) {
-            return;
-        }
-        self.spare_queued.insert(peer.clone());
-        let host = host_of(peer);
-        match self.spare_by_host.get_mut(&host) {
-            Some(sessions) => sessions.push_back(peer.clone()),
-            None => {
-                self.spare_by_host
-                    .insert(host.clone(), VecDeque::from([peer.clone()]));
-                self.spare_hosts.push_back(host);
-            }
-        }
-    }
-
-    /// `peer`'s session is gone.
-    pub(super) fn remove(&mut self, peer: &PeerId) {
-        self.at.remove(peer);
-    }
-
-    fn enqueue(&mut self, peer: &PeerId) {
-        if self.queued.contains(peer) {
-            return;
-        }
-        self.queued.insert(peer.clone());
         let host = host_of(peer);
         match self.by_host.get_mut(&host) {
             Some(sessions) => sessions.push_back(peer.clone()),
@@ -112,6 +62,74 @@ impl Slices {
                 self.hosts.push_back(host);
             }
         }
+    }
+
+    /// The next host's next session, out of the turns.
+    fn pop(&mut self) -> Option<PeerId> {
+        while let Some(host) = self.hosts.pop_front() {
+            let Some(sessions) = self.by_host.get_mut(&host) else {
+                continue;
+            };
+            let peer = sessions.pop_front();
+            if sessions.is_empty() {
+                self.by_host.remove(&host);
+            } else {
+                self.hosts.push_back(host);
+            }
+            if let Some(peer) = peer {
+                self.queued.remove(&peer);
+                return Some(peer);
+            }
+        }
+        None
+    }
+
+    fn contains(&self, peer: &PeerId) -> bool {
+        self.queued.contains(peer)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+}
+
+/// Sessions wanting a slice of their queued lookups.
+#[derive(Debug, Default)]
+pub(super) struct Slices {
+    /// When each session wants its next slice, as last read off it.
+    at: Map<PeerId, Instant>,
+    /// Sessions whose slice is due later (its keys-per-second bucket is empty); stale entries
+    /// are dropped when they come up.
+    timed: BinaryHeap<Reverse<(Instant, PeerId)>>,
+    /// Sessions whose slice is due, in their hosts' turns.
+    due: HostTurns,
+    /// Sessions past their budgets (their time later), in their hosts' turns for the steps
+    /// nobody due wants (stale ones, whose time changed or came, dropped when they come up).
+    spare: HostTurns,
+}
+
+impl Slices {
+    /// `peer` wants its next slice at `at` (`None`: it has none queued), as read at `now`.
+    pub(super) fn set(&mut self, peer: &PeerId, at: Option<Instant>, now: Instant) {
+        let Some(at) = at else {
+            self.at.remove(peer);
+            return;
+        };
+        if self.at.get(peer) == Some(&at) && (at > now || self.due.contains(peer)) {
+            return;
+        }
+        self.at.insert(peer.clone(), at);
+        if at <= now {
+            self.due.push(peer);
+        } else {
+            self.timed.push(Reverse((at, peer.clone())));
+            self.spare.push(peer);
+        }
+    }
+
+    /// `peer`'s session is gone.
+    pub(super) fn remove(&mut self, peer: &PeerId) {
+        self.at.remove(peer);
     }
 
     /// Moves the sessions whose time came into their hosts' turns.
@@ -124,7 +142,7 @@ impl Slices {
                 break;
             };
             if self.at.get(&peer) == Some(&at) {
-                self.enqueue(&peer);
+                self.due.push(&peer);
             }
         }
     }
@@ -134,20 +152,7 @@ impl Slices {
     /// end of the hosts') if it still has slices due after it was served.
     pub(super) fn next(&mut self, now: Instant) -> Option<PeerId> {
         self.promote(now);
-        while let Some(host) = self.hosts.pop_front() {
-            let Some(sessions) = self.by_host.get_mut(&host) else {
-                continue;
-            };
-            let peer = sessions.pop_front();
-            if sessions.is_empty() {
-                self.by_host.remove(&host);
-            } else {
-                self.hosts.push_back(host);
-            }
-            let Some(peer) = peer else {
-                continue;
-            };
-            self.queued.remove(&peer);
+        while let Some(peer) = self.due.pop() {
             if self.at.get(&peer).is_some_and(|at| *at <= now) {
                 return Some(peer);
             }
@@ -160,21 +165,8 @@ impl Slices {
     /// leaves the turns until [`Slices::set`] puts it back; stale entries on the way (a
     /// session that ended, was served otherwise, or is due: `next`'s) are dropped.
     pub(super) fn next_spare(&mut self, now: Instant) -> Option<PeerId> {
-        while let Some(host) = self.spare_hosts.pop_front() {
-            let Some(sessions) = self.spare_by_host.get_mut(&host) else {
-                continue;
-            };
-            let peer = sessions.pop_front();
-            if sessions.is_empty() {
-                self.spare_by_host.remove(&host);
-            } else {
-                self.spare_hosts.push_back(host);
-            }
-            let Some(peer) = peer else {
-                continue;
-            };
-            self.spare_queued.remove(&peer);
-            if self.queued.contains(&peer) || self.at.get(&peer).is_none_or(|at| *at <= now) {
+        while let Some(peer) = self.spare.pop() {
+            if self.due.contains(&peer) || self.at.get(&peer).is_none_or(|at| *at <= now) {
                 continue;
             }
             // Out of the map too, so that `set` takes its next time even if unchanged.
@@ -189,7 +181,7 @@ impl Slices {
     /// first such time comes. Possibly stale: a wake that finds nothing serves nothing and
     /// drops what it found stale.
     pub(super) fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        if !self.queued.is_empty() || !self.spare_queued.is_empty() {
+        if !self.due.is_empty() || !self.spare.is_empty() {
             return Some(now);
         }
         self.timed.peek().map(|Reverse((at, _))| *at)
