@@ -175,8 +175,13 @@ fn dealer_ready(identity: &str) -> Vec<u8> {
     framed
 }
 
-/// The DEALER's greeting and READY on `s`.
+/// The DEALER's greeting and READY on `s`, which sends each write at once (TCP_NODELAY, as
+/// libzmq's sockets do). Without it a test's small write can wait in its own socket behind an
+/// earlier one the node has not acknowledged yet (Nagle, against the node's delayed ACK), and a
+/// close with the node's PINGs unread resets the connection and throws it away unsent: the
+/// test, not the node, would lose the message.
 fn zmtp_dealer_on(mut s: TcpStream, identity: &str) -> TcpStream {
+    s.set_nodelay(true).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(&dealer_greeting()).unwrap();
     let mut theirs = [0u8; 64];
@@ -768,8 +773,7 @@ fn a_held_back_peer_that_hangs_up_still_has_its_last_message_delivered() {
     // four taken per round, so it has input in every round for a while.
     node.charge_inbound(leaving_conn, Duration::from_secs(5));
     flood.write_all(&messages("f", 400)).unwrap();
-    leaving.write_all(&[0x00, 3]).unwrap();
-    leaving.write_all(b"bye").unwrap();
+    leaving.write_all(&[0x00, 3, b'b', b'y', b'e']).unwrap();
     drop(leaving);
     std::thread::sleep(Duration::from_millis(50));
     let (mut bye, mut closed, mut floods) = (false, false, 0);
