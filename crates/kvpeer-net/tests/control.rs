@@ -705,6 +705,22 @@ fn pinging_config() -> ControlConfig {
     }
 }
 
+/// Two DEALERs through their handshakes with `node` (driven meanwhile): `first` from
+/// 127.0.0.1, `second` from 127.0.0.2 (each identity `host:port` on its own host).
+fn two_hosts(node: &mut ControlChannel, first: &str, second: &str) -> (TcpStream, TcpStream) {
+    let id = node.identity().clone();
+    let (first, second) = (first.to_owned(), second.to_owned());
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let dialers = std::thread::spawn(move || {
+        let a = zmtp_peer(&id, &first);
+        let b = zmtp_peer_from(&id, &second, std::net::Ipv4Addr::new(127, 0, 0, 2));
+        ready_tx.send(()).unwrap();
+        (a, b)
+    });
+    drive_until_ready(node, &ready_rx);
+    dialers.join().unwrap()
+}
+
 /// A DEALER that sent many messages and closed, while the node still had most of them unread
 /// (four taken per round) and a heartbeat PING to write: the first PING reaches a closed
 /// socket and resets the connection, so the next write fails. Every message still comes
@@ -742,20 +758,7 @@ fn a_peers_messages_come_before_its_loss_when_a_write_to_it_fails_first() {
 #[test]
 fn a_held_back_peer_that_hangs_up_still_has_its_last_message_delivered() {
     let mut node = ControlChannel::bind(free_id(), pinging_config()).unwrap();
-    let id = node.identity().clone();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let dialers = {
-        let id = id.clone();
-        std::thread::spawn(move || {
-            let leaving = zmtp_peer(&id, "127.0.0.1:7151");
-            let flood =
-                zmtp_peer_from(&id, "127.0.0.2:7152", std::net::Ipv4Addr::new(127, 0, 0, 2));
-            ready_tx.send(()).unwrap();
-            (leaving, flood)
-        })
-    };
-    drive_until_ready(&mut node, &ready_rx);
-    let (mut leaving, mut flood) = dialers.join().unwrap();
+    let (mut leaving, mut flood) = two_hosts(&mut node, "127.0.0.1:7151", "127.0.0.2:7152");
     leaving.write_all(&[0x00, 5]).unwrap();
     leaving.write_all(b"hello").unwrap();
     let hello = expect(
@@ -1379,4 +1382,62 @@ fn a_host_that_reconnects_keeps_the_debt_it_left() {
         "the churner reconnected with a fresh share each time: never held back for the honest \
          host ({churned} messages of {CHURN_COST:?} in {WINDOW:?})"
     );
+}
+
+/// A connection the node paused (it still works off a large message of it) is neither read
+/// nor delivered while another host's messages flow; its heartbeats go on; once resumed, all it
+/// sent meanwhile comes, in order, byte-exact, and then its close.
+#[test]
+fn a_paused_connection_waits_while_others_are_served_and_then_delivers_everything_in_order() {
+    let mut node = ControlChannel::bind(free_id(), pinging_config()).unwrap();
+    let (mut paused, mut other) = two_hosts(&mut node, "127.0.0.1:7161", "127.0.0.2:7162");
+    paused.write_all(&messages("p", 1)).unwrap();
+    let first = expect(
+        &mut node,
+        &mut [],
+        |e| matches!(e, ChannelEvent::Payload { payload, .. } if payload == b"p0"),
+    );
+    let ChannelEvent::Payload { conn, .. } = first else {
+        unreachable!()
+    };
+    node.pause_inbound(conn, true);
+    let mut sent = messages("p", 200);
+    sent.drain(..4); // "p0" went before the pause
+    paused.write_all(&sent).unwrap();
+    drop(paused);
+    other.write_all(&messages("o", 50)).unwrap();
+    let (mut others, mut from_paused) = (Vec::new(), 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while others.len() < 50 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of the other host's 50",
+            others.len()
+        );
+        node.wait(Duration::from_millis(5)).unwrap();
+        for e in node.recv() {
+            match e {
+                ChannelEvent::Payload { conn: c, .. } if c == conn => from_paused += 1,
+                ChannelEvent::InboundClosed { conn: c, .. } if c == conn => from_paused += 1,
+                ChannelEvent::Payload { payload, .. } => {
+                    others.push(String::from_utf8(payload).unwrap())
+                }
+                _ => {}
+            }
+        }
+    }
+    let want: Vec<String> = (0..50).map(|i| format!("o{i}")).collect();
+    assert_eq!(others, want);
+    // Its peer hung up long ago and the node's PINGs went on: still nothing of it.
+    std::thread::sleep(Duration::from_millis(50));
+    for _ in 0..10 {
+        node.wait(Duration::from_millis(5)).unwrap();
+        from_paused += node.recv().len();
+    }
+    assert_eq!(from_paused, 0, "a paused connection delivered something");
+    node.pause_inbound(conn, false);
+    let got = messages_until_closed(&mut node, "127.0.0.1:7161", Duration::ZERO);
+    let want: Vec<String> = (1..200).map(|i| format!("p{i}")).collect();
+    assert_eq!(got, want);
+    drop(other);
 }

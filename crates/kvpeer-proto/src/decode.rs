@@ -17,12 +17,14 @@
 use crate::error::{
     DecodeError, FieldError, FieldPath, IgnoredReason, MsgpackError, ProtocolError,
 };
+use std::cell::RefCell;
+
 use crate::limits::DecodeLimits;
 use crate::message::{
     field, Abort, Connect, ConnectAck, Disconnect, Fetch, Lookup, LookupResp, Message, MessageType,
     TransferDone,
 };
-use crate::reader::{Reader, Token};
+use crate::reader::{Reader, Skip, Token};
 use crate::types::{KvRequestId, OffloadKey, PeerId, RoundSeq};
 
 /// Longest unknown `type` string quoted back in an error.
@@ -37,7 +39,7 @@ pub fn decode(payload: &[u8]) -> Result<Message, DecodeError> {
 pub fn decode_with_limits(payload: &[u8], limits: &DecodeLimits) -> Result<Message, DecodeError> {
     let fields = read_top_level(payload, limits)?;
     let message_type = fields.message_type()?;
-    let message = fields.typed(message_type)?;
+    let message = fields.typed(message_type, Prebuilt::default())?;
     message.validate()?;
     Ok(message)
 }
@@ -67,7 +69,7 @@ fn field_slot(name: &str) -> Option<usize> {
 }
 
 /// The raw (already well-formed) value of each known top-level field.
-struct TopLevel<'a> {
+pub(crate) struct TopLevel<'a> {
     slots: [Option<&'a [u8]>; KNOWN_FIELDS.len()],
     limits: &'a DecodeLimits,
 }
@@ -79,51 +81,196 @@ fn read_top_level<'a>(
     payload: &'a [u8],
     limits: &'a DecodeLimits,
 ) -> Result<TopLevel<'a>, DecodeError> {
-    if payload.len() > limits.max_payload_bytes {
-        return Err(MsgpackError {
-            offset: 0,
-            kind: crate::error::MsgpackErrorKind::TooLarge {
-                size: payload.len(),
-                limit: limits.max_payload_bytes,
-            },
+    let mut walk = Walk::new();
+    let mut unbounded = usize::MAX;
+    walk.advance(payload, limits, &mut unbounded)?;
+    Ok(walk.top_level(payload, limits))
+}
+
+/// Where step 1 stands: the walk over the payload, which can stop after any token and go on
+/// later from there ([`crate::SlicedDecode`] walks a large payload a slice at a time; a whole
+/// decode walks it in one go). Positions are byte offsets into the payload.
+#[derive(Debug)]
+pub(crate) struct Walk {
+    pos: usize,
+    stage: WalkStage,
+    /// Where the value of each known field lies (the last duplicate wins).
+    slots: [Option<(usize, usize)>; KNOWN_FIELDS.len()],
+}
+
+#[derive(Debug)]
+enum WalkStage {
+    /// Nothing read yet.
+    Start,
+    /// The payload is no map (its first token's kind): the whole value is still checked.
+    NotAMap(&'static str, Skip),
+    /// `left` entries of the top-level map to go; the key of the next one being skipped from
+    /// `start`.
+    Key {
+        left: usize,
+        start: usize,
+        skip: Skip,
+    },
+    /// The value of an entry being skipped from `start`, kept in `slot` if its name is known.
+    Value {
+        left: usize,
+        slot: Option<usize>,
+        start: usize,
+        skip: Skip,
+    },
+    /// The whole payload is checked.
+    Done,
+}
+
+impl Walk {
+    pub(crate) fn new() -> Self {
+        Walk {
+            pos: 0,
+            stage: WalkStage::Start,
+            slots: [None; KNOWN_FIELDS.len()],
         }
-        .into());
     }
-    let max_depth = limits.effective_max_depth();
-    let mut r = Reader::new(payload);
-    let entries = match r.next_token()? {
-        Token::Map(n) => n,
-        other => {
-            let mut whole = Reader::new(payload);
-            whole.skip_value(0, max_depth)?;
-            whole.finish()?;
-            return Err(IgnoredReason::NotAMap(other.kind()).into());
-        }
-    };
-    let mut top = TopLevel {
-        slots: [None; KNOWN_FIELDS.len()],
-        limits,
-    };
-    for _ in 0..entries {
-        let key_start = r.position();
-        r.skip_value(1, max_depth)?;
-        let slot = match Reader::new(r.since(key_start)).next_token()? {
-            Token::Str(name) => field_slot(name),
-            _ => None,
-        };
-        let value_start = r.position();
-        r.skip_value(1, max_depth)?;
-        if let Some(slot) = slot {
-            top.slots[slot] = Some(r.since(value_start));
+
+    /// Walks on, reading at most `budget` tokens (each read takes one): `Ok(true)` once the
+    /// whole payload is checked, `Ok(false)` when the budget ran out first. The errors are the
+    /// same, in the same order, however the walk is sliced.
+    pub(crate) fn advance(
+        &mut self,
+        payload: &[u8],
+        limits: &DecodeLimits,
+        budget: &mut usize,
+    ) -> Result<bool, DecodeError> {
+        let max_depth = limits.effective_max_depth();
+        loop {
+            let stage = std::mem::replace(&mut self.stage, WalkStage::Done);
+            self.stage = match stage {
+                WalkStage::Start => {
+                    if payload.len() > limits.max_payload_bytes {
+                        return Err(MsgpackError {
+                            offset: 0,
+                            kind: crate::error::MsgpackErrorKind::TooLarge {
+                                size: payload.len(),
+                                limit: limits.max_payload_bytes,
+                            },
+                        }
+                        .into());
+                    }
+                    if *budget == 0 {
+                        self.stage = WalkStage::Start;
+                        return Ok(false);
+                    }
+                    *budget -= 1;
+                    let mut r = Reader::new(payload);
+                    match r.next_token()? {
+                        Token::Map(left) => {
+                            self.pos = r.position();
+                            WalkStage::Key {
+                                left,
+                                start: self.pos,
+                                skip: Skip::new(),
+                            }
+                        }
+                        // The whole value is checked from its start before it is called no map.
+                        other => WalkStage::NotAMap(other.kind(), Skip::new()),
+                    }
+                }
+                WalkStage::NotAMap(kind, mut skip) => {
+                    if !self.skip_on(payload, &mut skip, 0, max_depth, budget)? {
+                        self.stage = WalkStage::NotAMap(kind, skip);
+                        return Ok(false);
+                    }
+                    Reader::at(payload, self.pos).finish()?;
+                    return Err(IgnoredReason::NotAMap(kind).into());
+                }
+                // An error ends the decode: the stage it leaves (`Done`) is never walked on.
+                WalkStage::Key { left: 0, .. } => {
+                    Reader::at(payload, self.pos).finish()?;
+                    WalkStage::Done
+                }
+                WalkStage::Key {
+                    left,
+                    start,
+                    mut skip,
+                } => {
+                    if !self.skip_on(payload, &mut skip, 1, max_depth, budget)? {
+                        self.stage = WalkStage::Key { left, start, skip };
+                        return Ok(false);
+                    }
+                    let key = payload.get(start..self.pos).unwrap_or_default();
+                    let slot = match Reader::new(key).next_token()? {
+                        Token::Str(name) => field_slot(name),
+                        _ => None,
+                    };
+                    WalkStage::Value {
+                        left,
+                        slot,
+                        start: self.pos,
+                        skip: Skip::new(),
+                    }
+                }
+                WalkStage::Value {
+                    left,
+                    slot,
+                    start,
+                    mut skip,
+                } => {
+                    if !self.skip_on(payload, &mut skip, 1, max_depth, budget)? {
+                        self.stage = WalkStage::Value {
+                            left,
+                            slot,
+                            start,
+                            skip,
+                        };
+                        return Ok(false);
+                    }
+                    if let Some(slot) = slot {
+                        self.slots[slot] = Some((start, self.pos));
+                    }
+                    WalkStage::Key {
+                        left: left - 1,
+                        start: self.pos,
+                        skip: Skip::new(),
+                    }
+                }
+                WalkStage::Done => return Ok(true),
+            };
         }
     }
-    r.finish()?;
-    Ok(top)
+
+    /// Skips on in the value `skip` stands for, from where the walk stands (see
+    /// [`Reader::skip_some`]).
+    fn skip_on(
+        &mut self,
+        payload: &[u8],
+        skip: &mut Skip,
+        parent_depth: usize,
+        max_depth: usize,
+        budget: &mut usize,
+    ) -> Result<bool, DecodeError> {
+        let mut r = Reader::at(payload, self.pos);
+        let done = r.skip_some(skip, parent_depth, max_depth, budget)?;
+        self.pos = r.position();
+        Ok(done)
+    }
+
+    /// The known fields' values, once [`Walk::advance`] said the payload is checked.
+    pub(crate) fn top_level<'a>(
+        &self,
+        payload: &'a [u8],
+        limits: &'a DecodeLimits,
+    ) -> TopLevel<'a> {
+        TopLevel {
+            slots: self
+                .slots
+                .map(|slot| slot.and_then(|(start, end)| payload.get(start..end))),
+            limits,
+        }
+    }
 }
 
 impl<'a> TopLevel<'a> {
     /// Step 2: the message type, or why the map is no message.
-    fn message_type(&self) -> Result<MessageType, DecodeError> {
+    pub(crate) fn message_type(&self) -> Result<MessageType, DecodeError> {
         let Some(raw) = self.slots[0] else {
             return Err(IgnoredReason::MissingType.into());
         };
@@ -136,9 +283,18 @@ impl<'a> TopLevel<'a> {
         }
     }
 
-    /// Step 3: the typed message, in protocol.py's validation order.
-    fn typed(&self, ty: MessageType) -> Result<Message, DecodeError> {
-        let f = Fields { top: self, ty };
+    /// Step 3: the typed message, in protocol.py's validation order (list fields in
+    /// `prebuilt` are taken from there, with the error reading them gave, if any).
+    pub(crate) fn typed(
+        &self,
+        ty: MessageType,
+        prebuilt: Prebuilt,
+    ) -> Result<Message, DecodeError> {
+        let f = Fields {
+            top: self,
+            ty,
+            prebuilt: RefCell::new(prebuilt),
+        };
         Ok(match ty {
             MessageType::Connect => Message::Connect(Connect {
                 peer_id: PeerId::new(f.str(field::PEER_ID)?),
@@ -191,12 +347,84 @@ enum Sign {
 }
 
 /// Typed access to the fields of one message type, turning mismatches into protocol errors.
-struct Fields<'t, 'a> {
+pub(crate) struct Fields<'t, 'a> {
     top: &'t TopLevel<'a>,
     ty: MessageType,
+    /// List fields read already, a slice at a time.
+    prebuilt: RefCell<Prebuilt>,
 }
 
-impl<'a> Fields<'_, 'a> {
+/// List fields read before step 3 (by [`crate::SlicedDecode`], a slice at a time), each with
+/// its value or the error reading it gave: step 3 takes them where it would read the field, so
+/// the message, or the first error in protocol.py's order, is the same as a whole decode's.
+/// A message has at most one list of each kind (`keys`; `block_indexes`; `hits`).
+#[derive(Debug, Default)]
+pub(crate) struct Prebuilt {
+    keys: Option<Result<Vec<OffloadKey>, DecodeError>>,
+    uints: Option<Result<Vec<u64>, DecodeError>>,
+    bools: Option<Result<Vec<bool>, DecodeError>>,
+}
+
+/// The elements one list field holds.
+#[derive(Debug)]
+enum ListItems {
+    Keys(Vec<OffloadKey>),
+    Uints(Vec<u64>),
+    Bools(Vec<bool>),
+}
+
+/// One list field being read a slice at a time: where its next element lies in the field's
+/// bytes, and what was read of it.
+#[derive(Debug)]
+pub(crate) struct ListRead {
+    name: &'static str,
+    items: ListItems,
+    /// Where the next element lies in the field's value, once the list header was read.
+    next: Option<(usize, usize)>,
+}
+
+impl ListRead {
+    /// The list fields of a message type, in the order step 3 reads them.
+    pub(crate) fn of(ty: MessageType) -> Vec<ListRead> {
+        let list = |name, items| ListRead {
+            name,
+            items,
+            next: None,
+        };
+        match ty {
+            MessageType::Fetch => vec![
+                list(field::KEYS, ListItems::Keys(Vec::new())),
+                list(field::BLOCK_INDEXES, ListItems::Uints(Vec::new())),
+            ],
+            MessageType::Lookup => vec![list(field::KEYS, ListItems::Keys(Vec::new()))],
+            MessageType::LookupResp => vec![
+                list(field::KEYS, ListItems::Keys(Vec::new())),
+                list(field::HITS, ListItems::Bools(Vec::new())),
+            ],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Hands what was read (or the error reading it gave) to step 3.
+    pub(crate) fn finish(self, result: Result<(), DecodeError>, prebuilt: &mut Prebuilt) {
+        match self.items {
+            ListItems::Keys(v) => prebuilt.keys = Some(result.map(|()| v)),
+            ListItems::Uints(v) => prebuilt.uints = Some(result.map(|()| v)),
+            ListItems::Bools(v) => prebuilt.bools = Some(result.map(|()| v)),
+        }
+    }
+}
+
+impl<'t, 'a> Fields<'t, 'a> {
+    /// Typed access to `top`'s fields as message type `ty`, nothing read before.
+    pub(crate) fn new(top: &'t TopLevel<'a>, ty: MessageType) -> Self {
+        Fields {
+            top,
+            ty,
+            prebuilt: RefCell::new(Prebuilt::default()),
+        }
+    }
+
     fn error(&self, field: FieldPath, reason: FieldError) -> DecodeError {
         ProtocolError {
             message_type: self.ty,
@@ -338,23 +566,87 @@ impl<'a> Fields<'_, 'a> {
 
     /// Keys must be bin. vLLM turns an int key into that many zero bytes by accident and fails
     /// on a str key with an internal error; kvpeer refuses both as protocol errors.
-    fn keys(&self, name: &'static str) -> Result<Vec<OffloadKey>, DecodeError> {
-        self.elements(name, |f, at, token| match token {
+    fn key(&self, at: FieldPath, token: Token<'_>) -> Result<OffloadKey, DecodeError> {
+        match token {
             Token::Bin(b) => Ok(OffloadKey::from_bytes(b)),
-            other => Err(f.wrong_type(at, "bin", &other)),
-        })
+            other => Err(self.wrong_type(at, "bin", &other)),
+        }
+    }
+
+    fn uint_element(&self, at: FieldPath, token: Token<'_>) -> Result<u64, DecodeError> {
+        self.int_token(at, token, Sign::NonNegative)
+    }
+
+    fn bool_element(&self, at: FieldPath, token: Token<'_>) -> Result<bool, DecodeError> {
+        match token {
+            Token::Bool(b) => Ok(b),
+            other => Err(self.wrong_type(at, "bool", &other)),
+        }
+    }
+
+    fn keys(&self, name: &'static str) -> Result<Vec<OffloadKey>, DecodeError> {
+        if let Some(read) = self.prebuilt.borrow_mut().keys.take() {
+            return read;
+        }
+        self.elements(name, |f, at, token| f.key(at, token))
     }
 
     fn uints(&self, name: &'static str) -> Result<Vec<u64>, DecodeError> {
-        self.elements(name, |f, at, token| {
-            f.int_token(at, token, Sign::NonNegative)
-        })
+        if let Some(read) = self.prebuilt.borrow_mut().uints.take() {
+            return read;
+        }
+        self.elements(name, |f, at, token| f.uint_element(at, token))
     }
 
     fn bools(&self, name: &'static str) -> Result<Vec<bool>, DecodeError> {
-        self.elements(name, |f, at, token| match token {
-            Token::Bool(b) => Ok(b),
-            other => Err(f.wrong_type(at, "bool", &other)),
-        })
+        if let Some(read) = self.prebuilt.borrow_mut().bools.take() {
+            return read;
+        }
+        self.elements(name, |f, at, token| f.bool_element(at, token))
+    }
+
+    /// Reads on in list field `list`, at most `budget` elements (each takes one): `Ok(true)`
+    /// once the whole list is read. Its header is checked first, as [`Fields::elements`] does,
+    /// and each element as that would: the same values, the same errors.
+    pub(crate) fn read_some(
+        &self,
+        list: &mut ListRead,
+        budget: &mut usize,
+    ) -> Result<bool, DecodeError> {
+        let (mut pos, len) = match list.next {
+            Some(next) => next,
+            None => {
+                let (r, len) = self.list(list.name)?;
+                match &mut list.items {
+                    ListItems::Keys(v) => v.reserve_exact(len),
+                    ListItems::Uints(v) => v.reserve_exact(len),
+                    ListItems::Bools(v) => v.reserve_exact(len),
+                }
+                (r.position(), len)
+            }
+        };
+        let raw = field_slot(list.name)
+            .and_then(|slot| self.top.slots[slot])
+            .unwrap_or_default();
+        let mut r = Reader::at(raw, pos);
+        let mut index = match &list.items {
+            ListItems::Keys(v) => v.len(),
+            ListItems::Uints(v) => v.len(),
+            ListItems::Bools(v) => v.len(),
+        };
+        while index < len && *budget > 0 {
+            *budget -= 1;
+            let token = r.next_token()?;
+            let at = FieldPath::element(list.name, index);
+            match &mut list.items {
+                ListItems::Keys(v) => v.push(self.key(at, token)?),
+                ListItems::Uints(v) => v.push(self.uint_element(at, token)?),
+                ListItems::Bools(v) => v.push(self.bool_element(at, token)?),
+            }
+            index += 1;
+        }
+        pos = r.position();
+        list.next = Some((pos, len));
+        Ok(index == len)
     }
 }

@@ -12,6 +12,9 @@
 //!   [`DecodeError`]: undecodable (drop), ignored (log), protocol error (disconnect).
 //! * **Hostile input is cheap**: no panics, no allocation driven by an unchecked length, bounded
 //!   nesting and payload size ([`DecodeLimits`]), trailing bytes rejected, linear time.
+//! * **Large payloads can be decoded a slice at a time** ([`SlicedDecode`]: at most so many
+//!   items a step, the same message or the same first error as [`decode_with_limits`]), so a
+//!   node serves others between two steps of a 131,072-key lookup.
 //!
 //! Pure: no I/O, no clock, no threads; callable from any thread.
 //!
@@ -51,6 +54,7 @@ mod limits;
 mod message;
 mod message_type;
 mod reader;
+mod sliced;
 mod types;
 mod value;
 mod writer;
@@ -66,5 +70,6 @@ pub use message::{
     Abort, Connect, ConnectAck, Disconnect, Fetch, Lookup, LookupResp, Message, MessageType,
     TransferDone,
 };
+pub use sliced::SlicedDecode;
 pub use types::{KvRequestId, OffloadKey, PeerId, PeerIdError, RoundSeq, GROUP_INDEX_LEN};
 pub use value::Value;

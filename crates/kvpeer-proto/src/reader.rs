@@ -47,6 +47,25 @@ impl Token<'_> {
     }
 }
 
+/// Where the skip of one value stands: for each open container, how many values it still owes
+/// once the walk returns to it, and how many the innermost one owes now. Kept between calls to
+/// [`Reader::skip_some`], so a large value can be walked a slice at a time.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Skip {
+    open: Vec<usize>,
+    owed: usize,
+}
+
+impl Skip {
+    /// The skip of one value, not started.
+    pub(crate) fn new() -> Self {
+        Skip {
+            open: Vec::new(),
+            owed: 1,
+        }
+    }
+}
+
 /// Cursor over a payload. Positions are byte offsets into the original slice.
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],
@@ -56,6 +75,14 @@ pub(crate) struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub(crate) fn new(buf: &'a [u8]) -> Self {
         Reader { buf, pos: 0 }
+    }
+
+    /// A cursor over `buf` at byte `pos` (where an earlier reader of the same bytes stopped).
+    pub(crate) fn at(buf: &'a [u8], pos: usize) -> Self {
+        Reader {
+            buf,
+            pos: pos.min(buf.len()),
+        }
     }
 
     #[inline]
@@ -303,17 +330,34 @@ impl<'a> Reader<'a> {
         parent_depth: usize,
         max_depth: usize,
     ) -> Result<(), MsgpackError> {
-        // For each open container, how many values it still owes once we return to it.
-        let mut open: Vec<usize> = Vec::new();
-        let mut owed: usize = 1;
+        let mut skip = Skip::new();
+        let mut unbounded = usize::MAX;
+        self.skip_some(&mut skip, parent_depth, max_depth, &mut unbounded)
+            .map(|_| ())
+    }
+
+    /// Goes on skipping the value `skip` stands for, reading at most `budget` tokens (each
+    /// read takes one): `true` once the value is wholly skipped, `false` when the budget ran
+    /// out first (call again with `skip` and a fresh budget, at the same position).
+    pub(crate) fn skip_some(
+        &mut self,
+        skip: &mut Skip,
+        parent_depth: usize,
+        max_depth: usize,
+        budget: &mut usize,
+    ) -> Result<bool, MsgpackError> {
         loop {
-            while owed == 0 {
-                match open.pop() {
-                    Some(n) => owed = n,
-                    None => return Ok(()),
+            while skip.owed == 0 {
+                match skip.open.pop() {
+                    Some(n) => skip.owed = n,
+                    None => return Ok(true),
                 }
             }
-            owed -= 1;
+            if *budget == 0 {
+                return Ok(false);
+            }
+            *budget -= 1;
+            skip.owed -= 1;
             let at = self.pos;
             let children = match self.next_token()? {
                 Token::Array(n) => n,
@@ -321,11 +365,11 @@ impl<'a> Reader<'a> {
                 Token::Map(n) => 2 * n,
                 _ => continue,
             };
-            if parent_depth + open.len() + 1 > max_depth {
+            if parent_depth + skip.open.len() + 1 > max_depth {
                 return Err(self.error(at, MsgpackErrorKind::TooDeep { limit: max_depth }));
             }
-            open.push(owed);
-            owed = children;
+            skip.open.push(skip.owed);
+            skip.owed = children;
         }
     }
 

@@ -3,6 +3,9 @@
 //! * Any message encodes and decodes back to itself.
 //! * Any bytes, and any mutation of a valid payload, decode without panicking into exactly one
 //!   outcome, and the outcome agrees with the generic reader: undecodable iff not well-formed.
+//! * Decoding a slice at a time (`SlicedDecode`, any number of items a step) gives the same
+//!   message or the same error as decoding whole, for valid, mutated and arbitrary payloads,
+//!   under tight limits too.
 //! * `rmpv`, an independent msgpack implementation, is the oracle for the generic reader and
 //!   writer: same values both ways, and the same bytes (both pick the smallest encodings).
 
@@ -10,8 +13,8 @@
 
 use kvpeer_proto::{
     decode, decode_with_limits, Abort, Connect, ConnectAck, DecodeLimits, Disconnect, Fetch,
-    KvRequestId, Lookup, LookupResp, Message, OffloadKey, Outcome, PeerId, RoundSeq, TransferDone,
-    Value,
+    KvRequestId, Lookup, LookupResp, Message, OffloadKey, Outcome, PeerId, RoundSeq, SlicedDecode,
+    TransferDone, Value,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -217,8 +220,113 @@ fn from_rmpv(v: &rmpv::Value) -> Value {
     }
 }
 
+/// `payload` decoded `items` items a step: the result, and the steps it took.
+fn sliced(
+    payload: &[u8],
+    limits: &DecodeLimits,
+    items: usize,
+) -> (Result<Message, kvpeer_proto::DecodeError>, usize) {
+    let mut decode = SlicedDecode::new(payload.to_vec(), *limits);
+    let mut steps = 0;
+    loop {
+        steps += 1;
+        if let Some(result) = decode.step(items) {
+            assert!(decode.is_finished());
+            assert_eq!(decode.step(items), None, "nothing after the result");
+            return (result, steps);
+        }
+    }
+}
+
+/// Limits tight enough that generated payloads hit them.
+fn limits() -> impl Strategy<Value = DecodeLimits> {
+    prop_oneof![
+        3 => Just(DecodeLimits::default()),
+        1 => (0usize..600, 0usize..6, 0usize..40).prop_map(|(bytes, depth, list)| DecodeLimits {
+            max_payload_bytes: bytes,
+            max_depth: depth,
+            max_list_len: list,
+        }),
+    ]
+}
+
+fn agrees_sliced(payload: &[u8], limits: &DecodeLimits, items: usize) -> Result<(), TestCaseError> {
+    let whole = decode_with_limits(payload, limits);
+    let (result, _) = sliced(payload, limits, items);
+    prop_assert_eq!(result, whole);
+    Ok(())
+}
+
+#[test]
+fn a_lookup_of_the_most_keys_is_decoded_in_many_small_steps_to_the_same_message() {
+    let lookup = Message::Lookup(Lookup {
+        kv_request_id: KvRequestId::from("req-big"),
+        keys: (0..1u32 << 17)
+            // ASCII bytes, so a key's bin turned into a str below is still valid UTF-8.
+            .map(|i| OffloadKey::from_parts(&[b'a' + (i % 26) as u8; 32], 0x3030_3030))
+            .collect(),
+        round_seq: RoundSeq(3),
+    });
+    let bytes = lookup.encode().unwrap();
+    let (result, steps) = sliced(&bytes, &DecodeLimits::default(), 4096);
+    assert_eq!(result.unwrap(), lookup);
+    // The walk over 131,075 items and the read of 131,072 keys, 4,096 a step.
+    assert_eq!(steps, (131_075usize + 131_072).div_ceil(4096));
+    // A key of the wrong type far down the list is the same protocol error, found as late.
+    let mut bad = bytes.clone();
+    let last = OffloadKey::from_parts(&[b'a' + (131_071 % 26) as u8; 32], 0x3030_3030);
+    let mut framed = vec![0xc4, 36]; // bin 8 of 36 bytes
+    framed.extend_from_slice(last.as_bytes());
+    let at = bytes
+        .windows(framed.len())
+        .rposition(|w| w == framed.as_slice())
+        .unwrap();
+    bad[at] = 0xd9; // str 8 of the same length
+    let whole = decode(&bad).unwrap_err();
+    assert!(whole.to_string().contains("keys[131071]"), "{whole}");
+    assert_eq!(
+        sliced(&bad, &DecodeLimits::default(), 4096).0.unwrap_err(),
+        whole
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn sliced_decoding_agrees_on_valid_messages(m in message(), items in 1usize..64, limits in limits()) {
+        agrees_sliced(&m.encode().expect("generated messages are valid"), &limits, items)?;
+    }
+
+    #[test]
+    fn sliced_decoding_agrees_on_mutated_payloads(
+        m in message(),
+        mutations in vec(mutation(), 1..4),
+        items in 1usize..16,
+        limits in limits(),
+    ) {
+        let mut bytes = m.encode().expect("generated messages are valid");
+        for mutation in &mutations {
+            apply(&mut bytes, mutation);
+        }
+        agrees_sliced(&bytes, &limits, items)?;
+    }
+
+    #[test]
+    fn sliced_decoding_agrees_on_arbitrary_maps_and_bytes(
+        fields in vec(("[a-z_]{1,14}", rmpv_value()), 0..8),
+        bytes in vec(any::<u8>(), 0..256),
+        items in 1usize..8,
+        limits in limits(),
+    ) {
+        let mut map_bytes = Vec::new();
+        let map = rmpv::Value::Map(
+            fields.into_iter().map(|(k, v)| (rmpv::Value::from(k), v)).collect(),
+        );
+        rmpv::encode::write_value(&mut map_bytes, &map).expect("encodes");
+        agrees_sliced(&map_bytes, &limits, items)?;
+        agrees_sliced(&bytes, &limits, items)?;
+    }
 
     #[test]
     fn any_message_roundtrips(m in message()) {

@@ -9,12 +9,26 @@
 mod support;
 
 use kvpeer_proto::json::{message_from_json, payload_from_json, payload_to_json};
-use kvpeer_proto::{decode, DecodeLimits, Outcome};
+use kvpeer_proto::{decode, DecodeLimits, Outcome, SlicedDecode};
 use libtest_mimic::Failed;
 use support::vectors::{self, Vector};
 
 fn check(v: &Vector) -> Result<(), Failed> {
     let decoded = decode(&v.payload);
+    // Decoded a few items at a time, every vector gives the same message or the same error.
+    for items in [1, 2, 7] {
+        let mut sliced = SlicedDecode::new(v.payload.clone(), DecodeLimits::default());
+        let result = loop {
+            if let Some(result) = sliced.step(items) {
+                break result;
+            }
+        };
+        if result != decoded {
+            return Err(
+                format!("decoded {items} items a step: {result:?}\n  whole: {decoded:?}").into(),
+            );
+        }
+    }
     if v.expect != Outcome::Valid {
         let err = match decoded {
             Ok(m) => return Err(format!("expected {}, decoded {m:?}", v.expect).into()),

@@ -349,7 +349,16 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.advance(now);
         match decode_with_limits(payload, &self.limits) {
             Ok(message) => self.handle_message(now, peer, message),
-            Err(e) if !self.sessions.contains_key(peer) => {
+            Err(e) => self.handle_undecodable(now, peer, e),
+        }
+    }
+
+    /// A payload from `peer` that did not decode (the caller decoded it, e.g. a slice at a
+    /// time), with the error: what [`Core::handle_payload`] does with it.
+    pub fn handle_undecodable(&mut self, now: Instant, peer: &PeerId, error: DecodeError) {
+        self.advance(now);
+        match error {
+            e if !self.sessions.contains_key(peer) => {
                 // Not a `connect`, so it opens no session: the channel closes the connection.
                 crate::warn_throttled!(self.out.throttle, self.now, "refusing a bad first payload from a peer without a session", %peer, error = %e);
                 self.out.event(Event::Refused {
@@ -357,16 +366,16 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
                     reason: Refusal::BadFirstPayload(e),
                 });
             }
-            Err(DecodeError::Protocol(e)) => {
+            DecodeError::Protocol(e) => {
                 self.with_session(peer, |s, cx, _| {
                     s.on_invalid_message(cx, ProtocolViolation::Malformed(e))
                 });
                 self.settle();
             }
-            Err(DecodeError::Ignored(e)) => {
+            DecodeError::Ignored(e) => {
                 crate::warn_throttled!(self.out.throttle, self.now, "ignoring a payload that is no known message", %peer, error = %e)
             }
-            Err(e) => {
+            e => {
                 crate::warn_throttled!(self.out.throttle, self.now, "dropping an undecodable payload", %peer, error = %e)
             }
         }

@@ -220,6 +220,13 @@ impl Inbound {
         self.listener.connection(conn).and_then(|c| c.challenge())
     }
 
+    /// Pauses connection `conn` (not read, none of its messages delivered; its heartbeats run)
+    /// or resumes it: the node is still working off a message of it (a large one decoded a
+    /// slice at a time), and what the peer sends meanwhile waits in its socket.
+    pub fn set_paused(&mut self, conn: ConnId, paused: bool) {
+        self.listener.set_paused(conn, paused);
+    }
+
     /// Marks whether a live session is bound to `conn`: such a connection gives its slot up to
     /// a newcomer only after every connection of its source that carries none.
     pub fn set_holds_session(&mut self, conn: ConnId, holds: bool) {

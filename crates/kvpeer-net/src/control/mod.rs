@@ -484,6 +484,15 @@ impl ControlChannel {
         self.inbound.set_holds_session(conn, holds);
     }
 
+    /// Pauses inbound connection `conn` or resumes it: while paused it is not read and none of
+    /// its messages are delivered (its heartbeats and deadlines still run; a lost peer's
+    /// connections are still read to their end). For a node still working off a message of it
+    /// (a large one decoded a slice at a time): what the peer sends meanwhile waits in its
+    /// socket, its own backpressure, instead of queueing in the node.
+    pub fn pause_inbound(&mut self, conn: ConnId, paused: bool) {
+        self.inbound.set_paused(conn, paused);
+    }
+
     /// How far the outbound connection to `peer` got (`None`: there is none).
     pub fn outbound_stage(&self, peer: &PeerId) -> Option<DialStage> {
         self.outbound.stage(peer)

@@ -183,6 +183,9 @@ struct Peer {
     cost_ns: u64,
     /// What it holds, as last counted into the listener's total.
     buffered: usize,
+    /// The caller is still working off what it delivered ([`Listener::set_paused`]): it is
+    /// neither read nor given messages (its timers still run) until the caller resumes it.
+    paused: bool,
 }
 
 /// One source host (canonical address): its connections, and its share of the caller's time
@@ -260,7 +263,7 @@ impl Peer {
 
     /// Whether it has input to be given a round for: in its socket or its decoder.
     fn has_input(&self) -> bool {
-        self.readable || self.conn.holds_input()
+        !self.paused && (self.readable || self.conn.holds_input())
     }
 }
 
@@ -472,6 +475,22 @@ impl Listener {
     pub(crate) fn set_engaged(&mut self, id: ConnId, engaged: bool) {
         if let Some(p) = self.peers.get_mut(&id) {
             p.engaged = engaged;
+        }
+    }
+
+    /// Pauses connection `id` (not read, nothing of it delivered, its heartbeats and deadlines
+    /// still run) or resumes it: the caller holds work of it that must be done first (a large
+    /// message it decodes a slice at a time), and what the connection sends meanwhile waits in
+    /// its socket, so nothing queues without bound in the caller. A connection being drained
+    /// (its peer was lost) is read to its end all the same.
+    pub(crate) fn set_paused(&mut self, id: ConnId, paused: bool) {
+        if let Some(p) = self.peers.get_mut(&id) {
+            let resumed = p.paused && !paused;
+            p.paused = paused;
+            if resumed {
+                // What arrived meanwhile, or its end of stream, gets a round.
+                self.active.insert(id);
+            }
         }
     }
 
@@ -804,18 +823,22 @@ impl Listener {
         );
         let per_second = self.limits.time_per_second;
         let drained = |id: ConnId| drain.binary_search(&id).is_ok();
-        let is_read = |p: &Peer, id: ConnId| (reading && p.readable) || drained(id);
+        let is_read = |p: &Peer, id: ConnId| (reading && p.readable && !p.paused) || drained(id);
+        // Input to give it this round (a paused connection has none until resumed).
+        let has_work = |p: &Peer, id: ConnId| {
+            is_read(p, id) || (p.conn.holds_input() && (!p.paused || drained(id)))
+        };
         // Hosts first: the connections of each host with input this round, and whether any
         // host under its time share has input. Only then is a host over its share held back
         // (work-conserving: a host alone, or hosts all over their shares, get the whole
         // thread, split by the round robin below).
         let mut inputs: HashMap<IpAddr, usize> = HashMap::new();
         let shared = per_second.is_some() || self.limits.round_quantum.is_some();
-        for p in visit.iter().filter(|_| shared).filter_map(|id| {
-            self.peers
-                .get(id)
-                .filter(|p| is_read(p, *id) || p.conn.holds_input())
-        }) {
+        for p in visit
+            .iter()
+            .filter(|_| shared)
+            .filter_map(|id| self.peers.get(id).filter(|p| has_work(p, *id)))
+        {
             *inputs.entry(p.source).or_default() += 1;
         }
         let over = |hosts: &HashMap<IpAddr, HostShare>, source: &IpAddr| {
@@ -837,9 +860,7 @@ impl Listener {
             visit
                 .iter()
                 .filter_map(|id| self.peers.get(id).map(|p| (*id, p)))
-                .filter(|(id, p)| {
-                    (is_read(p, *id) || p.conn.holds_input()) && !held_back(&self.hosts, p, *id)
-                })
+                .filter(|(id, p)| has_work(p, *id) && !held_back(&self.hosts, p, *id))
                 .map(|(_, p)| {
                     let split = inputs.get(&p.source).copied().unwrap_or(1).max(1);
                     let q = (q / i64::try_from(split).unwrap_or(i64::MAX)).max(1);
@@ -883,7 +904,7 @@ impl Listener {
         }
         let competes_now = |p: &Peer, id: ConnId| {
             round_budget.is_some()
-                && (is_read(p, id) || p.conn.holds_input())
+                && has_work(p, id)
                 && !drained(id)
                 && !held_back(&self.hosts, p, id)
         };
@@ -954,6 +975,7 @@ impl Listener {
             // `max_incoming`.
             let share = match (self.limits.round_quantum, quanta) {
                 _ if drain => usize::MAX,
+                _ if p.paused => 0,
                 (Some(_), _) if held => 0,
                 (Some(quantum), Some(quanta)) => {
                     let quantum = (nanos(quantum) / split).max(1);
@@ -1056,7 +1078,9 @@ impl Listener {
                     // Input left (its share was taken, or the socket was not drained) gets the
                     // next round at once, unless its time share is spent: its refill wakes it.
                     let more = (p.readable && reading) || p.conn.holds_input();
-                    if held && (more || p.closed) {
+                    if p.paused {
+                        // Resuming it gives it a round.
+                    } else if held && (more || p.closed) {
                         // Not read while held, even when the poll says it hung up: what it
                         // sent before waits for its share like the rest (its end of stream
                         // comes after it).
@@ -1291,6 +1315,7 @@ impl Listener {
                         .round_quantum
                         .map_or(0, |q| nanos(q).unsigned_abs() / 16),
                     buffered: 0,
+                    paused: false,
                 },
             );
             self.active.insert(id);

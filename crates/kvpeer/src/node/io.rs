@@ -33,7 +33,7 @@ use crate::node::peer_end::PeerEnd;
 use kvpeer_net::control::ConnId;
 use kvpeer_net::control::{ChannelEvent, ControlChannel, SendError};
 use kvpeer_net::data::metadata::AgentMetadata;
-use kvpeer_proto::{decode_with_limits, DecodeLimits, Message, PeerId};
+use kvpeer_proto::{decode_with_limits, DecodeError, DecodeLimits, Message, PeerId};
 use kvpeer_store::BlockStore;
 use tracing::{debug, warn};
 
@@ -43,9 +43,11 @@ use super::origin::{LocalAddrs, OriginCheck, OriginError};
 use super::plane::Plane;
 use super::wake::WakePipe;
 
-/// An inbound message this large (a lookup of about 1,800 keys and more) costs its decoding
-/// hundreds of microseconds: answers already made are sent before it is handled.
-const EXPENSIVE_PAYLOAD: usize = 64 << 10;
+use super::decodes::{Decoded, Decodes, EXPENSIVE_PAYLOAD};
+
+/// The node's time one step gives the large payloads in decoding (at least one slice): about
+/// one round of the control channel's (`inbound_round_quantum_us`, 100 µs).
+const DECODE_TIME_PER_STEP: Duration = Duration::from_micros(100);
 
 /// Why a `connect` is refused before the protocol sees it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -113,6 +115,8 @@ pub struct NodeIo<P: Parent = BlockStore> {
     /// A peer whose session ends because it dialed again while our connection to it is still
     /// open: that connection stays for its next session (see [`NodeIo::take_over`]).
     keep_outbound: Option<PeerId>,
+    /// Large payloads decoded a slice at a time, and what their connections sent after them.
+    decodes: Decodes,
 }
 
 /// What waits for one peer's challenge: since when, and the messages in order.
@@ -199,6 +203,7 @@ impl<P: Parent> NodeIo<P> {
             held: HashMap::new(),
             close_after_held: HashSet::new(),
             keep_outbound: None,
+            decodes: Decodes::default(),
         }
     }
 
@@ -223,13 +228,13 @@ impl<P: Parent> NodeIo<P> {
         peer: &PeerId,
         conn: ConnId,
         source: IpAddr,
-        payload: &[u8],
+        decoded: Result<Message, DecodeError>,
     ) {
-        let message = match decode_with_limits(payload, &self.limits) {
+        let message = match decoded {
             Ok(message) => message,
-            Err(_) => {
+            Err(e) => {
                 if self.speaks_for(peer, conn) {
-                    self.core.handle_payload(now, peer, payload);
+                    self.core.handle_undecodable(now, peer, e);
                 }
                 return;
             }
@@ -246,7 +251,7 @@ impl<P: Parent> NodeIo<P> {
         let challenge = self.channel.inbound_challenge(conn).map(<[u8]>::to_vec);
         if let Err(reason) = self.check_connect(peer, source, challenge.as_deref(), c) {
             self.refuse(now, peer, &reason, "connect");
-            self.channel.close_inbound(conn);
+            self.close_inbound(conn);
             return;
         }
         let session = self.core.session_state(peer);
@@ -256,7 +261,7 @@ impl<P: Parent> NodeIo<P> {
                 // old connection is half-dead. The newest wins.
                 debug!(%peer, old, conn, "a newer connection takes the peer's identity over");
                 self.take_over(now, peer);
-                self.channel.close_inbound(old);
+                self.close_inbound(old);
             }
             None if session.is_some_and(|s| s.connected) => {
                 // The session's own connection closed (the peer dropped it: vLLM's tier does
@@ -498,51 +503,13 @@ impl<P: Parent> NodeIo<P> {
             }
         }
         for event in events {
-            match event {
-                ChannelEvent::Payload {
-                    peer,
-                    conn,
-                    source,
-                    payload,
-                } => {
-                    if payload.len() >= EXPENSIVE_PAYLOAD && self.core.has_transmits() {
-                        // Answers to the cheap messages handled before this one (the round
-                        // reads them first: an honest consumer's lookup) leave before its
-                        // decoding, not after.
-                        self.flush(now);
-                    }
-                    // What handling it costs this thread is charged to its connection: the
-                    // channel gives each connection about the same time per round.
-                    let started = Instant::now();
-                    match self.heard(now, &peer, source) {
-                        Ok(()) => self.inbound(now, &peer, conn, source, &payload),
-                        // A claim its source cannot back: this connection is never heard.
-                        // The peer is told why when that is its own mistake (an identity it
-                        // cannot have from where it is), not what the allowlist holds.
-                        Err(reason) if reason.tells_peer() => {
-                            self.channel.refuse_inbound(conn, &reason.to_string())
-                        }
-                        Err(_) => self.channel.close_inbound(conn),
-                    }
-                    self.channel.charge_inbound(conn, started.elapsed());
-                }
-                ChannelEvent::InboundClosed {
-                    conn,
-                    peer: Some(peer),
-                } => {
-                    if self.bound.get(&peer) == Some(&conn) {
-                        self.bound.remove(&peer);
-                    }
-                }
-                ChannelEvent::InboundClosed { peer: None, .. } => {}
-                ChannelEvent::Lost { peer, cause } => {
-                    // What waited for this connection's challenge goes with it.
-                    self.held.remove(&peer);
-                    self.close_after_held.remove(&peer);
-                    self.core.handle_connection_lost(now, &peer, cause)
-                }
+            // What a connection sent after a payload still in decoding waits behind it.
+            let bound = &self.bound;
+            if let Some(event) = self.decodes.hold(event, |peer| bound.get(peer).copied()) {
+                self.on_event(now, event);
             }
         }
+        self.decode_slices(now);
         self.release_held(now);
         self.core.handle_data_plane(now);
         if self.core.poll_timeout().is_some_and(|t| t <= now) {
@@ -554,6 +521,123 @@ impl<P: Parent> NodeIo<P> {
             self.core.handle_timeout(now);
         }
         self.flush(now);
+    }
+
+    /// One event of the channel's, in the order its connection delivered it.
+    fn on_event(&mut self, now: Instant, event: ChannelEvent) {
+        match event {
+            ChannelEvent::Payload {
+                peer,
+                conn,
+                source,
+                payload,
+            } => {
+                if payload.len() >= EXPENSIVE_PAYLOAD && self.core.has_transmits() {
+                    // Answers to the cheap messages handled before this one (the round reads
+                    // them first: an honest consumer's lookup) leave before its decoding, not
+                    // after.
+                    self.flush(now);
+                }
+                // What handling it costs this thread is charged to its connection: the channel
+                // gives each connection about the same time per round.
+                let started = Instant::now();
+                match self.heard(now, &peer, source) {
+                    Ok(()) if payload.len() >= EXPENSIVE_PAYLOAD => {
+                        // Decoded a slice at a time between everyone else's work; the
+                        // connection waits (paused) until it and what came after are handled.
+                        if self.decodes.start(conn, peer, source, payload, self.limits) {
+                            self.channel.pause_inbound(conn, true);
+                        }
+                    }
+                    Ok(()) => {
+                        let decoded = decode_with_limits(&payload, &self.limits);
+                        self.inbound(now, &peer, conn, source, decoded);
+                    }
+                    // A claim its source cannot back: this connection is never heard.
+                    // The peer is told why when that is its own mistake (an identity it
+                    // cannot have from where it is), not what the allowlist holds.
+                    Err(reason) if reason.tells_peer() => {
+                        self.decodes.forget(conn);
+                        self.channel.refuse_inbound(conn, &reason.to_string())
+                    }
+                    Err(_) => self.close_inbound(conn),
+                }
+                self.channel.charge_inbound(conn, started.elapsed());
+            }
+            ChannelEvent::InboundClosed {
+                conn,
+                peer: Some(peer),
+            } => {
+                if self.bound.get(&peer) == Some(&conn) {
+                    self.bound.remove(&peer);
+                }
+            }
+            ChannelEvent::InboundClosed { peer: None, .. } => {}
+            ChannelEvent::Lost { peer, cause } => {
+                // What waited for this connection's challenge goes with it.
+                self.held.remove(&peer);
+                self.close_after_held.remove(&peer);
+                self.core.handle_connection_lost(now, &peer, cause)
+            }
+        }
+    }
+
+    /// Gives the large payloads in decoding about [`DECODE_TIME_PER_STEP`] of this thread (at
+    /// least one slice), hosts in turn, each slice charged to its connection; a payload whose
+    /// decoding ends is handled, and then what its connection sent after it, in order, up to
+    /// its next large payload.
+    fn decode_slices(&mut self, now: Instant) {
+        let started = Instant::now();
+        while let Some(conn) = self.decodes.next_turn() {
+            let slice = Instant::now();
+            let decoded = self.decodes.step(conn);
+            if let Some(Decoded {
+                conn,
+                peer,
+                source,
+                result,
+            }) = decoded
+            {
+                if self.core.has_transmits() {
+                    self.flush(now);
+                }
+                self.inbound(now, &peer, conn, source, result);
+                self.channel.charge_inbound(conn, slice.elapsed());
+                self.handle_held(now, conn);
+            } else {
+                self.channel.charge_inbound(conn, slice.elapsed());
+            }
+            if started.elapsed() >= DECODE_TIME_PER_STEP {
+                break;
+            }
+        }
+    }
+
+    /// Handles what connection `conn` sent after its payload just handled, in order, until a
+    /// next large payload starts decoding; resumes the connection once nothing is left.
+    fn handle_held(&mut self, now: Instant, conn: ConnId) {
+        loop {
+            match self.decodes.next_held(conn) {
+                (Some(event), _) => self.on_event(now, event),
+                (None, resume) => {
+                    if resume {
+                        self.channel.pause_inbound(conn, false);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Closes inbound connection `conn`; nothing it sent that waits here is handled.
+    fn close_inbound(&mut self, conn: ConnId) {
+        self.decodes.forget(conn);
+        self.channel.close_inbound(conn);
+    }
+
+    /// Inbound connections with a large payload in decoding (or messages held behind one).
+    pub fn decoding_connections(&self) -> usize {
+        self.decodes.connections()
     }
 
     /// Carries out the core's outputs until it has none.
@@ -803,6 +887,10 @@ impl<P: Parent> NodeIo<P> {
     /// ran while the thread was awake: step before sleeping.
     pub fn wait_plan(&mut self, now: Instant) -> (std::os::fd::RawFd, Option<Instant>) {
         let (fd, channel) = self.channel.wait_plan(now);
+        if !self.decodes.is_empty() {
+            // A payload in decoding has its next slice in the next step.
+            return (fd, Some(now));
+        }
         if self.wake.as_ref().is_some_and(WakePipe::prepare_sleep) {
             // A plane or the parent had news while this thread was awake: step at once.
             return (fd, Some(now));
@@ -825,7 +913,12 @@ impl<P: Parent> NodeIo<P> {
         // News while this thread was awake (an inline copy's completion): only a look at the
         // sockets, no sleep.
         let news = self.wake.as_ref().is_some_and(WakePipe::prepare_sleep);
-        let timeout = if news { Duration::ZERO } else { until_deadline };
+        // A payload in decoding has its next slice in the next step: only a look at the sockets.
+        let timeout = if news || !self.decodes.is_empty() {
+            Duration::ZERO
+        } else {
+            until_deadline
+        };
         if let Err(e) = self.channel.wait_with(timeout, fd) {
             if let Some(suppressed) = crate::admit_warning("control channel wait failed") {
                 warn!(error = %e, suppressed, "control channel wait failed");

@@ -10,6 +10,7 @@
 pub mod allow;
 pub(crate) mod auth;
 pub mod build;
+pub(crate) mod decodes;
 pub mod descriptors;
 pub mod identity_probe;
 pub mod io;

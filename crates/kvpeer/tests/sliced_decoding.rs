@@ -1,0 +1,173 @@
+//! A large inbound payload is decoded a slice at a time (docs/security.md, "Sliced work"):
+//! while a peer's lookup of 131,072 keys (5 MB) is still being decoded, an honest consumer's
+//! lookups are answered and its blocks loaded byte-exact; the large lookup's decoding then
+//! ends, and the node takes its connection up again. Two whole nodes (core, block store, tcp
+//! plane, control channel) and a control channel speaking for the flood, all driven by hand on
+//! the test's thread on 127.0.0.1.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kvpeer::node::build::{build, NodeSpec};
+use kvpeer::node::io::NodeIo;
+use kvpeer::{NodeConfig, PlaneKind};
+use kvpeer_core::{JobId, LookupResult, RequestRoles};
+use kvpeer_net::control::{ControlChannel, ControlConfig};
+use kvpeer_proto::{KvRequestId, Lookup, Message, OffloadKey, PeerId, RoundSeq};
+
+mod common;
+use common::node_io::assert_clean;
+
+const BLOCKS: u64 = 32;
+const LEN: u64 = 16 * 1024;
+
+fn free_id() -> PeerId {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    PeerId::new(format!("127.0.0.1:{port}"))
+}
+
+fn spec(tag: &str) -> NodeSpec {
+    NodeSpec {
+        id: free_id(),
+        num_blocks: BLOCKS,
+        block_len: LEN,
+        hash_seed: "42".into(),
+        plane: PlaneKind::Tcp,
+        ..NodeConfig::local(&format!("sd-{tag}")).spec
+    }
+}
+
+fn key(n: u64) -> OffloadKey {
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&n.to_be_bytes());
+    OffloadKey::from_parts(&h, 0)
+}
+
+fn content(n: u64) -> Vec<u8> {
+    (0..LEN)
+        .map(|i| (n as u8).wrapping_mul(13) ^ (i as u8))
+        .collect()
+}
+
+/// Steps the consumer, the producer and the flood's channel until `done` holds (10 s at most).
+fn run_until(
+    c: &mut NodeIo,
+    p: &mut NodeIo,
+    flood: &mut ControlChannel,
+    mut done: impl FnMut(&mut NodeIo, &mut NodeIo) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let now = Instant::now();
+        c.step(now);
+        p.step(now);
+        flood.recv();
+        if done(c, p) {
+            return;
+        }
+        p.wait(now, Duration::from_millis(1));
+    }
+    panic!(
+        "condition not reached within 10 s: producer decoding {}",
+        p.decoding_connections()
+    );
+}
+
+#[test]
+fn an_honest_peer_is_served_while_a_huge_lookup_is_still_being_decoded() {
+    let (mut c, mut p) = (build(&spec("c")).unwrap(), build(&spec("p")).unwrap());
+    let pid = p.core().local().peer_id.clone();
+    for n in 0..5 {
+        p.core_mut().parent_mut().put(&key(n), &content(n)).unwrap();
+    }
+    let mut flood = ControlChannel::bind(free_id(), ControlConfig::default()).unwrap();
+    let req = c.core_mut().on_new_request(
+        Instant::now(),
+        KvRequestId::from("req-1"),
+        RequestRoles::kv_source(pid.clone()),
+    );
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, &mut flood, |c, _| {
+        c.core().session_state(&pid).is_some_and(|s| s.ready)
+    });
+
+    // The flood: one lookup of the most keys a message may carry, from a peer without a
+    // session (its decoding costs the producer the same either way).
+    let huge = Message::Lookup(Lookup {
+        kv_request_id: KvRequestId::from("flood"),
+        keys: (0..1u64 << 17).map(|n| key(1_000_000 + n)).collect(),
+        round_seq: RoundSeq(1),
+    });
+    flood.send_message(&pid, &huge).unwrap();
+    run_until(&mut c, &mut p, &mut flood, |_, p| {
+        p.decoding_connections() == 1
+    });
+
+    // The honest consumer's lookups are answered while the flood's is still being decoded.
+    let wanted: Vec<OffloadKey> = (0..7).map(key).collect();
+    for k in &wanted {
+        c.core_mut().lookup(Instant::now(), &req, k);
+    }
+    c.core_mut().flush_lookups(Instant::now());
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, &mut flood, |c, p| {
+        let answered = wanted
+            .iter()
+            .all(|k| c.core_mut().lookup(Instant::now(), &req, k) != LookupResult::Retry);
+        if answered {
+            assert_eq!(
+                p.decoding_connections(),
+                1,
+                "the honest lookups were answered only after the flood's was decoded"
+            );
+        }
+        answered
+    });
+    let hits: Vec<OffloadKey> = wanted
+        .iter()
+        .filter(|k| c.core_mut().lookup(Instant::now(), &req, k) == LookupResult::Hit)
+        .cloned()
+        .collect();
+    assert_eq!(hits, wanted[..5].to_vec());
+
+    // Its blocks land byte-exact.
+    let blocks = c.core_mut().parent_mut().reserve(&hits).unwrap();
+    c.core_mut().submit_load(
+        Instant::now(),
+        JobId::new(1),
+        &req,
+        hits.clone(),
+        blocks.clone(),
+    );
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, &mut flood, |c, _| {
+        c.load_done(JobId::new(1)).is_some()
+    });
+    assert_eq!(c.take_load_result(JobId::new(1)), Some(true));
+    c.core_mut().parent_mut().finish_write(&blocks, true);
+    for (n, b) in blocks.iter().enumerate() {
+        assert_eq!(
+            c.core().parent().read(*b).unwrap(),
+            &content(n as u64)[..],
+            "key {n}"
+        );
+    }
+
+    // The flood's lookup is decoded to its end, and its connection read again: it stays open.
+    run_until(&mut c, &mut p, &mut flood, |_, p| {
+        p.decoding_connections() == 0
+    });
+    assert_eq!(p.inbound_connections(), 2, "the consumer's and the flood's");
+    c.core_mut().finish(Instant::now(), &req);
+    c.flush(Instant::now());
+    run_until(&mut c, &mut p, &mut flood, |c, p| {
+        c.core().stats().client_requests == 0 && p.core().stats().server_requests == 0
+    });
+    assert_clean(&c);
+    assert_clean(&p);
+}
