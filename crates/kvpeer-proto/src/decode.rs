@@ -373,6 +373,30 @@ enum ListItems {
     Bools(Vec<bool>),
 }
 
+impl ListItems {
+    /// Bytes allocated for the elements (a key longer than its inline room holds its bytes
+    /// on the heap too: at most its own size in the payload, which the caller counts).
+    fn held_bytes(&self) -> usize {
+        match self {
+            ListItems::Keys(v) => v.capacity() * std::mem::size_of::<OffloadKey>(),
+            ListItems::Uints(v) => v.capacity() * std::mem::size_of::<u64>(),
+            ListItems::Bools(v) => v.capacity(),
+        }
+    }
+}
+
+impl Prebuilt {
+    /// Bytes allocated for the lists read so far.
+    pub(crate) fn held_bytes(&self) -> usize {
+        let keys = self.keys.as_ref().and_then(|r| r.as_ref().ok());
+        let uints = self.uints.as_ref().and_then(|r| r.as_ref().ok());
+        let bools = self.bools.as_ref().and_then(|r| r.as_ref().ok());
+        keys.map_or(0, |v| v.capacity() * std::mem::size_of::<OffloadKey>())
+            + uints.map_or(0, |v| v.capacity() * std::mem::size_of::<u64>())
+            + bools.map_or(0, Vec::capacity)
+    }
+}
+
 /// One list field being read a slice at a time: where its next element lies in the field's
 /// bytes, and what was read of it.
 #[derive(Debug)]
@@ -403,6 +427,12 @@ impl ListRead {
             ],
             _ => Vec::new(),
         }
+    }
+
+    /// Bytes its elements take so far (what was allocated for them, not what their header
+    /// claims).
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.items.held_bytes()
     }
 
     /// Hands what was read (or the error reading it gave) to step 3.
@@ -617,11 +647,6 @@ impl<'t, 'a> Fields<'t, 'a> {
             Some(next) => next,
             None => {
                 let (r, len) = self.list(list.name)?;
-                match &mut list.items {
-                    ListItems::Keys(v) => v.reserve_exact(len),
-                    ListItems::Uints(v) => v.reserve_exact(len),
-                    ListItems::Bools(v) => v.reserve_exact(len),
-                }
                 (r.position(), len)
             }
         };
@@ -634,6 +659,15 @@ impl<'t, 'a> Fields<'t, 'a> {
             ListItems::Uints(v) => v.len(),
             ListItems::Bools(v) => v.len(),
         };
+        // Room for this step's elements only: what a list holds grows with what was read of
+        // it, not with what its header claims (many payloads in decoding at once would
+        // otherwise each hold their whole list from the first step).
+        let room = (len - index).min(*budget);
+        match &mut list.items {
+            ListItems::Keys(v) => v.reserve(room),
+            ListItems::Uints(v) => v.reserve(room),
+            ListItems::Bools(v) => v.reserve(room),
+        }
         while index < len && *budget > 0 {
             *budget -= 1;
             let token = r.next_token()?;

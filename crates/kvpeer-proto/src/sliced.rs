@@ -56,6 +56,15 @@ impl SlicedDecode {
         self.payload
     }
 
+    /// Bytes this decode holds now: the payload twice (itself, and the bytes of keys too long
+    /// to be held inline, which come from it) and the list elements read so far. It grows
+    /// with each step, up to the message's own size when decoding ends.
+    pub fn held_bytes(&self) -> usize {
+        self.payload.capacity().saturating_mul(2)
+            + self.lists.iter().map(ListRead::held_bytes).sum::<usize>()
+            + self.prebuilt.held_bytes()
+    }
+
     /// Whether a step returned the result already.
     pub fn is_finished(&self) -> bool {
         self.finished

@@ -38,6 +38,24 @@ struct Backlog {
     decoding: Option<SlicedDecode>,
     /// What the connection delivered after it, in order.
     after: VecDeque<ChannelEvent>,
+    /// The bytes it holds (the payload in decoding, what was decoded of it, the payloads held
+    /// after it), as last counted into [`Decodes::held_bytes`].
+    bytes: usize,
+}
+
+impl Backlog {
+    fn bytes_now(&self) -> usize {
+        let decoding = self.decoding.as_ref().map_or(0, SlicedDecode::held_bytes);
+        let after: usize = self
+            .after
+            .iter()
+            .map(|event| match event {
+                ChannelEvent::Payload { payload, .. } => payload.capacity(),
+                _ => 0,
+            })
+            .sum();
+        decoding.saturating_add(after)
+    }
 }
 
 /// A payload whose decoding ended: for the caller to handle as if it had decoded it whole.
@@ -57,6 +75,8 @@ pub(crate) struct Decodes {
     hosts: VecDeque<IpAddr>,
     /// Each such host's connections with a payload in decoding, the next first.
     turns: HashMap<IpAddr, VecDeque<ConnId>>,
+    /// What all backlogs hold together (the sum of their `bytes`).
+    held_bytes: usize,
 }
 
 impl Decodes {
@@ -68,6 +88,36 @@ impl Decodes {
     /// How many connections have a payload in decoding or events held behind one.
     pub(crate) fn connections(&self) -> usize {
         self.backlogs.len()
+    }
+
+    /// Bytes all backlogs hold together.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
+    /// The connection whose backlog holds the most, while all together hold more than `cap`
+    /// (the caller drops it and closes the connection, as the listener does with the one
+    /// buffering the most).
+    pub(crate) fn over(&self, cap: usize) -> Option<ConnId> {
+        if self.held_bytes <= cap {
+            return None;
+        }
+        self.backlogs
+            .iter()
+            .max_by_key(|(conn, b)| (b.bytes, std::cmp::Reverse(**conn)))
+            .map(|(conn, _)| *conn)
+    }
+
+    /// Counts connection `conn`'s backlog again into the total.
+    fn recount(&mut self, conn: ConnId) {
+        if let Some(backlog) = self.backlogs.get_mut(&conn) {
+            let now = backlog.bytes_now();
+            self.held_bytes = self
+                .held_bytes
+                .saturating_sub(backlog.bytes)
+                .saturating_add(now);
+            backlog.bytes = now;
+        }
     }
 
     /// Keeps `event` behind the backlog of its connection, if it has one (`None`); else gives
@@ -84,9 +134,12 @@ impl Decodes {
             }
             ChannelEvent::Lost { peer, .. } => bound(peer),
         };
-        match conn.and_then(|conn| self.backlogs.get_mut(&conn)) {
-            Some(backlog) => {
-                backlog.after.push_back(event);
+        match conn.filter(|conn| self.backlogs.contains_key(conn)) {
+            Some(conn) => {
+                if let Some(backlog) = self.backlogs.get_mut(&conn) {
+                    backlog.after.push_back(event);
+                }
+                self.recount(conn);
                 None
             }
             None => Some(event),
@@ -120,11 +173,13 @@ impl Decodes {
                         source,
                         decoding,
                         after: VecDeque::new(),
+                        bytes: 0,
                     },
                 );
                 true
             }
         };
+        self.recount(conn);
         // A host whose earlier payload ended may still be in the turns: it keeps its place
         // (once there, never twice).
         if !self.hosts.contains(&source) {
@@ -164,17 +219,23 @@ impl Decodes {
     /// ended (its connection then takes no turns until a next payload starts).
     pub(crate) fn step(&mut self, conn: ConnId) -> Option<Decoded> {
         let backlog = self.backlogs.get_mut(&conn)?;
-        let result = backlog.decoding.as_mut()?.step(SLICE_ITEMS)?;
+        let Some(result) = backlog.decoding.as_mut()?.step(SLICE_ITEMS) else {
+            // What this step decoded is held until the message is whole.
+            self.recount(conn);
+            return None;
+        };
         backlog.decoding = None;
         if let Some(turns) = self.turns.get_mut(&backlog.source) {
             turns.retain(|c| *c != conn);
         }
-        Some(Decoded {
+        let decoded = Decoded {
             conn,
             peer: backlog.peer.clone(),
             source: backlog.source,
             result,
-        })
+        };
+        self.recount(conn);
+        Some(decoded)
     }
 
     /// The next event held behind connection `conn`'s payload, once that is decoded and
@@ -188,21 +249,44 @@ impl Decodes {
             return (None, false);
         }
         match backlog.after.pop_front() {
-            Some(event) => (Some(event), false),
+            Some(event) => {
+                self.recount(conn);
+                (Some(event), false)
+            }
             None => {
-                self.forget(conn);
+                // Nothing is left behind it, so nothing to give back.
+                drop(self.forget(conn));
                 (None, true)
             }
         }
     }
 
-    /// Drops connection `conn`'s backlog (the node closed it: nothing of it is handled).
-    pub(crate) fn forget(&mut self, conn: ConnId) {
-        if let Some(backlog) = self.backlogs.remove(&conn) {
-            if let Some(turns) = self.turns.get_mut(&backlog.source) {
-                turns.retain(|c| *c != conn);
-            }
+    /// Drops connection `conn`'s backlog (the node closed it: nothing it sent is handled),
+    /// and gives back the peer losses held behind it, which the caller must still handle.
+    #[must_use]
+    pub(crate) fn forget(&mut self, conn: ConnId) -> Vec<ChannelEvent> {
+        let Some(backlog) = self.backlogs.remove(&conn) else {
+            return Vec::new();
+        };
+        self.held_bytes = self.held_bytes.saturating_sub(backlog.bytes);
+        if let Some(turns) = self.turns.get_mut(&backlog.source) {
+            turns.retain(|c| *c != conn);
         }
+        backlog
+            .after
+            .into_iter()
+            .filter(|event| matches!(event, ChannelEvent::Lost { .. }))
+            .collect()
+    }
+
+    /// Drops every backlog (the node shuts down): the connections they paused.
+    pub(crate) fn forget_all(&mut self) -> Vec<ConnId> {
+        let conns: Vec<ConnId> = self.backlogs.keys().copied().collect();
+        self.backlogs.clear();
+        self.hosts.clear();
+        self.turns.clear();
+        self.held_bytes = 0;
+        conns
     }
 }
 
@@ -291,6 +375,37 @@ mod tests {
     }
 
     #[test]
+    fn the_backlog_holding_the_most_is_named_once_all_hold_more_than_the_cap() {
+        let host: IpAddr = [127, 0, 0, 2].into();
+        let (_, small) = lookup(2_000);
+        let (_, large) = lookup(20_000);
+        let mut d = Decodes::default();
+        d.start(1, peer(host), host, small.clone(), DecodeLimits::default());
+        d.start(2, peer(host), host, large.clone(), DecodeLimits::default());
+        let payloads = 2 * (small.len() + large.len()); // clones: capacity = length
+        assert_eq!(
+            d.held_bytes(),
+            payloads,
+            "the payloads (twice: spilled keys)"
+        );
+        assert_eq!(d.over(payloads), None);
+        assert_eq!(d.over(payloads - 1), Some(2));
+        // Decoding grows what it holds, step by step, with the keys read.
+        let mut grew = false;
+        while d.step(2).is_none() {
+            grew |= d.held_bytes() > payloads;
+        }
+        assert!(grew, "the keys read are counted");
+        // Decoded and handed over: only the first payload is held.
+        assert_eq!(d.held_bytes(), 2 * small.len());
+        let next = large.clone();
+        assert!(d.hold(payload(1, host, &next), |_| None).is_none());
+        assert_eq!(d.held_bytes(), 2 * small.len() + next.len());
+        assert!(d.forget(1).is_empty());
+        assert_eq!(d.held_bytes(), 0);
+    }
+
+    #[test]
     fn a_host_that_starts_its_next_payload_gets_no_second_place_in_the_turns() {
         let (a, b): (IpAddr, IpAddr) = ([127, 0, 0, 2].into(), [127, 0, 0, 3].into());
         let (_, small) = lookup(100);
@@ -320,8 +435,11 @@ mod tests {
         };
         assert!(d.hold(lost.clone(), |_| Some(3)).is_none());
         assert_eq!(d.hold(lost.clone(), |_| None), Some(lost.clone()));
-        d.forget(3);
+        assert!(d.hold(payload(3, host, b"dropped"), |_| None).is_none());
+        // The node closes the connection: what it sent is dropped, the peer's loss is not.
+        assert_eq!(d.forget(3), vec![lost]);
         assert!(d.is_empty());
+        assert_eq!(d.held_bytes(), 0);
         assert_eq!(d.next_turn(), None);
         assert_eq!(d.next_held(3), (None, false));
     }

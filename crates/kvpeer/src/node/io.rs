@@ -49,6 +49,11 @@ use super::decodes::{Decoded, Decodes, EXPENSIVE_PAYLOAD};
 /// one round of the control channel's (`inbound_round_quantum_us`, 100 µs).
 const DECODE_TIME_PER_STEP: Duration = Duration::from_micros(100);
 
+/// The payloads in decoding and what waits behind them may hold together this many messages
+/// of the largest size (`DecodeLimits::max_payload_bytes`: 128 MiB by default), the bound the
+/// control channel sets on partial messages.
+const DECODE_HELD_MESSAGES: usize = 8;
+
 /// Why a `connect` is refused before the protocol sees it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 enum ConnectRefused {
@@ -251,7 +256,7 @@ impl<P: Parent> NodeIo<P> {
         let challenge = self.channel.inbound_challenge(conn).map(<[u8]>::to_vec);
         if let Err(reason) = self.check_connect(peer, source, challenge.as_deref(), c) {
             self.refuse(now, peer, &reason, "connect");
-            self.close_inbound(conn);
+            self.close_inbound(now, conn);
             return;
         }
         let session = self.core.session_state(peer);
@@ -261,7 +266,7 @@ impl<P: Parent> NodeIo<P> {
                 // old connection is half-dead. The newest wins.
                 debug!(%peer, old, conn, "a newer connection takes the peer's identity over");
                 self.take_over(now, peer);
-                self.close_inbound(old);
+                self.close_inbound(now, old);
             }
             None if session.is_some_and(|s| s.connected) => {
                 // The session's own connection closed (the peer dropped it: vLLM's tier does
@@ -439,6 +444,11 @@ impl<P: Parent> NodeIo<P> {
     /// take the end for a loss (vLLM's transport sweeps a connection whose monitor reported it
     /// closed before its session reads what came on it). What arrives meanwhile is dropped.
     fn let_peers_read_the_disconnect(&mut self) {
+        // Nothing more is handled: a connection paused for a large message is read again, so
+        // its close is seen.
+        for conn in self.decodes.forget_all() {
+            self.channel.pause_inbound(conn, false);
+        }
         let until = Instant::now() + self.channel.linger();
         while self.channel.inbound_connections() > 0 {
             let now = Instant::now();
@@ -548,6 +558,7 @@ impl<P: Parent> NodeIo<P> {
                         if self.decodes.start(conn, peer, source, payload, self.limits) {
                             self.channel.pause_inbound(conn, true);
                         }
+                        self.shed_decodes(now);
                     }
                     Ok(()) => {
                         let decoded = decode_with_limits(&payload, &self.limits);
@@ -557,10 +568,9 @@ impl<P: Parent> NodeIo<P> {
                     // The peer is told why when that is its own mistake (an identity it
                     // cannot have from where it is), not what the allowlist holds.
                     Err(reason) if reason.tells_peer() => {
-                        self.decodes.forget(conn);
-                        self.channel.refuse_inbound(conn, &reason.to_string())
+                        self.refuse_inbound(now, conn, &reason.to_string())
                     }
-                    Err(_) => self.close_inbound(conn),
+                    Err(_) => self.close_inbound(now, conn),
                 }
                 self.channel.charge_inbound(conn, started.elapsed());
             }
@@ -591,6 +601,7 @@ impl<P: Parent> NodeIo<P> {
         while let Some(conn) = self.decodes.next_turn() {
             let slice = Instant::now();
             let decoded = self.decodes.step(conn);
+            let mut cost = slice.elapsed();
             if let Some(Decoded {
                 conn,
                 peer,
@@ -599,17 +610,39 @@ impl<P: Parent> NodeIo<P> {
             }) = decoded
             {
                 if self.core.has_transmits() {
+                    // Others' answers leave first (not charged to this connection).
                     self.flush(now);
                 }
+                let handling = Instant::now();
                 self.inbound(now, &peer, conn, source, result);
-                self.channel.charge_inbound(conn, slice.elapsed());
+                cost += handling.elapsed();
+                self.channel.charge_inbound(conn, cost);
                 self.handle_held(now, conn);
             } else {
-                self.channel.charge_inbound(conn, slice.elapsed());
+                self.channel.charge_inbound(conn, cost);
             }
             if started.elapsed() >= DECODE_TIME_PER_STEP {
                 break;
             }
+        }
+        self.shed_decodes(now);
+    }
+
+    /// While the payloads in decoding and what waits behind them hold more than
+    /// [`DECODE_HELD_MESSAGES`] messages of the largest size, the connection holding the most
+    /// is refused and what it sent dropped (the listener's rule for partial messages, applied
+    /// to delivered ones): many connections each sending a large message, or messages whose
+    /// lists decode to many times their size, cannot make the node hold memory without bound.
+    fn shed_decodes(&mut self, now: Instant) {
+        let cap = self
+            .limits
+            .max_payload_bytes
+            .saturating_mul(DECODE_HELD_MESSAGES);
+        while let Some(conn) = self.decodes.over(cap) {
+            warn_throttled!(self.throttle, now,
+                "large messages in decoding hold too much; refusing the connection holding the most",
+                conn, held_bytes = self.decodes.held_bytes(), cap);
+            self.refuse_inbound(now, conn, "too much undecoded input held");
         }
     }
 
@@ -629,15 +662,35 @@ impl<P: Parent> NodeIo<P> {
         }
     }
 
-    /// Closes inbound connection `conn`; nothing it sent that waits here is handled.
-    fn close_inbound(&mut self, conn: ConnId) {
-        self.decodes.forget(conn);
+    /// Closes inbound connection `conn`; nothing it sent that waits here is handled (a loss
+    /// of its peer held behind it still is).
+    fn close_inbound(&mut self, now: Instant, conn: ConnId) {
+        let lost = self.decodes.forget(conn);
         self.channel.close_inbound(conn);
+        for event in lost {
+            self.on_event(now, event);
+        }
+    }
+
+    /// Refuses inbound connection `conn` with `reason` (as [`NodeIo::close_inbound`]).
+    fn refuse_inbound(&mut self, now: Instant, conn: ConnId, reason: &str) {
+        let lost = self.decodes.forget(conn);
+        self.channel.refuse_inbound(conn, reason);
+        for event in lost {
+            self.on_event(now, event);
+        }
     }
 
     /// Inbound connections with a large payload in decoding (or messages held behind one).
     pub fn decoding_connections(&self) -> usize {
         self.decodes.connections()
+    }
+
+    /// Bytes the large payloads in decoding, what was decoded of them and the payloads held
+    /// behind them take together (bounded: eight messages of the largest
+    /// size, past which the connection holding the most is refused).
+    pub fn decoding_held_bytes(&self) -> usize {
+        self.decodes.held_bytes()
     }
 
     /// Carries out the core's outputs until it has none.
