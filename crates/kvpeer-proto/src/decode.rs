@@ -436,7 +436,14 @@ impl ListRead {
     }
 
     /// Hands what was read (or the error reading it gave) to step 3.
-    pub(crate) fn finish(self, result: Result<(), DecodeError>, prebuilt: &mut Prebuilt) {
+    pub(crate) fn finish(mut self, result: Result<(), DecodeError>, prebuilt: &mut Prebuilt) {
+        // Reserved a step at a time, the list may have grown past its length: the message
+        // keeps what it needs, as a whole decode's does.
+        match &mut self.items {
+            ListItems::Keys(v) => v.shrink_to_fit(),
+            ListItems::Uints(v) => v.shrink_to_fit(),
+            ListItems::Bools(v) => v.shrink_to_fit(),
+        }
         match self.items {
             ListItems::Keys(v) => prebuilt.keys = Some(result.map(|()| v)),
             ListItems::Uints(v) => prebuilt.uints = Some(result.map(|()| v)),

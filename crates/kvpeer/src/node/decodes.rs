@@ -95,15 +95,24 @@ impl Decodes {
         self.held_bytes
     }
 
-    /// The connection whose backlog holds the most, while all together hold more than `cap`
-    /// (the caller drops it and closes the connection, as the listener does with the one
-    /// buffering the most).
+    /// While all backlogs together hold more than `cap`: of the host whose backlogs hold the
+    /// most, the connection holding the most (the caller drops it and closes the connection,
+    /// as the listener does with the one buffering the most). By host first, so a host's many
+    /// connections cannot make another host's one large message the heaviest.
     pub(crate) fn over(&self, cap: usize) -> Option<ConnId> {
         if self.held_bytes <= cap {
             return None;
         }
+        let mut by_host: HashMap<IpAddr, usize> = HashMap::new();
+        for backlog in self.backlogs.values() {
+            *by_host.entry(backlog.source).or_default() += backlog.bytes;
+        }
+        let (host, _) = by_host
+            .into_iter()
+            .max_by_key(|(host, bytes)| (*bytes, std::cmp::Reverse(*host)))?;
         self.backlogs
             .iter()
+            .filter(|(_, b)| b.source == host)
             .max_by_key(|(conn, b)| (b.bytes, std::cmp::Reverse(**conn)))
             .map(|(conn, _)| *conn)
     }
@@ -403,6 +412,33 @@ mod tests {
         assert_eq!(d.held_bytes(), 2 * small.len() + next.len());
         assert!(d.forget(1).is_empty());
         assert_eq!(d.held_bytes(), 0);
+    }
+
+    #[test]
+    fn the_heaviest_host_gives_up_a_connection_before_a_lighter_host_its_one_large_message() {
+        let (flood, honest): (IpAddr, IpAddr) = ([127, 0, 0, 2].into(), [127, 0, 0, 3].into());
+        let (_, small) = lookup(2_000);
+        let (_, large) = lookup(6_000);
+        let mut d = Decodes::default();
+        d.start(
+            9,
+            peer(honest),
+            honest,
+            large.clone(),
+            DecodeLimits::default(),
+        );
+        for conn in 1..=4 {
+            d.start(
+                conn,
+                peer(flood),
+                flood,
+                small.clone(),
+                DecodeLimits::default(),
+            );
+        }
+        // The honest connection holds the most of any one; the flood's host more in all.
+        assert!(large.len() > small.len() && 4 * small.len() > large.len());
+        assert_eq!(d.over(d.held_bytes() - 1), Some(1));
     }
 
     #[test]

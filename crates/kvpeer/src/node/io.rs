@@ -50,9 +50,19 @@ use super::decodes::{Decoded, Decodes, EXPENSIVE_PAYLOAD};
 const DECODE_TIME_PER_STEP: Duration = Duration::from_micros(100);
 
 /// The payloads in decoding and what waits behind them may hold together this many messages
-/// of the largest size (`DecodeLimits::max_payload_bytes`: 128 MiB by default), the bound the
-/// control channel sets on partial messages.
+/// of the largest size (`DecodeLimits::max_payload_bytes`, 16 MiB by default: 128 MiB), the
+/// bound the control channel sets on partial messages.
 const DECODE_HELD_MESSAGES: usize = 8;
+
+/// The inbound connection an event of the channel's is about (none for a peer's loss).
+fn event_conn(event: &ChannelEvent) -> Option<ConnId> {
+    match event {
+        ChannelEvent::Payload { conn, .. } | ChannelEvent::InboundClosed { conn, .. } => {
+            Some(*conn)
+        }
+        ChannelEvent::Lost { .. } => None,
+    }
+}
 
 /// Why a `connect` is refused before the protocol sees it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -122,6 +132,9 @@ pub struct NodeIo<P: Parent = BlockStore> {
     keep_outbound: Option<PeerId>,
     /// Large payloads decoded a slice at a time, and what their connections sent after them.
     decodes: Decodes,
+    /// Inbound connections the node closed while handling this round's events (their later
+    /// events in the round are dropped).
+    closed_this_round: HashSet<ConnId>,
 }
 
 /// What waits for one peer's challenge: since when, and the messages in order.
@@ -209,6 +222,7 @@ impl<P: Parent> NodeIo<P> {
             close_after_held: HashSet::new(),
             keep_outbound: None,
             decodes: Decodes::default(),
+            closed_this_round: HashSet::new(),
         }
     }
 
@@ -513,12 +527,18 @@ impl<P: Parent> NodeIo<P> {
             }
         }
         for event in events {
+            if event_conn(&event).is_some_and(|conn| self.closed_this_round.contains(&conn)) {
+                // The node closed its connection earlier in this round: what it delivered
+                // with it is dropped, as the listener would have had it not been read yet.
+                continue;
+            }
             // What a connection sent after a payload still in decoding waits behind it.
             let bound = &self.bound;
             if let Some(event) = self.decodes.hold(event, |peer| bound.get(peer).copied()) {
                 self.on_event(now, event);
             }
         }
+        self.closed_this_round.clear();
         self.decode_slices(now);
         self.release_held(now);
         self.core.handle_data_plane(now);
@@ -665,18 +685,23 @@ impl<P: Parent> NodeIo<P> {
     /// Closes inbound connection `conn`; nothing it sent that waits here is handled (a loss
     /// of its peer held behind it still is).
     fn close_inbound(&mut self, now: Instant, conn: ConnId) {
-        let lost = self.decodes.forget(conn);
         self.channel.close_inbound(conn);
-        for event in lost {
-            self.on_event(now, event);
-        }
+        self.closed_here(now, conn);
     }
 
     /// Refuses inbound connection `conn` with `reason` (as [`NodeIo::close_inbound`]).
     fn refuse_inbound(&mut self, now: Instant, conn: ConnId, reason: &str) {
-        let lost = self.decodes.forget(conn);
         self.channel.refuse_inbound(conn, reason);
-        for event in lost {
+        self.closed_here(now, conn);
+    }
+
+    /// The node closed inbound connection `conn` (the channel reports no close it was asked
+    /// for): it speaks for no peer any more, what it sent that waits here or comes later in
+    /// this round is dropped, and a loss of its peer held behind it is handled.
+    fn closed_here(&mut self, now: Instant, conn: ConnId) {
+        self.bound.retain(|_, bound| *bound != conn);
+        self.closed_this_round.insert(conn);
+        for event in self.decodes.forget(conn) {
             self.on_event(now, event);
         }
     }
