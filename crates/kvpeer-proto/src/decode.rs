@@ -429,21 +429,13 @@ impl ListRead {
         }
     }
 
-    /// Bytes its elements take so far (what was allocated for them, not what their header
-    /// claims).
+    /// Bytes allocated for its elements: the whole list's room once its header was read.
     pub(crate) fn held_bytes(&self) -> usize {
         self.items.held_bytes()
     }
 
     /// Hands what was read (or the error reading it gave) to step 3.
-    pub(crate) fn finish(mut self, result: Result<(), DecodeError>, prebuilt: &mut Prebuilt) {
-        // Reserved a step at a time, the list may have grown past its length: the message
-        // keeps what it needs, as a whole decode's does.
-        match &mut self.items {
-            ListItems::Keys(v) => v.shrink_to_fit(),
-            ListItems::Uints(v) => v.shrink_to_fit(),
-            ListItems::Bools(v) => v.shrink_to_fit(),
-        }
+    pub(crate) fn finish(self, result: Result<(), DecodeError>, prebuilt: &mut Prebuilt) {
         match self.items {
             ListItems::Keys(v) => prebuilt.keys = Some(result.map(|()| v)),
             ListItems::Uints(v) => prebuilt.uints = Some(result.map(|()| v)),
@@ -654,6 +646,15 @@ impl<'t, 'a> Fields<'t, 'a> {
             Some(next) => next,
             None => {
                 let (r, len) = self.list(list.name)?;
+                // Room for the whole list at once, as a whole decode takes it (its length was
+                // checked against the limit and the payload): growing it a step at a time
+                // would copy it as it doubles. The caller counts this room as held
+                // ([`ListRead::held_bytes`]) from this step on.
+                match &mut list.items {
+                    ListItems::Keys(v) => v.reserve_exact(len),
+                    ListItems::Uints(v) => v.reserve_exact(len),
+                    ListItems::Bools(v) => v.reserve_exact(len),
+                }
                 (r.position(), len)
             }
         };
@@ -666,15 +667,6 @@ impl<'t, 'a> Fields<'t, 'a> {
             ListItems::Uints(v) => v.len(),
             ListItems::Bools(v) => v.len(),
         };
-        // Room for this step's elements only: what a list holds grows with what was read of
-        // it, not with what its header claims (many payloads in decoding at once would
-        // otherwise each hold their whole list from the first step).
-        let room = (len - index).min(*budget);
-        match &mut list.items {
-            ListItems::Keys(v) => v.reserve(room),
-            ListItems::Uints(v) => v.reserve(room),
-            ListItems::Bools(v) => v.reserve(room),
-        }
         while index < len && *budget > 0 {
             *budget -= 1;
             let token = r.next_token()?;

@@ -57,8 +57,9 @@ impl SlicedDecode {
     }
 
     /// Bytes this decode holds now: the payload twice (itself, and the bytes of keys too long
-    /// to be held inline, which come from it) and the list elements read so far. It grows
-    /// with each step, up to the message's own size when decoding ends.
+    /// to be held inline, which come from it) and the room of each list whose header was read
+    /// (reserved whole then, as a whole decode does: a list's header is checked against the
+    /// limit and the payload, but a list of empty keys decodes to about 24 times its bytes).
     pub fn held_bytes(&self) -> usize {
         self.payload.capacity().saturating_mul(2)
             + self.lists.iter().map(ListRead::held_bytes).sum::<usize>()
