@@ -14,9 +14,7 @@
 //!    plus the stricter checks kvpeer adds (bool is not an int, keys are bin); a failure is a
 //!    **protocol error** naming the field.
 
-use crate::error::{
-    DecodeError, FieldError, FieldPath, IgnoredReason, MsgpackError, ProtocolError,
-};
+use crate::error::{DecodeError, FieldError, FieldPath, IgnoredReason, ProtocolError};
 use std::cell::RefCell;
 
 use crate::limits::DecodeLimits;
@@ -145,16 +143,7 @@ impl Walk {
             let stage = std::mem::replace(&mut self.stage, WalkStage::Done);
             self.stage = match stage {
                 WalkStage::Start => {
-                    if payload.len() > limits.max_payload_bytes {
-                        return Err(MsgpackError {
-                            offset: 0,
-                            kind: crate::error::MsgpackErrorKind::TooLarge {
-                                size: payload.len(),
-                                limit: limits.max_payload_bytes,
-                            },
-                        }
-                        .into());
-                    }
+                    limits.check_size(payload)?;
                     if *budget == 0 {
                         self.stage = WalkStage::Start;
                         return Ok(false);
@@ -374,6 +363,15 @@ enum ListItems {
 }
 
 impl ListItems {
+    /// Elements read so far.
+    fn len(&self) -> usize {
+        match self {
+            ListItems::Keys(v) => v.len(),
+            ListItems::Uints(v) => v.len(),
+            ListItems::Bools(v) => v.len(),
+        }
+    }
+
     /// Bytes allocated for the elements (a key longer than its inline room holds its bytes
     /// on the heap too: at most its own size in the payload, which the caller counts).
     fn held_bytes(&self) -> usize {
@@ -662,11 +660,7 @@ impl<'t, 'a> Fields<'t, 'a> {
             .and_then(|slot| self.top.slots[slot])
             .unwrap_or_default();
         let mut r = Reader::at(raw, pos);
-        let mut index = match &list.items {
-            ListItems::Keys(v) => v.len(),
-            ListItems::Uints(v) => v.len(),
-            ListItems::Bools(v) => v.len(),
-        };
+        let mut index = list.items.len();
         while index < len && *budget > 0 {
             *budget -= 1;
             let token = r.next_token()?;

@@ -33,6 +33,20 @@ impl DecodeLimits {
     /// Nesting every message needs: the top-level map and a list inside it.
     pub const MIN_DEPTH: usize = 2;
 
+    /// Refuses a payload longer than `max_payload_bytes`, before anything of it is read.
+    pub(crate) fn check_size(&self, payload: &[u8]) -> Result<(), crate::error::MsgpackError> {
+        if payload.len() > self.max_payload_bytes {
+            return Err(crate::error::MsgpackError {
+                offset: 0,
+                kind: crate::error::MsgpackErrorKind::TooLarge {
+                    size: payload.len(),
+                    limit: self.max_payload_bytes,
+                },
+            });
+        }
+        Ok(())
+    }
+
     /// The nesting limit in force: `max_depth` kept between [`Self::MIN_DEPTH`] (below it no
     /// message could decode) and [`Self::MAX_DEPTH_CEILING`].
     pub fn effective_max_depth(&self) -> usize {

@@ -41,15 +41,7 @@ impl Value {
     /// Decodes one whole payload (no trailing bytes) under `limits`.
     pub fn decode(payload: &[u8], limits: &DecodeLimits) -> Result<Value, MsgpackError> {
         let max_depth = limits.effective_max_depth();
-        if payload.len() > limits.max_payload_bytes {
-            return Err(MsgpackError {
-                offset: 0,
-                kind: crate::error::MsgpackErrorKind::TooLarge {
-                    size: payload.len(),
-                    limit: limits.max_payload_bytes,
-                },
-            });
-        }
+        limits.check_size(payload)?;
         // Check first, build second: the build may then recurse, since the depth is bounded.
         let mut check = Reader::new(payload);
         check.skip_value(0, max_depth)?;

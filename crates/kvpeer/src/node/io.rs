@@ -562,12 +562,6 @@ impl<P: Parent> NodeIo<P> {
                 source,
                 payload,
             } => {
-                if payload.len() >= EXPENSIVE_PAYLOAD && self.core.has_transmits() {
-                    // Answers to the cheap messages handled before this one (the round reads
-                    // them first: an honest consumer's lookup) leave before its decoding, not
-                    // after.
-                    self.flush(now);
-                }
                 // What handling it costs this thread is charged to its connection: the channel
                 // gives each connection about the same time per round.
                 let started = Instant::now();
@@ -617,6 +611,11 @@ impl<P: Parent> NodeIo<P> {
     /// decoding ends is handled, and then what its connection sent after it, in order, up to
     /// its next large payload.
     fn decode_slices(&mut self, now: Instant) {
+        if !self.decodes.is_empty() && self.core.has_transmits() {
+            // Answers to this round's cheap messages (the round reads them first: an honest
+            // consumer's lookup) leave before the decoding work, not after.
+            self.flush(now);
+        }
         let started = Instant::now();
         while let Some(conn) = self.decodes.next_turn() {
             let slice = Instant::now();
