@@ -22,6 +22,8 @@
 #      by tests/real_engine/setup.sh under the same cache, about 5 GB).
 #      Then the fleet (crates/kvpeer/tests/fleet.rs, feature `fleet`): nodes on hosts made of
 #      network namespaces, each with its own address, /dev/shm and /etc/hosts (needs root).
+#      Then the container image (crates/kvpeer/tests/container.rs, feature `container`): built
+#      from the repository by deploy/container/build.sh and run with podman.
 #   2. Fresh vectors from random values, made with msgspec (the encoder vLLM uses) by
 #      tests/vectors/gen_vectors.py, through the same two vector suites. The seed is printed;
 #      KVPEER_VECTOR_SEED=N repeats a run.
@@ -75,6 +77,12 @@ KVPEER_INTEROP_PYTHONPATH="$KVPEER_INTEROP_PYTHONPATH_034" \
 # which CI has: the suite fails, never skips, when they cannot be made).
 echo "== the fleet: nodes on several hosts made of network namespaces (cargo feature fleet)"
 cargo test -p kvpeer --features fleet,python-peers --test fleet
+
+# The container image (feature container; needs podman, and runc where crun cannot run: the
+# suite fails, never skips, without them): built by deploy/container/build.sh from the binary
+# under test, run as docs/deploying.md runs it.
+echo "== the container image: deploy/container, run with podman (cargo feature container)"
+cargo test -p kvpeer --features container --test container
 
 # The nixl plane is a cargo feature (bindgen needs libclang: Debian's libclang-dev).
 echo "== the nixl plane: kvpeer and vLLM's NixlTransport over NIXL/UCX (cargo feature nixl)"

@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 
 mod common;
-use common::{field, free_port, http_get, num, Proc, BIN};
+use common::{field, free_port, http_get, num, set_key, Proc, BIN};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -23,24 +23,6 @@ fn unit_setting<'a>(unit: &'a str, key: &str) -> &'a str {
     unit.lines()
         .find_map(|l| l.strip_prefix(&format!("{key}=")))
         .unwrap_or_else(|| panic!("deploy/kvpeer.service has no {key}="))
-}
-
-/// `toml` with the line `key = ...` replaced by `key = value` (the key must be there, set).
-fn set_key(toml: &str, key: &str, value: &str) -> String {
-    let mut found = false;
-    let out: Vec<String> = toml
-        .lines()
-        .map(|l| {
-            if l.split('=').next().map(str::trim) == Some(key) && !l.starts_with('#') {
-                found = true;
-                format!("{key} = {value}")
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    assert!(found, "deploy/kvpeer.toml sets no {key}");
-    out.join("\n")
 }
 
 #[test]

@@ -340,3 +340,22 @@ pub(crate) fn ticks_over(pid: u32, window: Duration) -> Vec<(String, u64)> {
         })
         .collect()
 }
+
+/// `toml` with the line `key = ...` replaced by `key = value` (the key must be there, set,
+/// not commented out): deploy/kvpeer.toml made to fit a test's machine.
+pub(crate) fn set_key(toml: &str, key: &str, value: &str) -> String {
+    let mut found = false;
+    let out: Vec<String> = toml
+        .lines()
+        .map(|l| {
+            if l.split('=').next().map(str::trim) == Some(key) && !l.starts_with('#') {
+                found = true;
+                format!("{key} = {value}")
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect();
+    assert!(found, "the file sets no {key}");
+    out.join("\n")
+}
