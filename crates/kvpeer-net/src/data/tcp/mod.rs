@@ -63,6 +63,7 @@
 //! ([`PoolWriter`]). The plane never maps the pool itself, so it works the same on a shm pool
 //! and on an engine's own memory ([`kvpeer_store::Pool::external`]).
 
+mod acks;
 mod error;
 mod receiver;
 mod sender;

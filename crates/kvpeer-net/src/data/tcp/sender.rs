@@ -47,8 +47,9 @@ use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
 use tracing::{debug, warn};
 
+use super::acks::{Ack, AckTurn, AckViolation};
 use super::error::TcpFault;
-use super::wire::{self, ACK_LEN};
+use super::wire;
 use super::{abort, close, Counters, Ends, Sent, TcpPlane, KEY_LEN, WRITE_STALL_TIMEOUT};
 use crate::data::shm::Wake;
 use crate::io::poller::{Poller, Ready, Token};
@@ -225,16 +226,9 @@ struct Conn {
     writable: bool,
     /// The HELLO, then WRITEs, one at a time.
     out: VecDeque<Frame>,
-    /// An ACK's bytes read so far.
-    ack: [u8; ACK_LEN],
-    ack_len: usize,
-    /// WRITEs whose last byte left on this connection and that await their ACK, oldest
-    /// first. An honest receiver ACKs a WRITE only once it read all of it, and in the order
-    /// they came: an ACK that is not for the front of this queue is a lie. Counting a WRITE
-    /// only once it has left matters: its blocks are still read while it is being sent, and
-    /// an early ACK would let the core unpin them (and reuse them for another request's
-    /// data) under the rest of the frame.
-    unacked: VecDeque<TransferId>,
+    /// The WRITEs whose last byte left on this connection, awaiting their ACK, and the ACK
+    /// being read: which ACK may count next (`acks.rs`).
+    acks: AckTurn,
     /// When bytes last left (or a frame was queued onto an idle connection).
     progressed: Instant,
 }
@@ -764,9 +758,7 @@ impl Sender {
             readable: false,
             writable: true,
             out,
-            ack: [0; ACK_LEN],
-            ack_len: 0,
-            unacked: VecDeque::new(),
+            acks: AckTurn::default(),
             progressed: now,
         });
         link.conn_open = true;
@@ -827,7 +819,7 @@ impl Sender {
                     }
                     if frame.written >= total {
                         if let Some(tid) = frame.tid {
-                            c.unacked.push_back(tid);
+                            c.acks.left(tid);
                         }
                         c.out.pop_front();
                     }
@@ -929,41 +921,27 @@ impl Sender {
                 break;
             }
             reads += 1;
-            match (&c.stream).read(&mut c.ack[c.ack_len..]) {
+            match (&c.stream).read(c.acks.room()) {
                 Ok(0) => {
                     ended = true;
                     break;
                 }
                 Ok(n) => {
-                    c.ack_len += n;
-                    if c.ack_len == ACK_LEN {
-                        match wire::decode_ack(&c.ack) {
-                            Ok((tid, true)) if c.unacked.front() == Some(&tid) => {
-                                c.unacked.pop_front();
-                                acks.push((tid, true));
-                            }
-                            // A refusal comes as soon as the receiver read the WRITE's header:
-                            // for the oldest WRITE sent or the one being sent.
-                            Ok((tid, false))
-                                if c.unacked.front() == Some(&tid)
-                                    || (c.unacked.is_empty()
-                                        && c.out.front().is_some_and(|f| f.tid == Some(tid))) =>
-                            {
-                                c.unacked.pop_front();
-                                acks.push((tid, false));
-                            }
-                            // Not in turn: early (before its WRITE's last byte left), for
-                            // another connection's transfer, repeated, or one too many.
-                            Ok((tid, _)) => {
-                                excess = Some(tid);
-                                break;
-                            }
-                            Err(_) => {
-                                ended = true;
-                                break;
-                            }
+                    let being_sent = c.out.front().and_then(|f| f.tid);
+                    match c.acks.filled(n, being_sent) {
+                        Ok(None) => {}
+                        Ok(Some(Ack::Written(tid))) => acks.push((tid, true)),
+                        Ok(Some(Ack::Refused(tid))) => acks.push((tid, false)),
+                        // Not in turn: early (before its WRITE's last byte left), for
+                        // another connection's transfer, repeated, or one too many.
+                        Err(AckViolation::OutOfTurn(tid)) => {
+                            excess = Some(tid);
+                            break;
                         }
-                        c.ack_len = 0;
+                        Err(AckViolation::NotAnAck) => {
+                            ended = true;
+                            break;
+                        }
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
