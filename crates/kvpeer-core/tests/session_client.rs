@@ -118,7 +118,14 @@ fn a_failed_registration_rejects_the_peer_with_disconnect() {
     );
     m.data_plane();
     let sent = m.take_sent();
-    assert_eq!(sent.last(), Some(&Message::DISCONNECT));
+    // The disconnect tells a kvpeer peer why (`kvpeer_reason`; a vLLM peer skips the field).
+    match sent.last() {
+        Some(Message::Disconnect(d)) => assert_eq!(
+            d.kvpeer_reason.as_deref(),
+            Some("my data plane will not take your memory: no route")
+        ),
+        other => panic!("no disconnect: {other:?}"),
+    }
     assert!(!sent.iter().any(|x| is_type(x, MessageType::ConnectAck)));
     assert!(m.closed().unwrap().contains("registration failed"));
     assert!(m.core.session_state(&peer).is_none());

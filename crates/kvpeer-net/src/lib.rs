@@ -17,6 +17,7 @@ pub mod control;
 pub mod data;
 pub mod events;
 mod io;
+pub mod tls;
 pub mod zmtp;
 
 /// Locks `m`; a poisoned lock only means a plane thread panicked, and the bookkeeping it guards

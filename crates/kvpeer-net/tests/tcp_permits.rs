@@ -159,3 +159,48 @@ fn a_writer_sees_its_transfers_fail_when_the_receiver_dies() {
         "no new writes to a faulted peer"
     );
 }
+
+/// A peer registered again (a new `connect` while its link stands) stays writable: the sender
+/// thread's replacing of the link once removed the plane's record of the new one, and every
+/// write to that peer was then refused at once.
+#[test]
+fn a_peer_registered_again_while_linked_stays_writable() {
+    let (rx_store, tx_store) = (pool("again-rx"), pool("again-tx"));
+    let mut rx = plane("10.0.0.1:5710", &rx_store, TcpLimits::default());
+    let mut tx = plane("10.0.0.2:5710", &tx_store, TcpLimits::default());
+    let receiver = PeerId::new("10.0.0.1:5710");
+    let writer = PeerId::new("10.0.0.2:5710");
+    for round in 0..3u64 {
+        let memory = RemoteMemory {
+            agent_metadata: rx.connect_metadata(&writer, None, &advertised(&rx)),
+            base_addr: 0,
+            num_blocks: BLOCKS,
+            block_len: LEN,
+        };
+        tx.add_remote_peer(&receiver, &memory).unwrap();
+        for _ in 0..400 {
+            if tx.registration(&receiver) != Registration::Pending {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Two writes per registration: the second comes after the sender thread took the
+        // registration's commands.
+        for b in [round * 2, round * 2 + 1] {
+            rx.expect_writes(&writer, &[BlockIndex::new(b)]);
+            let tid = tx
+                .write_blocks(&receiver, &[BlockIndex::new(b)], &[BlockIndex::new(b)])
+                .unwrap_or_else(|| panic!("round {round}: block {b} refused"));
+            let mut done = Vec::new();
+            for _ in 0..400 {
+                done.extend(tx.poll(&receiver).done);
+                if !done.is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(done, vec![tid], "round {round}, block {b}");
+            rx.end_writes(&writer, &[BlockIndex::new(b)]);
+        }
+    }
+}

@@ -464,7 +464,16 @@ impl Session {
             }
             Registration::Failed(e) => {
                 crate::warn_throttled!(cx.out.throttle, cx.now, "peer registration failed; rejecting peer", peer = %self.link.peer, error = %e);
-                self.disconnect(cx.out, cx.now, CloseReason::RegistrationFailed(e));
+                // The refused peer is told why, as for a refused `connect` (`kvpeer_reason`:
+                // a vLLM peer skips it), e.g. that it offers no TLS where TLS is required.
+                let told = Disconnect {
+                    kvpeer_reason: Some(format!("my data plane will not take your memory: {e}")),
+                };
+                if !self.is_dead() {
+                    self.link
+                        .send_now(cx.out, cx.now, Message::Disconnect(told));
+                }
+                self.mark_dead(CloseReason::RegistrationFailed(e));
             }
         }
     }

@@ -2,13 +2,16 @@
 //!
 //! ```text
 //! {"agent": "<node name>", "shm": "<POSIX shm object name>", "shm_token": <bin 32>,
-//!  "shm_epoch": <uint32>, "tcp": "<host>:<port>", "tcp_key": <bin 32>}
+//!  "shm_epoch": <uint32>, "tcp": "<host>:<port>", "tcp_key": <bin 32>, "tcp_tls": true}
 //! ```
 //!
 //! `shm_epoch` (a consumer's, fresh per `connect`) says its pool has fence words in the object
 //! `<shm>.fence` and that a writer must take each block's word for this epoch before copying
 //! into it (kvpeer_store::fence); a peer that sends none (kvpeer's Python test transport) gets
 //! plain copies.
+//!
+//! `tcp_tls` (only ever `true`, and absent otherwise) says the tcp listener takes TLS 1.3 with
+//! mutual authentication (crate::tls): a writer whose node uses TLS connects with it.
 //!
 //! `shm` and `tcp` are each optional; unknown keys are ignored so later planes can be added.
 //! A writer uses `shm` when it can open the peer's object (same host), else `tcp`.
@@ -33,6 +36,8 @@ pub struct AgentMetadata {
     pub tcp_key: Option<Vec<u8>>,
     /// The epoch of the sender's fence words for this session (see the module doc).
     pub shm_epoch: Option<u32>,
+    /// Its tcp listener takes TLS (see the module doc).
+    pub tcp_tls: bool,
 }
 
 /// `agent_metadata` that is not kvpeer's map.
@@ -63,6 +68,9 @@ impl AgentMetadata {
         }
         if let Some(key) = &self.tcp_key {
             entries.push((Value::Str("tcp_key".into()), Value::Bin(key.clone())));
+        }
+        if self.tcp_tls {
+            entries.push((Value::Str("tcp_tls".into()), Value::Bool(true)));
         }
         // A map of three short strs is far below every msgpack length limit.
         Value::Map(entries).encode().unwrap_or_default()
@@ -100,8 +108,14 @@ impl AgentMetadata {
             ),
             Some(_) => return Err(MetadataError("\"shm_epoch\" is not a uint32".into())),
         };
+        let tcp_tls = match value.get("tcp_tls") {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(MetadataError("\"tcp_tls\" is not a bool".into())),
+        };
         Ok(AgentMetadata {
             shm_epoch,
+            tcp_tls,
             agent: text("agent")?.unwrap_or_default(),
             shm: text("shm")?,
             tcp: text("tcp")?,
@@ -124,8 +138,13 @@ mod tests {
             shm_token: Some(vec![7; 32]),
             tcp_key: Some(vec![9; 32]),
             shm_epoch: Some(u32::MAX),
+            tcp_tls: true,
         };
         assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m));
+        assert!(
+            AgentMetadata::decode(b"\x81\xa7tcp_tls\x01").is_err(),
+            "not a bool"
+        );
         let bare = AgentMetadata {
             agent: "n2".into(),
             ..Default::default()

@@ -221,6 +221,14 @@ declare_keys! {
     shm_allow_replayable_tokens = "false";
     /// file holding the shared secret of the authenticated handshake (unset: off)
     auth_secret_file;
+    /// TLS 1.3 with mutual authentication on the tcp data plane: off, preferred (with every peer that offers it, plaintext with one that does not) or required (refuses plaintext; needs tls_cert, tls_key and tls_ca)
+    tls = "off";
+    /// PEM file of this node's certificate chain for TLS (its own first, naming the node's IP address as a subject alternative name); reread when it changes
+    tls_cert;
+    /// PEM file of this node's private key for TLS (PKCS#8, PKCS#1 or SEC1); reread when it changes
+    tls_key;
+    /// PEM file of the certificate authorities whose peers TLS trusts; reread when it changes
+    tls_ca;
     /// pool node: engines' KV event streams to follow, EVENTS=PEER or EVENTS,REPLAY=PEER (bind:EVENTS to accept a PUB that connects); `;` between several
     follow;
     /// pool node: engines that must hold a key before it is pulled

@@ -30,6 +30,7 @@ use crate::node::build::{NixlOptions, NodeSpec};
 use crate::node::plane::PlaneKind;
 use kvpeer_core::CoreConfig;
 use kvpeer_net::control::{ControlConfig, SiblingGroup};
+use kvpeer_net::tls::{TlsFiles, TlsPolicy};
 use kvpeer_proto::{DecodeLimits, PeerId};
 use pool_node::{endpoint, parse_follow};
 
@@ -412,6 +413,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             bind_identity: s.boolean(&KEY.bind_identity)?,
             shm_allow_replayable_tokens: s.boolean(&KEY.shm_allow_replayable_tokens)?,
             auth_secret: auth_secret(&s)?.map(crate::node::build::AuthSecret::from),
+            tls: tls(&s)?,
             control,
             limits,
             nixl,
@@ -637,6 +639,41 @@ fn allowlist(s: &Values<'_>) -> Result<Allowlist, ConfigError> {
         .filter(|r| !r.trim().is_empty())
         .collect();
     Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e.to_string()))
+}
+
+/// The TLS policy and, where it is on, its three files (each needed: named when missing).
+fn tls(s: &Values<'_>) -> Result<Option<crate::node::build::TlsSpec>, ConfigError> {
+    let Some((policy, src)) = s.value(&KEY.tls) else {
+        return Ok(None);
+    };
+    let policy = TlsPolicy::parse(policy.trim()).ok_or_else(|| {
+        bad(
+            src,
+            "tls",
+            format!("{policy:?} is not off, preferred or required"),
+        )
+    })?;
+    if policy == TlsPolicy::Off {
+        return Ok(None);
+    }
+    let file = |key: &Key| -> Result<std::path::PathBuf, ConfigError> {
+        match s.get(key) {
+            Some((path, _)) => Ok(path.into()),
+            None => Err(bad(
+                src,
+                key.name,
+                format!("tls is {:?}, which needs {}", policy.as_str(), key.name),
+            )),
+        }
+    };
+    Ok(Some(crate::node::build::TlsSpec {
+        policy,
+        files: TlsFiles {
+            cert: file(&KEY.tls_cert)?,
+            key: file(&KEY.tls_key)?,
+            ca: file(&KEY.tls_ca)?,
+        },
+    }))
 }
 
 fn auth_secret(s: &Values<'_>) -> Result<Option<Vec<u8>>, ConfigError> {

@@ -87,12 +87,24 @@ pub struct NodeSpec {
     pub shm_allow_replayable_tokens: bool,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
     pub auth_secret: Option<AuthSecret>,
+    /// TLS on the tcp data plane (`None`: off).
+    pub tls: Option<TlsSpec>,
     /// The control channel's socket settings (frame size limit, heartbeats, queue).
     pub control: ControlConfig,
     /// Bounds on decoding a peer's message (size, nesting, keys per message).
     pub limits: DecodeLimits,
     /// The `nixl` plane's settings (used only with that plane).
     pub nixl: NixlOptions,
+}
+
+/// TLS on the tcp data plane: the policy (preferred or required) and the node's PEM files,
+/// read when the node is built and again whenever they change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSpec {
+    /// With peers that offer TLS, or with every peer.
+    pub policy: kvpeer_net::tls::TlsPolicy,
+    /// The certificate, key and trusted authorities.
+    pub files: kvpeer_net::tls::TlsFiles,
 }
 
 /// Settings of the `nixl` data plane.
@@ -123,6 +135,9 @@ pub enum BuildError {
     /// The tcp plane.
     #[error(transparent)]
     Tcp(#[from] TcpError),
+    /// The TLS files (tls_cert, tls_key, tls_ca).
+    #[error(transparent)]
+    Tls(#[from] kvpeer_net::tls::TlsError),
     /// The control channel.
     #[error(transparent)]
     Control(#[from] ControlError),

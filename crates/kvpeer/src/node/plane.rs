@@ -159,7 +159,7 @@ fn shm(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(ShmPlane, AgentMetad
 }
 
 fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetadata), BuildError> {
-    let plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
+    let mut plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
         .with_max_write_rate(spec.tcp_max_write_rate)
         .with_limits(TcpLimits {
             min_write_rate: spec.tcp_min_write_rate,
@@ -167,6 +167,10 @@ fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetad
             max_connections: spec.tcp_max_connections,
             ..TcpLimits::default()
         });
+    if let Some(tls) = &spec.tls {
+        let loaded = kvpeer_net::tls::Tls::load(tls.files.clone())?;
+        plane = plane.with_tls(tls.policy, loaded);
+    }
     // Peers reach the data listener at the identity's host (a wildcard-bound listener's own
     // address, 0.0.0.0, is this host to whoever dials it, never this node).
     let data = PeerAddr::of(&spec.id).map_or_else(

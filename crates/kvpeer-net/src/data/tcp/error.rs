@@ -40,6 +40,12 @@ pub enum TcpRefusal {
     /// No thread could be started to resolve its data address.
     #[error("cannot start a resolver thread: {0}")]
     NoResolver(std::io::ErrorKind),
+    /// This node's policy is `tls = "required"` and the peer offers no TLS on its tcp plane.
+    #[error(
+        "the peer offers no TLS on its tcp plane and this node's tls is \"required\" (give the \
+         peer tls_cert, tls_key and tls_ca, or set tls = \"preferred\" here)"
+    )]
+    NoTls,
 }
 
 /// Why a peer's link faulted: its transfers fail, and its session winds down.
@@ -115,6 +121,14 @@ pub enum TcpFault {
     /// A write of more blocks than a frame can count.
     #[error("cannot frame a tcp write of {0} blocks")]
     TooManyBlocks(usize),
+    /// TLS with the peer's data listener failed: its certificate (untrusted, expired, not
+    /// naming the address dialed), or a record that did not authenticate.
+    #[error("TLS on the tcp data connection failed: {0}")]
+    Tls(String),
+    /// The link uses TLS and this node has no TLS material (never: such a link is refused at
+    /// registration).
+    #[error("the link uses TLS and this node has no certificate")]
+    NoTls,
 }
 
 fn verb(again: bool) -> &'static str {

@@ -88,11 +88,43 @@ use tracing::{debug, warn};
 use crate::data::metadata::AgentMetadata;
 use crate::data::shm::Wake;
 use crate::lock;
+use crate::tls::{Tls, TlsPolicy};
 use receiver::{Gate, ReceiverHandle};
 use sender::{Cmd, Job, SenderHandle, Writer};
 
 /// Bytes of a HELLO key.
 pub const KEY_LEN: usize = 32;
+
+/// The plane's TLS policy and material, set once by [`TcpPlane::with_tls`] and read by the
+/// sender and receiver threads each time they open or accept a connection.
+#[derive(Clone, Default)]
+pub(super) struct TlsSlot(Arc<Mutex<Option<(TlsPolicy, Tls)>>>);
+
+impl TlsSlot {
+    /// The policy (`Off` without TLS material).
+    fn policy(&self) -> TlsPolicy {
+        lock(&self.0).as_ref().map_or(TlsPolicy::Off, |(p, _)| *p)
+    }
+
+    /// The TLS material, where the policy uses it.
+    fn on(&self) -> Option<Tls> {
+        match lock(&self.0).as_ref() {
+            Some((policy, tls)) if *policy != TlsPolicy::Off => Some(tls.clone()),
+            _ => None,
+        }
+    }
+
+    /// A writer's configuration, where TLS is on.
+    fn client(&self) -> Option<Arc<rustls::ClientConfig>> {
+        self.on().map(|tls| tls.client())
+    }
+
+    /// The listener's configuration, where TLS is on.
+    fn server(&self) -> Option<Arc<rustls::ServerConfig>> {
+        self.on().map(|tls| tls.server())
+    }
+}
+
 /// Longest a writer's socket write may make no progress: a receiver that stops reading faults
 /// instead of stalling the writer (and the pins its transfers hold) for good.
 const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -264,6 +296,8 @@ pub struct TcpPlane {
     wake: Wake,
     /// Issued keys and open inbound connections.
     gate: Arc<Mutex<Gate>>,
+    /// TLS: the policy and material both threads use.
+    tls: TlsSlot,
     sender: SenderHandle,
     /// Stops the receiver thread when dropped (after the sender: the field order).
     _receiver: ReceiverHandle,
@@ -300,6 +334,7 @@ impl TcpPlane {
         let counters: Arc<Counters> = Arc::default();
         let gate: Arc<Mutex<Gate>> = Arc::default();
         let linked: Arc<Mutex<HashMap<PeerId, u64>>> = Arc::default();
+        let tls = TlsSlot::default();
         let receiver = receiver::start(
             listener,
             receiver::Shared {
@@ -307,6 +342,7 @@ impl TcpPlane {
                 gate: gate.clone(),
                 limits: limits.clone(),
                 counters: counters.clone(),
+                tls: tls.clone(),
             },
         )
         .map_err(listen_err)?;
@@ -318,6 +354,7 @@ impl TcpPlane {
             counters: counters.clone(),
             wake: wake.clone(),
             linked: linked.clone(),
+            tls: tls.clone(),
         })
         .map_err(listen_err)?;
         Ok(TcpPlane {
@@ -334,9 +371,25 @@ impl TcpPlane {
             counters,
             wake,
             gate,
+            tls,
             sender,
             _receiver: receiver,
         })
+    }
+
+    /// Uses TLS 1.3 with mutual authentication per `policy` (module `crate::tls`): with
+    /// `Preferred` or `Required` the listener takes TLS connections and `connect` says so
+    /// (`tcp_tls`), and this node's writes to a peer that offers TLS use it; `Required` also
+    /// refuses plaintext connections and peers that offer no TLS. Applies to connections opened
+    /// afterwards.
+    pub fn with_tls(self, policy: TlsPolicy, tls: Tls) -> Self {
+        *lock(&self.tls.0) = Some((policy, tls));
+        self
+    }
+
+    /// The TLS policy in force.
+    pub fn tls_policy(&self) -> TlsPolicy {
+        self.tls.policy()
     }
 
     /// Caps the bytes per second written to each peer, so block traffic cannot starve the
@@ -392,7 +445,14 @@ impl TcpPlane {
     /// Links `peer`'s data listener at `addr` (`host:port`) with `key`: done at once for an IP
     /// address (the connection is made at the first write); a host name is resolved first on
     /// a short-lived thread, and the registration waits for it.
-    fn start_link(&mut self, peer: PeerId, addr: String, key: [u8; KEY_LEN], num_blocks: u64) {
+    fn start_link(
+        &mut self,
+        peer: PeerId,
+        addr: String,
+        key: [u8; KEY_LEN],
+        num_blocks: u64,
+        tls: bool,
+    ) {
         let limits = lock(&self.limits).clone();
         let writer = Writer {
             rate: self.max_write_rate,
@@ -426,6 +486,7 @@ impl TcpPlane {
                 addr: socket,
                 key,
                 writer,
+                tls,
             });
             lock(&self.registrations).insert(peer, Registration::Done);
             return;
@@ -458,6 +519,7 @@ impl TcpPlane {
                             addr: socket,
                             key,
                             writer,
+                            tls,
                         });
                         Registration::Done
                     }
@@ -544,7 +606,24 @@ impl DataPlane for TcpPlane {
                 return Ok(());
             }
         };
-        self.start_link(peer.clone(), addr, key, memory.num_blocks);
+        // TLS where both use it; a peer offering none is refused under "required", and taken in
+        // plaintext under "preferred" (an older kvpeer).
+        let tls = match (self.tls.policy(), meta.tcp_tls) {
+            (TlsPolicy::Off, _) => false,
+            (_, true) => true,
+            (TlsPolicy::Preferred, false) => {
+                debug!(%peer, "the peer offers no TLS on its tcp plane; writing to it in plaintext (tls = preferred)");
+                false
+            }
+            (TlsPolicy::Required, false) => {
+                lock(&self.registrations).insert(
+                    peer.clone(),
+                    Registration::Failed(PlaneError::rejected(TcpRefusal::NoTls)),
+                );
+                return Ok(());
+            }
+        };
+        self.start_link(peer.clone(), addr, key, memory.num_blocks, tls);
         Ok(())
     }
 
@@ -690,6 +769,7 @@ impl DataPlane for TcpPlane {
             Counters::bump(&self.counters.key_closes);
         }
         meta.tcp_key = Some(key.to_vec());
+        meta.tcp_tls = self.tls.policy() != TlsPolicy::Off;
         meta.encode()
     }
 }

@@ -42,11 +42,12 @@ use subtle::ConstantTimeEq;
 use tracing::{debug, warn};
 
 use super::wire::{self, WireError, HELLO_START_LEN, WRITE_HEAD_LEN};
-use super::{Counters, TcpLimits, KEY_LEN};
+use super::{Counters, TcpLimits, TlsSlot, KEY_LEN};
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::sockio::{self, Accepted};
 use crate::io::timers::Timers;
 use crate::lock;
+use crate::tls::TlsPolicy;
 
 /// How long the listener rests after `accept` fails (EMFILE and the like) before trying again.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -241,6 +242,11 @@ enum Rx {
 /// An inbound connection.
 struct Conn {
     stream: TcpStream,
+    /// Whether its first byte was looked at: a TLS handshake's (0x16) or a plaintext HELLO's.
+    sniffed: bool,
+    /// Its TLS session, for a connection that opened with one: every read and write goes
+    /// through it, the HELLO first.
+    tls: Option<Box<rustls::Connection>>,
     state: Rx,
     writer: Option<PeerId>,
     /// The current part's deadline (HELLO, idle, frame part, ACK).
@@ -255,6 +261,8 @@ pub(super) struct Shared {
     pub(super) gate: Arc<Mutex<Gate>>,
     pub(super) limits: Arc<Mutex<TcpLimits>>,
     pub(super) counters: Arc<Counters>,
+    /// The plane's TLS policy and material.
+    pub(super) tls: TlsSlot,
 }
 
 /// The core's thread's side of the receiver thread: its wake pipe (to stop it).
@@ -500,6 +508,8 @@ impl Receiver {
             id,
             Conn {
                 stream,
+                sniffed: false,
+                tls: None,
                 state: Rx::Hello {
                     buf: Vec::with_capacity(HELLO_START_LEN),
                     need: HELLO_START_LEN,
@@ -574,9 +584,23 @@ impl Receiver {
 
     fn step(&mut self, id: u64, c: &mut Conn, now: Instant, limits: &TcpLimits) -> Result<(), End> {
         loop {
+            // Records rustls could not send yet (a full socket) go first.
+            if let Some(tls) = &mut c.tls {
+                if c.writable {
+                    match crate::tls::flush(&c.stream, tls) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => c.writable = false,
+                        Err(e) => return Err(End::Broken(format!("TLS: {e}"))),
+                    }
+                }
+            }
             // An ACK waiting to leave comes first (the writer reads them in order).
             if let Rx::Ack { bytes, at } = &mut c.state {
-                match (&c.stream).write(&bytes[*at..]) {
+                let wrote = match &mut c.tls {
+                    Some(tls) => crate::tls::write(&c.stream, tls, &bytes[*at..]),
+                    None => (&c.stream).write(&bytes[*at..]),
+                };
+                match wrote {
                     Ok(n) => *at += n,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {
                         c.writable = false;
@@ -600,19 +624,22 @@ impl Receiver {
             if !c.readable {
                 return Ok(());
             }
+            if !c.sniffed && !self.sniff(c)? {
+                return Ok(());
+            }
             // The buffer this state reads into next.
             let read = match &mut c.state {
                 Rx::Hello { buf, need } | Rx::Indexes { buf, need, .. } => {
                     let at = buf.len();
                     buf.resize(*need, 0);
-                    let r = (&c.stream).read(&mut buf[at..]);
+                    let r = recv(&c.stream, &mut c.tls, &mut buf[at..]);
                     let n = *r.as_ref().unwrap_or(&0);
                     buf.truncate(at + n);
                     r
                 }
                 Rx::Idle => {
                     let mut first = [0u8; 1];
-                    let r = (&c.stream).read(&mut first);
+                    let r = recv(&c.stream, &mut c.tls, &mut first);
                     if matches!(r, Ok(1)) {
                         let mut buf = Vec::with_capacity(4 + WRITE_HEAD_LEN);
                         buf.push(first[0]);
@@ -625,13 +652,13 @@ impl Receiver {
                 Rx::Head { buf } => {
                     let at = buf.len();
                     buf.resize(4 + WRITE_HEAD_LEN, 0);
-                    let r = (&c.stream).read(&mut buf[at..]);
+                    let r = recv(&c.stream, &mut c.tls, &mut buf[at..]);
                     let n = *r.as_ref().unwrap_or(&0);
                     buf.truncate(at + n);
                     r
                 }
                 Rx::Blocks { claim, nth, at, .. } => match claim.block_mut(*nth) {
-                    Some(block) => (&c.stream).read(&mut block[*at..]),
+                    Some(block) => recv(&c.stream, &mut c.tls, &mut block[*at..]),
                     None => return Err(End::Broken(format!("no block {nth} in a claim"))),
                 },
                 Rx::Ack { .. } => continue,
@@ -644,6 +671,10 @@ impl Receiver {
                     return Ok(());
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == ErrorKind::InvalidData && c.tls.is_some() => {
+                    // The writer's certificate (untrusted, expired), or a forged record.
+                    return Err(self.refuse_hello(&c.stream, format!("TLS: {e}")));
+                }
                 Err(e) => return Err(End::Broken(format!("read failed: {e}"))),
             };
             self.advance(id, c, n, now, limits)?;
@@ -710,6 +741,15 @@ impl Receiver {
                     let hello = wire::decode_hello(buf)
                         .map_err(|e| self.refuse_hello(&c.stream, e.to_string()))?;
                     let (writer, key) = (PeerId::new(hello.writer), hello.key);
+                    // Over TLS the writer's certificate must name the address it speaks for.
+                    if let Some(tls) = &c.tls {
+                        if !certificate_names(tls, &writer) {
+                            return Err(self.refuse_hello(
+                                &c.stream,
+                                format!("{writer}: its TLS certificate does not name its address"),
+                            ));
+                        }
+                    }
                     let authenticated = lock(&self.shared.gate).authenticate(id, &writer, &key);
                     match authenticated {
                         Some(replaced) => {
@@ -817,7 +857,7 @@ impl Receiver {
     fn claim(
         &mut self,
         id: u64,
-        c: &Conn,
+        c: &mut Conn,
         tid: TransferId,
         writer: &PeerId,
         indexes: &[BlockIndex],
@@ -837,12 +877,89 @@ impl Receiver {
     }
 
     /// Refuses transfer `tid` (ACK 1, best effort) and ends the connection.
-    fn refuse(&self, c: &Conn, tid: TransferId, why: String) -> End {
+    fn refuse(&self, c: &mut Conn, tid: TransferId, why: String) -> End {
         let writer = c.writer.clone().unwrap_or_default();
         if let Some(suppressed) = crate::admit_warning("refusing a tcp write") {
             warn!(%writer, tid = tid.get(), %why, suppressed, "refusing a tcp write");
         }
-        let _ = (&c.stream).write(&wire::encode_ack(tid, false));
+        let refusal = wire::encode_ack(tid, false);
+        let _ = match &mut c.tls {
+            Some(tls) => crate::tls::write(&c.stream, tls, &refusal),
+            None => (&c.stream).write(&refusal),
+        };
         End::Broken(why)
+    }
+
+    /// Looks at a new connection's first byte, left in the socket: a TLS handshake record
+    /// (0x16) starts a TLS session where this node's policy takes TLS; anything else is read
+    /// as a plaintext HELLO where it takes plaintext. `Ok(false)`: no byte yet.
+    fn sniff(&self, c: &mut Conn) -> Result<bool, End> {
+        let mut first = [0u8; 1];
+        loop {
+            match recv_peek(&c.stream, &mut first) {
+                Ok(0) => return Err(self.ended(c)),
+                Ok(_) => break,
+                Err(nix::errno::Errno::EAGAIN) => {
+                    c.readable = false;
+                    return Ok(false);
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(End::Broken(format!("read failed: {e}"))),
+            }
+        }
+        const TLS_HANDSHAKE: u8 = 0x16;
+        let policy = self.shared.tls.policy();
+        if first[0] == TLS_HANDSHAKE {
+            let Some(config) = self.shared.tls.server() else {
+                return Err(self.refuse_hello(
+                    &c.stream,
+                    "a TLS connection, and this node's tls is \"off\"".into(),
+                ));
+            };
+            let session = rustls::ServerConnection::new(config)
+                .map_err(|e| End::Broken(format!("TLS: {e}")))?;
+            c.tls = Some(Box::new(rustls::Connection::Server(session)));
+        } else if policy == TlsPolicy::Required {
+            return Err(self.refuse_hello(
+                &c.stream,
+                "a plaintext connection, and this node's tls is \"required\"".into(),
+            ));
+        }
+        c.sniffed = true;
+        Ok(true)
+    }
+}
+
+/// Reads from a connection, through its TLS session where it has one.
+fn recv(
+    stream: &TcpStream,
+    tls: &mut Option<Box<rustls::Connection>>,
+    buf: &mut [u8],
+) -> std::io::Result<usize> {
+    match tls {
+        Some(tls) => crate::tls::read(stream, tls, buf),
+        None => (&*stream).read(buf),
+    }
+}
+
+/// Reads bytes without taking them from the socket.
+fn recv_peek(stream: &TcpStream, buf: &mut [u8]) -> nix::Result<usize> {
+    nix::sys::socket::recv(
+        stream.as_raw_fd(),
+        buf,
+        nix::sys::socket::MsgFlags::MSG_PEEK,
+    )
+}
+
+/// Whether the TLS session's peer certificate names the IP address of `writer` (`IP:PORT`).
+fn certificate_names(tls: &rustls::Connection, writer: &PeerId) -> bool {
+    let ip = kvpeer_proto::PeerAddr::parse(writer.as_str())
+        .ok()
+        .and_then(|a| a.socket_addr())
+        .map(|a| a.ip());
+    let cert = tls.peer_certificates().and_then(|certs| certs.first());
+    match (cert, ip) {
+        (Some(cert), Some(ip)) => crate::tls::names_ip(cert, ip),
+        _ => false,
     }
 }

@@ -45,12 +45,13 @@ use std::time::{Duration, Instant};
 use kvpeer_core::{BlockIndex, TransferId};
 use kvpeer_proto::PeerId;
 use kvpeer_store::PoolView;
+use rustls_pki_types::ServerName;
 use tracing::{debug, warn};
 
 use super::acks::{Ack, AckTurn, AckViolation};
 use super::error::TcpFault;
 use super::wire;
-use super::{abort, close, Counters, Ends, Sent, TcpPlane, KEY_LEN, WRITE_STALL_TIMEOUT};
+use super::{abort, close, Counters, Ends, Sent, TcpPlane, TlsSlot, KEY_LEN, WRITE_STALL_TIMEOUT};
 use crate::data::shm::Wake;
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::sockio;
@@ -71,6 +72,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// receiver sends one per WRITE): a peer streaming ACKs cannot hold the thread that writes to
 /// every peer.
 const ACK_READS_PER_DRIVE: usize = 256;
+
+/// Bytes of records a link's TLS session holds unsent at most (its plaintext is encrypted into
+/// them at each write, up to this).
+const TLS_SEND_BUFFER: usize = 1 << 20;
 
 /// Under a byte rate, a link writes once this much (or the rest of its frame) is allowed, so a
 /// paced link wakes the thread about 16 times per MiB, not once per byte.
@@ -105,6 +110,8 @@ pub(super) enum Cmd {
         addr: SocketAddr,
         key: [u8; KEY_LEN],
         writer: Writer,
+        /// Its connections speak TLS (the peer offers it and this node's policy uses it).
+        tls: bool,
     },
     /// `peer` is gone: its link and connection end (`abort`: reset, not closed in order).
     Unlink { peer: PeerId, abort: bool },
@@ -168,6 +175,8 @@ pub(super) struct Shared {
     /// The peers with a link and their pools' blocks (what `write_blocks` checks); a link this
     /// thread drops (a transfer past its deadline) leaves it.
     pub(super) linked: Arc<Mutex<HashMap<PeerId, u64>>>,
+    /// The plane's TLS material, for the links that use it.
+    pub(super) tls: TlsSlot,
 }
 
 /// Starts the sender thread.
@@ -229,6 +238,9 @@ struct Conn {
     /// The WRITEs whose last byte left on this connection, awaiting their ACK, and the ACK
     /// being read: which ACK may count next (`acks.rs`).
     acks: AckTurn,
+    /// Its TLS session, for a link that uses TLS: every frame goes through it, the HELLO
+    /// (with the key) included; nothing but its handshake is written before that is done.
+    tls: Option<Box<rustls::Connection>>,
     /// When bytes last left (or a frame was queued onto an idle connection).
     progressed: Instant,
 }
@@ -254,6 +266,8 @@ struct Link {
     stopped: bool,
     /// A connection of this link has been up before (the next one is a reconnect).
     connected_before: bool,
+    /// Its connections speak TLS.
+    tls: bool,
 }
 
 /// The sender thread's state.
@@ -373,8 +387,9 @@ impl Sender {
                     addr,
                     key,
                     writer,
+                    tls,
                 } => {
-                    self.unlink(&peer, false);
+                    self.unlink(&peer, false, false);
                     let now = Instant::now();
                     self.links.insert(
                         peer.clone(),
@@ -392,10 +407,11 @@ impl Sender {
                             paced_bytes: 0,
                             stopped: false,
                             connected_before: false,
+                            tls,
                         },
                     );
                 }
-                Cmd::Unlink { peer, abort } => self.unlink(&peer, abort),
+                Cmd::Unlink { peer, abort } => self.unlink(&peer, abort, false),
                 Cmd::Job { peer, job } => match self.links.get_mut(&peer).filter(|l| !l.stopped) {
                     Some(link) => {
                         link.jobs.push_back(job);
@@ -418,12 +434,17 @@ impl Sender {
 
     /// Ends `peer`'s link: its connection closes (reset with `abort`), WRITEs awaiting their
     /// ACK on it fail (a fault now would land on the peer's next session), its queued jobs are
-    /// never sent.
-    fn unlink(&mut self, peer: &PeerId, abort_conn: bool) {
+    /// never sent. `own`: this thread drops the link by itself (a transfer past its deadline),
+    /// so the plane's record of it goes too; a link dropped or replaced on the plane's command
+    /// leaves that record to the plane, which already holds the next registration's there
+    /// (removing it here made a peer registered again unwritable).
+    fn unlink(&mut self, peer: &PeerId, abort_conn: bool, own: bool) {
         let Some(link) = self.links.remove(peer) else {
             return;
         };
-        lock(&self.shared.linked).remove(peer);
+        if own {
+            lock(&self.shared.linked).remove(peer);
+        }
         self.timers.set(peer.clone(), None);
         if let Some(c) = &link.conn {
             self.by_conn.remove(&c.id);
@@ -738,6 +759,19 @@ impl Sender {
             }
             Err(None) => return Err(TcpFault::NoSocket(link.addr)),
         };
+        let tls = if link.tls {
+            let config = self.shared.tls.client().ok_or(TcpFault::NoTls)?;
+            // The data listener must prove the address dialed (an IP name in its certificate).
+            let name = ServerName::IpAddress(link.addr.ip().into());
+            let mut session = rustls::ClientConnection::new(config, name)
+                .map_err(|e| TcpFault::Tls(e.to_string()))?;
+            // Records for this much plaintext are made per write, so a block goes out in few
+            // system calls (rustls's default is 64 KiB).
+            session.set_buffer_limit(Some(TLS_SEND_BUFFER));
+            Some(Box::new(rustls::Connection::Client(session)))
+        } else {
+            None
+        };
         let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
         self.poller
             .add(stream.as_fd(), id)
@@ -759,6 +793,7 @@ impl Sender {
             writable: true,
             out,
             acks: AckTurn::default(),
+            tls,
             progressed: now,
         });
         link.conn_open = true;
@@ -780,6 +815,20 @@ impl Sender {
         };
         if c.connecting.is_some() {
             return Ok(false);
+        }
+        if let Some(tls) = &mut c.tls {
+            // What rustls has ready goes first (the handshake's messages, records the socket
+            // did not take); no frame is written before the handshake is done.
+            if c.writable {
+                match crate::tls::flush(&c.stream, tls) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => c.writable = false,
+                    Err(e) => return Err(tls_fault(e)),
+                }
+            }
+            if tls.is_handshaking() {
+                return Ok(false);
+            }
         }
         let mut any = false;
         while c.writable && allowed > 0 {
@@ -807,7 +856,11 @@ impl Sender {
                 &block[at..]
             };
             let slice = &slice[..slice.len().min(allowed)];
-            match (&c.stream).write(slice) {
+            let wrote = match &mut c.tls {
+                Some(tls) => crate::tls::write(&c.stream, tls, slice),
+                None => (&c.stream).write(slice),
+            };
+            match wrote {
                 Ok(0) => return Err(TcpFault::Send(ErrorKind::WriteZero)),
                 Ok(n) => {
                     frame.written += n;
@@ -826,6 +879,9 @@ impl Sender {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => c.writable = false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::InvalidData && c.tls.is_some() => {
+                    return Err(tls_fault(e));
+                }
                 Err(e) => {
                     let untouched = frame.written == 0 && frame.tid.is_some();
                     let tid = frame.tid;
@@ -921,7 +977,11 @@ impl Sender {
                 break;
             }
             reads += 1;
-            match (&c.stream).read(c.acks.room()) {
+            let read = match &mut c.tls {
+                Some(tls) => crate::tls::read(&c.stream, tls, c.acks.room()),
+                None => (&c.stream).read(c.acks.room()),
+            };
+            match read {
                 Ok(0) => {
                     ended = true;
                     break;
@@ -949,6 +1009,11 @@ impl Sender {
                     break;
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                // The handshake failed (the listener's certificate), or a record did not
+                // authenticate: the peer is faulted with the reason.
+                Err(e) if e.kind() == ErrorKind::InvalidData && c.tls.is_some() => {
+                    return Err(tls_fault(e));
+                }
                 Err(_) => {
                     ended = true;
                     break;
@@ -1050,7 +1115,7 @@ impl Sender {
                     "tcp transfer not acknowledged by its deadline; faulting the peer and resetting its data connection");
             }
             TcpPlane::fault(&self.shared.ends, &sent.peer, why, &self.shared.wake);
-            self.unlink(&sent.peer, true);
+            self.unlink(&sent.peer, true, true);
         }
     }
 }
@@ -1065,6 +1130,11 @@ fn pace_allows(link: &Link, now: Instant) -> usize {
     let elapsed = now.saturating_duration_since(link.paced_since);
     let allowed = (elapsed.as_secs_f64() * rate as f64) as u64 + PACE_CHUNK as u64;
     usize::try_from(allowed.saturating_sub(link.paced_bytes)).unwrap_or(usize::MAX)
+}
+
+/// A TLS error of a data connection, with rustls's reason.
+fn tls_fault(e: std::io::Error) -> TcpFault {
+    TcpFault::Tls(e.to_string())
 }
 
 /// The block indexes a WRITE header names (to re-queue a frame that never left).

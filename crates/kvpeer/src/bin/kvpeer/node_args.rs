@@ -89,6 +89,14 @@ pub(crate) struct NodeArgs {
     pub(crate) shm_allow_replayable_tokens: Option<bool>,
     #[arg(long, value_name = "FILE", help = help(&KEY.auth_secret_file))]
     pub(crate) auth_secret_file: Option<std::path::PathBuf>,
+    #[arg(long, value_name = "POLICY", value_parser = ["off", "preferred", "required"], help = help(&KEY.tls))]
+    pub(crate) tls: Option<String>,
+    #[arg(long, value_name = "FILE", help = help(&KEY.tls_cert))]
+    pub(crate) tls_cert: Option<std::path::PathBuf>,
+    #[arg(long, value_name = "FILE", help = help(&KEY.tls_key))]
+    pub(crate) tls_key: Option<std::path::PathBuf>,
+    #[arg(long, value_name = "FILE", help = help(&KEY.tls_ca))]
+    pub(crate) tls_ca: Option<std::path::PathBuf>,
     #[arg(long, value_name = "DIR", help = help_of(
         &format!("{} (e.g. the NIXL wheel's site-packages/.nixl_cu12.mesonpy.libs)", KEY.nixl_lib_dir.help),
         &[&KEY.nixl_lib_dir],
@@ -264,6 +272,10 @@ impl NodeArgs {
             path(&self.auth_secret_file),
             "--auth-secret-file",
         );
+        set(&KEY.tls, self.tls.clone(), "--tls");
+        set(&KEY.tls_cert, path(&self.tls_cert), "--tls-cert");
+        set(&KEY.tls_key, path(&self.tls_key), "--tls-key");
+        set(&KEY.tls_ca, path(&self.tls_ca), "--tls-ca");
         set(
             &KEY.nixl_lib_dir,
             path(&self.nixl_lib_dir),

@@ -1,0 +1,85 @@
+//! Plaintext in and out of a rustls connection over a non-blocking socket, with the same
+//! meaning as `read(2)` and `write(2)` on the socket itself, so a state machine that reads and
+//! writes a plain socket reads and writes a TLS one the same way: `Ok(0)` from [`read`] is the
+//! end of the stream, `WouldBlock` means "not now, the poll will say when".
+//!
+//! Called from the tcp plane's sender and receiver threads, each on sockets it owns; nothing
+//! here blocks. With edge-triggered polling a caller that sees `WouldBlock` waits for the next
+//! event of that direction, so these return it only when the socket itself said so: [`read`]
+//! after the socket had no more bytes, [`write`] and [`flush`] after it took no more. The
+//! handshake runs inside them: [`read`] processes what arrived and sends what rustls answers,
+//! [`write`] and [`flush`] send what it has ready (the client's first flight included).
+
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::TcpStream;
+
+use rustls::Connection;
+
+/// Sends what rustls has ready (handshake messages, records) as far as the socket takes it:
+/// `Ok(())` once nothing is left, `WouldBlock` while the socket is full.
+pub(crate) fn flush(sock: &TcpStream, conn: &mut Connection) -> io::Result<()> {
+    while conn.wants_write() {
+        match conn.write_tls(&mut &*sock) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// [`flush`], where a full socket is no error (what is left goes at the next write or read).
+fn flush_what_fits(sock: &TcpStream, conn: &mut Connection) -> io::Result<()> {
+    match flush(sock, conn) {
+        Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(()),
+        other => other,
+    }
+}
+
+/// Reads plaintext into `buf`: `Ok(0)` at the end of the stream (the peer's close_notify, or
+/// its socket's end without one: a frame cut short is the caller's to see), `WouldBlock` once
+/// the socket has nothing more, and `InvalidData` for a TLS error (a bad certificate, a record
+/// that does not authenticate), after rustls's alert was sent where the socket takes it.
+pub(crate) fn read(sock: &TcpStream, conn: &mut Connection, buf: &mut [u8]) -> io::Result<usize> {
+    let mut ended = false;
+    loop {
+        match conn.reader().read(buf) {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => return Ok(0),
+            Err(e) => return Err(e),
+        }
+        if ended {
+            return Ok(0);
+        }
+        match conn.read_tls(&mut &*sock) {
+            Ok(0) => ended = true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                flush_what_fits(sock, conn)?;
+                return Err(e);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+        if let Err(e) = conn.process_new_packets() {
+            let _ = flush(sock, conn);
+            return Err(io::Error::new(ErrorKind::InvalidData, e));
+        }
+        flush_what_fits(sock, conn)?;
+    }
+}
+
+/// Writes plaintext from `buf`: how many of its bytes rustls took (encrypted into records, so
+/// `buf` is not read again), `WouldBlock` while the socket is full. Meant for after the
+/// handshake: during it rustls only buffers, up to its limit.
+pub(crate) fn write(sock: &TcpStream, conn: &mut Connection, buf: &[u8]) -> io::Result<usize> {
+    flush(sock, conn)?;
+    let n = conn.writer().write(buf)?;
+    if n == 0 && !buf.is_empty() {
+        return Err(ErrorKind::WouldBlock.into());
+    }
+    flush_what_fits(sock, conn)?;
+    Ok(n)
+}

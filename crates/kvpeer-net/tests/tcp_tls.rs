@@ -1,0 +1,520 @@
+//! The tcp plane over TLS 1.3 with mutual authentication: blocks cross byte-exact and the wire
+//! (recorded by a relay between the two planes) carries none of their bytes, nor the HELLO's
+//! key; an untrusted, expired or wrong-name certificate is refused on both sides, each side
+//! saying why, while an honest pair is still served; the policy refuses plaintext where TLS is
+//! required and falls back only where it is preferred; certificates rotated on disk are taken
+//! by new connections while the open ones go on.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod tcp_support;
+
+use kvpeer_core::{BlockIndex, DataPlane, PlanePoll, Registration, RemoteMemory, TransferId};
+use kvpeer_net::data::metadata::AgentMetadata;
+use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
+use kvpeer_net::tls::{Tls, TlsFiles, TlsPolicy};
+use kvpeer_proto::PeerId;
+use kvpeer_store::Pool;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+use tcp_support::*;
+
+const RX_ID: &str = "10.0.0.1:5710";
+const TX_ID: &str = "10.0.0.2:5710";
+
+/// A certificate authority that issues node certificates into a folder of PEM files.
+struct Pki {
+    dir: PathBuf,
+    ca: rcgen::Certificate,
+    ca_key: KeyPair,
+}
+
+impl Pki {
+    fn new(tag: &str) -> Pki {
+        let dir = std::env::temp_dir().join(format!("kvpeer-tls-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("kvpeer test CA {tag}"));
+        let ca_key = KeyPair::generate().unwrap();
+        let ca = params.self_signed(&ca_key).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        Pki { dir, ca, ca_key }
+    }
+
+    /// A node certificate naming `ips`, valid from `from` to `until` (years), as `name`.pem
+    /// and `name`.key, trusting this CA; its files.
+    fn issue(&self, name: &str, ips: &[IpAddr], years: (i32, i32)) -> TlsFiles {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = ips.iter().map(|ip| SanType::IpAddress(*ip)).collect();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.not_before = rcgen::date_time_ymd(years.0, 1, 1);
+        params.not_after = rcgen::date_time_ymd(years.1, 1, 1);
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        let files = TlsFiles {
+            cert: self.dir.join(format!("{name}.pem")),
+            key: self.dir.join(format!("{name}.key")),
+            ca: self.dir.join("ca.pem"),
+        };
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        files
+    }
+
+    /// A certificate for `name` valid now.
+    fn node(&self, name: &str, ips: &[IpAddr]) -> TlsFiles {
+        self.issue(name, ips, (2020, 2090))
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn ip(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(a, b, c, d))
+}
+
+const LOOPBACK: [u8; 4] = [127, 0, 0, 1];
+
+fn loopback() -> IpAddr {
+    ip(LOOPBACK[0], LOOPBACK[1], LOOPBACK[2], LOOPBACK[3])
+}
+
+fn with_tls(plane: TcpPlane, policy: TlsPolicy, files: &TlsFiles) -> TcpPlane {
+    plane.with_tls(policy, Tls::load(files.clone()).unwrap())
+}
+
+/// A receiver (`RX_ID`) and a writer (`TX_ID`) over fresh pools, each with its policy and
+/// files: (receiver's pool, writer's pool, receiver, writer).
+fn pair(
+    rx_tls: (TlsPolicy, &TlsFiles),
+    tx_tls: (TlsPolicy, &TlsFiles),
+) -> (Pool, Pool, TcpPlane, TcpPlane) {
+    let (rx_pool, tx_pool) = (pool("rx"), pool("tx"));
+    let rx = with_tls(
+        plane(RX_ID, &rx_pool, TcpLimits::default()),
+        rx_tls.0,
+        rx_tls.1,
+    );
+    let tx = with_tls(
+        plane(TX_ID, &tx_pool, TcpLimits::default()),
+        tx_tls.0,
+        tx_tls.1,
+    );
+    (rx_pool, tx_pool, rx, tx)
+}
+
+/// A pool of [`BLOCKS`] zeroed blocks in private memory.
+fn pool(_tag: &str) -> Pool {
+    Pool::anonymous(BLOCKS, LEN, false).unwrap()
+}
+
+/// A tcp plane for node `id` over `pool`, listening on a free loopback port.
+fn plane(id: &str, pool: &Pool, limits: TcpLimits) -> TcpPlane {
+    TcpPlane::new(
+        PeerId::new(id),
+        pool.writer(),
+        "127.0.0.1:0",
+        Arc::new(|| {}),
+    )
+    .unwrap()
+    .with_limits(limits)
+}
+
+/// Block `b` of `pool`.
+fn block(pool: &Pool, b: u64) -> Vec<u8> {
+    pool.view().block(BlockIndex::new(b)).unwrap().to_vec()
+}
+
+/// Registers `rx` as a peer of `tx` (its `connect` as `tx` receives it, with `tcp` replaced by
+/// `via` where given), and waits for the registration to settle.
+fn link(tx: &mut TcpPlane, rx: &mut TcpPlane, via: Option<SocketAddr>) -> Registration {
+    link_keyed(tx, rx, via).0
+}
+
+/// [`link`], and the HELLO key `rx` issued for it.
+fn link_keyed(
+    tx: &mut TcpPlane,
+    rx: &mut TcpPlane,
+    via: Option<SocketAddr>,
+) -> (Registration, Vec<u8>) {
+    let advertised = AgentMetadata {
+        agent: "rx".into(),
+        tcp: Some(rx.addr().to_string()),
+        ..Default::default()
+    }
+    .encode();
+    let sent = rx.connect_metadata(&PeerId::new(TX_ID), None, &advertised);
+    let mut meta = AgentMetadata::decode(&sent).unwrap();
+    let key = meta.tcp_key.clone().unwrap();
+    if let Some(via) = via {
+        meta.tcp = Some(via.to_string());
+    }
+    let memory = RemoteMemory {
+        agent_metadata: meta.encode(),
+        base_addr: 0,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    let receiver = PeerId::new(RX_ID);
+    tx.add_remote_peer(&receiver, &memory).unwrap();
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let state = tx.registration(&receiver);
+        if state != Registration::Pending || Instant::now() > until {
+            return (state, key);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Writes `tx`'s block `b` into `rx`'s block `b` and waits for the end: what `tx` polled.
+fn transfer(tx: &mut TcpPlane, rx: &mut TcpPlane, b: u64) -> (Option<TransferId>, PlanePoll) {
+    let receiver = PeerId::new(RX_ID);
+    rx.expect_writes(&PeerId::new(TX_ID), &[BlockIndex::new(b)]);
+    let tid = tx.write_blocks(&receiver, &[BlockIndex::new(b)], &[BlockIndex::new(b)]);
+    let mut seen = PlanePoll::default();
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        let poll = tx.poll(&receiver);
+        seen.done.extend(poll.done);
+        seen.failed.extend(poll.failed);
+        if poll.peer_fault.is_some() {
+            seen.peer_fault = poll.peer_fault;
+        }
+        if !seen.done.is_empty() || !seen.failed.is_empty() || seen.peer_fault.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    rx.end_writes(&PeerId::new(TX_ID), &[BlockIndex::new(b)]);
+    (tid, seen)
+}
+
+/// Fills `pool`'s block `b` with bytes that occur nowhere else (xorshift from `seed`).
+fn fill_unique(pool: &mut Pool, b: u64, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let bytes: Vec<u8> = (0..LEN)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    pool.block_mut(BlockIndex::new(b))
+        .unwrap()
+        .copy_from_slice(&bytes);
+    bytes
+}
+
+/// A relay from a port of its own to `to`, recording what the writer sent.
+struct Relay {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Relay {
+    fn to(to: SocketAddr) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let record = seen.clone();
+        std::thread::spawn(move || {
+            for inbound in listener.incoming() {
+                let Ok(inbound) = inbound else { return };
+                let Ok(outbound) = TcpStream::connect(to) else {
+                    return;
+                };
+                let (mut a, mut b) = (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
+                let record = record.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 65536];
+                    while let Ok(n) = a.read(&mut buf) {
+                        if n == 0 || b.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                    let _ = b.shutdown(Shutdown::Write);
+                });
+                let (mut a, mut b) = (outbound, inbound);
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 65536];
+                    while let Ok(n) = a.read(&mut buf) {
+                        if n == 0 || b.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = b.shutdown(Shutdown::Write);
+                });
+            }
+        });
+        Relay { addr, seen }
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn blocks_cross_byte_exact_over_mutual_tls_and_the_wire_carries_none_of_their_bytes_nor_the_key() {
+    let pki = Pki::new("wire");
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+    let (rx_store, mut tx_store, mut rx, mut tx) = pair(
+        (TlsPolicy::Required, &rx_files),
+        (TlsPolicy::Required, &tx_files),
+    );
+    let offered = rx.connect_metadata(&PeerId::new(TX_ID), None, &advertised(&rx));
+    assert!(
+        AgentMetadata::decode(&offered).unwrap().tcp_tls,
+        "a node with TLS says so in its connect"
+    );
+    let relay = Relay::to(rx.addr());
+    let (state, key) = link_keyed(&mut tx, &mut rx, Some(relay.addr));
+    assert_eq!(state, Registration::Done);
+    let mut sent = Vec::new();
+    for b in 0..BLOCKS {
+        let bytes = fill_unique(&mut tx_store, b, 1000 + b);
+        let (tid, poll) = transfer(&mut tx, &mut rx, b);
+        assert_eq!(poll.done, vec![tid.unwrap()], "block {b}: {poll:?}");
+        assert_eq!(block(&rx_store, b), bytes, "block {b} byte-exact");
+        sent.push(bytes);
+    }
+    let wire = relay.seen.lock().unwrap().clone();
+    assert!(wire.len() > (BLOCKS * LEN) as usize, "{} bytes", wire.len());
+    assert_eq!(wire[0], 0x16, "the connection opened with a TLS handshake");
+    for (b, bytes) in sent.iter().enumerate() {
+        for window in bytes.chunks(32) {
+            assert!(
+                !contains(&wire, window),
+                "block {b}'s bytes are on the wire"
+            );
+        }
+    }
+    assert!(!contains(&wire, &key), "the HELLO's key is on the wire");
+    for magic in [&b"KVPH"[..], b"KVPW", TX_ID.as_bytes()] {
+        assert!(!contains(&wire, magic), "{magic:?} is on the wire");
+    }
+}
+
+#[test]
+fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
+    let pki = Pki::new("refuse");
+    let other = Pki::new("refuse-other");
+    let rx_files = pki.node("rx", &[loopback()]);
+    let cases: Vec<(&str, TlsFiles, TlsFiles, &str)> = vec![
+        (
+            "a writer from another CA",
+            rx_files.clone(),
+            TlsFiles {
+                ca: pki.dir.join("ca.pem"),
+                ..other.node("tx-other-ca", &[ip(10, 0, 0, 2)])
+            },
+            "TLS",
+        ),
+        (
+            "an expired writer",
+            rx_files.clone(),
+            pki.issue("tx-expired", &[ip(10, 0, 0, 2)], (2001, 2002)),
+            "TLS",
+        ),
+        (
+            "a writer whose certificate names another address",
+            rx_files.clone(),
+            pki.node("tx-wrong-name", &[ip(10, 0, 0, 3)]),
+            "lost",
+        ),
+        (
+            "a listener whose certificate does not name the address dialed",
+            pki.node("rx-wrong-name", &[ip(10, 0, 0, 1)]),
+            pki.node("tx-ok", &[ip(10, 0, 0, 2)]),
+            "TLS",
+        ),
+    ];
+    for (case, rx_files, tx_files, tx_says) in cases {
+        let (rx_store, mut tx_store, mut rx, mut tx) = pair(
+            (TlsPolicy::Required, &rx_files),
+            (TlsPolicy::Required, &tx_files),
+        );
+        assert_eq!(link(&mut tx, &mut rx, None), Registration::Done, "{case}");
+        let before = block(&rx_store, 0);
+        fill_unique(&mut tx_store, 0, 7);
+        let (_, poll) = transfer(&mut tx, &mut rx, 0);
+        assert!(poll.done.is_empty(), "{case}: {poll:?}");
+        let fault = poll
+            .peer_fault
+            .clone()
+            .unwrap_or_else(|| panic!("{case}: the writer is not told: {poll:?}"));
+        assert!(fault.to_string().contains(tx_says), "{case}: {fault}");
+        assert_eq!(block(&rx_store, 0), before, "{case}: the pool was written");
+        let until = Instant::now() + Duration::from_secs(5);
+        while rx.counters().refused_hellos == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            rx.counters().refused_hellos,
+            1,
+            "{case}: the listener refused it"
+        );
+    }
+    // The honest pair, with the same CA and the listener's good certificate, is served.
+    let (rx_store, mut tx_store, mut rx, mut tx) = pair(
+        (TlsPolicy::Required, &rx_files),
+        (
+            TlsPolicy::Required,
+            &pki.node("tx-honest", &[ip(10, 0, 0, 2)]),
+        ),
+    );
+    assert_eq!(link(&mut tx, &mut rx, None), Registration::Done);
+    let bytes = fill_unique(&mut tx_store, 3, 3);
+    let (tid, poll) = transfer(&mut tx, &mut rx, 3);
+    assert_eq!(poll.done, vec![tid.unwrap()], "{poll:?}");
+    assert_eq!(block(&rx_store, 3), bytes);
+}
+
+#[test]
+fn plaintext_is_refused_where_tls_is_required_and_taken_only_where_it_is_preferred() {
+    let pki = Pki::new("policy");
+    let rx_files = pki.node("rx", &[loopback()]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+
+    // A plaintext writer (a raw socket with the right key) against "required", then
+    // "preferred".
+    for (policy, served) in [(TlsPolicy::Required, false), (TlsPolicy::Preferred, true)] {
+        let store = pool("tls-plain");
+        let mut rx = with_tls(
+            plane(RX_ID, &store, TcpLimits::default()),
+            policy,
+            &rx_files,
+        );
+        let key = issue(&mut rx, TX_ID);
+        rx.expect_writes(&PeerId::new(TX_ID), &[BlockIndex::new(1)]);
+        let mut s = connect_hello(&rx, TX_ID, &key);
+        let status = write(&mut s, 5, &[(1, 0x5a)]);
+        if served {
+            assert_eq!(status, Some(0), "{policy:?}");
+            assert_eq!(block(&store, 1), vec![0x5a; LEN as usize]);
+        } else {
+            assert_eq!(status, None, "{policy:?}: a plaintext write was answered");
+            assert!(block(&store, 1).iter().all(|b| *b == 0), "{policy:?}");
+            assert_eq!(rx.counters().refused_hellos, 1);
+        }
+    }
+
+    // A node requiring TLS refuses a peer whose connect offers none, saying so; one that
+    // prefers it writes to that peer in plaintext; a node without TLS ignores the offer.
+    let (rx_store, mut tx_store) = (pool("tls-offer-rx"), pool("tls-offer-tx"));
+    let mut plain_rx = plane(RX_ID, &rx_store, TcpLimits::default());
+    let mut tx = with_tls(
+        plane(TX_ID, &tx_store, TcpLimits::default()),
+        TlsPolicy::Required,
+        &tx_files,
+    );
+    match link(&mut tx, &mut plain_rx, None) {
+        Registration::Failed(e) => assert!(
+            e.to_string().contains("offers no TLS") && e.to_string().contains("required"),
+            "{e}"
+        ),
+        other => panic!("a peer without TLS was linked under required: {other:?}"),
+    }
+    let mut tx = with_tls(
+        plane(TX_ID, &tx_store, TcpLimits::default()),
+        TlsPolicy::Preferred,
+        &tx_files,
+    );
+    assert_eq!(link(&mut tx, &mut plain_rx, None), Registration::Done);
+    let bytes = fill_unique(&mut tx_store, 2, 2);
+    let (tid, poll) = transfer(&mut tx, &mut plain_rx, 2);
+    assert_eq!(poll.done, vec![tid.unwrap()], "{poll:?}");
+    assert_eq!(block(&rx_store, 2), bytes);
+
+    let mut tls_rx = with_tls(
+        plane(RX_ID, &rx_store, TcpLimits::default()),
+        TlsPolicy::Required,
+        &rx_files,
+    );
+    let mut plain_tx = plane(TX_ID, &tx_store, TcpLimits::default());
+    assert_eq!(link(&mut plain_tx, &mut tls_rx, None), Registration::Done);
+    let (_, poll) = transfer(&mut plain_tx, &mut tls_rx, 4);
+    assert!(
+        poll.done.is_empty() && poll.peer_fault.is_some(),
+        "a plaintext writer was served by a node requiring TLS: {poll:?}"
+    );
+}
+
+#[test]
+fn certificates_rotated_on_disk_are_taken_by_new_connections_while_open_ones_go_on() {
+    let pki = Pki::new("rotate");
+    let rx_files = pki.node("rx", &[loopback()]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+    let (rx_store, mut tx_store) = (pool("tls-rot-rx"), pool("tls-rot-tx"));
+    let rx_tls = Tls::load(rx_files.clone()).unwrap();
+    let tx_tls = Tls::load(tx_files.clone()).unwrap();
+    let mut rx =
+        plane(RX_ID, &rx_store, TcpLimits::default()).with_tls(TlsPolicy::Required, rx_tls.clone());
+    let mut tx =
+        plane(TX_ID, &tx_store, TcpLimits::default()).with_tls(TlsPolicy::Required, tx_tls.clone());
+    assert_eq!(link(&mut tx, &mut rx, None), Registration::Done);
+    let (tid, poll) = transfer(&mut tx, &mut rx, 0);
+    assert_eq!(poll.done, vec![tid.unwrap()]);
+
+    // A half-written certificate is not taken: a new connection still handshakes with the
+    // last good configuration.
+    std::fs::write(&rx_files.cert, "-----BEGIN CERTIFICATE-----\ngarbage").unwrap();
+    std::thread::sleep(kvpeer_net::tls::RELOAD_CHECK + Duration::from_millis(100));
+    assert_eq!(link(&mut tx, &mut rx, None), Registration::Done);
+    let (tid, poll) = transfer(&mut tx, &mut rx, 1);
+    assert_eq!(poll.done, vec![tid.unwrap()], "{poll:?}");
+    assert_eq!(rx_tls.reloads(), 0);
+
+    // Both nodes move to a new CA: new certificates, keys and CA files, each replaced whole
+    // (a rename). The open connection goes on; a new one can only handshake if both sides
+    // took the new files (each trusts only the new CA).
+    let renewed = Pki::new("rotate-new");
+    let replace = |from: &TlsFiles, to: &TlsFiles| {
+        for (a, b) in [
+            (&from.cert, &to.cert),
+            (&from.key, &to.key),
+            (&from.ca, &to.ca),
+        ] {
+            let staged = b.with_extension("staged");
+            std::fs::copy(a, &staged).unwrap();
+            std::fs::rename(&staged, b).unwrap();
+        }
+    };
+    replace(&renewed.node("rx", &[loopback()]), &rx_files);
+    replace(&renewed.node("tx", &[ip(10, 0, 0, 2)]), &tx_files);
+    std::thread::sleep(kvpeer_net::tls::RELOAD_CHECK + Duration::from_millis(100));
+    let (tid, poll) = transfer(&mut tx, &mut rx, 2);
+    assert_eq!(
+        poll.done,
+        vec![tid.unwrap()],
+        "the open connection goes on: {poll:?}"
+    );
+    assert_eq!(
+        (rx_tls.reloads(), tx_tls.reloads()),
+        (0, 0),
+        "nothing new was opened"
+    );
+    assert_eq!(link(&mut tx, &mut rx, None), Registration::Done);
+    let bytes = fill_unique(&mut tx_store, 5, 5);
+    let (tid, poll) = transfer(&mut tx, &mut rx, 5);
+    assert_eq!(poll.done, vec![tid.unwrap()], "a new connection: {poll:?}");
+    assert_eq!(block(&rx_store, 5), bytes);
+    assert_eq!((rx_tls.reloads(), tx_tls.reloads()), (1, 1));
+}

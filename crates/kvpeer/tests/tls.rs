@@ -1,0 +1,170 @@
+//! `kvpeer serve` and `kvpeer fetch` with TLS on the tcp plane, as a user runs them: with
+//! `--tls required` and certificates from one CA the blocks arrive byte-exact; a consumer with
+//! no TLS is refused by a node requiring it, and a consumer requiring TLS refuses a node
+//! without it, the refused side told why; a certificate file that cannot be used stops the node at start,
+//! naming it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::process::Command;
+
+mod common;
+use common::{num, Proc, BIN};
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+
+/// A CA and one loopback node certificate, as PEM files in a folder removed on drop.
+struct Certs {
+    dir: PathBuf,
+}
+
+impl Certs {
+    fn new(tag: &str) -> Certs {
+        let dir = std::env::temp_dir().join(format!("kvpeer-tls-cli-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "kvpeer fleet CA");
+        let ca_key = KeyPair::generate().unwrap();
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST))];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.join("node.pem"), cert.pem()).unwrap();
+        std::fs::write(dir.join("node.key"), key.serialize_pem()).unwrap();
+        Certs { dir }
+    }
+
+    /// `--tls POLICY` and the three files.
+    fn flags(&self, policy: &str) -> Vec<String> {
+        let at = |f: &str| self.dir.join(f).display().to_string();
+        vec![
+            "--tls".into(),
+            policy.into(),
+            "--tls-cert".into(),
+            at("node.pem"),
+            "--tls-key".into(),
+            at("node.key"),
+            "--tls-ca".into(),
+            at("ca.pem"),
+        ]
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `kvpeer fetch` of 8 synthetic blocks over the tcp plane from `peer` with `extra` flags: its
+/// exit status, stdout and stderr.
+fn fetch(peer: &str, extra: &[String]) -> (Option<i32>, String, String) {
+    let out = Command::new(BIN)
+        .args(["fetch", "--peer", peer, "--plane", "tcp"])
+        .args(["--requests", "4", "--keys", "2", "--miss-share", "0"])
+        .args(["--timeout-secs", "20"])
+        .args(extra)
+        .env("KVPEER_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn serve(extra: &[String]) -> (Proc, String) {
+    let mut args: Vec<&str> = vec!["--plane", "tcp", "--fill", "8"];
+    args.extend(extra.iter().map(String::as_str));
+    let (node, id) = Proc::serve(&args);
+    (node, id.to_string())
+}
+
+#[test]
+fn serve_and_fetch_move_blocks_byte_exact_over_mutual_tls() {
+    let certs = Certs::new("ok");
+    let (node, id) = serve(&certs.flags("required"));
+    let (status, summary, stderr) = fetch(&id, &certs.flags("required"));
+    assert_eq!(status, Some(0), "{summary}\n{stderr}");
+    assert_eq!(num(&summary, "hits"), 8, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    // A consumer that prefers TLS uses it with this node too.
+    let (status, summary, stderr) = fetch(&id, &certs.flags("preferred"));
+    assert_eq!(status, Some(0), "{summary}\n{stderr}");
+    assert_eq!(num(&summary, "hits"), 8, "{summary}");
+    drop(node);
+}
+
+#[test]
+fn a_node_requiring_tls_refuses_a_plaintext_peer_on_either_side_saying_why() {
+    let certs = Certs::new("policy");
+    let (tls_node, tls_id) = serve(&certs.flags("required"));
+    // The consumer without TLS offers none: the node requiring it refuses the session and
+    // tells the consumer why; no block is written.
+    let (status, summary, stderr) = fetch(&tls_id, &[]);
+    assert_ne!(status, Some(0), "{summary}\n{stderr}");
+    assert!(
+        stderr.contains("offers no TLS") && stderr.contains("required"),
+        "the refused consumer is told why: {stderr}"
+    );
+
+    // A consumer requiring TLS against a node without it: refused, saying why.
+    let (plain_node, plain_id) = serve(&[]);
+    let (status, summary, stderr) = fetch(&plain_id, &certs.flags("required"));
+    assert_ne!(status, Some(0), "{summary}\n{stderr}");
+    assert!(
+        format!("{summary}{stderr}").contains("offers no TLS"),
+        "{summary}\n{stderr}"
+    );
+    drop(plain_node);
+    drop(tls_node);
+}
+
+#[test]
+fn tls_files_that_cannot_be_used_stop_the_node_at_start_naming_them() {
+    let certs = Certs::new("bad");
+    // A missing key file, and a key that is not the certificate's (the CA's own file).
+    let missing = certs.dir.join("nowhere.key").display().to_string();
+    let mut flags = certs.flags("required");
+    flags[5] = missing.clone();
+    let mut node = Proc::spawn_env(
+        &[
+            &["serve", "--plane", "tcp"][..],
+            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
+        ]
+        .concat(),
+        "tls-bad",
+        &[("KVPEER_LOG", "error")],
+    );
+    let status = node.wait_while(std::time::Duration::from_secs(30), || {
+        std::thread::sleep(std::time::Duration::from_millis(20))
+    });
+    let said = node.log();
+    assert_ne!(status, 0, "{said}");
+    assert!(
+        said.contains("tls_key") && said.contains("nowhere.key"),
+        "{said}"
+    );
+
+    // tls = required without the files.
+    let mut node = Proc::spawn_env(
+        &["serve", "--plane", "tcp", "--tls", "required"],
+        "tls-nofiles",
+        &[("KVPEER_LOG", "error")],
+    );
+    let status = node.wait_while(std::time::Duration::from_secs(30), || {
+        std::thread::sleep(std::time::Duration::from_millis(20))
+    });
+    let said = node.log();
+    assert_eq!(status, 2, "a configuration error: {said}");
+    assert!(said.contains("tls_cert"), "{said}");
+}
