@@ -160,3 +160,55 @@ def test_help_says_the_types_keys_are_bytes_and_blocks_block_len():
     assert "-> list[bool]" in kvpeer.Node.lookup.__doc__
     assert "-> list[bytes]" in kvpeer.Node.fetch.__doc__
     assert "-> bytes | None" in kvpeer.Node.read.__doc__
+
+
+def test_a_key_that_is_not_bytes_is_a_type_error_saying_keys_are_bytes():
+    producer, consumer = node("tcp"), node("tcp")
+    try:
+        with pytest.raises(TypeError) as e:
+            consumer.lookup(producer.id, [b"fine", "prefix-1"])
+        assert "keys[1] is a str" in str(e.value) and "bytes" in str(e.value)
+        with pytest.raises(TypeError) as e:
+            consumer.fetch(producer.id, [7])
+        assert "keys[0] is a int" in str(e.value)
+    finally:
+        consumer.shutdown(0.5)
+        producer.shutdown(0.5)
+
+
+def test_two_nodes_share_blocks_over_mutual_tls_with_the_same_keys_as_a_config_file(tmp_path):
+    import subprocess
+
+    def run(*args):
+        subprocess.run(args, check=True, capture_output=True, cwd=tmp_path)
+
+    # A CA and one certificate naming 127.0.0.1, for both nodes (as docs/deploying.md issues them).
+    run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-days", "2", "-subj", "/CN=test CA", "-keyout", "ca.key", "-out", "ca.pem")
+    run("openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-subj", "/CN=node", "-keyout", "node.key", "-out", "node.csr")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "node.pem")
+    tls = {
+        "tls": "required",
+        "tls_cert": str(tmp_path / "node.pem"),
+        "tls_key": str(tmp_path / "node.key"),
+        "tls_ca": str(tmp_path / "ca.pem"),
+    }
+    producer, consumer = node("tcp", **tls), node("tcp", **tls)
+    plain = node("tcp")
+    try:
+        blocks = {os.urandom(36): os.urandom(BLOCK_LEN) for _ in range(4)}
+        producer.store(blocks)
+        fetched = consumer.fetch(producer.id, list(blocks))
+        assert sorted(fetched) == sorted(blocks)
+        assert all(consumer.read(k) == blocks[k] for k in blocks)
+        # A node without TLS is refused by one that requires it, and told why.
+        with pytest.raises(kvpeer.PeerUnavailable) as e:
+            plain.fetch(producer.id, list(blocks), timeout_s=5.0)
+        assert "offers no TLS" in str(e.value)
+    finally:
+        plain.shutdown(0.5)
+        consumer.shutdown(0.5)
+        producer.shutdown(0.5)

@@ -87,11 +87,11 @@ impl Node {
         &self,
         py: Python<'_>,
         peer: &str,
-        keys: Vec<Vec<u8>>,
+        keys: Vec<Bound<'_, PyAny>>,
         kv_request_id: &str,
         timeout_s: f64,
     ) -> PyResult<Vec<bool>> {
-        let keys = keys_of(keys);
+        let keys = keys_of(&keys)?;
         let timeout = seconds(timeout_s)?;
         py.detach(|| self.pull(peer, kv_request_id, &keys, timeout, false))
             .map_err(|e| node_error("lookup", e))
@@ -108,11 +108,11 @@ impl Node {
         &self,
         py: Python<'py>,
         peer: &str,
-        keys: Vec<Vec<u8>>,
+        keys: Vec<Bound<'py, PyAny>>,
         kv_request_id: &str,
         timeout_s: f64,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let keys = keys_of(keys);
+        let keys = keys_of(&keys)?;
         let timeout = seconds(timeout_s)?;
         let (_, fetched) = py
             .detach(|| self.pull(peer, kv_request_id, &keys, timeout, true))
@@ -226,8 +226,30 @@ impl Node {
     }
 }
 
-fn keys_of(keys: Vec<Vec<u8>>) -> Vec<OffloadKey> {
-    keys.iter().map(|k| OffloadKey::from_bytes(k)).collect()
+/// The keys a caller passed: each `bytes` (or a bytes-like object), never `str`, which pyo3
+/// would refuse with "Can't extract 'str' to 'Vec'": a key is a block hash.
+fn keys_of(keys: &[Bound<'_, PyAny>]) -> PyResult<Vec<OffloadKey>> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            if k.is_instance_of::<pyo3::types::PyString>() {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "keys[{i}] is a str: a key is bytes (a block hash, e.g. b\"prefix-0\" or \
+                     hashlib.sha256(...).digest())"
+                )));
+            }
+            k.extract::<Vec<u8>>()
+                .map(|b| OffloadKey::from_bytes(&b))
+                .map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err(format!(
+                        "keys[{i}] is a {}: a key is bytes (a block hash)",
+                        k.get_type()
+                            .name()
+                            .map_or_else(|_| "?".into(), |n| n.to_string())
+                    ))
+                })
+        })
+        .collect()
 }
 
 fn seconds(s: f64) -> PyResult<Duration> {

@@ -382,6 +382,10 @@ fn a_pool_larger_than_the_host_is_refused_before_anything_is_allocated() {
         !stderr.contains("allocating the pool"),
         "nothing was allocated: {stderr}"
     );
+    assert!(
+        !stderr.contains("ready follows"),
+        "no promise of ready before the refusal: {stderr}"
+    );
     assert!(took < Duration::from_secs(20), "refused after {took:?}");
     assert!(
         !std::path::Path::new(&object).exists(),

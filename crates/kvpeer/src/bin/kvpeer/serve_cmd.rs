@@ -147,7 +147,22 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
         }
     }
     let pool_bytes = config.spec.num_blocks.saturating_mul(config.spec.block_len);
-    if pool_bytes >= LARGE_POOL {
+    let backing = if config.spec.plane.shared_pool() {
+        kvpeer_store::room::Backing::SharedMemory
+    } else {
+        kvpeer_store::room::Backing::Private
+    };
+    // A pool the host cannot hold is refused by the build, with the sizes: no "ready follows"
+    // before that refusal.
+    let fits = kvpeer_store::room::Room::of_this_host()
+        .check(
+            pool_bytes,
+            config.spec.num_blocks,
+            config.spec.block_len,
+            backing,
+        )
+        .is_ok();
+    if pool_bytes >= LARGE_POOL && fits {
         // Said at any log level: a large pool takes seconds per GiB to allocate and touch,
         // and nothing else is printed until `ready`.
         eprintln!(
