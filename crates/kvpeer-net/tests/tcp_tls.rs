@@ -2,8 +2,10 @@
 //! (recorded by a relay between the two planes) carries none of their bytes, nor the HELLO's
 //! key; an untrusted, expired or wrong-name certificate is refused on both sides, each side
 //! saying why, while an honest pair is still served; the policy refuses plaintext where TLS is
-//! required and falls back only where it is preferred; certificates rotated on disk are taken
-//! by new connections while the open ones go on.
+//! required and falls back only where it is preferred (and never for a writer that offered
+//! TLS); certificates rotated on disk are taken by new connections while the open ones go on; a
+//! write larger than the sockets crosses whole; a listener that never answers the handshake
+//! faults the link within its deadline.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -141,14 +143,17 @@ fn block(pool: &Pool, b: u64) -> Vec<u8> {
 /// Registers `rx` as a peer of `tx` (its `connect` as `tx` receives it, with `tcp` replaced by
 /// `via` where given), and waits for the registration to settle.
 fn link(tx: &mut TcpPlane, rx: &mut TcpPlane, via: Option<SocketAddr>) -> Registration {
-    link_keyed(tx, rx, via).0
+    link_keyed(tx, rx, via, (BLOCKS, LEN), |_| {}).0
 }
 
-/// [`link`], and the HELLO key `rx` issued for it.
+/// [`link`] for pools of `dims` (blocks, block length), with `edit` applied to the `connect`
+/// as `tx` receives it; and the HELLO key `rx` issued for it.
 fn link_keyed(
     tx: &mut TcpPlane,
     rx: &mut TcpPlane,
     via: Option<SocketAddr>,
+    dims: (u64, u64),
+    edit: impl FnOnce(&mut AgentMetadata),
 ) -> (Registration, Vec<u8>) {
     let advertised = AgentMetadata {
         agent: "rx".into(),
@@ -162,11 +167,12 @@ fn link_keyed(
     if let Some(via) = via {
         meta.tcp = Some(via.to_string());
     }
+    edit(&mut meta);
     let memory = RemoteMemory {
         agent_metadata: meta.encode(),
         base_addr: 0,
-        num_blocks: BLOCKS,
-        block_len: LEN,
+        num_blocks: dims.0,
+        block_len: dims.1,
     };
     let receiver = PeerId::new(RX_ID);
     tx.add_remote_peer(&receiver, &memory).unwrap();
@@ -206,7 +212,8 @@ fn transfer(tx: &mut TcpPlane, rx: &mut TcpPlane, b: u64) -> (Option<TransferId>
 /// Fills `pool`'s block `b` with bytes that occur nowhere else (xorshift from `seed`).
 fn fill_unique(pool: &mut Pool, b: u64, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let bytes: Vec<u8> = (0..LEN)
+    let len = pool.view().block_len();
+    let bytes: Vec<u8> = (0..len)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
@@ -285,7 +292,7 @@ fn blocks_cross_byte_exact_over_mutual_tls_and_the_wire_carries_none_of_their_by
         "a node with TLS says so in its connect"
     );
     let relay = Relay::to(rx.addr());
-    let (state, key) = link_keyed(&mut tx, &mut rx, Some(relay.addr));
+    let (state, key) = link_keyed(&mut tx, &mut rx, Some(relay.addr), (BLOCKS, LEN), |_| {});
     assert_eq!(state, Registration::Done);
     let mut sent = Vec::new();
     for b in 0..BLOCKS {
@@ -316,7 +323,7 @@ fn blocks_cross_byte_exact_over_mutual_tls_and_the_wire_carries_none_of_their_by
 fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
     let pki = Pki::new("refuse");
     let other = Pki::new("refuse-other");
-    let rx_files = pki.node("rx", &[loopback()]);
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
     let cases: Vec<(&str, TlsFiles, TlsFiles, &str)> = vec![
         (
             "a writer from another CA",
@@ -340,8 +347,8 @@ fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
             "lost",
         ),
         (
-            "a listener whose certificate does not name the address dialed",
-            pki.node("rx-wrong-name", &[ip(10, 0, 0, 1)]),
+            "a listener whose certificate names the address dialed but not its identity",
+            pki.node("rx-wrong-name", &[loopback()]),
             pki.node("tx-ok", &[ip(10, 0, 0, 2)]),
             "TLS",
         ),
@@ -390,7 +397,7 @@ fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
 #[test]
 fn plaintext_is_refused_where_tls_is_required_and_taken_only_where_it_is_preferred() {
     let pki = Pki::new("policy");
-    let rx_files = pki.node("rx", &[loopback()]);
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
     let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
 
     // A plaintext writer (a raw socket with the right key) against "required", then
@@ -460,7 +467,7 @@ fn plaintext_is_refused_where_tls_is_required_and_taken_only_where_it_is_preferr
 #[test]
 fn certificates_rotated_on_disk_are_taken_by_new_connections_while_open_ones_go_on() {
     let pki = Pki::new("rotate");
-    let rx_files = pki.node("rx", &[loopback()]);
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
     let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
     let (rx_store, mut tx_store) = (pool("tls-rot-rx"), pool("tls-rot-tx"));
     let rx_tls = Tls::load(rx_files.clone()).unwrap();
@@ -497,7 +504,10 @@ fn certificates_rotated_on_disk_are_taken_by_new_connections_while_open_ones_go_
             std::fs::rename(&staged, b).unwrap();
         }
     };
-    replace(&renewed.node("rx", &[loopback()]), &rx_files);
+    replace(
+        &renewed.node("rx", &[loopback(), ip(10, 0, 0, 1)]),
+        &rx_files,
+    );
     replace(&renewed.node("tx", &[ip(10, 0, 0, 2)]), &tx_files);
     std::thread::sleep(kvpeer_net::tls::RELOAD_CHECK + Duration::from_millis(100));
     let (tid, poll) = transfer(&mut tx, &mut rx, 2);
@@ -517,4 +527,147 @@ fn certificates_rotated_on_disk_are_taken_by_new_connections_while_open_ones_go_
     assert_eq!(poll.done, vec![tid.unwrap()], "a new connection: {poll:?}");
     assert_eq!(block(&rx_store, 5), bytes);
     assert_eq!((rx_tls.reloads(), tx_tls.reloads()), (1, 1));
+}
+
+#[test]
+fn a_write_larger_than_the_sockets_crosses_byte_exact_over_tls() {
+    // 16 blocks of 1 MiB in one WRITE: both sockets fill, records wait in rustls for the
+    // writable edge, the receiver drains records across many reads.
+    const BIG: u64 = 1 << 20;
+    const N: u64 = 16;
+    let pki = Pki::new("large");
+    let rx_files = pki.node("rx", &[ip(10, 0, 0, 1)]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+    let rx_pool = Pool::anonymous(N, BIG, false).unwrap();
+    let mut tx_pool = Pool::anonymous(N, BIG, false).unwrap();
+    let mut rx = with_tls(
+        plane(RX_ID, &rx_pool, TcpLimits::default()),
+        TlsPolicy::Required,
+        &rx_files,
+    );
+    let mut tx = with_tls(
+        plane(TX_ID, &tx_pool, TcpLimits::default()),
+        TlsPolicy::Required,
+        &tx_files,
+    );
+    let (state, _) = link_keyed(&mut tx, &mut rx, None, (N, BIG), |_| {});
+    assert_eq!(state, Registration::Done);
+    let all: Vec<BlockIndex> = (0..N).map(BlockIndex::new).collect();
+    let sent: Vec<Vec<u8>> = (0..N)
+        .map(|b| fill_unique(&mut tx_pool, b, 500 + b))
+        .collect();
+    for round in 0..2 {
+        rx.expect_writes(&PeerId::new(TX_ID), &all);
+        let tid = tx.write_blocks(&PeerId::new(RX_ID), &all, &all).unwrap();
+        let until = Instant::now() + Duration::from_secs(30);
+        let mut poll = PlanePoll::default();
+        while poll.done.is_empty() && poll.peer_fault.is_none() && Instant::now() < until {
+            poll = tx.poll(&PeerId::new(RX_ID));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(poll.done, vec![tid], "round {round}: {poll:?}");
+        rx.end_writes(&PeerId::new(TX_ID), &all);
+        for (b, bytes) in sent.iter().enumerate() {
+            assert!(
+                block(&rx_pool, b as u64) == *bytes,
+                "round {round}: block {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_listener_that_never_answers_the_handshake_faults_the_link_within_its_deadline() {
+    let pki = Pki::new("silent");
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+    let (rx_store, _tx_store, mut rx, mut tx) = pair(
+        (TlsPolicy::Required, &rx_files),
+        (TlsPolicy::Required, &tx_files),
+    );
+    // Takes the connection and never answers: the handshake cannot finish.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in silent.incoming().flatten() {
+            held.push(s);
+        }
+    });
+    assert_eq!(link(&mut tx, &mut rx, Some(at)), Registration::Done);
+    let started = Instant::now();
+    let (_, poll) = transfer(&mut tx, &mut rx, 0);
+    let fault = poll
+        .peer_fault
+        .clone()
+        .unwrap_or_else(|| panic!("{poll:?}"));
+    assert!(fault.to_string().contains("no TLS handshake"), "{fault}");
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(block(&rx_store, 0).iter().all(|b| *b == 0));
+}
+
+#[test]
+fn a_listener_without_tls_refuses_a_tls_writer_and_a_tls_writers_key_opens_no_plaintext_connection()
+{
+    let pki = Pki::new("off");
+    let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
+    let tx_files = pki.node("tx", &[ip(10, 0, 0, 2)]);
+    // A writer told (falsely) that the listener takes TLS: the listener, with tls off, refuses
+    // the handshake at its first byte.
+    let (rx_pool, tx_pool) = (pool("off-rx"), pool("off-tx"));
+    let mut plain_rx = plane(RX_ID, &rx_pool, TcpLimits::default());
+    let mut tx = with_tls(
+        plane(TX_ID, &tx_pool, TcpLimits::default()),
+        TlsPolicy::Required,
+        &tx_files,
+    );
+    let (state, _) = link_keyed(&mut tx, &mut plain_rx, None, (BLOCKS, LEN), |m| {
+        m.tcp_tls = true
+    });
+    assert_eq!(state, Registration::Done);
+    let (_, poll) = transfer(&mut tx, &mut plain_rx, 0);
+    assert!(
+        poll.done.is_empty() && poll.peer_fault.is_some(),
+        "{poll:?}"
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    while plain_rx.counters().refused_hellos == 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // (the writer may try once more on a fresh connection before it gives the peer up)
+    assert!(plain_rx.counters().refused_hellos >= 1);
+    assert!(block(&rx_pool, 0).iter().all(|b| *b == 0));
+
+    // A listener that prefers TLS, whose peer's connect offered it: that peer's key, read off
+    // the plaintext control channel by an eavesdropper, opens no plaintext connection.
+    let (rx_store, _tx_store, mut rx, mut tx) = pair(
+        (TlsPolicy::Preferred, &rx_files),
+        (TlsPolicy::Preferred, &tx_files),
+    );
+    let offered = tx.connect_metadata(&PeerId::new(RX_ID), None, &advertised(&tx));
+    assert!(AgentMetadata::decode(&offered).unwrap().tcp_tls);
+    let memory = RemoteMemory {
+        agent_metadata: offered,
+        base_addr: 0,
+        num_blocks: BLOCKS,
+        block_len: LEN,
+    };
+    rx.add_remote_peer(&PeerId::new(TX_ID), &memory).unwrap();
+    let key = issue(&mut rx, TX_ID);
+    rx.expect_writes(&PeerId::new(TX_ID), &[BlockIndex::new(1)]);
+    let mut s = connect_hello(&rx, TX_ID, &key);
+    assert_eq!(
+        write(&mut s, 9, &[(1, 0x77)]),
+        None,
+        "the stolen key was served"
+    );
+    assert!(block(&rx_store, 1).iter().all(|b| *b == 0));
+    // The writer itself, over TLS, is served.
+    assert_eq!(link(&mut tx, &mut rx, None), Registration::Done);
+    let (tid, poll) = transfer(&mut tx, &mut rx, 2);
+    assert_eq!(poll.done, vec![tid.unwrap()], "{poll:?}");
 }

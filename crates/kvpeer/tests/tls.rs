@@ -37,6 +37,7 @@ impl Certs {
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
         std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.join("ca.key"), ca_key.serialize_pem()).unwrap();
         std::fs::write(dir.join("node.pem"), cert.pem()).unwrap();
         std::fs::write(dir.join("node.key"), key.serialize_pem()).unwrap();
         Certs { dir }
@@ -152,6 +153,28 @@ fn tls_files_that_cannot_be_used_stop_the_node_at_start_naming_them() {
     assert_ne!(status, 0, "{said}");
     assert!(
         said.contains("tls_key") && said.contains("nowhere.key"),
+        "{said}"
+    );
+
+    // A key that is not the certificate's (the CA's).
+    let mut flags = certs.flags("required");
+    flags[5] = certs.dir.join("ca.key").display().to_string();
+    let mut node = Proc::spawn_env(
+        &[
+            &["serve", "--plane", "tcp"][..],
+            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
+        ]
+        .concat(),
+        "tls-mismatch",
+        &[("KVPEER_LOG", "error")],
+    );
+    let status = node.wait_while(std::time::Duration::from_secs(30), || {
+        std::thread::sleep(std::time::Duration::from_millis(20))
+    });
+    let said = node.log();
+    assert_ne!(status, 0, "a mismatched key was taken: {said}");
+    assert!(
+        said.contains("tls_cert") && said.contains("tls_key"),
         "{said}"
     );
 

@@ -12,9 +12,11 @@
 //! load then (half written, a wrong key) keeps the last good configuration and is logged.
 //!
 //! Identity: a peer is trusted when its certificate chains to the CA (`tls_ca`) and names the
-//! address it speaks for: a server (a data listener) is checked against the IP address dialed,
-//! a client (a writer) against the IP of the peer id its HELLO claims (`names_ip`), as an IP
-//! subject alternative name. Expiry and the chain are checked by webpki at every handshake.
+//! address it speaks for: a server (a data listener) is checked against the IP of the peer's
+//! identity (its peer id), a client (a writer) against the IP of the peer id its HELLO claims
+//! (`names_ip`), as an IP subject alternative name. Expiry and the chain are checked by webpki
+//! at every handshake: sessions are never resumed (no tickets, no cache), so every connection
+//! presents its certificates again.
 //!
 //! Ciphers: TLS 1.3 only, AES-128-GCM first (the fastest with AES-NI), then AES-256-GCM and
 //! ChaCha20-Poly1305 (ring's).
@@ -123,8 +125,8 @@ struct Built {
 /// What the last look at the files found.
 struct Loaded {
     built: Built,
-    /// Each file's (modification time, length) when it was read.
-    stamps: [Option<(SystemTime, u64)>; 3],
+    /// Each file's identity when it was read.
+    stamps: [Option<Stamp>; 3],
     checked: Instant,
 }
 
@@ -215,10 +217,22 @@ pub(crate) fn names_ip(cert: &CertificateDer<'_>, ip: IpAddr) -> bool {
         .is_ok()
 }
 
-fn stamps(files: &TlsFiles) -> [Option<(SystemTime, u64)>; 3] {
+/// What tells one version of a file from another: its inode (a rename puts a new one in
+/// place), its change time (set by any write, even one that keeps the modification time, as
+/// `cp -p` does), modification time and length.
+type Stamp = (u64, i64, i64, SystemTime, u64);
+
+fn stamps(files: &TlsFiles) -> [Option<Stamp>; 3] {
+    use std::os::unix::fs::MetadataExt as _;
     let stamp = |p: &Path| {
         let m = std::fs::metadata(p).ok()?;
-        Some((m.modified().ok()?, m.len()))
+        Some((
+            m.ino(),
+            m.ctime(),
+            m.ctime_nsec(),
+            m.modified().ok()?,
+            m.len(),
+        ))
     };
     [stamp(&files.cert), stamp(&files.key), stamp(&files.ca)]
 }
@@ -280,21 +294,26 @@ fn build(files: &TlsFiles) -> Result<Built, TlsError> {
         WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
             .map_err(|e| config_error(e.to_string()))?;
-    let server = ServerConfig::builder_with_provider(provider.clone())
+    let mut server = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| config_error(e.to_string()))?
         .with_client_cert_verifier(client_verifier)
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(|e| config_error(e.to_string()))?;
+    // No resumption: a resumed session would skip the peer's certificate (its expiry, a CA
+    // dropped since), and data connections are few and long-lived.
+    server.send_tls13_tickets = 0;
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     let server_verifier = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
         .build()
         .map_err(|e| config_error(e.to_string()))?;
-    let client = ClientConfig::builder_with_provider(provider)
+    let mut client = ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| config_error(e.to_string()))?
         .with_webpki_verifier(server_verifier)
         .with_client_auth_cert(chain, key)
         .map_err(|e| config_error(e.to_string()))?;
+    client.resumption = rustls::client::Resumption::disabled();
     Ok(Built {
         server: Arc::new(server),
         client: Arc::new(client),

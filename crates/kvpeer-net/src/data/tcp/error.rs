@@ -46,6 +46,9 @@ pub enum TcpRefusal {
          peer tls_cert, tls_key and tls_ca, or set tls = \"preferred\" here)"
     )]
     NoTls,
+    /// TLS with a peer whose identity is not an IP address (its certificate names one).
+    #[error("the peer's identity {0} is no IP address, which TLS needs to check its certificate")]
+    TlsNeedsAnAddress(String),
 }
 
 /// Why a peer's link faulted: its transfers fail, and its session winds down.

@@ -451,7 +451,7 @@ impl TcpPlane {
         addr: String,
         key: [u8; KEY_LEN],
         num_blocks: u64,
-        tls: bool,
+        tls: Option<std::net::IpAddr>,
     ) {
         let limits = lock(&self.limits).clone();
         let writer = Writer {
@@ -608,12 +608,30 @@ impl DataPlane for TcpPlane {
         };
         // TLS where both use it; a peer offering none is refused under "required", and taken in
         // plaintext under "preferred" (an older kvpeer).
+        // A peer whose connect offers TLS writes into us only over TLS (its key alone, read
+        // off the control channel, opens no plaintext connection), whatever our policy.
+        lock(&self.gate).set_tls_only(peer, meta.tcp_tls && self.tls.policy() != TlsPolicy::Off);
+        let identity = PeerAddr::parse(peer.as_str())
+            .ok()
+            .and_then(|a| a.socket_addr())
+            .map(|a| a.ip());
         let tls = match (self.tls.policy(), meta.tcp_tls) {
-            (TlsPolicy::Off, _) => false,
-            (_, true) => true,
+            (TlsPolicy::Off, _) => None,
+            (_, true) => match identity {
+                Some(ip) => Some(ip),
+                None => {
+                    lock(&self.registrations).insert(
+                        peer.clone(),
+                        Registration::Failed(PlaneError::rejected(TcpRefusal::TlsNeedsAnAddress(
+                            peer.to_string(),
+                        ))),
+                    );
+                    return Ok(());
+                }
+            },
             (TlsPolicy::Preferred, false) => {
                 debug!(%peer, "the peer offers no TLS on its tcp plane; writing to it in plaintext (tls = preferred)");
-                false
+                None
             }
             (TlsPolicy::Required, false) => {
                 lock(&self.registrations).insert(
@@ -636,6 +654,7 @@ impl DataPlane for TcpPlane {
 
     fn remove_remote_peer(&mut self, peer: &PeerId) {
         lock(&self.registrations).remove(peer);
+        lock(&self.gate).set_tls_only(peer, false);
         // The key we issued to `peer` ends with the session that used it (module doc).
         let closed = lock(&self.gate).withdraw(peer);
         for _ in 0..closed {

@@ -85,6 +85,9 @@ struct Entry {
 #[derive(Default)]
 pub(super) struct Gate {
     keys: HashMap<PeerId, Issued>,
+    /// Writers whose `connect` offered TLS, while this node uses it: their HELLO is taken only
+    /// over TLS (their key may have been read off the plaintext control channel).
+    tls_only: HashSet<PeerId>,
     /// By connection number: the oldest first.
     conns: BTreeMap<u64, Entry>,
     next_generation: u64,
@@ -98,6 +101,15 @@ fn shut(fd: RawFd) {
 }
 
 impl Gate {
+    /// Whether `writer`'s connections must be TLS.
+    pub(super) fn set_tls_only(&mut self, writer: &PeerId, only: bool) {
+        if only {
+            self.tls_only.insert(writer.clone());
+        } else {
+            self.tls_only.remove(writer);
+        }
+    }
+
     /// (connections past their HELLO, connections still in it).
     pub(super) fn counts(&self) -> (usize, usize) {
         let authenticated = self.conns.values().filter(|c| c.writer.is_some()).count();
@@ -741,6 +753,14 @@ impl Receiver {
                     let hello = wire::decode_hello(buf)
                         .map_err(|e| self.refuse_hello(&c.stream, e.to_string()))?;
                     let (writer, key) = (PeerId::new(hello.writer), hello.key);
+                    if c.tls.is_none() && lock(&self.shared.gate).tls_only.contains(&writer) {
+                        return Err(self.refuse_hello(
+                            &c.stream,
+                            format!(
+                                "{writer}: a plaintext connection from a writer that offered TLS"
+                            ),
+                        ));
+                    }
                     // Over TLS the writer's certificate must name the address it speaks for.
                     if let Some(tls) = &c.tls {
                         if !certificate_names(tls, &writer) {

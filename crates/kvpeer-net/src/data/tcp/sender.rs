@@ -73,6 +73,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// every peer.
 const ACK_READS_PER_DRIVE: usize = 256;
 
+/// How long a TLS handshake may take once TCP's connect is done (the listener gives a HELLO,
+/// which follows it, 5 s by default).
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Bytes of records a link's TLS session holds unsent at most (its plaintext is encrypted into
 /// them at each write, up to this).
 const TLS_SEND_BUFFER: usize = 1 << 20;
@@ -110,8 +114,9 @@ pub(super) enum Cmd {
         addr: SocketAddr,
         key: [u8; KEY_LEN],
         writer: Writer,
-        /// Its connections speak TLS (the peer offers it and this node's policy uses it).
-        tls: bool,
+        /// Its connections speak TLS (the peer offers it and this node's policy uses it),
+        /// and the listener's certificate must name this address: the peer's identity's.
+        tls: Option<std::net::IpAddr>,
     },
     /// `peer` is gone: its link and connection end (`abort`: reset, not closed in order).
     Unlink { peer: PeerId, abort: bool },
@@ -266,8 +271,8 @@ struct Link {
     stopped: bool,
     /// A connection of this link has been up before (the next one is a reconnect).
     connected_before: bool,
-    /// Its connections speak TLS.
-    tls: bool,
+    /// Its connections speak TLS, with a listener whose certificate names this address.
+    tls: Option<std::net::IpAddr>,
 }
 
 /// The sender thread's state.
@@ -518,6 +523,8 @@ impl Sender {
             }
             if let Some(since) = c.connecting {
                 consider(since + CONNECT_TIMEOUT);
+            } else if c.tls.as_ref().is_some_and(|t| t.is_handshaking()) {
+                consider(c.progressed + TLS_HANDSHAKE_TIMEOUT);
             } else if !c.out.is_empty() {
                 consider(c.progressed + WRITE_STALL_TIMEOUT);
                 if let Some(ready) = self.pace_ready_at(link, now) {
@@ -759,10 +766,11 @@ impl Sender {
             }
             Err(None) => return Err(TcpFault::NoSocket(link.addr)),
         };
-        let tls = if link.tls {
+        let tls = if let Some(identity) = link.tls {
             let config = self.shared.tls.client().ok_or(TcpFault::NoTls)?;
-            // The data listener must prove the address dialed (an IP name in its certificate).
-            let name = ServerName::IpAddress(link.addr.ip().into());
+            // The data listener must prove it is the peer: its certificate names the IP of the
+            // peer's identity (not only the address dialed, which the peer's connect chose).
+            let name = ServerName::IpAddress(identity.into());
             let mut session = rustls::ClientConnection::new(config, name)
                 .map_err(|e| TcpFault::Tls(e.to_string()))?;
             // Records for this much plaintext are made per write, so a block goes out in few
@@ -827,6 +835,13 @@ impl Sender {
                 }
             }
             if tls.is_handshaking() {
+                // A listener that took the connection and never answers (a hung peer,
+                // something else on that port) faults the link, not the thread.
+                if now.saturating_duration_since(c.progressed) >= TLS_HANDSHAKE_TIMEOUT {
+                    return Err(TcpFault::Tls(format!(
+                        "no TLS handshake with the data listener within {TLS_HANDSHAKE_TIMEOUT:?}"
+                    )));
+                }
                 return Ok(false);
             }
         }
