@@ -680,3 +680,29 @@ def test_the_ranks_of_a_data_parallel_engine_form_one_liveness_group():
     # The host liveness keys pass through, checked by the node like the others.
     found = settings(0, {"host_probe_timeout_ms": 250, "host_down_hold_ms": 0})
     assert found["host_probe_timeout_ms"] == "250" and found["host_down_hold_ms"] == "0"
+
+
+def test_reset_cache_with_parked_pd_stores_fails_them_and_refuses_a_late_fetch(engines, plane="tcp"):
+    """vLLM's reset_cache (sleep mode, weight updates, /reset_prefix_cache) drains every tier and
+    then asserts that no job is left. A PD producer's stores parked for a decoder that never
+    fetched are failed by the drain (as vLLM 0.34's own P2P tier does), so the reset completes;
+    the decoder's later fetch of them is refused and its load fails (computed locally), never
+    served stale chunks."""
+    a = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"A-reset-{os.getpid()}")
+    b = engines(kvpeer_tier(plane), NUM_CHUNKS, BLOCK_LEN, engine_id=f"B-reset-{os.getpid()}")
+    pd_keys = [make_key(f"reset-pd-{i}") for i in range(3)]
+    producer = a.new_request("a-reset-pd", {"remote_decoder": {"kv_request_id": "kv-reset-pd"}})
+    assert a.put(pd_keys, random_blocks(3, 21), producer) == pd_keys
+    a.finish(producer)
+    a.step()
+    assert a.tier._stores, "the PD stores are parked for the decoder"
+    with a._scope():
+        a.manager.reset_cache()
+    a.step()
+    assert not a.tier._stores, "every parked store ended (failed) with the drain"
+    # The decoder comes late: nothing is served for the reaped request.
+    req = b.new_request("b-reset-pd", source(a, "kv-reset-pd", role="remote_prefiller"))
+    hits, answers = wait_lookup([a, b], b, pd_keys, req)
+    assert hits == 0, answers
+    b.finish(req)
+    settle(a, b)

@@ -217,6 +217,38 @@ fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
     m.assert_clean();
 }
 
+/// vLLM 0.34's `test_drain_fails_unfetched_stores_and_rejects_late_fetch` (not in the 0.33
+/// scenario list): an engine's drain before a reset fails the stores parked for a decoder at
+/// once, and the decoder's late fetch is refused in one round trip.
+#[test]
+fn parked_stores_fail_at_once_when_the_engine_drains_and_a_late_fetch_is_refused() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.open("r", RequestRoles::decoder());
+    let (j1, b1) = m.parent().pin_for_store(&[key(1)]);
+    m.store(j1, "r", vec![key(1)], b1);
+    let (j2, b2) = m.parent().pin_for_store(&[key(2)]);
+    m.store(j2, "r", vec![key(2)], b2);
+    assert!(m.store_results().is_empty(), "parked");
+    let failed = m.core.fail_parked_stores(m.now);
+    assert_eq!(failed, vec![j1, j2]);
+    m.pump();
+    assert_eq!(m.store_results(), vec![(j1, false), (j2, false)]);
+    assert!(
+        m.core.fail_parked_stores(m.now).is_empty(),
+        "nothing left parked"
+    );
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    assert_eq!(
+        m.take_sent(),
+        vec![transfer_done("r", false, 0)],
+        "the late fetch is refused in one round trip"
+    );
+    m.advance(S(61));
+    m.finish("r");
+    m.assert_clean();
+}
+
 /// upstream: TestSessionCapLimit.test_outbound_rejected_at_capacity
 /// upstream: TestSessionCapLimit.test_on_new_request_records_failure_on_cap
 /// upstream: TestSessionCapLimit.test_inbound_rejected_at_capacity

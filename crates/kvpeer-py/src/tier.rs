@@ -213,6 +213,21 @@ impl EngineTier {
         })
     }
 
+    /// Fails every PD store parked for a decoder that has not fetched it (each ends failed in
+    /// a later `poll`; a late fetch of its request is refused): `drain_jobs` before a reset.
+    /// Returns the store jobs failed.
+    fn fail_parked_stores(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        py.detach(|| {
+            self.with(|engine| {
+                Ok(engine
+                    .fail_parked_stores()
+                    .into_iter()
+                    .map(|j| j.get())
+                    .collect())
+            })
+        })
+    }
+
     /// Reports a failed load whose producer may still write its blocks at once, as a
     /// `JobEnd` with `held` set, before its settled `JobEnd` (vLLM 0.34's deferred release).
     fn report_held_loads(&self, py: Python<'_>, on: bool) -> PyResult<()> {

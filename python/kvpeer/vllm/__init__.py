@@ -622,11 +622,18 @@ class KvpeerTier(SecondaryTierManager):
         failed load's blocks are fenced (vLLM 0.34: every `deferred_release` set, as its contract
         asks; not bounded: a stalled NIXL producer's writes stay unfenced until it confirms or its
         agent is replaced, and chunks given back before could take its bytes). Never aborts a
-        transfer. PD stores still parked for a peer that has not fetched them are left parked
-        (as the stock tier leaves them): they touch no memory until that fetch."""
+        transfer. PD stores still parked for a decoder that has not fetched them fail (as vLLM
+        0.34's own tier does): vLLM asserts after the drain that no job is left, and the reset
+        frees the chunks they name; a late fetch of their request is refused."""
         start = time.monotonic()
         warned = False
-        while self._loads or self._fencing or self._tier.stats()["inflight_transfers"]:
+        failed = set(self._tier.fail_parked_stores())
+        while (
+            self._loads
+            or self._fencing
+            or self._tier.stats()["inflight_transfers"]
+            or failed & self._stores.keys()
+        ):
             self._collect(wait_s=_DRAIN_WAIT_S)
             if not warned and time.monotonic() - start > _DRAIN_WARN_S:
                 logger.warning(

@@ -659,6 +659,18 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.settle();
     }
 
+    /// Fails every PD store still parked for a fetch that has not come (vLLM's `drain_jobs`
+    /// before a reset, as vLLM 0.34's own P2P tier does): each job ends failed now, and its
+    /// request is remembered as reaped, so a late fetch of it is refused in one round trip
+    /// and never served the chunks the reset frees. Stores already offered to a session that
+    /// fetched are not parked: they end with that session's transfers. Returns the jobs failed.
+    pub fn fail_parked_stores(&mut self, now: Instant) -> Vec<JobId> {
+        self.advance(now);
+        let failed = self.reap_all_unbound();
+        self.settle();
+        failed
+    }
+
     // ---------------------------------------------------------------- shutdown
 
     /// First step of a graceful shutdown: asks the data plane to stop inflight transfers

@@ -127,6 +127,22 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
     }
 
+    /// Every parked store fails now, its request reaped (`fail_parked_stores`).
+    pub(super) fn reap_all_unbound(&mut self) -> Vec<JobId> {
+        let ids: Vec<KvRequestId> = self.unbound.keys().cloned().collect();
+        let mut failed = Vec::new();
+        for id in ids {
+            let batches = self.unbound.remove(&id).unwrap_or_default();
+            for batch in batches {
+                self.complete_store(batch.job, false);
+                failed.push(batch.job);
+            }
+            self.reaped.insert(id.clone(), self.now);
+            self.reaped_lane.arm(self.now, id);
+        }
+        failed
+    }
+
     pub(super) fn expire_reaped(&mut self) {
         let delay = self.reaped_lane.delay();
         while let Some((deadline, id)) = self.reaped_lane.pop_due(self.now) {

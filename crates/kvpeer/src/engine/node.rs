@@ -439,6 +439,22 @@ impl EngineNode {
         self.io.flush(now);
     }
 
+    /// Fails every PD store parked for a decoder that has not fetched it yet (its job ends
+    /// failed; a later fetch of its request is refused): what an engine's `drain_jobs` does
+    /// before a reset frees the chunks those stores name. Returns the store jobs failed (their
+    /// `StoreEnded` events follow).
+    pub fn fail_parked_stores(&mut self) -> Vec<JobId> {
+        let now = Instant::now();
+        let failed = self.io.core.fail_parked_stores(now);
+        if self.deferred_io {
+            self.wake_if_needed();
+            return failed;
+        }
+        self.collect(now);
+        self.io.flush(now);
+        failed
+    }
+
     /// The next result, if any.
     pub fn poll_event(&mut self) -> Option<EngineEvent> {
         self.events.pop_front()
