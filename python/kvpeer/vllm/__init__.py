@@ -590,7 +590,8 @@ class KvpeerTier(SecondaryTierManager):
         producer = req_context.get_state(_Producer)
         if producer is not None and producer.native is not None:
             # As the stock tier: a peer that already fetched this request is done with it;
-            # stores no peer asked for yet stay parked until the unbound-store timeout.
+            # stores no peer asked for yet stay parked until the unbound-store timeout (or a
+            # drain before a reset fails them).
             self._tier.finish(producer.native)
 
     # ------------------------------------------------------------------ polling
@@ -627,12 +628,15 @@ class KvpeerTier(SecondaryTierManager):
         frees the chunks they name; a late fetch of their request is refused."""
         start = time.monotonic()
         warned = False
-        failed = set(self._tier.fail_parked_stores())
+        # Every store job's end is collected before returning: vLLM asserts right after the
+        # drain that no job is left. A store a session holds for a decoder's next fetch ends
+        # with its round or at `store_timeout` (30 s), which bounds the wait.
+        self._tier.fail_parked_stores()
         while (
             self._loads
             or self._fencing
+            or self._stores
             or self._tier.stats()["inflight_transfers"]
-            or failed & self._stores.keys()
         ):
             self._collect(wait_s=_DRAIN_WAIT_S)
             if not warned and time.monotonic() - start > _DRAIN_WARN_S:

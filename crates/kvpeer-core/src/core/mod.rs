@@ -663,7 +663,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// before a reset, as vLLM 0.34's own P2P tier does): each job ends failed now, and its
     /// request is remembered as reaped, so a late fetch of it is refused in one round trip
     /// and never served the chunks the reset frees. Stores already offered to a session that
-    /// fetched are not parked: they end with that session's transfers. Returns the jobs failed.
+    /// fetched (its request bound) are not failed here: they end with that session's round, or
+    /// at `store_timeout` (vLLM 0.34 fails those at once too). Returns the jobs failed.
     pub fn fail_parked_stores(&mut self, now: Instant) -> Vec<JobId> {
         self.advance(now);
         let failed = self.reap_all_unbound();

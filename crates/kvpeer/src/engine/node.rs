@@ -450,6 +450,9 @@ impl EngineNode {
             self.wake_if_needed();
             return failed;
         }
+        // As `submit`: the failed stores reach the outcomes through the flush, and come out as
+        // events before we return.
+        self.io.flush(now);
         self.collect(now);
         self.io.flush(now);
         failed
