@@ -83,6 +83,17 @@ fn fetch(peer: &str, extra: &[String]) -> (Option<i32>, String, String) {
     )
 }
 
+/// `kvpeer serve --plane tcp` with `flags`, expected to stop at start: its exit status and log.
+fn serve_until_exit(flags: &[String], role: &str) -> (i32, String) {
+    let mut args = vec!["serve", "--plane", "tcp"];
+    args.extend(flags.iter().map(String::as_str));
+    let mut node = Proc::spawn_env(&args, role, &[("KVPEER_LOG", "error")]);
+    let status = node.wait_while(std::time::Duration::from_secs(30), || {
+        std::thread::sleep(std::time::Duration::from_millis(20))
+    });
+    (status, node.log())
+}
+
 fn serve(extra: &[String]) -> (Proc, String) {
     let mut args: Vec<&str> = vec!["--plane", "tcp", "--fill", "8"];
     args.extend(extra.iter().map(String::as_str));
@@ -137,19 +148,7 @@ fn tls_files_that_cannot_be_used_stop_the_node_at_start_naming_them() {
     let missing = certs.dir.join("nowhere.key").display().to_string();
     let mut flags = certs.flags("required");
     flags[5] = missing.clone();
-    let mut node = Proc::spawn_env(
-        &[
-            &["serve", "--plane", "tcp"][..],
-            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
-        ]
-        .concat(),
-        "tls-bad",
-        &[("KVPEER_LOG", "error")],
-    );
-    let status = node.wait_while(std::time::Duration::from_secs(30), || {
-        std::thread::sleep(std::time::Duration::from_millis(20))
-    });
-    let said = node.log();
+    let (status, said) = serve_until_exit(&flags, "tls-bad");
     assert_ne!(status, 0, "{said}");
     assert!(
         said.contains("tls_key") && said.contains("nowhere.key"),
@@ -159,19 +158,7 @@ fn tls_files_that_cannot_be_used_stop_the_node_at_start_naming_them() {
     // A key that is not the certificate's (the CA's).
     let mut flags = certs.flags("required");
     flags[5] = certs.dir.join("ca.key").display().to_string();
-    let mut node = Proc::spawn_env(
-        &[
-            &["serve", "--plane", "tcp"][..],
-            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
-        ]
-        .concat(),
-        "tls-mismatch",
-        &[("KVPEER_LOG", "error")],
-    );
-    let status = node.wait_while(std::time::Duration::from_secs(30), || {
-        std::thread::sleep(std::time::Duration::from_millis(20))
-    });
-    let said = node.log();
+    let (status, said) = serve_until_exit(&flags, "tls-mismatch");
     assert_ne!(status, 0, "a mismatched key was taken: {said}");
     assert!(
         said.contains("tls_cert") && said.contains("tls_key"),
@@ -179,15 +166,7 @@ fn tls_files_that_cannot_be_used_stop_the_node_at_start_naming_them() {
     );
 
     // tls = required without the files.
-    let mut node = Proc::spawn_env(
-        &["serve", "--plane", "tcp", "--tls", "required"],
-        "tls-nofiles",
-        &[("KVPEER_LOG", "error")],
-    );
-    let status = node.wait_while(std::time::Duration::from_secs(30), || {
-        std::thread::sleep(std::time::Duration::from_millis(20))
-    });
-    let said = node.log();
+    let (status, said) = serve_until_exit(&["--tls".into(), "required".into()], "tls-nofiles");
     assert_eq!(status, 2, "a configuration error: {said}");
     assert!(said.contains("tls_cert"), "{said}");
 }

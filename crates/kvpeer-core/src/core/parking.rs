@@ -117,13 +117,9 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             if current != Some(deadline) {
                 continue;
             }
-            let batches = self.unbound.remove(&id).unwrap_or_default();
-            crate::warn_throttled!(self.out.throttle, self.now, "parked stores were never fetched; failing them", kv_request_id = %id, jobs = batches.len());
-            for batch in batches {
-                self.complete_store(batch.job, false);
-            }
-            self.reaped.insert(id.clone(), self.now);
-            self.reaped_lane.arm(self.now, id);
+            let jobs = self.unbound.get(&id).map_or(0, Vec::len);
+            crate::warn_throttled!(self.out.throttle, self.now, "parked stores were never fetched; failing them", kv_request_id = %id, jobs);
+            self.reap(id, &mut Vec::new());
         }
     }
 
@@ -132,15 +128,20 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         let ids: Vec<KvRequestId> = self.unbound.keys().cloned().collect();
         let mut failed = Vec::new();
         for id in ids {
-            let batches = self.unbound.remove(&id).unwrap_or_default();
-            for batch in batches {
-                self.complete_store(batch.job, false);
-                failed.push(batch.job);
-            }
-            self.reaped.insert(id.clone(), self.now);
-            self.reaped_lane.arm(self.now, id);
+            self.reap(id, &mut failed);
         }
         failed
+    }
+
+    /// Fails request `id`'s parked stores (their jobs added to `failed`) and remembers it as
+    /// reaped, so its later stores and fetches fail for the reaped retention.
+    fn reap(&mut self, id: KvRequestId, failed: &mut Vec<JobId>) {
+        for batch in self.unbound.remove(&id).unwrap_or_default() {
+            self.complete_store(batch.job, false);
+            failed.push(batch.job);
+        }
+        self.reaped.insert(id.clone(), self.now);
+        self.reaped_lane.arm(self.now, id);
     }
 
     pub(super) fn expire_reaped(&mut self) {
