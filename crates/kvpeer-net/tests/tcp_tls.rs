@@ -324,7 +324,11 @@ fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
     let pki = Pki::new("refuse");
     let other = Pki::new("refuse-other");
     let rx_files = pki.node("rx", &[loopback(), ip(10, 0, 0, 1)]);
-    let cases: Vec<(&str, TlsFiles, TlsFiles, &str)> = vec![
+    // What the writer is told: the listener's alert, where it sent one (a certificate it refused);
+    // where it refused only the HELLO, the connection's end, seen as EOF or as a failed send,
+    // whichever of the two the reset reaches first.
+    let ended: &[&str] = &["lost", "send failed"];
+    let cases: Vec<(&str, TlsFiles, TlsFiles, &[&str])> = vec![
         (
             "a writer from another CA",
             rx_files.clone(),
@@ -332,25 +336,25 @@ fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
                 ca: pki.dir.join("ca.pem"),
                 ..other.node("tx-other-ca", &[ip(10, 0, 0, 2)])
             },
-            "TLS",
+            &["TLS"],
         ),
         (
             "an expired writer",
             rx_files.clone(),
             pki.issue("tx-expired", &[ip(10, 0, 0, 2)], (2001, 2002)),
-            "TLS",
+            &["TLS"],
         ),
         (
             "a writer whose certificate names another address",
             rx_files.clone(),
             pki.node("tx-wrong-name", &[ip(10, 0, 0, 3)]),
-            "lost",
+            ended,
         ),
         (
             "a listener whose certificate names the address dialed but not its identity",
             pki.node("rx-wrong-name", &[loopback()]),
             pki.node("tx-ok", &[ip(10, 0, 0, 2)]),
-            "TLS",
+            &["TLS"],
         ),
     ];
     for (case, rx_files, tx_files, tx_says) in cases {
@@ -367,7 +371,10 @@ fn untrusted_expired_and_wrong_name_certificates_are_refused_on_both_sides() {
             .peer_fault
             .clone()
             .unwrap_or_else(|| panic!("{case}: the writer is not told: {poll:?}"));
-        assert!(fault.to_string().contains(tx_says), "{case}: {fault}");
+        assert!(
+            tx_says.iter().any(|says| fault.to_string().contains(says)),
+            "{case}: {fault}"
+        );
         assert_eq!(block(&rx_store, 0), before, "{case}: the pool was written");
         let until = Instant::now() + Duration::from_secs(5);
         while rx.counters().refused_hellos == 0 && Instant::now() < until {

@@ -83,3 +83,21 @@ pub(crate) fn write(sock: &TcpStream, conn: &mut Connection, buf: &[u8]) -> io::
     flush_what_fits(sock, conn)?;
     Ok(n)
 }
+
+/// After a write failed (the peer closed): the TLS error its alert carries, if one arrived
+/// before the close, so the writer learns "unknown CA" rather than "broken pipe". Best effort:
+/// a reset that overtook the alert leaves nothing to read, and then this is `None`.
+pub(crate) fn alert_before_close(sock: &TcpStream, conn: &mut Connection) -> Option<io::Error> {
+    loop {
+        match conn.read_tls(&mut &*sock) {
+            Ok(0) => return None,
+            Ok(_) => {
+                if let Err(e) = conn.process_new_packets() {
+                    return Some(io::Error::new(ErrorKind::InvalidData, e));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+}

@@ -898,6 +898,13 @@ impl Sender {
                     return Err(tls_fault(e));
                 }
                 Err(e) => {
+                    // A listener that refused our certificate sent an alert and closed: its
+                    // reason, where it arrived before the reset, says more than the pipe.
+                    if let Some(tls) = &mut c.tls {
+                        if let Some(alert) = crate::tls::alert_before_close(&c.stream, tls) {
+                            return Err(tls_fault(alert));
+                        }
+                    }
                     let untouched = frame.written == 0 && frame.tid.is_some();
                     let tid = frame.tid;
                     return match (untouched, tid) {
