@@ -1279,6 +1279,101 @@ fn a_peers_terminals_sent_just_before_it_leaves_settle_its_loads() {
     }
 }
 
+/// vLLM 0.34 settles a load with the `transfer_done` or `abort_ack` its peer sent right after
+/// its `disconnect` (`TestDisconnect.test_buffered_terminal_settles_load_after_disconnect`): the
+/// session is over, new work there is not taken, but a success that arrived with the goodbye
+/// counts. kvpeer hears such terminals until its next input of any other kind (the next
+/// round of I/O, a deadline, any other message), then fails what is still open.
+#[test]
+fn a_peers_terminals_sent_right_after_its_disconnect_still_settle_its_loads() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    let peer = m.peer.clone();
+    for rid in ["s", "t"] {
+        m.dial(rid, RequestRoles::kv_source(peer.clone()));
+    }
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.load(6, "s", vec![key(2)], vec![11]);
+    m.load(7, "t", vec![key(3)], vec![12]);
+    m.finish("s");
+    assert!(m.take_sent().contains(&abort_fetch("s", 0)));
+    m.parent().insert(&key(9));
+
+    m.recv(Message::DISCONNECT);
+    assert!(
+        m.load_results().is_empty(),
+        "still hearing the goodbye's terminals"
+    );
+    assert!(
+        m.core.poll_timeout().is_some_and(|t| t <= m.now),
+        "reaped at the next turn"
+    );
+    m.recv(transfer_done("r", true, 0));
+    m.recv(abort_ack("s", 0));
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(5), true), (JobId::new(6), false)]
+    );
+    assert!(
+        m.held_loads().is_empty(),
+        "the acked abort's blocks are handed back"
+    );
+    // New work after the goodbye is not taken, and it ends the hearing.
+    m.recv(fetch("theirs", vec![key(9)], vec![3], 0));
+    m.recv(transfer_done("t", true, 0));
+    assert_eq!(
+        m.load_results(),
+        vec![
+            (JobId::new(5), true),
+            (JobId::new(6), false),
+            (JobId::new(7), false)
+        ]
+    );
+    assert!(
+        m.take_sent().is_empty(),
+        "no answer to anything after a goodbye"
+    );
+    assert!(m.plane().running().is_empty(), "the fetch was not served");
+    assert_eq!(m.closed().as_deref(), Some("peer disconnected"));
+    assert_eq!(m.plane().removed, vec![peer.clone()]);
+    assert!(m.core.session_state(&peer).is_none());
+    for rid in ["r", "t"] {
+        m.finish(rid);
+    }
+    m.assert_clean();
+}
+
+/// What ends the hearing of a goodbye's terminals before they come: the next turn of the
+/// node's loop (a deadline), or a message from the peer that does not decode (vLLM 0.34's
+/// `test_local_protocol_fault_rejects_buffered_success`: a fault rejects the success behind
+/// it). The load fails, and a success that comes later is not taken.
+#[test]
+fn a_goodbyes_terminals_are_heard_only_until_the_next_turn_or_a_bad_message() {
+    // transfer_done without kv_request_id
+    let malformed: &[u8] = b"\x83\xa4type\xadtransfer_done\xa7success\xc3\xa9round_seq\x00";
+    for by_fault in [false, true] {
+        let mut m = Mock::new();
+        m.ready_source("r");
+        m.load(5, "r", vec![key(1)], vec![10]);
+        m.take_sent();
+        m.recv(Message::DISCONNECT);
+        if by_fault {
+            m.recv_raw(malformed);
+        } else {
+            m.advance(Duration::ZERO);
+        }
+        assert_eq!(m.load_results(), vec![(JobId::new(5), false)], "{by_fault}");
+        m.recv(transfer_done("r", true, 0));
+        assert_eq!(m.load_results(), vec![(JobId::new(5), false)], "{by_fault}");
+        assert!(
+            !m.take_sent().contains(&Message::DISCONNECT),
+            "no reply to a goodbye"
+        );
+        m.finish("r");
+        m.assert_clean();
+    }
+}
+
 /// What one request's peer has been told, read off the wire: rounds whose lookups it holds,
 /// fetches it is serving, aborted fetches it has not acked.
 #[derive(Default)]

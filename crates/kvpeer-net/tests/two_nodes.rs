@@ -377,3 +377,90 @@ fn miss_and_abort<P: Plane>(first: u16) {
         assert_eq!((s.pinned, s.jobs, s.writing), (0, 0, 0), "{s:?}");
     }
 }
+
+#[test]
+fn a_transfer_done_right_after_the_producers_disconnect_settles_the_load_over_shm() {
+    done_after_goodbye::<ShmPlane>(31);
+}
+
+#[test]
+fn a_transfer_done_right_after_the_producers_disconnect_settles_the_load_over_tcp() {
+    done_after_goodbye::<TcpPlane>(33);
+}
+
+/// The producer's `transfer_done` reaches the consumer right after its `disconnect` (vLLM 0.34
+/// settles such a buffered terminal): the load counts and its blocks are byte-exact. A
+/// `transfer_done` that comes only after the consumer's next turn (a deadline) is not taken:
+/// by then the session is reaped and the load failed.
+fn done_after_goodbye<P: Plane>(first: u16) {
+    for next_turn_between in [false, true] {
+        let (mut c, mut p) = (node::<P>(first), node::<P>(first + 1));
+        for n in 0..2 {
+            p.core.parent_mut().put(&key(n), &content(n)).unwrap();
+        }
+        let req = open(&mut c, &p, "req-4");
+        handshake(&mut c, &mut p);
+        let wanted = vec![key(0), key(1)];
+        for k in &wanted {
+            c.core.lookup(Instant::now(), &req, k);
+        }
+        c.core.flush_lookups(Instant::now());
+        pump(&mut c, &mut p);
+        let blocks = c.core.parent_mut().reserve(&wanted).unwrap();
+        c.core.submit_load(
+            Instant::now(),
+            JobId::new(1),
+            &req,
+            wanted.clone(),
+            blocks.clone(),
+        );
+        pump(&mut c, &mut p);
+        for _ in 0..400 {
+            if p.core.plane().inflight() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        p.core.handle_data_plane(Instant::now());
+        let held: Vec<Message> = std::iter::from_fn(|| p.core.poll_transmit())
+            .map(|t| t.message)
+            .collect();
+        assert!(
+            matches!(&held[..], [Message::TransferDone(t)] if t.success),
+            "{held:?}"
+        );
+        c.core
+            .handle_message(Instant::now(), &p.id, Message::DISCONNECT);
+        if next_turn_between {
+            c.core.handle_timeout(Instant::now());
+        }
+        for message in held {
+            let payload = message.encode().unwrap();
+            c.core.handle_payload(Instant::now(), &p.id, &payload);
+        }
+        c.core.handle_timeout(Instant::now());
+        while let Some(e) = c.core.poll_event() {
+            c.events.push(e);
+        }
+        let done = c.events.iter().find_map(|e| match e {
+            Event::LoadDone { job, success, .. } if *job == JobId::new(1) => Some(*success),
+            _ => None,
+        });
+        assert_eq!(done, Some(!next_turn_between), "{next_turn_between}");
+        assert!(c.core.session_state(&p.id).is_none(), "the session ended");
+        c.core
+            .parent_mut()
+            .finish_write(&blocks, !next_turn_between);
+        if !next_turn_between {
+            for (n, block) in blocks.iter().enumerate() {
+                assert_eq!(
+                    c.core.parent().read(*block).unwrap(),
+                    &content(n as u64)[..],
+                    "block for key {n}"
+                );
+            }
+        }
+        c.core.finish(Instant::now(), &req);
+        assert_eq!(c.core.parent().stats().pinned, 0);
+    }
+}

@@ -101,6 +101,11 @@ pub struct Core<P: Parent, D: DataPlane> {
     index: SessionIndex,
     /// When idle sessions are next looked for (while idle eviction is on).
     idle_check_at: Option<Instant>,
+    /// The peer whose `disconnect` was the last message handled: its session is dead, but
+    /// the `transfer_done`s and `abort_ack`s it sent right after still settle its loads (vLLM
+    /// 0.34 settles a terminal buffered behind a goodbye). Any other input ends that, and the
+    /// session is reaped ([`Core::end_settling`]).
+    settling: Option<PeerId>,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -130,6 +135,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             dial_backoff: Map::default(),
             index: SessionIndex::default(),
             idle_check_at: None,
+            settling: None,
         }
     }
 
@@ -175,11 +181,31 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         &mut self.plane
     }
 
+    /// Every entry point starts here: the clock moves on, and a goodbye's terminals are
+    /// over (only the peer's next messages may still settle its loads).
     fn advance(&mut self, now: Instant) {
+        self.tick(now);
+        self.end_settling();
+    }
+
+    /// The clock moves on (and nothing else).
+    fn tick(&mut self, now: Instant) {
         if now > self.now {
             self.now = now;
         }
         self.out.throttle.tick(self.now);
+    }
+
+    /// Ends the settling of the session whose peer said goodbye: its loads still open fail and
+    /// the session is reaped.
+    fn end_settling(&mut self) {
+        let Some(peer) = self.settling.take() else {
+            return;
+        };
+        if let Some(session) = self.sessions.get_mut(&peer) {
+            session.stop_hearing_terminals();
+        }
+        self.settle();
     }
 
     /// Runs `f` on one session with everything it may touch, then reads what changed off it.
@@ -252,6 +278,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// When [`Core::handle_timeout`] must next be called, if ever.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.settling.is_some() {
+            // A goodbye's session is reaped at the next input or deadline, whichever first.
+            return Some(self.now);
+        }
         earliest([
             self.index.next_deadline(),
             self.index.slices.next_deadline(self.now),
@@ -346,7 +376,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// peer without a session only a `connect` is accepted (it opens an inbound session);
     /// anything else is a leftover of an ended session and is dropped.
     pub fn handle_payload(&mut self, now: Instant, peer: &PeerId, payload: &[u8]) {
-        self.advance(now);
+        self.tick(now);
         match decode_with_limits(payload, &self.limits) {
             Ok(message) => self.handle_message(now, peer, message),
             Err(e) => self.handle_undecodable(now, peer, e),
@@ -356,6 +386,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// A payload from `peer` that did not decode (the caller decoded it, e.g. a slice at a
     /// time), with the error: what [`Core::handle_payload`] does with it.
     pub fn handle_undecodable(&mut self, now: Instant, peer: &PeerId, error: DecodeError) {
+        // Even from the peer that said goodbye: a fault after it rejects what follows.
         self.advance(now);
         match error {
             e if !self.sessions.contains_key(peer) => {
@@ -384,7 +415,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// One decoded message from `peer` (the same rule for unknown peers as
     /// [`Core::handle_payload`]).
     pub fn handle_message(&mut self, now: Instant, peer: &PeerId, message: Message) {
-        self.advance(now);
+        self.tick(now);
+        let terminal = matches!(message, Message::TransferDone(_) | Message::AbortAck(_));
+        if !(terminal && self.settling.as_ref() == Some(peer)) {
+            self.end_settling();
+        }
         self.out.counters.on_received(&message);
         if !self.sessions.contains_key(peer) && !self.accept_first_message(peer, &message) {
             return;
@@ -395,6 +430,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         if let Some(id) = fetched {
             self.bind_fetch(peer, id);
         }
+        // Settling (still, or from this goodbye on) while the session hears terminals; any
+        // other peer's settling was ended above.
+        self.settling = self
+            .sessions
+            .get(peer)
+            .filter(|s| s.hears_terminals())
+            .map(|_| peer.clone());
         self.settle();
     }
 
@@ -737,7 +779,13 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         self.drain_failed_loads();
         self.enforce_pin_cap();
-        let dead: Vec<PeerId> = self.index.dead.iter().cloned().collect();
+        let dead: Vec<PeerId> = self
+            .index
+            .dead
+            .iter()
+            .filter(|peer| self.settling.as_ref() != Some(*peer))
+            .cloned()
+            .collect();
         for peer in dead {
             self.end_session(&peer);
         }

@@ -107,6 +107,10 @@ pub(crate) struct Session {
     /// opened): a peer that is refused learns nothing of this node's memory, only
     /// `disconnect`.
     unsent_connect: Option<Message>,
+    /// The peer said `disconnect`: the session is dead, yet the `transfer_done`s and
+    /// `abort_ack`s that follow it directly still settle its loads, until the core ends that
+    /// (at its next input of any other kind).
+    hears_terminals: bool,
 }
 
 /// When a new session sends this node's `connect`.
@@ -161,6 +165,7 @@ impl Session {
             dispatch_errors: 0,
             peer_fault_at: None,
             unsent_connect,
+            hears_terminals: false,
         }
     }
 
@@ -210,10 +215,29 @@ impl Session {
     /// Ends the session without a message (the connection is gone, or the peer said goodbye).
     pub(crate) fn mark_dead(&mut self, reason: CloseReason) {
         self.unsent_connect = None;
+        self.hears_terminals = false;
         if !self.is_dead() {
             self.state = State::Dead(reason);
         }
         self.link.close();
+    }
+
+    /// Whether the peer's goodbye's terminals are still heard ([`Session::mark_dead`] by the
+    /// peer's `disconnect`, and nothing else since).
+    pub(crate) fn hears_terminals(&self) -> bool {
+        self.hears_terminals
+    }
+
+    /// Stops hearing the goodbye's terminals: the session waits only to be reaped.
+    pub(crate) fn stop_hearing_terminals(&mut self) {
+        self.hears_terminals = false;
+    }
+
+    /// The peer said `disconnect`: the session ends, but the terminals it sent right after
+    /// still settle its loads (vLLM 0.34).
+    fn peer_said_goodbye(&mut self) {
+        self.mark_dead(CloseReason::PeerDisconnected);
+        self.hears_terminals = self.client.has_active_loads();
     }
 
     /// Ends the session with a `disconnect`, so the peer learns at once.
@@ -275,6 +299,9 @@ impl Session {
         message: Message,
     ) -> Option<KvRequestId> {
         if self.is_dead() {
+            if self.hears_terminals {
+                self.settle_after_goodbye(cx, message);
+            }
             return None;
         }
         self.link.last_activity = cx.now;
@@ -292,7 +319,7 @@ impl Session {
                 kvpeer_reason: None,
             }) => {
                 crate::info_throttled!(cx.out.throttle, cx.now, "peer disconnected", peer = %self.link.peer);
-                self.mark_dead(CloseReason::PeerDisconnected);
+                self.peer_said_goodbye();
                 Ok(())
             }
             // A reason is a refusal of our `connect`: once the peer acked it, a `disconnect` is
@@ -301,7 +328,7 @@ impl Session {
                 kvpeer_reason: Some(_),
             }) if self.was_acked() => {
                 crate::info_throttled!(cx.out.throttle, cx.now, "peer disconnected", peer = %self.link.peer);
-                self.mark_dead(CloseReason::PeerDisconnected);
+                self.peer_said_goodbye();
                 Ok(())
             }
             Message::Disconnect(Disconnect {
@@ -349,6 +376,26 @@ impl Session {
             Err(Fault::Internal(reason)) => self.internal_error(cx, reason),
         }
         fetched
+    }
+
+    /// A message after the peer's `disconnect`: a terminal settles its load as it would have
+    /// before (a `transfer_done` whose writes the plane confirms succeeds); anything else is
+    /// new work for a session that ended, dropped, and ends the hearing.
+    fn settle_after_goodbye(&mut self, cx: &mut Cx<'_>, message: Message) {
+        match message {
+            Message::TransferDone(t) => {
+                self.client
+                    .on_transfer_done(cx, &t.kv_request_id, t.success, t.round_seq);
+            }
+            Message::AbortAck(a) => self.client.on_abort_ack(cx, &a.kv_request_id, a.round_seq),
+            other => {
+                tracing::debug!(peer = %self.link.peer, message = %other.message_type(), "dropping a message after the peer's disconnect");
+                self.hears_terminals = false;
+            }
+        }
+        if !self.client.has_active_loads() {
+            self.hears_terminals = false;
+        }
     }
 
     /// A `fetch`; its request on success.
