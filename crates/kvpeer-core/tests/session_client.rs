@@ -1374,6 +1374,39 @@ fn a_goodbyes_terminals_are_heard_only_until_the_next_turn_or_a_bad_message() {
     }
 }
 
+/// vLLM 0.34's `abort_loads` (`TestClientFlows.test_abort_loads_fails_each_load_once`): the
+/// engine's drain before a reset aborts every load not aborting yet, once, so a producer that
+/// never writes cannot hold the reset for the load timeout; each load fails at its
+/// `abort_ack`, and one whose producer answers nothing ends with the session at the abort-ack
+/// timeout.
+#[test]
+fn the_drain_aborts_every_load_once_and_each_fails_at_its_ack() {
+    let mut m = Mock::new();
+    m.ready_source("r");
+    let peer = m.peer.clone();
+    m.dial("s", RequestRoles::kv_source(peer.clone()));
+    m.load(5, "r", vec![key(1)], vec![10]);
+    m.load(6, "s", vec![key(2)], vec![11]);
+    m.finish("s");
+    m.take_sent();
+    assert_eq!(m.core.abort_loads(m.now), 1, "s was aborting already");
+    assert_eq!(m.take_sent(), vec![abort_fetch("r", 0)]);
+    assert_eq!(m.core.abort_loads(m.now), 0, "once");
+    assert!(m.take_sent().is_empty());
+    m.recv(abort_ack("r", 0));
+    assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
+    // The producer never acks s's abort: its session ends at the abort-ack timeout (5 s),
+    // well before the load timeout (10 s).
+    m.advance(Duration::from_secs(6));
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(5), false), (JobId::new(6), false)]
+    );
+    assert_eq!(m.closed().as_deref(), Some("abort_ack timed out"));
+    m.finish("r");
+    m.assert_clean();
+}
+
 /// What one request's peer has been told, read off the wire: rounds whose lookups it holds,
 /// fetches it is serving, aborted fetches it has not acked.
 #[derive(Default)]

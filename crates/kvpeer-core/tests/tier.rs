@@ -217,6 +217,132 @@ fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
     m.assert_clean();
 }
 
+/// vLLM 0.34's drain fails the stores a session holds too (`_drain_session_stores`), not only
+/// the parked ones: a decoder that fetched a round the producer has only partly supplied
+/// would otherwise hold the engine's reset until `store_timeout`. Every store no write reads
+/// fails at once; a write in flight goes on, and its round ends with it (`transfer_done`
+/// false: the rest never comes); a round with nothing to write ends at once.
+#[test]
+fn the_drain_fails_the_stores_sessions_hold_and_lets_writes_in_flight_finish() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.open("w", RequestRoles::decoder());
+    m.open("idle", RequestRoles::decoder());
+    m.recv(fetch("w", vec![key(1), key(2)], vec![5, 6], 0));
+    m.recv(fetch("idle", vec![key(3)], vec![7], 0));
+    // "w": key 1 is being written, key 9 (not asked for) is held; "idle": key 8 is held.
+    let (writing, b1) = m.parent().pin_for_store(&[key(1)]);
+    m.store(writing, "w", vec![key(1)], b1);
+    let (held, b9) = m.parent().pin_for_store(&[key(9)]);
+    m.store(held, "w", vec![key(9)], b9);
+    let (idle, b8) = m.parent().pin_for_store(&[key(8)]);
+    m.store(idle, "idle", vec![key(8)], b8);
+    let tids = m.plane().running();
+    assert_eq!(tids.len(), 1, "key 1's write runs");
+    m.take_sent();
+
+    let mut failed = m.core.fail_unwritten_stores(m.now);
+    m.pump();
+    failed.sort();
+    let mut expected = vec![held, idle];
+    expected.sort();
+    assert_eq!(failed, expected);
+    let mut ended = m.store_results();
+    ended.sort();
+    let mut want = vec![(held, false), (idle, false)];
+    want.sort();
+    assert_eq!(ended, want, "what no write reads fails at once");
+    assert_eq!(
+        m.take_sent(),
+        vec![transfer_done("idle", false, 0)],
+        "a round with nothing to write ends at once"
+    );
+    assert!(
+        m.parent().pins.contains_key(&writing),
+        "the write still reads it"
+    );
+    assert_eq!(
+        m.plane().running(),
+        tids,
+        "the write in flight is not cancelled"
+    );
+
+    m.plane().end(tids[0], true);
+    m.data_plane();
+    assert!(m.store_results().contains(&(writing, true)));
+    assert_eq!(
+        m.take_sent(),
+        vec![transfer_done("w", false, 0)],
+        "its round ends with its last write: key 2 never comes"
+    );
+    for rid in ["w", "idle"] {
+        m.finish(rid);
+    }
+    m.assert_clean();
+}
+
+/// A symmetric consumer's lookup pinned hits for a round it has not fetched yet: the drain
+/// releases them, and the fetch that comes after is refused in one round trip (the reset
+/// frees those chunks).
+#[test]
+fn the_drain_releases_lookup_pins_and_their_late_fetch_is_refused() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.parent().insert(&key(1));
+    m.recv(lookup_msg("sym", vec![key(1)], 0));
+    assert_eq!(m.take_sent().len(), 1, "answered");
+    assert!(!m.parent().pins.is_empty(), "the hit is pinned");
+    let failed = m.core.fail_unwritten_stores(m.now);
+    m.pump();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(m.parent().pins.is_empty(), "released");
+    m.recv(fetch("sym", vec![key(1)], vec![4], 0));
+    assert_eq!(m.take_sent(), vec![transfer_done("sym", false, 0)]);
+    assert!(m.plane().running().is_empty(), "nothing written");
+    // A new round after the drain is served as usual.
+    m.recv(lookup_msg("sym", vec![key(1)], 1));
+    assert_eq!(m.take_sent().len(), 1, "answered");
+    m.recv(fetch("sym", vec![key(1)], vec![4], 1));
+    let tids = m.plane().running();
+    assert_eq!(tids.len(), 1, "written");
+    m.plane().end(tids[0], true);
+    m.data_plane();
+    assert_eq!(m.take_sent(), vec![transfer_done("sym", true, 1)]);
+    m.advance(S(61));
+    m.assert_clean();
+}
+
+/// vLLM 0.34's `test_drain_aborted_round_sends_only_abort_ack`: an abort waiting behind a
+/// write when the drain comes gets exactly one terminal, its `abort_ack`, once the write ends.
+#[test]
+fn an_abort_waiting_behind_a_write_at_the_drain_gets_only_its_abort_ack() {
+    let mut m = Mock::with_config(CoreConfig {
+        transfer_stall_timeout: S(0),
+        ..Default::default()
+    });
+    m.ready_inbound();
+    m.open("r", RequestRoles::decoder());
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    m.plane().writes_stuck = true;
+    let (job, blocks) = m.parent().pin_for_store(&[key(1)]);
+    m.store(job, "r", vec![key(1)], blocks);
+    let tids = m.plane().running();
+    assert_eq!(tids.len(), 1);
+    m.recv(abort_fetch("r", 0));
+    assert!(m.take_sent().is_empty(), "the ack waits for the write");
+    assert!(
+        m.core.fail_unwritten_stores(m.now).is_empty(),
+        "the write reads the only store"
+    );
+    m.plane().end(tids[0], true);
+    m.data_plane();
+    m.advance(S(1));
+    assert_eq!(m.take_sent(), vec![abort_ack("r", 0)], "one terminal");
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    m.finish("r");
+    m.assert_clean();
+}
+
 /// vLLM 0.34's `test_drain_fails_unfetched_stores_and_rejects_late_fetch` (not in the 0.33
 /// scenario list): an engine's drain before a reset fails the stores parked for a decoder at
 /// once, and the decoder's late fetch is refused in one round trip.
@@ -230,12 +356,12 @@ fn parked_stores_fail_at_once_when_the_engine_drains_and_a_late_fetch_is_refused
     let (j2, b2) = m.parent().pin_for_store(&[key(2)]);
     m.store(j2, "r", vec![key(2)], b2);
     assert!(m.store_results().is_empty(), "parked");
-    let failed = m.core.fail_parked_stores(m.now);
+    let failed = m.core.fail_unwritten_stores(m.now);
     assert_eq!(failed, vec![j1, j2]);
     m.pump();
     assert_eq!(m.store_results(), vec![(j1, false), (j2, false)]);
     assert!(
-        m.core.fail_parked_stores(m.now).is_empty(),
+        m.core.fail_unwritten_stores(m.now).is_empty(),
         "nothing left parked"
     );
     m.recv(fetch("r", vec![key(1)], vec![5], 0));

@@ -213,19 +213,26 @@ impl EngineTier {
         })
     }
 
-    /// Fails every PD store parked for a decoder that has not fetched it (each ends failed in
-    /// a later `poll`; a late fetch of its request is refused): `drain_jobs` before a reset.
-    /// Returns the store jobs failed.
-    fn fail_parked_stores(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+    /// Fails every store no write reads: PD stores parked for a decoder that has not fetched
+    /// them (a late fetch of their request is refused) and those held in sessions' rounds;
+    /// each ends failed in a later `poll`. Writes in flight go on. `drain_jobs` before a
+    /// reset. Returns the store jobs failed.
+    fn fail_unwritten_stores(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         py.detach(|| {
             self.with(|engine| {
                 Ok(engine
-                    .fail_parked_stores()
+                    .fail_unwritten_stores()
                     .into_iter()
                     .map(|j| j.get())
                     .collect())
             })
         })
+    }
+
+    /// Aborts every load not aborting yet (each ends failed in a later `poll`, at its
+    /// `abort_ack` or with its session): `drain_jobs` before a reset. Returns how many.
+    fn abort_loads(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| self.with(|engine| Ok(engine.abort_loads())))
     }
 
     /// Reports a failed load whose producer may still write its blocks at once, as a

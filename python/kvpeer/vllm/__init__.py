@@ -622,16 +622,19 @@ class KvpeerTier(SecondaryTierManager):
         """Waits until no load runs, no write to a peer reads the primary tier, and every
         failed load's blocks are fenced (vLLM 0.34: every `deferred_release` set, as its contract
         asks; not bounded: a stalled NIXL producer's writes stay unfenced until it confirms or its
-        agent is replaced, and chunks given back before could take its bytes). Never aborts a
-        transfer. PD stores still parked for a decoder that has not fetched them fail (as vLLM
-        0.34's own tier does): vLLM asserts after the drain that no job is left, and the reset
+        agent is replaced, and chunks given back before could take its bytes). Never cancels a
+        write. Loads are aborted up front (as vLLM 0.34's own tier does): a producer that never
+        writes holds the reset for its `abort_ack`, or the abort-ack timeout (5 s), not for the
+        load timeout; each load ends failed. Every store no write reads fails at once (as vLLM 0.34's own tier does): those
+        parked for a decoder that has not fetched them, and those a session holds for a round
+        still waiting for keys; vLLM asserts after the drain that no job is left, and the reset
         frees the chunks they name; a late fetch of their request is refused."""
         start = time.monotonic()
         warned = False
         # Every store job's end is collected before returning: vLLM asserts right after the
-        # drain that no job is left. A store a session holds for a decoder's next fetch ends
-        # with its round or at `store_timeout` (30 s), which bounds the wait.
-        self._tier.fail_parked_stores()
+        # drain that no job is left. Only stores that writes in flight read are waited for.
+        self._tier.fail_unwritten_stores()
+        self._tier.abort_loads()
         while (
             self._loads
             or self._fencing

@@ -701,17 +701,47 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.settle();
     }
 
-    /// Fails every PD store still parked for a fetch that has not come (vLLM's `drain_jobs`
-    /// before a reset, as vLLM 0.34's own P2P tier does): each job ends failed now, and its
-    /// request is remembered as reaped, so a late fetch of it is refused in one round trip
-    /// and never served the chunks the reset frees. Stores already offered to a session that
-    /// fetched (its request bound) are not failed here: they end with that session's round, or
-    /// at `store_timeout` (vLLM 0.34 fails those at once too). Returns the jobs failed.
-    pub fn fail_parked_stores(&mut self, now: Instant) -> Vec<JobId> {
+    /// Fails every store job no write reads (vLLM's `drain_jobs` before a reset, as vLLM
+    /// 0.34's own P2P tier does, `_drain_session_stores`), so the engine's wait is bounded by
+    /// the writes in flight, not by `store_timeout`:
+    /// * PD stores still parked for a fetch that has not come: each job ends failed now, and
+    ///   its request is remembered as reaped, so a late fetch of it is refused in one round
+    ///   trip and never served the chunks the reset frees;
+    /// * stores (and lookup pins) a session's rounds hold that no write reads: they fail now;
+    ///   a round left with nothing to write ends (`transfer_done(false)` to a peer that
+    ///   fetched it; one not fetched yet is refused in one round trip when it is).
+    ///
+    /// Writes in flight are not cancelled: their jobs end with them. Returns the jobs failed
+    /// (their `StoreDone` events follow).
+    pub fn fail_unwritten_stores(&mut self, now: Instant) -> Vec<JobId> {
         self.advance(now);
-        let failed = self.reap_all_unbound();
+        let mut failed = self.reap_all_unbound();
+        let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
+        for peer in peers {
+            if let Some(jobs) = self.with_session(&peer, |s, cx, _| s.fail_unwritten_stores(cx)) {
+                failed.extend(jobs);
+            }
+        }
         self.settle();
         failed
+    }
+
+    /// Aborts every load not aborting yet (vLLM's `drain_jobs` before a reset, as vLLM 0.34's
+    /// own P2P tier does, `abort_loads`): each `abort_fetch` goes now, as at the load's
+    /// timeout, so a producer that never writes holds the reset for one round trip, or for
+    /// the abort-ack timeout when it does not answer either, not for the whole load timeout.
+    /// Each load ends failed at its `abort_ack`, or with its session. Returns how many.
+    pub fn abort_loads(&mut self, now: Instant) -> usize {
+        self.advance(now);
+        let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
+        let mut aborted = 0;
+        for peer in peers {
+            aborted += self
+                .with_session(&peer, |s, cx, _| s.abort_loads(cx))
+                .unwrap_or(0);
+        }
+        self.settle();
+        aborted
     }
 
     // ---------------------------------------------------------------- shutdown

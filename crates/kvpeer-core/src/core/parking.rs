@@ -123,7 +123,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
     }
 
-    /// Every parked store fails now, its request reaped (`fail_parked_stores`).
+    /// Every parked store fails now, its request reaped (`fail_unwritten_stores`).
     pub(super) fn reap_all_unbound(&mut self) -> Vec<JobId> {
         let ids: Vec<KvRequestId> = self.unbound.keys().cloned().collect();
         let mut failed = Vec::new();

@@ -519,6 +519,35 @@ impl ClientRole {
         expired
     }
 
+    /// The engine drains before a reset (vLLM 0.34's `abort_loads`): every load not aborting
+    /// yet is aborted now, as at its timeout, so a producer that never writes cannot hold the
+    /// reset for the whole load timeout. Each ends at its `abort_ack` (failed), or with the
+    /// session at the abort-ack timeout. Returns how many were aborted.
+    pub(crate) fn abort_loads(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> usize {
+        let now = cx.now;
+        let mut aborted = Vec::new();
+        for (id, req) in self.requests.iter_mut() {
+            for (round, load) in req.loads.iter_mut() {
+                if load.aborted_at.is_none() {
+                    load.aborted_at = Some(now);
+                    aborted.push(RoundKey::new(id, *round));
+                }
+            }
+        }
+        for key in &aborted {
+            self.abort_lane.arm(now, key.clone());
+            link.send(
+                cx.out,
+                now,
+                Message::AbortFetch(Abort {
+                    kv_request_id: key.id.clone(),
+                    round_seq: key.round,
+                }),
+            );
+        }
+        aborted.len()
+    }
+
     /// Whether probes wait for the next flush.
     pub(crate) fn has_flush_list(&self) -> bool {
         !self.flush_list.is_empty()

@@ -685,6 +685,21 @@ impl Session {
         self.server.finish(&mut self.link, cx, id);
     }
 
+    /// The engine drains before a reset: every store this session holds that no write reads
+    /// fails now (`server/drain.rs`); returns their jobs.
+    pub(crate) fn fail_unwritten_stores(&mut self, cx: &mut Cx<'_>) -> Vec<JobId> {
+        self.server.fail_unwritten_stores(&mut self.link, cx)
+    }
+
+    /// The engine drains before a reset: every load not aborting yet is aborted now (ends at
+    /// its `abort_ack`); returns how many.
+    pub(crate) fn abort_loads(&mut self, cx: &mut Cx<'_>) -> usize {
+        if self.is_dead() {
+            return 0;
+        }
+        self.client.abort_loads(&mut self.link, cx)
+    }
+
     /// Inflight transfer ids (shutdown drain).
     pub(crate) fn inflight_ids(&self) -> Vec<TransferId> {
         self.server.inflight_ids()

@@ -439,13 +439,14 @@ impl EngineNode {
         self.io.flush(now);
     }
 
-    /// Fails every PD store parked for a decoder that has not fetched it yet (its job ends
-    /// failed; a later fetch of its request is refused): what an engine's `drain_jobs` does
-    /// before a reset frees the chunks those stores name. Returns the store jobs failed (their
+    /// Fails every store no write reads (`Core::fail_unwritten_stores`): PD stores parked for a
+    /// decoder that has not fetched them (a later fetch of their request is refused) and those
+    /// sessions' rounds hold. What an engine's `drain_jobs` does before a reset frees the
+    /// chunks those stores name; writes in flight go on. Returns the store jobs failed (their
     /// `StoreEnded` events follow).
-    pub fn fail_parked_stores(&mut self) -> Vec<JobId> {
+    pub fn fail_unwritten_stores(&mut self) -> Vec<JobId> {
         let now = Instant::now();
-        let failed = self.io.core.fail_parked_stores(now);
+        let failed = self.io.core.fail_unwritten_stores(now);
         if self.deferred_io {
             self.wake_if_needed();
             return failed;
@@ -456,6 +457,23 @@ impl EngineNode {
         self.collect(now);
         self.io.flush(now);
         failed
+    }
+
+    /// Aborts every load not aborting yet (`Core::abort_loads`): what an engine's
+    /// `drain_jobs` does before a reset, so a producer that never writes cannot hold it for the
+    /// load timeout. Each load ends failed (its `LoadEnded` comes at its `abort_ack`, or with
+    /// its session). Returns how many were aborted.
+    pub fn abort_loads(&mut self) -> usize {
+        let now = Instant::now();
+        let aborted = self.io.core.abort_loads(now);
+        if self.deferred_io {
+            self.wake_if_needed();
+            return aborted;
+        }
+        self.io.flush(now);
+        self.collect(now);
+        self.io.flush(now);
+        aborted
     }
 
     /// The next result, if any.

@@ -23,6 +23,7 @@
 mod aborts;
 mod completions;
 mod demand;
+mod drain;
 mod lookups;
 mod supply;
 mod timeouts;
