@@ -635,10 +635,14 @@ class KvpeerTier(SecondaryTierManager):
         # drain that no job is left. Only stores that writes in flight read are waited for.
         self._tier.fail_unwritten_stores()
         self._tier.abort_loads()
+        # Lookup pins are vLLM store jobs too: those held now end failed (or with the write
+        # that reads them); pins a peer's lookup takes during the drain are not waited for.
+        pinned = set(self._pins)
         while (
             self._loads
             or self._fencing
             or self._stores
+            or pinned.intersection(self._pins)
             or self._tier.stats()["inflight_transfers"]
         ):
             self._collect(wait_s=_DRAIN_WAIT_S)
