@@ -694,6 +694,34 @@ def test_the_ranks_of_a_data_parallel_engine_form_one_liveness_group():
     assert found["host_probe_timeout_ms"] == "250" and found["host_down_hold_ms"] == "0"
 
 
+def test_parked_stores_and_results_not_taken_yet_are_pending_work(engines):
+    """vLLM 0.34's TestHasPendingWork: a PD store parked for its decoder, and a result the tier
+    holds that vLLM has not taken yet, are pending work, so an engine with nothing else to do
+    keeps stepping and takes the result now, not at its next request. With vLLM's tier-poll
+    thread on (without it the tier always says it has work, as the stock tier does)."""
+    a = engines(
+        kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id=f"A-pending-{os.getpid()}",
+        tier_poll_interval_s=0.001,
+    )
+    producer = a.new_request("a-pending", {"remote_decoder": {"kv_request_id": "kv-pending"}})
+    keys = [make_key(f"pending-{i}") for i in range(2)]
+    assert a.put(keys, random_blocks(2, 31), producer) == keys
+    a.finish(producer)
+    a.step()
+    with a._scope():
+        assert a.tier._stores, "the PD stores are parked for the decoder"
+        assert a.tier.has_pending_work(), "a parked store is pending work"
+        # As reset_cache does before taking the results: the drain fails the parked stores.
+        a.tier.drain_jobs()
+        assert not a.tier._stores
+        assert a.tier._finished, "their results wait for vLLM"
+        assert a.tier.has_pending_work(), "results not taken yet are pending work"
+    a.step()
+    assert not a.tier._finished, "vLLM took them"
+    assert a.jobs_in_flight() == 0
+    assert not a.tier.has_pending_work()
+
+
 def test_reset_cache_with_parked_pd_stores_fails_them_and_refuses_a_late_fetch(engines, plane="tcp"):
     """vLLM's reset_cache (sleep mode, weight updates, /reset_prefix_cache) drains every tier and
     then asserts that no job is left. A PD producer's stores parked for a decoder that never

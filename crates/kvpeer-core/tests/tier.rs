@@ -217,6 +217,53 @@ fn parked_stores_are_reaped_at_60s_and_late_fetches_fail_in_one_round_trip() {
     m.assert_clean();
 }
 
+/// vLLM 0.34's `TestOnRequestFinished.test_dual_role_finish_cleans_both_sessions`: a request
+/// that both pulls from a peer (`remote_kv_source`) and produces for a decoder
+/// (`remote_decoder`) is two requests to the core, as the tier opens them: finishing both
+/// winds each (session, id) down exactly once, on one shared session, whether the ids are the
+/// same or not: one `abort_fetch` for the load, one `transfer_done` for the decoder's round,
+/// no binding left.
+#[test]
+fn a_request_in_both_roles_is_finished_once_per_role_on_a_shared_session() {
+    for same_id in [false, true] {
+        let mut m = Mock::new();
+        m.ready_source("warm");
+        let peer = m.peer.clone();
+        let (src, dst) = if same_id { ("r", "r") } else { ("src", "dst") };
+        let source = m.core.on_new_request(
+            m.now,
+            kvpeer_proto::KvRequestId::from(src),
+            RequestRoles::kv_source(peer.clone()),
+        );
+        let decoder = m.core.on_new_request(
+            m.now,
+            kvpeer_proto::KvRequestId::from(dst),
+            RequestRoles::decoder(),
+        );
+        m.recv(fetch(dst, vec![key(1)], vec![5], 0));
+        let blocks = vec![kvpeer_core::BlockIndex::new(10)];
+        m.core
+            .submit_load(m.now, JobId::new(1), &source, vec![key(2)], blocks);
+        m.pump();
+        m.take_sent();
+        m.core.finish(m.now, &source);
+        m.core.finish(m.now, &decoder);
+        m.pump();
+        let sent = m.take_sent();
+        let aborts = sent.iter().filter(|x| **x == abort_fetch(src, 0)).count();
+        let dones = sent
+            .iter()
+            .filter(|x| matches!(x, Message::TransferDone(t) if t.kv_request_id.as_str() == dst))
+            .count();
+        assert_eq!((aborts, dones), (1, 1), "same id {same_id}: {sent:?}");
+        assert_eq!(m.core.stats().bound_ids, 0, "same id {same_id}");
+        m.recv(abort_ack(src, 0));
+        assert_eq!(m.load_results(), vec![(JobId::new(1), false)]);
+        m.finish("warm");
+        m.assert_clean();
+    }
+}
+
 /// vLLM 0.34's drain fails the stores a session holds too (`_drain_session_stores`), not only
 /// the parked ones: a decoder that fetched a round the producer has only partly supplied
 /// would otherwise hold the engine's reset until `store_timeout`. Every store no write reads

@@ -613,8 +613,16 @@ class KvpeerTier(SecondaryTierManager):
 
     def _busy(self) -> bool:
         """Whether anything of this tier's moves: loads, stores, pins, lookups waiting or to
-        send, or a peer's question waiting for vLLM's answer."""
-        if self._loads or self._stores or self._pins or self._waiting or self._to_flush:
+        send, results vLLM has not taken yet (vLLM 0.34's own tier counts them), or a peer's
+        question waiting for vLLM's answer."""
+        if (
+            self._loads
+            or self._stores
+            or self._pins
+            or self._waiting
+            or self._to_flush
+            or self._finished
+        ):
             return True
         return self._tier.outstanding().questions > 0
 
