@@ -982,6 +982,57 @@ fn a_write_in_flight_past_the_stall_timeout_faults_the_peer() {
     }
 }
 
+/// vLLM 0.34's `TestPeerFaultEscalation.test_transfer_done_in_same_poll_is_not_stalled`: a
+/// write past the stall timeout that the plane already reports done completes (its store
+/// succeeds, the peer gets `transfer_done`), whichever the driver hands the core first: the
+/// deadline or the plane's news.
+#[test]
+fn a_write_done_when_its_stall_deadline_fires_completes_and_faults_nothing() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    let job = pd_store(&mut m, "r", &[key(1)]);
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    let tid = running(&mut m)[0];
+    // The write ends, but the core hears of it only with the deadline.
+    m.plane().end(tid, true);
+    m.advance(S(21));
+    assert!(m.closed().is_none(), "{:?}", m.closed());
+    assert_eq!(m.store_results(), vec![(job, true)]);
+    assert_eq!(m.take_sent(), vec![transfer_done("r", true, 0)]);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// vLLM 0.34's `TestPeerFaultEscalation.test_stalled_peer_gets_no_new_writes`: once a write
+/// stalls past its deadline, the peer's next fetch starts no write (its session ended, the
+/// fetch is not served).
+#[test]
+fn a_stalled_peer_gets_no_new_write() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.plane().writes_stuck = true;
+    pd_store(&mut m, "r", &[key(1)]);
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    let stalled = running(&mut m);
+    assert_eq!(stalled.len(), 1);
+    m.advance(S(21));
+    assert!(m.closed().is_some(), "the stall ended the session");
+    let made = m.plane().transfers.len();
+    pd_store(&mut m, "r2", &[key(2)]);
+    m.recv(fetch("r2", vec![key(2)], vec![6], 0));
+    assert_eq!(m.plane().transfers.len(), made, "no new write");
+    assert!(
+        !m.take_sent()
+            .iter()
+            .any(|x| is_type(x, MessageType::TransferDone)),
+        "nothing served"
+    );
+    for rid in ["r", "r2"] {
+        m.finish(rid);
+    }
+    m.advance(S(61));
+}
+
 // ---------------------------------------------------------------- hostile peers: bounded state
 
 /// Not upstream (vLLM keeps such a request until the session ends): a lookup that hits and is

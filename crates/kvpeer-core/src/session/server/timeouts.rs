@@ -109,6 +109,11 @@ impl ServerRole {
             }
         }
         let stall_delay = self.stall_lane.delay();
+        if self.stall_lane.next_deadline().is_some_and(|at| at <= now) {
+            // A write the plane already reports done is no stall, whichever of the two the
+            // driver hands the core first (vLLM 0.34: "done in the same poll").
+            self.poll_plane(link, cx);
+        }
         while let Some((deadline, tid)) = self.stall_lane.pop_due(now) {
             let stalled = self
                 .inflight
