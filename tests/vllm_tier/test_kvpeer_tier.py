@@ -535,8 +535,8 @@ def test_drain_jobs_aborts_loads_in_flight_and_a_later_pull_is_byte_exact(engine
     never writes holds the reset for one round trip (its abort_ack), not for the load timeout;
     the aborted load fails (its chunks computed locally), and the next pull is byte-exact."""
     block_len = 65536
-    # A writes at 256 KiB/s: the 8 blocks (512 KiB) would take two seconds (the pace's credit,
-    # the time since A's link opened, is far less than that).
+    # A writes at 256 KiB/s: the 8 blocks (512 KiB) would take two seconds (the pacer banks at
+    # most a second of idle time, 256 KiB, plus one 64 KiB chunk).
     a = engines(kvpeer_tier(tcp_max_rate=262144), NUM_CHUNKS, block_len, engine_id="A")
     b = engines(kvpeer_tier(), NUM_CHUNKS, block_len, engine_id="B")
     keys = [make_key(f"drain-{i}") for i in range(8)]
