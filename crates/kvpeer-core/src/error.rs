@@ -288,6 +288,11 @@ pub enum LinkLoss {
     /// The identity its READY claimed is not `host:port`.
     #[error("its READY claimed an identity that is not host:port")]
     BadIdentity,
+    /// The TLS layer of a control connection failed: a certificate the other side did not
+    /// trust (or that does not name the address it speaks for), a record that did not
+    /// authenticate, TLS where none is configured, plaintext where TLS is required.
+    #[error("TLS: {0}")]
+    Tls(Arc<str>),
     /// It held more subscriptions than a subscriber may.
     #[error("over {0} subscriptions")]
     TooManySubscriptions(usize),

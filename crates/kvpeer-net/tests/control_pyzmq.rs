@@ -11,8 +11,12 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig};
+use kvpeer_net::control::{ChannelEvent, ControlChannel, ControlConfig, ControlTls};
+use kvpeer_net::tls::{Tls, TlsPolicy};
 use kvpeer_proto::{decode, ConnectAck, Message, PeerId};
+
+mod tls_support;
+use tls_support::{loopback, Pki};
 
 fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
@@ -69,7 +73,27 @@ fn drive_until_exit(ch: &mut ControlChannel, mut child: Child) -> (Output, Vec<C
 
 #[test]
 fn a_pyzmq_peer_and_the_channel_exchange_messages_both_ways() {
-    let mut ours = ControlChannel::bind(free_id(), ControlConfig::default()).unwrap();
+    exchange_with_pyzmq(ControlConfig::default());
+}
+
+/// A node with TLS preferred (issue 40) in a mixed fleet: vLLM's libzmq peer speaks no TLS.
+/// Its DEALER's plaintext connection is taken, and our reply's TLS connect, answered with
+/// libzmq's plaintext greeting, is made again in clear: both ways still work.
+#[test]
+fn a_channel_preferring_tls_talks_to_a_pyzmq_peer_in_clear_both_ways() {
+    let pki = Pki::new("ctl-pyzmq");
+    let files = pki.node("node", &[loopback()]);
+    exchange_with_pyzmq(ControlConfig {
+        tls: Some(ControlTls {
+            tls: Tls::load(files).unwrap(),
+            policy: TlsPolicy::Preferred,
+        }),
+        ..ControlConfig::default()
+    });
+}
+
+fn exchange_with_pyzmq(config: ControlConfig) {
+    let mut ours = ControlChannel::bind(free_id(), config).unwrap();
     let theirs = free_id();
     let child = Command::new(python())
         .args(["-c", PEER, ours.identity().as_str(), theirs.as_str()])

@@ -120,21 +120,22 @@ fn serve_and_fetch_move_blocks_byte_exact_over_mutual_tls() {
 fn a_node_requiring_tls_refuses_a_plaintext_peer_on_either_side_saying_why() {
     let certs = Certs::new("policy");
     let (tls_node, tls_id) = serve(&certs.flags("required"));
-    // The consumer without TLS offers none: the node requiring it refuses the session and
-    // tells the consumer why; no block is written.
+    // The consumer without TLS dials in clear: the node requiring TLS refuses its control
+    // connection and tells it why; no session, no block written.
     let (status, summary, stderr) = fetch(&tls_id, &[]);
     assert_ne!(status, Some(0), "{summary}\n{stderr}");
     assert!(
-        stderr.contains("offers no TLS") && stderr.contains("required"),
+        stderr.contains("this node takes TLS control connections only (tls = required)"),
         "the refused consumer is told why: {stderr}"
     );
 
-    // A consumer requiring TLS against a node without it: refused, saying why.
+    // A consumer requiring TLS against a node without it: its control port answers in clear,
+    // and the consumer says so.
     let (plain_node, plain_id) = serve(&[]);
     let (status, summary, stderr) = fetch(&plain_id, &certs.flags("required"));
     assert_ne!(status, Some(0), "{summary}\n{stderr}");
     assert!(
-        format!("{summary}{stderr}").contains("offers no TLS"),
+        format!("{summary}{stderr}").contains("the peer speaks no TLS"),
         "{summary}\n{stderr}"
     );
     drop(plain_node);

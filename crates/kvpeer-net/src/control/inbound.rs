@@ -35,7 +35,7 @@ use tracing::warn;
 
 use crate::io::poller::{Poller, Ready, Token};
 use crate::zmtp::connection::{ConnLimits, Incoming, Role};
-use crate::zmtp::listener::{LinkEvent, Listener, ListenerLimits};
+use crate::zmtp::listener::{LinkEvent, Listener, ListenerLimits, TlsState};
 
 pub use crate::zmtp::listener::ConnId;
 
@@ -99,6 +99,8 @@ pub struct Inbound {
     /// The identity each READY connection claimed, and its source address (kept until its
     /// `Lost`, so messages of a round that also ended it are still delivered).
     identities: HashMap<ConnId, (PeerId, IpAddr)>,
+    /// Plaintext connections are refused (TLS `required`).
+    tls_required: bool,
 }
 
 impl Inbound {
@@ -152,6 +154,7 @@ impl Inbound {
         Ok(Inbound {
             listener,
             identities: HashMap::new(),
+            tls_required: false,
         })
     }
 
@@ -199,6 +202,42 @@ impl Inbound {
     /// a kvpeer dialer that named this node otherwise learns why no session follows.
     pub(crate) fn announce(&mut self, identity: &PeerId) {
         self.listener.announce(identity.as_str().as_bytes());
+    }
+
+    /// Takes TLS connections (the listener tells them by their first byte) under `tls`'s
+    /// policy: a READY over TLS must come with a certificate that names the IP of the identity
+    /// it claims; a plaintext one is refused where TLS is `required`.
+    pub(crate) fn set_tls(&mut self, tls: Option<crate::control::ControlTls>) {
+        self.tls_required = tls
+            .as_ref()
+            .is_some_and(|t| t.policy == crate::tls::TlsPolicy::Required);
+        self.listener.set_tls(tls.map(|t| t.tls));
+    }
+
+    /// Whether connection `conn` runs over TLS (`None`: no such connection).
+    pub(crate) fn is_tls(&self, conn: ConnId) -> Option<bool> {
+        self.listener
+            .tls_of(conn, None)
+            .map(|state| matches!(state, TlsState::Tls { .. }))
+    }
+
+    /// Why connection `conn`, whose READY claimed `peer`, may not speak for it over the
+    /// transport it came on (`None`: it may).
+    fn tls_refusal(&self, conn: ConnId, peer: &PeerId) -> Option<String> {
+        let ip = kvpeer_proto::PeerAddr::of(peer)
+            .ok()
+            .and_then(|a| a.socket_addr())
+            .map(|a| a.ip().to_canonical());
+        match self.listener.tls_of(conn, ip)? {
+            TlsState::Plaintext if self.tls_required => Some(
+                "this node takes TLS control connections only (tls = required)".to_owned(),
+            ),
+            TlsState::Plaintext => None,
+            TlsState::Tls { names_ip: true } => None,
+            TlsState::Tls { names_ip: false } => Some(format!(
+                "your TLS certificate does not name the IP address of {peer}, the identity your READY claims"
+            )),
+        }
     }
 
     /// Closes connection `conn` after telling the peer `reason` (a ZMTP ERROR; no event).
@@ -257,12 +296,24 @@ impl Inbound {
         self.listener
             .progress(poller, now, true, &drain, &mut happened);
         let mut refused = Vec::new();
+        let mut told = Vec::new();
         for (conn, event) in happened {
             match event {
                 LinkEvent::Ready { identity, source } => match (claimed(&identity), source) {
-                    (Some(peer), Some(source)) => {
-                        self.identities.insert(conn, (peer, source));
-                    }
+                    (Some(peer), Some(source)) => match self.tls_refusal(conn, &peer) {
+                        None => {
+                            self.identities.insert(conn, (peer, source));
+                        }
+                        Some(why) => {
+                            if let Some(suppressed) =
+                                crate::admit_warning("refusing a control connection's TLS")
+                            {
+                                warn!(%peer, %source, reason = %why, suppressed,
+                                    "refusing a control connection");
+                            }
+                            told.push((conn, why));
+                        }
+                    },
                     _ => refused.push(conn),
                 },
                 LinkEvent::Incoming(Incoming::Message(mut frames)) => {
@@ -295,6 +346,14 @@ impl Inbound {
         for conn in refused {
             let mut lost = Vec::new();
             self.listener.close(conn, LinkLoss::BadIdentity, &mut lost);
+            events.extend(
+                lost.into_iter()
+                    .map(|(conn, _)| InboundEvent::Closed { conn, peer: None }),
+            );
+        }
+        for (conn, why) in told {
+            let mut lost = Vec::new();
+            self.listener.refuse(conn, &why, &mut lost);
             events.extend(
                 lost.into_iter()
                     .map(|(conn, _)| InboundEvent::Closed { conn, peer: None }),

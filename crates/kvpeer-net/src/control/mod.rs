@@ -113,7 +113,36 @@ pub struct ControlConfig {
     /// The engine's other ranks on this host, told of and telling about lost hosts
     /// (`control/siblings.rs`; `None`: this node alone).
     pub siblings: Option<SiblingGroup>,
+    /// TLS on the control channel (`None`: plaintext ZMTP, as vLLM speaks): the node's
+    /// certificate and the policy toward peers ([`ControlTls`]).
+    pub tls: Option<ControlTls>,
 }
+
+/// TLS 1.3 with mutual authentication on the control channel, under a policy:
+/// * the listener takes a connection that opens with a TLS handshake over TLS (the client's
+///   certificate must chain to the CA and name the IP of the identity its READY claims), and a
+///   plaintext one (a vLLM engine, an older kvpeer) only where the policy is not `required`;
+/// * the dialer opens every connection with TLS (the listener's certificate must name the IP
+///   dialed); a peer that answers with plaintext ZMTP is dialed again without TLS where the
+///   policy is `preferred` (logged once per peer), and lost where it is `required`.
+///
+/// So a `connect`'s tokens, keys and proofs and every lookup's keys travel inside TLS between
+/// kvpeer nodes. With `off` there is no `ControlTls` at all.
+#[derive(Debug, Clone)]
+pub struct ControlTls {
+    /// The node's certificate, key and CA (shared with the tcp data plane).
+    pub tls: crate::tls::Tls,
+    /// `preferred` or `required` (`off` is no `ControlTls`).
+    pub policy: crate::tls::TlsPolicy,
+}
+
+impl PartialEq for ControlTls {
+    fn eq(&self, other: &Self) -> bool {
+        self.tls.files() == other.tls.files() && self.policy == other.policy
+    }
+}
+
+impl Eq for ControlTls {}
 
 impl Default for ControlConfig {
     fn default() -> Self {
@@ -137,6 +166,7 @@ impl Default for ControlConfig {
             host_probe_timeout: Duration::from_secs(1),
             host_down_hold: Duration::from_secs(5),
             siblings: None,
+            tls: None,
         }
     }
 }
@@ -319,7 +349,8 @@ fn listen(addr: &str, config: &ControlConfig) -> Result<(Poller, Inbound), Contr
         source,
     };
     let poller = Poller::new().map_err(bind)?;
-    let inbound = Inbound::bind(addr, limits(config), &poller, INBOUND).map_err(bind)?;
+    let mut inbound = Inbound::bind(addr, limits(config), &poller, INBOUND).map_err(bind)?;
+    inbound.set_tls(config.tls.clone());
     Ok((poller, inbound))
 }
 
@@ -396,7 +427,11 @@ impl ControlChannel {
         Ok(ControlChannel {
             poller,
             inbound,
-            outbound: Outbound::new(&identity, outbound_config(&config), OUTBOUND),
+            outbound: {
+                let mut outbound = Outbound::new(&identity, outbound_config(&config), OUTBOUND);
+                outbound.set_tls(config.tls.clone());
+                outbound
+            },
             identity,
             extra: None,
             ready: Vec::new(),
@@ -425,6 +460,16 @@ impl ControlChannel {
     /// This node's identity.
     pub fn identity(&self) -> &PeerId {
         &self.identity
+    }
+
+    /// Whether our ready connection to `peer` runs over TLS (`None`: none is ready).
+    pub fn outbound_tls(&self, peer: &PeerId) -> Option<bool> {
+        self.outbound.tls_of(peer)
+    }
+
+    /// Whether inbound connection `conn` runs over TLS (`None`: no such connection).
+    pub fn inbound_tls(&self, conn: ConnId) -> Option<bool> {
+        self.inbound.is_tls(conn)
     }
 
     /// Closes inbound connection `conn` (a connection the node will not hear).

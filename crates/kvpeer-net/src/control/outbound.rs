@@ -56,7 +56,7 @@ use crate::io::poller::{Poller, Ready, Token};
 use crate::io::timers::{coarse, Timers};
 use crate::zmtp::connection::{ConnLimits, Connection, QueueFull, QueueWithError, Role};
 pub use crate::zmtp::dialer::DialStage;
-use crate::zmtp::dialer::Dialer;
+use crate::zmtp::dialer::{DialTls, Dialer};
 
 /// One outbound connection's number, unique for the channel's life.
 pub(crate) type OutId = u64;
@@ -148,6 +148,8 @@ pub(crate) struct Outbound {
     /// taken for down, so far.
     probe_losses: u64,
     refused_dials: u64,
+    /// TLS toward peers (`None`: plaintext ZMTP).
+    tls: Option<crate::control::ControlTls>,
 }
 
 impl std::fmt::Debug for Outbound {
@@ -361,6 +363,15 @@ impl Conn {
         }
         if matches!(self.link, Link::Dialing) {
             match self.dialer.progress(now, true) {
+                Ok(_) if self.dialer.take_fell_back() => {
+                    // It answered our TLS with plaintext ZMTP: an older kvpeer, or a vLLM
+                    // engine. `preferred` talks to it in clear; dialed again at once.
+                    if let Some(suppressed) = crate::admit_warning("control peer speaks no TLS") {
+                        warn!(peer = %self.peer, suppressed,
+                            "the peer's control port speaks no TLS; talking to it in plaintext (tls = preferred)");
+                    }
+                    self.start(poller, token, now, retry, hosts);
+                }
                 Ok(ready) => {
                     if ready {
                         debug!(peer = %self.peer, "control connection ready");
@@ -415,8 +426,32 @@ impl Outbound {
             announcements: Vec::new(),
             probe_losses: 0,
             refused_dials: 0,
+            tls: None,
             config,
         }
+    }
+
+    /// Whether the ready connection to `peer` runs over TLS (`None`: none is ready).
+    pub(crate) fn tls_of(&self, peer: &PeerId) -> Option<bool> {
+        let conn = self.conns.get(self.by_peer.get(peer)?)?;
+        conn.ready().then(|| conn.dialer.is_tls())
+    }
+
+    /// Opens connections over TLS from now on (`None`: plaintext), under `tls`'s policy: a
+    /// peer that answers with plaintext ZMTP is dialed again in clear (`preferred`, logged) or
+    /// lost (`required`).
+    pub(crate) fn set_tls(&mut self, tls: Option<crate::control::ControlTls>) {
+        self.tls = tls;
+    }
+
+    /// How a new connection to a peer starts: over TLS (the configuration current now: a
+    /// rotated certificate is used by the next dial), or in clear.
+    fn dial_tls(&self) -> Option<DialTls> {
+        let tls = self.tls.as_ref()?;
+        Some(DialTls {
+            config: tls.tls.client(),
+            fall_back: tls.policy == crate::tls::TlsPolicy::Preferred,
+        })
     }
 
     /// Whether `token` is one of this side's (`span`: the owner's token space per side).
@@ -501,6 +536,7 @@ impl Outbound {
             dialer: {
                 let mut dialer = Dialer::new(conn, None, READ_BUDGET);
                 dialer.set_write_limit(WRITE_PER_TURN);
+                dialer.set_tls(self.dial_tls());
                 dialer
             },
             link: Link::Waiting { until: now },

@@ -2,7 +2,9 @@
 //! the KV event stream's sockets): start a connect, see whether it finished, read what is
 //! there, write what a connection has to send. Each returns as soon as the socket would block;
 //! none sleeps. Called on the thread that owns the socket. A failure is a [`LinkLoss`]: the
-//! cause a lost connection carries up to the user.
+//! cause a lost connection carries up to the user. A control connection may run over TLS
+//! (`tls/`): then its reads and writes go through its rustls session, with the same meaning
+//! (`tls::read`, `tls::write`), and what rustls holds is written with what the connection has.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -85,11 +87,35 @@ pub(crate) enum ReadEnd {
 /// reason the connection ends.
 pub(crate) fn read_while(
     stream: &mut TcpStream,
+    tls: Option<&mut rustls::Connection>,
     budget: usize,
     mut on_bytes: impl FnMut(&[u8]) -> Result<bool, LinkLoss>,
 ) -> Result<ReadEnd, LinkLoss> {
     let mut chunk = [0u8; 16 * 1024];
     let mut budget = budget;
+    if let Some(tls) = tls {
+        // Over TLS a short read says nothing of the socket (rustls hands out what it decrypted
+        // so far): only `WouldBlock` (from the socket itself) ends the read as drained.
+        loop {
+            let n = match crate::tls::read(stream, tls, &mut chunk) {
+                Ok(0) => return Err(LinkLoss::ClosedByPeer),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(ReadEnd::Drained),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == ErrorKind::InvalidData => {
+                    return Err(LinkLoss::Tls(e.to_string().into()))
+                }
+                Err(e) => return Err(LinkLoss::Socket(e.kind())),
+            };
+            if !on_bytes(&chunk[..n])? {
+                return Ok(ReadEnd::More);
+            }
+            budget = budget.saturating_sub(n);
+            if budget == 0 {
+                return Ok(ReadEnd::More);
+            }
+        }
+    }
     loop {
         let n = match stream.read(&mut chunk) {
             Ok(0) => return Err(LinkLoss::ClosedByPeer),
@@ -124,31 +150,43 @@ pub(crate) struct Wrote {
     pub(crate) bytes: usize,
 }
 
+impl Wrote {
+    /// `bytes` went; the socket took no more when `blocked`.
+    fn of(bytes: usize, blocked: bool) -> Wrote {
+        Wrote {
+            any: bytes > 0,
+            blocked,
+            bytes,
+        }
+    }
+}
+
 /// Writes what `conn` has for `stream` until the socket would block or nothing is left.
 pub(crate) fn write_available(
     stream: &mut TcpStream,
+    tls: Option<&mut rustls::Connection>,
     conn: &mut impl Outgoing,
 ) -> Result<Wrote, LinkLoss> {
-    write_up_to(stream, conn, usize::MAX)
+    write_up_to(stream, tls, conn, usize::MAX)
 }
 
 /// Writes what `conn` has for `stream` until the socket would block, nothing is left, or
 /// `limit` bytes went (the rest waits for the caller's next turn).
 pub(crate) fn write_up_to(
     stream: &mut TcpStream,
+    tls: Option<&mut rustls::Connection>,
     conn: &mut impl Outgoing,
     limit: usize,
 ) -> Result<Wrote, LinkLoss> {
+    if let Some(tls) = tls {
+        return write_tls_up_to(stream, tls, conn, limit);
+    }
     let mut written = 0usize;
     loop {
         let bytes = conn.transmit();
         let room = limit - written;
         if bytes.is_empty() || room == 0 {
-            return Ok(Wrote {
-                any: written > 0,
-                blocked: false,
-                bytes: written,
-            });
+            return Ok(Wrote::of(written, false));
         }
         match stream.write(&bytes[..bytes.len().min(room)]) {
             Ok(0) => return Err(LinkLoss::SendFailed(SendFailure::NoBytesTaken)),
@@ -156,16 +194,72 @@ pub(crate) fn write_up_to(
                 conn.advance(n);
                 written += n;
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                return Ok(Wrote {
-                    any: written > 0,
-                    blocked: true,
-                    bytes: written,
-                })
-            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Wrote::of(written, true)),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(LinkLoss::Socket(e.kind())),
         }
+    }
+}
+
+/// [`write_up_to`] over TLS: the connection's bytes are encrypted as the socket takes them;
+/// during the handshake only the handshake's own messages go (the connection's wait, and
+/// the socket is not called full: the read that ends the handshake comes back to write).
+fn write_tls_up_to(
+    stream: &mut TcpStream,
+    tls: &mut rustls::Connection,
+    conn: &mut impl Outgoing,
+    limit: usize,
+) -> Result<Wrote, LinkLoss> {
+    if tls.is_handshaking() {
+        return tls_flushed(stream, tls, 0);
+    }
+    let mut written = 0usize;
+    loop {
+        let bytes = conn.transmit();
+        let room = limit - written;
+        if bytes.is_empty() || room == 0 {
+            // What rustls holds of them goes too (records the socket did not take yet).
+            return tls_flushed(stream, tls, written);
+        }
+        match crate::tls::write(stream, tls, &bytes[..bytes.len().min(room)]) {
+            Ok(n) => {
+                conn.advance(n);
+                written += n;
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Wrote::of(written, true)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(LinkLoss::Socket(e.kind())),
+        }
+    }
+}
+
+/// What rustls holds goes to the socket as far as it takes it; `written` of the connection's
+/// bytes went before.
+fn tls_flushed(
+    stream: &TcpStream,
+    tls: &mut rustls::Connection,
+    written: usize,
+) -> Result<Wrote, LinkLoss> {
+    match crate::tls::flush(stream, tls) {
+        Ok(()) => Ok(Wrote::of(written, false)),
+        Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(Wrote::of(written, true)),
+        Err(e) => Err(LinkLoss::Socket(e.kind())),
+    }
+}
+
+/// The first byte waiting on `stream`, not taken from it (`MSG_PEEK`): `Ok(None)` while none
+/// came, `Err` when the peer closed or the socket failed. How a listener that speaks both tells
+/// a TLS client (its first record, a handshake: 0x16) from a plaintext ZMTP peer (0xFF).
+pub(crate) fn peek_first(stream: &TcpStream) -> Result<Option<u8>, LinkLoss> {
+    let mut byte = [0u8; 1];
+    loop {
+        return match stream.peek(&mut byte) {
+            Ok(0) => Err(LinkLoss::ClosedByPeer),
+            Ok(_) => Ok(Some(byte[0])),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Err(LinkLoss::Socket(e.kind())),
+        };
     }
 }
 

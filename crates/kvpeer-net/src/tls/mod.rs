@@ -41,6 +41,10 @@ use tracing::{info, warn};
 
 use crate::lock;
 
+/// The first byte of a TLS connection: a handshake record (its ClientHello). ZMTP's greeting
+/// starts with 0xFF, kvpeer's data HELLO with `K`, so one byte tells them apart.
+pub(crate) const HANDSHAKE_RECORD: u8 = 0x16;
+
 /// How often the files are looked at for a change, at most.
 pub const RELOAD_CHECK: Duration = Duration::from_secs(1);
 

@@ -458,10 +458,14 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
     }
 }
 
+/// The first byte of every ZMTP 3 greeting (its signature's): what a peer that speaks no TLS
+/// answers a TLS ClientHello with.
+pub const SIGNATURE_FIRST: u8 = 0xFF;
+
 /// This side's greeting: ZMTP 3.1, NULL, not as-server (NULL ignores it).
 pub fn greeting() -> [u8; GREETING_LEN] {
     let mut g = [0u8; GREETING_LEN];
-    g[0] = 0xFF;
+    g[0] = SIGNATURE_FIRST;
     g[9] = 0x7F;
     g[10] = 3;
     g[11] = 1;

@@ -26,7 +26,7 @@ use tracing::debug;
 use crate::io::poller::{Poller, Ready, Token};
 use crate::io::sockio::{self, ReadEnd};
 use crate::zmtp::connection::{ConnError, Connection, QueueFull, QueueWithError};
-use crate::zmtp::ZmtpError;
+use crate::zmtp::{self, ZmtpError};
 
 /// How far a connecting socket got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,10 +60,35 @@ enum State {
     },
 }
 
+/// How a dialer speaks TLS to its peer ([`Dialer::set_tls`]).
+#[derive(Clone)]
+pub(crate) struct DialTls {
+    /// The client configuration (our certificate, the CA the peer's must chain to).
+    pub(crate) config: std::sync::Arc<rustls::ClientConfig>,
+    /// A peer that answers with plaintext ZMTP is dialed again without TLS (policy
+    /// `preferred`), instead of failing (`required`).
+    pub(crate) fall_back: bool,
+}
+
+impl std::fmt::Debug for DialTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DialTls")
+            .field("fall_back", &self.fall_back)
+            .finish()
+    }
+}
+
 /// A connecting socket and its connection.
 pub(crate) struct Dialer {
     conn: Connection,
     state: State,
+    /// TLS for the next connects (`None`: plaintext ZMTP).
+    tls: Option<DialTls>,
+    /// The open connection's TLS session.
+    session: Option<rustls::Connection>,
+    /// The peer answered a TLS connect with plaintext ZMTP and was dialed again without
+    /// TLS (`preferred`): its owner learns it once ([`Dialer::take_fell_back`]).
+    fell_back: bool,
     /// What `connect` may take (`None`: the system's own connect timeout).
     connect_timeout: Option<Duration>,
     /// Bytes read per progress.
@@ -139,6 +164,9 @@ impl Dialer {
         Dialer {
             conn,
             state: State::Idle,
+            tls: None,
+            session: None,
+            fell_back: false,
             connect_timeout,
             read_budget,
             write_limit: usize::MAX,
@@ -146,6 +174,23 @@ impl Dialer {
             host_answered_at_failure: false,
             ping_segments_in: None,
         }
+    }
+
+    /// Speaks TLS from the next connect on (`None`: plaintext). The peer's certificate must
+    /// chain to the configuration's CA and name the address dialed.
+    pub(crate) fn set_tls(&mut self, tls: Option<DialTls>) {
+        self.tls = tls;
+    }
+
+    /// Whether the open connection runs over TLS.
+    pub(crate) fn is_tls(&self) -> bool {
+        self.session.is_some()
+    }
+
+    /// Whether the peer answered TLS with plaintext ZMTP and was dialed again without it since
+    /// this was last asked (and false from now).
+    pub(crate) fn take_fell_back(&mut self) -> bool {
+        std::mem::take(&mut self.fell_back)
     }
 
     /// Bytes the next progress or flush may write (the owner's share of its turn).
@@ -239,6 +284,7 @@ impl Dialer {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         self.state = State::Idle;
+        self.session = None;
     }
 
     /// What the owner's poll said of this socket.
@@ -331,13 +377,26 @@ impl Dialer {
                     }
                 }
                 Ok(true) => {
-                    let State::Connecting { stream, .. } =
+                    let State::Connecting { stream, addr, .. } =
                         std::mem::replace(&mut self.state, State::Idle)
                     else {
                         return Ok(());
                     };
+                    if let Some(tls) = &self.tls {
+                        // The peer's certificate must name the address dialed.
+                        let name = rustls_pki_types::ServerName::IpAddress(
+                            addr.ip().to_canonical().into(),
+                        );
+                        let session = rustls::ClientConnection::new(tls.config.clone(), name)
+                            .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
+                        self.session = Some(rustls::Connection::Client(session));
+                    }
                     self.conn.connected(now);
-                    debug!(role = self.conn.role().socket_type, "connected");
+                    debug!(
+                        role = self.conn.role().socket_type,
+                        tls = self.session.is_some(),
+                        "connected"
+                    );
                     self.state = State::Open {
                         stream,
                         readable: true,
@@ -354,12 +413,27 @@ impl Dialer {
         else {
             return Ok(());
         };
+        if reading && *readable && self.session.as_ref().is_some_and(|s| s.is_handshaking()) {
+            // A peer that speaks no TLS answers our ClientHello with ZMTP's greeting.
+            if sockio::peek_first(stream)?.is_some_and(|b| b == zmtp::SIGNATURE_FIRST) {
+                let Some(tls) = &self.tls else {
+                    return Ok(());
+                };
+                if !tls.fall_back {
+                    return Err(LinkLoss::Tls(
+                        "the peer speaks no TLS (it answered with plaintext ZMTP), and TLS is required here".into(),
+                    ));
+                }
+                return self.redial_plaintext();
+            }
+        }
         if reading && *readable && !self.conn.holds_input() {
             let conn = &mut self.conn;
-            let end = sockio::read_while(stream, self.read_budget, |bytes| {
-                conn.handle_bytes(bytes, now).map_err(loss_of)?;
-                Ok(!conn.decoding_paused())
-            })?;
+            let end =
+                sockio::read_while(stream, self.session.as_mut(), self.read_budget, |bytes| {
+                    conn.handle_bytes(bytes, now).map_err(loss_of)?;
+                    Ok(!conn.decoding_paused())
+                })?;
             *readable = end == ReadEnd::More;
         } else if self.conn.holds_input() {
             self.conn.decode_held(now).map_err(loss_of)?;
@@ -384,10 +458,30 @@ impl Dialer {
             }
         }
         if *writable {
-            let wrote = sockio::write_up_to(stream, &mut self.conn, self.write_limit)?;
+            let wrote = sockio::write_up_to(
+                stream,
+                self.session.as_mut(),
+                &mut self.conn,
+                self.write_limit,
+            )?;
             *writable = !wrote.blocked;
             self.last_written = self.last_written.saturating_add(wrote.bytes);
         }
+        Ok(())
+    }
+
+    /// The peer answered our TLS connect with plaintext ZMTP (`preferred`): the socket closes
+    /// and the owner connects again ([`Dialer::take_fell_back`]), without TLS from now on. The
+    /// connection goes on as it is: nothing of it was written or read yet (its greeting waits
+    /// behind the TLS handshake), and its queued messages wait on.
+    fn redial_plaintext(&mut self) -> Result<(), LinkLoss> {
+        if let State::Open { stream, .. } = &self.state {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        self.state = State::Idle;
+        self.tls = None;
+        self.session = None;
+        self.fell_back = true;
         Ok(())
     }
 
@@ -454,7 +548,12 @@ impl Dialer {
         } = &mut self.state
         {
             if *writable {
-                match sockio::write_up_to(stream, &mut self.conn, self.write_limit) {
+                match sockio::write_up_to(
+                    stream,
+                    self.session.as_mut(),
+                    &mut self.conn,
+                    self.write_limit,
+                ) {
                     Ok(wrote) => {
                         *writable = !wrote.blocked;
                         self.last_written = self.last_written.saturating_add(wrote.bytes);

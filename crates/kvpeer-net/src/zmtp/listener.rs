@@ -129,6 +129,18 @@ pub(crate) struct ListenerLimits {
     pub(crate) allowed_sources: Option<Vec<IpAddr>>,
 }
 
+/// Whether a connection runs over TLS ([`Listener::tls_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TlsState {
+    /// Plaintext ZMTP.
+    Plaintext,
+    /// TLS, its client certificate checked against the CA; whether it names the address asked.
+    Tls {
+        /// The certificate names the IP asked about.
+        names_ip: bool,
+    },
+}
+
 /// What happened on one connection.
 #[derive(Debug)]
 pub(crate) enum LinkEvent {
@@ -154,6 +166,11 @@ pub(crate) enum LinkEvent {
 
 struct Peer {
     stream: TcpStream,
+    /// Its TLS session, once its first byte said it speaks TLS ([`Listener::set_tls`]).
+    tls: Option<rustls::Connection>,
+    /// Its first byte has not come yet, on a listener that takes TLS: nothing is written to
+    /// it (our greeting waits) until it says which it speaks.
+    sniffing: bool,
     source: IpAddr,
     conn: Connection,
     /// The poll said input (or the end of stream) arrived, and no read has drained it since.
@@ -267,6 +284,26 @@ impl Peer {
     }
 }
 
+/// Reads connection `p`'s first byte without taking it, on a listener that takes TLS (`tls`):
+/// a TLS handshake record starts its TLS session; anything else is plaintext ZMTP (a wrong
+/// greeting fails there, as from any peer). Not come yet: it stays sniffing, unread until its
+/// next readiness.
+fn sniff(p: &mut Peer, tls: Option<&crate::tls::Tls>) -> Result<(), LinkLoss> {
+    let Some(first) = sockio::peek_first(&p.stream)? else {
+        p.readable = false;
+        return Ok(());
+    };
+    p.sniffing = false;
+    if first == crate::tls::HANDSHAKE_RECORD {
+        if let Some(tls) = tls {
+            let session = rustls::ServerConnection::new(tls.server())
+                .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
+            p.tls = Some(rustls::Connection::Server(session));
+        }
+    }
+    Ok(())
+}
+
 /// Takes `ns` of the caller's time from connection `p`'s round credit and its host's share;
 /// when its host has a share, when that share was charged (the refill's reference).
 fn spend(
@@ -289,6 +326,8 @@ fn nanos(d: Duration) -> i64 {
 /// A listener and its connections.
 pub(crate) struct Listener {
     listener: TcpListener,
+    /// TLS for connections that open with a TLS handshake (`None`: plaintext ZMTP only).
+    tls: Option<crate::tls::Tls>,
     /// The listening socket's token; connection `id`'s is `base + id`.
     base: Token,
     role: Role,
@@ -404,6 +443,7 @@ impl Listener {
         };
         Ok(Listener {
             listener,
+            tls: None,
             base,
             role,
             limits,
@@ -426,6 +466,31 @@ impl Listener {
             refused: 0,
             refused_sources: 0,
             evicted: 0,
+        })
+    }
+
+    /// Takes TLS connections too (`None`: plaintext ZMTP only): a connection's first byte
+    /// says which it speaks (a TLS handshake record, 0x16, or ZMTP's signature, 0xFF), and our
+    /// greeting waits for it. Whether a plaintext one may stay is the owner's to decide
+    /// ([`Listener::tls_of`]).
+    pub(crate) fn set_tls(&mut self, tls: Option<crate::tls::Tls>) {
+        self.tls = tls;
+    }
+
+    /// Whether connection `id` runs over TLS (`None`: no such connection), and if so whether
+    /// its certificate names `ip` as an IP subject alternative name.
+    pub(crate) fn tls_of(&self, id: ConnId, ip: Option<IpAddr>) -> Option<TlsState> {
+        let p = self.peers.get(&id)?;
+        Some(match &p.tls {
+            None => TlsState::Plaintext,
+            Some(tls) => {
+                let names = ip.is_some_and(|ip| {
+                    tls.peer_certificates()
+                        .and_then(|certs| certs.first())
+                        .is_some_and(|cert| crate::tls::names_ip(cert, ip))
+                });
+                TlsState::Tls { names_ip: names }
+            }
         })
     }
 
@@ -598,14 +663,21 @@ impl Listener {
             self.rearm(id, now);
             return;
         }
-        if !p.writable || p.conn.transmit().is_empty() {
+        if p.sniffing {
+            // Our greeting waits for its first byte (TLS or not).
+            p.last_written = now;
+            self.rearm(id, now);
+            return;
+        }
+        let tls_pending = p.tls.as_ref().is_some_and(|t| t.wants_write());
+        if !p.writable || (p.conn.transmit().is_empty() && !tls_pending) {
             if p.conn.transmit().is_empty() {
                 p.last_written = now;
             }
             self.rearm(id, now);
             return;
         }
-        match sockio::write_available(&mut p.stream, &mut p.conn) {
+        match sockio::write_available(&mut p.stream, p.tls.as_mut(), &mut p.conn) {
             Ok(wrote) => {
                 p.writable = !wrote.blocked;
                 if wrote.any && self.limits.engage_on_request {
@@ -645,7 +717,9 @@ impl Listener {
     pub(crate) fn refuse(&mut self, id: ConnId, reason: &str, out: &mut Vec<(ConnId, LinkEvent)>) {
         if let Some(p) = self.peers.get_mut(&id) {
             p.conn.queue_error(reason);
-            let _ = sockio::write_available(&mut p.stream, &mut p.conn);
+            if !p.sniffing {
+                let _ = sockio::write_available(&mut p.stream, p.tls.as_mut(), &mut p.conn);
+            }
         }
         self.close(id, LinkLoss::ClosedHere, out);
     }
@@ -997,19 +1071,24 @@ impl Listener {
             let works = read || p.conn.holds_input();
             let budget = self.limits.read_budget;
             let stall = self.limits.stall_timeout;
+            let tls = self.tls.as_ref();
             let mut step = || -> Result<(), LinkLoss> {
                 if share > 0 {
                     if p.conn.holds_input() {
                         p.conn.decode_held(now).map_err(loss_of)?;
                     }
-                    if read && !p.conn.holds_input() {
+                    if read && p.sniffing {
+                        sniff(p, tls)?;
+                    }
+                    if read && !p.sniffing && !p.conn.holds_input() {
                         // Reading stops once the connection holds this round's share, so what
                         // it sent beyond (its end of stream too) waits in the socket.
                         let conn = &mut p.conn;
-                        let end = sockio::read_while(&mut p.stream, budget, |bytes| {
-                            conn.handle_bytes(bytes, now).map_err(loss_of)?;
-                            Ok(!conn.decoding_paused())
-                        })?;
+                        let end =
+                            sockio::read_while(&mut p.stream, p.tls.as_mut(), budget, |bytes| {
+                                conn.handle_bytes(bytes, now).map_err(loss_of)?;
+                                Ok(!conn.decoding_paused())
+                            })?;
                         // A socket that hung up or failed always has its end of stream or its
                         // error left to read after its last bytes (a short read stops before
                         // it): read again next round, so it ends then rather than spinning
@@ -1297,6 +1376,8 @@ impl Listener {
                 id,
                 Peer {
                     stream,
+                    tls: None,
+                    sniffing: self.tls.is_some(),
                     source,
                     conn,
                     // Its READY may have come with the connection.

@@ -221,7 +221,7 @@ declare_keys! {
     shm_allow_replayable_tokens = "false";
     /// file holding the shared secret of the authenticated handshake (unset: off)
     auth_secret_file;
-    /// TLS 1.3 with mutual authentication on the tcp data plane: off, preferred (with every peer that offers it, plaintext with one that does not) or required (refuses plaintext; needs tls_cert, tls_key and tls_ca)
+    /// TLS 1.3 with mutual authentication on the control channel and the tcp data plane: off, preferred (with every peer that speaks it, plaintext with one that does not) or required (refuses plaintext; needs tls_cert, tls_key and tls_ca)
     tls = "off";
     /// PEM file of this node's certificate chain for TLS (its own first, naming the node's IP address as a subject alternative name); reread when it changes
     tls_cert;

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use kvpeer_core::{Core, CoreConfig, LocalNode, Parent};
-use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError};
+use kvpeer_net::control::{ControlChannel, ControlConfig, ControlError, ControlTls};
 use kvpeer_net::data::shm::{ShmError, Wake};
 use kvpeer_net::data::tcp::TcpError;
 use kvpeer_proto::{DecodeLimits, PeerId};
@@ -87,7 +87,7 @@ pub struct NodeSpec {
     pub shm_allow_replayable_tokens: bool,
     /// Shared secret for the authenticated handshake (`None`: off, as vLLM).
     pub auth_secret: Option<AuthSecret>,
-    /// TLS on the tcp data plane (`None`: off).
+    /// TLS on the control channel and the tcp data plane (`None`: off).
     pub tls: Option<TlsSpec>,
     /// The control channel's socket settings (frame size limit, heartbeats, queue).
     pub control: ControlConfig,
@@ -97,7 +97,7 @@ pub struct NodeSpec {
     pub nixl: NixlOptions,
 }
 
-/// TLS on the tcp data plane: the policy (preferred or required) and the node's PEM files,
+/// TLS on the control channel and the tcp data plane: the policy (preferred or required) and the node's PEM files,
 /// read when the node is built and again whenever they change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsSpec {
@@ -221,10 +221,19 @@ pub(crate) fn build_with<Q: Parent, T>(
     make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
 ) -> Result<(NodeIo<Q>, T), BuildError> {
     let pool = make_pool(spec)?;
+    let mut control = spec.control.clone();
+    if let Some(tls) = &spec.tls {
+        // The control channel speaks TLS under the same policy and certificate as the tcp
+        // plane: a `connect`'s tokens, keys and proofs never cross the network in clear.
+        control.tls = Some(ControlTls {
+            tls: kvpeer_net::tls::Tls::load(tls.files.clone())?,
+            policy: tls.policy,
+        });
+    }
     let channel = match (spec.listen, spec.id.as_str().strip_suffix(":0")) {
-        (Some(at), _) => ControlChannel::bind_at(at, &spec.id, spec.control.clone())?,
-        (None, Some(host)) => ControlChannel::bind_any_port(host, spec.control.clone())?,
-        (None, None) => ControlChannel::bind(spec.id.clone(), spec.control.clone())?,
+        (Some(at), _) => ControlChannel::bind_at(at, &spec.id, control)?,
+        (None, Some(host)) => ControlChannel::bind_any_port(host, control)?,
+        (None, None) => ControlChannel::bind(spec.id.clone(), control)?,
     };
     let spec = NodeSpec {
         id: channel.identity().clone(),
