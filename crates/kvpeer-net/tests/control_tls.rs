@@ -296,3 +296,113 @@ fn a_dialer_talks_in_clear_to_a_peer_without_tls_only_where_tls_is_preferred() {
     assert_eq!(heard, vec![b"first".to_vec(), b"second".to_vec()]);
     assert_eq!(a.outbound_tls(&idb), Some(false));
 }
+
+/// A plaintext DEALER's greeting, READY claiming `identity`, one message `body` and a frame
+/// header claiming 2^40 bytes, written at once: the connection ends in the round that reads
+/// its READY.
+fn ready_message_and_a_broken_frame(identity: &str, body: &[u8]) -> Vec<u8> {
+    let mut out = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    out.extend_from_slice(b"NULL");
+    out.resize(64, 0);
+    let mut ready = vec![5u8];
+    ready.extend_from_slice(b"READY");
+    for (name, value) in [("Socket-Type", "DEALER"), ("Identity", identity)] {
+        ready.push(name.len() as u8);
+        ready.extend_from_slice(name.as_bytes());
+        ready.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        ready.extend_from_slice(value.as_bytes());
+    }
+    out.extend_from_slice(&[0x04, ready.len() as u8]);
+    out.extend_from_slice(&ready);
+    out.extend_from_slice(&[0x00, body.len() as u8]);
+    out.extend_from_slice(body);
+    out.push(0x02);
+    out.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    out
+}
+
+/// A connection that ends in the very round its READY came is still judged by what it was
+/// (found by review): a plaintext peer under `required` that sends its READY, a message and a
+/// broken frame at once has its message dropped with it, never delivered as another node's.
+#[test]
+fn a_plaintext_message_sent_with_a_broken_frame_is_not_heard_where_tls_is_required() {
+    let pki = Pki::new("ctl-same-round");
+    let mut b = channel(Some((TlsPolicy::Required, &pki.node("b", &[loopback()]))));
+    let mut s = TcpStream::connect(b.identity().as_str()).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.write_all(&ready_message_and_a_broken_frame(
+        "127.0.0.1:9",
+        b"I speak for 127.0.0.1:9",
+    ))
+    .unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        b.wait(Duration::from_millis(10)).unwrap();
+        for e in b.recv() {
+            assert!(
+                !matches!(e, ChannelEvent::Payload { .. }),
+                "a plaintext message was heard: {e:?}"
+            );
+        }
+    }
+}
+
+/// Found by review: a dialer in its TLS handshake waits for the peer's next flight; it must
+/// not spin the node's thread meanwhile. Against a port that accepts and never answers, the
+/// channel sleeps in its wait (a handful of wakes in half a second, not thousands).
+#[test]
+fn a_tls_handshake_that_waits_for_its_peer_leaves_the_thread_asleep() {
+    let pki = Pki::new("ctl-asleep");
+    let mut a = channel(Some((TlsPolicy::Required, &pki.node("a", &[loopback()]))));
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = PeerId::new(format!("127.0.0.1:{}", silent.local_addr().unwrap().port()));
+    a.send(&peer, b"hello").unwrap();
+    // Let the connect and the ClientHello go.
+    for _ in 0..10 {
+        a.wait(Duration::from_millis(5)).unwrap();
+        a.recv();
+    }
+    let (_held, _) = silent.accept().unwrap();
+    let (started, mut wakes) = (Instant::now(), 0u32);
+    while started.elapsed() < Duration::from_millis(500) {
+        a.wait(Duration::from_millis(50)).unwrap();
+        a.recv();
+        wakes += 1;
+    }
+    assert!(
+        wakes < 100,
+        "{wakes} wakes in 500 ms while the handshake waited"
+    );
+}
+
+/// Found by review: only the peer's first byte tells a peer that answers in clear; a later
+/// byte of its TLS flight that happens to be 0xFF is a record's, not a greeting. A peer whose
+/// first bytes are a TLS record's start, then 0xFF, fails the handshake as TLS (under
+/// `required`: it is never taken for a plaintext peer).
+#[test]
+fn only_the_peers_first_byte_says_it_answers_in_clear() {
+    let pki = Pki::new("ctl-first-byte");
+    let mut a = channel(Some((TlsPolicy::Required, &pki.node("a", &[loopback()]))));
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer = PeerId::new(format!("127.0.0.1:{}", fake.local_addr().unwrap().port()));
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut hello = [0u8; 512];
+        let _ = s.read(&mut hello);
+        // A handshake record's header claiming 64 bytes, 5 of them now ...
+        let _ = s.write_all(&[0x16, 0x03, 0x03, 0x00, 0x40, 0x02, 0x00, 0x00, 0x3c, 0x03]);
+        std::thread::sleep(Duration::from_millis(200));
+        // ... and the rest later, starting with 0xFF.
+        let _ = s.write_all(&[0xff; 59]);
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    a.send(&peer, b"hello").unwrap();
+    let mut b = channel(None);
+    let cause = lost(&mut a, &mut b, &peer);
+    assert!(
+        matches!(&cause, LinkLoss::Tls(_)) && !cause.to_string().contains("speaks no TLS"),
+        "{cause}"
+    );
+    server.join().unwrap();
+}

@@ -216,27 +216,33 @@ impl Inbound {
 
     /// Whether connection `conn` runs over TLS (`None`: no such connection).
     pub(crate) fn is_tls(&self, conn: ConnId) -> Option<bool> {
-        self.listener
-            .tls_of(conn, None)
-            .map(|state| matches!(state, TlsState::Tls { .. }))
+        self.listener.is_tls(conn)
     }
 
-    /// Why connection `conn`, whose READY claimed `peer`, may not speak for it over the
-    /// transport it came on (`None`: it may).
-    fn tls_refusal(&self, conn: ConnId, peer: &PeerId) -> Option<String> {
-        let ip = kvpeer_proto::PeerAddr::of(peer)
-            .ok()
-            .and_then(|a| a.socket_addr())
-            .map(|a| a.ip().to_canonical());
-        match self.listener.tls_of(conn, ip)? {
-            TlsState::Plaintext if self.tls_required => Some(
-                "this node takes TLS control connections only (tls = required)".to_owned(),
-            ),
+    /// Why a connection whose READY claimed `peer` over `tls` may not speak for it (`None`:
+    /// it may). Judged by what the connection was when its READY came, whether or not it is
+    /// still open.
+    fn tls_refusal(&self, tls: &TlsState, peer: &PeerId) -> Option<String> {
+        match tls {
+            TlsState::Plaintext if self.tls_required => {
+                Some("this node takes TLS control connections only (tls = required)".to_owned())
+            }
             TlsState::Plaintext => None,
-            TlsState::Tls { names_ip: true } => None,
-            TlsState::Tls { names_ip: false } => Some(format!(
-                "your TLS certificate does not name the IP address of {peer}, the identity your READY claims"
-            )),
+            TlsState::Tls(_) => {
+                let ip = kvpeer_proto::PeerAddr::of(peer)
+                    .ok()
+                    .and_then(|a| a.socket_addr())
+                    .map(|a| a.ip().to_canonical());
+                match ip {
+                    Some(ip) if tls.names(ip) => None,
+                    Some(_) => Some(format!(
+                        "your TLS certificate does not name the IP address of {peer}, the identity your READY claims"
+                    )),
+                    None => Some(format!(
+                        "{peer} is no IP address: over TLS an identity must be one its certificate names"
+                    )),
+                }
+            }
         }
     }
 
@@ -299,8 +305,12 @@ impl Inbound {
         let mut told = Vec::new();
         for (conn, event) in happened {
             match event {
-                LinkEvent::Ready { identity, source } => match (claimed(&identity), source) {
-                    (Some(peer), Some(source)) => match self.tls_refusal(conn, &peer) {
+                LinkEvent::Ready {
+                    identity,
+                    source,
+                    tls,
+                } => match (claimed(&identity), source) {
+                    (Some(peer), Some(source)) => match self.tls_refusal(&tls, &peer) {
                         None => {
                             self.identities.insert(conn, (peer, source));
                         }

@@ -124,7 +124,8 @@ pub struct ControlConfig {
 ///   plaintext one (a vLLM engine, an older kvpeer) only where the policy is not `required`;
 /// * the dialer opens every connection with TLS (the listener's certificate must name the IP
 ///   dialed); a peer that answers with plaintext ZMTP is dialed again without TLS where the
-///   policy is `preferred` (logged once per peer), and lost where it is `required`.
+///   policy is `preferred` (logged, rate-limited; each new connection tries TLS first), and
+///   lost where it is `required`.
 ///
 /// So a `connect`'s tokens, keys and proofs and every lookup's keys travel inside TLS between
 /// kvpeer nodes. With `off` there is no `ControlTls` at all.

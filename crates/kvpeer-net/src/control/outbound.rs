@@ -615,7 +615,7 @@ impl Outbound {
             return;
         };
         debug!(%peer, "control connection closed");
-        if conn.failed() || conn.dialer.connection().is_drained() || self.config.linger.is_zero() {
+        if conn.failed() || conn.dialer.is_drained() || self.config.linger.is_zero() {
             self.drop_conn(id);
         } else {
             // A connection still connecting or in its handshake has written nothing yet: what
@@ -719,9 +719,9 @@ impl Outbound {
                 // Bytes left for its next turn, which comes at once.
                 self.active.insert(id);
             }
-            let done = c.linger_until.is_some_and(|until| {
-                c.failed() || c.dialer.connection().is_drained() || now >= until
-            });
+            let done = c
+                .linger_until
+                .is_some_and(|until| c.failed() || c.dialer.is_drained() || now >= until);
             if done {
                 self.drop_conn(id);
             } else {

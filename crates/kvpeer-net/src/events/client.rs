@@ -142,6 +142,7 @@ impl Client {
                             .unwrap_or_default()
                             .to_vec(),
                         source: None,
+                        tls: crate::zmtp::listener::TlsState::Plaintext,
                     });
                 }
                 while let Some(incoming) = self.dialer.poll_incoming() {

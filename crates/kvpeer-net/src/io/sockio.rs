@@ -80,8 +80,10 @@ pub(crate) enum ReadEnd {
     More,
 }
 
-/// Reads what `stream` has, up to about `budget` bytes, handing each read to `on_bytes`; stops
-/// when the socket would block (or a short read shows it drained for now), or after a read for
+/// Reads what `stream` has (through `tls`, its TLS session, when it has one), up to about
+/// `budget` bytes, handing each read to `on_bytes`; stops when the socket would block (or, in
+/// clear, a short read shows it drained for now; over TLS only the socket's own `WouldBlock`
+/// does, as rustls hands out what it decrypted so far), or after a read for
 /// which `on_bytes` says `false` (the reader holds all it should this round; what else came
 /// waits in the socket, and so does its end of stream). End of stream or an error is the
 /// reason the connection ends.

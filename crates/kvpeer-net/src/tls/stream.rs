@@ -57,7 +57,9 @@ pub(crate) fn read(sock: &TcpStream, conn: &mut Connection, buf: &mut [u8]) -> i
             Ok(0) => ended = true,
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                flush_what_fits(sock, conn)?;
+                // Best effort: a peer whose socket no longer takes our bytes may still have
+                // sent its last ones, and those are read to the end first.
+                let _ = flush_what_fits(sock, conn);
                 return Err(e);
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -67,7 +69,8 @@ pub(crate) fn read(sock: &TcpStream, conn: &mut Connection, buf: &mut [u8]) -> i
             let _ = flush(sock, conn);
             return Err(io::Error::new(ErrorKind::InvalidData, e));
         }
-        flush_what_fits(sock, conn)?;
+        // As above: what the peer sent is read whether or not it takes our bytes.
+        let _ = flush_what_fits(sock, conn);
     }
 }
 

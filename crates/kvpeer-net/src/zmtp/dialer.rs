@@ -86,6 +86,9 @@ pub(crate) struct Dialer {
     tls: Option<DialTls>,
     /// The open connection's TLS session.
     session: Option<rustls::Connection>,
+    /// The peer's first byte came (on a TLS connection: looked at once, to tell a peer that
+    /// answers with ZMTP's greeting; later bytes are records, whatever their value).
+    first_byte_seen: bool,
     /// The peer answered a TLS connect with plaintext ZMTP and was dialed again without
     /// TLS (`preferred`): its owner learns it once ([`Dialer::take_fell_back`]).
     fell_back: bool,
@@ -166,6 +169,7 @@ impl Dialer {
             state: State::Idle,
             tls: None,
             session: None,
+            first_byte_seen: false,
             fell_back: false,
             connect_timeout,
             read_budget,
@@ -206,7 +210,21 @@ impl Dialer {
     /// Whether bytes wait that the socket would take now (a turn with a write limit left
     /// them).
     pub(crate) fn wants_write(&self) -> bool {
-        matches!(self.state, State::Open { writable: true, .. }) && !self.conn.transmit().is_empty()
+        matches!(self.state, State::Open { writable: true, .. })
+            && !self.conn.transmit().is_empty()
+            && !self.tls_handshaking()
+    }
+
+    /// Whether its TLS handshake is under way: the connection's bytes wait for it, and only a
+    /// read (the peer's next flight) moves it on.
+    fn tls_handshaking(&self) -> bool {
+        self.session.as_ref().is_some_and(|s| s.is_handshaking())
+    }
+
+    /// Whether everything queued left: the connection's bytes, and the records TLS made of
+    /// them.
+    pub(crate) fn is_drained(&self) -> bool {
+        self.conn.is_drained() && !self.session.as_ref().is_some_and(|s| s.wants_write())
     }
 
     /// The connection (its handshake, what it holds).
@@ -311,7 +329,7 @@ impl Dialer {
             } => {
                 (reading && *readable)
                     || self.conn.holds_input()
-                    || (*writable && !self.conn.transmit().is_empty())
+                    || (*writable && !self.conn.transmit().is_empty() && !self.tls_handshaking())
             }
             State::Idle => false,
         }
@@ -390,6 +408,7 @@ impl Dialer {
                         let session = rustls::ClientConnection::new(tls.config.clone(), name)
                             .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
                         self.session = Some(rustls::Connection::Client(session));
+                        self.first_byte_seen = false;
                     }
                     self.conn.connected(now);
                     debug!(
@@ -413,9 +432,12 @@ impl Dialer {
         else {
             return Ok(());
         };
-        if reading && *readable && self.session.as_ref().is_some_and(|s| s.is_handshaking()) {
-            // A peer that speaks no TLS answers our ClientHello with ZMTP's greeting.
-            if sockio::peek_first(stream)?.is_some_and(|b| b == zmtp::SIGNATURE_FIRST) {
+        if reading && *readable && self.session.is_some() && !self.first_byte_seen {
+            // A peer that speaks no TLS answers our ClientHello with ZMTP's greeting: its first
+            // byte says so (looked at once; later bytes are records, of any value).
+            let first = sockio::peek_first(stream)?;
+            self.first_byte_seen = first.is_some();
+            if first == Some(zmtp::SIGNATURE_FIRST) {
                 let Some(tls) = &self.tls else {
                     return Ok(());
                 };

@@ -129,16 +129,32 @@ pub(crate) struct ListenerLimits {
     pub(crate) allowed_sources: Option<Vec<IpAddr>>,
 }
 
-/// Whether a connection runs over TLS ([`Listener::tls_of`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Whether a connection runs over TLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum TlsState {
     /// Plaintext ZMTP.
     Plaintext,
-    /// TLS, its client certificate checked against the CA; whether it names the address asked.
-    Tls {
-        /// The certificate names the IP asked about.
-        names_ip: bool,
-    },
+    /// TLS, its client certificate (checked against the CA in the handshake; `None` only where
+    /// the configuration asks for none).
+    Tls(Option<rustls_pki_types::CertificateDer<'static>>),
+}
+
+impl TlsState {
+    fn of(tls: Option<&rustls::Connection>) -> TlsState {
+        match tls {
+            None => TlsState::Plaintext,
+            Some(tls) => TlsState::Tls(
+                tls.peer_certificates()
+                    .and_then(|certs| certs.first())
+                    .map(|cert| cert.clone().into_owned()),
+            ),
+        }
+    }
+
+    /// Whether it runs over TLS with a certificate that names `ip`.
+    pub(crate) fn names(&self, ip: IpAddr) -> bool {
+        matches!(self, TlsState::Tls(Some(cert)) if crate::tls::names_ip(cert, ip))
+    }
 }
 
 /// What happened on one connection.
@@ -152,6 +168,10 @@ pub(crate) enum LinkEvent {
         identity: Vec<u8>,
         /// Its TCP source address (accepted connections).
         source: Option<IpAddr>,
+        /// Whether it runs over TLS, with the certificate it presented: read when its READY
+        /// came, so a caller that looks after the round (when the connection may be gone)
+        /// still judges it by what it was.
+        tls: TlsState,
     },
     /// The peer sent this.
     Incoming(Incoming),
@@ -477,21 +497,9 @@ impl Listener {
         self.tls = tls;
     }
 
-    /// Whether connection `id` runs over TLS (`None`: no such connection), and if so whether
-    /// its certificate names `ip` as an IP subject alternative name.
-    pub(crate) fn tls_of(&self, id: ConnId, ip: Option<IpAddr>) -> Option<TlsState> {
-        let p = self.peers.get(&id)?;
-        Some(match &p.tls {
-            None => TlsState::Plaintext,
-            Some(tls) => {
-                let names = ip.is_some_and(|ip| {
-                    tls.peer_certificates()
-                        .and_then(|certs| certs.first())
-                        .is_some_and(|cert| crate::tls::names_ip(cert, ip))
-                });
-                TlsState::Tls { names_ip: names }
-            }
-        })
+    /// Whether connection `id` runs over TLS (`None`: no such connection).
+    pub(crate) fn is_tls(&self, id: ConnId) -> Option<bool> {
+        self.peers.get(&id).map(|p| p.tls.is_some())
     }
 
     /// The address bound.
@@ -1118,6 +1126,7 @@ impl Listener {
                     LinkEvent::Ready {
                         identity: p.conn.peer_identity().unwrap_or_default().to_vec(),
                         source: Some(p.source),
+                        tls: TlsState::of(p.tls.as_ref()),
                     },
                 ));
             }
