@@ -1,5 +1,7 @@
-//! `kvpeer serve` and `kvpeer fetch` with TLS on the tcp plane, as a user runs them: with
-//! `--tls required` and certificates from one CA the blocks arrive byte-exact; a consumer with
+//! `kvpeer serve` and `kvpeer fetch` with TLS on the control channel and the tcp plane, as a user
+//! runs them: with `--tls required` and certificates from one CA the blocks arrive byte-exact
+//! and the control connection, recorded through a relay, carries no field of any message; a
+//! consumer with
 //! no TLS is refused by a node requiring it, and a consumer requiring TLS refuses a node
 //! without it, the refused side told why; a certificate file that cannot be used stops the node at start,
 //! naming it.
@@ -113,6 +115,89 @@ fn serve_and_fetch_move_blocks_byte_exact_over_mutual_tls() {
     let (status, summary, stderr) = fetch(&id, &certs.flags("preferred"));
     assert_eq!(status, Some(0), "{summary}\n{stderr}");
     assert_eq!(num(&summary, "hits"), 8, "{summary}");
+    drop(node);
+}
+
+/// Forwards one port to another, recording what the dialer sent.
+fn relay(to: u16) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    std::thread::spawn(move || {
+        for inbound in listener.incoming() {
+            let Ok(inbound) = inbound else { return };
+            let Ok(outbound) = std::net::TcpStream::connect(("127.0.0.1", to)) else {
+                return;
+            };
+            let (mut in_r, mut out_w) =
+                (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
+            let recorded = recorded.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16384];
+                while let Ok(n) = in_r.read(&mut buf) {
+                    if n == 0 || out_w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                    recorded.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+                let _ = out_w.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut out_r, mut in_w) = (outbound, inbound);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut out_r, &mut in_w);
+                let _ = in_w.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// The consumer's control connection to the node, recorded through a relay the node advertises
+/// as its address: with `--tls required` it opens with a TLS handshake and carries none of a
+/// `connect`'s fields (its tokens, keys and proofs) nor a lookup's, and the blocks still come
+/// byte-exact.
+#[test]
+fn the_control_channel_between_serve_and_fetch_is_inside_tls() {
+    let certs = Certs::new("control");
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (front, seen) = relay(listen);
+    let mut flags = certs.flags("required");
+    flags.extend([
+        "--listen".to_owned(),
+        format!("127.0.0.1:{listen}"),
+        "--advertise".to_owned(),
+        format!("127.0.0.1:{front}"),
+    ]);
+    let (node, id) = serve(&flags);
+    assert_eq!(id, format!("127.0.0.1:{front}"));
+    let (status, summary, stderr) = fetch(&id, &certs.flags("required"));
+    assert_eq!(status, Some(0), "{summary}\n{stderr}");
+    assert_eq!(num(&summary, "hits"), 8, "{summary}");
+    assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
+    let wire = seen.lock().unwrap().clone();
+    assert!(wire.len() > 1000, "{} bytes", wire.len());
+    assert_eq!(
+        wire[0], 0x16,
+        "the control connection opened with a TLS handshake"
+    );
+    for field in [
+        &b"agent_metadata"[..],
+        b"peer_id",
+        b"kv_request_id",
+        b"Socket-Type",
+    ] {
+        assert!(
+            !wire.windows(field.len()).any(|w| w == field),
+            "{} is on the wire",
+            String::from_utf8_lossy(field)
+        );
+    }
     drop(node);
 }
 
