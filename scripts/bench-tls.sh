@@ -2,7 +2,7 @@
 # The tcp data plane with and without TLS, beside this machine's single-core AES-128-GCM rate
 # measured in the same run (docs/benchmarks.md, "TLS on the tcp plane").
 #
-#   scripts/bench-tls.sh [--runs N] [--kvpeer BIN]
+#   scripts/bench-tls.sh [--runs N] [--kvpeer BIN] [--lookups-only]
 #
 # For 64 KiB and 2 MiB blocks, plaintext then TLS (`--tls required`, a CA and a loopback node
 # certificate made here with openssl), each run N times (default 3) in turn: one `kvpeer serve
@@ -10,16 +10,20 @@
 # medians: the consumer's fetch GB/s, the CPU per GB of each side (the consumer's from its own
 # summary, the producer's from /proc/PID/stat), lookup p50/p99. Then `openssl speed -evp
 # aes-128-gcm` (16 KiB records, one core) and the ratios the goals use: TLS GB/s over the lower of
-# plaintext and the AES-GCM rate (goal >= 0.8), TLS lookups over plaintext (goal <= 1.1).
+# plaintext and the AES-GCM rate (goal >= 0.8), TLS lookups over plaintext (goal <= 1.1). Last,
+# lookups alone (every key a miss: no block moves), plaintext against TLS on the control
+# channel, N runs each in turn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 runs=3
 bin=""
+lookups_only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --runs) runs="$2"; shift 2 ;;
     --kvpeer) bin="$2"; shift 2 ;;
+    --lookups-only) lookups_only=1; shift ;;
     *) echo "bench-tls.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -75,8 +79,27 @@ run_once() {
     'BEGIN {printf "%s %.3f %.3f %s %s\n", g, c / gb, (p1 - p0) / gb, l50, l99}'
 }
 
-printf '%-8s %-6s %9s %14s %14s %10s %10s\n' block mode "GB/s" "cons. s/GB" "prod. s/GB" "lookup p50" "p99 us"
+# Lookups alone (every key a miss, so no block moves): what TLS on the control channel costs a
+# lookup once the session is up, with no data plane work beside it. Prints "p50 p99".
+lookups_once() {
+  local mode="$1" extra=()
+  if [ "$mode" = tls ]; then extra=("${tls_flags[@]}"); fi
+  "$bin" serve --listen 127.0.0.1:0 --plane tcp --blocks 1024 --block-len 16384 --fill 1024 \
+    "${extra[@]}" > "$work/serve.out" 2> "$work/serve.err" &
+  serve_pid=$!
+  for _ in $(seq 200); do grep -q ready "$work/serve.out" 2>/dev/null && break; sleep 0.05; done
+  local id; id="$(sed -n 's/.* id=\([^ ]*\).*/\1/p' "$work/serve.out")"
+  [ -n "$id" ] || { cat "$work/serve.err" >&2; exit 1; }
+  local line
+  line="$(KVPEER_LOG=error "$bin" fetch --peer "$id" --plane tcp --blocks 1024 --block-len 16384 \
+    --requests 4000 --keys 8 --miss-share 1 --timeout-secs 60 "${extra[@]}")"
+  kill "$serve_pid"; wait "$serve_pid" 2>/dev/null || true; serve_pid=""
+  echo "$(field "$line" lookup_p50_us) $(field "$line" lookup_p99_us)"
+}
+
 declare -A result
+if [ -z "$lookups_only" ]; then
+printf '%-8s %-6s %9s %14s %14s %10s %10s\n' block mode "GB/s" "cons. s/GB" "prod. s/GB" "lookup p50" "p99 us"
 for spec in "65536 4096 8" "2097152 256 8"; do
   read -r block_len blocks keys <<<"$spec"
   for mode in plain tls; do : > "$work/$mode.runs"; done
@@ -102,3 +125,17 @@ for block_len in 65536 2097152; do
       printf "%s: TLS %.2f GB/s = %.2fx plaintext, %.2fx of min(plaintext, AES-GCM) (goal >= 0.8); lookup p99 TLS/plain %.2fx (goal <= 1.1)\n", b, t, t / p, t / lim, l1 / l0
     }'
 done
+fi
+
+echo
+for mode in plain tls; do : > "$work/$mode.lookups"; done
+for _ in $(seq "$runs"); do
+  for mode in plain tls; do lookups_once "$mode" >> "$work/$mode.lookups"; done
+done
+for mode in plain tls; do
+  result["lk-$mode-50"]="$(awk '{print $1}' "$work/$mode.lookups" | median)"
+  result["lk-$mode-99"]="$(awk '{print $2}' "$work/$mode.lookups" | median)"
+  echo "lookups alone (4000 x 8 keys, all misses), $mode: p50 ${result["lk-$mode-50"]} us, p99 ${result["lk-$mode-99"]} us"
+done
+awk -v a="${result[lk-plain-50]}" -v b="${result[lk-tls-50]}" -v c="${result[lk-plain-99]}" -v d="${result[lk-tls-99]}" \
+  'BEGIN {printf "lookups alone: TLS/plain p50 %.2fx, p99 %.2fx (goal <= 1.1)\n", b / a, d / c}'

@@ -96,12 +96,13 @@ pub(crate) fn read_while(
     let mut chunk = [0u8; 16 * 1024];
     let mut budget = budget;
     if let Some(tls) = tls {
-        // Over TLS a short read says nothing of the socket (rustls hands out what it decrypted
-        // so far): only `WouldBlock` (from the socket itself) ends the read as drained.
+        // Over TLS a short plaintext read says nothing of the socket (rustls hands out what it
+        // decrypted so far): the socket's own `WouldBlock`, or its short read with nothing left
+        // decrypted (`read_noting_drain`), ends the read as drained.
         loop {
-            let n = match crate::tls::read(stream, tls, &mut chunk) {
-                Ok(0) => return Err(LinkLoss::ClosedByPeer),
-                Ok(n) => n,
+            let (n, drained) = match crate::tls::read_noting_drain(stream, tls, &mut chunk) {
+                Ok((0, _)) => return Err(LinkLoss::ClosedByPeer),
+                Ok(read) => read,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(ReadEnd::Drained),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == ErrorKind::InvalidData => {
@@ -111,6 +112,10 @@ pub(crate) fn read_while(
             };
             if !on_bytes(&chunk[..n])? {
                 return Ok(ReadEnd::More);
+            }
+            if drained {
+                // The socket's last read was short and nothing decrypted is left.
+                return Ok(ReadEnd::Drained);
             }
             budget = budget.saturating_sub(n);
             if budget == 0 {

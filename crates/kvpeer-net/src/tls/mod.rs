@@ -23,7 +23,7 @@
 
 mod stream;
 
-pub(crate) use stream::{alert_before_close, flush, read, write};
+pub(crate) use stream::{alert_before_close, flush, read, read_noting_drain, write};
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

@@ -42,20 +42,34 @@ fn flush_what_fits(sock: &TcpStream, conn: &mut Connection) -> io::Result<()> {
 /// the socket has nothing more, and `InvalidData` for a TLS error (a bad certificate, a record
 /// that does not authenticate), after rustls's alert was sent where the socket takes it.
 pub(crate) fn read(sock: &TcpStream, conn: &mut Connection, buf: &mut [u8]) -> io::Result<usize> {
+    read_noting_drain(sock, conn, buf).map(|(n, _)| n)
+}
+
+/// [`read`], and whether the socket was found drained meanwhile with nothing left decrypted
+/// (the socket's last read was short, epoll(7)'s other sign of a drained stream, and `buf` took
+/// all the plaintext there was): the caller may wait for the next readiness instead of asking
+/// again only to hear `WouldBlock`, a system call per message saved.
+pub(crate) fn read_noting_drain(
+    sock: &TcpStream,
+    conn: &mut Connection,
+    buf: &mut [u8],
+) -> io::Result<(usize, bool)> {
     let mut ended = false;
+    let mut short = false;
     loop {
         match conn.reader().read(buf) {
-            Ok(n) => return Ok(n),
+            Ok(n) => return Ok((n, short && n > 0 && n < buf.len())),
             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) if e.kind() == ErrorKind::UnexpectedEof => return Ok(0),
+            Err(e) if e.kind() == ErrorKind::UnexpectedEof => return Ok((0, false)),
             Err(e) => return Err(e),
         }
         if ended {
-            return Ok(0);
+            return Ok((0, false));
         }
-        match conn.read_tls(&mut &*sock) {
+        let mut noted = NotingShort { sock, short: false };
+        match conn.read_tls(&mut noted) {
             Ok(0) => ended = true,
-            Ok(_) => {}
+            Ok(_) => short = noted.short,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 // Best effort: a peer whose socket no longer takes our bytes may still have
                 // sent its last ones, and those are read to the end first.
@@ -71,6 +85,21 @@ pub(crate) fn read(sock: &TcpStream, conn: &mut Connection, buf: &mut [u8]) -> i
         }
         // As above: what the peer sent is read whether or not it takes our bytes.
         let _ = flush_what_fits(sock, conn);
+    }
+}
+
+/// The socket as rustls reads it, noting whether its last read was short (fewer bytes than
+/// asked: the socket had no more).
+struct NotingShort<'a> {
+    sock: &'a TcpStream,
+    short: bool,
+}
+
+impl Read for NotingShort<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = (&mut &*self.sock).read(buf)?;
+        self.short = n < buf.len();
+        Ok(n)
     }
 }
 
