@@ -207,7 +207,7 @@ def test_two_nodes_share_blocks_over_mutual_tls_with_the_same_keys_as_a_config_f
         # A node without TLS is refused by one that requires it, and told why.
         with pytest.raises(kvpeer.PeerUnavailable) as e:
             plain.fetch(producer.id, list(blocks), timeout_s=5.0)
-        assert "offers no TLS" in str(e.value)
+        assert "this node takes TLS control connections only (tls = required)" in str(e.value)
     finally:
         plain.shutdown(0.5)
         consumer.shutdown(0.5)
