@@ -10,7 +10,6 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::LinkLoss;
@@ -90,52 +89,6 @@ fn lost(a: &mut ControlChannel, b: &mut ControlChannel, peer: &PeerId) -> LinkLo
     panic!("no loss within 10 s");
 }
 
-/// Forwards one listener's connections to `to`, recording what the dialer sent.
-struct Relay {
-    port: u16,
-    seen: Arc<Mutex<Vec<u8>>>,
-}
-
-impl Relay {
-    fn to(to: u16) -> Relay {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let recorded = seen.clone();
-        std::thread::spawn(move || {
-            for inbound in listener.incoming() {
-                let Ok(inbound) = inbound else { return };
-                let Ok(outbound) = TcpStream::connect(("127.0.0.1", to)) else {
-                    return;
-                };
-                let (mut in_r, mut out_w) =
-                    (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
-                let recorded = recorded.clone();
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 16384];
-                    while let Ok(n) = in_r.read(&mut buf) {
-                        if n == 0 || out_w.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                        recorded.lock().unwrap().extend_from_slice(&buf[..n]);
-                    }
-                    let _ = out_w.shutdown(std::net::Shutdown::Write);
-                });
-                let (mut out_r, mut in_w) = (outbound, inbound);
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut out_r, &mut in_w);
-                    let _ = in_w.shutdown(std::net::Shutdown::Write);
-                });
-            }
-        });
-        Relay { port, seen }
-    }
-}
-
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
-}
-
 #[test]
 fn messages_cross_over_mutual_tls_both_ways_and_the_wire_carries_none_of_them() {
     let pki = Pki::new("ctl-wire");
@@ -143,8 +96,8 @@ fn messages_cross_over_mutual_tls_both_ways_and_the_wire_carries_none_of_them() 
     let mut a = channel(Some((TlsPolicy::Required, &fa)));
     // b listens behind a relay: its identity is the relay's port, which a dials.
     let b_port = free_port();
-    let relay = Relay::to(b_port);
-    let idb = PeerId::new(format!("127.0.0.1:{}", relay.port));
+    let relay = Relay::to(format!("127.0.0.1:{b_port}").parse().unwrap());
+    let idb = PeerId::new(format!("127.0.0.1:{}", relay.addr.port()));
     let mut b = ControlChannel::bind_at(
         format!("127.0.0.1:{b_port}").parse().unwrap(),
         &idb,

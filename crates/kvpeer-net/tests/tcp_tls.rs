@@ -9,9 +9,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod tcp_support;
@@ -160,56 +159,6 @@ fn fill_unique(pool: &mut Pool, b: u64, seed: u64) -> Vec<u8> {
         .unwrap()
         .copy_from_slice(&bytes);
     bytes
-}
-
-/// A relay from a port of its own to `to`, recording what the writer sent.
-struct Relay {
-    addr: SocketAddr,
-    seen: Arc<Mutex<Vec<u8>>>,
-}
-
-impl Relay {
-    fn to(to: SocketAddr) -> Relay {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
-        let record = seen.clone();
-        std::thread::spawn(move || {
-            for inbound in listener.incoming() {
-                let Ok(inbound) = inbound else { return };
-                let Ok(outbound) = TcpStream::connect(to) else {
-                    return;
-                };
-                let (mut a, mut b) = (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
-                let record = record.clone();
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 65536];
-                    while let Ok(n) = a.read(&mut buf) {
-                        if n == 0 || b.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                        record.lock().unwrap().extend_from_slice(&buf[..n]);
-                    }
-                    let _ = b.shutdown(Shutdown::Write);
-                });
-                let (mut a, mut b) = (outbound, inbound);
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 65536];
-                    while let Ok(n) = a.read(&mut buf) {
-                        if n == 0 || b.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                    let _ = b.shutdown(Shutdown::Write);
-                });
-            }
-        });
-        Relay { addr, seen }
-    }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 #[test]

@@ -14,6 +14,9 @@ use std::process::Command;
 
 mod common;
 use common::{num, Proc, BIN};
+#[path = "../../kvpeer-net/tests/tls_support/relay.rs"]
+mod relay;
+use relay::{contains, Relay};
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
 
@@ -118,42 +121,6 @@ fn serve_and_fetch_move_blocks_byte_exact_over_mutual_tls() {
     drop(node);
 }
 
-/// Forwards one port to another, recording what the dialer sent.
-fn relay(to: u16) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let recorded = seen.clone();
-    std::thread::spawn(move || {
-        for inbound in listener.incoming() {
-            let Ok(inbound) = inbound else { return };
-            let Ok(outbound) = std::net::TcpStream::connect(("127.0.0.1", to)) else {
-                return;
-            };
-            let (mut in_r, mut out_w) =
-                (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
-            let recorded = recorded.clone();
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 16384];
-                while let Ok(n) = in_r.read(&mut buf) {
-                    if n == 0 || out_w.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                    recorded.lock().unwrap().extend_from_slice(&buf[..n]);
-                }
-                let _ = out_w.shutdown(std::net::Shutdown::Write);
-            });
-            let (mut out_r, mut in_w) = (outbound, inbound);
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut out_r, &mut in_w);
-                let _ = in_w.shutdown(std::net::Shutdown::Write);
-            });
-        }
-    });
-    (port, seen)
-}
-
 /// The consumer's control connection to the node, recorded through a relay the node advertises
 /// as its address: with `--tls required` it opens with a TLS handshake and carries none of a
 /// `connect`'s fields (its tokens, keys and proofs) nor a lookup's, and the blocks still come
@@ -166,7 +133,8 @@ fn the_control_channel_between_serve_and_fetch_is_inside_tls() {
         .local_addr()
         .unwrap()
         .port();
-    let (front, seen) = relay(listen);
+    let relay = Relay::to(format!("127.0.0.1:{listen}").parse().unwrap());
+    let front = relay.addr.port();
     let mut flags = certs.flags("required");
     flags.extend([
         "--listen".to_owned(),
@@ -180,7 +148,7 @@ fn the_control_channel_between_serve_and_fetch_is_inside_tls() {
     assert_eq!(status, Some(0), "{summary}\n{stderr}");
     assert_eq!(num(&summary, "hits"), 8, "{summary}");
     assert_eq!(num(&summary, "corrupt_blocks"), 0, "{summary}");
-    let wire = seen.lock().unwrap().clone();
+    let wire = relay.seen.lock().unwrap().clone();
     assert!(wire.len() > 1000, "{} bytes", wire.len());
     assert_eq!(
         wire[0], 0x16,
@@ -193,7 +161,7 @@ fn the_control_channel_between_serve_and_fetch_is_inside_tls() {
         b"Socket-Type",
     ] {
         assert!(
-            !wire.windows(field.len()).any(|w| w == field),
+            !contains(&wire, field),
             "{} is on the wire",
             String::from_utf8_lossy(field)
         );

@@ -1,5 +1,5 @@
-//! A test certificate authority (rcgen) issuing node certificates into PEM files, for the TLS
-//! suites of the tcp plane and the control channel.
+//! A test certificate authority (rcgen) issuing node certificates into PEM files, and a
+//! recording relay, for the TLS suites of the tcp plane and the control channel.
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,6 +8,9 @@ use std::path::PathBuf;
 
 use kvpeer_net::tls::TlsFiles;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+
+mod relay;
+pub(crate) use relay::{contains, Relay};
 
 /// A certificate authority that issues node certificates into a folder of PEM files.
 pub(crate) struct Pki {

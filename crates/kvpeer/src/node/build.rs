@@ -221,13 +221,19 @@ pub(crate) fn build_with<Q: Parent, T>(
     make_parent: impl FnOnce(Pool, Wake) -> Result<(Q, T), BuildError>,
 ) -> Result<(NodeIo<Q>, T), BuildError> {
     let pool = make_pool(spec)?;
+    // The files are read once: the control channel and the tcp plane share one `Tls` (and so
+    // one view of a rotated certificate).
+    let tls = match &spec.tls {
+        Some(tls) => Some(kvpeer_net::tls::Tls::load(tls.files.clone())?),
+        None => None,
+    };
     let mut control = spec.control.clone();
-    if let Some(tls) = &spec.tls {
+    if let (Some(spec_tls), Some(tls)) = (&spec.tls, &tls) {
         // The control channel speaks TLS under the same policy and certificate as the tcp
         // plane: a `connect`'s tokens, keys and proofs never cross the network in clear.
         control.tls = Some(ControlTls {
-            tls: kvpeer_net::tls::Tls::load(tls.files.clone())?,
-            policy: tls.policy,
+            tls: tls.clone(),
+            policy: spec_tls.policy,
         });
     }
     let channel = match (spec.listen, spec.id.as_str().strip_suffix(":0")) {
@@ -240,7 +246,7 @@ pub(crate) fn build_with<Q: Parent, T>(
         ..spec.clone()
     };
     let pipe = WakePipe::new().map_err(BuildError::Wake)?;
-    let built = spec.plane.build(&spec, &pool, pipe.hook())?;
+    let built = spec.plane.build(&spec, &pool, pipe.hook(), tls.as_ref())?;
     let pool_base = pool.base_addr();
     let (parent, kept) = make_parent(pool, pipe.hook())?;
     let local = LocalNode {

@@ -87,12 +87,14 @@ impl PlaneKind {
     }
 
     /// Makes this plane over the node's pool (the store's: the planes never map it
-    /// themselves), waking the node through `wake`.
+    /// themselves), waking the node through `wake`; `tls` is the node's TLS material, loaded
+    /// once for the control channel and the tcp plane (`spec.tls` says the policy).
     pub(crate) fn build(
         self,
         spec: &NodeSpec,
         pool: &Pool,
         wake: Wake,
+        tls: Option<&kvpeer_net::tls::Tls>,
     ) -> Result<BuiltPlane, BuildError> {
         let kvpeer_map = |plane: Plane, meta: AgentMetadata| BuiltPlane {
             plane,
@@ -105,12 +107,12 @@ impl PlaneKind {
                 kvpeer_map(Box::new(plane), meta)
             }
             PlaneKind::Tcp => {
-                let (plane, meta) = tcp(spec, pool, wake)?;
+                let (plane, meta) = tcp(spec, pool, wake, tls)?;
                 kvpeer_map(Box::new(plane), meta)
             }
             PlaneKind::Both => {
                 let (shm, _) = shm(spec, pool, wake.clone())?;
-                let (tcp, meta) = tcp(spec, pool, wake)?;
+                let (tcp, meta) = tcp(spec, pool, wake, tls)?;
                 let meta = AgentMetadata {
                     shm: Some(spec.shm_name.clone()),
                     ..meta
@@ -158,7 +160,12 @@ fn shm(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(ShmPlane, AgentMetad
     Ok((plane, meta))
 }
 
-fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetadata), BuildError> {
+fn tcp(
+    spec: &NodeSpec,
+    pool: &Pool,
+    wake: Wake,
+    tls: Option<&kvpeer_net::tls::Tls>,
+) -> Result<(TcpPlane, AgentMetadata), BuildError> {
     let mut plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
         .with_max_write_rate(spec.tcp_max_write_rate)
         .with_limits(TcpLimits {
@@ -167,9 +174,8 @@ fn tcp(spec: &NodeSpec, pool: &Pool, wake: Wake) -> Result<(TcpPlane, AgentMetad
             max_connections: spec.tcp_max_connections,
             ..TcpLimits::default()
         });
-    if let Some(tls) = &spec.tls {
-        let loaded = kvpeer_net::tls::Tls::load(tls.files.clone())?;
-        plane = plane.with_tls(tls.policy, loaded);
+    if let (Some(spec_tls), Some(tls)) = (&spec.tls, tls) {
+        plane = plane.with_tls(spec_tls.policy, tls.clone());
     }
     // Peers reach the data listener at the identity's host (a wildcard-bound listener's own
     // address, 0.0.0.0, is this host to whoever dials it, never this node).

@@ -55,16 +55,17 @@ impl ServerRole {
         }
     }
 
-    /// Fails a round's pins that no inflight transfer reads (those keep their pins).
+    /// Fails a round's pins that no inflight transfer reads (those keep their pins); their
+    /// jobs.
     pub(super) fn fail_unread_jobs(
         &mut self,
         cx: &mut Cx<'_>,
         id: &KvRequestId,
         round: RoundSeq,
         serial: Serial,
-    ) {
+    ) -> SmallVec<[JobId; 2]> {
         let Some(rnd) = self.round_mut(id, round, serial) else {
-            return;
+            return SmallVec::new();
         };
         let unread: SmallVec<[JobId; 2]> = rnd
             .pins
@@ -73,9 +74,10 @@ impl ServerRole {
             .map(|p| p.job)
             .collect();
         rnd.pins.retain(|p| p.readers > 0);
-        for job in unread {
+        for &job in &unread {
             self.complete_pin(cx, job, false);
         }
+        unread
     }
 
     /// Ends one round: its jobs complete (success only if every block was written), and the

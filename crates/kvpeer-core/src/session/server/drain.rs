@@ -37,9 +37,8 @@ impl ServerRole {
             // Nothing more of it is offered to a fetch; what is written now finishes it.
             rnd.available.clear();
             rnd.finishing = true;
-            failed.extend(rnd.pins.iter().filter(|p| p.readers == 0).map(|p| p.job));
             let (fetched, writing) = (rnd.demand_received(), rnd.inflight > 0);
-            self.fail_unread_jobs(cx, &id, round, serial);
+            failed.extend(self.fail_unread_jobs(cx, &id, round, serial));
             if writing {
                 continue;
             }

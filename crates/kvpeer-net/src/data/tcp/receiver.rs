@@ -927,9 +927,8 @@ impl Receiver {
                 Err(e) => return Err(End::Broken(format!("read failed: {e}"))),
             }
         }
-        const TLS_HANDSHAKE: u8 = 0x16;
         let policy = self.shared.tls.policy();
-        if first[0] == TLS_HANDSHAKE {
+        if first[0] == crate::tls::HANDSHAKE_RECORD {
             let Some(config) = self.shared.tls.server() else {
                 return Err(self.refuse_hello(
                     &c.stream,
