@@ -10,6 +10,7 @@ use kvpeer_net::tls::TlsFiles;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
 
 mod relay;
+#[allow(unused_imports)] // not every suite that uses the CA records the wire
 pub(crate) use relay::{contains, Relay};
 
 /// A certificate authority that issues node certificates into a folder of PEM files.
