@@ -16,7 +16,7 @@ use kvpeer_net::tls::{Tls, TlsPolicy};
 use kvpeer_proto::{decode, ConnectAck, Message, PeerId};
 
 mod tls_support;
-use tls_support::{loopback, Pki};
+use tls_support::{loopback, Pki, Relay};
 
 fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("KVPEER_PYTHON") {
@@ -92,6 +92,123 @@ fn a_channel_preferring_tls_talks_to_a_pyzmq_peer_in_clear_both_ways() {
     });
 }
 
+/// A ROUTER bound at `argv[3]`, whose DEALER claims identity `argv[2]` (a relay's address in
+/// front of the ROUTER) and says hello to `argv[1]`: prints every message the ROUTER receives
+/// (routing id in hex, frame count, its msgpack `type` or `undecodable`) until half a second
+/// after the first `connect_ack`.
+const ROUTER_COUNTING: &str = r#"
+import sys, time, zmq, msgspec
+ours, me, bind = sys.argv[1], sys.argv[2], sys.argv[3]
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 0)
+router.bind(f"tcp://{bind}")
+dealer = ctx.socket(zmq.DEALER)
+dealer.setsockopt(zmq.IDENTITY, me.encode())
+dealer.setsockopt(zmq.LINGER, 500)
+dealer.connect(f"tcp://{ours}")
+dealer.send(msgspec.msgpack.encode({"type": "connect_ack", "peer_id": me}), zmq.NOBLOCK)
+end = None
+while True:
+    wait = 10000 if end is None else max(0, int((end - time.time()) * 1000))
+    if router.poll(wait) == 0:
+        break
+    frames = router.recv_multipart()
+    try:
+        what = msgspec.msgpack.decode(frames[-1])["type"]
+    except Exception:
+        what = "undecodable"
+    print(frames[0].hex(), len(frames), what, flush=True)
+    if end is None and what == "connect_ack":
+        end = time.time() + 0.5
+"#;
+
+/// Found in CI: a dialer preferring TLS whose ClientHello reached a libzmq ROUTER before the
+/// ROUTER's greeting reached it had its ClientHello decoded as ZMTP/1.0 messages, which the
+/// ROUTER handed to the application (`msgspec.DecodeError`). The relay in front of the ROUTER
+/// holds its answers back 150 ms, which made that certain: the dialer must wait for the
+/// ROUTER's greeting (which offers no TLS) and the ROUTER receive our reply and nothing else,
+/// in each of three rounds.
+#[test]
+fn a_libzmq_router_hearing_our_tls_opening_first_receives_only_our_messages() {
+    let pki = Pki::new("ctl-pyzmq-late");
+    let files = pki.node("node", &[loopback()]);
+    let tls = Tls::load(files).unwrap();
+    for round in 0..3 {
+        let mut ours = ControlChannel::bind(
+            free_id(),
+            ControlConfig {
+                tls: Some(ControlTls {
+                    tls: tls.clone(),
+                    policy: TlsPolicy::Preferred,
+                }),
+                ..ControlConfig::default()
+            },
+        )
+        .unwrap();
+        let bind = free_id();
+        let relay =
+            Relay::answering_late(bind.as_str().parse().unwrap(), Duration::from_millis(150));
+        let theirs = PeerId::new(relay.addr.to_string());
+        let child = Command::new(python())
+            .args([
+                "-c",
+                ROUTER_COUNTING,
+                ours.identity().as_str(),
+                theirs.as_str(),
+                bind.as_str(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            assert!(Instant::now() < deadline, "nothing from the Python peer");
+            ours.wait(Duration::from_millis(100)).unwrap();
+            if let Some(ChannelEvent::Payload { peer, .. }) = ours.recv().into_iter().next() {
+                assert_eq!(peer, theirs);
+                break;
+            }
+        }
+        let out = reply_and_wait(&mut ours, &theirs, child);
+        let ours_hex: String = ours
+            .identity()
+            .as_str()
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("{ours_hex} 2 connect_ack"),
+            "round {round}: the ROUTER received our reply and nothing else"
+        );
+        assert_eq!(
+            relay.seen.lock().unwrap().first(),
+            Some(&kvpeer_net::zmtp::SIGNATURE_FIRST),
+            "round {round}: the dialer spoke plaintext ZMTP from its first byte"
+        );
+    }
+}
+
+/// Sends `theirs` our `connect_ack` and drives `ours` until the Python peer `child` exits,
+/// which it must do successfully; its output.
+fn reply_and_wait(ours: &mut ControlChannel, theirs: &PeerId, child: Child) -> Output {
+    let reply = Message::ConnectAck(ConnectAck {
+        peer_id: ours.identity().clone(),
+    })
+    .encode()
+    .unwrap();
+    ours.send(theirs, &reply).unwrap();
+    let (out, events) = drive_until_exit(ours, child);
+    assert!(
+        out.status.success(),
+        "python: {}; the channel's events: {events:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn exchange_with_pyzmq(config: ControlConfig) {
     let mut ours = ControlChannel::bind(free_id(), config).unwrap();
     let theirs = free_id();
@@ -116,18 +233,7 @@ fn exchange_with_pyzmq(config: ControlConfig) {
             peer_id: theirs.clone()
         })
     );
-    let reply = Message::ConnectAck(ConnectAck {
-        peer_id: ours.identity().clone(),
-    })
-    .encode()
-    .unwrap();
-    ours.send(&theirs, &reply).unwrap();
-    let (out, _) = drive_until_exit(&mut ours, child);
-    assert!(
-        out.status.success(),
-        "python: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = reply_and_wait(&mut ours, &theirs, child);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
         format!("{} connect_ack {}", ours.identity(), ours.identity()),

@@ -341,6 +341,7 @@ fn only_the_peers_first_byte_says_it_answers_in_clear() {
     let server = std::thread::spawn(move || {
         let (mut s, _) = fake.accept().unwrap();
         s.set_nodelay(true).unwrap();
+        s.write_all(&kvpeer_net::zmtp::TLS_OFFER).unwrap();
         let mut hello = [0u8; 512];
         let _ = s.read(&mut hello);
         // A handshake record's header claiming 64 bytes, 5 of them now ...

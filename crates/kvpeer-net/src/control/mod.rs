@@ -119,13 +119,15 @@ pub struct ControlConfig {
 }
 
 /// TLS 1.3 with mutual authentication on the control channel, under a policy:
-/// * the listener takes a connection that opens with a TLS handshake over TLS (the client's
+/// * the listener offers TLS at accept, in its greeting's signature ([`crate::zmtp::TLS_OFFER`]),
+///   takes a connection that then opens with a TLS handshake over TLS (the client's
 ///   certificate must chain to the CA and name the IP of the identity its READY claims), and a
 ///   plaintext one (a vLLM engine, an older kvpeer) only where the policy is not `required`;
-/// * the dialer opens every connection with TLS (the listener's certificate must name the IP
-///   dialed); a peer that answers with plaintext ZMTP is dialed again without TLS where the
-///   policy is `preferred` (logged, rate-limited; each new connection tries TLS first), and
-///   lost where it is `required`.
+/// * the dialer sends nothing until the listener's signature came: an offer, and it opens TLS
+///   (the listener's certificate must name the IP dialed); a peer that greets without one is
+///   talked to in clear on that connection where the policy is `preferred` (logged,
+///   rate-limited; each new connection looks again), and lost where it is `required`. A
+///   libzmq peer never sees a TLS byte.
 ///
 /// So a `connect`'s tokens, keys and proofs and every lookup's keys travel inside TLS between
 /// kvpeer nodes. With `off` there is no `ControlTls` at all.

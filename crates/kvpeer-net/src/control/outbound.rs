@@ -363,16 +363,16 @@ impl Conn {
         }
         if matches!(self.link, Link::Dialing) {
             match self.dialer.progress(now, true) {
-                Ok(_) if self.dialer.take_fell_back() => {
-                    // It answered our TLS with plaintext ZMTP: an older kvpeer, or a vLLM
-                    // engine. `preferred` talks to it in clear; dialed again at once.
-                    if let Some(suppressed) = crate::admit_warning("control peer speaks no TLS") {
-                        warn!(peer = %self.peer, suppressed,
-                            "the peer's control port speaks no TLS; talking to it in plaintext (tls = preferred)");
-                    }
-                    self.start(poller, token, now, retry, hosts);
-                }
                 Ok(ready) => {
+                    if self.dialer.take_fell_back() {
+                        // It greeted without offering TLS: an older kvpeer, one with TLS off,
+                        // or a vLLM engine. `preferred` talks to it in clear.
+                        if let Some(suppressed) = crate::admit_warning("control peer speaks no TLS")
+                        {
+                            warn!(peer = %self.peer, suppressed,
+                                "the peer's control port offers no TLS; talking to it in plaintext (tls = preferred)");
+                        }
+                    }
                     if ready {
                         debug!(peer = %self.peer, "control connection ready");
                         // A kvpeer node tells its identity: answering as another than the one
@@ -438,8 +438,8 @@ impl Outbound {
     }
 
     /// Opens connections over TLS from now on (`None`: plaintext), under `tls`'s policy: a
-    /// peer that answers with plaintext ZMTP is dialed again in clear (`preferred`, logged) or
-    /// lost (`required`).
+    /// peer that greets without offering TLS is talked to in clear on that connection
+    /// (`preferred`, logged) or lost (`required`).
     pub(crate) fn set_tls(&mut self, tls: Option<crate::control::ControlTls>) {
         self.tls = tls;
     }

@@ -270,6 +270,48 @@ pub(crate) fn peek_first(stream: &TcpStream) -> Result<Option<u8>, LinkLoss> {
     }
 }
 
+/// Up to `buf.len()` bytes waiting on `stream`, not taken from it (`MSG_PEEK`): how many came
+/// (0 while none did), `Err` when the peer closed before all did or the socket failed.
+pub(crate) fn peek_up_to(stream: &TcpStream, buf: &mut [u8]) -> Result<usize, LinkLoss> {
+    loop {
+        return match stream.peek(buf) {
+            Ok(0) => Err(LinkLoss::ClosedByPeer),
+            Ok(n) => Ok(n),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(0),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Err(LinkLoss::Socket(e.kind())),
+        };
+    }
+}
+
+/// Takes `n` bytes that [`peek_up_to`] saw waiting from `stream` (at most 64).
+pub(crate) fn discard_peeked(stream: &mut TcpStream, n: usize) -> Result<(), LinkLoss> {
+    let mut buf = [0u8; 64];
+    let mut left = n.min(buf.len());
+    while left > 0 {
+        match stream.read(&mut buf[..left]) {
+            Ok(0) => return Err(LinkLoss::ClosedByPeer),
+            Ok(k) => left -= k,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(LinkLoss::Socket(e.kind())),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `bytes`, the first a fresh connection sends, to `stream` at once. A socket
+/// that has sent nothing takes a few KiB; one that does not is failed, never left half written.
+pub(crate) fn write_opening(stream: &mut TcpStream, bytes: &[u8]) -> Result<(), LinkLoss> {
+    loop {
+        return match stream.write(bytes) {
+            Ok(n) if n == bytes.len() => Ok(()),
+            Ok(_) => Err(LinkLoss::Socket(ErrorKind::WriteZero)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Err(LinkLoss::Socket(e.kind())),
+        };
+    }
+}
+
 /// One `accept` on a non-blocking listener.
 pub(crate) enum Accepted {
     /// A connection, made non-blocking with no-delay, and its source address.

@@ -43,7 +43,7 @@ use crate::lock;
 
 /// The first byte of a TLS connection: a handshake record (its ClientHello). ZMTP's greeting
 /// starts with 0xFF, kvpeer's data HELLO with `K`, so one byte tells them apart (the control
-/// listener's sniff and the tcp plane's receiver both read it).
+/// listener's sniff, after its offer, and the tcp plane's receiver both read it).
 pub(crate) const HANDSHAKE_RECORD: u8 = 0x16;
 
 /// How often the files are looked at for a change, at most.

@@ -458,9 +458,34 @@ fn command(body: &[u8]) -> Result<Input, ZmtpError> {
     }
 }
 
-/// The first byte of every ZMTP 3 greeting (its signature's): what a peer that speaks no TLS
-/// answers a TLS ClientHello with.
+/// The first byte of every ZMTP 3 greeting (its signature's).
 pub const SIGNATURE_FIRST: u8 = 0xFF;
+
+/// A greeting's signature: 0xFF, 8 bytes of padding, 0x7F.
+pub const SIGNATURE_LEN: usize = 10;
+
+/// The signature a control listener that takes TLS sends first, at accept (kvpeer's, not
+/// ZMTP's): its padding, which ZMTP 3 says is not significant, says "kvp-tls" and a version.
+/// A dialer that wants TLS waits for the listener's signature before it sends anything: this
+/// one, and its ClientHello follows; any other (libzmq's padding is its identity's length,
+/// ours zeros), and it speaks plaintext ZMTP on the same connection (`preferred`) or ends it
+/// (`required`). A dialer with TLS off reads it as the start of a ZMTP greeting, as libzmq does.
+///
+/// Why the listener offers rather than the dialer trying: a libzmq peer reads any first byte
+/// but 0xFF as ZMTP/1.0, where a byte is a frame's length, and hands a ClientHello's random
+/// bytes to its application as messages (seen in vLLM's ROUTER: `msgspec.DecodeError`).
+pub const TLS_OFFER: [u8; SIGNATURE_LEN] = [
+    SIGNATURE_FIRST,
+    b'k',
+    b'v',
+    b'p',
+    b'-',
+    b't',
+    b'l',
+    b's',
+    1,
+    0x7F,
+];
 
 /// This side's greeting: ZMTP 3.1, NULL, not as-server (NULL ignores it).
 pub fn greeting() -> [u8; GREETING_LEN] {

@@ -65,8 +65,8 @@ enum State {
 pub(crate) struct DialTls {
     /// The client configuration (our certificate, the CA the peer's must chain to).
     pub(crate) config: std::sync::Arc<rustls::ClientConfig>,
-    /// A peer that answers with plaintext ZMTP is dialed again without TLS (policy
-    /// `preferred`), instead of failing (`required`).
+    /// A peer that greets without offering TLS is talked to in clear (policy `preferred`),
+    /// instead of failing (`required`).
     pub(crate) fall_back: bool,
 }
 
@@ -86,11 +86,11 @@ pub(crate) struct Dialer {
     tls: Option<DialTls>,
     /// The open connection's TLS session.
     session: Option<rustls::Connection>,
-    /// The peer's first byte came (on a TLS connection: looked at once, to tell a peer that
-    /// answers with ZMTP's greeting; later bytes are records, whatever their value).
-    first_byte_seen: bool,
-    /// The peer answered a TLS connect with plaintext ZMTP and was dialed again without
-    /// TLS (`preferred`): its owner learns it once ([`Dialer::take_fell_back`]).
+    /// The open connection wants TLS and waits for the listener's signature, which says
+    /// whether it offers TLS ([`zmtp::TLS_OFFER`]): nothing is written or read until it came.
+    awaiting_offer: bool,
+    /// The peer greeted without offering TLS and the connection went on in clear
+    /// (`preferred`): its owner learns it once ([`Dialer::take_fell_back`]).
     fell_back: bool,
     /// What `connect` may take (`None`: the system's own connect timeout).
     connect_timeout: Option<Duration>,
@@ -169,7 +169,7 @@ impl Dialer {
             state: State::Idle,
             tls: None,
             session: None,
-            first_byte_seen: false,
+            awaiting_offer: false,
             fell_back: false,
             connect_timeout,
             read_budget,
@@ -191,7 +191,7 @@ impl Dialer {
         self.session.is_some()
     }
 
-    /// Whether the peer answered TLS with plaintext ZMTP and was dialed again without it since
+    /// Whether a peer greeted without offering TLS and its connection went on in clear since
     /// this was last asked (and false from now).
     pub(crate) fn take_fell_back(&mut self) -> bool {
         std::mem::take(&mut self.fell_back)
@@ -215,10 +215,10 @@ impl Dialer {
             && !self.tls_handshaking()
     }
 
-    /// Whether its TLS handshake is under way: the connection's bytes wait for it, and only a
-    /// read (the peer's next flight) moves it on.
+    /// Whether its TLS handshake is under way, or waits for the listener's offer: the
+    /// connection's bytes wait for it, and only a read (the peer's next bytes) moves it on.
     fn tls_handshaking(&self) -> bool {
-        self.session.as_ref().is_some_and(|s| s.is_handshaking())
+        self.awaiting_offer || self.session.as_ref().is_some_and(|s| s.is_handshaking())
     }
 
     /// Whether everything queued left: the connection's bytes, and the records TLS made of
@@ -395,25 +395,17 @@ impl Dialer {
                     }
                 }
                 Ok(true) => {
-                    let State::Connecting { stream, addr, .. } =
+                    let State::Connecting { stream, .. } =
                         std::mem::replace(&mut self.state, State::Idle)
                     else {
                         return Ok(());
                     };
-                    if let Some(tls) = &self.tls {
-                        // The peer's certificate must name the address dialed.
-                        let name = rustls_pki_types::ServerName::IpAddress(
-                            addr.ip().to_canonical().into(),
-                        );
-                        let session = rustls::ClientConnection::new(tls.config.clone(), name)
-                            .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
-                        self.session = Some(rustls::Connection::Client(session));
-                        self.first_byte_seen = false;
-                    }
+                    self.session = None;
+                    self.awaiting_offer = self.tls.is_some();
                     self.conn.connected(now);
                     debug!(
                         role = self.conn.role().socket_type,
-                        tls = self.session.is_some(),
+                        wants_tls = self.awaiting_offer,
                         "connected"
                     );
                     self.state = State::Open {
@@ -432,21 +424,42 @@ impl Dialer {
         else {
             return Ok(());
         };
-        if reading && *readable && self.session.is_some() && !self.first_byte_seen {
-            // A peer that speaks no TLS answers our ClientHello with ZMTP's greeting: its first
-            // byte says so (looked at once; later bytes are records, of any value).
-            let first = sockio::peek_first(stream)?;
-            self.first_byte_seen = first.is_some();
-            if first == Some(zmtp::SIGNATURE_FIRST) {
-                let Some(tls) = &self.tls else {
-                    return Ok(());
-                };
-                if !tls.fall_back {
-                    return Err(LinkLoss::Tls(
-                        "the peer speaks no TLS (it answered with plaintext ZMTP), and TLS is required here".into(),
-                    ));
-                }
-                return self.redial_plaintext();
+        if self.awaiting_offer {
+            if !(reading && *readable) {
+                return self.conn.handle_timeout(now).map_err(loss_of);
+            }
+            let mut signature = [0u8; zmtp::SIGNATURE_LEN];
+            if sockio::peek_up_to(stream, &mut signature)? < signature.len() {
+                // The rest comes with a later readiness (or the handshake timeout ends it).
+                *readable = false;
+                return self.conn.handle_timeout(now).map_err(loss_of);
+            }
+            self.awaiting_offer = false;
+            let Some(tls) = &self.tls else {
+                return Ok(());
+            };
+            if signature == zmtp::TLS_OFFER {
+                sockio::discard_peeked(stream, signature.len())?;
+                let name = rustls_pki_types::ServerName::IpAddress(
+                    stream
+                        .peer_addr()
+                        .map_err(|e| LinkLoss::Socket(e.kind()))?
+                        .ip()
+                        .to_canonical()
+                        .into(),
+                );
+                // The peer's certificate must name the address dialed.
+                let session = rustls::ClientConnection::new(tls.config.clone(), name)
+                    .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
+                self.session = Some(rustls::Connection::Client(session));
+            } else if !tls.fall_back {
+                return Err(LinkLoss::Tls(
+                    "the peer speaks no TLS (it greeted in plaintext ZMTP, offering none), and TLS is required here".into(),
+                ));
+            } else {
+                // A plaintext greeting (or bytes that are none: the connection's decoder
+                // refuses them as from any peer) is read as it is.
+                self.fell_back = true;
             }
         }
         if reading && *readable && !self.conn.holds_input() {
@@ -479,7 +492,7 @@ impl Dialer {
                 note_ping(&self.conn, &mut self.ping_segments_in, stream, waited);
             }
         }
-        if *writable {
+        if *writable && !self.awaiting_offer {
             let wrote = sockio::write_up_to(
                 stream,
                 self.session.as_mut(),
@@ -489,21 +502,6 @@ impl Dialer {
             *writable = !wrote.blocked;
             self.last_written = self.last_written.saturating_add(wrote.bytes);
         }
-        Ok(())
-    }
-
-    /// The peer answered our TLS connect with plaintext ZMTP (`preferred`): the socket closes
-    /// and the owner connects again ([`Dialer::take_fell_back`]), without TLS from now on. The
-    /// connection goes on as it is: nothing of it was written or read yet (its greeting waits
-    /// behind the TLS handshake), and its queued messages wait on.
-    fn redial_plaintext(&mut self) -> Result<(), LinkLoss> {
-        if let State::Open { stream, .. } = &self.state {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-        }
-        self.state = State::Idle;
-        self.tls = None;
-        self.session = None;
-        self.fell_back = true;
         Ok(())
     }
 
@@ -569,7 +567,7 @@ impl Dialer {
             stream, writable, ..
         } = &mut self.state
         {
-            if *writable {
+            if *writable && !self.awaiting_offer {
                 match sockio::write_up_to(
                     stream,
                     self.session.as_mut(),

@@ -304,22 +304,25 @@ impl Peer {
     }
 }
 
-/// Reads connection `p`'s first byte without taking it, on a listener that takes TLS (`tls`):
-/// a TLS handshake record starts its TLS session; anything else is plaintext ZMTP (a wrong
-/// greeting fails there, as from any peer). Not come yet: it stays sniffing, unread until its
-/// next readiness.
+/// Reads connection `p`'s first byte without taking it, on a listener that takes TLS (`tls`),
+/// whose offer ([`zmtp::TLS_OFFER`]) went at accept: a TLS handshake record starts its TLS
+/// session, inside which our whole greeting goes; anything else is plaintext ZMTP, whose
+/// greeting goes on after the offer's signature (a wrong greeting fails there, as from any
+/// peer). Not come yet: it stays sniffing, unread until its next readiness.
 fn sniff(p: &mut Peer, tls: Option<&crate::tls::Tls>) -> Result<(), LinkLoss> {
     let Some(first) = sockio::peek_first(&p.stream)? else {
         p.readable = false;
         return Ok(());
     };
     p.sniffing = false;
-    if first == crate::tls::HANDSHAKE_RECORD {
-        if let Some(tls) = tls {
+    match tls {
+        Some(tls) if first == crate::tls::HANDSHAKE_RECORD => {
             let session = rustls::ServerConnection::new(tls.server())
                 .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
             p.tls = Some(rustls::Connection::Server(session));
         }
+        // The offer was our greeting's signature.
+        _ => p.conn.advance(zmtp::SIGNATURE_LEN),
     }
     Ok(())
 }
@@ -489,9 +492,10 @@ impl Listener {
         })
     }
 
-    /// Takes TLS connections too (`None`: plaintext ZMTP only): a connection's first byte
-    /// says which it speaks (a TLS handshake record, 0x16, or ZMTP's signature, 0xFF), and our
-    /// greeting waits for it. Whether a plaintext one may stay is the owner's to decide
+    /// Takes TLS connections too (`None`: plaintext ZMTP only): each connection is offered
+    /// TLS at accept ([`zmtp::TLS_OFFER`]), its first byte says which it speaks (a TLS
+    /// handshake record, 0x16, or ZMTP's signature, 0xFF), and the rest of our greeting waits
+    /// for it. Whether a plaintext one may stay is the owner's to decide
     /// ([`Listener::tls_of`]).
     pub(crate) fn set_tls(&mut self, tls: Option<crate::tls::Tls>) {
         self.tls = tls;
@@ -672,7 +676,7 @@ impl Listener {
             return;
         }
         if p.sniffing {
-            // Our greeting waits for its first byte (TLS or not).
+            // The rest of our greeting waits for its first byte (TLS or not).
             p.last_written = now;
             self.rearm(id, now);
             return;
@@ -1321,7 +1325,7 @@ impl Listener {
             // What accepting costs this thread (the call, the checks, the setup) is charged to
             // the host that connected.
             let started = Instant::now();
-            let (stream, source) = match sockio::accept(&self.listener) {
+            let (mut stream, source) = match sockio::accept(&self.listener) {
                 Accepted::Stream(stream, source) => (stream, source),
                 Accepted::None => {
                     self.pending_accepts = false;
@@ -1367,6 +1371,14 @@ impl Listener {
                     continue;
                 }
                 role.challenge = Some(challenge);
+            }
+            if self.tls.is_some() {
+                // Our offer of TLS goes first: a dialer that wants TLS waits for it (see
+                // `zmtp::TLS_OFFER`). A fresh socket takes its 10 bytes.
+                if let Err(e) = sockio::write_opening(&mut stream, &zmtp::TLS_OFFER) {
+                    debug!(%source, error = %e, "an accepted connection took no TLS offer; closed");
+                    continue;
+                }
             }
             let id = self.next + 1;
             if let Err(e) = poller.add(stream.as_fd(), self.base + id) {

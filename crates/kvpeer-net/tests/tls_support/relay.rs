@@ -7,6 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// A relay to some address: dial `addr` instead; `seen` is every byte the dialers sent.
 pub(crate) struct Relay {
@@ -17,6 +18,12 @@ pub(crate) struct Relay {
 impl Relay {
     /// Listens on a free loopback port and forwards each connection to `to`.
     pub(crate) fn to(to: SocketAddr) -> Relay {
+        Relay::answering_late(to, Duration::ZERO)
+    }
+
+    /// As [`Relay::to`], and each connection's answers (from `to` to the dialer) start only
+    /// `delay` after it was made: the dialer's opening bytes go before it hears anything.
+    pub(crate) fn answering_late(to: SocketAddr, delay: Duration) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
@@ -30,7 +37,10 @@ impl Relay {
                 let (a, b) = (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
                 let record = record.clone();
                 std::thread::spawn(move || pipe(a, b, Some(&record)));
-                std::thread::spawn(move || pipe(outbound, inbound, None));
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    pipe(outbound, inbound, None)
+                });
             }
         });
         Relay { addr, seen }
