@@ -47,6 +47,9 @@ pub struct Counters {
     pub aborts_sent: u64,
     /// Consumer: `abort_ack`s that settled an aborted load (same request, same round).
     pub abort_acks: u64,
+    /// Consumer: loads ended (failed) before their `fetch` left, which still waited for the
+    /// peer's ack: finished, timed out or drained meanwhile (no `abort_fetch` sent).
+    pub fetches_retired_unsent: u64,
     /// Sessions opened (either side started) and ended.
     pub sessions_opened: u64,
     /// Sessions ended, for any reason.

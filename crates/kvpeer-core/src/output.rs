@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use kvpeer_proto::{KvRequestId, Message, PeerId};
+use kvpeer_proto::{KvRequestId, Message, PeerId, RoundSeq};
 
 use crate::core::fencing::Fencing;
 use crate::error::{Refusal, SessionEnd};
@@ -251,6 +251,38 @@ impl Link {
         };
         for message in queued {
             self.send_now(out, now, message);
+        }
+    }
+
+    /// Takes back the queued `fetch` of round `round` of `id` (with blocks), still waiting
+    /// for the peer's ack; whether it was there. Once taken, the peer never learns of it.
+    pub(crate) fn retract_queued_fetch(&mut self, id: &KvRequestId, round: RoundSeq) -> bool {
+        self.retract(|m| {
+            matches!(m, Message::Fetch(f)
+                if f.kv_request_id == *id && f.round_seq == round && !f.block_indexes.is_empty())
+        })
+    }
+
+    /// Takes back a queued terminal (empty) `fetch` of `id`, still waiting for the peer's ack:
+    /// a newer round of the id is about to be queued, and the terminal would close it on the
+    /// peer (vLLM 0.34 checks the same when it sends one). Whether one was there.
+    pub(crate) fn retract_queued_terminal(&mut self, id: &KvRequestId) -> bool {
+        self.retract(|m| {
+            matches!(m, Message::Fetch(f)
+                if f.kv_request_id == *id && f.block_indexes.is_empty() && f.keys.is_empty())
+        })
+    }
+
+    fn retract(&mut self, matches: impl Fn(&Message) -> bool) -> bool {
+        let Gate::Waiting(queued) = &mut self.gate else {
+            return false;
+        };
+        match queued.iter().position(matches) {
+            Some(at) => {
+                queued.remove(at);
+                true
+            }
+            None => false,
         }
     }
 

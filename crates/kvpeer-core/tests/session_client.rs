@@ -1552,3 +1552,132 @@ fn run_terminal_sequence(steps: &[&'static str]) -> Option<bool> {
     }
     Some(ends_in_terminal)
 }
+
+/// The fetches sent, as their block indexes (`[]`: a terminal fetch), and the `abort_fetch`es.
+fn fetches_and_aborts(sent: &[Message]) -> (Vec<Vec<u64>>, usize) {
+    let fetches = sent
+        .iter()
+        .filter_map(|m| match m {
+            Message::Fetch(f) => Some(f.block_indexes.clone()),
+            _ => None,
+        })
+        .collect();
+    let aborts = sent
+        .iter()
+        .filter(|m| matches!(m, Message::AbortFetch(_)))
+        .count();
+    (fetches, aborts)
+}
+
+/// vLLM 0.34 (`TestDisconnect.test_unsent_fetch_retires_without_abort`, S:3194; the consumer's
+/// half of `TestBidirectionalManager.test_retired_unsent_fetch_releases_parked_producer_blocks`,
+/// M:1581, whose producer's half is `session_server.rs`'s terminal-fetch test).
+///
+/// A PD load whose fetch still waits for the producer's ack when its request finishes, or
+/// when it times out, fails at once with no `abort_fetch`: the producer never learns of it,
+/// nothing of it can land, its blocks go back now. No work is left pending. The producer gets
+/// a terminal fetch in its place (it releases the stores it parked for the request), unless a
+/// newer fetch of the id is queued before the ack (the terminal would close it). Before, an
+/// `abort_fetch` queued behind the fetch, and a producer slow to ack ended the session at the
+/// abort-ack timeout (5 s).
+#[test]
+fn a_load_whose_fetch_never_left_fails_at_once_with_no_abort_fetch() {
+    for finished in [true, false] {
+        for ack_first in [true, false] {
+            let case = format!("finished {finished}, ack first {ack_first}");
+            // The handshake outlives the PD load timeout (30 s) here, so the timeout is the
+            // load's, not the session's.
+            let mut m = Mock::with_config(CoreConfig {
+                handshake_timeout: Duration::from_secs(120),
+                ..CoreConfig::default()
+            });
+            let peer = m.peer.clone();
+            m.dial("r", RequestRoles::prefiller(peer.clone()));
+            m.load(7, "r", vec![key(1)], vec![0]);
+            assert_eq!(connects(&m.take_sent()), 1, "{case}: only connect went");
+            if finished {
+                m.finish("r");
+            } else {
+                m.advance(Duration::from_secs(31));
+            }
+            assert_eq!(
+                m.load_results(),
+                vec![(JobId::new(7), false)],
+                "{case}: failed at once"
+            );
+            assert!(
+                m.held_loads().is_empty(),
+                "{case}: its blocks went back now"
+            );
+            assert!(
+                !m.core.session_state(&peer).unwrap().pending_work,
+                "{case}: no work left"
+            );
+            assert!(m.closed().is_none(), "{case}: the session lives on");
+            assert!(
+                m.plane().permits.get(&peer).is_none_or(|p| p.is_empty()),
+                "{case}: the plane takes no write of the peer into block 0"
+            );
+            if finished {
+                m.dial("r", RequestRoles::prefiller(peer.clone()));
+            }
+            let ack = Message::ConnectAck(ConnectAck {
+                peer_id: peer.clone(),
+            });
+            let mut sent = Vec::new();
+            if ack_first {
+                m.recv(ack.clone());
+                sent.extend(m.take_sent());
+            }
+            m.load(8, "r", vec![key(2)], vec![1]);
+            if !ack_first {
+                m.recv(ack);
+            }
+            sent.extend(m.take_sent());
+            let expected: Vec<Vec<u64>> = if ack_first {
+                vec![vec![], vec![1]]
+            } else {
+                vec![vec![1]]
+            };
+            assert_eq!(fetches_and_aborts(&sent), (expected, 0), "{case}: {sent:?}");
+            // A finished id that comes back is a new request, with rounds from 0 again.
+            let round = fetch_round(&sent[sent.len() - 1..]).unwrap();
+            m.recv(transfer_done("r", true, round));
+            assert_eq!(
+                m.load_results(),
+                vec![(JobId::new(7), false), (JobId::new(8), true)],
+                "{case}: the replacement is served"
+            );
+            m.finish("r");
+            m.assert_clean();
+        }
+    }
+}
+
+/// The drain before a reset (vLLM 0.34's `abort_loads`) ends a load whose fetch never left at
+/// once too, with no `abort_fetch`, instead of holding the reset for an abort the producer
+/// cannot ack before it acks our connect.
+#[test]
+fn the_drain_retires_a_load_whose_fetch_never_left() {
+    let mut m = Mock::new();
+    let peer = m.peer.clone();
+    m.dial("r", RequestRoles::prefiller(peer.clone()));
+    m.load(7, "r", vec![key(1)], vec![0]);
+    m.take_sent();
+    assert_eq!(m.core.abort_loads(m.now), 0, "nothing to abort on the wire");
+    m.pump();
+    assert_eq!(m.load_results(), vec![(JobId::new(7), false)]);
+    assert!(!m.core.session_state(&peer).unwrap().pending_work);
+    m.recv(Message::ConnectAck(ConnectAck {
+        peer_id: peer.clone(),
+    }));
+    assert_eq!(
+        fetches_and_aborts(&m.take_sent()),
+        (vec![vec![]], 0),
+        "only the terminal fetch goes"
+    );
+    m.advance(Duration::from_secs(60));
+    assert_eq!(m.load_results().len(), 1);
+    m.finish("r");
+    m.assert_clean();
+}

@@ -1126,3 +1126,39 @@ fn fetched_ids_are_unbound_once_the_session_no_longer_serves_them() {
     m.finish("r7");
     m.assert_clean();
 }
+
+/// vLLM 0.34 (`TestBidirectionalManager.test_retired_unsent_fetch_releases_parked_producer_blocks`,
+/// M:1581): a decoder whose fetch never left (it timed out or finished before we acked its
+/// connect) sends the terminal fetch in its place; the stores parked for that request are
+/// released by it at once, not at the store timeout.
+#[test]
+fn a_terminal_fetch_releases_the_stores_parked_for_its_request() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.open("r", RequestRoles::decoder());
+    m.open("s", RequestRoles::decoder());
+    let job = pd_store(&mut m, "r", &[key(1)]);
+    let other = pd_store(&mut m, "s", &[key(2)]);
+    assert!(
+        m.store_results().is_empty(),
+        "parked for the decoders' fetches"
+    );
+    m.recv(fetch("r", vec![], vec![], 1));
+    assert_eq!(m.store_results(), vec![(job, false)], "released at once");
+    assert!(
+        m.take_sent().is_empty(),
+        "a terminal fetch gets no transfer_done"
+    );
+    // The request is over: a late fetch of it fails in one round trip.
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    assert_eq!(m.take_sent(), vec![transfer_done("r", false, 0)]);
+    // Another request's parked store is still served.
+    m.recv(fetch("s", vec![key(2)], vec![6], 0));
+    let t = running(&mut m)[0];
+    end(&mut m, t, true);
+    assert_eq!(m.take_sent(), vec![transfer_done("s", true, 0)]);
+    assert_eq!(m.store_results(), vec![(job, false), (other, true)]);
+    m.finish("r");
+    m.finish("s");
+    m.assert_clean();
+}

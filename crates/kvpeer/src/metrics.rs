@@ -28,7 +28,7 @@ use crate::pool_node::{PoolNode, PoolNodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 35] = [
+    let counters: [(&str, &str, u64); 36] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -153,6 +153,11 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_abort_acks_total",
             "abort_acks that settled an aborted load",
             c.abort_acks,
+        ),
+        (
+            "kvpeer_fetches_retired_unsent_total",
+            "loads failed before their fetch left (it waited for the peer's ack)",
+            c.fetches_retired_unsent,
         ),
         (
             "kvpeer_sessions_opened_total",

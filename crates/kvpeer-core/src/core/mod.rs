@@ -417,6 +417,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     pub fn handle_message(&mut self, now: Instant, peer: &PeerId, message: Message) {
         self.tick(now);
         let terminal = matches!(message, Message::TransferDone(_) | Message::AbortAck(_));
+        let terminal_fetch = matches!(&message, Message::Fetch(f) if f.keys.is_empty());
         if !(terminal && self.settling.as_ref() == Some(peer)) {
             self.end_settling();
         }
@@ -428,7 +429,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .with_session(peer, |s, cx, local| s.on_message(cx, local, message))
             .flatten();
         if let Some(id) = fetched {
-            self.bind_fetch(peer, id);
+            self.bind_fetch(peer, id, terminal_fetch);
         }
         // Settling (still, or from this goodbye on) while the session hears terminals; any
         // other peer's settling was ended above.

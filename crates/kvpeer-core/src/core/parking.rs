@@ -57,8 +57,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
 
     /// PD producer: a fetch binds its id to the session and replays parked stores; a fetch
     /// for a reaped id fails in one round trip. Only a fetch its session goes on serving
-    /// binds, and never over another session still serving the id.
-    pub(super) fn bind_fetch(&mut self, peer: &PeerId, id: KvRequestId) {
+    /// binds, and never over another session still serving the id. A terminal fetch
+    /// (`terminal`: the request is over at the decoder, whose fetch never left: vLLM 0.34's
+    /// retire) reaps the stores parked for the id that no session serves, at once instead of
+    /// at the unbound store timeout.
+    pub(super) fn bind_fetch(&mut self, peer: &PeerId, id: KvRequestId, terminal: bool) {
         if self.reaped.contains_key(&id) {
             self.with_session(peer, |s, cx, _| s.finish_request(cx, &id));
             for batch in self.unbound.remove(&id).unwrap_or_default() {
@@ -70,6 +73,18 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         // A fetch its session does not hold (terminal, refused past the peer's share) routes
         // nothing: no binding, so a stream of them cannot grow the map.
         if !serves(self, peer) {
+            // The decoder ended the request before it ever fetched: what waits for its fetch
+            // is released. No more power than the first fetch's, which would take the stores
+            // (it can only end them), and never over a session that serves the id.
+            let held = self
+                .bound
+                .get(&id)
+                .is_some_and(|holder| serves(self, holder));
+            if terminal && !held && self.unbound.contains_key(&id) {
+                crate::warn_throttled!(self.out.throttle, self.now, "the decoder ended a request before fetching it; failing its parked stores",
+                    %peer, kv_request_id = %id);
+                self.reap(id, &mut Vec::new());
+            }
             return;
         }
         // Another live session's binding stays: a peer naming an id it saw cannot take the

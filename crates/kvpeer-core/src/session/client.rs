@@ -323,6 +323,8 @@ impl ClientRole {
         };
         lane.arm(now, RoundKey::new(id, round));
         debug!(peer = %link.peer, kv_request_id = %id, round = %round, blocks = keys.len(), "send fetch");
+        // A terminal left by a retired fetch of this id would close this round on the peer.
+        link.retract_queued_terminal(id);
         link.send(
             out,
             now,
@@ -335,27 +337,28 @@ impl ClientRole {
         );
     }
 
-    /// The request finished locally: abort its loads (kept until acked or timed out), send
-    /// the terminal empty fetch if the peer holds lookup state, drop the probes.
-    pub(crate) fn finish(
-        &mut self,
-        link: &mut Link,
-        out: &mut Outbox,
-        now: Instant,
-        id: &KvRequestId,
-    ) {
+    /// The request finished locally: abort its loads (kept until acked or timed out; one whose
+    /// fetch never left fails now, [`ClientRole::retire_unsent`]), send the terminal empty
+    /// fetch if the peer holds lookup state, drop the probes.
+    pub(crate) fn finish(&mut self, link: &mut Link, cx: &mut Cx<'_>, id: &KvRequestId) {
+        let now = cx.now;
         let Some(req) = self.requests.get_mut(id) else {
             return;
         };
+        let mut unsent = Vec::new();
         for (round, load) in &mut req.loads {
             load.of_finished = true;
             if load.aborted_at.is_some() {
                 continue;
             }
+            if link.retract_queued_fetch(id, *round) {
+                unsent.push(*round);
+                continue;
+            }
             load.aborted_at = Some(now);
             self.abort_lane.arm(now, RoundKey::new(id, *round));
             link.send(
-                out,
+                cx.out,
                 now,
                 Message::AbortFetch(Abort {
                     kv_request_id: id.clone(),
@@ -363,23 +366,59 @@ impl ClientRole {
                 }),
             );
         }
-        if req.phase == Phase::LookupOpen {
-            link.send(
-                out,
-                now,
-                Message::Fetch(Fetch {
-                    kv_request_id: id.clone(),
-                    keys: Vec::new(),
-                    block_indexes: Vec::new(),
-                    round_seq: req.round,
-                }),
-            );
+        if req.phase == Phase::LookupOpen && unsent.is_empty() {
+            send_terminal(link, cx.out, now, id, req.round);
         }
+        for round in unsent {
+            self.retire_unsent(link, cx, id, round);
+        }
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
         req.probes.clear();
         req.unanswered = 0;
         req.unsent.clear();
         req.lookup_deadline = None;
         req.phase = Phase::Finished;
+        self.prune(id);
+    }
+
+    /// Ends load `round` of `id`, whose `fetch` was taken back before it left (it waited for
+    /// the peer's ack), as failed, now: the peer never learned of it, so no `abort_fetch` goes
+    /// and no write of it can land (vLLM 0.34's retire). A terminal fetch goes in its place
+    /// when the link opens, so a producer that parked the request's stores (PD) releases them;
+    /// a newer fetch of the id queued before then takes it back ([`Link::retract_queued_terminal`]).
+    fn retire_unsent(
+        &mut self,
+        link: &mut Link,
+        cx: &mut Cx<'_>,
+        id: &KvRequestId,
+        round: RoundSeq,
+    ) {
+        let Some(req) = self.requests.get_mut(id) else {
+            return;
+        };
+        let Some(load) = req.take_load(round) else {
+            return;
+        };
+        let live = !req.is_finished() && !load.of_finished;
+        let next_round = req.round;
+        self.active_loads -= 1;
+        cx.out.counters.fetches_retired_unsent += 1;
+        cx.plane.end_writes(&self.peer, &load.blocks);
+        let fencing = Fencing {
+            job: load.job,
+            kv_request_id: id.clone(),
+            live,
+            peer: self.peer.clone(),
+            blocks: load.blocks,
+            confirmed: true,
+            peer_ended: false,
+            since: cx.now,
+        };
+        cx.out.fail_load(cx.plane, cx.now, fencing);
+        link.retract_queued_terminal(id);
+        send_terminal(link, cx.out, cx.now, id, next_round);
         self.prune(id);
     }
 
@@ -486,6 +525,11 @@ impl ClientRole {
             {
                 continue;
             }
+            if link.retract_queued_fetch(&id, round) {
+                crate::warn_throttled!(cx.out.throttle, now, "load timed out before its fetch was sent (the peer never acked our connect); failed, no abort_fetch", peer = %link.peer, kv_request_id = %id, round = %round);
+                self.retire_unsent(link, cx, &id, round);
+                continue;
+            }
             crate::warn_throttled!(cx.out.throttle, now, "load timed out; sending abort_fetch", peer = %link.peer, kv_request_id = %id, round = %round);
             load.aborted_at = Some(now);
             self.abort_lane.arm(now, RoundKey::new(&id, round));
@@ -522,17 +566,26 @@ impl ClientRole {
     /// The engine drains before a reset (vLLM 0.34's `abort_loads`): every load not aborting
     /// yet is aborted now, as at its timeout, so a producer that never writes cannot hold the
     /// reset for the whole load timeout. Each ends at its `abort_ack` (failed), or with the
-    /// session at the abort-ack timeout. Returns how many were aborted.
+    /// session at the abort-ack timeout; one whose fetch never left fails now. Returns how many
+    /// were aborted.
     pub(crate) fn abort_loads(&mut self, link: &mut Link, cx: &mut Cx<'_>) -> usize {
         let now = cx.now;
-        let mut aborted = Vec::new();
+        let (mut aborted, mut unsent) = (Vec::new(), Vec::new());
         for (id, req) in self.requests.iter_mut() {
             for (round, load) in req.loads.iter_mut() {
-                if load.aborted_at.is_none() {
+                if load.aborted_at.is_some() {
+                    continue;
+                }
+                if link.retract_queued_fetch(id, *round) {
+                    unsent.push(RoundKey::new(id, *round));
+                } else {
                     load.aborted_at = Some(now);
                     aborted.push(RoundKey::new(id, *round));
                 }
             }
+        }
+        for key in unsent {
+            self.retire_unsent(link, cx, &key.id, key.round);
         }
         for key in &aborted {
             self.abort_lane.arm(now, key.clone());
@@ -586,4 +639,25 @@ impl ClientRole {
         self.lookup_lane.clear();
         result
     }
+}
+
+/// Queues the terminal (empty) fetch of `id` at `round`: the request is over on our side, and
+/// the peer releases what it holds of it (lookup pins, parked stores).
+fn send_terminal(
+    link: &mut Link,
+    out: &mut Outbox,
+    now: Instant,
+    id: &KvRequestId,
+    round: RoundSeq,
+) {
+    link.send(
+        out,
+        now,
+        Message::Fetch(Fetch {
+            kv_request_id: id.clone(),
+            keys: Vec::new(),
+            block_indexes: Vec::new(),
+            round_seq: round,
+        }),
+    );
 }

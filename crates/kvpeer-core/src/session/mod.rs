@@ -681,7 +681,7 @@ impl Session {
 
     /// The request finished locally: both roles wind it down.
     pub(crate) fn finish_request(&mut self, cx: &mut Cx<'_>, id: &KvRequestId) {
-        self.client.finish(&mut self.link, cx.out, cx.now, id);
+        self.client.finish(&mut self.link, cx, id);
         self.server.finish(&mut self.link, cx, id);
     }
 
