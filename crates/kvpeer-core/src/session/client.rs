@@ -395,31 +395,16 @@ impl ClientRole {
         id: &KvRequestId,
         round: RoundSeq,
     ) {
-        let Some(req) = self.requests.get_mut(id) else {
+        let Some(next_round) = self.requests.get(id).map(|r| r.round) else {
             return;
         };
-        let Some(load) = req.take_load(round) else {
+        // As if the peer had confirmed its end: it never learned of it.
+        if !self.complete(cx, id, round, false) {
             return;
-        };
-        let live = !req.is_finished() && !load.of_finished;
-        let next_round = req.round;
-        self.active_loads -= 1;
+        }
         cx.out.counters.fetches_retired_unsent += 1;
-        cx.plane.end_writes(&self.peer, &load.blocks);
-        let fencing = Fencing {
-            job: load.job,
-            kv_request_id: id.clone(),
-            live,
-            peer: self.peer.clone(),
-            blocks: load.blocks,
-            confirmed: true,
-            peer_ended: false,
-            since: cx.now,
-        };
-        cx.out.fail_load(cx.plane, cx.now, fencing);
         link.retract_queued_terminal(id);
         send_terminal(link, cx.out, cx.now, id, next_round);
-        self.prune(id);
     }
 
     /// Ends a load (once) the peer confirmed ended (`transfer_done`, `abort_ack`): its blocks
