@@ -177,6 +177,9 @@ impl Outbox {
 pub(crate) struct Link {
     pub(crate) peer: PeerId,
     gate: Gate,
+    /// The fetches (request, round) still queued when the link closed: never sent, so no
+    /// write of theirs can come ([`Link::fetch_never_sent`]).
+    unsent_at_close: Vec<(KvRequestId, RoundSeq)>,
     /// Last time a message went out or came in.
     pub(crate) last_activity: Instant,
 }
@@ -201,6 +204,7 @@ impl Link {
         Link {
             peer,
             gate: Gate::Waiting(Vec::new()),
+            unsent_at_close: Vec::new(),
             last_activity: now,
         }
     }
@@ -218,7 +222,30 @@ impl Link {
     /// Nothing more is sent; queued messages are dropped.
     pub(crate) fn close(&mut self) {
         let was_open = self.was_ready();
-        self.gate = Gate::Closed { was_open };
+        if let Gate::Waiting(queued) = std::mem::replace(&mut self.gate, Gate::Closed { was_open })
+        {
+            self.unsent_at_close = queued
+                .into_iter()
+                .filter_map(|m| match m {
+                    Message::Fetch(f) if !f.block_indexes.is_empty() => {
+                        Some((f.kv_request_id, f.round_seq))
+                    }
+                    _ => None,
+                })
+                .collect();
+        }
+    }
+
+    /// Whether the fetch of round `round` of `id` never left: still queued for the peer's
+    /// ack, or queued when the link closed before it came. (A fetch handed on may have been
+    /// written to the socket, whatever became of the connection.)
+    pub(crate) fn fetch_never_sent(&self, id: &KvRequestId, round: RoundSeq) -> bool {
+        let is_it = |(i, r): &(KvRequestId, RoundSeq)| i == id && *r == round;
+        match &self.gate {
+            Gate::Waiting(queued) => queued.iter().any(|m| is_fetch_of(m, id, round)),
+            Gate::Open => false,
+            Gate::Closed { .. } => self.unsent_at_close.iter().any(is_it),
+        }
     }
 
     /// Sends now if the peer is ready, else queues until its ack.
@@ -257,10 +284,7 @@ impl Link {
     /// Takes back the queued `fetch` of round `round` of `id` (with blocks), still waiting
     /// for the peer's ack; whether it was there. Once taken, the peer never learns of it.
     pub(crate) fn retract_queued_fetch(&mut self, id: &KvRequestId, round: RoundSeq) -> bool {
-        self.retract(|m| {
-            matches!(m, Message::Fetch(f)
-                if f.kv_request_id == *id && f.round_seq == round && !f.block_indexes.is_empty())
-        })
+        self.retract(|m| is_fetch_of(m, id, round))
     }
 
     /// Takes back a queued terminal (empty) `fetch` of `id`, still waiting for the peer's ack:
@@ -292,4 +316,10 @@ impl Link {
             Gate::Open | Gate::Closed { .. } => 0,
         }
     }
+}
+
+/// Whether `m` is the fetch (with blocks) of round `round` of `id`.
+fn is_fetch_of(m: &Message, id: &KvRequestId, round: RoundSeq) -> bool {
+    matches!(m, Message::Fetch(f)
+        if f.kv_request_id == *id && f.round_seq == round && !f.block_indexes.is_empty())
 }

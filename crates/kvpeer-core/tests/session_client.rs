@@ -1681,3 +1681,53 @@ fn the_drain_retires_a_load_whose_fetch_never_left() {
     m.finish("r");
     m.assert_clean();
 }
+
+/// vLLM 0.34 (`TestDisconnect.test_dead_connection_does_not_flush_unsent_fetch`, S:3226):
+/// when the connection dies before the peer acked our `connect`, a load whose fetch never
+/// left fails with its blocks handed back at once (no held release: the peer never learned of
+/// them); a load whose fetch was handed on is held until the plane fences it, as before.
+#[test]
+fn a_session_lost_before_its_ack_hands_back_the_blocks_of_fetches_never_sent() {
+    for sent in [false, true] {
+        let mut m = Mock::new();
+        m.plane().fence_needs_write_end = true;
+        let peer = m.peer.clone();
+        if sent {
+            m.ready_source("r");
+        } else {
+            m.dial("r", RequestRoles::prefiller(peer.clone()));
+        }
+        m.load(5, "r", vec![key(1)], vec![10]);
+        // A write the plane cannot rule out without the peer's end (nixl after a close).
+        m.stall_write(10);
+        m.core
+            .handle_connection_lost(m.now, &peer, LinkLoss::ClosedByPeer);
+        m.pump();
+        assert!(m.closed().is_some(), "sent {sent}: the session ended");
+        if sent {
+            assert!(m.load_results().is_empty(), "the handed-on fetch is held");
+            assert_eq!(m.held_loads(), vec![JobId::new(5)]);
+            m.plane().writing.clear();
+            m.advance(S(5));
+        } else {
+            assert!(m.held_loads().is_empty(), "nothing to hold");
+        }
+        assert_eq!(
+            m.load_results(),
+            vec![(JobId::new(5), false)],
+            "sent {sent}: failed once"
+        );
+        let fetches = m
+            .take_sent()
+            .iter()
+            .filter(|msg| matches!(msg, Message::Fetch(_)))
+            .count();
+        assert_eq!(
+            fetches,
+            usize::from(sent),
+            "sent {sent}: fetches on the wire"
+        );
+        m.finish("r");
+        m.assert_clean();
+    }
+}

@@ -874,14 +874,20 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         // The peer's registration goes first: its removal is what fences its writes on planes
         // that cannot revoke single blocks (nixl), so the loads below are asked after it.
         self.plane.remove_remote_peer(peer);
-        for (job, id, live, blocks) in closed.client.failed_jobs {
-            self.plane.end_writes(peer, &blocks);
+        for load in closed.client.failed_jobs {
+            self.plane.end_writes(peer, &load.blocks);
+            if load.never_sent {
+                // The peer never learned of these blocks: nothing of it can land.
+                self.out
+                    .load_done(load.job, load.kv_request_id, false, load.live);
+                continue;
+            }
             let fencing = fencing::Fencing {
-                job,
-                kv_request_id: id,
-                live,
+                job: load.job,
+                kv_request_id: load.kv_request_id,
+                live: load.live,
                 peer: peer.clone(),
-                blocks,
+                blocks: load.blocks,
                 confirmed: false,
                 peer_ended,
                 since: self.now,

@@ -116,11 +116,24 @@ pub(crate) enum Expired {
 /// What a closed session leaves for the tier to fail.
 #[derive(Debug, Default)]
 pub(crate) struct ClientClose {
-    /// Loads in flight: each fails once its blocks are fenced (job, request, whether the
-    /// engine still runs it, the blocks).
-    pub(crate) failed_jobs: Vec<(JobId, KvRequestId, bool, Vec<BlockIndex>)>,
+    /// Loads in flight: each fails once its blocks are fenced, or at once if its fetch never
+    /// left.
+    pub(crate) failed_jobs: Vec<FailedLoad>,
     /// Requests whose lookups can no longer be answered (loads or unanswered probes).
     pub(crate) failed_ids: Vec<KvRequestId>,
+}
+
+/// A load a closed session fails.
+#[derive(Debug)]
+pub(crate) struct FailedLoad {
+    pub(crate) job: JobId,
+    pub(crate) kv_request_id: KvRequestId,
+    /// The engine still runs its request.
+    pub(crate) live: bool,
+    pub(crate) blocks: Vec<BlockIndex>,
+    /// Its fetch never left (it waited for the peer's ack): no write of it can come, so its
+    /// blocks go back at once, with no fence (vLLM 0.34: no held release).
+    pub(crate) never_sent: bool,
 }
 
 /// The consumer side of one session.
@@ -601,19 +614,23 @@ impl ClientRole {
     }
 
     /// Tears down: every load in flight fails; every request with a load or an unanswered
-    /// probe is reported so its lookups answer MISS from now on.
-    pub(crate) fn close(&mut self) -> ClientClose {
+    /// probe is reported so its lookups answer MISS from now on. `link` (closed or not) says
+    /// which fetches never left.
+    pub(crate) fn close(&mut self, link: &Link) -> ClientClose {
         let mut result = ClientClose::default();
         for (id, req) in self.requests.drain() {
             let live = !req.is_finished();
             if live && (!req.loads.is_empty() || req.unanswered > 0) {
                 result.failed_ids.push(id.clone());
             }
-            for (_, load) in req.loads {
-                let live = live && !load.of_finished;
-                result
-                    .failed_jobs
-                    .push((load.job, id.clone(), live, load.blocks));
+            for (round, load) in req.loads {
+                result.failed_jobs.push(FailedLoad {
+                    job: load.job,
+                    kv_request_id: id.clone(),
+                    live: live && !load.of_finished,
+                    blocks: load.blocks,
+                    never_sent: link.fetch_never_sent(&id, round),
+                });
             }
         }
         self.flush_list.clear();

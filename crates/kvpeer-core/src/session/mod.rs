@@ -755,7 +755,7 @@ impl Session {
         }
         self.link.close();
         SessionClose {
-            client: self.client.close(),
+            client: self.client.close(&self.link),
             server: self.server.close(cx),
         }
     }
