@@ -1731,3 +1731,39 @@ fn a_session_lost_before_its_ack_hands_back_the_blocks_of_fetches_never_sent() {
         m.assert_clean();
     }
 }
+
+/// Found by review: a load that times out with its fetch unsent while a later round of the
+/// same request waits behind it must not queue a terminal fetch after that round's fetch (the
+/// producer would close the live round: no `transfer_done` for it, ever). The later round is
+/// served.
+#[test]
+fn a_retired_fetch_leaves_no_terminal_behind_a_live_later_round() {
+    let mut m = Mock::with_config(CoreConfig {
+        handshake_timeout: Duration::from_secs(120),
+        ..CoreConfig::default()
+    });
+    let peer = m.peer.clone();
+    m.dial("r", RequestRoles::prefiller(peer.clone()));
+    m.load(7, "r", vec![key(1)], vec![0]);
+    m.advance(Duration::from_secs(20));
+    m.load(8, "r", vec![key(2)], vec![1]);
+    m.advance(Duration::from_secs(11));
+    assert_eq!(m.load_results(), vec![(JobId::new(7), false)]);
+    m.take_sent();
+    m.recv(Message::ConnectAck(ConnectAck {
+        peer_id: peer.clone(),
+    }));
+    let sent = m.take_sent();
+    assert_eq!(
+        fetches_and_aborts(&sent),
+        (vec![vec![1]], 0),
+        "only round 1's fetch, no terminal: {sent:?}"
+    );
+    m.recv(transfer_done("r", true, 1));
+    assert_eq!(
+        m.load_results(),
+        vec![(JobId::new(7), false), (JobId::new(8), true)]
+    );
+    m.finish("r");
+    m.assert_clean();
+}

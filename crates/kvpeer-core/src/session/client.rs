@@ -399,8 +399,9 @@ impl ClientRole {
     /// Ends load `round` of `id`, whose `fetch` was taken back before it left (it waited for
     /// the peer's ack), as failed, now: the peer never learned of it, so no `abort_fetch` goes
     /// and no write of it can land (vLLM 0.34's retire). A terminal fetch goes in its place
-    /// when the link opens, so a producer that parked the request's stores (PD) releases them;
-    /// a newer fetch of the id queued before then takes it back ([`Link::retract_queued_terminal`]).
+    /// when the link opens, so a producer that parked the request's stores (PD) releases them,
+    /// unless another load of the request is live (its fetch would be closed by it); a newer
+    /// fetch of the id queued before then takes it back ([`Link::retract_queued_terminal`]).
     fn retire_unsent(
         &mut self,
         link: &mut Link,
@@ -416,8 +417,16 @@ impl ClientRole {
             return;
         }
         cx.out.counters.fetches_retired_unsent += 1;
+        // The terminal would close every round of the id on the peer: not while another load
+        // of it is live (a later round queued behind, whose own fetch serves the request).
+        let live_load = self
+            .requests
+            .get(id)
+            .is_some_and(|r| r.loads.iter().any(|(_, l)| l.aborted_at.is_none()));
         link.retract_queued_terminal(id);
-        send_terminal(link, cx.out, cx.now, id, next_round);
+        if !live_load {
+            send_terminal(link, cx.out, cx.now, id, next_round);
+        }
     }
 
     /// Ends a load (once) the peer confirmed ended (`transfer_done`, `abort_ack`): its blocks

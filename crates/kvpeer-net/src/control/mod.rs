@@ -122,7 +122,7 @@ pub struct ControlConfig {
 /// * the listener offers TLS at accept, in its greeting's signature ([`crate::zmtp::TLS_OFFER`]),
 ///   takes a connection that then opens with a TLS handshake over TLS (the client's
 ///   certificate must chain to the CA and name the IP of the identity its READY claims), and a
-///   plaintext one (a vLLM engine, an older kvpeer) only where the policy is not `required`;
+///   plaintext one (a vLLM engine, a kvpeer with TLS off) only where the policy is not `required`;
 /// * the dialer sends nothing until the listener's signature came: an offer, and it opens TLS
 ///   (the listener's certificate must name the IP dialed); a peer that greets without one is
 ///   talked to in clear on that connection where the policy is `preferred` (logged,

@@ -365,7 +365,7 @@ impl Conn {
             match self.dialer.progress(now, true) {
                 Ok(ready) => {
                     if self.dialer.take_fell_back() {
-                        // It greeted without offering TLS: an older kvpeer, one with TLS off,
+                        // It greeted without offering TLS: a kvpeer with TLS off or from before it,
                         // or a vLLM engine. `preferred` talks to it in clear.
                         if let Some(suppressed) = crate::admit_warning("control peer speaks no TLS")
                         {

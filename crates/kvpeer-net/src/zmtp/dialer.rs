@@ -89,6 +89,8 @@ pub(crate) struct Dialer {
     /// The open connection wants TLS and waits for the listener's signature, which says
     /// whether it offers TLS ([`zmtp::TLS_OFFER`]): nothing is written or read until it came.
     awaiting_offer: bool,
+    /// The address the open connection dialed: the listener's certificate must name it.
+    dialed_ip: Option<std::net::IpAddr>,
     /// The peer greeted without offering TLS and the connection went on in clear
     /// (`preferred`): its owner learns it once ([`Dialer::take_fell_back`]).
     fell_back: bool,
@@ -170,6 +172,7 @@ impl Dialer {
             tls: None,
             session: None,
             awaiting_offer: false,
+            dialed_ip: None,
             fell_back: false,
             connect_timeout,
             read_budget,
@@ -395,12 +398,13 @@ impl Dialer {
                     }
                 }
                 Ok(true) => {
-                    let State::Connecting { stream, .. } =
+                    let State::Connecting { stream, addr, .. } =
                         std::mem::replace(&mut self.state, State::Idle)
                     else {
                         return Ok(());
                     };
                     self.session = None;
+                    self.dialed_ip = Some(addr.ip().to_canonical());
                     self.awaiting_offer = self.tls.is_some();
                     self.conn.connected(now);
                     debug!(
@@ -440,21 +444,17 @@ impl Dialer {
             };
             if signature == zmtp::TLS_OFFER {
                 sockio::discard_peeked(stream, signature.len())?;
-                let name = rustls_pki_types::ServerName::IpAddress(
-                    stream
-                        .peer_addr()
-                        .map_err(|e| LinkLoss::Socket(e.kind()))?
-                        .ip()
-                        .to_canonical()
-                        .into(),
-                );
+                let Some(dialed) = self.dialed_ip else {
+                    return Ok(());
+                };
                 // The peer's certificate must name the address dialed.
+                let name = rustls_pki_types::ServerName::IpAddress(dialed.into());
                 let session = rustls::ClientConnection::new(tls.config.clone(), name)
                     .map_err(|e| LinkLoss::Tls(e.to_string().into()))?;
                 self.session = Some(rustls::Connection::Client(session));
             } else if !tls.fall_back {
                 return Err(LinkLoss::Tls(
-                    "the peer speaks no TLS (it greeted in plaintext ZMTP, offering none), and TLS is required here".into(),
+                    "the peer speaks no TLS (its first bytes were no kvpeer TLS offer: a ZMTP peer without TLS, such as vLLM), and TLS is required here".into(),
                 ));
             } else {
                 // A plaintext greeting (or bytes that are none: the connection's decoder

@@ -1352,6 +1352,15 @@ impl Listener {
                     continue;
                 }
             }
+            if self.tls.is_some() {
+                // Our offer of TLS goes first: a dialer that wants TLS waits for it (see
+                // `zmtp::TLS_OFFER`). A fresh socket takes its 10 bytes. Written before a slot
+                // is made, so a socket that fails it evicts nobody.
+                if let Err(e) = sockio::write_opening(&mut stream, &zmtp::TLS_OFFER) {
+                    debug!(%source, error = %e, "an accepted connection took no TLS offer; closed");
+                    continue;
+                }
+            }
             // An eviction's close is charged to the evicted connection's host (`close`), not
             // again to this one's.
             let room_started = Instant::now();
@@ -1371,14 +1380,6 @@ impl Listener {
                     continue;
                 }
                 role.challenge = Some(challenge);
-            }
-            if self.tls.is_some() {
-                // Our offer of TLS goes first: a dialer that wants TLS waits for it (see
-                // `zmtp::TLS_OFFER`). A fresh socket takes its 10 bytes.
-                if let Err(e) = sockio::write_opening(&mut stream, &zmtp::TLS_OFFER) {
-                    debug!(%source, error = %e, "an accepted connection took no TLS offer; closed");
-                    continue;
-                }
             }
             let id = self.next + 1;
             if let Err(e) = poller.add(stream.as_fd(), self.base + id) {
