@@ -1569,6 +1569,20 @@ fn fetches_and_aborts(sent: &[Message]) -> (Vec<Vec<u64>>, usize) {
     (fetches, aborts)
 }
 
+/// A consumer that dialed its PD producer and queued load 7 (`r`, block 0) before the ack.
+/// The handshake outlives the PD load timeout (30 s) here, so a timeout is the load's, not the
+/// session's.
+fn pd_load_before_the_ack() -> (Mock, kvpeer_proto::PeerId) {
+    let mut m = Mock::with_config(CoreConfig {
+        handshake_timeout: Duration::from_secs(120),
+        ..CoreConfig::default()
+    });
+    let peer = m.peer.clone();
+    m.dial("r", RequestRoles::prefiller(peer.clone()));
+    m.load(7, "r", vec![key(1)], vec![0]);
+    (m, peer)
+}
+
 /// vLLM 0.34 (`TestDisconnect.test_unsent_fetch_retires_without_abort`, S:3194; the consumer's
 /// half of `TestBidirectionalManager.test_retired_unsent_fetch_releases_parked_producer_blocks`,
 /// M:1581, whose producer's half is `session_server.rs`'s terminal-fetch test).
@@ -1585,15 +1599,7 @@ fn a_load_whose_fetch_never_left_fails_at_once_with_no_abort_fetch() {
     for finished in [true, false] {
         for ack_first in [true, false] {
             let case = format!("finished {finished}, ack first {ack_first}");
-            // The handshake outlives the PD load timeout (30 s) here, so the timeout is the
-            // load's, not the session's.
-            let mut m = Mock::with_config(CoreConfig {
-                handshake_timeout: Duration::from_secs(120),
-                ..CoreConfig::default()
-            });
-            let peer = m.peer.clone();
-            m.dial("r", RequestRoles::prefiller(peer.clone()));
-            m.load(7, "r", vec![key(1)], vec![0]);
+            let (mut m, peer) = pd_load_before_the_ack();
             assert_eq!(connects(&m.take_sent()), 1, "{case}: only connect went");
             if finished {
                 m.finish("r");
@@ -1738,13 +1744,7 @@ fn a_session_lost_before_its_ack_hands_back_the_blocks_of_fetches_never_sent() {
 /// served.
 #[test]
 fn a_retired_fetch_leaves_no_terminal_behind_a_live_later_round() {
-    let mut m = Mock::with_config(CoreConfig {
-        handshake_timeout: Duration::from_secs(120),
-        ..CoreConfig::default()
-    });
-    let peer = m.peer.clone();
-    m.dial("r", RequestRoles::prefiller(peer.clone()));
-    m.load(7, "r", vec![key(1)], vec![0]);
+    let (mut m, peer) = pd_load_before_the_ack();
     m.advance(Duration::from_secs(20));
     m.load(8, "r", vec![key(2)], vec![1]);
     m.advance(Duration::from_secs(11));
