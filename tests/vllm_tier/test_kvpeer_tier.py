@@ -356,6 +356,53 @@ def test_allowlist_refuses_a_peer_and_serves_the_allowed_one(engines):
     assert a.tier.node_stats()["lookups_served"] >= 1
 
 
+def _tls_files(tmp_path) -> dict:
+    """A CA and one certificate naming 127.0.0.1 (as docs/deploying.md issues them): the
+    tier's TLS keys for it."""
+
+    def run(*args):
+        subprocess.run(args, check=True, capture_output=True, cwd=tmp_path)
+
+    run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+        "-nodes", "-days", "2", "-subj", "/CN=test CA", "-keyout", "ca.key", "-out", "ca.pem")
+    run("openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-subj", "/CN=node", "-keyout", "node.key", "-out", "node.csr")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "node.pem")
+    return {
+        "tls": "required",
+        "tls_cert": str(tmp_path / "node.pem"),
+        "tls_key": str(tmp_path / "node.key"),
+        "tls_ca": str(tmp_path / "ca.pem"),
+    }
+
+
+def test_tiers_with_tls_required_and_block_digests_share_byte_exact_and_refuse_plaintext(
+    engines, tmp_path
+):
+    """The tier takes the node's TLS keys and `tcp_block_digests` (issue 40): two tiers with
+    `tls = required` and digests exchange blocks byte-exact over tcp, and a tier without TLS is
+    refused by them: its lookups never hit and the producer served it nothing."""
+    tls = _tls_files(tmp_path)
+    a = engines(kvpeer_tier(tcp_block_digests=True, **tls), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(kvpeer_tier(tcp_block_digests=True, **tls), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    plain = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="P")
+    keys = [make_key(f"tls-{i}") for i in range(4)]
+    blocks = random_blocks(4, 40)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, "kv-tls")
+    served = a.tier.node_stats()["lookups_served"]
+    assert served >= 1
+
+    req = plain.new_request("p-req", source(a, "kv-plain"))
+    hits, answers = wait_lookup([a, b, plain], plain, keys, req)
+    assert hits == 0, answers
+    assert [plain.read(k) for k in keys] == [None] * 4
+    plain.finish(req)
+    assert a.tier.node_stats()["lookups_served"] == served, "nothing served in plaintext"
+
+
 def test_peer_killed_mid_load_fails_the_job_and_frees_the_slots(engines):
     """The producer (another process) is killed with SIGKILL while B's load from it runs:
     the job fails, no key is readable in B's primary tier, no slot stays pinned, nothing of

@@ -170,6 +170,38 @@ fn raw_tcp_gbps(len: u64, runs: usize) -> f64 {
     median(v)
 }
 
+/// A tcp receiver over `b` (`pb`, asking for block digests where `digests`) and a writer over
+/// `a` (`pa`) registered with it: (receiver, writer, the writer's wake flag).
+fn tcp_pair(
+    a: &BlockStore,
+    b: &BlockStore,
+    pa: &PeerId,
+    pb: &PeerId,
+    len: u64,
+    digests: bool,
+) -> (TcpPlane, TcpPlane, std::sync::mpsc::Receiver<()>) {
+    let mut rx = TcpPlane::new(
+        pb.clone(),
+        b.pool().writer(),
+        "127.0.0.1:0",
+        Arc::new(|| {}),
+    )
+    .unwrap()
+    .with_block_digests(digests);
+    let (wake, woken) = waker();
+    let mut tx = TcpPlane::new(pa.clone(), a.pool().writer(), "127.0.0.1:0", wake).unwrap();
+    let advertised = AgentMetadata {
+        agent: "b".into(),
+        tcp: Some(rx.addr().to_string()),
+        ..Default::default()
+    };
+    // b's `connect` to a carries the key a's HELLO presents to b's data port.
+    let with_key =
+        AgentMetadata::decode(&rx.connect_metadata(pa, None, &advertised.encode())).unwrap();
+    register(&mut tx, pb, with_key, len);
+    (rx, tx, woken)
+}
+
 fn main() {
     println!("data planes: {PER_FETCH} blocks per fetch, one pool to another in one process, median of runs");
     println!(
@@ -221,25 +253,7 @@ fn main() {
         // tcp vs a raw loopback stream: the limit is the best of three fresh connections (a
         // single one is sometimes scheduled badly, which would flatter the plane).
         let limit = (0..3).map(|_| raw_tcp_gbps(len, runs)).fold(0.0, f64::max);
-        let mut rx = TcpPlane::new(
-            pb.clone(),
-            b.pool().writer(),
-            "127.0.0.1:0",
-            Arc::new(|| {}),
-        )
-        .unwrap();
-        let (wake, woken) = waker();
-        let mut tx = TcpPlane::new(pa.clone(), a.pool().writer(), "127.0.0.1:0", wake).unwrap();
-        let advertised = AgentMetadata {
-            agent: "b".into(),
-            shm: None,
-            tcp: Some(rx.addr().to_string()),
-            ..Default::default()
-        };
-        // b's `connect` to a carries the key a's HELLO presents to b's data port.
-        let with_key =
-            AgentMetadata::decode(&rx.connect_metadata(&pa, None, &advertised.encode())).unwrap();
-        register(&mut tx, &pb, with_key, len);
+        let (mut rx, mut tx, woken) = tcp_pair(&a, &b, &pa, &pb, len, false);
         let blocks: Vec<BlockIndex> = (0..PER_FETCH).map(BlockIndex::new).collect();
         let got = plane_gbps(
             &mut tx,
@@ -254,6 +268,43 @@ fn main() {
             "tcp",
             got / limit,
             ">=0.85x"
+        );
+        drop((tx, rx));
+
+        // tcp with block digests (`tcp_block_digests`): a CRC-32C per block on each side,
+        // beside the same limit and the CRC's own rate on one core.
+        let (mut rx, mut tx, woken) = tcp_pair(&a, &b, &pa, &pb, len, true);
+        let got = plane_gbps(
+            &mut tx,
+            &woken,
+            &mut || rx.expect_writes(&pa, &blocks),
+            &pb,
+            len,
+            runs,
+        );
+        assert_eq!(rx.counters().digest_mismatches, 0);
+        println!(
+            "{label:>9} {:>6} {got:>12.2} {limit:>12.2} {:>7.2}x {:>8}",
+            "tcp+crc",
+            got / limit,
+            "-"
+        );
+        let view = a.pool().view();
+        let block = view.block(BlockIndex::new(0)).unwrap();
+        let reps = (1u64 << 30) / len;
+        let started = Instant::now();
+        let mut acc = 0u32;
+        for _ in 0..reps {
+            acc ^= crc32c::crc32c(std::hint::black_box(block));
+        }
+        std::hint::black_box(acc);
+        println!(
+            "{label:>9} {:>6} {:>12.2} {:>12} {:>8} {:>8}",
+            "crc32c",
+            gbps(reps * len, started.elapsed()),
+            "-",
+            "-",
+            "1 core"
         );
     }
 }

@@ -8,17 +8,15 @@
 
 use std::net::TcpStream;
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::time::Duration;
 
 mod tcp_support;
 
 use kvpeer_core::{BlockIndex, DataPlane, Registration, RemoteMemory};
-use kvpeer_net::data::tcp::TcpPlane;
 use kvpeer_proto::PeerId;
 use kvpeer_store::Pool;
 use memmap2::MmapMut;
-use tcp_support::{advertised, closed, hello, issue, write, BLOCKS, LEN};
+use tcp_support::{advertised, closed, hello, issue, plane_over, write, BLOCKS, LEN};
 
 /// Bytes from one block's start to the next: more than a block, and not a multiple of a page.
 const STRIDE: u64 = LEN + 328;
@@ -61,16 +59,6 @@ fn raw(pool: &Pool, base: NonNull<u8>) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(base.as_ptr(), SPAN) }.to_vec()
 }
 
-fn plane(id: &str, pool: &Pool) -> TcpPlane {
-    TcpPlane::new(
-        PeerId::new(id),
-        pool.writer(),
-        "127.0.0.1:0",
-        Arc::new(|| {}),
-    )
-    .unwrap()
-}
-
 fn wait<T>(mut f: impl FnMut() -> Option<T>) -> T {
     for _ in 0..1000 {
         if let Some(t) = f() {
@@ -86,8 +74,8 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
     let (rx_pool, rx_base) = anonymous_region();
     let (tx_pool, tx_base) = vec_region();
     let (receiver, writer) = (PeerId::new("10.0.0.1:5710"), PeerId::new("10.0.0.2:5710"));
-    let mut rx = plane(receiver.as_str(), &rx_pool);
-    let mut tx = plane(writer.as_str(), &tx_pool);
+    let mut rx = plane_over(receiver.as_str(), &rx_pool);
+    let mut tx = plane_over(writer.as_str(), &tx_pool);
     let tx_before = raw(&tx_pool, tx_base);
     let rx_before = raw(&rx_pool, rx_base);
 
@@ -150,7 +138,7 @@ fn a_transfer_between_external_regions_is_byte_exact_and_leaves_the_gaps() {
 #[test]
 fn a_write_without_a_permit_leaves_an_external_region_untouched() {
     let (pool, base) = anonymous_region();
-    let mut rx = plane("10.0.0.1:5710", &pool);
+    let mut rx = plane_over("10.0.0.1:5710", &pool);
     let writer = "10.0.0.2:5710";
     let key = issue(&mut rx, writer);
     rx.expect_writes(&PeerId::new(writer), &[BlockIndex::new(2)]);

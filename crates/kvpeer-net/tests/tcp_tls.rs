@@ -143,24 +143,6 @@ fn transfer(tx: &mut TcpPlane, rx: &mut TcpPlane, b: u64) -> (Option<TransferId>
     (tid, seen)
 }
 
-/// Fills `pool`'s block `b` with bytes that occur nowhere else (xorshift from `seed`).
-fn fill_unique(pool: &mut Pool, b: u64, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let len = pool.view().block_len();
-    let bytes: Vec<u8> = (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect();
-    pool.block_mut(BlockIndex::new(b))
-        .unwrap()
-        .copy_from_slice(&bytes);
-    bytes
-}
-
 #[test]
 fn blocks_cross_byte_exact_over_mutual_tls_and_the_wire_carries_none_of_their_bytes_nor_the_key() {
     let pki = Pki::new("wire");

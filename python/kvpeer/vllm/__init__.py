@@ -118,6 +118,11 @@ _KVPEER_KEYS = (
     "auth_secret_file",
     "max_peers",
     "tcp_max_rate",
+    "tcp_block_digests",
+    "tls",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
     "tcp_port",
     "metrics",
     "io_thread",
@@ -297,7 +302,11 @@ class KvpeerTier(SecondaryTierManager):
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
       ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
       ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``tcp_port`` (the tcp plane's data
-      port, each DP rank at its offset; 0 or unset: a free one), ``metrics`` (bool), and the
+      port, each DP rank at its offset; 0 or unset: a free one), ``metrics`` (bool),
+      ``tls`` (``off``, ``preferred`` or ``required``) with ``tls_cert``, ``tls_key`` and
+      ``tls_ca`` (PEM files: TLS 1.3 with mutual authentication on the control channel and
+      the tcp plane, docs/security.md), ``tcp_block_digests`` (bool: a CRC-32C per block on
+      the tcp plane, checked as it lands), and the
       timeouts, as strict as vLLM 0.34's by default: ``lookup_timeout_s`` (8 s without
       progress), ``load_timeout_s`` (10 s, a load of a request that looked up),
       ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
@@ -1075,6 +1084,11 @@ def _settings(
         "unbound_store_timeout_s",
         "max_peers",
         "tcp_max_rate",
+        "tcp_block_digests",
+        "tls",
+        "tls_cert",
+        "tls_key",
+        "tls_ca",
         "lookup_timeout_s",
         "load_timeout_s",
         "pd_load_timeout_s",

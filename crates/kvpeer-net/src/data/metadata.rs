@@ -38,6 +38,9 @@ pub struct AgentMetadata {
     pub shm_epoch: Option<u32>,
     /// Its tcp listener takes TLS (see the module doc).
     pub tcp_tls: bool,
+    /// Its tcp listener wants each WRITE to carry a CRC-32C per block, checked before the
+    /// write counts (`tcp_block_digests`): a corruption in transit fails the load.
+    pub tcp_digests: bool,
 }
 
 /// `agent_metadata` that is not kvpeer's map.
@@ -71,6 +74,9 @@ impl AgentMetadata {
         }
         if self.tcp_tls {
             entries.push((Value::Str("tcp_tls".into()), Value::Bool(true)));
+        }
+        if self.tcp_digests {
+            entries.push((Value::Str("tcp_digests".into()), Value::Bool(true)));
         }
         // A map of three short strs is far below every msgpack length limit.
         Value::Map(entries).encode().unwrap_or_default()
@@ -108,14 +114,17 @@ impl AgentMetadata {
             ),
             Some(_) => return Err(MetadataError("\"shm_epoch\" is not a uint32".into())),
         };
-        let tcp_tls = match value.get("tcp_tls") {
-            None => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(MetadataError("\"tcp_tls\" is not a bool".into())),
+        let flag = |name: &str| -> Result<bool, MetadataError> {
+            match value.get(name) {
+                None => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err(MetadataError(format!("{name:?} is not a bool"))),
+            }
         };
         Ok(AgentMetadata {
             shm_epoch,
-            tcp_tls,
+            tcp_tls: flag("tcp_tls")?,
+            tcp_digests: flag("tcp_digests")?,
             agent: text("agent")?.unwrap_or_default(),
             shm: text("shm")?,
             tcp: text("tcp")?,
@@ -139,10 +148,15 @@ mod tests {
             tcp_key: Some(vec![9; 32]),
             shm_epoch: Some(u32::MAX),
             tcp_tls: true,
+            tcp_digests: true,
         };
         assert_eq!(AgentMetadata::decode(&m.encode()), Ok(m));
         assert!(
             AgentMetadata::decode(b"\x81\xa7tcp_tls\x01").is_err(),
+            "not a bool"
+        );
+        assert!(
+            AgentMetadata::decode(b"\x81\xabtcp_digests\x01").is_err(),
             "not a bool"
         );
         let bare = AgentMetadata {

@@ -12,7 +12,7 @@ use kvpeer_core::{BlockIndex, DataPlane};
 use kvpeer_net::data::metadata::AgentMetadata;
 use kvpeer_net::data::tcp::{TcpLimits, TcpPlane};
 use kvpeer_proto::PeerId;
-use kvpeer_store::{BlockStore, StoreConfig};
+use kvpeer_store::{BlockStore, Pool, StoreConfig};
 
 pub(crate) const BLOCKS: u64 = 8;
 pub(crate) const LEN: u64 = 4096;
@@ -124,4 +124,33 @@ pub(crate) fn closed(s: &mut TcpStream) -> bool {
 
 pub(crate) fn block(store: &BlockStore, i: u64) -> Vec<u8> {
     store.pool().block(BlockIndex::new(i)).unwrap().to_vec()
+}
+
+/// A tcp plane for node `id` over a bare `pool`, listening on a free loopback port.
+pub(crate) fn plane_over(id: &str, pool: &Pool) -> TcpPlane {
+    TcpPlane::new(
+        PeerId::new(id),
+        pool.writer(),
+        "127.0.0.1:0",
+        Arc::new(|| {}),
+    )
+    .unwrap()
+}
+
+/// Fills `pool`'s block `b` with bytes that occur nowhere else (xorshift from `seed`).
+pub(crate) fn fill_unique(pool: &mut Pool, b: u64, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let len = pool.view().block_len();
+    let bytes: Vec<u8> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    pool.block_mut(BlockIndex::new(b))
+        .unwrap()
+        .copy_from_slice(&bytes);
+    bytes
 }

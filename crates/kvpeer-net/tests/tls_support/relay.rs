@@ -24,6 +24,16 @@ impl Relay {
     /// As [`Relay::to`], and each connection's answers (from `to` to the dialer) start only
     /// `delay` after it was made: the dialer's opening bytes go before it hears anything.
     pub(crate) fn answering_late(to: SocketAddr, delay: Duration) -> Relay {
+        Relay::with(to, delay, None)
+    }
+
+    /// As [`Relay::to`], flipping every bit of the byte at offset `at` of each connection's
+    /// stream from the dialer (a corruption in transit that TCP's checksum missed).
+    pub(crate) fn corrupting(to: SocketAddr, at: usize) -> Relay {
+        Relay::with(to, Duration::ZERO, Some(at))
+    }
+
+    fn with(to: SocketAddr, delay: Duration, corrupt_at: Option<usize>) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
@@ -36,10 +46,10 @@ impl Relay {
                 };
                 let (a, b) = (inbound.try_clone().unwrap(), outbound.try_clone().unwrap());
                 let record = record.clone();
-                std::thread::spawn(move || pipe(a, b, Some(&record)));
+                std::thread::spawn(move || pipe(a, b, Some(&record), corrupt_at));
                 std::thread::spawn(move || {
                     std::thread::sleep(delay);
-                    pipe(outbound, inbound, None)
+                    pipe(outbound, inbound, None, None)
                 });
             }
         });
@@ -47,15 +57,29 @@ impl Relay {
     }
 }
 
-/// Copies `from` to `to` until either ends, recording into `record`.
-fn pipe(mut from: TcpStream, mut to: TcpStream, record: Option<&Mutex<Vec<u8>>>) {
+/// Copies `from` to `to` until either ends, recording into `record` (what was read) and
+/// inverting the byte at offset `corrupt_at` on the way.
+fn pipe(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    record: Option<&Mutex<Vec<u8>>>,
+    corrupt_at: Option<usize>,
+) {
     let mut buf = [0u8; 65536];
+    let mut offset = 0usize;
     while let Ok(n) = from.read(&mut buf) {
-        if n == 0 || to.write_all(&buf[..n]).is_err() {
+        if n == 0 {
             break;
         }
         if let Some(record) = record {
             record.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+        if let Some(at) = corrupt_at.filter(|at| (offset..offset + n).contains(at)) {
+            buf[at - offset] ^= 0xFF;
+        }
+        offset += n;
+        if to.write_all(&buf[..n]).is_err() {
+            break;
         }
     }
     let _ = to.shutdown(Shutdown::Write);

@@ -116,6 +116,12 @@ impl NodeConfigBuilder {
         self.put(&KEY.tcp_max_rate, bytes_per_second)
     }
 
+    /// Whether peers writing to this node over tcp send a CRC-32C per block, checked as it
+    /// lands (a corrupted block fails its load).
+    pub fn tcp_block_digests(self, on: bool) -> Self {
+        self.put(&KEY.tcp_block_digests, on)
+    }
+
     /// Whether the shm plane also accepts tokens not bound to a connection's challenge (for
     /// peers that cannot read it; replayable: docs/security.md, "Fresh proofs").
     pub fn shm_allow_replayable_tokens(self, allow: bool) -> Self {

@@ -125,6 +125,8 @@ declare_keys! {
     tcp_port = "0";
     /// cap on tcp bytes per second to each peer (unset: uncapped)
     tcp_max_rate;
+    /// ask peers writing to this node over tcp for a CRC-32C of each block, checked as it lands: a block corrupted in transit fails its load (a miss, never wrong KV); costs a pass over each block on both sides
+    tcp_block_digests = "false";
     /// HOST:PORT at which kvpeer serve answers /metrics, /healthz and /readyz (unset: none; the flag --metrics beats it)
     metrics_listen;
     /// slowest a peer may take this node's tcp writes, bytes per second: each transfer must be acknowledged within tcp_transfer_timeout_s plus its bytes at this rate (never above tcp_max_rate)

@@ -400,6 +400,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             },
             tcp_listen,
             tcp_max_write_rate,
+            tcp_block_digests: s.boolean(&KEY.tcp_block_digests)?,
             tcp_min_write_rate: s.rate(&KEY.tcp_min_rate)?,
             tcp_max_connections: match s.get(&KEY.tcp_max_connections) {
                 Some(_) => s.number(&KEY.tcp_max_connections, 1, 1 << 20)? as usize,
@@ -787,6 +788,7 @@ mod tests {
         assert_eq!(c.spec.plane, PlaneKind::default());
         assert!(c.spec.allowlist.allows_all() && c.spec.bind_identity);
         assert_eq!(c.spec.tcp_max_write_rate, None);
+        assert!(!c.spec.tcp_block_digests, "digests are off by default");
         let tcp = kvpeer_net::data::tcp::TcpLimits::default();
         assert_eq!(c.spec.tcp_min_write_rate, tcp.min_write_rate);
         assert_eq!(c.spec.tcp_transfer_timeout, tcp.transfer_timeout);
@@ -898,6 +900,7 @@ allowlist = ["10.0.0.0/24"]
         set.set("pull_max_rate", "1000", "t");
         set.set("tcp_max_rate", "500M", "t");
         set.set("tcp_min_rate", "2k", "t");
+        set.set("tcp_block_digests", "true", "t");
         set.set("publish_events", "tcp://*:5557", "t");
         set.set("publish_hashes", "int", "t");
         set.set("publish_ownership", "kvpeer", "t");
@@ -914,6 +917,7 @@ allowlist = ["10.0.0.0/24"]
         // Rates take the flags' suffixes in a file and the environment too.
         assert_eq!(c.spec.tcp_max_write_rate, Some(500_000_000));
         assert_eq!(c.spec.tcp_min_write_rate, 2000);
+        assert!(c.spec.tcp_block_digests);
         assert_eq!(c.pool.min_holders, 1);
         assert!(c.pool.enabled());
         assert!(!resolve_one(&Settings::default(), "t")

@@ -65,6 +65,9 @@ pub struct NodeSpec {
     pub tcp_listen: String,
     /// Cap on the tcp plane's bytes per second to each peer (`None`: uncapped).
     pub tcp_max_write_rate: Option<u64>,
+    /// Peers writing to this node over tcp send a CRC-32C per block, checked as it lands
+    /// ([`TcpPlane::with_block_digests`](kvpeer_net::data::tcp::TcpPlane::with_block_digests)).
+    pub tcp_block_digests: bool,
     /// The slowest a peer may take the tcp plane's writes (bytes per second): each transfer
     /// must be acknowledged within `tcp_transfer_timeout` plus its bytes at this rate.
     pub tcp_min_write_rate: u64,

@@ -168,6 +168,7 @@ fn tcp(
 ) -> Result<(TcpPlane, AgentMetadata), BuildError> {
     let mut plane = TcpPlane::new(spec.id.clone(), pool.writer(), &spec.tcp_listen, wake)?
         .with_max_write_rate(spec.tcp_max_write_rate)
+        .with_block_digests(spec.tcp_block_digests)
         .with_limits(TcpLimits {
             min_write_rate: spec.tcp_min_write_rate,
             transfer_timeout: spec.tcp_transfer_timeout,

@@ -211,6 +211,9 @@ pub struct TcpCounters {
     /// Transfers this node wrote that were not acknowledged by their deadline (each faulted
     /// its peer and reset its data connection).
     pub transfer_timeouts: u64,
+    /// WRITEs refused because a block's bytes did not match the digest its writer sent
+    /// (`tcp_block_digests`): corrupted in transit, or by the writer.
+    pub digest_mismatches: u64,
 }
 
 #[derive(Default)]
@@ -226,6 +229,7 @@ struct Counters {
     reconnects: AtomicU64,
     transfer_timeouts: AtomicU64,
     load_closes: AtomicU64,
+    digest_mismatches: AtomicU64,
 }
 
 impl Counters {
@@ -247,6 +251,7 @@ impl Counters {
             reconnects: get(&self.reconnects),
             transfer_timeouts: get(&self.transfer_timeouts),
             load_closes: get(&self.load_closes),
+            digest_mismatches: get(&self.digest_mismatches),
         }
     }
 }
@@ -291,6 +296,8 @@ pub struct TcpPlane {
     next_tid: TransferId,
     /// Cap on the bytes per second written to each peer (`None`: as fast as the link goes).
     max_write_rate: Option<u64>,
+    /// Peers writing to us are asked for a digest per block, checked before a write counts.
+    digests: bool,
     limits: Arc<Mutex<TcpLimits>>,
     counters: Arc<Counters>,
     wake: Wake,
@@ -367,6 +374,7 @@ impl TcpPlane {
             linked,
             next_tid: TransferId::new(0),
             max_write_rate: None,
+            digests: false,
             limits,
             counters,
             wake,
@@ -396,6 +404,16 @@ impl TcpPlane {
     /// engine's own traffic on a shared link. Applies to links opened afterwards.
     pub fn with_max_write_rate(mut self, bytes_per_second: Option<u64>) -> Self {
         self.max_write_rate = bytes_per_second.filter(|r| *r > 0);
+        self
+    }
+
+    /// Asks every peer that writes to us for a CRC-32C of each block it sends, checked as the
+    /// block lands: a block that does not match fails its write, so the load fails and the
+    /// engine recomputes (a corruption in transit is a miss, never wrong KV). Said in the
+    /// `agent_metadata` of the `connect`s sent from now on (`tcp_digests`). A peer that does
+    /// not know it sends none; TLS's AEAD already covers transit where TLS is on.
+    pub fn with_block_digests(mut self, on: bool) -> Self {
+        self.digests = on;
         self
     }
 
@@ -452,9 +470,11 @@ impl TcpPlane {
         key: [u8; KEY_LEN],
         num_blocks: u64,
         tls: Option<std::net::IpAddr>,
+        digests: bool,
     ) {
         let limits = lock(&self.limits).clone();
         let writer = Writer {
+            digests,
             rate: self.max_write_rate,
             // Reconnect before the receiver's idle timeout can race a new WRITE.
             stale_after: limits.idle_timeout / 2,
@@ -641,7 +661,14 @@ impl DataPlane for TcpPlane {
                 return Ok(());
             }
         };
-        self.start_link(peer.clone(), addr, key, memory.num_blocks, tls);
+        self.start_link(
+            peer.clone(),
+            addr,
+            key,
+            memory.num_blocks,
+            tls,
+            meta.tcp_digests,
+        );
         Ok(())
     }
 
@@ -789,6 +816,7 @@ impl DataPlane for TcpPlane {
         }
         meta.tcp_key = Some(key.to_vec());
         meta.tcp_tls = self.tls.policy() != TlsPolicy::Off;
+        meta.tcp_digests = self.digests;
         meta.encode()
     }
 }

@@ -230,19 +230,22 @@ enum Rx {
     Idle,
     /// A WRITE's magic and header (`buf` fills up to 4 + [`WRITE_HEAD_LEN`]).
     Head { buf: Vec<u8> },
-    /// A WRITE's block indexes.
+    /// A WRITE's block indexes (and its digests, for a WRITE that carries them).
     Indexes {
         tid: TransferId,
         buf: Vec<u8>,
         need: usize,
+        digests: bool,
     },
-    /// A WRITE's blocks, straight into the pool: block `nth`, `at` bytes of it in.
+    /// A WRITE's blocks, straight into the pool: block `nth`, `at` bytes of it in; each
+    /// block checked against its digest once in (none: the WRITE carried none).
     Blocks {
         tid: TransferId,
         claim: WriteClaim,
         count: usize,
         nth: usize,
         at: usize,
+        digests: Vec<u32>,
     },
     /// Its ACK on its way out.
     Ack {
@@ -793,15 +796,17 @@ impl Receiver {
                 }
                 let writer = c.writer.clone().unwrap_or_default();
                 let magic: [u8; 4] = buf[..4].try_into().unwrap_or([0; 4]);
-                wire::check_write_magic(&magic)
+                let digests = wire::check_write_magic(&magic)
                     .map_err(|e| End::Broken(format!("{writer}: {e}")))?;
                 let head: [u8; WRITE_HEAD_LEN] = buf[4..].try_into().unwrap_or([0; WRITE_HEAD_LEN]);
                 match wire::decode_write_head(&head, self.shared.pool.num_blocks()) {
                     Ok((tid, count)) => {
+                        let per_block = if digests { 12 } else { 8 };
                         c.state = Rx::Indexes {
                             tid,
-                            buf: Vec::with_capacity(count.min(1 << 16) * 8),
-                            need: count * 8,
+                            buf: Vec::with_capacity(count.min(1 << 16) * per_block),
+                            need: count * per_block,
+                            digests,
                         };
                     }
                     Err(WireError::BadCount { tid, count }) => {
@@ -810,14 +815,22 @@ impl Receiver {
                     Err(e) => return Err(End::Broken(format!("{writer}: {e}"))),
                 }
             }
-            Rx::Indexes { tid, buf, need } => {
+            Rx::Indexes {
+                tid,
+                buf,
+                need,
+                digests,
+            } => {
                 if buf.len() < *need {
                     return Ok(());
                 }
                 let tid = *tid;
                 let writer = c.writer.clone().unwrap_or_default();
-                let indexes =
-                    wire::decode_indexes(buf).map_err(|e| End::Broken(format!("{writer}: {e}")))?;
+                let broken = |e: WireError| End::Broken(format!("{writer}: {e}"));
+                let indexes_len = if *digests { *need / 12 * 8 } else { *need };
+                let (raw_indexes, raw_digests) = buf.split_at(indexes_len);
+                let indexes = wire::decode_indexes(raw_indexes).map_err(broken)?;
+                let digests = wire::decode_digests(raw_digests).map_err(broken)?;
                 let claim = self.claim(id, c, tid, &writer, &indexes)?;
                 c.state = Rx::Blocks {
                     tid,
@@ -825,6 +838,7 @@ impl Receiver {
                     count: indexes.len(),
                     nth: 0,
                     at: 0,
+                    digests,
                 };
                 // Each block on its own clock.
                 c.deadline = now + limits.frame_timeout;
@@ -835,11 +849,26 @@ impl Receiver {
                 count,
                 nth,
                 at,
+                digests,
             } => {
                 *at += n;
                 let len = claim.block_mut(*nth).map_or(0, |b| b.len());
                 if *at < len {
                     return Ok(());
+                }
+                if let Some(&want) = digests.get(*nth) {
+                    let got = claim.block_mut(*nth).map(|b| wire::digest(b));
+                    if got != Some(want) {
+                        // Corrupted on the way (or by the writer): the write is refused, so the
+                        // load fails and its blocks never count as that key's.
+                        let (tid, nth) = (*tid, *nth);
+                        Counters::bump(&self.shared.counters.digest_mismatches);
+                        return Err(self.refuse(
+                            c,
+                            tid,
+                            format!("block {nth} of the write does not match its digest"),
+                        ));
+                    }
                 }
                 *nth += 1;
                 *at = 0;

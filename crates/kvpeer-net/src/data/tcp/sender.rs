@@ -95,6 +95,8 @@ pub(super) struct Job {
 /// A link's writer settings.
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
+    /// Each WRITE carries a CRC-32C per block (the peer asked: `tcp_digests`).
+    pub(super) digests: bool,
     /// Cap on bytes per second to this peer.
     pub(super) rate: Option<u64>,
     /// Reconnect before the receiver's idle timeout can race a new WRITE; an idle connection
@@ -640,7 +642,15 @@ impl Sender {
                     };
                     self.deadlines.push(std::cmp::Reverse((deadline, job.tid)));
                     link.reconnects = 0;
-                    let head = wire::encode_write_header(job.tid, &job.remote)
+                    // The blocks are pinned until the write ends: their digests now are those
+                    // of the bytes sent.
+                    let digests = link.writer.digests.then(|| {
+                        job.local
+                            .iter()
+                            .map(|b| self.shared.local.block(*b).map_or(0, wire::digest))
+                            .collect::<Vec<u32>>()
+                    });
+                    let head = wire::encode_write_header(job.tid, &job.remote, digests.as_deref())
                         .map_err(|_| TcpFault::TooManyBlocks(job.remote.len()))?;
                     if let Some(rate) = link.writer.rate {
                         // Idle time is not banked beyond a second: a pause does not buy a
@@ -1159,9 +1169,14 @@ fn tls_fault(e: std::io::Error) -> TcpFault {
     TcpFault::Tls(e.to_string())
 }
 
-/// The block indexes a WRITE header names (to re-queue a frame that never left).
+/// The block indexes a WRITE header names (to re-queue a frame that never left; its digests,
+/// if any, follow them).
 fn decode_remote(head: &[u8]) -> Vec<BlockIndex> {
-    head.get(4 + wire::WRITE_HEAD_LEN..)
+    let count = head
+        .get(4 + 8..4 + wire::WRITE_HEAD_LEN)
+        .and_then(|c| <[u8; 4]>::try_from(c).ok())
+        .map_or(0, |c| u32::from_be_bytes(c) as usize);
+    head.get(4 + wire::WRITE_HEAD_LEN..4 + wire::WRITE_HEAD_LEN + 8 * count)
         .and_then(|raw| wire::decode_indexes(raw).ok())
         .unwrap_or_default()
 }

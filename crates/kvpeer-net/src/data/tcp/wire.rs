@@ -5,6 +5,9 @@
 //! HELLO  "KVPH" | version u8 = 2 | id_len u16 BE | writer id (UTF-8, 1..=1024 bytes) | key[32]
 //! WRITE  "KVPW" | transfer id u64 BE | count u32 BE | count × block index u64 BE
 //!        | count × block_len bytes, in index order (streamed, not handled here)
+//!   or   "KVPD" | transfer id u64 BE | count u32 BE | count × block index u64 BE
+//!        | count × CRC-32C u32 BE (of each block's bytes) | count × block_len bytes
+//!        (to a receiver whose `agent_metadata` asks for it: `tcp_digests`)
 //! ACK    "KVPA" | transfer id u64 BE | status u8 (0 written, anything else refused)
 //! ```
 //!
@@ -20,6 +23,8 @@ use super::KEY_LEN;
 pub(super) const HELLO_MAGIC: &[u8; 4] = b"KVPH";
 /// A WRITE's first bytes.
 pub(super) const WRITE_MAGIC: &[u8; 4] = b"KVPW";
+/// A WRITE with a digest per block: its first bytes.
+pub(super) const DIGEST_WRITE_MAGIC: &[u8; 4] = b"KVPD";
 /// An ACK's first bytes.
 pub(super) const ACK_MAGIC: &[u8; 4] = b"KVPA";
 /// The HELLO version this plane speaks (1 had no key and is refused).
@@ -72,6 +77,14 @@ pub(super) enum WireError {
     /// More block indexes than a WRITE's u32 count can say.
     #[error("{0} blocks do not fit one write")]
     TooManyBlocks(usize),
+    /// A digest list not one per block.
+    #[error("{digests} digests for {blocks} blocks")]
+    DigestCount {
+        /// Digests given.
+        digests: usize,
+        /// Blocks named.
+        blocks: usize,
+    },
 }
 
 fn take<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
@@ -162,29 +175,65 @@ pub(super) fn decode_hello(bytes: &[u8]) -> Result<Hello, WireError> {
     })
 }
 
-/// A WRITE's header: magic, transfer id, count and the block indexes (the blocks follow).
+/// A WRITE's header: magic, transfer id, count and the block indexes, then, with `digests`
+/// (one per block), each block's CRC-32C (the blocks follow).
 pub(super) fn encode_write_header(
     tid: TransferId,
     indexes: &[BlockIndex],
+    digests: Option<&[u32]>,
 ) -> Result<Vec<u8>, WireError> {
     let count =
         u32::try_from(indexes.len()).map_err(|_| WireError::TooManyBlocks(indexes.len()))?;
-    let mut out = Vec::with_capacity(4 + WRITE_HEAD_LEN + 8 * indexes.len());
-    out.extend_from_slice(WRITE_MAGIC);
+    if let Some(d) = digests.filter(|d| d.len() != indexes.len()) {
+        return Err(WireError::DigestCount {
+            digests: d.len(),
+            blocks: indexes.len(),
+        });
+    }
+    let per_block = if digests.is_some() { 12 } else { 8 };
+    let mut out = Vec::with_capacity(4 + WRITE_HEAD_LEN + per_block * indexes.len());
+    out.extend_from_slice(if digests.is_some() {
+        DIGEST_WRITE_MAGIC
+    } else {
+        WRITE_MAGIC
+    });
     out.extend_from_slice(&tid.get().to_be_bytes());
     out.extend_from_slice(&count.to_be_bytes());
     for i in indexes {
         out.extend_from_slice(&i.get().to_be_bytes());
     }
+    for d in digests.unwrap_or_default() {
+        out.extend_from_slice(&d.to_be_bytes());
+    }
     Ok(out)
 }
 
-/// Checks a frame's magic is a WRITE's.
-pub(super) fn check_write_magic(magic: &[u8; 4]) -> Result<(), WireError> {
-    if magic != WRITE_MAGIC {
-        return Err(WireError::BadMagic);
+/// Checks a frame's magic is a WRITE's; whether its header carries digests.
+pub(super) fn check_write_magic(magic: &[u8; 4]) -> Result<bool, WireError> {
+    match magic {
+        m if m == WRITE_MAGIC => Ok(false),
+        m if m == DIGEST_WRITE_MAGIC => Ok(true),
+        _ => Err(WireError::BadMagic),
     }
-    Ok(())
+}
+
+/// A WRITE's digests: `raw` is `count × 4` bytes.
+pub(super) fn decode_digests(raw: &[u8]) -> Result<Vec<u32>, WireError> {
+    if !raw.len().is_multiple_of(4) {
+        return Err(WireError::Truncated {
+            got: raw.len(),
+            need: raw.len().next_multiple_of(4),
+        });
+    }
+    Ok(raw
+        .chunks_exact(4)
+        .map(|c| u32::from_be_bytes(take::<4>(c, 0)))
+        .collect())
+}
+
+/// A block's digest as a WRITE carries it.
+pub(super) fn digest(block: &[u8]) -> u32 {
+    crc32c::crc32c(block)
 }
 
 /// A WRITE's transfer id and block count, from the [`WRITE_HEAD_LEN`] bytes after its magic;
@@ -303,8 +352,12 @@ mod tests {
 
     #[test]
     fn a_write_header_is_these_exact_bytes_and_decodes_back() {
-        let bytes =
-            encode_write_header(0x0102_0304_0506_0708.into(), &[1.into(), 0xFFEE.into()]).unwrap();
+        let bytes = encode_write_header(
+            0x0102_0304_0506_0708.into(),
+            &[1.into(), 0xFFEE.into()],
+            None,
+        )
+        .unwrap();
         let want: Vec<u8> = [
             &b"KVPW"[..],
             &[1, 2, 3, 4, 5, 6, 7, 8],
@@ -314,13 +367,48 @@ mod tests {
         ]
         .concat();
         assert_eq!(bytes, want);
-        check_write_magic(&bytes[..4].try_into().unwrap()).unwrap();
+        assert!(!check_write_magic(&bytes[..4].try_into().unwrap()).unwrap());
         let (tid, count) = decode_write_head(&bytes[4..16].try_into().unwrap(), 8).unwrap();
         assert_eq!((tid.get(), count), (0x0102_0304_0506_0708, 2));
         assert_eq!(
             decode_indexes(&bytes[16..]).unwrap(),
             vec![BlockIndex::new(1), BlockIndex::new(0xFFEE)]
         );
+    }
+
+    #[test]
+    fn a_write_header_with_digests_is_these_exact_bytes_and_decodes_back() {
+        let indexes = [BlockIndex::new(1), BlockIndex::new(0xFFEE)];
+        let bytes = encode_write_header(
+            0x0102_0304_0506_0708.into(),
+            &indexes,
+            Some(&[0xDEAD_BEEF, 7]),
+        )
+        .unwrap();
+        let want: Vec<u8> = [
+            &b"KVPD"[..],
+            &[1, 2, 3, 4, 5, 6, 7, 8],
+            &[0, 0, 0, 2],
+            &[0, 0, 0, 0, 0, 0, 0, 1],
+            &[0, 0, 0, 0, 0, 0, 0xFF, 0xEE],
+            &[0xDE, 0xAD, 0xBE, 0xEF],
+            &[0, 0, 0, 7],
+        ]
+        .concat();
+        assert_eq!(bytes, want);
+        assert!(check_write_magic(&bytes[..4].try_into().unwrap()).unwrap());
+        assert_eq!(decode_indexes(&bytes[16..32]).unwrap(), indexes);
+        assert_eq!(decode_digests(&bytes[32..]).unwrap(), vec![0xDEAD_BEEF, 7]);
+        assert!(decode_digests(&[0; 5]).is_err());
+        assert_eq!(
+            encode_write_header(1.into(), &indexes, Some(&[1])),
+            Err(WireError::DigestCount {
+                digests: 1,
+                blocks: 2
+            })
+        );
+        // CRC-32C's check value (RFC 3720): "123456789" → 0xE3069283.
+        assert_eq!(digest(b"123456789"), 0xE306_9283);
     }
 
     #[test]

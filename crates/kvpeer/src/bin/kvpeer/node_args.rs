@@ -87,6 +87,8 @@ pub(crate) struct NodeArgs {
     pub(crate) bind_identity: Option<bool>,
     #[arg(long, value_name = "BOOL", help = help(&KEY.shm_allow_replayable_tokens))]
     pub(crate) shm_allow_replayable_tokens: Option<bool>,
+    #[arg(long, value_name = "BOOL", help = help(&KEY.tcp_block_digests))]
+    pub(crate) tcp_block_digests: Option<bool>,
     #[arg(long, value_name = "FILE", help = help(&KEY.auth_secret_file))]
     pub(crate) auth_secret_file: Option<std::path::PathBuf>,
     #[arg(long, value_name = "POLICY", value_parser = ["off", "preferred", "required"], help = help(&KEY.tls))]
@@ -266,6 +268,11 @@ impl NodeArgs {
             &KEY.shm_allow_replayable_tokens,
             self.shm_allow_replayable_tokens.map(|b| b.to_string()),
             "--shm-allow-replayable-tokens",
+        );
+        set(
+            &KEY.tcp_block_digests,
+            self.tcp_block_digests.map(|b| b.to_string()),
+            "--tcp-block-digests",
         );
         set(
             &KEY.auth_secret_file,
