@@ -370,11 +370,12 @@ def _tls_files(tmp_path) -> dict:
     (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
     run("openssl", "x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
         "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "node.pem")
+    # Paths as `pathlib.Path`: the tier takes them as a config file's strings.
     return {
         "tls": "required",
-        "tls_cert": str(tmp_path / "node.pem"),
-        "tls_key": str(tmp_path / "node.key"),
-        "tls_ca": str(tmp_path / "ca.pem"),
+        "tls_cert": tmp_path / "node.pem",
+        "tls_key": tmp_path / "node.key",
+        "tls_ca": tmp_path / "ca.pem",
     }
 
 
@@ -387,7 +388,8 @@ def test_tiers_with_tls_required_and_block_digests_share_byte_exact_and_refuse_p
     tls = _tls_files(tmp_path)
     a = engines(kvpeer_tier(tcp_block_digests=True, **tls), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
     b = engines(kvpeer_tier(tcp_block_digests=True, **tls), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
-    plain = engines(kvpeer_tier(), NUM_CHUNKS, BLOCK_LEN, engine_id="P")
+    # `tls: off` in YAML arrives as False.
+    plain = engines(kvpeer_tier(tls=False), NUM_CHUNKS, BLOCK_LEN, engine_id="P")
     keys = [make_key(f"tls-{i}") for i in range(4)]
     blocks = random_blocks(4, 40)
     produce(a, keys, blocks)

@@ -78,7 +78,7 @@ fn block_of(pool: &Pool, b: u64) -> Vec<u8> {
 }
 
 #[test]
-fn a_block_flipped_in_transit_fails_its_write_with_digests_and_lands_wrong_without() {
+fn a_block_flipped_in_transit_fails_its_transfer_with_digests_and_lands_wrong_without() {
     for digests in [true, false] {
         let (rx_pool, mut tx_pool) = (anon(), anon());
         let mut rx = plane_over(RX_ID, &rx_pool).with_block_digests(digests);
@@ -93,10 +93,11 @@ fn a_block_flipped_in_transit_fails_its_write_with_digests_and_lands_wrong_witho
         let differing = sent.iter().zip(&landed).filter(|(a, b)| a != b).count();
         if digests {
             assert!(
-                poll.done.is_empty() && !poll.failed.is_empty(),
-                "the write failed: {poll:?}"
+                poll.done.is_empty() && !poll.failed.is_empty() && poll.peer_fault.is_none(),
+                "the transfer failed, the peer was not faulted: {poll:?}"
             );
             assert_eq!(rx.counters().digest_mismatches, 1);
+            assert_eq!(tx.counters().corrupted_writes, 1);
         } else {
             assert_eq!(
                 (poll.done.len(), differing),
@@ -105,6 +106,11 @@ fn a_block_flipped_in_transit_fails_its_write_with_digests_and_lands_wrong_witho
             );
             assert_eq!(rx.counters().digest_mismatches, 0);
         }
+        // The same link goes on: the next block (past the flipped byte) lands byte-exact.
+        let next = fill_unique(&mut tx_pool, 2, 12);
+        let poll = transfer(&mut tx, &mut rx, 2);
+        assert_eq!(poll.done.len(), 1, "digests {digests}: {poll:?}");
+        assert_eq!(block_of(&rx_pool, 2), next);
         let wire = relay.seen.lock().unwrap().clone();
         let magic = if digests { &b"KVPD"[..] } else { &b"KVPW"[..] };
         assert!(
@@ -132,37 +138,78 @@ fn an_honest_transfer_with_digests_is_byte_exact() {
     assert!(tls_support::contains(&relay.seen.lock().unwrap(), b"KVPD"));
 }
 
-/// A raw writer: a WRITE whose digest matches its block is written; one whose digest does not
-/// is refused (ACK 1), its connection closed, and the block it named counts for nothing.
+/// A `KVPD` WRITE of one block at `index` with `digest`, then its ACK's status (`None`: the
+/// connection closed first).
+fn write_with_digest(
+    s: &mut TcpStream,
+    tid: u64,
+    index: u64,
+    digest: u32,
+    body: &[u8],
+) -> Option<u8> {
+    let mut frame = b"KVPD".to_vec();
+    frame.extend_from_slice(&tid.to_be_bytes());
+    frame.extend_from_slice(&1u32.to_be_bytes());
+    frame.extend_from_slice(&index.to_be_bytes());
+    frame.extend_from_slice(&digest.to_be_bytes());
+    frame.extend_from_slice(body);
+    s.write_all(&frame).ok()?;
+    let mut ack = [0u8; 13];
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.read_exact(&mut ack).ok()?;
+    assert_eq!(&ack[..4], b"KVPA");
+    assert_eq!(u64::from_be_bytes(ack[4..12].try_into().unwrap()), tid);
+    Some(ack[12])
+}
+
+/// CRC-32C over the block's index (8 bytes, big-endian) and its bytes, as the wire defines it.
+fn crc(index: u64, body: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&index.to_be_bytes()), body)
+}
+
+/// A raw writer: a WRITE whose digest matches is written; one whose block does not match, or
+/// whose header names another (permitted) block than the digest was made for, fails with ACK
+/// status 2 and the connection goes on; a plain `KVPW` WRITE is refused (ACK 1, closed) by a
+/// node that asks for digests.
 #[test]
-fn a_raw_write_with_a_wrong_digest_is_refused_and_a_right_one_written() {
+fn raw_writes_are_checked_against_their_digests_and_plain_ones_refused() {
     let store = pool("dg-raw");
-    let mut rx = plane(RX_ID, &store, TcpLimits::default()).with_block_digests(true);
+    let mut rx = plane("10.0.0.1:5710", &store, TcpLimits::default()).with_block_digests(true);
     let writer = PeerId::new(TX_ID);
     let key = issue(&mut rx, writer.as_str());
-    rx.expect_writes(&writer, &[BlockIndex::new(2), BlockIndex::new(3)]);
+    let permitted: Vec<BlockIndex> = (2..6).map(BlockIndex::new).collect();
+    rx.expect_writes(&writer, &permitted);
     let body = vec![0x5a_u8; LEN as usize];
-    let right = crc32c::crc32c(&body);
-    for (tid, block_index, digest, want) in [(1u64, 2u64, right, 0u8), (2, 3, right ^ 1, 1)] {
-        let mut s = TcpStream::connect(rx.addr()).unwrap();
-        hello(&mut s, writer.as_str(), &key);
-        let mut frame = b"KVPD".to_vec();
-        frame.extend_from_slice(&tid.to_be_bytes());
-        frame.extend_from_slice(&1u32.to_be_bytes());
-        frame.extend_from_slice(&block_index.to_be_bytes());
-        frame.extend_from_slice(&digest.to_be_bytes());
-        frame.extend_from_slice(&body);
-        s.write_all(&frame).unwrap();
-        let mut ack = [0u8; 13];
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.read_exact(&mut ack).unwrap();
-        assert_eq!((&ack[..4], ack[12]), (&b"KVPA"[..], want), "tid {tid}");
-        if want != 0 {
-            assert!(closed(&mut s), "the writer of a bad block is cut off");
-        }
-    }
+    let mut s = TcpStream::connect(rx.addr()).unwrap();
+    hello(&mut s, writer.as_str(), &key);
+    assert_eq!(
+        write_with_digest(&mut s, 1, 2, crc(2, &body), &body),
+        Some(0)
+    );
     assert_eq!(block(&store, 2), body, "the matching write landed");
-    assert_eq!(rx.counters().digest_mismatches, 1);
+    assert_eq!(
+        write_with_digest(&mut s, 2, 3, crc(3, &body) ^ 1, &body),
+        Some(2),
+        "a block that does not match its digest fails its transfer"
+    );
+    assert_eq!(
+        write_with_digest(&mut s, 3, 5, crc(4, &body), &body),
+        Some(2),
+        "a header whose index changed from 4 to 5 fails too"
+    );
+    assert_eq!(
+        write_with_digest(&mut s, 4, 4, crc(4, &body), &body),
+        Some(0),
+        "and the connection went on"
+    );
+    assert_eq!(rx.counters().digest_mismatches, 2);
+    assert_eq!(
+        write(&mut s, 5, &[(5, 0x11)]),
+        Some(1),
+        "a plain WRITE to a node that asks for digests"
+    );
+    assert!(closed(&mut s));
+    assert_eq!(rx.counters().writes_without_digests, 1);
 }
 
 /// The receiver says it wants digests in its `connect`'s `agent_metadata`, and only then.

@@ -1019,8 +1019,13 @@ def _fingerprint(offloading_spec: Any) -> str:
 
 
 def _text(key: str, value: Any) -> str:
+    if key == "tls" and value is False:
+        # YAML's `tls: off` arrives as False.
+        return "off"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     if isinstance(value, (int, float, str)):
         return str(value)
     raise ValueError(f"KvpeerTier: {key!r} must be a number or a string, not {value!r}")

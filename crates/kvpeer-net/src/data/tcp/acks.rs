@@ -19,15 +19,18 @@ use std::collections::VecDeque;
 
 use kvpeer_core::TransferId;
 
-use super::wire::{self, ACK_LEN};
+use super::wire::{self, AckStatus, ACK_LEN};
 
 /// What a whole ACK, taken in turn, says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Ack {
     /// The receiver wrote the transfer's blocks.
     Written(TransferId),
-    /// The receiver refused the transfer (it held no permit for it), and closes.
+    /// The receiver refused the transfer (no permit, or no digests it asked for), and closes.
     Refused(TransferId),
+    /// The receiver read the whole transfer, but a block did not match its digest: the
+    /// transfer failed; the connection goes on.
+    Corrupted(TransferId),
 }
 
 /// An ACK that must not count.
@@ -79,19 +82,21 @@ impl AckTurn {
             return Ok(None);
         }
         self.partial_len = 0;
-        let (tid, written) = wire::decode_ack(&self.partial).map_err(|_| AckViolation::NotAnAck)?;
+        let (tid, status) = wire::decode_ack(&self.partial).map_err(|_| AckViolation::NotAnAck)?;
         let next = self.unacked.front() == Some(&tid);
+        // Only a refusal may come before the WRITE's last byte left; a corrupted block is
+        // known only once every byte was read.
         let refusal_of_the_one_leaving =
-            !written && self.unacked.is_empty() && being_sent == Some(tid);
+            status == AckStatus::Refused && self.unacked.is_empty() && being_sent == Some(tid);
         if next {
             self.unacked.pop_front();
         } else if !refusal_of_the_one_leaving {
             return Err(AckViolation::OutOfTurn(tid));
         }
-        Ok(Some(if written {
-            Ack::Written(tid)
-        } else {
-            Ack::Refused(tid)
+        Ok(Some(match status {
+            AckStatus::Written => Ack::Written(tid),
+            AckStatus::Refused => Ack::Refused(tid),
+            AckStatus::Corrupted => Ack::Corrupted(tid),
         }))
     }
 }

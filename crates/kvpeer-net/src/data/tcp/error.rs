@@ -90,7 +90,8 @@ pub enum TcpFault {
     /// The connection ended with WRITEs awaiting their ACK.
     #[error("tcp data connection lost")]
     Lost,
-    /// The receiver refused a write (it refuses only a write it holds no permit for).
+    /// The receiver refused a write (it refuses only a write it holds no permit for, or one
+    /// without the block digests it asked for).
     #[error("the receiver refused a tcp write")]
     WriteRefused,
     /// The receiver acknowledged a transfer not awaiting that ACK on its connection: another

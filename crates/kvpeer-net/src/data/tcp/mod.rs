@@ -73,7 +73,7 @@ pub use error::{TcpFault, TcpRefusal};
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -211,9 +211,14 @@ pub struct TcpCounters {
     /// Transfers this node wrote that were not acknowledged by their deadline (each faulted
     /// its peer and reset its data connection).
     pub transfer_timeouts: u64,
-    /// WRITEs refused because a block's bytes did not match the digest its writer sent
-    /// (`tcp_block_digests`): corrupted in transit, or by the writer.
+    /// Received WRITEs with a block that did not match the digest its writer sent
+    /// (`tcp_block_digests`): corrupted in transit, or by the writer. Each failed its
+    /// transfer (ACK status 2); the connection went on.
     pub digest_mismatches: u64,
+    /// WRITEs this node sent that the receiver found corrupted (ACK status 2): each failed.
+    pub corrupted_writes: u64,
+    /// Plain WRITEs (no digests) refused because this node asks for digests.
+    pub writes_without_digests: u64,
 }
 
 #[derive(Default)]
@@ -230,6 +235,8 @@ struct Counters {
     transfer_timeouts: AtomicU64,
     load_closes: AtomicU64,
     digest_mismatches: AtomicU64,
+    corrupted_writes: AtomicU64,
+    writes_without_digests: AtomicU64,
 }
 
 impl Counters {
@@ -252,6 +259,8 @@ impl Counters {
             transfer_timeouts: get(&self.transfer_timeouts),
             load_closes: get(&self.load_closes),
             digest_mismatches: get(&self.digest_mismatches),
+            corrupted_writes: get(&self.corrupted_writes),
+            writes_without_digests: get(&self.writes_without_digests),
         }
     }
 }
@@ -296,8 +305,9 @@ pub struct TcpPlane {
     next_tid: TransferId,
     /// Cap on the bytes per second written to each peer (`None`: as fast as the link goes).
     max_write_rate: Option<u64>,
-    /// Peers writing to us are asked for a digest per block, checked before a write counts.
-    digests: bool,
+    /// Peers writing to us are asked for a digest per block, checked before a write counts
+    /// (shared with the receiver thread, which then refuses WRITEs without them).
+    digests: Arc<AtomicBool>,
     limits: Arc<Mutex<TcpLimits>>,
     counters: Arc<Counters>,
     wake: Wake,
@@ -342,6 +352,7 @@ impl TcpPlane {
         let gate: Arc<Mutex<Gate>> = Arc::default();
         let linked: Arc<Mutex<HashMap<PeerId, u64>>> = Arc::default();
         let tls = TlsSlot::default();
+        let digests: Arc<AtomicBool> = Arc::default();
         let receiver = receiver::start(
             listener,
             receiver::Shared {
@@ -350,6 +361,7 @@ impl TcpPlane {
                 limits: limits.clone(),
                 counters: counters.clone(),
                 tls: tls.clone(),
+                digests: digests.clone(),
             },
         )
         .map_err(listen_err)?;
@@ -374,7 +386,7 @@ impl TcpPlane {
             linked,
             next_tid: TransferId::new(0),
             max_write_rate: None,
-            digests: false,
+            digests,
             limits,
             counters,
             wake,
@@ -407,13 +419,15 @@ impl TcpPlane {
         self
     }
 
-    /// Asks every peer that writes to us for a CRC-32C of each block it sends, checked as the
-    /// block lands: a block that does not match fails its write, so the load fails and the
+    /// Asks every peer that writes to us for a CRC-32C of each block it sends (over the block's
+    /// index and bytes), checked as the block lands: a block that does not match fails its
+    /// transfer (ACK status 2; the connection and the peer go on), so the load fails and the
     /// engine recomputes (a corruption in transit is a miss, never wrong KV). Said in the
-    /// `agent_metadata` of the `connect`s sent from now on (`tcp_digests`). A peer that does
-    /// not know it sends none; TLS's AEAD already covers transit where TLS is on.
-    pub fn with_block_digests(mut self, on: bool) -> Self {
-        self.digests = on;
+    /// `agent_metadata` of the `connect`s sent from now on (`tcp_digests`). A WRITE without
+    /// digests is refused from then on: a writer that does not know them cannot write to us.
+    /// TLS's AEAD already covers transit where TLS is on.
+    pub fn with_block_digests(self, on: bool) -> Self {
+        self.digests.store(on, Ordering::Relaxed);
         self
     }
 
@@ -816,7 +830,7 @@ impl DataPlane for TcpPlane {
         }
         meta.tcp_key = Some(key.to_vec());
         meta.tcp_tls = self.tls.policy() != TlsPolicy::Off;
-        meta.tcp_digests = self.digests;
+        meta.tcp_digests = self.digests.load(Ordering::Relaxed);
         meta.encode()
     }
 }

@@ -238,14 +238,16 @@ enum Rx {
         digests: bool,
     },
     /// A WRITE's blocks, straight into the pool: block `nth`, `at` bytes of it in; each
-    /// block checked against its digest once in (none: the WRITE carried none).
+    /// block checked against its digest once in (none: the WRITE carried none). `corrupt`:
+    /// a block did not match (the rest is still read, so the stream stays in step).
     Blocks {
         tid: TransferId,
         claim: WriteClaim,
         count: usize,
         nth: usize,
         at: usize,
-        digests: Vec<u32>,
+        digests: Vec<(BlockIndex, u32)>,
+        corrupt: Option<usize>,
     },
     /// Its ACK on its way out.
     Ack {
@@ -278,6 +280,8 @@ pub(super) struct Shared {
     pub(super) counters: Arc<Counters>,
     /// The plane's TLS policy and material.
     pub(super) tls: TlsSlot,
+    /// This node asks writers for block digests: a WRITE without them is refused.
+    pub(super) digests: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The core's thread's side of the receiver thread: its wake pipe (to stop it).
@@ -799,6 +803,22 @@ impl Receiver {
                 let digests = wire::check_write_magic(&magic)
                     .map_err(|e| End::Broken(format!("{writer}: {e}")))?;
                 let head: [u8; WRITE_HEAD_LEN] = buf[4..].try_into().unwrap_or([0; WRITE_HEAD_LEN]);
+                if !digests
+                    && self
+                        .shared
+                        .digests
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                {
+                    Counters::bump(&self.shared.counters.writes_without_digests);
+                    let tid =
+                        TransferId::new(u64::from_be_bytes(head[..8].try_into().unwrap_or([0; 8])));
+                    return Err(self.refuse(
+                        c,
+                        tid,
+                        "a WRITE without block digests, and this node asks for them (tcp_block_digests)"
+                            .into(),
+                    ));
+                }
                 match wire::decode_write_head(&head, self.shared.pool.num_blocks()) {
                     Ok((tid, count)) => {
                         let per_block = if digests { 12 } else { 8 };
@@ -838,7 +858,8 @@ impl Receiver {
                     count: indexes.len(),
                     nth: 0,
                     at: 0,
-                    digests,
+                    digests: indexes.iter().copied().zip(digests).collect(),
+                    corrupt: None,
                 };
                 // Each block on its own clock.
                 c.deadline = now + limits.frame_timeout;
@@ -850,24 +871,19 @@ impl Receiver {
                 nth,
                 at,
                 digests,
+                corrupt,
             } => {
                 *at += n;
                 let len = claim.block_mut(*nth).map_or(0, |b| b.len());
                 if *at < len {
                     return Ok(());
                 }
-                if let Some(&want) = digests.get(*nth) {
-                    let got = claim.block_mut(*nth).map(|b| wire::digest(b));
-                    if got != Some(want) {
-                        // Corrupted on the way (or by the writer): the write is refused, so the
-                        // load fails and its blocks never count as that key's.
-                        let (tid, nth) = (*tid, *nth);
-                        Counters::bump(&self.shared.counters.digest_mismatches);
-                        return Err(self.refuse(
-                            c,
-                            tid,
-                            format!("block {nth} of the write does not match its digest"),
-                        ));
+                if let Some(&(index, want)) = digests.get(*nth) {
+                    let got = claim.block_mut(*nth).map(|b| wire::digest(index, b));
+                    if got != Some(want) && corrupt.is_none() {
+                        // Corrupted on the way (or by the writer): the transfer fails (ACK
+                        // status 2), so the load fails and its blocks never count as that key's.
+                        *corrupt = Some(*nth);
                     }
                 }
                 *nth += 1;
@@ -879,8 +895,22 @@ impl Receiver {
                 // Every byte is in: the write is over before the writer hears of it (and before
                 // the load can end, which ends connections still writing its blocks).
                 let tid = *tid;
+                let status = match *corrupt {
+                    None => wire::AckStatus::Written,
+                    Some(nth) => {
+                        Counters::bump(&self.shared.counters.digest_mismatches);
+                        let writer = c.writer.clone().unwrap_or_default();
+                        if let Some(suppressed) =
+                            crate::admit_warning("a tcp write arrived corrupted")
+                        {
+                            warn!(%writer, tid = tid.get(), block = nth, suppressed,
+                                "a block of a tcp write does not match its digest; the transfer failed");
+                        }
+                        wire::AckStatus::Corrupted
+                    }
+                };
                 c.state = Rx::Ack {
-                    bytes: wire::encode_ack(tid, true),
+                    bytes: wire::encode_ack_status(tid, status),
                     at: 0,
                 };
                 lock(&self.shared.gate).set_claimed(id, &[]);

@@ -15,7 +15,8 @@
 //! * **A connection found closed before a byte of a frame left** takes the frame back and
 //!   reconnects; one lost in the middle of a frame faults the peer.
 //! * **ACKs**: a written transfer is done, a refused one faults the peer (the receiver refuses
-//!   only a write it holds no permit for). An ACK counts only in turn: for the oldest WRITE
+//!   only a write it holds no permit for, or one without the block digests it asked for), a
+//!   corrupted one (a block did not match its digest) fails alone. An ACK counts only in turn: for the oldest WRITE
 //!   whose last byte left on that same connection (a refusal also for the one being sent).
 //!   Any other (early, out of order, another connection's, one too many) faults the peer and
 //!   completes nothing, so a receiver cannot have our blocks unpinned while we still read
@@ -647,7 +648,13 @@ impl Sender {
                     let digests = link.writer.digests.then(|| {
                         job.local
                             .iter()
-                            .map(|b| self.shared.local.block(*b).map_or(0, wire::digest))
+                            .zip(&job.remote)
+                            .map(|(local, remote)| {
+                                self.shared
+                                    .local
+                                    .block(*local)
+                                    .map_or(0, |b| wire::digest(*remote, b))
+                            })
                             .collect::<Vec<u32>>()
                     });
                     let head = wire::encode_write_header(job.tid, &job.remote, digests.as_deref())
@@ -1022,8 +1029,7 @@ impl Sender {
                     let being_sent = c.out.front().and_then(|f| f.tid);
                     match c.acks.filled(n, being_sent) {
                         Ok(None) => {}
-                        Ok(Some(Ack::Written(tid))) => acks.push((tid, true)),
-                        Ok(Some(Ack::Refused(tid))) => acks.push((tid, false)),
+                        Ok(Some(ack)) => acks.push(ack),
                         // Not in turn: early (before its WRITE's last byte left), for
                         // another connection's transfer, repeated, or one too many.
                         Err(AckViolation::OutOfTurn(tid)) => {
@@ -1057,7 +1063,10 @@ impl Sender {
             let mut refused = false;
             let mut foreign = excess;
             let mut e = lock(&self.shared.ends);
-            for (tid, written) in acks {
+            for ack in acks {
+                let tid = match ack {
+                    Ack::Written(t) | Ack::Refused(t) | Ack::Corrupted(t) => t,
+                };
                 match e.sent.get(&tid) {
                     // Awaiting its ACK on this very connection: the one ACK that counts.
                     Some(s) if s.peer == link.peer && s.conn == conn_id => {}
@@ -1073,11 +1082,24 @@ impl Sender {
                 }
                 if e.sent.remove(&tid).is_some() {
                     let report = e.ended.entry(link.peer.clone()).or_default();
-                    if written {
-                        report.done.push(tid);
-                    } else {
-                        report.failed.push(tid);
-                        refused = true;
+                    match ack {
+                        Ack::Written(_) => report.done.push(tid),
+                        // A block did not match its digest (`tcp_block_digests`): that
+                        // transfer fails (its load is a miss); the link and the peer go on.
+                        Ack::Corrupted(_) => {
+                            report.failed.push(tid);
+                            Counters::bump(&self.shared.counters.corrupted_writes);
+                            if let Some(suppressed) =
+                                crate::admit_warning("a tcp write arrived corrupted")
+                            {
+                                warn!(peer = %link.peer, tid = tid.get(), suppressed,
+                                    "the receiver found a block of our write corrupted (digest mismatch); the transfer failed");
+                            }
+                        }
+                        Ack::Refused(_) => {
+                            report.failed.push(tid);
+                            refused = true;
+                        }
                     }
                 }
             }
@@ -1087,7 +1109,8 @@ impl Sender {
                 return Err(TcpFault::ForeignAck(tid.get()));
             }
             if refused {
-                // The receiver refuses only a write it holds no permit for, and closes.
+                // The receiver refuses only a write it holds no permit for (or one without
+                // the digests it asked for), and closes.
                 return Err(TcpFault::WriteRefused);
             }
         }

@@ -6,9 +6,11 @@
 //! WRITE  "KVPW" | transfer id u64 BE | count u32 BE | count × block index u64 BE
 //!        | count × block_len bytes, in index order (streamed, not handled here)
 //!   or   "KVPD" | transfer id u64 BE | count u32 BE | count × block index u64 BE
-//!        | count × CRC-32C u32 BE (of each block's bytes) | count × block_len bytes
+//!        | count × CRC-32C u32 BE (of each block's index, 8 bytes BE, then its bytes)
+//!        | count × block_len bytes
 //!        (to a receiver whose `agent_metadata` asks for it: `tcp_digests`)
-//! ACK    "KVPA" | transfer id u64 BE | status u8 (0 written, anything else refused)
+//! ACK    "KVPA" | transfer id u64 BE | status u8 (0 written, 2 a block did not match its
+//!        digest, anything else refused)
 //! ```
 //!
 //! The receiver reads a HELLO in stages so it can refuse junk as early as possible (the magic
@@ -231,9 +233,11 @@ pub(super) fn decode_digests(raw: &[u8]) -> Result<Vec<u32>, WireError> {
         .collect())
 }
 
-/// A block's digest as a WRITE carries it.
-pub(super) fn digest(block: &[u8]) -> u32 {
-    crc32c::crc32c(block)
+/// The digest of the block a WRITE names at receiver index `index`: CRC-32C over the index
+/// (8 bytes, big-endian) and then the block's bytes, so a block that lands under another index
+/// (a flipped bit in the header) fails too.
+pub(super) fn digest(index: BlockIndex, block: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&index.get().to_be_bytes()), block)
 }
 
 /// A WRITE's transfer id and block count, from the [`WRITE_HEAD_LEN`] bytes after its magic;
@@ -265,22 +269,55 @@ pub(super) fn decode_indexes(raw: &[u8]) -> Result<Vec<BlockIndex>, WireError> {
         .collect())
 }
 
+/// What an ACK says of its transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AckStatus {
+    /// Every block landed (status 0).
+    Written,
+    /// Refused (status 1, or any the writer does not know): the receiver closes.
+    Refused,
+    /// Every byte was read, but a block did not match its digest (status 2): that transfer
+    /// failed, and the connection goes on.
+    Corrupted,
+}
+
 /// An ACK: transfer `tid` written (`true`) or refused.
 pub(super) fn encode_ack(tid: TransferId, written: bool) -> [u8; ACK_LEN] {
+    encode_ack_status(
+        tid,
+        if written {
+            AckStatus::Written
+        } else {
+            AckStatus::Refused
+        },
+    )
+}
+
+/// An ACK for transfer `tid` with `status`.
+pub(super) fn encode_ack_status(tid: TransferId, status: AckStatus) -> [u8; ACK_LEN] {
     let mut out = [0u8; ACK_LEN];
     out[..4].copy_from_slice(ACK_MAGIC);
     out[4..12].copy_from_slice(&tid.get().to_be_bytes());
-    out[12] = u8::from(!written);
+    out[12] = match status {
+        AckStatus::Written => 0,
+        AckStatus::Refused => 1,
+        AckStatus::Corrupted => 2,
+    };
     out
 }
 
-/// An ACK's transfer id and whether it was written (status 0; any other status is a refusal).
-pub(super) fn decode_ack(frame: &[u8; ACK_LEN]) -> Result<(TransferId, bool), WireError> {
+/// An ACK's transfer id and what it says.
+pub(super) fn decode_ack(frame: &[u8; ACK_LEN]) -> Result<(TransferId, AckStatus), WireError> {
     if &frame[..4] != ACK_MAGIC {
         return Err(WireError::BadMagic);
     }
     let tid = TransferId::new(u64::from_be_bytes(take::<8>(frame, 4)));
-    Ok((tid, frame[12] == 0))
+    let status = match frame[12] {
+        0 => AckStatus::Written,
+        2 => AckStatus::Corrupted,
+        _ => AckStatus::Refused,
+    };
+    Ok((tid, status))
 }
 
 #[cfg(test)]
@@ -407,8 +444,25 @@ mod tests {
                 blocks: 2
             })
         );
-        // CRC-32C's check value (RFC 3720): "123456789" → 0xE3069283.
-        assert_eq!(digest(b"123456789"), 0xE306_9283);
+        // CRC-32C's check value (RFC 3720): "123456789" → 0xE3069283; the index comes first.
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
+        let mut with_index = 7u64.to_be_bytes().to_vec();
+        with_index.extend_from_slice(b"123456789");
+        assert_eq!(
+            digest(BlockIndex::new(7), b"123456789"),
+            crc32c::crc32c(&with_index)
+        );
+        assert_ne!(
+            digest(BlockIndex::new(7), b"123456789"),
+            digest(BlockIndex::new(6), b"123456789"),
+            "the same bytes under another index"
+        );
+        let ack = encode_ack_status(3.into(), AckStatus::Corrupted);
+        assert_eq!(ack[12], 2);
+        assert_eq!(decode_ack(&ack).unwrap(), (3.into(), AckStatus::Corrupted));
+        let mut odd = ack;
+        odd[12] = 9;
+        assert_eq!(decode_ack(&odd).unwrap().1, AckStatus::Refused);
     }
 
     #[test]
@@ -450,19 +504,28 @@ mod tests {
     }
 
     #[test]
-    fn an_ack_is_these_exact_bytes_and_any_nonzero_status_is_a_refusal() {
+    fn an_ack_is_these_exact_bytes_and_any_status_but_0_or_2_is_a_refusal() {
         let ok = encode_ack(TransferId::new(0x0A0B), true);
         assert_eq!(
             ok,
             [b'K', b'V', b'P', b'A', 0, 0, 0, 0, 0, 0, 0x0A, 0x0B, 0]
         );
-        assert_eq!(decode_ack(&ok), Ok((TransferId::new(0x0A0B), true)));
+        assert_eq!(
+            decode_ack(&ok),
+            Ok((TransferId::new(0x0A0B), AckStatus::Written))
+        );
         let refused = encode_ack(TransferId::new(5), false);
         assert_eq!(refused[12], 1);
-        assert_eq!(decode_ack(&refused), Ok((TransferId::new(5), false)));
+        assert_eq!(
+            decode_ack(&refused),
+            Ok((TransferId::new(5), AckStatus::Refused))
+        );
         let mut odd = ok;
         odd[12] = 7;
-        assert_eq!(decode_ack(&odd), Ok((TransferId::new(0x0A0B), false)));
+        assert_eq!(
+            decode_ack(&odd),
+            Ok((TransferId::new(0x0A0B), AckStatus::Refused))
+        );
         let mut junk = ok;
         junk[3] = b'W';
         assert_eq!(decode_ack(&junk), Err(WireError::BadMagic));
