@@ -227,7 +227,15 @@ impl PoolNode {
                 })
             }
         };
-        let shared = Arc::new(Shared::default());
+        // Until the pool thread's first tick, its followed engines count as followed and not
+        // connected: `/readyz` must not call a pool that has not tried yet ready.
+        let shared = Arc::new(Shared {
+            followed: Mutex::new(PoolNodeStats {
+                engines: config.follow.len() as u64,
+                ..PoolNodeStats::default()
+            }),
+            ..Shared::default()
+        });
         let stop = Arc::new(AtomicBool::new(false));
         let (failed_tx, failed_rx) = sync_channel::<OffloadKey>(FAILED_QUEUE);
         let bytes = Arc::new(Mutex::new(puller::Bucket::new(config.max_rate)));
