@@ -38,7 +38,8 @@ pub struct Counters {
     pub transfers_failed: u64,
     /// Consumer: loads that landed completely.
     pub loads_ok: u64,
-    /// Consumer: loads that failed or were aborted.
+    /// Consumer: loads that failed or were aborted, counted when the failure is reported (a
+    /// load held until its blocks are fenced counts at once, once).
     pub loads_failed: u64,
     /// Consumer: failed loads whose blocks were held until the plane fenced the producer's
     /// writes (it had not confirmed they ended).

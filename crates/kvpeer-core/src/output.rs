@@ -116,6 +116,9 @@ impl Outbox {
             self.load_done(f.job, f.kv_request_id, false, f.live);
         } else {
             self.counters.loads_fencing += 1;
+            // Counted as failed now, when the failure is reported (vLLM 0.34's tier hands it
+            // on at once), not again when the blocks go back.
+            self.counters.loads_failed += 1;
             // A peer can cause it at will (a write it keeps in progress): throttled (G8).
             crate::warn_throttled!(self.throttle, now,
                 "a failed load's blocks may still be written by the peer; held until fenced",
@@ -141,7 +144,12 @@ impl Outbox {
                 "a failed load's blocks are fenced; handing them back",
                 peer = %f.peer, kv_request_id = %f.kv_request_id, blocks = f.blocks.len(),
                 waited_ms = now.saturating_duration_since(f.since).as_millis() as u64);
-            self.load_done(f.job, f.kv_request_id, false, false);
+            // Its failure was reported and counted when it was held.
+            self.events.push_back(Event::LoadDone {
+                job: f.job,
+                kv_request_id: f.kv_request_id,
+                success: false,
+            });
         }
     }
 

@@ -624,6 +624,11 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
     );
     assert_eq!(m.core.stats().fencing_loads, 1);
     assert_eq!(m.core.stats().fencing_blocks, 2);
+    assert_eq!(
+        m.core.counters().loads_failed,
+        1,
+        "counted when reported (CI: vLLM 0.34's tier read 0 after the job had failed)"
+    );
     assert!(m.core.poll_timeout().is_some(), "the fence is asked again");
     m.advance(S(5));
     assert!(m.load_results().is_empty(), "still writing: still held");
@@ -641,6 +646,7 @@ fn a_failed_loads_blocks_are_handed_back_only_once_fenced() {
     m.advance(S(1));
     assert_eq!(m.load_results(), vec![(JobId::new(5), false)]);
     assert_eq!(m.core.stats().fencing_loads, 0);
+    assert_eq!(m.core.counters().loads_failed, 1, "and not counted again");
     m.finish("r");
     m.assert_clean();
 }
