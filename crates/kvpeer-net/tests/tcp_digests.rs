@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -154,12 +154,7 @@ fn write_with_digest(
     frame.extend_from_slice(&digest.to_be_bytes());
     frame.extend_from_slice(body);
     s.write_all(&frame).ok()?;
-    let mut ack = [0u8; 13];
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.read_exact(&mut ack).ok()?;
-    assert_eq!(&ack[..4], b"KVPA");
-    assert_eq!(u64::from_be_bytes(ack[4..12].try_into().unwrap()), tid);
-    Some(ack[12])
+    read_ack(s, tid)
 }
 
 /// CRC-32C over the block's index (8 bytes, big-endian) and its bytes, as the wire defines it.

@@ -254,24 +254,10 @@ fn tls_flushed(
     }
 }
 
-/// The first byte waiting on `stream`, not taken from it (`MSG_PEEK`): `Ok(None)` while none
-/// came, `Err` when the peer closed or the socket failed. How a listener that speaks both tells
-/// a TLS client (its first record, a handshake: 0x16) from a plaintext ZMTP peer (0xFF).
-pub(crate) fn peek_first(stream: &TcpStream) -> Result<Option<u8>, LinkLoss> {
-    let mut byte = [0u8; 1];
-    loop {
-        return match stream.peek(&mut byte) {
-            Ok(0) => Err(LinkLoss::ClosedByPeer),
-            Ok(_) => Ok(Some(byte[0])),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => Err(LinkLoss::Socket(e.kind())),
-        };
-    }
-}
-
 /// Up to `buf.len()` bytes waiting on `stream`, not taken from it (`MSG_PEEK`): how many came
-/// (0 while none did), `Err` when the peer closed before all did or the socket failed.
+/// (0 while none did), `Err` when the peer closed before all did or the socket failed. How a
+/// listener that speaks both tells a TLS client (0x16) from a plaintext ZMTP peer (0xFF), and a
+/// dialer that wants TLS reads the listener's offer.
 pub(crate) fn peek_up_to(stream: &TcpStream, buf: &mut [u8]) -> Result<usize, LinkLoss> {
     loop {
         return match stream.peek(buf) {

@@ -310,10 +310,12 @@ impl Peer {
 /// greeting goes on after the offer's signature (a wrong greeting fails there, as from any
 /// peer). Not come yet: it stays sniffing, unread until its next readiness.
 fn sniff(p: &mut Peer, tls: Option<&crate::tls::Tls>) -> Result<(), LinkLoss> {
-    let Some(first) = sockio::peek_first(&p.stream)? else {
+    let mut first = [0u8; 1];
+    if sockio::peek_up_to(&p.stream, &mut first)? == 0 {
         p.readable = false;
         return Ok(());
-    };
+    }
+    let first = first[0];
     p.sniffing = false;
     match tls {
         Some(tls) if first == crate::tls::HANDSHAKE_RECORD => {

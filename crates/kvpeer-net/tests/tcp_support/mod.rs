@@ -95,6 +95,12 @@ pub(crate) fn write(s: &mut TcpStream, tid: u64, blocks: &[(u64, u8)]) -> Option
     for (_, fill) in blocks {
         let _ = s.write_all(&vec![*fill; LEN as usize]);
     }
+    read_ack(s, tid)
+}
+
+/// The status of the ACK of `tid` (checked to name it), or None if the connection closed
+/// instead.
+pub(crate) fn read_ack(s: &mut TcpStream, tid: u64) -> Option<u8> {
     let mut ack = [0u8; 13];
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     s.read_exact(&mut ack).ok()?;
