@@ -405,6 +405,35 @@ def test_tiers_with_tls_required_and_block_digests_share_byte_exact_and_refuse_p
     assert a.tier.node_stats()["lookups_served"] == served, "nothing served in plaintext"
 
 
+def test_a_tier_with_a_tenant_shares_with_its_tenant_and_tells_another_nothing(engines):
+    """`tenant` and `tenants` (issue 40): engines A and B of tenant alpha share blocks
+    byte-exact; engine C of tenant beta, asking A for the same keys, gets no hit, and A served
+    it not a single lookup (A's tier never dials C back nor answers it)."""
+    ports = {name: free_port() for name in "ABC"}
+    rules = [f"alpha=127.0.0.1:{ports['A']}", f"alpha=127.0.0.1:{ports['B']}",
+             f"beta=127.0.0.1:{ports['C']}"]
+
+    def tier(name: str, tenant: str) -> dict:
+        return kvpeer_tier(port=ports[name], tenant=tenant, tenants=rules)
+
+    a = engines(tier("A", "alpha"), NUM_CHUNKS, BLOCK_LEN, engine_id="A")
+    b = engines(tier("B", "alpha"), NUM_CHUNKS, BLOCK_LEN, engine_id="B")
+    c = engines(tier("C", "beta"), NUM_CHUNKS, BLOCK_LEN, engine_id="C")
+    keys = [make_key(f"tenant-{i}") for i in range(4)]
+    blocks = random_blocks(4, 41)
+    produce(a, keys, blocks)
+    pull(a, b, keys, blocks, "kv-alpha")
+    served = a.tier.node_stats()["lookups_served"]
+    assert served >= 1
+
+    req = c.new_request("c-req", source(a, "kv-beta"))
+    hits, answers = wait_lookup([a, b, c], c, keys, req)
+    assert hits == 0, answers
+    assert [c.read(k) for k in keys] == [None] * 4
+    c.finish(req)
+    assert a.tier.node_stats()["lookups_served"] == served, "nothing served to another tenant"
+
+
 def test_peer_killed_mid_load_fails_the_job_and_frees_the_slots(engines):
     """The producer (another process) is killed with SIGKILL while B's load from it runs:
     the job fails, no key is readable in B's primary tier, no slot stays pinned, nothing of
@@ -662,6 +691,7 @@ def test_shutdown_with_peers_connected(engines):
         ({"plane": "carrier-pigeon"}, "plane"),
         ({"plane": "shm"}, "plane"),  # the memory here is no /dev/shm file
         ({"allow": ["10.0.0.0/33"]}, "allow"),
+        ({"tenants": ["10.0.0.0/8"]}, "tenants"),
         ({"port": "x"}, "port"),
         ({"backends": ["LIBFABRIC"]}, "backends"),
         ({"unbound_store_timeout_s": -1}, "unbound_store_timeout_s"),

@@ -171,8 +171,9 @@ impl std::fmt::Display for PeerSaid {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LocalRefusal {
-    /// The peer's address is outside this node's allowlist.
-    #[error("not in the allowlist")]
+    /// The peer's address is outside this node's allowlist, or (for a node with a tenant)
+    /// of another tenant.
+    #[error("not in the allowlist, or of another tenant (tenants)")]
     NotAllowed,
 }
 

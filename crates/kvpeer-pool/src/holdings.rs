@@ -13,6 +13,12 @@
 //! prefixes). It is offered once; [`Holdings::pull_failed`] lets it be offered again by the next
 //! engine that announces it. The caller drops candidates its own store already holds (an
 //! engine re-announces blocks it fetched from the pool).
+//!
+//! **Tenants** ([`Holdings::set_groups`]): engines of one tenant form a group, and admission is
+//! per group: a key is offered once for each group in which `min_holders` of the group's
+//! engines hold it, from one of them, so a pool that keeps tenants apart pulls a key both
+//! tenants hold once into each, and never counts one tenant's holders towards another's.
+//! Without groups every engine is in one.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -76,8 +82,8 @@ struct Entry {
     generation: u64,
     /// The engine whose announcement made the entry (it counts in that engine's share).
     maker: EngineSlot,
-    /// Offered as a candidate (and not failed since).
-    offered: bool,
+    /// The groups it was offered for (and not failed since), as a mask of their engines.
+    offered: u64,
 }
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -102,6 +108,8 @@ pub struct Holdings {
     group_kinds: std::collections::BTreeMap<u32, String>,
     /// What each chunk is beyond its key, from the same events.
     catalog: Catalog,
+    /// Each engine's group, as the mask of its engines (all engines: one group).
+    groups: [u64; EngineSlot::MAX],
 }
 
 /// Groups whose kind the index keeps (models have a handful).
@@ -124,6 +132,20 @@ impl Holdings {
             forgotten: 0,
             group_kinds: std::collections::BTreeMap::new(),
             catalog: Catalog::new(CatalogLimits::default()),
+            groups: [u64::MAX; EngineSlot::MAX],
+        }
+    }
+
+    /// Puts `engines` in one group (a tenant's engines): admission then counts, and offers,
+    /// within each group apart. Engines never named stay in the group of all the unnamed.
+    pub fn set_groups(&mut self, groups: &[Vec<EngineSlot>]) {
+        let named: u64 = groups.iter().flatten().fold(0, |m, e| m | e.bit());
+        self.groups = [!named; EngineSlot::MAX];
+        for group in groups {
+            let mask = group.iter().fold(0, |m, e| m | e.bit());
+            for e in group {
+                self.groups[e.index()] = mask;
+            }
         }
     }
 
@@ -173,7 +195,7 @@ impl Holdings {
                     last_holder: engine,
                     generation,
                     maker: engine,
-                    offered: false,
+                    offered: 0,
                 })
             }
         };
@@ -182,10 +204,13 @@ impl Holdings {
             self.per_engine[engine.index()] += 1;
         }
         entry.last_holder = engine;
-        if entry.offered || entry.holders.count_ones() < self.admission.min_holders {
+        let group = self.groups[engine.index()];
+        if entry.offered & group != 0
+            || (entry.holders & group).count_ones() < self.admission.min_holders
+        {
             return None;
         }
-        entry.offered = true;
+        entry.offered |= group;
         Some(PullCandidate { key, from: engine })
     }
 
@@ -226,10 +251,11 @@ impl Holdings {
         self.per_engine[engine.index()] = 0;
     }
 
-    /// A pull of `key` failed: the next engine to announce it offers it again.
-    pub fn pull_failed(&mut self, key: &OffloadKey) {
+    /// A pull of `key` from `from` failed: the next engine of its group to announce it offers
+    /// it again.
+    pub fn pull_failed(&mut self, key: &OffloadKey, from: EngineSlot) {
         if let Some(e) = self.entries.get_mut(key) {
-            e.offered = false;
+            e.offered &= !self.groups[from.index()];
         }
     }
 
@@ -338,7 +364,7 @@ mod tests {
         );
         assert_eq!(h.stored(slot(1), key(1)), None);
         assert_eq!(h.holders(&key(1)), 2);
-        h.pull_failed(&key(1));
+        h.pull_failed(&key(1), slot(0));
         assert_eq!(
             h.stored(slot(1), key(1)),
             Some(PullCandidate {
@@ -346,6 +372,33 @@ mod tests {
                 from: slot(1)
             })
         );
+    }
+
+    #[test]
+    fn each_tenants_group_is_offered_a_key_once_counting_only_its_own_holders() {
+        let mut h = Holdings::new(100, Admission { min_holders: 2 });
+        // Engines 0 and 1 are tenant alpha's, 2 and 3 beta's, 4 of no tenant.
+        h.set_groups(&[vec![slot(0), slot(1)], vec![slot(2), slot(3)]]);
+        assert_eq!(h.stored(slot(0), key(1)), None);
+        assert_eq!(
+            h.stored(slot(2), key(1)),
+            None,
+            "beta's holder is not alpha's second"
+        );
+        assert_eq!(h.stored(slot(4), key(1)), None);
+        assert_eq!(h.stored(slot(1), key(1)).map(|c| c.from), Some(slot(1)));
+        assert_eq!(h.stored(slot(1), key(1)), None, "alpha's offered once");
+        assert_eq!(h.stored(slot(3), key(1)).map(|c| c.from), Some(slot(3)));
+        // A failed pull is offered again in its own group only.
+        h.pull_failed(&key(1), slot(3));
+        assert_eq!(h.stored(slot(0), key(1)), None);
+        assert_eq!(h.stored(slot(2), key(1)).map(|c| c.from), Some(slot(2)));
+        // With one holder enough, the engines of no tenant are a group of their own.
+        let mut h = Holdings::new(100, Admission::default());
+        h.set_groups(&[vec![slot(0)]]);
+        assert!(h.stored(slot(0), key(2)).is_some());
+        assert_eq!(h.stored(slot(4), key(2)).map(|c| c.from), Some(slot(4)));
+        assert_eq!(h.stored(slot(5), key(2)), None);
     }
 
     #[test]

@@ -23,4 +23,4 @@ pub mod trailer;
 pub use pool::{
     BlockBusy, ClaimError, Pool, PoolError, PoolView, PoolWriter, ShmObject, WriteClaim, HUGE_PAGE,
 };
-pub use store::{BlockStore, KeyChange, StoreConfig, StoreError, StoreStats};
+pub use store::{BlockStore, KeyChange, StoreConfig, StoreError, StoreStats, Tenant, TenantOf};

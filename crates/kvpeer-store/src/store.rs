@@ -9,9 +9,16 @@
 //! asking for its key get HIT_PENDING) → **ready** (readable; in the LRU unless pinned) →
 //! evicted back to free. Blocks the engine stores go straight to ready. A **pin** (a store job)
 //! keeps a ready block from eviction until the job completes, successfully or not.
+//!
+//! **Tenants.** Every block belongs to one [`Tenant`], and each tenant has an index of its own:
+//! a key is found only in the index of the tenant that asks, so a key another tenant holds is
+//! an ordinary miss, on the same path as a key nobody holds (nothing to time). The methods
+//! without a tenant work in [`Tenant::DEFAULT`]; a node that keeps tenants apart calls the
+//! `_in` forms, and its peers' lookups are scoped by the [`TenantOf`] it installs
+//! ([`BlockStore::scope_peers`]).
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
-use kvpeer_proto::OffloadKey;
+use kvpeer_proto::{OffloadKey, PeerId};
 
 use crate::lru::Lru;
 use crate::pool::{BlockBusy, Pool, PoolError};
@@ -57,6 +64,9 @@ pub enum StoreError {
         /// What is wrong.
         reason: &'static str,
     },
+    /// Blocks for [`Tenant::NOBODY`] (a peer two tenants' rules name): they would be nobody's.
+    #[error("no tenant to hold the blocks: their peer is named by two tenants' rules")]
+    NoTenant,
     /// Bytes of the wrong size for a block.
     #[error("{len} bytes given for a block of {block_len}")]
     WrongSize {
@@ -77,9 +87,34 @@ enum State {
 #[derive(Debug)]
 struct Slot {
     key: Option<OffloadKey>,
+    /// Whose index holds `key`.
+    tenant: Tenant,
     state: State,
     pins: u32,
 }
+
+/// Whose a block is: the namespace of its key. Numbered by the node that keeps tenants apart;
+/// [`Tenant::DEFAULT`] is every block of a node that does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tenant(pub u16);
+
+impl Tenant {
+    /// The tenant of a node that keeps none apart, and of peers that no tenant's rule names.
+    pub const DEFAULT: Tenant = Tenant(0);
+    /// A peer that two tenants' rules name: it sees no tenant's blocks (an empty index).
+    pub const NOBODY: Tenant = Tenant(u16::MAX);
+}
+
+/// Which tenant a peer asks as: installed with [`BlockStore::scope_peers`], asked on the node's
+/// thread once per peer (the answer is kept), so it must be pure and quick.
+pub trait TenantOf: Send + std::fmt::Debug {
+    /// The tenant `peer` belongs to.
+    fn tenant_of(&self, peer: &PeerId) -> Tenant;
+}
+
+/// Peers whose tenant is remembered before the memory is cleared (a peer is asked about again
+/// after that: correct, just one more rule walk).
+const SCOPE_CACHE_MAX: usize = 4096;
 
 /// Occupancy, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -125,7 +160,13 @@ struct ChangeLog {
 pub struct BlockStore {
     pool: Pool,
     slots: Vec<Slot>,
-    index: Map<OffloadKey, u32>,
+    /// One index per tenant, by its number (grown when a tenant first stores).
+    indexes: Vec<Map<OffloadKey, u32>>,
+    /// An empty index: the answer for a tenant that holds nothing.
+    no_index: Map<OffloadKey, u32>,
+    /// How peers' lookups are scoped (`None`: every peer asks as [`Tenant::DEFAULT`]).
+    scopes: Option<Box<dyn TenantOf>>,
+    scope_cache: Map<PeerId, Tenant>,
     lru: Lru,
     free: Vec<u32>,
     jobs: Map<JobId, Vec<u32>>,
@@ -141,6 +182,7 @@ impl BlockStore {
     /// its slot, its LRU link and flag, its free-list entry, and its index entry with the hash
     /// table's control byte, at the table's worst load (half full, right after growing).
     pub fn overhead_per_block() -> usize {
+        // Every index together holds one entry per block at most (a block is in one).
         let index_entry = std::mem::size_of::<(OffloadKey, u32)>() + 1;
         std::mem::size_of::<Slot>()
             + Lru::BYTES_PER_BLOCK
@@ -178,11 +220,15 @@ impl BlockStore {
             slots: (0..n)
                 .map(|_| Slot {
                     key: None,
+                    tenant: Tenant::DEFAULT,
                     state: State::Free,
                     pins: 0,
                 })
                 .collect(),
-            index: Map::default(),
+            indexes: vec![Map::default()],
+            no_index: Map::default(),
+            scopes: None,
+            scope_cache: Map::default(),
             lru: Lru::new(n),
             // Pop from the end: lowest blocks first.
             free: (0..blocks).rev().collect(),
@@ -221,6 +267,24 @@ impl BlockStore {
         }
     }
 
+    /// Logs `tenant`'s change unless another tenant holds the key readable: the log says what
+    /// the store holds, whoever's it is (a key stays held while any tenant holds it).
+    fn log_for(&mut self, tenant: Tenant, change: KeyChange) {
+        if self.changes.is_none() {
+            return;
+        }
+        let (KeyChange::Stored(key) | KeyChange::Removed(key)) = &change;
+        let held_elsewhere = self.indexes.iter().enumerate().any(|(t, index)| {
+            t != usize::from(tenant.0)
+                && index
+                    .get(key)
+                    .is_some_and(|b| self.slots[*b as usize].state == State::Ready)
+        });
+        if !held_elsewhere {
+            self.log(change);
+        }
+    }
+
     fn log(&mut self, change: KeyChange) {
         if let Some(log) = &mut self.changes {
             if log.changes.len() >= log.max {
@@ -256,7 +320,12 @@ impl BlockStore {
     /// Whether `key` is held: readable (HIT, and it becomes the most recently used), being
     /// written (HIT_PENDING), or not (MISS).
     pub fn lookup(&mut self, key: &OffloadKey) -> LookupResult {
-        let Some(&b) = self.index.get(key) else {
+        self.lookup_in(Tenant::DEFAULT, key)
+    }
+
+    /// [`BlockStore::lookup`] as `tenant` sees the store.
+    pub fn lookup_in(&mut self, tenant: Tenant, key: &OffloadKey) -> LookupResult {
+        let Some(&b) = self.index(tenant).get(key) else {
             return LookupResult::Miss;
         };
         match self.slots[b as usize].state {
@@ -273,7 +342,12 @@ impl BlockStore {
 
     /// The block holding `key`, if readable.
     pub fn block_of(&self, key: &OffloadKey) -> Option<BlockIndex> {
-        let &b = self.index.get(key)?;
+        self.block_of_in(Tenant::DEFAULT, key)
+    }
+
+    /// [`BlockStore::block_of`] as `tenant` sees the store.
+    pub fn block_of_in(&self, tenant: Tenant, key: &OffloadKey) -> Option<BlockIndex> {
+        let &b = self.index(tenant).get(key)?;
         (self.slots[b as usize].state == State::Ready).then_some(BlockIndex::new(u64::from(b)))
     }
 
@@ -301,6 +375,45 @@ impl BlockStore {
                     _ => "a peer may be writing it",
                 },
             })
+    }
+
+    /// `tenant`'s index (an empty one for a tenant that never stored).
+    fn index(&self, tenant: Tenant) -> &Map<OffloadKey, u32> {
+        self.indexes
+            .get(usize::from(tenant.0))
+            .unwrap_or(&self.no_index)
+    }
+
+    /// `tenant`'s index, made if it is the first block of the tenant.
+    fn index_mut(&mut self, tenant: Tenant) -> &mut Map<OffloadKey, u32> {
+        let t = usize::from(tenant.0);
+        if self.indexes.len() <= t {
+            self.indexes.resize_with(t + 1, Map::default);
+        }
+        &mut self.indexes[t]
+    }
+
+    /// Scopes peers' lookups and pins: each peer sees only the index of the tenant `scopes`
+    /// names for it.
+    pub fn scope_peers(&mut self, scopes: Box<dyn TenantOf>) {
+        self.scopes = Some(scopes);
+        self.scope_cache.clear();
+    }
+
+    /// The tenant `peer` asks as.
+    pub fn tenant_of(&mut self, peer: &PeerId) -> Tenant {
+        let Some(scopes) = &self.scopes else {
+            return Tenant::DEFAULT;
+        };
+        if let Some(t) = self.scope_cache.get(peer) {
+            return *t;
+        }
+        let t = scopes.tenant_of(peer);
+        if self.scope_cache.len() >= SCOPE_CACHE_MAX {
+            self.scope_cache.clear();
+        }
+        self.scope_cache.insert(peer.clone(), t);
+        t
     }
 
     fn slot_index(
@@ -353,16 +466,17 @@ impl BlockStore {
         let slot = &mut self.slots[b as usize];
         let was_ready = slot.state == State::Ready;
         let mut gone = None;
+        let tenant = slot.tenant;
         if let Some(key) = slot.key.take() {
-            if self.index.get(&key) == Some(&b) {
-                self.index.remove(&key);
+            if self.index(tenant).get(&key) == Some(&b) {
+                self.index_mut(tenant).remove(&key);
                 gone = Some(key);
             }
         }
-        slot.state = State::Free;
+        self.slots[b as usize].state = State::Free;
         // A block that never became readable was never announced.
         if let (Some(key), true) = (gone, was_ready) {
-            self.log(KeyChange::Removed(key));
+            self.log_for(tenant, KeyChange::Removed(key));
         }
     }
 
@@ -370,13 +484,25 @@ impl BlockStore {
     /// [`BlockStore::finish_write`], peers asking for these keys get HIT_PENDING. A key already
     /// held moves to its new block; the old block loses the key (and is freed once unpinned).
     pub fn reserve(&mut self, keys: &[OffloadKey]) -> Result<Vec<BlockIndex>, StoreError> {
+        self.reserve_in(Tenant::DEFAULT, keys)
+    }
+
+    /// [`BlockStore::reserve`] for blocks of `tenant`.
+    pub fn reserve_in(
+        &mut self,
+        tenant: Tenant,
+        keys: &[OffloadKey],
+    ) -> Result<Vec<BlockIndex>, StoreError> {
+        if tenant == Tenant::NOBODY {
+            return Err(StoreError::NoTenant);
+        }
         let taken = self.take_blocks(keys.len())?;
         let mut out = Vec::with_capacity(keys.len());
         for (key, b) in keys.iter().zip(taken) {
-            if let Some(old) = self.index.insert(key.clone(), b) {
+            if let Some(old) = self.index_mut(tenant).insert(key.clone(), b) {
                 // The key was held elsewhere: its old block loses it.
                 if self.slots[old as usize].state == State::Ready {
-                    self.log(KeyChange::Removed(key.clone()));
+                    self.log_for(tenant, KeyChange::Removed(key.clone()));
                 }
                 let slot = &mut self.slots[old as usize];
                 if slot.state == State::Ready && slot.pins == 0 {
@@ -390,6 +516,7 @@ impl BlockStore {
             }
             let slot = &mut self.slots[b as usize];
             slot.key = Some(key.clone());
+            slot.tenant = tenant;
             slot.state = State::Writing;
             self.writing += 1;
             out.push(BlockIndex::new(u64::from(b)));
@@ -409,9 +536,10 @@ impl BlockStore {
                 if self.slots[b as usize].pins == 0 {
                     self.lru.touch(b);
                 }
+                let tenant = self.slots[b as usize].tenant;
                 if let Some(key) = self.slots[b as usize].key.clone() {
-                    if self.index.get(&key) == Some(&b) {
-                        self.log(KeyChange::Stored(key));
+                    if self.index(tenant).get(&key) == Some(&b) {
+                        self.log_for(tenant, KeyChange::Stored(key));
                     }
                 }
             } else {
@@ -424,6 +552,16 @@ impl BlockStore {
     /// Stores a block the engine produced; returns its block. A key already readable keeps its
     /// block (same key, same content in a prefix cache).
     pub fn put(&mut self, key: &OffloadKey, bytes: &[u8]) -> Result<BlockIndex, StoreError> {
+        self.put_in(Tenant::DEFAULT, key, bytes)
+    }
+
+    /// [`BlockStore::put`] for a block of `tenant`.
+    pub fn put_in(
+        &mut self,
+        tenant: Tenant,
+        key: &OffloadKey,
+        bytes: &[u8],
+    ) -> Result<BlockIndex, StoreError> {
         let block_len = self.pool.block_len();
         if bytes.len() as u64 != block_len {
             return Err(StoreError::WrongSize {
@@ -431,10 +569,10 @@ impl BlockStore {
                 block_len,
             });
         }
-        if let Some(block) = self.block_of(key) {
+        if let Some(block) = self.block_of_in(tenant, key) {
             return Ok(block);
         }
-        let block = self.reserve(std::slice::from_ref(key))?[0];
+        let block = self.reserve_in(tenant, std::slice::from_ref(key))?[0];
         self.write_target(block)?.copy_from_slice(bytes);
         self.finish_write(&[block], true);
         Ok(block)
@@ -442,10 +580,16 @@ impl BlockStore {
 
     /// Pins readable `keys` as one store job; `None` (nothing pinned) if any is not readable.
     pub fn pin(&mut self, keys: &[OffloadKey]) -> Option<StoreJob> {
+        self.pin_in(Tenant::DEFAULT, keys)
+    }
+
+    /// [`BlockStore::pin`] of `tenant`'s blocks.
+    pub fn pin_in(&mut self, tenant: Tenant, keys: &[OffloadKey]) -> Option<StoreJob> {
+        let index = self.index(tenant);
         let blocks: Vec<u32> = keys
             .iter()
             .map(|k| {
-                self.index
+                index
                     .get(k)
                     .copied()
                     .filter(|b| self.slots[*b as usize].state == State::Ready)
@@ -496,12 +640,14 @@ impl Parent for BlockStore {
         self.open_contexts += 1;
     }
 
-    fn lookup(&mut self, key: &OffloadKey, _ctx: &ServeCtx) -> LookupResult {
-        BlockStore::lookup(self, key)
+    fn lookup(&mut self, key: &OffloadKey, ctx: &ServeCtx) -> LookupResult {
+        let tenant = self.tenant_of(&ctx.peer);
+        self.lookup_in(tenant, key)
     }
 
-    fn create_store_job(&mut self, keys: &[OffloadKey], _ctx: &ServeCtx) -> Option<StoreJob> {
-        self.pin(keys)
+    fn create_store_job(&mut self, keys: &[OffloadKey], ctx: &ServeCtx) -> Option<StoreJob> {
+        let tenant = self.tenant_of(&ctx.peer);
+        self.pin_in(tenant, keys)
     }
 
     fn complete_store_job(&mut self, job_id: JobId, _success: bool) {

@@ -5,7 +5,7 @@
 
 use kvpeer_core::{BlockIndex, LookupResult, Parent, ServeCtx};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use kvpeer_store::{BlockStore, StoreConfig, StoreError};
+use kvpeer_store::{BlockStore, StoreConfig, StoreError, Tenant};
 
 const LEN: u64 = 4096;
 
@@ -288,4 +288,131 @@ fn the_change_log_follows_what_is_readable() {
     assert_eq!(changes, vec![Removed(key(12)), Stored(key(14))]);
     // 10 took the block the failed write freed; 11..=14 each evicted one: 9 changes.
     assert_eq!(dropped, 7);
+}
+
+/// Tenants by the peer's host: `10.0.1.*` is tenant 1, `10.0.2.*` tenant 2, the rest default.
+#[derive(Debug)]
+struct ByHost;
+
+impl kvpeer_store::TenantOf for ByHost {
+    fn tenant_of(&self, peer: &PeerId) -> Tenant {
+        let id = peer.to_string();
+        if id.starts_with("10.0.1.") {
+            Tenant(1)
+        } else if id.starts_with("10.0.2.") {
+            Tenant(2)
+        } else {
+            Tenant::DEFAULT
+        }
+    }
+}
+
+fn ctx_of(peer: &str) -> ServeCtx {
+    ServeCtx {
+        peer: PeerId::new(peer),
+        kv_request_id: KvRequestId::from("r"),
+        lookup: 1,
+    }
+}
+
+#[test]
+fn a_tenants_block_is_a_plain_miss_to_every_other_tenant() {
+    let mut s = store("tenants", 8);
+    let a = s.put_in(Tenant(1), &key(1), &bytes(0xa1)).unwrap();
+    // The same key, another tenant: its own block, its own bytes.
+    let b = s.put_in(Tenant(2), &key(1), &bytes(0xb2)).unwrap();
+    assert_ne!(a, b);
+    assert_eq!(s.lookup_in(Tenant(1), &key(1)), LookupResult::Hit);
+    assert_eq!(s.lookup_in(Tenant(3), &key(1)), LookupResult::Miss);
+    assert_eq!(s.lookup(&key(1)), LookupResult::Miss, "the default tenant");
+    assert_eq!(s.lookup_in(Tenant::NOBODY, &key(1)), LookupResult::Miss);
+    assert_eq!(
+        s.read(s.block_of_in(Tenant(1), &key(1)).unwrap()).unwrap(),
+        &bytes(0xa1)[..]
+    );
+    assert_eq!(
+        s.read(s.block_of_in(Tenant(2), &key(1)).unwrap()).unwrap(),
+        &bytes(0xb2)[..]
+    );
+    assert!(s.pin_in(Tenant(3), &[key(1)]).is_none());
+    assert!(matches!(
+        s.reserve_in(Tenant::NOBODY, &[key(5)]),
+        Err(StoreError::NoTenant)
+    ));
+    // A tenant's fetch of the key moves only its own entry.
+    let again = s.reserve_in(Tenant(2), &[key(1)]).unwrap();
+    assert_eq!(s.lookup_in(Tenant(2), &key(1)), LookupResult::HitPending);
+    assert_eq!(s.lookup_in(Tenant(1), &key(1)), LookupResult::Hit);
+    s.finish_write(&again, false);
+    assert_eq!(s.lookup_in(Tenant(2), &key(1)), LookupResult::Miss);
+    assert_eq!(s.block_of_in(Tenant(1), &key(1)), Some(a));
+}
+
+#[test]
+fn evicting_one_tenants_block_leaves_the_others_key() {
+    let mut s = store("tenant-evict", 2);
+    s.put_in(Tenant(1), &key(1), &bytes(1)).unwrap();
+    s.put_in(Tenant(2), &key(1), &bytes(2)).unwrap();
+    // A third block evicts the least recently used: tenant 1's.
+    s.put_in(Tenant(2), &key(2), &bytes(3)).unwrap();
+    assert_eq!(s.lookup_in(Tenant(1), &key(1)), LookupResult::Miss);
+    let b = s.block_of_in(Tenant(2), &key(1)).unwrap();
+    assert_eq!(s.read(b).unwrap(), &bytes(2)[..]);
+}
+
+#[test]
+fn peers_look_up_and_pin_only_their_tenants_blocks() {
+    let mut s = store("tenant-peers", 8);
+    s.put_in(Tenant(1), &key(1), &bytes(1)).unwrap();
+    s.put_in(Tenant(2), &key(2), &bytes(2)).unwrap();
+    s.put(&key(3), &bytes(3)).unwrap();
+    s.scope_peers(Box::new(ByHost));
+    let (one, two, other) = (
+        ctx_of("10.0.1.5:5600"),
+        ctx_of("10.0.2.5:5600"),
+        ctx_of("10.0.9.5:5600"),
+    );
+    let seen = |s: &mut BlockStore, ctx: &ServeCtx| {
+        (1..=3)
+            .map(|n| Parent::lookup(s, &key(n), ctx) == LookupResult::Hit)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(seen(&mut s, &one), [true, false, false]);
+    assert_eq!(seen(&mut s, &two), [false, true, false]);
+    assert_eq!(seen(&mut s, &other), [false, false, true]);
+    assert!(s.create_store_job(&[key(2)], &one).is_none());
+    let job = s.create_store_job(&[key(1)], &one).unwrap();
+    assert_eq!(s.read(job.blocks[0]).unwrap(), &bytes(1)[..]);
+    s.complete_store_job(job.job_id, true);
+}
+
+#[test]
+fn the_change_log_says_a_key_is_held_while_any_tenant_holds_it() {
+    use kvpeer_store::KeyChange;
+    let mut s = store("tenant-log", 3);
+    s.record_changes(64);
+    s.put_in(Tenant(1), &key(1), &bytes(1)).unwrap();
+    s.put_in(Tenant(2), &key(1), &bytes(2)).unwrap();
+    assert_eq!(s.take_changes(), (vec![KeyChange::Stored(key(1))], 0));
+    // Tenant 1's block is evicted (the least recently used): tenant 2 still holds the key.
+    s.put(&key(2), &bytes(3)).unwrap();
+    s.put(&key(3), &bytes(4)).unwrap();
+    assert_eq!(s.lookup_in(Tenant(1), &key(1)), LookupResult::Miss);
+    assert_eq!(
+        s.take_changes(),
+        (
+            vec![KeyChange::Stored(key(2)), KeyChange::Stored(key(3))],
+            0
+        )
+    );
+    // Then tenant 2's goes too: now the key is gone.
+    s.put(&key(4), &bytes(5)).unwrap();
+    assert_eq!(s.lookup_in(Tenant(2), &key(1)), LookupResult::Miss);
+    assert_eq!(
+        s.take_changes(),
+        (
+            vec![KeyChange::Removed(key(1)), KeyChange::Stored(key(4))],
+            0
+        )
+    );
 }

@@ -402,6 +402,21 @@ impl Node {
         self.calls.ask(
             |reply| Command::Contains {
                 keys: keys.to_vec(),
+                tenant_of: None,
+                reply,
+            },
+            None,
+        )
+    }
+
+    /// Which of `keys` the store holds readable in `peer`'s tenant (where a block fetched from
+    /// `peer` goes: a node without a tenant of its own keeps tenants apart, docs/security.md,
+    /// "Tenants"); as [`contains`](Node::contains) on a node that keeps none.
+    pub fn contains_for(&self, peer: &PeerId, keys: &[OffloadKey]) -> Result<Vec<bool>, NodeError> {
+        self.calls.ask(
+            |reply| Command::Contains {
+                keys: keys.to_vec(),
+                tenant_of: Some(peer.clone()),
                 reply,
             },
             None,

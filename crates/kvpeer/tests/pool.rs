@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvpeer::node::tenants::TenantRules;
 use kvpeer::pool_node::{FollowSpec, PoolConfig, PoolNode, PoolNodeStats};
-use kvpeer::{synthetic, Node, OffloadKey};
+use kvpeer::{synthetic, LookupResult, Node, NodeConfig, OffloadKey, PlaneKind};
 use kvpeer_net::events::{EventPublisher, PublisherConfig, SubEndpoint};
 use kvpeer_pool::keys::{key_event, KeyEvent};
 use kvpeer_pool::{Catalog, CatalogLimits, HashForm, Publisher, StoreChange};
@@ -502,4 +503,75 @@ fn a_touched_block_is_kept_and_an_untouched_one_evicted() {
     )])
     .unwrap();
     assert_eq!(n.contains(&k).unwrap(), vec![true, false, true]);
+}
+
+#[test]
+fn a_pool_with_tenants_pulls_each_engines_blocks_into_its_tenant_and_serves_them_only_to_it() {
+    // Alpha's engine holds 0..4, beta's 2..6: 2 and 3 are held by both tenants.
+    let (alpha, beta) = (engine("pool-t-a", 4), node("pool-t-b", 8));
+    beta.store(
+        keys(2..6)
+            .into_iter()
+            .map(|k| {
+                let v = synthetic::content(&k, LEN as usize);
+                (k, v)
+            })
+            .collect(),
+    )
+    .unwrap();
+    let (alpha_reader, beta_reader) = (node("pool-t-ar", 8), node("pool-t-br", 8));
+    let rules = [
+        format!("alpha={}", alpha.id()),
+        format!("alpha={}", alpha_reader.id()),
+        format!("beta={}", beta.id()),
+        format!("beta={}", beta_reader.id()),
+    ];
+    let mut spec = NodeConfig::builder("pool-t-p")
+        .plane(PlaneKind::Tcp)
+        .num_blocks(64)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    spec.spec.tenants = TenantRules::parse(None, &rules).unwrap();
+    let pool_node = Arc::new(Node::start(spec).unwrap());
+    let (stream_a, stream_b) = (Stream::start(), Stream::start());
+    let mut config = follow(&stream_a, &alpha);
+    config.follow.extend(follow(&stream_b, &beta).follow);
+    let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
+    stream_a.say(Say::Stored(keys(0..4)));
+    stream_b.say(Say::Stored(keys(2..6)));
+    // The keys both hold are pulled once per tenant: 4 + 4.
+    let s = wait_for(&pool, "both tenants' blocks pulled", |s| {
+        s.pulled_blocks == 8
+    });
+    assert_eq!(s.pull_failures, 0, "{s:?}");
+    let all = keys(0..6);
+    assert_eq!(
+        pool_node.contains_for(alpha.id(), &all).unwrap(),
+        [true, true, true, true, false, false]
+    );
+    assert_eq!(
+        pool_node.contains_for(beta.id(), &all).unwrap(),
+        [false, false, true, true, true, true]
+    );
+    // Announced again: nothing pulled again (each tenant already holds its own).
+    stream_a.say(Say::Stored(keys(0..4)));
+    stream_b.say(Say::Stored(keys(2..6)));
+    let s = wait_for(&pool, "the second batches", |s| s.batches == 4);
+    assert_eq!(s.pulled_blocks, 8, "{s:?}");
+
+    // Each tenant's reader finds at the pool exactly its tenant's blocks, byte-exact.
+    for (reader, want) in [(&alpha_reader, 0..4), (&beta_reader, 2..6)] {
+        let r = reader.request(pool_node.id(), "read").unwrap();
+        let found = r.lookup(&all, Duration::from_secs(10)).unwrap();
+        let hits: Vec<u64> = (0..6)
+            .filter(|i| found[*i as usize] == LookupResult::Hit)
+            .collect();
+        assert_eq!(hits, want.clone().collect::<Vec<_>>(), "{}", reader.id());
+        r.fetch(&keys(want.clone()), Duration::from_secs(10))
+            .unwrap();
+        r.finish();
+        assert_holds(reader, &keys(want));
+    }
+    pool.shutdown();
 }

@@ -115,6 +115,8 @@ _FAIR_SHARE_KEYS = (
 _KVPEER_KEYS = (
     "plane",
     "allow",
+    "tenant",
+    "tenants",
     "auth_secret_file",
     "max_peers",
     "tcp_max_rate",
@@ -300,7 +302,10 @@ class KvpeerTier(SecondaryTierManager):
       and each chunk loads from whichever source holds it;
     * kvpeer's: ``plane`` (``auto``: nixl when NIXL is installed, for stock peers, else
       ``both`` when vLLM's memory is its /dev/shm file, else tcp; or ``nixl``, ``tcp``,
-      ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``auth_secret_file``,
+      ``shm``, ``both``), ``allow`` (CIDR / host / host:port rules), ``tenant`` (this
+      engine's tenant: it then talks only to peers of it and to shared nodes) with
+      ``tenants`` (``NAME=RULE`` strings in the allowlist's syntax, ``*`` naming shared pool
+      nodes; docs/security.md, "Tenants"), ``auth_secret_file``,
       ``max_peers``, ``tcp_max_rate`` (bytes/s per peer), ``tcp_port`` (the tcp plane's data
       port, each DP rank at its offset; 0 or unset: a free one), ``metrics`` (bool),
       ``tls`` (``off``, ``preferred`` or ``required``) with ``tls_cert``, ``tls_key`` and
@@ -1135,6 +1140,18 @@ def _settings(
             raise ValueError(f"KvpeerTier: 'allow' must be a list of rules, not {allow!r}")
         if allow:
             settings["allowlist"] = ",".join(allow)
+    if "tenant" in config:
+        settings["tenant"] = _text("tenant", config["tenant"])
+    tenants = config.get("tenants")
+    if tenants is not None:
+        if isinstance(tenants, str):
+            tenants = [tenants]
+        if not isinstance(tenants, (list, tuple)) or not all(isinstance(r, str) for r in tenants):
+            raise ValueError(
+                f"KvpeerTier: 'tenants' must be a list of NAME=RULE strings, not {tenants!r}"
+            )
+        if tenants:
+            settings["tenants"] = ",".join(tenants)
     metrics = config.get("metrics", True)
     if not isinstance(metrics, bool):
         raise ValueError(f"KvpeerTier: 'metrics' must be true or false, not {metrics!r}")

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Request, RequestRoles};
 use kvpeer_proto::{KvRequestId, OffloadKey, PeerId};
-use kvpeer_store::KeyChange;
+use kvpeer_store::{KeyChange, Tenant};
 use tracing::{debug, info};
 
 use crate::api::{Histogram, NodeError, NodeStats};
@@ -71,6 +71,9 @@ pub(crate) enum Command {
     /// Which keys the store holds readable.
     Contains {
         keys: Vec<OffloadKey>,
+        /// In the tenant of this peer (a block pulled from it is its tenant's); `None`: the
+        /// node's own blocks.
+        tenant_of: Option<PeerId>,
         reply: Sender<Vec<bool>>,
     },
     /// Which keys the store holds readable, each held one made the most recently used.
@@ -249,7 +252,15 @@ impl Runtime {
                     let _ = reply.send(Err(NodeError::RequestOpen(id)));
                     return;
                 };
-                let blocks = match self.io.core.parent_mut().reserve(&keys) {
+                // The blocks are the tenant's of the peer they come from (one index for all
+                // on a node that keeps no tenants apart).
+                let store = self.io.core.parent_mut();
+                let tenant = req
+                    .roles()
+                    .source
+                    .as_ref()
+                    .map_or(Tenant::DEFAULT, |s| store.tenant_of(&s.peer));
+                let blocks = match store.reserve_in(tenant, &keys) {
                     Ok(b) => b,
                     Err(e) => {
                         let _ = reply.send(Err(NodeError::Store(e)));
@@ -288,9 +299,18 @@ impl Runtime {
                     .collect();
                 let _ = reply.send(out);
             }
-            Command::Contains { keys, reply } => {
-                let store = self.io.core.parent();
-                let _ = reply.send(keys.iter().map(|k| store.block_of(k).is_some()).collect());
+            Command::Contains {
+                keys,
+                tenant_of,
+                reply,
+            } => {
+                let store = self.io.core.parent_mut();
+                let tenant = tenant_of.map_or(Tenant::DEFAULT, |p| store.tenant_of(&p));
+                let _ = reply.send(
+                    keys.iter()
+                        .map(|k| store.block_of_in(tenant, k).is_some())
+                        .collect(),
+                );
             }
             Command::Touch { keys, reply } => {
                 let store = self.io.core.parent_mut();

@@ -217,6 +217,10 @@ declare_keys! {
     liveness_rank;
     /// peers to talk to: CIDR, host or host:port rules (unset: all)
     allowlist;
+    /// this node's tenant: all its own blocks are that tenant's, and it talks only to peers of it and to shared nodes (unset: none, as a pool node that keeps tenants apart)
+    tenant;
+    /// which tenant each peer is, NAME=RULE with the allowlist's rules (alpha=10.0.1.0/24); * names shared nodes (pools) every tenant talks to; a node without a tenant shows each peer only its tenant's blocks (unset: one tenant, everyone's)
+    tenants;
     /// a peer's IP identity must come from that address: true or false
     bind_identity = "true";
     /// accept shm tokens not bound to a connection's challenge (replayable; only for peers that cannot read it)

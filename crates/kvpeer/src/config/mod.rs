@@ -58,7 +58,12 @@ pub fn from_toml(text: &str, file: &str) -> Result<Settings, ConfigError> {
     let mut out: Settings = toml::from_str(text).map_err(|e| toml_error(text, &source, &e))?;
     out.set_source(&source);
     // The keys that hold several items take an array of them as well as their text form.
-    let list_keys = [KEY.allowlist.name, KEY.follow.name, KEY.pool_shard.name];
+    let list_keys = [
+        KEY.allowlist.name,
+        KEY.tenants.name,
+        KEY.follow.name,
+        KEY.pool_shard.name,
+    ];
     // A list key given one value that is not text (`allowlist = 1`) is no rule either.
     for key in list_keys {
         if out.setting(key).is_some_and(|s| !s.list && !s.text) {
@@ -411,6 +416,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             config_fingerprint: s.text(&KEY.config_fingerprint),
             core,
             allowlist: allowlist(&s)?,
+            tenants: tenants(&s)?,
             bind_identity: s.boolean(&KEY.bind_identity)?,
             shm_allow_replayable_tokens: s.boolean(&KEY.shm_allow_replayable_tokens)?,
             auth_secret: auth_secret(&s)?.map(crate::node::build::AuthSecret::from),
@@ -640,6 +646,25 @@ fn allowlist(s: &Values<'_>) -> Result<Allowlist, ConfigError> {
         .filter(|r| !r.trim().is_empty())
         .collect();
     Allowlist::parse(&rules).map_err(|e| bad(src, "allowlist", e.to_string()))
+}
+
+fn tenants(s: &Values<'_>) -> Result<crate::node::tenants::TenantRules, ConfigError> {
+    let own = s.get(&KEY.tenant);
+    let rules = s.get(&KEY.tenants);
+    let src = rules.or(own).map_or("", |(_, src)| src);
+    let rules: Vec<&str> = rules.map_or(Vec::new(), |(v, _)| {
+        v.split([',', '\n'])
+            .filter(|r| !r.trim().is_empty())
+            .collect()
+    });
+    crate::node::tenants::TenantRules::parse(own.map(|(v, _)| v), &rules).map_err(|e| {
+        let key = match e {
+            crate::node::tenants::TenantsError::NoRules(_)
+            | crate::node::tenants::TenantsError::OwnShared => "tenant",
+            _ => "tenants",
+        };
+        bad(src, key, e.to_string())
+    })
 }
 
 /// The TLS policy and, where it is on, its three files (each needed: named when missing).

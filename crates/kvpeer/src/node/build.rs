@@ -83,6 +83,8 @@ pub struct NodeSpec {
     pub core: CoreConfig,
     /// Which peers the node talks to (empty: all).
     pub allowlist: Allowlist,
+    /// Which tenant each peer is, and this node's own (docs/security.md, "Tenants").
+    pub tenants: super::tenants::TenantRules,
     /// Whether a peer's IP identity must come from that address (docs/security.md).
     pub bind_identity: bool,
     /// Whether the shm plane accepts version-1 tokens, not bound to a connection's challenge
@@ -206,7 +208,17 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
             info!(ms = started.elapsed().as_millis() as u64, "pool allocated");
             Ok(pool)
         },
-        |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
+        |pool, _| {
+            let mut store = BlockStore::with_pool(pool)?;
+            // A node without a tenant of its own keeps each tenant's blocks apart: a peer's
+            // lookups see only its tenant's (a node with one talks to no other tenant).
+            if spec.tenants.own().is_none() && !spec.tenants.is_empty() {
+                let mut tenants = spec.tenants.clone();
+                tenants.resolve_names(super::resolve::resolve_host);
+                store.scope_peers(Box::new(tenants));
+            }
+            Ok((store, ()))
+        },
     )?;
     Ok(io)
 }
@@ -275,6 +287,11 @@ pub(crate) fn build_with<Q: Parent, T>(
     let mut allow = spec.allowlist.clone();
     allow.resolve_names(super::resolve::resolve_host);
     io.set_origin(spec.bind_identity, allow);
+    if !spec.tenants.is_empty() {
+        let mut tenants = spec.tenants.clone();
+        tenants.resolve_names(super::resolve::resolve_host);
+        io.set_tenants(std::sync::Arc::new(tenants));
+    }
     io.set_decode_limits(spec.limits);
     if let Some(secret) = &spec.auth_secret {
         io.set_auth(Some(

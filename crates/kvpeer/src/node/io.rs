@@ -382,6 +382,12 @@ impl<P: Parent> NodeIo<P> {
         self.origin = OriginCheck::new(bind_identity, allow, LocalAddrs::read());
     }
 
+    /// Holds every peer to `tenants` too (a node with a tenant talks only to its tenant's peers
+    /// and to shared nodes); call after [`NodeIo::set_origin`].
+    pub(crate) fn set_tenants(&mut self, tenants: std::sync::Arc<super::tenants::TenantRules>) {
+        self.origin.set_tenants(tenants);
+    }
+
     /// Peers refused so far (allowlist, origin, authentication, data addresses).
     pub fn refused_peers(&self) -> usize {
         usize::try_from(self.refused_total).unwrap_or(usize::MAX)
@@ -414,7 +420,7 @@ impl<P: Parent> NodeIo<P> {
 
     /// `true` if this node may open a connection to `peer` (or send it anything).
     fn may_dial(&mut self, now: Instant, peer: &PeerId) -> bool {
-        match self.origin.allowlist().check(peer) {
+        match self.origin.check_dial(peer) {
             Ok(()) => true,
             Err(reason) => {
                 self.refuse(now, peer, &reason, "dial");

@@ -21,6 +21,7 @@ pub mod peer_end;
 pub mod plane;
 pub mod resolve;
 pub mod routable;
+pub mod tenants;
 pub(crate) mod wake;
 
 pub use auth::AuthError;

@@ -31,6 +31,7 @@ use std::net::IpAddr;
 use kvpeer_proto::{AddrError, Host, PeerAddr, PeerId};
 
 use super::allow::{Allowlist, NotAllowed};
+use super::tenants::TenantRules;
 
 /// Why a message is not heard from where it came, or a data address is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -42,6 +43,13 @@ pub(crate) enum OriginError {
     /// The source address matches no address or network rule of the allowlist.
     #[error("source address {0} is not in the allowlist")]
     SourceNotAllowed(IpAddr),
+    /// This node has a tenant, and the peer is neither of it nor a shared node.
+    #[error("{0} is not of this node's tenant, nor a shared node (tenants)")]
+    OtherTenant(PeerId),
+    /// This node has a tenant, and the source address matches none of its tenant's or shared
+    /// nodes' address rules.
+    #[error("source address {0} is not of this node's tenant, nor a shared node's (tenants)")]
+    SourceOtherTenant(IpAddr),
     /// The identity is not `host:port` with a host that is an address or a name.
     #[error("identity {peer}: {why}")]
     NotHostPort {
@@ -176,6 +184,8 @@ pub(crate) struct OriginCheck {
     bind_identity: bool,
     allow: Allowlist,
     local: LocalAddrs,
+    /// A node with a tenant talks only to its tenant's peers and shared nodes.
+    tenants: Option<std::sync::Arc<TenantRules>>,
 }
 
 impl Default for OriginCheck {
@@ -184,6 +194,7 @@ impl Default for OriginCheck {
             bind_identity: true,
             allow: Allowlist::default(),
             local: LocalAddrs::default(),
+            tenants: None,
         }
     }
 }
@@ -195,20 +206,37 @@ impl OriginCheck {
             bind_identity,
             allow,
             local,
+            tenants: None,
         }
     }
 
-    /// The allowlist (for checks of peers we dial, which have no source yet).
-    pub(crate) fn allowlist(&self) -> &Allowlist {
-        &self.allow
+    /// Holds every peer to `tenants` as well, where this node has a tenant of its own.
+    pub(crate) fn set_tenants(&mut self, tenants: std::sync::Arc<TenantRules>) {
+        self.tenants = tenants.own().is_some().then_some(tenants);
+    }
+
+    /// `Ok` if this node may dial `peer` (or send it anything): the allowlist and the tenant.
+    pub(crate) fn check_dial(&self, peer: &PeerId) -> Result<(), OriginError> {
+        self.allow.check(peer)?;
+        if let Some(t) = &self.tenants {
+            if !t.admits(peer) {
+                return Err(OriginError::OtherTenant(peer.clone()));
+            }
+        }
+        Ok(())
     }
 
     /// `Ok` if a message claiming `peer` may have come from `source`, else why not.
     pub(crate) fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
         let source = source.to_canonical();
-        self.allow.check(peer)?;
+        self.check_dial(peer)?;
         if !self.allow.allows_source(source) {
             return Err(OriginError::SourceNotAllowed(source));
+        }
+        if let Some(t) = &self.tenants {
+            if !t.admits_source(source) {
+                return Err(OriginError::SourceOtherTenant(source));
+            }
         }
         if !self.bind_identity {
             return Ok(());

@@ -237,7 +237,7 @@ impl PoolNode {
             ..Shared::default()
         });
         let stop = Arc::new(AtomicBool::new(false));
-        let (failed_tx, failed_rx) = sync_channel::<OffloadKey>(FAILED_QUEUE);
+        let (failed_tx, failed_rx) = sync_channel::<(OffloadKey, EngineSlot)>(FAILED_QUEUE);
         let bytes = Arc::new(Mutex::new(puller::Bucket::new(config.max_rate)));
         let mut engines = Vec::new();
         let mut threads = Vec::new();
@@ -256,6 +256,7 @@ impl PoolNode {
             let puller = puller::Puller {
                 node: node.clone(),
                 peer: spec.peer.clone(),
+                slot,
                 lookups: puller::Bucket::new(Some(config.max_lookups)),
                 bytes: bytes.clone(),
                 failed: failed_tx.clone(),
@@ -312,6 +313,9 @@ impl PoolNode {
             published: 0,
             publish_dropped: 0,
         };
+        thread
+            .holdings
+            .set_groups(&tenant_groups(&thread.node, config));
         threads.push(spawn("kvpeer-pool", move || thread.run())?);
         Ok(PoolNode {
             shared,
@@ -440,7 +444,8 @@ struct PoolThread {
     publishing: Option<(EventPublisher, Publisher)>,
     shard: Option<Shard>,
     shard_counts: ShardCounts,
-    failed: Receiver<OffloadKey>,
+    /// Pulls that failed: the key, and the engine it was to come from.
+    failed: Receiver<(OffloadKey, EngineSlot)>,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
     published: u64,
@@ -461,8 +466,8 @@ impl PoolThread {
             }
             let now = Instant::now();
             self.follow(now);
-            while let Ok(key) = self.failed.try_recv() {
-                self.holdings.pull_failed(&key);
+            while let Ok((key, from)) = self.failed.try_recv() {
+                self.holdings.pull_failed(&key, from);
             }
             if now.saturating_duration_since(last_publish) >= TICK {
                 last_publish = now;
@@ -695,6 +700,29 @@ fn log_undescribed(
     }
 }
 
+/// The followed engines of each tenant, for a node that keeps tenants apart (none without
+/// tenants, or with a tenant of its own: then all its blocks are one tenant's). Engines of no
+/// tenant are left out: they share one group.
+fn tenant_groups(node: &Node, config: &PoolConfig) -> Vec<Vec<EngineSlot>> {
+    let rules = &node.config().tenants;
+    if rules.is_empty() || rules.own().is_some() {
+        return Vec::new();
+    }
+    let mut rules = rules.clone();
+    rules.resolve_names(crate::node::resolve::resolve_host);
+    let mut groups: std::collections::BTreeMap<_, Vec<EngineSlot>> = Default::default();
+    for (i, spec) in config.follow.iter().enumerate() {
+        let tenant = rules.tenant_of(&spec.peer);
+        if let Some(slot) = EngineSlot::new(i) {
+            if tenant != kvpeer_store::Tenant::DEFAULT {
+                info!(engine = i, peer = %spec.peer, tenant = rules.name(tenant), "its blocks are its tenant's");
+                groups.entry(tenant).or_default().push(slot);
+            }
+        }
+    }
+    groups.into_values().collect()
+}
+
 /// The actions without the candidates another pool node owns (by their prefix's root chunk)
 /// or whose root is not known yet (offered again by the next announcement).
 fn in_shard(
@@ -720,7 +748,7 @@ fn in_shard(
                 }
                 Err(_) => {
                     counts.unknown_root += 1;
-                    holdings.pull_failed(&candidate.key);
+                    holdings.pull_failed(&candidate.key, candidate.from);
                     false
                 }
             }
@@ -744,7 +772,7 @@ fn carry_out(
                     shared.candidates.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
-                    holdings.pull_failed(&job.key);
+                    holdings.pull_failed(&job.key, c.from);
                     shared.candidates_dropped.fetch_add(1, Ordering::Relaxed);
                 }
             },

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpeer_core::LookupResult;
+use kvpeer_pool::EngineSlot;
 use kvpeer_proto::{OffloadKey, PeerId};
 use tracing::{debug, warn};
 
@@ -52,9 +53,11 @@ impl Bucket {
 pub(super) struct Puller {
     pub(super) node: Arc<Node>,
     pub(super) peer: PeerId,
+    /// Its engine's place in the index (a failed pull is offered again in its tenant's group).
+    pub(super) slot: EngineSlot,
     pub(super) lookups: Bucket,
     pub(super) bytes: Arc<Mutex<Bucket>>,
-    pub(super) failed: SyncSender<OffloadKey>,
+    pub(super) failed: SyncSender<(OffloadKey, EngineSlot)>,
     pub(super) shared: Arc<Shared>,
     pub(super) stop: Arc<AtomicBool>,
 }
@@ -88,7 +91,7 @@ impl Puller {
 
     /// Pulls what of `keys` the node does not hold yet.
     fn pull(&mut self, keys: Vec<OffloadKey>, n: u64) {
-        let held = match self.node.contains(&keys) {
+        let held = match self.node.contains_for(&self.peer, &keys) {
             Ok(h) => h,
             Err(e) => {
                 debug!(error = %e, "the node is gone: the puller stops");
@@ -172,7 +175,7 @@ impl Puller {
             .fetch_add(failed.len() as u64, Ordering::Relaxed);
         for key in failed {
             // A full queue: the key waits for its next announcement instead.
-            let _ = self.failed.try_send(key.clone());
+            let _ = self.failed.try_send((key.clone(), self.slot));
         }
     }
 

@@ -80,6 +80,13 @@ pub(crate) struct NodeArgs {
         &[&KEY.allowlist],
     ))]
     pub(crate) allow: Vec<String>,
+    #[arg(long, value_name = "NAME", help = help(&KEY.tenant))]
+    pub(crate) tenant: Option<String>,
+    #[arg(long = "tenant-rule", value_name = "NAME=RULE", help = help_of(
+        &format!("{}; repeat for more", KEY.tenants.help),
+        &[&KEY.tenants],
+    ))]
+    pub(crate) tenant_rules: Vec<String>,
     #[arg(long, value_name = "BOOL", help = help_of(
         &format!("{} (false only behind NAT or proxies; docs/security.md)", KEY.bind_identity.help),
         &[&KEY.bind_identity],
@@ -259,6 +266,9 @@ impl NodeArgs {
         );
         let allow = (!self.allow.is_empty()).then(|| self.allow.join(","));
         set(&KEY.allowlist, allow, "--allow");
+        set(&KEY.tenant, self.tenant.clone(), "--tenant");
+        let rules = (!self.tenant_rules.is_empty()).then(|| self.tenant_rules.join(","));
+        set(&KEY.tenants, rules, "--tenant-rule");
         set(
             &KEY.bind_identity,
             self.bind_identity.map(|b| b.to_string()),
