@@ -139,6 +139,9 @@ impl EngineNode {
             },
         )?;
         let mut io = io;
+        if !spec.tenants.is_empty() {
+            io.core.parent_mut().scope_peers(spec.tenants.clone());
+        }
         io.watch_outcomes();
         Ok(EngineNode {
             io,

@@ -15,8 +15,12 @@
 //! were written to the peer (or failed to be), or when the lookup ended before they were
 //! used. An answer to a question nobody asks any more is refused and its pin stays the
 //! engine's. Both sides hold the lock only to move small records; neither blocks on the other.
+//!
+//! With tenants ([`EngineParent::scope_peers`]), every block of the engine is its node's
+//! tenant's (the default tenant when it has none): a peer of another tenant is never asked
+//! about, its keys answer MISS at once (docs/security.md, G14).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
@@ -145,6 +149,36 @@ impl Shared {
 #[derive(Debug)]
 pub struct EngineParent {
     shared: Arc<Mutex<Shared>>,
+    /// Which peers may see the engine's blocks (`None`: every peer).
+    scope: Option<EngineScope>,
+}
+
+/// The engine's tenant and the rules that say each peer's.
+#[derive(Debug)]
+struct EngineScope {
+    rules: crate::node::tenants::TenantRules,
+    own: kvpeer_store::Tenant,
+    /// Each peer's verdict, once worked out (cleared past [`SCOPE_CACHE_MAX`]).
+    verdicts: HashMap<PeerId, bool>,
+    /// Lookups of peers of another tenant, open now: every key MISS.
+    denied: HashSet<ServeCtx>,
+}
+
+/// Peers whose verdict is remembered before the memory is cleared.
+const SCOPE_CACHE_MAX: usize = 4096;
+
+impl EngineScope {
+    fn admits(&mut self, peer: &PeerId) -> bool {
+        if let Some(v) = self.verdicts.get(peer) {
+            return *v;
+        }
+        let v = self.rules.is_shared(peer) || self.rules.tenant_of(peer) == self.own;
+        if self.verdicts.len() >= SCOPE_CACHE_MAX {
+            self.verdicts.clear();
+        }
+        self.verdicts.insert(peer.clone(), v);
+        v
+    }
 }
 
 /// The engine's end: clone it to any thread.
@@ -178,9 +212,24 @@ impl EngineParent {
         (
             EngineParent {
                 shared: shared.clone(),
+                scope: None,
             },
             EngineLink { shared, wake },
         )
+    }
+
+    /// Holds peers to `rules`: the engine's blocks are all its node's tenant's (the default
+    /// tenant without one), and a peer of another tenant (not a shared node) gets MISS for
+    /// every key without the engine being asked.
+    pub fn scope_peers(&mut self, mut rules: crate::node::tenants::TenantRules) {
+        rules.resolve_names(crate::node::resolve::resolve_host);
+        let own = rules.own().unwrap_or(kvpeer_store::Tenant::DEFAULT);
+        self.scope = Some(EngineScope {
+            rules,
+            own,
+            verdicts: HashMap::new(),
+            denied: HashSet::new(),
+        });
     }
 
     /// Whether the engine answered something since the last call (then the core should be
@@ -217,10 +266,21 @@ impl Parent for EngineParent {
     }
 
     fn on_new_request(&mut self, ctx: &ServeCtx) {
+        if let Some(scope) = &mut self.scope {
+            if !scope.admits(&ctx.peer) {
+                scope.denied.insert(ctx.clone());
+                return;
+            }
+        }
         lock(&self.shared).lookups.entry(ctx.clone()).or_default();
     }
 
     fn lookup(&mut self, key: &OffloadKey, ctx: &ServeCtx) -> LookupResult {
+        if let Some(scope) = &self.scope {
+            if scope.denied.contains(ctx) {
+                return LookupResult::Miss;
+            }
+        }
         let mut s = lock(&self.shared);
         let slot = s.lookups.get(ctx).and_then(|keys| keys.get(key)).copied();
         match slot {
@@ -275,6 +335,11 @@ impl Parent for EngineParent {
     }
 
     fn on_request_finished(&mut self, ctx: &ServeCtx) {
+        if let Some(scope) = &mut self.scope {
+            if scope.denied.remove(ctx) {
+                return;
+            }
+        }
         let mut s = lock(&self.shared);
         let Some(keys) = s.lookups.remove(ctx) else {
             return;
@@ -406,6 +471,46 @@ mod tests {
                 sent: true
             }]
         );
+        assert_eq!(parent.outstanding(), (0, 0));
+    }
+
+    #[test]
+    fn a_peer_of_another_tenant_gets_miss_and_the_engine_is_never_asked() {
+        let (mut parent, link) = EngineParent::new(None);
+        // The engine has no tenant of its own: its blocks are the default tenant's.
+        parent.scope_peers(
+            crate::node::tenants::TenantRules::parse(
+                None,
+                &["alpha=10.0.1.0/24", "*=10.0.0.1:7000"],
+            )
+            .unwrap(),
+        );
+        let at = |peer: &str, n: u64| ServeCtx {
+            peer: PeerId::new(peer),
+            kv_request_id: KvRequestId::from("r"),
+            lookup: n,
+        };
+        let (alpha, pool, plain) = (
+            at("10.0.1.5:5600", 1),
+            at("10.0.0.1:7000", 2),
+            at("10.0.9.9:5600", 3),
+        );
+        for c in [&alpha, &pool, &plain] {
+            parent.on_new_request(c);
+        }
+        assert_eq!(parent.lookup(&key(1), &alpha), LookupResult::Miss);
+        assert_eq!(parent.lookup(&key(1), &pool), LookupResult::Retry);
+        assert_eq!(parent.lookup(&key(1), &plain), LookupResult::Retry);
+        let asked: Vec<PeerId> = link.take_queries().into_iter().map(|q| q.peer).collect();
+        assert_eq!(
+            asked,
+            [pool.peer.clone(), plain.peer.clone()],
+            "alpha's key never asked"
+        );
+        assert!(parent.create_store_job(&[key(1)], &alpha).is_none());
+        for c in [&alpha, &pool, &plain] {
+            parent.on_request_finished(c);
+        }
         assert_eq!(parent.outstanding(), (0, 0));
     }
 
