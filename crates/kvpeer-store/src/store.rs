@@ -110,6 +110,10 @@ impl Tenant {
 pub trait TenantOf: Send + std::fmt::Debug {
     /// The tenant `peer` belongs to.
     fn tenant_of(&self, peer: &PeerId) -> Tenant;
+    /// Whether `peer` is a shared node (serving every tenant its own blocks).
+    fn is_shared(&self, _peer: &PeerId) -> bool {
+        false
+    }
 }
 
 /// Peers whose tenant is remembered before the memory is cleared (a peer is asked about again
@@ -393,6 +397,12 @@ impl BlockStore {
         &mut self.indexes[t]
     }
 
+    /// The room `tenant`'s index holds (entries it can take before it grows), for tests and
+    /// memory accounting.
+    pub fn index_capacity(&self, tenant: Tenant) -> usize {
+        self.index(tenant).capacity()
+    }
+
     /// Scopes peers' lookups and pins: each peer sees only the index of the tenant `scopes`
     /// names for it.
     pub fn scope_peers(&mut self, scopes: Box<dyn TenantOf>) {
@@ -414,6 +424,35 @@ impl BlockStore {
         }
         self.scope_cache.insert(peer.clone(), t);
         t
+    }
+
+    /// The tenant of blocks this node (`me`) fetches from `source`: `source`'s, or, from a
+    /// shared node (which served them to us as our tenant's), `me`'s.
+    pub fn tenant_of_fetch(&mut self, source: &PeerId, me: &PeerId) -> Tenant {
+        let from_shared = self.scopes.as_ref().is_some_and(|s| s.is_shared(source));
+        self.tenant_of(if from_shared { me } else { source })
+    }
+
+    /// [`BlockStore::lookup`] in every tenant's index, the default tenant's first: the first
+    /// answer that is not a miss (the node's own view of its store).
+    pub fn lookup_any(&mut self, key: &OffloadKey) -> LookupResult {
+        for t in 0..self.indexes.len() {
+            let Ok(t) = u16::try_from(t) else { break };
+            let found = self.lookup_in(Tenant(t), key);
+            if found != LookupResult::Miss {
+                return found;
+            }
+        }
+        LookupResult::Miss
+    }
+
+    /// The block holding `key` readable in any tenant's index, the default tenant's first:
+    /// the node's own view of its store (its API's reads), which sees every tenant's blocks.
+    pub fn block_of_any(&self, key: &OffloadKey) -> Option<BlockIndex> {
+        self.indexes.iter().find_map(|index| {
+            let &b = index.get(key)?;
+            (self.slots[b as usize].state == State::Ready).then_some(BlockIndex::new(u64::from(b)))
+        })
     }
 
     fn slot_index(
@@ -469,7 +508,16 @@ impl BlockStore {
         let tenant = slot.tenant;
         if let Some(key) = slot.key.take() {
             if self.index(tenant).get(&key) == Some(&b) {
-                self.index_mut(tenant).remove(&key);
+                let several = self.indexes.len() > 1;
+                let index = self.index_mut(tenant);
+                index.remove(&key);
+                // With tenants, each index may once have held most of the pool: one that has
+                // shrunk to a quarter gives the room back, so all of them together stay within
+                // a few times the pool's entries (the one index of a node without tenants is
+                // left as it was: it refills as the pool does).
+                if several && index.capacity() > 1024 && index.len() * 4 < index.capacity() {
+                    index.shrink_to(index.len() * 2);
+                }
                 gone = Some(key);
             }
         }

@@ -416,3 +416,22 @@ fn the_change_log_says_a_key_is_held_while_any_tenant_holds_it() {
         )
     );
 }
+
+#[test]
+fn a_tenants_index_gives_back_its_room_once_its_blocks_went_to_another() {
+    let mut s = store("tenant-shrink", 8192);
+    for n in 0..8192 {
+        s.put_in(Tenant(1), &key(n), &bytes(1)).unwrap();
+    }
+    let full = s.index_capacity(Tenant(1));
+    // Tenant 2 takes the whole pool: tenant 1's blocks are evicted one by one.
+    for n in 0..8192 {
+        s.put_in(Tenant(2), &key(100_000 + n), &bytes(2)).unwrap();
+    }
+    assert_eq!(s.lookup_in(Tenant(1), &key(0)), LookupResult::Miss);
+    assert!(
+        s.index_capacity(Tenant(1)) * 8 <= full,
+        "{} of {full}",
+        s.index_capacity(Tenant(1))
+    );
+}

@@ -575,3 +575,27 @@ fn a_pool_with_tenants_pulls_each_engines_blocks_into_its_tenant_and_serves_them
     }
     pool.shutdown();
 }
+
+#[test]
+fn a_pool_with_tenants_refuses_to_follow_an_engine_of_no_tenant() {
+    let (alpha, other) = (node("pool-t2-a", 4), node("pool-t2-o", 4));
+    let mut spec = NodeConfig::builder("pool-t2-p")
+        .plane(PlaneKind::Tcp)
+        .num_blocks(16)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    spec.spec.tenants = TenantRules::parse(None, &[format!("alpha={}", alpha.id())]).unwrap();
+    let pool_node = Arc::new(Node::start(spec).unwrap());
+    let (stream_a, stream_o) = (Stream::start(), Stream::start());
+    let mut config = follow(&stream_a, &alpha);
+    config.follow.extend(follow(&stream_o, &other).follow);
+    let Err(e) = PoolNode::start(pool_node, &config) else {
+        panic!("a pool following an engine of no tenant started");
+    };
+    assert!(
+        matches!(&e, kvpeer::pool_node::PoolNodeError::EngineOfNoTenant(p) if p == other.id()),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no one tenant's"), "{e}");
+}

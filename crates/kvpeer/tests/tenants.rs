@@ -94,7 +94,7 @@ fn a_shared_pool_serves_each_tenant_only_its_own_blocks_and_a_tenant_node_talks_
     let pool = fleet.start("pool", &fleet.pool, None);
     let alpha_consumer = fleet.start("ac", &fleet.alpha_consumer, Some("alpha"));
     let beta_consumer = fleet.start("bc", &fleet.beta_consumer, Some("beta"));
-    // A peer no rule names: the default tenant.
+    // A peer no rule names: nobody's (it sees nothing).
     let stranger = Node::start(NodeConfig::local("tenants-stranger")).unwrap();
 
     // Both tenants hold key 0 (with different bytes), and one key each of their own.
@@ -154,13 +154,16 @@ fn a_shared_pool_serves_each_tenant_only_its_own_blocks_and_a_tenant_node_talks_
     assert_eq!(beta_consumer.read(&shared_key), Some(filled(&beta, 0xb1)));
     assert_eq!(beta_consumer.read(&beta_key), Some(filled(&beta, 0xb2)));
     assert_eq!(beta_consumer.read(&alpha_key), None);
-    // A peer of no tenant sees only the pool's own block.
+    // A peer no rule names sees nothing, not even the pool's own block (the default tenant's,
+    // which only shared nodes see): a rule that does not match fails closed.
     assert_eq!(
         pull(&stranger, pool.id(), "st", &all),
-        [Miss, Miss, Miss, Hit]
+        [Miss, Miss, Miss, Miss]
     );
-    assert_eq!(stranger.read(&pool_key), Some(filled(&pool, 0xd0)));
+    assert_eq!(stranger.read(&pool_key), None);
     assert_eq!(stranger.read(&shared_key), None);
+    // The pool's own view (its API) sees every tenant's blocks.
+    assert_eq!(pool.contains(&all).unwrap(), [true, true, true, true]);
 
     // A tenant's node talks to no other tenant: alpha's consumer is never let near beta's
     // engine (not dialed: its keys answer MISS), and beta's engine, asked by the stranger,
@@ -225,6 +228,50 @@ fn a_shared_pool_serves_each_tenant_only_its_own_blocks_and_a_tenant_node_talks_
     ] {
         node.shutdown(Duration::from_secs(1));
     }
+}
+
+#[test]
+fn a_block_fetched_from_a_shared_node_is_the_fetchers_tenants() {
+    let fleet = Fleet::new();
+    let alpha = fleet.start("f-ae", &fleet.alpha_engine, Some("alpha"));
+    let pool = fleet.start("f-pool", &fleet.pool, None);
+    // Alpha's consumer runs with no tenant of its own (it keeps tenants apart like a pool).
+    let keeper = fleet.start("f-ac", &fleet.alpha_consumer, None);
+    let beta = fleet.start("f-bc", &fleet.beta_consumer, Some("beta"));
+    let stranger = Node::start(NodeConfig::local("tenants-f-stranger")).unwrap();
+    let k = key(7);
+    alpha
+        .store(vec![(k.clone(), filled(&alpha, 0xa7))])
+        .unwrap();
+    let one = std::slice::from_ref(&k);
+    assert_eq!(pull(&pool, alpha.id(), "p", one), [Hit]);
+    // The pool served it to the keeper as alpha's: the keeper holds it as alpha's.
+    assert_eq!(pull(&keeper, pool.id(), "k", one), [Hit]);
+    assert_eq!(keeper.contains_for(pool.id(), one).unwrap(), [true]);
+    assert_eq!(keeper.read(&k), Some(filled(&alpha, 0xa7)));
+    // So another tenant's peer, and a peer of none, asking the keeper find nothing.
+    assert_eq!(pull(&beta, keeper.id(), "b", one), [Miss]);
+    assert_eq!(beta.read(&k), None);
+    assert_eq!(pull(&stranger, keeper.id(), "s", one), [Miss]);
+    assert_eq!(stranger.read(&k), None);
+    for node in [&alpha, &pool, &keeper, &beta, &stranger] {
+        node.shutdown(Duration::from_secs(1));
+    }
+}
+
+#[test]
+fn an_engine_with_tenants_rules_needs_a_tenant_of_its_own() {
+    use kvpeer::engine::EngineNode;
+    use kvpeer::node::build::BuildError;
+    let fleet = Fleet::new();
+    let mut c = NodeConfig::local("tenants-engine");
+    c.spec.plane = kvpeer::PlaneKind::Tcp;
+    c.spec.tenants = TenantRules::parse(None, &fleet.rules()).unwrap();
+    let pool = kvpeer_store::Pool::anonymous(4, c.spec.block_len, false).unwrap();
+    assert!(matches!(
+        EngineNode::build(&c.spec, pool),
+        Err(BuildError::EngineWithoutTenant)
+    ));
 }
 
 #[test]

@@ -252,14 +252,15 @@ impl Runtime {
                     let _ = reply.send(Err(NodeError::RequestOpen(id)));
                     return;
                 };
-                // The blocks are the tenant's of the peer they come from (one index for all
-                // on a node that keeps no tenants apart).
+                // The blocks are the tenant's of the peer they come from, or ours from a shared
+                // node (one index for all on a node that keeps no tenants apart).
+                let me = self.io.core.local().peer_id.clone();
                 let store = self.io.core.parent_mut();
                 let tenant = req
                     .roles()
                     .source
                     .as_ref()
-                    .map_or(Tenant::DEFAULT, |s| store.tenant_of(&s.peer));
+                    .map_or(Tenant::DEFAULT, |s| store.tenant_of_fetch(&s.peer, &me));
                 let blocks = match store.reserve_in(tenant, &keys) {
                     Ok(b) => b,
                     Err(e) => {
@@ -292,7 +293,7 @@ impl Runtime {
                     .iter()
                     .map(|k| {
                         store
-                            .block_of(k)
+                            .block_of_any(k)
                             .and_then(|b| store.read(b).ok())
                             .map(<[u8]>::to_vec)
                     })
@@ -304,19 +305,28 @@ impl Runtime {
                 tenant_of,
                 reply,
             } => {
+                let me = self.io.core.local().peer_id.clone();
                 let store = self.io.core.parent_mut();
-                let tenant = tenant_of.map_or(Tenant::DEFAULT, |p| store.tenant_of(&p));
-                let _ = reply.send(
-                    keys.iter()
-                        .map(|k| store.block_of_in(tenant, k).is_some())
+                let held: Vec<bool> = match tenant_of {
+                    // Where a block fetched from that peer would go.
+                    Some(p) => {
+                        let tenant = store.tenant_of_fetch(&p, &me);
+                        keys.iter()
+                            .map(|k| store.block_of_in(tenant, k).is_some())
+                            .collect()
+                    }
+                    None => keys
+                        .iter()
+                        .map(|k| store.block_of_any(k).is_some())
                         .collect(),
-                );
+                };
+                let _ = reply.send(held);
             }
             Command::Touch { keys, reply } => {
                 let store = self.io.core.parent_mut();
                 let _ = reply.send(
                     keys.iter()
-                        .map(|k| store.lookup(k) == LookupResult::Hit)
+                        .map(|k| store.lookup_any(k) == LookupResult::Hit)
                         .collect(),
                 );
             }

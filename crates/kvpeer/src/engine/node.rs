@@ -123,6 +123,9 @@ impl EngineNode {
     /// ([`Pool::external`], for the tcp and nixl planes), or a shared-memory object
     /// ([`Pool::shm`], or the engine's own adopted with [`Pool::adopt_shm`]: every plane). Binds the control channel and makes the data plane.
     pub fn build(spec: &NodeSpec, pool: Pool) -> Result<Self, BuildError> {
+        if !spec.tenants.is_empty() && spec.tenants.own().is_none() {
+            return Err(BuildError::EngineWithoutTenant);
+        }
         let spec = NodeSpec {
             num_blocks: pool.num_blocks(),
             block_len: pool.block_len(),

@@ -156,6 +156,9 @@ pub enum BuildError {
     /// The authentication secret.
     #[error("authentication: {0}")]
     Auth(#[from] super::auth::AuthError),
+    /// An engine given `tenants` rules without a `tenant` of its own.
+    #[error("an engine with tenants rules needs a tenant of its own (tenant): all its blocks are that tenant's")]
+    EngineWithoutTenant,
     /// This build of kvpeer lacks the data plane asked for (a cargo feature).
     #[error("this kvpeer was built without the {plane} plane: build with `--features {plane}`")]
     PlaneNotBuilt {

@@ -46,6 +46,17 @@ pub(crate) enum OriginError {
     /// This node has a tenant, and the peer is neither of it nor a shared node.
     #[error("{0} is not of this node's tenant, nor a shared node (tenants)")]
     OtherTenant(PeerId),
+    /// The tenant that names the identity has address rules, and the source address matches
+    /// none of them.
+    #[error(
+        "{peer} came from {from}, outside the address rules of the tenant that names it (tenants)"
+    )]
+    NotTenantsSource {
+        /// The identity claimed.
+        peer: PeerId,
+        /// Where the message came from.
+        from: IpAddr,
+    },
     /// This node has a tenant, and the source address matches none of its tenant's or shared
     /// nodes' address rules.
     #[error("source address {0} is not of this node's tenant, nor a shared node's (tenants)")]
@@ -184,7 +195,8 @@ pub(crate) struct OriginCheck {
     bind_identity: bool,
     allow: Allowlist,
     local: LocalAddrs,
-    /// A node with a tenant talks only to its tenant's peers and shared nodes.
+    /// A node with a tenant talks only to its tenant's peers and shared nodes; every node
+    /// with tenants holds a peer's source to the address rules of the tenant that names it.
     tenants: Option<std::sync::Arc<TenantRules>>,
 }
 
@@ -210,9 +222,9 @@ impl OriginCheck {
         }
     }
 
-    /// Holds every peer to `tenants` as well, where this node has a tenant of its own.
+    /// Holds every peer to `tenants` as well (no check with no tenant configured).
     pub(crate) fn set_tenants(&mut self, tenants: std::sync::Arc<TenantRules>) {
-        self.tenants = tenants.own().is_some().then_some(tenants);
+        self.tenants = (!tenants.is_empty()).then_some(tenants);
     }
 
     /// `Ok` if this node may dial `peer` (or send it anything): the allowlist and the tenant.
@@ -236,6 +248,12 @@ impl OriginCheck {
         if let Some(t) = &self.tenants {
             if !t.admits_source(source) {
                 return Err(OriginError::SourceOtherTenant(source));
+            }
+            if !t.source_fits(peer, source) {
+                return Err(OriginError::NotTenantsSource {
+                    peer: peer.clone(),
+                    from: source,
+                });
             }
         }
         if !self.bind_identity {

@@ -13,9 +13,16 @@
 //!   miss.
 //! * **A node without one** (a pool node holding many tenants' blocks) keeps each tenant's
 //!   blocks in an index of its own ([`kvpeer_store::Tenant`]): a block pulled from a peer
-//!   belongs to that peer's tenant, and a peer's lookups see only its tenant's index. A peer
-//!   that no rule names is the default tenant (the node's own blocks); one that two tenants'
-//!   rules name sees nothing ([`Tenant::NOBODY`]).
+//!   belongs to that peer's tenant (from a shared node: to this node's own tenant by the
+//!   rules), and a peer's lookups see only its tenant's index.
+//! * **Fail closed.** A peer that no rule names, or that two tenants' rules name, is nobody's
+//!   ([`Tenant::NOBODY`]): it sees no block and no block is stored for it, so a rule that does
+//!   not match (a host name against address rules, a typo) costs misses, never a leak. Shared
+//!   nodes see the default tenant (the node's own blocks).
+//! * A tenant is as strong as the identity it is read from: an address rule is held to the
+//!   message's source address ([`TenantRules::source_fits`]); a port separates processes on
+//!   one host only as far as they are honest (TLS names an IP address, not a port); a host-name
+//!   identity is heard only when the allowlist names it (docs/security.md, G3, G14).
 //!
 //! Built once where the node is built (names resolved there, as the allowlist's); asked on the
 //! node's thread, by the origin check and by the store (which keeps each peer's answer).
@@ -55,6 +62,9 @@ pub enum TenantsError {
     /// `tenant` set with no rules: the node would talk to no peer.
     #[error("tenant {0:?} is set but tenants has no rule: the node would talk to no peer")]
     NoRules(String),
+    /// `tenant` names a tenant no rule names (a typo?): its own peers would be refused.
+    #[error("tenant {0:?} is named by no rule in tenants (NAME=RULE): this node and its tenant's peers must be")]
+    Unnamed(String),
     /// `tenant = "*"`.
     #[error("a node's own tenant cannot be * (shared nodes keep no tenant of their own)")]
     OwnShared,
@@ -112,11 +122,10 @@ impl TenantRules {
             if out.names.is_empty() && out.shared.is_none() {
                 return Err(TenantsError::NoRules(own.to_owned()));
             }
-            if !out.names.iter().any(|n| n == own) {
-                out.names.push(own.to_owned());
-                out.rules.push(Allowlist::default());
-            }
-            out.own = out.number(own);
+            out.own = Some(
+                out.number(own)
+                    .ok_or_else(|| TenantsError::Unnamed(own.to_owned()))?,
+            );
         }
         // 0 is the default tenant, u16::MAX nobody.
         if out.names.len() >= usize::from(u16::MAX) - 1 {
@@ -157,19 +166,49 @@ impl TenantRules {
         }
     }
 
-    /// The tenant `peer` belongs to: the one tenant whose rules name it, the default tenant
-    /// when none does, nobody when several do.
+    /// The tenant `peer` belongs to: the one tenant whose rules name it; the default tenant
+    /// for a shared node no tenant's rule names, and for everyone when no tenant is
+    /// configured; else nobody (no rule names it, or several tenants' do).
     pub fn tenant_of(&self, peer: &PeerId) -> Tenant {
-        let mut found = Tenant::DEFAULT;
+        if self.is_empty() {
+            return Tenant::DEFAULT;
+        }
+        let mut found = None;
         for (i, list) in self.rules.iter().enumerate() {
             if !list.allows_all() && list.check(peer).is_ok() {
-                if found != Tenant::DEFAULT {
+                if found.is_some() {
                     return Tenant::NOBODY;
                 }
-                found = u16::try_from(i + 1).map_or(Tenant::NOBODY, Tenant);
+                found = Some(u16::try_from(i + 1).map_or(Tenant::NOBODY, Tenant));
             }
         }
-        found
+        match found {
+            Some(t) => t,
+            None if self.is_shared(peer) => Tenant::DEFAULT,
+            None => Tenant::NOBODY,
+        }
+    }
+
+    /// Whether a message claiming `peer` may come from `source` as far as tenants go: the
+    /// address rules of the tenant that names `peer` (or of shared nodes, for a shared node)
+    /// must admit `source` when that tenant has any (a tenant named by host names only admits
+    /// any source: a name cannot judge an address, as in the allowlist). So a peer cannot take
+    /// another tenant's identity from an address outside that tenant's networks.
+    pub fn source_fits(&self, peer: &PeerId, source: IpAddr) -> bool {
+        let t = self.tenant_of(peer);
+        let list = match usize::from(t.0)
+            .checked_sub(1)
+            .and_then(|i| self.rules.get(i))
+        {
+            Some(list) => list,
+            None if t == Tenant::DEFAULT => match &self.shared {
+                Some(list) => list,
+                None => return true,
+            },
+            // Nobody's: it sees nothing whatever its source.
+            None => return true,
+        };
+        list.allows_source(source)
     }
 
     /// Whether `peer` is a shared node (a `*` rule names it).
@@ -214,6 +253,10 @@ impl TenantOf for TenantRules {
     fn tenant_of(&self, peer: &PeerId) -> Tenant {
         TenantRules::tenant_of(self, peer)
     }
+
+    fn is_shared(&self, peer: &PeerId) -> bool {
+        TenantRules::is_shared(self, peer)
+    }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -248,10 +291,20 @@ mod tests {
         let alpha = t.tenant_of(&peer("10.0.1.7:5600"));
         assert_eq!(t.name(alpha), "alpha");
         assert_eq!(t.tenant_of(&peer("10.0.9.9:5600")), alpha);
-        assert_eq!(t.tenant_of(&peer("10.0.9.9:5601")), Tenant::DEFAULT);
+        // No rule names it: nobody's (fail closed), not the default tenant's.
+        assert_eq!(t.tenant_of(&peer("10.0.9.9:5601")), Tenant::NOBODY);
+        assert_eq!(
+            t.tenant_of(&peer("vm:5600")),
+            Tenant::NOBODY,
+            "a name against addresses"
+        );
         assert_eq!(t.name(t.tenant_of(&peer("10.0.2.3:1"))), "beta");
+        // A shared node sees the default tenant (the node's own blocks).
         assert_eq!(t.tenant_of(&peer("10.0.0.1:7000")), Tenant::DEFAULT);
         assert!(t.is_shared(&peer("10.0.0.1:7000")));
+        // With no tenant configured, everyone is the default tenant.
+        let none = TenantRules::parse::<&str>(None, &[]).unwrap();
+        assert_eq!(none.tenant_of(&peer("10.0.9.9:1")), Tenant::DEFAULT);
         // A node without a tenant of its own talks to everyone the allowlist admits.
         assert!(t.admits(&peer("10.0.2.3:1")) && t.own().is_none());
     }
@@ -261,6 +314,26 @@ mod tests {
         let t = TenantRules::parse(None, &["a=10.0.0.0/16", "b=10.0.5.0/24"]).unwrap();
         assert_eq!(t.tenant_of(&peer("10.0.5.1:1")), Tenant::NOBODY);
         assert_eq!(t.name(t.tenant_of(&peer("10.0.6.1:1"))), "a");
+    }
+
+    #[test]
+    fn a_peer_is_held_to_the_address_rules_of_the_tenant_that_names_it() {
+        let t = TenantRules::parse(
+            None,
+            &["a=10.0.1.0/24", "a=engine-a", "b=engine-b", "*=10.0.0.1"],
+        )
+        .unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        // `engine-a` is tenant a's, whose address rule says where a's messages come from.
+        assert!(t.source_fits(&peer("engine-a:5600"), ip("10.0.1.9")));
+        assert!(
+            !t.source_fits(&peer("engine-a:5600"), ip("10.0.2.9")),
+            "from b's host"
+        );
+        // b is named by a host name only: no address to hold it to.
+        assert!(t.source_fits(&peer("engine-b:5600"), ip("10.0.7.7")));
+        assert!(t.source_fits(&peer("10.0.0.1:7000"), ip("10.0.0.1")));
+        assert!(!t.source_fits(&peer("10.0.0.1:7000"), ip("10.0.0.2")));
     }
 
     #[test]
@@ -297,9 +370,10 @@ mod tests {
         ));
         assert_eq!(e(Some("a"), &[]), TenantsError::NoRules("a".into()));
         assert_eq!(e(Some("*"), &["a=10.0.0.1"]), TenantsError::OwnShared);
-        // An own tenant no rule names talks to shared nodes only.
-        let t = TenantRules::parse(Some("solo"), &["*=10.0.0.1"]).unwrap();
-        assert_eq!(t.name(t.own().unwrap()), "solo");
-        assert!(t.admits(&peer("10.0.0.1:1")) && !t.admits(&peer("10.0.0.2:1")));
+        // An own tenant no rule names (a typo): refused, not a node that talks to no peer.
+        assert_eq!(
+            e(Some("alpah"), &["alpha=10.0.0.1", "*=10.0.0.2"]),
+            TenantsError::Unnamed("alpah".into())
+        );
     }
 }

@@ -85,6 +85,12 @@ pub enum PoolNodeError {
     /// An engine slot was out of range (more engines than a pool node follows).
     #[error("a pool node follows at most {} engines", EngineSlot::MAX)]
     TooManyEngines,
+    /// The pool keeps tenants apart and a followed engine is no one tenant's (no rule of
+    /// `tenants` names it, or two tenants' rules do): its blocks would be nobody's.
+    #[error(
+        "followed engine {0} is no one tenant's: name it in exactly one tenant's rules (tenants)"
+    )]
+    EngineOfNoTenant(PeerId),
     /// A thread could not be started.
     #[error("cannot start the pool's threads: {0}")]
     Thread(#[source] std::io::Error),
@@ -208,6 +214,8 @@ struct PullJob {
 impl PoolNode {
     /// Starts the pool thread and a puller per followed engine for `node`.
     pub fn start(node: Arc<Node>, config: &PoolConfig) -> Result<PoolNode, PoolNodeError> {
+        // Before any thread starts: a followed engine of no one tenant stops the start here.
+        let groups = tenant_groups(&node, config)?;
         // This node among the members, however the list spells its address.
         let me = kvpeer_pool::shard::canonical(node.id().as_str());
         let shard = match config
@@ -313,9 +321,7 @@ impl PoolNode {
             published: 0,
             publish_dropped: 0,
         };
-        thread
-            .holdings
-            .set_groups(&tenant_groups(&thread.node, config));
+        thread.holdings.set_groups(&groups);
         threads.push(spawn("kvpeer-pool", move || thread.run())?);
         Ok(PoolNode {
             shared,
@@ -703,16 +709,19 @@ fn log_undescribed(
 /// The followed engines of each tenant, for a node that keeps tenants apart (none without
 /// tenants, or with a tenant of its own: then all its blocks are one tenant's). Engines of no
 /// tenant are left out: they share one group.
-fn tenant_groups(node: &Node, config: &PoolConfig) -> Vec<Vec<EngineSlot>> {
+fn tenant_groups(node: &Node, config: &PoolConfig) -> Result<Vec<Vec<EngineSlot>>, PoolNodeError> {
     let rules = &node.config().tenants;
     if rules.is_empty() || rules.own().is_some() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let mut rules = rules.clone();
     rules.resolve_names(crate::node::resolve::resolve_host);
     let mut groups: std::collections::BTreeMap<_, Vec<EngineSlot>> = Default::default();
     for (i, spec) in config.follow.iter().enumerate() {
         let tenant = rules.tenant_of(&spec.peer);
+        if tenant == kvpeer_store::Tenant::NOBODY {
+            return Err(PoolNodeError::EngineOfNoTenant(spec.peer.clone()));
+        }
         if let Some(slot) = EngineSlot::new(i) {
             if tenant != kvpeer_store::Tenant::DEFAULT {
                 info!(engine = i, peer = %spec.peer, tenant = rules.name(tenant), "its blocks are its tenant's");
@@ -720,7 +729,7 @@ fn tenant_groups(node: &Node, config: &PoolConfig) -> Vec<Vec<EngineSlot>> {
             }
         }
     }
-    groups.into_values().collect()
+    Ok(groups.into_values().collect())
 }
 
 /// The actions without the candidates another pool node owns (by their prefix's root chunk)
