@@ -477,11 +477,10 @@ mod tests {
     #[test]
     fn a_peer_of_another_tenant_gets_miss_and_the_engine_is_never_asked() {
         let (mut parent, link) = EngineParent::new(None);
-        // The engine has no tenant of its own: its blocks are the default tenant's.
         parent.scope_peers(
             crate::node::tenants::TenantRules::parse(
-                None,
-                &["alpha=10.0.1.0/24", "*=10.0.0.1:7000"],
+                Some("alpha"),
+                &["alpha=10.0.1.0/24", "beta=10.0.2.0/24", "*=10.0.0.1:7000"],
             )
             .unwrap(),
         );
@@ -490,25 +489,27 @@ mod tests {
             kv_request_id: KvRequestId::from("r"),
             lookup: n,
         };
-        let (alpha, pool, plain) = (
+        let (alpha, pool, beta, unnamed) = (
             at("10.0.1.5:5600", 1),
             at("10.0.0.1:7000", 2),
-            at("10.0.9.9:5600", 3),
+            at("10.0.2.5:5600", 3),
+            at("10.0.9.9:5600", 4),
         );
-        for c in [&alpha, &pool, &plain] {
+        for c in [&alpha, &pool, &beta, &unnamed] {
             parent.on_new_request(c);
         }
-        assert_eq!(parent.lookup(&key(1), &alpha), LookupResult::Miss);
+        assert_eq!(parent.lookup(&key(1), &alpha), LookupResult::Retry);
         assert_eq!(parent.lookup(&key(1), &pool), LookupResult::Retry);
-        assert_eq!(parent.lookup(&key(1), &plain), LookupResult::Retry);
+        assert_eq!(parent.lookup(&key(1), &beta), LookupResult::Miss);
+        assert_eq!(parent.lookup(&key(1), &unnamed), LookupResult::Miss);
         let asked: Vec<PeerId> = link.take_queries().into_iter().map(|q| q.peer).collect();
         assert_eq!(
             asked,
-            [pool.peer.clone(), plain.peer.clone()],
-            "alpha's key never asked"
+            [alpha.peer.clone(), pool.peer.clone()],
+            "beta's and the unnamed peer's keys never asked"
         );
-        assert!(parent.create_store_job(&[key(1)], &alpha).is_none());
-        for c in [&alpha, &pool, &plain] {
+        assert!(parent.create_store_job(&[key(1)], &beta).is_none());
+        for c in [&alpha, &pool, &beta, &unnamed] {
             parent.on_request_finished(c);
         }
         assert_eq!(parent.outstanding(), (0, 0));

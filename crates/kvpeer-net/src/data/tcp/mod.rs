@@ -71,6 +71,16 @@ mod wire;
 
 pub use error::{TcpFault, TcpRefusal};
 
+/// Entry points for the fuzz targets in `fuzz/` (the frame codec is private to the plane).
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Every tcp-plane frame decoder over `data`, and the re-encoding of what decodes; panics
+    /// where a check fails.
+    pub fn frames(data: &[u8]) {
+        super::wire::fuzz_frames(data);
+    }
+}
+
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

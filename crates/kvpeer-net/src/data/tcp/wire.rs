@@ -320,11 +320,92 @@ pub(super) fn decode_ack(frame: &[u8; ACK_LEN]) -> Result<(TransferId, AckStatus
     Ok((tid, status))
 }
 
+/// The fuzz target `tcp_frames` (fuzz/): every decoder over any bytes, and each frame that
+/// decodes re-encoded to the bytes it came from. Panics (the fuzzer's finding) where that fails.
+pub(super) fn fuzz_frames(data: &[u8]) {
+    if let Ok(hello) = decode_hello(data) {
+        let again = encode_hello(&hello.writer, &hello.key);
+        assert_eq!(again.as_deref(), Ok(data), "a HELLO re-encodes to itself");
+    }
+    if data.len() >= 4 + WRITE_HEAD_LEN {
+        if let Ok(digests) = check_write_magic(&take::<4>(data, 0)) {
+            // A receiver's pool of 4,096 blocks: larger counts are refused by the head.
+            if let Ok((tid, count)) = decode_write_head(&take::<WRITE_HEAD_LEN>(data, 4), 4096) {
+                assert!((1..=4096).contains(&count));
+                let at = 4 + WRITE_HEAD_LEN;
+                let per = if digests { 12 } else { 8 };
+                if let Some(head) = data.get(..at + per * count) {
+                    let indexes = decode_indexes(&head[at..at + 8 * count]);
+                    let digests = digests.then(|| decode_digests(&head[at + 8 * count..]));
+                    let (Ok(indexes), Some(Ok(_)) | None) = (&indexes, &digests) else {
+                        panic!("whole lists failed to decode: {indexes:?} {digests:?}");
+                    };
+                    let digests = digests.and_then(Result::ok);
+                    let again = encode_write_header(tid, indexes, digests.as_deref());
+                    assert_eq!(
+                        again.as_deref(),
+                        Ok(head),
+                        "a WRITE header re-encodes to itself"
+                    );
+                }
+            }
+        }
+    }
+    if data.len() >= ACK_LEN {
+        let frame = take::<ACK_LEN>(data, 0);
+        if let Ok((tid, status)) = decode_ack(&frame) {
+            let again = encode_ack_status(tid, status);
+            assert_eq!(again[..12], frame[..12]);
+            if matches!(frame[12], 0..=2) {
+                assert_eq!(again, frame, "a known status re-encodes to itself");
+            }
+        }
+    }
+    // Lists of any length: a whole number of items or a clear error, never a panic.
+    match decode_indexes(data) {
+        Ok(v) => assert_eq!(v.len() * 8, data.len()),
+        Err(e) => assert!(matches!(e, WireError::Truncated { .. })),
+    }
+    match decode_digests(data) {
+        Ok(v) => assert_eq!(v.len() * 4, data.len()),
+        Err(e) => assert!(matches!(e, WireError::Truncated { .. })),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn the_fuzz_targets_checks_hold_on_every_frame_kind() {
+        let hello = encode_hello("10.0.0.1:5600", &KEY).unwrap();
+        let write = encode_write_header(
+            TransferId::new(9),
+            &[BlockIndex::new(1), BlockIndex::new(7)],
+            None,
+        )
+        .unwrap();
+        let digested = encode_write_header(
+            TransferId::new(9),
+            &[BlockIndex::new(1)],
+            Some(&[0xdead_beef]),
+        )
+        .unwrap();
+        let ack = encode_ack_status(TransferId::new(3), AckStatus::Corrupted);
+        for frame in [
+            &hello[..],
+            &write,
+            &digested,
+            &ack,
+            b"",
+            b"KVPD",
+            &[0xff; 40],
+        ] {
+            fuzz_frames(frame);
+        }
+    }
 
     const KEY: [u8; KEY_LEN] = [0xA5; KEY_LEN];
 
