@@ -1044,9 +1044,14 @@ def cmd_trickle(a) -> int:
     hello_len = None
     block_bytes = bytearray()
     frames_ok = True
+    left_after = None
     while time.monotonic() - start < a.hold:
         for who, msg in peer.poll(0.0):
             note(who, msg)
+        if a.reading == "leave" and left_after is None and time.monotonic() - start >= a.leave_after:
+            # End the session mid-write; the data connection stays ours to read.
+            peer.send(a.node, {"type": "disconnect"})
+            left_after = time.monotonic() - start
         r, _, _ = select.select([conn], [], [], 0.05)
         if r:
             try:
@@ -1087,7 +1092,7 @@ def cmd_trickle(a) -> int:
                 acked += 1
         if state["transfer_done"] and a.reading == "full":
             break
-        if a.reading == "trickle":
+        if a.reading in ("trickle", "leave"):
             time.sleep(a.every)
     frames_ok &= expected_blocks.startswith(bytes(block_bytes))
     if hello_len is not None and parsed > 0 and len(got_bytes) - parsed >= 16:
@@ -1096,7 +1101,8 @@ def cmd_trickle(a) -> int:
         body = bytes(got_bytes[parsed + 16 + 8 * count:])
         frames_ok &= expected_blocks[len(block_bytes):].startswith(body)
     # Let a transfer_done or disconnect that follows the close arrive.
-    peer.wait_for({"transfer_done"} if not state["transfer_done"] else set(), a.wait, note)
+    if left_after is None:
+        peer.wait_for({"transfer_done"} if not state["transfer_done"] else set(), a.wait, note)
     peer.wait_for(set(), 0.3, note)
     emit({
         "event": "summary",
@@ -1109,10 +1115,11 @@ def cmd_trickle(a) -> int:
         "blocks_received": len(block_bytes) // a.block_len,
         "acked": acked,
         "closed_after_s": closed_after,
+        "left_after_s": left_after,
         "transfer_done": state["transfer_done"],
         "disconnect": state["disconnect"],
     })
-    if not state["disconnect"]:
+    if not state["disconnect"] and left_after is None:
         peer.send(a.node, {"type": "disconnect"})
         time.sleep(0.2)
     conn.close()
@@ -1461,7 +1468,10 @@ def main() -> int:
     common(s)
     s.add_argument("--node", required=True)
     s.add_argument("--keys", default="0-63", help="synthetic key indexes to look up and fetch")
-    s.add_argument("--reading", choices=["trickle", "full"], default="trickle")
+    s.add_argument("--reading", choices=["trickle", "full", "leave"], default="trickle",
+                   help="leave: trickle, then end the session (disconnect) after --leave-after "
+                        "seconds while the write runs, still reading the data connection")
+    s.add_argument("--leave-after", type=float, default=0.5, help="seconds, with --reading leave")
     s.add_argument("--chunk", type=int, default=1024, help="bytes per read when trickling")
     s.add_argument("--every", type=float, default=0.02, help="pause between reads, seconds")
     s.add_argument("--rcvbuf", type=int, default=4096, help="our data socket's SO_RCVBUF")

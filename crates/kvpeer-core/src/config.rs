@@ -53,6 +53,10 @@ pub struct CoreConfig {
     /// `VLLM_P2P_TRANSFER_STALL_TIMEOUT_S` on NIXL, where a WRITE that never completes would
     /// otherwise go unnoticed; zero disables it.
     pub transfer_stall_timeout: Duration,
+    /// A write still running when its session ended keeps its source blocks pinned until the
+    /// plane says it stopped, at most this long (then they are released anyway, and counted);
+    /// the peer gets no new session meanwhile. vLLM 0.34's `_RETAINED_HOLD_CAP_S`.
+    pub retained_hold_cap: Duration,
     /// First reconnect backoff after a repeated data-plane fault (the first fault waits 0).
     pub reconnect_min_backoff: Duration,
     /// Longest reconnect backoff; also how long a fault is remembered after its wait ends.
@@ -153,6 +157,7 @@ impl Default for CoreConfig {
             cancel_retry_interval: Duration::from_millis(100),
             peer_fault_drain: Duration::from_secs(10),
             transfer_stall_timeout: Duration::from_secs(20),
+            retained_hold_cap: Duration::from_secs(30),
             reconnect_min_backoff: Duration::from_secs(1),
             reconnect_max_backoff: Duration::from_secs(60),
             dial_min_backoff: Duration::from_millis(250),

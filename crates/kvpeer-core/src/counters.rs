@@ -51,6 +51,11 @@ pub struct Counters {
     /// Consumer: loads ended (failed) before their `fetch` left, which still waited for the
     /// peer's ack: finished, timed out or drained meanwhile (no `abort_fetch` sent).
     pub fetches_retired_unsent: u64,
+    /// Producer: writes of ended sessions still running when they ended, whose source blocks
+    /// stayed pinned until the plane said they stopped (vLLM 0.34's retained transfers).
+    pub transfers_retained: u64,
+    /// Producer: of those, the ones released at `retained_hold_cap` while still running.
+    pub retained_force_released: u64,
     /// Sessions opened (either side started) and ended.
     pub sessions_opened: u64,
     /// Sessions ended, for any reason.

@@ -499,6 +499,10 @@ pub enum Refusal {
         /// Time left.
         left: Duration,
     },
+    /// Writes of the peer's ended session may still be running (retained, their source blocks
+    /// pinned); it gets no new session until they stop.
+    #[error("writes of its ended session are still running (retained until they stop)")]
+    WritesRetained,
     /// The first payload of a peer without a session did not decode.
     #[error("no session, and the first payload is no connect: {0}")]
     BadFirstPayload(#[source] DecodeError),

@@ -1162,3 +1162,135 @@ fn a_terminal_fetch_releases_the_stores_parked_for_its_request() {
     m.finish("s");
     m.assert_clean();
 }
+
+// ---------------------------------------------------------------- retained writes (vLLM 0.34)
+
+/// A mock whose writes never end by themselves and keep running when the peer is removed (a
+/// NIXL WRITE already in the NIC), with a PD store for "r" fetched into a running write.
+fn retained_write() -> (Mock, JobId, TransferId) {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.plane().writes_stuck = true;
+    m.plane().removal_keeps_writes = true;
+    let job = pd_store(&mut m, "r", &[key(1)]);
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    let tid = running(&mut m)[0];
+    (m, job, tid)
+}
+
+/// vLLM 0.34's `TestDisconnect.test_close_retains_running_transfer`.
+/// vLLM 0.34's `TestRetainedTransfers.test_reap_holds_pins_until_transfer_stops`.
+/// A write still running when its session ends keeps its store job pinned (the engine's
+/// blocks are not handed back: another request could get them while the write still reads
+/// them) until the plane reports it stopped; then the job fails.
+#[test]
+fn a_write_running_when_its_session_ends_keeps_its_job_pinned_until_it_stops() {
+    let (mut m, job, tid) = retained_write();
+    m.recv(Message::DISCONNECT);
+    assert!(m.closed().is_some());
+    assert_eq!(
+        m.plane().cancels.last(),
+        Some(&(vec![tid], CancelMode::Wait)),
+        "cancelled without abandoning it"
+    );
+    assert_eq!(m.store_results(), vec![], "the job stays pinned");
+    assert_eq!(m.core.counters().transfers_retained, 1);
+    m.advance(S(5));
+    assert_eq!(m.store_results(), vec![]);
+    m.plane().end(tid, false);
+    m.data_plane();
+    assert_eq!(
+        m.store_results(),
+        vec![(job, false)],
+        "released once it stopped"
+    );
+    assert_eq!(m.core.counters().retained_force_released, 0);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// vLLM 0.34's `TestRetainedTransfers.test_hold_cap_force_releases`.
+#[test]
+fn a_retained_write_is_released_at_the_hold_cap() {
+    let (mut m, job, tid) = retained_write();
+    m.recv(Message::DISCONNECT);
+    m.advance(S(29));
+    assert_eq!(m.store_results(), vec![]);
+    m.advance(S(2));
+    assert_eq!(
+        m.plane().cancels.last(),
+        Some(&(vec![tid], CancelMode::Immediate)),
+        "abandoned at the cap"
+    );
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    assert_eq!(m.core.counters().retained_force_released, 1);
+    m.finish("r");
+    m.assert_clean();
+}
+
+/// vLLM 0.34's `TestRetainedTransfers.test_outbound_waits_for_retained_transfers`.
+/// vLLM 0.34's `TestRetainedTransfers.test_inbound_is_told_to_disconnect_while_retained`.
+/// While its writes are retained the peer gets no new session: it is not dialed (a request
+/// toward it answers MISS), and its inbound connection is told `disconnect`; once they stop,
+/// both work again.
+#[test]
+fn a_peer_with_retained_writes_gets_no_new_session_until_they_stop() {
+    let (mut m, _job, tid) = retained_write();
+    m.recv(Message::DISCONNECT);
+    m.take_sent();
+    let peer = m.peer.clone();
+    m.open("c", RequestRoles::kv_source(peer.clone()));
+    assert_eq!(
+        m.lookup("c", &key(9)),
+        kvpeer_core::LookupResult::Miss,
+        "not dialed"
+    );
+    assert!(
+        !m.take_sent()
+            .iter()
+            .any(|x| matches!(x, Message::Connect(_))),
+        "no connect sent"
+    );
+    m.finish("c");
+    assert!(!m.accept(), "inbound refused");
+    assert_eq!(m.take_sent(), vec![Message::DISCONNECT], "and told so");
+    m.plane().end(tid, false);
+    m.data_plane();
+    assert!(m.accept(), "the writes stopped: the peer is welcome again");
+    m.handshake();
+    m.finish("r");
+}
+
+/// A plane whose removal of the peer stops its writes (tcp: the link's connection closes, and
+/// its WRITEs are reported failed) releases them with the session: nothing is held.
+#[test]
+fn writes_the_peers_removal_stops_are_released_with_the_session() {
+    let mut m = Mock::new();
+    m.ready_inbound();
+    m.plane().writes_stuck = true;
+    let job = pd_store(&mut m, "r", &[key(1)]);
+    m.recv(fetch("r", vec![key(1)], vec![5], 0));
+    m.recv(Message::DISCONNECT);
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    assert_eq!(m.core.counters().transfers_retained, 1);
+    assert!(m.accept(), "nothing retained: the peer may come back");
+    m.handshake();
+    m.finish("r");
+}
+
+/// vLLM 0.34's `TestRetainedTransfers.test_drain_jobs_waits_for_retained_transfers`: a
+/// graceful shutdown's drain is not done while a retained write may still read its blocks.
+#[test]
+fn a_drain_waits_for_retained_writes() {
+    let (mut m, job, tid) = retained_write();
+    m.recv(Message::DISCONNECT);
+    assert!(
+        !m.core.shutdown_drain(m.now),
+        "a retained write may still read its blocks"
+    );
+    m.plane().end(tid, false);
+    assert!(m.core.shutdown_drain(m.now));
+    m.pump();
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    m.finish("r");
+}

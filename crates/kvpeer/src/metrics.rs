@@ -28,7 +28,7 @@ use crate::pool_node::{PoolNode, PoolNodeStats};
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 36] = [
+    let counters: [(&str, &str, u64); 38] = [
         (
             "kvpeer_lookups_sent_total",
             "lookup messages sent to peers",
@@ -158,6 +158,16 @@ pub fn render(s: &NodeStats) -> String {
             "kvpeer_fetches_retired_unsent_total",
             "loads failed before their fetch left (it waited for the peer's ack)",
             c.fetches_retired_unsent,
+        ),
+        (
+            "kvpeer_transfers_retained_total",
+            "writes of ended sessions still running, their source blocks held until they stopped",
+            c.transfers_retained,
+        ),
+        (
+            "kvpeer_retained_force_released_total",
+            "retained writes released at the hold cap while still running",
+            c.retained_force_released,
         ),
         (
             "kvpeer_sessions_opened_total",

@@ -246,6 +246,79 @@ fn a_graceful_shutdown_mid_fetch_finishes_the_write_and_loses_no_block() {
     consumer.shutdown(Duration::from_secs(1));
 }
 
+/// A consumer that leaves while the producer's tcp write to it runs: the producer's session
+/// ends with the write still running, so its source blocks stay pinned (retained) until the tcp
+/// sender has closed the connection and reported the write ended, never unpinned while the
+/// sender may still copy them; then they are released, and the next consumer is served
+/// byte-exact (docs/security.md, "Retained writes").
+#[test]
+fn a_write_running_when_its_consumer_leaves_is_retained_until_the_plane_stops_it() {
+    let mut p = NodeConfig::local("api-retain-p");
+    p.spec.plane = PlaneKind::Tcp;
+    // 64 blocks of 64 KiB at 2 MB/s: the write takes about two seconds.
+    p.spec.tcp_max_write_rate = Some(2_000_000);
+    let mut c = NodeConfig::local("api-retain-c");
+    c.spec.plane = PlaneKind::Tcp;
+    let (producer, consumer) = (Node::start(p).unwrap(), Node::start(c.clone()).unwrap());
+    let len = producer.config().block_len as usize;
+    let keys: Vec<_> = (0..64).map(synthetic::key).collect();
+    store(&producer, &keys);
+    let req = consumer.request(producer.id(), "r").unwrap();
+    assert!(req
+        .lookup(&keys, WAIT)
+        .unwrap()
+        .iter()
+        .all(|f| *f == LookupResult::Hit));
+    std::thread::scope(|s| {
+        let fetch = s.spawn(|| req.fetch(&keys, WAIT));
+        let deadline = Instant::now() + WAIT;
+        while producer.stats().unwrap().core.inflight == 0 {
+            assert!(Instant::now() < deadline, "the write never started");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // The tcp writer thread picks the write up; then the consumer leaves mid-write.
+        std::thread::sleep(Duration::from_millis(200));
+        consumer.shutdown(Duration::ZERO);
+        let _ = fetch.join();
+    });
+    // The producer saw its session end with the write running, and held the blocks until the
+    // plane said the write stopped: then nothing stays pinned.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let stats = producer.stats().unwrap();
+        if stats.counters.transfers_retained == 1 && stats.store.pinned == 0 {
+            assert_eq!(
+                stats.counters.retained_force_released, 0,
+                "stopped, not forced"
+            );
+            assert_eq!(stats.core.inflight, 0);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{:?} {:?}",
+            stats.counters,
+            stats.store
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // An honest consumer is served byte-exact afterwards.
+    let c2 = Node::start(NodeConfig::local("api-retain-c2")).unwrap();
+    let r2 = c2.request(producer.id(), "r2").unwrap();
+    assert!(r2
+        .lookup(&keys[..4], WAIT)
+        .unwrap()
+        .iter()
+        .all(|f| *f == LookupResult::Hit));
+    r2.fetch(&keys[..4], WAIT).unwrap();
+    for k in &keys[..4] {
+        assert_eq!(c2.read(k), Some(synthetic::content(k, len)));
+    }
+    r2.finish();
+    c2.shutdown(Duration::from_secs(1));
+    producer.shutdown(Duration::from_secs(1));
+}
+
 #[test]
 fn the_authenticated_handshake_admits_only_peers_with_the_secret() {
     let node = |tag: &str, secret: Option<&str>| {

@@ -157,3 +157,55 @@ fn a_trickle_reading_consumer_is_cut_off_at_its_deadline_and_its_pins_released()
     assert!(s["closed_after_s"].is_null(), "{s}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A consumer that ends its session (`disconnect`) while the producer's WRITE to it is running,
+/// and keeps reading its data connection. The producer retains the write (vLLM 0.34): its
+/// source blocks stay pinned until the tcp sender has taken the link down and reported the
+/// write ended, never unpinned while the sender may still copy them into the socket (by then
+/// they could hold another request's bytes). Seen from the node's metrics while the consumer
+/// still reads: one write retained, released because it stopped (not at the 30 s hold cap),
+/// nothing left pinned. Seen from the consumer: every byte it got is of its own blocks (what
+/// the kernel had buffered before the link went down still arrives). An honest fetch is served.
+#[test]
+fn a_consumer_that_leaves_mid_write_gets_only_its_own_bytes_and_the_pins_wait_for_the_write() {
+    let dir = std::env::temp_dir().join(format!("kvpeer-leave-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (server, id) = serve_tcp(&dir);
+    let start = Instant::now();
+    let leaver = trickle(&id, "leave");
+    assert!(
+        eventually(Duration::from_secs(10), || metric(
+            &server,
+            "kvpeer_transfers_retained_total"
+        ) == 1.0),
+        "no write was retained: {}",
+        server.log()
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || metric(
+            &server,
+            "kvpeer_pool_pinned_blocks"
+        ) == 0.0
+            && metric(&server, "kvpeer_store_jobs") == 0.0),
+        "pins or jobs still held: {}",
+        server.log()
+    );
+    let released = start.elapsed();
+    assert!(
+        released < Duration::from_secs(12),
+        "released after {released:?}: the hold cap, not the write's end"
+    );
+    assert_eq!(metric(&server, "kvpeer_retained_force_released_total"), 0.0);
+    let s = summary(leaver);
+    println!("leaver: {s}");
+    assert!(s["connect_ack"].as_bool().unwrap(), "{s}");
+    assert!(s["left_after_s"].as_f64().is_some(), "it left: {s}");
+    assert!(
+        s["frames_ok"].as_bool().unwrap(),
+        "only its own blocks: {s}"
+    );
+    assert!(s["bytes"].as_u64().unwrap() > 0, "{s}");
+    let run = honest_fetch(&id, "tcp", 4, 16, &[]);
+    assert_fetch_ok(&run, 64, "after the consumer left");
+    let _ = std::fs::remove_dir_all(&dir);
+}

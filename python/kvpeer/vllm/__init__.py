@@ -133,6 +133,7 @@ _KVPEER_KEYS = (
     "pd_load_timeout_s",
     "abort_ack_timeout_s",
     "transfer_stall_timeout_s",
+    "retained_hold_cap_s",
     "handshake_timeout_s",
     "idle_timeout_s",
     "host_probe_timeout_ms",
@@ -317,7 +318,9 @@ class KvpeerTier(SecondaryTierManager):
       ``pd_load_timeout_s`` (30 s, a PD load), ``abort_ack_timeout_s`` (5 s, then the session
       ends: a failed load's slots go back to vLLM only once the peer's writes are fenced),
       ``transfer_stall_timeout_s`` (20 s: a NIXL write to a peer still in flight then faults the
-      peer), ``handshake_timeout_s``, ``idle_timeout_s``; host liveness:
+      peer), ``retained_hold_cap_s`` (30 s: a write still running when its session ended keeps
+      its source blocks pinned until it stops, at most this long), ``handshake_timeout_s``,
+      ``idle_timeout_s``; host liveness:
       ``host_probe_timeout_ms`` (1000: when a connection to a host is lost, the others to it
       must answer a PING within it or end too, failing their loads at once; 0 = off) and
       ``host_down_hold_ms`` (5000: a host nothing answers on is not dialed meanwhile). With
@@ -1104,6 +1107,7 @@ def _settings(
         "pd_load_timeout_s",
         "abort_ack_timeout_s",
         "transfer_stall_timeout_s",
+        "retained_hold_cap_s",
         "handshake_timeout_s",
         "idle_timeout_s",
         "host_probe_timeout_ms",

@@ -70,6 +70,11 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             // Its address kept failing: any answer (even a `disconnect`) would dial it
             // again, so it gets none.
             Some(Refusal::DialBackoff { left: dial_wait })
+        } else if self.retained.holds(peer) {
+            // A new session's poll would take the old writes' reports (vLLM 0.34 refuses it
+            // too): told at once, so its lookups fall back now.
+            self.out.transmit(peer, Message::DISCONNECT);
+            Some(Refusal::WritesRetained)
         } else if wait > Duration::ZERO {
             self.out.transmit(peer, Message::DISCONNECT);
             Some(Refusal::ReconnectBackoff { left: wait })
@@ -134,6 +139,10 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         }
         if self.reconnect_wait(peer) > Duration::ZERO {
             debug!(%peer, "not dialing: reconnect backoff after a data-plane fault");
+            return false;
+        }
+        if self.retained.holds(peer) {
+            debug!(%peer, "not dialing: writes of its ended session are still running");
             return false;
         }
         if self

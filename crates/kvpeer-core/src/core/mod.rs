@@ -18,6 +18,7 @@ pub(crate) mod fencing;
 pub(crate) mod index;
 mod parking;
 mod request;
+mod retained;
 mod slices;
 
 pub use fencing::FENCE_RECHECK;
@@ -106,6 +107,10 @@ pub struct Core<P: Parent, D: DataPlane> {
     /// 0.34 settles a terminal buffered behind a goodbye). Any other input ends that, and the
     /// session is reaped ([`Core::end_settling`]).
     settling: Option<PeerId>,
+    /// Writes of ended sessions still running, their source pins held (`core/retained.rs`).
+    retained: retained::Retained,
+    /// The node is shutting down: ended sessions' writes are abandoned, not retained.
+    shutting_down: bool,
 }
 
 impl<P: Parent, D: DataPlane> Core<P, D> {
@@ -136,6 +141,8 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             index: SessionIndex::default(),
             idle_check_at: None,
             settling: None,
+            retained: retained::Retained::default(),
+            shutting_down: false,
         }
     }
 
@@ -290,6 +297,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             self.reaped_lane.next_deadline(),
             self.idle_check_at.filter(|_| self.idle_eviction_active()),
             self.out.fences.next_deadline(),
+            self.retained.next_deadline(self.config.retained_hold_cap),
         ])
     }
 
@@ -339,7 +347,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
     /// Whether any write to a peer is running on the data plane (a walk over every session:
     /// for a caller about to stop, not for every step).
     pub fn has_inflight(&self) -> bool {
-        self.sessions.values().any(|s| s.counts().3 > 0)
+        !self.retained.is_empty() || self.sessions.values().any(|s| s.counts().3 > 0)
     }
 
     /// Whether a session with `peer` exists, and whether the peer has acked our `connect`.
@@ -498,7 +506,33 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             peers = self.sessions.keys().cloned().collect();
         }
         self.with_sessions(peers, |s, cx| s.on_data_plane(cx));
+        self.poll_retained();
         self.settle();
+    }
+
+    /// Releases the retained writes that stopped or reached the hold cap, and completes
+    /// (fails) the store jobs none of them reads any more (`core/retained.rs`).
+    fn poll_retained(&mut self) {
+        if self.retained.is_empty() {
+            return;
+        }
+        let released = self.retained.poll(
+            &mut self.plane,
+            self.now,
+            self.config.retained_hold_cap,
+            self.shutting_down,
+        );
+        if released.forced > 0 && !self.shutting_down {
+            self.out.counters.retained_force_released += released.forced;
+            warn!(
+                writes = released.forced,
+                cap_s = self.config.retained_hold_cap.as_secs_f64(),
+                "writes of ended sessions still running at the hold cap: their source blocks are released anyway"
+            );
+        }
+        for job in released.jobs {
+            self.complete_store(job, false);
+        }
     }
 
     // ---------------------------------------------------------------- timers
@@ -513,6 +547,7 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.release_idle_bindings();
         self.expire_reaped();
         self.evict_idle();
+        self.poll_retained();
         self.settle();
     }
 
@@ -757,24 +792,32 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
             .values()
             .flat_map(Session::inflight_ids)
             .collect();
+        // Writes of ended sessions are waited for too (vLLM 0.34's `drain_jobs`).
+        self.poll_retained();
         if ids.is_empty() {
-            return true;
+            self.settle();
+            return self.retained.is_empty();
         }
         let still = self.plane.cancel(&ids, CancelMode::Wait);
         let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
         self.with_sessions(peers, |s, cx| s.on_data_plane(cx));
         self.settle();
-        still.is_empty() && self.sessions.values().all(|s| s.inflight_ids().is_empty())
+        still.is_empty()
+            && self.retained.is_empty()
+            && self.sessions.values().all(|s| s.inflight_ids().is_empty())
     }
 
     /// Ends everything: remaining transfers are abandoned, every session sends `disconnect`
     /// and closes, parked stores fail.
     pub fn shutdown(&mut self, now: Instant) {
         self.advance(now);
+        self.shutting_down = true;
         let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
         for peer in peers {
             self.end_session(&peer);
         }
+        // Writes retained before the shutdown are abandoned too.
+        self.poll_retained();
         for (_, batches) in std::mem::take(&mut self.unbound) {
             for batch in batches {
                 self.complete_store(batch.job, false);
@@ -870,10 +913,25 @@ impl<P: Parent, D: DataPlane> Core<P, D> {
         self.out.counters.sessions_closed += 1;
         self.bound.retain(|_, p| p != peer);
         let peer_ended = session.death().is_some_and(CloseReason::ended_by_peer);
-        let closed = session.close(&mut self.split().1);
+        // At shutdown the process goes: nothing is retained for writes that may go on.
+        let mode = if self.shutting_down {
+            CancelMode::Immediate
+        } else {
+            CancelMode::Wait
+        };
+        let mut closed = session.close(&mut self.split().1, mode);
         // The peer's registration goes first: its removal is what fences its writes on planes
         // that cannot revoke single blocks (nixl), so the loads below are asked after it.
         self.plane.remove_remote_peer(peer);
+        let retained = std::mem::take(&mut closed.server.retained);
+        if !retained.is_empty() {
+            self.out.counters.transfers_retained += retained.len() as u64;
+            crate::warn_throttled!(self.out.throttle, self.now, "writes of an ended session still running: their source blocks stay pinned until they stop",
+                %peer, writes = retained.len(), cap_s = self.config.retained_hold_cap.as_secs_f64());
+            self.retained.add(peer, retained, self.now);
+            // A plane whose removal of the peer stopped them says so at once.
+            self.poll_retained();
+        }
         for load in closed.client.failed_jobs {
             self.plane.end_writes(peer, &load.blocks);
             if load.never_sent {

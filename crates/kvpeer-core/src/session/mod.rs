@@ -748,15 +748,16 @@ impl Session {
         (held.keys, held.bytes, pinned)
     }
 
-    /// Tears the session down, sending `disconnect` if it has not ended yet.
-    pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> SessionClose {
+    /// Tears the session down, sending `disconnect` if it has not ended yet; `mode`: how its
+    /// running writes are cancelled ([`ServerRole::close`]).
+    pub(crate) fn close(&mut self, cx: &mut Cx<'_>, mode: crate::CancelMode) -> SessionClose {
         if !self.is_dead() {
             self.disconnect(cx.out, cx.now, CloseReason::Closed);
         }
         self.link.close();
         SessionClose {
             client: self.client.close(&self.link),
-            server: self.server.close(cx),
+            server: self.server.close(cx, mode),
         }
     }
 }

@@ -190,6 +190,10 @@ pub struct FakePlane {
     pub writing: HashMap<PeerId, HashSet<BlockIndex>>,
     /// Removing the peer does not fence a write in progress (shm: only its end does).
     pub fence_needs_write_end: bool,
+    /// Removing a peer leaves its running writes running (a NIXL WRITE already in the NIC);
+    /// by default removal stops them and reports them failed (tcp: the link's connection
+    /// closes).
+    pub removal_keeps_writes: bool,
 }
 
 impl Default for FakePlane {
@@ -206,6 +210,7 @@ impl Default for FakePlane {
             faults: HashMap::new(),
             writing: HashMap::new(),
             fence_needs_write_end: false,
+            removal_keeps_writes: false,
             cancels: Vec::new(),
             released: Vec::new(),
             permits: HashMap::new(),
@@ -274,6 +279,17 @@ impl DataPlane for FakePlane {
         self.registrations.remove(peer);
         self.permits.remove(peer);
         self.removed.push(peer.clone());
+        if !self.removal_keeps_writes {
+            let running: Vec<TransferId> = self
+                .transfers
+                .iter()
+                .filter(|(_, x)| x.peer == *peer && x.state == XferState::Running)
+                .map(|(t, _)| *t)
+                .collect();
+            for tid in running {
+                self.end(tid, false);
+            }
+        }
     }
 
     fn expect_writes(&mut self, peer: &PeerId, blocks: &[BlockIndex]) {

@@ -159,6 +159,8 @@ declare_keys! {
     peer_fault_drain_s = "10";
     /// seconds a write to a peer may stay in flight before the peer is faulted and its session ends, on planes that do not bound their writes themselves (nixl; tcp bounds each write by its bytes); a float as vLLM reads it, 0 or less = never (vLLM 0.34's)
     transfer_stall_timeout_s = "20", env "VLLM_P2P_TRANSFER_STALL_TIMEOUT_S";
+    /// seconds a write still running when its session ended may keep its source blocks pinned (until the plane says it stopped; the peer gets no new session meanwhile), then they are released anyway (vLLM 0.34's)
+    retained_hold_cap_s = "30";
     /// keys of one inbound lookup asked of the store; the rest answer MISS
     max_lookup_keys = "131072";
     /// keys of all peers' queued lookups asked per step of the node's loop, hosts in turn (the rest wait a step)

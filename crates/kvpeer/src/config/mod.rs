@@ -295,6 +295,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
         unbound_store_timeout: secs(&KEY.unbound_store_timeout_s, 1)?,
         peer_fault_drain: secs(&KEY.peer_fault_drain_s, 1)?,
         transfer_stall_timeout: s.seconds_or_off(&KEY.transfer_stall_timeout_s)?,
+        retained_hold_cap: secs(&KEY.retained_hold_cap_s, 1)?,
         max_lookup_keys: s.number(&KEY.max_lookup_keys, 1, 1 << 24)? as usize,
         lookup_slice_keys: s.number(&KEY.lookup_slice_keys, 1, 1 << 24)? as usize,
         lookup_keys_per_sec: s.number(&KEY.lookup_keys_per_s, 1, 1 << 40)?,

@@ -489,6 +489,10 @@ pub(crate) struct Supply<'a> {
 pub(crate) struct ServerClose {
     pub(crate) failed_stores: usize,
     pub(crate) released_serves: usize,
+    /// Writes the plane could not stop at once (they may still be reading their source
+    /// blocks), each with the store jobs it reads: those jobs are left pinned, for the core to
+    /// complete once the plane says the write stopped (vLLM 0.34's retained transfers).
+    pub(crate) retained: Vec<(TransferId, SmallVec<[JobId; 2]>)>,
 }
 
 /// The producer side of one session.
@@ -676,6 +680,14 @@ impl ServerRole {
     /// Completes a pin (store job) at the parent. The caller has just removed it from where it
     /// lived, so each pin completes exactly once.
     fn complete_pin(&mut self, cx: &mut Cx<'_>, job: JobId, success: bool) {
+        self.forget_pin(job);
+        cx.parent.complete_store_job(job, success);
+        cx.out.event(Event::StoreDone { job, success });
+    }
+
+    /// The session's own record of a pin goes (its share of the peer's budget, its blocks'
+    /// count); completing it at the parent is the caller's.
+    fn forget_pin(&mut self, job: JobId) {
         self.open_pins -= 1;
         if let Some(blocks) = self.pin_blocks.remove(&job) {
             self.held.sub(Held::pins(blocks.len()));
@@ -688,8 +700,6 @@ impl ServerRole {
                 }
             }
         }
-        cx.parent.complete_store_job(job, success);
-        cx.out.event(Event::StoreDone { job, success });
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
@@ -705,15 +715,27 @@ impl ServerRole {
         ])
     }
 
-    /// Tears down: every store job fails, inflight transfers are cancelled, parked lookups'
-    /// contexts are closed.
-    pub(crate) fn close(&mut self, cx: &mut Cx<'_>) -> ServerClose {
+    /// Tears down: inflight transfers are cancelled (`mode`: [`CancelMode::Wait`] keeps the
+    /// ones the plane cannot stop at once, [`CancelMode::Immediate`] abandons them, at
+    /// shutdown), every store job fails but those a kept transfer reads (they go to the core
+    /// with it, still pinned), parked lookups' contexts are closed.
+    pub(crate) fn close(&mut self, cx: &mut Cx<'_>, mode: CancelMode) -> ServerClose {
         let mut result = ServerClose::default();
         if !self.inflight.is_empty() {
             let ids: Vec<TransferId> = self.inflight.keys().copied().collect();
-            cx.plane.cancel(&ids, CancelMode::Immediate);
+            let still = cx.plane.cancel(&ids, mode);
+            for tid in still {
+                if let Some(inflight) = self.inflight.get(&tid) {
+                    result.retained.push((tid, inflight.jobs.clone()));
+                }
+            }
         }
         self.inflight.clear();
+        let kept: Vec<JobId> = result
+            .retained
+            .iter()
+            .flat_map(|(_, jobs)| jobs.iter().copied())
+            .collect();
         let mut pins: Vec<JobId> = self.orphans.drain().map(|(job, _)| job).collect();
         for (_, req) in self.requests.drain() {
             for (_, rnd) in req.rounds {
@@ -725,6 +747,11 @@ impl ServerRole {
             }
         }
         for job in pins {
+            if kept.contains(&job) {
+                // Still read by a running write: the core completes it once that stops.
+                self.forget_pin(job);
+                continue;
+            }
             self.complete_pin(cx, job, false);
             result.failed_stores += 1;
         }
