@@ -1216,7 +1216,14 @@ fn a_retained_write_is_released_at_the_hold_cap() {
     m.recv(Message::DISCONNECT);
     m.advance(S(29));
     assert_eq!(m.store_results(), vec![]);
-    m.advance(S(2));
+    // Fired only at the deadlines the core asks for (not at the end of the span, as `advance`
+    // does): the hold cap must be one of them.
+    let end = m.now + S(2);
+    while let Some(t) = m.core.poll_timeout().filter(|t| *t <= end) {
+        m.now = m.now.max(t);
+        m.core.handle_timeout(m.now);
+        m.pump();
+    }
     assert_eq!(
         m.plane().cancels.last(),
         Some(&(vec![tid], CancelMode::Immediate)),
@@ -1275,6 +1282,28 @@ fn writes_the_peers_removal_stops_are_released_with_the_session() {
     assert_eq!(m.core.counters().transfers_retained, 1);
     assert!(m.accept(), "nothing retained: the peer may come back");
     m.handshake();
+    m.finish("r");
+}
+
+/// vLLM 0.34's `TestRetainedTransfers.test_shutdown_fails_retained_jobs`: a shutdown abandons
+/// writes retained before it and fails their jobs at once.
+#[test]
+fn a_shutdown_fails_the_jobs_of_retained_writes_at_once() {
+    let (mut m, job, tid) = retained_write();
+    m.recv(Message::DISCONNECT);
+    assert_eq!(m.store_results(), vec![]);
+    m.core.shutdown(m.now);
+    m.pump();
+    assert_eq!(
+        m.plane().cancels.last(),
+        Some(&(vec![tid], CancelMode::Immediate))
+    );
+    assert_eq!(m.store_results(), vec![(job, false)]);
+    assert_eq!(
+        m.core.counters().retained_force_released,
+        0,
+        "a shutdown is no hold cap"
+    );
     m.finish("r");
 }
 

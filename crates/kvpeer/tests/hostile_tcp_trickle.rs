@@ -25,6 +25,12 @@ use hostile::*;
 /// the whole pool (`max_pins_per_peer`): this test is about how long a transfer holds pins,
 /// not how many (hostile_fair_lookups.rs).
 fn serve_tcp(dir: &std::path::Path) -> (common::Proc, String) {
+    serve_plane(dir, "tcp")
+}
+
+/// As [`serve_tcp`], on `plane` (`both`, the default, routes a peer that offers no shm object
+/// to its tcp side).
+fn serve_plane(dir: &std::path::Path, plane: &str) -> (common::Proc, String) {
     let config = dir.join("kvpeer.toml");
     std::fs::write(
         &config,
@@ -35,7 +41,7 @@ fn serve_tcp(dir: &std::path::Path) -> (common::Proc, String) {
     serve_at(
         &[
             "--plane",
-            "tcp",
+            plane,
             "--blocks",
             "1024",
             "--block-len",
@@ -53,6 +59,11 @@ fn serve_tcp(dir: &std::path::Path) -> (common::Proc, String) {
 }
 
 fn trickle(id: &str, reading: &str) -> common::Proc {
+    trickle_for(id, reading, "15")
+}
+
+/// [`trickle`], reading at most `hold` seconds.
+fn trickle_for(id: &str, reading: &str, hold: &str) -> common::Proc {
     attacker(&[
         "trickle",
         "--node",
@@ -66,7 +77,7 @@ fn trickle(id: &str, reading: &str) -> common::Proc {
         "--reading",
         reading,
         "--hold",
-        "15",
+        hold,
     ])
 }
 
@@ -168,17 +179,25 @@ fn a_trickle_reading_consumer_is_cut_off_at_its_deadline_and_its_pins_released()
 /// the kernel had buffered before the link went down still arrives). An honest fetch is served.
 #[test]
 fn a_consumer_that_leaves_mid_write_gets_only_its_own_bytes_and_the_pins_wait_for_the_write() {
-    let dir = std::env::temp_dir().join(format!("kvpeer-leave-{}", std::process::id()));
+    // On the tcp plane, and on `both` (the default), whose route to the peer goes with its
+    // session: the end of the write must still come out of it.
+    for plane in ["tcp", "both"] {
+        leave_mid_write(plane);
+    }
+}
+
+fn leave_mid_write(plane: &str) {
+    let dir = std::env::temp_dir().join(format!("kvpeer-leave-{plane}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (server, id) = serve_tcp(&dir);
+    let (server, id) = serve_plane(&dir, plane);
     let start = Instant::now();
-    let leaver = trickle(&id, "leave");
+    let leaver = trickle_for(&id, "leave", "5");
     assert!(
         eventually(Duration::from_secs(10), || metric(
             &server,
             "kvpeer_transfers_retained_total"
         ) == 1.0),
-        "no write was retained: {}",
+        "{plane}: no write was retained: {}",
         server.log()
     );
     assert!(
@@ -193,11 +212,11 @@ fn a_consumer_that_leaves_mid_write_gets_only_its_own_bytes_and_the_pins_wait_fo
     let released = start.elapsed();
     assert!(
         released < Duration::from_secs(12),
-        "released after {released:?}: the hold cap, not the write's end"
+        "{plane}: released after {released:?}: the hold cap, not the write's end"
     );
     assert_eq!(metric(&server, "kvpeer_retained_force_released_total"), 0.0);
     let s = summary(leaver);
-    println!("leaver: {s}");
+    println!("{plane} leaver: {s}");
     assert!(s["connect_ack"].as_bool().unwrap(), "{s}");
     assert!(s["left_after_s"].as_f64().is_some(), "it left: {s}");
     assert!(

@@ -157,20 +157,31 @@ impl DataPlane for DualPlane {
     }
 
     fn poll(&mut self, peer: &PeerId) -> PlanePoll {
-        let Some(route) = self.route(peer) else {
-            return PlanePoll::default();
+        // A peer with a route is polled there; one whose route went with its session (its
+        // writes still running were retained by the core) on both, so the end of a write the
+        // inner plane reports after the removal still comes out.
+        // A routeless peer's faults are not reported (as before: only a registered peer's).
+        let routed = self.route(peer);
+        let routes: &[Route] = match routed {
+            Some(Route::Shm) => &[Route::Shm],
+            Some(Route::Tcp) => &[Route::Tcp],
+            None => &[Route::Shm, Route::Tcp],
         };
-        let inner = self.plane(route).poll(peer);
-        let done = self.outer_ids(route, inner.done);
-        let failed = self.outer_ids(route, inner.failed);
-        for id in done.iter().chain(&failed) {
-            self.forget(*id);
+        let mut out = PlanePoll::default();
+        for &route in routes {
+            let inner = self.plane(route).poll(peer);
+            let done = self.outer_ids(route, inner.done);
+            let failed = self.outer_ids(route, inner.failed);
+            for id in done.iter().chain(&failed) {
+                self.forget(*id);
+            }
+            out.done.extend(done);
+            out.failed.extend(failed);
+            if routed.is_some() {
+                out.peer_fault = inner.peer_fault;
+            }
         }
-        PlanePoll {
-            done,
-            failed,
-            peer_fault: inner.peer_fault,
-        }
+        out
     }
 
     fn take_news(&mut self, out: &mut Vec<PeerId>) -> bool {
