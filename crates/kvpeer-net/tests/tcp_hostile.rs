@@ -299,9 +299,15 @@ fn a_full_port_of_authenticated_connections_refuses_the_next_one_at_once() {
     let mut a = connect_hello(&rx, "10.0.0.3:1", &ka);
     let mut b = connect_hello(&rx, "10.0.0.4:1", &kb);
     wait_for("2 authenticated", || rx.inbound_connections() == (2, 0));
-    let mut c = TcpStream::connect(rx.addr()).unwrap();
-    assert!(closed_within(&mut c, Duration::from_secs(2)));
-    assert_eq!(rx.counters().refused_over_cap, 1);
+    // Refused at once: closed right after its accept, or so fast that the reset reached our
+    // connect before it returned (seen once in CI on two busy cores).
+    match TcpStream::connect(rx.addr()) {
+        Ok(mut c) => assert!(closed_within(&mut c, Duration::from_secs(2))),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+    wait_for("the refusal counted", || {
+        rx.counters().refused_over_cap == 1
+    });
     assert!(still_open(&mut a, Duration::from_millis(50)));
     assert!(still_open(&mut b, Duration::from_millis(50)));
 }
