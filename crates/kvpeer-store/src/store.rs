@@ -116,6 +116,17 @@ pub trait TenantOf: Send + std::fmt::Debug {
     }
 }
 
+/// Rules shared between their users (the node's origin check and its store hold one copy).
+impl<T: TenantOf + Sync + ?Sized> TenantOf for std::sync::Arc<T> {
+    fn tenant_of(&self, peer: &PeerId) -> Tenant {
+        (**self).tenant_of(peer)
+    }
+
+    fn is_shared(&self, peer: &PeerId) -> bool {
+        (**self).is_shared(peer)
+    }
+}
+
 /// Peers whose tenant is remembered before the memory is cleared (a peer is asked about again
 /// after that: correct, just one more rule walk).
 const SCOPE_CACHE_MAX: usize = 4096;

@@ -275,6 +275,11 @@ impl Node {
         crate::node::descriptors::check(&spec);
         let io = build(&spec)?;
         let id = io.core().local().peer_id.clone();
+        // The tenant rules as the node holds them, their names resolved (the pool's pulls read
+        // them from the config).
+        let tenants = io
+            .tenants()
+            .map_or_else(|| spec.tenants.clone(), |t| (*t).clone());
         let advertised = Advertised::from_agent_metadata(&io.core().local().agent_metadata);
         let wake = match io.wake_writer() {
             Some(w) => w.map_err(NodeError::Runtime)?,
@@ -292,6 +297,7 @@ impl Node {
         Ok(Node {
             config: NodeSpec {
                 id: id.clone(),
+                tenants,
                 ..spec
             },
             id,
@@ -310,7 +316,7 @@ impl Node {
         &self.id
     }
 
-    /// What the node was started with (the identity resolved).
+    /// What the node was started with (the identity, and the tenant rules' names, resolved).
     pub fn config(&self) -> &NodeSpec {
         &self.config
     }

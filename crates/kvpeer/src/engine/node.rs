@@ -142,8 +142,8 @@ impl EngineNode {
             },
         )?;
         let mut io = io;
-        if !spec.tenants.is_empty() {
-            io.core.parent_mut().scope_peers(spec.tenants.clone());
+        if let Some(tenants) = io.tenants() {
+            io.core.parent_mut().scope_peers(tenants);
         }
         io.watch_outcomes();
         Ok(EngineNode {

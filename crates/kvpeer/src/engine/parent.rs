@@ -156,7 +156,7 @@ pub struct EngineParent {
 /// The engine's tenant and the rules that say each peer's.
 #[derive(Debug)]
 struct EngineScope {
-    rules: crate::node::tenants::TenantRules,
+    rules: Arc<crate::node::tenants::TenantRules>,
     own: kvpeer_store::Tenant,
     /// Each peer's verdict, once worked out (cleared past [`SCOPE_CACHE_MAX`]).
     verdicts: HashMap<PeerId, bool>,
@@ -172,7 +172,8 @@ impl EngineScope {
         if let Some(v) = self.verdicts.get(peer) {
             return *v;
         }
-        let v = self.rules.is_shared(peer) || self.rules.tenant_of(peer) == self.own;
+        let class = self.rules.classify(peer);
+        let v = class.shared || class.tenant == self.own;
         if self.verdicts.len() >= SCOPE_CACHE_MAX {
             self.verdicts.clear();
         }
@@ -221,8 +222,8 @@ impl EngineParent {
     /// Holds peers to `rules`: the engine's blocks are all its node's tenant's (the default
     /// tenant without one), and a peer of another tenant (not a shared node) gets MISS for
     /// every key without the engine being asked.
-    pub fn scope_peers(&mut self, mut rules: crate::node::tenants::TenantRules) {
-        rules.resolve_names(crate::node::resolve::resolve_host);
+    /// The rules come with their names resolved (the node's origin check's copy).
+    pub fn scope_peers(&mut self, rules: Arc<crate::node::tenants::TenantRules>) {
         let own = rules.own().unwrap_or(kvpeer_store::Tenant::DEFAULT);
         self.scope = Some(EngineScope {
             rules,
@@ -477,13 +478,13 @@ mod tests {
     #[test]
     fn a_peer_of_another_tenant_gets_miss_and_the_engine_is_never_asked() {
         let (mut parent, link) = EngineParent::new(None);
-        parent.scope_peers(
+        parent.scope_peers(Arc::new(
             crate::node::tenants::TenantRules::parse(
                 Some("alpha"),
                 &["alpha=10.0.1.0/24", "beta=10.0.2.0/24", "*=10.0.0.1:7000"],
             )
             .unwrap(),
-        );
+        ));
         let at = |peer: &str, n: u64| ServeCtx {
             peer: PeerId::new(peer),
             kv_request_id: KvRequestId::from("r"),

@@ -211,18 +211,15 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
             info!(ms = started.elapsed().as_millis() as u64, "pool allocated");
             Ok(pool)
         },
-        |pool, _| {
-            let mut store = BlockStore::with_pool(pool)?;
-            // A node without a tenant of its own keeps each tenant's blocks apart: a peer's
-            // lookups see only its tenant's (a node with one talks to no other tenant).
-            if spec.tenants.own().is_none() && !spec.tenants.is_empty() {
-                let mut tenants = spec.tenants.clone();
-                tenants.resolve_names(super::resolve::resolve_host);
-                store.scope_peers(Box::new(tenants));
-            }
-            Ok((store, ()))
-        },
+        |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
     )?;
+    let mut io = io;
+    // A node without a tenant of its own keeps each tenant's blocks apart: a peer's lookups see
+    // only its tenant's (a node with one talks to no other tenant). The rules are the origin
+    // check's, resolved once.
+    if let Some(tenants) = io.tenants().filter(|t| t.own().is_none()) {
+        io.core.parent_mut().scope_peers(Box::new(tenants));
+    }
     Ok(io)
 }
 
@@ -291,6 +288,7 @@ pub(crate) fn build_with<Q: Parent, T>(
     allow.resolve_names(super::resolve::resolve_host);
     io.set_origin(spec.bind_identity, allow);
     if !spec.tenants.is_empty() {
+        // Resolved here once; the store or the engine's parent share this copy.
         let mut tenants = spec.tenants.clone();
         tenants.resolve_names(super::resolve::resolve_host);
         io.set_tenants(std::sync::Arc::new(tenants));

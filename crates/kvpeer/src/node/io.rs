@@ -388,6 +388,12 @@ impl<P: Parent> NodeIo<P> {
         self.origin.set_tenants(tenants);
     }
 
+    /// The tenant rules in force, their names resolved where the node was built (`None`: no
+    /// tenant configured).
+    pub(crate) fn tenants(&self) -> Option<std::sync::Arc<super::tenants::TenantRules>> {
+        self.origin.tenants()
+    }
+
     /// Peers refused so far (allowlist, origin, authentication, data addresses).
     pub fn refused_peers(&self) -> usize {
         usize::try_from(self.refused_total).unwrap_or(usize::MAX)

@@ -31,7 +31,7 @@ use std::net::IpAddr;
 use kvpeer_proto::{AddrError, Host, PeerAddr, PeerId};
 
 use super::allow::{Allowlist, NotAllowed};
-use super::tenants::TenantRules;
+use super::tenants::{PeerClass, TenantRules};
 
 /// Why a message is not heard from where it came, or a data address is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -227,29 +227,42 @@ impl OriginCheck {
         self.tenants = (!tenants.is_empty()).then_some(tenants);
     }
 
+    /// The tenant rules in force, if any.
+    pub(crate) fn tenants(&self) -> Option<std::sync::Arc<TenantRules>> {
+        self.tenants.clone()
+    }
+
     /// `Ok` if this node may dial `peer` (or send it anything): the allowlist and the tenant.
     pub(crate) fn check_dial(&self, peer: &PeerId) -> Result<(), OriginError> {
+        self.check_peer(peer).map(|_| ())
+    }
+
+    /// The allowlist and the tenant's verdict on `peer`, and its class when tenants are kept
+    /// (read once, for [`OriginCheck::check`]'s source checks too).
+    fn check_peer(&self, peer: &PeerId) -> Result<Option<PeerClass>, OriginError> {
         self.allow.check(peer)?;
-        if let Some(t) = &self.tenants {
-            if !t.admits(peer) {
-                return Err(OriginError::OtherTenant(peer.clone()));
-            }
+        let Some(t) = &self.tenants else {
+            return Ok(None);
+        };
+        let class = t.classify(peer);
+        if !t.admits_class(class) {
+            return Err(OriginError::OtherTenant(peer.clone()));
         }
-        Ok(())
+        Ok(Some(class))
     }
 
     /// `Ok` if a message claiming `peer` may have come from `source`, else why not.
     pub(crate) fn check(&self, peer: &PeerId, source: IpAddr) -> Result<(), OriginError> {
         let source = source.to_canonical();
-        self.check_dial(peer)?;
+        let class = self.check_peer(peer)?;
         if !self.allow.allows_source(source) {
             return Err(OriginError::SourceNotAllowed(source));
         }
-        if let Some(t) = &self.tenants {
+        if let (Some(t), Some(class)) = (&self.tenants, class) {
             if !t.admits_source(source) {
                 return Err(OriginError::SourceOtherTenant(source));
             }
-            if !t.source_fits(peer, source) {
+            if !t.class_source_fits(class, source) {
                 return Err(OriginError::NotTenantsSource {
                     peer: peer.clone(),
                     from: source,

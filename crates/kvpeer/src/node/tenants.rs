@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use kvpeer_proto::PeerId;
+use kvpeer_proto::{PeerAddr, PeerId};
 use kvpeer_store::{Tenant, TenantOf};
 
 use super::allow::{Allowlist, BadRule};
@@ -68,6 +68,15 @@ pub enum TenantsError {
     /// `tenant = "*"`.
     #[error("a node's own tenant cannot be * (shared nodes keep no tenant of their own)")]
     OwnShared,
+}
+
+/// What the rules say of one peer ([`TenantRules::classify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerClass {
+    /// Its tenant.
+    pub tenant: Tenant,
+    /// Whether a `*` rule names it (a shared node).
+    pub shared: bool,
 }
 
 /// The rules, numbered: tenant `i + 1` is `names[i]` (the default tenant is 0).
@@ -166,27 +175,52 @@ impl TenantRules {
         }
     }
 
-    /// The tenant `peer` belongs to: the one tenant whose rules name it; the default tenant
-    /// for a shared node no tenant's rule names, and for everyone when no tenant is
-    /// configured; else nobody (no rule names it, or several tenants' do).
-    pub fn tenant_of(&self, peer: &PeerId) -> Tenant {
+    /// Which tenant `peer` is, and whether it is a shared node: its identity read once, each
+    /// list asked about that reading (every inbound message is judged, so no list parses it
+    /// again). The tenant is the one whose rules name it; the default tenant for a shared node
+    /// no tenant's rule names, and for everyone when no tenant is configured; else nobody (no
+    /// rule names it, or several tenants' do).
+    pub fn classify(&self, peer: &PeerId) -> PeerClass {
         if self.is_empty() {
-            return Tenant::DEFAULT;
+            return PeerClass {
+                tenant: Tenant::DEFAULT,
+                shared: false,
+            };
         }
+        // Not `host:port`: no rule can name it.
+        let addr = PeerAddr::of(peer).ok();
+        let names = |list: &Allowlist| {
+            !list.allows_all() && addr.as_ref().is_some_and(|a| list.check_addr(a).is_ok())
+        };
+        let shared = self.shared.as_ref().is_some_and(names);
         let mut found = None;
         for (i, list) in self.rules.iter().enumerate() {
-            if !list.allows_all() && list.check(peer).is_ok() {
+            if names(list) {
                 if found.is_some() {
-                    return Tenant::NOBODY;
+                    return PeerClass {
+                        tenant: Tenant::NOBODY,
+                        shared,
+                    };
                 }
                 found = Some(u16::try_from(i + 1).map_or(Tenant::NOBODY, Tenant));
             }
         }
-        match found {
+        let tenant = match found {
             Some(t) => t,
-            None if self.is_shared(peer) => Tenant::DEFAULT,
+            None if shared => Tenant::DEFAULT,
             None => Tenant::NOBODY,
-        }
+        };
+        PeerClass { tenant, shared }
+    }
+
+    /// The tenant `peer` belongs to ([`TenantRules::classify`]).
+    pub fn tenant_of(&self, peer: &PeerId) -> Tenant {
+        self.classify(peer).tenant
+    }
+
+    /// Whether `peer` is a shared node (a `*` rule names it).
+    pub fn is_shared(&self, peer: &PeerId) -> bool {
+        self.classify(peer).shared
     }
 
     /// Whether a message claiming `peer` may come from `source` as far as tenants go: the
@@ -195,7 +229,12 @@ impl TenantRules {
     /// any source: a name cannot judge an address, as in the allowlist). So a peer cannot take
     /// another tenant's identity from an address outside that tenant's networks.
     pub fn source_fits(&self, peer: &PeerId, source: IpAddr) -> bool {
-        let t = self.tenant_of(peer);
+        self.class_source_fits(self.classify(peer), source)
+    }
+
+    /// [`TenantRules::source_fits`] for a peer already classified.
+    pub fn class_source_fits(&self, class: PeerClass, source: IpAddr) -> bool {
+        let t = class.tenant;
         let list = match usize::from(t.0)
             .checked_sub(1)
             .and_then(|i| self.rules.get(i))
@@ -211,19 +250,17 @@ impl TenantRules {
         list.allows_source(source)
     }
 
-    /// Whether `peer` is a shared node (a `*` rule names it).
-    pub fn is_shared(&self, peer: &PeerId) -> bool {
-        self.shared
-            .as_ref()
-            .is_some_and(|l| !l.allows_all() && l.check(peer).is_ok())
-    }
-
     /// For a node with a tenant: whether it may talk to `peer` (of its tenant, or shared).
     /// Always for a node without one.
     pub fn admits(&self, peer: &PeerId) -> bool {
+        self.own.is_none() || self.admits_class(self.classify(peer))
+    }
+
+    /// [`TenantRules::admits`] for a peer already classified.
+    pub fn admits_class(&self, class: PeerClass) -> bool {
         match self.own {
             None => true,
-            Some(own) => self.is_shared(peer) || self.tenant_of(peer) == own,
+            Some(own) => class.shared || class.tenant == own,
         }
     }
 

@@ -710,12 +710,11 @@ fn log_undescribed(
 /// tenants, or with a tenant of its own: then all its blocks are one tenant's). Engines of no
 /// tenant are left out: they share one group.
 fn tenant_groups(node: &Node, config: &PoolConfig) -> Result<Vec<Vec<EngineSlot>>, PoolNodeError> {
+    // As the node holds them: their names were resolved where it was built.
     let rules = &node.config().tenants;
     if rules.is_empty() || rules.own().is_some() {
         return Ok(Vec::new());
     }
-    let mut rules = rules.clone();
-    rules.resolve_names(crate::node::resolve::resolve_host);
     let mut groups: std::collections::BTreeMap<_, Vec<EngineSlot>> = Default::default();
     for (i, spec) in config.follow.iter().enumerate() {
         let tenant = rules.tenant_of(&spec.peer);
