@@ -75,6 +75,12 @@ pub trait Parent {
     fn wakes_core(&self) -> bool {
         false
     }
+    /// Takes in work the store finished off the node's thread (a disk tier's reads and
+    /// writes). The node calls it on every step, before the core's; it must not block. `true`
+    /// if anything changed.
+    fn progress(&mut self) -> bool {
+        false
+    }
 }
 
 /// A peer's memory as its `connect` describes it.

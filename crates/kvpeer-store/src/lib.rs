@@ -10,6 +10,7 @@
 //! Memory overhead: about 130 bytes per block (a 64-byte slot, 8 bytes of LRU links, and an
 //! index entry holding the 48-byte key), under 1% of a 16 KiB block.
 
+pub mod disk;
 pub mod fence;
 pub mod guard;
 mod lru;

@@ -72,6 +72,27 @@ impl Lru {
         self.len += 1;
     }
 
+    /// Makes `block` the least recently used, the next to go (inserting it if absent): a
+    /// block used once, which should not push out the ones used again and again.
+    pub(crate) fn push_oldest(&mut self, block: u32) {
+        let i = block as usize;
+        if i >= self.links.len() {
+            return;
+        }
+        self.remove(block);
+        self.links[i] = Link {
+            prev: NONE,
+            next: self.head,
+        };
+        match self.head {
+            NONE => self.tail = block,
+            head => self.links[head as usize].prev = block,
+        }
+        self.head = block;
+        self.in_list[i] = true;
+        self.len += 1;
+    }
+
     /// Takes `block` out (no-op if absent).
     pub(crate) fn remove(&mut self, block: u32) {
         if !self.contains(block) {
@@ -120,5 +141,17 @@ mod tests {
         assert_eq!(lru.len(), 0);
         lru.touch(9);
         assert_eq!(lru.len(), 0, "an index outside the pool is ignored");
+        for b in [2, 3] {
+            lru.touch(b);
+        }
+        lru.push_oldest(4);
+        lru.push_oldest(3);
+        lru.push_oldest(9);
+        let order: Vec<u32> = std::iter::from_fn(|| lru.pop_oldest()).collect();
+        assert_eq!(
+            order,
+            vec![3, 4, 2],
+            "pushed to the front, newest push first"
+        );
     }
 }

@@ -623,6 +623,21 @@ impl Pool {
     /// huge pages only if `shmem_enabled` allows. Huge pages are best effort: without them the
     /// pool works on 4 KiB pages.
     pub fn anonymous(num_blocks: u64, block_len: u64, lock: bool) -> Result<Self, PoolError> {
+        Self::anonymous_with(num_blocks, block_len, lock, true)
+    }
+
+    /// [`Pool::anonymous`] without the pre-fault: no page is touched until a block is written
+    /// (a node whose disk tier holds what it serves starts at once, whatever its size).
+    pub fn anonymous_lazy(num_blocks: u64, block_len: u64) -> Result<Self, PoolError> {
+        Self::anonymous_with(num_blocks, block_len, false, false)
+    }
+
+    fn anonymous_with(
+        num_blocks: u64,
+        block_len: u64,
+        lock: bool,
+        populate: bool,
+    ) -> Result<Self, PoolError> {
         let bad = || PoolError::BadSize {
             num_blocks,
             block_len,
@@ -651,8 +666,10 @@ impl Pool {
             debug!(error = %e, "no transparent huge pages for the pool; 4 KiB pages");
         }
         // As for a shm pool: every page now, not on a transfer's first touch.
-        if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, offset, span) {
-            debug!(error = %e, "could not pre-fault the pool; pages fault in on first use");
+        if populate {
+            if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, offset, span) {
+                debug!(error = %e, "could not pre-fault the pool; pages fault in on first use");
+            }
         }
         let Some(base) = map
             .get_mut(offset..)

@@ -16,12 +16,21 @@
 //! without a tenant work in [`Tenant::DEFAULT`]; a node that keeps tenants apart calls the
 //! `_in` forms, and its peers' lookups are scoped by the [`TenantOf`] it installs
 //! ([`BlockStore::scope_peers`]).
+//!
+//! **Disk tier** ([`BlockStore::attach_disk`], `disk/`). Every block that becomes readable is
+//! also written to the tier's file (its memory block pinned until the write ends: the
+//! **flush**); a block evicted from memory stays held on disk; a lookup of a key held only on
+//! disk reserves a memory block, starts reading it back (the **promotion**) and is answered
+//! `Retry` until the read lands and passes its checks, then `Hit`. The core re-asks a `Retry`
+//! by itself; the node calls [`Parent::progress`] each step to take in finished disk work. A
+//! key is held while memory or disk holds it: lookups, `holds_*` and the change log say so.
 
 use kvpeer_core::{BlockIndex, JobId, LookupResult, Parent, ServeCtx, StoreJob};
 use kvpeer_proto::{OffloadKey, PeerId};
 
+use crate::disk::{self, DiskConfig, DiskError, DiskStats, DiskTier, DiskWake, Finished, Promote};
 use crate::lru::Lru;
-use crate::pool::{BlockBusy, Pool, PoolError};
+use crate::pool::{BlockBusy, Pool, PoolError, PoolWriter};
 
 type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -91,7 +100,21 @@ struct Slot {
     tenant: Tenant,
     state: State,
     pins: u32,
+    /// Being written from the disk tier (a promotion), not by a peer: lookups wait (`Retry`)
+    /// rather than tell the peer it is pending.
+    promoting: bool,
+    /// One of `pins` is the disk tier's write of this block.
+    flushing: bool,
+    /// Read back from disk under [`Promote::Cold`]: the first to go when unpinned, until a
+    /// second lookup (after the one that waited for it) makes it hot.
+    cold: bool,
+    /// Read back from disk and not yet looked up: kept out of the LRU (another promotion
+    /// cannot take it before the lookup that waited for it sees it), for [`FRESH_HOLD`] at most.
+    fresh: bool,
 }
+
+/// How long a block read back from disk is kept for the lookup that asked for it.
+const FRESH_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Whose a block is: the namespace of its key. Numbered by the node that keeps tenants apart;
 /// [`Tenant::DEFAULT`] is every block of a node that does not.
@@ -150,6 +173,8 @@ pub struct StoreStats {
     pub jobs: u64,
     /// Serve contexts open (inbound lookups in progress).
     pub open_contexts: u64,
+    /// The disk tier's figures, if the store has one.
+    pub disk: Option<DiskStats>,
 }
 
 /// What the store did to a key: the change log a pool node publishes as KV events
@@ -168,6 +193,9 @@ struct ChangeLog {
     changes: std::collections::VecDeque<KeyChange>,
     max: usize,
     dropped: u64,
+    /// Taken once: the blocks found on disk are announced from the next take on (a caller
+    /// discards the first, which only starts the log: the pool node does).
+    taken: bool,
 }
 
 /// The node's pool of KV blocks.
@@ -190,6 +218,27 @@ pub struct BlockStore {
     writing: u64,
     open_contexts: u64,
     changes: Option<ChangeLog>,
+    disk: Option<DiskSide>,
+}
+
+/// The store's side of its disk tier.
+#[derive(Debug)]
+struct DiskSide {
+    tier: DiskTier,
+    /// Grants the tier's reads their blocks.
+    writer: PoolWriter,
+    /// Blocks found on disk at start, still to be announced in the change log.
+    republish: std::collections::VecDeque<(Tenant, OffloadKey)>,
+    /// Writes started and not yet ended.
+    flushing: usize,
+    /// Writes started at most at once (the tier's queue depth, a few per I/O thread).
+    max_flushing: usize,
+    /// Blocks waiting for their write to start (pinned meanwhile: memory full of them refuses
+    /// new blocks, which holds writers back to the disk's speed).
+    dirty: std::collections::VecDeque<u32>,
+    /// Blocks read back and not yet looked up, with when they landed (`Slot::fresh`).
+    fresh: std::collections::VecDeque<(u32, std::time::Instant)>,
+    finished: Vec<Finished>,
 }
 
 impl BlockStore {
@@ -238,6 +287,10 @@ impl BlockStore {
                     tenant: Tenant::DEFAULT,
                     state: State::Free,
                     pins: 0,
+                    promoting: false,
+                    flushing: false,
+                    cold: false,
+                    fresh: false,
                 })
                 .collect(),
             indexes: vec![Map::default()],
@@ -253,7 +306,232 @@ impl BlockStore {
             writing: 0,
             open_contexts: 0,
             changes: None,
+            disk: None,
         })
+    }
+
+    /// Puts a disk tier under the pool ([`DiskConfig`]): opens (or makes) its file, takes in
+    /// what the file holds (announced through the change log, `max` per
+    /// [`BlockStore::take_changes`]) and starts its I/O threads, which call `wake` when they
+    /// finish something. Blocks become readable on disk as well from now on.
+    pub fn attach_disk(&mut self, config: &DiskConfig, wake: DiskWake) -> Result<(), DiskError> {
+        let writer = self.pool.writer();
+        let (tier, found) = DiskTier::open(config, self.pool.block_len(), writer.clone(), wake)?;
+        self.disk = Some(DiskSide {
+            tier,
+            writer,
+            republish: found.into(),
+            flushing: 0,
+            max_flushing: config.threads.max(1) * 4,
+            dirty: std::collections::VecDeque::new(),
+            fresh: std::collections::VecDeque::new(),
+            finished: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// The disk tier's figures, if the store has one.
+    pub fn disk_stats(&self) -> Option<DiskStats> {
+        self.disk.as_ref().map(|d| d.tier.stats())
+    }
+
+    /// Whether `tenant`'s `key` is held: readable in memory, or on disk.
+    pub fn holds_in(&self, tenant: Tenant, key: &OffloadKey) -> bool {
+        self.block_of_in(tenant, key).is_some()
+            || self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.tier.holds(tenant, key))
+    }
+
+    /// Whether any tenant holds `key`, in memory or on disk (the node's own view).
+    pub fn holds_any(&self, key: &OffloadKey) -> bool {
+        self.block_of_any(key).is_some()
+            || (0..=u16::MAX).take(self.tenant_count()).any(|t| {
+                self.disk
+                    .as_ref()
+                    .is_some_and(|d| d.tier.holds(Tenant(t), key))
+            })
+    }
+
+    /// Tenants with an index in memory or on disk.
+    fn tenant_count(&self) -> usize {
+        self.indexes
+            .len()
+            .max(self.disk.as_ref().map_or(0, |d| d.tier.tenants()))
+    }
+
+    /// Takes in the disk tier's finished work: flushed blocks unpinned, promoted blocks made
+    /// readable (or freed when their bytes failed their check). Never waits.
+    pub fn poll_disk(&mut self) -> bool {
+        let Some(d) = &mut self.disk else {
+            return false;
+        };
+        let mut finished = std::mem::take(&mut d.finished);
+        d.tier.poll(&mut finished);
+        let any = !finished.is_empty();
+        for f in finished.drain(..) {
+            match f {
+                Finished::Written { block } => self.flushed(block),
+                Finished::Read { block, ok, lost } => {
+                    if let Some(d) = &self.disk {
+                        d.writer.revoke(&disk::disk_holder(), &[block]);
+                    }
+                    self.promoted(block, ok);
+                    if let Some((tenant, key)) = lost {
+                        self.disk_lost(tenant, key);
+                    }
+                }
+            }
+        }
+        if let Some(d) = &mut self.disk {
+            d.finished = finished;
+        }
+        self.start_flushes();
+        self.expire_fresh();
+        any
+    }
+
+    /// Starts the writes of dirty blocks, oldest first, up to the queue's depth.
+    fn start_flushes(&mut self) {
+        loop {
+            let Some(d) = &mut self.disk else { return };
+            if d.flushing >= d.max_flushing {
+                return;
+            }
+            let Some(b) = d.dirty.pop_front() else { return };
+            let slot = &self.slots[b as usize];
+            let started = match (&slot.key, slot.state) {
+                (Some(key), State::Ready) if !d.tier.holds(slot.tenant, key) => d
+                    .tier
+                    .demote(slot.tenant, key, BlockIndex::new(u64::from(b)))
+                    .ok(),
+                // The key moved to another block meanwhile: that block writes it.
+                _ => None,
+            };
+            match started {
+                Some(evicted) => {
+                    d.flushing += 1;
+                    if let Some((t, k)) = evicted {
+                        self.disk_lost(t, k);
+                    }
+                }
+                None => self.unpin_flush(b),
+            }
+        }
+    }
+
+    /// A flush ended: the block's pin for it goes.
+    fn flushed(&mut self, block: BlockIndex) {
+        if let Some(d) = &mut self.disk {
+            d.flushing = d.flushing.saturating_sub(1);
+        }
+        self.unpin_flush(block.get() as u32);
+    }
+
+    fn unpin_flush(&mut self, b: u32) {
+        let block = BlockIndex::new(u64::from(b));
+        let Some(slot) = self.slots.get_mut(block.get() as usize) else {
+            return;
+        };
+        if !slot.flushing {
+            return;
+        }
+        slot.flushing = false;
+        slot.pins = slot.pins.saturating_sub(1);
+        if slot.pins == 0 {
+            self.pinned -= 1;
+            self.release_to_lru(b);
+        }
+    }
+
+    /// A promotion ended: the block is readable, or freed.
+    fn promoted(&mut self, block: BlockIndex, ok: bool) {
+        let b = block.get() as u32;
+        let Some(slot) = self.slots.get_mut(b as usize) else {
+            return;
+        };
+        if !(slot.promoting && slot.state == State::Writing) {
+            return;
+        }
+        slot.promoting = false;
+        self.writing -= 1;
+        if ok {
+            slot.state = State::Ready;
+            slot.fresh = true;
+            slot.cold = self.disk.as_ref().map(|d| d.tier.promote_policy()) == Some(Promote::Cold);
+            if let Some(d) = &mut self.disk {
+                d.fresh.push_back((b, std::time::Instant::now()));
+            }
+        } else {
+            self.evict(b);
+            self.free.push(b);
+        }
+    }
+
+    /// `tenant`'s `key` is gone from disk (its slot reused, or torn): logged as removed unless
+    /// memory still holds it.
+    fn disk_lost(&mut self, tenant: Tenant, key: OffloadKey) {
+        let in_memory = self
+            .index(tenant)
+            .get(&key)
+            .is_some_and(|b| self.slots[*b as usize].state != State::Free);
+        if !in_memory {
+            self.log_for(tenant, KeyChange::Removed(key));
+        }
+    }
+
+    /// Starts reading `tenant`'s `key` from disk into a memory block: `Retry` if it started
+    /// (or memory has no block to spare now), `Miss` if disk does not hold it readable.
+    fn promote(&mut self, tenant: Tenant, key: &OffloadKey) -> LookupResult {
+        if !self
+            .disk
+            .as_ref()
+            .is_some_and(|d| d.tier.readable(tenant, key))
+        {
+            return LookupResult::Miss;
+        }
+        let Ok(taken) = self.take_blocks(1) else {
+            // Every memory block is pinned or being written: asked again soon.
+            return LookupResult::Retry;
+        };
+        let b = taken[0];
+        let block = BlockIndex::new(u64::from(b));
+        self.index_mut(tenant).insert(key.clone(), b);
+        let slot = &mut self.slots[b as usize];
+        slot.key = Some(key.clone());
+        slot.tenant = tenant;
+        slot.state = State::Writing;
+        slot.promoting = true;
+        self.writing += 1;
+        let Some(d) = &mut self.disk else {
+            return LookupResult::Miss;
+        };
+        d.writer.grant(&disk::disk_holder(), &[block]);
+        if !d.tier.promote(tenant, key, block) {
+            d.writer.revoke(&disk::disk_holder(), &[block]);
+            self.promoted(block, false);
+            return LookupResult::Miss;
+        }
+        LookupResult::Retry
+    }
+
+    /// Queues a block that just became readable for its write to disk, unless disk holds its
+    /// key already; pinned until the write ends.
+    fn flush(&mut self, tenant: Tenant, key: &OffloadKey, b: u32) {
+        let Some(d) = &mut self.disk else { return };
+        if d.tier.holds(tenant, key) {
+            return;
+        }
+        d.dirty.push_back(b);
+        let slot = &mut self.slots[b as usize];
+        slot.flushing = true;
+        if slot.pins == 0 {
+            self.lru.remove(b);
+            self.pinned += 1;
+        }
+        slot.pins += 1;
+        self.start_flushes();
     }
 
     /// Keeps a log of the keys that become readable and stop being held, at most `max`
@@ -263,6 +541,7 @@ impl BlockStore {
             changes: std::collections::VecDeque::new(),
             max: max.max(1),
             dropped: 0,
+            taken: false,
         });
     }
 
@@ -272,14 +551,38 @@ impl BlockStore {
     }
 
     /// The changes since the last call, in order, and how many were dropped for room.
+    ///
+    /// With a disk tier, the blocks found on disk at start follow, from the second call on
+    /// (the first only starts the log), up to the log's length per call, until every one was
+    /// announced (those still held then).
     pub fn take_changes(&mut self) -> (Vec<KeyChange>, u64) {
-        match &mut self.changes {
+        let (mut out, dropped, max) = match &mut self.changes {
             Some(log) => (
-                log.changes.drain(..).collect(),
+                log.changes.drain(..).collect::<Vec<_>>(),
                 std::mem::take(&mut log.dropped),
+                if std::mem::replace(&mut log.taken, true) {
+                    log.max
+                } else {
+                    0
+                },
             ),
-            None => (Vec::new(), 0),
+            None => return (Vec::new(), 0),
+        };
+        let mut found = Vec::new();
+        if let Some(d) = &mut self.disk {
+            while out.len() + found.len() < max {
+                let Some(f) = d.republish.pop_front() else {
+                    break;
+                };
+                found.push(f);
+            }
         }
+        for (tenant, key) in found {
+            if self.holds_in(tenant, &key) {
+                out.push(KeyChange::Stored(key));
+            }
+        }
+        (out, dropped)
     }
 
     /// Logs `tenant`'s change unless another tenant holds the key readable: the log says what
@@ -329,6 +632,7 @@ impl BlockStore {
             pinned: self.pinned,
             jobs: self.jobs.len() as u64,
             open_contexts: self.open_contexts,
+            disk: self.disk_stats(),
         }
     }
 
@@ -339,17 +643,29 @@ impl BlockStore {
     }
 
     /// [`BlockStore::lookup`] as `tenant` sees the store.
+    ///
+    /// With a disk tier, a key held only on disk starts its promotion and is `Retry` until
+    /// it is readable in memory.
     pub fn lookup_in(&mut self, tenant: Tenant, key: &OffloadKey) -> LookupResult {
         let Some(&b) = self.index(tenant).get(key) else {
-            return LookupResult::Miss;
+            return self.promote(tenant, key);
         };
-        match self.slots[b as usize].state {
+        let slot = &mut self.slots[b as usize];
+        match slot.state {
             State::Ready => {
-                if self.lru.contains(b) {
-                    self.lru.touch(b);
+                if slot.fresh {
+                    // The lookup that waited for it: it may go from now on (cold: first).
+                    slot.fresh = false;
+                    self.release_to_lru(b);
+                } else {
+                    slot.cold = false;
+                    if self.lru.contains(b) {
+                        self.lru.touch(b);
+                    }
                 }
                 LookupResult::Hit
             }
+            State::Writing if slot.promoting => LookupResult::Retry,
             State::Writing => LookupResult::HitPending,
             State::Free => LookupResult::Miss,
         }
@@ -447,7 +763,7 @@ impl BlockStore {
     /// [`BlockStore::lookup`] in every tenant's index, the default tenant's first: the first
     /// answer that is not a miss (the node's own view of its store).
     pub fn lookup_any(&mut self, key: &OffloadKey) -> LookupResult {
-        for t in 0..self.indexes.len() {
+        for t in 0..self.tenant_count() {
             let Ok(t) = u16::try_from(t) else { break };
             let found = self.lookup_in(Tenant(t), key);
             if found != LookupResult::Miss {
@@ -533,9 +849,16 @@ impl BlockStore {
             }
         }
         self.slots[b as usize].state = State::Free;
-        // A block that never became readable was never announced.
+        self.slots[b as usize].promoting = false;
+        self.slots[b as usize].cold = false;
+        self.slots[b as usize].fresh = false;
+        // A block that never became readable was never announced; one still on disk is still
+        // held (and, as it just left memory, kept on disk longest).
         if let (Some(key), true) = (gone, was_ready) {
-            self.log_for(tenant, KeyChange::Removed(key));
+            match &mut self.disk {
+                Some(d) if d.tier.holds(tenant, &key) => d.tier.touch(tenant, &key),
+                _ => self.log_for(tenant, KeyChange::Removed(key)),
+            }
         }
     }
 
@@ -589,6 +912,10 @@ impl BlockStore {
             let Ok(b) = self.slot_index(block, State::Writing, "") else {
                 continue;
             };
+            if self.slots[b as usize].promoting {
+                // The disk tier's read, not the caller's write: it ends it itself.
+                continue;
+            }
             self.writing -= 1;
             if success {
                 self.slots[b as usize].state = State::Ready;
@@ -598,7 +925,14 @@ impl BlockStore {
                 let tenant = self.slots[b as usize].tenant;
                 if let Some(key) = self.slots[b as usize].key.clone() {
                     if self.index(tenant).get(&key) == Some(&b) {
-                        self.log_for(tenant, KeyChange::Stored(key));
+                        let on_disk = self
+                            .disk
+                            .as_ref()
+                            .is_some_and(|d| d.tier.holds(tenant, &key));
+                        if !on_disk {
+                            self.log_for(tenant, KeyChange::Stored(key.clone()));
+                            self.flush(tenant, &key, b);
+                        }
                     }
                 }
             } else {
@@ -685,10 +1019,68 @@ impl BlockStore {
             slot.pins = slot.pins.saturating_sub(1);
             if slot.pins == 0 {
                 self.pinned -= 1;
-                if slot.state == State::Ready {
-                    self.lru.touch(b);
-                }
+                self.release_to_lru(b);
             }
+        }
+    }
+
+    /// Puts an unpinned readable block in the LRU: the most recently used, or the first to
+    /// go if it is cold; a fresh one stays out until its lookup or its hold ends.
+    fn release_to_lru(&mut self, b: u32) {
+        let slot = &self.slots[b as usize];
+        if slot.pins > 0 || slot.state != State::Ready || slot.fresh {
+            return;
+        }
+        if slot.cold {
+            self.lru.push_oldest(b);
+        } else {
+            self.lru.touch(b);
+        }
+    }
+
+    /// Fresh blocks whose lookup never came (it ended first) may go.
+    fn expire_fresh(&mut self) {
+        let now = std::time::Instant::now();
+        loop {
+            let Some(d) = &mut self.disk else { return };
+            match d.fresh.front() {
+                Some((b, at)) if now.duration_since(*at) >= FRESH_HOLD => {
+                    let b = *b;
+                    d.fresh.pop_front();
+                    if self.slots[b as usize].fresh {
+                        self.slots[b as usize].fresh = false;
+                        self.release_to_lru(b);
+                    }
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+impl Drop for BlockStore {
+    /// Blocks still waiting for their write go to disk before the tier's threads stop: a node
+    /// that stops cleanly (SIGTERM, an upgrade) keeps everything it held. Bounded: a disk that
+    /// takes longer than 30 s loses the rest (a miss after the restart, never wrong bytes).
+    fn drop(&mut self) {
+        if self.disk.is_none() {
+            return;
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            self.poll_disk();
+            let Some(d) = &self.disk else { return };
+            if d.dirty.is_empty() && d.flushing == 0 {
+                return;
+            }
+            if std::time::Instant::now() > deadline {
+                tracing::warn!(
+                    waiting = d.dirty.len() + d.flushing,
+                    "the disk tier did not finish its writes in 30 s; those blocks are lost"
+                );
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 }
@@ -715,5 +1107,9 @@ impl Parent for BlockStore {
 
     fn on_request_finished(&mut self, _ctx: &ServeCtx) {
         self.open_contexts = self.open_contexts.saturating_sub(1);
+    }
+
+    fn progress(&mut self) -> bool {
+        self.poll_disk()
     }
 }

@@ -24,6 +24,90 @@ use tracing::debug;
 use crate::api::{Histogram, Node, NodeStats};
 use crate::pool_node::{PoolNode, PoolNodeStats};
 
+/// Each tier's figures: memory (`tier="memory"`) and the disk tier (`tier="disk"`), so a
+/// dashboard sums or compares them; then the disk tier's own counters.
+fn disk_metrics(out: &mut String, d: &kvpeer_store::disk::DiskStats, memory_bytes: u64) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        out,
+        "# HELP kvpeer_tier_bytes bytes of blocks each tier holds"
+    );
+    let _ = writeln!(out, "# TYPE kvpeer_tier_bytes gauge");
+    let _ = writeln!(out, "kvpeer_tier_bytes{{tier=\"memory\"}} {memory_bytes}");
+    let _ = writeln!(out, "kvpeer_tier_bytes{{tier=\"disk\"}} {}", d.used_bytes);
+    let counters: [(&str, &str, u64); 9] = [
+        (
+            "kvpeer_disk_hits_total",
+            "lookups of blocks held only on disk (a read started)",
+            d.hits,
+        ),
+        (
+            "kvpeer_disk_promotions_total",
+            "blocks read back from disk into memory, checked",
+            d.promotions,
+        ),
+        (
+            "kvpeer_disk_demotions_total",
+            "blocks written to disk",
+            d.demotions,
+        ),
+        (
+            "kvpeer_disk_demotions_skipped_total",
+            "blocks left in memory only (no disk slot free, or a key too long)",
+            d.demotions_skipped,
+        ),
+        (
+            "kvpeer_disk_evictions_total",
+            "blocks dropped from disk to make room",
+            d.evictions,
+        ),
+        (
+            "kvpeer_disk_corrupt_total",
+            "blocks read back that failed their checksum or header (served as misses)",
+            d.corrupt,
+        ),
+        (
+            "kvpeer_disk_io_errors_total",
+            "disk reads or writes that failed",
+            d.io_errors,
+        ),
+        (
+            "kvpeer_disk_read_bytes_total",
+            "bytes read from the disk tier (header pages included)",
+            d.bytes_read,
+        ),
+        (
+            "kvpeer_disk_written_bytes_total",
+            "bytes written to the disk tier (header pages included)",
+            d.bytes_written,
+        ),
+    ];
+    for (name, help, value) in counters {
+        metric(out, name, help, "counter", value);
+    }
+    let gauges: [(&str, &str, u64); 4] = [
+        (
+            "kvpeer_disk_blocks",
+            "blocks the disk tier can hold",
+            d.capacity_blocks,
+        ),
+        ("kvpeer_disk_ready_blocks", "blocks on disk", d.ready_blocks),
+        (
+            "kvpeer_disk_recovered_blocks",
+            "blocks found on disk when the node started",
+            d.recovered_blocks,
+        ),
+        (
+            "kvpeer_disk_queue_depth",
+            "disk reads and writes in flight",
+            d.queue_depth,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        metric(out, name, help, "gauge", value);
+    }
+}
+
 /// Renders `s` in the Prometheus text format.
 pub fn render(s: &NodeStats) -> String {
     let mut out = String::new();
@@ -285,6 +369,9 @@ pub fn render(s: &NodeStats) -> String {
     ];
     for (name, help, value) in gauges {
         metric(&mut out, name, help, "gauge", value);
+    }
+    if let Some(d) = s.store.disk {
+        disk_metrics(&mut out, &d, s.store.ready * s.store.block_len);
     }
     histogram(
         &mut out,

@@ -599,3 +599,92 @@ fn a_pool_with_tenants_refuses_to_follow_an_engine_of_no_tenant() {
     );
     assert!(e.to_string().contains("no one tenant's"), "{e}");
 }
+
+/// A pool node of `blocks` blocks in memory over a disk tier in `dir` holding up to
+/// `disk_blocks`.
+fn node_on_disk(tag: &str, blocks: u64, dir: &std::path::Path, disk_blocks: u64) -> Node {
+    let mut config = NodeConfig::builder(tag)
+        .plane(PlaneKind::Tcp)
+        .num_blocks(blocks)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    config.spec.disk = Some(kvpeer_store::disk::DiskConfig {
+        dir: dir.to_path_buf(),
+        capacity: 4096 + disk_blocks * (LEN + 4096),
+        threads: 4,
+        promote: kvpeer_store::disk::Promote::Hot,
+    });
+    Node::start(config).unwrap()
+}
+
+#[test]
+fn a_pool_restarted_on_its_disk_serves_what_it_held_republishes_it_and_pulls_nothing_again() {
+    let dir = std::env::temp_dir().join(format!("kvpeer-pool-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let engine = engine("pool-d-e", 24);
+    let stream = Stream::start();
+    stream.say(Say::Stored(keys(0..24)));
+    let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let config = PoolConfig {
+        publish: Some(publish),
+        publish_replay: Some(publish_replay),
+        ..follow(&stream, &engine)
+    };
+    // Memory for 8 blocks, disk for 32: 24 pulled, most of them only on disk.
+    let pool_node = Arc::new(node_on_disk("pool-d-p1", 8, &dir, 32));
+    let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
+    let s = wait_for(&pool, "24 pulled", |s| s.pulled_blocks == 24);
+    assert_eq!(s.pull_failures, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool_node.stats().unwrap().store.disk.unwrap().demotions < 24 {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            pool_node.stats().unwrap().store
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    pool.shutdown();
+    pool_node.shutdown(Duration::from_secs(3));
+    drop(pool_node);
+
+    // Started again on the same disk: the engine's stream is replayed on connect, and every
+    // key it names is held already.
+    let pool_node = Arc::new(node_on_disk("pool-d-p2", 8, &dir, 32));
+    let disk = pool_node.stats().unwrap().store.disk.unwrap();
+    assert_eq!(disk.recovered_blocks, 24, "{disk:?}");
+    let pool = PoolNode::start(pool_node.clone(), &config).unwrap();
+    let s = wait_for(&pool, "the replay judged", |s| s.already_held == 24);
+    assert_eq!((s.pulled_blocks, s.pull_requests), (0, 0), "{s:?}");
+    // Its own stream says it holds all 24 again (a router that lost it re-indexes).
+    let _ = wait_for(&pool, "published", |s| s.published_batches >= 1);
+    let mut stored: Vec<OffloadKey> = replayed_until(publish, publish_replay, |_| true)
+        .iter()
+        .filter_map(|e| match key_event(e) {
+            KeyEvent::Stored(k) => Some(k),
+            _ => None,
+        })
+        .collect();
+    stored.sort();
+    stored.dedup();
+    let mut want = keys(0..24);
+    want.sort();
+    assert_eq!(stored, want);
+    // And serves every one byte-exact, from disk through its 8 blocks of memory.
+    let reader = node("pool-d-r", 32);
+    for chunk in keys(0..24).chunks(6) {
+        let r = reader.request(pool_node.id(), "disk-read").unwrap();
+        let found = r.lookup(chunk, Duration::from_secs(10)).unwrap();
+        assert!(found.iter().all(|f| *f == LookupResult::Hit), "{found:?}");
+        r.fetch(chunk, Duration::from_secs(10)).unwrap();
+        r.finish();
+    }
+    assert_holds(&reader, &keys(0..24));
+    assert_eq!(pool.stats().pulled_blocks, 0);
+    pool.shutdown();
+    pool_node.shutdown(Duration::from_secs(3));
+    drop(pool_node);
+    let _ = std::fs::remove_dir_all(&dir);
+}

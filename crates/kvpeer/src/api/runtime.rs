@@ -311,14 +311,10 @@ impl Runtime {
                     // Where a block fetched from that peer would go.
                     Some(p) => {
                         let tenant = store.tenant_of_fetch(&p, &me);
-                        keys.iter()
-                            .map(|k| store.block_of_in(tenant, k).is_some())
-                            .collect()
+                        keys.iter().map(|k| store.holds_in(tenant, k)).collect()
                     }
-                    None => keys
-                        .iter()
-                        .map(|k| store.block_of_any(k).is_some())
-                        .collect(),
+                    // Held in memory or on disk: a pool does not pull what its disk holds.
+                    None => keys.iter().map(|k| store.holds_any(k)).collect(),
                 };
                 let _ = reply.send(held);
             }

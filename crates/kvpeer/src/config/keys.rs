@@ -237,6 +237,14 @@ declare_keys! {
     tls_key;
     /// PEM file of the certificate authorities whose peers TLS trusts; reread when it changes
     tls_ca;
+    /// directory of the disk tier under the pool's memory: blocks are written through to a file there, kept on disk when memory evicts them, read back when asked for, and found again after a restart (unset: memory only)
+    disk_path;
+    /// bytes of disk the tier may use, header pages included (K, M or G: powers of 1000); needed with disk_path
+    disk_capacity;
+    /// where a block read back from disk goes in memory's eviction order: hot (most recently used) or cold (the first to go unless asked for again while in memory: a scan does not push out hot blocks)
+    disk_promote = "hot";
+    /// I/O threads of the disk tier: the reads and writes in flight at once
+    disk_threads = "8";
     /// pool node: engines' KV event streams to follow, EVENTS=PEER or EVENTS,REPLAY=PEER (bind:EVENTS to accept a PUB that connects); `;` between several
     follow;
     /// pool node: engines that must hold a key before it is pulled

@@ -425,6 +425,7 @@ pub(crate) fn resolve_one(set: &Settings, tag: &str) -> Result<NodeConfig, Confi
             control,
             limits,
             nixl,
+            disk: disk(&s)?,
         },
         pool: pool(&s)?,
     })
@@ -636,6 +637,33 @@ impl Values<'_> {
             )),
         }
     }
+}
+
+/// The disk tier: `disk_path` turns it on and needs `disk_capacity`.
+fn disk(s: &Values<'_>) -> Result<Option<kvpeer_store::disk::DiskConfig>, ConfigError> {
+    let Some((dir, _)) = s.get(&KEY.disk_path) else {
+        if let Some((_, src)) = s.get(&KEY.disk_capacity) {
+            return Err(bad(
+                src,
+                KEY.disk_capacity.name,
+                "set without disk_path".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    if s.get(&KEY.disk_capacity).is_none() {
+        return Err(bad(
+            "default",
+            KEY.disk_capacity.name,
+            "disk_path is set: say how many bytes the disk tier may use".into(),
+        ));
+    }
+    Ok(Some(kvpeer_store::disk::DiskConfig {
+        dir: std::path::PathBuf::from(dir),
+        capacity: s.rate(&KEY.disk_capacity)?,
+        threads: s.number(&KEY.disk_threads, 1, 256)? as usize,
+        promote: s.parsed(&KEY.disk_promote)?,
+    }))
 }
 
 fn allowlist(s: &Values<'_>) -> Result<Allowlist, ConfigError> {

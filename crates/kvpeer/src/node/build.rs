@@ -100,6 +100,8 @@ pub struct NodeSpec {
     pub limits: DecodeLimits,
     /// The `nixl` plane's settings (used only with that plane).
     pub nixl: NixlOptions,
+    /// The disk tier under the pool's memory (`None`: memory only).
+    pub disk: Option<kvpeer_store::disk::DiskConfig>,
 }
 
 /// TLS on the control channel and the tcp data plane: the policy (preferred or required) and the node's PEM files,
@@ -128,6 +130,9 @@ pub enum BuildError {
     /// The block store.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The disk tier.
+    #[error(transparent)]
+    Disk(#[from] kvpeer_store::disk::DiskError),
     /// The pool's memory.
     #[error(transparent)]
     Pool(#[from] PoolError),
@@ -200,18 +205,38 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
             } else {
                 "private memory".to_owned()
             };
+            // A node with a disk tier starts without touching its memory: the pages fault in
+            // as blocks arrive, so a large pool answers at once (docs/pool.md, "Disk tier").
+            let lazy = spec.disk.is_some() && !shared;
             info!(blocks = spec.num_blocks, block_len = spec.block_len,
-                size = %room::human(bytes), %memory, "allocating the pool (pre-faulted)");
+                size = %room::human(bytes), %memory,
+                pages = if lazy { "on first use" } else { "pre-faulted" },
+                "allocating the pool");
             let started = Instant::now();
             let pool = if shared {
                 Pool::shm(&spec.shm_name, spec.num_blocks, spec.block_len, false)?
+            } else if lazy {
+                Pool::anonymous_lazy(spec.num_blocks, spec.block_len)?
             } else {
                 Pool::anonymous(spec.num_blocks, spec.block_len, false)?
             };
             info!(ms = started.elapsed().as_millis() as u64, "pool allocated");
             Ok(pool)
         },
-        |pool, _| Ok((BlockStore::with_pool(pool)?, ())),
+        |pool, wake| {
+            let mut store = BlockStore::with_pool(pool)?;
+            if let Some(disk) = &spec.disk {
+                let started = Instant::now();
+                store.attach_disk(disk, wake)?;
+                let found = store.disk_stats().map_or(0, |d| d.recovered_blocks);
+                info!(
+                    ms = started.elapsed().as_millis() as u64,
+                    blocks = found,
+                    "disk tier read: what it holds is served from now on"
+                );
+            }
+            Ok((store, ()))
+        },
     )?;
     let mut io = io;
     // A node without a tenant of its own keeps each tenant's blocks apart: a peer's lookups see

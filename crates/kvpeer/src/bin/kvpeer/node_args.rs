@@ -87,6 +87,14 @@ pub(crate) struct NodeArgs {
         &[&KEY.tenants],
     ))]
     pub(crate) tenant_rules: Vec<String>,
+    #[arg(long, value_name = "DIR", help = help(&KEY.disk_path))]
+    pub(crate) disk_path: Option<std::path::PathBuf>,
+    #[arg(long, value_name = "BYTES", help = help(&KEY.disk_capacity))]
+    pub(crate) disk_capacity: Option<String>,
+    #[arg(long, value_name = "hot|cold", help = help(&KEY.disk_promote))]
+    pub(crate) disk_promote: Option<String>,
+    #[arg(long, value_name = "N", help = help(&KEY.disk_threads))]
+    pub(crate) disk_threads: Option<u64>,
     #[arg(long, value_name = "BOOL", help = help_of(
         &format!("{} (false only behind NAT or proxies; docs/security.md)", KEY.bind_identity.help),
         &[&KEY.bind_identity],
@@ -269,6 +277,22 @@ impl NodeArgs {
         set(&KEY.tenant, self.tenant.clone(), "--tenant");
         let rules = (!self.tenant_rules.is_empty()).then(|| self.tenant_rules.join(","));
         set(&KEY.tenants, rules, "--tenant-rule");
+        set(
+            &KEY.disk_path,
+            self.disk_path.as_ref().map(|p| p.display().to_string()),
+            "--disk-path",
+        );
+        set(
+            &KEY.disk_capacity,
+            self.disk_capacity.clone(),
+            "--disk-capacity",
+        );
+        set(
+            &KEY.disk_promote,
+            self.disk_promote.clone(),
+            "--disk-promote",
+        );
+        set(&KEY.disk_threads, text(self.disk_threads), "--disk-threads");
         set(
             &KEY.bind_identity,
             self.bind_identity.map(|b| b.to_string()),

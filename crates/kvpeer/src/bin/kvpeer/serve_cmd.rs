@@ -77,12 +77,24 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
             return 2;
         }
     };
-    if args.fill > config.spec.num_blocks {
+    // With a disk tier the pool holds what fits on disk: blocks beyond memory wait there.
+    let room = match &config.spec.disk {
+        Some(d) => {
+            kvpeer_store::disk::format::Layout::for_capacity(config.spec.block_len, d.capacity)
+                .map_or(0, |l| l.slots)
+        }
+        None => config.spec.num_blocks,
+    };
+    if args.fill > room {
         crate::report::fatal!(
             "serve",
-            "--fill {} is more than the pool's {} blocks",
+            "--fill {} is more than the pool's {room} blocks{}",
             args.fill,
-            config.spec.num_blocks
+            if config.spec.disk.is_some() {
+                " on disk"
+            } else {
+                ""
+            }
         );
         return 2;
     }
@@ -274,21 +286,35 @@ pub(crate) fn run(args: ServeArgs) -> u8 {
     0
 }
 
-/// Stores synthetic blocks 0..n, a batch per call.
+/// Stores synthetic blocks 0..n, a batch per call. With a disk tier, memory full of blocks
+/// waiting for the disk makes a batch wait (and be stored again: blocks already held are kept).
 fn fill(node: &Node, n: u64) -> Result<(), String> {
     let len = usize::try_from(node.config().block_len).map_err(|e| e.to_string())?;
+    let per_batch = (node.config().num_blocks / 4).clamp(1, 256);
     let mut i = 0;
+    let mut waited_since: Option<std::time::Instant> = None;
     while i < n {
-        let batch = (i..n.min(i + 256))
+        let batch = (i..n.min(i + per_batch))
             .map(|k| {
                 let key = synthetic::key(k);
                 let bytes = synthetic::content(&key, len);
                 (key, bytes)
             })
             .collect();
-        node.store(batch)
-            .map_err(|e| format!("filling blocks from {i}: {e}"))?;
-        i = n.min(i + 256);
+        match node.store(batch) {
+            Ok(()) => {
+                i = n.min(i + per_batch);
+                waited_since = None;
+            }
+            Err(kvpeer::NodeError::Store(kvpeer_store::StoreError::Full { .. }))
+                if node.config().disk.is_some()
+                    && waited_since.is_none_or(|t| t.elapsed() < Duration::from_secs(60)) =>
+            {
+                waited_since.get_or_insert_with(std::time::Instant::now);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(format!("filling blocks from {i}: {e}")),
+        }
     }
     Ok(())
 }

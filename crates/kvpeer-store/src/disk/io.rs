@@ -1,0 +1,355 @@
+//! The disk tier's I/O threads: block writes (demotions) and reads (promotions) off the node's
+//! thread.
+//!
+//! The node's thread (the tier, `tier.rs`) submits an [`Op`] and goes on; one of the threads
+//! takes it, does the system calls, checks what it read, sends a [`Done`] back and calls the
+//! wake hook so the node's thread takes it on its next step. The node's thread never touches
+//! the file once the tier is open.
+//!
+//! Direct I/O (`O_DIRECT`) where the file system allows it, so a demoted block does not also
+//! sit in the page cache: every transfer is then page-aligned, a header page and the block in
+//! one `pwritev`/`preadv` straight from or into the pool when the block is page-aligned, else
+//! through the thread's own aligned buffer. The queue's depth is the number of threads (each
+//! has one operation in flight). Threads and blocking calls, not io_uring: the fallback the
+//! issue asks for, which every kernel has; io_uring is not built yet (docs/pool.md).
+//!
+//! The pool's memory is touched only as the store's rules allow: a write reads a block the
+//! store keeps pinned until its `Done`; a read lands in a block the store reserved for it,
+//! through a [`WriteClaim`](crate::WriteClaim) of the permit it granted [`DISK_HOLDER`].
+
+use std::fs::File;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::unix::fs::FileExt;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use kvpeer_core::BlockIndex;
+use kvpeer_proto::PeerId;
+use tracing::warn;
+
+use super::format::{self, Layout, SlotHeader, PAGE};
+use crate::pool::PoolWriter;
+
+/// Called by an I/O thread after it sends a [`Done`]: wakes the node's thread.
+pub type DiskWake = Arc<dyn Fn() + Send + Sync>;
+
+/// The holder the disk tier's reads claim their blocks as.
+pub fn disk_holder() -> PeerId {
+    PeerId::new("kvpeer-disk-tier")
+}
+
+/// One operation for an I/O thread.
+#[derive(Debug)]
+pub(crate) enum Op {
+    /// Writes `block` into `slot` under `header` (its `data_crc` is computed here).
+    Write {
+        tag: u64,
+        slot: u64,
+        header: SlotHeader,
+        block: BlockIndex,
+    },
+    /// Reads `slot` into `block` (claimed from [`disk_holder`]'s permit), checking that its
+    /// header is `expect` (generation, tenant, key) and its data matches the header's CRC.
+    Read {
+        tag: u64,
+        slot: u64,
+        expect: SlotHeader,
+        block: BlockIndex,
+    },
+}
+
+/// What went wrong with one operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiskFault {
+    /// A system call failed.
+    #[error("{op} of slot {slot}: {error}")]
+    Io {
+        /// `read` or `write`.
+        op: &'static str,
+        /// The slot.
+        slot: u64,
+        /// The error.
+        error: String,
+    },
+    /// The slot's header is not the one written (a torn write, or another key's).
+    #[error("slot {slot}: header {why}")]
+    Header {
+        /// The slot.
+        slot: u64,
+        /// What differs.
+        why: String,
+    },
+    /// The block's bytes do not match its header's CRC (a torn write).
+    #[error("slot {slot}: block bytes fail their checksum")]
+    Data {
+        /// The slot.
+        slot: u64,
+    },
+    /// The pool refused the block (not permitted: the store's bug, never a peer's).
+    #[error("block {0}: not writable by the disk tier")]
+    Pool(BlockIndex),
+}
+
+/// One operation's end.
+#[derive(Debug)]
+pub(crate) struct Done {
+    pub tag: u64,
+    pub result: Result<(), DiskFault>,
+    /// Bytes moved (a header page and the padded block), for the tier's GB/s.
+    pub bytes: u64,
+}
+
+/// The I/O threads of one tier file.
+pub(crate) struct DiskIo {
+    submit: Option<Sender<Op>>,
+    done: Receiver<Done>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for DiskIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskIo")
+            .field("threads", &self.threads.len())
+            .finish()
+    }
+}
+
+/// What each thread needs.
+struct Worker {
+    file: Arc<File>,
+    direct: bool,
+    layout: Layout,
+    pool: PoolWriter,
+    ops: Arc<Mutex<Receiver<Op>>>,
+    done: Sender<Done>,
+    wake: DiskWake,
+    /// A slot's bytes, page-aligned (an anonymous mapping): the header page, and the block
+    /// when it cannot go straight from or into the pool.
+    buf: memmap2::MmapMut,
+}
+
+impl DiskIo {
+    /// Starts `threads` I/O threads over `file` (opened with `O_DIRECT` if `direct`).
+    pub(crate) fn start(
+        file: Arc<File>,
+        direct: bool,
+        layout: Layout,
+        pool: PoolWriter,
+        threads: usize,
+        wake: DiskWake,
+    ) -> std::io::Result<Self> {
+        let (submit, ops) = mpsc::channel();
+        let (done_tx, done) = mpsc::channel();
+        let ops = Arc::new(Mutex::new(ops));
+        let mut handles = Vec::new();
+        for n in 0..threads.max(1) {
+            let len = usize::try_from(layout.stride()).map_err(std::io::Error::other)?;
+            let worker = Worker {
+                file: file.clone(),
+                direct,
+                layout,
+                pool: pool.clone(),
+                ops: ops.clone(),
+                done: done_tx.clone(),
+                wake: wake.clone(),
+                buf: memmap2::MmapMut::map_anon(len)?,
+            };
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("kvpeer-disk-{n}"))
+                    .spawn(move || worker.run())?,
+            );
+        }
+        Ok(DiskIo {
+            submit: Some(submit),
+            done,
+            threads: handles,
+        })
+    }
+
+    /// Queues `op`; `false` if the threads are gone.
+    pub(crate) fn submit(&self, op: Op) -> bool {
+        self.submit.as_ref().is_some_and(|s| s.send(op).is_ok())
+    }
+
+    /// One finished operation, if any (never waits).
+    pub(crate) fn try_done(&self) -> Option<Done> {
+        self.done.try_recv().ok()
+    }
+}
+
+impl Drop for DiskIo {
+    fn drop(&mut self) {
+        // The threads finish what they hold and exit when the queue is closed and empty: the
+        // pool they read and write outlives them (each holds a writer of it).
+        self.submit = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            let op = {
+                let ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+                ops.recv()
+            };
+            let Ok(op) = op else { return };
+            let done = match op {
+                Op::Write {
+                    tag,
+                    slot,
+                    header,
+                    block,
+                } => Done {
+                    tag,
+                    result: self.write(slot, header, block),
+                    bytes: self.layout.stride(),
+                },
+                Op::Read {
+                    tag,
+                    slot,
+                    expect,
+                    block,
+                } => Done {
+                    tag,
+                    result: self.read(slot, &expect, block),
+                    bytes: self.layout.stride(),
+                },
+            };
+            if self.done.send(done).is_err() {
+                return;
+            }
+            (self.wake)();
+        }
+    }
+
+    fn io_fault(op: &'static str, slot: u64, error: impl std::fmt::Display) -> DiskFault {
+        DiskFault::Io {
+            op,
+            slot,
+            error: error.to_string(),
+        }
+    }
+
+    /// Whether `bytes` can go to or from the file as they are (direct I/O needs page-aligned
+    /// addresses and lengths; buffered I/O takes anything).
+    fn aligned(&self, ptr: *const u8, len: usize) -> bool {
+        !self.direct
+            || ((ptr as usize).is_multiple_of(PAGE as usize) && (len as u64).is_multiple_of(PAGE))
+    }
+
+    fn write(
+        &mut self,
+        slot: u64,
+        mut header: SlotHeader,
+        block: BlockIndex,
+    ) -> Result<(), DiskFault> {
+        let view = self.pool.view();
+        let data = view.block(block).ok_or(DiskFault::Pool(block))?;
+        header.data_crc = crc32c::crc32c(data);
+        let offset = self.layout.slot_offset(slot);
+        let page = PAGE as usize;
+        format::encode_slot_header(&header, &mut self.buf[..page]).map_err(|e| {
+            DiskFault::Header {
+                slot,
+                why: e.to_string(),
+            }
+        })?;
+        let padded = self.layout.padded_block() as usize;
+        let written = if data.len() == padded && self.aligned(data.as_ptr(), data.len()) {
+            let iov = [IoSlice::new(&self.buf[..page]), IoSlice::new(data)];
+            pwritev_all(&self.file, &iov, offset)
+        } else {
+            self.buf[page..page + data.len()].copy_from_slice(data);
+            self.buf[page + data.len()..page + padded].fill(0);
+            self.file.write_all_at(&self.buf[..page + padded], offset)
+        };
+        written.map_err(|e| Self::io_fault("write", slot, e))
+    }
+
+    fn read(&mut self, slot: u64, expect: &SlotHeader, block: BlockIndex) -> Result<(), DiskFault> {
+        let mut claim = self
+            .pool
+            .claim(&disk_holder(), &[block])
+            .map_err(|_| DiskFault::Pool(block))?;
+        let Some(dest) = claim.block_mut(0) else {
+            return Err(DiskFault::Pool(block));
+        };
+        let offset = self.layout.slot_offset(slot);
+        let page = PAGE as usize;
+        let padded = self.layout.padded_block() as usize;
+        let direct_ok = dest.len() == padded && self.aligned(dest.as_ptr(), dest.len());
+        let read = if direct_ok {
+            let (head, _) = self.buf.split_at_mut(page);
+            let mut iov = [IoSliceMut::new(head), IoSliceMut::new(dest)];
+            preadv_all(&self.file, &mut iov, offset)
+        } else {
+            self.file
+                .read_exact_at(&mut self.buf[..page + padded], offset)
+        };
+        read.map_err(|e| Self::io_fault("read", slot, e))?;
+        let found =
+            format::decode_slot_header(&self.buf[..page]).map_err(|e| DiskFault::Header {
+                slot,
+                why: e.to_string(),
+            })?;
+        if found.generation != expect.generation
+            || found.tenant != expect.tenant
+            || found.key != expect.key
+        {
+            return Err(DiskFault::Header {
+                slot,
+                why: "names another block than the one written there".into(),
+            });
+        }
+        if !direct_ok {
+            let len = dest.len();
+            dest.copy_from_slice(&self.buf[page..page + len]);
+        }
+        if crc32c::crc32c(dest) != found.data_crc {
+            return Err(DiskFault::Data { slot });
+        }
+        Ok(())
+    }
+}
+
+/// `pwritev` until every byte is written (a short write is retried from where it stopped).
+fn pwritev_all(file: &File, iov: &[IoSlice<'_>; 2], offset: u64) -> std::io::Result<()> {
+    let total: usize = iov.iter().map(|s| s.len()).sum();
+    let n = nix::sys::uio::pwritev(file, iov, to_off(offset)?).map_err(std::io::Error::from)?;
+    if n == total {
+        return Ok(());
+    }
+    // Rare (a signal, a full disk): finish with plain writes of what is left.
+    let mut done = n;
+    let mut at = 0;
+    for s in iov {
+        let end = at + s.len();
+        if done < end {
+            let from = done.max(at) - at;
+            file.write_all_at(&s[from..], offset + (at + from) as u64)?;
+            done = end;
+        }
+        at = end;
+    }
+    Ok(())
+}
+
+/// `preadv` of every byte; a short read (past the file's end) is an error.
+fn preadv_all(file: &File, iov: &mut [IoSliceMut<'_>; 2], offset: u64) -> std::io::Result<()> {
+    let total: usize = iov.iter().map(|s| s.len()).sum();
+    let n = nix::sys::uio::preadv(file, iov, to_off(offset)?).map_err(std::io::Error::from)?;
+    if n != total {
+        warn!(read = n, wanted = total, "short read of a disk-tier slot");
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+    }
+    Ok(())
+}
+
+fn to_off(offset: u64) -> std::io::Result<i64> {
+    i64::try_from(offset).map_err(std::io::Error::other)
+}

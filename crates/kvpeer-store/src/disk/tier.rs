@@ -1,0 +1,651 @@
+//! The disk tier's state: which slot of the file holds which key, which slots are being
+//! written or read, and which may be reused.
+//!
+//! Owned by the block store, on the node's thread; nothing here blocks once the tier is open
+//! (the file's system calls are the I/O threads', `io.rs`). Opening it (start-up, before the
+//! node's control port opens) reads every slot's header page, in parallel, to learn what the
+//! file holds: a page per block, never the blocks themselves (their bytes are checked when a
+//! block is read back, `io.rs`).
+//!
+//! A slot's life: **free** → **writing** (a block being demoted: the store keeps the memory
+//! copy pinned until the write ends) → **ready** (on the disk LRU unless being read) → reused
+//! for another block (its key forgotten: the store logs the removal if memory does not hold
+//! it either) or freed when a read finds it torn.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvpeer_core::BlockIndex;
+use kvpeer_proto::OffloadKey;
+use tracing::{info, warn};
+
+use super::format::{self, Layout, SlotHeader, MAX_KEY, PAGE};
+use super::io::{DiskIo, DiskWake, Op};
+use crate::lru::Lru;
+use crate::pool::PoolWriter;
+use crate::store::Tenant;
+
+type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The file's name inside the tier's directory.
+pub const FILE_NAME: &str = "kvpeer-blocks.kvd";
+
+/// Where a block read from disk goes in memory's eviction order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Promote {
+    /// The most recently used: a block asked for once is as hot as any.
+    #[default]
+    Hot,
+    /// The least recently used: served, then the first to go unless it is asked for again
+    /// while in memory, so a scan of cold blocks does not push out the hot ones.
+    Cold,
+}
+
+impl std::str::FromStr for Promote {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "hot" => Ok(Promote::Hot),
+            "cold" => Ok(Promote::Cold),
+            other => Err(format!("{other:?} is not a promotion policy (hot, cold)")),
+        }
+    }
+}
+
+/// How to make a disk tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// The directory holding the tier's file (made if missing).
+    pub dir: PathBuf,
+    /// Bytes of file at most (headers included).
+    pub capacity: u64,
+    /// I/O threads: the operations in flight at once.
+    pub threads: usize,
+    /// Where a block read back goes in memory's eviction order.
+    pub promote: Promote,
+}
+
+/// Why the tier could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiskError {
+    /// A file operation failed.
+    #[error("disk tier {path}: {what}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The capacity holds no block.
+    #[error("disk tier capacity {capacity} bytes holds no block of {block_len} bytes (each takes its size rounded up to 4 KiB, plus a 4 KiB header)")]
+    TooSmall {
+        /// The capacity.
+        capacity: u64,
+        /// Bytes per block.
+        block_len: u64,
+    },
+    /// The file holds blocks of another size.
+    #[error("disk tier {path} holds blocks of {found} bytes, this node's are {wanted}: remove the file or choose another directory")]
+    OtherBlockLen {
+        /// The file.
+        path: PathBuf,
+        /// Its block size.
+        found: u64,
+        /// This node's.
+        wanted: u64,
+    },
+    /// The file exists and is not a disk tier's: never overwritten.
+    #[error("{path} is not a kvpeer disk tier file ({why}); it is left as it is")]
+    NotATier {
+        /// The file.
+        path: PathBuf,
+        /// What its first page says.
+        why: format::HeaderError,
+    },
+    /// Another process holds the file.
+    #[error("disk tier {0} is in use by another process")]
+    InUse(PathBuf),
+}
+
+/// The tier's figures, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskStats {
+    /// Slots in the file.
+    pub capacity_blocks: u64,
+    /// Slots holding a block.
+    pub ready_blocks: u64,
+    /// Blocks found in the file when it was opened.
+    pub recovered_blocks: u64,
+    /// Blocks asked for that were only on disk (a read started).
+    pub hits: u64,
+    /// Reads that landed, checked.
+    pub promotions: u64,
+    /// Reads whose bytes or header failed their check (the block was a miss and its slot freed).
+    pub corrupt: u64,
+    /// Writes that landed.
+    pub demotions: u64,
+    /// Blocks not written for want of a slot (all being written or read) or a key too long.
+    pub demotions_skipped: u64,
+    /// Blocks dropped from disk to make room.
+    pub evictions: u64,
+    /// Reads or writes that failed with a system error.
+    pub io_errors: u64,
+    /// Bytes of blocks on disk (their own sizes).
+    pub used_bytes: u64,
+    /// Bytes read (header pages and padding included).
+    pub bytes_read: u64,
+    /// Bytes written.
+    pub bytes_written: u64,
+    /// Operations in flight now.
+    pub queue_depth: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Writing,
+    Ready,
+}
+
+#[derive(Debug)]
+struct DiskSlot {
+    state: SlotState,
+    key: Option<OffloadKey>,
+    tenant: Tenant,
+    generation: u64,
+    readers: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Pending {
+    Write { slot: u32, block: BlockIndex },
+    Read { slot: u32, block: BlockIndex },
+}
+
+/// What an operation's end means to the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Finished {
+    /// A demotion ended: the memory block's pin can go.
+    Written { block: BlockIndex },
+    /// A promotion ended: the block is readable, or (`ok == false`) must be freed, and the
+    /// key named is no longer on disk either.
+    Read {
+        block: BlockIndex,
+        ok: bool,
+        lost: Option<(Tenant, OffloadKey)>,
+    },
+}
+
+/// The disk tier of one store.
+#[derive(Debug)]
+pub struct DiskTier {
+    path: PathBuf,
+    layout: Layout,
+    promote: Promote,
+    io: DiskIo,
+    /// Held for the exclusive lock (`flock`) that keeps a second node off the file.
+    _lock: nix::fcntl::Flock<File>,
+    slots: Vec<DiskSlot>,
+    indexes: Vec<Map<OffloadKey, u32>>,
+    lru: Lru,
+    free: Vec<u32>,
+    next_generation: u64,
+    pending: Map<u64, Pending>,
+    next_tag: u64,
+    stats: DiskStats,
+}
+
+impl DiskTier {
+    /// Opens (or makes) the tier's file for blocks of `block_len` bytes, reads what it holds
+    /// and starts its I/O threads over `pool`. Returns the tier and every block it found
+    /// (tenant and key), for the store to announce.
+    pub fn open(
+        config: &DiskConfig,
+        block_len: u64,
+        pool: PoolWriter,
+        wake: DiskWake,
+    ) -> Result<(DiskTier, Vec<(Tenant, OffloadKey)>), DiskError> {
+        let layout =
+            Layout::for_capacity(block_len, config.capacity).ok_or(DiskError::TooSmall {
+                capacity: config.capacity,
+                block_len,
+            })?;
+        let io_err = |path: &Path, what| {
+            let path = path.to_path_buf();
+            move |source| DiskError::Io { path, what, source }
+        };
+        std::fs::create_dir_all(&config.dir)
+            .map_err(io_err(&config.dir, "making the directory"))?;
+        let path = config.dir.join(FILE_NAME);
+        let plain = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_err(&path, "opening"))?;
+        let lock = nix::fcntl::Flock::lock(plain, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|_| DiskError::InUse(path.clone()))?;
+        let old = Self::read_layout(&lock, &path)?;
+        if let Some(old) = old.filter(|o| o.block_len != block_len) {
+            return Err(DiskError::OtherBlockLen {
+                path,
+                found: old.block_len,
+                wanted: block_len,
+            });
+        }
+        let headers = match old {
+            Some(old) => scan_headers(
+                &lock,
+                &Layout {
+                    slots: old.slots.min(layout.slots),
+                    ..layout
+                },
+            )
+            .map_err(io_err(&path, "reading its slots' headers"))?,
+            None => Vec::new(),
+        };
+        lock.set_len(layout.file_len())
+            .map_err(io_err(&path, "sizing"))?;
+        lock.write_all_at(&format::encode_file_header(&layout), 0)
+            .map_err(io_err(&path, "writing its header"))?;
+        lock.sync_data()
+            .map_err(io_err(&path, "syncing its header"))?;
+        let (file, direct) = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+            .open(&path)
+        {
+            Ok(f) => (f, true),
+            Err(e) => {
+                info!(path = %path.display(), error = %e, "no direct I/O on this file system; the disk tier goes through the page cache");
+                (
+                    OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open(&path)
+                        .map_err(io_err(&path, "opening for I/O"))?,
+                    false,
+                )
+            }
+        };
+        let io = DiskIo::start(Arc::new(file), direct, layout, pool, config.threads, wake)
+            .map_err(io_err(&path, "starting its I/O threads"))?;
+        let n = layout.slots as usize;
+        let mut tier = DiskTier {
+            path,
+            layout,
+            promote: config.promote,
+            io,
+            _lock: lock,
+            slots: (0..n)
+                .map(|_| DiskSlot {
+                    state: SlotState::Free,
+                    key: None,
+                    tenant: Tenant::DEFAULT,
+                    generation: 0,
+                    readers: 0,
+                })
+                .collect(),
+            indexes: vec![Map::default()],
+            lru: Lru::new(n),
+            free: Vec::new(),
+            next_generation: 1,
+            pending: Map::default(),
+            next_tag: 0,
+            stats: DiskStats {
+                capacity_blocks: layout.slots,
+                ..DiskStats::default()
+            },
+        };
+        let found = tier.adopt(headers);
+        info!(path = %tier.path.display(), slots = layout.slots, block_len,
+            bytes = layout.file_len(), recovered = found.len(), direct,
+            "disk tier open");
+        Ok((tier, found))
+    }
+
+    /// The layout the file's first page gives, `None` for an empty file.
+    fn read_layout(file: &File, path: &Path) -> Result<Option<Layout>, DiskError> {
+        let len = file
+            .metadata()
+            .map_err(|source| DiskError::Io {
+                path: path.to_path_buf(),
+                what: "reading its size",
+                source,
+            })?
+            .len();
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut page = vec![0u8; PAGE as usize];
+        let n = file.read_at(&mut page, 0).map_err(|source| DiskError::Io {
+            path: path.to_path_buf(),
+            what: "reading its header",
+            source,
+        })?;
+        format::decode_file_header(&page[..n])
+            .map(Some)
+            .map_err(|why| DiskError::NotATier {
+                path: path.to_path_buf(),
+                why,
+            })
+    }
+
+    /// Takes in the headers found at open: the newest slot of each key is ready, the rest free.
+    fn adopt(&mut self, headers: Vec<Option<SlotHeader>>) -> Vec<(Tenant, OffloadKey)> {
+        let mut newest: Map<(u16, Vec<u8>), (u64, u32)> = Map::default();
+        for (s, h) in headers.into_iter().enumerate() {
+            let Some(h) = h else { continue };
+            self.next_generation = self.next_generation.max(h.generation + 1);
+            let slot = s as u32;
+            let entry = newest
+                .entry((h.tenant, h.key))
+                .or_insert((h.generation, slot));
+            if h.generation > entry.0 {
+                *entry = (h.generation, slot);
+            }
+        }
+        let mut found: Vec<(u64, Tenant, OffloadKey, u32)> = newest
+            .into_iter()
+            .filter(|((t, _), _)| Tenant(*t) != Tenant::NOBODY)
+            .map(|((t, k), (g, s))| (g, Tenant(t), OffloadKey::from_bytes(&k), s))
+            .collect();
+        // Oldest first into the LRU: what was written last is kept longest.
+        found.sort_by_key(|f| f.0);
+        for (generation, tenant, key, s) in &found {
+            let slot = &mut self.slots[*s as usize];
+            slot.state = SlotState::Ready;
+            slot.key = Some(key.clone());
+            slot.tenant = *tenant;
+            slot.generation = *generation;
+            self.index_mut(*tenant).insert(key.clone(), *s);
+            self.lru.touch(*s);
+        }
+        self.free = (0..self.slots.len() as u32)
+            .rev()
+            .filter(|s| self.slots[*s as usize].state == SlotState::Free)
+            .collect();
+        self.stats.recovered_blocks = found.len() as u64;
+        self.stats.ready_blocks = found.len() as u64;
+        found.into_iter().map(|(_, t, k, _)| (t, k)).collect()
+    }
+
+    fn index(&self, tenant: Tenant) -> Option<&Map<OffloadKey, u32>> {
+        self.indexes.get(usize::from(tenant.0))
+    }
+
+    fn index_mut(&mut self, tenant: Tenant) -> &mut Map<OffloadKey, u32> {
+        let t = usize::from(tenant.0);
+        if self.indexes.len() <= t {
+            self.indexes.resize_with(t + 1, Map::default);
+        }
+        &mut self.indexes[t]
+    }
+
+    /// Tenants with an index on disk.
+    pub fn tenants(&self) -> usize {
+        self.indexes.len()
+    }
+
+    /// Where a block read back goes in memory's eviction order.
+    pub fn promote_policy(&self) -> Promote {
+        self.promote
+    }
+
+    /// The tier's figures.
+    pub fn stats(&self) -> DiskStats {
+        DiskStats {
+            queue_depth: self.pending.len() as u64,
+            used_bytes: self.stats.ready_blocks * self.layout.block_len,
+            ..self.stats
+        }
+    }
+
+    /// Whether `tenant`'s `key` is on disk or being written there.
+    pub fn holds(&self, tenant: Tenant, key: &OffloadKey) -> bool {
+        self.index(tenant).is_some_and(|i| i.contains_key(key))
+    }
+
+    /// Whether `tenant`'s `key` is on disk, readable.
+    pub fn readable(&self, tenant: Tenant, key: &OffloadKey) -> bool {
+        self.index(tenant)
+            .and_then(|i| i.get(key))
+            .is_some_and(|s| self.slots[*s as usize].state == SlotState::Ready)
+    }
+
+    /// Marks `tenant`'s `key` as just used (its memory copy was evicted: the disk keeps it
+    /// longest).
+    pub fn touch(&mut self, tenant: Tenant, key: &OffloadKey) {
+        if let Some(&s) = self.index(tenant).and_then(|i| i.get(key)) {
+            if self.lru.contains(s) {
+                self.lru.touch(s);
+            }
+        }
+    }
+
+    /// Starts writing memory `block` (pinned by the caller until [`Finished::Written`]) as
+    /// `tenant`'s `key`. `Ok(evicted)` when the write started (with the block a slot was taken
+    /// from, if any); `Err(())` when it was not (no slot free or reusable, or the key is too
+    /// long): the block stays in memory only.
+    #[allow(clippy::result_unit_err)]
+    pub(crate) fn demote(
+        &mut self,
+        tenant: Tenant,
+        key: &OffloadKey,
+        block: BlockIndex,
+    ) -> Result<Option<(Tenant, OffloadKey)>, ()> {
+        if key.as_bytes().len() > MAX_KEY || tenant == Tenant::NOBODY {
+            self.stats.demotions_skipped += 1;
+            return Err(());
+        }
+        let (s, evicted) = match self.free.pop() {
+            Some(s) => (s, None),
+            None => match self.lru.pop_oldest() {
+                Some(s) => {
+                    let evicted = self.forget_slot(s);
+                    self.stats.evictions += 1;
+                    (s, evicted)
+                }
+                None => {
+                    self.stats.demotions_skipped += 1;
+                    return Err(());
+                }
+            },
+        };
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let slot = &mut self.slots[s as usize];
+        slot.state = SlotState::Writing;
+        slot.key = Some(key.clone());
+        slot.tenant = tenant;
+        slot.generation = generation;
+        self.index_mut(tenant).insert(key.clone(), s);
+        let tag = self.tag(Pending::Write { slot: s, block });
+        let header = SlotHeader {
+            generation,
+            tenant: tenant.0,
+            key: key.as_bytes().to_vec(),
+            data_crc: 0,
+        };
+        if !self.io.submit(Op::Write {
+            tag,
+            slot: u64::from(s),
+            header,
+            block,
+        }) {
+            warn!("the disk tier's I/O threads are gone; nothing more is written");
+        }
+        Ok(evicted)
+    }
+
+    /// Starts reading `tenant`'s `key` into memory `block` (reserved by the caller, its
+    /// permit granted to [`super::disk_holder`]). `false` if the key is not readable on disk.
+    pub(crate) fn promote(&mut self, tenant: Tenant, key: &OffloadKey, block: BlockIndex) -> bool {
+        let Some(&s) = self.index(tenant).and_then(|i| i.get(key)) else {
+            return false;
+        };
+        let slot = &mut self.slots[s as usize];
+        if slot.state != SlotState::Ready {
+            return false;
+        }
+        slot.readers += 1;
+        let expect = SlotHeader {
+            generation: slot.generation,
+            tenant: tenant.0,
+            key: key.as_bytes().to_vec(),
+            data_crc: 0,
+        };
+        self.lru.remove(s);
+        self.stats.hits += 1;
+        let tag = self.tag(Pending::Read { slot: s, block });
+        if !self.io.submit(Op::Read {
+            tag,
+            slot: u64::from(s),
+            expect,
+            block,
+        }) {
+            warn!("the disk tier's I/O threads are gone; nothing more is read");
+        }
+        true
+    }
+
+    fn tag(&mut self, pending: Pending) -> u64 {
+        self.next_tag += 1;
+        self.pending.insert(self.next_tag, pending);
+        self.next_tag
+    }
+
+    /// Forgets slot `s`'s key (the slot is being reused or freed): returns it.
+    fn forget_slot(&mut self, s: u32) -> Option<(Tenant, OffloadKey)> {
+        let slot = &mut self.slots[s as usize];
+        let was_ready = slot.state == SlotState::Ready;
+        slot.state = SlotState::Free;
+        let tenant = slot.tenant;
+        let key = slot.key.take()?;
+        self.lru.remove(s);
+        let t = usize::from(tenant.0);
+        if let Some(index) = self.indexes.get_mut(t) {
+            if index.get(&key) == Some(&s) {
+                index.remove(&key);
+            }
+        }
+        if was_ready {
+            self.stats.ready_blocks -= 1;
+        }
+        Some((tenant, key))
+    }
+
+    /// The operations that ended since the last call, taken in (never waits).
+    pub(crate) fn poll(&mut self, out: &mut Vec<Finished>) {
+        while let Some(done) = self.io.try_done() {
+            let Some(pending) = self.pending.remove(&done.tag) else {
+                continue;
+            };
+            match pending {
+                Pending::Write { slot: s, block } => {
+                    self.stats.bytes_written += done.bytes;
+                    match done.result {
+                        Ok(()) => {
+                            let slot = &mut self.slots[s as usize];
+                            if slot.state == SlotState::Writing {
+                                slot.state = SlotState::Ready;
+                                self.stats.ready_blocks += 1;
+                                self.stats.demotions += 1;
+                                self.lru.touch(s);
+                            }
+                        }
+                        Err(fault) => {
+                            warn!(path = %self.path.display(), %fault, "a block could not be written to the disk tier; it stays in memory only");
+                            self.stats.io_errors += 1;
+                            self.forget_slot(s);
+                            self.free.push(s);
+                        }
+                    }
+                    out.push(Finished::Written { block });
+                }
+                Pending::Read { slot: s, block } => {
+                    self.stats.bytes_read += done.bytes;
+                    let slot = &mut self.slots[s as usize];
+                    slot.readers = slot.readers.saturating_sub(1);
+                    match done.result {
+                        Ok(()) => {
+                            self.stats.promotions += 1;
+                            if slot.readers == 0 && slot.state == SlotState::Ready {
+                                self.lru.touch(s);
+                            }
+                            out.push(Finished::Read {
+                                block,
+                                ok: true,
+                                lost: None,
+                            });
+                        }
+                        Err(fault) => {
+                            match fault {
+                                super::DiskFault::Io { .. } => self.stats.io_errors += 1,
+                                _ => self.stats.corrupt += 1,
+                            }
+                            warn!(path = %self.path.display(), %fault, "a block read from the disk tier failed its check; it is a miss and its slot is freed");
+                            let lost = if slot.state == SlotState::Ready && slot.readers == 0 {
+                                let lost = self.forget_slot(s);
+                                self.free.push(s);
+                                lost
+                            } else {
+                                None
+                            };
+                            out.push(Finished::Read {
+                                block,
+                                ok: false,
+                                lost,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads the header page of each of `layout`'s slots, in parallel (start-up: a page per slot
+/// on several threads keeps the device busy). `None` for a slot with no valid header.
+fn scan_headers(file: &File, layout: &Layout) -> std::io::Result<Vec<Option<SlotHeader>>> {
+    let n = layout.slots as usize;
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |p| p.get())
+        .clamp(4, 16)
+        .min(n.max(1));
+    let per = n.div_ceil(threads.max(1)).max(1);
+    let mut out: Vec<Option<SlotHeader>> = Vec::with_capacity(n);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .step_by(per)
+            .map(|start| {
+                let end = (start + per).min(n);
+                scope.spawn(move || -> std::io::Result<Vec<Option<SlotHeader>>> {
+                    let mut page = vec![0u8; PAGE as usize];
+                    let mut got = Vec::with_capacity(end - start);
+                    for s in start..end {
+                        let read = file.read_at(&mut page, layout.slot_offset(s as u64))?;
+                        got.push(format::decode_slot_header(&page[..read]).ok());
+                    }
+                    Ok(got)
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(part) => out.extend(part?),
+                Err(_) => return Err(std::io::Error::other("a header reader panicked")),
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}

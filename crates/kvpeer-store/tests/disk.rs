@@ -1,0 +1,334 @@
+//! The disk tier under a store: blocks beyond memory kept on disk and read back byte-exact,
+//! a restart that finds them again, torn writes that are misses, never wrong bytes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpeer_core::LookupResult;
+use kvpeer_proto::OffloadKey;
+use kvpeer_store::disk::{DiskConfig, DiskError, Promote, FILE_NAME};
+use kvpeer_store::{BlockStore, KeyChange, Pool, Tenant};
+
+const BLOCK: u64 = 8192;
+
+fn key(n: u64) -> OffloadKey {
+    OffloadKey::from_parts(&n.to_be_bytes(), 0)
+}
+
+/// Block `n`'s bytes: every byte depends on `n` and its offset.
+fn bytes(n: u64) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (n.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8)
+        .collect()
+}
+
+fn config(dir: &std::path::Path, blocks: u64) -> DiskConfig {
+    DiskConfig {
+        dir: dir.to_path_buf(),
+        capacity: 4096 + blocks * (BLOCK + 4096),
+        threads: 4,
+        promote: Promote::Hot,
+    }
+}
+
+fn store_on(dir: &std::path::Path, memory_blocks: u64, disk_blocks: u64) -> BlockStore {
+    let pool = Pool::anonymous(memory_blocks, BLOCK, false).unwrap();
+    let mut store = BlockStore::with_pool(pool).unwrap();
+    store
+        .attach_disk(&config(dir, disk_blocks), Arc::new(|| {}))
+        .unwrap();
+    store.record_changes(100_000);
+    store
+}
+
+/// Steps the store until `done` says so (at most 10 s).
+fn settle(store: &mut BlockStore, mut done: impl FnMut(&mut BlockStore) -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !done(store) {
+        assert!(Instant::now() < end, "the disk tier did not finish in 10 s");
+        store.poll_disk();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Looks `n` up until it is a hit or a miss, and returns its bytes if a hit.
+fn fetch(store: &mut BlockStore, n: u64) -> Option<Vec<u8>> {
+    let mut found = LookupResult::Retry;
+    settle(store, |s| {
+        found = s.lookup(&key(n));
+        found != LookupResult::Retry
+    });
+    (found == LookupResult::Hit).then(|| {
+        let b = store.block_of(&key(n)).unwrap();
+        store.read(b).unwrap().to_vec()
+    })
+}
+
+fn all_written(store: &mut BlockStore) -> bool {
+    let s = store.stats();
+    s.pinned == 0 && s.disk.unwrap().queue_depth == 0
+}
+
+#[test]
+fn a_store_holds_four_times_its_memory_and_reads_every_block_back_byte_exact() {
+    let dir = tempdir("four-times");
+    let mut store = store_on(&dir, 8, 64);
+    for n in 0..32 {
+        // Memory fills with blocks waiting for the disk: the store says so, and takes the
+        // block once the writes caught up.
+        loop {
+            match store.put(&key(n), &bytes(n)) {
+                Ok(_) => break,
+                Err(_) => {
+                    store.poll_disk();
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+    settle(&mut store, all_written);
+    let disk = store.stats().disk.unwrap();
+    assert_eq!(disk.demotions, 32);
+    assert_eq!(disk.ready_blocks, 32);
+    assert_eq!(disk.used_bytes, 32 * BLOCK);
+    // Twice over, in an order that makes every block leave memory between its reads.
+    for round in 0..2 {
+        for n in 0..32 {
+            assert_eq!(
+                fetch(&mut store, n),
+                Some(bytes(n)),
+                "block {n}, round {round}"
+            );
+        }
+    }
+    let disk = store.stats().disk.unwrap();
+    assert!(disk.promotions >= 48, "{disk:?}");
+    assert_eq!(disk.corrupt, 0);
+    assert_eq!(fetch(&mut store, 99), None, "a key nobody stored is a miss");
+    // The change log never said a key went while disk held it.
+    let (changes, _) = store.take_changes();
+    assert!(
+        !changes.iter().any(|c| matches!(c, KeyChange::Removed(_))),
+        "{changes:?}"
+    );
+    assert_eq!(
+        changes
+            .iter()
+            .filter(|c| matches!(c, KeyChange::Stored(_)))
+            .count(),
+        32
+    );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_restarted_store_finds_what_its_disk_held_announces_it_and_serves_it_byte_exact() {
+    let dir = tempdir("restart");
+    {
+        let mut store = store_on(&dir, 8, 16);
+        for n in 0..12 {
+            while store.put(&key(n), &bytes(n)).is_err() {
+                store.poll_disk();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        settle(&mut store, all_written);
+    }
+    let mut store = store_on(&dir, 8, 16);
+    let disk = store.stats().disk.unwrap();
+    assert_eq!(disk.recovered_blocks, 12);
+    assert!(store.holds_any(&key(3)) && store.holds_in(Tenant::DEFAULT, &key(11)));
+    assert_eq!(store.stats().ready, 0, "memory is not filled at start");
+    assert_eq!(
+        store.take_changes().0,
+        [],
+        "the first take only starts the log"
+    );
+    let (changes, _) = store.take_changes();
+    let mut announced: Vec<OffloadKey> = changes
+        .into_iter()
+        .filter_map(|c| match c {
+            KeyChange::Stored(k) => Some(k),
+            KeyChange::Removed(_) => None,
+        })
+        .collect();
+    announced.sort();
+    let mut want: Vec<OffloadKey> = (0..12).map(key).collect();
+    want.sort();
+    assert_eq!(announced, want, "every recovered block is announced once");
+    for n in 0..12 {
+        assert_eq!(fetch(&mut store, n), Some(bytes(n)), "block {n}");
+    }
+    // A smaller capacity keeps what fits, and the file follows.
+    drop(store);
+    let mut store = store_on(&dir, 8, 4);
+    let found = store.stats().disk.unwrap().recovered_blocks;
+    assert!(found <= 4, "{found}");
+    for n in 0..12 {
+        if let Some(b) = fetch(&mut store, n) {
+            assert_eq!(b, bytes(n), "block {n}");
+        }
+    }
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_torn_block_is_a_miss_never_wrong_bytes_and_its_slot_is_reused() {
+    let dir = tempdir("torn");
+    {
+        let mut store = store_on(&dir, 4, 8);
+        for n in 0..4 {
+            store.put(&key(n), &bytes(n)).unwrap();
+            settle(&mut store, all_written);
+        }
+    }
+    // Slot by slot, as a crash mid-write leaves it: new header, old data (one byte flipped
+    // in the block of whichever slot holds key 2), and a header torn in the middle.
+    let file = dir.join(FILE_NAME);
+    let mut raw = std::fs::read(&file).unwrap();
+    let stride = (BLOCK + 4096) as usize;
+    let slot_of = |raw: &[u8], n: u64| {
+        (0..8).find(|s| {
+            let h = &raw[4096 + s * stride..4096 + s * stride + 4096];
+            h[28..28 + key(n).as_bytes().len()] == *key(n).as_bytes()
+        })
+    };
+    let s2 = slot_of(&raw, 2).unwrap();
+    raw[4096 + s2 * stride + 4096 + 100] ^= 0x01;
+    let s3 = slot_of(&raw, 3).unwrap();
+    raw[4096 + s3 * stride + 9] ^= 0x80;
+    std::fs::write(&file, &raw).unwrap();
+
+    let mut store = store_on(&dir, 4, 8);
+    assert_eq!(
+        store.stats().disk.unwrap().recovered_blocks,
+        3,
+        "the torn header is no block"
+    );
+    assert!(!store.holds_any(&key(3)));
+    assert_eq!(
+        fetch(&mut store, 2),
+        None,
+        "a block failing its checksum is a miss"
+    );
+    assert!(!store.holds_any(&key(2)), "and is held no more");
+    let (changes, _) = store.take_changes();
+    assert!(changes.contains(&KeyChange::Removed(key(2))), "{changes:?}");
+    let disk = store.stats().disk.unwrap();
+    assert_eq!(disk.corrupt, 1);
+    assert_eq!(fetch(&mut store, 0), Some(bytes(0)));
+    assert_eq!(fetch(&mut store, 1), Some(bytes(1)));
+    // The freed slots take new blocks.
+    for n in 10..16 {
+        while store.put(&key(n), &bytes(n)).is_err() {
+            store.poll_disk();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    settle(&mut store, all_written);
+    for n in 10..16 {
+        assert_eq!(fetch(&mut store, n), Some(bytes(n)), "block {n}");
+    }
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_file_of_another_block_size_or_not_a_tier_or_in_use_is_refused_and_left_alone() {
+    let dir = tempdir("refusals");
+    let store = store_on(&dir, 4, 8);
+    let pool = Pool::anonymous(4, BLOCK, false).unwrap();
+    let mut second = BlockStore::with_pool(pool).unwrap();
+    let err = second
+        .attach_disk(&config(&dir, 8), Arc::new(|| {}))
+        .unwrap_err();
+    assert!(matches!(err, DiskError::InUse(_)), "{err}");
+    drop(store);
+
+    let pool = Pool::anonymous(4, 2 * BLOCK, false).unwrap();
+    let mut other = BlockStore::with_pool(pool).unwrap();
+    let err = other
+        .attach_disk(&config(&dir, 8), Arc::new(|| {}))
+        .unwrap_err();
+    assert!(
+        matches!(err, DiskError::OtherBlockLen { found: BLOCK, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("remove the file"), "{err}");
+
+    let strange = tempdir("not-a-tier");
+    let file = strange.join(FILE_NAME);
+    std::fs::write(&file, b"someone's notes").unwrap();
+    let pool = Pool::anonymous(4, BLOCK, false).unwrap();
+    let mut third = BlockStore::with_pool(pool).unwrap();
+    let err = third
+        .attach_disk(&config(&strange, 8), Arc::new(|| {}))
+        .unwrap_err();
+    assert!(matches!(err, DiskError::NotATier { .. }), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"someone's notes");
+    let err = third
+        .attach_disk(
+            &DiskConfig {
+                capacity: 4096,
+                ..config(&dir, 1)
+            },
+            Arc::new(|| {}),
+        )
+        .unwrap_err();
+    assert!(matches!(err, DiskError::TooSmall { .. }), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&strange);
+}
+
+#[test]
+fn cold_promotion_keeps_the_hot_blocks_in_memory() {
+    let dir = tempdir("cold");
+    let pool = Pool::anonymous(4, BLOCK, false).unwrap();
+    let mut store = BlockStore::with_pool(pool).unwrap();
+    let cfg = DiskConfig {
+        promote: Promote::Cold,
+        ..config(&dir, 32)
+    };
+    store.attach_disk(&cfg, Arc::new(|| {})).unwrap();
+    for n in 0..12 {
+        while store.put(&key(n), &bytes(n)).is_err() {
+            store.poll_disk();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    settle(&mut store, all_written);
+    // 0..3 read back (cold: first to go), then asked again in memory (hot), then a scan of
+    // 4..11 read from disk once each.
+    for n in 0..3 {
+        for _ in 0..2 {
+            assert_eq!(fetch(&mut store, n), Some(bytes(n)));
+        }
+    }
+    let before = store.stats().disk.unwrap().promotions;
+    for n in 4..12 {
+        assert_eq!(fetch(&mut store, n), Some(bytes(n)));
+    }
+    let scanned = store.stats().disk.unwrap().promotions;
+    assert_eq!(scanned - before, 8);
+    for n in 0..3 {
+        assert_eq!(fetch(&mut store, n), Some(bytes(n)));
+    }
+    assert_eq!(
+        store.stats().disk.unwrap().promotions,
+        scanned,
+        "the scan did not push the hot blocks out of memory"
+    );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tempdir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvpeer-disk-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
