@@ -77,7 +77,8 @@ pub trait Parent {
     }
     /// Takes in work the store finished off the node's thread (a disk tier's reads and
     /// writes). The node calls it on every step, before the core's; it must not block. `true`
-    /// if anything changed.
+    /// if keys it answered `Retry` may be answered now (the node then has the core ask again
+    /// at once, [`Core::serve`](crate::Core::serve), not at its next re-poll).
     fn progress(&mut self) -> bool {
         false
     }

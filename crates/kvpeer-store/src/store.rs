@@ -362,14 +362,15 @@ impl BlockStore {
     }
 
     /// Takes in the disk tier's finished work: flushed blocks unpinned, promoted blocks made
-    /// readable (or freed when their bytes failed their check). Never waits.
+    /// readable (or freed when their bytes failed their check). Never waits. `true` if a
+    /// promotion ended (lookups waiting on it can be answered now).
     pub fn poll_disk(&mut self) -> bool {
         let Some(d) = &mut self.disk else {
             return false;
         };
         let mut finished = std::mem::take(&mut d.finished);
         d.tier.poll(&mut finished);
-        let any = !finished.is_empty();
+        let any = finished.iter().any(|f| matches!(f, Finished::Read { .. }));
         for f in finished.drain(..) {
             match f {
                 Finished::Written { block } => self.flushed(block),

@@ -105,6 +105,30 @@ struct Opts {
     rate: f64,
     seed: u64,
     svg: Option<String>,
+    /// `--disk-tier DIR`: issue 41's runs instead (one pool: all memory, an eighth of the
+    /// memory, an eighth plus a disk tier in DIR holding the rest).
+    disk_tier: Option<std::path::PathBuf>,
+}
+
+/// One pool's memory, and its disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    /// `POOL_BLOCKS / pools` chunks of memory each.
+    Memory,
+    /// An eighth of the single pool's memory.
+    EighthMemory,
+    /// An eighth of the memory over a disk tier of `POOL_BLOCKS` chunks.
+    EighthPlusDisk,
+}
+
+impl Tier {
+    fn name(self) -> &'static str {
+        match self {
+            Tier::Memory => "memory",
+            Tier::EighthMemory => "1/8 memory",
+            Tier::EighthPlusDisk => "1/8 memory + disk",
+        }
+    }
 }
 
 fn opts() -> Opts {
@@ -113,6 +137,7 @@ fn opts() -> Opts {
         rate: 1000.0,
         seed: 21,
         svg: None,
+        disk_tier: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -122,6 +147,7 @@ fn opts() -> Opts {
             "--rate" => o.rate = val().parse().expect("--rate R"),
             "--seed" => o.seed = val().parse().expect("--seed S"),
             "--svg" => o.svg = Some(val()),
+            "--disk-tier" => o.disk_tier = Some(val().into()),
             _ => {} // `--bench` and the like, from cargo
         }
     }
@@ -242,6 +268,7 @@ fn free_addr() -> SocketAddr {
 struct RunResult {
     router: Router,
     pools: usize,
+    tier: Tier,
     local: u64,
     pool: u64,
     miss: u64,
@@ -255,12 +282,39 @@ struct RunResult {
 }
 
 fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
+    run_on(o, prefixes, router, pools, Tier::Memory)
+}
+
+/// A pool node of an eighth of `POOL_BLOCKS` in memory over a disk tier of `POOL_BLOCKS` in `dir`.
+fn node_on_disk(tag: &str, dir: &std::path::Path) -> Arc<Node> {
+    let mut config = NodeConfig::builder(tag)
+        .plane(PlaneKind::Tcp)
+        .num_blocks(POOL_BLOCKS / 8)
+        .block_len(LEN)
+        .build()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    config.spec.disk = Some(kvpeer_store::disk::DiskConfig {
+        dir: dir.to_path_buf(),
+        capacity: 4096 + POOL_BLOCKS * (LEN + 4096),
+        threads: 8,
+        promote: kvpeer_store::disk::Promote::Hot,
+    });
+    Arc::new(Node::start(config).unwrap())
+}
+
+fn run_on(o: &Opts, prefixes: &[u64], router: Router, pools: usize, tier: Tier) -> RunResult {
     let tag = format!(
-        "{}{pools}",
+        "{}{pools}{}",
         if router == Router::KvAware {
             "kv"
         } else {
             "rr"
+        },
+        match tier {
+            Tier::Memory => "",
+            Tier::EighthMemory => "-m8",
+            Tier::EighthPlusDisk => "-d8",
         }
     );
     let mut engines = Vec::new();
@@ -278,7 +332,14 @@ fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
         engines.push(e);
     }
     let pool_nodes: Vec<Arc<Node>> = (0..pools)
-        .map(|i| node(&format!("shards-{tag}-pool{i}"), POOL_BLOCKS / pools as u64))
+        .map(|i| {
+            let name = format!("shards-{tag}-pool{i}");
+            match (tier, &o.disk_tier) {
+                (Tier::EighthPlusDisk, Some(dir)) => node_on_disk(&name, dir),
+                (Tier::EighthMemory, _) => node(&name, POOL_BLOCKS / 8),
+                _ => node(&name, POOL_BLOCKS / pools as u64),
+            }
+        })
         .collect();
     let members: Vec<PeerId> = pool_nodes.iter().map(|n| n.id().clone()).collect();
     // What every engine's tier lists as its `sources`: the pools, as their --shard names them.
@@ -315,6 +376,7 @@ fn run(o: &Opts, prefixes: &[u64], router: Router, pools: usize) -> RunResult {
     let mut r = RunResult {
         router,
         pools,
+        tier,
         local: 0,
         pool: 0,
         miss: 0,
@@ -430,6 +492,10 @@ fn main() {
         LEN / 1024,
         o.seed
     );
+    if o.disk_tier.is_some() {
+        disk_tier_runs(&o, &prefixes, chunks);
+        return;
+    }
     let mut runs = Vec::new();
     for router in [Router::RoundRobin, Router::KvAware] {
         for pools in [0, 1, 2, 4] {
@@ -497,5 +563,50 @@ fn main() {
                 std::process::exit(1);
             }
         }
+    }
+}
+
+/// Issue 41: one pool with all of `POOL_BLOCKS` in memory, with an eighth of it, and with an
+/// eighth over a disk tier holding `POOL_BLOCKS`, behind the round-robin router (the pool
+/// serves most of the hits there); the disk run's hit rate against the all-memory one's.
+fn disk_tier_runs(o: &Opts, prefixes: &[u64], chunks: f64) {
+    let runs: Vec<RunResult> = [Tier::Memory, Tier::EighthMemory, Tier::EighthPlusDisk]
+        .into_iter()
+        .map(|tier| run_on(o, prefixes, Router::RoundRobin, 1, tier))
+        .collect();
+    let pct = |v: u64| 100.0 * v as f64 / chunks;
+    let hit = |r: &RunResult| (r.local + r.pool) as f64 / chunks;
+    println!();
+    println!("| pool | memory | local hits | pool hits | recomputed | lookup p50 | lookup p99 |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &runs {
+        let mut sorted = r.lookups.clone();
+        sorted.sort();
+        let memory = match r.tier {
+            Tier::Memory => POOL_BLOCKS * LEN,
+            _ => POOL_BLOCKS / 8 * LEN,
+        };
+        println!(
+            "| {} | {} MiB | {:.1}% | {:.1}% | {:.1}% | {:.0} µs | {:.0} µs |",
+            r.tier.name(),
+            memory >> 20,
+            pct(r.local),
+            pct(r.pool),
+            pct(r.miss),
+            percentile(&sorted, 0.5).as_secs_f64() * 1e6,
+            percentile(&sorted, 0.99).as_secs_f64() * 1e6,
+        );
+    }
+    println!();
+    println!(
+        "hit rate with 1/8 of the memory plus disk: {:.1}% = {:.3}× the all-memory pool's {:.1}% (goal ≥ 0.95); 1/8 of the memory alone: {:.3}×; pool hits byte-checked: {}",
+        100.0 * hit(&runs[2]),
+        hit(&runs[2]) / hit(&runs[0]),
+        100.0 * hit(&runs[0]),
+        hit(&runs[1]) / hit(&runs[0]),
+        runs[2].checked
+    );
+    if let Some(dir) = &o.disk_tier {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -253,6 +253,27 @@ impl DiskTier {
         };
         lock.set_len(layout.file_len())
             .map_err(io_err(&path, "sizing"))?;
+        // The whole capacity allocated now: a disk too small says so at start, and direct
+        // writes land in allocated blocks, which ext4 and xfs take in parallel (writes into a
+        // hole allocate under the file's lock, one at a time).
+        match nix::fcntl::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&*lock),
+            nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            0,
+            i64::try_from(layout.file_len()).unwrap_or(i64::MAX),
+        ) {
+            Ok(()) => {}
+            Err(nix::errno::Errno::ENOSPC) => {
+                return Err(DiskError::Io {
+                    path,
+                    what: "reserving its capacity (the disk has less room than disk_capacity)",
+                    source: std::io::Error::from_raw_os_error(nix::errno::Errno::ENOSPC as i32),
+                })
+            }
+            Err(e) => {
+                info!(path = %path.display(), error = %e, "could not allocate the disk tier's file ahead; blocks are allocated as they are written");
+            }
+        }
         lock.write_all_at(&format::encode_file_header(&layout), 0)
             .map_err(io_err(&path, "writing its header"))?;
         lock.sync_data()
@@ -614,13 +635,19 @@ impl DiskTier {
 }
 
 /// Reads the header page of each of `layout`'s slots, in parallel (start-up: a page per slot
-/// on several threads keeps the device busy). `None` for a slot with no valid header.
+/// on 64 threads keeps the device's queue full). `None` for a slot with no valid header.
 fn scan_headers(file: &File, layout: &Layout) -> std::io::Result<Vec<Option<SlotHeader>>> {
     let n = layout.slots as usize;
-    let threads = std::thread::available_parallelism()
-        .map_or(4, |p| p.get())
-        .clamp(4, 16)
-        .min(n.max(1));
+    // A page every slot: the kernel's read-ahead would read the blocks between them too (the
+    // whole file: 0.84 s for 1 GiB of 64 KiB blocks here, against 0.1 s without).
+    let _ = nix::fcntl::posix_fadvise(
+        std::os::fd::AsRawFd::as_raw_fd(file),
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM,
+    );
+    // Waiting on the device, not the CPU: enough readers to keep its queue full.
+    let threads = 64.min(n.max(1));
     let per = n.div_ceil(threads.max(1)).max(1);
     let mut out: Vec<Option<SlotHeader>> = Vec::with_capacity(n);
     std::thread::scope(|scope| {

@@ -553,9 +553,11 @@ impl<P: Parent> NodeIo<P> {
         self.closed_this_round.clear();
         self.decode_slices(now);
         self.release_held(now);
-        // Disk-tier reads that landed turn the core's waiting lookups (`Retry`) into hits on
-        // their next re-poll; writes that ended unpin their blocks.
-        self.core.parent_mut().progress();
+        // Disk-tier reads that landed answer the lookups waiting on them (`Retry`) now, not
+        // at the core's next re-poll; writes that ended unpin their blocks.
+        if self.core.parent_mut().progress() {
+            self.core.serve(now);
+        }
         self.core.handle_data_plane(now);
         if self.core.poll_timeout().is_some_and(|t| t <= now) {
             if self.core.has_transmits() {
