@@ -220,6 +220,11 @@ fn a_torn_block_is_a_miss_never_wrong_bytes_and_its_slot_is_reused() {
     assert!(changes.contains(&KeyChange::Removed(key(2))), "{changes:?}");
     let disk = store.stats().disk.unwrap();
     assert_eq!(disk.corrupt, 1);
+    // Its header is zeroed on disk: the next start does not find it again.
+    drop(store);
+    let mut store = store_on(&dir, 4, 8);
+    assert_eq!(store.stats().disk.unwrap().recovered_blocks, 2);
+    assert!(!store.holds_any(&key(2)));
     assert_eq!(fetch(&mut store, 0), Some(bytes(0)));
     assert_eq!(fetch(&mut store, 1), Some(bytes(1)));
     // The freed slots take new blocks.

@@ -49,6 +49,9 @@ pub(crate) enum Op {
         header: SlotHeader,
         block: BlockIndex,
     },
+    /// Zeroes `slot`'s header page: a slot whose block failed its check is no block at the
+    /// next start either.
+    Clear { tag: u64, slot: u64 },
     /// Reads `slot` into `block` (claimed from [`disk_holder`]'s permit), checking that its
     /// header is `expect` (generation, tenant, key) and its data matches the header's CRC.
     Read {
@@ -209,6 +212,11 @@ impl Worker {
                     result: self.write(slot, header, block),
                     bytes: self.layout.stride(),
                 },
+                Op::Clear { tag, slot } => Done {
+                    tag,
+                    result: self.clear(slot),
+                    bytes: PAGE,
+                },
                 Op::Read {
                     tag,
                     slot,
@@ -269,6 +277,14 @@ impl Worker {
             self.file.write_all_at(&self.buf[..page + padded], offset)
         };
         written.map_err(|e| Self::io_fault("write", slot, e))
+    }
+
+    fn clear(&mut self, slot: u64) -> Result<(), DiskFault> {
+        let page = PAGE as usize;
+        self.buf[..page].fill(0);
+        self.file
+            .write_all_at(&self.buf[..page], self.layout.slot_offset(slot))
+            .map_err(|e| Self::io_fault("clear", slot, e))
     }
 
     fn read(&mut self, slot: u64, expect: &SlotHeader, block: BlockIndex) -> Result<(), DiskFault> {

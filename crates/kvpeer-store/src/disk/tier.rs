@@ -151,6 +151,8 @@ enum SlotState {
     Free,
     Writing,
     Ready,
+    /// Its header being zeroed (its block failed its check): reused once that lands.
+    Clearing,
 }
 
 #[derive(Debug)]
@@ -166,6 +168,7 @@ struct DiskSlot {
 enum Pending {
     Write { slot: u32, block: BlockIndex },
     Read { slot: u32, block: BlockIndex },
+    Clear { slot: u32 },
 }
 
 /// What an operation's end means to the store.
@@ -592,6 +595,15 @@ impl DiskTier {
                     }
                     out.push(Finished::Written { block });
                 }
+                Pending::Clear { slot: s } => {
+                    self.stats.bytes_written += done.bytes;
+                    if let Err(fault) = done.result {
+                        warn!(path = %self.path.display(), %fault, "a torn slot's header could not be zeroed; it is found again (and found torn) after a restart");
+                        self.stats.io_errors += 1;
+                    }
+                    self.slots[s as usize].state = SlotState::Free;
+                    self.free.push(s);
+                }
                 Pending::Read { slot: s, block } => {
                     self.stats.bytes_read += done.bytes;
                     let slot = &mut self.slots[s as usize];
@@ -614,9 +626,20 @@ impl DiskTier {
                                 _ => self.stats.corrupt += 1,
                             }
                             warn!(path = %self.path.display(), %fault, "a block read from the disk tier failed its check; it is a miss and its slot is freed");
+                            let torn = !matches!(fault, super::DiskFault::Io { .. });
                             let lost = if slot.state == SlotState::Ready && slot.readers == 0 {
                                 let lost = self.forget_slot(s);
-                                self.free.push(s);
+                                if torn {
+                                    // Not found again at the next start; reused once zeroed.
+                                    self.slots[s as usize].state = SlotState::Clearing;
+                                    let tag = self.tag(Pending::Clear { slot: s });
+                                    self.io.submit(Op::Clear {
+                                        tag,
+                                        slot: u64::from(s),
+                                    });
+                                } else {
+                                    self.free.push(s);
+                                }
                                 lost
                             } else {
                                 None
