@@ -12,7 +12,8 @@
 //! * **restart**: the store dropped (its writes finished) and made again on the same file:
 //!   seconds to open it (every slot's header read) and to the first block read back.
 //! * **read**: every block looked up in turn, up to half of memory in flight, each a read
-//!   from disk into memory checked against its CRC-32C; one in 64 compared byte for byte.
+//!   from disk into memory checked against its CRC-32C, then pinned and unpinned as the core
+//!   serves a hit; one in 64 compared byte for byte.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -22,7 +23,7 @@ use std::time::Instant;
 
 use kvpeer_core::LookupResult;
 use kvpeer_proto::OffloadKey;
-use kvpeer_store::disk::{DiskConfig, Promote};
+use kvpeer_store::disk::{DiskConfig, DiskEngine, Promote};
 use kvpeer_store::{BlockStore, Pool};
 
 struct Opts {
@@ -30,6 +31,7 @@ struct Opts {
     gib: f64,
     threads: usize,
     block_lens: Vec<u64>,
+    engine: DiskEngine,
 }
 
 fn opts() -> Opts {
@@ -38,6 +40,7 @@ fn opts() -> Opts {
         gib: 2.0,
         threads: 8,
         block_lens: Vec::new(),
+        engine: DiskEngine::Auto,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -47,6 +50,7 @@ fn opts() -> Opts {
             "--gib" => o.gib = val().parse().expect("--gib G"),
             "--threads" => o.threads = val().parse().expect("--threads T"),
             "--block-len" => o.block_lens.push(val().parse().expect("--block-len BYTES")),
+            "--engine" => o.engine = val().parse().expect("--engine auto|uring|threads"),
             _ => {} // `--bench`, from cargo
         }
     }
@@ -80,6 +84,7 @@ fn store(o: &Opts, block_len: u64, blocks: u64) -> BlockStore {
             capacity: 4096 + (blocks + 16) * slot,
             threads: o.threads,
             promote: Promote::Hot,
+            engine: o.engine,
         },
         Arc::new(|| {}),
     )
@@ -96,10 +101,12 @@ fn idle(s: &mut BlockStore) {
 fn main() {
     let o = opts();
     println!(
-        "disk tier at {}: {} GiB per block size, {} I/O threads, memory 64 MiB",
+        "disk tier at {}: {} GiB per block size, engine {}, {} I/O threads (io_uring: {} entries), memory 64 MiB",
         o.dir.display(),
         o.gib,
-        o.threads
+        o.engine.name(),
+        o.threads,
+        o.threads * 8
     );
     println!("| block | write GB/s | restart: open | restart: first hit | read GB/s | blocks |");
     println!("|---|---|---|---|---|---|");
@@ -134,6 +141,8 @@ fn main() {
         while s.lookup(&key(0)) != LookupResult::Hit {
             idle(&mut s);
         }
+        let job = s.pin(&[key(0)]).unwrap();
+        s.unpin(job.job_id);
         let first_hit_s = reopened.elapsed().as_secs_f64();
 
         let memory = s.stats().capacity;
@@ -145,7 +154,12 @@ fn main() {
         while done < n {
             while next < n && (waiting.len() as u64) < window {
                 match s.lookup(&key(next)) {
-                    LookupResult::Hit => done += 1,
+                    LookupResult::Hit => {
+                        // As the core does: a hit is pinned, served, unpinned.
+                        let job = s.pin(&[key(next)]).unwrap();
+                        s.unpin(job.job_id);
+                        done += 1;
+                    }
                     _ => waiting.push_back(next),
                 }
                 next += 1;
@@ -155,11 +169,13 @@ fn main() {
             for k in waiting.drain(..) {
                 match s.lookup(&key(k)) {
                     LookupResult::Hit => {
+                        let job = s.pin(&[key(k)]).unwrap();
                         if k % 64 == 0 {
-                            let b = s.read(s.block_of(&key(k)).unwrap()).unwrap();
+                            let b = s.read(job.blocks[0]).unwrap();
                             assert_eq!(&b[..8], &k.to_le_bytes(), "block {k}");
                             assert_eq!(&b[8..len as usize - 8], &pattern[8..len as usize - 8]);
                         }
+                        s.unpin(job.job_id);
                         done += 1;
                     }
                     LookupResult::Miss => panic!("block {k} lost"),

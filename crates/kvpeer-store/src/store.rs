@@ -108,13 +108,18 @@ struct Slot {
     /// Read back from disk under [`Promote::Cold`]: the first to go when unpinned, until a
     /// second lookup (after the one that waited for it) makes it hot.
     cold: bool,
-    /// Read back from disk and not yet looked up: kept out of the LRU (another promotion
-    /// cannot take it before the lookup that waited for it sees it), for [`FRESH_HOLD`] at most.
-    fresh: bool,
+    /// Kept out of the LRU for its pin, [`HOLD`] at most (with a disk tier only): a block
+    /// read back from disk until the lookup that waited for it sees it, and a block a lookup
+    /// answered `Hit` until the core pins it, so that a promotion later in the same lookup
+    /// (which takes a block, evicting the least recently used) cannot take it first.
+    held: bool,
+    /// Read back from disk and not yet looked up: the lookup that waited for it does not
+    /// make a cold block hot.
+    landed: bool,
 }
 
-/// How long a block read back from disk is kept for the lookup that asked for it.
-const FRESH_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a block is held for its pin (`Slot::held`).
+const HOLD: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Whose a block is: the namespace of its key. Numbered by the node that keeps tenants apart;
 /// [`Tenant::DEFAULT`] is every block of a node that does not.
@@ -236,8 +241,8 @@ struct DiskSide {
     /// Blocks waiting for their write to start (pinned meanwhile: memory full of them refuses
     /// new blocks, which holds writers back to the disk's speed).
     dirty: std::collections::VecDeque<u32>,
-    /// Blocks read back and not yet looked up, with when they landed (`Slot::fresh`).
-    fresh: std::collections::VecDeque<(u32, std::time::Instant)>,
+    /// Blocks held for their pin, with when (`Slot::held`).
+    held: std::collections::VecDeque<(u32, std::time::Instant)>,
     finished: Vec<Finished>,
 }
 
@@ -290,7 +295,8 @@ impl BlockStore {
                     promoting: false,
                     flushing: false,
                     cold: false,
-                    fresh: false,
+                    held: false,
+                    landed: false,
                 })
                 .collect(),
             indexes: vec![Map::default()],
@@ -324,7 +330,7 @@ impl BlockStore {
             flushing: 0,
             max_flushing: config.threads.max(1) * 4,
             dirty: std::collections::VecDeque::new(),
-            fresh: std::collections::VecDeque::new(),
+            held: std::collections::VecDeque::new(),
             finished: Vec::new(),
         });
         Ok(())
@@ -373,7 +379,12 @@ impl BlockStore {
         let any = finished.iter().any(|f| matches!(f, Finished::Read { .. }));
         for f in finished.drain(..) {
             match f {
-                Finished::Written { block } => self.flushed(block),
+                Finished::Written { block, lost } => {
+                    self.flushed(block);
+                    if let Some((tenant, key)) = lost {
+                        self.disk_lost(tenant, key);
+                    }
+                }
                 Finished::Read { block, ok, lost } => {
                     if let Some(d) = &self.disk {
                         d.writer.revoke(&disk::disk_holder(), &[block]);
@@ -389,7 +400,7 @@ impl BlockStore {
             d.finished = finished;
         }
         self.start_flushes();
-        self.expire_fresh();
+        self.expire_holds();
         any
     }
 
@@ -459,11 +470,9 @@ impl BlockStore {
         self.writing -= 1;
         if ok {
             slot.state = State::Ready;
-            slot.fresh = true;
+            slot.landed = true;
             slot.cold = self.disk.as_ref().map(|d| d.tier.promote_policy()) == Some(Promote::Cold);
-            if let Some(d) = &mut self.disk {
-                d.fresh.push_back((b, std::time::Instant::now()));
-            }
+            self.hold(b);
         } else {
             self.evict(b);
             self.free.push(b);
@@ -476,7 +485,7 @@ impl BlockStore {
         let in_memory = self
             .index(tenant)
             .get(&key)
-            .is_some_and(|b| self.slots[*b as usize].state != State::Free);
+            .is_some_and(|b| self.slots[*b as usize].state == State::Ready);
         if !in_memory {
             self.log_for(tenant, KeyChange::Removed(key));
         }
@@ -598,6 +607,11 @@ impl BlockStore {
                 && index
                     .get(key)
                     .is_some_and(|b| self.slots[*b as usize].state == State::Ready)
+        }) || self.disk.as_ref().is_some_and(|d| {
+            (0..d.tier.tenants()).any(|t| {
+                t != usize::from(tenant.0)
+                    && u16::try_from(t).is_ok_and(|t| d.tier.holds(Tenant(t), key))
+            })
         });
         if !held_elsewhere {
             self.log(change);
@@ -654,15 +668,18 @@ impl BlockStore {
         let slot = &mut self.slots[b as usize];
         match slot.state {
             State::Ready => {
-                if slot.fresh {
-                    // The lookup that waited for it: it may go from now on (cold: first).
-                    slot.fresh = false;
-                    self.release_to_lru(b);
+                if slot.landed {
+                    // The lookup that waited for it: a cold block stays cold.
+                    slot.landed = false;
                 } else {
                     slot.cold = false;
-                    if self.lru.contains(b) {
-                        self.lru.touch(b);
-                    }
+                }
+                if self.disk.is_some() {
+                    // Out of the LRU until the core pins it (or the hold ends): a promotion
+                    // later in this lookup cannot evict it; it is touched when released.
+                    self.hold(b);
+                } else if self.lru.contains(b) {
+                    self.lru.touch(b);
                 }
                 LookupResult::Hit
             }
@@ -852,7 +869,8 @@ impl BlockStore {
         self.slots[b as usize].state = State::Free;
         self.slots[b as usize].promoting = false;
         self.slots[b as usize].cold = false;
-        self.slots[b as usize].fresh = false;
+        self.slots[b as usize].held = false;
+        self.slots[b as usize].landed = false;
         // A block that never became readable was never announced; one still on disk is still
         // held (and, as it just left memory, kept on disk longest).
         if let (Some(key), true) = (gone, was_ready) {
@@ -883,8 +901,12 @@ impl BlockStore {
         let mut out = Vec::with_capacity(keys.len());
         for (key, b) in keys.iter().zip(taken) {
             if let Some(old) = self.index_mut(tenant).insert(key.clone(), b) {
-                // The key was held elsewhere: its old block loses it.
-                if self.slots[old as usize].state == State::Ready {
+                // The key was held elsewhere: its old block loses it (still held if on disk).
+                let on_disk = self
+                    .disk
+                    .as_ref()
+                    .is_some_and(|d| d.tier.holds(tenant, key));
+                if self.slots[old as usize].state == State::Ready && !on_disk {
                     self.log_for(tenant, KeyChange::Removed(key.clone()));
                 }
                 let slot = &mut self.slots[old as usize];
@@ -892,6 +914,9 @@ impl BlockStore {
                     self.lru.remove(old);
                     slot.key = None;
                     slot.state = State::Free;
+                    slot.cold = false;
+                    slot.held = false;
+                    slot.landed = false;
                     self.free.push(old);
                 } else {
                     slot.key = None;
@@ -996,6 +1021,8 @@ impl BlockStore {
                 self.pinned += 1;
             }
             slot.pins += 1;
+            // Pinned: the hold's work is done (unpinning releases it to the LRU).
+            slot.held = false;
         }
         self.next_job = JobId::new(self.next_job.get() + 1);
         let job_id = self.next_job;
@@ -1026,10 +1053,10 @@ impl BlockStore {
     }
 
     /// Puts an unpinned readable block in the LRU: the most recently used, or the first to
-    /// go if it is cold; a fresh one stays out until its lookup or its hold ends.
+    /// go if it is cold; a held one stays out until its pin or its hold's end.
     fn release_to_lru(&mut self, b: u32) {
         let slot = &self.slots[b as usize];
-        if slot.pins > 0 || slot.state != State::Ready || slot.fresh {
+        if slot.pins > 0 || slot.state != State::Ready || slot.held {
             return;
         }
         if slot.cold {
@@ -1039,17 +1066,31 @@ impl BlockStore {
         }
     }
 
-    /// Fresh blocks whose lookup never came (it ended first) may go.
-    fn expire_fresh(&mut self) {
+    /// Holds readable, unpinned block `b` out of the LRU for its pin (`Slot::held`).
+    fn hold(&mut self, b: u32) {
+        let slot = &mut self.slots[b as usize];
+        if slot.held || slot.pins > 0 {
+            return;
+        }
+        slot.held = true;
+        self.lru.remove(b);
+        if let Some(d) = &mut self.disk {
+            d.held.push_back((b, std::time::Instant::now()));
+        }
+    }
+
+    /// Held blocks whose pin never came (their lookup ended first, or missed elsewhere) go
+    /// back to the LRU.
+    fn expire_holds(&mut self) {
         let now = std::time::Instant::now();
         loop {
             let Some(d) = &mut self.disk else { return };
-            match d.fresh.front() {
-                Some((b, at)) if now.duration_since(*at) >= FRESH_HOLD => {
+            match d.held.front() {
+                Some((b, at)) if now.duration_since(*at) >= HOLD => {
                     let b = *b;
-                    d.fresh.pop_front();
-                    if self.slots[b as usize].fresh {
-                        self.slots[b as usize].fresh = false;
+                    d.held.pop_front();
+                    if self.slots[b as usize].held {
+                        self.slots[b as usize].held = false;
                         self.release_to_lru(b);
                     }
                 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvpeer_core::LookupResult;
 use kvpeer_proto::OffloadKey;
-use kvpeer_store::disk::{DiskConfig, DiskError, Promote, FILE_NAME};
+use kvpeer_store::disk::{DiskConfig, DiskEngine, DiskError, Promote, FILE_NAME};
 use kvpeer_store::{BlockStore, KeyChange, Pool, Tenant};
 
 const BLOCK: u64 = 8192;
@@ -24,12 +24,21 @@ fn bytes(n: u64) -> Vec<u8> {
         .collect()
 }
 
+/// The engine the store tests run on: io_uring (`KVPEER_DISK_IO=threads` for the threads).
+fn engine() -> DiskEngine {
+    std::env::var("KVPEER_TEST_DISK_IO")
+        .ok()
+        .and_then(|e| e.parse().ok())
+        .unwrap_or(DiskEngine::Auto)
+}
+
 fn config(dir: &std::path::Path, blocks: u64) -> DiskConfig {
     DiskConfig {
         dir: dir.to_path_buf(),
         capacity: 4096 + blocks * (BLOCK + 4096),
         threads: 4,
         promote: Promote::Hot,
+        engine: engine(),
     }
 }
 
@@ -53,7 +62,8 @@ fn settle(store: &mut BlockStore, mut done: impl FnMut(&mut BlockStore) -> bool)
     }
 }
 
-/// Looks `n` up until it is a hit or a miss, and returns its bytes if a hit.
+/// Looks `n` up until it is a hit or a miss and, as the core does, pins a hit, reads it and
+/// unpins it; returns its bytes if a hit.
 fn fetch(store: &mut BlockStore, n: u64) -> Option<Vec<u8>> {
     let mut found = LookupResult::Retry;
     settle(store, |s| {
@@ -61,8 +71,10 @@ fn fetch(store: &mut BlockStore, n: u64) -> Option<Vec<u8>> {
         found != LookupResult::Retry
     });
     (found == LookupResult::Hit).then(|| {
-        let b = store.block_of(&key(n)).unwrap();
-        store.read(b).unwrap().to_vec()
+        let job = store.pin(&[key(n)]).expect("a hit pins");
+        let bytes = store.read(job.blocks[0]).unwrap().to_vec();
+        store.unpin(job.job_id);
+        bytes
     })
 }
 
@@ -336,4 +348,198 @@ fn tempdir(tag: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// The scenarios above on each engine: io_uring where this kernel has it (else the fallback
+/// `auto` picks), and the I/O threads, each in a child run of this test binary.
+#[test]
+fn both_engines_read_back_byte_exact_recover_and_catch_torn_blocks() {
+    if std::env::var("KVPEER_TEST_DISK_IO").is_ok() {
+        return; // a child run: the scenarios run as the plain tests of this binary
+    }
+    let uring_here = io_uring::IoUring::new(2).is_ok();
+    for (engine, expect) in [
+        (
+            "auto",
+            if uring_here {
+                DiskEngine::Uring
+            } else {
+                DiskEngine::Threads
+            },
+        ),
+        ("threads", DiskEngine::Threads),
+    ] {
+        let dir = tempdir(&format!("engine-{engine}"));
+        let pool = Pool::anonymous(4, BLOCK, false).unwrap();
+        let mut store = BlockStore::with_pool(pool).unwrap();
+        store
+            .attach_disk(
+                &DiskConfig {
+                    engine: engine.parse().unwrap(),
+                    ..config(&dir, 8)
+                },
+                Arc::new(|| {}),
+            )
+            .unwrap();
+        assert_eq!(store.stats().disk.unwrap().engine, expect);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("KVPEER_TEST_DISK_IO", engine)
+            .args(["--test-threads", "2"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the disk tests on engine {engine}:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("test result: ok. 9 passed"), "{stdout}");
+    }
+}
+
+fn store_with(dir: &std::path::Path, memory: u64, disk: u64, promote: Promote) -> BlockStore {
+    let pool = Pool::anonymous(memory, BLOCK, false).unwrap();
+    let mut store = BlockStore::with_pool(pool).unwrap();
+    store
+        .attach_disk(
+            &DiskConfig {
+                promote,
+                ..config(dir, disk)
+            },
+            Arc::new(|| {}),
+        )
+        .unwrap();
+    store.record_changes(100_000);
+    store
+}
+
+/// Stores `n` and waits until it is on disk.
+fn put_settled(store: &mut BlockStore, n: u64) {
+    while store.put(&key(n), &bytes(n)).is_err() {
+        store.poll_disk();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    settle(store, all_written);
+}
+
+/// The core looks up every key of a lookup, then pins the hits: a key only on disk later in
+/// the same lookup takes a memory block (evicting the least recently used) and must not take
+/// one just answered `Hit`, hot or cold.
+#[test]
+fn a_promotion_never_evicts_a_block_its_lookup_just_answered_hit() {
+    for promote in [Promote::Cold, Promote::Hot] {
+        let dir = tempdir(&format!("hit-evict-{promote:?}"));
+        let mut store = store_with(&dir, 2, 8, promote);
+        for n in 0..4 {
+            put_settled(&mut store, n);
+        }
+        // Memory holds 2 and 3; disk all four. Key 0 read back (taking 2's or 3's block),
+        // then a lookup of 0, of the other block still in memory, and of 1, only on disk.
+        assert_eq!(store.lookup(&key(0)), LookupResult::Retry);
+        settle(&mut store, |s| s.stats().writing == 0);
+        let in_memory =
+            if store.holds_in(Tenant::DEFAULT, &key(3)) && store.block_of(&key(3)).is_some() {
+                3
+            } else {
+                2
+            };
+        assert_eq!(store.lookup(&key(0)), LookupResult::Hit);
+        assert_eq!(store.lookup(&key(in_memory)), LookupResult::Hit);
+        assert_eq!(store.lookup(&key(1)), LookupResult::Retry);
+        let job = store.pin(&[key(0), key(in_memory)]);
+        assert!(
+            job.is_some(),
+            "{promote:?}: a block answered Hit was evicted before its pin"
+        );
+        let job = job.unwrap();
+        for (i, n) in [0u64, in_memory].iter().enumerate() {
+            assert_eq!(store.read(job.blocks[i]).unwrap(), &bytes(*n)[..]);
+        }
+        store.unpin(job.job_id);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The change log follows what is held, memory or disk, through re-reservations and a disk
+/// that drops a key while memory only writes it.
+#[test]
+fn the_change_log_never_says_removed_while_held_nor_stays_silent_when_gone() {
+    let dir = tempdir("log-reserve");
+    let mut store = store_with(&dir, 4, 8, Promote::Hot);
+    put_settled(&mut store, 0);
+    let _ = store.take_changes();
+    // Fetched again while held (in memory and on disk): still held throughout.
+    let b = store.reserve(&[key(0)]).unwrap();
+    store.write_target(b[0]).unwrap().copy_from_slice(&bytes(0));
+    store.finish_write(&b, true);
+    settle(&mut store, all_written);
+    let (changes, _) = store.take_changes();
+    assert!(store.holds_in(Tenant::DEFAULT, &key(0)));
+    assert!(
+        !changes.contains(&KeyChange::Removed(key(0))),
+        "{changes:?}"
+    );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let dir = tempdir("log-lost");
+    let mut store = store_with(&dir, 2, 3, Promote::Hot);
+    for n in 0..3 {
+        put_settled(&mut store, n);
+    }
+    let _ = store.take_changes();
+    // Key 0 only on disk; a fetch of it starts; the disk drops it for key 3; the fetch fails.
+    let c = store.reserve(&[key(0)]).unwrap();
+    put_settled(&mut store, 3);
+    store.finish_write(&c, false);
+    settle(&mut store, all_written);
+    let (changes, _) = store.take_changes();
+    assert!(!store.holds_any(&key(0)));
+    assert!(changes.contains(&KeyChange::Removed(key(0))), "{changes:?}");
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A header with a valid CRC but an absurd generation (a file from elsewhere, or damaged
+/// and re-summed) is no block: opening never overflows, and later writes still count up.
+#[test]
+fn an_absurd_generation_in_the_file_is_no_block() {
+    use kvpeer_store::disk::format::{self, Layout, PAGE};
+    use std::os::unix::fs::FileExt;
+    let dir = tempdir("generation");
+    {
+        let mut store = store_with(&dir, 2, 4, Promote::Hot);
+        put_settled(&mut store, 0);
+        put_settled(&mut store, 1);
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(FILE_NAME))
+        .unwrap();
+    let layout = Layout::for_capacity(BLOCK, 4096 + 4 * (BLOCK + 4096)).unwrap();
+    let mut page = vec![0u8; PAGE as usize];
+    file.read_exact_at(&mut page, layout.slot_offset(0))
+        .unwrap();
+    let mut header = format::decode_slot_header(&page).unwrap();
+    let victim = OffloadKey::from_bytes(&header.key);
+    header.generation = u64::MAX;
+    format::encode_slot_header(&header, &mut page).unwrap();
+    file.write_all_at(&page, layout.slot_offset(0)).unwrap();
+    let mut store = store_with(&dir, 2, 4, Promote::Hot);
+    assert_eq!(store.stats().disk.unwrap().recovered_blocks, 1);
+    assert!(!store.holds_any(&victim));
+    put_settled(&mut store, 7);
+    drop(store);
+    let store = store_with(&dir, 2, 4, Promote::Hot);
+    assert!(
+        store.holds_any(&key(7)),
+        "a block written after it is found again"
+    );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -299,6 +299,7 @@ fn node_on_disk(tag: &str, dir: &std::path::Path) -> Arc<Node> {
         capacity: 4096 + POOL_BLOCKS * (LEN + 4096),
         threads: 8,
         promote: kvpeer_store::disk::Promote::Hot,
+        engine: kvpeer_store::disk::DiskEngine::Auto,
     });
     Arc::new(Node::start(config).unwrap())
 }

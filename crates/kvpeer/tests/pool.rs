@@ -614,6 +614,7 @@ fn node_on_disk(tag: &str, blocks: u64, dir: &std::path::Path, disk_blocks: u64)
         capacity: 4096 + disk_blocks * (LEN + 4096),
         threads: 4,
         promote: kvpeer_store::disk::Promote::Hot,
+        engine: kvpeer_store::disk::DiskEngine::Auto,
     });
     Node::start(config).unwrap()
 }

@@ -175,7 +175,8 @@ pub fn decode_slot_header(page: &[u8]) -> Result<SlotHeader, HeaderError> {
         return Err(HeaderError::Checksum);
     }
     let generation = le64(&page[8..16]);
-    if generation == 0 {
+    // Generations count up by one per write from 1: one past half the range is no file's.
+    if generation == 0 || generation > u64::MAX / 2 {
         return Err(HeaderError::Range("generation"));
     }
     Ok(SlotHeader {

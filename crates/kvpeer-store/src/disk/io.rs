@@ -10,8 +10,9 @@
 //! sit in the page cache: every transfer is then page-aligned, a header page and the block in
 //! one `pwritev`/`preadv` straight from or into the pool when the block is page-aligned, else
 //! through the thread's own aligned buffer. The queue's depth is the number of threads (each
-//! has one operation in flight). Threads and blocking calls, not io_uring: the fallback the
-//! issue asks for, which every kernel has; io_uring is not built yet (docs/pool.md).
+//! has one operation in flight). This is the engine of a kernel without io_uring (or where it
+//! is not allowed, as in many containers); `uring.rs` is the other, chosen first where the
+//! kernel has it ([`DiskEngine`](super::DiskEngine)).
 //!
 //! The pool's memory is touched only as the store's rules allow: a write reads a block the
 //! store keeps pinned until its `Done`; a read lands in a block the store reserved for it,
@@ -133,7 +134,10 @@ struct Worker {
 }
 
 impl DiskIo {
-    /// Starts `threads` I/O threads over `file` (opened with `O_DIRECT` if `direct`).
+    /// Starts the I/O over `file` (opened with `O_DIRECT` if `direct`): an io_uring of
+    /// `threads × 8` entries unless `engine` says threads or the kernel refuses a ring, else
+    /// `threads` I/O threads. Returns the engine that runs.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         file: Arc<File>,
         direct: bool,
@@ -141,9 +145,49 @@ impl DiskIo {
         pool: PoolWriter,
         threads: usize,
         wake: DiskWake,
-    ) -> std::io::Result<Self> {
+        engine: super::DiskEngine,
+    ) -> std::io::Result<(Self, super::DiskEngine)> {
         let (submit, ops) = mpsc::channel();
         let (done_tx, done) = mpsc::channel();
+        if engine != super::DiskEngine::Threads {
+            match super::uring::Ring::new(
+                threads.max(1) * 8,
+                file.clone(),
+                direct,
+                layout,
+                pool.clone(),
+                ops,
+                done_tx,
+                wake.clone(),
+            ) {
+                Ok(ring) => {
+                    let handle = std::thread::Builder::new()
+                        .name("kvpeer-disk-ring".into())
+                        .spawn(move || ring.run())?;
+                    return Ok((
+                        DiskIo {
+                            submit: Some(submit),
+                            done,
+                            threads: vec![handle],
+                        },
+                        super::DiskEngine::Uring,
+                    ));
+                }
+                Err(e) if engine == super::DiskEngine::Uring => return Err(e),
+                Err(e) => {
+                    tracing::info!(error = %e, "no io_uring here; the disk tier uses I/O threads");
+                    return Self::start(
+                        file,
+                        direct,
+                        layout,
+                        pool,
+                        threads,
+                        wake,
+                        super::DiskEngine::Threads,
+                    );
+                }
+            }
+        }
         let ops = Arc::new(Mutex::new(ops));
         let mut handles = Vec::new();
         for n in 0..threads.max(1) {
@@ -164,11 +208,14 @@ impl DiskIo {
                     .spawn(move || worker.run())?,
             );
         }
-        Ok(DiskIo {
-            submit: Some(submit),
-            done,
-            threads: handles,
-        })
+        Ok((
+            DiskIo {
+                submit: Some(submit),
+                done,
+                threads: handles,
+            },
+            super::DiskEngine::Threads,
+        ))
     }
 
     /// Queues `op`; `false` if the threads are gone.
@@ -308,29 +355,44 @@ impl Worker {
                 .read_exact_at(&mut self.buf[..page + padded], offset)
         };
         read.map_err(|e| Self::io_fault("read", slot, e))?;
-        let found =
-            format::decode_slot_header(&self.buf[..page]).map_err(|e| DiskFault::Header {
-                slot,
-                why: e.to_string(),
-            })?;
-        if found.generation != expect.generation
-            || found.tenant != expect.tenant
-            || found.key != expect.key
-        {
-            return Err(DiskFault::Header {
-                slot,
-                why: "names another block than the one written there".into(),
-            });
-        }
-        if !direct_ok {
-            let len = dest.len();
-            dest.copy_from_slice(&self.buf[page..page + len]);
-        }
-        if crc32c::crc32c(dest) != found.data_crc {
-            return Err(DiskFault::Data { slot });
-        }
-        Ok(())
+        let (head, rest) = self.buf.split_at(page);
+        check_read(slot, head, expect, dest, (!direct_ok).then_some(rest))
     }
+}
+
+/// Checks a slot just read: its header (`head`) must be `expect`'s (generation, tenant,
+/// key) and the block's bytes its CRC. The bytes are in `dest` already, or in `bounce` (the
+/// slot's bytes after the header page), copied into `dest` first.
+pub(crate) fn check_read(
+    slot: u64,
+    head: &[u8],
+    expect: &SlotHeader,
+    dest: &mut [u8],
+    bounce: Option<&[u8]>,
+) -> Result<(), DiskFault> {
+    let found = format::decode_slot_header(head).map_err(|e| DiskFault::Header {
+        slot,
+        why: e.to_string(),
+    })?;
+    if found.generation != expect.generation
+        || found.tenant != expect.tenant
+        || found.key != expect.key
+    {
+        return Err(DiskFault::Header {
+            slot,
+            why: "names another block than the one written there".into(),
+        });
+    }
+    if let Some(bytes) = bounce {
+        let Some(src) = bytes.get(..dest.len()) else {
+            return Err(DiskFault::Data { slot });
+        };
+        dest.copy_from_slice(src);
+    }
+    if crc32c::crc32c(dest) != found.data_crc {
+        return Err(DiskFault::Data { slot });
+    }
+    Ok(())
 }
 
 /// `pwritev` until every byte is written (a short write is retried from where it stopped).

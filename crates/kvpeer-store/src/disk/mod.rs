@@ -3,7 +3,9 @@
 //!
 //! * [`format`]: the file's bytes (a header page per slot: key, tenant, generation, CRC-32C of
 //!   the block), pure;
-//! * `io.rs`: the I/O threads (direct I/O, a queue as deep as the threads);
+//! * `uring.rs`: the I/O as an io_uring (one thread, a ring of `disk_threads × 8` entries),
+//!   where the kernel has it;
+//! * `io.rs`: the I/O threads (direct I/O, a queue as deep as the threads), elsewhere;
 //! * `tier.rs`: which slot holds which key, on the node's thread.
 //!
 //! The store (`store.rs`) drives it: every block that becomes readable in memory is written
@@ -15,7 +17,8 @@
 pub mod format;
 mod io;
 mod tier;
+mod uring;
 
 pub use io::{disk_holder, DiskFault, DiskWake};
 pub(crate) use tier::Finished;
-pub use tier::{DiskConfig, DiskError, DiskStats, DiskTier, Promote, FILE_NAME};
+pub use tier::{DiskConfig, DiskEngine, DiskError, DiskStats, DiskTier, Promote, FILE_NAME};

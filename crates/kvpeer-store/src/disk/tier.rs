@@ -55,6 +55,44 @@ impl std::str::FromStr for Promote {
     }
 }
 
+/// Which I/O engine the tier runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DiskEngine {
+    /// io_uring where the kernel allows it, else threads.
+    #[default]
+    Auto,
+    /// io_uring, or the start fails.
+    Uring,
+    /// I/O threads with blocking calls.
+    Threads,
+}
+
+impl DiskEngine {
+    /// Its name in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskEngine::Auto => "auto",
+            DiskEngine::Uring => "uring",
+            DiskEngine::Threads => "threads",
+        }
+    }
+}
+
+impl std::str::FromStr for DiskEngine {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DiskEngine::Auto),
+            "uring" => Ok(DiskEngine::Uring),
+            "threads" => Ok(DiskEngine::Threads),
+            other => Err(format!(
+                "{other:?} is not a disk I/O engine (auto, uring, threads)"
+            )),
+        }
+    }
+}
+
 /// How to make a disk tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
@@ -66,6 +104,8 @@ pub struct DiskConfig {
     pub threads: usize,
     /// Where a block read back goes in memory's eviction order.
     pub promote: Promote,
+    /// The I/O engine.
+    pub engine: DiskEngine,
 }
 
 /// Why the tier could not be opened.
@@ -144,6 +184,8 @@ pub struct DiskStats {
     pub bytes_written: u64,
     /// Operations in flight now.
     pub queue_depth: u64,
+    /// The I/O engine running (`Uring` or `Threads`).
+    pub engine: DiskEngine,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,8 +216,12 @@ enum Pending {
 /// What an operation's end means to the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Finished {
-    /// A demotion ended: the memory block's pin can go.
-    Written { block: BlockIndex },
+    /// A demotion ended: the memory block's pin can go; a failed one names the key it
+    /// leaves no longer on disk.
+    Written {
+        block: BlockIndex,
+        lost: Option<(Tenant, OffloadKey)>,
+    },
     /// A promotion ended: the block is readable, or (`ok == false`) must be freed, and the
     /// key named is no longer on disk either.
     Read {
@@ -200,6 +246,8 @@ pub struct DiskTier {
     free: Vec<u32>,
     next_generation: u64,
     pending: Map<u64, Pending>,
+    /// Operations the I/O never took (`submit_failed`), answered at the next poll.
+    unsent: std::collections::VecDeque<super::io::Done>,
     next_tag: u64,
     stats: DiskStats,
 }
@@ -300,8 +348,16 @@ impl DiskTier {
                 )
             }
         };
-        let io = DiskIo::start(Arc::new(file), direct, layout, pool, config.threads, wake)
-            .map_err(io_err(&path, "starting its I/O threads"))?;
+        let (io, engine) = DiskIo::start(
+            Arc::new(file),
+            direct,
+            layout,
+            pool,
+            config.threads,
+            wake,
+            config.engine,
+        )
+        .map_err(io_err(&path, "starting its I/O"))?;
         let n = layout.slots as usize;
         let mut tier = DiskTier {
             path,
@@ -323,15 +379,17 @@ impl DiskTier {
             free: Vec::new(),
             next_generation: 1,
             pending: Map::default(),
+            unsent: std::collections::VecDeque::new(),
             next_tag: 0,
             stats: DiskStats {
                 capacity_blocks: layout.slots,
+                engine,
                 ..DiskStats::default()
             },
         };
         let found = tier.adopt(headers);
         info!(path = %tier.path.display(), slots = layout.slots, block_len,
-            bytes = layout.file_len(), recovered = found.len(), direct,
+            bytes = layout.file_len(), recovered = found.len(), direct, engine = engine.name(),
             "disk tier open");
         Ok((tier, found))
     }
@@ -368,7 +426,7 @@ impl DiskTier {
         let mut newest: Map<(u16, Vec<u8>), (u64, u32)> = Map::default();
         for (s, h) in headers.into_iter().enumerate() {
             let Some(h) = h else { continue };
-            self.next_generation = self.next_generation.max(h.generation + 1);
+            self.next_generation = self.next_generation.max(h.generation.saturating_add(1));
             let slot = s as u32;
             let entry = newest
                 .entry((h.tenant, h.key))
@@ -485,7 +543,7 @@ impl DiskTier {
             },
         };
         let generation = self.next_generation;
-        self.next_generation += 1;
+        self.next_generation = self.next_generation.saturating_add(1);
         let slot = &mut self.slots[s as usize];
         slot.state = SlotState::Writing;
         slot.key = Some(key.clone());
@@ -505,7 +563,7 @@ impl DiskTier {
             header,
             block,
         }) {
-            warn!("the disk tier's I/O threads are gone; nothing more is written");
+            self.submit_failed(tag, u64::from(s));
         }
         Ok(evicted)
     }
@@ -536,9 +594,24 @@ impl DiskTier {
             expect,
             block,
         }) {
-            warn!("the disk tier's I/O threads are gone; nothing more is read");
+            self.submit_failed(tag, u64::from(s));
         }
         true
+    }
+
+    /// The I/O is gone (its threads ended): `tag` fails as if the disk had said so, at the
+    /// next poll, so its slot and memory block are given back.
+    fn submit_failed(&mut self, tag: u64, slot: u64) {
+        warn!(path = %self.path.display(), "the disk tier's I/O has stopped; its reads and writes fail");
+        self.unsent.push_back(super::io::Done {
+            tag,
+            result: Err(super::DiskFault::Io {
+                op: "submit",
+                slot,
+                error: "the I/O has stopped".into(),
+            }),
+            bytes: 0,
+        });
     }
 
     fn tag(&mut self, pending: Pending) -> u64 {
@@ -569,13 +642,14 @@ impl DiskTier {
 
     /// The operations that ended since the last call, taken in (never waits).
     pub(crate) fn poll(&mut self, out: &mut Vec<Finished>) {
-        while let Some(done) = self.io.try_done() {
+        while let Some(done) = self.unsent.pop_front().or_else(|| self.io.try_done()) {
             let Some(pending) = self.pending.remove(&done.tag) else {
                 continue;
             };
             match pending {
                 Pending::Write { slot: s, block } => {
                     self.stats.bytes_written += done.bytes;
+                    let mut lost = None;
                     match done.result {
                         Ok(()) => {
                             let slot = &mut self.slots[s as usize];
@@ -589,11 +663,11 @@ impl DiskTier {
                         Err(fault) => {
                             warn!(path = %self.path.display(), %fault, "a block could not be written to the disk tier; it stays in memory only");
                             self.stats.io_errors += 1;
-                            self.forget_slot(s);
+                            lost = self.forget_slot(s);
                             self.free.push(s);
                         }
                     }
-                    out.push(Finished::Written { block });
+                    out.push(Finished::Written { block, lost });
                 }
                 Pending::Clear { slot: s } => {
                     self.stats.bytes_written += done.bytes;
@@ -622,21 +696,30 @@ impl DiskTier {
                         }
                         Err(fault) => {
                             match fault {
-                                super::DiskFault::Io { .. } => self.stats.io_errors += 1,
-                                _ => self.stats.corrupt += 1,
+                                super::DiskFault::Header { .. } | super::DiskFault::Data { .. } => {
+                                    self.stats.corrupt += 1
+                                }
+                                _ => self.stats.io_errors += 1,
                             }
                             warn!(path = %self.path.display(), %fault, "a block read from the disk tier failed its check; it is a miss and its slot is freed");
-                            let torn = !matches!(fault, super::DiskFault::Io { .. });
+                            // A system error or the store's own refusal says nothing of the
+                            // slot's bytes: it is freed, not zeroed.
+                            let torn = matches!(
+                                fault,
+                                super::DiskFault::Header { .. } | super::DiskFault::Data { .. }
+                            );
                             let lost = if slot.state == SlotState::Ready && slot.readers == 0 {
                                 let lost = self.forget_slot(s);
                                 if torn {
                                     // Not found again at the next start; reused once zeroed.
                                     self.slots[s as usize].state = SlotState::Clearing;
                                     let tag = self.tag(Pending::Clear { slot: s });
-                                    self.io.submit(Op::Clear {
+                                    if !self.io.submit(Op::Clear {
                                         tag,
                                         slot: u64::from(s),
-                                    });
+                                    }) {
+                                        self.submit_failed(tag, u64::from(s));
+                                    }
                                 } else {
                                     self.free.push(s);
                                 }

@@ -243,8 +243,10 @@ declare_keys! {
     disk_capacity;
     /// where a block read back from disk goes in memory's eviction order: hot (most recently used) or cold (the first to go unless asked for again while in memory: a scan does not push out hot blocks)
     disk_promote = "hot";
-    /// I/O threads of the disk tier: the reads and writes in flight at once
+    /// I/O threads of the disk tier: the reads and writes in flight at once (with io_uring: one thread, 8 entries per disk_threads)
     disk_threads = "8";
+    /// the disk tier's I/O: auto (io_uring where the kernel allows it, else threads), uring (or the start fails) or threads
+    disk_io = "auto";
     /// pool node: engines' KV event streams to follow, EVENTS=PEER or EVENTS,REPLAY=PEER (bind:EVENTS to accept a PUB that connects); `;` between several
     follow;
     /// pool node: engines that must hold a key before it is pulled

@@ -663,6 +663,7 @@ fn disk(s: &Values<'_>) -> Result<Option<kvpeer_store::disk::DiskConfig>, Config
         capacity: s.rate(&KEY.disk_capacity)?,
         threads: s.number(&KEY.disk_threads, 1, 256)? as usize,
         promote: s.parsed(&KEY.disk_promote)?,
+        engine: s.parsed(&KEY.disk_io)?,
     }))
 }
 

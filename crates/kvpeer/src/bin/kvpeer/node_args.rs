@@ -95,6 +95,8 @@ pub(crate) struct NodeArgs {
     pub(crate) disk_promote: Option<String>,
     #[arg(long, value_name = "N", help = help(&KEY.disk_threads))]
     pub(crate) disk_threads: Option<u64>,
+    #[arg(long, value_name = "auto|uring|threads", help = help(&KEY.disk_io))]
+    pub(crate) disk_io: Option<String>,
     #[arg(long, value_name = "BOOL", help = help_of(
         &format!("{} (false only behind NAT or proxies; docs/security.md)", KEY.bind_identity.help),
         &[&KEY.bind_identity],
@@ -293,6 +295,7 @@ impl NodeArgs {
             "--disk-promote",
         );
         set(&KEY.disk_threads, text(self.disk_threads), "--disk-threads");
+        set(&KEY.disk_io, self.disk_io.clone(), "--disk-io");
         set(
             &KEY.bind_identity,
             self.bind_identity.map(|b| b.to_string()),
