@@ -85,6 +85,7 @@ fn store(o: &Opts, block_len: u64, blocks: u64) -> BlockStore {
             threads: o.threads,
             promote: Promote::Hot,
             engine: o.engine,
+            tenant_names: Vec::new(),
         },
         Arc::new(|| {}),
     )

@@ -39,6 +39,7 @@ fn config(dir: &std::path::Path, blocks: u64) -> DiskConfig {
         threads: 4,
         promote: Promote::Hot,
         engine: engine(),
+        tenant_names: vec!["alpha".into(), "beta".into()],
     }
 }
 
@@ -396,7 +397,7 @@ fn both_engines_read_back_byte_exact_recover_and_catch_torn_blocks() {
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.contains("test result: ok. 9 passed"), "{stdout}");
+        assert!(stdout.contains("test result: ok. 10 passed"), "{stdout}");
     }
 }
 
@@ -540,6 +541,69 @@ fn an_absurd_generation_in_the_file_is_no_block() {
         store.holds_any(&key(7)),
         "a block written after it is found again"
     );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Blocks name their tenant by name on disk: a restart whose rules number the tenants
+/// otherwise (a tenant added before them) finds each block its own tenant's, and drops those
+/// of a tenant no rule names any more. Never another tenant's bytes.
+#[test]
+fn a_restart_with_other_tenant_rules_keeps_each_block_its_own_tenants() {
+    let dir = tempdir("tenants");
+    let open = |names: &[&str]| {
+        let pool = Pool::anonymous(4, BLOCK, false).unwrap();
+        let mut store = BlockStore::with_pool(pool).unwrap();
+        store
+            .attach_disk(
+                &DiskConfig {
+                    tenant_names: names.iter().map(|n| (*n).to_owned()).collect(),
+                    ..config(&dir, 8)
+                },
+                Arc::new(|| {}),
+            )
+            .unwrap();
+        store
+    };
+    let read_in = |store: &mut BlockStore, t: u16| -> Option<Vec<u8>> {
+        let mut found = LookupResult::Retry;
+        settle(store, |s| {
+            found = s.lookup_in(Tenant(t), &key(1));
+            found != LookupResult::Retry
+        });
+        (found == LookupResult::Hit).then(|| {
+            let job = store.pin_in(Tenant(t), &[key(1)]).unwrap();
+            let bytes = store.read(job.blocks[0]).unwrap().to_vec();
+            store.unpin(job.job_id);
+            bytes
+        })
+    };
+    {
+        let mut store = open(&["alpha", "beta"]);
+        store.put_in(Tenant(1), &key(1), &bytes(100)).unwrap();
+        store.put_in(Tenant(2), &key(1), &bytes(200)).unwrap();
+        settle(&mut store, all_written);
+    }
+    {
+        // "aardvark" comes first now: alpha is 2, beta 3.
+        let mut store = open(&["aardvark", "alpha", "beta"]);
+        assert_eq!(store.stats().disk.unwrap().recovered_blocks, 2);
+        assert_eq!(read_in(&mut store, 1), None, "aardvark holds nothing");
+        assert_eq!(
+            read_in(&mut store, 2),
+            Some(bytes(100)),
+            "alpha's own bytes"
+        );
+        assert_eq!(read_in(&mut store, 3), Some(bytes(200)), "beta's own bytes");
+    }
+    let mut store = open(&["beta"]);
+    assert_eq!(
+        store.stats().disk.unwrap().recovered_blocks,
+        1,
+        "alpha's block is dropped"
+    );
+    assert_eq!(read_in(&mut store, 1), Some(bytes(200)));
+    assert_eq!(read_in(&mut store, 0), None);
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -300,6 +300,7 @@ fn node_on_disk(tag: &str, dir: &std::path::Path) -> Arc<Node> {
         threads: 8,
         promote: kvpeer_store::disk::Promote::Hot,
         engine: kvpeer_store::disk::DiskEngine::Auto,
+        tenant_names: Vec::new(),
     });
     Arc::new(Node::start(config).unwrap())
 }

@@ -12,11 +12,12 @@
 //! offset PAGE + s×stride   slot s: its header page, then the block padded to a page
 //!                       0..8    magic  "KVPSLOT\x01"
 //!                       8..16   generation (u64; written slots count up from 1 across the file)
-//!                      16..18   tenant (u16)
+//!                      16       tenant name length (u8, at most MAX_TENANT; 0: the default tenant)
+//!                      17       0
 //!                      18..20   key length (u16, at most MAX_KEY)
 //!                      20..24   CRC-32C of the block's bytes
-//!                      24..28   CRC-32C of bytes 0..24 and of the key
-//!                      28..     the key
+//!                      24..28   CRC-32C of bytes 0..24, the tenant name and the key
+//!                      28..     the tenant's name (UTF-8), then the key
 //! ```
 //!
 //! A slot is written with one `pwritev` of its header and data, which is not atomic: a crash
@@ -26,12 +27,17 @@
 //! is freed). CRC-32C detects a torn write, not an attacker: the file is the node's own, on
 //! its own disk (docs/security.md). Zeros (a sparse file's unwritten slots) are no header.
 //! The generation orders two slots that name one key (a crash between writing a key's new
-//! slot and forgetting its old one): the newer wins.
+//! slot and forgetting its old one): the newer wins. The tenant is written by name, not by its
+//! number in this run's rules (numbers follow the names' order, which a new rule shifts): a
+//! restart maps each name to the tenant the rules give it then, and drops the blocks of
+//! tenants no rule names any more.
 
 /// Alignment and size of every header, and of every transfer with direct I/O.
 pub const PAGE: u64 = 4096;
+/// The longest tenant name a slot can hold (a tenant's name is at most 64 bytes).
+pub const MAX_TENANT: usize = 64;
 /// The longest key a slot can hold; a longer one stays in memory only.
-pub const MAX_KEY: usize = PAGE as usize - SLOT_KEY_AT;
+pub const MAX_KEY: usize = PAGE as usize - SLOT_KEY_AT - MAX_TENANT;
 
 const FILE_MAGIC: &[u8; 8] = b"KVPDISK\x01";
 const SLOT_MAGIC: &[u8; 8] = b"KVPSLOT\x01";
@@ -133,8 +139,8 @@ pub fn decode_file_header(page: &[u8]) -> Result<Layout, HeaderError> {
 pub struct SlotHeader {
     /// Orders slots naming one key: the larger is newer.
     pub generation: u64,
-    /// The block's tenant.
-    pub tenant: u16,
+    /// The block's tenant, by name (`""`: the default tenant).
+    pub tenant: String,
     /// The block's key bytes (at most [`MAX_KEY`]).
     pub key: Vec<u8>,
     /// CRC-32C of the block's `block_len` bytes.
@@ -145,19 +151,25 @@ pub struct SlotHeader {
 /// the page is zeroed). `Err` if the key is longer than [`MAX_KEY`].
 pub fn encode_slot_header(header: &SlotHeader, page: &mut [u8]) -> Result<(), HeaderError> {
     let key_len = header.key.len();
+    let tenant = header.tenant.as_bytes();
     if key_len > MAX_KEY || page.len() < PAGE as usize {
         return Err(HeaderError::Range("key length"));
+    }
+    if tenant.len() > MAX_TENANT {
+        return Err(HeaderError::Range("tenant name length"));
     }
     let page = &mut page[..PAGE as usize];
     page.fill(0);
     page[0..8].copy_from_slice(SLOT_MAGIC);
     page[8..16].copy_from_slice(&header.generation.to_le_bytes());
-    page[16..18].copy_from_slice(&header.tenant.to_le_bytes());
-    // `key_len <= MAX_KEY < u16::MAX`.
+    // `tenant.len() <= MAX_TENANT < u8::MAX`, `key_len <= MAX_KEY < u16::MAX`.
+    page[16] = tenant.len() as u8;
     page[18..20].copy_from_slice(&(key_len as u16).to_le_bytes());
     page[20..24].copy_from_slice(&header.data_crc.to_le_bytes());
-    page[SLOT_KEY_AT..SLOT_KEY_AT + key_len].copy_from_slice(&header.key);
-    let crc = header_crc(page, key_len);
+    let key_at = SLOT_KEY_AT + tenant.len();
+    page[SLOT_KEY_AT..key_at].copy_from_slice(tenant);
+    page[key_at..key_at + key_len].copy_from_slice(&header.key);
+    let crc = header_crc(page, key_at + key_len);
     page[24..28].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
@@ -167,13 +179,17 @@ pub fn decode_slot_header(page: &[u8]) -> Result<SlotHeader, HeaderError> {
     if page.len() < PAGE as usize || &page[0..8] != SLOT_MAGIC {
         return Err(HeaderError::NoMagic);
     }
+    let tenant_len = usize::from(page[16]);
     let key_len = usize::from(u16::from_le_bytes([page[18], page[19]]));
-    if key_len > MAX_KEY {
+    if key_len > MAX_KEY || tenant_len > MAX_TENANT || page[17] != 0 {
         return Err(HeaderError::Checksum);
     }
-    if header_crc(page, key_len) != le32(&page[24..28]) {
+    let key_at = SLOT_KEY_AT + tenant_len;
+    if header_crc(page, key_at + key_len) != le32(&page[24..28]) {
         return Err(HeaderError::Checksum);
     }
+    let tenant = std::str::from_utf8(&page[SLOT_KEY_AT..key_at])
+        .map_err(|_| HeaderError::Range("tenant name"))?;
     let generation = le64(&page[8..16]);
     // Generations count up by one per write from 1: one past half the range is no file's.
     if generation == 0 || generation > u64::MAX / 2 {
@@ -181,15 +197,16 @@ pub fn decode_slot_header(page: &[u8]) -> Result<SlotHeader, HeaderError> {
     }
     Ok(SlotHeader {
         generation,
-        tenant: u16::from_le_bytes([page[16], page[17]]),
-        key: page[SLOT_KEY_AT..SLOT_KEY_AT + key_len].to_vec(),
+        tenant: tenant.to_owned(),
+        key: page[key_at..key_at + key_len].to_vec(),
         data_crc: le32(&page[20..24]),
     })
 }
 
-fn header_crc(page: &[u8], key_len: usize) -> u32 {
+/// CRC-32C of the header's fields and of the `names_end - 28` bytes of names after them.
+fn header_crc(page: &[u8], names_end: usize) -> u32 {
     let crc = crc32c::crc32c(&page[0..24]);
-    crc32c::crc32c_append(crc, &page[SLOT_KEY_AT..SLOT_KEY_AT + key_len])
+    crc32c::crc32c_append(crc, &page[SLOT_KEY_AT..names_end])
 }
 
 fn le64(b: &[u8]) -> u64 {
@@ -212,7 +229,7 @@ mod tests {
     fn header() -> SlotHeader {
         SlotHeader {
             generation: 7,
-            tenant: 3,
+            tenant: "alpha".into(),
             key: b"some-block-hash\0\0\0\x01".to_vec(),
             data_crc: 0xdead_beef,
         }
@@ -223,7 +240,7 @@ mod tests {
         let mut page = vec![0u8; PAGE as usize];
         encode_slot_header(&header(), &mut page).unwrap();
         assert_eq!(decode_slot_header(&page), Ok(header()));
-        for at in 0..SLOT_KEY_AT + header().key.len() {
+        for at in 0..SLOT_KEY_AT + 5 + header().key.len() {
             let mut torn = page.clone();
             torn[at] ^= 0x40;
             assert!(

@@ -106,6 +106,9 @@ pub struct DiskConfig {
     pub promote: Promote,
     /// The I/O engine.
     pub engine: DiskEngine,
+    /// The tenants' names by number: tenant `i + 1` is `tenant_names[i]` (the default tenant,
+    /// 0, is `""`). Slots name their tenant by name; a restart finds each block's tenant by it.
+    pub tenant_names: Vec<String>,
 }
 
 /// Why the tier could not be opened.
@@ -235,6 +238,8 @@ pub(crate) enum Finished {
 #[derive(Debug)]
 pub struct DiskTier {
     path: PathBuf,
+    /// Tenant `i + 1`'s name ([`DiskConfig::tenant_names`]).
+    tenant_names: Vec<String>,
     layout: Layout,
     promote: Promote,
     io: DiskIo,
@@ -361,6 +366,7 @@ impl DiskTier {
         let n = layout.slots as usize;
         let mut tier = DiskTier {
             path,
+            tenant_names: config.tenant_names.clone(),
             layout,
             promote: config.promote,
             io,
@@ -421,9 +427,28 @@ impl DiskTier {
             })
     }
 
+    /// The name a slot gives tenant `t` (`None`: a number no rule gives, or nobody).
+    fn name_of(&self, t: Tenant) -> Option<&str> {
+        match usize::from(t.0) {
+            0 => Some(""),
+            _ if t == Tenant::NOBODY => None,
+            n => self.tenant_names.get(n - 1).map(String::as_str),
+        }
+    }
+
+    /// The tenant named `name` by this run's rules.
+    fn number_of(&self, name: &str) -> Option<Tenant> {
+        if name.is_empty() {
+            return Some(Tenant::DEFAULT);
+        }
+        let i = self.tenant_names.iter().position(|n| n == name)?;
+        u16::try_from(i + 1).ok().map(Tenant)
+    }
+
     /// Takes in the headers found at open: the newest slot of each key is ready, the rest free.
+    /// A block of a tenant this run's rules do not name is dropped.
     fn adopt(&mut self, headers: Vec<Option<SlotHeader>>) -> Vec<(Tenant, OffloadKey)> {
-        let mut newest: Map<(u16, Vec<u8>), (u64, u32)> = Map::default();
+        let mut newest: Map<(String, Vec<u8>), (u64, u32)> = Map::default();
         for (s, h) in headers.into_iter().enumerate() {
             let Some(h) = h else { continue };
             self.next_generation = self.next_generation.max(h.generation.saturating_add(1));
@@ -435,11 +460,20 @@ impl DiskTier {
                 *entry = (h.generation, slot);
             }
         }
-        let mut found: Vec<(u64, Tenant, OffloadKey, u32)> = newest
-            .into_iter()
-            .filter(|((t, _), _)| Tenant(*t) != Tenant::NOBODY)
-            .map(|((t, k), (g, s))| (g, Tenant(t), OffloadKey::from_bytes(&k), s))
-            .collect();
+        let mut strangers: std::collections::BTreeSet<String> = Default::default();
+        let mut found: Vec<(u64, Tenant, OffloadKey, u32)> = Vec::with_capacity(newest.len());
+        for ((name, key), (generation, s)) in newest {
+            match self.number_of(&name) {
+                Some(t) => found.push((generation, t, OffloadKey::from_bytes(&key), s)),
+                None => {
+                    strangers.insert(name);
+                }
+            }
+        }
+        if !strangers.is_empty() {
+            warn!(path = %self.path.display(), tenants = ?strangers,
+                "the disk tier holds blocks of tenants no rule names now; they are dropped");
+        }
         // Oldest first into the LRU: what was written last is kept longest.
         found.sort_by_key(|f| f.0);
         for (generation, tenant, key, s) in &found {
@@ -524,7 +558,11 @@ impl DiskTier {
         key: &OffloadKey,
         block: BlockIndex,
     ) -> Result<Option<(Tenant, OffloadKey)>, ()> {
-        if key.as_bytes().len() > MAX_KEY || tenant == Tenant::NOBODY {
+        let Some(name) = self.name_of(tenant).map(str::to_owned) else {
+            self.stats.demotions_skipped += 1;
+            return Err(());
+        };
+        if key.as_bytes().len() > MAX_KEY {
             self.stats.demotions_skipped += 1;
             return Err(());
         }
@@ -553,7 +591,7 @@ impl DiskTier {
         let tag = self.tag(Pending::Write { slot: s, block });
         let header = SlotHeader {
             generation,
-            tenant: tenant.0,
+            tenant: name,
             key: key.as_bytes().to_vec(),
             data_crc: 0,
         };
@@ -574,6 +612,9 @@ impl DiskTier {
         let Some(&s) = self.index(tenant).and_then(|i| i.get(key)) else {
             return false;
         };
+        let Some(name) = self.name_of(tenant).map(str::to_owned) else {
+            return false;
+        };
         let slot = &mut self.slots[s as usize];
         if slot.state != SlotState::Ready {
             return false;
@@ -581,7 +622,7 @@ impl DiskTier {
         slot.readers += 1;
         let expect = SlotHeader {
             generation: slot.generation,
-            tenant: tenant.0,
+            tenant: name,
             key: key.as_bytes().to_vec(),
             data_crc: 0,
         };

@@ -664,6 +664,8 @@ fn disk(s: &Values<'_>) -> Result<Option<kvpeer_store::disk::DiskConfig>, Config
         threads: s.number(&KEY.disk_threads, 1, 256)? as usize,
         promote: s.parsed(&KEY.disk_promote)?,
         engine: s.parsed(&KEY.disk_io)?,
+        // Filled where the node is built, from the `tenants` rules.
+        tenant_names: Vec::new(),
     }))
 }
 

@@ -227,7 +227,12 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
             let mut store = BlockStore::with_pool(pool)?;
             if let Some(disk) = &spec.disk {
                 let started = Instant::now();
-                store.attach_disk(disk, wake)?;
+                // Blocks on disk name their tenant by name: this run's numbering maps them.
+                let disk = kvpeer_store::disk::DiskConfig {
+                    tenant_names: spec.tenants.names().to_vec(),
+                    ..disk.clone()
+                };
+                store.attach_disk(&disk, wake)?;
                 let found = store.disk_stats().map_or(0, |d| d.recovered_blocks);
                 info!(
                     ms = started.elapsed().as_millis() as u64,

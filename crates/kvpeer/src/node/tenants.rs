@@ -154,6 +154,11 @@ impl TenantRules {
         self.own
     }
 
+    /// The tenants' names by number: tenant `i + 1` is `names()[i]`.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
     /// The name of tenant `t` (`""` for the default tenant and for nobody).
     pub fn name(&self, t: Tenant) -> &str {
         usize::from(t.0)
