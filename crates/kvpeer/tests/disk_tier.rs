@@ -60,8 +60,12 @@ fn serve_args<'a>(
 }
 
 fn reader(tag: &str) -> Node {
+    reader_on(tag, PlaneKind::Tcp)
+}
+
+fn reader_on(tag: &str, plane: PlaneKind) -> Node {
     let config = NodeConfig::builder(tag)
-        .plane(PlaneKind::Tcp)
+        .plane(plane)
         .num_blocks(64)
         .block_len(LEN)
         .build()
@@ -120,14 +124,20 @@ fn recovered(serve: &Proc) -> u64 {
     }
 }
 
+/// On every plane a host's peers use: tcp, and shm (the producer copies into the consumer's
+/// shared memory from blocks it read back from disk).
 #[test]
 fn a_pool_six_times_its_memory_serves_every_block_byte_exact() {
-    let dir = TierDir::new("six");
-    let (serve, id) = Proc::serve(&serve_args(&dir, "10M", "16", "96"));
-    let r = reader("disk-six-r");
-    let hits = read_all(&r, &id, 0..96, 8);
-    assert_eq!(hits.len(), 96, "every block is served");
-    drop(serve);
+    for (plane, kind) in [("tcp", PlaneKind::Tcp), ("shm", PlaneKind::Shm)] {
+        let dir = TierDir::new(&format!("six-{plane}"));
+        let mut args = serve_args(&dir, "10M", "16", "96");
+        args[1] = plane;
+        let (serve, id) = Proc::serve(&args);
+        let r = reader_on(&format!("disk-six-{plane}"), kind);
+        let hits = read_all(&r, &id, 0..96, 8);
+        assert_eq!(hits.len(), 96, "{plane}: every block is served");
+        drop(serve);
+    }
 }
 
 #[test]
