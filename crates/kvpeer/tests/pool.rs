@@ -690,3 +690,98 @@ fn a_pool_restarted_on_its_disk_serves_what_it_held_republishes_it_and_pulls_not
     drop(pool_node);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A pool restarted on its disk announces the chunks it holds described as before (tokens,
+/// parents, every block hash: what Dynamo's indexer needs), from the descriptions it kept
+/// beside its disk tier, with no engine announcing them again (the restarted pool follows
+/// none here).
+#[test]
+fn a_pool_restarted_on_its_disk_describes_its_chunks_as_before() {
+    let dir = std::env::temp_dir().join(format!("kvpeer-pool-desc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let engine = engine("pool-dd-e", 5);
+    let stream = Stream::start();
+    let blocks: Vec<Vec<u8>> = (0..4)
+        .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
+        .collect();
+    stream.say(Say::Events(vec![KvEvent::Stored(BlockStored {
+        block_hashes: blocks.iter().cloned().map(BlockHash::Bytes).collect(),
+        token_ids: (0..4).flat_map(tokens_of).collect(),
+        block_size: 16,
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+        kv_cache_spec_kind: Some("full_attention".into()),
+        ..BlockStored::default()
+    })]));
+    stream.say(Say::Stored(keys(0..5)));
+    let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let publishing = PoolConfig {
+        publish: Some(publish),
+        publish_replay: Some(publish_replay),
+        ..PoolConfig::default()
+    };
+    let pool_node = Arc::new(node_on_disk("pool-dd-p1", 16, &dir, 32));
+    let pool = PoolNode::start(
+        pool_node.clone(),
+        &PoolConfig {
+            publish: Some(publish),
+            publish_replay: Some(publish_replay),
+            ..follow(&stream, &engine)
+        },
+    )
+    .unwrap();
+    wait_for(&pool, "5 pulled", |s| s.pulled_blocks == 5);
+    wait_for(&pool, "5 published", |s| {
+        s.published_described + s.published_undescribed[0] == 5
+    });
+    pool.shutdown();
+    pool_node.shutdown(Duration::from_secs(3));
+    drop(pool_node);
+
+    let pool_node = Arc::new(node_on_disk("pool-dd-p2", 16, &dir, 32));
+    let pool = PoolNode::start(pool_node.clone(), &publishing).unwrap();
+    let s = wait_for(&pool, "the republish", |s| {
+        s.published_described + s.published_undescribed[0] == 5
+    });
+    assert_eq!(
+        (s.published_described, s.published_undescribed[0]),
+        (4, 1),
+        "{s:?}"
+    );
+    let mut stores: Vec<BlockStored> = replayed_until(publish, publish_replay, |_| true)
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::Stored(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stores.len(), 5, "{stores:?}");
+    let key_hash = |c: u64| BlockHash::Bytes(block_hash(c, true));
+    for c in 0..4u64 {
+        let at = stores
+            .iter()
+            .position(|s| s.block_hashes.last() == Some(&key_hash(c)))
+            .unwrap_or_else(|| panic!("chunk {c} not announced: {stores:?}"));
+        let s = stores.remove(at);
+        assert_eq!(
+            s.block_hashes,
+            vec![BlockHash::Bytes(block_hash(c, false)), key_hash(c)]
+        );
+        assert_eq!(
+            s.parent_block_hash,
+            c.checked_sub(1).map(key_hash),
+            "chunk {c}"
+        );
+        assert_eq!(s.token_ids, tokens_of(c));
+        assert_eq!(s.block_size, 16);
+    }
+    assert!(
+        stores[0].token_ids.is_empty(),
+        "chunk 4 was never described"
+    );
+    pool.shutdown();
+    pool_node.shutdown(Duration::from_secs(3));
+    drop(pool_node);
+    let _ = std::fs::remove_dir_all(&dir);
+}

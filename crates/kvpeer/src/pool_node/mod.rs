@@ -34,6 +34,7 @@
 //! wait. Everything is bounded: the channels, the index (`Holdings`), the followers' held
 //! batches, the publisher's replay buffer, the store's change log between two ticks.
 
+mod catalog_file;
 mod puller;
 
 use std::net::IpAddr;
@@ -320,8 +321,12 @@ impl PoolNode {
             stop: stop.clone(),
             published: 0,
             publish_dropped: 0,
+            catalog_file: None,
         };
         thread.holdings.set_groups(&groups);
+        if let Some(disk) = &thread.node.config().disk {
+            thread.catalog_file = load_catalog(&disk.dir, thread.holdings.catalog_mut());
+        }
         threads.push(spawn("kvpeer-pool", move || thread.run())?);
         Ok(PoolNode {
             shared,
@@ -365,6 +370,85 @@ impl PoolNode {
 impl Drop for PoolNode {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Opens the chunk descriptions kept in `dir` and teaches them to `catalog` (a pool started
+/// again on its disk describes what it holds as before). `None`, with a warning, if the file
+/// cannot be opened: the pool then describes what the engines announce again, as without it.
+fn load_catalog(
+    dir: &std::path::Path,
+    catalog: &mut kvpeer_pool::Catalog,
+) -> Option<catalog_file::CatalogFile> {
+    let (file, payloads) = match catalog_file::CatalogFile::open(dir) {
+        Ok(opened) => opened,
+        Err(e) => {
+            warn!(dir = %dir.display(), error = %e, "cannot open the pool's kept chunk descriptions; blocks found on disk are announced undescribed until the engines announce them again");
+            return None;
+        }
+    };
+    let limits = kvpeer_proto::events::EventLimits::default();
+    let mut learned = 0u64;
+    for payload in &payloads {
+        let Ok(batch) = kvpeer_proto::events::decode_batch(payload, &limits) else {
+            continue;
+        };
+        for event in batch.events.into_iter().flatten() {
+            if let kvpeer_proto::events::KvEvent::Stored(stored) = event {
+                catalog.learn(&stored);
+                learned += 1;
+            }
+        }
+    }
+    info!(dir = %dir.display(), descriptions = learned, "the pool's chunk descriptions read back");
+    Some(file)
+}
+
+/// Appends the descriptions of the chunks `changes` stored (those the catalog can describe),
+/// as self-describing CPU events in bytes-hash form, whatever form the pool publishes.
+fn keep_descriptions(
+    file: &mut catalog_file::CatalogFile,
+    ts: f64,
+    changes: &[StoreChange],
+    catalog: &mut kvpeer_pool::Catalog,
+) {
+    use kvpeer_proto::events::{BlockHash, BlockStored, KvEvent};
+    let mut events = Vec::new();
+    for change in changes {
+        let StoreChange::Stored(key) = change else {
+            continue;
+        };
+        let Ok(d) = catalog.describe(key) else {
+            continue;
+        };
+        events.push(KvEvent::Stored(BlockStored {
+            block_hashes: d
+                .block_hashes
+                .iter()
+                .map(|h| BlockHash::Bytes(h.to_vec()))
+                .collect(),
+            parent_block_hash: d.parent.as_deref().map(|p| BlockHash::Bytes(p.to_vec())),
+            token_ids: d.token_ids.clone(),
+            block_size: d.block_size,
+            lora_id: d.lora_id,
+            lora_name: d.lora_name.clone(),
+            medium: Some(kvpeer_pool::keys::CPU_MEDIUM.into()),
+            group_idx: key.group_idx(),
+            ..BlockStored::default()
+        }));
+    }
+    if events.is_empty() {
+        return;
+    }
+    let kept = kvpeer_proto::events::encode_batch(ts, &events, None)
+        .map_err(|e| e.to_string())
+        .and_then(|payload| file.append(&payload).map_err(|e| e.to_string()))
+        .and_then(|()| file.flush().map_err(|e| e.to_string()));
+    if let Err(e) = kept {
+        if let Some(suppressed) = crate::admit_warning("cannot keep the pool's chunk descriptions")
+        {
+            warn!(error = %e, suppressed, "cannot keep the pool's chunk descriptions; a restart announces those chunks undescribed");
+        }
     }
 }
 
@@ -456,6 +540,8 @@ struct PoolThread {
     stop: Arc<AtomicBool>,
     published: u64,
     publish_dropped: u64,
+    /// With a disk tier: the descriptions of the chunks published, kept beside it.
+    catalog_file: Option<catalog_file::CatalogFile>,
 }
 
 impl PoolThread {
@@ -580,6 +666,9 @@ impl PoolThread {
                 publisher.set_group_kinds(self.holdings.group_kinds());
                 let before = publisher.stats();
                 let result = publisher.publish(ts, &changes, self.holdings.catalog_mut());
+                if let Some(file) = &mut self.catalog_file {
+                    keep_descriptions(file, ts, &changes, self.holdings.catalog_mut());
+                }
                 let follows_engines = !self.engines.is_empty();
                 log_undescribed(
                     before,
