@@ -86,6 +86,7 @@ fn store(o: &Opts, block_len: u64, blocks: u64) -> BlockStore {
             promote: Promote::Hot,
             engine: o.engine,
             tenant_names: Vec::new(),
+            default_tenant: String::new(),
         },
         Arc::new(|| {}),
     )

@@ -301,6 +301,7 @@ fn node_on_disk(tag: &str, dir: &std::path::Path) -> Arc<Node> {
         promote: kvpeer_store::disk::Promote::Hot,
         engine: kvpeer_store::disk::DiskEngine::Auto,
         tenant_names: Vec::new(),
+        default_tenant: String::new(),
     });
     Arc::new(Node::start(config).unwrap())
 }

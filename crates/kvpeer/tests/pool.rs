@@ -616,6 +616,7 @@ fn node_on_disk(tag: &str, blocks: u64, dir: &std::path::Path, disk_blocks: u64)
         promote: kvpeer_store::disk::Promote::Hot,
         engine: kvpeer_store::disk::DiskEngine::Auto,
         tenant_names: Vec::new(),
+        default_tenant: String::new(),
     });
     Node::start(config).unwrap()
 }

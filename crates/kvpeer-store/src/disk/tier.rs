@@ -106,9 +106,13 @@ pub struct DiskConfig {
     pub promote: Promote,
     /// The I/O engine.
     pub engine: DiskEngine,
-    /// The tenants' names by number: tenant `i + 1` is `tenant_names[i]` (the default tenant,
-    /// 0, is `""`). Slots name their tenant by name; a restart finds each block's tenant by it.
+    /// The tenants' names by number: tenant `i + 1` is `tenant_names[i]`. Slots name their
+    /// tenant by name; a restart finds each block's tenant by it.
     pub tenant_names: Vec<String>,
+    /// The name of the default tenant's blocks: `""`, or, on a node with a tenant of its own
+    /// (all its blocks that tenant's), that tenant's name, so that the same directory under
+    /// another tenant never serves them.
+    pub default_tenant: String,
 }
 
 /// Why the tier could not be opened.
@@ -240,6 +244,8 @@ pub struct DiskTier {
     path: PathBuf,
     /// Tenant `i + 1`'s name ([`DiskConfig::tenant_names`]).
     tenant_names: Vec<String>,
+    /// The default tenant's name ([`DiskConfig::default_tenant`]).
+    default_tenant: String,
     layout: Layout,
     promote: Promote,
     io: DiskIo,
@@ -307,6 +313,20 @@ impl DiskTier {
             .map_err(io_err(&path, "reading its slots' headers"))?,
             None => Vec::new(),
         };
+        if let Some(old) = old.filter(|o| o.slots > layout.slots) {
+            warn!(path = %path.display(), slots_dropped = old.slots - layout.slots,
+                "disk_capacity is smaller than the file: the blocks in the slots beyond it are dropped");
+        }
+        let old_len = lock
+            .metadata()
+            .map_err(io_err(&path, "reading its size"))?
+            .len();
+        // The header first: a crash from here on leaves a file a tier reads (slots past its
+        // end read as none), never one a start refuses.
+        lock.write_all_at(&format::encode_file_header(&layout), 0)
+            .map_err(io_err(&path, "writing its header"))?;
+        lock.sync_data()
+            .map_err(io_err(&path, "syncing its header"))?;
         lock.set_len(layout.file_len())
             .map_err(io_err(&path, "sizing"))?;
         // The whole capacity allocated now: a disk too small says so at start, and direct
@@ -320,20 +340,28 @@ impl DiskTier {
         ) {
             Ok(()) => {}
             Err(nix::errno::Errno::ENOSPC) => {
+                // Given back as it was: the file system is not left full, and the next start
+                // (with a capacity that fits) finds what the file held.
+                match old {
+                    Some(old) => {
+                        let _ = lock.set_len(old_len.min(old.file_len()));
+                        let _ = lock.write_all_at(&format::encode_file_header(&old), 0);
+                        let _ = lock.sync_data();
+                    }
+                    None => {
+                        let _ = std::fs::remove_file(&path);
+                    }
+                }
                 return Err(DiskError::Io {
                     path,
                     what: "reserving its capacity (the disk has less room than disk_capacity)",
                     source: std::io::Error::from_raw_os_error(nix::errno::Errno::ENOSPC as i32),
-                })
+                });
             }
             Err(e) => {
                 info!(path = %path.display(), error = %e, "could not allocate the disk tier's file ahead; blocks are allocated as they are written");
             }
         }
-        lock.write_all_at(&format::encode_file_header(&layout), 0)
-            .map_err(io_err(&path, "writing its header"))?;
-        lock.sync_data()
-            .map_err(io_err(&path, "syncing its header"))?;
         let (file, direct) = match OpenOptions::new()
             .read(true)
             .write(true)
@@ -367,6 +395,7 @@ impl DiskTier {
         let mut tier = DiskTier {
             path,
             tenant_names: config.tenant_names.clone(),
+            default_tenant: config.default_tenant.clone(),
             layout,
             promote: config.promote,
             io,
@@ -419,6 +448,11 @@ impl DiskTier {
             what: "reading its header",
             source,
         })?;
+        if page[..n].iter().all(|b| *b == 0) {
+            // Its name, and nothing written: a tier whose creation was cut short before its
+            // header (a version of kvpeer that sized the file first). Nothing to find in it.
+            return Ok(None);
+        }
         format::decode_file_header(&page[..n])
             .map(Some)
             .map_err(|why| DiskError::NotATier {
@@ -430,7 +464,7 @@ impl DiskTier {
     /// The name a slot gives tenant `t` (`None`: a number no rule gives, or nobody).
     fn name_of(&self, t: Tenant) -> Option<&str> {
         match usize::from(t.0) {
-            0 => Some(""),
+            0 => Some(self.default_tenant.as_str()),
             _ if t == Tenant::NOBODY => None,
             n => self.tenant_names.get(n - 1).map(String::as_str),
         }
@@ -438,8 +472,12 @@ impl DiskTier {
 
     /// The tenant named `name` by this run's rules.
     fn number_of(&self, name: &str) -> Option<Tenant> {
-        if name.is_empty() {
+        if name == self.default_tenant {
             return Some(Tenant::DEFAULT);
+        }
+        if name.is_empty() {
+            // Blocks of a node without tenants, found by a node with one: not its tenant's.
+            return None;
         }
         let i = self.tenant_names.iter().position(|n| n == name)?;
         u16::try_from(i + 1).ok().map(Tenant)

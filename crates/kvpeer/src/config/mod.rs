@@ -666,6 +666,7 @@ fn disk(s: &Values<'_>) -> Result<Option<kvpeer_store::disk::DiskConfig>, Config
         engine: s.parsed(&KEY.disk_io)?,
         // Filled where the node is built, from the `tenants` rules.
         tenant_names: Vec::new(),
+        default_tenant: String::new(),
     }))
 }
 

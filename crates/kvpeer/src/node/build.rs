@@ -230,6 +230,10 @@ pub fn build(spec: &NodeSpec) -> Result<NodeIo, BuildError> {
                 // Blocks on disk name their tenant by name: this run's numbering maps them.
                 let disk = kvpeer_store::disk::DiskConfig {
                     tenant_names: spec.tenants.names().to_vec(),
+                    default_tenant: spec
+                        .tenants
+                        .own()
+                        .map_or_else(String::new, |t| spec.tenants.name(t).to_owned()),
                     ..disk.clone()
                 };
                 store.attach_disk(&disk, wake)?;
