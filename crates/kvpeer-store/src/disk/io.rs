@@ -32,7 +32,7 @@ use tracing::warn;
 use super::format::{self, Layout, SlotHeader, PAGE};
 use crate::pool::PoolWriter;
 
-/// Called by an I/O thread after it sends a [`Done`]: wakes the node's thread.
+/// Called by an I/O thread after it finished an operation: wakes the node's thread.
 pub type DiskWake = Arc<dyn Fn() + Send + Sync>;
 
 /// The holder the disk tier's reads claim their blocks as.

@@ -1,7 +1,7 @@
 //! The disk tier under a store's memory: blocks in a file on a local disk as well as in the
 //! pool, so a node holds more than its memory and keeps what it held across a restart.
 //!
-//! * [`format`]: the file's bytes (a header page per slot: key, tenant, generation, CRC-32C of
+//! * [`mod@format`]: the file's bytes (a header page per slot: key, tenant, generation, CRC-32C of
 //!   the block), pure;
 //! * `uring.rs`: the I/O as an io_uring (one thread, a ring of `disk_threads × 8` entries),
 //!   where the kernel has it;
