@@ -387,7 +387,7 @@ impl BlockStore {
                 }
                 Finished::Read { block, ok, lost } => {
                     if let Some(d) = &self.disk {
-                        d.writer.revoke(&disk::disk_holder(), &[block]);
+                        d.writer.revoke(disk::disk_holder(), &[block]);
                     }
                     self.promoted(block, ok);
                     if let Some((tenant, key)) = lost {
@@ -517,9 +517,9 @@ impl BlockStore {
         let Some(d) = &mut self.disk else {
             return LookupResult::Miss;
         };
-        d.writer.grant(&disk::disk_holder(), &[block]);
+        d.writer.grant(disk::disk_holder(), &[block]);
         if !d.tier.promote(tenant, key, block) {
-            d.writer.revoke(&disk::disk_holder(), &[block]);
+            d.writer.revoke(disk::disk_holder(), &[block]);
             self.promoted(block, false);
             return LookupResult::Miss;
         }

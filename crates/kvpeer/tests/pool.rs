@@ -221,6 +221,25 @@ fn tokens_of(c: u64) -> Vec<u32> {
     (0..32).map(|t| (c * 100 + t) as u32).collect()
 }
 
+/// An engine's stream says a 4-chunk prompt on its GPU pool (blocks of 16 tokens, tokens and
+/// parents), then offloads chunks 0..5 to its CPU tier (vLLM's placeholder events): chunk 4's
+/// blocks were never announced.
+fn announce_prompt(stream: &Stream) {
+    let blocks: Vec<Vec<u8>> = (0..4)
+        .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
+        .collect();
+    stream.say(Say::Events(vec![KvEvent::Stored(BlockStored {
+        block_hashes: blocks.iter().cloned().map(BlockHash::Bytes).collect(),
+        token_ids: (0..4).flat_map(tokens_of).collect(),
+        block_size: 16,
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+        kv_cache_spec_kind: Some("full_attention".into()),
+        ..BlockStored::default()
+    })]));
+    stream.say(Say::Stored(keys(0..5)));
+}
+
 /// What routers need from a pool's events: an engine announces a 4-chunk prompt on its GPU
 /// pool (blocks of 16 tokens, tokens and parents) and offloads each chunk of 2 blocks to its
 /// CPU tier (vLLM's placeholder events); the pool pulls them and publishes each chunk with
@@ -233,19 +252,7 @@ fn a_pool_describes_the_chunks_it_took_in_with_the_engines_tokens_and_parents() 
     for (form, ownership) in [(HashForm::Bytes, None), (HashForm::Int, Some("kvpeer"))] {
         let engine = engine("pool-e7", 5);
         let stream = Stream::start();
-        let blocks: Vec<Vec<u8>> = (0..4)
-            .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
-            .collect();
-        stream.say(Say::Events(vec![KvEvent::Stored(BlockStored {
-            block_hashes: blocks.iter().cloned().map(BlockHash::Bytes).collect(),
-            token_ids: (0..4).flat_map(tokens_of).collect(),
-            block_size: 16,
-            medium: Some("GPU".into()),
-            group_idx: Some(0),
-            kv_cache_spec_kind: Some("full_attention".into()),
-            ..BlockStored::default()
-        })]));
-        stream.say(Say::Stored(keys(0..5)));
+        announce_prompt(&stream);
         let pool_node = Arc::new(node("pool-p7", 64));
         let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -702,19 +709,7 @@ fn a_pool_restarted_on_its_disk_describes_its_chunks_as_before() {
     let _ = std::fs::remove_dir_all(&dir);
     let engine = engine("pool-dd-e", 5);
     let stream = Stream::start();
-    let blocks: Vec<Vec<u8>> = (0..4)
-        .flat_map(|c| [block_hash(c, false), block_hash(c, true)])
-        .collect();
-    stream.say(Say::Events(vec![KvEvent::Stored(BlockStored {
-        block_hashes: blocks.iter().cloned().map(BlockHash::Bytes).collect(),
-        token_ids: (0..4).flat_map(tokens_of).collect(),
-        block_size: 16,
-        medium: Some("GPU".into()),
-        group_idx: Some(0),
-        kv_cache_spec_kind: Some("full_attention".into()),
-        ..BlockStored::default()
-    })]));
-    stream.say(Say::Stored(keys(0..5)));
+    announce_prompt(&stream);
     let publish = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let publish_replay = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let publishing = PoolConfig {

@@ -36,8 +36,10 @@ use crate::pool::PoolWriter;
 pub type DiskWake = Arc<dyn Fn() + Send + Sync>;
 
 /// The holder the disk tier's reads claim their blocks as.
-pub fn disk_holder() -> PeerId {
-    PeerId::new("kvpeer-disk-tier")
+pub fn disk_holder() -> &'static PeerId {
+    static HOLDER: std::sync::LazyLock<PeerId> =
+        std::sync::LazyLock::new(|| PeerId::new("kvpeer-disk-tier"));
+    &HOLDER
 }
 
 /// One operation for an I/O thread.
@@ -119,15 +121,41 @@ impl std::fmt::Debug for DiskIo {
     }
 }
 
+/// What both engines (these threads and the ring, `uring.rs`) work on, and where their
+/// operations end.
+#[derive(Clone)]
+pub(crate) struct Target {
+    pub file: Arc<File>,
+    /// The file was opened with `O_DIRECT`.
+    pub direct: bool,
+    pub layout: Layout,
+    pub pool: PoolWriter,
+    pub done: Sender<Done>,
+    pub wake: DiskWake,
+}
+
+impl Target {
+    /// Whether `len` bytes at `ptr` can go to or from the file as they are (direct I/O needs
+    /// page-aligned addresses and lengths; buffered I/O takes anything).
+    pub(crate) fn aligned(&self, ptr: *const u8, len: usize) -> bool {
+        !self.direct
+            || ((ptr as usize).is_multiple_of(PAGE as usize) && (len as u64).is_multiple_of(PAGE))
+    }
+
+    /// Hands `done` to the node's thread and wakes it; `false` if the tier is gone.
+    pub(crate) fn answer(&self, done: Done) -> bool {
+        let sent = self.done.send(done).is_ok();
+        if sent {
+            (self.wake)();
+        }
+        sent
+    }
+}
+
 /// What each thread needs.
 struct Worker {
-    file: Arc<File>,
-    direct: bool,
-    layout: Layout,
-    pool: PoolWriter,
+    target: Target,
     ops: Arc<Mutex<Receiver<Op>>>,
-    done: Sender<Done>,
-    wake: DiskWake,
     /// A slot's bytes, page-aligned (an anonymous mapping): the header page, and the block
     /// when it cannot go straight from or into the pool.
     buf: memmap2::MmapMut,
@@ -137,7 +165,6 @@ impl DiskIo {
     /// Starts the I/O over `file` (opened with `O_DIRECT` if `direct`): an io_uring of
     /// `threads × 8` entries unless `engine` says threads or the kernel refuses a ring, else
     /// `threads` I/O threads. Returns the engine that runs.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         file: Arc<File>,
         direct: bool,
@@ -149,72 +176,45 @@ impl DiskIo {
     ) -> std::io::Result<(Self, super::DiskEngine)> {
         let (submit, ops) = mpsc::channel();
         let (done_tx, done) = mpsc::channel();
-        if engine != super::DiskEngine::Threads {
-            match super::uring::Ring::new(
-                threads.max(1) * 8,
-                file.clone(),
-                direct,
-                layout,
-                pool.clone(),
-                ops,
-                done_tx,
-                wake.clone(),
-            ) {
-                Ok(ring) => {
-                    let handle = std::thread::Builder::new()
-                        .name("kvpeer-disk-ring".into())
-                        .spawn(move || ring.run())?;
-                    return Ok((
-                        DiskIo {
-                            submit: Some(submit),
-                            done,
-                            threads: vec![handle],
-                        },
-                        super::DiskEngine::Uring,
-                    ));
-                }
+        let target = Target {
+            file,
+            direct,
+            layout,
+            pool,
+            done: done_tx,
+            wake,
+        };
+        let threads = threads.max(1);
+        let ring = match engine {
+            super::DiskEngine::Threads => None,
+            _ => match super::uring::Ring::new(threads * 8, target.clone()) {
+                Ok(ring) => Some(ring),
                 Err(e) if engine == super::DiskEngine::Uring => return Err(e),
                 Err(e) => {
                     tracing::info!(error = %e, "no io_uring here; the disk tier uses I/O threads");
-                    return Self::start(
-                        file,
-                        direct,
-                        layout,
-                        pool,
-                        threads,
-                        wake,
-                        super::DiskEngine::Threads,
-                    );
+                    None
                 }
-            }
-        }
-        let ops = Arc::new(Mutex::new(ops));
-        let mut handles = Vec::new();
-        for n in 0..threads.max(1) {
-            let len = usize::try_from(layout.stride()).map_err(std::io::Error::other)?;
-            let worker = Worker {
-                file: file.clone(),
-                direct,
-                layout,
-                pool: pool.clone(),
-                ops: ops.clone(),
-                done: done_tx.clone(),
-                wake: wake.clone(),
-                buf: memmap2::MmapMut::map_anon(len)?,
-            };
-            handles.push(
-                std::thread::Builder::new()
-                    .name(format!("kvpeer-disk-{n}"))
-                    .spawn(move || worker.run())?,
-            );
-        }
+            },
+        };
+        let (handles, engine) = match ring {
+            Some(ring) => (
+                vec![std::thread::Builder::new()
+                    .name("kvpeer-disk-ring".into())
+                    .spawn(move || ring.run(ops))?],
+                super::DiskEngine::Uring,
+            ),
+            None => (
+                Worker::spawn(&target, ops, threads)?,
+                super::DiskEngine::Threads,
+            ),
+        };
         Ok((
             DiskIo {
                 submit: Some(submit),
                 done,
                 threads: handles,
             },
-            super::DiskEngine::Threads,
+            engine,
         ))
     }
 
@@ -241,6 +241,28 @@ impl Drop for DiskIo {
 }
 
 impl Worker {
+    /// `threads` workers taking `ops` in turn.
+    fn spawn(
+        target: &Target,
+        ops: Receiver<Op>,
+        threads: usize,
+    ) -> std::io::Result<Vec<JoinHandle<()>>> {
+        let ops = Arc::new(Mutex::new(ops));
+        let len = usize::try_from(target.layout.stride()).map_err(std::io::Error::other)?;
+        (0..threads)
+            .map(|n| {
+                let worker = Worker {
+                    target: target.clone(),
+                    ops: ops.clone(),
+                    buf: memmap2::MmapMut::map_anon(len)?,
+                };
+                std::thread::Builder::new()
+                    .name(format!("kvpeer-disk-{n}"))
+                    .spawn(move || worker.run())
+            })
+            .collect()
+    }
+
     fn run(mut self) {
         loop {
             let op = {
@@ -257,7 +279,7 @@ impl Worker {
                 } => Done {
                     tag,
                     result: self.write(slot, header, block),
-                    bytes: self.layout.stride(),
+                    bytes: self.target.layout.stride(),
                 },
                 Op::Clear { tag, slot } => Done {
                     tag,
@@ -272,13 +294,12 @@ impl Worker {
                 } => Done {
                     tag,
                     result: self.read(slot, &expect, block),
-                    bytes: self.layout.stride(),
+                    bytes: self.target.layout.stride(),
                 },
             };
-            if self.done.send(done).is_err() {
+            if !self.target.answer(done) {
                 return;
             }
-            (self.wake)();
         }
     }
 
@@ -290,23 +311,16 @@ impl Worker {
         }
     }
 
-    /// Whether `bytes` can go to or from the file as they are (direct I/O needs page-aligned
-    /// addresses and lengths; buffered I/O takes anything).
-    fn aligned(&self, ptr: *const u8, len: usize) -> bool {
-        !self.direct
-            || ((ptr as usize).is_multiple_of(PAGE as usize) && (len as u64).is_multiple_of(PAGE))
-    }
-
     fn write(
         &mut self,
         slot: u64,
         mut header: SlotHeader,
         block: BlockIndex,
     ) -> Result<(), DiskFault> {
-        let view = self.pool.view();
+        let view = self.target.pool.view();
         let data = view.block(block).ok_or(DiskFault::Pool(block))?;
         header.data_crc = crc32c::crc32c(data);
-        let offset = self.layout.slot_offset(slot);
+        let offset = self.target.layout.slot_offset(slot);
         let page = PAGE as usize;
         format::encode_slot_header(&header, &mut self.buf[..page]).map_err(|e| {
             DiskFault::Header {
@@ -314,14 +328,16 @@ impl Worker {
                 why: e.to_string(),
             }
         })?;
-        let padded = self.layout.padded_block() as usize;
-        let written = if data.len() == padded && self.aligned(data.as_ptr(), data.len()) {
+        let padded = self.target.layout.padded_block() as usize;
+        let written = if data.len() == padded && self.target.aligned(data.as_ptr(), data.len()) {
             let iov = [IoSlice::new(&self.buf[..page]), IoSlice::new(data)];
-            pwritev_all(&self.file, &iov, offset)
+            pwritev_all(&self.target.file, &iov, offset)
         } else {
             self.buf[page..page + data.len()].copy_from_slice(data);
             self.buf[page + data.len()..page + padded].fill(0);
-            self.file.write_all_at(&self.buf[..page + padded], offset)
+            self.target
+                .file
+                .write_all_at(&self.buf[..page + padded], offset)
         };
         written.map_err(|e| Self::io_fault("write", slot, e))
     }
@@ -329,29 +345,32 @@ impl Worker {
     fn clear(&mut self, slot: u64) -> Result<(), DiskFault> {
         let page = PAGE as usize;
         self.buf[..page].fill(0);
-        self.file
-            .write_all_at(&self.buf[..page], self.layout.slot_offset(slot))
+        self.target
+            .file
+            .write_all_at(&self.buf[..page], self.target.layout.slot_offset(slot))
             .map_err(|e| Self::io_fault("clear", slot, e))
     }
 
     fn read(&mut self, slot: u64, expect: &SlotHeader, block: BlockIndex) -> Result<(), DiskFault> {
         let mut claim = self
+            .target
             .pool
-            .claim(&disk_holder(), &[block])
+            .claim(disk_holder(), &[block])
             .map_err(|_| DiskFault::Pool(block))?;
         let Some(dest) = claim.block_mut(0) else {
             return Err(DiskFault::Pool(block));
         };
-        let offset = self.layout.slot_offset(slot);
+        let offset = self.target.layout.slot_offset(slot);
         let page = PAGE as usize;
-        let padded = self.layout.padded_block() as usize;
-        let direct_ok = dest.len() == padded && self.aligned(dest.as_ptr(), dest.len());
+        let padded = self.target.layout.padded_block() as usize;
+        let direct_ok = dest.len() == padded && self.target.aligned(dest.as_ptr(), dest.len());
         let read = if direct_ok {
             let (head, _) = self.buf.split_at_mut(page);
             let mut iov = [IoSliceMut::new(head), IoSliceMut::new(dest)];
-            preadv_all(&self.file, &mut iov, offset)
+            preadv_all(&self.target.file, &mut iov, offset)
         } else {
-            self.file
+            self.target
+                .file
                 .read_exact_at(&mut self.buf[..page + padded], offset)
         };
         read.map_err(|e| Self::io_fault("read", slot, e))?;

@@ -14,17 +14,15 @@
 //! ring error, leaks them); a write's block is pinned by the store until its `Done`; a read's
 //! block is held by its [`WriteClaim`], kept with the entry until completion.
 
-use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::mpsc::{Receiver, Sender, TryRecvError};
-use std::sync::Arc;
+use std::sync::mpsc::{Receiver, TryRecvError};
 
 use io_uring::{opcode, types, IoUring};
 use tracing::{error, warn};
 
-use super::format::{self, Layout, SlotHeader, PAGE};
-use super::io::{check_read, disk_holder, DiskFault, DiskWake, Done, Op};
-use crate::pool::{PoolWriter, WriteClaim};
+use super::format::{self, SlotHeader, PAGE};
+use super::io::{check_read, disk_holder, DiskFault, Done, Op, Target};
+use crate::pool::WriteClaim;
 
 /// One entry in flight.
 struct Entry {
@@ -52,13 +50,7 @@ enum Kind {
 /// The ring's thread.
 pub(crate) struct Ring {
     ring: IoUring,
-    file: Arc<File>,
-    direct: bool,
-    layout: Layout,
-    pool: PoolWriter,
-    ops: Receiver<Op>,
-    done: Sender<Done>,
-    wake: DiskWake,
+    target: Target,
     /// `depth` buffers of a slot each (header page and block), page-aligned; pages fault in
     /// only when a buffer is used.
     bufs: memmap2::MmapMut,
@@ -74,32 +66,16 @@ unsafe impl Send for Ring {}
 
 impl Ring {
     /// A ring of `depth` entries, or the kernel's refusal (no io_uring, or not allowed here).
-    #[allow(clippy::too_many_arguments)] // the parts the ring's thread owns, each used once
-    pub(crate) fn new(
-        depth: usize,
-        file: Arc<File>,
-        direct: bool,
-        layout: Layout,
-        pool: PoolWriter,
-        ops: Receiver<Op>,
-        done: Sender<Done>,
-        wake: DiskWake,
-    ) -> std::io::Result<Ring> {
+    pub(crate) fn new(depth: usize, target: Target) -> std::io::Result<Ring> {
         let depth = depth.clamp(1, 4096);
         let ring = IoUring::new(depth as u32)?;
-        let stride = usize::try_from(layout.stride()).map_err(std::io::Error::other)?;
+        let stride = usize::try_from(target.layout.stride()).map_err(std::io::Error::other)?;
         let bufs = memmap2::MmapMut::map_anon(stride.checked_mul(depth).ok_or_else(|| {
             std::io::Error::other("the ring's buffers do not fit the address space")
         })?)?;
         Ok(Ring {
             ring,
-            file,
-            direct,
-            layout,
-            pool,
-            ops,
-            done,
-            wake,
+            target,
             bufs,
             stride,
             entries: (0..depth).map(|_| None).collect(),
@@ -107,14 +83,15 @@ impl Ring {
         })
     }
 
-    pub(crate) fn run(mut self) {
+    /// Takes `ops` until the tier closes the channel and nothing is in flight.
+    pub(crate) fn run(mut self, ops: Receiver<Op>) {
         let mut closed = false;
         loop {
             // Take what the channel holds (waiting only while nothing is in flight).
             while !closed && !self.free.is_empty() {
                 let waiting = self.entries.len() - self.free.len();
                 let op = if waiting == 0 {
-                    match self.ops.recv() {
+                    match ops.recv() {
                         Ok(op) => op,
                         Err(_) => {
                             closed = true;
@@ -122,7 +99,7 @@ impl Ring {
                         }
                     }
                 } else {
-                    match self.ops.try_recv() {
+                    match ops.try_recv() {
                         Ok(op) => op,
                         Err(TryRecvError::Empty) => break,
                         Err(TryRecvError::Disconnected) => {
@@ -159,7 +136,7 @@ impl Ring {
         let Some(i) = self.free.pop() else { return };
         let buf = self.bufs[i * self.stride..].as_mut_ptr();
         let page = PAGE as usize;
-        let padded = self.layout.padded_block() as usize;
+        let padded = self.target.layout.padded_block() as usize;
         let prepared = match op {
             Op::Write {
                 tag,
@@ -183,12 +160,12 @@ impl Ring {
                 slot,
                 expect,
                 block,
-            } => match self.pool.claim(&disk_holder(), &[block]) {
+            } => match self.target.pool.claim(disk_holder(), &[block]) {
                 Err(_) => Err((tag, DiskFault::Pool(block))),
                 Ok(mut claim) => match claim.block_mut(0).map(|d| (d.as_mut_ptr(), d.len())) {
                     None => Err((tag, DiskFault::Pool(block))),
                     Some((dest, len)) => {
-                        let direct = len == padded && self.aligned(dest, len);
+                        let direct = len == padded && self.target.aligned(dest, len);
                         let (iov, iov_len) = if direct {
                             ([iovec(buf, page), iovec(dest, len)], 2)
                         } else {
@@ -220,8 +197,8 @@ impl Ring {
         };
         self.entries[i] = Some(entry);
         let Some(e) = &self.entries[i] else { return };
-        let fd = types::Fd(self.file.as_raw_fd());
-        let offset = self.layout.slot_offset(e.slot);
+        let fd = types::Fd(self.target.file.as_raw_fd());
+        let offset = self.target.layout.slot_offset(e.slot);
         let sqe = match e.kind {
             Kind::Read { .. } => opcode::Readv::new(fd, e.iov.as_ptr(), e.iov_len)
                 .offset(offset)
@@ -263,8 +240,8 @@ impl Ring {
         block: kvpeer_core::BlockIndex,
     ) -> Result<Entry, (u64, DiskFault)> {
         let page = PAGE as usize;
-        let padded = self.layout.padded_block() as usize;
-        let view = self.pool.view();
+        let padded = self.target.layout.padded_block() as usize;
+        let view = self.target.pool.view();
         let data = view.block(block).ok_or((tag, DiskFault::Pool(block)))?;
         header.data_crc = crc32c::crc32c(data);
         let at = i * self.stride;
@@ -278,7 +255,7 @@ impl Ring {
             )
         })?;
         let buf = self.bufs[at..].as_mut_ptr();
-        if data.len() == padded && self.aligned(data.as_ptr(), data.len()) {
+        if data.len() == padded && self.target.aligned(data.as_ptr(), data.len()) {
             // The block is read by the kernel from the pool (pinned until the `Done`).
             Ok(Entry {
                 tag,
@@ -303,11 +280,6 @@ impl Ring {
                 total: page + padded,
             })
         }
-    }
-
-    fn aligned(&self, ptr: *const u8, len: usize) -> bool {
-        !self.direct
-            || ((ptr as usize).is_multiple_of(PAGE as usize) && (len as u64).is_multiple_of(PAGE))
     }
 
     /// Takes every completion the ring holds.
@@ -369,9 +341,7 @@ impl Ring {
     }
 
     fn answer(&self, tag: u64, result: Result<(), DiskFault>, bytes: u64) {
-        if self.done.send(Done { tag, result, bytes }).is_ok() {
-            (self.wake)();
-        }
+        self.target.answer(Done { tag, result, bytes });
     }
 
     /// The ring failed: the writes in flight are answered failed (their slots are then
@@ -384,7 +354,7 @@ impl Ring {
                 match entry.kind {
                     Kind::Read { claim, .. } => std::mem::forget(claim),
                     Kind::Write | Kind::Clear => {
-                        let _ = self.done.send(Done {
+                        let _ = self.target.done.send(Done {
                             tag: entry.tag,
                             result: Err(DiskFault::Io {
                                 op: "ring",
@@ -397,7 +367,7 @@ impl Ring {
                 }
             }
         }
-        (self.wake)();
+        (self.target.wake)();
         warn!("the disk tier's ring buffers are leaked until the process ends");
         std::mem::forget(self.bufs);
     }

@@ -13,7 +13,7 @@
 //! (a crash in the middle of an append), keeping everything before it.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// Bytes of one file before it is rotated.
@@ -36,8 +36,15 @@ impl CatalogFile {
     pub(crate) fn open(dir: &Path) -> std::io::Result<(CatalogFile, Vec<Vec<u8>>)> {
         let mut payloads = Vec::new();
         for name in [PREVIOUS, CURRENT] {
-            match std::fs::read(dir.join(name)) {
-                Ok(bytes) => payloads.extend(records(&bytes)),
+            match File::open(dir.join(name)) {
+                Ok(file) => {
+                    // At most what this module writes (a file rotates once past CAP): a file
+                    // grown by something else costs no more memory than ours would.
+                    let mut bytes = Vec::new();
+                    file.take(CAP + 8 + MAX_RECORD as u64)
+                        .read_to_end(&mut bytes)?;
+                    payloads.extend(records(&bytes));
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
             }
